@@ -1,0 +1,1 @@
+"""Glue between precision strategies and the HuggingFace stack (Trainer, Accelerate, TRL, PEFT)."""

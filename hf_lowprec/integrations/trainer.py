@@ -1,0 +1,221 @@
+"""`precision_strategy=` for `transformers.TrainingArguments` and `transformers.Trainer`.
+
+The glue is two mixins so that any Trainer subclass (TRL's SFTTrainer, …) gets the same
+behaviour in one line:
+
+    @dataclass
+    class MyConfig(PrecisionArgumentsMixin, trl.SFTConfig): ...
+    class MyTrainer(PrecisionTrainerMixin, trl.SFTTrainer): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch
+import transformers
+from transformers import TrainerCallback
+
+from ..registry import get_strategy
+from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+
+__all__ = [
+    "PrecisionArgumentsMixin",
+    "PrecisionTrainerMixin",
+    "PrecisionCallback",
+    "TrainingArguments",
+    "Trainer",
+]
+
+logger = logging.getLogger(__name__)
+
+# Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
+_ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
+
+
+@dataclasses.dataclass
+class PrecisionArgumentsMixin:
+    """Adds `precision_strategy` and `precision_options` to a TrainingArguments dataclass."""
+
+    precision_strategy: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "hf_lowprec precision strategy, e.g. 'bf16-pure', 'collage-plus', 'fp8-lm-o2'. "
+                          "The strategy owns mixed precision: leave --bf16/--fp16 unset."},
+    )
+    precision_options: dict | str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Options of the precision strategy, a dict or a JSON string, "
+                          "e.g. '{\"lost_arithmetic_metrics\": true}'."},
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.precision_options, str):
+            try:
+                self.precision_options = json.loads(self.precision_options) if self.precision_options else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"precision_options must be a JSON object, got {self.precision_options!r} ({err})"
+                ) from None
+        if self.precision_options is not None and not isinstance(self.precision_options, dict):
+            raise ValueError(f"precision_options must be a dict or JSON object, got {self.precision_options!r}")
+        if self.precision_strategy is not None:
+            strategy = self.build_precision_strategy()  # validates the name and options before any work
+            _reconcile_mixed_precision_flags(self, strategy)
+        elif self.precision_options:
+            raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
+        super().__post_init__()
+
+    def build_precision_strategy(self) -> PrecisionStrategy | None:
+        """A fresh strategy object for these arguments (None when no strategy is set)."""
+        if self.precision_strategy is None:
+            return None
+        return get_strategy(self.precision_strategy, **(self.precision_options or {}))
+
+
+def _reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
+    compute = strategy.compute_dtype
+    if args.fp16 and compute != torch.float16:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} computes in {compute} but fp16=True was also set; "
+            "the strategy owns mixed precision: remove fp16=True (--fp16)"
+        )
+    if args.bf16 and compute != torch.bfloat16:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} computes in {compute} but bf16=True was also set; "
+            "the strategy owns mixed precision: remove bf16=True (--bf16)"
+        )
+    if args.bf16 or args.fp16:
+        logger.info("precision_strategy %r owns mixed precision; ignoring bf16/fp16 flags", args.precision_strategy)
+        args.bf16 = False
+        args.fp16 = False
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in _ADAMW_OPTIMS:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} builds its own AdamW, but optim={optim!r} was set; "
+            "remove --optim (or use adamw_torch)"
+        )
+
+
+@dataclasses.dataclass
+class TrainingArguments(PrecisionArgumentsMixin, transformers.TrainingArguments):
+    """`transformers.TrainingArguments` plus `precision_strategy` and `precision_options`."""
+
+
+class PrecisionCallback(TrainerCallback):
+    """Puts the strategy's metrics into the Trainer logs and keeps the LR schedule aligned."""
+
+    def __init__(self, strategy: PrecisionStrategy) -> None:
+        self.strategy = strategy
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.strategy.options.lost_arithmetic_metrics and args.logging_steps:
+            steps = args.logging_steps
+            if steps < 1:  # a ratio of the total, as the Trainer reads it
+                steps = max(1, int(state.max_steps * steps))
+            self.strategy.measure_next_step = (state.global_step + 1) % int(steps) == 0
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # The Trainer only steps the LR scheduler when Accelerate reports no skip; Accelerate
+        # sets that flag only for its GradScaler, so pass our skip through the same flag.
+        inner = _find_strategy_optimizer(optimizer)
+        if inner is not None and hasattr(optimizer, "_is_overflow"):
+            optimizer._is_overflow = inner.step_was_skipped
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        metrics = self.strategy.metrics()
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+
+def _find_strategy_optimizer(optimizer: Any) -> StrategyOptimizer | None:
+    while optimizer is not None and not isinstance(optimizer, StrategyOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class PrecisionTrainerMixin:
+    """Applies `args.precision_strategy` to any `transformers.Trainer` subclass.
+
+    The model is prepared after the base `__init__` (so trainers that load a model from a
+    name, like TRL's, work too); the optimizer comes from the strategy; the forward pass runs
+    in the strategy's context; its metrics go to the logs; its state rides in the optimizer
+    checkpoint.
+    """
+
+    precision: PrecisionStrategy | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        build = getattr(self.args, "build_precision_strategy", None)
+        self.precision = build() if build is not None else None
+        if self.precision is None:
+            return
+        if self.optimizer is not None and not isinstance(self.optimizer, StrategyOptimizer):
+            raise ValueError(
+                f"precision_strategy={self.precision.name!r} builds the optimizer, but optimizers=(...) "
+                "passed another one; drop `optimizers=` or build it with strategy.create_optimizer(...)"
+            )
+        if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
+            raise ValueError(
+                f"precision_strategy={self.precision.name!r} builds the optimizer; "
+                "drop optimizer_cls_and_kwargs="
+            )
+        prepared = self.precision.prepare_model(self.model)
+        if prepared is not self.model:
+            if self.model_wrapped is self.model:
+                self.model_wrapped = prepared
+            self.model = prepared
+        self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision))
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.precision is None or self.optimizer is not None:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        self.optimizer = self.precision.create_optimizer(
+            groups,
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            weight_decay=self.args.weight_decay,
+        )
+        return self.optimizer
+
+    def compute_loss_context_manager(self):
+        stack = super().compute_loss_context_manager()
+        if self.precision is not None:
+            stack.enter_context(self.precision.forward_context())
+        return stack
+
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        if self.precision is None:
+            return result
+        loss = result[0] if isinstance(result, tuple) else result
+        overrides_scaling = type(self.precision).scale_loss is not PrecisionStrategy.scale_loss
+        if overrides_scaling and torch.is_tensor(loss) and loss.requires_grad:
+            # Scaling the gradient that leaves the loss equals scaling the loss, and the
+            # logged loss stays the true loss.
+            loss.register_hook(self.precision.scale_loss)
+        return result
+
+    def _clip_grad_norm(self, model):
+        if self.precision is not None:
+            self.precision.unscale_gradients(self.optimizer)
+        return super()._clip_grad_norm(model)
+
+
+class Trainer(PrecisionTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` that applies `args.precision_strategy` (see `TrainingArguments`)."""

@@ -1,0 +1,311 @@
+"""The precision-strategy interface: hooks that do nothing by default.
+
+A strategy is one small class that overrides only what it changes. The Trainer glue
+(`hf_lowprec.integrations.trainer`), the Accelerate plugin and custom loops all drive a
+strategy through the same hooks:
+
+    model = strategy.prepare_model(model)
+    optimizer = strategy.create_optimizer(param_groups, lr=..., betas=..., eps=..., weight_decay=...)
+    with strategy.forward_context():
+        loss = model(**batch).loss
+    strategy.scale_loss(loss).backward()
+    optimizer.step()          # runs strategy.process_gradients, then strategy.optimizer_step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..metrics import edq, imprecision_percentage
+
+__all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOptions:
+    """Options every strategy accepts.
+
+    Args:
+        lost_arithmetic_metrics: compute imprecision % and EDQ on measured steps (costly: a
+            copy of every parameter and its update in FP32 on those steps).
+    """
+
+    lost_arithmetic_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"option {field.name!r} must be true or false, got {value!r}")
+
+
+class PrecisionStrategy:
+    """Base class: every hook does nothing (FP32 semantics) until a subclass overrides it.
+
+    Class attributes a subclass sets:
+        Options: frozen dataclass of the strategy's options (subclass of StrategyOptions).
+        param_dtype: dtype of trainable parameters after `prepare_model`.
+        compute_dtype: dtype the forward pass computes in.
+        bytes_per_param: documented model-state bytes per parameter (params + grads +
+            optimizer states + extra components), checked by the contract test.
+        skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
+    """
+
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    param_dtype: ClassVar[torch.dtype] = torch.float32
+    compute_dtype: ClassVar[torch.dtype] = torch.float32
+    bytes_per_param: ClassVar[float] = 16.0
+    skips_nonfinite: ClassVar[bool] = True
+
+    def __init__(self, name: str | None = None, **options: Any) -> None:
+        self.name = name or type(self).__name__
+        valid = {f.name for f in dataclasses.fields(self.Options)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ValueError(
+                f"precision strategy {self.name!r} has no option(s) {unknown}; "
+                f"valid options: {sorted(valid) or 'none'}"
+            )
+        self.options = self.Options(**options)
+        self.skipped_steps = 0
+        self.measure_next_step = False
+        self._lost_arithmetic: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
+
+    # --- model -------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Convert the model (dtypes, module swaps). Returns the model to train."""
+        return model
+
+    # --- optimizer ---------------------------------------------------------------------
+    def build_optimizer(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> torch.optim.Optimizer:
+        """The inner optimizer for `param_groups` (override; the default is FP32-style AdamW)."""
+        from ..optim import PlainAdamW
+
+        return PlainAdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def create_optimizer(
+        self,
+        params_or_groups: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> StrategyOptimizer:
+        """Build this strategy's optimizer from parameters or parameter groups.
+
+        Group-level keys (e.g. a no-decay group's `weight_decay=0.0`) win over the arguments,
+        as in torch.optim. The result is a `torch.optim.Optimizer`, so LR schedulers work.
+        """
+        groups = _as_groups(params_or_groups)
+        if not groups or not any(g["params"] for g in groups):
+            raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        return StrategyOptimizer(inner, self)
+
+    # --- forward / backward ------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass (e.g. autocast)."""
+        return contextlib.nullcontext()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call backward on (loss scaling)."""
+        return loss
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo loss scaling on gradients.
+
+        Called before gradient clipping and again at the start of the step: a strategy that
+        scales must make the second call a no-op within one step.
+        """
+
+    # --- step --------------------------------------------------------------------------
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Work on gradients before the step; return False to skip this step."""
+        if not self.skips_nonfinite:
+            return True
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return grads_are_finite(grads)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
+        """The step itself."""
+        return optimizer.step(closure)
+
+    # --- state and metrics -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to continue bit-for-bit (counters, scales)."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics for the logs, under stable `precision/...` keys."""
+        return {"precision/skipped_steps": float(self.skipped_steps), **self._lost_arithmetic}
+
+    def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
+        per_group: dict[int, list] = {}
+        for r in records:
+            per_group.setdefault(r.group, []).append(r)
+        out: dict[str, float] = {}
+        for name, recs in [("", records)] + [(f"/group{g}", per_group[g]) for g in sorted(per_group)]:
+            if group_count == 1 and name:
+                continue
+            before = [r.before for r in recs]
+            after = [r.param.detach() for r in recs]
+            update = [r.update for r in recs]
+            out[f"precision/imprecision_pct{name}"] = imprecision_percentage(before, after, update)
+            quality, ratio = edq(before, after, update)
+            out[f"precision/edq{name}"] = quality
+            out[f"precision/edq_ratio{name}"] = ratio
+        self._lost_arithmetic = out
+
+
+def grads_are_finite(grads: list[torch.Tensor]) -> bool:
+    """True when no gradient holds inf or NaN (one host sync)."""
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads, float("inf"))
+    return bool(torch.stack([n.float() for n in norms]).isfinite().all())
+
+
+class StrategyOptimizer(torch.optim.Optimizer):
+    """The optimizer a strategy hands out: its inner optimizer plus the strategy's step logic.
+
+    It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's,
+    so LR schedulers, gradient clipping and Accelerate's wrapper see an ordinary optimizer.
+    `step()` skips updates the strategy refuses (non-finite gradients) and records that in
+    `step_was_skipped`. `state_dict()` is the inner state dict plus the strategy's state under
+    the key "hf_lowprec", so a Trainer checkpoint carries both.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: PrecisionStrategy) -> None:
+        # The base __init__ would re-register parameters; this wrapper only delegates.
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.step_was_skipped = False
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.strategy.unscale_gradients(self.optimizer)
+        if not self.strategy.process_gradients(self.optimizer):
+            self.strategy.skipped_steps += 1
+            self.step_was_skipped = True
+            self.strategy.measure_next_step = False
+            logger.warning("non-finite gradients: step skipped (%d so far)", self.strategy.skipped_steps)
+            return loss
+        self.step_was_skipped = False
+        measure = self.strategy.measure_next_step and self.strategy.options.lost_arithmetic_metrics
+        self.strategy.measure_next_step = False
+        if measure and hasattr(self.optimizer, "track_updates"):
+            self.optimizer.track_updates = True
+            try:
+                self.strategy.optimizer_step(self.optimizer)
+            finally:
+                self.optimizer.track_updates = False
+            self.strategy._measure_lost_arithmetic(self.optimizer.tracked, len(self.param_groups))
+            self.optimizer.tracked = []
+        else:
+            self.strategy.optimizer_step(self.optimizer)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.optimizer.state_dict())
+        state["hf_lowprec"] = {"strategy": self.strategy.name, **self.strategy.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("hf_lowprec", None)
+        if ours is not None:
+            saved = ours.get("strategy")
+            if saved is not None and saved != self.strategy.name:
+                raise ValueError(
+                    f"this optimizer state was saved by precision strategy {saved!r}, "
+                    f"not {self.strategy.name!r}; resume with --precision_strategy {saved}"
+                )
+            self.strategy.load_state_dict({k: v for k, v in ours.items() if k != "strategy"})
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"StrategyOptimizer({self.strategy.name!r}, {self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:
+    items = list(params_or_groups)
+    if not items:
+        return []
+    if isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": items}]

@@ -1,0 +1,57 @@
+"""The classic baselines (ALGORITHMS.md §6): FP32, BF16 mixed precision (option D), pure BF16 (option A)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..registry import register
+from .base import PrecisionStrategy
+
+__all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast"]
+
+
+def bf16_autocast() -> contextlib.ExitStack:
+    """BF16 autocast on CPU, and on CUDA too when present (each only affects its own device)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type="cpu", dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+    return stack
+
+
+@register("fp32")
+class FP32(PrecisionStrategy):
+    """Everything in FP32: parameters, gradients, AdamW states (16 bytes/param)."""
+
+
+@register("bf16-mixed")
+class BF16Mixed(PrecisionStrategy):
+    """Option D: BF16 autocast compute over FP32 parameters, FP32 gradients and AdamW states.
+
+    This is what `TrainingArguments(bf16=True)` does; the FP32 parameters are the master weights.
+    """
+
+    compute_dtype = torch.bfloat16
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return bf16_autocast()
+
+
+@register("bf16-pure")
+class BF16Pure(PrecisionStrategy):
+    """Option A: weights, gradients and both AdamW states in BF16, plain AdamW arithmetic (8 bytes/param)."""
+
+    param_dtype = torch.bfloat16
+    compute_dtype = torch.bfloat16
+    bytes_per_param = 8.0
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(torch.bfloat16)
+
+    def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
+        from ..optim import PlainAdamW
+
+        return PlainAdamW(param_groups, **hyper)

@@ -1,0 +1,19 @@
+"""Small shared builders for tests: a tiny GPT-2 and fixed random batches."""
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB = 256
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    # Dims are multiples of 16 so FP8 strategies can convert every block layer.
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]

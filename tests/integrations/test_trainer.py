@@ -1,0 +1,133 @@
+"""hf_lowprec.Trainer end to end: precision_strategy, logs, save and bit-for-bit resume, bad input."""
+
+import json
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.strategies.base import StrategyOptimizer
+from tests.helpers import batches, tiny_gpt2
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, n=48, seed=1):
+        self.ids = torch.cat(batches(n // 4, batch=4, seq=32, seed=seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_args(tmp_path, strategy, **kw):
+    base = dict(output_dir=str(tmp_path), precision_strategy=strategy, max_steps=6,
+                per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, save_steps=3,
+                save_strategy="steps", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def losses(trainer):
+    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["bf16-pure", "bf16-mixed"])
+def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
+    torch.manual_seed(0)
+    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=Blocks())
+    trainer.train()
+    full = losses(trainer)
+    assert len(full) == 6
+    assert isinstance(trainer.optimizer.optimizer, StrategyOptimizer)
+    logged = trainer.state.log_history[0]
+    assert "precision/skipped_steps" in logged
+
+    if strategy == "bf16-pure":
+        assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+
+    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, strategy), train_dataset=Blocks())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert losses(resumed) == full[3:]
+    for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_precision_strategy_parses_from_the_command_line(tmp_path):
+    parser = HfArgumentParser(TrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--precision_strategy", "bf16-pure", "--use_cpu",
+        "--precision_options", json.dumps({"lost_arithmetic_metrics": True}),
+    ])
+    assert args.precision_strategy == "bf16-pure"
+    assert args.precision_options == {"lost_arithmetic_metrics": True}
+    assert args.build_precision_strategy().options.lost_arithmetic_metrics is True
+
+
+def test_unknown_strategy_fails_at_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown precision strategy 'collage-pls'"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-pls", use_cpu=True)
+
+
+def test_bad_options_fail_at_arguments(tmp_path):
+    with pytest.raises(ValueError, match="no option"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", precision_options={"x": 1})
+    with pytest.raises(ValueError, match="JSON object"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", precision_options="{not json")
+    with pytest.raises(ValueError, match="without precision_strategy"):
+        TrainingArguments(output_dir=str(tmp_path), precision_options={"lost_arithmetic_metrics": True})
+
+
+def test_contradictory_flags(tmp_path):
+    with pytest.raises(ValueError, match="remove fp16=True"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", fp16=True, use_cpu=True)
+    with pytest.raises(ValueError, match="remove bf16=True"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", bf16=True, use_cpu=True)
+    with pytest.raises(ValueError, match="remove --optim"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", optim="sgd", use_cpu=True)
+    # bf16=True agrees with a BF16 strategy: the strategy takes over and the flag is cleared.
+    args = TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", bf16=True, use_cpu=True)
+    assert args.bf16 is False
+
+
+def test_foreign_optimizer_refused(tmp_path):
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="drop `optimizers=`"):
+        Trainer(model=model, args=make_args(tmp_path, "fp32"), train_dataset=Blocks(), optimizers=(opt, None))
+
+
+class NaNOnceTrainer(Trainer):
+    """Returns a NaN loss on the second optimizer step."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        if self.state.global_step == 1 and model.training:
+            loss = loss * float("nan")
+        return loss
+
+
+def test_nonfinite_step_is_skipped_and_logged(tmp_path):
+    args = make_args(tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear",
+                     warmup_steps=0)
+    trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
+    snapshots = []
+
+    class Snap(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+
+    trainer.add_callback(Snap())
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    # Step 2 (global_step 1 -> 2) was skipped: the weights after it equal the weights before it.
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2]))
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["precision/skipped_steps"] for h in logs] == [0.0, 1.0, 1.0]
+    # The LR schedule did not advance on the skipped step: 2 scheduler steps in 3 optimizer steps.
+    assert trainer.lr_scheduler.last_epoch == 2

@@ -1,0 +1,115 @@
+"""The contract every registered strategy keeps (STYLE.md, Tests)."""
+
+import io
+
+import pytest
+import torch
+
+import hf_lowprec
+from hf_lowprec.memory import model_state_bytes
+from hf_lowprec.registry import strategy_class
+from tests.helpers import batches, tiny_gpt2
+
+STRATEGIES = hf_lowprec.available_strategies()
+
+
+def train_steps(strategy, model, optimizer, data):
+    losses = []
+    for ids in data:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def setup(name, seed=0):
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2(seed))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return strategy, model, optimizer
+
+
+def test_baselines_are_registered():
+    assert {"fp32", "bf16-mixed", "bf16-pure"} <= set(STRATEGIES)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_param_dtype_and_state_dtypes(name):
+    strategy, model, optimizer = setup(name)
+    train_steps(strategy, model, optimizer, batches(1))
+    cls, _ = strategy_class(name)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {cls.param_dtype}, f"{name}: trainable params are {dtypes}, promised {cls.param_dtype}"
+    assert len(optimizer.state) > 0
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_state_dict_round_trip_continues_bit_for_bit(name):
+    data = batches(6)
+    strategy, model, optimizer = setup(name)
+    train_steps(strategy, model, optimizer, data[:3])
+
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    strategy2, model2, optimizer2 = setup(name, seed=123)  # a different init, overwritten by the load
+    model2.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["optimizer"])
+    for (p1, s1), (p2, s2) in zip(optimizer.state.items(), optimizer2.state.items()):
+        for key in s1:
+            if torch.is_tensor(s1[key]):
+                assert s2[key].dtype == s1[key].dtype, f"{name}: state {key!r} came back as {s2[key].dtype}"
+
+    losses1 = train_steps(strategy, model, optimizer, data[3:])
+    losses2 = train_steps(strategy2, model2, optimizer2, data[3:])
+    assert losses1 == losses2
+    for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: {n} differs after resume"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_loss_goes_down(name):
+    strategy, model, optimizer = setup(name)
+    for group in optimizer.param_groups:
+        group["lr"] = 3e-3
+    data = batches(1) * 30
+    losses = train_steps(strategy, model, optimizer, data)
+    # Memorising one batch of random tokens: from ln(256) ≈ 5.5 any working update drops it well below.
+    assert losses[-1] < losses[0] - 1.0, f"{name}: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_model_state_bytes_matches_documentation(name):
+    strategy, model, optimizer = setup(name)
+    ids = batches(1)[0]
+    with strategy.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss
+    strategy.scale_loss(loss).backward()
+    optimizer.step()
+    measured = model_state_bytes(model, optimizer)
+    documented = strategy_class(name)[0].bytes_per_param
+    assert measured["total"] == pytest.approx(documented, abs=0.1), measured
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_nonfinite_gradients_never_reach_the_weights(name):
+    strategy, model, optimizer = setup(name)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = batches(1)[0]
+    with strategy.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss * float("nan")
+    strategy.scale_loss(loss).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    assert optimizer.step_was_skipped
+    assert strategy.metrics()["precision/skipped_steps"] == 1.0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"{name}: {n} changed on a NaN step"
+    # The next finite step goes through.
+    train_steps(strategy, model, optimizer, batches(1))
+    assert not optimizer.step_was_skipped
