@@ -73,7 +73,7 @@ def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed:
         "eval_perplexity": math.exp(eval_loss),
         "median_step_ms": 1000 * statistics.median(timer.times[1:] or timer.times),
         "bytes_per_param": memory["total"],
-        "documented_bytes_per_param": strategy_class(strategy)[0].bytes_per_param,
+        "documented_bytes_per_param": trainer.precision.bytes_per_param,
         "skipped_steps": trainer.precision.skipped_steps,
     }
 

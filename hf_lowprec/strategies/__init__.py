@@ -1,6 +1,6 @@
 """Built-in precision strategies; importing this package registers them."""
 
-from . import baselines  # noqa: F401
+from . import baselines, collage  # noqa: F401
 from .base import PrecisionStrategy, StrategyOptimizer, StrategyOptions
 
 __all__ = ["PrecisionStrategy", "StrategyOptimizer", "StrategyOptions"]

@@ -36,7 +36,7 @@ def losses(trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["bf16-pure", "bf16-mixed"])
+@pytest.mark.parametrize("strategy", ["bf16-pure", "bf16-mixed", "collage-plus", "bf16-sr"])
 def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     torch.manual_seed(0)
     trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=Blocks())
@@ -52,7 +52,8 @@ def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
 
     resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, strategy), train_dataset=Blocks())
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
-    assert losses(resumed) == full[3:]
+    # The resumed state starts from the checkpoint's log history (steps 1-3).
+    assert losses(resumed) == full
     for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -131,3 +132,24 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
     assert [h["precision/skipped_steps"] for h in logs] == [0.0, 1.0, 1.0]
     # The LR schedule did not advance on the skipped step: 2 scheduler steps in 3 optimizer steps.
     assert trainer.lr_scheduler.last_epoch == 2
+
+
+@pytest.mark.slow
+def test_lost_arithmetic_metrics_are_logged_and_do_not_change_training(tmp_path):
+    runs = {}
+    for enabled in (False, True):
+        args = make_args(tmp_path / str(enabled), "collage-plus", max_steps=4, save_strategy="no",
+                         logging_steps=2, precision_options={"lost_arithmetic_metrics": enabled})
+        trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
+        trainer.train()
+        runs[enabled] = trainer
+    assert losses(runs[True]) == losses(runs[False])
+    for a, b in zip(runs[True].model.parameters(), runs[False].model.parameters()):
+        assert torch.equal(a, b)
+    logs = [h for h in runs[True].state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert 0.0 <= h["precision/imprecision_pct"] <= 100.0
+        assert 0.0 < h["precision/edq_ratio"] <= 1.0 + 1e-6
+        assert "precision/imprecision_pct/group0" in h and "precision/edq_ratio/group1" in h
+    assert "precision/imprecision_pct" not in runs[False].state.log_history[0]

@@ -7,7 +7,6 @@ import torch
 
 import hf_lowprec
 from hf_lowprec.memory import model_state_bytes
-from hf_lowprec.registry import strategy_class
 from tests.helpers import batches, tiny_gpt2
 
 STRATEGIES = hf_lowprec.available_strategies()
@@ -40,9 +39,8 @@ def test_baselines_are_registered():
 def test_param_dtype_and_state_dtypes(name):
     strategy, model, optimizer = setup(name)
     train_steps(strategy, model, optimizer, batches(1))
-    cls, _ = strategy_class(name)
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    assert dtypes == {cls.param_dtype}, f"{name}: trainable params are {dtypes}, promised {cls.param_dtype}"
+    assert dtypes == {strategy.param_dtype}, f"{name}: trainable params are {dtypes}, promised {strategy.param_dtype}"
     assert len(optimizer.state) > 0
 
 
@@ -92,7 +90,7 @@ def test_model_state_bytes_matches_documentation(name):
     strategy.scale_loss(loss).backward()
     optimizer.step()
     measured = model_state_bytes(model, optimizer)
-    documented = strategy_class(name)[0].bytes_per_param
+    documented = strategy.bytes_per_param
     assert measured["total"] == pytest.approx(documented, abs=0.1), measured
 
 

@@ -1,0 +1,50 @@
+"""PEFT (LoRA, …) under a precision strategy.
+
+The strategy converts the model as usual; what PEFT adds is a frozen base. A frozen weight
+never receives an update, so it needs no master copy and no optimizer state: it is kept in
+the strategy's compute dtype (e.g. BF16 under `bf16-mixed`, where the autocast would round it
+to BF16 at every matmul anyway). Trainable adapter weights keep the strategy's parameter
+dtype, and only they reach the strategy's optimizer (the integrations build it from
+`requires_grad` parameters).
+
+`peft` is never imported here: a model can only be a `PeftModel` if the caller imported it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ..strategies.base import PrecisionStrategy
+
+__all__ = ["is_peft_model", "prepare_model"]
+
+logger = logging.getLogger(__name__)
+
+# Dtypes a weight can be stored in and computed with directly; a strategy whose compute
+# dtype is something else (e.g. FP8 with scales) converts its layers in `prepare_model`.
+_STORAGE_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """True when `model` is a `peft.PeftModel` (without importing peft)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
+    """`strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype."""
+    model = strategy.prepare_model(model)
+    compute = strategy.compute_dtype
+    if not is_peft_model(model) or compute not in _STORAGE_COMPUTE_DTYPES:
+        return model
+    cast = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != compute:
+            param.data = param.data.to(compute)
+            cast += 1
+    if cast:
+        logger.info("%s: %d frozen PEFT base tensors stored in %s", strategy.name, cast, compute)
+    return model
