@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench fidelity clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
@@ -29,6 +29,11 @@ test: install
 
 bench: install
 	$(PYTHON) bench/bench_optim.py
+
+# Collage training-fidelity comparison (ALGORITHMS.md §2): beta2 = 0.999, cosine decay, thousands of steps.
+fidelity: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m hf_lowprec.demo --steps 2000 --lr 1e-3 --threads 1 \
+		--strategies bf16-pure,collage-light,collage-plus,bf16-fp32states,bf16-mixed,bf16-kahan,bf16-sr
 
 clean:
 	rm -rf $(BUILD)

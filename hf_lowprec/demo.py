@@ -81,9 +81,10 @@ def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--strategies", default=",".join(available_strategies()),
                         help="comma-separated strategy names (default: all registered)")
     ns = parser.parse_args(argv)
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in names:
         strategy_class(name)  # unknown names fail before any training
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     tokenizer = build_tokenizer()
     train_ds, eval_ds = clm_datasets(tokenizer, block_size=64)
     rows = []

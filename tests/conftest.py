@@ -7,3 +7,10 @@ os.environ.setdefault("HF_HOME", str(_BUILD / "hf_home"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_BUILD / "torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models gain nothing from intra-op threads, and OpenMP threads spinning against other
+# processes (the subprocess tests, a busy CI core) slow a step down by 10x or more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
