@@ -1,0 +1,233 @@
+"""Error-free transformations, multi-component floats and stochastic rounding.
+
+Pure tensor functions with no framework import, used by the low-precision optimizers
+(Collage §2.2, §4; ALGORITHMS.md §2 and §5).
+
+A length-2 *expansion* (hi, lo) stands for the exact sum hi + lo, both components stored in
+the same low-precision dtype (BF16 or FP16) with |lo| ≤ ulp(hi)/2.
+
+Correct rounding: PyTorch computes BF16/FP16 arithmetic in FP32 and rounds the result once
+more to the 16-bit format. For +, −, × of two p-bit numbers that double rounding is
+innocuous when the intermediate precision is at least 2p + 1 bits (24 ≥ 17 for BF16,
+24 ≥ 23 for FP16), so each operation below is the correctly rounded one that the
+error-free transformations assume. Conversions from FP64 are *not* correctly rounded by
+PyTorch (FP64 → FP32 → BF16 can round twice), which is why `expansion` rounds on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "LOW_PRECISION_DTYPES",
+    "expansion",
+    "fast_two_sum",
+    "foreach_fast_two_sum_",
+    "foreach_grow_",
+    "grow",
+    "mul_expansion",
+    "round_to_dtype",
+    "stochastic_round",
+    "two_prod",
+    "two_sum",
+]
+
+LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+Number = torch.Tensor | float
+
+
+def _low_dtype(*values: Number) -> torch.dtype:
+    for value in values:
+        if torch.is_tensor(value):
+            return value.dtype
+    raise TypeError("at least one argument must be a tensor, so that the result has a dtype")
+
+
+def fast_two_sum(a: Number, b: Number) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dekker's Fast2Sum: s = fl(a + b) and the exact rounding error e = a + b − s.
+
+    s = fl(a + b); e = fl(b − fl(s − a)). Exact when |a| ≥ |b| or a == 0 (Collage Thm 4.1);
+    then |e| ≤ ulp(s)/2. Three operations, no branch. Inputs are never modified.
+    """
+    s = a + b
+    e = b - (s - a)
+    return s, e
+
+
+def two_sum(a: Number, b: Number) -> tuple[torch.Tensor, torch.Tensor]:
+    """Knuth's TwoSum: s = fl(a + b) and e = a + b − s exactly, without any ordering condition.
+
+    s = a + b; bb = s − a; e = (a − (s − bb)) + (b − bb). Six operations.
+    """
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, e
+
+
+def grow(x: Number, y: Number, a: Number) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collage Algorithm 1: add the float a to the expansion (x, y).
+
+    (u, v) = Fast2Sum(x, a); (u, v) = Fast2Sum(u, y + v). With |a| ≤ |x| the only rounding
+    is that of t = y + v, so |(u + v) − (x + y + a)| ≤ 2^-p·|y + v| ≤ 2^-p·(|y| + ulp(u₁)/2),
+    where u₁ = fl(x + a) and p is the significand width (8 for BF16, 11 for FP16).
+    """
+    s, e = fast_two_sum(x, a)
+    return fast_two_sum(s, y + e)
+
+
+def two_prod(a: Number, b: Number) -> tuple[torch.Tensor, torch.Tensor]:
+    """TwoProd: p = fl(a·b) and the error e = fl(a·b − p) for BF16/FP16 operands.
+
+    The exact product of two p-bit significands has at most 2p ≤ 24 bits, so it is exact
+    in FP32; the error a·b − p is then exact in FP32 and is rounded once to the input dtype
+    (exact too unless it falls below the dtype's subnormal range). A Python scalar operand
+    must already be representable in the dtype (e.g. the `hi` of `expansion`).
+    """
+    dtype = _low_dtype(a, b)
+    a32 = a.float() if torch.is_tensor(a) else a
+    b32 = b.float() if torch.is_tensor(b) else b
+    exact = a32 * b32
+    p = exact.to(dtype)
+    e = (exact - p.float()).to(dtype)
+    return p, e
+
+
+def mul_expansion(
+    a_hi: Number, a_lo: Number, b_hi: Number, b_lo: Number
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Product of two expansions (a_hi, a_lo) × (b_hi, b_lo), as an expansion.
+
+    (p, e) = TwoProd(a_hi, b_hi); e += a_hi·b_lo + a_lo·b_hi; return Fast2Sum(p, e)
+    (ALGORITHMS.md §2, "Mul of expansions"). The a_lo·b_lo term is below the precision kept.
+    Each cross term is added with one rounding (its product is exact in FP32), the same
+    arithmetic as `torch.add(e, t, alpha=scalar)` in the vectorised optimizer step.
+    """
+    dtype = _low_dtype(a_hi, a_lo, b_hi, b_lo)
+    like = next(v for v in (a_hi, a_lo, b_hi, b_lo) if torch.is_tensor(v))
+
+    def as_tensor(value: Number) -> torch.Tensor:
+        return value if torch.is_tensor(value) else torch.tensor(value, dtype=dtype, device=like.device)
+
+    p, e = two_prod(a_hi, b_hi)
+    e = torch.addcmul(e, as_tensor(a_hi), as_tensor(b_lo))
+    e = torch.addcmul(e, as_tensor(a_lo), as_tensor(b_hi))
+    return fast_two_sum(p, e)
+
+
+def _significand_bits(dtype: torch.dtype) -> int:
+    return 1 - int(math.log2(torch.finfo(dtype).eps))
+
+
+def round_to_dtype(value: float, dtype: torch.dtype) -> float:
+    """Round a Python float to the nearest value of `dtype` (ties to even), exactly.
+
+    Unlike `torch.tensor(value, dtype=torch.float64).to(dtype)`, which goes through FP32 and
+    can round twice, this rounds the FP64 value once. Overflow follows round-to-nearest:
+    values at or beyond max + ulp(max)/2 become ±inf.
+    """
+    if value == 0.0 or not math.isfinite(value):
+        return value
+    finfo = torch.finfo(dtype)
+    bits = _significand_bits(dtype)
+    min_exponent = int(math.log2(finfo.smallest_normal))
+    _, exponent = math.frexp(value)  # value = m·2^exponent with 0.5 ≤ |m| < 1
+    quantum = math.ldexp(1.0, max(exponent - 1, min_exponent) - bits + 1)
+    # value / quantum only shifts the exponent (exact); Python's round() is ties-to-even.
+    rounded = round(value / quantum) * quantum
+    if abs(rounded) > finfo.max:
+        return math.copysign(math.inf, value)
+    return float(rounded)
+
+
+def expansion(value: float, dtype: torch.dtype) -> tuple[float, float]:
+    """Split a constant into a length-2 expansion (hi, lo) of `dtype`.
+
+    hi = round(value), lo = round(value − hi), the difference taken in FP64 against the
+    low-precision hi (ALGORITHMS.md §2). For BF16, 0.999 → (1.0, −0.00099945068359375):
+    the correction Collage needs so that β2·v decays at all.
+    """
+    hi = round_to_dtype(value, dtype)
+    lo = round_to_dtype(value - hi, dtype)
+    return hi, lo
+
+
+def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of `dtype` just below and just above each element of FP32 `x`."""
+    nearest = x.to(dtype)
+    nearest32 = nearest.float()
+    down = torch.nextafter(nearest, torch.full_like(nearest, -math.inf))
+    up = torch.nextafter(nearest, torch.full_like(nearest, math.inf))
+    below = torch.where(nearest32 > x, down, nearest)
+    above = torch.where(nearest32 < x, up, nearest)
+    return below.float(), above.float()
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round FP32 `x` to BF16 or FP16 up with probability (x − lo)/(hi − lo), else down.
+
+    lo and hi are the neighbouring values of `dtype` around x, so E[SR(x)] = x
+    (ALGORITHMS.md §5): repeated updates below ulp/2 are absorbed on average instead of
+    being lost. BF16 shares FP32's exponent, so adding 16 uniform random bits below the
+    BF16 significand and truncating is exactly that; FP16 uses the general two-neighbour
+    method. ±inf and NaN pass through unchanged; finite values beyond the dtype's largest
+    finite value are rounded to nearest (saturating to ±max or overflowing to ±inf exactly
+    as a plain cast would), since there is no upper neighbour to randomise towards.
+
+    Args:
+        x: tensor to round; converted to FP32 first.
+        dtype: `torch.bfloat16` or `torch.float16`.
+        generator: source of randomness, for reproducible runs.
+    """
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(f"stochastic_round rounds to torch.bfloat16 or torch.float16, got {dtype}")
+    x = x.float()
+    if dtype == torch.bfloat16:
+        noise = torch.randint(
+            0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator
+        )
+        # Truncating after the add rounds toward zero in magnitude; with the sign-magnitude
+        # layout that is the right direction for negative numbers too.
+        bits = (x.view(torch.int32) + noise).bitwise_and_(-65536)
+        rounded = bits.view(torch.float32).to(dtype)
+    else:
+        below, above = _neighbours(x, dtype)
+        gap = above - below
+        probability_up = torch.where(gap > 0, (x - below) / gap, torch.zeros_like(x))
+        uniform = torch.rand(x.shape, device=x.device, generator=generator)
+        rounded = torch.where(uniform < probability_up, above, below).to(dtype)
+    plain = ~torch.isfinite(x) | (x.abs() > torch.finfo(dtype).max)
+    return torch.where(plain, x.to(dtype), rounded)
+
+
+def foreach_fast_two_sum_(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """In place over lists: (a, b) ← Fast2Sum(a, b), the same arithmetic as `fast_two_sum`.
+
+    Uses fl(a − s) = −fl(s − a) (round-to-nearest is symmetric) so the rounding error can be
+    built in the buffers already held: one temporary, four passes.
+    """
+    s = torch._foreach_add(a, b)
+    torch._foreach_sub_(a, s)  # a ← −fl(s − a)
+    torch._foreach_add_(b, a)  # b ← fl(b − fl(s − a)) = e
+    torch._foreach_copy_(a, s)
+
+
+def foreach_grow_(x: list[torch.Tensor], y: list[torch.Tensor], a: list[torch.Tensor]) -> None:
+    """In place over lists: (x, y) ← Grow((x, y), a), bit-identical to `grow`.
+
+    `a` is used as scratch and holds garbage afterwards; pass a copy if it is still needed.
+    Seven arithmetic passes plus one copy, one temporary list (Collage Algorithm 1).
+    """
+    s = torch._foreach_add(x, a)  # s = fl(x + a)
+    torch._foreach_sub_(x, s)  # x ← −fl(s − x)
+    torch._foreach_add_(a, x)  # a ← e = fl(a − fl(s − x)), first rounding error
+    torch._foreach_add_(y, a)  # y ← t = fl(y + e)
+    torch._foreach_copy_(x, s)
+    torch._foreach_add_(x, y)  # x ← u = fl(s + t)
+    torch._foreach_sub_(s, x)  # s ← −fl(u − s)
+    torch._foreach_add_(y, s)  # y ← v = fl(t − fl(u − s))

@@ -1,0 +1,19 @@
+"""Optimizers for low-precision parameters and states."""
+
+from .base import LowPrecisionOptimizer, TrackedUpdate
+from .bf16 import FP32StatesAdamW, KahanAdamW, PlainAdamW, StochasticRoundingAdamW
+from .collage import CollageAdamW
+
+__all__ = [
+    "CollageAdamW",
+    "FP32StatesAdamW",
+    "KahanAdamW",
+    "LowPrecisionOptimizer",
+    "PlainAdamW",
+    "StochasticRoundingAdamW",
+    "TrackedUpdate",
+]
+
+from .fp8_adamw import FP8AdamW  # noqa: E402
+
+__all__ += ["FP8AdamW"]

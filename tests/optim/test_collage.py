@@ -1,0 +1,327 @@
+"""CollageAdamW (Collage Alg. 2, ALGORITHMS.md §2) against an FP64 AdamW reference."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hf_lowprec.metrics import edq, imprecision_percentage
+from hf_lowprec.numerics import expansion, grow, mul_expansion
+from hf_lowprec.optim import (
+    CollageAdamW,
+    FP32StatesAdamW,
+    KahanAdamW,
+    LowPrecisionOptimizer,
+    PlainAdamW,
+)
+from hf_lowprec.optim.collage import _foreach_second_moment_plus_
+
+Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
+
+
+def make_problem(seed: int = 0, steps: int = 200, dtype: torch.dtype = torch.bfloat16) -> Problem:
+    """Parameters of magnitude ~1 and a fixed gradient sequence (a drift plus noise).
+
+    The three tensors get gradients of very different scales (1e-3, 1e-2, 1) to check
+    that the result does not depend on the gradient magnitude, as Adam's update does not.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    shapes, scales = ((32, 32), (128,), (16, 8)), (1e-3, 1e-2, 1.0)
+    theta0 = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    drift = [0.1 * torch.randn(s, generator=generator) for s in shapes]
+    grads = [
+        [((d + torch.randn(d.shape, generator=generator)) * c).to(dtype) for d, c in zip(drift, scales)]
+        for _ in range(steps)
+    ]
+    return theta0, grads
+
+
+def reference_adamw(
+    theta0: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, betas: tuple[float, float],
+    eps: float = 1e-8, weight_decay: float = 0.0,
+) -> list[torch.Tensor]:  # fmt: skip
+    """AdamW exactly as ALGORITHMS.md §2 writes it, in FP64, on the same gradients."""
+    beta1, beta2 = betas
+    theta = [t.double() for t in theta0]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    for t, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            g = g.double()
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m_hat, v_hat = m[i] / (1 - beta1**t), v[i] / (1 - beta2**t)
+            theta[i] = theta[i] - lr * (m_hat / (v_hat.sqrt() + eps) + weight_decay * theta[i])
+    return theta
+
+
+def run(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], theta0: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:  # fmt: skip
+    params = [t.clone().requires_grad_() for t in theta0]
+    optimizer = factory(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+    return params, optimizer
+
+
+def relative_error(
+    values: list[torch.Tensor], reference: list[torch.Tensor], theta0: list[torch.Tensor]
+) -> float:
+    """‖θ − θ_ref‖ / ‖θ_ref − θ0‖: the error relative to how far the reference moved."""
+    error = sum(((v.detach().double() - r) ** 2).sum() for v, r in zip(values, reference))
+    moved = sum(((r - t.double()) ** 2).sum() for r, t in zip(reference, theta0))
+    return (error / moved).sqrt().item()
+
+
+def with_error(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The FP64 value θ + δθ the Collage expansion stands for."""
+    return [p.detach().double() + optimizer.state[p]["param_error"].double() for p in params]
+
+
+@pytest.fixture(scope="module")
+def accuracy() -> dict[str, float]:
+    """Relative parameter errors after 200 steps, β2 = 0.999 unless the key says 0.95."""
+    theta0, grads = make_problem()
+    errors: dict[str, float] = {}
+    for beta2 in (0.999, 0.95):
+        hyper = dict(lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.01)
+        reference = reference_adamw(theta0, grads, **hyper)
+        suffix = "" if beta2 == 0.999 else "@0.95"
+        rounded = [r.bfloat16() for r in reference]
+        errors["bf16(reference)" + suffix] = relative_error(rounded, reference, theta0)
+        for name, factory in {
+            "plain": lambda ps: PlainAdamW(ps, **hyper),
+            "fp32-states": lambda ps: FP32StatesAdamW(ps, **hyper),
+            "kahan": lambda ps: KahanAdamW(ps, **hyper),
+            "light": lambda ps: CollageAdamW(ps, **hyper, variant="light"),
+            "plus": lambda ps: CollageAdamW(ps, **hyper, variant="plus"),
+        }.items():
+            params, optimizer = run(factory, theta0, grads)
+            errors[name + suffix] = relative_error(params, reference, theta0)
+            if isinstance(optimizer, CollageAdamW):
+                full = with_error(params, optimizer)
+                errors[name + "(θ+δθ)" + suffix] = relative_error(full, reference, theta0)
+    print("\nrelative parameter error vs FP64 AdamW, 200 steps:")
+    for name, value in errors.items():
+        print(f"  {name:24s} {value:.4f}")
+    return errors
+
+
+def test_plus_tracks_fp64_adamw_far_better_than_plain_bf16(accuracy: dict[str, float]) -> None:
+    # Measured: plain 0.914; plus 0.074 for θ (the FP64 trajectory rounded to BF16 is
+    # 0.074 too) and 0.0029 for θ + δθ. Plain BF16 loses every update below ulp(θ)/2.
+    assert accuracy["plus"] < 0.25 * accuracy["plain"]
+    assert accuracy["plus"] < 1.1 * accuracy["bf16(reference)"]
+    assert accuracy["plus(θ+δθ)"] < 0.01
+    # D−MW: FP32 moments do not help when the parameter itself rounds the update away.
+    assert accuracy["plus"] < 0.25 * accuracy["fp32-states"]
+
+
+def test_plus_beats_light_with_beta2_0999_light_suffices_with_095(accuracy: dict[str, float]) -> None:
+    # Measured (θ+δθ): β2 = 0.999 light 0.020, plus 0.0029; β2 = 0.95 light 0.0036,
+    # plus 0.0030. In BF16, fl(0.999·v) == v, so light's second moment never decays.
+    assert accuracy["plus(θ+δθ)"] < 0.3 * accuracy["light(θ+δθ)"]
+    assert accuracy["light(θ+δθ)@0.95"] < 0.6 * accuracy["light(θ+δθ)"]
+    assert accuracy["light(θ+δθ)@0.95"] < 2.0 * accuracy["plus(θ+δθ)@0.95"]
+    assert accuracy["light"] < 0.25 * accuracy["plain"]
+    # Kahan summation is Collage-light's parameter update (ALGORITHMS.md §2).
+    assert accuracy["kahan"] == pytest.approx(accuracy["light"], rel=0.05)
+
+
+def test_plus_second_moment_decays_light_does_not() -> None:
+    param = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
+    optimizers = {
+        v: CollageAdamW([param.detach().clone().requires_grad_()], variant=v) for v in ("light", "plus")
+    }
+    for variant, optimizer in optimizers.items():
+        p = optimizer.param_groups[0]["params"][0]
+        for step in range(300):
+            p.grad = torch.full_like(p, 1.0 if step == 0 else 0.0)
+            optimizer.step()
+    expected = 0.001 * 0.999**299  # (1 − β2)·β2^(t−1) after one unit gradient
+    plus_state = optimizers["plus"].state[optimizers["plus"].param_groups[0]["params"][0]]
+    light_state = optimizers["light"].state[optimizers["light"].param_groups[0]["params"][0]]
+    plus_v = plus_state["exp_avg_sq"].double() + plus_state["exp_avg_sq_error"].double()
+    assert torch.allclose(plus_v, torch.full_like(plus_v, expected), rtol=2e-3)
+    assert torch.all(light_state["exp_avg_sq"].double() == torch.tensor(0.001).bfloat16().double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("beta2", [0.999, 0.99, 0.95])
+def test_vectorised_second_moment_is_the_scalar_algorithm_bit_for_bit(
+    dtype: torch.dtype, beta2: float
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    v = [torch.rand(n, generator=generator).to(dtype) for n in (33, 1000)]
+    dv = [(torch.randn(t.shape, generator=generator) * 1e-3).to(dtype) * t for t in v]
+    grads = [torch.randn(t.shape, generator=generator).to(dtype) for t in v]
+    beta_hi, beta_lo = expansion(beta2, dtype)
+    expected = [
+        grow(*mul_expansion(beta_hi, beta_lo, a, b), (g * (1 - beta2)) * g) for a, b, g in zip(v, dv, grads)
+    ]
+    v_, dv_ = [t.clone() for t in v], [t.clone() for t in dv]
+    _foreach_second_moment_plus_(v_, dv_, grads, beta2)
+    for (hi, lo), got_hi, got_lo in zip(expected, v_, dv_):
+        assert torch.equal(hi, got_hi) and torch.equal(lo, got_lo)
+
+
+def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in params]
+    for p in params:
+        tensors += [v.clone() for v in optimizer.state[p].values() if torch.is_tensor(v)]
+    return tensors
+
+
+@pytest.mark.parametrize("variant", ["light", "plus"])
+@pytest.mark.parametrize("through_bytes", [False, True])
+def test_state_dict_round_trip_continues_bit_for_bit(variant: str, through_bytes: bool) -> None:
+    theta0, grads = make_problem(steps=12)
+    hyper = dict(lr=1e-3, weight_decay=0.01, variant=variant)
+    params, optimizer = run(lambda ps: CollageAdamW(ps, **hyper), theta0, grads[:5])
+    state_dict = optimizer.state_dict()
+    if through_bytes:
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        buffer.seek(0)
+        state_dict = torch.load(buffer, weights_only=True)
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = CollageAdamW(resumed_params, **hyper)
+    resumed.load_state_dict(state_dict)
+    for key, value in resumed.state[resumed_params[0]].items():
+        if torch.is_tensor(value):
+            assert value.dtype == torch.bfloat16, key
+    for step_grads in grads[5:]:
+        for p, q, g in zip(params, resumed_params, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.step()
+        resumed.step()
+    for a, b in zip(snapshot(optimizer, params), snapshot(resumed, resumed_params)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert resumed.state[resumed_params[0]]["step"] == 12
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(lr=-1e-3), "lr=-0.001"),
+        (dict(lr=float("nan")), "lr=nan"),
+        (dict(betas=(1.0, 0.999)), r"betas=\(1.0, 0.999\)"),
+        (dict(betas=(0.9, -0.1)), "in \\[0, 1\\)"),
+        (dict(eps=-1e-8), "eps=-1e-08"),
+        (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+        (dict(variant="heavy"), "'heavy'.*'light'.*'plus'"),
+    ],
+)
+def test_bad_hyperparameters_raise(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CollageAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], **kwargs)
+
+
+def test_bad_parameters_raise() -> None:
+    message = r"bfloat16 or torch.float16 parameters, got torch.float32.*model.to"
+    with pytest.raises(ValueError, match=message):
+        CollageAdamW([torch.zeros(3, requires_grad=True)])
+    optimizer = CollageAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match="lr=-1"):
+        optimizer.add_param_group({"params": [torch.zeros(2, dtype=torch.bfloat16)], "lr": -1.0})
+    with pytest.raises(ValueError, match="group 1"):
+        optimizer.add_param_group({"params": [torch.zeros(2, dtype=torch.float64)]})
+
+
+@pytest.mark.parametrize("variant", ["light", "plus"])
+def test_tracking_does_not_change_the_trajectory(variant: str) -> None:
+    theta0, grads = make_problem(steps=10)
+    plain_params, plain = run(
+        lambda ps: CollageAdamW(ps, weight_decay=0.01, variant=variant), theta0, grads
+    )
+
+    def tracked_factory(ps: list[torch.Tensor]) -> CollageAdamW:
+        optimizer = CollageAdamW(ps, weight_decay=0.01, variant=variant)
+        optimizer.track_updates = True
+        return optimizer
+
+    tracked_params, tracked = run(tracked_factory, theta0, grads)
+    assert isinstance(tracked, LowPrecisionOptimizer) and len(tracked.tracked) == 10 * len(theta0)
+    assert all(r.update.dtype == torch.float32 for r in tracked.tracked)
+    assert all(r.before.dtype == torch.bfloat16 for r in tracked.tracked)
+    for a, b in zip(snapshot(plain, plain_params), snapshot(tracked, tracked_params)):
+        assert torch.equal(a, b)
+
+
+def test_expansion_keeps_the_updates_bf16_parameters_lose() -> None:
+    # θ ∈ [1, 2) and |Δθ| ≈ lr = 1e-4 ≪ ulp(θ)/2 = 2^-8: every plain BF16 addition is lost.
+    generator = torch.Generator().manual_seed(0)
+    theta0 = [(1.0 + torch.rand(4096, generator=generator)).bfloat16()]
+    grads = [[torch.randn(4096, generator=generator).bfloat16()] for _ in range(20)]
+
+    def tracked(cls: type, ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer = cls(ps, lr=1e-4)
+        optimizer.track_updates = True
+        return optimizer
+
+    _, plain = run(lambda ps: tracked(PlainAdamW, ps), theta0, grads)
+    last = plain.tracked[-1]
+    assert imprecision_percentage(last.before, last.param, last.update) == 100.0
+    assert edq(last.before, last.param, last.update)[1] == 0.0
+
+    params = [t.clone().requires_grad_() for t in theta0]
+    collage = tracked(CollageAdamW, params)
+    state = collage.state
+    for step_grads in grads:
+        params[0].grad = step_grads[0].clone()
+        error = state[params[0]].get("param_error")
+        error_before = error.clone() if error is not None else torch.zeros_like(params[0])
+        collage.step()
+        record = collage.tracked[-1]
+        # θ alone drops every update: δθ carries them until they add up to ulp(θ)/2.
+        assert imprecision_percentage(record.before, record.param, record.update) > 90.0
+        before = record.before.double() + error_before.double()
+        after = params[0].detach().double() + state[params[0]]["param_error"].double()
+        # θ + δθ receives them up to Grow's rounding of t = δθ + e: |error| ≤ 2^-8·|t| with
+        # |t| ≲ ulp(θ)/2 = 2^-8, so only updates below 2^-16 can vanish (measured: < 3 %
+        # of the elements, all |Δθ| < 4e-6, against a median |Δθ| of 2e-5).
+        assert imprecision_percentage(before, after, record.update) < 5.0
+        lost = (record.update != 0) & (after == before)
+        assert bool((record.update[lost].abs() < 2.0**-16).all())
+        assert edq(before, after, record.update)[1] == pytest.approx(1.0, abs=2e-3)
+
+
+def test_fp16_parameters_train() -> None:
+    torch.manual_seed(0)
+    target = torch.randn(256)
+    for variant in ("light", "plus"):
+        param = torch.zeros(256, dtype=torch.float16, requires_grad=True)
+        optimizer = CollageAdamW([param], lr=5e-2, variant=variant)
+        losses = []
+        for _ in range(100):
+            # Loss scaling, which Adam's update does not see: unscaled, |g| ≲ 2^-7 near the
+            # optimum makes (1 − β2)·g² underflow FP16 (2^-24), v vanishes and m/√v explodes.
+            loss = 2.0**12 * ((param.float() - target) ** 2).mean()
+            losses.append(loss.item())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        states = [v for v in optimizer.state[param].values() if torch.is_tensor(v)]
+        assert all(v.dtype == torch.float16 for v in states)
+        assert losses[-1] < 0.1 * losses[0]
+
+
+def test_groups_hyperparameters_and_missing_grads() -> None:
+    a = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    c = torch.ones(4, dtype=torch.float16, requires_grad=True)
+    groups = [{"params": [a, c]}, {"params": [b], "lr": 0.0, "variant": "light"}]
+    optimizer = CollageAdamW(groups, lr=0.1)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    optimizer.step()
+    assert torch.all(a < 1.0)
+    assert torch.equal(b, torch.ones_like(b)) and torch.equal(c, torch.ones_like(c))
+    assert "exp_avg_sq_error" in optimizer.state[a] and "exp_avg_sq_error" not in optimizer.state[b]
+    assert c not in optimizer.state
