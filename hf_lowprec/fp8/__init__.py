@@ -1,0 +1,55 @@
+"""FP8-LM building blocks: scaled FP8 tensors, FP8 linear layers, gradient auto-scaling,
+FP8 all-reduce (FP8-LM §2; ALGORITHMS.md §3). The FP8 optimizer is `hf_lowprec.optim.FP8AdamW`."""
+
+from .comm import (
+    AllReduceStats,
+    FP8AllReduceResult,
+    FP8CommState,
+    fp8_allreduce,
+    fp8_allreduce_hook,
+    postscale_allreduce,
+    prescale_allreduce,
+)
+from .grad_scaling import GradientAutoScaler, quantize_gradient
+from .linear import FP8Linear, convert_to_fp8, fp8_linear
+from .scaled import (
+    FORMATS,
+    ScaledTensor,
+    count_saturated,
+    dequantize,
+    format_dtype,
+    format_max,
+    get_master_scale,
+    pow2_scale,
+    quantize,
+    quantize_counting,
+    set_master_scale,
+    tensor_amax,
+)
+
+__all__ = [
+    "AllReduceStats",
+    "FORMATS",
+    "FP8AllReduceResult",
+    "FP8CommState",
+    "FP8Linear",
+    "GradientAutoScaler",
+    "ScaledTensor",
+    "convert_to_fp8",
+    "count_saturated",
+    "dequantize",
+    "format_dtype",
+    "format_max",
+    "fp8_allreduce",
+    "fp8_allreduce_hook",
+    "fp8_linear",
+    "get_master_scale",
+    "pow2_scale",
+    "postscale_allreduce",
+    "prescale_allreduce",
+    "quantize",
+    "quantize_counting",
+    "quantize_gradient",
+    "set_master_scale",
+    "tensor_amax",
+]

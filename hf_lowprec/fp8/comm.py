@@ -1,0 +1,261 @@
+"""FP8 gradient all-reduce with one shared scale per tensor (FP8-LM §2.1, eqs. 4–6; ALGORITHMS.md §3).
+
+Rank i holds gradient gᵢ of each tensor. The scheme:
+
+    sᵢ   = 2^(floor(log2(fp8_max / amax(gᵢ))) − margin)     local power-of-two scale
+    s_g  = min_i sᵢ                                         all-reduce MIN, one scalar per tensor
+    gᵢ'' = FP8(μ·s_g·gᵢ)                                    requantize to the shared scale
+    g    = FP8(Σᵢ gᵢ''),  s = N·μ·s_g                       real mean = g / s
+
+μ is the automatic gradient scale (`GradientAutoScaler`): the sum of N payloads can exceed
+the FP8 maximum, and μ shrinks until that happens to at most 0.001 % of the elements.
+Requantizing from the high-precision gradient (rather than from a local FP8 copy, as the
+paper's eq. 5 reads) gives the same payload when s_g = sᵢ and avoids a second rounding
+otherwise.
+
+Transport: gloo (and NCCL without FP8) cannot add FP8, so the payload travels as uint8 bytes
+and is added upcast: a reduce-scatter by `all_to_all_single` (each rank receives every
+rank's copy of one chunk and adds them in FP32, in fixed rank order), the chunk is rounded
+to FP8 once, and `all_gather` returns the FP8 sums. FP8 is all that crosses the wire,
+2(N−1)/N bytes per element per rank as in a ring all-reduce, plus per-tensor scalars (the
+MIN of the scales and one all-reduce of two counters).
+
+The two classic baselines (eqs. 1–2) are the same pipeline with μ fixed: pre-scaling
+divides by N before the sum (μ = 1/N: small values underflow), post-scaling after it
+(μ = 1: large sums overflow). `fp8_allreduce_hook` is a standard DDP communication hook:
+
+    ddp_model.register_comm_hook(FP8CommState(scaler), fp8_allreduce_hook)
+"""
+
+# No `from __future__ import annotations`: DDP compares the hook's annotations with the real
+# `dist.GradBucket` and `Future[Tensor]` objects and rejects strings.
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .grad_scaling import GradientAutoScaler
+from .scaled import _saturated, _saturating_cast, pow2_scale
+
+__all__ = [
+    "AllReduceStats",
+    "FP8AllReduceResult",
+    "FP8CommState",
+    "fp8_allreduce",
+    "fp8_allreduce_hook",
+    "postscale_allreduce",
+    "prescale_allreduce",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AllReduceStats:
+    """What an FP8 all-reduce lost, summed over ranks.
+
+    Attributes:
+        underflow: nonzero gradient elements that became FP8 zero on their rank.
+        overflow: elements clipped at the FP8 maximum, in a rank's cast or in the sum.
+        numel: elements of the reduced tensor (per rank).
+    """
+
+    underflow: int = 0
+    overflow: int = 0
+    numel: int = 0
+
+    def __iadd__(self, other: "AllReduceStats") -> "AllReduceStats":
+        self.underflow += other.underflow
+        self.overflow += other.overflow
+        self.numel += other.numel
+        return self
+
+
+@dataclasses.dataclass
+class FP8AllReduceResult:
+    """The reduced FP8 payload and its per-segment scales: mean = payload / scale.
+
+    Attributes:
+        payload: flat FP8 tensor, identical on every rank.
+        scales: one FP32 scale per segment (N·μ·s_g).
+        numels: segment sizes, in order.
+        stats: underflow and overflow counts.
+    """
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    numels: list[int]
+    stats: AllReduceStats
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The mean gradient, flat, in `dtype`."""
+        per_element = torch.repeat_interleave(self.scales, torch.tensor(self.numels, device=self.scales.device))
+        return (self.payload.float() / per_element).to(dtype)
+
+
+def _all_gather_bytes(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, chunk, group=group)
+
+
+def _reduce(
+    flat: torch.Tensor,
+    numels: Sequence[int] | None,
+    *,
+    mu: float | None,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    group: dist.ProcessGroup | None,
+) -> FP8AllReduceResult:
+    """The shared-scale pipeline; `mu=None` means pre-scaling (μ = 1/N)."""
+    if flat.dim() != 1:
+        raise ValueError(f"FP8 all-reduce works on a flat tensor, got shape {tuple(flat.shape)}")
+    if not flat.is_floating_point():
+        raise ValueError(f"FP8 all-reduce needs a floating-point gradient, got {flat.dtype}")
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    numels = [flat.numel()] if numels is None else [int(n) for n in numels]
+    if sum(numels) != flat.numel() or any(n < 0 for n in numels):
+        raise ValueError(f"segment sizes {numels} do not add up to the tensor size {flat.numel()}")
+    if not dist.is_initialized():
+        raise ValueError("FP8 all-reduce needs an initialized torch.distributed process group")
+    world = dist.get_world_size(group)
+    device = flat.device
+    sizes = torch.tensor(numels, device=device)
+
+    segments = flat.detach().split(numels)
+    amax = torch.stack([s.abs().amax().float() if s.numel() else torch.zeros((), device=device) for s in segments])
+    shared = pow2_scale(amax, fp8_dtype, margin)
+    dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=group)
+    send_scale = shared * (1.0 / world if mu is None else mu)
+
+    scaled = flat.float() * torch.repeat_interleave(send_scale, sizes)
+    payload = _saturating_cast(scaled, fp8_dtype)
+    overflow = _saturated(scaled, fp8_dtype)
+    del scaled
+    # ±0 in FP8 is 0x00 or 0x80: test the bytes rather than upcasting the payload.
+    underflow = ((payload.view(torch.uint8) & 0x7F) == 0).logical_and_(flat != 0).sum()
+
+    numel = flat.numel()
+    chunk = -(-numel // world)
+    send = torch.zeros(chunk * world, dtype=torch.uint8, device=device)
+    send[:numel] = payload.view(torch.uint8)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    copies = received.view(fp8_dtype).view(world, chunk)
+    total = copies[0].float()
+    for r in range(1, world):  # fixed order and FP32: the same sum on every rank, one chunk of memory
+        total += copies[r].float()
+    # Padding is zero on every rank, so it neither saturates nor underflows.
+    overflow = overflow + _saturated(total, fp8_dtype)
+    reduced = _saturating_cast(total, fp8_dtype).view(torch.uint8)
+    gathered = torch.empty(chunk * world, dtype=torch.uint8, device=device)
+    _all_gather_bytes(gathered, reduced, group)
+
+    counts = torch.stack([overflow, underflow]).to(torch.int64)
+    dist.all_reduce(counts, group=group)
+    stats = AllReduceStats(underflow=int(counts[1]), overflow=int(counts[0]), numel=numel)
+    return FP8AllReduceResult(gathered[:numel].view(fp8_dtype), send_scale * world, numels, stats)
+
+
+def fp8_allreduce(
+    tensor: torch.Tensor,
+    *,
+    numels: Sequence[int] | None = None,
+    mu: float = 1.0,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    margin: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> FP8AllReduceResult:
+    """Mean of a flat gradient over ranks with one shared scale per segment (FP8-LM eqs. 4–6).
+
+    Args:
+        tensor: flat local gradient (FP32, FP16 or BF16); not modified.
+        numels: sizes of the consecutive segments (one per parameter) that get their own
+            scale; None for a single segment.
+        mu: automatic gradient scale μ (the same on every rank).
+        fp8_dtype: wire format.
+        margin: scale margin in binades.
+        group: process group (default: the world).
+    """
+    if not (mu > 0):
+        raise ValueError(f"mu must be positive, got {mu}")
+    return _reduce(tensor, numels, mu=mu, fp8_dtype=fp8_dtype, margin=margin, group=group)
+
+
+def prescale_allreduce(
+    tensor: torch.Tensor,
+    *,
+    numels: Sequence[int] | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    margin: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> FP8AllReduceResult:
+    """Baseline, eq. 1: g = Σ FP8(gᵢ/N) — each rank divides by N before the sum; underflows."""
+    return _reduce(tensor, numels, mu=None, fp8_dtype=fp8_dtype, margin=margin, group=group)
+
+
+def postscale_allreduce(
+    tensor: torch.Tensor,
+    *,
+    numels: Sequence[int] | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    margin: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> FP8AllReduceResult:
+    """Baseline, eq. 2: g = (Σ FP8(gᵢ))/N — the sum of near-maximal payloads overflows."""
+    return _reduce(tensor, numels, mu=1.0, fp8_dtype=fp8_dtype, margin=margin, group=group)
+
+
+@dataclasses.dataclass
+class FP8CommState:
+    """The `state` argument of `fp8_allreduce_hook`.
+
+    Attributes:
+        scaler: the automatic gradient scale μ; the hook records its clipped-element counts,
+            and the owner calls `scaler.update()` once per optimizer step.
+        fp8_dtype: wire format.
+        margin: scale margin in binades.
+        process_group: None for the default group.
+        grad_scales: id(parameter) → scale of its reduced FP8 gradient (N·μ·s_g), for the
+            owner to store the gradient as FP8 without rounding it again.
+        stats: underflow/overflow counts accumulated since the owner last reset them.
+    """
+
+    scaler: GradientAutoScaler
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    margin: int = 0
+    process_group: dist.ProcessGroup | None = None
+    grad_scales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    stats: AllReduceStats = dataclasses.field(default_factory=AllReduceStats)
+
+
+def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients in FP8 with shared scales.
+
+    Register with `ddp_model.register_comm_hook(state, fp8_allreduce_hook)`. The bucket
+    receives the dequantized mean, so DDP and the optimizer see ordinary gradients whose
+    values are exactly the FP8 ones.
+    """
+    buffer = bucket.buffer()
+    grads = bucket.gradients()
+    params = bucket.parameters()
+    numels = [g.numel() for g in grads]
+    if sum(numels) != buffer.numel():
+        # Buckets with alignment gaps: fall back to one scale for the whole bucket.
+        logger.debug("bucket %d has gaps between gradients; using one scale for it", bucket.index())
+        numels, params = [buffer.numel()], []
+    result = fp8_allreduce(
+        buffer, numels=numels, mu=state.scaler.mu, fp8_dtype=state.fp8_dtype,
+        margin=state.margin, group=state.process_group,
+    )  # fmt: skip
+    state.scaler.record(result.stats.overflow, result.stats.numel)
+    state.stats += result.stats
+    for param, scale in zip(params, result.scales):
+        state.grad_scales[id(param)] = scale
+    buffer.copy_(result.dequantize(buffer.dtype))
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future

@@ -1,0 +1,123 @@
+"""FP8 gradients with automatic scaling μ (FP8-LM §2.1, eq. 3; ALGORITHMS.md §3).
+
+A gradient g is stored as the scaled FP8 tensor (payload, s) with
+
+    s = μ · 2^(floor(log2(fp8_max / amax(g))) − margin),   payload = FP8(s·g),
+
+so g' = μ·g is what FP8 holds, measured in units of the per-tensor power-of-two scale. With
+μ ≤ 1 a single tensor never saturates; μ matters where FP8 values are *summed*, above all
+in the all-reduce (`hf_lowprec.fp8.comm`), where N ranks' payloads add up and may exceed
+the FP8 maximum. After each step the share of elements that saturated decides μ for the
+next step:
+
+    share > threshold (1e-5, i.e. 0.001 %)            → μ ← μ / 2
+    share ≤ threshold for `interval` (1000) steps     → μ ← 2·μ
+
+μ and the count of clean steps are checkpointed (`state_dict`), so a resumed run continues
+with the same scales bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .scaled import pow2_scale, quantize_counting, tensor_amax
+
+__all__ = ["GradientAutoScaler", "quantize_gradient"]
+
+
+def quantize_gradient(
+    grad: torch.Tensor, mu: float, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 gradient with scale s = μ·2^(floor(log2(fp8_max/amax)) − margin).
+
+    Returns:
+        (payload, scale, saturated): the FP8 payload, its FP32 scale (real = payload / scale)
+        and the number of clipped elements as an int64 tensor (no host sync).
+    """
+    scale = pow2_scale(tensor_amax(grad), dtype, margin) * mu
+    payload, saturated = quantize_counting(grad, scale, dtype)
+    return payload, scale, saturated
+
+
+class GradientAutoScaler:
+    """The auto-scaling factor μ and its update rule.
+
+    Callers `record(saturated, total)` for every quantization of a step (counts may be
+    tensors, so no host sync happens until `update`), then call `update()` once per step.
+
+    Args:
+        init_mu: starting μ (a power of two keeps every scale a power of two).
+        interval: consecutive clean steps before μ doubles (paper: 1000).
+        threshold: saturated share above which μ halves (paper: 0.001 % = 1e-5).
+        min_mu, max_mu: bounds that keep μ finite when gradients vanish or explode for long.
+    """
+
+    def __init__(
+        self,
+        init_mu: float = 1.0,
+        interval: int = 1000,
+        threshold: float = 1e-5,
+        min_mu: float = 2.0**-32,
+        max_mu: float = 2.0**32,
+    ) -> None:
+        if not (math.isfinite(init_mu) and init_mu > 0):
+            raise ValueError(f"init_mu must be a positive finite number, got {init_mu}")
+        if not (isinstance(interval, int) and interval >= 1):
+            raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
+        if not (0.0 <= threshold < 1.0):
+            raise ValueError(f"threshold must lie in [0, 1), got {threshold}")
+        if not (0 < min_mu <= init_mu <= max_mu):
+            raise ValueError(f"need 0 < min_mu <= init_mu <= max_mu, got {min_mu}, {init_mu}, {max_mu}")
+        self.mu = float(init_mu)
+        self.interval = interval
+        self.threshold = threshold
+        self.min_mu = min_mu
+        self.max_mu = max_mu
+        self.clean_steps = 0
+        self.last_saturated_share = 0.0
+        self._saturated: torch.Tensor | int = 0
+        self._total = 0
+
+    def record(self, saturated: torch.Tensor | int, total: int) -> None:
+        """Add one quantization's clipped-element count and its size to this step's tally."""
+        self._saturated = self._saturated + saturated
+        self._total += int(total)
+
+    @property
+    def pending(self) -> bool:
+        """True when counts were recorded since the last `update`."""
+        return self._total > 0
+
+    def update(self) -> float:
+        """Apply the halving/doubling rule to this step's tally, reset it, and return μ."""
+        saturated = int(self._saturated.item()) if torch.is_tensor(self._saturated) else int(self._saturated)
+        share = saturated / self._total if self._total else 0.0
+        self._saturated, self._total = 0, 0
+        self.last_saturated_share = share
+        if share > self.threshold:
+            self.mu = max(self.mu / 2.0, self.min_mu)
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.interval:
+                self.mu = min(self.mu * 2.0, self.max_mu)
+                self.clean_steps = 0
+        return self.mu
+
+    def state_dict(self) -> dict[str, Any]:
+        """μ and the clean-step counter (plain Python numbers: safe for weights_only loading)."""
+        return {"mu": self.mu, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mu = float(state["mu"])
+        if not (math.isfinite(mu) and mu > 0):
+            raise ValueError(f"saved gradient scale mu must be positive and finite, got {mu}")
+        self.mu = mu
+        self.clean_steps = int(state["clean_steps"])
+
+    def __repr__(self) -> str:
+        return f"GradientAutoScaler(mu={self.mu}, clean_steps={self.clean_steps}, interval={self.interval})"

@@ -1,0 +1,253 @@
+"""Scaled low-precision tensors: an FP8 (or FP16) payload plus an FP32 scale (FP8-LM §2).
+
+One convention everywhere in `hf_lowprec.fp8`:
+
+    real value = payload / scale
+
+Scales are powers of two chosen from the tensor's absolute maximum, with a safety margin
+(ALGORITHMS.md §3):
+
+    s = 2^(floor(log2(fmt_max / amax)) − margin)
+
+so that amax·s lands in (fmt_max/2^(margin+1), fmt_max/2^margin]. A power of two makes the
+scaling itself exact: only the cast to the payload dtype rounds. A scale is either one scalar
+for the tensor or one scalar per group of `group_size` consecutive elements (row-major).
+
+Casts saturate: finite values beyond the format's maximum become ±max (E4M3 has no
+infinity, and PyTorch's CPU and CUDA casts disagree on overflow), while inf and NaN become
+NaN so that an overflow upstream stays visible to the non-finite-gradient check.
+
+Payload and scale are plain tensors, so optimizer state built from them loads with
+`torch.load(weights_only=True)`. `ScaledTensor` bundles the two for convenience and is
+registered as a safe global for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "FORMATS",
+    "ScaledTensor",
+    "count_saturated",
+    "dequantize",
+    "format_dtype",
+    "format_max",
+    "pow2_scale",
+    "get_master_scale",
+    "quantize",
+    "quantize_counting",
+    "set_master_scale",
+    "tensor_amax",
+]
+
+#: Names accepted wherever a storage format is configured (options, optimizer groups).
+FORMATS: dict[str, torch.dtype] = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+
+# FP32 exponents stay in the normal range, so a scale and its reciprocal are both finite.
+_MAX_EXPONENT = 126
+
+
+def format_dtype(fmt: str | torch.dtype) -> torch.dtype:
+    """The dtype for a format name ("e4m3", "e5m2", "fp16", ...) or a dtype (returned as is)."""
+    if isinstance(fmt, torch.dtype):
+        if fmt not in FORMATS.values():
+            raise ValueError(f"unsupported storage dtype {fmt}; use one of {sorted(FORMATS)}")
+        return fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown storage format {fmt!r}; valid formats: {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def format_max(dtype: torch.dtype) -> float:
+    """Largest finite value of `dtype` (448 for E4M3, 57344 for E5M2, 65504 for FP16)."""
+    return float(torch.finfo(dtype).max)
+
+
+def tensor_amax(x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """max |x| in FP32: a scalar, or one value per group of `group_size` elements."""
+    if group_size is None:
+        return x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    return _grouped(x.detach(), group_size).abs().amax(dim=1).float()
+
+
+def pow2_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """s = 2^(floor(log2(max(dtype) / amax)) − margin), elementwise over `amax`.
+
+    The exponent comes from `torch.frexp`, which is exact: log2 rounding could put amax·s one
+    ulp above the format maximum. amax = 0 or non-finite gives s = 1 (nothing to scale, or
+    nothing a scale could fix). The exponent is clamped to ±126 so s and 1/s stay finite.
+    """
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    amax = amax.float()
+    usable = (amax > 0) & torch.isfinite(amax)
+    ratio = format_max(dtype) / torch.where(usable, amax, torch.ones_like(amax))
+    # For wide formats (FP32) the ratio can overflow; clamping keeps frexp's exponent meaningful.
+    ratio = ratio.clamp_(max=torch.finfo(torch.float32).max)
+    # frexp: ratio = m·2^e with m in [0.5, 1), so floor(log2(ratio)) = e − 1 exactly.
+    _, exponent = torch.frexp(ratio)
+    exponent = (exponent - 1 - margin).clamp(-_MAX_EXPONENT, _MAX_EXPONENT).float()
+    return torch.where(usable, torch.exp2(exponent), torch.ones_like(amax))
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None
+) -> torch.Tensor:
+    """payload = saturate(x·s) cast to `dtype`; inf/NaN become NaN.
+
+    Args:
+        x: the real values (any floating dtype; the product is formed in FP32).
+        scale: scalar, or one value per group when `group_size` is given.
+        dtype: payload dtype (FP8 or a 16-bit float).
+    """
+    return _saturating_cast(_apply_scale(x, scale, group_size, multiply=True), dtype)
+
+
+def quantize_counting(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` plus the number of elements it clipped (see `count_saturated`), in one pass over x·s."""
+    y = _apply_scale(x, scale, group_size, multiply=True)
+    return _saturating_cast(y, dtype), _saturated(y, dtype)
+
+
+def count_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
+    """Number of finite elements with |x·s| > max(dtype), i.e. clipped by `quantize` (int64 tensor).
+
+    Elements exactly at the maximum are not counted: they were represented, not clipped.
+    """
+    return _saturated(_apply_scale(x, scale, group_size, multiply=True), dtype)
+
+
+def dequantize(
+    payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, group_size: int | None = None
+) -> torch.Tensor:
+    """real = payload / s, returned in `dtype` (the division is done in FP32)."""
+    return _apply_scale(payload, scale, group_size, multiply=False).to(dtype)
+
+
+def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = format_max(dtype)
+    # clamp turns ±inf into ±max; adding y − y (0 when finite, NaN otherwise) restores NaN
+    # for them in two cheap passes instead of an isfinite mask.
+    return y.clamp(-limit, limit).add_(y - y).to(dtype)
+
+
+def _saturated(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    magnitude = y.abs()
+    return ((magnitude > format_max(dtype)) & (magnitude != float("inf"))).sum()
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size <= 0 or x.numel() % group_size:
+        raise ValueError(
+            f"group_size must be a positive divisor of the tensor size, got {group_size} for {x.numel()} elements"
+        )
+    return x.reshape(-1, group_size)
+
+
+def _apply_scale(x: torch.Tensor, scale: torch.Tensor, group_size: int | None, *, multiply: bool) -> torch.Tensor:
+    # x.float() aliases an FP32 input, so every product here is out of place.
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    if group_size is None:
+        return x.float() * scale if multiply else x.float() / scale
+    groups = _grouped(x, group_size).float()
+    out = groups * scale[:, None] if multiply else groups / scale[:, None]
+    return out.reshape(x.shape)
+
+
+@dataclasses.dataclass
+class ScaledTensor:
+    """A payload and its scale: real value = payload / scale.
+
+    Attributes:
+        payload: low-precision values (FP8, FP16, ...), any shape.
+        scale: FP32 scalar, or one value per group of `group_size` consecutive elements.
+        group_size: None for one scale per tensor.
+    """
+
+    payload: torch.Tensor
+    scale: torch.Tensor
+    group_size: int | None = None
+
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        fmt: str | torch.dtype = "e4m3",
+        *,
+        margin: int = 0,
+        group_size: int | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> ScaledTensor:
+        """Quantize `x` with the power-of-two amax scale (or the given `scale`)."""
+        dtype = format_dtype(fmt)
+        if scale is None:
+            scale = pow2_scale(tensor_amax(x, group_size), dtype, margin)
+        return cls(quantize(x, scale, dtype, group_size), scale.float(), group_size)
+
+    @classmethod
+    def zeros(
+        cls,
+        shape: torch.Size | tuple[int, ...],
+        fmt: str | torch.dtype = "e4m3",
+        *,
+        group_size: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> ScaledTensor:
+        """All-zero payload with unit scale(s)."""
+        dtype = format_dtype(fmt)
+        payload = torch.zeros(shape, dtype=dtype, device=device)
+        groups = () if group_size is None else (_grouped(payload, group_size).shape[0],)
+        return cls(payload, torch.ones(groups, device=device), group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The real values in `dtype`."""
+        return dequantize(self.payload, self.scale, dtype, self.group_size)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.payload.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.payload.dtype
+
+    def nbytes(self) -> int:
+        """Bytes held by payload and scale."""
+        return self.payload.numel() * self.payload.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+torch.serialization.add_safe_globals([ScaledTensor])
+
+
+# --- scaled master weights ------------------------------------------------------------
+# FP8-LM O2 keeps the master weight *as* the model weight: an FP16 payload with a per-tensor
+# scale (no second full-size copy). The module that consumes the weight (FP8Linear) owns the
+# scale as a buffer and links it to its parameter under this attribute, so that the
+# optimizer (FP8AdamW) can read and update it. The link is re-established on every forward
+# because deepcopy and Module.to() drop or replace it.
+_MASTER_SCALE_ATTR = "_hf_lowprec_master_scale"
+
+
+def set_master_scale(param: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Declare that `param` holds payload = real·scale (None: it holds the real values)."""
+    if scale is None:
+        if hasattr(param, _MASTER_SCALE_ATTR):
+            delattr(param, _MASTER_SCALE_ATTR)
+        return
+    setattr(param, _MASTER_SCALE_ATTR, scale)
+
+
+def get_master_scale(param: torch.Tensor) -> torch.Tensor | None:
+    """The FP32 scale of a scaled master weight, or None when `param` holds real values."""
+    return getattr(param, _MASTER_SCALE_ATTR, None)

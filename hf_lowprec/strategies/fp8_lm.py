@@ -1,0 +1,180 @@
+"""FP8-LM / MS-AMP optimization levels O1 and O2 (FP8-LM §2; ALGORITHMS.md §3).
+
+| name | GEMMs | gradients (+ all-reduce) | optimizer | weights | bytes/param |
+|---|---|---|---|---|---|
+| fp8-lm-o1 | FP8 (E4M3 fwd, E5M2 grad) | FP8, auto-scaled μ | FP32 AdamW states | FP32 | 16 |
+| fp8-lm-o2 | FP8 | FP8, auto-scaled μ, kept in the optimizer | FP8AdamW: E4M3 m, FP16 v | FP16 masters, scaled in FP8 layers | 6 |
+
+The pieces live in `hf_lowprec.fp8` (convert_to_fp8, quantize_gradient, GradientAutoScaler,
+the FP8 DDP hook) and `hf_lowprec.optim.FP8AdamW`; this class only combines them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
+from ..fp8.scaled import FORMATS, dequantize, quantize
+from ..optim import FP8AdamW, PlainAdamW
+from ..registry import register
+from .base import PrecisionStrategy, StrategyOptions, grads_are_finite
+
+__all__ = ["FP8LM", "FP8LMOptions"]
+
+_FP8_GRAD_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8LMOptions(StrategyOptions):
+    """Options of the FP8-LM strategies.
+
+    Args:
+        level: "O1" (FP8 GEMMs, gradients, communication) or "O2" (+ FP8 optimizer); fixed
+            by the registered name.
+        margin: scale margin in binades for every FP8 cast (MS-AMP default 0).
+        grad_format: FP8 format of stored and communicated weight gradients.
+        auto_scale_interval: clean steps before μ doubles (paper: 1000).
+        auto_scale_threshold: saturated share above which μ halves (paper: 1e-5 = 0.001 %).
+        exp_avg_sq_format: O2 second-moment storage; "e4m3" reproduces the FP8-LM Fig. 8 #4 ablation.
+    """
+
+    level: Literal["O1", "O2"] = "O2"
+    margin: int = 0
+    grad_format: Literal["e4m3", "e5m2"] = "e4m3"
+    auto_scale_interval: int = 1000
+    auto_scale_threshold: float = 1e-5
+    exp_avg_sq_format: Literal["fp16", "fp32", "bf16", "e4m3", "e5m2"] = "fp16"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.level not in ("O1", "O2"):
+            raise ValueError(f"level must be 'O1' or 'O2', got {self.level!r}")
+        for name in ("margin", "auto_scale_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not 0 <= self.margin <= 8:
+            raise ValueError(f"margin must lie in [0, 8] binades, got {self.margin}")
+        if self.auto_scale_interval < 1:
+            raise ValueError(f"auto_scale_interval must be >= 1, got {self.auto_scale_interval}")
+        if not 0.0 <= self.auto_scale_threshold < 1.0:
+            raise ValueError(f"auto_scale_threshold must lie in [0, 1), got {self.auto_scale_threshold}")
+        if self.grad_format not in _FP8_GRAD_FORMATS:
+            raise ValueError(f"grad_format must be one of {sorted(_FP8_GRAD_FORMATS)}, got {self.grad_format!r}")
+        if self.exp_avg_sq_format not in FORMATS:
+            raise ValueError(f"exp_avg_sq_format must be one of {sorted(FORMATS)}, got {self.exp_avg_sq_format!r}")
+        if self.level == "O1" and self.exp_avg_sq_format != "fp16":
+            raise ValueError("exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states")
+
+
+@register("fp8-lm-o2", level="O2")
+@register("fp8-lm-o1", level="O1")
+class FP8LM(PrecisionStrategy):
+    """FP8 linear layers, FP8 gradients with automatic scaling μ, FP8 all-reduce; O2 adds FP8AdamW."""
+
+    Options = FP8LMOptions
+
+    def __init__(self, name: str | None = None, **options: Any) -> None:
+        super().__init__(name, **options)
+        self.scaler = GradientAutoScaler(
+            interval=self.options.auto_scale_interval, threshold=self.options.auto_scale_threshold
+        )
+        self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
+
+    # The level decides the dtypes, so these are per instance (one class serves both names).
+    @property
+    def o2(self) -> bool:
+        return self.options.level == "O2"
+
+    @property
+    def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return torch.float16 if self.o2 else torch.float32
+
+    @property
+    def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
+        # Linear GEMMs run in FP8 inside FP8Linear; everything else computes in the parameter dtype.
+        return self.param_dtype
+
+    @property
+    def bytes_per_param(self) -> float:  # type: ignore[override]
+        return 6.0 if self.o2 else 16.0
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return _FP8_GRAD_FORMATS[self.options.grad_format]
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.o2:
+            model = model.to(torch.float16)
+        convert_to_fp8(model, margin=self.options.margin)
+        if self.o2:
+            for module in model.modules():
+                if isinstance(module, FP8Linear):
+                    module.scale_master_weight(self.options.margin)
+        return model
+
+    def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
+        if self.o2:
+            return FP8AdamW(
+                param_groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin
+            )
+        return PlainAdamW(param_groups, **hyper)
+
+    def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:
+        """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""
+        return self.comm_state, fp8_allreduce_hook
+
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Store every gradient as FP8 (scale μ·2^k, or the all-reduce's N·μ·s_g), then update μ.
+
+        O1 writes the FP8 values back into the FP32 `p.grad`; O2 hands the FP8 payload to
+        FP8AdamW and frees `p.grad`.
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        comm_scales = self.comm_state.grad_scales
+        if not grads_are_finite([p.grad for p in params]):
+            comm_scales.clear()
+            if self.scaler.pending:  # the all-reduce's saturation was real even if the step is not
+                self.scaler.update()
+            return False
+        for p in params:
+            scale = comm_scales.pop(id(p), None)
+            if scale is None:
+                payload, scale, saturated = quantize_gradient(p.grad, self.scaler.mu, self.grad_dtype, self.options.margin)
+                self.scaler.record(saturated, p.numel())
+            else:  # already FP8 values after the all-reduce: re-encoding with its scale is exact
+                payload = quantize(p.grad, scale, self.grad_dtype)
+            if self.o2:
+                optimizer.set_fp8_grad(p, payload, scale)
+                p.grad = None
+            else:
+                p.grad.copy_(dequantize(payload, scale, p.grad.dtype))
+        comm_scales.clear()
+        self.scaler.update()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        scaler = self.scaler.state_dict()
+        state.update(grad_mu=scaler["mu"], grad_clean_steps=scaler["clean_steps"])
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "grad_mu" in state:
+            self.scaler.load_state_dict({"mu": state["grad_mu"], "clean_steps": state["grad_clean_steps"]})
+
+    def metrics(self) -> dict[str, float]:
+        stats = self.comm_state.stats
+        out = {
+            **super().metrics(),
+            "precision/fp8_grad_mu": self.scaler.mu,
+            "precision/fp8_grad_saturated_share": self.scaler.last_saturated_share,
+        }
+        if stats.numel:
+            out["precision/fp8_allreduce_underflow"] = float(stats.underflow)
+            out["precision/fp8_allreduce_overflow"] = float(stats.overflow)
+        return out

@@ -1,0 +1,142 @@
+"""FP8-LM strategies O1 and O2 (ALGORITHMS.md §3), in the plain training loop of the brief."""
+
+import io
+
+import pytest
+import torch
+
+import hf_lowprec
+from hf_lowprec.fp8 import FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
+from hf_lowprec.memory import model_state_bytes
+from hf_lowprec.optim import FP8AdamW, PlainAdamW
+from tests.helpers import batches, tiny_gpt2
+
+NAMES = ["fp8-lm-o1", "fp8-lm-o2"]
+
+
+def train(strategy, model, optimizer, data):
+    losses = []
+    for ids in data:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def setup(name, seed=0, lr=3e-3, **options):
+    strategy = hf_lowprec.get_strategy(name, **options)
+    model = strategy.prepare_model(tiny_gpt2(seed))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=lr, weight_decay=0.01)
+    return strategy, model, optimizer
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"margin": -1}, "margin"),
+        ({"margin": 1.5}, "margin"),
+        ({"auto_scale_interval": 0}, "auto_scale_interval"),
+        ({"auto_scale_threshold": 1.0}, "auto_scale_threshold"),
+        ({"grad_format": "fp16"}, "grad_format"),
+        ({"exp_avg_sq_format": "int8"}, "exp_avg_sq_format"),
+        ({"lost_arithmetic_metrics": "yes"}, "lost_arithmetic_metrics"),
+    ],
+)
+def test_bad_options_raise_before_any_work(options, match):
+    with pytest.raises(ValueError, match=match):
+        hf_lowprec.get_strategy("fp8-lm-o2", **options)
+
+
+def test_level_is_fixed_by_the_name_and_validated():
+    with pytest.raises(ValueError, match="fixed by the strategy name"):
+        hf_lowprec.get_strategy("fp8-lm-o1", level="O2")
+    with pytest.raises(ValueError, match="O1"):
+        hf_lowprec.get_strategy("fp8-lm-o1", exp_avg_sq_format="e4m3")
+    from hf_lowprec.strategies.fp8_lm import FP8LMOptions
+
+    with pytest.raises(ValueError, match="level"):
+        FP8LMOptions(level="O3")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_and_optimizer_layout(name):
+    strategy, model, optimizer = setup(name)
+    o2 = name.endswith("o2")
+    assert strategy.param_dtype == (torch.float16 if o2 else torch.float32)
+    assert strategy.bytes_per_param == (6.0 if o2 else 16.0)
+    assert {p.dtype for p in model.parameters()} == {strategy.param_dtype}
+    fp8_layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8_layers) == 8  # c_attn, c_proj, c_fc, mlp.c_proj in each of 2 blocks
+    assert all((m.master_scale is not None) == o2 for m in fp8_layers)
+    assert isinstance(optimizer.optimizer, FP8AdamW if o2 else PlainAdamW)
+    state, hook = strategy.ddp_comm_hook()
+    assert isinstance(state, FP8CommState) and state.scaler is strategy.scaler and hook is fp8_allreduce_hook
+
+
+def test_o2_model_state_is_at_most_6_1_bytes_per_param():
+    strategy, model, optimizer = setup("fp8-lm-o2")
+    train(strategy, model, optimizer, batches(1))
+    measured = model_state_bytes(model, optimizer)
+    # 2 (FP16 master = weight) + 1 (FP8 gradient) + 1 (E4M3 m) + 2 (FP16 v), plus scalars.
+    assert measured["params"] == 2.0 and measured["grads"] == 1.0 and measured["optimizer_states"] == 3.0
+    assert measured["total"] <= 6.1, measured
+    assert all(p.grad is None for p in model.parameters()), "O2 keeps gradients only as FP8"
+
+
+def test_o1_gradients_hold_fp8_values():
+    strategy, model, optimizer = setup("fp8-lm-o1")
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert strategy.process_gradients(optimizer.optimizer)
+    grad = model.transformer.h[0].mlp.c_fc.weight.grad
+    # Values are FP8 payloads over a power-of-two scale: multiplied back they are exact E4M3.
+    scale = pow2_scale(grad.abs().max(), torch.float8_e4m3fn)
+    assert torch.equal((grad * scale).to(torch.float8_e4m3fn).float(), grad * scale)
+
+
+def test_tiny_gpt2_trains_under_o1_and_o2_close_to_fp32():
+    data = batches(2) * 12
+    final = {}
+    for name in ["fp32", *NAMES]:
+        strategy, model, optimizer = setup(name)
+        losses = train(strategy, model, optimizer, data)
+        assert losses[-1] < losses[0] - 1.0, f"{name}: {losses[0]:.3f} -> {losses[-1]:.3f}"
+        final[name] = sum(losses[-2:]) / 2
+    # Measured after 24 steps: fp32 ≈ 3.9; FP8 GEMMs/gradients/optimizer add a few hundredths.
+    for name in NAMES:
+        assert final[name] <= final["fp32"] + 0.15, final
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_carries_mu_and_resumes_bit_for_bit(name):
+    data = batches(5)
+    strategy, model, optimizer = setup(name, auto_scale_interval=4)
+    train(strategy, model, optimizer, data[:2])
+    # A state the run could be in: μ halved once, some clean steps since.
+    strategy.scaler.mu, strategy.scaler.clean_steps = 0.5, 3
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["optimizer"]["hf_lowprec"]["grad_mu"] == 0.5
+
+    strategy2, model2, optimizer2 = setup(name, seed=7, auto_scale_interval=4)
+    model2.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["optimizer"])
+    assert (strategy2.scaler.mu, strategy2.scaler.clean_steps) == (0.5, 3)
+    assert train(strategy, model, optimizer, data[2:]) == train(strategy2, model2, optimizer2, data[2:])
+    assert strategy.scaler.mu == strategy2.scaler.mu == 1.0, "the 4th clean step doubles μ"
+    for (key, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+def test_metrics_report_mu_and_saturation():
+    strategy, model, optimizer = setup("fp8-lm-o2")
+    train(strategy, model, optimizer, batches(1))
+    metrics = strategy.metrics()
+    assert metrics["precision/fp8_grad_mu"] == 1.0
+    assert metrics["precision/fp8_grad_saturated_share"] == 0.0
+    assert metrics["precision/skipped_steps"] == 0.0
