@@ -3,7 +3,9 @@
 Run with `make bench` (or `python bench/bench_optim.py`). Prints, for ~10M parameters in
 a few transformer-like shapes, the median milliseconds per optimizer step, the ratio to
 option D measured in the same run, and the achieved bandwidth against a measured copy
-bandwidth. A benchmark, not a test: nothing here asserts on time.
+bandwidth. A benchmark, not a test: nothing here asserts on time. On a shared machine
+prefer `--threads 1`: OpenMP threads spinning against other processes distort 2-thread
+timings far more than the load itself.
 
 Two byte counts per parameter and step. "ideal": each stored tensor read once and written
 once, what a fused kernel would move. "foreach": what the `torch._foreach_*` calls of this
