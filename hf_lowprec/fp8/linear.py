@@ -46,6 +46,9 @@ GEMM_MULTIPLE = 16
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
+# Output dtypes torch._scaled_mm offers, hence the activation dtypes the layer accepts.
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _quantize_per_tensor(
     x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None = None
@@ -101,7 +104,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         transposed: bool,
         margin: int,
     ) -> torch.Tensor:
-        out_dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        if x.dtype not in _ACTIVATION_DTYPES:
+            raise ValueError(f"FP8 linear takes FP32, FP16 or BF16 inputs, got {x.dtype}")
+        out_dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         x8, sx = _quantize_per_tensor(x2, E4M3, margin)
         w8, sw = _quantize_per_tensor(weight, E4M3, margin, master_scale)

@@ -105,7 +105,7 @@ def test_tiny_gpt2_trains_under_o1_and_o2_close_to_fp32():
         losses = train(strategy, model, optimizer, data)
         assert losses[-1] < losses[0] - 1.0, f"{name}: {losses[0]:.3f} -> {losses[-1]:.3f}"
         final[name] = sum(losses[-2:]) / 2
-    # Measured after 24 steps: fp32 ≈ 3.9; FP8 GEMMs/gradients/optimizer add a few hundredths.
+    # Measured after 24 steps (from 5.55): fp32 2.737, O1 2.740, O2 2.758.
     for name in NAMES:
         assert final[name] <= final["fp32"] + 0.15, final
 
