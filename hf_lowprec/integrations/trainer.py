@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from ..registry import get_strategy
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from .peft import prepare_model
 
 __all__ = [
     "PrecisionArgumentsMixin",
@@ -107,8 +108,19 @@ class TrainingArguments(PrecisionArgumentsMixin, transformers.TrainingArguments)
 class PrecisionCallback(TrainerCallback):
     """Puts the strategy's metrics into the Trainer logs and keeps the LR schedule aligned."""
 
-    def __init__(self, strategy: PrecisionStrategy) -> None:
+    def __init__(self, strategy: PrecisionStrategy, trainer: Any = None) -> None:
         self.strategy = strategy
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # The Trainer wraps the model in DDP inside train(), just before this event and before
+        # the first backward: the last moment a communication hook can be registered.
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        hook = self.strategy.ddp_comm_hook()
+        if hook is not None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            if not getattr(wrapped, "_hf_lowprec_hooked", False):
+                wrapped.register_comm_hook(*hook)
+                wrapped._hf_lowprec_hooked = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.strategy.options.lost_arithmetic_metrics and args.logging_steps:
@@ -166,12 +178,12 @@ class PrecisionTrainerMixin:
                 f"precision_strategy={self.precision.name!r} builds the optimizer; "
                 "drop optimizer_cls_and_kwargs="
             )
-        prepared = self.precision.prepare_model(self.model)
+        prepared = prepare_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
         if prepared is not self.model:
             if self.model_wrapped is self.model:
                 self.model_wrapped = prepared
             self.model = prepared
-        self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision))
+        self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision, self))
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.precision is None or self.optimizer is not None:

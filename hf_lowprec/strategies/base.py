@@ -155,6 +155,10 @@ class PrecisionStrategy:
         """The step itself."""
         return optimizer.step(closure)
 
+    def ddp_comm_hook(self) -> tuple[Any, Callable] | None:
+        """(state, hook) for `ddp_model.register_comm_hook`, or None to keep DDP's all-reduce."""
+        return None
+
     # --- state and metrics -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue bit-for-bit (counters, scales)."""
