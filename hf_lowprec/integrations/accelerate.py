@@ -1,0 +1,199 @@
+"""A precision strategy in a hand-written Accelerate loop, in three changed lines.
+
+    accelerator = Accelerator()
+    plugin = PrecisionPlugin("collage-plus")                                   # 1: new
+    model, optimizer, loader, scheduler = plugin.prepare(                      # 2: was accelerator.prepare(
+        accelerator, model, optimizer, loader, scheduler)
+    for batch in loader:
+        loss = model(**batch).loss          # runs in the strategy's forward context
+        plugin.backward(accelerator, loss)                                     # 3: was accelerator.backward(loss)
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+`plugin.prepare` converts the model (`strategy.prepare_model`), replaces the AdamW the loop built
+by the strategy's optimizer over the same parameter groups and hyperparameters (schedulers built
+on the AdamW follow it), puts the strategy's forward context around every forward of the model,
+then hands everything to `accelerator.prepare`. The plugin wraps Accelerate's calls rather than
+registering with the Accelerator: the strategy owns mixed precision, so the Accelerator must
+have `mixed_precision="no"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from ..registry import get_strategy
+from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from .peft import prepare_model as _prepare_model
+
+__all__ = ["PrecisionPlugin"]
+
+# Group keys carried from a torch Adam/AdamW group to the strategy's optimizer; the others
+# (foreach, fused, capturable, …) are torch implementation switches.
+_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name")
+
+
+class PrecisionPlugin:
+    """Applies a precision strategy to a custom Accelerate training loop.
+
+    Args:
+        strategy: a registered strategy name (see `hf_lowprec.available_strategies()`) or a
+            strategy object.
+        **options: the strategy's options, when `strategy` is a name.
+    """
+
+    def __init__(self, strategy: str | PrecisionStrategy, **options: Any) -> None:
+        if isinstance(strategy, PrecisionStrategy):
+            if options:
+                raise ValueError("pass options either to get_strategy(...) or here, not both")
+            self.strategy = strategy
+        else:
+            self.strategy = get_strategy(strategy, **options)
+        self._hooked: set[int] = set()
+        self._optimizers: list[StrategyOptimizer] = []
+
+    def __repr__(self) -> str:
+        return f"PrecisionPlugin({self.strategy!r})"
+
+    # --- the three-line path ---------------------------------------------------------
+    def prepare(self, accelerator: Any, *objects: Any, **prepare_kwargs: Any) -> Any:
+        """`accelerator.prepare(*objects)` with the strategy applied to models and optimizers.
+
+        Models are converted and get the forward context. A `torch.optim.AdamW` (or `Adam`
+        without weight decay) is replaced by the strategy's optimizer with the same groups;
+        an optimizer from `create_optimizer` passes through. LR schedulers built on a replaced
+        optimizer are moved to the new one. Returns what `accelerator.prepare` returns.
+        """
+        if getattr(accelerator, "mixed_precision", "no") != "no":
+            raise ValueError(
+                f"precision strategy {self.strategy.name!r} owns mixed precision, but the Accelerator has "
+                f"mixed_precision={accelerator.mixed_precision!r}; use Accelerator(mixed_precision='no') "
+                "(or drop --mixed_precision from accelerate launch / the config file)"
+            )
+        objects = list(objects)
+        model_params: set[int] = set()
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.nn.Module):
+                objects[i] = self.prepare_model(obj)
+                model_params.update(id(p) for p in objects[i].parameters())
+        replaced: dict[int, StrategyOptimizer] = {}
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, StrategyOptimizer):
+                objects[i] = replaced[id(obj)] = self._convert_optimizer(obj, model_params)
+            if isinstance(objects[i], StrategyOptimizer) and all(o is not objects[i] for o in self._optimizers):
+                self._optimizers.append(objects[i])
+        for obj in objects:
+            old = getattr(obj, "optimizer", None)
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
+                _rebind_scheduler(obj, replaced[id(old)])
+        prepared = accelerator.prepare(*objects, **prepare_kwargs)
+        self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
+        return prepared
+
+    def backward(self, accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`accelerator.backward(loss)` on the strategy's scaled loss."""
+        accelerator.backward(self.strategy.scale_loss(loss), **kwargs)
+
+    # --- finer-grained pieces ----------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Convert `model` and run its every forward in the strategy's forward context."""
+        model = _prepare_model(self.strategy, model)
+        if id(model) not in self._hooked:
+            contexts: list[contextlib.AbstractContextManager] = []
+
+            def enter(module: torch.nn.Module, args: Any) -> None:
+                ctx = self.strategy.forward_context()
+                ctx.__enter__()
+                contexts.append(ctx)
+
+            def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+                if contexts:
+                    contexts.pop().__exit__(None, None, None)
+
+            model.register_forward_pre_hook(enter)
+            # always_call: leave the context even when the forward raises.
+            model.register_forward_hook(leave, always_call=True)
+            self._hooked.add(id(model))
+        return model
+
+    def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
+        """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""
+        optimizer = self.strategy.create_optimizer(params_or_groups, **hyper)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward context, for computation outside the model's forward (e.g. a custom loss)."""
+        return self.strategy.forward_context()
+
+    def clip_grad_norm_(self, accelerator: Any, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
+        """`accelerator.clip_grad_norm_(parameters, max_norm)` on unscaled gradients (loss-scaling strategies)."""
+        for optimizer in self._optimizers:
+            self.strategy.unscale_gradients(optimizer.optimizer)
+        return accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """The strategy's metrics (`precision/...`), for the loop's logger."""
+        return self.strategy.metrics()
+
+    # --- internals ---------------------------------------------------------------------
+    def _register_comm_hooks(self, prepared: tuple) -> None:
+        # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
+        # `ddp_comm_hook() -> (state, hook)`; DDP models get it.
+        make_hook = getattr(self.strategy, "ddp_comm_hook", None)
+        if make_hook is None:
+            return
+        for obj in prepared:
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                obj.register_comm_hook(*make_hook())
+
+    def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
+        name = type(optimizer).__name__
+        if not isinstance(optimizer, torch.optim.Adam):
+            raise TypeError(
+                f"precision strategy {self.strategy.name!r} builds its own AdamW and can only take the place of "
+                f"torch.optim.AdamW/Adam, got {name}; build the optimizer with plugin.create_optimizer(...)"
+            )
+        if optimizer.state:
+            raise ValueError("the optimizer has already stepped; call plugin.prepare(...) before training")
+        groups = []
+        for group in optimizer.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(f"{name}(amsgrad=True / maximize=True) has no counterpart in the strategy's AdamW")
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+            if group["weight_decay"] and not decoupled:
+                raise ValueError(
+                    f"{name} with weight_decay adds L2 to the gradient; the strategy's AdamW decays decoupled. "
+                    "Use torch.optim.AdamW"
+                )
+            stale = [p for p in group["params"] if id(p) not in model_params]
+            if model_params and stale:
+                raise ValueError(
+                    f"{len(stale)} optimizer parameters are not in the prepared model (the strategy replaced "
+                    "layers); build the optimizer after plugin.prepare_model(model)"
+                )
+            groups.append({k: group[k] for k in _GROUP_KEYS if k in group})
+        return self.strategy.create_optimizer(groups, **{k: optimizer.defaults[k] for k in
+                                                         ("lr", "betas", "eps", "weight_decay")})
+
+
+def _rebind_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: StrategyOptimizer) -> None:
+    # The copied groups carry the scheduler's `initial_lr` and current `lr`, so the schedule
+    # continues on the new optimizer. torch checks at the first `scheduler.step()` that
+    # `optimizer.step()` ran before it, through a marked wrapper its __init__ puts on
+    # `optimizer.step`; give the new optimizer the same marker so that check still holds.
+    scheduler.optimizer = optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step  # type: ignore[method-assign]

@@ -1,0 +1,143 @@
+"""hf_lowprec.trl: TRL configs and trainers with precision_strategy (the recipes run them end to end)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, HfArgumentParser, set_seed  # noqa: E402
+
+import hf_lowprec.trl as hl_trl  # noqa: E402
+from hf_lowprec.data import build_tokenizer, tiny_gpt2_config  # noqa: E402
+from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer  # noqa: E402
+
+CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "PPOConfig")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = build_tokenizer()
+    tok.model_input_names = ["input_ids", "attention_mask"]
+    tok.padding_side = "left"
+    return tok
+
+
+def tiny_lm(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64))
+
+
+def tiny_scorer(tokenizer, seed=1):
+    torch.manual_seed(seed)
+    return GPT2ForSequenceClassification(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, num_labels=1))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_configs_leave_mixed_precision_to_the_strategy(tmp_path, name):
+    config = getattr(hl_trl, name)
+    assert config.__module__ == "hf_lowprec.trl" and config.__name__ == name
+    with_strategy = config(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True)
+    assert with_strategy.bf16 is False and with_strategy.build_precision_strategy().name == "collage-plus"
+    assert config(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's own default, untouched
+    with pytest.raises(ValueError, match="owns mixed precision"):
+        config(output_dir=str(tmp_path), precision_strategy="fp32", bf16=True, use_cpu=True)
+
+
+def test_config_parses_and_pickles(tmp_path):
+    (args,) = HfArgumentParser(hl_trl.SFTConfig).parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--precision_strategy", "bf16-pure", "--use_cpu", "true",
+        "--precision_options", '{"lost_arithmetic_metrics": true}'])
+    assert args.precision_options == {"lost_arithmetic_metrics": True}
+    clone = pickle.loads(pickle.dumps(args))  # the Trainer saves training_args.bin this way
+    assert type(clone) is hl_trl.SFTConfig and clone.precision_strategy == "bf16-pure"
+
+
+def test_missing_trl_names_the_extra():
+    code = ("import sys; sys.modules['trl'] = None\nimport hf_lowprec.trl as t\n"
+            "try:\n    t.SFTTrainer\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "pip install 'hf-lowprec[trl]'" in out
+
+
+@pytest.mark.slow
+def test_grpo_generates_and_scores_in_the_strategy_context(tmp_path, tokenizer):
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return [float(len(c)) / 10 for c in completions]
+
+    args = hl_trl.GRPOConfig(output_dir=str(tmp_path), precision_strategy="bf16-mixed", use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                             activation_checkpointing=False, report_to="none", save_strategy="no",
+                             logging_steps=1, disable_tqdm=True)
+    train = datasets.Dataset.from_dict({"prompt": ["Return the", "Open a file", "Split the", "Join"]})
+    trainer = hl_trl.GRPOTrainer(model=tiny_lm(tokenizer), reward_funcs=[reward], args=args, train_dataset=train,
+                                 processing_class=tokenizer)
+    trainer.train()
+    assert seen and all(seen)
+    assert isinstance(trainer.optimizer.optimizer, StrategyOptimizer)
+    assert "precision/skipped_steps" in trainer.state.log_history[0]
+
+
+class _ScaledFP32(PrecisionStrategy):
+    """FP32 with a static loss scale of 2**10 (exact), counting the gradients it scaled."""
+
+    def __init__(self):
+        super().__init__(name="fp32")
+        self.scaled_tensors = 0
+        self.pending = False
+
+    def scale_loss(self, loss):
+        self.scaled_tensors += 1
+        self.pending = True
+        return loss * 1024.0
+
+    def unscale_gradients(self, optimizer):
+        if self.pending:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(1024.0)
+            self.pending = False
+
+
+def run_ppo(tmp_path, tokenizer, strategy=None):
+    set_seed(0)
+    args = hl_trl.PPOConfig(output_dir=str(tmp_path), precision_strategy="fp32", use_cpu=True,
+                            per_device_train_batch_size=4, num_mini_batches=1, num_ppo_epochs=1, total_episodes=4,
+                            response_length=4, num_sample_generations=0, learning_rate=1e-3,
+                            activation_checkpointing=False, report_to="none", save_strategy="no",
+                            logging_steps=1, disable_tqdm=True)
+    if strategy is not None:
+        args.build_precision_strategy = lambda: strategy
+    prompts = [tokenizer(t)["input_ids"] for t in ("Return the", "Open a file", "Split the", "Join the")]
+    train = datasets.Dataset.from_dict({"input_ids": prompts})
+    reward = tiny_scorer(tokenizer, seed=1)
+    trainer = hl_trl.PPOTrainer(args=args, processing_class=tokenizer, model=tiny_lm(tokenizer), ref_model=None,
+                                reward_model=reward, value_model=tiny_scorer(tokenizer, seed=2),
+                                train_dataset=train, eval_dataset=train)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.slow
+def test_ppo_applies_the_strategy_including_loss_scaling(tmp_path, tokenizer):
+    plain = run_ppo(tmp_path / "plain", tokenizer)
+    assert isinstance(plain.optimizer.optimizer, StrategyOptimizer)
+    logged = plain.state.log_history[-1]
+    assert "loss/policy_avg" in logged and "loss/value_avg" in logged and "precision/skipped_steps" in logged
+
+    strategy = _ScaledFP32()
+    scaled = run_ppo(tmp_path / "scaled", tokenizer, strategy)
+    assert scaled.precision is strategy and strategy.scaled_tensors > 0
+    # Scaling by 2**10 and back is exact in FP32, so the update is the same bit for bit.
+    for a, b in zip(plain.model.parameters(), scaled.model.parameters()):
+        assert torch.equal(a, b)

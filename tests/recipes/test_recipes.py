@@ -1,0 +1,183 @@
+"""Every recipe runs offline as a user runs it, `python recipes/X.py --precision_strategy NAME`.
+
+Each recipe runs a couple of steps in a subprocess under collage-plus and bf16-mixed (one of
+them taking the strategy from HF_LOWPREC_PRECISION_STRATEGY, as an `accelerate launch`
+wrapper passes it). The other registered strategies run pretrain_clm in this process, where
+the imports are already paid for. Recipes print one result line; the checks read it.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_lowprec import available_strategies, get_strategy
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+MARKER = "hf_lowprec-recipe-result:"
+QUICK = ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
+SUBPROCESS_STRATEGIES = ("collage-plus", "bf16-mixed")
+
+
+def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, via_env: bool = False) -> dict:
+    """Run a recipe in a fresh interpreter and return its result line."""
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env.pop("HF_LOWPREC_PRECISION_STRATEGY", None)
+    if via_env:
+        env["HF_LOWPREC_PRECISION_STRATEGY"] = strategy
+    else:
+        args = ["--precision_strategy", strategy, *args]
+    cmd = [sys.executable, str(RECIPES / script), "--output_dir", str(tmp_path / "out"), *QUICK, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
+    assert proc.returncode == 0 and lines, (
+        f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(lines[-1][len(MARKER):])
+
+
+def import_recipe(name: str):
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    return importlib.import_module(name)
+
+
+def check_trained(result: dict, strategy: str, steps: int) -> None:
+    assert result["precision_strategy"] == strategy
+    assert result["global_step"] == steps
+    assert result["precision/skipped_steps"] == 0.0
+    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+    assert math.isfinite(result["final_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
+def test_pretrain_clm(tmp_path, strategy):
+    via_env = strategy == "collage-plus"
+    result = run_recipe("pretrain_clm.py", ["--max_steps", "2", "--per_device_train_batch_size", "4",
+                                            "--max_eval_samples", "12"], tmp_path, strategy=strategy, via_env=via_env)
+    check_trained(result, strategy, 2)
+    assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,model_type,phase", [("collage-plus", "bert", "1"), ("bf16-mixed", "roberta", "2")])
+def test_pretrain_mlm(tmp_path, strategy, model_type, phase):
+    result = run_recipe("pretrain_mlm.py", ["--model_type", model_type, "--bert_phase", phase,
+                                            "--phase1_seq_length", "32", "--phase2_seq_length", "64",
+                                            "--max_steps", "2", "--per_device_train_batch_size", "4",
+                                            "--max_eval_samples", "12"], tmp_path, strategy=strategy)
+    check_trained(result, strategy, 2)
+    assert result["model_type"] == model_type
+    assert result["seq_length"] == (32 if phase == "1" else 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,task,metrics", [
+    ("collage-plus", "synthetic-sst2", {"accuracy"}),          # single sentence
+    ("bf16-mixed", "synthetic-stsb", {"pearson", "spearmanr"}),  # sentence pair, regression
+])
+def test_finetune_glue_reports_glue_metrics(tmp_path, strategy, task, metrics):
+    result = run_recipe("finetune_glue.py", ["--task_name", task, "--max_steps", "3", "--eval_strategy", "no",
+                                             "--per_device_train_batch_size", "8", "--synthetic_size", "64",
+                                             "--max_eval_samples", "32"], tmp_path, strategy=strategy)
+    check_trained(result, strategy, 3)
+    assert set(result["glue"]) == metrics
+    assert all(-1.0 <= v <= 1.0 for v in result["glue"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,fmt", [("collage-plus", "text"), ("bf16-mixed", "messages")])
+def test_sft(tmp_path, strategy, fmt):
+    extra = ["--assistant_only_loss", "true"] if fmt == "messages" else []
+    result = run_recipe("sft.py", ["--dataset_format", fmt, "--max_steps", "2", "--per_device_train_batch_size", "4",
+                                   "--max_length", "64", "--activation_checkpointing", "false",
+                                   "--max_eval_samples", "8", *extra], tmp_path, strategy=strategy)
+    check_trained(result, strategy, 2)
+    assert result["data_format"] == [fmt]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
+def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
+    result = run_recipe("ppo_rlhf.py", ["--total_episodes", "8", "--per_device_train_batch_size", "4",
+                                        "--num_mini_batches", "2", "--num_ppo_epochs", "1", "--response_length", "8",
+                                        "--reward_steps", "2", "--num_prompts", "16",
+                                        "--activation_checkpointing", "false"], tmp_path, strategy=strategy)
+    assert result["precision_strategy"] == strategy
+    assert result["ppo_updates"] == 2  # 8 episodes, 4 prompts a batch
+    assert math.isfinite(result["loss/policy_avg"]) and math.isfinite(result["loss/value_avg"])
+    assert result["loss/value_avg"] > 0
+    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
+def test_grpo_rlhf(tmp_path, strategy):
+    result = run_recipe("grpo_rlhf.py", ["--max_steps", "1", "--per_device_train_batch_size", "4",
+                                         "--num_generations", "4", "--max_completion_length", "8",
+                                         "--reward_steps", "2", "--num_prompts", "8",
+                                         "--activation_checkpointing", "false"], tmp_path, strategy=strategy)
+    check_trained(result, strategy, 1)
+    assert math.isfinite(result["reward"])
+
+
+# --- in process: the other strategies, file inputs, argument handling -----------------------------
+OTHER_STRATEGIES = [s for s in available_strategies() if s not in SUBPROCESS_STRATEGIES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
+def test_pretrain_clm_every_other_strategy(tmp_path, strategy):
+    recipe = import_recipe("pretrain_clm")
+    result = recipe.main(["--precision_strategy", strategy, "--output_dir", str(tmp_path), *QUICK,
+                          "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "8",
+                          "--use_cpu", "true"])
+    check_trained(result, strategy, 2)
+
+
+def test_finetune_glue_from_csv_files(tmp_path):
+    """run_glue-style files: sentence-pair classification scored with accuracy and F1."""
+    recipe = import_recipe("finetune_glue")
+    columns, _ = recipe.synthetic_task("synthetic-mrpc", 48, seed=1)
+    for split, rows in columns.items():
+        with open(tmp_path / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence1", "sentence2", "label"])
+            writer.writerows(zip(rows["sentence1"], rows["sentence2"], rows["label"]))
+    result = recipe.main(["--precision_strategy", "bf16-pure", "--output_dir", str(tmp_path / "out"), *QUICK,
+                          "--train_file", str(tmp_path / "train.csv"), "--validation_file",
+                          str(tmp_path / "validation.csv"), "--max_steps", "2", "--eval_strategy", "no",
+                          "--per_device_train_batch_size", "8", "--max_eval_samples", "16", "--use_cpu", "true"])
+    check_trained(result, "bf16-pure", 2)
+    assert result["metric_task"] == "mrpc" and set(result["glue"]) == {"accuracy", "f1"}
+
+
+def test_strategy_from_environment_and_command_line_precedence(monkeypatch, tmp_path):
+    common = import_recipe("common")
+    from hf_lowprec import TrainingArguments
+
+    monkeypatch.setenv(common.ENV_STRATEGY, "collage-plus")
+    monkeypatch.setenv(common.ENV_OPTIONS, json.dumps({"lost_arithmetic_metrics": True}))
+    (args,) = common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path)])
+    assert args.precision_strategy == "collage-plus"
+    assert args.precision_options == {"lost_arithmetic_metrics": True}
+    (args,) = common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path),
+                                                           "--precision_strategy", "bf16-pure",
+                                                           "--precision_options", "{}"])
+    assert args.precision_strategy == "bf16-pure" and args.precision_options == {}
+    assert args.use_cpu == (not torch.cuda.is_available())
+    monkeypatch.setenv(common.ENV_STRATEGY, "collage-pls")
+    with pytest.raises(ValueError, match="unknown precision strategy 'collage-pls'"):
+        common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path)])
