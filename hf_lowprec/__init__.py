@@ -22,6 +22,7 @@ __all__ = [
     "Trainer",
     "TrainingArguments",
     "PrecisionCallback",
+    "PrecisionPlugin",
     "__version__",
 ]
 
@@ -29,6 +30,7 @@ _LAZY = {
     "Trainer": "hf_lowprec.integrations.trainer",
     "TrainingArguments": "hf_lowprec.integrations.trainer",
     "PrecisionCallback": "hf_lowprec.integrations.trainer",
+    "PrecisionPlugin": "hf_lowprec.integrations.accelerate",
 }
 
 

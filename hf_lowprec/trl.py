@@ -25,6 +25,7 @@ trl is imported on first use of a name here; without it the error names the extr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -69,6 +70,7 @@ def _finish(cls: type, name: str) -> type:
     return cls
 
 
+@functools.cache
 def _config_mixin() -> type:
     from .integrations.trainer import PrecisionArgumentsMixin
 
@@ -84,8 +86,6 @@ def _config_mixin() -> type:
 
 @functools.cache
 def _classes() -> dict[str, type]:
-    import dataclasses
-
     trl = _import("trl")
     from .integrations.trainer import PrecisionTrainerMixin
 
@@ -123,8 +123,6 @@ class _RolloutInContext:
 
 @functools.cache
 def _ppo_classes() -> dict[str, type]:
-    import dataclasses
-
     _import("trl")
     ppo = _import("trl.experimental.ppo")
     import torch
@@ -164,6 +162,10 @@ def _ppo_classes() -> dict[str, type]:
                         call[role] = prepare_model(self.precision, call[role])
             # PPOTrainer.__init__ builds the optimizer (our create_optimizer) and prepares it.
             super(PrecisionTrainerMixin, self).__init__(**call)
+            # It skips Trainer.__init__, which sets this flag that Trainer._save reads on
+            # non-saving ranks (transformers 5.x): without it, save_model fails under DDP.
+            if not hasattr(self, "is_distributed_loading_by_transformers"):
+                self.is_distributed_loading_by_transformers = False
             if self.precision is not None and _scales_loss(self.precision):
                 # train() calls `self.accelerator.backward(loss)` on the PPO loss itself: scale it there.
                 backward = self.accelerator.backward
@@ -178,6 +180,17 @@ def _ppo_classes() -> dict[str, type]:
                 return super().train()
             with self.precision.forward_context():
                 return super().train()
+
+        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+            # TRL 1.12 saves `self.model.policy`, which a DDP wrapper hides (it would save the
+            # wrapped policy+value pair and fail on shared tensors): unwrap DDP first.
+            wrapped = self.model
+            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                self.model = wrapped.module
+            try:
+                super().save_model(output_dir, _internal_call)
+            finally:
+                self.model = wrapped
 
         def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
             if self.precision is not None:

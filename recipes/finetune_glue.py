@@ -63,6 +63,9 @@ _POSITIVE = ("clear", "helpful", "reliable", "elegant", "fast", "excellent", "us
 _NEGATIVE = ("confusing", "useless", "fragile", "clumsy", "slow", "terrible", "broken", "awkward", "buggy", "poor")
 _SUBJECTS = ("the {} module", "this {} function", "the {} documentation", "using {}", "the {} API")
 _FRAMES = ("{s} is {a}.", "I found {s} {a}.", "Honestly, {s} feels {a}.", "{s} turned out {a} in practice.")
+# Words that replace a sentence's own in the similarity task; how many there are sets the score.
+_NOISE = ("banana", "violet", "thunder", "pebble", "walrus", "saffron", "lantern", "meadow", "quartz", "tulip",
+          "harbor", "cobalt", "falcon", "juniper", "marble", "nutmeg", "orchid", "papaya", "rocket", "velvet")
 
 
 def _sentences(seed: int) -> list[str]:
@@ -108,7 +111,7 @@ def synthetic_task(name: str, size: int, seed: int) -> tuple[dict[str, dict[str,
     def stsb(i: int) -> tuple:
         tokens = sentences[i % len(sentences)].split()
         fraction = rng.random()
-        changed = [rng.choice(words) if rng.random() < fraction else t for t in tokens]
+        changed = [rng.choice(_NOISE) if rng.random() < fraction else t for t in tokens]
         same = sum(a == b for a, b in zip(tokens, changed)) / len(tokens)
         return " ".join(tokens), " ".join(changed), round(5.0 * same, 2)
 

@@ -143,12 +143,12 @@ class PrecisionPlugin:
     def _register_comm_hooks(self, prepared: tuple) -> None:
         # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
         # `ddp_comm_hook() -> (state, hook)`; DDP models get it.
-        make_hook = getattr(self.strategy, "ddp_comm_hook", None)
-        if make_hook is None:
+        hook = self.strategy.ddp_comm_hook()
+        if hook is None:
             return
         for obj in prepared:
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-                obj.register_comm_hook(*make_hook())
+                obj.register_comm_hook(*hook)
 
     def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
         name = type(optimizer).__name__

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +144,21 @@ def test_ppo_applies_the_strategy_including_loss_scaling(tmp_path, tokenizer):
     # Scaling by 2**10 and back is exact in FP32, so the update is the same bit for bit.
     for a, b in zip(plain.model.parameters(), scaled.model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ppo_recipe_under_ddp_trains_and_saves(tmp_path):
+    """Two gloo ranks: PPO trains, and save_model writes the policy (TRL 1.12 alone fails there)."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/configs/ddp.yaml",
+           "recipes/ppo_rlhf.py", "--precision_strategy", "collage-plus", "--total_episodes", "8",
+           "--per_device_train_batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
+           "--response_length", "4", "--reward_steps", "1", "--num_prompts", "16",
+           "--activation_checkpointing", "false", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    result = json.loads((tmp_path / "recipe_result.json").read_text())
+    assert result["world_size"] == 2 and result["backend"] == "gloo" and result["ppo_updates"] == 1
+    assert (tmp_path / "model.safetensors").exists()

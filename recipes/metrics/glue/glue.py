@@ -7,7 +7,8 @@
 The configuration is the GLUE task; each task reports the metrics the GLUE benchmark scores
 it with (Wang et al., 2019, Table 1): CoLA Matthews correlation; STS-B Pearson and Spearman
 correlation; MRPC and QQP accuracy and F1 of the positive class; every other task accuracy.
-Written with numpy only.
+Written with numpy only. A correlation that is undefined (constant predictions or references)
+is reported as 0.0, not NaN.
 """
 
 from __future__ import annotations
