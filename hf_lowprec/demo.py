@@ -80,7 +80,7 @@ def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
