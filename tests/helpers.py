@@ -17,3 +17,16 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
 def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def train_steps(strategy, model, optimizer, data: list[torch.Tensor]) -> list[float]:
+    """The plain strategy loop (forward context, scaled backward, step) over `data`; the losses."""
+    losses = []
+    for ids in data:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -7,21 +7,9 @@ import torch
 
 import hf_lowprec
 from hf_lowprec.memory import model_state_bytes
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import batches, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
-
-
-def train_steps(strategy, model, optimizer, data):
-    losses = []
-    for ids in data:
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def setup(name, seed=0):

@@ -9,21 +9,9 @@ import hf_lowprec
 from hf_lowprec.fp8 import FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, PlainAdamW
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import batches, tiny_gpt2, train_steps as train
 
 NAMES = ["fp8-lm-o1", "fp8-lm-o2"]
-
-
-def train(strategy, model, optimizer, data):
-    losses = []
-    for ids in data:
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def setup(name, seed=0, lr=3e-3, **options):
