@@ -181,3 +181,15 @@ def test_accelerate_launch_deepspeed_zero2(tmp_path):
     assert result["world_size"] == 2 and result["distributed_type"] == "DEEPSPEED"
     assert result["precision_strategy"] == "bf16-mixed"
     assert result["global_step"] == 3 and result["precision/skipped_steps"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_trainer_ddp_uses_the_fp8_allreduce_hook(tmp_path):
+    # The Trainer wraps the model in DDP inside train(); the FP8 all-reduce hook must be on it
+    # before the first backward, and its underflow/overflow counters then reach the logs.
+    result = launch("ddp.yaml", "fp8-lm-o2", tmp_path, via_env=False)
+    assert result["world_size"] == 2 and result["global_step"] == 3
+    assert result["trainable_param_dtype"] == "torch.float16"
+    assert "precision/fp8_allreduce_underflow" in result and "precision/fp8_allreduce_overflow" in result
+    assert result["precision/skipped_steps"] == 0.0
