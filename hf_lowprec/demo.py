@@ -17,7 +17,7 @@ import time
 
 import torch
 import transformers
-from transformers import GPT2LMHeadModel, TrainerCallback
+from transformers import GPT2LMHeadModel, PrinterCallback, TrainerCallback
 
 from .data import build_tokenizer, clm_datasets, tiny_gpt2_config
 from .integrations.trainer import Trainer, TrainingArguments
@@ -64,6 +64,7 @@ def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed:
     )
     timer = _StepTimer()
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)  # the table below is the output
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     eval_loss = trainer.evaluate()["eval_loss"]
