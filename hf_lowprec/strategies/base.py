@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..metrics import edq, imprecision_percentage
+from ..optim.collage import check_adamw_hyperparameters
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
@@ -118,12 +119,7 @@ class PrecisionStrategy:
         groups = _as_groups(params_or_groups)
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
-        if lr < 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+        check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
         inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         return StrategyOptimizer(inner, self)
 
