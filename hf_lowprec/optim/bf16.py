@@ -63,16 +63,6 @@ class PlainAdamW(AdamWBase):
     state_roles: ClassVar[dict[str, str]] = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer"}
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ):
-        super().__init__(params, lr, betas, eps, weight_decay)
-
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {"step": 0, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
 
@@ -102,16 +92,6 @@ class KahanAdamW(AdamWBase):
         "exp_avg_sq": "optimizer",
         "compensation": "extra",
     }
-
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ):
-        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -215,16 +195,6 @@ class FP32StatesAdamW(AdamWBase):
     """
 
     state_roles: ClassVar[dict[str, str]] = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer"}
-
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ):
-        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         fp32 = torch.float32

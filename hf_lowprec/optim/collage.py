@@ -123,6 +123,8 @@ class AdamWBase(LowPrecisionOptimizer):
     """
 
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = LOW_PRECISION_DTYPES
+    # Group options beyond the AdamW hyper-parameters that a subclass's constructor passes on.
+    extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
         "cast the model with model.to(torch.bfloat16), or use PlainAdamW / torch.optim.AdamW "
         "for FP32 parameters"
@@ -131,12 +133,15 @@ class AdamWBase(LowPrecisionOptimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
         **extra_defaults: Any,
     ):
+        unknown = sorted(set(extra_defaults) - set(self.extra_options))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected argument(s) {unknown}")
         check_adamw_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
         super().__init__(params, defaults)
@@ -360,6 +365,7 @@ class CollageAdamW(AdamWBase):
     `param_error` δθ, `exp_avg_sq_error` δv (plus only), and `step` (int).
     """
 
+    extra_options: ClassVar[tuple[str, ...]] = ("variant",)
     state_roles: ClassVar[dict[str, str]] = {
         "exp_avg": "optimizer",
         "exp_avg_sq": "optimizer",
