@@ -58,6 +58,10 @@ class PrecisionStrategy:
         bytes_per_param: documented model-state bytes per parameter (params + grads +
             optimizer states + extra components), checked by the contract test.
         skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
+        zero_stages: DeepSpeed ZeRO stages under which the strategy keeps its numerics (tested
+            by tests/deepspeed); `hf_lowprec.deepspeed` refuses the others before training.
+        zero_refusal: why the other stages are refused, naming what works instead.
+        zero_note: one line for the README support matrix: what the ZeRO partitions hold.
     """
 
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -65,6 +69,9 @@ class PrecisionStrategy:
     compute_dtype: ClassVar[torch.dtype] = torch.float32
     bytes_per_param: ClassVar[float] = 16.0
     skips_nonfinite: ClassVar[bool] = True
+    zero_stages: ClassVar[tuple[int, ...]] = ()
+    zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO"
+    zero_note: ClassVar[str] = ""
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__

@@ -26,6 +26,9 @@ def bf16_autocast() -> contextlib.ExitStack:
 class FP32(PrecisionStrategy):
     """Everything in FP32: parameters, gradients, AdamW states (16 bytes/param)."""
 
+    zero_stages = (0, 1, 2, 3)
+    zero_note = "FP32 partitions and AdamW states"
+
 
 @register("bf16-mixed")
 class BF16Mixed(PrecisionStrategy):
@@ -35,6 +38,8 @@ class BF16Mixed(PrecisionStrategy):
     """
 
     compute_dtype = torch.bfloat16
+    zero_stages = (0, 1, 2, 3)
+    zero_note = "FP32 partitions (the masters) and AdamW states; BF16 autocast compute"
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return bf16_autocast()
@@ -47,6 +52,11 @@ class BF16Pure(PrecisionStrategy):
     param_dtype = torch.bfloat16
     compute_dtype = torch.bfloat16
     bytes_per_param = 8.0
+    # With bf16_master_weights_and_grads the ZeRO partition is the BF16 weight, no FP32 master;
+    # DeepSpeed without ZeRO would wrap a BF16 model in FP32 masters.
+    zero_stages = (1, 2, 3)
+    zero_refusal = "DeepSpeed without ZeRO keeps FP32 master weights of a BF16 model"
+    zero_note = "BF16 partitions (bf16_master_weights_and_grads), the optimizer's own state dtypes"
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(torch.bfloat16)

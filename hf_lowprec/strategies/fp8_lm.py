@@ -76,6 +76,10 @@ class FP8LM(PrecisionStrategy):
     """FP8 linear layers, FP8 gradients with automatic scaling μ, FP8 all-reduce; O2 adds FP8AdamW."""
 
     Options = FP8LMOptions
+    zero_refusal = (
+        "ZeRO would split the per-tensor FP8 gradients and scaled FP16 masters into flat partitions "
+        "and reduce the gradients outside the FP8 all-reduce; use fp8-lm-o3 with ZeRO stage 1 or 2"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)

@@ -1,0 +1,338 @@
+"""DeepSpeed ZeRO for precision strategies: the settings a strategy owns, what it supports, balance.
+
+A strategy owns the precision entries of a DeepSpeed config. `precision_config(strategy, config)`
+fills those left `"auto"` (or absent) and refuses the ones that contradict the strategy, before
+any training starts:
+
+| strategy parameters | `bf16.enabled` | `bf16_master_weights_and_grads` | `bf16_optimizer_states` | `fp16.enabled` |
+|---|---|---|---|---|
+| BF16 (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) | true | true | true | false |
+| FP32 (fp32, bf16-mixed, fp8-lm-o3's non-FP8 parameters) | false | false | false | false |
+
+With the three BF16 entries on, the partition DeepSpeed hands to the strategy's optimizer is the
+BF16 weight itself (no FP32 master), so Collage's δθ and δv, Kahan's compensation and the
+stochastic-rounding state live in the partitioned optimizer state as they do in one process.
+
+Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
+(`zero_stages`, `zero_refusal`); `zero_support`, the check and `support_matrix_markdown` all read
+that one source. `assign_whole_tensors` and `partition_report` are the FP8 ZeRO distribution of
+ALGORITHMS.md §3 (whole tensors, largest first, to the least-loaded rank).
+
+DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.deepspeed` works
+without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import heapq
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .registry import available_strategies, get_strategy
+
+if TYPE_CHECKING:
+    from .strategies.base import PrecisionStrategy
+
+__all__ = [
+    "STAGES",
+    "PartitionReport",
+    "apply_precision_config",
+    "assign_whole_tensors",
+    "check_zero_support",
+    "load_config",
+    "owned_entries",
+    "partition_report",
+    "precision_config",
+    "require_deepspeed",
+    "support_matrix",
+    "support_matrix_markdown",
+    "zero_stage",
+    "zero_support",
+]
+
+STAGES = (1, 2, 3)
+_AUTO = "auto"
+
+
+def require_deepspeed() -> Any:
+    """`import deepspeed`, or an ImportError naming the extra to install."""
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ImportError(
+            "DeepSpeed is not installed; install the extra with `pip install 'hf-lowprec[deepspeed]'`"
+        ) from err
+    return deepspeed
+
+
+# --- the support matrix -------------------------------------------------------------------------
+def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
+    return get_strategy(strategy) if isinstance(strategy, str) else strategy
+
+
+def zero_support(strategy: PrecisionStrategy | str, stage: int) -> str | None:
+    """None when `strategy` keeps its numerics under ZeRO `stage`, else the refusal message.
+
+    The message says why and names a combination that works.
+    """
+    strategy = _strategy(strategy)
+    if stage in strategy.zero_stages:
+        return None
+    if strategy.zero_stages:
+        works = ", ".join(str(s) for s in strategy.zero_stages)
+        hint = f"use ZeRO stage {works} with it"
+    else:
+        hint = "train it with DDP (no DeepSpeed)"
+    return (
+        f"precision strategy {strategy.name!r} is not supported under DeepSpeed ZeRO stage {stage}: "
+        f"{strategy.zero_refusal}; {hint}"
+    )
+
+
+def check_zero_support(strategy: PrecisionStrategy | str, stage: int) -> None:
+    """Raise ValueError with `zero_support`'s message when the combination is refused."""
+    message = zero_support(strategy, stage)
+    if message is not None:
+        raise ValueError(message)
+
+
+def support_matrix(names: Iterable[str] | None = None) -> dict[str, dict[int, str | None]]:
+    """{strategy name: {stage: None (supported) or refusal message}} for ZeRO stages 1, 2, 3."""
+    names = available_strategies() if names is None else list(names)
+    return {name: {stage: zero_support(name, stage) for stage in STAGES} for name in names}
+
+
+def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
+    """The support matrix as a markdown table (README), from the same source as the check."""
+    lines = [
+        "| strategy | ZeRO-1 | ZeRO-2 | ZeRO-3 | under ZeRO |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in support_matrix(names).items():
+        strategy = get_strategy(name)
+        cells = ["yes" if row[s] is None else "no" for s in STAGES]
+        note = strategy.zero_note if any(row[s] is None for s in STAGES) else strategy.zero_refusal
+        lines.append(f"| `{name}` | {' | '.join(cells)} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the precision entries of a DeepSpeed config --------------------------------------------------
+def owned_entries(strategy: PrecisionStrategy | str) -> dict[str, Any]:
+    """The DeepSpeed config entries (dotted keys) the strategy decides, with its values."""
+    bf16 = _partition_dtype(_strategy(strategy)) == torch.bfloat16
+    return {
+        "bf16.enabled": bf16,
+        "bf16.bf16_master_weights_and_grads": bf16,
+        "bf16.bf16_optimizer_states": bf16,
+        "fp16.enabled": False,
+        "fp16.fp16_master_weights_and_grads": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _partition_dtype(strategy: PrecisionStrategy) -> torch.dtype:
+    # BF16 models keep BF16 partitions (no FP32 master); every other supported one keeps FP32.
+    return torch.bfloat16 if strategy.param_dtype == torch.bfloat16 else torch.float32
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config as a dict (deep copy) from a dict, a JSON file path or a JSON string."""
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    text = str(source)
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            return json.load(f)
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"DeepSpeed config {text!r} is neither a file nor a JSON object") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"DeepSpeed config must be a JSON object, got {loaded!r}")
+    return loaded
+
+
+def zero_stage(config: Mapping[str, Any]) -> int:
+    """`zero_optimization.stage` of a DeepSpeed config (0 when absent)."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage == _AUTO or isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
+def _get(config: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _as_bool(value: Any) -> Any:
+    # DeepSpeed configs written by hand carry "true"/"false" strings too.
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> None:
+    name = strategy.name
+    stage = zero_stage(config)
+    check_zero_support(strategy, stage)
+    for key, ours in owned_entries(strategy).items():
+        value = _as_bool(_get(config, key))
+        if value is None or value == _AUTO or value == ours:
+            continue
+        raise ValueError(
+            f"the DeepSpeed config sets {key}={value!r}, but precision strategy {name!r} needs "
+            f"{key}={ours!r}: the strategy owns mixed precision; set it to {json.dumps(ours)} or \"auto\""
+        )
+    if "optimizer" in config:
+        raise ValueError(
+            f"the DeepSpeed config has an \"optimizer\" section, but precision strategy {name!r} builds the "
+            "optimizer; remove the \"optimizer\" section (keep \"scheduler\" if you want DeepSpeed's)"
+        )
+    accum = _get(config, "data_types.grad_accum_dtype")
+    partition = "bf16" if _partition_dtype(strategy) == torch.bfloat16 else "fp32"
+    if accum not in (None, _AUTO, partition):
+        raise ValueError(
+            f"the DeepSpeed config sets data_types.grad_accum_dtype={accum!r}, but precision strategy {name!r} "
+            f"keeps {partition} gradients; remove data_types.grad_accum_dtype or set it to {partition!r}"
+        )
+    for offload in ("offload_optimizer", "offload_param"):
+        device = _get(config, f"zero_optimization.{offload}.device")
+        if device not in (None, "none", _AUTO):
+            raise ValueError(
+                f"the DeepSpeed config sets zero_optimization.{offload}.device={device!r}; offloading replaces "
+                f"the optimizer of precision strategy {name!r} by DeepSpeedCPUAdam. Remove "
+                f"zero_optimization.{offload}"
+            )
+
+
+def precision_config(strategy: PrecisionStrategy | str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `config` with the strategy's precision entries filled; ValueError on a contradiction.
+
+    Raises before any work when: the ZeRO stage is refused for the strategy; an owned entry is
+    set to another value than the strategy's (e.g. `fp16.enabled: true` with collage-plus);
+    the config has its own `optimizer`; `data_types.grad_accum_dtype` differs from the
+    strategy's partitions; optimizer or parameter offload is on.
+    """
+    strategy = _strategy(strategy)
+    out = load_config(config)
+    _check_config(strategy, out)
+    for key, value in owned_entries(strategy).items():
+        _set(out, key, value)
+    return out
+
+
+def apply_precision_config(
+    strategy: PrecisionStrategy | str, target: dict[str, Any], original: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Check `original` (the user's config, before any "auto" was filled) and write the strategy's
+    entries into `target` in place (a config a framework is already filling). Returns `target`."""
+    strategy = _strategy(strategy)
+    _check_config(strategy, target if original is None else original)
+    for key, value in owned_entries(strategy).items():
+        _set(target, key, value)
+    return target
+
+
+# --- whole-tensor distribution (FP8 ZeRO) ---------------------------------------------------------
+def assign_whole_tensors(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The owning rank of each tensor: largest first, each to the rank with the fewest bytes so far.
+
+    Ties go to the lower rank and, among equal sizes, the earlier tensor goes first, so every
+    rank computes the same assignment from the same list.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if any(s < 0 for s in sizes):
+        raise ValueError("tensor sizes must be >= 0")
+    owners = [0] * len(sizes)
+    loads = [(0, rank) for rank in range(world_size)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionReport:
+    """Bytes and tensors per rank of a whole-tensor distribution, and the greedy bound.
+
+    For largest-first greedy assignment of total T bytes over N ranks with largest tensor s,
+    max(T/N, s) ≤ max bytes per rank ≤ T/N + (1 − 1/N)·s (the rank that ends up heaviest was the
+    least loaded, hence at most T/N before its last tensor).
+    """
+
+    world_size: int
+    owners: tuple[int, ...]
+    bytes_per_rank: tuple[int, ...]
+    tensors_per_rank: tuple[int, ...]
+    lower_bound: float
+    greedy_bound: float
+
+    @property
+    def max_min_ratio(self) -> float:
+        low = min(self.bytes_per_rank)
+        return math.inf if low == 0 else max(self.bytes_per_rank) / low
+
+    def markdown(self) -> str:
+        rows = ["| rank | tensors | bytes |", "|---|---|---|"]
+        rows += [f"| {r} | {t} | {b} |" for r, (t, b) in enumerate(zip(self.tensors_per_rank, self.bytes_per_rank))]
+        rows.append(f"\nmax/min = {self.max_min_ratio:.4f}; bounds {self.lower_bound:.0f} ≤ max ≤ {self.greedy_bound:.0f}")
+        return "\n".join(rows)
+
+
+def _nbytes(item: Any, bytes_per_element: float) -> int:
+    if isinstance(item, torch.Tensor):
+        return int(round(item.numel() * (bytes_per_element or item.element_size())))
+    if isinstance(item, (tuple, list, torch.Size)):
+        return int(round(math.prod(item) * (bytes_per_element or 1)))
+    return int(round(item * (bytes_per_element or 1)))
+
+
+def partition_report(
+    tensors: Iterable[torch.Tensor | Sequence[int] | int], world_size: int, *, bytes_per_element: float = 0.0
+) -> PartitionReport:
+    """The whole-tensor distribution of `tensors` over `world_size` ranks (no processes needed).
+
+    Args:
+        tensors: tensors, shapes or element counts.
+        world_size: number of ranks.
+        bytes_per_element: bytes each element costs its owner (e.g. 5 for an FP8-LM O3 owner: FP16
+            master, FP8 m, FP16 v); 0 takes the tensor's element size (1 for shapes and counts).
+    """
+    sizes = [_nbytes(t, bytes_per_element) for t in tensors]
+    owners = assign_whole_tensors(sizes, world_size)
+    loads = [0] * world_size
+    counts = [0] * world_size
+    for size, rank in zip(sizes, owners):
+        loads[rank] += size
+        counts[rank] += 1
+    total, largest = sum(sizes), max(sizes, default=0)
+    return PartitionReport(
+        world_size=world_size,
+        owners=tuple(owners),
+        bytes_per_rank=tuple(loads),
+        tensors_per_rank=tuple(counts),
+        lower_bound=max(total / world_size, largest),
+        greedy_bound=total / world_size + (1 - 1 / world_size) * largest,
+    )
