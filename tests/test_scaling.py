@@ -1,0 +1,233 @@
+"""Graphcore ALS and running-mean accumulation on synthetic gradients (ALGORITHMS.md §5)."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from hf_lowprec.scaling import FP16_MAX, AutomaticLossScaler, RunningMeanGradients, running_mean_
+
+EDGE = 2.0**13
+U16 = 2.0**-11  # FP16 unit roundoff (11-bit significand, round to nearest)
+
+
+class Holder(torch.nn.Module):
+    """One FP16 parameter whose gradient the test sets directly."""
+
+    def __init__(self, n=1000):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n, dtype=torch.float16))
+
+
+def one_step(scaler, grad):
+    model = Holder(grad.numel())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.track(model)
+    model.w.grad = grad.to(torch.float16).clone()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    return scaler.update(), model.w.grad
+
+
+def saturating():
+    g = torch.full((1000,), 1.0)
+    g[:3] = 2.0**14  # 0.3 % of the elements in the upper bin: far above 1e-7
+    return g
+
+
+def test_saturating_gradients_halve_the_scale():
+    scaler = AutomaticLossScaler(init_scale=2.0**10)
+    scale, grad = one_step(scaler, saturating())
+    assert scale == 2.0**9
+    assert scaler.last_upper_share == pytest.approx(3 / 1000)
+    # Unscaling divides by a power of two: exact for these normal FP16 values.
+    assert torch.equal(grad[:3].double(), torch.full((3,), 2.0**14 / 2.0**10, dtype=torch.float64))
+
+
+def test_tiny_gradients_grow_the_scale_to_the_cap_and_stop():
+    scaler = AutomaticLossScaler()  # init 1, cap 2^15
+    trace = [one_step(scaler, torch.full((1000,), 1e-3))[0] for _ in range(20)]
+    assert trace[:15] == [2.0**k for k in range(1, 16)]
+    assert trace[15:] == [2.0**15] * 5
+
+
+def test_one_element_in_the_upper_bin_is_above_the_threshold():
+    # 1 of 1000 = 1e-3 > 1e-7; a zero threshold halves on any upper-bin element, but an
+    # all-lower histogram still doubles.
+    scaler = AutomaticLossScaler(init_scale=4.0, threshold=0.0)
+    g = torch.zeros(1000)
+    g[0] = EDGE  # the edge itself belongs to the upper bin
+    assert one_step(scaler, g)[0] == 2.0
+    assert one_step(scaler, torch.zeros(1000))[0] == 4.0  # all-zero gradients: share 0, grow
+
+
+def test_period_is_respected_and_sums_the_histogram():
+    scaler = AutomaticLossScaler(init_scale=2.0**6, period=3)
+    trace = []
+    for step in range(6):
+        g = saturating() if step == 1 else torch.full((1000,), 1e-3)
+        trace.append(one_step(scaler, g)[0])
+    # Steps 0-2 are one period holding one saturated step: halve at its end; steps 3-5 clean: double.
+    assert trace == [2.0**6, 2.0**6, 2.0**5, 2.0**5, 2.0**5, 2.0**6]
+
+
+def test_overflow_is_clipped_not_skipped_and_counted():
+    scaler = AutomaticLossScaler(init_scale=4.0)
+    model = Holder(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler.track(model)
+    model.w.grad = torch.tensor([math.inf, -math.inf, 8.0, 0.0], dtype=torch.float16)
+    scaler.unscale_(optimizer)
+    scaler.unscale_(optimizer)  # a second call in the same step is a no-op
+    assert torch.equal(model.w.grad, torch.tensor([FP16_MAX / 4, -FP16_MAX / 4, 2.0, 0.0], dtype=torch.float16))
+    scaler.step(optimizer)
+    assert torch.isfinite(model.w).all() and model.w[2] == -2.0  # the step happened
+    assert scaler.update() == 2.0
+    assert scaler.last_clipped == 2 and scaler.total_clipped == 2
+
+
+def test_scale_below_one_clips_the_unscaled_gradient_too():
+    scaler = AutomaticLossScaler(init_scale=0.25, min_scale=2.0**-4)
+    _, grad = one_step(scaler, torch.tensor([30000.0, 1.0]))
+    # 30000 / 0.25 = 120000 does not fit FP16: saturate at 65504, never inf.
+    assert grad.tolist() == [FP16_MAX, 4.0]
+
+
+def test_nan_skips_the_step_and_halves_at_once():
+    scaler = AutomaticLossScaler(init_scale=8.0, period=100)
+    model = Holder(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler.track(model)
+    model.w.grad = torch.tensor([math.nan, 1.0, 1.0], dtype=torch.float16)
+    scaler.unscale_(optimizer)
+    assert scaler.step(optimizer) is None
+    assert torch.equal(model.w.detach(), torch.zeros(3, dtype=torch.float16))
+    assert scaler.update() == 4.0  # mid-period, halved anyway
+
+
+def linear_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False)).half()
+    return model
+
+
+def test_activation_gradients_are_counted():
+    # dL/dy = 1e4 ≥ 2^13 on the Linear's output, while dL/dW = 1e4·x = 1 stays in the lower bin.
+    x = torch.full((1, 4), 1e-4, dtype=torch.float16)
+    scales = {}
+    for track in (True, False):
+        model = linear_model()
+        scaler = AutomaticLossScaler(init_scale=1.0, track_activations=track).track(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        (model(x).float().sum() * 1e4).backward()
+        assert model[0].weight.grad.abs().max() < EDGE
+        scaler.unscale_(optimizer)
+        scales[track] = scaler.update()
+    assert scales == {True: 0.5, False: 2.0}
+
+
+def test_activation_overflow_is_clipped_in_backward_and_named_once(caplog):
+    model = linear_model()
+    scaler = AutomaticLossScaler().track(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.full((1, 4), 2.0**-4, dtype=torch.float16)
+
+    def backward():
+        y = model(x)
+        # dL/dz = 3e4 fits FP16; dL/dy = 4·3e4 = 1.2e5 overflows to inf in FP16.
+        ((y * 4.0).float().sum() * 3e4).backward()
+
+    caplog.set_level(logging.WARNING, logger="hf_lowprec.scaling")
+    for step in range(4):
+        model.zero_grad()
+        if step == 2:
+            (model(x).float().sum()).backward()  # a clean step ends the first occurrence
+        else:
+            backward()
+            # Clamped in the hook to 65504, so dL/dW = 65504·2^-4 = 4094, exact in FP16.
+            assert torch.equal(model[0].weight.grad, torch.full((4, 4), 4094.0, dtype=torch.float16))
+        scaler.unscale_(optimizer)
+        scaler.update()
+    named = [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()]
+    assert len(named) == 2, named  # steps 0 and 3, not step 1 (same occurrence as step 0)
+    assert all(m.endswith("in: 0") for m in named)
+
+
+def test_state_dict_round_trip_and_bounds():
+    scaler = AutomaticLossScaler(init_scale=8.0, period=2)
+    one_step(scaler, saturating())
+    state = scaler.state_dict()
+    other = AutomaticLossScaler(init_scale=8.0, period=2)
+    other.load_state_dict(state)
+    for _ in range(3):
+        assert one_step(scaler, torch.full((10,), 1e-3))[0] == one_step(other, torch.full((10,), 1e-3))[0]
+    assert other.state_dict() == scaler.state_dict()
+    with pytest.raises(ValueError, match="outside"):
+        AutomaticLossScaler().load_state_dict({**state, "scale": 2.0**20})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"period": 0}, "period"),
+        ({"bin_edge": 1e5}, "bin_edge"),
+        ({"threshold": 1.0}, "threshold"),
+        ({"init_scale": 3.0}, "power of two"),
+        ({"init_scale": 2.0**16}, "min_scale <= init_scale <= max_scale"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AutomaticLossScaler(**kwargs)
+
+
+# --- running-mean accumulation ----------------------------------------------------------
+def micro_batch_gradients(n=8, size=4096, magnitude=3e4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Same sign, large: a plain FP16 sum of 8 passes 65504 after 3 micro-batches.
+    return [(magnitude * (0.5 + 0.5 * torch.rand(size, generator=g))).half() for _ in range(n)]
+
+
+def test_running_mean_does_not_overflow_where_the_sum_does():
+    grads = micro_batch_gradients()
+    total = torch.zeros_like(grads[0])
+    mean = torch.zeros_like(grads[0])
+    for k, g in enumerate(grads, start=1):
+        total += g
+        running_mean_(mean, g, k)
+    assert torch.isinf(total).any()
+    reference = torch.stack([g.double() for g in grads]).mean(0)
+    # Each step rounds three times (the (k-1)/k product, g/k and the sum), each error at most
+    # u·max|g| (u = 2^-11); the error carried from step k-1 shrinks by (k-1)/k, so
+    # |M_N - mean| <= 3·N·u·max|g| is a safe bound (about 0.7 % here; a sum would be inf).
+    bound = 3 * len(grads) * U16 * float(reference.abs().max())
+    assert float((mean.double() - reference).abs().max()) <= bound
+    assert float(mean.abs().max()) <= max(float(g.abs().max()) for g in grads)
+
+
+def test_running_mean_hooks_match_the_function_and_reset():
+    grads = micro_batch_gradients(n=4, size=64, magnitude=1.0)
+    model = Holder(64)
+    accumulator = RunningMeanGradients().attach(model)
+    expected = torch.zeros(64, dtype=torch.float16)
+    for window in range(2):  # the second window starts after zero_grad(set_to_none=False) + reset
+        for k, g in enumerate(grads, start=1):
+            (model.w.float() * g.float()).sum().backward()  # dL/dw = g exactly
+            running_mean_(expected, g, k)
+        assert torch.equal(model.w.grad, expected)
+        model.zero_grad(set_to_none=False)
+        accumulator.reset()
+
+
+def test_running_mean_hook_clamps_opposite_infinities():
+    model = Holder(1)
+    RunningMeanGradients().attach(model)
+    for sign in (1.0, -1.0):
+        (model.w.float() * sign * 1e6).sum().backward()  # dL/dw = ±1e6 → ±inf in FP16
+    assert model.w.grad.item() == 0.0  # (65504 − 65504)/2, not inf − inf = NaN
+
+
+def test_running_mean_k_starts_at_one():
+    with pytest.raises(ValueError, match="counts from 1"):
+        running_mean_(torch.zeros(1), torch.ones(1), 0)
