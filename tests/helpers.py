@@ -30,3 +30,16 @@ def train_steps(strategy, model, optimizer, data: list[torch.Tensor]) -> list[fl
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """`n` random token blocks as causal-LM examples (labels = input_ids) for Trainer tests."""
+
+    def __init__(self, n: int = 48, seq: int = 32, seed: int = 1):
+        self.ids = torch.cat(batches(n // 4, batch=4, seq=seq, seed=seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import time
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +23,9 @@ import transformers
 from transformers import TrainerCallback
 
 from ..registry import get_strategy
+from ..report import SilentPrecisionWarning, check_promises, describe, format_report, silent_precision_problem
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from .checkpoints import resolve_resume_checkpoint
 from .peft import prepare_model
 
 __all__ = [
@@ -32,6 +37,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# The startup report's JSON, written to the output directory when training starts.
+REPORT_FILE = "precision_report.json"
 
 # Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
 _ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
@@ -65,6 +73,10 @@ class PrecisionArgumentsMixin:
         if self.precision_strategy is not None:
             strategy = self.build_precision_strategy()  # validates the name and options before any work
             _reconcile_mixed_precision_flags(self, strategy)
+            if getattr(self, "deepspeed", None):
+                from ..deepspeed import precision_config
+
+                precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         super().__post_init__()
@@ -117,17 +129,42 @@ class PrecisionCallback(TrainerCallback):
         # the first backward: the last moment a communication hook can be registered.
         wrapped = getattr(self.trainer, "model_wrapped", None)
         hook = self.strategy.ddp_comm_hook()
-        if hook is not None and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        if hook is not None and ddp:
             if not getattr(wrapped, "_hf_lowprec_hooked", False):
                 wrapped.register_comm_hook(*hook)
                 wrapped._hf_lowprec_hooked = True
+        if self.trainer is not None and not getattr(self.trainer, "_hf_lowprec_reported", False):
+            self.trainer._hf_lowprec_reported = True
+            self._report(args, state, ddp)
+
+    def _report(self, args, state, ddp: bool) -> None:
+        """Log once what is active, write it to the output directory, stop on a broken promise."""
+        trainer = self.trainer
+        plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+        plugin = getattr(plugin, "deepspeed_plugin", None)
+        stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
+        report = describe(self.strategy, trainer.model, trainer.optimizer, deepspeed_stage=stage, ddp=ddp)
+        if state.is_world_process_zero:
+            logger.info("%s", format_report(report))
+            if args.output_dir:
+                os.makedirs(args.output_dir, exist_ok=True)
+                with open(os.path.join(args.output_dir, REPORT_FILE), "w") as f:
+                    json.dump(report, f, indent=1, default=str)
+        check_promises(self.strategy, trainer.model)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._step_start = time.perf_counter()
         if self.strategy.options.lost_arithmetic_metrics and args.logging_steps:
             steps = args.logging_steps
             if steps < 1:  # a ratio of the total, as the Trainer reads it
                 steps = max(1, int(state.max_steps * steps))
             self.strategy.measure_next_step = (state.global_step + 1) % int(steps) == 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        start = getattr(self, "_step_start", None)
+        if start is not None and self.trainer is not None:
+            self.trainer.step_seconds.append(time.perf_counter() - start)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         # The Trainer only steps the LR scheduler when Accelerate reports no skip; Accelerate
@@ -183,11 +220,26 @@ class PrecisionTrainerMixin:
             if self.model_wrapped is self.model:
                 self.model_wrapped = prepared
             self.model = prepared
+        self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
+        if getattr(self, "is_deepspeed_enabled", False):
+            from ..deepspeed import configure_accelerator
+
+            configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
         self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision, self))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        # Pick and check the checkpoint before the base class loads anything: an interrupted
+        # save is skipped, a damaged file or another strategy's checkpoint is refused.
+        name = self.precision.name if self.precision is not None else None
+        resume_from_checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint, name)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.precision is None or self.optimizer is not None:
-            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+            optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+            if self.precision is None:
+                self._warn_silent_precision(self.model if model is None else model, optimizer)
+            return optimizer
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
@@ -205,6 +257,15 @@ class PrecisionTrainerMixin:
         )
         return self.optimizer
 
+    def _warn_silent_precision(self, model: torch.nn.Module, optimizer: Any) -> None:
+        # Once per trainer: BF16/FP16 weights under a plain AdamW silently drop small updates.
+        if getattr(self, "_hf_lowprec_warned", False):
+            return
+        problem = silent_precision_problem(model, optimizer)
+        if problem is not None:
+            self._hf_lowprec_warned = True
+            warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
+
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()
         if self.precision is not None:
@@ -219,7 +280,10 @@ class PrecisionTrainerMixin:
         overrides_scaling = type(self.precision).scale_loss is not PrecisionStrategy.scale_loss
         if overrides_scaling and torch.is_tensor(loss) and loss.requires_grad:
             # Scaling the gradient that leaves the loss equals scaling the loss, and the
-            # logged loss stays the true loss.
+            # logged loss stays the true loss. training_step divides the loss by the
+            # accumulation steps (or the model by the window's token count) afterwards.
+            steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+            self.precision.set_gradient_accumulation(int(steps))
             loss.register_hook(self.precision.scale_loss)
         return result
 

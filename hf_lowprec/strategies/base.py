@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import typing
 from collections.abc import Iterable
 from typing import Any, Callable, ClassVar
 
@@ -42,10 +44,41 @@ class StrategyOptions:
     lost_arithmetic_metrics: bool = False
 
     def __post_init__(self) -> None:
+        # Options often come from a JSON string on the command line: check every value against
+        # its declared type here, so a wrong one fails before any work with the option's name.
+        hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.type in ("bool", bool) and not isinstance(value, bool):
-                raise ValueError(f"option {field.name!r} must be true or false, got {value!r}")
+            problem = _option_type_problem(getattr(self, field.name), hints.get(field.name))
+            if problem is not None:
+                raise ValueError(f"option {field.name!r} must be {problem}, got {getattr(self, field.name)!r}")
+
+
+# Integer options end up in torch (seeds, counters, intervals): they must fit an int64.
+_INT64_MAX = 2**63 - 1
+
+
+def _option_type_problem(value: Any, expected: Any) -> str | None:
+    """What `value` should have been to match the annotation `expected`, or None when it matches."""
+    if expected is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if expected is int:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT64_MAX:
+            return None
+        return "an integer that fits in 64 bits"
+    if expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                if math.isfinite(float(value)):
+                    return None
+            except OverflowError:
+                pass
+        return "a finite number"
+    if expected is str:
+        return None if isinstance(value, str) else "a string"
+    if typing.get_origin(expected) is typing.Literal:
+        choices = typing.get_args(expected)
+        return None if isinstance(value, str) and value in choices else f"one of {list(choices)}"
+    return None  # other annotations (unions, containers) are the subclass's to check
 
 
 class PrecisionStrategy:
@@ -58,6 +91,7 @@ class PrecisionStrategy:
         bytes_per_param: documented model-state bytes per parameter (params + grads +
             optimizer states + extra components), checked by the contract test.
         skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
+        uses_fp8_gemm: linear layers compute in FP8 (the startup check requires an FP8 layer).
         zero_stages: DeepSpeed ZeRO stages under which the strategy keeps its numerics (tested
             by tests/deepspeed); `hf_lowprec.deepspeed` refuses the others before training.
         zero_refusal: why the other stages are refused, naming what works instead.
@@ -69,8 +103,9 @@ class PrecisionStrategy:
     compute_dtype: ClassVar[torch.dtype] = torch.float32
     bytes_per_param: ClassVar[float] = 16.0
     skips_nonfinite: ClassVar[bool] = True
+    uses_fp8_gemm: ClassVar[bool] = False
     zero_stages: ClassVar[tuple[int, ...]] = ()
-    zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO"
+    zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO; train it with DDP (no DeepSpeed)"
     zero_note: ClassVar[str] = ""
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
@@ -139,6 +174,10 @@ class PrecisionStrategy:
         """The tensor to call backward on (loss scaling)."""
         return loss
 
+    def set_gradient_accumulation(self, micro_batches: int) -> None:
+        """Told by the loop that each micro-batch loss was divided by `micro_batches` (the
+        Trainer and Accelerate do that); a strategy that averages micro-batches itself undoes it."""
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Undo loss scaling on gradients.
 
@@ -162,6 +201,17 @@ class PrecisionStrategy:
         """(state, hook) for `ddp_model.register_comm_hook`, or None to keep DDP's all-reduce."""
         return None
 
+    # --- what is active -----------------------------------------------------------------
+    def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes trainable parameters may have after `prepare_model` (checked at startup)."""
+        return (self.param_dtype,)
+
+    def describe(self, model: torch.nn.Module, optimizer: Any | None = None, **context: Any) -> dict[str, Any]:
+        """What is active on `model` and `optimizer` (see `hf_lowprec.report.describe`)."""
+        from ..report import describe
+
+        return describe(self, model, optimizer, **context)
+
     # --- state and metrics -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue bit-for-bit (counters, scales)."""
@@ -182,8 +232,9 @@ class PrecisionStrategy:
         for name, recs in [("", records)] + [(f"/group{g}", per_group[g]) for g in sorted(per_group)]:
             if group_count == 1 and name:
                 continue
+            # The values the optimizer holds (θ + δθ, masters), not the visible parameters.
             before = [r.before for r in recs]
-            after = [r.param.detach() for r in recs]
+            after = [r.after for r in recs]
             update = [r.update for r in recs]
             out[f"precision/imprecision_pct{name}"] = imprecision_percentage(before, after, update)
             quality, ratio = edq(before, after, update)
