@@ -46,6 +46,7 @@ __all__ = [
     "apply_precision_config",
     "assign_whole_tensors",
     "check_zero_support",
+    "configure_accelerator",
     "load_config",
     "owned_entries",
     "partition_report",
@@ -85,14 +86,12 @@ def zero_support(strategy: PrecisionStrategy | str, stage: int) -> str | None:
     strategy = _strategy(strategy)
     if stage in strategy.zero_stages:
         return None
+    hint = ""
     if strategy.zero_stages:
-        works = ", ".join(str(s) for s in strategy.zero_stages)
-        hint = f"use ZeRO stage {works} with it"
-    else:
-        hint = "train it with DDP (no DeepSpeed)"
+        hint = f"; it runs under ZeRO stage {' or '.join(str(s) for s in strategy.zero_stages if s)}"
     return (
         f"precision strategy {strategy.name!r} is not supported under DeepSpeed ZeRO stage {stage}: "
-        f"{strategy.zero_refusal}; {hint}"
+        f"{strategy.zero_refusal}{hint}"
     )
 
 
@@ -251,6 +250,42 @@ def apply_precision_config(
     for key, value in owned_entries(strategy).items():
         _set(target, key, value)
     return target
+
+
+# --- framework glue ---------------------------------------------------------------------------------
+_FLAG_KEYS = ("bf16.enabled", "fp16.enabled")
+
+
+def configure_accelerator(
+    strategy: PrecisionStrategy, accelerator: Any, original: str | os.PathLike | Mapping[str, Any] | None = None
+) -> None:
+    """Write the strategy's entries into the config of `accelerator`'s DeepSpeed plugin (no-op without one).
+
+    `original` is the user's config before transformers/Accelerate filled its "auto" entries
+    (`TrainingArguments.deepspeed`); without it, the file `accelerate launch` names, else the
+    plugin's config, where `bf16.enabled`/`fp16.enabled` were already filled from
+    `mixed_precision="no"` and so are not held against the strategy.
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    hf_config = plugin.hf_ds_config
+    env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if original is None and env_file and os.path.isfile(env_file):
+        original = env_file
+    if original is None:
+        original = load_config(hf_config.config)
+        for key in _FLAG_KEYS:
+            if _get(original, key) is False:
+                _set(original, key, _AUTO)
+    apply_precision_config(strategy, hf_config.config, load_config(original))
+    # transformers compared bf16.enabled/fp16.enabled with --bf16/--fp16, which the strategy
+    # turned off; the strategy has checked those entries itself.
+    mismatches = getattr(hf_config, "mismatches", None)
+    if mismatches:
+        hf_config.mismatches = [m for m in mismatches if not m.startswith(tuple(f"- ds {k}=" for k in _FLAG_KEYS))]
+    if hasattr(hf_config, "_dtype"):
+        hf_config._dtype = _partition_dtype(strategy)
 
 
 # --- whole-tensor distribution (FP8 ZeRO) ---------------------------------------------------------

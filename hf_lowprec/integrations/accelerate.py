@@ -89,6 +89,10 @@ class PrecisionPlugin:
             old = getattr(obj, "optimizer", None)
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
                 _rebind_scheduler(obj, replaced[id(old)])
+        if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
+            from ..deepspeed import configure_accelerator
+
+            configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         return prepared

@@ -1,0 +1,264 @@
+"""One rank of the DeepSpeed ZeRO tests: every case of the support matrix in one launch.
+
+Started by `tests/deepspeed/launch.py` as RANK/WORLD_SIZE processes (gloo). For each
+(strategy, stage) it either expects `hf_lowprec.deepspeed.precision_config` to refuse, or builds
+a fresh `deepspeed.initialize` with the strategy's client optimizer, trains a few steps and
+records what the partitions DeepSpeed holds really are, the per-rank model-state bytes, the
+losses, and whether save_checkpoint → load_checkpoint continues bit-for-bit. Results go to
+`<out>/rank<r>.json`, written before the process exits, with "complete": true at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.deepspeed import precision_config, zero_support  # noqa: E402
+from tests.helpers import batches, tiny_gpt2  # noqa: E402
+
+MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
+LR = 1e-3
+BASE_CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "steps_per_print": 10**9,
+    "wall_clock_breakdown": False,
+}
+
+
+def ds_config(stage: int) -> dict:
+    return {**BASE_CONFIG, "zero_optimization": {"stage": stage}}
+
+
+def build(name: str, stage: int):
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    engine, zero_opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=precision_config(strategy, ds_config(stage))
+    )
+    return strategy, engine, zero_opt, optimizer
+
+
+def local(ids: torch.Tensor) -> torch.Tensor:
+    rank = dist.get_rank()
+    return ids[rank * MICRO:(rank + 1) * MICRO]
+
+
+def train(strategy, engine, data) -> list[float]:
+    """Per step, the loss of the whole global batch (mean of the ranks' local losses)."""
+    losses = []
+    for ids in data:
+        ids = local(ids)
+        with strategy.forward_context():
+            loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def partitions(zero_opt) -> list[torch.Tensor]:
+    """The weight partitions DeepSpeed hands to the client optimizer on this rank."""
+    if hasattr(zero_opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
+        return list(zero_opt.single_partition_of_fp32_groups)
+    return list(zero_opt.fp32_partitioned_groups_flat)  # ZeRO 3
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_dtypes(optimizer) -> dict[str, str]:
+    out = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.numel() > 1:
+                out[key] = str(value.dtype)
+    return out
+
+
+def model_bytes(engine, stage: int) -> int:
+    params = list(engine.module.parameters())
+    if stage == 3:  # each rank holds its ds_tensor shard of every parameter
+        return nbytes(p.ds_tensor for p in params)
+    return nbytes(params)
+
+
+def digest(engine) -> str:
+    h = hashlib.sha256()
+    for t in engine.module.state_dict().values():
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference(name: str, data) -> dict:
+    """The strategy in one process (no DeepSpeed) on the whole batches: dtypes and losses."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in data:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = [p for p in model.parameters() if p.requires_grad]
+    return {
+        "losses": losses,
+        "param_dtype": str(params[0].dtype),
+        "state_dtypes": state_dtypes(optimizer),
+        "model_state_bytes": nbytes(params) * 2 + nbytes(
+            v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
+        ),
+    }
+
+
+def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
+    strategy, engine, zero_opt, client = build(name, stage)
+    inner = client.optimizer
+    grad_bytes = []  # the gradient partitions the client optimizer steps on
+    inner.register_step_pre_hook(lambda opt, *_: grad_bytes.append(
+        nbytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)))
+    losses = train(strategy, engine, data[:2])
+    parts = partitions(zero_opt)
+    result = {
+        "zero_optimizer": type(zero_opt).__name__,
+        "client_is_ours": zero_opt.optimizer is client,
+        "model_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+        "partition_dtypes": sorted({str(p.dtype) for p in parts}),
+        "state_dtypes": state_dtypes(inner),
+        "bytes": {
+            "model": model_bytes(engine, stage),
+            "partitions": nbytes(parts),
+            "grads": max(grad_bytes),
+            "optimizer_state": nbytes(
+                v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
+            ),
+        },
+    }
+    engine.save_checkpoint(str(ckpt_dir), tag="t2")
+    losses += train(strategy, engine, data[2:])
+    result["losses"] = losses
+    result["digest"] = digest(engine)
+    # A fresh engine restored from the checkpoint must continue exactly.
+    strategy2, engine2, zero_opt2, client2 = build(name, stage)
+    engine2.load_checkpoint(str(ckpt_dir), tag="t2")
+    result["resumed_losses"] = train(strategy2, engine2, data[2:])
+    result["resumed_digest"] = digest(engine2)
+    result["resumed_state_dtypes"] = state_dtypes(client2.optimizer)
+    for e in (engine, engine2):
+        e.destroy()
+    return result
+
+
+def run_trainer(name: str, stage: int, out: Path, data) -> dict:
+    """`Trainer(TrainingArguments(deepspeed=..., precision_strategy=name))`: 4 steps uninterrupted,
+    then a fresh Trainer resumed from the step-2 checkpoint; save_pretrained → a plain model."""
+    from transformers import GPT2LMHeadModel
+
+    from hf_lowprec import Trainer, TrainingArguments
+
+    rows = [{"input_ids": ids[i], "labels": ids[i]} for ids in data for i in range(len(ids))]
+
+    def trainer(run: str) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(out / run), precision_strategy=name, deepspeed=ds_config(stage), use_cpu=True,
+            per_device_train_batch_size=MICRO, max_steps=4, save_steps=2, learning_rate=LR, weight_decay=0.01,
+            lr_scheduler_type="constant", logging_steps=1, report_to=[], disable_tqdm=True, seed=0,
+            data_seed=0, save_only_model=False,
+        )
+        t = Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
+        return t
+
+    first = trainer("full")
+    first.train()
+    zero_opt = first.model_wrapped.optimizer
+    parts = partitions(zero_opt)
+    result = {
+        "zero_optimizer": type(zero_opt).__name__,
+        "partition_dtypes": sorted({str(p.dtype) for p in parts}),
+        "state_dtypes": state_dtypes(zero_opt.optimizer.optimizer),
+        "losses": [h["loss"] for h in first.state.log_history if "loss" in h],
+        "digest": digest(first.model_wrapped),
+    }
+    first.save_model(str(out / "saved"))
+    dist.barrier()
+    plain = GPT2LMHeadModel.from_pretrained(str(out / "saved"))
+    trained = {k: v.float() for k, v in first.model.state_dict().items()}
+    result["saved_equal"] = all(torch.equal(v.float(), trained[k]) for k, v in plain.state_dict().items())
+    result["saved_dtype"] = str(next(plain.parameters()).dtype)
+    second = trainer("full")
+    second.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
+    result["resumed_losses"] = [h["loss"] for h in second.state.log_history if "loss" in h]
+    result["resumed_digest"] = digest(second.model_wrapped)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of [strategy, stage]")
+    args = parser.parse_args()
+    out = Path(args.out)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(4, batch=MICRO * world)
+    results: dict = {"world_size": world, "cases": {}, "references": {}}
+    path = out / f"rank{rank}.json"
+
+    def flush(complete: bool = False) -> None:
+        results["complete"] = complete
+        path.write_text(json.dumps(results, indent=1))
+
+    for name, stage, *mode in json.loads(args.cases):
+        key = f"{name}/{stage}" + "".join(f"/{m}" for m in mode)
+        start = time.time()
+        refusal = zero_support(name, stage)
+        try:
+            if mode == ["trainer"]:
+                case = run_trainer(name, stage, out / "trainer" / key.replace("/", "_"), data)
+            elif refusal is not None:
+                try:
+                    precision_config(name, ds_config(stage))
+                    case = {"refused": False, "error": "precision_config accepted a refused combination"}
+                except ValueError as err:
+                    case = {"refused": True, "message": str(err)}
+            else:
+                if name not in results["references"]:
+                    results["references"][name] = reference(name, data)
+                case = run_supported(name, stage, out / "ckpt" / key.replace("/", "_"), data)
+        except Exception:  # recorded, so the test shows which case failed and why
+            case = {"error": traceback.format_exc()}
+        case["seconds"] = round(time.time() - start, 2)
+        results["cases"][key] = case
+        flush()
+        dist.barrier()
+    flush(complete=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The DeepSpeed precision entries a strategy owns, the support matrix, the whole-tensor partition report.
+
+No processes: these check the pure logic of `hf_lowprec.deepspeed` (the 2-rank runs are in
+test_zero.py).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_lowprec import available_strategies, get_strategy
+from hf_lowprec.deepspeed import (
+    STAGES,
+    assign_whole_tensors,
+    partition_report,
+    precision_config,
+    require_deepspeed,
+    support_matrix,
+    support_matrix_markdown,
+    zero_support,
+)
+
+BF16_WEIGHTS = ["collage-plus", "collage-light", "bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states"]
+AUTO = {
+    "zero_optimization": {"stage": 2},
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+@pytest.mark.parametrize("name", BF16_WEIGHTS)
+def test_bf16_weight_strategies_get_bf16_partitions(name):
+    config = precision_config(name, AUTO)
+    assert config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert config["fp16"]["enabled"] is False
+    assert config["zero_allow_untested_optimizer"] is True
+    assert config["train_micro_batch_size_per_gpu"] == "auto"  # not ours: left for the Trainer
+    assert AUTO["bf16"] == {"enabled": "auto"}  # the caller's dict is not modified
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-mixed"])
+def test_fp32_partition_strategies_keep_deepspeed_in_fp32(name):
+    config = precision_config(name, {"zero_optimization": {"stage": 3}})
+    assert config["bf16"] == {"enabled": False, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+    assert config["fp16"]["enabled"] is False
+
+
+def test_explicit_agreeing_values_pass():
+    config = {**AUTO, "bf16": {"enabled": "true", "bf16_master_weights_and_grads": True}}
+    assert precision_config("collage-plus", config)["bf16"]["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    "name, patch, key",
+    [
+        ("collage-plus", {"fp16": {"enabled": True}}, "fp16.enabled"),
+        ("bf16-pure", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
+         "bf16.bf16_master_weights_and_grads"),
+        ("collage-light", {"bf16": {"enabled": "auto", "bf16_optimizer_states": False}}, "bf16.bf16_optimizer_states"),
+        ("bf16-mixed", {"bf16": {"enabled": True}}, "bf16.enabled"),
+        ("fp32", {"fp16": {"enabled": True}}, "fp16.enabled"),
+        ("collage-plus", {"zero_allow_untested_optimizer": False}, "zero_allow_untested_optimizer"),
+        ("collage-plus", {"optimizer": {"type": "AdamW", "params": {}}}, "\"optimizer\" section"),
+        ("collage-plus", {"data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype"),
+        ("collage-plus", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+         "zero_optimization.offload_optimizer"),
+    ],
+)
+def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
+    with pytest.raises(ValueError) as err:
+        precision_config(name, {**AUTO, **patch})
+    assert key in str(err.value) and repr(name) in str(err.value)
+
+
+def test_refused_stages_name_a_combination_that_works():
+    with pytest.raises(ValueError, match=r"fp8-lm-o3 with ZeRO stage 1 or 2"):
+        precision_config("fp8-lm-o2", AUTO)
+    with pytest.raises(ValueError, match=r"stage 0.*runs under ZeRO stage 1 or 2 or 3"):
+        precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 0}})
+    with pytest.raises(ValueError, match="zero_optimization.stage must be"):
+        precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 4}})
+
+
+def test_training_arguments_refuse_a_contradicting_deepspeed_config_before_any_work(tmp_path):
+    from hf_lowprec import TrainingArguments
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**AUTO, "fp16": {"enabled": True}}))
+    with pytest.raises(ValueError, match="fp16.enabled"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-plus", deepspeed=str(path), use_cpu=True)
+    with pytest.raises(ValueError, match="ZeRO stage 2"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp8-lm-o1", deepspeed=dict(AUTO), use_cpu=True)
+
+
+def test_support_matrix_covers_every_registered_strategy_from_one_source():
+    matrix = support_matrix()
+    assert sorted(matrix) == available_strategies()
+    table = support_matrix_markdown()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines()[2:]}
+    assert sorted(rows) == available_strategies()
+    for name, row in matrix.items():
+        cells = [c.strip() for c in rows[name].split("|")[2:5]]
+        assert cells == ["yes" if row[s] is None else "no" for s in STAGES]
+        assert set(row[s] is None for s in STAGES) == {True} or name not in BF16_WEIGHTS
+        for stage in STAGES:
+            assert row[stage] == zero_support(get_strategy(name), stage)
+
+
+def test_missing_deepspeed_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match=r"hf-lowprec\[deepspeed\]"):
+        require_deepspeed()
+
+
+def test_module_imports_without_deepspeed():
+    code = ("import sys; sys.modules['deepspeed'] = None; import hf_lowprec.deepspeed as d; "
+            "print(len(d.support_matrix()), d.precision_config('collage-plus', {'zero_optimization': {'stage': 2}})['bf16']['enabled'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "True"
+
+
+# --- whole-tensor distribution ------------------------------------------------------------------
+def gpt2_small_shapes() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(FP8 GEMM weights, other parameters) of GPT-2 small (124M): 12 layers, d=768, vocab 50257."""
+    d, layers = 768, 12
+    gemm = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * layers
+    other = [(50257, d), (1024, d)] + [(d,), (d,), (3 * d,), (d,), (d,), (d,), (4 * d,), (d,)] * layers + [(d,), (d,)]
+    return gemm, other
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_gpt2_small_fp8_weights_balance_within_the_greedy_bound(world):
+    gemm, other = gpt2_small_shapes()
+    assert sum(a * b for a, b in gemm) == 84_934_656  # 12 × (3 + 1 + 4 + 4)·768²
+    # An O3 owner keeps an FP16 master, an FP8 m and an FP16 v: 5 bytes per element.
+    report = partition_report(gemm, world, bytes_per_element=5)
+    assert sum(report.bytes_per_rank) == 5 * 84_934_656 and sum(report.tensors_per_rank) == 48
+    assert report.lower_bound <= max(report.bytes_per_rank) <= report.greedy_bound
+    # The 48 GEMM weights come in 4 sizes whose counts divide by 4 and 8: greedy is exact here.
+    assert report.max_min_ratio == 1.0
+    # Whole tensors of the full parameter list would not balance: the 38.6M-element embedding
+    # alone exceeds T/N and its rank gets nothing else (max/min 1.36 on 4 ranks, 3.24 on 8) —
+    # why the non-FP8 parameters go through DeepSpeed's flat partitioning instead.
+    everything = partition_report(gemm + other, world, bytes_per_element=5)
+    assert everything.lower_bound <= max(everything.bytes_per_rank) <= everything.greedy_bound
+    assert max(everything.bytes_per_rank) == 5 * 50257 * 768 > sum(everything.bytes_per_rank) / world
+    assert everything.tensors_per_rank[everything.owners[gemm.__len__()]] == 1
+
+
+def test_greedy_bound_is_attained_by_its_worst_case():
+    # Two ranks, sizes 3,3,2,2,2: greedy gives {3,2,2}=7 vs {3,2}=5 while 6/6 is optimal;
+    # the bound T/N + (1 − 1/N)·s = 6 + 1.5 = 7.5 holds.
+    report = partition_report([3, 3, 2, 2, 2], 2)
+    assert report.bytes_per_rank == (7, 5)
+    assert report.bytes_per_rank[0] <= report.greedy_bound == 7.5
+
+
+def test_assignment_edges():
+    assert assign_whole_tensors([5, 1, 7], 1) == [0, 0, 0]  # one process: rank 0 owns everything
+    assert assign_whole_tensors([], 4) == []
+    assert assign_whole_tensors([4, 4, 4, 4], 2) == [0, 1, 0, 1]  # ties: earlier tensor, lower rank
+    assert assign_whole_tensors([0, 0, 9], 2) == [1, 1, 0]  # zero-size tensors still get an owner
+    report = partition_report([1, 1], 4)
+    assert report.tensors_per_rank == (1, 1, 0, 0) and report.max_min_ratio == float("inf")
+    with pytest.raises(ValueError, match="world_size"):
+        assign_whole_tensors([1], 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        assign_whole_tensors([-1], 2)
