@@ -1,0 +1,388 @@
+"""Fused optimizer steps: each update rule written once as a pure function, compiled.
+
+Every kernel here is a pure function of the tensors of ONE parameter (flattened to 1-D) and a
+small FP32 vector of per-step scalars. `torch.compile` turns it into one loop that reads each
+stored tensor once and writes it once: vectorised C++/OpenMP on CPU, Triton on CUDA, from this
+same source. The `torch._foreach_*` implementations in `collage.py`, `bf16.py` and
+`fp8_adamw.py` stay the reference, and the fallback where compiling is not possible.
+
+Arithmetic. The kernels reproduce the reference's sequence (spelled out in
+`collage.collage_adamw`): moments and Δθ in FP32 registers, each stored value rounded once,
+and the error-free transformations (TwoSum, Fast2Sum) in storage-dtype arithmetic, each
+operation rounded (`_round`). Two things make that exact under Inductor: the explicit casts are
+kept (`emulate_precision_casts`; otherwise a cast to BF16 and back is dropped), and products and
+sums are not fused or reassociated (its C++ is built with -ffp-contract=off, no unsafe-math).
+Where the eager CPU kernels do fuse (vectorised `lerp` is an FMA, `addcmul` is contracted into
+one), `_fma` reproduces the single rounding. So on CPU the compiled step is bit-identical to the
+reference. On CUDA, Triton may contract a·b + c into an FMA where eager CUDA does not: the
+results then agree within one rounding of each FP32 intermediate (bounds in the tests).
+
+Layout: per tensor, dynamic shapes. Each parameter is passed as a flat 1-D view, so one
+compiled graph (one symbolic length) serves every tensor of every model; no flat buffer.
+Measured with `bench/bench_optim.py --layout` (GPT-2 124M shapes, 2 threads): the per-tensor
+loop costs 3–6% over one call on a flat buffer of the same size (about 148 calls of ~30 µs of
+guard and launch overhead against a 40–100 ms step). A flat buffer would remove that, but it
+needs parameters and gradients to be views of one storage (as DeepSpeed and apex arrange),
+which breaks for parameters another framework owns (PEFT, FSDP, ZeRO partitions, tied
+weights); the 3–6% is not worth that.
+
+Dispatch (`_runnable`): "foreach" always takes the reference; "compiled" requires the
+compiled kernel and raises if it cannot be built; "auto" uses it on CPU (with a C++ compiler)
+and CUDA (with Triton) and falls back to the reference, logging the reason once, when the
+device is unsupported, no compiler is found or compilation fails.
+
+Compile cost: one graph per (kernel, dtypes, device), paid once per process and cached on
+disk by Inductor (`TORCHINDUCTOR_CACHE_DIR`; `make` and the tests put it under build/).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "FUSED_MODES",
+    "FusedMode",
+    "adamw_kernel",
+    "check_fused_mode",
+    "collage_kernel",
+    "compiled_adamw",
+    "compiled_collage_adamw",
+    "compiled_kahan_adamw",
+    "compiled_stochastic_rounding_adamw",
+    "kahan_kernel",
+    "stochastic_rounding_kernel",
+]
+
+logger = logging.getLogger(__name__)
+
+FusedMode = Literal["auto", "compiled", "foreach"]
+FUSED_MODES: tuple[str, ...] = ("auto", "compiled", "foreach")
+
+Tensors = list[torch.Tensor]
+
+# Slots of the per-step scalar vector every AdamW kernel reads.
+_W1, _B2, _OMB2, _STEP, _EPS, _DECAY = range(6)
+
+
+def check_fused_mode(owner: str, fused: str) -> str:
+    """Return `fused` if it is a valid mode, else raise naming the valid ones."""
+    if fused not in FUSED_MODES:
+        raise ValueError(
+            f"{owner}: unknown fused={fused!r}; choose 'auto' (compiled kernel where possible), "
+            f"'compiled' (require it) or 'foreach' (the reference path)"
+        )
+    return fused
+
+
+# --- the kernels: pure functions of one flat parameter -----------------------------------
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` (to nearest even) and widened back to FP32 for further arithmetic."""
+    return x.to(dtype).to(torch.float32)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a·b + c rounded once to FP32, as the eager CPU kernels compute `lerp` and `addcmul`.
+
+    ATen's vectorised lerp is an explicit FMA and its addcmul is contracted into one by the
+    compiler; Inductor's C++ is built with -ffp-contract=off. The product of two FP32 numbers
+    is exact in FP64, so forming the sum there and rounding to FP32 gives the fused result
+    (up to a double rounding in about 2^-29 of cases, never seen in the tests).
+    """
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _adamw_registers(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_error: torch.Tensor | None,
+    h: torch.Tensor,
+) -> torch.Tensor:
+    """Store the new moments and return Δθ₃₂: `collage.adamw_moments_` + `adamw_delta`, fused.
+
+    m₃₂ = lerp(m, g, 1 − β1); v₃₂ = min(β2·(v [+ δv]) + (1 − β2)·g·g, max_v);
+    Δθ₃₂ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'), all FP32; m, v (and δv = r(v₃₂ − r(v₃₂)))
+    stored rounded once in their own dtype.
+    """
+    g = grad.float()
+    m_old = exp_avg.float()
+    m = _fma(h[_W1], g - m_old, m_old)
+    v = exp_avg_sq.float()
+    if exp_avg_sq_error is not None:
+        v = v + exp_avg_sq_error.float()
+    v = _fma(h[_OMB2] * g, g, v * h[_B2])
+    v = torch.clamp(v, max=torch.finfo(exp_avg_sq.dtype).max)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if exp_avg_sq_error is not None:
+        exp_avg_sq_error.copy_(v - _round(v, exp_avg_sq.dtype))
+    denominator = torch.sqrt(v) + h[_EPS]
+    return param.float() * h[_DECAY] + h[_STEP] * m / denominator
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """TwoSum in `dtype` arithmetic on FP32 registers (`numerics.foreach_two_sum_`)."""
+    s = _round(a + b, dtype)
+    bb = _round(s - a, dtype)
+    return s, _round(_round(b - bb, dtype) + _round(a - _round(s - bb, dtype), dtype), dtype)
+
+
+def _fast_two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast2Sum in `dtype` arithmetic (`numerics.foreach_fast_two_sum_`); needs |a| ≥ |b| or a = 0."""
+    s = _round(a + b, dtype)
+    return s, _round(b + _round(a - s, dtype), dtype)
+
+
+def collage_kernel(
+    param: torch.Tensor,
+    param_error: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_error: torch.Tensor | None,
+    h: torch.Tensor,
+) -> None:
+    """One Collage AdamW step (ALGORITHMS.md §2) on one parameter, in place.
+
+    light when `exp_avg_sq_error` is None, plus otherwise: the sequence spelled out in
+    `collage.collage_adamw`, then (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, add, Fast2Sum.
+    """
+    dtype = param.dtype
+    delta = _round(_adamw_registers(param, grad, exp_avg, exp_avg_sq, exp_avg_sq_error, h), dtype)
+    s, e = _two_sum(param.float(), delta, dtype)
+    theta, error = _fast_two_sum(s, _round(param_error.float() + e, dtype), dtype)
+    param.copy_(theta)
+    param_error.copy_(error)
+
+
+def adamw_kernel(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, h: torch.Tensor) -> None:
+    """`bf16.PlainAdamW` (moments in the parameter's dtype) and `bf16.FP32StatesAdamW` (FP32
+    moments): θ ← r(θ + Δθ₃₂), rounded once."""
+    param.copy_(param.float() + _adamw_registers(param, grad, exp_avg, exp_avg_sq, None, h))
+
+
+def kahan_kernel(
+    param: torch.Tensor, compensation: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, h: torch.Tensor
+) -> None:
+    """One `bf16.KahanAdamW` step: y = r(Δθ₃₂ + k), then (θ, k) ← TwoSum(θ, y)."""
+    dtype = param.dtype
+    y = _round(compensation.float() + _adamw_registers(param, grad, exp_avg, exp_avg_sq, None, h), dtype)
+    theta, new_compensation = _two_sum(param.float(), y, dtype)
+    param.copy_(theta)
+    compensation.copy_(new_compensation)
+
+
+def _uniform_bits16(numel: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """16 uniform random bits per element from a counter-based hash of (seed, index).
+
+    Two rounds of multiply-xorshift over index + seed·golden-ratio, kept to 32 bits in int64
+    arithmetic with every product below 2^63: no generator state and no buffer, so the
+    compiled loop makes its random bits in registers.
+    """
+    mask = 0xFFFFFFFF
+    x = (torch.arange(numel, device=device, dtype=torch.int64) + seed * 0x9E3779B9) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    x = x ^ (x >> 16)
+    return (x >> 16).to(torch.int32)
+
+
+def stochastic_rounding_kernel(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, h: torch.Tensor, seed: torch.Tensor
+) -> None:
+    """One `bf16.StochasticRoundingAdamW` step for a BF16 parameter: θ ← SR(θ + Δθ₃₂).
+
+    Adding 16 uniform bits below BF16's significand and truncating rounds up with probability
+    (x − ⌊x⌋)/ulp, as `numerics.stochastic_round`; the bits come from `_uniform_bits16`, a
+    different stream from the reference's generator (same distribution).
+    """
+    target = _adamw_registers(param, grad, exp_avg, exp_avg_sq, None, h) + param.float()
+    bits = target.view(torch.int32) + _uniform_bits16(param.numel(), seed, param.device)
+    rounded = (bits & -65536).view(torch.float32)
+    plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(param.dtype).max)
+    param.copy_(torch.where(plain, target, rounded))
+
+
+# --- compilation and dispatch ------------------------------------------------------------
+
+
+@functools.cache
+def _compiled(kernel: Callable[..., None]) -> Callable[..., None]:
+    # Module-level cache: one compiled callable per kernel for the whole process, so tests
+    # and optimizers share graphs (dynamo then recompiles only for new dtypes or devices).
+    # emulate_precision_casts: without it Inductor drops a cast to BF16/FP16 followed by a
+    # cast back to FP32, which would remove exactly the roundings the kernels spell out.
+    return torch.compile(kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+_logged: set[str] = set()
+_broken: set[tuple[str, str]] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
+@functools.cache
+def _compiler_missing(device_type: str) -> str | None:
+    """Why the compiled path cannot run on `device_type`, or None if it can."""
+    if device_type == "cpu":
+        from torch._inductor import config
+
+        compiler = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) and config.cpp.cxx[1] else "g++"
+        if not any(shutil.which(c) for c in (compiler, "g++", "c++", "clang++")):
+            return "no C++ compiler on PATH"
+        return None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    return f"device type {device_type!r} has no Inductor backend here"
+
+
+def _runnable(kernel: Callable[..., None], fused: str, device: torch.device) -> bool:
+    """Whether to run `kernel` compiled on `device` under mode `fused` (logs the choice once)."""
+    if fused == "foreach":
+        return False
+    reason = _compiler_missing(device.type)
+    if reason is None and (kernel.__name__, device.type) in _broken:
+        reason = "compiling it failed earlier in this process"
+    if reason is None:
+        _log_once(logging.INFO, f"optimizer step: compiled {kernel.__name__} on {device.type}")
+        return True
+    if fused == "compiled":
+        raise RuntimeError(f"fused='compiled' but {reason}; use fused='auto' or 'foreach'")
+    _log_once(logging.WARNING, f"optimizer step: {reason}; using the foreach reference instead of {kernel.__name__}")
+    return False
+
+
+def _run(kernel: Callable[..., None], fused: str, *args: torch.Tensor | None) -> bool:
+    """Run the compiled kernel; in "auto" mode a compile failure marks it broken and returns False.
+
+    Inductor compiles the whole graph before running it, so a failure leaves the tensors untouched.
+    """
+    try:
+        _compiled(kernel)(*args)
+        return True
+    except Exception as error:  # any backend failure: fall back, never lose the step
+        if fused == "compiled":
+            raise
+        device = next(a for a in args if a is not None).device
+        _broken.add((kernel.__name__, device.type))
+        _log_once(logging.WARNING, f"compiling {kernel.__name__} failed ({type(error).__name__}: {error}); using foreach")
+        return False
+
+
+def _each(kernel: Callable[..., None], fused: str, rows: Sequence[Sequence[torch.Tensor | None]]) -> bool:
+    """Run `kernel` on each row of per-parameter arguments; False if the caller must fall back.
+
+    Non-contiguous tensors (rare for parameters) go to the reference, which handles any layout.
+    """
+    if not rows or not _runnable(kernel, fused, rows[0][0].device):
+        return False
+    if not all(t is None or t.is_contiguous() for row in rows for t in row):
+        return False
+    for index, row in enumerate(rows):
+        if not _run(kernel, fused, *(None if t is None else t.detach().view(-1) for t in row)):
+            if index:  # the first call compiles; later calls cannot fail for a new reason
+                raise RuntimeError(f"{kernel.__name__}: compiled step failed after {index} parameters")
+            return False
+    return True
+
+
+def _adamw_scalars(
+    steps: Sequence[int], device: torch.device, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> list[torch.Tensor]:
+    """One FP32 vector of per-step scalars per parameter (shared between equal steps).
+
+    Computed in FP64 on the host as `collage.adamw_delta` does (bias corrections folded into
+    the step size and ε), then rounded once to FP32, as eager ops round a Python scalar.
+    """
+    tiny = torch.finfo(torch.float32).smallest_normal
+    by_step: dict[int, torch.Tensor] = {}
+    for t in set(steps):
+        sqrt_c2 = math.sqrt(1.0 - beta2**t)
+        values = [0.0] * 6
+        values[_W1], values[_B2], values[_OMB2] = 1.0 - beta1, beta2, 1.0 - beta2
+        values[_STEP] = -lr * sqrt_c2 / (1.0 - beta1**t)
+        values[_EPS] = max(eps * sqrt_c2, tiny)
+        values[_DECAY] = -lr * weight_decay
+        by_step[t] = torch.tensor(values, dtype=torch.float32, device=device)
+    return [by_step[t] for t in steps]
+
+
+def _bf16_or_fp32(*tensors: torch.Tensor) -> bool:
+    # FP16 second moments carry a per-tensor scale re-chosen from their amax after each update
+    # (`collage.adamw_moments_`), a reduction before the store: those stay on the reference.
+    return all(t.dtype in (torch.bfloat16, torch.float32) for t in tensors)
+
+
+def compiled_collage_adamw(
+    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, param_errors: Tensors,
+    exp_avg_sq_errors: Tensors | None, steps: Sequence[int], *, lr: float, beta1: float, beta2: float,
+    eps: float, weight_decay: float, fused: str,
+) -> bool:
+    """`collage.collage_adamw` through `collage_kernel`; False if the reference must run instead."""
+    if not _bf16_or_fp32(params[0], exp_avg_sqs[0]):
+        return False
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    scalars = _adamw_scalars(steps, params[0].device, **hyper)
+    errors = exp_avg_sq_errors or [None] * len(params)
+    return _each(collage_kernel, fused, list(zip(params, param_errors, grads, exp_avgs, exp_avg_sqs, errors, scalars)))
+
+
+def compiled_adamw(
+    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: Sequence[int], *,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, fused: str,
+) -> bool:
+    """`PlainAdamW` (moments in the parameter's dtype) or `FP32StatesAdamW` (FP32 moments) compiled."""
+    if not _bf16_or_fp32(params[0], exp_avg_sqs[0]):
+        return False
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    scalars = _adamw_scalars(steps, params[0].device, **hyper)
+    return _each(adamw_kernel, fused, list(zip(params, grads, exp_avgs, exp_avg_sqs, scalars)))
+
+
+def compiled_kahan_adamw(
+    params: Tensors, compensations: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+    steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, fused: str,
+) -> bool:
+    """`KahanAdamW`'s step through `kahan_kernel`."""
+    if not _bf16_or_fp32(params[0], exp_avg_sqs[0]):
+        return False
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    scalars = _adamw_scalars(steps, params[0].device, **hyper)
+    return _each(kahan_kernel, fused, list(zip(params, compensations, grads, exp_avgs, exp_avg_sqs, scalars)))
+
+
+def compiled_stochastic_rounding_adamw(
+    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: Sequence[int],
+    generator: torch.Generator, *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, fused: str,
+) -> bool:
+    """`StochasticRoundingAdamW`'s step for BF16 parameters.
+
+    One 31-bit seed per parameter is drawn from `generator`, so the optimizer's checkpointed
+    generator state still determines the rest of the run. FP16 parameters return False (the
+    reference's two-neighbour rounding is not compiled).
+    """
+    if params[0].dtype != torch.bfloat16 or exp_avg_sqs[0].dtype != torch.bfloat16:
+        return False
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    scalars = _adamw_scalars(steps, params[0].device, **hyper)
+    seeds = torch.randint(0, 2**31 - 1, (len(params), 1), generator=generator, device=generator.device)
+    seeds = seeds.to(params[0].device)
+    rows = [(*row, seed) for row, seed in zip(zip(params, grads, exp_avgs, exp_avg_sqs, scalars), seeds)]
+    return _each(stochastic_rounding_kernel, fused, rows)
