@@ -8,22 +8,27 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from .strategies.base import PrecisionStrategy
 
-__all__ = ["register", "available_strategies", "get_strategy", "strategy_class"]
+__all__ = ["register", "available_strategies", "get_strategy", "strategy_class", "strategy_summary"]
 
 _REGISTRY: dict[str, tuple[type, dict[str, Any]]] = {}
+_SUMMARIES: dict[str, str] = {}
 
 
-def register(name: str, **preset: Any) -> Callable[[type], type]:
+def register(name: str, *, summary: str | None = None, **preset: Any) -> Callable[[type], type]:
     """Class decorator: register a strategy class under `name`.
 
     `preset` fixes options for this name (a variant is a config value, not a new class), e.g.
     `@register("collage-light", variant="light")` stacked on `@register("collage-plus", variant="plus")`.
+    `summary` is the one line `hf-lowprec list` and the README show (default: the first line
+    of the class docstring).
     """
 
     def decorator(cls: type) -> type:
         if name in _REGISTRY:
             raise ValueError(f"precision strategy {name!r} is registered twice")
         _REGISTRY[name] = (cls, dict(preset))
+        if summary is not None:
+            _SUMMARIES[name] = summary
         return cls
 
     return decorator
@@ -45,6 +50,14 @@ def strategy_class(name: str) -> tuple[type, dict[str, Any]]:
             f"unknown precision strategy {name!r}.{hint} Valid names: {', '.join(sorted(_REGISTRY))}."
         )
     return _REGISTRY[name]
+
+
+def strategy_summary(name: str) -> str:
+    """One line saying what the strategy `name` does."""
+    cls, _ = strategy_class(name)
+    if name in _SUMMARIES:
+        return _SUMMARIES[name]
+    return (cls.__doc__ or "").strip().splitlines()[0].rstrip(".") if cls.__doc__ else ""
 
 
 def get_strategy(name: str, **options: Any) -> PrecisionStrategy:

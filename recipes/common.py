@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -328,6 +329,14 @@ def report(training_args: Any, trainer: Any | None = None, **metrics: Any) -> di
             result.update(precision.metrics())
             params = [p for p in trainer.model.parameters() if p.requires_grad]
             result["trainable_param_dtype"] = str(params[0].dtype) if params else None
+            if trainer.optimizer is not None:
+                from hf_lowprec.memory import model_state_bytes
+
+                result["model_state_bytes_per_param"] = model_state_bytes(trainer.model, trainer.optimizer)["total"]
+        step_seconds = getattr(trainer, "step_seconds", None)
+        if step_seconds:
+            # The first step carries one-off work (compilation, allocation); the median skips it.
+            result["median_step_seconds"] = statistics.median(step_seconds[1:] or step_seconds)
         result["world_size"] = training_args.world_size
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None:
@@ -339,5 +348,8 @@ def report(training_args: Any, trainer: Any | None = None, **metrics: Any) -> di
         os.makedirs(training_args.output_dir, exist_ok=True)
         with open(os.path.join(training_args.output_dir, "recipe_result.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
+        if trainer is not None:  # the per-step logs, for `hf-lowprec compare`
+            with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
+                json.dump(trainer.state.log_history, f, default=str)
         print(RESULT_MARKER, json.dumps(result, default=str), flush=True)
     return result

@@ -315,6 +315,7 @@ def convert_to_fp8(
     conv1d = _conv1d_class()
     default_skips = _default_skips(model) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
+    skipped: dict[str, str] = {}
     for fqn, module in model.named_modules():
         is_linear = isinstance(module, nn.Linear)
         is_conv1d = conv1d is not None and type(module) is conv1d
@@ -323,6 +324,7 @@ def convert_to_fp8(
         name = fqn or "<root>"
         if module_filter is not None and not module_filter(module, fqn):
             logger.info("FP8: kept %s in high precision (rejected by module_filter)", name)
+            skipped[name] = "rejected by module_filter"
             continue
         reason = default_skips.get(id(module))
         if reason is None and is_linear and type(module) is not nn.Linear:
@@ -334,6 +336,7 @@ def convert_to_fp8(
                 reason = f"{', '.join(bad)} not a multiple of {GEMM_MULTIPLE} (FP8 GEMM requirement)"
         if reason is not None:
             logger.warning("FP8: skipped layer %s: %s", name, reason)
+            skipped[name] = reason
             continue
         swaps.append((fqn, module))
     if any(fqn == "" for fqn, _ in swaps):
@@ -343,4 +346,6 @@ def convert_to_fp8(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP8Linear.from_float(module, margin=margin))
     logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
+    # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
+    model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)
     return model

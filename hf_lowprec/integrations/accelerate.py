@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import torch
 
 from ..registry import get_strategy
+from ..report import check_promises, describe, format_report
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
+
+logger = logging.getLogger(__name__)
 
 # Group keys carried from a torch Adam/AdamW group to the strategy's optimizer; the others
 # (foreach, fused, capturable, …) are torch implementation switches.
@@ -54,6 +58,7 @@ class PrecisionPlugin:
             self.strategy = get_strategy(strategy, **options)
         self._hooked: set[int] = set()
         self._optimizers: list[StrategyOptimizer] = []
+        self.report: dict[str, Any] | None = None  # the startup report of the last prepared model
 
     def __repr__(self) -> str:
         return f"PrecisionPlugin({self.strategy!r})"
@@ -93,12 +98,23 @@ class PrecisionPlugin:
             from ..deepspeed import configure_accelerator
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
+        self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         return prepared
 
+    def _report(self, accelerator: Any, objects: list[Any]) -> None:
+        # Once per model, before Accelerate wraps anything: log what is active, stop on a broken promise.
+        optimizer = next((o for o in objects if isinstance(o, StrategyOptimizer)), None)
+        for model in (o for o in objects if isinstance(o, torch.nn.Module)):
+            self.report = describe(self.strategy, model, optimizer, ddp=getattr(accelerator, "num_processes", 1) > 1)
+            if getattr(accelerator, "is_main_process", True):
+                logger.info("%s", format_report(self.report))
+            check_promises(self.strategy, model)
+
     def backward(self, accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
         """`accelerator.backward(loss)` on the strategy's scaled loss."""
+        self.strategy.set_gradient_accumulation(accelerator.gradient_accumulation_steps)  # backward divides by it
         accelerator.backward(self.strategy.scale_loss(loss), **kwargs)
 
     # --- finer-grained pieces ----------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import typing
 from collections.abc import Iterable
 from typing import Any, Callable, ClassVar
@@ -50,11 +49,15 @@ class StrategyOptions:
         for field in dataclasses.fields(self):
             problem = _option_type_problem(getattr(self, field.name), hints.get(field.name))
             if problem is not None:
-                raise ValueError(f"option {field.name!r} must be {problem}, got {getattr(self, field.name)!r}")
+                got = repr(getattr(self, field.name))
+                got = got if len(got) <= 60 else got[:57] + "..."
+                raise ValueError(f"option {field.name!r} must be {problem}, got {got}")
 
 
 # Integer options end up in torch (seeds, counters, intervals): they must fit an int64.
 _INT64_MAX = 2**63 - 1
+# Number options become scales and thresholds in FP32 tensors: beyond this they overflow.
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _option_type_problem(value: Any, expected: Any) -> str | None:
@@ -68,11 +71,11 @@ def _option_type_problem(value: Any, expected: Any) -> str | None:
     if expected is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
-                if math.isfinite(float(value)):
+                if abs(float(value)) <= _FP32_MAX:
                     return None
             except OverflowError:
                 pass
-        return "a finite number"
+        return f"a finite number within the FP32 range (|x| <= {_FP32_MAX:.4g})"
     if expected is str:
         return None if isinstance(value, str) else "a string"
     if typing.get_origin(expected) is typing.Literal:

@@ -10,19 +10,24 @@ import torch
 from ..registry import register
 from .base import PrecisionStrategy
 
-__all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast"]
+__all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast", "device_autocast"]
 
 
-def bf16_autocast() -> contextlib.ExitStack:
-    """BF16 autocast on CPU, and on CUDA too when present (each only affects its own device)."""
+def device_autocast(dtype: torch.dtype) -> contextlib.ExitStack:
+    """`dtype` autocast on CPU, and on CUDA too when present (each only affects its own device)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type="cpu", dtype=torch.bfloat16))
+    stack.enter_context(torch.autocast(device_type="cpu", dtype=dtype))
     if torch.cuda.is_available():
-        stack.enter_context(torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+        stack.enter_context(torch.autocast(device_type="cuda", dtype=dtype))
     return stack
 
 
-@register("fp32")
+def bf16_autocast() -> contextlib.ExitStack:
+    """BF16 autocast on CPU, and on CUDA too when present."""
+    return device_autocast(torch.bfloat16)
+
+
+@register("fp32", summary="everything FP32")
 class FP32(PrecisionStrategy):
     """Everything in FP32: parameters, gradients, AdamW states (16 bytes/param)."""
 
@@ -30,7 +35,7 @@ class FP32(PrecisionStrategy):
     zero_note = "FP32 partitions and AdamW states"
 
 
-@register("bf16-mixed")
+@register("bf16-mixed", summary="option D: BF16 autocast, FP32 weights (masters) and AdamW states — what `bf16=True` does")
 class BF16Mixed(PrecisionStrategy):
     """Option D: BF16 autocast compute over FP32 parameters, FP32 gradients and AdamW states.
 
@@ -45,7 +50,7 @@ class BF16Mixed(PrecisionStrategy):
         return bf16_autocast()
 
 
-@register("bf16-pure")
+@register("bf16-pure", summary="option A: weights, grads and AdamW states in BF16, nothing compensated")
 class BF16Pure(PrecisionStrategy):
     """Option A: weights, gradients and both AdamW states in BF16, plain AdamW arithmetic (8 bytes/param)."""
 

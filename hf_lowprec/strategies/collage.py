@@ -58,11 +58,14 @@ class BF16UpdateOptions(StrategyOptions):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-@register("bf16-fp32states", update="fp32-states")
-@register("bf16-sr", update="sr")
-@register("bf16-kahan", update="kahan")
-@register("collage-plus", update="collage-plus")
-@register("collage-light", update="collage-light")
+@register("bf16-fp32states", update="fp32-states",
+          summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights")
+@register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
+@register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
+@register("collage-plus", update="collage-plus",
+          summary="Collage (option C): + second moment as an MCF (v, δv), β2 as an expansion")
+@register("collage-light", update="collage-light",
+          summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow")
 class BF16Update(BF16Pure):
     """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic."""
 

@@ -1,0 +1,244 @@
+"""The `hf-lowprec` command line (also `python -m hf_lowprec`).
+
+    hf-lowprec list                                  every strategy, what it does, bytes/param, needs
+    hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
+    hf-lowprec compare --recipe pretrain_clm --strategies bf16-pure,collage-plus [--seeds 0,1] [--out DIR]
+    hf-lowprec bench [args...]                       the optimizer-step benchmark (`make bench`)
+    hf-lowprec readme [--check]                      regenerate README.md's tables from the code
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .registry import available_strategies, get_strategy, strategy_class, strategy_summary
+
+__all__ = ["main", "strategy_rows", "memory_plan", "MODELS", "readme_blocks"]
+
+# Named model shapes for `memory`: (config class, its arguments, model class), all from transformers.
+MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel"),
+    "bert-base": ("BertConfig", {}, "BertForMaskedLM"),
+    "roberta-base": ("RobertaConfig", {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1,
+                                       "pad_token_id": 1}, "RobertaForMaskedLM"),
+    "llama-7b": ("LlamaConfig", {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32}, "LlamaForCausalLM"),
+}
+
+
+def _needs(name: str) -> str:
+    cls, _ = strategy_class(name)
+    return getattr(cls, "needs", "") or ""
+
+
+def strategy_rows() -> list[dict[str, Any]]:
+    """name, summary, documented bytes/param and requirements of every registered strategy."""
+    rows = []
+    for name in available_strategies():
+        strategy = get_strategy(name)
+        rows.append({"name": name, "summary": strategy_summary(name),
+                     "bytes_per_param": float(strategy.bytes_per_param), "needs": _needs(name)})
+    return rows
+
+
+def _build_meta_model(model: str) -> torch.nn.Module:
+    import transformers
+
+    if model in MODELS:
+        config_cls, kwargs, model_cls = MODELS[model]
+        config = getattr(transformers, config_cls)(**kwargs)
+        cls = getattr(transformers, model_cls)
+    else:
+        path = Path(model)
+        if not path.is_file():
+            raise ValueError(f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither")
+        config = transformers.AutoConfig.from_pretrained(str(path))
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
+        if cls is transformers.AutoModelForCausalLM:
+            with torch.device("meta"):
+                return cls.from_config(config)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_stage: int = 0) -> list[dict[str, Any]]:
+    """Model-state memory per strategy for `model`, planned on the meta device (no weights allocated).
+
+    Each strategy prepares the meta model and builds its optimizer; the optimizer's own state
+    initialisers give the state tensors (`hf_lowprec.report.plan_model_state`). With ZeRO, the
+    per-rank share follows `hf_lowprec.report.zero_per_rank`.
+    """
+    from .report import plan_model_state, zero_per_rank
+
+    logging.getLogger("hf_lowprec.fp8").setLevel(logging.ERROR)  # skipped-layer warnings, once per strategy
+    rows = []
+    for name in strategies:
+        strategy = get_strategy(name)
+        prepared = strategy.prepare_model(_build_meta_model(model))
+        optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
+        plan = plan_model_state(prepared, optimizer)
+        row = {"strategy": name, **plan}
+        if world_size > 1 or zero_stage:
+            refusal = _zero_refusal(name, zero_stage)
+            per_rank = zero_per_rank(plan, world_size, zero_stage)
+            row["per_rank_total"] = per_rank["total"]
+            row["zero"] = refusal or "ok"
+        rows.append(row)
+    return rows
+
+
+def _zero_refusal(name: str, stage: int) -> str | None:
+    """The support matrix's refusal for `name` under ZeRO `stage`, when the DeepSpeed module has one."""
+    if stage == 0:
+        return None
+    try:
+        from . import deepspeed as ds
+    except ImportError:
+        return None
+    check = getattr(ds, "zero_support", None)
+    if check is None:
+        return None
+    verdict = check(name, stage)
+    return None if verdict in (None, True, "ok") else str(verdict)
+
+
+def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_stage: int) -> None:
+    num = int(rows[0]["num_params"]) if rows else 0
+    print(f"model {model}: {num:,} trainable parameters; bytes per parameter, planned on the meta device")
+    head = f"{'strategy':<16} {'params':>7} {'grads':>7} {'optim':>7} {'extra':>7} {'total':>7} {'GiB':>9}"
+    zero = world_size > 1 or zero_stage
+    if zero:
+        head += f" {'GiB/rank':>9}  ZeRO-{zero_stage} on {world_size} ranks"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = (f"{r['strategy']:<16} {r['params']:>7.2f} {r['grads']:>7.2f} {r['optimizer_states']:>7.2f} "
+                f"{r['extra']:>7.2f} {r['total']:>7.2f} {r['total'] * r['num_params'] / 2**30:>9.2f}")
+        if zero:
+            line += f" {r['per_rank_total'] * r['num_params'] / 2**30:>9.2f}  {r['zero']}"
+        print(line)
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def readme_blocks() -> dict[str, str]:
+    """The generated README.md blocks: marker name → markdown."""
+    rows = strategy_rows()
+    lines = ["| name | what | model-state bytes/param | needs |", "|---|---|---|---|"]
+    for r in rows:
+        value = r["bytes_per_param"]
+        shown = f"{value:g}"
+        lines.append(f"| `{r['name']}` | {r['summary']} | {shown} | {r['needs'] or '—'} |")
+    blocks = {"strategies": "\n".join(lines)}
+    try:
+        from . import deepspeed as ds
+
+        table = getattr(ds, "support_matrix_markdown", None)
+        if table is not None:
+            blocks["zero-matrix"] = table()
+    except ImportError:
+        pass
+    return blocks
+
+
+def _update_readme(check: bool) -> int:
+    path = _repo_root() / "README.md"
+    text = path.read_text()
+    new = text
+    for name, body in readme_blocks().items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
+        new = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), new)
+    if check:
+        if new != text:
+            print("README.md's generated tables are out of date: run `hf-lowprec readme`", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(new)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-lowprec", description="Low-precision training strategies for the HF stack.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="every registered strategy: what it does, bytes/param, what it needs")
+
+    mem = sub.add_parser("memory", help="model-state memory per strategy (Collage Table 2 style)")
+    mem.add_argument("--model", default="gpt2", help=f"one of {', '.join(MODELS)} or a path to a config.json")
+    mem.add_argument("--strategies", default=None, help="comma-separated names (default: all)")
+    mem.add_argument("--world-size", type=int, default=1)
+    mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+
+    cmp_ = sub.add_parser("compare", help="run a recipe per strategy and seed; CSV, plots and a summary table")
+    from .compare import RECIPES
+
+    cmp_.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    cmp_.add_argument("--strategies", required=True, help="comma-separated strategy names")
+    cmp_.add_argument("--max_steps", "--max-steps", type=int, default=100)
+    cmp_.add_argument("--seeds", default="0", help="comma-separated seeds")
+    cmp_.add_argument("--out", default="compare_out")
+    cmp_.add_argument("--no-metrics", action="store_true", help="do not log the lost-arithmetic metrics")
+    cmp_.add_argument("--no-progress", action="store_true")
+    cmp_.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: more arguments for the recipe")
+
+    bench = sub.add_parser("bench", help="the optimizer-step benchmark (what `make bench` runs)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    readme = sub.add_parser("readme", help="regenerate README.md's strategy and support tables from the code")
+    readme.add_argument("--check", action="store_true", help="exit 1 when README.md is out of date")
+
+    ns = parser.parse_args(argv)
+    if ns.command == "list":
+        rows = strategy_rows()
+        width = max(len(r["name"]) for r in rows)
+        print(f"{'strategy':<{width}}  {'B/param':>7}  needs            what")
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['bytes_per_param']:>7g}  {(r['needs'] or '-'):<16} {r['summary']}")
+        return 0
+    if ns.command == "memory":
+        names = [s for s in (ns.strategies or ",".join(available_strategies())).split(",") if s]
+        for name in names:
+            strategy_class(name)
+        if ns.world_size < 1:
+            parser.error("--world-size must be >= 1")
+        _print_memory(memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage)
+        return 0
+    if ns.command == "compare":
+        from .compare import run_compare, summary_table
+
+        names = [s for s in ns.strategies.split(",") if s]
+        try:
+            seeds = [int(s) for s in ns.seeds.split(",") if s]
+        except ValueError:
+            parser.error(f"--seeds must be comma-separated integers, got {ns.seeds!r}")
+        extra = [a for a in ns.recipe_args if a != "--"]
+        summary = run_compare(ns.recipe, names, seeds=seeds, max_steps=ns.max_steps, out=ns.out,
+                              metrics=not ns.no_metrics, extra_args=extra, progress=not ns.no_progress)
+        print(summary_table(summary, Path(ns.out) / "results.csv"))
+        print(f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "
+              "results.csv (per step), summary.csv (per run)")
+        return 0
+    if ns.command == "bench":
+        script = _repo_root() / "bench" / "bench_optim.py"
+        if not script.is_file():
+            print(f"bench/ not found at {script.parent}: run from a source checkout", file=sys.stderr)
+            return 2
+        return subprocess.call([sys.executable, str(script), *[a for a in ns.bench_args if a != "--"]])
+    if ns.command == "readme":
+        return _update_readme(ns.check)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

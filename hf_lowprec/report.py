@@ -1,0 +1,342 @@
+"""What is actually active: the startup report, the promise check and the silent-precision guard.
+
+Low-precision training fails most often through precision nobody asked for and nobody sees:
+FP8 that silently fell back to BF16, BF16 weights stepped by a plain AdamW that drops updates
+below half an ulp, parameters left in FP32 under a pure-BF16 strategy. `describe` reads the
+model and optimizer as they are (not as the strategy says they should be), `format_report`
+prints it as a compact table, and `promise_violations` lists where the two disagree.
+
+`plan_model_state` counts model-state bytes from the optimizer's own state initialisers, so it
+also works on the meta device (the `hf-lowprec memory` command plans a 7B model that way).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .memory import unwrap_optimizer
+
+if TYPE_CHECKING:
+    from .strategies.base import PrecisionStrategy
+
+__all__ = [
+    "SilentPrecisionWarning",
+    "PrecisionPromiseError",
+    "check_promises",
+    "describe",
+    "format_report",
+    "plan_model_state",
+    "promise_violations",
+    "silent_precision_problem",
+    "zero_per_rank",
+]
+
+# Where a state key's bytes go when the optimizer does not declare `state_roles` (torch's AdamW).
+_DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_avg_sq": "optimizer",
+                  "momentum_buffer": "optimizer", "step": "extra"}
+_BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
+# Strategies that fix the silent loss of BF16/FP16 updates under a plain AdamW.
+FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
+
+
+class SilentPrecisionWarning(UserWarning):
+    """Low-precision trainable parameters stepped by a plain AdamW: small updates vanish."""
+
+
+class PrecisionPromiseError(RuntimeError):
+    """What is active differs from what the precision strategy promises."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    unique: dict[int, torch.nn.Parameter] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
+    """Model-state bytes per trainable parameter, from the optimizer's state as it is or will be.
+
+    Parameters without state yet get the state the optimizer's `_init_state` would create
+    (torch optimizers without one: two moments in the parameter dtype). A gradient counts in
+    the dtype the optimizer's `planned_grad_dtype(param)` names (an optimizer that keeps FP8
+    gradients in its state), else in the parameter dtype. Every tensor is counted by numel ×
+    element size, so this works on the meta device; tied parameters count once.
+
+    Returns:
+        dict with "params", "grads", "optimizer_states", "extra", "total" (bytes/param) and
+        "num_params".
+    """
+    inner = unwrap_optimizer(optimizer)
+    roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+    planned_grad_dtype = getattr(inner, "planned_grad_dtype", None)
+    params = _trainable(model)
+    num_params = sum(p.numel() for p in params)
+    if num_params == 0:
+        raise ValueError("the model has no trainable parameters")
+    owned = {id(p) for p in params}
+    totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
+    init_state = getattr(inner, "_init_state", None)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                continue
+            state = inner.state.get(p) or None
+            if state is None:
+                if init_state is not None:
+                    state = init_state(p, group)
+                else:
+                    state = {"exp_avg": torch.empty_like(p, device="meta"),
+                             "exp_avg_sq": torch.empty_like(p, device="meta")}
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
+                    totals[bucket] += value.numel() * value.element_size()
+            has_grad_state = any(roles.get(k) == "gradient" for k in state)
+            if not has_grad_state:
+                dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
+                totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    for p in params:
+        totals["params"] += p.numel() * p.element_size()
+    out = {k: v / num_params for k, v in totals.items()}
+    out["total"] = sum(out.values())
+    out["num_params"] = float(num_params)
+    return out
+
+
+def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[str, float]:
+    """Per-rank bytes/param (of the whole model's parameter count) under ZeRO `stage` on `world_size` ranks.
+
+    Stage 1 partitions optimizer states and extra components (masters, MCF components),
+    stage 2 also gradients, stage 3 also parameters.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    split = {"optimizer_states": stage >= 1, "extra": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
+    out = {k: plan[k] / (world_size if split[k] else 1) for k in split}
+    out["total"] = sum(out.values())
+    out["num_params"] = plan["num_params"]
+    return out
+
+
+def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
+    from .fp8 import FP8Linear
+
+    if isinstance(module, FP8Linear):
+        return "fp8 GEMM (e4m3 fwd, e5m2 grad)"
+    return _dtype_name(strategy.compute_dtype)
+
+
+def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.Tensor]) -> str:
+    roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+    sample = next((p for p in params if inner.state.get(p)), None)
+    state = inner.state.get(sample) if sample is not None else None
+    if state is None and sample is None and params and hasattr(inner, "_init_state"):
+        group = next(g for g in inner.param_groups if any(q is params[0] for q in g["params"]))
+        sample, state = params[0], inner._init_state(params[0], group)
+    dtypes = sorted({_dtype_name(p.dtype) for p in params})
+    if state:
+        # A parameter-shaped extra state in the parameter's dtype is a compensation component
+        # (the value held is their sum); in another dtype it is a separate master copy.
+        shaped = {k: v for k, v in state.items() if torch.is_tensor(v) and roles.get(k, "extra") in ("extra", "master")
+                  and v.shape == sample.shape}
+        masters = [f"{k} ({_dtype_name(v.dtype)})" for k, v in shaped.items() if v.dtype != sample.dtype]
+        components = [k for k, v in shaped.items() if v.dtype == sample.dtype]
+        if masters:
+            return f"separate master {', '.join(masters)}; the {'/'.join(dtypes)} parameters are its copy"
+        if components:
+            return f"parameter + compensation {', '.join(components)} ({'/'.join(dtypes)}), value held = their sum"
+    return f"the parameters themselves ({'/'.join(dtypes)})"
+
+
+def describe(
+    strategy: PrecisionStrategy,
+    model: torch.nn.Module,
+    optimizer: Any | None = None,
+    *,
+    deepspeed_stage: int | None = None,
+    ddp: bool = False,
+) -> dict[str, Any]:
+    """What is active for `strategy` on `model` and `optimizer`, read from the live objects.
+
+    Args:
+        deepspeed_stage: the ZeRO stage when DeepSpeed runs the model.
+        ddp: whether the model is wrapped in DistributedDataParallel (the strategy's
+            communication hook applies).
+
+    Returns:
+        a JSON-serialisable dict: strategy and options, per module type its parameter and
+        compute dtypes, FP8 layers converted and skipped (with reasons), optimizer state dtypes
+        and roles, master weights, gradient dtype and communication, model-state bytes/param
+        and GiB, and the list of promise violations (empty when all is as promised).
+    """
+    from .fp8 import FP8Linear
+
+    params = _trainable(model)
+    modules: dict[str, dict[str, Any]] = collections.OrderedDict()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)]
+        if not own:
+            continue
+        entry = modules.setdefault(type(module).__name__, {"count": 0, "param_dtypes": set(), "compute": set(),
+                                                           "trainable": 0})
+        entry["count"] += 1
+        entry["param_dtypes"].update(_dtype_name(p.dtype) for p in own)
+        entry["compute"].add(_compute_label(strategy, module))
+        entry["trainable"] += sum(p.numel() for p in own if p.requires_grad)
+    module_rows = [{"type": t, "count": e["count"], "param_dtypes": sorted(e["param_dtypes"]),
+                    "compute": sorted(e["compute"]), "trainable_params": e["trainable"]} for t, e in modules.items()]
+
+    fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    skipped = dict(model.__dict__.get("fp8_skipped_layers", {}))
+
+    grad_dtype = getattr(strategy, "grad_dtype", None)
+    report: dict[str, Any] = {
+        "strategy": strategy.name,
+        "options": dataclasses.asdict(strategy.options),
+        "promised": {"param_dtype": _dtype_name(strategy.param_dtype),
+                     "compute_dtype": _dtype_name(strategy.compute_dtype),
+                     "bytes_per_param": float(strategy.bytes_per_param)},
+        "modules": module_rows,
+        "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
+        "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
+    }
+    if optimizer is not None:
+        inner = unwrap_optimizer(optimizer)
+        roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+        sample_state: dict[str, Any] = {}
+        for p in params:
+            if inner.state.get(p):
+                sample_state = inner.state[p]
+                break
+        if not sample_state and params and hasattr(inner, "_init_state"):
+            group = next((g for g in inner.param_groups if any(q is params[0] for q in g["params"])), None)
+            if group is not None:
+                sample_state = inner._init_state(params[0], group)
+        report["optimizer"] = {
+            "class": type(inner).__name__,
+            "states": {k: {"dtype": _dtype_name(v.dtype), "role": roles.get(k, "extra")}
+                       for k, v in sample_state.items() if torch.is_tensor(v)},
+        }
+        report["master_weights"] = _master_weights(strategy, inner, params)
+        plan = plan_model_state(model, optimizer)
+        report["memory"] = {
+            **{k: round(v, 4) for k, v in plan.items() if k != "num_params"},
+            "num_params": int(plan["num_params"]),
+            "gib": round(plan["total"] * plan["num_params"] / 2**30, 4),
+        }
+        keeps_grad = "gradient" in roles.values()
+    else:
+        keeps_grad = False
+    hook = strategy.ddp_comm_hook()
+    if deepspeed_stage is not None:
+        comm = f"DeepSpeed ZeRO stage {deepspeed_stage}"
+    elif hook is not None:
+        comm = f"{getattr(hook[1], '__name__', 'custom')} (DDP communication hook)" + ("" if ddp else ", when under DDP")
+    else:
+        comm = "DDP all-reduce in the gradient dtype" if ddp else "none (single process)"
+    report["gradients"] = {
+        "dtype": _dtype_name(grad_dtype) + (" (kept by the optimizer)" if keeps_grad else "")
+        if grad_dtype is not None else sorted({_dtype_name(p.dtype) for p in params}),
+        "communication": comm,
+    }
+    report["violations"] = promise_violations(strategy, model)
+    return report
+
+
+def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> list[str]:
+    """Where the prepared `model` breaks what `strategy` promises (empty list: all kept)."""
+    from .fp8 import FP8Linear
+
+    out: list[str] = []
+    promised = set(strategy.promised_param_dtypes())
+    wrong = collections.Counter()
+    examples: dict[torch.dtype, str] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype not in promised:
+            wrong[p.dtype] += p.numel()
+            examples.setdefault(p.dtype, name)
+    for dtype, count in wrong.items():
+        out.append(f"{count} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
+                   f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}")
+    if strategy.uses_fp8_gemm and not any(isinstance(m, FP8Linear) for m in model.modules()):
+        out.append(f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
+                   "(none converted: check the skipped layers and their dimensions)")
+    return out
+
+
+def check_promises(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
+    """Raise PrecisionPromiseError naming every broken promise (before training starts)."""
+    problems = promise_violations(strategy, model)
+    if problems:
+        raise PrecisionPromiseError(
+            f"precision strategy {strategy.name!r} is not what is active; training stopped before the first step:\n  - "
+            + "\n  - ".join(problems)
+            + "\nPrepare the model with the strategy (strategy.prepare_model / hf_lowprec.Trainer) and do not "
+            "cast it afterwards."
+        )
+
+
+def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | None:
+    """The warning text when BF16/FP16 trainable parameters meet a plain torch Adam/AdamW, else None."""
+    inner = unwrap_optimizer(optimizer)
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    low = collections.Counter(p.dtype for p in _trainable(model) if p.dtype in (torch.bfloat16, torch.float16))
+    if not low:
+        return None
+    dtype, count = low.most_common(1)[0]
+    return (
+        f"{count} trainable parameter elements are {_dtype_name(dtype)} and are stepped by a plain "
+        f"{type(inner).__name__}: every update below half an ulp of its weight is rounded away "
+        f"(in BF16, an update 256x smaller than its weight is lost). Set precision_strategy to one of "
+        f"{', '.join(repr(s) for s in FIXING_STRATEGIES)} (bf16-mixed keeps FP32 weights)."
+    )
+
+
+def _fmt_bytes(value: float) -> str:
+    return f"{value:.2f}" if not math.isnan(value) else "-"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A compact multi-line table of `describe`'s result for the logs."""
+    lines = [f"hf_lowprec: precision strategy {report['strategy']!r}"]
+    options = {k: v for k, v in report["options"].items()}
+    lines.append(f"  options: {options}")
+    width = max((len(r["type"]) for r in report["modules"]), default=6)
+    lines.append(f"  {'module':<{width}}  {'n':>4}  {'params':<16} compute")
+    for row in report["modules"]:
+        lines.append(f"  {row['type']:<{width}}  {row['count']:>4}  {'/'.join(row['param_dtypes']):<16} "
+                     f"{', '.join(row['compute'])}")
+    fp8 = report["fp8"]
+    if fp8["converted"] or fp8["skipped"]:
+        lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
+        for name, reason in fp8["skipped"].items():
+            lines.append(f"    kept {name}: {reason}")
+    if "optimizer" in report:
+        states = ", ".join(f"{k} {v['dtype']} ({v['role']})" for k, v in report["optimizer"]["states"].items())
+        lines.append(f"  optimizer: {report['optimizer']['class']}: {states}")
+        lines.append(f"  master weights: {report['master_weights']}")
+    grads = report["gradients"]
+    dtype = grads["dtype"] if isinstance(grads["dtype"], str) else "/".join(grads["dtype"])
+    lines.append(f"  gradients: {dtype}; communication: {grads['communication']}")
+    if "memory" in report:
+        m = report["memory"]
+        lines.append(f"  model state: {_fmt_bytes(m['total'])} bytes/param (params {_fmt_bytes(m['params'])}, grads "
+                     f"{_fmt_bytes(m['grads'])}, optimizer {_fmt_bytes(m['optimizer_states'])}, extra "
+                     f"{_fmt_bytes(m['extra'])}) = {m['gib']:.3f} GiB for {m['num_params']:,} parameters")
+    for problem in report["violations"]:
+        lines.append(f"  BROKEN PROMISE: {problem}")
+    return "\n".join(lines)

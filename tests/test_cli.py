@@ -1,0 +1,92 @@
+"""The `hf-lowprec` command line: list, memory, compare, readme."""
+
+import csv
+import struct
+
+import pytest
+
+import hf_lowprec
+from hf_lowprec.cli import main, memory_plan, strategy_rows
+from hf_lowprec.compare import plot, run_compare
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_list_names_every_strategy_with_its_bytes(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for row in strategy_rows():
+        assert row["name"] in out
+        assert row["summary"], f"{row['name']} has no one-line summary"
+    assert {r["name"] for r in strategy_rows()} == set(hf_lowprec.available_strategies())
+
+
+def test_memory_plan_of_gpt2_small_on_the_meta_device():
+    rows = {r["strategy"]: r for r in memory_plan("gpt2", ["bf16-pure", "collage-plus", "bf16-mixed"])}
+    # GPT-2 small: 124,439,808 parameters (tied LM head counted once).
+    assert rows["bf16-pure"]["num_params"] == 124_439_808
+    assert rows["bf16-pure"]["total"] == 8.0
+    assert rows["collage-plus"]["total"] == 12.0
+    assert rows["collage-plus"]["extra"] == 4.0  # δθ and δv, BF16 each
+    assert rows["bf16-mixed"]["total"] == 16.0
+
+
+def test_memory_with_zero_splits_states_gradients_and_parameters(capsys):
+    rows = memory_plan("bert-base", ["collage-plus"], world_size=4, zero_stage=2)
+    # ZeRO-2 on 4 ranks: BF16 parameters stay whole (2), gradients (2) and states + components (8) split.
+    assert rows[0]["per_rank_total"] == pytest.approx(2 + (2 + 8) / 4)
+    assert main(["memory", "--model", "bert-base", "--strategies", "bf16-pure", "--world-size", "4",
+                 "--zero-stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16-pure" in out and "GiB/rank" in out
+
+
+def test_memory_refuses_an_unknown_model_before_any_work():
+    with pytest.raises(ValueError, match="--model must be one of"):
+        memory_plan("gpt5", ["bf16-pure"])
+
+
+def test_readme_tables_are_generated_from_the_code():
+    assert main(["readme", "--check"]) == 0, "README.md is stale: run `python -m hf_lowprec readme`"
+
+
+def test_plot_draws_mean_and_range_over_seeds(tmp_path):
+    steps = [{"strategy": s, "seed": seed, "step": k, "loss": 5.0 - 0.1 * k + 0.01 * seed,
+              "precision/imprecision_pct": 10.0 * (s == "bf16-pure"), "precision/edq_ratio": 1.0}
+             for s in ("bf16-pure", "collage-plus") for seed in (0, 1, 2) for k in range(1, 6)]
+    summary = [{"strategy": s, "seed": seed, "bytes_per_param": b, "median_step_ms": 10.0, "peak_rss_mib": 500.0}
+               for s, b in (("bf16-pure", 8.0), ("collage-plus", 12.0)) for seed in (0, 1, 2)]
+    written = plot(steps, summary, tmp_path, title="synthetic")
+    assert {p.name for p in written} == {"loss.png", "lost_arithmetic.png", "cost.png"}
+    for path in written:
+        width, height = _png_size(path)
+        assert width >= 600 and height >= 400
+
+
+@pytest.mark.slow
+def test_compare_runs_the_recipe_per_strategy_and_writes_one_row_per_step(tmp_path):
+    steps = 3
+    summary = run_compare("pretrain_clm", ["bf16-pure", "collage-plus"], seeds=[0], max_steps=steps, out=tmp_path,
+                          progress=False, extra_args=["--per_device_train_batch_size", "4"])
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    for strategy in ("bf16-pure", "collage-plus"):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        assert [int(r["step"]) for r in mine] == list(range(1, steps + 1))
+        assert all(r["precision/imprecision_pct"] != "" for r in mine)  # lost-arithmetic metrics on by default
+    by = {r["strategy"]: r for r in summary}
+    assert by["bf16-pure"]["bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+    assert by["collage-plus"]["bytes_per_param"] == pytest.approx(12.0, abs=0.01)
+    assert all(r["peak_rss_mib"] > 100 and r["eval_value"] > 1.0 for r in summary)
+    for name in ("loss.png", "lost_arithmetic.png", "cost.png"):
+        _png_size(tmp_path / name)
+
+
+def test_compare_refuses_an_unknown_strategy_before_running(tmp_path):
+    with pytest.raises(ValueError, match="unknown precision strategy"):
+        run_compare("pretrain_clm", ["bf16-pure", "colage-plus"], seeds=[0], max_steps=2, out=tmp_path)
+    assert not (tmp_path / "runs").exists()

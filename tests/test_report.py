@@ -1,0 +1,141 @@
+"""The startup report, the promise check and the silent-precision guard (hf_lowprec.report)."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import hf_lowprec
+from hf_lowprec.memory import model_state_bytes
+from hf_lowprec.report import (
+    PrecisionPromiseError,
+    SilentPrecisionWarning,
+    format_report,
+    plan_model_state,
+    zero_per_rank,
+)
+from tests.helpers import batches, tiny_gpt2, train_steps
+
+STRATEGIES = hf_lowprec.available_strategies()
+
+
+def _dataset(n=8, seq=32):
+    from datasets import Dataset
+
+    ids = torch.cat(batches(2, batch=n // 2, seq=seq)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def _trainer(tmp_path, model, strategy=None, **kwargs):
+    args = hf_lowprec.TrainingArguments(
+        output_dir=str(tmp_path), precision_strategy=strategy, max_steps=kwargs.pop("max_steps", 1),
+        per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+        logging_steps=1, disable_tqdm=True, **kwargs)
+    return hf_lowprec.Trainer(model=model, args=args, train_dataset=_dataset())
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_planned_bytes_equal_the_bytes_measured_after_a_step(name):
+    # The plan reads the optimizer's own state initialisers; after one real step the live
+    # storage must hold exactly that (scales and counters: a few bytes per tensor, < 0.01 B/param here).
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    planned = plan_model_state(model, optimizer)
+    train_steps(strategy, model, optimizer, batches(1))
+    measured = model_state_bytes(model, optimizer)
+    for key in ("params", "optimizer_states", "total"):
+        assert planned[key] == pytest.approx(measured[key], abs=0.01), (name, key, planned, measured)
+
+
+def test_zero_partitioning_of_the_plan():
+    plan = {"params": 2.0, "grads": 2.0, "optimizer_states": 4.0, "extra": 4.0, "total": 12.0, "num_params": 10.0}
+    assert zero_per_rank(plan, 4, 0)["total"] == 12.0
+    assert zero_per_rank(plan, 4, 1)["total"] == 2 + 2 + 8 / 4
+    assert zero_per_rank(plan, 4, 2)["total"] == 2 + 10 / 4
+    assert zero_per_rank(plan, 4, 3)["total"] == 12 / 4
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        zero_per_rank(plan, 4, 5)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_describe_reports_the_live_dtypes(name):
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    report = strategy.describe(model, optimizer)
+    json.dumps(report)  # serialisable as it is written to the output directory
+    assert report["strategy"] == name
+    assert report["violations"] == []
+    live = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}
+    assert set(report["trainable_param_dtypes"]) == live
+    assert report["memory"]["total"] == pytest.approx(strategy.bytes_per_param, abs=0.1)
+    if strategy.uses_fp8_gemm:
+        assert report["fp8"]["converted"] > 0
+        assert "lm_head" in report["fp8"]["skipped"]  # the LM head stays high precision, with its reason
+    text = format_report(report)
+    assert name in text and "bytes/param" in text
+
+
+def test_trainer_writes_the_report_and_trains(tmp_path):
+    trainer = _trainer(tmp_path, tiny_gpt2(), "collage-plus")
+    trainer.train()
+    report = json.loads((tmp_path / "precision_report.json").read_text())
+    assert report["strategy"] == "collage-plus"
+    assert report["optimizer"]["states"]["param_error"]["dtype"] == "bfloat16"
+    assert "compensation param_error" in report["master_weights"]
+    assert trainer.state.global_step == 1
+
+
+def test_a_broken_dtype_promise_stops_before_the_first_step(tmp_path, monkeypatch):
+    from hf_lowprec.strategies.baselines import BF16Pure
+
+    # Sabotage: the strategy "prepares" the model but leaves it in FP32.
+    monkeypatch.setattr(BF16Pure, "prepare_model", lambda self, model: model)
+    model = tiny_gpt2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = _trainer(tmp_path, model, "bf16-pure")
+    with pytest.raises(PrecisionPromiseError, match="float32.*promises bfloat16"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_an_fp8_strategy_without_fp8_layers_stops(tmp_path, monkeypatch):
+    import hf_lowprec.strategies.fp8_lm as fp8_lm
+
+    monkeypatch.setattr(fp8_lm, "convert_to_fp8", lambda model, **kw: model)
+    trainer = _trainer(tmp_path, tiny_gpt2(), "fp8-lm-o1")
+    with pytest.raises(PrecisionPromiseError, match="no FP8 layer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_the_accelerate_plugin_reports_and_checks():
+    from accelerate import Accelerator
+
+    plugin = hf_lowprec.PrecisionPlugin("bf16-kahan")
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = plugin.prepare(Accelerator(cpu=True), model, optimizer)
+    assert plugin.report["strategy"] == "bf16-kahan"
+    assert plugin.report["optimizer"]["states"]["compensation"]["dtype"] == "bfloat16"
+
+
+def test_silent_precision_guard_warns_once_for_bf16_weights_under_plain_adamw(tmp_path):
+    trainer = _trainer(tmp_path, tiny_gpt2().to(torch.bfloat16), max_steps=2)
+    with pytest.warns(SilentPrecisionWarning, match="collage-plus.*bf16-kahan.*bf16-sr.*bf16-mixed") as record:
+        trainer.train()
+    assert sum(issubclass(w.category, SilentPrecisionWarning) for w in record) == 1
+
+
+@pytest.mark.parametrize("strategy", [None, "bf16-pure"])
+def test_silent_precision_guard_stays_quiet_when_nothing_is_hidden(tmp_path, strategy):
+    # FP32 weights lose nothing; a chosen strategy is a visible choice (bf16-pure is reported at startup).
+    trainer = _trainer(tmp_path, tiny_gpt2(), strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SilentPrecisionWarning)
+        trainer.train()
+    assert trainer.state.global_step == 1
