@@ -1,20 +1,37 @@
 """FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; ALGORITHMS.md §3).
 
-All three GEMMs of a linear layer run through `torch._scaled_mm` with per-tensor
-power-of-two scales (real = payload / s) and FP32 accumulation:
+The three GEMMs of a linear layer take FP8 operands with per-tensor power-of-two scales
+(real = payload / s) and accumulate in FP32:
 
     forward       y  = x·Wᵀ          x, W in E4M3
     input grad    dx = dy·W          dy in E5M2 (wider range for gradients), W in E4M3
     weight grad   dW = dyᵀ·x         dy in E5M2, x in E4M3
 
-`torch._scaled_mm(a, b, scale_a, scale_b)` computes (a·scale_a) @ (b·scale_b): its scales
-are dequantization multipliers, so it receives 1/s (exact for powers of two). Its CUDA
-kernels need `a` row-major, `b` column-major and the inner and outer dimensions multiples
-of 16; the CPU kernel accepts any layout (measured in torch 2.13). `_fp8_mm` always hands
-it that layout and pads to 16 on CUDA, so the same code runs on both.
+GEMM paths. The numerics are one definition on every device: the exact products of the FP8
+payloads summed in FP32, multiplied by the exact power-of-two 1/(s_a·s_b), rounded once to
+BF16 and then cast to the activation dtype. BF16's relative rounding (2^-9) is 16 times
+finer than the E4M3 operands' own (2^-4), so the output dtype costs nothing measurable, and
+it lets every device use its fast GEMM. Two implementations compute that:
 
-Only the FP8 copies of x and W are saved for backward, so activation memory for these
-layers is one byte per element.
+- "scaled_mm": `torch._scaled_mm` (cuBLASLt FP8 tensor cores). Chosen on CUDA devices with
+  compute capability ≥ 8.9. cuBLASLt needs the first operand row-major, the second
+  column-major and every dimension a multiple of 16; `_ScaledMM` makes that layout explicit
+  (copies, zero padding) whatever layout it is handed.
+- "upcast": both payloads converted to BF16, which represents every E4M3 and E5M2 value
+  exactly, then an ordinary BF16 matmul (oneDNN/AMX, cuBLAS), which accumulates in FP32.
+  Chosen everywhere else: on CPU, `_scaled_mm` runs a reference loop (GPT-2's 512×768×3072
+  GEMM measured here at ~1000× a BF16 matmul).
+
+The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
+choice is made once per device and logged; `set_fp8_gemm_path` forces one.
+
+Quantization. Activations and output gradients are quantized on every call (amax, scale and
+cast in three passes; see `_quantize_per_tensor`). `FP8Linear` quantizes its weight once per
+optimizer step: the FP8 weight is cached under the weight's version counter and a global
+optimizer-step counter, so gradient accumulation and evaluation reuse it, and any change
+(optimizer step, `load_state_dict`, in-place edits, `.to()`) invalidates it. Only the FP8
+copies of x and W are saved for backward: activation memory for these layers is one byte
+per element, and no BF16 or FP32 copy of the weight outlives the GEMM that uses it.
 
 Scaled master weights (FP8-LM O2): after `scale_master_weight()`, the FP16 parameter holds
 payload = real·s_m with an FP32 scale s_m in the buffer `master_scale`; the layer divides by
@@ -25,17 +42,20 @@ FP32, so checkpoints and `save_pretrained` stay ordinary.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
-__all__ = ["FP8Linear", "convert_to_fp8", "fp8_linear"]
+__all__ = ["FP8Linear", "GemmPath", "convert_to_fp8", "fp8_gemm_path", "fp8_linear", "set_fp8_gemm_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +63,13 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 # Dimensions _scaled_mm's CUDA kernels need to be multiples of.
 GEMM_MULTIPLE = 16
+# The dtype every FP8 GEMM's FP32 accumulator is rounded to (module docstring).
+GEMM_OUT_DTYPE = torch.bfloat16
+# First CUDA compute capability with FP8 tensor cores (Ada, Hopper and later).
+_FP8_TENSOR_CORE_CAPABILITY = (8, 9)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+GemmPath = Literal["scaled_mm", "upcast"]
 
 # Output dtypes torch._scaled_mm offers, hence the activation dtypes the layer accepts.
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -53,21 +78,32 @@ _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _quantize_per_tensor(
     x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, s) with s the power-of-two scale of the real values x / master_scale."""
-    amax = tensor_amax(x)
-    if master_scale is None:
-        scale = pow2_scale(amax, dtype, margin)
-        return quantize(x, scale, dtype), scale
-    scale = pow2_scale(amax / master_scale, dtype, margin)
-    # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
-    return quantize(x, scale / master_scale, dtype), scale
+    """(payload, s) with s the power-of-two scale of the real values x / master_scale.
+
+    Three passes over x: amax, x·s in FP32, the cast. The scale comes from this tensor's own
+    amax, so |x·s| ≤ max(dtype) already and `quantize`'s saturating clamp has nothing to do.
+    A non-finite amax (an inf or NaN anywhere in x) makes the scale NaN, so the whole payload
+    is NaN and the overflow stays visible downstream, as with `quantize`.
+    """
+    # max |x| in one pass, without the |x| temporary that abs().amax() allocates.
+    amax = torch.linalg.vector_norm(x.detach(), float("inf")).float() if x.numel() else torch.zeros((), device=x.device)
+    if master_scale is not None:
+        amax = amax / master_scale
+    scale = pow2_scale(amax, dtype, margin)
+    # amax − amax is 0, or NaN when amax is inf/NaN.
+    factor = scale + (amax - amax)
+    if master_scale is not None:
+        # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
+        factor = factor / master_scale
+    y = x.detach().float() * factor if x.dtype != torch.float32 else x.detach() * factor
+    return y.to(dtype), scale
 
 
 def _pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if rows == t.shape[0] and cols == t.shape[1]:
         return t
     # F.pad has no FP8 kernel; zero bytes are +0.0 in both FP8 formats.
-    padded = F.pad(t.view(torch.uint8), (0, cols - t.shape[1], 0, rows - t.shape[0]))
+    padded = F.pad(t.contiguous().view(torch.uint8), (0, cols - t.shape[1], 0, rows - t.shape[0]))
     return padded.view(t.dtype)
 
 
@@ -75,24 +111,133 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _inverse_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    # Each reciprocal of a power of two in [2^-126, 2^126] is exact.
+    return scale_a.reciprocal() * scale_b.reciprocal()
+
+
+class _Upcast:
+    """FP8 payloads → BF16 (exact) → BF16 matmul with FP32 accumulation; any operand layout."""
+
+    name: GemmPath = "upcast"
+
+    def operand(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(GEMM_OUT_DTYPE)
+
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+        """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16."""
+        return torch.mm(a, b).mul_(_inverse_scale(scale_a, scale_b).to(GEMM_OUT_DTYPE))
+
+
+class _ScaledMM:
+    """`torch._scaled_mm`, handed cuBLASLt's layout: a row-major, b column-major, dims padded to 16.
+
+    Args:
+        pad: zero-pad M, K, N to multiples of 16 (what the CUDA kernels need).
+    """
+
+    name: GemmPath = "scaled_mm"
+
+    def __init__(self, pad: bool) -> None:
+        self.pad = pad
+
+    def operand(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def layout(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a row-major M'×K', b column-major K'×N'): what `torch._scaled_mm` receives."""
+        m, k = a.shape
+        n = b.shape[1]
+        mp, kp, np_ = (_round_up(d, GEMM_MULTIPLE) for d in (m, k, n)) if self.pad else (m, k, n)
+        a_rows = _pad_2d(a.contiguous(), mp, kp)
+        b_cols = _pad_2d(b.t().contiguous(), np_, kp).t()
+        return a_rows, b_cols
+
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], b.shape[1]
+        a_rows, b_cols = self.layout(a, b)
+        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two.
+        out = torch._scaled_mm(
+            a_rows, b_cols, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=GEMM_OUT_DTYPE
+        )
+        return out[:m, :n]
+
+
+_forced_path: GemmPath | None = None
+_chosen: dict[tuple[str, int | None], _Upcast | _ScaledMM] = {}
+
+
+def set_fp8_gemm_path(path: GemmPath | None) -> None:
+    """Force the FP8 GEMM path on every device ("scaled_mm" or "upcast"), or None for the default."""
+    global _forced_path
+    if path not in ("scaled_mm", "upcast", None):
+        raise ValueError(f"FP8 GEMM path must be 'scaled_mm', 'upcast' or None, got {path!r}")
+    _forced_path = path
+    _chosen.clear()
+
+
+def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
+    key = (device.type, device.index)
+    gemm = _chosen.get(key)
+    if gemm is None:
+        path = _forced_path or _default_path(device)
+        if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
+            raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
+        gemm = _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
+        _chosen[key] = gemm
+        reason = "forced" if _forced_path else "default for this device"
+        logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
+    return gemm
+
+
+def _default_path(device: torch.device) -> GemmPath:
+    if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+        if torch.cuda.get_device_capability(device) >= _FP8_TENSOR_CORE_CAPABILITY:
+            return "scaled_mm"
+    return "upcast"
+
+
+def fp8_gemm_path(device: torch.device | str) -> GemmPath:
+    """The FP8 GEMM path used on `device`: "scaled_mm" or "upcast" (module docstring)."""
+    return _gemm_for(torch.device(device)).name
+
+
 def _fp8_mm(
-    a: torch.Tensor, scale_a: torch.Tensor, bt: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """(a / scale_a) @ (bt / scale_b)ᵀ for row-major FP8 `a` (M×K) and `bt` (N×K), FP32 accumulation."""
-    m, k = a.shape
-    n = bt.shape[0]
-    if a.is_cuda:
-        mp, kp, np_ = (_round_up(d, GEMM_MULTIPLE) for d in (m, k, n))
-        a, bt = _pad_2d(a, mp, kp), _pad_2d(bt, np_, kp)
-    out = torch._scaled_mm(
-        a, bt.t(), scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=out_dtype
-    )
-    return out[:m, :n]
+    a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+    gemm: _Upcast | _ScaledMM | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
+    gemm = gemm or _gemm_for(a.device)
+    out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
+    return out.to(out_dtype)
+
+
+# --- weight cache: one quantization per optimizer step ------------------------------------
+# Optimizers that write through `p.data` do not bump the parameter's version counter, so
+# every optimizer step also bumps this counter (a global step post-hook, registered when the
+# first FP8Linear is built) and drops the cached copies, whose memory the step can use.
+_optimizer_steps = itertools.count()
+_step_generation = 0
+_caching_layers: weakref.WeakSet[FP8Linear] = weakref.WeakSet()
+_hook_handle: Any = None
+
+
+def _after_optimizer_step(*_: Any) -> None:
+    global _step_generation
+    _step_generation = next(_optimizer_steps) + 1
+    for layer in list(_caching_layers):
+        layer._weight_cache = None
+
+
+def _ensure_step_hook() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x·Wᵀ + b (or x·W + b for GPT-2 Conv1D layout) with FP8 GEMMs; backward written by hand
-    because `torch._scaled_mm` has no autograd formula."""
+    because the FP8 GEMMs have no autograd formula."""
 
     @staticmethod
     def forward(
@@ -100,21 +245,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        master_scale: torch.Tensor | None,
+        w8: torch.Tensor,
+        sw: torch.Tensor,
         transposed: bool,
         margin: int,
     ) -> torch.Tensor:
-        if x.dtype not in _ACTIVATION_DTYPES:
-            raise ValueError(f"FP8 linear takes FP32, FP16 or BF16 inputs, got {x.dtype}")
-        out_dtype = x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        x8, sx = _quantize_per_tensor(x2, E4M3, margin)
-        w8, sw = _quantize_per_tensor(weight, E4M3, margin, master_scale)
-        # The GEMM wants W as N×K row-major; Conv1D stores K×N.
-        w_nk = w8.t().contiguous() if transposed else w8
-        out = _fp8_mm(x8, sx, w_nk, sw, out_dtype)
+        gemm = _gemm_for(x.device)
+        x8, sx = _quantize_per_tensor(x.reshape(-1, x.shape[-1]), E4M3, margin)
+        # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
+        out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, x.dtype, gemm)
         if bias is not None:
-            out = out + bias.to(out_dtype)
+            out = out + bias.to(out.dtype)
         ctx.save_for_backward(x8, sx, w8, sw)
         ctx.transposed = transposed
         ctx.margin = margin
@@ -127,24 +268,31 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x8, sx, w8, sw = ctx.saved_tensors
+        gemm = _gemm_for(grad_out.device)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g8, sg = _quantize_per_tensor(g2, E5M2, ctx.margin)
+        g_op = gemm.operand(g8)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            # dx = dy·W: the second operand, as N×K row-major "bt", is Wᵀ (K×N) for Linear, W for Conv1D.
-            w_kn = w8 if ctx.transposed else w8.t().contiguous()
-            grad_x = _fp8_mm(g8, sg, w_kn, sw, ctx.x_dtype).reshape(ctx.x_shape)
+            # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
+            w_op = gemm.operand(w8.t() if ctx.transposed else w8)
+            grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            g_t = g8.t().contiguous()
-            x_t = x8.t().contiguous()
+            x_op = gemm.operand(x8)
             if ctx.transposed:  # dW (K×N) = xᵀ·dy
-                grad_w = _fp8_mm(x_t, sx, g_t, sg, ctx.weight_dtype)
+                grad_w = gemm.mm(x_op.t(), sx, g_op, sg)
             else:  # dW (N×K) = dyᵀ·x
-                grad_w = _fp8_mm(g_t, sg, x_t, sx, ctx.weight_dtype)
+                grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
+            grad_w = grad_w.to(ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
-            grad_b = g2.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+            grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _check_input_dtype(x: torch.Tensor) -> None:
+    if x.dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"FP8 linear takes FP32, FP16 or BF16 inputs, got {x.dtype}; cast the input first")
 
 
 def fp8_linear(
@@ -167,7 +315,9 @@ def fp8_linear(
     k = weight.shape[0] if weight_transposed else weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
-    return _FP8LinearFunction.apply(x, weight, bias, master_scale, weight_transposed, margin)
+    _check_input_dtype(x)
+    w8, sw = _quantize_per_tensor(weight, E4M3, margin, master_scale)
+    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, weight_transposed, margin)
 
 
 class FP8Linear(nn.Module):
@@ -206,6 +356,8 @@ class FP8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self.register_buffer("master_scale", None, persistent=False)
         self.master_margin = 0
+        self._weight_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        _ensure_step_hook()
         self.register_state_dict_post_hook(_export_real_weight)
         self.register_load_state_dict_pre_hook(_import_real_weight)
 
@@ -244,7 +396,24 @@ class FP8Linear(nn.Module):
         scale = self.master_scale
         if scale is not None and get_master_scale(self.weight) is not scale:
             set_master_scale(self.weight, scale)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, scale, self.weight_transposed, self.margin)
+        _check_input_dtype(x)
+        w8, sw = self._fp8_weight()
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin)
+
+    def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""
+        weight, scale = self.weight, self.master_scale
+        key = (
+            _step_generation, weight.data_ptr(), weight._version, weight.dtype, weight.device, self.margin,
+            None if scale is None else (scale.data_ptr(), scale._version),
+        )  # fmt: skip
+        cached = self._weight_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        w8, sw = _quantize_per_tensor(weight, E4M3, self.margin, scale)
+        self._weight_cache = (key, w8, sw)
+        _caching_layers.add(self)
+        return w8, sw
 
     def extra_repr(self) -> str:
         layout = ", conv1d_layout" if self.weight_transposed else ""
