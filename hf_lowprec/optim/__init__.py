@@ -17,3 +17,7 @@ __all__ = [
 from .fp8_adamw import FP8AdamW  # noqa: E402
 
 __all__ += ["FP8AdamW"]
+
+from .coat import COATAdamW  # noqa: E402
+
+__all__ += ["COATAdamW"]

@@ -1,0 +1,263 @@
+"""COAT's mixed-granularity FP8 activations: what layers save for backward is kept in FP8 (COAT §Part 2).
+
+- Linear layers: `hf_lowprec.fp8.FP8Linear` already saves the E4M3 input with one per-tensor
+  scale, the very tensor its FP8 GEMM used (ALGORITHMS.md §3); nothing to add here.
+- Non-linear layers (LayerNorm/RMSNorm, GELU/NewGELU/SiLU/… modules): their forward runs
+  without building a graph and only the input is saved, as E4M3 with one power-of-two scale
+  per 1×16 group along the last dimension, the scale stored as its int8 exponent
+  (1 + 1/16 bytes per element). Backward decodes the input and re-runs the layer's own
+  forward (under the autocast state of the forward) to get the input and parameter
+  gradients. Per-tensor scaling across tokens would hurt LayerNorm (COAT), hence the groups.
+- Element-wise multiply (gated MLPs: act(gate)·up) happens in the MLP module's forward, not in
+  a layer: every floating tensor saved inside a module that holds an activation layer (the
+  MLP) is packed the same 1×16 way by a `torch.autograd.graph.saved_tensors_hooks` scope
+  around that module, provided all its linear layers are FP8Linear (so nothing but
+  activations is saved there in high precision). Residual adds save nothing for backward.
+- Attention internals (scores, softmax, the q/k/v kept by SDPA) stay in the compute dtype.
+
+Modules are changed in place (an instance `forward`), so parameter names, state dicts and
+`save_pretrained` are untouched; under `torch.no_grad()` (evaluation) the original forward
+runs. Modules not handled are left alone and listed once in a log line.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fp8.linear import FP8Linear, _conv1d_class
+from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
+
+__all__ = [
+    "ACTIVATION_GROUP_SIZE",
+    "compress_activations",
+    "dequantize_groups",
+    "quantize_groups",
+    "saved_activation_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Elements per scale for non-linear layers' saved tensors (COAT: 1×16).
+ACTIVATION_GROUP_SIZE = 16
+_E4M3 = torch.float8_e4m3fn
+_PACKABLE = (torch.float32, torch.bfloat16, torch.float16)
+_ACTIVATION_MODULES = ("transformers.activations", "torch.nn.modules.activation")
+_NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 payload, int8 exponents e): real = payload / 2^e, one e per 1×16 group of the last dim.
+
+    The scale is the power of two of `hf_lowprec.fp8.pow2_scale`, so the scaling is exact and
+    only the cast rounds (relative error ≤ 2^-4 in E4M3's normal range, which spans 2^-6·448/2^8
+    … 448 after scaling: elements 2^14 times below their group's maximum become subnormal).
+    """
+    if x.dim() == 0 or x.shape[-1] % ACTIVATION_GROUP_SIZE:
+        raise ValueError(
+            f"the last dimension of a {tuple(x.shape)} tensor is not a multiple of {ACTIVATION_GROUP_SIZE}"
+        )
+    scale = pow2_scale(tensor_amax(x, ACTIVATION_GROUP_SIZE), _E4M3)
+    payload = quantize(x, scale, _E4M3, ACTIVATION_GROUP_SIZE)
+    # frexp: scale = 0.5·2^(e+1) exactly, and |e| ≤ 126 fits int8.
+    return payload, (torch.frexp(scale)[1] - 1).to(torch.int8)
+
+
+def dequantize_groups(payload: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of `quantize_groups`' output, in `dtype`."""
+    return dequantize(payload, torch.exp2(exponent.float()), dtype, ACTIVATION_GROUP_SIZE)
+
+
+def _packable(t: torch.Tensor) -> bool:
+    return t.dtype in _PACKABLE and t.dim() > 0 and t.shape[-1] % ACTIVATION_GROUP_SIZE == 0
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
+def _restore_autocast(state: list[tuple[str, bool, torch.dtype]]) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled))
+    return stack
+
+
+class _SavedInFP8(torch.autograd.Function):
+    """y = layer(x), saving only x in 1×16 group FP8; backward re-runs the layer on the decoded x."""
+
+    @staticmethod
+    def forward(ctx: Any, module: nn.Module, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out = type(module).forward(module, x)
+        ctx.save_for_backward(*quantize_groups(x))
+        ctx.module = module
+        ctx.x_dtype = x.dtype
+        ctx.autocast = _autocast_state()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        payload, exponent = ctx.saved_tensors
+        x = dequantize_groups(payload, exponent, ctx.x_dtype).requires_grad_(True)
+        needed = ctx.needs_input_grad[2:]
+        wanted = [p for p, need in zip(ctx.module.parameters(), needed) if need]
+        with torch.enable_grad(), _restore_autocast(ctx.autocast):
+            out = type(ctx.module).forward(ctx.module, x)
+        grads = iter(torch.autograd.grad(out, [x, *wanted], grad_out, allow_unused=True))
+        grad_x = next(grads)
+        return (None, grad_x, *(next(grads) if need else None for need in needed))
+
+
+def _layer_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    params = list(self.parameters())
+    wants_grad = torch.is_tensor(x) and (x.requires_grad or any(p.requires_grad for p in params))
+    if args or kwargs or not torch.is_grad_enabled() or not wants_grad or not _packable(x):
+        return type(self).forward(self, x, *args, **kwargs)
+    return _SavedInFP8.apply(self, x, *params)
+
+
+def _run_in_scope(module: nn.Module, pack_activations: bool, args: tuple, kwargs: dict) -> Any:
+    """Run the module's own forward with a pack hook that (1) keeps one copy of identical FP8
+    payloads (q/k/v or gate/up projections quantize the same input separately, each FP8Linear
+    saving its own copy) and (2) if `pack_activations`, packs other activations 1×16 FP8."""
+    if not torch.is_grad_enabled():
+        return type(module).forward(module, *args, **kwargs)
+    # Parameters saved by reference cost nothing; only activations are packed.
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    fp8_seen: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.dtype == _E4M3:
+            bits = t.view(torch.uint8)
+            for earlier in fp8_seen:
+                if earlier.shape == t.shape and torch.equal(earlier.view(torch.uint8), bits):
+                    return earlier
+            fp8_seen.append(t)
+            return t
+        if not pack_activations or not _packable(t) or t.untyped_storage().data_ptr() in own:
+            return t
+        return (*quantize_groups(t), t.dtype)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        return dequantize_groups(*packed) if isinstance(packed, tuple) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return type(module).forward(module, *args, **kwargs)
+
+
+def _mlp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _run_in_scope(self, True, args, kwargs)
+
+
+def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _run_in_scope(self, False, args, kwargs)
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return type(module).__module__ in _ACTIVATION_MODULES and not list(module.children())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(_NORM_SUFFIXES) and not list(module.children())
+
+
+def _is_gemm(module: nn.Module) -> bool:
+    conv1d = _conv1d_class()
+    return isinstance(module, (nn.Linear, FP8Linear)) or (conv1d is not None and isinstance(module, conv1d))
+
+
+def _is_fp8_mlp(module: nn.Module) -> bool:
+    """An MLP: it holds an activation layer directly, and every GEMM inside is FP8Linear."""
+    if not any(_is_activation(child) for child in module.children()):
+        return False
+    return all(isinstance(m, FP8Linear) for m in module.modules() if _is_gemm(m))
+
+
+def _is_fp8_attention(module: nn.Module) -> bool:
+    """The innermost attention module, with FP8Linear projections."""
+    if "Attention" not in type(module).__name__:
+        return False
+    if any("Attention" in type(m).__name__ for m in module.modules() if m is not module):
+        return False
+    return any(isinstance(m, FP8Linear) for m in module.modules())
+
+
+def compress_activations(model: nn.Module) -> nn.Module:
+    """Make `model`'s non-linear layers and gated MLPs save FP8 for backward, in place; returns `model`.
+
+    Run `hf_lowprec.fp8.convert_to_fp8` first for the linear layers. Modules that already
+    have their own instance `forward` (another wrapper) are left alone.
+    """
+    handled: collections.Counter[str] = collections.Counter()
+    left: collections.Counter[str] = collections.Counter()
+    for module in model.modules():
+        name = type(module).__name__
+        if "forward" in module.__dict__:
+            left[f"{name} (already wrapped)"] += 1
+        elif _is_activation(module) or _is_norm(module):
+            module.forward = types.MethodType(_layer_forward, module)
+            handled[name] += 1
+        elif _is_fp8_mlp(module):
+            module.forward = types.MethodType(_mlp_forward, module)
+            handled[f"{name} (element-wise ops)"] += 1
+        elif _is_fp8_attention(module):
+            module.forward = types.MethodType(_attention_forward, module)
+            left[f"{name} (attention internals; FP8 projection inputs shared)"] += 1
+        elif isinstance(module, FP8Linear):
+            handled[name] += 1
+        elif "Attention" in name:
+            left[f"{name} (attention internals)"] += 1
+        elif not list(module.children()):
+            left[name] += 1
+    logger.info(
+        "COAT FP8 activations: handled %s; saved tensors left as they are in %s",
+        _listing(handled) or "nothing",
+        _listing(left) or "nothing",
+    )
+    return model
+
+
+def _listing(counts: collections.Counter[str]) -> str:
+    return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items()))
+
+
+def saved_activation_bytes(forward: Any) -> tuple[Any, int]:
+    """Run `forward()` and count the bytes its autograd graph keeps alive afterwards.
+
+    Every tensor created during the call (including those packed by saved-tensor hooks and
+    inside custom autograd functions) is watched through a weak reference to its storage;
+    once `forward` has returned, the storages still alive are held by the graph or by the
+    returned value. Parameters are not created by the forward, so they are not counted.
+
+    Returns:
+        (what `forward` returned, bytes of the distinct live storages created by it).
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    # Keyed by the storage object (cdata), not its address: freed addresses are reused.
+    watched: dict[int, tuple[Any, int]] = {}
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:  # an alias of a storage made earlier, or of a parameter
+                return out
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    ref = StorageWeakRef(t.untyped_storage())
+                    if ref.cdata not in watched or watched[ref.cdata][0].expired():
+                        watched[ref.cdata] = (ref, t.untyped_storage().nbytes())
+            return out
+
+    with _Watch():
+        result = forward()
+    return result, sum(n for ref, n in watched.values() if not ref.expired())

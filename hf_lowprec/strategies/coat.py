@@ -1,0 +1,117 @@
+"""COAT: FP8 optimizer states and FP8 activations for memory-efficient FP8 training (ALGORITHMS.md §4).
+
+| piece (option) | what | from |
+|---|---|---|
+| `activations` | FP8 GEMMs whose linear layers save the per-tensor E4M3 input; norms, activation functions and gated-MLP products save 1×16-group E4M3 | `hf_lowprec.fp8.convert_to_fp8`, `hf_lowprec.coat.compress_activations` |
+| `states` | AdamW moments in per-group (128) E4M3 with dynamic range expansion | `hf_lowprec.optim.COATAdamW` |
+| `master_weights` | "fp32" (COAT), or "bf16-collage": BF16 weights with the Collage-light δθ | `COATAdamW` / `CollageAdamW(variant="light")` |
+
+Compute runs under BF16 autocast, as COAT's BF16 baseline does. Model-state bytes/param:
+
+| master_weights | states=True | states=False |
+|---|---|---|
+| fp32 | 4 + 4 + 1 + 1 + 0.19 = 10.19 | 16 |
+| bf16-collage | 2 + 2 + 2 + 1 + 1 + 0.19 = 8.19 | 10 |
+
+(0.19 = the FP32 (scale, k, c) per 128 elements of two moments; tensors whose size is not a
+multiple of 128 add their padding.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from ..coat.activations import compress_activations
+from ..fp8 import convert_to_fp8
+from ..optim import COATAdamW, CollageAdamW, PlainAdamW
+from ..registry import register
+from .base import PrecisionStrategy, StrategyOptions
+from .baselines import bf16_autocast
+
+__all__ = ["COAT", "COATOptions"]
+
+# FP32 (scale, k, c) per group of each of the two moments, in bytes per element.
+_METADATA_BYTES = 2 * 12
+
+
+@dataclasses.dataclass(frozen=True)
+class COATOptions(StrategyOptions):
+    """Options of the `coat` strategy; each piece can be switched on its own.
+
+    Args:
+        activations: FP8 linear layers (FP8-LM) and FP8 saved activations (COAT).
+        states: FP8 optimizer states (COATAdamW); False keeps AdamW states in the master dtype.
+        master_weights: "fp32" (COAT) or "bf16-collage" (BF16 weights + Collage-light δθ).
+        exp_avg_sq_format: FP8 format of the second moment, "e4m3" (COAT) or "e5m2".
+        expand: dynamic range expansion of the states; False is plain per-group FP8.
+        group_size: elements per optimizer-state group (COAT: 128).
+    """
+
+    activations: bool = True
+    states: bool = True
+    master_weights: Literal["fp32", "bf16-collage"] = "fp32"
+    exp_avg_sq_format: Literal["e4m3", "e5m2"] = "e4m3"
+    expand: bool = True
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.master_weights not in ("fp32", "bf16-collage"):
+            raise ValueError(f"master_weights must be 'fp32' or 'bf16-collage', got {self.master_weights!r}")
+        if self.exp_avg_sq_format not in ("e4m3", "e5m2"):
+            raise ValueError(f"exp_avg_sq_format must be 'e4m3' or 'e5m2', got {self.exp_avg_sq_format!r}")
+        size = self.group_size
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"group_size must be a positive integer, got {size!r} (COAT uses 128)")
+        if not (self.activations or self.states):
+            raise ValueError("coat with activations=False and states=False is plain training; enable a piece")
+
+
+@register("coat")
+class COAT(PrecisionStrategy):
+    """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
+
+    Options = COATOptions
+
+    @property
+    def bf16_master(self) -> bool:
+        return self.options.master_weights == "bf16-collage"
+
+    @property
+    def param_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return torch.bfloat16 if self.bf16_master else torch.float32
+
+    @property
+    def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return torch.bfloat16
+
+    @property
+    def bytes_per_param(self) -> float:  # type: ignore[override]
+        weight = self.param_dtype.itemsize
+        compensation = 2.0 if self.bf16_master else 0.0
+        states = 2.0 + _METADATA_BYTES / self.options.group_size if self.options.states else 2.0 * weight
+        return 2.0 * weight + compensation + states
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.bf16_master:
+            model = model.to(torch.bfloat16)
+        if self.options.activations:
+            compress_activations(convert_to_fp8(model))
+        return model
+
+    def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
+        if self.options.states:
+            o = self.options
+            return COATAdamW(
+                param_groups, **hyper, group_size=o.group_size, exp_avg_sq_format=o.exp_avg_sq_format, expand=o.expand
+            )
+        if self.bf16_master:
+            return CollageAdamW(param_groups, **hyper, variant="light")
+        return PlainAdamW(param_groups, **hyper)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return bf16_autocast()
