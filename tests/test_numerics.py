@@ -14,6 +14,7 @@ from hf_lowprec.numerics import (
     fast_two_sum,
     foreach_fast_two_sum_,
     foreach_grow_,
+    foreach_two_sum_,
     grow,
     mul_expansion,
     round_to_dtype,
@@ -183,6 +184,43 @@ def test_grow_error_bound_random(dtype: torch.dtype) -> None:
     bits = torch.stack([integers(0, 2**24) for _ in range(3)])
     cases = expansion_and_addend(dtype, integers(lo, hi), integers(1, 2 * p), integers(2, 3 * p), bits)
     check_grow_bound(dtype, *cases)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grow_error_bound_when_the_addend_is_larger(dtype: torch.dtype) -> None:
+    # Regression (issue 8 #10): near-zero parameters take updates larger than themselves, where
+    # Fast2Sum's |x| ≥ |a| fails. Collage's Fast2Sum-first Grow then loses the sum's whole
+    # rounding error: BF16 θ = 0.000866, Δθ = 0.001007 gave (0.0018768, 0), 1 ulp off.
+    x, a = torch.tensor([0.000866], dtype=torch.bfloat16), torch.tensor([0.001007], dtype=torch.bfloat16)
+    u, v = grow(x, torch.zeros_like(x), a)
+    assert u.double() + v.double() == x.double() + a.double()
+    # Random cases with |a| up to 2^12·|x| (also of opposite sign, and cancelling): the bound of
+    # `check_grow_bound`, 2^-p·(|y| + ulp(s)/2), must hold for any ordering.
+    p = BITS[dtype]
+    generator = torch.Generator().manual_seed(1)
+    n = 100_000
+    x = (torch.randn(n, generator=generator) * 2.0 ** torch.randint(-6, 0, (n,), generator=generator)).to(dtype)
+    y = two_sum(x, (torch.randn(n, generator=generator) * x.float() * 2.0**-p).to(dtype))[1]
+    ratio = 2.0 ** torch.randint(0, 13, (n,), generator=generator).double()
+    a = (torch.randn(n, generator=generator).double() * x.double().abs() * ratio).to(dtype)
+    a[:1000] = -x[:1000]  # exact cancellation: s = 0
+    u, v = grow(x, y, a)
+    exact = x.double() + y.double() + a.double()
+    bound = 2.0**-p * (y.double().abs() + ulp(x + a, dtype) / 2) + HALF_SUBNORMAL[dtype]
+    assert bool(((u.double() + v.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_foreach_two_sum_matches_two_sum_bitwise(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=generator).to(dtype) for n in (17, 300)]
+    # Addends from 2^-12 to 2^12 times larger: half of them violate Fast2Sum's precondition.
+    adds = [(torch.randn(t.shape, generator=generator) * 2.0 ** torch.randint(-12, 13, t.shape)).to(dtype) for t in xs]
+    expected = [two_sum(x, a) for x, a in zip(xs, adds)]
+    x_, a_ = [x.clone() for x in xs], [a.clone() for a in adds]
+    foreach_two_sum_(x_, a_)
+    for (s, e), got_s, got_e in zip(expected, x_, a_):
+        assert torch.equal(s, got_s) and torch.equal(e, got_e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,17 +14,21 @@ class TrackedUpdate:
 
     Args:
         group: index of the parameter group.
-        param: the parameter (its value after the step is read from it).
-        before: a copy of the parameter before the step, in the parameter's dtype.
+        param: the parameter.
+        before: the value the optimizer held before the step (`held_value`, FP64).
+        after: the value it held right after the step (`held_value`, FP64).
         update: the update the optimizer intended to add (Δθ), at least FP32.
     """
 
-    __slots__ = ("group", "param", "before", "update")
+    __slots__ = ("group", "param", "before", "after", "update")
 
-    def __init__(self, group: int, param: torch.Tensor, before: torch.Tensor, update: torch.Tensor):
+    def __init__(
+        self, group: int, param: torch.Tensor, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor
+    ):
         self.group = group
         self.param = param
         self.before = before
+        self.after = after
         self.update = update
 
 
@@ -39,9 +43,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     ("optimizer" for moments, "extra" for MCF components, master weights and scales,
     "gradient" for gradients kept in optimizer state), which `hf_lowprec.memory` reads.
 
-    Lost-arithmetic tracking: when `track_updates` is true, `step()` implementations call
-    `_track(group_index, param, before, update)` for each parameter; the records are left in
-    `tracked` until the caller clears them. Tracking only copies, so the trajectory is unchanged.
+    Lost-arithmetic tracking (ALGORITHMS.md §1): the metrics are taken on the value the
+    optimizer really holds for a parameter, `held_value(param)`: the parameter itself by
+    default, θ + δθ for an expansion (Collage, Kahan), the master for a master-weight scheme.
+    When `track_updates` is true, `step()` implementations take `before = held_value(param)`
+    and, after updating, call `_track(group_index, param, before, update)`, which records
+    `held_value(param)` as the value after; the records stay in `tracked` until the caller
+    clears them. Tracking only copies, so the trajectory is unchanged.
     """
 
     state_roles: ClassVar[dict[str, str]] = {}
@@ -51,8 +59,16 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.track_updates = False
         self.tracked: list[TrackedUpdate] = []
 
+    def held_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The value this optimizer holds for `param`, as a new FP64 tensor of its shape.
+
+        Override when the parameter is not the whole story: an expansion returns θ + δθ,
+        a master-weight scheme its master in the parameter's real units.
+        """
+        return param.detach().double()
+
     def _track(self, group: int, param: torch.Tensor, before: torch.Tensor, update: torch.Tensor) -> None:
-        self.tracked.append(TrackedUpdate(group, param, before, update))
+        self.tracked.append(TrackedUpdate(group, param, before, self.held_value(param), update))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]

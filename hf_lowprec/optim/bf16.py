@@ -7,8 +7,9 @@
 | `StochasticRoundingAdamW`  | BF16      | θ ← SR(θ + Δθ), Δθ in FP32         | 8           |
 | `FP32StatesAdamW` (D−MW)   | FP32      | θ ← fl(θ + Δθ), Δθ in FP32         | 12          |
 
-All share `AdamWBase` (validation, bucketing, tracking) and `adamw_delta` with
-`CollageAdamW`, so the four differ only in where they round.
+All share `AdamWBase` (validation, bucketing, tracking), `adamw_moments_` and `adamw_delta`
+with `CollageAdamW`: the moments and Δθ are computed in FP32 registers and each stored
+value is rounded once, so the four differ only in where they round the update into θ.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from hf_lowprec.numerics import foreach_fast_two_sum_, stochastic_round
+from hf_lowprec.numerics import foreach_two_sum_, stochastic_round
 
-from .collage import AdamWBase, Tensors, adamw_delta, foreach_second_moment_
+from .collage import AdamWBase, Tensors, adamw_delta, adamw_moments_, second_moment_scales
 
 __all__ = ["FP32StatesAdamW", "KahanAdamW", "PlainAdamW", "StochasticRoundingAdamW"]
 
@@ -31,22 +32,25 @@ def _zeros(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def _moments_(
-    exp_avgs: Tensors, exp_avg_sqs: Tensors, grads: Tensors, beta1: float, beta2: float
-) -> None:
-    """m ← β1·m + (1 − β1)·g and v ← β2·v + (1 − β2)·g², in place, in the moments' dtype."""
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    foreach_second_moment_(exp_avg_sqs, grads, beta2)
-
-
-def _delta(
-    group: dict[str, Any], params: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, steps: list[int]
+def _moments_and_delta(
+    group: dict[str, Any], params: Tensors, states: list[dict[str, Any]], grads: Tensors, steps: list[int]
 ) -> Tensors:
+    """Update the stored moments (FP32 registers, one rounding each) and return Δθ in FP32."""
     beta1, beta2 = group["betas"]
+    exp_avgs32, exp_avg_sqs32 = adamw_moments_(
+        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], grads,
+        beta1=beta1, beta2=beta2, exp_avg_sq_scales=second_moment_scales(states),
+    )  # fmt: skip
     return adamw_delta(
-        params, exp_avgs, exp_avg_sqs, steps,
+        params, exp_avgs32, exp_avg_sqs32, steps,
         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
     )  # fmt: skip
+
+
+def _add_rounded_once_(params: Tensors, delta: Tensors) -> None:
+    """θ ← r(θ + Δθ): the sum is formed in Δθ's (wider) dtype and rounded once."""
+    for param, update in zip(params, delta):
+        param.add_(update)
 
 
 class PlainAdamW(AdamWBase):
@@ -67,13 +71,10 @@ class PlainAdamW(AdamWBase):
         return {"step": 0, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        _moments_(exp_avgs, exp_avg_sqs, grads, *group["betas"])
-        delta = _delta(group, params, exp_avgs, exp_avg_sqs, steps)
+        delta = _moments_and_delta(group, params, states, grads, steps)
         if updates_out is not None:
-            updates_out.extend(d.float() for d in delta)
-        torch._foreach_add_(params, delta)
+            updates_out.extend(delta)
+        _add_rounded_once_(params, delta)
 
 
 class KahanAdamW(AdamWBase):
@@ -92,6 +93,7 @@ class KahanAdamW(AdamWBase):
         "exp_avg_sq": "optimizer",
         "compensation": "extra",
     }
+    compensation_key: ClassVar[str | None] = "compensation"
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -102,15 +104,13 @@ class KahanAdamW(AdamWBase):
         }
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         compensations = [s["compensation"] for s in states]
-        _moments_(exp_avgs, exp_avg_sqs, grads, *group["betas"])
-        delta = _delta(group, params, exp_avgs, exp_avg_sqs, steps)
+        delta = _moments_and_delta(group, params, states, grads, steps)
         if updates_out is not None:
-            updates_out.extend(d.float() for d in delta)
-        torch._foreach_add_(compensations, delta)  # y = fl(Δθ + k)
-        foreach_fast_two_sum_(params, compensations)  # θ ← fl(θ + y), k ← y − (θ' − θ)
+            updates_out.extend(delta)
+        _add_rounded_once_(compensations, delta)  # y = r(Δθ₃₂ + k)
+        # TwoSum, not Fast2Sum: near-zero parameters have |y| > |θ| (ALGORITHMS.md §2).
+        foreach_two_sum_(params, compensations)  # θ ← fl(θ + y), k ← θ + y − θ'
 
 
 class StochasticRoundingAdamW(AdamWBase):
@@ -152,18 +152,11 @@ class StochasticRoundingAdamW(AdamWBase):
         return {"step": 0, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        exp_avgs32 = [m.float() for m in exp_avgs]
-        exp_avg_sqs32 = [v.float() for v in exp_avg_sqs]
-        _moments_(exp_avgs32, exp_avg_sqs32, [g.float() for g in grads], *group["betas"])
-        torch._foreach_copy_(exp_avgs, exp_avgs32)
-        torch._foreach_copy_(exp_avg_sqs, exp_avg_sqs32)
-        params32 = [p.float() for p in params]
-        delta = _delta(group, params32, exp_avgs32, exp_avg_sqs32, steps)
+        delta = _moments_and_delta(group, params, states, grads, steps)
         if updates_out is not None:
-            updates_out.extend(delta)
-        torch._foreach_add_(params32, delta)
+            updates_out.extend(d.clone() for d in delta)
+        params32 = delta
+        torch._foreach_add_(params32, [p.float() for p in params])
         generator = self._generator(params[0].device)
         for param, target in zip(params, params32):
             param.copy_(stochastic_round(target, param.dtype, generator))
@@ -201,12 +194,7 @@ class FP32StatesAdamW(AdamWBase):
         return {"step": 0, "exp_avg": _zeros(param, fp32), "exp_avg_sq": _zeros(param, fp32)}
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        _moments_(exp_avgs, exp_avg_sqs, [g.float() for g in grads], *group["betas"])
-        delta = _delta(group, [p.float() for p in params], exp_avgs, exp_avg_sqs, steps)
+        delta = _moments_and_delta(group, params, states, grads, steps)
         if updates_out is not None:
             updates_out.extend(delta)
-        # One rounding: the sum is formed in FP32 and cast back to the parameter's dtype.
-        for param, update in zip(params, delta):
-            param.add_(update)
+        _add_rounded_once_(params, delta)

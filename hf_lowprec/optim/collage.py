@@ -6,11 +6,16 @@ updates far below ulp(θ)/2 and the slow decay of v under β2 = 0.999 are not lo
 
 Layering: `CollageAdamW` (state, hyper-parameters, tracking) → `collage_adamw` (functional
 over lists of tensors, the single place where a fused kernel could be dispatched) →
-`_foreach_collage_adamw` (the `torch._foreach_*` implementation).
+`_foreach_collage_adamw` (the `torch._foreach_*` reference, whose rounding sequence the
+`collage_adamw` docstring spells out).
+
+Only the storage is 16-bit: the moments and Δθ are computed in FP32 registers and rounded
+once when stored, as any element-wise kernel does. That keeps FP16's (1 − β2)·g² from
+underflowing inside the step and rounds each stored value once (ALGORITHMS.md §2).
 
 This module also holds what every AdamW variant of `hf_lowprec.optim` shares:
-`AdamWBase` (validation, bucketing by device and dtype, step counting, tracking) and
-`adamw_delta` (the update Δθ from the moments).
+`AdamWBase` (validation, bucketing by device and dtype, step counting, tracking),
+`adamw_moments_` (the moment update) and `adamw_delta` (the update Δθ from the moments).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hf_lowprec.numerics import LOW_PRECISION_DTYPES, expansion, foreach_fast_two_sum_, foreach_grow_
+from hf_lowprec.numerics import LOW_PRECISION_DTYPES, foreach_grow_
 
 from .base import LowPrecisionOptimizer
 
@@ -29,9 +34,10 @@ __all__ = [
     "AdamWBase",
     "CollageAdamW",
     "adamw_delta",
+    "adamw_moments_",
     "collage_adamw",
-    "foreach_second_moment_",
-    "scalar_tensor",
+    "compute_dtype",
+    "second_moment_scales",
 ]
 
 VARIANTS = ("light", "plus")
@@ -57,6 +63,113 @@ def check_adamw_hyperparameters(
         )
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the update is computed in: FP32 for 16-bit storage, else the storage dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _as_dtype(tensors: Tensors, dtype: torch.dtype, copy: bool = False) -> Tensors:
+    return [t.to(dtype, copy=copy) for t in tensors]
+
+
+def _store_(targets: Tensors, values: Tensors) -> None:
+    """Round `values` to the targets' dtype (to nearest, once) and write them in place."""
+    pairs = [(t, v) for t, v in zip(targets, values) if t is not v]
+    if pairs:
+        torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+
+
+def adamw_moments_(
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    grads: Tensors,
+    *,
+    beta1: float,
+    beta2: float,
+    exp_avg_sq_errors: Tensors | None = None,
+    exp_avg_sq_scales: Tensors | None = None,
+) -> tuple[Tensors, Tensors]:
+    """Update the AdamW moments in FP32 registers, store them, return the unrounded values.
+
+    With c = `compute_dtype` (FP32 for BF16/FP16 storage) and r(·) the round-to-nearest
+    conversion to the storage dtype, per element:
+
+        m₃₂ = lerp(c(m), c(g), 1 − β1)                       m ← r(m₃₂)
+        v₃₂ = min(β2·c(v) + (1 − β2)·c(g)·c(g), max_v)       v ← r(v₃₂)
+
+    With `exp_avg_sq_errors` (Collage-plus) the second moment is the expansion (v, δv):
+    v₃₂ = min(β2·(c(v) + c(δv)) + (1 − β2)·c(g)², max_v); v ← r(v₃₂); δv ← r(v₃₂ − c(v)),
+    the subtraction exact in FP32. This is Collage's Mul((β̂2, δβ2), (v, δv)) followed by
+    Grow with (1 − β2)·g², done in registers: v + δv spans at most 24 bits, so the FP32
+    sum is exact, β2 is applied to 2^-24 instead of as a BF16 pair, and the split keeps the
+    pair's ~2p bits (ALGORITHMS.md §2). β2·v then decays under β2 = 0.999 as it must.
+
+    Why registers: the step is computed from m₃₂ and v₃₂, never from their rounded copies,
+    and each stored value is rounded once.
+
+    FP16 storage (`exp_avg_sq_scales`, one FP32 0-dim power of two s per tensor): FP16
+    cannot hold a second moment below its smallest subnormal 2^-24, and (1 − β2)·g²
+    underflows for |g| ≲ 1e-2 (a zero v then turns m/(√v + ε) into a huge step, and it stays
+    zero from step to step). So FP16 stores v·s (and δv·s), with s re-chosen after each
+    update as the largest power of two with amax(v₃₂)·s ≤ 65504: v₃₂ = (stored)/s on read,
+    stored = r(v₃₂·s) on write (exact scalings, as in the FP8 optimizer's scaled states).
+    The tensor's largest v then sits at the top of FP16's range and elements down to
+    2^-40 of it keep a value. BF16 has FP32's range and needs no scale.
+
+    max_v is the storage dtype's largest finite value: a finite gradient whose square
+    overflows (BF16 g = 1e30) saturates v instead of storing inf (and inf − inf = NaN in
+    the split), so no state becomes non-finite from a finite gradient.
+
+    Returns:
+        (m₃₂, v₃₂) in the compute dtype; they are the stored tensors themselves when the
+        storage dtype already is the compute dtype (FP32 states).
+    """
+    dtype = compute_dtype(exp_avg_sqs[0].dtype)
+    grads32 = _as_dtype(grads, dtype)
+    exp_avgs32 = _as_dtype(exp_avgs, dtype)
+    torch._foreach_lerp_(exp_avgs32, grads32, 1.0 - beta1)
+    if exp_avg_sq_errors is None and exp_avg_sq_scales is None:
+        exp_avg_sqs32 = _as_dtype(exp_avg_sqs, dtype)
+    else:
+        exp_avg_sqs32 = _as_dtype(exp_avg_sqs, dtype, copy=True)
+    if exp_avg_sq_errors is not None:
+        torch._foreach_add_(exp_avg_sqs32, _as_dtype(exp_avg_sq_errors, dtype))
+    if exp_avg_sq_scales is not None:
+        torch._foreach_div_(exp_avg_sqs32, exp_avg_sq_scales)
+    torch._foreach_mul_(exp_avg_sqs32, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs32, grads32, grads32, 1.0 - beta2)
+    max_v = torch.finfo(exp_avg_sqs[0].dtype).max
+    _store_(exp_avgs, exp_avgs32)
+    if exp_avg_sq_scales is None:
+        torch._foreach_clamp_max_(exp_avg_sqs32, max_v)
+        stored = exp_avg_sqs32
+    else:
+        _rescale_(exp_avg_sq_scales, exp_avg_sqs32, max_v)
+        stored = torch._foreach_mul(exp_avg_sqs32, exp_avg_sq_scales)
+        torch._foreach_clamp_max_(stored, max_v)
+    _store_(exp_avg_sqs, stored)
+    if exp_avg_sq_errors is not None:
+        _store_(exp_avg_sq_errors, torch._foreach_sub(stored, _as_dtype(exp_avg_sqs, dtype)))
+    return exp_avgs32, exp_avg_sqs32
+
+
+def second_moment_scales(states: list[dict[str, Any]]) -> Tensors | None:
+    """The `exp_avg_sq_scale` of each state of a bucket, or None when v is not scaled."""
+    return [s["exp_avg_sq_scale"] for s in states] if "exp_avg_sq_scale" in states[0] else None
+
+
+def _rescale_(scales: Tensors, values: Tensors, max_value: float) -> None:
+    """Set each scale to the largest power of two s with amax·s ≤ max_value (kept if amax = 0).
+
+    The exponent is clamped to FP32's normal range. An amax of inf or NaN keeps the scale.
+    """
+    for scale, amax in zip(scales, torch._foreach_norm(values, float("inf"))):
+        amax = amax.double()
+        exponent = torch.floor(torch.log2(max_value / amax)).clamp_(-126, 126)
+        usable = (amax > 0) & torch.isfinite(amax)
+        scale.copy_(torch.where(usable, torch.exp2(exponent), scale.double()))
+
+
 def adamw_delta(
     params: Tensors,
     exp_avgs: Tensors,
@@ -69,48 +182,29 @@ def adamw_delta(
     eps: float,
     weight_decay: float,
 ) -> Tensors:
-    """The AdamW update Δθ = −α·(m̂/(√v̂ + ε) + λ·θ) as new tensors in the inputs' dtype.
+    """The AdamW update Δθ = −α·(m̂/(√v̂ + ε) + λ·θ) as new tensors in the moments' dtype.
 
-    m̂ = m/(1 − β1^t), v̂ = v/(1 − β2^t), with the bias corrections computed in FP64 on the
-    host. Decoupled weight decay is part of Δθ, so a compensated update compensates it too;
-    ε sits outside the root as in `torch.optim.AdamW`. The bias corrections are folded into
-    two scalars with the same algebra:
-    m̂/(√v̂ + ε) = (m·√c2/c1) / (√v + ε·√c2), c1 = 1 − β1^t, c2 = 1 − β2^t.
+    Pass the register moments of `adamw_moments_` (FP32 for 16-bit storage); θ is upcast to
+    their dtype. m̂ = m/(1 − β1^t), v̂ = v/(1 − β2^t), with the bias corrections computed in
+    FP64 on the host and folded into two scalars with the same algebra:
+    m̂/(√v̂ + ε) = (m·√c2/c1) / (√v + ε·√c2), c1 = 1 − β1^t, c2 = 1 − β2^t. Per element:
 
-    The added ε·√c2 is kept at least the dtype's smallest subnormal: in FP16, ε = 1e-8
-    underflows to 0 and a zero second moment would otherwise give 0/0.
+        d = √v + max(ε·√c2, tiny);  Δθ = fl(−α·λ·θ) + fl(s·m/d),  s = −α·√c2/c1
+
+    (one `addcdiv`, the same rounding whatever λ is). Decoupled weight decay is part of Δθ,
+    so a compensated update compensates it too; ε sits outside the root as in
+    `torch.optim.AdamW`. `tiny` (the smallest normal of the compute dtype) keeps a zero
+    second moment with ε = 0 from giving 0/0.
     """
-    finfo = torch.finfo(exp_avg_sqs[0].dtype)
-    smallest_subnormal = finfo.smallest_normal * finfo.eps
+    dtype = exp_avg_sqs[0].dtype
+    tiny = torch.finfo(dtype).smallest_normal
     sqrt_c2 = [math.sqrt(1.0 - beta2**t) for t in steps]
     step_sizes = [-lr * c2 / (1.0 - beta1**t) for c2, t in zip(sqrt_c2, steps)]
     denominators = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_add_(denominators, [max(eps * c2, smallest_subnormal) for c2 in sqrt_c2])
-    if weight_decay != 0.0:
-        delta = torch._foreach_mul(params, -lr * weight_decay)
-        torch._foreach_addcdiv_(delta, exp_avgs, denominators, step_sizes)
-    else:
-        delta = torch._foreach_mul(exp_avgs, step_sizes)
-        torch._foreach_div_(delta, denominators)
+    torch._foreach_add_(denominators, [max(eps * c2, tiny) for c2 in sqrt_c2])
+    delta = torch._foreach_mul(_as_dtype(params, dtype), -lr * weight_decay)
+    torch._foreach_addcdiv_(delta, exp_avgs, denominators, step_sizes)
     return delta
-
-
-def scalar_tensor(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim FP64 tensor on `like`'s device, to pass a scalar to foreach ops exactly.
-
-    On CPU (torch 2.13) in-place `_foreach_mul_` rounds a Python scalar to the tensors'
-    dtype first (BF16 β2 = 0.95 would become 0.94921875), and `add(..., alpha=)` is not
-    always rounded once; a 0-dim tensor operand is applied in FP32 arithmetic, like
-    `Tensor.mul`, `lerp` and `addcmul` with a Python scalar.
-    """
-    return torch.tensor(value, dtype=torch.float64, device=like.device)
-
-
-def foreach_second_moment_(exp_avg_sqs: Tensors, grads: Tensors, beta2: float) -> None:
-    """v ← β2·v + (1 − β2)·g² in place, in the dtype of v, rounded as `torch.optim.AdamW`
-    does it (fl(β2·v), then one rounding of the addcmul)."""
-    torch._foreach_mul_(exp_avg_sqs, scalar_tensor(beta2, exp_avg_sqs[0]))
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
 
 
 class AdamWBase(LowPrecisionOptimizer):
@@ -119,10 +213,13 @@ class AdamWBase(LowPrecisionOptimizer):
     A subclass sets `param_dtypes` (None accepts any floating dtype), creates its state in
     `_init_state` and updates one bucket of parameters (same device and dtype) in
     `_update_bucket`, which appends the intended updates Δθ (at least FP32) to
-    `updates_out` when that is a list (only while `track_updates` is on).
+    `updates_out` when that is a list (only while `track_updates` is on). An FP16 second
+    moment gets its power-of-two scale `exp_avg_sq_scale` here (see `adamw_moments_`).
     """
 
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = LOW_PRECISION_DTYPES
+    # State key of the compensation that completes the parameter (θ + δθ), if any.
+    compensation_key: ClassVar[str | None] = None
     # Group options beyond the AdamW hyper-parameters that a subclass's constructor passes on.
     extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
@@ -176,6 +273,12 @@ class AdamWBase(LowPrecisionOptimizer):
             type(self).__name__, group["lr"], group["betas"], group["eps"], group["weight_decay"]
         )
 
+    def held_value(self, param: torch.Tensor) -> torch.Tensor:
+        """θ, or θ + its compensation (`compensation_key`), summed in FP64."""
+        value = param.detach().double()
+        compensation = self.state[param].get(self.compensation_key) if param in self.state else None
+        return value if compensation is None else value.add_(compensation.double())
+
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -211,9 +314,13 @@ class AdamWBase(LowPrecisionOptimizer):
                     if not self.state[param]:
                         self.state[param] = self._init_state(param, group)
                     state = self.state[param]
+                    if state["exp_avg_sq"].dtype == torch.float16 and "exp_avg_sq_scale" not in state:
+                        # v is stored as v·s in FP16 (see `adamw_moments_`); s = 1 reads an
+                        # unscaled v saved before scales existed correctly.
+                        state["exp_avg_sq_scale"] = torch.ones((), device=param.device)
                     state["step"] += 1
                     states.append(state)
-                befores = [p.detach().clone() for p in params] if self.track_updates else None
+                befores = [self.held_value(p) for p in params] if self.track_updates else None
                 updates: Tensors | None = [] if self.track_updates else None
                 self._update_bucket(
                     group,
@@ -245,20 +352,37 @@ def collage_adamw(
     weight_decay: float,
     variant: str,
     updates_out: Tensors | None = None,
+    exp_avg_sq_scales: Tensors | None = None,
 ) -> None:
     """One Collage AdamW step over lists of tensors of one device and dtype, in place.
 
-    Collage Algorithm 2 (ALGORITHMS.md §2), per parameter:
-        m ← β1·m + (1 − β1)·g                                        (plain)
-        light: v ← β2·v + (1 − β2)·g²                                (plain)
-        plus:  (v, δv) ← Grow(Mul((β̂2, δβ2), (v, δv)), (1 − β2)·g²)
-        Δθ = −α·(m̂/(√v̂ + ε) + λ·θ)
-        (θ, δθ) ← Grow((θ, δθ), Δθ)
+    Collage Algorithm 2 (ALGORITHMS.md §2), per element, with f(·) the exact conversion to
+    FP32, r(·) round-to-nearest-even to the storage dtype (BF16 or FP16), and every
+    operation in FP32 unless it is marked r:
+
+        g = f(g)
+        m₃₂ = lerp(f(m), g, 1 − β1);                              m ← r(m₃₂)
+        light: v₃₂ = min(β2·f(v) + (1 − β2)·g·g, max)
+        plus:  v₃₂ = min(β2·(f(v) + f(δv)) + (1 − β2)·g·g, max)
+        light: v ← r(v₃₂);   plus: v ← r(v₃₂), δv ← r(v₃₂ − f(v))   (v the new, rounded v)
+        d = √v₃₂ + max(ε·√c2, 2^-126)
+        Δθ₃₂ = −α·λ·f(θ) + (−α·√c2/c1)·m₃₂/d,    c1 = 1 − β1^t, c2 = 1 − β2^t (FP64 host)
+        Δθ = r(Δθ₃₂)
+        (θ, δθ) ← Grow((θ, δθ), Δθ) in storage-dtype arithmetic:
+            s = θ ⊕ Δθ; b = s ⊖ θ; e = (θ ⊖ (s ⊖ b)) ⊕ (Δθ ⊖ b)      (TwoSum)
+            t = δθ ⊕ e; u = s ⊕ t; δθ ← t ⊖ (u ⊖ s); θ ← u          (Fast2Sum)
+
+    max is the storage dtype's largest finite value (see `adamw_moments_`); ⊕, ⊖ are
+    storage-dtype operations (FP32 arithmetic rounded once, correctly rounded for BF16 and
+    FP16). A fused kernel must reproduce exactly this sequence; `torch.compile` may only
+    fuse, not drop the r(·) and ⊕ roundings.
 
     Args:
         exp_avg_sq_errors: δv, required for variant "plus", ignored for "light".
         steps: the step number t of each parameter after this step (1 on the first step).
-        updates_out: if given, receives an FP32 copy of each intended update Δθ.
+        updates_out: if given, receives the intended updates Δθ₃₂ (FP32).
+        exp_avg_sq_scales: for FP16 storage, the per-tensor power-of-two scales s of the
+            stored v·s and δv·s, updated in place (see `adamw_moments_`); None for BF16.
     """
     if variant == "plus" and exp_avg_sq_errors is None:
         raise ValueError("collage_adamw: variant='plus' needs exp_avg_sq_errors (δv)")
@@ -279,40 +403,8 @@ def collage_adamw(
         weight_decay=weight_decay,
         variant=variant,
         updates_out=updates_out,
+        exp_avg_sq_scales=exp_avg_sq_scales,
     )
-
-
-def _foreach_second_moment_plus_(
-    exp_avg_sqs: Tensors, exp_avg_sq_errors: Tensors, grads: Tensors, beta2: float
-) -> None:
-    """(v, δv) ← Grow(Mul((β̂2, δβ2), (v, δv)), (1 − β2)·g²) in place; same arithmetic as
-    `numerics.grow(*numerics.mul_expansion(β̂2, δβ2, v, δv), (1 − β2)·g²)`."""
-    v, dv = exp_avg_sqs, exp_avg_sq_errors
-    beta_hi, beta_lo = expansion(beta2, v[0].dtype)
-    # As 0-dim operands of addcmul, so that every term below is added with exactly one
-    # rounding (the products are exact in FP32), the arithmetic of `mul_expansion`.
-    hi = [torch.tensor(beta_hi, dtype=v[0].dtype, device=v[0].device)] * len(v)
-    lo = [torch.tensor(beta_lo, dtype=v[0].dtype, device=v[0].device)] * len(v)
-    if beta_hi == 1.0:
-        # TwoProd(1, v) = (v, 0) exactly; only the cross terms δv + δβ2·v remain.
-        torch._foreach_addcmul_(dv, v, lo)
-        foreach_fast_two_sum_(v, dv)
-    else:
-        # Carry the error negated, ne = −e, so each step is one in-place addcmul.
-        p = torch._foreach_mul(v, beta_hi)  # p = fl(β̂2·v)
-        ne = torch._foreach_addcmul(p, v, hi, value=-1.0)  # −e = p − β̂2·v, exact
-        torch._foreach_addcmul_(ne, dv, hi, value=-1.0)
-        torch._foreach_addcmul_(ne, v, lo, value=-1.0)
-        # Fast2Sum(p, e) with e = −ne: s = fl(p − ne), z = fl(s − p), e' = fl(e − z).
-        torch._foreach_copy_(v, p)
-        torch._foreach_sub_(v, ne)  # v ← s
-        torch._foreach_sub_(p, v)  # p ← −z
-        torch._foreach_copy_(dv, p)
-        torch._foreach_sub_(dv, ne)  # δv ← fl(−z − ne) = e'
-    # Out of place: the in-place `_foreach_mul_` would round 1 − β2 to the low dtype first.
-    increment = torch._foreach_mul(grads, 1.0 - beta2)
-    torch._foreach_mul_(increment, grads)  # (1 − β2)·g²
-    foreach_grow_(v, dv, increment)
 
 
 def _foreach_collage_adamw(
@@ -331,21 +423,22 @@ def _foreach_collage_adamw(
     weight_decay: float,
     variant: str,
     updates_out: Tensors | None,
+    exp_avg_sq_scales: Tensors | None,
 ) -> None:
     # m is a weighted average of g: its rounding errors stay relative and do not accumulate
     # the way lost additions to θ and v do (Collage §4.2), so it stays plain.
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    if variant == "plus":
-        _foreach_second_moment_plus_(exp_avg_sqs, exp_avg_sq_errors, grads, beta2)
-    else:
-        foreach_second_moment_(exp_avg_sqs, grads, beta2)
-    delta = adamw_delta(
-        params, exp_avgs, exp_avg_sqs, steps,
+    exp_avgs32, exp_avg_sqs32 = adamw_moments_(
+        exp_avgs, exp_avg_sqs, grads, beta1=beta1, beta2=beta2,
+        exp_avg_sq_errors=exp_avg_sq_errors if variant == "plus" else None,
+        exp_avg_sq_scales=exp_avg_sq_scales,
+    )  # fmt: skip
+    delta32 = adamw_delta(
+        params, exp_avgs32, exp_avg_sqs32, steps,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
     )  # fmt: skip
     if updates_out is not None:
-        updates_out.extend(d.float() for d in delta)
-    # Parameters are much larger than their updates, so Fast2Sum needs no sort (Collage §4).
+        updates_out.extend(delta32)
+    delta = _as_dtype(delta32, params[0].dtype)
     foreach_grow_(params, param_errors, delta)
 
 
@@ -366,6 +459,7 @@ class CollageAdamW(AdamWBase):
     """
 
     extra_options: ClassVar[tuple[str, ...]] = ("variant",)
+    compensation_key: ClassVar[str | None] = "param_error"
     state_roles: ClassVar[dict[str, str]] = {
         "exp_avg": "optimizer",
         "exp_avg_sq": "optimizer",
@@ -403,6 +497,7 @@ class CollageAdamW(AdamWBase):
             state["exp_avg_sq_error"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
+
     def _update_bucket(
         self,
         group: dict[str, Any],
@@ -434,4 +529,5 @@ class CollageAdamW(AdamWBase):
             weight_decay=group["weight_decay"],
             variant=group["variant"],
             updates_out=updates_out,
+            exp_avg_sq_scales=second_moment_scales(states),
         )
