@@ -29,6 +29,8 @@ import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.deepspeed import precision_config, zero_support  # noqa: E402
+from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
+from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
 MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
@@ -63,8 +65,9 @@ def local(ids: torch.Tensor) -> torch.Tensor:
     return ids[rank * MICRO:(rank + 1) * MICRO]
 
 
-def train(strategy, engine, data) -> list[float]:
-    """Per step, the loss of the whole global batch (mean of the ranks' local losses)."""
+def train(strategy, engine, data, digests: list | None = None) -> list[float]:
+    """Per step, the loss of the whole global batch (mean of the ranks' local losses);
+    `digests` collects the forward weights' digest after every step."""
     losses = []
     for ids in data:
         ids = local(ids)
@@ -75,6 +78,8 @@ def train(strategy, engine, data) -> list[float]:
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
+        if digests is not None:
+            digests.append(forward_digest(engine.module))
     return losses
 
 
@@ -89,13 +94,25 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def state_dtypes(optimizer) -> dict[str, str]:
-    out = {}
+def state_dtypes(optimizer) -> dict[str, list[str]]:
+    out: dict[str, set] = {}
     for state in optimizer.state.values():
         for key, value in state.items():
             if torch.is_tensor(value) and value.numel() > 1:
-                out[key] = str(value.dtype)
-    return out
+                out.setdefault(key, set()).add(str(value.dtype))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def forward_digest(module) -> str:
+    """Digest of the weights the forward uses: FP8 layers' E4M3 weights (dequantized), other parameters."""
+    h = hashlib.sha256()
+    for p in module.parameters():
+        scale = get_master_scale(p)
+        if scale is not None:
+            w8, sw = _quantize_per_tensor(p.detach(), torch.float8_e4m3fn, 0, scale)
+            p = w8.float() / sw + 0.0  # +0.0 turns -0 into +0: the same FP8 value for the GEMM
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def model_bytes(engine, stage: int) -> int:
@@ -128,7 +145,7 @@ def reference(name: str, data) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     return {
         "losses": losses,
-        "param_dtype": str(params[0].dtype),
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
         "model_state_bytes": nbytes(params) * 2 + nbytes(
             v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
@@ -142,7 +159,8 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     grad_bytes = []  # the gradient partitions the client optimizer steps on
     inner.register_step_pre_hook(lambda opt, *_: grad_bytes.append(
         nbytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)))
-    losses = train(strategy, engine, data[:2])
+    step_digests: list[str] = []
+    losses = train(strategy, engine, data[:2], step_digests)
     parts = partitions(zero_opt)
     result = {
         "zero_optimizer": type(zero_opt).__name__,
@@ -160,9 +178,10 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
         },
     }
     engine.save_checkpoint(str(ckpt_dir), tag="t2")
-    losses += train(strategy, engine, data[2:])
+    losses += train(strategy, engine, data[2:], step_digests)
     result["losses"] = losses
     result["digest"] = digest(engine)
+    result["forward_digests"] = step_digests
     # A fresh engine restored from the checkpoint must continue exactly.
     strategy2, engine2, zero_opt2, client2 = build(name, stage)
     engine2.load_checkpoint(str(ckpt_dir), tag="t2")
@@ -247,8 +266,9 @@ def main() -> None:
                 except ValueError as err:
                     case = {"refused": True, "message": str(err)}
             else:
-                if name not in results["references"]:
-                    results["references"][name] = reference(name, data)
+                for ref in [name] + (["fp8-lm-o2"] if name == "fp8-lm-o3" else []):
+                    if ref not in results["references"]:
+                        results["references"][ref] = reference(ref, data)
                 case = run_supported(name, stage, out / "ckpt" / key.replace("/", "_"), data)
         except Exception:  # recorded, so the test shows which case failed and why
             case = {"error": traceback.format_exc()}
