@@ -1,0 +1,301 @@
+"""Faults injected into Trainer runs: non-finite values, damaged checkpoints, bad options.
+
+- Inf/NaN in a gradient, an activation and the loss, for every registered strategy: no
+  parameter, optimizer state or strategy state ever holds a non-finite value, each fault is
+  counted (a skipped step, or clipped elements for a strategy that clips overflow), and
+  training goes on with the loss still falling.
+- A truncated or corrupted checkpoint file, and another strategy's checkpoint: an error that
+  names the file and what to do, raised before the model, optimizer or state change.
+- Bad `precision_options` on the command line: a ValueError naming the option, raised while
+  the arguments are parsed, for every option of every registered strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import HfArgumentParser, TrainerCallback
+
+import hf_lowprec
+from hf_lowprec import Trainer, TrainingArguments
+from tests.helpers import TokenBlocks, batches, tiny_gpt2
+
+STRATEGIES = hf_lowprec.available_strategies()
+STEPS = 12
+FAULTS = {3: "gradient", 6: "activation", 9: "loss"}  # 1-based step -> where the fault goes
+
+
+def make_args(output_dir: Path, strategy: str | None, **kw) -> TrainingArguments:
+    base = dict(output_dir=str(output_dir), precision_strategy=strategy, max_steps=STEPS, save_strategy="no",
+                per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1,
+                report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def nonfinite_tensors(obj, where: str) -> list[str]:
+    """Names of floating-point tensors (FP8 included) or floats in `obj` holding inf or NaN."""
+    if torch.is_tensor(obj):
+        if obj.is_floating_point() and not bool(torch.isfinite(obj.float()).all()):
+            return [where]
+        return []
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [where]
+    if isinstance(obj, dict):
+        return [w for k, v in obj.items() for w in nonfinite_tensors(v, f"{where}[{k!r}]")]
+    if isinstance(obj, (list, tuple)):
+        return [w for i, v in enumerate(obj) for w in nonfinite_tensors(v, f"{where}[{i}]")]
+    return []
+
+
+def fault_counters(strategy) -> float:
+    """Skipped steps plus clipped elements: every fault must raise one of them."""
+    metrics = strategy.metrics()
+    clipped = sum(v for k, v in metrics.items() if "clipped" in k and k.endswith("_total"))
+    return metrics["precision/skipped_steps"] + clipped
+
+
+class FaultyTrainer(Trainer):
+    """Injects FAULTS at their steps and records the true loss of every step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_losses: list[float] = []
+        block = self.model.transformer.h
+        block[0].mlp.c_fc.weight.register_hook(self._gradient_fault)
+        block[1].mlp.register_forward_hook(self._activation_fault)
+
+    def _fault_now(self, where: str) -> bool:
+        return self.model.training and FAULTS.get(self.state.global_step + 1) == where
+
+    def _gradient_fault(self, grad):
+        if not self._fault_now("gradient"):
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    def _activation_fault(self, module, inputs, output):
+        if not self._fault_now("activation"):
+            return output
+        output = output.clone()
+        output.view(-1)[0] = float("nan")
+        return output
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        if model.training:
+            self.true_losses.append(loss.item())
+            if self._fault_now("loss"):
+                loss = loss * float("inf")
+        return loss
+
+
+class Watch(TrainerCallback):
+    """After every step: nothing non-finite anywhere, and what the fault counters say."""
+
+    def __init__(self, trainer: FaultyTrainer):
+        self.trainer = trainer
+        self.counters: list[float] = []
+        self.problems: list[str] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        self.problems += nonfinite_tensors(dict(t.model.named_parameters()), f"step {state.global_step} params")
+        self.problems += nonfinite_tensors(t.optimizer.state_dict(), f"step {state.global_step} optimizer")
+        self.problems += nonfinite_tensors(t.precision.state_dict(), f"step {state.global_step} strategy")
+        self.counters.append(fault_counters(t.precision))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_injected_inf_and_nan_are_counted_and_training_goes_on(tmp_path, strategy):
+    # One batch of 4 blocks, repeated: the loss of a working update falls step after step.
+    trainer = FaultyTrainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=TokenBlocks(4))
+    watch = Watch(trainer)
+    trainer.add_callback(watch)
+    trainer.train()
+
+    assert trainer.state.global_step == STEPS
+    assert watch.problems == [], f"{strategy}: non-finite values in {watch.problems[:5]}"
+    # Every fault moved a counter on its own step, and nothing else did.
+    moved = [i + 1 for i, (a, b) in enumerate(zip([0.0] + watch.counters, watch.counters)) if b > a]
+    assert moved == sorted(FAULTS), f"{strategy}: counters moved at steps {moved}, faults at {sorted(FAULTS)}"
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged[-1]["precision/skipped_steps"] == trainer.precision.metrics()["precision/skipped_steps"]
+
+    losses = trainer.true_losses
+    assert len(losses) == STEPS
+    assert all(math.isfinite(x) for step, x in enumerate(losses, 1) if FAULTS.get(step) != "activation")
+    # The loss keeps falling past the faults: the last loss is below the one before the last fault.
+    last_fault = max(FAULTS)
+    assert losses[-1] < losses[last_fault - 2] < losses[0], f"{strategy}: {[round(x, 3) for x in losses]}"
+
+
+# --- damaged checkpoints and other strategies' checkpoints ----------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real bf16-pure checkpoint after 2 steps."""
+    out = tmp_path_factory.mktemp("saved")
+    args = make_args(out, "bf16-pure", max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8)).train()
+    return out / "checkpoint-2"
+
+
+def damaged_copy(checkpoint: Path, tmp_path: Path, name: str, damage: str) -> Path:
+    run = tmp_path / "run"
+    copy = run / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    data = bytearray((copy / name).read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # one byte flipped in the middle of the file
+        data[len(data) // 2] ^= 0xFF
+    (copy / name).write_bytes(bytes(data))
+    return copy
+
+
+def assert_refused_before_any_change(output_dir: Path, strategy: str | None, resume, match: str) -> None:
+    trainer = Trainer(model=tiny_gpt2(seed=3), args=make_args(output_dir, strategy), train_dataset=TokenBlocks(8))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        trainer.train(resume_from_checkpoint=resume)
+    assert trainer.state.global_step == 0 and trainer.optimizer is None
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed before the error"
+
+
+@pytest.mark.parametrize("name, damage, what", [
+    ("optimizer.pt", "truncated", "not a complete torch.save archive"),
+    ("optimizer.pt", "corrupted", "fails its CRC check"),
+    ("model.safetensors", "truncated", "not a complete safetensors file"),
+    ("scheduler.pt", "truncated", "not a complete torch.save archive"),
+])
+def test_damaged_checkpoint_file_is_named_before_anything_loads(checkpoint, tmp_path, name, damage, what):
+    copy = damaged_copy(checkpoint, tmp_path, name, damage)
+    match = rf"checkpoint file {copy / name} is damaged \(.*{what}.*\)\. Nothing was loaded\. Delete {copy} and resume"
+    assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
+    # resume_from_checkpoint=True picks the same (finished, but damaged) checkpoint: same error.
+    assert_refused_before_any_change(copy.parent, "bf16-pure", True, match)
+
+
+def test_damaged_trainer_state_means_an_interrupted_save(checkpoint, tmp_path):
+    copy = damaged_copy(checkpoint, tmp_path, "trainer_state.json", "truncated")
+    match = rf"{copy} is an incomplete checkpoint \(trainer_state.json is cut short"
+    assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
+
+
+@pytest.mark.parametrize("strategy, match", [
+    ("collage-plus", r"optimizer.pt was saved by precision strategy 'bf16-pure', but this run uses "
+                     r"precision_strategy='collage-plus'; resume with --precision_strategy bf16-pure"),
+    (None, r"saved by precision strategy 'bf16-pure', but this run uses no precision strategy"),
+])
+def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy, match):
+    assert_refused_before_any_change(tmp_path, strategy, str(checkpoint), match)
+
+
+# --- bad precision_options from the command line --------------------------------------------------
+def parse(tmp_path: Path, strategy: str, options: str):
+    parser = HfArgumentParser(TrainingArguments)
+    return parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--use_cpu", "--precision_strategy", strategy, "--precision_options", options,
+    ])
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"lost_arithmetic_metrics": tru', "must be a JSON object"),
+    ("[1, 2]", "must be a dict or JSON object"),
+    ('"lost_arithmetic_metrics"', "must be a dict or JSON object"),
+    ('{"colour": "red"}', r"no option\(s\) \['colour'\]; valid options: .*lost_arithmetic_metrics"),
+    ('{"lost_arithmetic_metrics": "true"}', "'lost_arithmetic_metrics' must be true or false"),
+    ('{"lost_arithmetic_metrics": null}', "'lost_arithmetic_metrics' must be true or false"),
+])
+def test_malformed_options_fail_while_parsing(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        parse(tmp_path, "fp32", text)
+
+
+def wrong_values(annotation) -> list:
+    """JSON values of the wrong type (or out of every range) for an option annotated `annotation`."""
+    common = [None, [1], {"a": 1}]
+    if annotation is bool:
+        return [*common, 1, "true"]
+    if annotation is int:
+        return [*common, "3", 2.5, True, 10**30, float("inf")]
+    if annotation is float:
+        return [*common, "0.5", True, float("inf"), float("nan"), 10**400]
+    if typing.get_origin(annotation) is typing.Literal:
+        return [*common, "no-such-choice", 3]
+    return common
+
+
+def option_cases() -> list[tuple[str, str, object]]:
+    cases = []
+    for name in STRATEGIES:
+        options = hf_lowprec.get_strategy(name).Options
+        hints = typing.get_type_hints(options)
+        for field in dataclasses.fields(options):
+            cases += [(name, field.name, value) for value in wrong_values(hints[field.name])]
+    return cases
+
+
+def test_every_option_of_every_strategy_rejects_wrong_values(tmp_path):
+    failures = []
+    for strategy, option, value in option_cases():
+        text = json.dumps({option: value})  # inf/nan become Infinity/NaN, which json.loads accepts
+        try:
+            parse(tmp_path, strategy, text)
+        except ValueError as err:
+            if option not in str(err):
+                failures.append(f"{strategy} {text}: the error does not name the option: {err}")
+        except Exception as err:  # noqa: BLE001 - any other type is the deep traceback this test forbids
+            failures.append(f"{strategy} {text}: {type(err).__name__}: {err}")
+        else:
+            failures.append(f"{strategy} {text}: accepted")
+    assert not failures, "\n".join(failures)
+
+
+def huge_values(annotation) -> list:
+    if annotation is int and annotation is not bool:
+        return [2**62, -(2**62)]
+    if annotation is float:
+        return [1e308, -1e308, 5e-324]
+    return []
+
+
+def test_huge_option_values_fail_early_or_train(tmp_path):
+    """A huge but well-typed value is refused with the option's name, or one step trains finitely."""
+    failures = []
+    ids = batches(1, batch=2, seq=16)[0]
+    for name in STRATEGIES:
+        options = hf_lowprec.get_strategy(name).Options
+        hints = typing.get_type_hints(options)
+        for field in dataclasses.fields(options):
+            for value in huge_values(hints[field.name]):
+                try:
+                    strategy = hf_lowprec.get_strategy(name, **{field.name: value})
+                except ValueError as err:
+                    if field.name not in str(err):
+                        failures.append(f"{name} {field.name}={value}: error does not name it: {err}")
+                    continue
+                try:
+                    model = strategy.prepare_model(tiny_gpt2())
+                    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+                    with strategy.forward_context():
+                        loss = model(input_ids=ids, labels=ids).loss
+                    strategy.scale_loss(loss).backward()
+                    optimizer.step()
+                except Exception as err:  # noqa: BLE001 - accepted at parse time, then failed deep inside
+                    failures.append(f"{name} {field.name}={value}: accepted, then {type(err).__name__}: {err}")
+                    continue
+                bad = nonfinite_tensors(dict(model.named_parameters()), "params")
+                if bad:
+                    failures.append(f"{name} {field.name}={value}: accepted, then non-finite {bad[:3]}")
+    assert not failures, "\n".join(failures)

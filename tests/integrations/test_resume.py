@@ -1,0 +1,204 @@
+"""Kill and resume: a Trainer run SIGKILLed in a child process resumes bit for bit.
+
+For every registered strategy a child process (forked, so it pays no imports) trains with
+checkpoints every 2 steps and is SIGKILLed while it writes checkpoint-4, after checkpoint-2
+was complete. `resume_from_checkpoint=True` must skip the half-written checkpoint-4 with a
+warning, resume from checkpoint-2, and end where an uninterrupted run ends: the same
+parameters, optimizer state (strategy state included), scheduler state and losses, bit for
+bit. The child and this process run on the same machine with the same settings, so the
+comparison is exact. The other places a kill can land (between checkpoints, before the
+optimizer file, in the middle of it) are covered for fp32, where a run is cheapest.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.trainer_utils import get_last_checkpoint
+
+import hf_lowprec
+from hf_lowprec import Trainer, TrainingArguments
+from tests.helpers import TokenBlocks, tiny_gpt2
+
+STRATEGIES = hf_lowprec.available_strategies()
+MAX_STEPS, SAVE_STEPS, KILLED_AT = 6, 2, 4  # checkpoints at 2, 4, 6; killed while writing checkpoint-4
+CHILD_TIMEOUT = 300.0
+
+
+def make_args(output_dir: Path, strategy: str) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir), precision_strategy=strategy, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+        save_strategy="steps", per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="cosine",
+        warmup_steps=1, weight_decay=0.01, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def make_trainer(output_dir: Path, strategy: str, seed: int = 0) -> Trainer:
+    # 16 examples, 4 a step: the run crosses epochs, so resuming must restore the sampler's RNG too.
+    return Trainer(model=tiny_gpt2(seed), args=make_args(output_dir, strategy), train_dataset=TokenBlocks(16))
+
+
+# --- the child ------------------------------------------------------------------------------------
+def _pause(ready: Path) -> None:
+    ready.write_text("paused")
+    time.sleep(CHILD_TIMEOUT)
+    os._exit(3)  # never reached: the parent kills the child first
+
+
+def _victim(output_dir: Path, strategy: str, where: str, ready: Path) -> None:
+    """Train in this (forked) child and stop at `where`, announcing it through `ready`."""
+    killed_dir = f"checkpoint-{KILLED_AT}"
+    save, save_to_json = torch.save, transformers.TrainerState.save_to_json
+
+    def cut_in_half(path: str) -> None:  # what a kill in the middle of writing `path` leaves
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])
+
+    def pausing_save(obj, f, *args, **kwargs):
+        path = str(f)
+        if killed_dir in path and path.endswith("optimizer.pt") and where in ("before-optimizer", "mid-optimizer"):
+            if where == "before-optimizer":
+                _pause(ready)
+            save(obj, f, *args, **kwargs)
+            cut_in_half(path)
+            _pause(ready)
+        return save(obj, f, *args, **kwargs)
+
+    def pausing_save_to_json(state, json_path):
+        save_to_json(state, json_path)
+        if killed_dir in str(json_path) and where == "mid-state":
+            cut_in_half(json_path)
+            _pause(ready)
+
+    class Between(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if where == "between-checkpoints" and state.global_step == KILLED_AT - 1:
+                _pause(ready)
+
+    torch.save = pausing_save  # this process is the forked child: the patches die with it
+    transformers.TrainerState.save_to_json = pausing_save_to_json
+    trainer = make_trainer(output_dir, strategy)
+    trainer.add_callback(Between())
+    trainer.train()
+    os._exit(4)  # finished without reaching the pause: the parent reports it
+
+
+def start_victim(output_dir: Path, strategy: str, where: str):
+    """Start the child that trains and pauses at `where`; `kill_when_paused` ends it."""
+    ready = output_dir.parent / f"{output_dir.name}.paused"
+    child = multiprocessing.get_context("fork").Process(target=_victim, args=(output_dir, strategy, where, ready))
+    child.start()
+    return child, ready, f"{strategy} paused at {where!r}"
+
+
+def kill_when_paused(victim) -> None:
+    child, ready, what = victim
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = child.is_alive()
+    if alive:
+        os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert ready.exists(), f"{what}: the child never got there (exit code {child.exitcode})"
+    assert alive and child.exitcode == -signal.SIGKILL, f"{what}: child exit code {child.exitcode}"
+
+
+def reference_while_the_victim_runs(tmp_path: Path, strategy: str, where: str) -> Trainer:
+    """Kill the child at `where`; the uninterrupted run trains here meanwhile (2 cores in use)."""
+    victim = start_victim(tmp_path / "run", strategy, where)
+    try:
+        reference = make_trainer(tmp_path / "reference", strategy)
+        reference.train()
+    finally:
+        kill_when_paused(victim)
+    return reference
+
+
+# --- comparisons ----------------------------------------------------------------------------------
+def losses(trainer: Trainer) -> list[tuple[int, float]]:
+    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same(a, b, where: str) -> None:
+    """Equal structure, and tensors equal bit for bit (compared as bytes: FP8 has no ==)."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_resumed_equals_uninterrupted(resumed: Trainer, reference: Trainer, strategy: str) -> None:
+    assert resumed.state.global_step == reference.state.global_step == MAX_STEPS
+    assert losses(resumed) == losses(reference), strategy
+    assert len(losses(reference)) == MAX_STEPS
+    assert_same(resumed.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
+    assert_same(resumed.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
+    assert_same(resumed.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
+
+
+def resume(output_dir: Path, strategy: str, caplog) -> Trainer:
+    # A different initialisation: everything must come from the checkpoint.
+    trainer = make_trainer(output_dir, strategy, seed=7)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.integrations.checkpoints"):
+        trainer.train(resume_from_checkpoint=True)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_killed_while_saving_resumes_from_the_last_complete_checkpoint(tmp_path, strategy, caplog):
+    reference = reference_while_the_victim_runs(tmp_path, strategy, "mid-state")
+    partial = tmp_path / "run" / f"checkpoint-{KILLED_AT}"
+    # Everything but the last file was written: the stock Trainer would resume from here.
+    assert (partial / "optimizer.pt").exists() and (partial / "model.safetensors").exists()
+    assert get_last_checkpoint(str(tmp_path / "run")) == str(partial)
+
+    resumed = resume(tmp_path / "run", strategy, caplog)
+    assert f"skipping incomplete checkpoint {partial}" in caplog.text
+    assert resumed.state.log_history[0]["step"] == 1  # steps 1-2 come from checkpoint-2's history
+    assert_resumed_equals_uninterrupted(resumed, reference, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["between-checkpoints", "before-optimizer", "mid-optimizer"])
+def test_every_kill_point_resumes_bit_for_bit(tmp_path, where, caplog):
+    strategy = "fp32"
+    reference = reference_while_the_victim_runs(tmp_path, strategy, where)
+    resumed = resume(tmp_path / "run", strategy, caplog)
+    if where == "between-checkpoints":
+        assert "skipping" not in caplog.text
+    else:
+        assert f"skipping incomplete checkpoint {tmp_path / 'run' / f'checkpoint-{KILLED_AT}'}" in caplog.text
+    assert_resumed_equals_uninterrupted(resumed, reference, strategy)
+
+
+def test_an_explicitly_named_incomplete_checkpoint_is_refused(tmp_path):
+    partial = tmp_path / "checkpoint-4"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"")
+    trainer = make_trainer(tmp_path, "fp32")
+    with pytest.raises(ValueError, match=r"checkpoint-4 is an incomplete checkpoint \(trainer_state.json is missing\)"):
+        trainer.train(resume_from_checkpoint=str(partial))
+    with pytest.raises(ValueError, match="holds no complete checkpoint-N directory"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 0
