@@ -11,7 +11,9 @@ the TRL trainer with `PrecisionTrainerMixin`. What differs from the plain Traine
 - `GRPOTrainer` also runs its rollouts (generation, reference and reward scoring) in the
   strategy's forward context, so the old/reference log-probabilities are computed with the
   same numerics as the training forward.
-- `PPOTrainer` (TRL 1.12, `trl.experimental.ppo`) does not use the Trainer loop: it builds
+- `DPOTrainer`: pass `ref_model=` for a model built from a config (TRL would rebuild the
+  reference from the empty `config._name_or_path`); the strategy converts both models.
+- `PPOTrainer` (TRL 1.12, `trl.experimental.ppo`; install the `ppo` extra) does not use the Trainer loop: it builds
   its optimizer and `accelerator.prepare` inside `__init__` and runs its own loop in
   `train()`. The strategy therefore converts the policy, value, reference and reward models
   before that `__init__`, builds the optimizer over the policy+value parameters, runs the
@@ -38,11 +40,16 @@ __all__ = [
     "RewardTrainer",
     "GRPOConfig",
     "GRPOTrainer",
+    "DPOConfig",
+    "DPOTrainer",
     "PPOConfig",
     "PPOTrainer",
 ]
 
-_TRL_PIN = "trl>=1.12,<1.13"
+# SFT, Reward, GRPO and DPO follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
+# runs on the 1.12 line, installed by its own extra.
+_TRL_EXTRA = "pip install 'hf-lowprec[trl]'"
+_PPO_EXTRA = "pip install 'hf-lowprec[ppo]'"
 
 
 def __getattr__(name: str) -> Any:
@@ -57,10 +64,7 @@ def _import(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ImportError(
-            f"hf_lowprec.trl needs TRL ({_TRL_PIN}, the line that still ships PPOTrainer): "
-            f"pip install 'hf-lowprec[trl]' ({err})"
-        ) from err
+        raise ImportError(f"hf_lowprec.trl needs TRL: {_TRL_EXTRA} ({err})") from err
 
 
 def _finish(cls: type, name: str) -> type:
@@ -91,14 +95,15 @@ def _classes() -> dict[str, type]:
 
     mixin = _config_mixin()
     out: dict[str, type] = {}
-    for kind in ("SFT", "Reward", "GRPO"):
+    for kind in ("SFT", "Reward", "GRPO", "DPO"):
         config = getattr(trl, f"{kind}Config")
         trainer = getattr(trl, f"{kind}Trainer")
         out[f"{kind}Config"] = _finish(
             dataclasses.dataclass(type(f"{kind}Config", (mixin, config), {"__doc__": _config_doc(config)})),
             f"{kind}Config",
         )
-        bases = (_RolloutInContext, PrecisionTrainerMixin, trainer) if kind == "GRPO" else (PrecisionTrainerMixin, trainer)
+        extra = {"GRPO": (_RolloutInContext,), "DPO": (_ReferenceInStrategy,)}.get(kind, ())
+        bases = (*extra, PrecisionTrainerMixin, trainer)
         out[f"{kind}Trainer"] = _finish(
             type(f"{kind}Trainer", bases, {"__doc__": f"`trl.{kind}Trainer` applying `args.precision_strategy`."}),
             f"{kind}Trainer",
@@ -108,6 +113,31 @@ def _classes() -> dict[str, type]:
 
 def _config_doc(config: type) -> str:
     return f"`trl.{config.__name__}` plus `precision_strategy` and `precision_options`."
+
+
+class _ReferenceInStrategy:
+    """Converts DPO's `ref_model=` with the strategy too, so both models compute alike.
+
+    A separate strategy object prepares it: a strategy may keep facts about the model it
+    prepared (the policy's), which the reference must not overwrite.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        build = getattr(kwargs.get("args"), "build_precision_strategy", None)
+        reference = kwargs.get("ref_model")
+        if build is not None and isinstance(reference, _torch_module()):
+            from .integrations.peft import prepare_model
+
+            strategy = build()
+            if strategy is not None:
+                kwargs["ref_model"] = prepare_model(strategy, reference)
+        super().__init__(*args, **kwargs)
+
+
+def _torch_module() -> type:
+    import torch
+
+    return torch.nn.Module
 
 
 class _RolloutInContext:
@@ -123,8 +153,14 @@ class _RolloutInContext:
 
 @functools.cache
 def _ppo_classes() -> dict[str, type]:
-    _import("trl")
-    ppo = _import("trl.experimental.ppo")
+    trl = _import("trl")
+    try:
+        ppo = importlib.import_module("trl.experimental.ppo")
+    except ImportError:
+        raise ImportError(
+            f"PPOTrainer is not in TRL {trl.__version__}: TRL removed it in 1.13. PPO runs on the TRL 1.12 line: "
+            f"{_PPO_EXTRA} (in its own environment if other TRL trainers should stay current)"
+        ) from None
     import torch
 
     from .integrations.peft import prepare_model

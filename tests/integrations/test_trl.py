@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -21,7 +22,8 @@ import hf_lowprec.trl as hl_trl  # noqa: E402
 from hf_lowprec.data import build_tokenizer, tiny_gpt2_config  # noqa: E402
 from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer  # noqa: E402
 
-CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "PPOConfig")
+CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig")
+TRL_HAS_PPO = importlib.util.find_spec("trl.experimental.ppo") is not None
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,39 @@ def run_ppo(tmp_path, tokenizer, strategy=None):
     return trainer
 
 
+@pytest.mark.ppo
+def test_ppo_config_leaves_mixed_precision_to_the_strategy(tmp_path):
+    with_strategy = hl_trl.PPOConfig(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True)
+    assert with_strategy.bf16 is False and with_strategy.build_precision_strategy().name == "collage-plus"
+
+
+@pytest.mark.skipif(TRL_HAS_PPO, reason="this TRL still ships PPOTrainer; the ppo-marked tests cover it")
+def test_ppo_under_current_trl_names_the_ppo_extra():
+    for name in ("PPOConfig", "PPOTrainer"):
+        with pytest.raises(ImportError, match=r"removed it in 1\.13.*hf-lowprec\[ppo\]"):
+            getattr(hl_trl, name)
+
+
+def test_dpo_converts_policy_and_reference_with_the_strategy(tmp_path, tokenizer):
+    pairs = {"prompt": ["Return the", "Open a"], "chosen": [" value of x", " file for reading"],
+             "rejected": [" x of value", " reading for file"]}
+    args = hl_trl.DPOConfig(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True,
+                            per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, report_to="none",
+                            save_strategy="no", logging_steps=1, disable_tqdm=True, max_length=32)
+    policy, reference = tiny_lm(tokenizer), tiny_lm(tokenizer)
+    reference.requires_grad_(False)
+    trainer = hl_trl.DPOTrainer(model=policy, ref_model=reference, args=args,
+                                train_dataset=datasets.Dataset.from_dict(pairs), processing_class=tokenizer)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, StrategyOptimizer)
+    assert trainer.state.global_step == 2 and trainer.precision.skipped_steps == 0
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.ppo
 @pytest.mark.slow
 def test_ppo_applies_the_strategy_including_loss_scaling(tmp_path, tokenizer):
     plain = run_ppo(tmp_path / "plain", tokenizer)
@@ -146,6 +181,7 @@ def test_ppo_applies_the_strategy_including_loss_scaling(tmp_path, tokenizer):
         assert torch.equal(a, b)
 
 
+@pytest.mark.ppo
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_ppo_recipe_under_ddp_trains_and_saves(tmp_path):

@@ -98,6 +98,19 @@ def test_finetune_glue_reports_glue_metrics(tmp_path, strategy, task, metrics):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
+def test_dpo_learns_the_embedded_preferences(tmp_path, strategy):
+    # 16 pairs seen 6 times: the policy must come to prefer the ordered continuation over the
+    # shuffled one (reward margin > 0 and most pairs ranked right) on the last logged batch.
+    result = run_recipe("dpo.py", ["--num_pairs", "16", "--num_train_epochs", "6", "--per_device_train_batch_size", "8",
+                                   "--learning_rate", "2e-3"], tmp_path, strategy=strategy)
+    assert result["precision_strategy"] == strategy
+    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+    assert result["final_loss"] < result["first_loss"] - 0.1, result
+    assert result["final_margin"] > 0 and result["final_reward_accuracy"] >= 0.75, result
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,fmt", [("collage-plus", "text"), ("bf16-mixed", "messages")])
 def test_sft(tmp_path, strategy, fmt):
     extra = ["--assistant_only_loss", "true"] if fmt == "messages" else []
@@ -108,6 +121,7 @@ def test_sft(tmp_path, strategy, fmt):
     assert result["data_format"] == [fmt]
 
 
+@pytest.mark.ppo
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
 def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
