@@ -34,6 +34,7 @@ __all__ = [
     "AutomaticLossScaler",
     "RunningMeanGradients",
     "check_loss_scaler_settings",
+    "clip_grad_norm_",
     "running_mean_",
 ]
 
@@ -288,6 +289,26 @@ def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tens
     if k == 1:
         return mean.copy_(value)
     return mean.mul_((k - 1) / k).add_(value / k)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most `max_norm`; the FP32 pre-clip norm.
+
+    `torch.nn.utils.clip_grad_norm_` forms the norm in the gradients' dtype: for FP16
+    gradients a norm above 65504 becomes inf, and the gradients are multiplied by
+    max_norm/inf = 0 (or by inf/inf = NaN when max_norm is inf, as the Trainer does to log
+    the norm). Here per-tensor norms are accumulated in FP32; `max_norm=inf` only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+    if math.isfinite(max_norm):
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+    return total
 
 
 class RunningMeanGradients:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_lowprec.scaling import FP16_MAX, AutomaticLossScaler, RunningMeanGradients, running_mean_
+from hf_lowprec.scaling import FP16_MAX, AutomaticLossScaler, RunningMeanGradients, clip_grad_norm_, running_mean_
 
 EDGE = 2.0**13
 U16 = 2.0**-11  # FP16 unit roundoff (11-bit significand, round to nearest)
@@ -180,6 +180,32 @@ def test_state_dict_round_trip_and_bounds():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AutomaticLossScaler(**kwargs)
+
+
+def test_clip_grad_norm_accumulates_in_fp32_where_torch_overflows():
+    def params():
+        a = torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))
+        b = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+        a.grad = torch.full((100,), 8000.0, dtype=torch.float16)
+        b.grad = torch.tensor([0.0, 3.0, -4.0], dtype=torch.float16)
+        return [a, b]
+
+    reference = math.sqrt(100 * 8000.0**2 + 25.0)  # FP64
+    theirs = params()
+    assert torch.isinf(torch.nn.utils.clip_grad_norm_(theirs, 1.0))  # why this function exists
+    assert torch.equal(theirs[0].grad, torch.zeros(100, dtype=torch.float16))
+
+    measured = params()
+    norm = clip_grad_norm_(measured, math.inf)
+    # FP32 sum of 100 equal squares and one sqrt: relative error well under 2^-20.
+    assert norm.dtype == torch.float32 and abs(norm.item() - reference) <= 2.0**-20 * reference
+    assert torch.equal(measured[0].grad, params()[0].grad)  # max_norm=inf only measures
+
+    clipped = params()
+    clip_grad_norm_(clipped, 1.0)
+    new_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in clipped))
+    # Each element is rounded once to FP16 after the FP32 multiply: relative error <= 2^-11.
+    assert abs(new_norm - 1.0) <= 2.0**-11
 
 
 # --- running-mean accumulation ----------------------------------------------------------

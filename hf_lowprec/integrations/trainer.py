@@ -266,6 +266,17 @@ class PrecisionTrainerMixin:
             self._hf_lowprec_warned = True
             warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        full = self.precision is not None and self.precision.options.save_full_precision
+        if full and state_dict is None:
+            state_dict = self.precision.full_precision_state_dict(self.model, self.optimizer)
+        super()._save(output_dir, state_dict=state_dict)
+        if full and self.args.should_save and isinstance(self.model, transformers.PreTrainedModel):
+            # save_pretrained records the parameters' dtype (BF16); the weights written are FP32.
+            config = self.model.config.__class__.from_dict(self.model.config.to_dict())
+            config.dtype = "float32"
+            config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()
         if self.precision is not None:
@@ -290,7 +301,18 @@ class PrecisionTrainerMixin:
     def _clip_grad_norm(self, model):
         if self.precision is not None:
             self.precision.unscale_gradients(self.optimizer)
+            norm = self.precision.clip_grad_norm(model.parameters(), self.args.max_grad_norm)
+            if norm is not None:
+                return norm
         return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Without clipping the Trainer measures the norm with clip_grad_norm_(max_norm=inf),
+        # which turns FP16 gradients with a norm above 65504 into NaN; the strategy measures.
+        if grad_norm is None and self.precision is not None:
+            self.precision.unscale_gradients(self.optimizer)
+            grad_norm = self.precision.clip_grad_norm(model.parameters(), float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
 
 class Trainer(PrecisionTrainerMixin, transformers.Trainer):

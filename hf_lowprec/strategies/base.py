@@ -38,9 +38,12 @@ class StrategyOptions:
     Args:
         lost_arithmetic_metrics: compute imprecision % and EDQ on measured steps (costly: a
             copy of every parameter and its update in FP32 on those steps).
+        save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
+            weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
     """
 
     lost_arithmetic_metrics: bool = False
+    save_full_precision: bool = False
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against
@@ -188,6 +191,11 @@ class PrecisionStrategy:
         scales must make the second call a no-op within one step.
         """
 
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """Clip unscaled gradients to `max_norm` and return the pre-clip norm (`max_norm=inf`:
+        only measure), or None to leave clipping to the training loop's own function."""
+        return None
+
     # --- step --------------------------------------------------------------------------
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
         """Work on gradients before the step; return False to skip this step."""
@@ -216,6 +224,33 @@ class PrecisionStrategy:
         return describe(self, model, optimizer, **context)
 
     # --- state and metrics -------------------------------------------------------------
+    def full_precision_state_dict(self, model: torch.nn.Module, optimizer: Any | None = None) -> dict[str, torch.Tensor]:
+        """FP32 weights keyed like `model.state_dict()`, each parameter as the optimizer holds it.
+
+        A parameter the optimizer updates is its `full_precision_value`: θ + δθ summed in FP64
+        and rounded once for an expansion (Collage, Kahan), the master for a master-weight
+        scheme, a plain FP32 copy otherwise; other floating tensors are FP32 copies, the rest
+        copies. Tied weights stay one tensor. The result loads into a plain FP32 model.
+        """
+        from ..memory import unwrap_optimizer
+
+        inner = unwrap_optimizer(optimizer) if optimizer is not None else None
+        full_value = getattr(inner, "full_precision_value", None)
+        updated = {id(p) for g in inner.param_groups for p in g["params"]} if full_value is not None else set()
+        out: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for key, tensor in model.state_dict(keep_vars=True).items():
+                if id(tensor) not in done:
+                    if id(tensor) in updated:
+                        done[id(tensor)] = full_value(tensor)
+                    elif tensor.is_floating_point():
+                        done[id(tensor)] = tensor.detach().to(torch.float32, copy=True)
+                    else:
+                        done[id(tensor)] = tensor.detach().clone()
+                out[key] = done[id(tensor)]
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue bit-for-bit (counters, scales)."""
         return {"skipped_steps": self.skipped_steps}

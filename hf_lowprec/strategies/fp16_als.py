@@ -1,0 +1,116 @@
+"""FP16 training with Graphcore automatic loss scaling (ALGORITHMS.md §5; ALS post, seed 002).
+
+FP16 weights, activations and gradients; FP32 AdamW moments; `AutomaticLossScaler` (two-bin
+histogram, clip instead of skip); running-mean gradient accumulation. The weight update keeps
+an FP32 master copy (16 bytes/param) or, with `weights="sr"`, writes the FP16 weight with
+stochastic rounding and keeps no master (12 bytes/param).
+
+The pieces live in `hf_lowprec.scaling` and `hf_lowprec.optim.fp16`; this class combines them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+
+from ..memory import unwrap_optimizer
+from ..optim.fp16 import FP32StatesSRAdamW, MasterWeightAdamW
+from ..registry import register
+from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
+from .base import StrategyOptions
+from .loss_scaling import LossScaledStrategy
+
+__all__ = ["FP16ALS", "FP16ALSOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FP16ALSOptions(StrategyOptions):
+    """Options of fp16-als (the scaler's settings are `AutomaticLossScaler`'s).
+
+    Args:
+        weights: "master" (FP32 master copy) or "sr" (FP16 weights written with stochastic
+            rounding, no master).
+        running_mean: average micro-batch gradients with the running mean (the loop must not
+            divide the loss by the number of micro-batches; the Trainer glue undoes its own).
+        seed: seed of the stochastic-rounding generator (weights="sr"; checkpointed).
+    """
+
+    weights: Literal["master", "sr"] = "master"
+    bin_edge: float = 2.0**13
+    threshold: float = 1e-7
+    period: int = 1
+    init_scale: float = 1.0
+    max_scale: float = 2.0**15
+    min_scale: float = 2.0**-16
+    track_activations: bool = True
+    running_mean: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_loss_scaler_settings(
+            self.bin_edge, self.threshold, self.period, self.init_scale, self.max_scale, self.min_scale
+        )
+
+
+@register("fp16-als")
+class FP16ALS(LossScaledStrategy):
+    """FP16 weights, activations and gradients with Graphcore ALS; FP32 AdamW states (16 or 12 bytes/param)."""
+
+    Options = FP16ALSOptions
+    param_dtype = torch.float16
+
+    def __init__(self, name: str | None = None, **options: Any) -> None:
+        super().__init__(name, **options)
+        o = self.options
+        self.scaler = AutomaticLossScaler(
+            bin_edge=o.bin_edge, threshold=o.threshold, period=o.period, init_scale=o.init_scale,
+            max_scale=o.max_scale, min_scale=o.min_scale, track_activations=o.track_activations,
+        )  # fmt: skip
+        self.accumulator = RunningMeanGradients() if o.running_mean else None
+        self._loss_divisor = 1
+
+    @property
+    def bytes_per_param(self) -> float:  # type: ignore[override]
+        return 16.0 if self.options.weights == "master" else 12.0
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(torch.float16)
+        self.scaler.track(model)
+        if self.accumulator is not None:
+            self.accumulator.attach(model)
+        return model
+
+    def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
+        if self.options.weights == "sr":
+            return FP32StatesSRAdamW(param_groups, seed=self.options.seed, **hyper)
+        return MasterWeightAdamW(param_groups, **hyper)
+
+    def set_gradient_accumulation(self, micro_batches: int) -> None:
+        # The loop divided each micro-batch loss by `micro_batches`; the running mean averages
+        # by itself, so undo that division (exact in FP32: it multiplies a scalar gradient).
+        self._loss_divisor = micro_batches if self.accumulator is not None else 1
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) * self._loss_divisor
+
+    def gradients_ok(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Overflow is already clipped; only a NaN (which no clip can repair) skips the step."""
+        return not self.scaler.found_nan(unwrap_optimizer(optimizer))
+
+    def end_step(self) -> None:
+        super().end_step()
+        if self.accumulator is not None:
+            self.accumulator.reset()
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            **super().metrics(),
+            "precision/upper_bin_share": self.scaler.last_upper_share,
+            "precision/clipped_elements": float(self.scaler.last_clipped),
+            "precision/clipped_elements_total": float(self.scaler.total_clipped),
+        }

@@ -1,0 +1,71 @@
+"""Classic FP16 mixed precision (ALGORITHMS.md §6): FP16 autocast, FP32 master weights, GradScaler.
+
+What `TrainingArguments(fp16=True)` does on a GPU, and the baseline ALS is measured against:
+`torch.amp.GradScaler` skips every step whose gradients hold inf/NaN and halves its scale,
+and doubles it after `growth_interval` clean steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ..registry import register
+from .base import StrategyOptions
+from .baselines import device_autocast
+from .loss_scaling import LossScaledStrategy
+
+__all__ = ["FP16Mixed", "FP16MixedOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FP16MixedOptions(StrategyOptions):
+    """`torch.amp.GradScaler` settings (torch's defaults).
+
+    Args:
+        init_scale: starting loss scale.
+        growth_interval: clean steps before the scale doubles.
+    """
+
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.init_scale, (int, float)) and math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite number, got {self.init_scale!r}")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
+
+
+@register("fp16-mixed")
+class FP16Mixed(LossScaledStrategy):
+    """FP16 autocast over FP32 weights, gradients and AdamW states, with torch's GradScaler (16 bytes/param)."""
+
+    Options = FP16MixedOptions
+
+    def __init__(self, name: str | None = None, **options: Any) -> None:
+        super().__init__(name, **options)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scaler = torch.amp.GradScaler(
+            device, init_scale=self.options.init_scale, growth_interval=self.options.growth_interval
+        )
+        self._unscaled = False
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return device_autocast(torch.float16)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._unscaled:  # GradScaler refuses a second unscale_ in one step
+            super().unscale_gradients(optimizer)
+            self._unscaled = True
+
+    def end_step(self) -> None:
+        # `process_gradients` already refused inf/NaN, which is all `GradScaler.step` checks,
+        # so the step is the optimizer's own; GradScaler's update reads the inf found in unscale_.
+        super().end_step()
+        self._unscaled = False

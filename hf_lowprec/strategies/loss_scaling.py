@@ -1,0 +1,68 @@
+"""What the FP16 strategies share: a loss scaler with `torch.amp.GradScaler`'s API driven through the hooks.
+
+`scaler` is a `torch.amp.GradScaler` (fp16-mixed) or a `hf_lowprec.scaling.AutomaticLossScaler`
+(fp16-als); a subclass builds it and says which gradients it refuses to step on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..memory import unwrap_optimizer
+from ..scaling import clip_grad_norm_
+from .base import PrecisionStrategy
+
+__all__ = ["LossScaledStrategy"]
+
+
+class LossScaledStrategy(PrecisionStrategy):
+    """FP16 compute with a loss scaler; its state rides in the checkpoint under "loss_scaler"."""
+
+    compute_dtype = torch.float16
+    zero_refusal = (
+        "DeepSpeed's FP16 engine brings its own loss scaler and FP32 masters, and its CPU accelerator "
+        "has no FP16 at all; for ZeRO pick a BF16 strategy (bf16-mixed, collage-plus)"
+    )
+    scaler: Any
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # The Trainer passes Accelerate's wrapper before clipping, the step passes the inner
+        # optimizer: one optimizer, unscaled once.
+        self.scaler.unscale_(unwrap_optimizer(optimizer))
+
+    def clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(parameters, max_norm)  # torch's FP16 norm overflows to inf
+
+    def gradients_ok(self, optimizer: torch.optim.Optimizer) -> bool:
+        """False to skip this step (after `unscale_gradients`)."""
+        return super().process_gradients(optimizer)
+
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.gradients_ok(optimizer):
+            return True
+        self.end_step()  # a skipped step still closes the scaler's step (and lowers the scale)
+        return False
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+        result = optimizer.step(closure)
+        self.end_step()
+        return result
+
+    def end_step(self) -> None:
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "precision/loss_scale": float(self.scaler.get_scale())}

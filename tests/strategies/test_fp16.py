@@ -1,0 +1,176 @@
+"""fp16-als and fp16-mixed: Trainer runs, overflow injection, accumulation, options (ALGORITHMS.md §5, §6)."""
+
+import io
+import math
+
+import pytest
+import torch
+import transformers
+
+import hf_lowprec
+from hf_lowprec import Trainer
+from hf_lowprec.scaling import running_mean_
+from tests.helpers import batches, tiny_gpt2, train_steps
+from tests.integrations.test_trainer import Blocks, losses, make_args
+
+
+def setup(name, seed=0, **options):
+    strategy = hf_lowprec.get_strategy(name, **options)
+    model = strategy.prepare_model(tiny_gpt2(seed))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return strategy, model, optimizer
+
+
+def test_dtypes_and_metrics():
+    strategy, model, optimizer = setup("fp16-als")
+    train_steps(strategy, model, optimizer, batches(2))
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert {p.grad for p in model.parameters()} == {None}
+    state = next(iter(optimizer.state.values()))
+    assert {k: v.dtype for k, v in state.items() if torch.is_tensor(v)} == {
+        "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "master": torch.float32}
+    metrics = strategy.metrics()
+    assert metrics["precision/loss_scale"] == 4.0  # 1 → 2 → 4: tiny gradients double it each step
+    assert metrics["precision/upper_bin_share"] == 0.0 and metrics["precision/clipped_elements"] == 0.0
+
+    mixed, model, optimizer = setup("fp16-mixed")
+    train_steps(mixed, model, optimizer, batches(1))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert mixed.metrics()["precision/loss_scale"] == 2.0**16
+
+
+def test_master_weight_adamw_follows_fp32_adamw():
+    from hf_lowprec.optim.fp16 import MasterWeightAdamW
+
+    g = torch.Generator().manual_seed(0)
+    weight16 = torch.nn.Parameter((torch.randn(256, generator=g)).half())
+    weight32 = torch.nn.Parameter(weight16.detach().float().clone())
+    ours = MasterWeightAdamW([weight16], lr=1e-3, weight_decay=0.1)
+    reference = torch.optim.AdamW([weight32], lr=1e-3, weight_decay=0.1)
+    for _ in range(20):
+        grad = (torch.randn(256, generator=g) * 1e-3).half()
+        weight16.grad, weight32.grad = grad.clone(), grad.float()
+        ours.step()
+        reference.step()
+    master = ours.state[weight16]["master"]
+    # Both step in FP32 with the same formula in a different operation order: a few FP32 ulps
+    # of |θ| ≈ 1 per step (2^-23 each), far below the 20·lr = 0.02 the weights moved.
+    assert (master - weight32.detach()).abs().max().item() <= 20 * 4 * 2.0**-23 * 4
+    assert torch.equal(weight16.detach(), master.half())  # the weight is the master rounded once
+
+
+def test_stochastic_rounding_weights_train_and_resume_bit_for_bit():
+    data = batches(1) * 12
+    strategy, model, optimizer = setup("fp16-als", weights="sr", seed=3)
+    assert strategy.bytes_per_param == 12.0
+    assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values()) or not optimizer.state
+    first = train_steps(strategy, model, optimizer, data[:6])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    strategy2, model2, optimizer2 = setup("fp16-als", seed=9, weights="sr")
+    model2.load_state_dict(saved["model"])
+    optimizer2.load_state_dict(saved["optimizer"])
+    assert strategy2.scaler.get_scale() == strategy.scaler.get_scale() == 2.0**6
+    rest = train_steps(strategy, model, optimizer, data[6:])
+    assert train_steps(strategy2, model2, optimizer2, data[6:]) == rest
+    assert rest[-1] < first[0] - 1.0, (first, rest)  # memorising one batch: well below ln(256)
+
+
+def test_running_mean_under_a_loop_that_divides_the_loss():
+    """Two micro-batches with the loss divided by 2 (as the Trainer does): p.grad is M_2 of the
+    full micro-batch gradients, the same FP16 arithmetic as `running_mean_`, bit for bit."""
+    data = batches(2)
+
+    def scaled_grads(ids, divisor):
+        strategy, model, _ = setup("fp16-als")
+        strategy.set_gradient_accumulation(divisor)
+        strategy.scale_loss(model(input_ids=ids, labels=ids).loss / divisor).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    singles = [scaled_grads(ids, 1) for ids in data]
+    strategy, model, _ = setup("fp16-als")
+    strategy.set_gradient_accumulation(2)
+    for ids in data:
+        strategy.scale_loss(model(input_ids=ids, labels=ids).loss / 2).backward()
+    for p, g1, g2 in zip(model.parameters(), *singles):
+        expected = running_mean_(g1.clone(), g1, 1)
+        assert torch.equal(p.grad, running_mean_(expected, g2, 2))
+
+
+def test_options_are_checked_before_any_work():
+    with pytest.raises(ValueError, match="weights"):
+        hf_lowprec.get_strategy("fp16-als", weights="fp32")
+    with pytest.raises(ValueError, match="power of two"):
+        hf_lowprec.get_strategy("fp16-als", init_scale=3.0)
+    with pytest.raises(ValueError, match="period"):
+        hf_lowprec.get_strategy("fp16-als", period=0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        hf_lowprec.get_strategy("fp16-mixed", growth_interval=0)
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
+def test_refused_under_deepspeed_with_a_reason(name):
+    from hf_lowprec.deepspeed import zero_support
+
+    for stage in (1, 2, 3):
+        message = zero_support(name, stage)
+        assert message is not None and "no FP16" in message and "bf16-mixed" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, options", [("fp16-als", None), ("fp16-mixed", None)])
+def test_trainer_save_and_resume_bit_for_bit(tmp_path, name, options):
+    kw = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, precision_options=options)
+    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, name, **kw), train_dataset=Blocks())
+    trainer.train()
+    full = losses(trainer)
+    assert len(full) == 6 and full[-1][1] < full[0][1]
+    assert "precision/loss_scale" in trainer.state.log_history[0]
+    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, name, **kw), train_dataset=Blocks())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert losses(resumed) == full
+    assert resumed.precision.scaler.get_scale() == trainer.precision.scaler.get_scale()
+    for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_overflow_injection_in_trainer_is_clipped_not_skipped(tmp_path):
+    args = make_args(tmp_path, "fp16-als", max_steps=10, save_strategy="no", max_grad_norm=1.0)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
+    weight = trainer.model.transformer.h[0].mlp.c_fc.weight
+
+    def overflow(grad):
+        # On the 4th optimizer step, 100 elements of this FP16 weight gradient overflow.
+        if trainer.state.global_step == 3:
+            grad = grad.clone()
+            grad.view(-1)[:50] = math.inf
+            grad.view(-1)[50:100] = -math.inf
+        return grad
+
+    weight.register_hook(overflow)
+    snapshots = []
+
+    class Snap(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+
+    trainer.add_callback(Snap())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    scales = [h["precision/loss_scale"] for h in logs]
+    clipped = [h["precision/clipped_elements"] for h in logs]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert all(h["precision/skipped_steps"] == 0.0 for h in logs)
+    # The norm of the clipped gradients, 10·65504/8 = 81880 plus the ordinary ones (~1), is
+    # measured in FP32: torch's FP16 norm would be inf and would zero every gradient.
+    assert all(math.isfinite(h["grad_norm"]) for h in logs)
+    assert logs[3]["grad_norm"] == pytest.approx(81880.0, rel=1e-3)
+    # The injected step overflowed, was clipped to ±65504 and still updated every weight...
+    assert clipped == [0.0, 0.0, 0.0, 100.0] + [0.0] * 6
+    assert not any(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3]))
+    # ...and the scale dropped there, then grew back past its pre-injection value.
+    assert scales[:4] == [2.0, 4.0, 8.0, 4.0]
+    assert scales[-1] > scales[2]
