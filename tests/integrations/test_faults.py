@@ -128,6 +128,8 @@ def test_injected_inf_and_nan_are_counted_and_training_goes_on(tmp_path, strateg
     # Every fault moved a counter on its own step, and nothing else did.
     moved = [i + 1 for i, (a, b) in enumerate(zip([0.0] + watch.counters, watch.counters)) if b > a]
     assert moved == sorted(FAULTS), f"{strategy}: counters moved at steps {moved}, faults at {sorted(FAULTS)}"
+    # The LR schedule does not advance on a skipped step.
+    assert trainer.lr_scheduler.last_epoch == STEPS - trainer.precision.skipped_steps
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged[-1]["precision/skipped_steps"] == trainer.precision.metrics()["precision/skipped_steps"]
 
