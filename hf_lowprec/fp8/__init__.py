@@ -11,7 +11,7 @@ from .comm import (
     prescale_allreduce,
 )
 from .grad_scaling import GradientAutoScaler, quantize_gradient
-from .linear import FP8Linear, convert_to_fp8, fp8_linear
+from .linear import FP8Linear, convert_to_fp8, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
 from .scaled import (
     FORMATS,
     ScaledTensor,
@@ -42,6 +42,7 @@ __all__ = [
     "format_max",
     "fp8_allreduce",
     "fp8_allreduce_hook",
+    "fp8_gemm_path",
     "fp8_linear",
     "get_master_scale",
     "pow2_scale",
@@ -50,6 +51,7 @@ __all__ = [
     "quantize",
     "quantize_counting",
     "quantize_gradient",
+    "set_fp8_gemm_path",
     "set_master_scale",
     "tensor_amax",
 ]
