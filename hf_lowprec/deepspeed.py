@@ -48,6 +48,7 @@ __all__ = [
     "check_zero_support",
     "configure_accelerator",
     "load_config",
+    "move_state_to_partitions",
     "owned_entries",
     "partition_report",
     "precision_config",
@@ -286,6 +287,76 @@ def configure_accelerator(
         hf_config.mismatches = [m for m in mismatches if not m.startswith(tuple(f"- ds {k}=" for k in _FLAG_KEYS))]
     if hasattr(hf_config, "_dtype"):
         hf_config._dtype = _partition_dtype(strategy)
+
+
+def _partition_segments(zero_optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int]]]]:
+    """[(partition, [(parameter, start in parameter, start in partition, length)])] on this rank."""
+    import torch.distributed as dist
+
+    out = []
+    if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):  # ZeRO 1/2: slices of one flat buffer
+        for i, params in enumerate(zero_optimizer.bit16_groups):
+            flat, part = zero_optimizer.bit16_groups_flat[i], zero_optimizer.single_partition_of_fp32_groups[i]
+            rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[i])
+            low = rank * zero_optimizer.partition_size[i]
+            segments = []
+            for p in params:
+                offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+                start, end = max(offset, low), min(offset + p.numel(), low + part.numel())
+                if start < end:
+                    segments.append((p, start - offset, start - low, end - start))
+            out.append((part, segments))
+    elif hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO 3: one shard of every parameter
+        rank = dist.get_rank(group=zero_optimizer.dp_process_group)
+        for params, part in zip(zero_optimizer.fp16_groups, zero_optimizer.fp32_partitioned_groups_flat):
+            segments, position = [], 0
+            for p in params:
+                shard = p.ds_tensor.numel()
+                length = max(0, min(p.ds_numel - rank * shard, shard))  # the rest is padding
+                if length:
+                    segments.append((p, rank * shard, position, length))
+                position += shard
+            out.append((part, segments))
+    return out
+
+
+@torch.no_grad()
+def move_state_to_partitions(zero_optimizer: Any) -> int:
+    """Move optimizer state made before DeepSpeed partitioned the parameters onto the partitions.
+
+    A strategy may start state at construction (e.g. Collage's δθ seeded with the FP32 → BF16
+    residual); DeepSpeed then replaces the optimizer's parameters by its flat partitions and that
+    state would be stranded. Each state tensor of a parameter is copied into the matching slice of
+    the partition's state (zeros elsewhere, as a fresh state starts). Call it after
+    `deepspeed.initialize` and before the first step (the Trainer and `PrecisionPlugin` do).
+    Returns the number of parameters whose state moved.
+    """
+    client = getattr(zero_optimizer, "optimizer", None)
+    if client is None or not hasattr(client, "state"):
+        return 0
+    state = client.state
+    current = {id(p) for g in client.param_groups for p in g["params"]}
+    stale = {id(p) for p in state if isinstance(p, torch.Tensor) and id(p) not in current}
+    if not stale:
+        return 0
+    moved = set()
+    for part, segments in _partition_segments(zero_optimizer):
+        merged: dict[str, Any] = {}
+        for param, p_start, q_start, length in segments:
+            if id(param) not in stale:
+                continue
+            moved.add(id(param))
+            for key, value in state[param].items():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    buffer = merged.setdefault(key, torch.zeros(part.numel(), dtype=value.dtype, device=part.device))
+                    buffer[q_start:q_start + length] = value.reshape(-1)[p_start:p_start + length]
+                else:
+                    merged.setdefault(key, value)
+        if merged:
+            state[part] = {k: v.view(part.shape) if torch.is_tensor(v) and v.numel() > 1 else v for k, v in merged.items()}
+    for param in [p for p in state if isinstance(p, torch.Tensor) and id(p) in stale]:
+        del state[param]
+    return len(moved)
 
 
 # --- whole-tensor distribution (FP8 ZeRO) ---------------------------------------------------------

@@ -101,6 +101,11 @@ class PrecisionPlugin:
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
+        if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
+            from ..deepspeed import move_state_to_partitions
+
+            for obj in prepared if isinstance(prepared, tuple) else (prepared,):
+                move_state_to_partitions(getattr(obj, "optimizer", None))  # the engine's ZeRO optimizer
         return prepared
 
     def _report(self, accelerator: Any, objects: list[Any]) -> None:

@@ -134,6 +134,12 @@ class PrecisionCallback(TrainerCallback):
             if not getattr(wrapped, "_hf_lowprec_hooked", False):
                 wrapped.register_comm_hook(*hook)
                 wrapped._hf_lowprec_hooked = True
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            from ..deepspeed import move_state_to_partitions
+
+            # DeepSpeed swapped the optimizer's parameters for its partitions after the strategy
+            # built it: state started at construction (seeded compensations) moves with them.
+            move_state_to_partitions(getattr(wrapped, "optimizer", None))
         if self.trainer is not None and not getattr(self.trainer, "_hf_lowprec_reported", False):
             self.trainer._hf_lowprec_reported = True
             self._report(args, state, ddp)

@@ -28,7 +28,7 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.deepspeed import precision_config, zero_support  # noqa: E402
+from hf_lowprec.deepspeed import move_state_to_partitions, precision_config, zero_support  # noqa: E402
 from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
 from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
@@ -57,6 +57,7 @@ def build(name: str, stage: int):
     engine, zero_opt, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=precision_config(strategy, ds_config(stage))
     )
+    move_state_to_partitions(zero_opt)
     return strategy, engine, zero_opt, optimizer
 
 
@@ -103,6 +104,12 @@ def state_dtypes(optimizer) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def state_l1(optimizer) -> float:
+    """Σ|x| over the optimizer's state tensors (FP64): seeded state before the first step."""
+    return sum(float(v.double().abs().sum()) for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.numel() > 1)
+
+
 def forward_digest(module) -> str:
     """Digest of the weights the forward uses: FP8 layers' E4M3 weights (dequantized), other parameters."""
     h = hashlib.sha256()
@@ -134,6 +141,7 @@ def reference(name: str, data) -> dict:
     strategy = get_strategy(name)
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    initial = state_l1(optimizer)
     losses = []
     for ids in data:
         with strategy.forward_context():
@@ -145,6 +153,7 @@ def reference(name: str, data) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     return {
         "losses": losses,
+        "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
         "model_state_bytes": nbytes(params) * 2 + nbytes(
@@ -156,6 +165,8 @@ def reference(name: str, data) -> dict:
 def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     strategy, engine, zero_opt, client = build(name, stage)
     inner = client.optimizer
+    initial = torch.tensor(state_l1(inner), dtype=torch.float64)
+    dist.all_reduce(initial)  # each element of the partitions lives on exactly one rank
     grad_bytes = []  # the gradient partitions the client optimizer steps on
     inner.register_step_pre_hook(lambda opt, *_: grad_bytes.append(
         nbytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)))
@@ -164,6 +175,7 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     parts = partitions(zero_opt)
     result = {
         "zero_optimizer": type(zero_opt).__name__,
+        "initial_state_l1": initial.item(),
         "client_is_ours": zero_opt.optimizer is client,
         "model_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
         "partition_dtypes": sorted({str(p.dtype) for p in parts}),
