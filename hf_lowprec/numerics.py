@@ -30,6 +30,7 @@ __all__ = [
     "grow",
     "mul_expansion",
     "round_to_dtype",
+    "split",
     "stochastic_round",
     "two_prod",
     "two_sum",
@@ -158,6 +159,18 @@ def expansion(value: float, dtype: torch.dtype) -> tuple[float, float]:
     """
     hi = round_to_dtype(value, dtype)
     lo = round_to_dtype(value - hi, dtype)
+    return hi, lo
+
+
+def split(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wide tensor as a length-2 expansion (hi, lo) of `dtype`: hi = x.to(dtype), lo = r(x − hi).
+
+    hi is the plain conversion (what `model.to(dtype)` stores); the difference x − hi is
+    exact in FP64 and rounded once, so for FP32 x and BF16 hi + lo keeps about 16 of x's 24
+    significand bits (|hi + lo − x| ≤ 2^-p·|x − hi| ≤ 2^-2p·|x|, p = 8) where hi alone keeps 8.
+    """
+    hi = x.detach().to(dtype)
+    lo = (x.detach().double() - hi.double()).to(dtype)
     return hi, lo
 
 

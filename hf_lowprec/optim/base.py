@@ -67,6 +67,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """
         return param.detach().double()
 
+    def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
+        """`held_value(param)` rounded once to FP32: what a full-precision checkpoint stores."""
+        return self.held_value(param).float()
+
     def _track(self, group: int, param: torch.Tensor, before: torch.Tensor, update: torch.Tensor) -> None:
         self.tracked.append(TrackedUpdate(group, param, before, self.held_value(param), update))
 

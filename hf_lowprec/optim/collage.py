@@ -279,6 +279,40 @@ class AdamWBase(LowPrecisionOptimizer):
         compensation = self.state[param].get(self.compensation_key) if param in self.state else None
         return value if compensation is None else value.add_(compensation.double())
 
+    def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
+        """θ + δθ summed in FP64 and rounded once to FP32, such that casting it back gives θ.
+
+        θ is the round-to-nearest of θ + δθ (Fast2Sum/TwoSum return s = fl(a + b)), but the
+        FP32 rounding can land exactly on a tie of the parameter's dtype; there the value is
+        moved one FP32 ulp towards θ, so loading the checkpoint into a BF16 model restores θ
+        bit for bit (and with δθ from the optimizer state, the run resumes exactly).
+        """
+        value = super().full_precision_value(param)
+        if self.compensation_key is None or param.dtype == value.dtype:
+            return value
+        astray = value.to(param.dtype) != param.detach()
+        if bool(astray.any()):
+            towards = torch.nextafter(value, param.detach().float())
+            value = torch.where(astray, towards, value)
+        return value
+
+    def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
+        """Start the compensation of `param` at `residual`, so θ + δθ is a wider value.
+
+        For a model converted from FP32: residual = r(θ₃₂ − r(θ₃₂)), and θ + δθ reproduces the
+        FP32 weights to about 2p bits (16 for BF16) instead of p. Call before the first step.
+        """
+        if self.compensation_key is None:
+            raise ValueError(f"{type(self).__name__} keeps no compensation to seed")
+        if residual.shape != param.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != parameter shape {tuple(param.shape)}")
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        if group is None:
+            raise ValueError("seed_compensation: the parameter is not one this optimizer updates")
+        if not self.state[param]:
+            self.state[param] = self._init_state(param, group)
+        self.state[param][self.compensation_key].copy_(residual)
+
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 

@@ -15,16 +15,20 @@ rule, i.e. in the optimizer they build:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Literal
 
 import torch
 
+from ..numerics import split
 from ..optim import CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
 from ..registry import register
 from .base import StrategyOptions
 from .baselines import BF16Pure
 
 __all__ = ["BF16Update", "BF16UpdateOptions"]
+
+logger = logging.getLogger(__name__)
 
 Update = Literal["collage-light", "collage-plus", "kahan", "sr", "fp32-states"]
 
@@ -36,6 +40,8 @@ _UPDATES: dict[str, tuple[Any, float]] = {
     "sr": (lambda groups, o, **h: StochasticRoundingAdamW(groups, seed=o.seed, **h), 8.0),
     "fp32-states": (lambda groups, o, **h: FP32StatesAdamW(groups, **h), 12.0),
 }
+# Updates whose optimizer completes θ with a compensation (δθ, Kahan's k) that can be seeded.
+_COMPENSATED = ("collage-light", "collage-plus", "kahan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +51,15 @@ class BF16UpdateOptions(StrategyOptions):
     Args:
         update: the update rule; fixed by the registered name.
         seed: seed of the stochastic-rounding generator (bf16-sr only; its state is checkpointed).
+        seed_compensation: when `prepare_model` converts FP32 (or FP64) parameters, keep the
+            residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
+            at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
+            collage-plus, bf16-kahan; ignored by the others).
     """
 
     update: Update = "collage-plus"
     seed: int = 0
+    seed_compensation: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,7 +74,7 @@ class BF16UpdateOptions(StrategyOptions):
 @register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
 @register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
 @register("collage-plus", update="collage-plus",
-          summary="Collage (option C): + second moment as an MCF (v, δv), β2 as an expansion")
+          summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it")
 @register("collage-light", update="collage-light",
           summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow")
 class BF16Update(BF16Pure):
@@ -71,10 +82,40 @@ class BF16Update(BF16Pure):
 
     Options = BF16UpdateOptions
 
+    def __init__(self, name: str | None = None, **options: Any) -> None:
+        super().__init__(name, **options)
+        # id(parameter) → (parameter, BF16 residual), from prepare_model until an optimizer
+        # claims them: the residual lives here between the two calls, then in optimizer state.
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
         return _UPDATES[self.options.update][1]
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""
+        residuals = {}
+        if self.options.update in _COMPENSATED and self.options.seed_compensation:
+            for param in model.parameters():
+                if param.requires_grad and param.is_floating_point() and param.element_size() > 2:
+                    residuals[id(param)] = (param, split(param, self.param_dtype)[1])
+        model = super().prepare_model(model)
+        # `Module.to` converts parameters in place (same objects), so the keys still hold.
+        self._residuals.update(
+            {key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype}
+        )
+        return model
+
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         factory, _ = _UPDATES[self.options.update]
-        return factory(param_groups, self.options, **hyper)
+        optimizer = factory(param_groups, self.options, **hyper)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                claimed = self._residuals.pop(id(param), None)
+                if claimed is not None and claimed[0] is param:
+                    optimizer.seed_compensation(param, claimed[1])
+        if self._residuals:
+            # An optimizer over other tensors (e.g. DeepSpeed's partitions) cannot take them.
+            logger.info("%d FP32 residuals not claimed by the optimizer were dropped", len(self._residuals))
+            self._residuals.clear()
+        return optimizer
