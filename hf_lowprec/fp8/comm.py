@@ -4,6 +4,7 @@ Rank i holds gradient gᵢ of each tensor. The scheme:
 
     sᵢ   = 2^(floor(log2(fp8_max / amax(gᵢ))) − margin)     local power-of-two scale
     s_g  = min_i sᵢ                                         all-reduce MIN, one scalar per tensor
+                                                            (sᵢ = +∞ where gᵢ is all zero)
     gᵢ'' = FP8(μ·s_g·gᵢ)                                    requantize to the shared scale
     g    = FP8(Σᵢ gᵢ''),  s = N·μ·s_g                       real mean = g / s
 
@@ -127,8 +128,11 @@ def _reduce(
 
     segments = flat.detach().split(numels)
     amax = torch.stack([s.abs().amax().float() if s.numel() else torch.zeros((), device=device) for s in segments])
-    shared = pow2_scale(amax, fp8_dtype, margin)
+    # An all-zero segment (an unused parameter, an expert without tokens) has nothing to fit:
+    # its scale is +inf in the MIN, so it cannot force scale 1 on ranks that hold values.
+    shared = torch.where(amax == 0, torch.full_like(amax, float("inf")), pow2_scale(amax, fp8_dtype, margin))
     dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=group)
+    shared = torch.where(torch.isinf(shared), torch.ones_like(shared), shared)  # zero on every rank
     send_scale = shared * (1.0 / world if mu is None else mu)
 
     scaled = flat.float() * torch.repeat_interleave(send_scale, sizes)

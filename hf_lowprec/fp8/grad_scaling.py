@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .scaled import pow2_scale, quantize_counting, tensor_amax
+from .scaled import pow2_scale, quantize, quantize_counting, tensor_amax
 
-__all__ = ["GradientAutoScaler", "quantize_gradient"]
+__all__ = ["GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
 
 
 def quantize_gradient(
@@ -41,6 +41,26 @@ def quantize_gradient(
     scale = pow2_scale(tensor_amax(grad), dtype, margin) * mu
     payload, saturated = quantize_counting(grad, scale, dtype)
     return payload, scale, saturated
+
+
+def requantize_gradient(
+    grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-encode a gradient that held FP8 values at `scale` and may have changed since.
+
+    The FP8 all-reduce leaves values that are exact at its scale; gradient clipping then
+    multiplies them by c ≤ 1, and re-encoding at the old scale would push log2(1/c) binades
+    of small values under the FP8 minimum. The new scale is scale·2^k with the largest
+    k ≥ 0 that keeps amax in the top binade below the margin: k = 0 or an exact shift when
+    nothing changed (FP8 values times a power of two stay FP8 values), and one fresh rounding
+    at about scale/c after clipping.
+
+    Returns:
+        (payload, scale): real = payload / scale.
+    """
+    step = pow2_scale(tensor_amax(grad) * scale, dtype, margin).clamp_(min=1.0)
+    new_scale = scale.float() * step
+    return quantize(grad, new_scale, dtype), new_scale
 
 
 class GradientAutoScaler:

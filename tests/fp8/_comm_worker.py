@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 import hf_lowprec
-from hf_lowprec.fp8 import GradientAutoScaler, fp8_allreduce, postscale_allreduce, prescale_allreduce
+from hf_lowprec.fp8 import (
+    FP8CommState,
+    GradientAutoScaler,
+    fp8_allreduce,
+    fp8_allreduce_hook,
+    postscale_allreduce,
+    prescale_allreduce,
+)
 
 # Segments with very different magnitudes, each getting its own shared scale.
 SEGMENTS = ((4096, 1e-2), (1000, 1e-5), (77, 1.0))
@@ -97,6 +104,74 @@ def ddp(rank: int, world: int, name: str, steps: int = 4) -> dict:
     }
 
 
+def zero_on_rank0_gradient(rank: int, numel: int = 1000) -> torch.Tensor:
+    """All zero on rank 0 (an unused parameter there), values ~1e-4 on the others."""
+    if rank == 0:
+        return torch.zeros(numel)
+    return torch.randn(numel, generator=torch.Generator().manual_seed(300 + rank)) * 1e-4
+
+
+def zero_segments(rank: int, world: int) -> dict:
+    # Segments: zero on rank 0 only, then zero on every rank.
+    flat = torch.cat([zero_on_rank0_gradient(rank), torch.zeros(16)])
+    result = fp8_allreduce(flat, numels=[1000, 16], mu=2.0 ** -math.ceil(math.log2(world)))
+    return {"mean": result.dequantize(), "scales": result.scales}
+
+
+class OneRankBranch(nn.Module):
+    """`b` runs on rank 0 only: under DDP its gradient is all zero on every other rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def ddp_unused(rank: int, world: int) -> dict:
+    """DDP with find_unused_parameters=True and the FP8 hook; local gradients for the reference."""
+    torch.manual_seed(0)
+    model = OneRankBranch()
+    local = OneRankBranch()
+    local.load_state_dict(model.state_dict())
+    wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    wrapped.register_comm_hook(FP8CommState(GradientAutoScaler(init_mu=0.5)), fp8_allreduce_hook)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(40 + rank))
+    wrapped(x, rank == 0).pow(2).mean().backward()
+    local(x, rank == 0).pow(2).mean().backward()
+    return {
+        "reduced": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "local": {n: (torch.zeros_like(p) if p.grad is None else p.grad.clone()) for n, p in local.named_parameters()},
+    }
+
+
+CLIP_FACTORS = (0.0135, 3e-4, 1.4e-6)
+
+
+def clipped(rank: int, world: int) -> dict:
+    """fp8-lm-o1 under DDP: the all-reduced gradient, then clipped by c, then stored as FP8."""
+    torch.manual_seed(0)
+    strategy = hf_lowprec.get_strategy("fp8-lm-o1")
+    model = strategy.prepare_model(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64)))
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    wrapped.register_comm_hook(*strategy.ddp_comm_hook())
+    optimizer = strategy.create_optimizer(wrapped.parameters(), lr=1e-3)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(60 + rank))
+    out = {}
+    for c in CLIP_FACTORS:
+        optimizer.zero_grad()
+        wrapped(x).pow(2).mean().backward()
+        reduced = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad.mul_(c)  # what clip_grad_norm_ does with coefficient c
+        assert strategy.process_gradients(optimizer.optimizer)
+        out[c] = {n: (reduced[n], p.grad.double().clone()) for n, p in model.named_parameters()}
+    return out
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
@@ -106,6 +181,9 @@ def main() -> None:
         "skew": skew(rank, world),
         "ddp_o1": ddp(rank, world, "fp8-lm-o1"),
         "ddp_o2": ddp(rank, world, "fp8-lm-o2"),
+        "zero_segments": zero_segments(rank, world),
+        "ddp_unused": ddp_unused(rank, world),
+        "clipped": clipped(rank, world),
     }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
