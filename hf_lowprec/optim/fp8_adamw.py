@@ -12,11 +12,16 @@ gradient matters more than its magnitude"); the second moment does not — squar
 gradients underflow, and FP8 v makes training diverge (FP8-LM Fig. 8, #4). The
 `exp_avg_sq_format="e4m3"` option exists to reproduce that ablation.
 
-Master weights are the parameters themselves, in their own dtype: for FP8-LM O2 that is
-FP16, and for weights of `FP8Linear` layers after `scale_master_weight()` an FP16 payload
-with a per-tensor scale (`get_master_scale`), updated here in place. Memory with FP8
+Master weights are the parameters themselves, in their own dtype: for the FP8 GEMM weights
+of FP8-LM O2, an FP16 payload with a per-tensor scale (`get_master_scale`, set by
+`FP8Linear.scale_master_weight()`), updated here in place. Memory for those, with FP8
 gradients kept in this optimizer (`set_fp8_grad`): 2 (master) + 1 (gradient) + 1 (m) + 2 (v)
-= 6 bytes per parameter, plus a few scalars per tensor.
+= 6 bytes per parameter, plus a few scalars per tensor. The storage formats are per
+parameter group, so the parameters that are not FP8 GEMM weights (LayerNorm gains, biases,
+embeddings) can sit in the same optimizer with FP32 masters and FP32 moments (stored
+unscaled), as MS-AMP keeps them.
+
+The lost-arithmetic metrics see the master in real units (`held_value`), in FP64.
 """
 
 from __future__ import annotations
@@ -29,10 +34,50 @@ import torch
 from ..fp8.scaled import FORMATS, dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
 from .base import LowPrecisionOptimizer
 
-__all__ = ["FP8AdamW", "fp8_adamw_param_step"]
+__all__ = ["FP8AdamW", "adamw_update", "fp8_adamw_param_step"]
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step on real FP32 values, out of place: the update rule of FP8AdamW.
+
+    A pure function of its tensors (nothing is stored or scaled here), so it can be compiled
+    into one fused kernel; `fp8_adamw_param_step` wraps it with the dequantize / requantize
+    of the scaled storage.
+
+    Returns:
+        (param, exp_avg, exp_avg_sq, update): the new values and the intended update Δθ.
+    """
+    exp_avg = exp_avg.lerp(grad, 1.0 - beta1)
+    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1.0 - beta2)
+    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt() + eps
+    update = (exp_avg / (1.0 - beta1**step)) / denom * -lr
+    if weight_decay:
+        update = update - (lr * weight_decay) * param
+    return param + update, exp_avg, exp_avg_sq, update
+
 
 def _requantize_(payload: torch.Tensor, scale: torch.Tensor, real: torch.Tensor, margin: int) -> None:
-    """Store `real` into (payload, scale) in place, with a fresh power-of-two scale."""
+    """Store `real` into (payload, scale) in place, with a fresh power-of-two scale.
+
+    FP32 storage (the high-precision parameters of FP8-LM O2) has the range of the values
+    themselves: it is stored unscaled, with scale 1.
+    """
+    if payload.dtype == torch.float32:
+        payload.copy_(real)
+        scale.fill_(1.0)
+        return
     new_scale = pow2_scale(tensor_amax(real), payload.dtype, margin)
     payload.copy_(quantize(real, new_scale, payload.dtype))
     scale.copy_(new_scale)
@@ -49,45 +94,32 @@ def fp8_adamw_param_step(
     eps: float,
     weight_decay: float,
     margin: int,
-    track: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> torch.Tensor:
     """One AdamW step for one parameter with scaled low-precision moments, in place.
 
     Args:
         param: the master weight (real values, or an FP16 payload with `get_master_scale`).
         grad: the gradient with respect to the real weight, FP32.
         state: "step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale".
-        track: also return (before, update) in the parameter's own units, for the
-            lost-arithmetic metrics.
+
+    Returns:
+        The intended update Δθ in real units (FP32), for the lost-arithmetic metrics.
     """
     state["step"] += 1
-    step = state["step"]
-    m = dequantize(state["exp_avg"], state["exp_avg_scale"])
-    v = dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"])
-    m.lerp_(grad, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = (v / (1.0 - beta2**step)).sqrt_().add_(eps)
-    update = (m / (1.0 - beta1**step)).div_(denom).mul_(-lr)
-
     master_scale = get_master_scale(param)
     real = param.float() if master_scale is None else dequantize(param, master_scale)
-    if weight_decay:
-        update.add_(real, alpha=-lr * weight_decay)
-    new = real + update
-
+    new, m, v, update = adamw_update(
+        real, grad, dequantize(state["exp_avg"], state["exp_avg_scale"]),
+        dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"]), step=state["step"],
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+    )  # fmt: skip
     _requantize_(state["exp_avg"], state["exp_avg_scale"], m, margin)
     _requantize_(state["exp_avg_sq"], state["exp_avg_sq_scale"], v, margin)
-    before = param.detach().clone() if track else None
     if master_scale is None:
         param.copy_(new)
-        return (before, update) if track else None
-    old_scale = master_scale.clone()
-    _requantize_(param, master_scale, new, margin)
-    if not track:
-        return None
-    # Express "before" and the update in the new payload units, so after − before is comparable.
-    ratio = master_scale / old_scale
-    return (before.float() * ratio).to(param.dtype), update * master_scale
+    else:
+        _requantize_(param, master_scale, new, margin)
+    return update
 
 
 class FP8AdamW(LowPrecisionOptimizer):
@@ -206,14 +238,20 @@ class FP8AdamW(LowPrecisionOptimizer):
                 state = self.state[param]
                 if "exp_avg" not in state:
                     state.update(self._init_state(param, group))
-                tracked = fp8_adamw_param_step(
+                before = self.held_value(param) if self.track_updates else None
+                update = fp8_adamw_param_step(
                     param, grad, state, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], margin=group["margin"], track=self.track_updates,
+                    weight_decay=group["weight_decay"], margin=group["margin"],
                 )  # fmt: skip
-                if tracked is not None:
-                    self._track(index, param, *tracked)
+                if before is not None:
+                    self._track(index, param, before, update)
         self._pending_grads.clear()
         return loss
+
+    def held_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The master in real units (payload / scale for a scaled FP16 master), FP64."""
+        scale = get_master_scale(param)
+        return param.detach().double() if scale is None else dequantize(param.detach(), scale, torch.float64)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pending_grads.clear()

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
-from ..fp8.scaled import FORMATS, dequantize, quantize
+from ..fp8.grad_scaling import requantize_gradient
+from ..fp8.scaled import FORMATS, dequantize, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
 from ..registry import register
 from .base import PrecisionStrategy, StrategyOptions, grads_are_finite
@@ -70,12 +71,13 @@ class FP8LMOptions(StrategyOptions):
             raise ValueError("exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states")
 
 
-@register("fp8-lm-o2", level="O2")
-@register("fp8-lm-o1", level="O1")
+@register("fp8-lm-o2", level="O2", summary="O1 + FP8 optimizer: E4M3 first moment, FP16 second moment, scaled FP16 master weights")
+@register("fp8-lm-o1", level="O1", summary="FP8-LM O1: FP8 GEMMs (E4M3 forward, E5M2 output gradients), FP8 gradients with automatic scaling μ, FP8 all-reduce (DDP hook), FP32 AdamW")
 class FP8LM(PrecisionStrategy):
     """FP8 linear layers, FP8 gradients with automatic scaling μ, FP8 all-reduce; O2 adds FP8AdamW."""
 
     Options = FP8LMOptions
+    uses_fp8_gemm = True
     zero_refusal = (
         "ZeRO would split the per-tensor FP8 gradients and scaled FP16 masters into flat partitions "
         "and reduce the gradients outside the FP8 all-reduce; use fp8-lm-o3 with ZeRO stage 1 or 2"
@@ -83,6 +85,7 @@ class FP8LM(PrecisionStrategy):
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
+        self._param_split = (0, 0)  # (FP8 GEMM weights, other trainable parameters) of the O2 model
         self.scaler = GradientAutoScaler(
             interval=self.options.auto_scale_interval, threshold=self.options.auto_scale_threshold
         )
@@ -95,47 +98,77 @@ class FP8LM(PrecisionStrategy):
 
     @property
     def param_dtype(self) -> torch.dtype:  # type: ignore[override]
-        return torch.float16 if self.o2 else torch.float32
+        # O2's FP8 GEMM weights are scaled FP16 masters; every other parameter stays FP32.
+        return torch.float32
 
     @property
     def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
-        # Linear GEMMs run in FP8 inside FP8Linear; everything else computes in the parameter dtype.
-        return self.param_dtype
+        # Linear GEMMs run in FP8 inside FP8Linear; everything else computes in FP32.
+        return torch.float32
+
+    def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float16) if self.o2 else (torch.float32,)
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
-        return 6.0 if self.o2 else 16.0
+        """O1: 16. O2: 6 on FP8 GEMM weights, 16 on the rest, averaged over the prepared model.
+
+        Before a model is prepared, O2 reports 6 (the FP8 GEMM weights' figure, which large
+        models approach); the tiny test GPT-2 measures 7.7, GPT-2 124M 9.2 (its embedding is a
+        third of the parameters).
+        """
+        if not self.o2:
+            return 16.0
+        fp8, other = self._param_split
+        total = fp8 + other
+        return (6.0 * fp8 + 16.0 * other) / total if total else 6.0
 
     @property
     def grad_dtype(self) -> torch.dtype:
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.o2:
-            model = model.to(torch.float16)
         convert_to_fp8(model, margin=self.options.margin)
         if self.o2:
+            # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
+            # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.
+            model.float()
             for module in model.modules():
                 if isinstance(module, FP8Linear):
+                    module.weight.data = module.weight.data.to(torch.float16)
                     module.scale_master_weight(self.options.margin)
+            fp8 = {id(p): p.numel() for p in model.parameters() if get_master_scale(p) is not None}
+            other = {id(p): p.numel() for p in model.parameters() if p.requires_grad and id(p) not in fp8}
+            self._param_split = (sum(fp8.values()), sum(other.values()))
         return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
-        if self.o2:
-            return FP8AdamW(
-                param_groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin
-            )
-        return PlainAdamW(param_groups, **hyper)
+        if not self.o2:
+            return PlainAdamW(param_groups, **hyper)
+        # Each group splits in two: FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 master) and
+        # the rest (FP32 master, m and v), with the group's other settings kept.
+        groups = []
+        for group in param_groups:
+            fp8 = [p for p in group["params"] if get_master_scale(p) is not None]
+            other = [p for p in group["params"] if get_master_scale(p) is None]
+            if fp8:
+                groups.append({**group, "params": fp8})
+            if other:
+                groups.append({**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"})
+        return FP8AdamW(groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin)
 
     def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:
         """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""
         return self.comm_state, fp8_allreduce_hook
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Store every gradient as FP8 (scale μ·2^k, or the all-reduce's N·μ·s_g), then update μ.
+        """Store gradients as FP8 (scale μ·2^k, or from the all-reduce's N·μ·s_g), then update μ.
 
-        O1 writes the FP8 values back into the FP32 `p.grad`; O2 hands the FP8 payload to
-        FP8AdamW and frees `p.grad`.
+        O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 hands the
+        FP8 payload of each FP8 GEMM weight to FP8AdamW and frees its `p.grad`; the other
+        parameters keep FP32 gradients, as they keep FP32 masters. A gradient that came out
+        of the FP8 all-reduce is re-encoded from its current values (`requantize_gradient`),
+        since clipping may have scaled it since.
         """
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         comm_scales = self.comm_state.grad_scales
@@ -145,12 +178,14 @@ class FP8LM(PrecisionStrategy):
                 self.scaler.update()
             return False
         for p in params:
+            if self.o2 and get_master_scale(p) is None:
+                continue
             scale = comm_scales.pop(id(p), None)
             if scale is None:
                 payload, scale, saturated = quantize_gradient(p.grad, self.scaler.mu, self.grad_dtype, self.options.margin)
                 self.scaler.record(saturated, p.numel())
-            else:  # already FP8 values after the all-reduce: re-encoding with its scale is exact
-                payload = quantize(p.grad, scale, self.grad_dtype)
+            else:
+                payload, scale = requantize_gradient(p.grad, scale, self.grad_dtype, self.options.margin)
             if self.o2:
                 optimizer.set_fp8_grad(p, payload, scale)
                 p.grad = None

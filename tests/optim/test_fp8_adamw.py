@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_lowprec.fp8 import FP8Linear, quantize_gradient
+from hf_lowprec.fp8 import FP8Linear, get_master_scale, quantize_gradient
+from hf_lowprec.metrics import edq
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, LowPrecisionOptimizer
 
@@ -187,7 +188,7 @@ def test_model_state_bytes_with_fp8_gradients_is_six():
     assert measured["total"] <= 6.1
 
 
-def test_track_updates_records_intended_updates_without_changing_the_step():
+def test_track_updates_records_the_master_in_real_units_without_changing_the_step():
     tracked_model, plain_model = fp16_scaled_masters(tiny_mlp()), fp16_scaled_masters(tiny_mlp())
     optimizer = FP8AdamW(tracked_model.parameters(), **HYPER)
     assert isinstance(optimizer, LowPrecisionOptimizer)
@@ -197,11 +198,42 @@ def test_track_updates_records_intended_updates_without_changing_the_step():
     assert all(torch.equal(a, b) for a, b in zip(tracked_model.parameters(), plain_model.parameters()))
     assert len(optimizer.tracked) == len(list(tracked_model.parameters()))
     for record in optimizer.tracked:
-        assert record.before.dtype == record.param.dtype == torch.float16
-        # after − before, in the (new) payload units, is the intended update up to FP16 rounding:
-        # half an FP16 ulp of the largest payload (2^15 ≤ |θ| < 2^16 → ulp 32) at most.
-        moved = record.param.detach().float() - record.before.float()
-        assert (moved - record.update).abs().max() <= 16.0
+        assert record.before.dtype == record.after.dtype == torch.float64
+        scale = get_master_scale(record.param)
+        real = record.param.detach().double() if scale is None else record.param.detach().double() / scale.item()
+        assert torch.equal(record.after, real), "after = the master's real value"
+        # after − before is the intended update up to one rounding of the new master: half an
+        # FP16 ulp of the top binade (2^15 ≤ payload < 2^16 → 16 payload units) over the scale.
+        half_ulp = 16.0 / scale.item() if scale is not None else 0.5 * torch.finfo(torch.float16).eps
+        assert (record.after - record.before - record.update.double()).abs().max() <= half_ulp
+
+
+def test_tracking_survives_a_doubling_master_scale():
+    """Item 9: the master's amax drops below a binade, its scale doubles, the EDQ stays finite.
+
+    The old tracking expressed `before` in the new payload units in FP16: 32768·2 > 65504 → inf.
+    Reference: FP64 AdamW's first step, −lr·sign(g) (ε negligible), so EDQ ratio ≈ 1.
+    """
+    layer = FP8Linear.from_float(nn.Linear(16, 16).half())
+    with torch.no_grad():
+        layer.weight.fill_(0.25)
+        layer.weight[0, 0] = 1.0  # amax 1.0: scale 2^15, payload 32768
+    layer.scale_master_weight()
+    assert layer.master_scale.item() == 2.0**15
+    optimizer = FP8AdamW([layer.weight], lr=0.01)
+    optimizer.track_updates = True
+    layer.weight.grad = torch.ones(16, 16, dtype=torch.float16)  # every element moves down by lr
+    optimizer.step()
+    assert layer.master_scale.item() == 2.0**16, "amax 0.99 < 1: the scale doubles"
+    (record,) = optimizer.tracked
+    assert record.before.isfinite().all() and record.after.isfinite().all()
+    moved = record.after - record.before
+    reference = torch.full_like(moved, -0.01)
+    # One FP16 rounding of the new master: half an ulp of the top binade, 16 / 2^16 at most.
+    assert (moved - reference).abs().max() <= 16.0 / 2**16
+    quality, ratio = edq([record.before], [record.after], [record.update])
+    # ratio − 1 = ⟨Δθ, r⟩/‖Δθ‖² with |r_i| ≤ 16/2^16 and |Δθ_i| = 0.01: at most 0.0244.
+    assert abs(ratio - 1.0) <= (16.0 / 2**16) / 0.01
 
 
 @pytest.mark.parametrize(
