@@ -54,8 +54,11 @@ __all__ = [
     "collage_kernel",
     "compiled_adamw",
     "compiled_collage_adamw",
+    "compiled_fp8_adamw_step",
     "compiled_kahan_adamw",
     "compiled_stochastic_rounding_adamw",
+    "fp8_adamw_amax_kernel",
+    "fp8_adamw_store_kernel",
     "kahan_kernel",
     "stochastic_rounding_kernel",
 ]
@@ -89,15 +92,40 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
+def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Veltkamp's split of an FP32 number into two halves of at most 12 bits: a = hi + lo."""
+    c = a * 4097.0
+    hi = c - (c - a)
+    return hi, a - hi
+
+
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a·b + c rounded once to FP32, as the eager CPU kernels compute `lerp` and `addcmul`.
 
     ATen's vectorised lerp is an explicit FMA and its addcmul is contracted into one by the
-    compiler; Inductor's C++ is built with -ffp-contract=off. The product of two FP32 numbers
-    is exact in FP64, so forming the sum there and rounding to FP32 gives the fused result
-    (up to a double rounding in about 2^-29 of cases, never seen in the tests).
+    compiler; Inductor's C++ has no FMA (-ffp-contract=off). So: Dekker's TwoProduct gives
+    p + e = a·b exactly, TwoSum gives s + t = c + p exactly, and fl(s + fl(t + e)) is the fused
+    result unless the small correction lands exactly on a rounding midpoint (never seen in the
+    tests). All FP32 vector arithmetic: converting to FP64 instead costs more than the step.
+    Beyond |a|, |b| ~ 2^100 the split could overflow; there the plain a·b + c is used.
     """
-    return (a.double() * b.double() + c.double()).float()
+    p = a * b
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    e = ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+    s = c + p
+    bb = s - c
+    t = (p - bb) + (c - (s - bb))
+    fused = s + (t + e)
+    safe = (a.abs() < 2.0**100) & (b.abs() < 2.0**100)
+    return torch.where(safe, fused, s)
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`torch.lerp` in FP32 as ATen's CPU kernel computes it: one FMA, from whichever end is
+    nearer the weight (start + w·(end − start) for w < 0.5, else end + (w − 1)·(end − start))."""
+    near_start = weight.abs() < 0.5
+    return _fma(torch.where(near_start, weight, weight - 1.0), end - start, torch.where(near_start, start, end))
 
 
 def _adamw_registers(
@@ -116,7 +144,7 @@ def _adamw_registers(
     """
     g = grad.float()
     m_old = exp_avg.float()
-    m = _fma(h[_W1], g - m_old, m_old)
+    m = _lerp(m_old, g, h[_W1])
     v = exp_avg_sq.float()
     if exp_avg_sq_error is not None:
         v = v + exp_avg_sq_error.float()
@@ -131,16 +159,25 @@ def _adamw_registers(
 
 
 def _two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """TwoSum in `dtype` arithmetic on FP32 registers (`numerics.foreach_two_sum_`)."""
+    """TwoSum in `dtype` arithmetic on FP32 registers, the values of `numerics.foreach_two_sum_`.
+
+    s = fl(a + b); bb = fl(s − a); e = (b − bb) + (a − (s − bb)). Only the first two operations
+    can round: the last four are exact in round-to-nearest (Knuth's proof of TwoSum, TAOCP vol. 2
+    §4.2.2 Thm B), so their `_round` would be the identity and is left out. Rounding costs
+    a conversion each way; that is what bounds this kernel's speed on CPU.
+    """
     s = _round(a + b, dtype)
     bb = _round(s - a, dtype)
-    return s, _round(_round(b - bb, dtype) + _round(a - _round(s - bb, dtype), dtype), dtype)
+    return s, (b - bb) + (a - (s - bb))
 
 
 def _fast_two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast2Sum in `dtype` arithmetic (`numerics.foreach_fast_two_sum_`); needs |a| ≥ |b| or a = 0."""
+    """Fast2Sum in `dtype` arithmetic (`numerics.foreach_fast_two_sum_`); needs |a| ≥ |b| or a = 0.
+
+    s = fl(a + b); e = b + (a − s), both of the last two operations exact (Dekker).
+    """
     s = _round(a + b, dtype)
-    return s, _round(b + _round(a - s, dtype), dtype)
+    return s, b + (a - s)
 
 
 def collage_kernel(
@@ -211,6 +248,93 @@ def stochastic_rounding_kernel(
     rounded = (bits & -65536).view(torch.float32)
     plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(param.dtype).max)
     param.copy_(torch.where(plain, target, rounded))
+
+
+# FP8AdamW (FP8-LM / MS-AMP O2): slots of its scalar vector, as `fp8_adamw.adamw_update` uses them.
+_F_W1, _F_B2, _F_OMB2, _F_C1, _F_C2, _F_EPS, _F_NEG_LR, _F_LR_WD = range(8)
+
+
+def _fp8_adamw_registers(
+    param: torch.Tensor,
+    master_scale: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(θ', m, v) in FP32 real units: dequantize (payload / scale), then `fp8_adamw.adamw_update`."""
+    real = param.float() if master_scale is None else param.float() / master_scale
+    g = grad.float() if grad_scale is None else grad.float() / grad_scale
+    m = _lerp(exp_avg.float() / exp_avg_scale, g, h[_F_W1])
+    v = _fma(h[_F_OMB2] * g, g, exp_avg_sq.float() / exp_avg_sq_scale * h[_F_B2])
+    denominator = torch.sqrt(v / h[_F_C2]) + h[_F_EPS]
+    update = m / h[_F_C1] / denominator * h[_F_NEG_LR]
+    update = torch.where(h[_F_LR_WD] != 0, update - h[_F_LR_WD] * real, update)
+    return real + update, m, v
+
+
+def fp8_adamw_amax_kernel(
+    param: torch.Tensor,
+    master_scale: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    h: torch.Tensor,
+) -> torch.Tensor:
+    """First pass of the FP8AdamW step: amax of the new m, v and θ (what the new scales need).
+
+    Recomputing the update in the second pass reads g, m, v, θ again (6 bytes/param) instead of
+    writing and re-reading FP32 m, v, θ (24): the scales need the whole tensor's amax first.
+    """
+    new, m, v = _fp8_adamw_registers(param, master_scale, grad, grad_scale, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, h)
+    return torch.stack([m.abs().amax(), v.abs().amax(), new.abs().amax()])
+
+
+def _store_scaled_(payload: torch.Tensor, scale: torch.Tensor | None, real: torch.Tensor, amax: torch.Tensor, margin: int) -> None:
+    """`fp8_adamw._requantize_`: payload = saturate(real·s) with s the power-of-two scale of
+    amax; FP32 storage is kept unscaled (s = 1)."""
+    from hf_lowprec.fp8.scaled import format_max, pow2_scale
+
+    if payload.dtype == torch.float32:
+        payload.copy_(real)
+        if scale is not None:
+            scale.fill_(1.0)
+        return
+    new_scale = pow2_scale(amax, payload.dtype, margin)
+    limit = format_max(payload.dtype)
+    scaled = real * new_scale
+    payload.copy_(scaled.clamp(-limit, limit) + (scaled - scaled))
+    if scale is not None:
+        scale.copy_(new_scale)
+
+
+def fp8_adamw_store_kernel(
+    param: torch.Tensor,
+    master_scale: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    h: torch.Tensor,
+    amax: torch.Tensor,
+    margin: int,
+) -> None:
+    """Second pass: recompute the update and store m, v and θ with their new scales, in place."""
+    new, m, v = _fp8_adamw_registers(param, master_scale, grad, grad_scale, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, h)
+    _store_scaled_(exp_avg, exp_avg_scale, m, amax[0], margin)
+    _store_scaled_(exp_avg_sq, exp_avg_sq_scale, v, amax[1], margin)
+    if master_scale is None:
+        param.copy_(new)
+    else:
+        _store_scaled_(param, master_scale, new, amax[2], margin)
 
 
 # --- compilation and dispatch ------------------------------------------------------------
@@ -386,3 +510,52 @@ def compiled_stochastic_rounding_adamw(
     seeds = seeds.to(params[0].device)
     rows = [(*row, seed) for row, seed in zip(zip(params, grads, exp_avgs, exp_avg_sqs, scalars), seeds)]
     return _each(stochastic_rounding_kernel, fused, rows)
+
+
+def compiled_fp8_adamw_step(
+    param: torch.Tensor,
+    master_scale: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    state: dict,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    margin: int,
+    fused: str,
+) -> bool:
+    """`fp8_adamw.fp8_adamw_param_step` in two compiled passes (amax, then update and store).
+
+    Args:
+        master_scale: the scale of a scaled FP16 master (`get_master_scale`), else None.
+        grad: the FP8 gradient payload with `grad_scale`, or a plain gradient with None.
+        state: the parameter's FP8AdamW state; "step" is incremented only if the step ran here.
+
+    Returns False (nothing changed) when the reference must run instead.
+    """
+    tensors = (param, master_scale, grad, grad_scale, state["exp_avg"], state["exp_avg_scale"],
+               state["exp_avg_sq"], state["exp_avg_sq_scale"])
+    if param.numel() == 0 or not _runnable(fp8_adamw_store_kernel, fused, param.device):
+        return False
+    if not all(t is None or t.is_contiguous() for t in tensors):
+        return False
+    t = state["step"] + 1
+    h = torch.tensor(
+        [1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, -lr, lr * weight_decay],
+        dtype=torch.float32, device=param.device,
+    )  # fmt: skip
+    flat = [None if x is None else (x.detach().view(-1) if x.dim() else x.detach()) for x in tensors]
+    try:
+        amax = _compiled(fp8_adamw_amax_kernel)(*flat, h)
+        _compiled(fp8_adamw_store_kernel)(*flat, h, amax, margin)
+    except Exception as error:  # the first pass has not written anything yet
+        if fused == "compiled":
+            raise
+        _broken.add((fp8_adamw_store_kernel.__name__, param.device.type))
+        _log_once(logging.WARNING, f"compiling the FP8AdamW step failed ({type(error).__name__}: {error}); using foreach")
+        return False
+    state["step"] = t
+    return True
