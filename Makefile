@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-ppo bench fidelity clean
+.PHONY: install demo test test-ppo bench gpu-check fidelity clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
@@ -44,6 +44,13 @@ test-ppo: install
 
 bench: install
 	$(PYTHON) bench/bench_optim.py
+
+# Tests marked `cuda`, then a one-screen GPU bench (bench/gpu_check.py). Without a CUDA device:
+# says so and exits 0, having installed and run nothing.
+gpu-check:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		$(MAKE) --no-print-directory install && TORCHINDUCTOR_CACHE_DIR=$(BUILD)/inductor $(PYTHON) bench/gpu_check.py; \
+	else echo "gpu-check: no CUDA GPU here (torch.cuda.is_available() is False, or torch is missing): nothing run."; fi
 
 # Collage training-fidelity comparison (ALGORITHMS.md §2): beta2 = 0.999, cosine decay, thousands of steps.
 fidelity: install

@@ -1,0 +1,17 @@
+"""Device fixtures for the GPU checks (`make gpu-check` runs `pytest -m cuda`).
+
+Tests take a `device` fixture: the CPU instance runs in `make test` and exercises the same code;
+the CUDA instance carries the `cuda` marker and is skipped (reported as skipped) without a GPU.
+"""
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+CUDA = pytest.param("cuda", marks=requires_cuda, id="cuda")
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def device(request) -> torch.device:
+    return torch.device(request.param)

@@ -1,0 +1,116 @@
+"""FP8 GEMMs on each device against FP64 references of the same quantized operands.
+
+On CUDA with FP8 tensor cores (compute capability ≥ 8.9) this is `torch._scaled_mm` through
+cuBLASLt: layouts (row/column-major operands are re-laid out to row-major × column-major),
+padding of dimensions that are not multiples of 16, E4M3 and E5M2 operands. Elsewhere (CPU,
+older GPUs) the exact BF16 upcast runs. Both are checked with the same references.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear
+from hf_lowprec.fp8.linear import _fp8_mm, _gemm_for, _quantize_per_tensor, _Upcast
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+U32, U_BF16 = 2.0**-24, 2.0**-8
+# cuBLASLt's FP8 kernels sum partial products in the tensor cores with fewer bits than FP32
+# before promoting to FP32 (about 14 bits retained on H800, DeepSeek-V3 report §3.3.2). The
+# bound for that path uses u = 2^-13 instead of FP32's 2^-24: still far below anything a wrong
+# layout, a wrong scale or a lost padding row would produce (errors of order |S| itself).
+U_TENSOR_CORE = 2.0**-13
+
+
+def gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u)
+
+
+def accumulation_unit(device: torch.device) -> float:
+    return U_TENSOR_CORE if _gemm_for(device).name == "scaled_mm" else U32
+
+
+def make(shape, fmt, device, seed, column_major):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-6, 6, (), generator=g).item()
+    if column_major:  # same values, transposed storage
+        x = x.t().contiguous().t()
+    payload, scale = _quantize_per_tensor(x.to(device), fmt, 0)
+    return payload, scale
+
+
+@pytest.mark.parametrize("fmts", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3xe4m3", "e5m2xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("layout", ["rr", "cr", "rc", "cc"])  # (a, b): row- or column-major storage
+@pytest.mark.parametrize("mkn", [(64, 128, 32), (24, 200, 40)], ids=["aligned", "padded"])
+def test_fp8_gemm_against_fp64_of_the_same_operands(device, fmts, layout, mkn):
+    m, k, n = mkn
+    a8, sa = make((m, k), fmts[0], device, 1, layout[0] == "c")
+    b8, sb = make((k, n), fmts[1], device, 2, layout[1] == "c")
+    out = _fp8_mm(a8, sa, b8, sb, torch.float32)
+    assert out.device.type == device.type and out.shape == (m, n)
+    a, b = a8.cpu().double() / sa.cpu().double(), b8.cpu().double() / sb.cpu().double()
+    exact, total = a @ b, a.abs() @ b.abs()
+    # Exact FP8 products, exact power-of-two scales: the sum (γ_{K−1}·Σ|a||b|) and one rounding to BF16.
+    sum_error = gamma(k - 1, accumulation_unit(device)) * total
+    bound = sum_error + U_BF16 * (exact.abs() + sum_error)
+    err = (out.cpu().double() - exact).abs()
+    assert (err <= bound).all(), f"worst error/bound {(err / bound).max().item():.3f}"
+
+
+def test_default_path_per_device(device):
+    expected = "upcast"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        expected = "scaled_mm"
+    assert fp8_gemm_path(device) == expected
+
+
+def test_upcast_path_agrees_on_this_device(device):
+    # The upcast path on this device against the device's default path: both within the bound of
+    # the same exact value, hence within the sum of the two bounds of each other.
+    m, k, n = 48, 256, 64
+    a8, sa = make((m, k), E5M2, device, 3, False)
+    b8, sb = make((k, n), E4M3, device, 4, True)
+    default = _fp8_mm(a8, sa, b8, sb, torch.float32).cpu().double()
+    upcast = _fp8_mm(a8, sa, b8, sb, torch.float32, _Upcast()).cpu().double()
+    a, b = a8.cpu().double() / sa.cpu().double(), b8.cpu().double() / sb.cpu().double()
+    exact, total = a @ b, a.abs() @ b.abs()
+    bound = (gamma(k - 1, accumulation_unit(device)) + gamma(k - 1, U32)) * total + 2.5 * U_BF16 * exact.abs()
+    assert ((default - upcast).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_linear_forward_and_gradients_on_device(device, transposed, dtype):
+    # SNR floors as in tests/fp8/test_linear.py: per-tensor E4M3 operands give ≈ 28 dB forward,
+    # E5M2 output gradients ≈ 25 dB; 25 / 22 dB leave room for data and the activation dtype.
+    m, k, n = 100, 64, 48  # 100 rows: padded to 112 on the scaled_mm path
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    w = torch.randn((k, n) if transposed else (n, k), generator=g, dtype=torch.float64) * 0.05
+    dy = torch.randn(m, n, generator=g, dtype=torch.float64)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (xr @ wr if transposed else xr @ wr.t()).backward(dy)
+    xd = x.to(device, dtype).requires_grad_()
+    wd = w.to(device, dtype).requires_grad_()
+    y = fp8_linear(xd, wd, weight_transposed=transposed)
+    y.backward(dy.to(device, dtype))
+    assert y.dtype == dtype and xd.grad.dtype == dtype and wd.grad.dtype == dtype
+
+    def snr(ref, val):
+        ref, val = ref.double(), val.detach().cpu().double()
+        return 10 * math.log10(ref.pow(2).sum().item() / (ref - val).pow(2).sum().item())
+
+    assert snr(x @ w if transposed else x @ w.t(), y) >= 25.0
+    assert snr(xr.grad, xd.grad) >= 22.0 and snr(wr.grad, wd.grad) >= 22.0
+
+
+def test_fp8_linear_module_matches_the_functional_form_on_device(device):
+    # The cached FP8 weight (quantized once per step) gives exactly the functional result.
+    torch.manual_seed(0)
+    layer = FP8Linear(64, 32).to(device)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    x = torch.randn(5, 64, device=device)
+    with torch.no_grad():
+        assert torch.equal(layer(x), fp8_linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), fp8_linear(x, layer.weight, layer.bias))
