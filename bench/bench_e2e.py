@@ -1,0 +1,91 @@
+"""End-to-end training step on GPT-2 small (124M, from config): step time and peak RSS per
+strategy, as ratios to bf16-mixed measured in the same run.
+
+    python bench/bench_e2e.py [--strategies bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2]
+                              [--steps 3] [--threads 2] [--batch 2] [--seq 256]
+
+Each strategy runs in its own process (peak RSS is per process: `ru_maxrss`), with the strategy
+loop the Trainer drives (forward context, scaled backward, optimizer step). The first step is
+warm-up (allocations, the optimizer's compiled kernels); the median of the next `--steps` is
+reported. On a shared machine absolute times drift; the ratios to the first strategy, measured
+in the same run, are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = "bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2"
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    import hf_lowprec
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    strategy = hf_lowprec.get_strategy(args.child)
+    model = strategy.prepare_model(GPT2LMHeadModel(GPT2Config()))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    times, losses = [], []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mib": peak_mib, "loss": losses[-1]}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strategies", default=DEFAULT)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    names = args.strategies.split(",")
+    results = {}
+    for name in names:
+        cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--threads", str(args.threads),
+               "--batch", str(args.batch), "--seq", str(args.seq)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    base = results[names[0]]
+    print(f"GPT-2 124M, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps; "
+          f"ratios to {names[0]} in this run")  # fmt: skip
+    print(f"| strategy | step | step ratio | peak RSS | RSS ratio | loss |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f} | {r['peak_mib']:.0f} MiB | "
+              f"{r['peak_mib'] / base['peak_mib']:.2f} | {r['loss']:.3f} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
