@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_lowprec import available_strategies, get_strategy
 from hf_lowprec.deepspeed import (
@@ -169,3 +170,42 @@ def test_assignment_edges():
         assign_whole_tensors([1], 0)
     with pytest.raises(ValueError, match=">= 0"):
         assign_whole_tensors([-1], 2)
+
+
+# --- framework glue: the config a launcher already filled --------------------------------------
+def fake_accelerator(config: dict, mismatches: list[str]):
+    from types import SimpleNamespace
+
+    hf_config = SimpleNamespace(config=config, mismatches=mismatches, _dtype=torch.float32)
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=hf_config))), hf_config
+
+
+def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches(tmp_path, monkeypatch):
+    from hf_lowprec.deepspeed import configure_accelerator
+
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    # Accelerate filled bf16.enabled=False from mixed_precision="no"; transformers then compared
+    # it with --bf16 (off): both are the strategy's to decide.
+    filled = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+              "train_micro_batch_size_per_gpu": 4}
+    accelerator, hf_config = fake_accelerator(filled, ["- ds bf16.enabled=True vs hf bf16=False", "- ds other=1 vs hf x=2"])
+    configure_accelerator(get_strategy("collage-plus"), accelerator)
+    assert filled["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert hf_config.mismatches == ["- ds other=1 vs hf x=2"] and hf_config._dtype == torch.bfloat16
+    # The file `accelerate launch` names is the user's own config: its explicit values are checked.
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**AUTO, "bf16": {"enabled": False}}))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    accelerator, _ = fake_accelerator({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}, [])
+    with pytest.raises(ValueError, match="bf16.enabled=False"):
+        configure_accelerator(get_strategy("collage-plus"), accelerator)
+
+
+def test_configure_accelerator_without_deepspeed_is_a_no_op():
+    from types import SimpleNamespace
+
+    from hf_lowprec.deepspeed import configure_accelerator, move_state_to_partitions
+
+    configure_accelerator(get_strategy("collage-plus"), SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)))
+    assert move_state_to_partitions(None) == 0
+    assert move_state_to_partitions(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)) == 0
