@@ -1,0 +1,157 @@
+"""COATAdamW: FP8 per-group moments with dynamic range expansion; FP32 or BF16 + δθ masters."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from hf_lowprec.coat import FP8GroupState, quantize_state
+from hf_lowprec.optim import COATAdamW
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def decoded(optimizer, param, key):
+    state = optimizer.state[param]
+    group = optimizer.param_groups[0]
+    return FP8GroupState(
+        state[key], state[f"{key}_scale"], state[f"{key}_exponent"], state[f"{key}_center"],
+        tuple(param.shape), group["group_size"], group["expand"],
+    ).dequantize()  # fmt: skip
+
+
+def make(dtype=torch.float32, n=300, seed=0, **options):
+    g = torch.Generator().manual_seed(seed)
+    param = torch.nn.Parameter((torch.randn(n, generator=g)).to(dtype))
+    grads = [torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g)) for _ in range(8)]
+    return param, grads, COATAdamW([param], **HYPER, **options)
+
+
+def run(optimizer, param, grads):
+    for grad in grads:
+        param.grad = grad.to(param.dtype)
+        optimizer.step()
+
+
+def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
+    param, grads, optimizer = make()
+    run(optimizer, param, grads[:3])
+    m = decoded(optimizer, param, "exp_avg").double()
+    v = decoded(optimizer, param, "exp_avg_sq").double()
+    theta = param.detach().double().clone()
+    g = grads[3].double()
+    run(optimizer, param, grads[3:4])
+    b1, b2 = HYPER["betas"]
+    m1 = b1 * m + (1 - b1) * g
+    v1 = b2 * v + (1 - b2) * g * g
+    t = 4
+    update = -HYPER["lr"] * ((m1 / (1 - b1**t)) / ((v1 / (1 - b2**t)).sqrt() + HYPER["eps"]) + HYPER["weight_decay"] * theta)
+    # The step itself is FP32 arithmetic on the decoded moments: a few FP32 roundings of Δθ
+    # (|Δθ| ≈ lr) plus the rounding of θ + Δθ (|θ| ≲ 4: 2^-22 absolute).
+    torch.testing.assert_close(param.detach().double() - theta, update, rtol=1e-5, atol=4 * 2.0**-23)
+    # What is stored is the encoding of the new FP32 moment, lerp'ed in FP32 as the step does
+    # (the format's error is bounded in tests/test_coat.py).
+    m32 = m.float().lerp(grads[3], 1 - b1)
+    stored = quantize_state(m32, 128, E4M3, True).dequantize()
+    assert torch.equal(decoded(optimizer, param, "exp_avg"), stored)
+
+
+def test_state_dtypes_shapes_and_options():
+    param, grads, optimizer = make(exp_avg_sq_format="e5m2", group_size=64)
+    run(optimizer, param, grads[:1])
+    state = optimizer.state[param]
+    assert state["exp_avg"].dtype == E4M3 and state["exp_avg_sq"].dtype == E5M2
+    assert state["exp_avg"].numel() == 320  # 300 padded to 5 groups of 64
+    for key in ("exp_avg", "exp_avg_sq"):
+        for meta in ("scale", "exponent", "center"):
+            assert state[f"{key}_{meta}"].dtype == torch.float32 and state[f"{key}_{meta}"].shape == (5,)
+    assert "param_error" not in state
+    param, grads, optimizer = make(expand=False)
+    run(optimizer, param, grads[:2])
+    assert torch.equal(optimizer.state[param]["exp_avg_exponent"], torch.ones(3))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"group_size": 0}, "group_size"),
+    ({"exp_avg_sq_format": "fp16"}, "exp_avg_sq_format"),
+    ({"expand": "yes"}, "expand"),
+    ({"lr": -1.0}, "lr"),
+])
+def test_bad_hyperparameters_raise_before_any_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        COATAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
+
+
+def test_trains_like_fp32_adamw():
+    torch.manual_seed(0)
+    target = torch.randn(64, 64)
+    losses = {}
+    for name in ("coat", "adamw"):
+        weight = torch.nn.Parameter(torch.zeros(64, 64))
+        cls = COATAdamW if name == "coat" else torch.optim.AdamW
+        optimizer = cls([weight], lr=1e-2)
+        for _ in range(200):
+            loss = ((weight - target) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses[name] = loss.item()
+    # From 1.0 both fit the target; FP8 moments (u = 2^-4) perturb each step's direction by a few %.
+    assert losses["coat"] < 0.05 and losses["coat"] < 2 * losses["adamw"] + 1e-3, losses
+
+
+def test_bf16_weights_with_delta_theta_keep_updates_below_half_an_ulp():
+    # θ = 1 in BF16 has ulp 2^-7; lr = 1e-4 updates are 1/80 of it and vanish without δθ.
+    grads = [torch.full((256,), 0.5)] * 50
+    params = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        param = torch.nn.Parameter(torch.ones(256, dtype=dtype))
+        optimizer = COATAdamW([param], lr=1e-4)
+        run(optimizer, param, grads)
+        params[dtype] = optimizer.held_value(param)
+        assert ("param_error" in optimizer.state[param]) == (dtype == torch.bfloat16)
+    # Same moments (identical gradients) and the update is Grow'n into (θ, δθ) exactly up to the
+    # BF16 rounding of each Δθ (2^-9 relative): after 50 steps |(θ + δθ) − θ32| ≤ 50·1e-4·2^-8.
+    torch.testing.assert_close(params[torch.bfloat16], params[torch.float32], rtol=0.0, atol=50 * 1e-4 * 2**-8)
+    assert (params[torch.bfloat16] < 1 - 40 * 1e-4).all()  # the updates were not lost
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_bit_exact_and_resume_bit_for_bit(dtype):
+    param, grads, optimizer = make(dtype)
+    run(optimizer, param, grads[:3])
+    buffer = io.BytesIO()
+    torch.save({"param": param.detach(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    param2 = torch.nn.Parameter(saved["param"].clone())
+    optimizer2 = COATAdamW([param2], **HYPER)
+    optimizer2.load_state_dict(saved["optimizer"])
+    s1, s2 = optimizer.state[param], optimizer2.state[param2]
+    assert s1.keys() == s2.keys()
+    for key, value in s1.items():
+        if torch.is_tensor(value):
+            assert s2[key].dtype == value.dtype, key
+            assert torch.equal(s2[key].view(torch.uint8), value.view(torch.uint8)), key
+        else:
+            assert s2[key] == value
+    run(optimizer, param, grads[3:])
+    run(optimizer2, param2, grads[3:])
+    assert torch.equal(param.detach(), param2.detach())
+    for key, value in optimizer.state[param].items():
+        if torch.is_tensor(value):
+            assert torch.equal(optimizer2.state[param2][key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_zero_gradient_groups_and_all_zero_state():
+    param = torch.nn.Parameter(torch.ones(256))
+    optimizer = COATAdamW([param], lr=1e-3)
+    grad = torch.zeros(256)
+    grad[128:] = 1.0
+    param.grad = grad
+    optimizer.step()
+    assert torch.equal(param.detach()[:128], torch.ones(128))
+    assert torch.isfinite(param.detach()).all()
+    assert math.isclose(param.detach()[200].item(), 1 - 1e-3, rel_tol=1e-6)
