@@ -2,9 +2,10 @@
 
 Run `python bench/als_evidence.py` (about 10 minutes on one core; `--part` picks one part).
 
-1. `failure`: the known failure of dynamic loss scaling. A tiny GPT-2 whose linear weights are
-   scaled up by `--alpha` (as BF16-pretrained weights can be) is finetuned in FP16.
-   fp16-mixed (torch's GradScaler) against fp16-als: skipped steps, final loss, scale trace.
+1. `failure`: the known failure of dynamic loss scaling. A tiny GPT-2 whose LayerNorm gains are
+   scaled up by `--alpha` (as in checkpoints whose gains grew large in BF16) is finetuned in
+   FP16: fp16-mixed (torch's GradScaler), fp16-als, and fp16-mixed with ALS in place of
+   GradScaler: skipped steps, final loss, scale trace.
 2. `static`: pure FP16 weights and gradients with a static loss scale of 1 (ALS's machinery
    with its scale pinned to 1) against fp16-als, final losses.
 3. `accumulation`: running-mean against plain-sum gradient accumulation in FP16 on large
@@ -24,7 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_lowprec
-from hf_lowprec.scaling import running_mean_
+from hf_lowprec.scaling import AutomaticLossScaler, running_mean_
 
 VOCAB = 256
 
@@ -57,8 +58,13 @@ def data(seed: int, n: int = 8, batch: int = 16, seq: int = 64) -> list[torch.Te
 
 
 def train(name: str, seed: int, steps: int, lr: float, alpha: float, **options) -> dict:
-    strategy = hf_lowprec.get_strategy(name, **options)
+    autocast_als = name == "fp16-mixed+als"
+    strategy = hf_lowprec.get_strategy("fp16-mixed" if autocast_als else name, **options)
     model = strategy.prepare_model(tiny_gpt2(seed, alpha))
+    if autocast_als:
+        # Bench-only composition: fp16-mixed's autocast and FP32 masters with ALS in place of
+        # GradScaler, to separate the scaler's effect from pure-FP16 compute.
+        strategy.scaler = AutomaticLossScaler().track(model)
     optimizer = strategy.create_optimizer(model.parameters(), lr=lr, weight_decay=0.0)
     batches = data(seed)
     losses, scales = [], []
@@ -77,7 +83,7 @@ def train(name: str, seed: int, steps: int, lr: float, alpha: float, **options) 
         "final_loss": statistics.mean(losses[-5:]),
         "first_loss": losses[0],
         "skipped": int(metrics["precision/skipped_steps"]),
-        "clipped_total": int(metrics.get("precision/clipped_elements_total", 0)),
+        "clipped_total": int(getattr(strategy.scaler, "total_clipped", 0)) if hasattr(strategy, "scaler") else 0,
         "finite_params": finite,
         "scale_trace": scales[:: max(1, steps // 12)] + [scales[-1]],
         "min_scale": min(scales),
@@ -92,7 +98,7 @@ def part_failure(args) -> None:
     print(f"\n## 1. Weights x{args.alpha}: fp16-mixed (GradScaler) vs fp16-als, {args.steps} steps, lr {args.lr}\n")
     print("| strategy | seed | first loss | final loss | skipped steps | clipped elements | min scale | scale trace |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in ("fp16-mixed", "fp16-als"):
+    for name in args.failure_runs:
         for seed in args.seeds:
             r = train(name, seed, args.steps, args.lr, args.alpha)
             trace = " ".join(fmt_scale(s) for s in r["scale_trace"])
@@ -115,6 +121,34 @@ def part_static(args) -> None:
                   f"{fmt_scale(r['scale_trace'][-1])} |", flush=True)
 
 
+def part_underflow(args) -> None:
+    """Where the gradients of the static run sit in FP16: FP32 reference gradients of the
+    untrained model, as shares of elements that FP16 flushes to zero (< 2^-24) or holds as
+    subnormals (< 2^-14, fewer than 11 significant bits) at loss scale 1 and at 2^10."""
+    print("\n## 2b. FP32 reference gradients of the tiny GPT-2 against FP16's floor\n")
+    print("| seed | kind | elements | < 2^-24 at scale 1 | < 2^-14 at scale 1 | < 2^-24 at scale 2^10 | < 2^-14 at scale 2^10 |")
+    print("|---|---|---|---|---|---|---|")
+    for seed in args.seeds:
+        model = tiny_gpt2(seed)
+        activation_grads = []
+
+        def capture(module, inputs, output):
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(activation_grads.append)
+
+        for module in model.modules():
+            if next(module.children(), None) is None:
+                module.register_forward_hook(capture)
+        ids = data(seed)[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        kinds = {"weights": [p.grad for p in model.parameters()], "activations": activation_grads}
+        for kind, grads in kinds.items():
+            flat = torch.cat([g.detach().abs().flatten() for g in grads])
+            share = lambda scale, edge: f"{float(((flat * scale) < edge).double().mean()):.1%}"  # noqa: E731
+            print(f"| {seed} | {kind} | {flat.numel()} | {share(1, 2**-24)} | {share(1, 2**-14)} | "
+                  f"{share(2**10, 2**-24)} | {share(2**10, 2**-14)} |", flush=True)
+
+
 def part_accumulation(args) -> None:
     print("\n## 3. Gradient accumulation in FP16 over 16 micro-batches of large gradients\n")
     print("| seed | max |g_k| | plain sum: inf elements | running mean: inf elements | running mean max rel. error vs FP64 |")
@@ -135,12 +169,14 @@ def part_accumulation(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["failure", "static", "accumulation", "all"], default="all")
+    parser.add_argument("--part", choices=["failure", "static", "underflow", "accumulation", "all"], default="all")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--alpha", type=float, default=64.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--failure-runs", nargs="+", default=["fp16-mixed", "fp16-als", "fp16-mixed+als"],
+                        help="part 1 runs; fp16-mixed+als is fp16-mixed with ALS instead of GradScaler")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -149,6 +185,8 @@ def main() -> None:
         part_failure(args)
     if args.part in ("static", "all"):
         part_static(args)
+    if args.part in ("underflow", "all"):
+        part_underflow(args)
     if args.part in ("accumulation", "all"):
         part_accumulation(args)
 

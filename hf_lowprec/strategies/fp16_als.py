@@ -59,7 +59,11 @@ class FP16ALSOptions(StrategyOptions):
 
 @register("fp16-als")
 class FP16ALS(LossScaledStrategy):
-    """FP16 weights, activations and gradients with Graphcore ALS; FP32 AdamW states (16 or 12 bytes/param)."""
+    """Graphcore ALS: FP16 weights, activations and gradients, clipped not skipped; FP32 AdamW states and master.
+
+    `weights="sr"` drops the master and writes the FP16 weights with stochastic rounding (12
+    bytes/param instead of 16).
+    """
 
     Options = FP16ALSOptions
     param_dtype = torch.float16

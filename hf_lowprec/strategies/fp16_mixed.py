@@ -44,7 +44,7 @@ class FP16MixedOptions(StrategyOptions):
 
 @register("fp16-mixed")
 class FP16Mixed(LossScaledStrategy):
-    """FP16 autocast over FP32 weights, gradients and AdamW states, with torch's GradScaler (16 bytes/param)."""
+    """FP16 autocast, FP32 weights (masters) and AdamW states, torch's GradScaler — what `fp16=True` does."""
 
     Options = FP16MixedOptions
 
