@@ -238,7 +238,9 @@ class PrecisionTrainerMixin:
         # save is skipped, a damaged file or another strategy's checkpoint is refused.
         name = self.precision.name if self.precision is not None else None
         resume_from_checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint, name)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if resume_from_checkpoint is not None:  # by keyword: TRL 1.12's PPOTrainer.train() takes no argument
+            kwargs["resume_from_checkpoint"] = resume_from_checkpoint
+        return super().train(*args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.precision is None or self.optimizer is not None:
