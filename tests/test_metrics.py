@@ -69,10 +69,13 @@ def test_mismatched_sizes_raise() -> None:
 )
 def test_strategies_report_the_value_they_hold(strategy: str, max_imprecision: float) -> None:
     # Regression (issue 8 #3): at lr 1e-5 on θ ~ N(0, 1) nearly every BF16 addition to θ
-    # alone is lost (measured on θ: 99.3–99.6 % imprecision, EDQ ratio 0.10–0.27), while
-    # θ + δθ (θ + k for Kahan) keeps the update up to the rounding of the small part:
-    # only |Δθ| below 2^-8·ulp(θ)/2 can vanish (measured ~2.5 %), and the EDQ ratio is 1
-    # within the Cauchy–Schwarz bound ‖Δθ̂ − Δθ‖/‖Δθ‖ computed from the same tensors.
+    # alone is lost (measured on θ: 99.6 % imprecision, EDQ ratio 0.004), while θ + δθ
+    # (θ + k for Kahan) keeps the update up to the rounding of the small part: only |Δθ|
+    # below 2^-8·|δθ + e| can vanish (measured 2.3 %). The EDQ ratio is 1 within the
+    # Cauchy–Schwarz bound ‖Δθ̂ − Δθ‖/‖Δθ‖ computed from the same tensors. That bound is not
+    # small here: the compensation starts at the FP32 residual (|δθ| up to ulp(θ)/2), so Grow's
+    # rounding of t = δθ + e, ≤ 2^-8·ulp(θ)/2 ≈ 2^-17·|θ|, is as large as lr·|m̂/√v̂| = 1e-5:
+    # a 2-component BF16 value holds ~16 bits. Measured: ratio 1.02, bound 0.29.
     from hf_lowprec import get_strategy
 
     torch.manual_seed(0)
@@ -99,5 +102,7 @@ def test_strategies_report_the_value_they_hold(strategy: str, max_imprecision: f
         assert abs(metrics["precision/edq_ratio"] - 1.0) <= bound + 1e-12
         assert metrics["precision/imprecision_pct"] <= max_imprecision
         if strategy != "bf16-pure":
-            assert bound < 0.01
-            assert metrics["precision/edq_ratio"] == pytest.approx(1.0, abs=0.01)
+            assert bound < 0.5
+            assert metrics["precision/edq_ratio"] == pytest.approx(1.0, abs=0.05)
+        else:
+            assert metrics["precision/edq_ratio"] < 0.05
