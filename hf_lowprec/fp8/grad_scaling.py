@@ -20,13 +20,15 @@ with the same scales bit for bit.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from .scaled import pow2_scale, quantize, quantize_counting, tensor_amax
+from .scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
 
-__all__ = ["GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
+__all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
 
 
 def quantize_gradient(
@@ -141,3 +143,90 @@ class GradientAutoScaler:
 
     def __repr__(self) -> str:
         return f"GradientAutoScaler(mu={self.mu}, clean_steps={self.clean_steps}, interval={self.interval})"
+
+
+class FP8GradientOwner(Protocol):
+    """An optimizer that keeps this step's gradients as FP8 (e.g. `hf_lowprec.optim.FP8AdamW`)."""
+
+    def set_fp8_grad(self, param: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None: ...
+
+    def fp8_grad(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+class BackwardFP8Gradients:
+    """Quantize each gradient to FP8 as soon as backward has accumulated it (FP8-LM O2).
+
+    A `register_post_accumulate_grad_hook` on each parameter hands `p.grad` to the owner
+    optimizer as (payload, scale) and frees it, so no full-model FP16/FP32 gradient exists
+    between backward and the step: the gradient costs 1 byte per element at every moment.
+    Gradient accumulation: the next micro-batch's gradient is added to the stored one in
+    FP32 and re-quantized with a fresh scale, one E4M3 rounding (2^-4 relative) per
+    micro-batch. Clipping goes through `clip_grad_norm`, which multiplies an FP8 gradient
+    by c by dividing its scale (no rounding of the payload).
+
+    Under torch.distributed with more than one rank the hook does nothing: DDP's reducer
+    owns `p.grad` until its (FP8) all-reduce has run, and its buckets hold the full
+    gradient anyway; the strategy then quantizes in `process_gradients`.
+
+    Args:
+        scaler: the automatic gradient scale μ; every quantization is recorded in it.
+        dtype: FP8 format of the stored gradients.
+        margin: scale margin in binades.
+    """
+
+    def __init__(self, scaler: GradientAutoScaler, dtype: torch.dtype, margin: int = 0) -> None:
+        self.scaler = scaler
+        self.dtype = dtype
+        self.margin = margin
+        self.owner: FP8GradientOwner | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, params: Iterable[torch.Tensor]) -> None:
+        """Quantize the gradients of `params` in backward (once an owner is set)."""
+        for param in params:
+            self._handles.append(param.register_post_accumulate_grad_hook(self._store))
+
+    def _store(self, param: torch.Tensor) -> None:
+        owner = self.owner
+        if owner is None or param.grad is None or (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        grad = param.grad
+        pending = owner.fp8_grad(param)
+        if pending is not None:  # gradient accumulation: add to this step's stored gradient
+            grad = dequantize(*pending).add_(grad)
+        payload, scale, saturated = quantize_gradient(grad, self.scaler.mu, self.dtype, self.margin)
+        self.scaler.record(saturated, grad.numel())
+        owner.set_fp8_grad(param, payload, scale)
+        param.grad = None
+
+    def stored(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(payload, scale) of this step's FP8 gradients among `params`."""
+        if self.owner is None:
+            return []
+        return [g for g in (self.owner.fp8_grad(p) for p in params) if g is not None]
+
+    def all_finite(self, params: Iterable[torch.Tensor]) -> bool:
+        """False when a stored gradient holds NaN (the saturating cast turns inf into NaN)."""
+        return not any(bool(payload.float().isnan().any()) for payload, _ in self.stored(params))
+
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.
+
+        None when no gradient is stored as FP8 (the caller's own clipping then applies).
+        As `torch.nn.utils.clip_grad_norm_`: c = min(1, max_norm / (norm + 1e-6)).
+        """
+        params = list(parameters)
+        stored = self.stored(params)
+        if not stored:
+            return None
+        dense = [p.grad for p in params if p.grad is not None]
+        squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
+        squares += [(torch.linalg.vector_norm(payload.float()) / scale).square() for payload, scale in stored]
+        norm = torch.stack(squares).sum().sqrt()
+        if math.isfinite(max_norm):
+            coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for grad in dense:
+                grad.mul_(coefficient.to(grad.dtype))
+            for _, scale in stored:
+                scale.div_(coefficient)
+        return norm

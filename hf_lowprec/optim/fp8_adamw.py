@@ -194,6 +194,11 @@ class FP8AdamW(LowPrecisionOptimizer):
             "exp_avg_sq_scale": torch.ones((), device=device),
         }
 
+    def planned_grad_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype `param`'s gradient is held in between steps (memory plans): FP8 for a scaled
+        FP16 master, whose gradient the strategy hands over with `set_fp8_grad`; else `param`'s."""
+        return torch.float8_e4m3fn if get_master_scale(param) is not None else param.dtype
+
     def set_fp8_grad(self, param: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
         """Hand over this step's gradient of `param` as FP8 payload / scale (real = payload / scale).
 
@@ -211,6 +216,17 @@ class FP8AdamW(LowPrecisionOptimizer):
             buffer.copy_(payload)
             state["grad_scale"].copy_(scale)
         self._pending_grads.add(id(param))
+
+    def fp8_grad(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's FP8 gradient of `param` as the stored (payload, scale), or None.
+
+        The tensors are the optimizer's own: dividing the scale by c in place multiplies the
+        gradient by c without touching the payload (how FP8-LM O2 clips).
+        """
+        if id(param) not in self._pending_grads:
+            return None
+        state = self.state[param]
+        return state["grad"], state["grad_scale"]
 
     def _gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         if id(param) in self._pending_grads:

@@ -12,12 +12,13 @@ the FP8 DDP hook) and `hf_lowprec.optim.FP8AdamW`; this class only combines them
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
-from ..fp8.grad_scaling import requantize_gradient
+from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
 from ..fp8.scaled import FORMATS, dequantize, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
 from ..registry import register
@@ -90,6 +91,7 @@ class FP8LM(PrecisionStrategy):
             interval=self.options.auto_scale_interval, threshold=self.options.auto_scale_threshold
         )
         self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
+        self.backward_grads = BackwardFP8Gradients(self.scaler, self.grad_dtype, self.options.margin)
 
     # The level decides the dtypes, so these are per instance (one class serves both names).
     @property
@@ -138,6 +140,7 @@ class FP8LM(PrecisionStrategy):
                     module.weight.data = module.weight.data.to(torch.float16)
                     module.scale_master_weight(self.options.margin)
             fp8 = {id(p): p.numel() for p in model.parameters() if get_master_scale(p) is not None}
+            self.backward_grads.attach(p for p in model.parameters() if id(p) in fp8)
             other = {id(p): p.numel() for p in model.parameters() if p.requires_grad and id(p) not in fp8}
             self._param_split = (sum(fp8.values()), sum(other.values()))
         return model
@@ -155,7 +158,14 @@ class FP8LM(PrecisionStrategy):
                 groups.append({**group, "params": fp8})
             if other:
                 groups.append({**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"})
-        return FP8AdamW(groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin)
+        optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin)
+        self.backward_grads.owner = optimizer
+        return optimizer
+
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """O2 clips the FP8 gradients kept by FP8AdamW with the FP32 ones (custom loops call this
+        instead of `torch.nn.utils.clip_grad_norm_`, which sees only `p.grad`)."""
+        return self.backward_grads.clip_grad_norm(parameters, max_norm) if self.o2 else None
 
     def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:
         """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""
@@ -164,15 +174,18 @@ class FP8LM(PrecisionStrategy):
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
         """Store gradients as FP8 (scale μ·2^k, or from the all-reduce's N·μ·s_g), then update μ.
 
-        O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 hands the
-        FP8 payload of each FP8 GEMM weight to FP8AdamW and frees its `p.grad`; the other
+        O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 has handed
+        each FP8 GEMM weight's gradient to FP8AdamW in backward already (`BackwardFP8Gradients`;
+        under DDP it does so here, after the all-reduce) and frees its `p.grad`; the other
         parameters keep FP32 gradients, as they keep FP32 masters. A gradient that came out
         of the FP8 all-reduce is re-encoded from its current values (`requantize_gradient`),
         since clipping may have scaled it since.
         """
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        everything = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [p for p in everything if p.grad is not None]
         comm_scales = self.comm_state.grad_scales
-        if not grads_are_finite([p.grad for p in params]):
+        finite = grads_are_finite([p.grad for p in params]) and self.backward_grads.all_finite(everything)
+        if not finite:
             comm_scales.clear()
             if self.scaler.pending:  # the all-reduce's saturation was real even if the step is not
                 self.scaler.update()
