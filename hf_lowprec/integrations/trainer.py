@@ -74,8 +74,9 @@ class PrecisionArgumentsMixin:
             strategy = self.build_precision_strategy()  # validates the name and options before any work
             _reconcile_mixed_precision_flags(self, strategy)
             if getattr(self, "deepspeed", None):
-                from ..deepspeed import precision_config
+                from ..deepspeed import precision_config, require_deepspeed
 
+                require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
