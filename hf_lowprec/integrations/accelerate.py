@@ -158,7 +158,9 @@ class PrecisionPlugin:
         """`accelerator.clip_grad_norm_(parameters, max_norm)` on unscaled gradients (loss-scaling strategies)."""
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
-        return accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
+        parameters = list(parameters)
+        norm = self.strategy.clip_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
+        return norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""

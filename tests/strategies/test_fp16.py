@@ -174,3 +174,30 @@ def test_overflow_injection_in_trainer_is_clipped_not_skipped(tmp_path):
     # ...and the scale dropped there, then grew back past its pre-injection value.
     assert scales[:4] == [2.0, 4.0, 8.0, 4.0]
     assert scales[-1] > scales[2]
+
+
+def test_accelerate_plugin_with_fp16_als_accumulates_and_clips_in_fp32():
+    from accelerate import Accelerator
+
+    from hf_lowprec.integrations.accelerate import PrecisionPlugin
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    plugin = PrecisionPlugin("fp16-als")
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = plugin.prepare(accelerator, model, optimizer)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    data = batches(4)
+    for ids in data:
+        with accelerator.accumulate(model):
+            plugin.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+            if accelerator.sync_gradients:
+                norm = plugin.clip_grad_norm_(accelerator, model.parameters(), 1.0)
+                assert norm.dtype == torch.float32 and math.isfinite(norm.item())
+            optimizer.step()
+            optimizer.zero_grad()
+    # Two optimizer steps from scale 1, and the loss division undone for the running mean.
+    assert plugin.strategy.scaler.get_scale() == 4.0
+    assert plugin.strategy._loss_divisor == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
