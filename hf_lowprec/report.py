@@ -87,25 +87,29 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
     owned = {id(p) for p in params}
     totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
     init_state = getattr(inner, "_init_state", None)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if id(p) not in owned:
-                continue
-            state = inner.state.get(p) or None
-            if state is None:
-                if init_state is not None:
-                    state = init_state(p, group)
-                else:
-                    state = {"exp_avg": torch.empty_like(p, device="meta"),
-                             "exp_avg_sq": torch.empty_like(p, device="meta")}
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
-                    totals[bucket] += value.numel() * value.element_size()
-            has_grad_state = any(roles.get(k) == "gradient" for k in state)
-            if not has_grad_state:
-                dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
-                totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
+    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
+    # are planned by its `plan_state(param)`.
+    seen = {id(p) for p, _ in grouped}
+    grouped += [(p, None) for p in params if id(p) not in seen and hasattr(inner, "plan_state")]
+    for p, group in grouped:
+        state = inner.state.get(p) or None
+        if state is None:
+            if group is None:
+                state = inner.plan_state(p)
+            elif init_state is not None:
+                state = init_state(p, group)
+            else:
+                state = {"exp_avg": torch.empty_like(p, device="meta"),
+                         "exp_avg_sq": torch.empty_like(p, device="meta")}
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
+                totals[bucket] += value.numel() * value.element_size()
+        has_grad_state = any(roles.get(k) == "gradient" for k in state)
+        if not has_grad_state:
+            dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
+            totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
     for p in params:
         totals["params"] += p.numel() * p.element_size()
     out = {k: v / num_params for k, v in totals.items()}
