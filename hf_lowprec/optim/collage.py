@@ -5,9 +5,9 @@ length-2 expansion (θ, δθ) and, in the "plus" variant, the second moment as (
 updates far below ulp(θ)/2 and the slow decay of v under β2 = 0.999 are not lost.
 
 Layering: `CollageAdamW` (state, hyper-parameters, tracking) → `collage_adamw` (functional
-over lists of tensors, the single place where a fused kernel could be dispatched) →
-`_foreach_collage_adamw` (the `torch._foreach_*` reference, whose rounding sequence the
-`collage_adamw` docstring spells out).
+over lists of tensors) → `_foreach_collage_adamw` (the `torch._foreach_*` reference, whose
+rounding sequence the `collage_adamw` docstring spells out). By default the optimizer runs
+the same sequence as one compiled kernel (`kernels.collage_kernel`, option `fused`).
 
 Only the storage is 16-bit: the moments and Δθ are computed in FP32 registers and rounded
 once when stored, as any element-wise kernel does. That keeps FP16's (1 − β2)·g² from
@@ -29,6 +29,7 @@ import torch
 from hf_lowprec.numerics import LOW_PRECISION_DTYPES, foreach_grow_
 
 from .base import LowPrecisionOptimizer
+from .kernels import FusedMode, check_fused_mode, compiled_collage_adamw
 
 __all__ = [
     "AdamWBase",
@@ -220,6 +221,8 @@ class AdamWBase(LowPrecisionOptimizer):
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = LOW_PRECISION_DTYPES
     # State key of the compensation that completes the parameter (θ + δθ), if any.
     compensation_key: ClassVar[str | None] = None
+    # State key of a master copy that holds the parameter's real value, if any.
+    master_key: ClassVar[str | None] = None
     # Group options beyond the AdamW hyper-parameters that a subclass's constructor passes on.
     extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
@@ -234,12 +237,17 @@ class AdamWBase(LowPrecisionOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        fused: FusedMode = "auto",
         **extra_defaults: Any,
     ):
         unknown = sorted(set(extra_defaults) - set(self.extra_options))
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected argument(s) {unknown}")
         check_adamw_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
+        # Which implementation runs the step ("auto", "compiled", "foreach"; see
+        # `kernels`). Not a group option: checkpoints stay the same whichever path wrote them.
+        self.fused = check_fused_mode(type(self).__name__, fused)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
         super().__init__(params, defaults)
 
@@ -274,9 +282,13 @@ class AdamWBase(LowPrecisionOptimizer):
         )
 
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
-        """θ, or θ + its compensation (`compensation_key`), summed in FP64."""
+        """The master (`master_key`) or θ + its compensation (`compensation_key`), in FP64."""
+        state = self.state[param] if param in self.state else {}
+        master = state.get(self.master_key)
+        if master is not None:
+            return master.double()
         value = param.detach().double()
-        compensation = self.state[param].get(self.compensation_key) if param in self.state else None
+        compensation = state.get(self.compensation_key)
         return value if compensation is None else value.add_(compensation.double())
 
     def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
@@ -327,6 +339,14 @@ class AdamWBase(LowPrecisionOptimizer):
     ) -> None:
         raise NotImplementedError
 
+    def _fused_update(
+        self, group: dict[str, Any], params: Tensors, grads: Tensors, states: list[dict[str, Any]], steps: list[int]
+    ) -> bool:
+        """Run the bucket's step through the compiled kernel of `kernels`; False = not done,
+        the reference `_update_bucket` runs. Tracked steps always take the reference, which
+        also returns the intended updates."""
+        return False
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim."""
@@ -354,14 +374,18 @@ class AdamWBase(LowPrecisionOptimizer):
                         state["exp_avg_sq_scale"] = torch.ones((), device=param.device)
                     state["step"] += 1
                     states.append(state)
+                grads = [p.grad for p in params]
+                steps = [s["step"] for s in states]
+                if not self.track_updates and self._fused_update(group, params, grads, states, steps):
+                    continue
                 befores = [self.held_value(p) for p in params] if self.track_updates else None
                 updates: Tensors | None = [] if self.track_updates else None
                 self._update_bucket(
                     group,
                     params,
-                    [p.grad for p in params],
+                    grads,
                     states,
-                    [s["step"] for s in states],
+                    steps,
                     updates,
                 )
                 if befores is not None:
@@ -420,8 +444,7 @@ def collage_adamw(
     """
     if variant == "plus" and exp_avg_sq_errors is None:
         raise ValueError("collage_adamw: variant='plus' needs exp_avg_sq_errors (δv)")
-    # The single dispatch point: a fused kernel reading g, m, v, δv, θ, δθ once and writing
-    # them once (≈22 bytes/param for plus) would be selected here by device.
+    # The reference; `CollageAdamW._fused_update` runs `kernels.collage_kernel` instead.
     _foreach_collage_adamw(
         params,
         grads,
@@ -487,6 +510,8 @@ class CollageAdamW(AdamWBase):
         weight_decay: decoupled weight decay λ, applied inside the compensated update.
         variant: "light" compensates θ only (option B, 10 bytes/param); "plus" also keeps
             the second moment as an expansion (option C, 12 bytes/param).
+        fused: "auto" (the compiled kernel of `kernels` where it can run, else the foreach
+            reference), "compiled" (require it) or "foreach"; bit-identical results on CPU.
 
     State per parameter (all in the parameter's dtype): `exp_avg` m, `exp_avg_sq` v,
     `param_error` δθ, `exp_avg_sq_error` δv (plus only), and `step` (int).
@@ -509,8 +534,10 @@ class CollageAdamW(AdamWBase):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         variant: str = "plus",
+        *,
+        fused: FusedMode = "auto",
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, variant=variant)
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, variant=variant)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -565,3 +592,15 @@ class CollageAdamW(AdamWBase):
             updates_out=updates_out,
             exp_avg_sq_scales=second_moment_scales(states),
         )
+
+    def _fused_update(self, group, params, grads, states, steps) -> bool:
+        beta1, beta2 = group["betas"]
+        plus = group["variant"] == "plus"
+        if plus and any("exp_avg_sq_error" not in s for s in states):
+            return False
+        return compiled_collage_adamw(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["param_error"] for s in states], [s["exp_avg_sq_error"] for s in states] if plus else None,
+            steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], fused=self.fused,
+        )  # fmt: skip

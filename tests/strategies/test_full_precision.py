@@ -123,3 +123,22 @@ def test_trainer_saves_fp32_weights_that_load_into_a_plain_model(tmp_path) -> No
         assert torch.equal(a, b)
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, resumed)]
     assert losses[0] == losses[1]
+
+
+def test_a_master_weight_optimizer_reports_its_master() -> None:
+    from hf_lowprec.optim import PlainAdamW
+
+    class Mastered(PlainAdamW):
+        master_key = "master"
+
+        def _init_state(self, param, group):
+            return {**super()._init_state(param, group), "master": torch.full(param.shape, 0.1234567)}
+
+    param = torch.zeros(3, dtype=torch.float16, requires_grad=True)
+    optimizer = Mastered([param])
+    assert torch.equal(optimizer.held_value(param), param.double())  # no state yet: the parameter
+    param.grad = torch.zeros_like(param)
+    optimizer.step()
+    master = optimizer.state[param]["master"]
+    assert torch.equal(optimizer.held_value(param), master.double())
+    assert torch.equal(optimizer.full_precision_value(param), master)
