@@ -111,12 +111,17 @@ def test_options_are_checked_before_any_work():
 
 
 @pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
-def test_refused_under_deepspeed_with_a_reason(name):
+def test_refused_under_deepspeed_with_a_reason(name, tmp_path):
+    from hf_lowprec import TrainingArguments
     from hf_lowprec.deepspeed import zero_support
 
     for stage in (1, 2, 3):
         message = zero_support(name, stage)
         assert message is not None and "no FP16" in message and "bf16-mixed" in message
+    # Refused when the arguments are built, before any model or process group exists.
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    with pytest.raises(ValueError, match="not supported under DeepSpeed ZeRO stage 2.*no FP16"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, use_cpu=True, deepspeed=config)
 
 
 @pytest.mark.slow
