@@ -221,8 +221,7 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
             lr_scheduler_type="constant", logging_steps=1, report_to=[], disable_tqdm=True, seed=0,
             data_seed=0, save_only_model=False,
         )
-        t = Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
-        return t
+        return Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
 
     first = trainer("full")
     first.train()
