@@ -72,7 +72,7 @@ class FP8LMOptions(StrategyOptions):
             raise ValueError("exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states")
 
 
-@register("fp8-lm-o2", level="O2", summary="O1 + FP8 optimizer: E4M3 first moment, FP16 second moment, scaled FP16 master weights")
+@register("fp8-lm-o2", level="O2", summary="O1 + FP8 optimizer on FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 masters, FP8 gradients from backward on); FP32 masters and states elsewhere (6 bytes/param on FP8 GEMM weights, 16 elsewhere)")
 @register("fp8-lm-o1", level="O1", summary="FP8-LM O1: FP8 GEMMs (E4M3 forward, E5M2 output gradients), FP8 gradients with automatic scaling μ, FP8 all-reduce (DDP hook), FP32 AdamW")
 class FP8LM(PrecisionStrategy):
     """FP8 linear layers, FP8 gradients with automatic scaling μ, FP8 all-reduce; O2 adds FP8AdamW."""
