@@ -135,11 +135,10 @@ def _repo_root() -> Path:
 def readme_blocks() -> dict[str, str]:
     """The generated README.md blocks: marker name → markdown."""
     rows = strategy_rows()
-    lines = ["| name | what | model-state bytes/param | needs |", "|---|---|---|---|"]
+    planned = {r["strategy"]: r["total"] for r in memory_plan("gpt2", [r["name"] for r in rows])}
+    lines = ["| name | what | model-state bytes/param (GPT-2 small, planned) | needs |", "|---|---|---|---|"]
     for r in rows:
-        value = r["bytes_per_param"]
-        shown = f"{value:g}"
-        lines.append(f"| `{r['name']}` | {r['summary']} | {shown} | {r['needs'] or '—'} |")
+        lines.append(f"| `{r['name']}` | {r['summary']} | {planned[r['name']]:.2f} | {r['needs'] or '—'} |")
     blocks = {"strategies": "\n".join(lines)}
     try:
         from . import deepspeed as ds

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import typing
 from collections.abc import Iterable
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
@@ -40,10 +40,14 @@ class StrategyOptions:
             copy of every parameter and its update in FP32 on those steps).
         save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
             weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
+        fused: how the optimizer step runs: "auto" (one compiled kernel per step where
+            torch.compile can build it, else the foreach reference), "compiled" (require the
+            kernel) or "foreach" (the reference). Same results on CPU; see `optim.kernels`.
     """
 
     lost_arithmetic_metrics: bool = False
     save_full_precision: bool = False
+    fused: Literal["auto", "compiled", "foreach"] = "auto"
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against
@@ -110,6 +114,7 @@ class PrecisionStrategy:
     bytes_per_param: ClassVar[float] = 16.0
     skips_nonfinite: ClassVar[bool] = True
     uses_fp8_gemm: ClassVar[bool] = False
+    needs: ClassVar[str] = ""  # what the strategy requires beyond this package (shown by `hf-lowprec list`)
     zero_stages: ClassVar[tuple[int, ...]] = ()
     zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO; train it with DDP (no DeepSpeed)"
     zero_note: ClassVar[str] = ""
@@ -149,7 +154,9 @@ class PrecisionStrategy:
         """The inner optimizer for `param_groups` (override; the default is FP32-style AdamW)."""
         from ..optim import PlainAdamW
 
-        return PlainAdamW(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return PlainAdamW(
+            param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=self.options.fused
+        )
 
     def create_optimizer(
         self,
