@@ -354,7 +354,8 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
                     merged.setdefault(key, value)
         if merged:
             state[part] = {k: v.view(part.shape) if torch.is_tensor(v) and v.numel() > 1 else v for k, v in merged.items()}
-    for param in [p for p in state if isinstance(p, torch.Tensor) and id(p) in stale]:
+    # State of tensors outside DeepSpeed's groups (fp8-lm-o3's FP8 weights) is not DeepSpeed's: it stays.
+    for param in [p for p in state if isinstance(p, torch.Tensor) and id(p) in moved]:
         del state[param]
     return len(moved)
 

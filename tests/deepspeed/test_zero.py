@@ -18,12 +18,13 @@ from tests.helpers import tiny_gpt2
 HERE = Path(__file__).resolve().parent
 BF16_WEIGHTS = {"collage-plus", "collage-light", "bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states"}
 TRAINER_CASE = ("collage-plus", 2, "trainer")
+O3_TRAINER_CASE = ("fp8-lm-o3", 2, "trainer")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, stage] for name in available_strategies() for stage in STAGES]
-    cases.append(list(TRAINER_CASE))
+    cases += [list(TRAINER_CASE), list(O3_TRAINER_CASE)]
     out = tmp_path_factory.mktemp("zero")
     results = launch(HERE / "_worker.py", out, ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
@@ -178,3 +179,18 @@ def test_trainer_with_a_deepspeed_config_runs_the_strategy(ranks):
         assert len(case["losses"]) == 4
         assert case["resumed_digest"] == case["digest"]
         assert case["saved_equal"] and case["saved_dtype"] == "torch.bfloat16"
+
+
+def test_trainer_resumes_fp8_lm_o3_exactly(ranks):
+    """fp8-lm-o3 through the Trainer: each rank's masters and FP8 states come back from its own
+    ZeRO checkpoint file. save_model writes rank 0's module: the masters rank 0 owns and the
+    FP8 values of the others (every rank's masters are in the DeepSpeed checkpoint)."""
+    for rank, result in enumerate(ranks):
+        case = result["cases"]["/".join(map(str, O3_TRAINER_CASE))]
+        assert "error" not in case, case["error"]
+        assert case["partition_dtypes"] == ["torch.float32"]
+        assert case["state_dtypes"]["grad"] == ["torch.float8_e4m3fn"]
+        assert case["resumed_digest"] == case["digest"]
+        assert case["saved_dtype"] == "torch.float32"
+        if rank == 0:
+            assert case["saved_equal"]
