@@ -5,6 +5,11 @@ _BUILD = Path(__file__).resolve().parent.parent / "build"
 os.environ.setdefault("HF_LOWPREC_CACHE", str(_BUILD / "cache"))
 os.environ.setdefault("HF_HOME", str(_BUILD / "hf_home"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_BUILD / "torch_extensions"))
+# The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once and reused by every
+# test process (and the subprocesses they start) from this cache.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor"))
+# Compile in-process: a pool of compile workers costs more CPU to start than these few kernels.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from intra-op threads, and OpenMP threads spinning against other

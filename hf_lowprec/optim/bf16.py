@@ -22,6 +22,7 @@ import torch
 from hf_lowprec.numerics import foreach_two_sum_, stochastic_round
 
 from .collage import AdamWBase, Tensors, adamw_delta, adamw_moments_, second_moment_scales
+from .kernels import FusedMode, compiled_adamw, compiled_kahan_adamw, compiled_stochastic_rounding_adamw
 
 __all__ = ["FP32StatesAdamW", "KahanAdamW", "PlainAdamW", "StochasticRoundingAdamW"]
 
@@ -45,6 +46,16 @@ def _moments_and_delta(
         params, exp_avgs32, exp_avg_sqs32, steps,
         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
     )  # fmt: skip
+
+
+def _moments(states: list[dict[str, Any]]) -> tuple[Tensors, Tensors]:
+    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+
+
+def _hyper(group: dict[str, Any], fused: str) -> dict[str, Any]:
+    """The keyword arguments of the `kernels.compiled_*` steps for one group."""
+    beta1, beta2 = group["betas"]
+    return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], fused=fused)
 
 
 def _add_rounded_once_(params: Tensors, delta: Tensors) -> None:
@@ -75,6 +86,9 @@ class PlainAdamW(AdamWBase):
         if updates_out is not None:
             updates_out.extend(delta)
         _add_rounded_once_(params, delta)
+
+    def _fused_update(self, group, params, grads, states, steps) -> bool:
+        return compiled_adamw(params, grads, *_moments(states), steps, **_hyper(group, self.fused))
 
 
 class KahanAdamW(AdamWBase):
@@ -112,6 +126,10 @@ class KahanAdamW(AdamWBase):
         # TwoSum, not Fast2Sum: near-zero parameters have |y| > |θ| (ALGORITHMS.md §2).
         foreach_two_sum_(params, compensations)  # θ ← fl(θ + y), k ← θ + y − θ'
 
+    def _fused_update(self, group, params, grads, states, steps) -> bool:
+        compensations = [s["compensation"] for s in states]
+        return compiled_kahan_adamw(params, compensations, grads, *_moments(states), steps, **_hyper(group, self.fused))
+
 
 class StochasticRoundingAdamW(AdamWBase):
     """BF16/FP16 AdamW computing in FP32 and writing θ back with stochastic rounding.
@@ -137,8 +155,10 @@ class StochasticRoundingAdamW(AdamWBase):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         seed: int | None = None,
+        *,
+        fused: FusedMode = "auto",
     ):
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused)
         self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self._generators: dict[str, torch.Generator] = {}
 
@@ -160,6 +180,12 @@ class StochasticRoundingAdamW(AdamWBase):
         generator = self._generator(params[0].device)
         for param, target in zip(params, params32):
             param.copy_(stochastic_round(target, param.dtype, generator))
+
+    def _fused_update(self, group, params, grads, states, steps) -> bool:
+        # A different random stream from the reference (per-parameter seeds drawn from the same
+        # checkpointed generator), the same distribution.
+        generator = self._generator(params[0].device)
+        return compiled_stochastic_rounding_adamw(params, grads, *_moments(states), steps, generator, **_hyper(group, self.fused))
 
     def state_dict(self) -> dict[str, Any]:
         state_dict = super().state_dict()
@@ -192,6 +218,9 @@ class FP32StatesAdamW(AdamWBase):
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         fp32 = torch.float32
         return {"step": 0, "exp_avg": _zeros(param, fp32), "exp_avg_sq": _zeros(param, fp32)}
+
+    def _fused_update(self, group, params, grads, states, steps) -> bool:
+        return compiled_adamw(params, grads, *_moments(states), steps, **_hyper(group, self.fused))
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
         delta = _moments_and_delta(group, params, states, grads, steps)

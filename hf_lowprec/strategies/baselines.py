@@ -69,4 +69,4 @@ class BF16Pure(PrecisionStrategy):
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         from ..optim import PlainAdamW
 
-        return PlainAdamW(param_groups, **hyper)
+        return PlainAdamW(param_groups, fused=self.options.fused, **hyper)

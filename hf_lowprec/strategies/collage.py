@@ -108,7 +108,7 @@ class BF16Update(BF16Pure):
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         factory, _ = _UPDATES[self.options.update]
-        optimizer = factory(param_groups, self.options, **hyper)
+        optimizer = factory(param_groups, self.options, fused=self.options.fused, **hyper)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 claimed = self._residuals.pop(id(param), None)

@@ -1,0 +1,222 @@
+"""The compiled fused optimizer steps (`hf_lowprec.optim.kernels`) against the foreach reference.
+
+Where the compiled kernel performs the reference's roundings (every family on CPU), the test is
+bit-for-bit equality of parameters and every state tensor: any tolerance would hide a dropped
+rounding, which changes an error-free transformation's result by a whole BF16 ulp. Stochastic
+rounding uses a different random stream, so it is checked for unbiasedness and bounds.
+
+Compile cost: each kernel compiles once per process (a module-level `torch.compile` with dynamic
+shapes), so these tests share graphs; the shapes below differ per test on purpose and must not
+trigger a recompile (`test_new_shapes_do_not_recompile`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from hf_lowprec import get_strategy
+from hf_lowprec.optim import (
+    CollageAdamW,
+    FP32StatesAdamW,
+    KahanAdamW,
+    PlainAdamW,
+    StochasticRoundingAdamW,
+    kernels,
+)
+
+BF16 = torch.bfloat16
+SHAPES = [(48, 33), (257,), (7,)]
+
+FAMILIES = {
+    "collage-plus": lambda ps, f: CollageAdamW(ps, lr=1e-2, weight_decay=0.1, variant="plus", fused=f),
+    "collage-light": lambda ps, f: CollageAdamW(ps, lr=1e-2, weight_decay=0.1, variant="light", fused=f),
+    "kahan": lambda ps, f: KahanAdamW(ps, lr=1e-2, weight_decay=0.1, fused=f),
+    "plain": lambda ps, f: PlainAdamW(ps, lr=1e-2, weight_decay=0.1, fused=f),
+    "fp32-states": lambda ps, f: FP32StatesAdamW(ps, lr=1e-2, weight_decay=0.1, fused=f),
+}
+
+
+def _params(seed: int = 0, shapes=SHAPES) -> list[torch.Tensor]:
+    """BF16 parameters with the edges in them: exact zeros, values near zero (|Δθ| > |θ|,
+    where Fast2Sum's precondition fails and TwoSum is needed), and large values."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=generator).to(BF16) for s in shapes]
+    flat = params[0].view(-1)
+    flat[:5] = 0.0
+    flat[5:40] = (torch.randn(35, generator=generator) * 1e-3).to(BF16)
+    flat[40:45] = 3e4
+    return [p.requires_grad_() for p in params]
+
+
+def _grads(step: int, shapes=SHAPES) -> list[torch.Tensor]:
+    """Gradients with an all-zero tensor, a zero element, and a finite BF16 g whose g² overflows."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    grads = [(torch.randn(s, generator=generator) * 1e-2).to(BF16) for s in shapes]
+    grads[0].view(-1)[0] = 0.0
+    grads[0].view(-1)[1] = 1e30 if step == 2 else 1e-2
+    grads[-1].zero_()
+    return grads
+
+
+def _run(make, fused: str, steps: int, params=None, optimizer=None, start: int = 0):
+    params = params or _params()
+    optimizer = optimizer or make(params, fused)
+    for step in range(start, start + steps):
+        for p, g in zip(params, _grads(step)):
+            p.grad = g
+        optimizer.step()
+    return params, optimizer
+
+
+def _assert_same(params_a, opt_a, params_b, opt_b) -> None:
+    for index, (a, b) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(a, b), f"parameter {index} differs in {(a != b).sum().item()} elements"
+        state_a, state_b = opt_a.state[a], opt_b.state[b]
+        assert state_a.keys() == state_b.keys()
+        for key, value in state_a.items():
+            if torch.is_tensor(value):
+                assert value.dtype == state_b[key].dtype, key
+                assert torch.equal(value, state_b[key]), f"{key} of parameter {index} differs"
+            else:
+                assert value == state_b[key], key
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compiled_step_is_bit_identical_to_the_reference(family):
+    make = FAMILIES[family]
+    compiled = _run(make, "compiled", 4)
+    reference = _run(make, "foreach", 4)
+    _assert_same(*compiled, *reference)
+    assert all(torch.isfinite(p).all() for p in compiled[0]), "a finite gradient made a parameter non-finite"
+
+
+@pytest.mark.parametrize("family", ["collage-plus", "kahan"])
+def test_checkpoints_move_between_paths(family):
+    """2 steps on one path, state_dict → fresh optimizer on the other path, 2 more steps =
+    4 steps on the reference path, bit for bit, in both directions."""
+    make = FAMILIES[family]
+    straight = _run(make, "foreach", 4)
+    for first, second in (("compiled", "foreach"), ("foreach", "compiled")):
+        params, optimizer = _run(make, first, 2)
+        saved = optimizer.state_dict()
+        resumed = make(params, second)
+        resumed.load_state_dict(saved)
+        _run(make, second, 2, params=params, optimizer=resumed, start=2)
+        _assert_same(params, resumed, *straight)
+
+
+def test_new_shapes_do_not_recompile():
+    """One dynamic-shape graph serves every tensor size: a model of new shapes reuses it."""
+    from torch._dynamo.utils import counters
+
+    make = FAMILIES["collage-plus"]
+    _run(make, "compiled", 1)
+    before = counters["stats"]["unique_graphs"]
+    shapes = [(91, 5), (1000,), (3,)]
+    params = _params(1, shapes)
+    optimizer = make(params, "compiled")
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def _sr_step(param_value: float, lr: float, numel: int, seed: int) -> torch.Tensor:
+    param = torch.full((numel,), param_value, dtype=BF16, requires_grad=True)
+    param.grad = torch.ones_like(param)
+    StochasticRoundingAdamW([param], lr=lr, eps=0.0, seed=seed, fused="compiled").step()
+    return param.detach()
+
+
+def test_compiled_stochastic_rounding_is_unbiased_and_bounded():
+    """θ = 1.5, first step Δθ = −lr exactly (m̂/√v̂ = g/|g| = 1 with ε = 0): the target
+    1.5 − 0.3·ulp lies between 1.5 − ulp and 1.5 (ulp = 2^-7). Every element must be one of
+    those two, and the mean must be the target: with n = 2^17 Bernoulli(0.3) draws the mean's
+    standard deviation is ulp·√(0.21/n) = 0.00127·ulp; we allow 5σ."""
+    ulp = 2.0**-7
+    lr = 0.3 * ulp
+    n = 2**17
+    result = _sr_step(1.5, lr, n, seed=0).double()
+    assert set(result.unique().tolist()) <= {1.5 - ulp, 1.5}
+    target = 1.5 - lr
+    sigma = ulp * math.sqrt(0.3 * 0.7 / n)
+    assert abs(result.mean().item() - target) <= 5 * sigma
+    # Another seed draws another stream; the same seed reproduces it.
+    assert not torch.equal(result, _sr_step(1.5, lr, n, seed=1).double())
+    assert torch.equal(result, _sr_step(1.5, lr, n, seed=0).double())
+
+
+def test_compiled_stochastic_rounding_resumes_from_a_checkpoint():
+    """The compiled path draws its per-step seeds from the optimizer's generator, whose state is
+    checkpointed: save after 2 steps, load into a fresh optimizer, 2 more = 4 straight."""
+
+    def make(ps, fused):
+        return StochasticRoundingAdamW(ps, lr=1e-2, weight_decay=0.1, seed=3, fused=fused)
+
+    straight = _run(make, "compiled", 4)
+    params, optimizer = _run(make, "compiled", 2)
+    resumed = make(params, "compiled")
+    resumed.load_state_dict(optimizer.state_dict())
+    _run(make, "compiled", 2, params=params, optimizer=resumed, start=2)
+    _assert_same(params, resumed, *straight)
+
+
+def test_compiled_stochastic_rounding_tracks_the_reference_in_distribution():
+    """Moments are rounded to nearest on both paths, so they agree bit for bit after one step;
+    the parameters differ only by the random draws: each within one BF16 ulp of the other."""
+    compiled = _run(lambda ps, f: StochasticRoundingAdamW(ps, lr=1e-2, seed=0, fused=f), "compiled", 1)
+    reference = _run(lambda ps, f: StochasticRoundingAdamW(ps, lr=1e-2, seed=0, fused=f), "foreach", 1)
+    for a, b in zip(compiled[0], reference[0]):
+        state_a, state_b = compiled[1].state[a], reference[1].state[b]
+        assert torch.equal(state_a["exp_avg"], state_b["exp_avg"])
+        assert torch.equal(state_a["exp_avg_sq"], state_b["exp_avg_sq"])
+        ulp = torch.finfo(BF16).eps * torch.maximum(a.detach().abs(), b.detach().abs()).float()
+        assert ((a.detach().float() - b.detach().float()).abs() <= ulp).all()
+
+
+def test_invalid_mode_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="fused='fast'.*'auto'"):
+        CollageAdamW(_params(), fused="fast")
+    with pytest.raises(ValueError, match="fused"):
+        get_strategy("collage-plus", fused="yes")
+
+
+def test_strategy_option_reaches_the_optimizer():
+    strategy = get_strategy("collage-light", fused="foreach")
+    optimizer = strategy.create_optimizer(_params())
+    inner = getattr(optimizer, "optimizer", optimizer)
+    assert inner.fused == "foreach"
+
+
+def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog):
+    def broken(kernel):
+        def fail(*args):
+            raise RuntimeError("no compiler here")
+
+        return fail
+
+    monkeypatch.setattr(kernels, "_compiled", broken)
+    monkeypatch.setattr(kernels, "_broken", set())
+    monkeypatch.setattr(kernels, "_logged", set())
+    make = FAMILIES["kahan"]
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        fallback = _run(make, "auto", 3)
+    assert sum("no compiler here" in r.getMessage() for r in caplog.records) == 1
+    _assert_same(*fallback, *_run(make, "foreach", 3))
+    with pytest.raises(RuntimeError, match="compiling it failed earlier"):
+        _run(make, "compiled", 1)
+    kernels._broken.clear()
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        _run(make, "compiled", 1)
+
+
+def test_unsupported_device_falls_back_or_refuses(monkeypatch):
+    monkeypatch.setattr(kernels, "_compiler_missing", lambda device_type: "no C++ compiler on PATH")
+    make = FAMILIES["plain"]
+    _assert_same(*_run(make, "auto", 2), *_run(make, "foreach", 2))
+    with pytest.raises(RuntimeError, match="fused='compiled' but no C\\+\\+ compiler"):
+        _run(make, "compiled", 1)
