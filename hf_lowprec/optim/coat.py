@@ -32,7 +32,7 @@ __all__ = ["COATAdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # Per-group metadata stored next to each FP8 payload, as plain tensors (weights_only loading).
-_META = {"scale": "scale", "exponent": "exponent", "center": "center"}
+_META = ("scale", "exponent", "center")
 _FP8_FORMATS = ("e4m3", "e5m2")
 
 
