@@ -6,6 +6,8 @@ EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home
 export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
+# The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once into this cache.
+export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
