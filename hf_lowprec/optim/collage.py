@@ -101,9 +101,10 @@ def adamw_moments_(
     With `exp_avg_sq_errors` (Collage-plus) the second moment is the expansion (v, δv):
     v₃₂ = min(β2·(c(v) + c(δv)) + (1 − β2)·c(g)², max_v); v ← r(v₃₂); δv ← r(v₃₂ − c(v)),
     the subtraction exact in FP32. This is Collage's Mul((β̂2, δβ2), (v, δv)) followed by
-    Grow with (1 − β2)·g², done in registers: v + δv spans at most 24 bits, so the FP32
-    sum is exact, β2 is applied to 2^-24 instead of as a BF16 pair, and the split keeps the
-    pair's ~2p bits (ALGORITHMS.md §2). β2·v then decays under β2 = 0.999 as it must.
+    Grow with (1 − β2)·g², done in registers: the FP32 sum v + δv is exact while the pair
+    spans at most 24 bits (else off by < 2^-24 relative), β2 is applied to 2^-24 instead of
+    as a BF16 pair, and the split keeps the pair's ~2p bits (ALGORITHMS.md §2). β2·v then
+    decays under β2 = 0.999 as it must (in plain BF16, r(0.999·v) == v).
 
     Why registers: the step is computed from m₃₂ and v₃₂, never from their rounded copies,
     and each stored value is rounded once.
