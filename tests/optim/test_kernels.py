@@ -220,3 +220,39 @@ def test_unsupported_device_falls_back_or_refuses(monkeypatch):
     _assert_same(*_run(make, "auto", 2), *_run(make, "foreach", 2))
     with pytest.raises(RuntimeError, match="fused='compiled' but no C\\+\\+ compiler"):
         _run(make, "compiled", 1)
+
+
+def _fp8_o2_run(fused: str, steps: int):
+    """FP8AdamW as fp8-lm-o2 drives it: an FP16 master with a per-tensor scale and FP8
+    gradients handed over (`set_fp8_grad`), next to an FP32 parameter with FP32 states and a
+    plain gradient (the non-FP8 parameters). Includes an all-zero gradient row and step."""
+    from hf_lowprec.fp8 import pow2_scale, quantize
+    from hf_lowprec.fp8.scaled import set_master_scale
+    from hf_lowprec.optim import FP8AdamW
+
+    generator = torch.Generator().manual_seed(0)
+    real = torch.randn(40, 33, generator=generator) * 0.05
+    master_scale = pow2_scale(real.abs().amax(), torch.float16)
+    master = quantize(real, master_scale, torch.float16).requires_grad_()
+    set_master_scale(master, master_scale)
+    gain = torch.randn(300, generator=generator).requires_grad_()
+    optimizer = FP8AdamW(
+        [{"params": [master]}, {"params": [gain], "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}],
+        lr=1e-2, weight_decay=0.1, fused=fused,
+    )  # fmt: skip
+    for step in range(steps):
+        g = torch.randn(master.shape, generator=generator) * 1e-3
+        g[0] = 0.0
+        scale = pow2_scale(g.abs().amax(), torch.float8_e4m3fn)
+        optimizer.set_fp8_grad(master, quantize(g, scale, torch.float8_e4m3fn), scale)
+        gain.grad = torch.randn(gain.shape, generator=generator) * 1e-2 * (step != 1)
+        optimizer.step()
+    return [master, gain], optimizer
+
+
+def test_compiled_fp8_adamw_is_bit_identical_to_the_reference():
+    compiled, reference = _fp8_o2_run("compiled", 3), _fp8_o2_run("foreach", 3)
+    _assert_same(*compiled, *reference)
+    from hf_lowprec.fp8.scaled import get_master_scale
+
+    assert torch.equal(get_master_scale(compiled[0][0]), get_master_scale(reference[0][0]))
