@@ -6,8 +6,13 @@ os.environ.setdefault("HF_LOWPREC_CACHE", str(_BUILD / "cache"))
 os.environ.setdefault("HF_HOME", str(_BUILD / "hf_home"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_BUILD / "torch_extensions"))
 # The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once and reused by every
-# test process (and the subprocesses they start) from this cache.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor"))
+# test process (and the subprocesses they start) from this cache, one per ATen CPU capability:
+# a kernel cached by a process run with ATEN_CPU_CAPABILITY=avx2 segfaults when an AVX-512
+# process on the same machine loads it (seen with torch 2.13).
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "default").lower()
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+    Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", _BUILD / "inductor")) / f"cpu-{_CAPABILITY}"
+)
 # Compile in-process: a pool of compile workers costs more CPU to start than these few kernels.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
