@@ -19,12 +19,17 @@ results then agree within one rounding of each FP32 intermediate (bounds in the 
 
 Layout: per tensor, dynamic shapes. Each parameter is passed as a flat 1-D view, so one
 compiled graph (one symbolic length) serves every tensor of every model; no flat buffer.
-Measured with `bench/bench_optim.py --layout` (GPT-2 124M shapes, 2 threads): the per-tensor
-loop costs 3–6% over one call on a flat buffer of the same size (about 148 calls of ~30 µs of
-guard and launch overhead against a 40–100 ms step). A flat buffer would remove that, but it
-needs parameters and gradients to be views of one storage (as DeepSpeed and apex arrange),
-which breaks for parameters another framework owns (PEFT, FSDP, ZeRO partitions, tied
-weights); the 3–6% is not worth that.
+Measured with `bench/bench_optim.py --layout` (compiled Collage-plus over the 148 tensors of
+GPT-2 124M, 2 threads, on a 2-core machine shared with other jobs, load average ~19): 8.4 s
+per step per tensor against 6.5 s for one call on a flat buffer of the same size (1.30×). The
+gap is a fixed cost per call (Python dispatch and guards, and an OpenMP parallel region whose
+threads must be woken on a busy machine), not bandwidth, so it shrinks with tensor size and
+load. We still keep the per-tensor layout: a flat buffer needs every parameter and gradient to
+be a view of one storage per dtype (DeepSpeed and apex build their own to get that), which
+breaks for parameters another framework owns or re-allocates (PEFT adapters, FSDP/ZeRO
+partitions, tied weights, autograd allocating `.grad` afresh after `zero_grad(set_to_none)`),
+and the optimizer would have to own the model's memory layout. Revisit if the per-call cost
+shows up on an idle machine.
 
 Dispatch (`_runnable`): "foreach" always takes the reference; "compiled" requires the
 compiled kernel and raises if it cannot be built; "auto" uses it on CPU (with a C++ compiler)
