@@ -1,37 +1,42 @@
-"""Optimizer-step throughput: Collage against option D (FP32 AdamW + master weights).
+"""Optimizer-step speed of every strategy against torch's fused AdamW (option D), same run.
 
-Run with `make bench` (or `python bench/bench_optim.py`). Prints, for ~10M parameters in
-a few transformer-like shapes, the median milliseconds per optimizer step, the ratio to
-option D measured in the same run, and the achieved bandwidth against a measured copy
-bandwidth. A benchmark, not a test: nothing here asserts on time. On a shared machine
-prefer `--threads 1`: OpenMP threads spinning against other processes distort 2-thread
-timings far more than the load itself.
+Run with `make bench` (or `python bench/bench_optim.py`). A benchmark, not a test: nothing here
+asserts on time. For each strategy's optimizer, on ~50M parameters in the shapes of four
+d_model = 1024 transformer blocks (well out of cache), 2 threads:
 
-Two byte counts per parameter and step. "ideal": each stored tensor read once and written
-once, what a fused kernel would move. "foreach": what the `torch._foreach_*` calls of this
-package (and of `torch.optim.AdamW`) actually read and write, one pass per op:
+- the median step time, timed alternately with option D (`torch.optim.AdamW(fused=True)` on FP32
+  weights, FP32 gradients and FP32 m, v) so that background load on a shared machine slows both
+  alike; the ratio is D's time over the candidate's (above 1 = faster than D);
+- the compiled fused path ("compiled") and the `torch._foreach_*` reference ("foreach");
+- the first step's time, which includes compiling the kernel (a warm Inductor cache under build/
+  makes it small);
+- achieved GB/s: the bytes a fused step must move (each stored tensor read once and written
+  once, the "ideal" column) over the step time, against a measured copy bandwidth;
+- peers a user might pick instead, where they are installed (`pip install -e '.[bench]'`):
+  torchao AdamWFp8 / AdamW8bit / _AdamW(bf16_stochastic_round=True), bitsandbytes AdamW8bit,
+  torch-optimi AdamW(kahan_sum=True). A peer that is missing or fails on CPU is listed as such.
 
-| option                     | ideal reads + writes                         | ideal | foreach |
-|----------------------------|----------------------------------------------|-------|---------|
-| D: FP32 AdamW + BF16 copy  | g, m, v, θ32 (16) + m, v, θ32 (12); copy 4+2 | 34    | 86      |
-| Collage-plus (BF16)        | g, m, v, δv, θ, δθ (12) + m, v, δv, θ, δθ (10) | 22  | 156     |
-| Collage-light (BF16)       | g, m, v, θ, δθ (10) + m, v, θ, δθ (8)        | 18    | 84      |
-| Kahan (BF16)               | g, m, v, θ, k (10) + m, v, θ, k (8)          | 18    | 66      |
-| A: plain BF16 AdamW        | g, m, v, θ (8) + m, v, θ (6)                 | 14    | 44      |
+Ideal bytes per parameter and step (reads + writes):
 
-The foreach counts, in bytes per op (2 per BF16 operand, 4 per FP32 operand): D = lerp 12,
-mul_ 8, addcmul_ 12, decay mul_ 8, sqrt 8, div_ 8, add_ 8, addcdiv_ 16, copy to BF16 6.
-Collage-plus = lerp 6, Mul's cross term 6, Fast2Sum 22, (1 − β2)·g² 10, Grow of (v, δv) 46,
-Δθ (sqrt 4, + ε 4, decay 4, addcdiv 8) 20, Grow of (θ, δθ) 46. Light = 6 + v 12 + 20 + 46;
-Kahan = 6 + 12 + 20 + 6 + Fast2Sum 22; A = 6 + 12 + 20 + add 6.
+| optimizer | reads | writes | B/param |
+|---|---|---|---|
+| D: torch fused AdamW, FP32 | g, m, v, θ: 16 | m, v, θ: 12 | 28 |
+| collage-plus (BF16) | g, m, v, δv, θ, δθ: 12 | m, v, δv, θ, δθ: 10 | 22 |
+| collage-light, bf16-kahan (BF16) | g, m, v, θ, δθ: 10 | m, v, θ, δθ: 8 | 18 |
+| bf16-pure, bf16-sr (BF16) | g, m, v, θ: 8 | m, v, θ: 6 | 14 |
+| bf16-fp32states | g, θ: 4 + m, v: 8 | θ: 2 + m, v: 8 | 22 |
+| fp8-lm-o2 FP8AdamW | g 1, m 1, v 2, θ 2: 6 | m 1, v 2, θ 2: 5 | 11 |
+| 8-bit peers (BF16 θ) | g, θ: 4 + m, v: 2 | θ: 2 + m, v: 2 | 10 |
 
-D's gradient is taken as already FP32 (accumulated into the master's .grad); a BF16
-gradient upcast would add 6 B/param to both of D's counts.
+`--layout` measures the per-tensor layout of the compiled kernels against one flat buffer
+(the number quoted in `hf_lowprec/optim/kernels.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -41,183 +46,259 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "inductor"))
 
-from hf_lowprec.fp8 import pow2_scale, quantize  # noqa: E402
-from hf_lowprec.optim import CollageAdamW, FP8AdamW, KahanAdamW, PlainAdamW  # noqa: E402
+from hf_lowprec.optim import (  # noqa: E402
+    CollageAdamW,
+    FP8AdamW,
+    FP32StatesAdamW,
+    KahanAdamW,
+    PlainAdamW,
+    StochasticRoundingAdamW,
+)
 
-# An embedding, two MLP blocks and attention projections of a d_model = 512 model.
-SHAPES = [(10_000, 512)] + [(512, 2048), (2048, 512)] * 2 + [(512, 512)] * 4 + [(512,)] * 8
-# (ideal, foreach) bytes per parameter and step, from the table above.
-BYTES_PER_PARAM = {
-    "D: fp32 adamw + copy": (34, 86),
-    "collage-plus": (22, 156),
-    "collage-light": (18, 84),
-    "kahan": (18, 66),
-    "plain-bf16 (A)": (14, 44),
-    # FP8-LM O2: reads FP8 g, FP8 m1, FP16 m2, FP16 master; writes m1, m2, master (per-tensor
-    # loop with upcasts, so the traffic actually moved is not counted: 0 = not counted).
-    "fp8-lm-o2 FP8AdamW": (11, 0),
-}
+D_MODEL = 1024
+# Four transformer blocks: QKV, attention output, MLP in and out, their biases, two LayerNorms.
+BLOCK = [(3 * D_MODEL, D_MODEL), (3 * D_MODEL,), (D_MODEL, D_MODEL), (D_MODEL,),
+         (4 * D_MODEL, D_MODEL), (4 * D_MODEL,), (D_MODEL, 4 * D_MODEL), (D_MODEL,)] + [(D_MODEL,)] * 4
+SHAPES = BLOCK * 4
+# GPT-2 small (124M): embeddings, 12 blocks, final LayerNorm; 148 tensors.
+GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+              (768, 3072), (3072,), (3072, 768), (768,)]
+GPT2_SHAPES = [(50257, 768), (1024, 768)] + GPT2_BLOCK * 12 + [(768,), (768,)]
 
-
-def interleaved_median_ms(
-    steps: dict[str, Callable[[], None]], warmup: int, repeats: int
-) -> dict[str, tuple[float, float]]:
-    """Median wall and process-CPU milliseconds of each step.
-
-    One step of each candidate is timed in turn, so that background load on a shared
-    machine slows all of them alike and the ratios stay meaningful; CPU time is the
-    less load-sensitive of the two.
-    """
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            step()
-            wall[name].append(time.perf_counter() - start_wall)
-            cpu[name].append(time.process_time() - start_cpu)
-    return {n: (1e3 * statistics.median(wall[n]), 1e3 * statistics.median(cpu[n])) for n in steps}
+GOALS = {"collage-plus": 1.1, "collage-light": 1.35, "bf16-kahan": 1.35, "bf16-sr": 1.7,
+         "bf16-pure": 1.7, "fp8-lm-o2": 1.8}
 
 
-def copy_step(numel: int) -> Callable[[], None]:
-    """`dst.copy_(src)` on an FP32 buffer: the bandwidth reference, timed with the others."""
-    src = torch.randn(numel)
+@dataclasses.dataclass
+class Candidate:
+    name: str
+    path: str
+    ideal_bytes: int
+    build: Callable[[], Callable[[], None]]
+    note: str = ""
+
+
+def _tensors(dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for shape in SHAPES:
+        p = (torch.randn(shape, generator=generator) * 0.02).to(dtype).requires_grad_()
+        p.grad = (torch.randn(shape, generator=generator) * 1e-3).to(grad_dtype or dtype)
+        params.append(p)
+    return params
+
+
+def _optimizer_step(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], dtype: torch.dtype) -> Callable[[], Callable[[], None]]:
+    def build() -> Callable[[], None]:
+        return factory(_tensors(dtype)).step
+
+    return build
+
+
+def _option_d() -> Callable[[], None]:
+    return torch.optim.AdamW(_tensors(torch.float32), lr=1e-3, weight_decay=0.01, fused=True).step
+
+
+def _fp8_o2(fused: str) -> Callable[[], Callable[[], None]]:
+    """FP8AdamW as fp8-lm-o2 drives it: FP16 masters, FP8 gradients handed over, then the step."""
+    from hf_lowprec.fp8 import pow2_scale, quantize
+
+    def build() -> Callable[[], None]:
+        params = _tensors(torch.float16)
+        grads = []
+        for p in params:
+            g = p.grad.float()
+            scale = pow2_scale(g.abs().max(), torch.float8_e4m3fn)
+            grads.append((quantize(g, scale, torch.float8_e4m3fn), scale))
+            p.grad = None
+        kwargs = {} if fused == "foreach" else {"fused": fused}
+        try:
+            optimizer = FP8AdamW(params, lr=1e-3, weight_decay=0.01, **kwargs)
+        except TypeError:  # no compiled FP8 path in this version
+            raise RuntimeError("FP8AdamW has no fused option") from None
+
+        def step() -> None:
+            for p, (payload, scale) in zip(params, grads):
+                optimizer.set_fp8_grad(p, payload, scale)
+            optimizer.step()
+
+        return step
+
+    return build
+
+
+def _ours() -> list[Candidate]:
+    rows = []
+    specs = [
+        ("collage-plus", 22, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="plus", fused=f)),
+        ("collage-light", 18, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="light", fused=f)),
+        ("bf16-kahan", 18, lambda ps, f: KahanAdamW(ps, weight_decay=0.01, fused=f)),
+        ("bf16-sr", 14, lambda ps, f: StochasticRoundingAdamW(ps, weight_decay=0.01, seed=0, fused=f)),
+        ("bf16-pure", 14, lambda ps, f: PlainAdamW(ps, weight_decay=0.01, fused=f)),
+        ("bf16-fp32states", 22, lambda ps, f: FP32StatesAdamW(ps, weight_decay=0.01, fused=f)),
+    ]
+    for name, ideal, make in specs:
+        for path in ("compiled", "foreach"):
+            rows.append(Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16)))
+    for path in ("compiled", "foreach"):
+        rows.append(Candidate("fp8-lm-o2", path, 11, _fp8_o2(path), "FP8AdamW, FP16 masters"))
+    return rows
+
+
+def _peers() -> list[Candidate]:
+    """Peer optimizers, each built lazily so a missing package only affects its row."""
+
+    def torchao(name: str, **kwargs):
+        def make(ps):
+            import torchao.optim as ao
+
+            return getattr(ao, name)(ps, lr=1e-3, weight_decay=0.01, **kwargs)
+
+        return make
+
+    def bnb(ps):
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.01)
+
+    def optimi(ps):
+        import optimi
+
+        return optimi.AdamW(ps, lr=1e-3, weight_decay=0.01, kahan_sum=True)
+
+    bf16 = torch.bfloat16
+    return [
+        Candidate("torchao AdamWFp8", "peer", 10, _optimizer_step(torchao("AdamWFp8"), bf16), "BF16 θ"),
+        Candidate("torchao AdamW8bit", "peer", 10, _optimizer_step(torchao("AdamW8bit"), bf16), "BF16 θ"),
+        Candidate("torchao _AdamW SR", "peer", 14, _optimizer_step(torchao("_AdamW", bf16_stochastic_round=True), bf16), "BF16 θ, BF16 m, v"),
+        Candidate("bnb AdamW8bit", "peer", 10, _optimizer_step(bnb, bf16), "BF16 θ"),
+        Candidate("optimi Kahan AdamW", "peer", 18, _optimizer_step(optimi, bf16), "BF16 θ, m, v, k"),
+    ]
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """GB/s of `dst.copy_(src)` on 256 MB of FP32 (read + write), median over `repeats`."""
+    src = torch.randn(64 * 1024 * 1024)
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / (statistics.median(samples[1:])) / 1e9
 
 
-def low_precision_step(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-) -> Callable[[], None]:
+def measure(candidate: Candidate, option_d: Callable[[], None], repeats: int) -> dict:
+    """Build, time the first step, then time it alternately with option D."""
+    try:
+        step = candidate.build()
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
+        step()
+    except Exception as error:  # a peer that does not run on CPU, a missing package
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:70]}"}
+    ours, theirs = [], []
+    for _ in range(repeats):
+        for fn, out in ((option_d, theirs), (step, ours)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    del step
+    gc.collect()
+    return {"ms": _median_ms(ours), "d_ms": _median_ms(theirs), "first_s": first}
+
+
+def layout(repeats: int) -> None:
+    """Per-tensor compiled calls over GPT-2 124M shapes against one call on a flat buffer."""
+    from hf_lowprec.optim import kernels
+
     generator = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=generator).bfloat16().requires_grad_() for s in SHAPES]
-    for p in params:
-        p.grad = (torch.randn(p.shape, generator=generator) * 1e-3).bfloat16()
-    optimizer = factory(params)
-    return optimizer.step
 
+    def tensors(shapes):
+        return [[(torch.randn(s, generator=generator) * 0.02).bfloat16() for s in shapes] for _ in range(6)]
 
-def option_d_step() -> Callable[[], None]:
-    generator = torch.Generator().manual_seed(0)
-    master = [torch.randn(s, generator=generator).requires_grad_() for s in SHAPES]
-    for p in master:
-        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
-    model = [p.detach().bfloat16() for p in master]
-    optimizer = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01, foreach=True)
+    numel = sum(torch.Size(s).numel() for s in GPT2_SHAPES)
+    per_tensor = tensors(GPT2_SHAPES)
+    flat = tensors([(numel,)])
 
-    def step() -> None:
-        optimizer.step()
-        with torch.no_grad():
-            torch._foreach_copy_(model, master)
+    def run(ts):
+        params, errors, grads, ms, vs, dvs = ts
+        kernels.compiled_collage_adamw(params, grads, ms, vs, errors, dvs, [1] * len(params), lr=1e-3,
+                                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, fused="compiled")
 
-    return step
-
-
-def fp8_o2_step() -> Callable[[], None]:
-    """FP8AdamW as the fp8-lm-o2 strategy drives it: FP8 gradients handed over, then the step."""
-    generator = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=generator).half().requires_grad_() for s in SHAPES]
-    grads = []
-    for p in params:
-        g = torch.randn(p.shape, generator=generator) * 1e-3
-        scale = pow2_scale(g.abs().max(), torch.float8_e4m3fn)
-        grads.append((quantize(g, scale, torch.float8_e4m3fn), scale))
-    optimizer = FP8AdamW(params, lr=1e-3, weight_decay=0.01)
-
-    def step() -> None:
-        for p, (payload, scale) in zip(params, grads):
-            optimizer.set_fp8_grad(p, payload, scale)
-        optimizer.step()
-
-    return step
+    run(per_tensor), run(flat)
+    a, b = [], []
+    for _ in range(repeats):
+        for ts, out in ((per_tensor, a), (flat, b)):
+            start = time.perf_counter()
+            run(ts)
+            out.append(time.perf_counter() - start)
+    print(f"layout, compiled collage-plus over GPT-2 124M ({numel / 1e6:.0f}M): {len(GPT2_SHAPES)} tensors "
+          f"{_median_ms(a):.1f} ms, one flat buffer {_median_ms(b):.1f} ms ({_median_ms(a) / _median_ms(b):.3f}x)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="timed steps per optimizer")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (and as many of D)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peer optimizers")
+    parser.add_argument("--layout", action="store_true", help="only measure per-tensor vs flat-buffer layout")
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    if args.layout:
+        layout(args.repeats)
+        return
 
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
-        f"(load average {load:.1f}), {numel / 1e6:.2f}M parameters in {len(SHAPES)} tensors"
-    )
-
-    def collage(variant: str) -> Callable[[], None]:
-        return low_precision_step(lambda ps: CollageAdamW(ps, weight_decay=0.01, variant=variant))
-
-    candidates: dict[str, Callable[[], Callable[[], None]]] = {
-        "D: fp32 adamw + copy": option_d_step,
-        "collage-plus": lambda: collage("plus"),
-        "collage-light": lambda: collage("light"),
-        "kahan": lambda: low_precision_step(lambda ps: KahanAdamW(ps, weight_decay=0.01)),
-        "plain-bf16 (A)": lambda: low_precision_step(lambda ps: PlainAdamW(ps, weight_decay=0.01)),
-        "fp8-lm-o2 FP8AdamW": fp8_o2_step,
-    }
-    copy_numel = 64 * 1024 * 1024
-    steps = {"copy": copy_step(copy_numel), **{name: build() for name, build in candidates.items()}}
-    results = interleaved_median_ms(steps, args.warmup, args.repeats)
-    bandwidth = 2 * copy_numel * 4 / (results.pop("copy")[0] * 1e-3) / 1e9
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
+          f"(load average {load:.1f}), {numel / 1e6:.1f}M parameters in {len(SHAPES)} tensors, "
+          f"medians of {args.repeats} steps alternated with D")
+    bandwidth = copy_bandwidth(args.repeats)
     print(f"copy bandwidth (dst.copy_(src), 256 MB FP32, read + write): {bandwidth:.1f} GB/s\n")
 
-    wall_d, cpu_d = results["D: fp32 adamw + copy"]
-    print(
-        f"{'optimizer':22s} {'ms/step':>8s} {'vs D':>6s} {'cpu ms':>7s} {'vs D':>6s} "
-        f"{'ideal B':>7s} {'GB/s':>5s} {'foreach B':>9s} {'GB/s':>5s} {'of copy':>7s}"
-    )
-    for name, (wall, cpu) in results.items():
-        ideal, moved = BYTES_PER_PARAM[name]
-        ideal_gbs, moved_gbs = (b * numel / (wall * 1e-3) / 1e9 for b in (ideal, moved))
-        moved_cols = (f"{moved:9d} {moved_gbs:5.1f} {100 * moved_gbs / bandwidth:6.0f}%" if moved
-                      else f"{'-':>9s} {'-':>5s} {'-':>7s}")
-        print(
-            f"{name:22s} {wall:8.1f} {wall / wall_d:5.2f}x {cpu:7.1f} {cpu / cpu_d:5.2f}x "
-            f"{ideal:7d} {ideal_gbs:5.1f} {moved_cols}"
-        )
-    print(
-        "\n'vs D': time relative to option D in this run (below 1 is faster); 'cpu ms': process CPU"
-        "\ntime of all threads. GB/s: the byte counts of this file's docstring over the wall time;"
-        "\n'of copy': the foreach bandwidth as a share of the measured copy bandwidth."
-    )
+    candidates = _ours() + ([] if args.no_peers else _peers())
+    if args.only:
+        keys = args.only.split(",")
+        candidates = [c for c in candidates if any(k in f"{c.name} {c.path}" for k in keys)]
+    option_d = _option_d()
+    option_d()
+    header = (f"{'optimizer':20s} {'path':8s} {'ms/step':>8s} {'D ms':>7s} {'x D':>6s} {'goal':>5s} "
+              f"{'B/par':>5s} {'GB/s':>5s} {'of copy':>7s} {'1st step s':>10s}  note")
+    print(header)
+    print("-" * len(header))
+    for candidate in candidates:
+        result = measure(candidate, option_d, args.repeats)
+        if "error" in result:
+            print(f"{candidate.name:20s} {candidate.path:8s} not run: {result['error']}")
+            continue
+        ms, d_ms = result["ms"], result["d_ms"]
+        gbs = candidate.ideal_bytes * numel / (ms * 1e-3) / 1e9
+        goal = GOALS.get(candidate.name) if candidate.path == "compiled" else None
+        print(f"{candidate.name:20s} {candidate.path:8s} {ms:8.1f} {d_ms:7.1f} {d_ms / ms:5.2f}x "
+              f"{f'{goal:.2f}' if goal else '':>5s} {candidate.ideal_bytes:5d} {gbs:5.1f} "
+              f"{100 * gbs / bandwidth:6.0f}% {result['first_s']:10.1f}  {candidate.note}", flush=True)
+    d_gbs = 28 * numel / (statistics.median([_time(option_d) for _ in range(args.repeats)])) / 1e9
+    print(f"\nD itself: 28 B/param at {d_gbs:.1f} GB/s ({100 * d_gbs / bandwidth:.0f}% of copy)."
+          "\n'x D': D's step time over the candidate's, D timed alternately in the same run (above 1 ="
+          "\nfaster than D). GB/s: the ideal bytes over the step time. '1st step s' includes compiling.")
 
 
-def strategy_memory_table() -> None:
-    """Model-state bytes/param of every registered strategy, measured after one step of a tiny GPT-2."""
-    from transformers import GPT2LMHeadModel
-
-    from hf_lowprec import available_strategies, get_strategy
-    from hf_lowprec.data import tiny_gpt2_config
-    from hf_lowprec.memory import model_state_bytes
-
-    print(f"\n{'strategy':18s} {'params':>7s} {'grads':>6s} {'states':>7s} {'extra':>6s} {'total':>6s} {'vs D':>6s}")
-    rows = {}
-    for name in available_strategies():
-        strategy = get_strategy(name)
-        torch.manual_seed(0)
-        model = strategy.prepare_model(GPT2LMHeadModel(tiny_gpt2_config(vocab_size=256)))
-        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 256, (2, 32))
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
-        rows[name] = model_state_bytes(model, optimizer)
-    base = rows["bf16-mixed"]["total"]
-    for name, m in rows.items():
-        print(f"{name:18s} {m['params']:7.2f} {m['grads']:6.2f} {m['optimizer_states']:7.2f} "
-              f"{m['extra']:6.2f} {m['total']:6.2f} {m['total'] / base:5.2f}x")
+def _time(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
     main()
-    strategy_memory_table()
