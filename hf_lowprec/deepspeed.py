@@ -354,8 +354,11 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
                     merged.setdefault(key, value)
         if merged:
             state[part] = {k: v.view(part.shape) if torch.is_tensor(v) and v.numel() > 1 else v for k, v in merged.items()}
-    # State of tensors outside DeepSpeed's groups (fp8-lm-o3's FP8 weights) is not DeepSpeed's: it stays.
-    for param in [p for p in state if isinstance(p, torch.Tensor) and id(p) in moved]:
+    # A parameter DeepSpeed partitioned has its state on the partitions now (on this rank or
+    # another); state of tensors outside DeepSpeed's groups (fp8-lm-o3's FP8 weights) stays.
+    groups = getattr(zero_optimizer, "bit16_groups", None) or getattr(zero_optimizer, "fp16_groups", [])
+    partitioned = {id(p) for params in groups for p in params}
+    for param in [p for p in state if isinstance(p, torch.Tensor) and id(p) in stale & partitioned]:
         del state[param]
     return len(moved)
 
