@@ -148,8 +148,10 @@ def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.
     sample = next((p for p in params if inner.state.get(p)), None)
     state = inner.state.get(sample) if sample is not None else None
     if state is None and sample is None and params and hasattr(inner, "_init_state"):
-        group = next(g for g in inner.param_groups if any(q is params[0] for q in g["params"]))
-        sample, state = params[0], inner._init_state(params[0], group)
+        # Under DeepSpeed the groups hold its flat partitions, not the model's parameters.
+        group = next((g for g in inner.param_groups if any(q is params[0] for q in g["params"])), None)
+        if group is not None:
+            sample, state = params[0], inner._init_state(params[0], group)
     dtypes = sorted({_dtype_name(p.dtype) for p in params})
     if state:
         # A parameter-shaped extra state in the parameter's dtype is a compensation component
@@ -235,12 +237,17 @@ def describe(
                        for k, v in sample_state.items() if torch.is_tensor(v)},
         }
         report["master_weights"] = _master_weights(strategy, inner, params)
-        plan = plan_model_state(model, optimizer)
-        report["memory"] = {
-            **{k: round(v, 4) for k, v in plan.items() if k != "num_params"},
-            "num_params": int(plan["num_params"]),
-            "gib": round(plan["total"] * plan["num_params"] / 2**30, 4),
-        }
+        owned = {id(p) for p in params}
+        if any(id(p) in owned for g in inner.param_groups for p in g["params"]):
+            plan = plan_model_state(model, optimizer)
+            report["memory"] = {
+                **{k: round(v, 4) for k, v in plan.items() if k != "num_params"},
+                "num_params": int(plan["num_params"]),
+                "gib": round(plan["total"] * plan["num_params"] / 2**30, 4),
+            }
+        else:  # DeepSpeed: the optimizer steps flat partitions, whose bytes are per rank
+            report["memory"] = {"note": "the optimizer steps DeepSpeed's partitions; per-rank bytes: "
+                                        "hf_lowprec.deepspeed.partition_report"}
         keeps_grad = "gradient" in roles.values()
     else:
         keeps_grad = False
@@ -336,7 +343,9 @@ def format_report(report: dict[str, Any]) -> str:
     grads = report["gradients"]
     dtype = grads["dtype"] if isinstance(grads["dtype"], str) else "/".join(grads["dtype"])
     lines.append(f"  gradients: {dtype}; communication: {grads['communication']}")
-    if "memory" in report:
+    if "note" in report.get("memory", {}):
+        lines.append(f"  model state: {report['memory']['note']}")
+    elif "memory" in report:
         m = report["memory"]
         lines.append(f"  model state: {_fmt_bytes(m['total'])} bytes/param (params {_fmt_bytes(m['params'])}, grads "
                      f"{_fmt_bytes(m['grads'])}, optimizer {_fmt_bytes(m['optimizer_states'])}, extra "
