@@ -172,6 +172,14 @@ class StochasticRoundingAdamW(AdamWBase):
         return {"step": 0, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
+        if updates_out is not None and self.fused != "foreach":
+            # A tracked step keeps the compiled path's random stream, so turning the metrics on
+            # does not change the trajectory; Δθ comes from the reference run on copies.
+            copies = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in states]
+            delta = _moments_and_delta(group, params, copies, grads, steps)
+            if self._fused_update(group, params, grads, states, steps):
+                updates_out.extend(delta)
+                return
         delta = _moments_and_delta(group, params, states, grads, steps)
         if updates_out is not None:
             updates_out.extend(d.clone() for d in delta)
