@@ -9,12 +9,12 @@ G consecutive elements. Per group, with mx = max|x| and mn = the smallest non-ze
     x̂ = sign(q)·|q / s|^(1/k)·c                  (decode)
 
 F is the FP8 format's maximum (448 for E4M3, 57344 for E5M2). k stretches the group's
-dynamic range R to about F²/2, the span E4M3 covers from its smallest subnormal (2^-9) to its
-maximum: a group of first moments spans ~1e3 and of second moments ~1e1, so without
-expansion most FP8 codes go unused and the relative error is large. Because the smallest
-non-zero element lands at F/R^k ≥ 2/F (above the smallest subnormal, 2^-9 for E4M3, 2^-16
-for E5M2), no non-zero element decodes to 0: a second moment that flushed to zero would turn
-m/(√v + ε) into m/ε.
+dynamic range R to about F²/2, the span E4M3 covers from near its smallest subnormal (2^-9)
+to its maximum: a group of first moments spans ~1e3 and of second moments ~1e1, so without
+expansion most FP8 codes go unused and the relative error is large. When k > 1 the smallest
+non-zero element lands at F/R^k ≥ 2/F, above the smallest subnormal (2^-9 for E4M3, 2^-16
+for E5M2), so it does not decode to 0. A group wider than F²/2 (k = 1) is plain per-group
+scaling, where elements below F·2^-10/R (E4M3) flush to zero as they would without COAT.
 
 Guards: an all-zero group stores k = 1, c = 1, s = 1 and zero codes; a group whose non-zero
 magnitudes are all equal (R = 1) takes k = 1 (nothing to expand); k never drops below 1, and
