@@ -72,6 +72,12 @@ class FP8ZeroAdamW(FP8AdamW):
         self._margin = kwargs.get("margin", 0)
         self._v_dtype = format_dtype(kwargs.get("exp_avg_sq_format", "fp16"))
 
+    def plan_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """The state an FP8 weight gets on its owner (memory plans, `hf_lowprec.report`)."""
+        return {"exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"), "exp_avg_scale": torch.ones((), device="meta"),
+                "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
+                "exp_avg_sq_scale": torch.ones((), device="meta")}
+
     # --- gradients ----------------------------------------------------------------------
     def fp8_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.fp8_params if p.grad is not None]
@@ -194,6 +200,7 @@ class FP8LMO3(FP8LM):
     """FP8-LM O3: O2 plus the FP8 ZeRO distribution — masters and FP8 optimizer states as whole tensors per rank."""
 
     zero_stages = (1, 2)
+    needs = "DeepSpeed ZeRO stage 1 or 2 across processes"
     zero_refusal = (
         "ZeRO-3 would partition the FP8 layers' weights, which FP8 ZeRO keeps whole per rank with their "
         "scales; use ZeRO stage 1 or 2"
