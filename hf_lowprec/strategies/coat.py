@@ -65,8 +65,10 @@ class COATOptions(StrategyOptions):
         if self.exp_avg_sq_format not in ("e4m3", "e5m2"):
             raise ValueError(f"exp_avg_sq_format must be 'e4m3' or 'e5m2', got {self.exp_avg_sq_format!r}")
         size = self.group_size
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"group_size must be a positive integer, got {size!r} (COAT uses 128)")
+        # Every state tensor is padded to a multiple of the group: beyond 2**16 elements a group
+        # only wastes memory (and a huge value would allocate it before the first step).
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= 2**16:
+            raise ValueError(f"group_size must be an integer in [1, 65536], got {size!r} (COAT uses 128)")
         if not (self.activations or self.states):
             raise ValueError("coat with activations=False and states=False is plain training; enable a piece")
 
