@@ -184,7 +184,8 @@ class BackwardFP8Gradients:
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Quantize the gradients of `params` in backward (once an owner is set)."""
         for param in params:
-            self._handles.append(param.register_post_accumulate_grad_hook(self._store))
+            if param.requires_grad:  # frozen weights (a PEFT base) have no gradient to store
+                self._handles.append(param.register_post_accumulate_grad_hook(self._store))
 
     def _store(self, param: torch.Tensor) -> None:
         owner = self.owner

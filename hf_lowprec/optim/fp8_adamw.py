@@ -303,6 +303,15 @@ class FP8AdamW(LowPrecisionOptimizer):
         self._pending_grads.clear()
         super().zero_grad(set_to_none=set_to_none)
 
+    def discard_fp8_grads(self) -> None:
+        """Drop this step's FP8 gradients (a skipped step): the kept buffers are zeroed, so no
+        inf/NaN handed over in backward stays in the state or reaches a checkpoint."""
+        for state in self.state.values():
+            if "grad" in state:
+                state["grad"].zero_()
+                state["grad_scale"].fill_(1.0)
+        self._pending_grads.clear()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_grads.clear()
         super().load_state_dict(state_dict)

@@ -47,7 +47,7 @@ import logging
 import math
 import shutil
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -351,7 +351,20 @@ def _compiled(kernel: Callable[..., None]) -> Callable[..., None]:
     # and optimizers share graphs (dynamo then recompiles only for new dtypes or devices).
     # emulate_precision_casts: without it Inductor drops a cast to BF16/FP16 followed by a
     # cast back to FP32, which would remove exactly the roundings the kernels spell out.
-    return torch.compile(kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    compiled = torch.compile(kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+
+    @functools.wraps(kernel)
+    def run(*args: Any) -> Any:
+        # One graph per combination of parameter, state and gradient dtypes: a process that
+        # trains several strategies (or FP8AdamW's five state formats) needs more than dynamo's
+        # default of 8 before it would give up on the kernel; raised only around our kernels.
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return run
+
+
+_RECOMPILE_LIMIT = 64
 
 
 _logged: set[str] = set()

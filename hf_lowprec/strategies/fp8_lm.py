@@ -187,6 +187,8 @@ class FP8LM(PrecisionStrategy):
         finite = grads_are_finite([p.grad for p in params]) and self.backward_grads.all_finite(everything)
         if not finite:
             comm_scales.clear()
+            if self.o2:
+                optimizer.discard_fp8_grads()
             if self.scaler.pending:  # the all-reduce's saturation was real even if the step is not
                 self.scaler.update()
             return False
