@@ -95,8 +95,11 @@ def adamw_moments_(
     With c = `compute_dtype` (FP32 for BF16/FP16 storage) and r(·) the round-to-nearest
     conversion to the storage dtype, per element:
 
-        m₃₂ = lerp(c(m), c(g), 1 − β1)                       m ← r(m₃₂)
-        v₃₂ = min(β2·c(v) + (1 − β2)·c(g)·c(g), max_v)       v ← r(v₃₂)
+        m₃₂ = c(m) + (1 − β1)·(c(g) − c(m))                 m ← r(m₃₂)
+        v₃₂ = min(β2·c(v) + ((1 − β2)·c(g))·c(g), max_v)     v ← r(v₃₂)
+
+    every FP32 operation rounded on its own (no fused multiply-add), so that a compiled kernel
+    reproduces the values bit for bit with plain vector arithmetic.
 
     With `exp_avg_sq_errors` (Collage-plus) the second moment is the expansion (v, δv):
     v₃₂ = min(β2·(c(v) + c(δv)) + (1 − β2)·c(g)², max_v); v ← r(v₃₂); δv ← r(v₃₂ − c(v)),
@@ -129,7 +132,12 @@ def adamw_moments_(
     dtype = compute_dtype(exp_avg_sqs[0].dtype)
     grads32 = _as_dtype(grads, dtype)
     exp_avgs32 = _as_dtype(exp_avgs, dtype)
-    torch._foreach_lerp_(exp_avgs32, grads32, 1.0 - beta1)
+    # m + (1 − β1)·(g − m) and β2·v + ((1 − β2)·g)·g, each operation rounded on its own (no
+    # lerp or addcmul: their CPU kernels fuse a multiply-add, which a compiled kernel could
+    # only reproduce with an exact FMA emulation costing more than the whole step).
+    scratch = torch._foreach_sub(grads32, exp_avgs32)
+    torch._foreach_mul_(scratch, 1.0 - beta1)
+    torch._foreach_add_(exp_avgs32, scratch)
     if exp_avg_sq_errors is None and exp_avg_sq_scales is None:
         exp_avg_sqs32 = _as_dtype(exp_avg_sqs, dtype)
     else:
@@ -139,7 +147,11 @@ def adamw_moments_(
     if exp_avg_sq_scales is not None:
         torch._foreach_div_(exp_avg_sqs32, exp_avg_sq_scales)
     torch._foreach_mul_(exp_avg_sqs32, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs32, grads32, grads32, 1.0 - beta2)
+    torch._foreach_copy_(scratch, grads32)
+    torch._foreach_mul_(scratch, 1.0 - beta2)
+    torch._foreach_mul_(scratch, grads32)
+    torch._foreach_add_(exp_avg_sqs32, scratch)
+    del scratch
     max_v = torch.finfo(exp_avg_sqs[0].dtype).max
     _store_(exp_avgs, exp_avgs32)
     if exp_avg_sq_scales is None:
@@ -420,9 +432,9 @@ def collage_adamw(
     operation in FP32 unless it is marked r:
 
         g = f(g)
-        m₃₂ = lerp(f(m), g, 1 − β1);                              m ← r(m₃₂)
-        light: v₃₂ = min(β2·f(v) + (1 − β2)·g·g, max)
-        plus:  v₃₂ = min(β2·(f(v) + f(δv)) + (1 − β2)·g·g, max)
+        m₃₂ = f(m) + (1 − β1)·(g − f(m));                         m ← r(m₃₂)
+        light: v₃₂ = min(β2·f(v) + ((1 − β2)·g)·g, max)
+        plus:  v₃₂ = min(β2·(f(v) + f(δv)) + ((1 − β2)·g)·g, max)
         light: v ← r(v₃₂);   plus: v ← r(v₃₂), δv ← r(v₃₂ − f(v))   (v the new, rounded v)
         d = √v₃₂ + max(ε·√c2, 2^-126)
         Δθ₃₂ = −α·λ·f(θ) + (−α·√c2/c1)·m₃₂/d,    c1 = 1 − β1^t, c2 = 1 − β2^t (FP64 host)

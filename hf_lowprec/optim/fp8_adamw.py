@@ -26,6 +26,8 @@ The lost-arithmetic metrics see the master in real units (`held_value`), in FP64
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -60,10 +62,17 @@ def adamw_update(
     Returns:
         (param, exp_avg, exp_avg_sq, update): the new values and the intended update Δθ.
     """
-    exp_avg = exp_avg.lerp(grad, 1.0 - beta1)
-    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1.0 - beta2)
-    denom = (exp_avg_sq / (1.0 - beta2**step)).sqrt() + eps
-    update = (exp_avg / (1.0 - beta1**step)) / denom * -lr
+    # Each operation rounded on its own (no lerp / addcmul, which fuse a multiply-add on CPU):
+    # the compiled kernel then reproduces these values with plain vector arithmetic.
+    exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
+    exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+    # m̂/(√v̂ + ε) with the bias corrections folded into two host scalars (FP64, rounded once),
+    # as `collage.adamw_delta` does: (s·m)/(√v + ε·√c2), s = −α·√c2/c1: one root and one
+    # division per element; `tiny` keeps v = 0 with ε = 0 from giving 0/0.
+    sqrt_c2 = math.sqrt(1.0 - beta2**step)
+    step_size = -lr * sqrt_c2 / (1.0 - beta1**step)
+    denom = exp_avg_sq.sqrt() + max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
+    update = step_size * exp_avg / denom
     if weight_decay:
         update = update - (lr * weight_decay) * param
     return param + update, exp_avg, exp_avg_sq, update

@@ -12,10 +12,17 @@ and the error-free transformations (TwoSum, Fast2Sum) in storage-dtype arithmeti
 operation rounded (`_round`). Two things make that exact under Inductor: the explicit casts are
 kept (`emulate_precision_casts`; otherwise a cast to BF16 and back is dropped), and products and
 sums are not fused or reassociated (its C++ is built with -ffp-contract=off, no unsafe-math).
-Where the eager CPU kernels do fuse (vectorised `lerp` is an FMA, `addcmul` is contracted into
-one), `_fma` reproduces the single rounding. So on CPU the compiled step is bit-identical to the
-reference. On CUDA, Triton may contract a·b + c into an FMA where eager CUDA does not: the
-results then agree within one rounding of each FP32 intermediate (bounds in the tests).
+The reference avoids the eager ops that fuse a multiply-add on CPU (`lerp`, `addcmul`): with
+them, the kernel needed an exact FMA emulation (Dekker's product and TwoSum, ~25 FP32
+operations per multiply-add), which halved its speed. So on CPU the compiled step is
+bit-identical to the reference. On CUDA, Triton may contract a·b + c into an FMA where eager
+CUDA does not: the results then agree within one rounding of each FP32 intermediate (bounds in
+the tests).
+
+Threads: Inductor decides whether a loop runs in an OpenMP parallel region from the size hint
+of the first call, and with dynamic shapes that graph then serves every later size; a first
+call on a small tensor (a bias) would leave the kernel single-threaded for the whole model.
+`cpp.dynamic_threads` always opens the parallel region and lets the OpenMP runtime size it.
 
 Layout: per tensor, dynamic shapes. Each parameter is passed as a flat 1-D view, so one
 compiled graph (one symbolic length) serves every tensor of every model; no flat buffer.
@@ -52,6 +59,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "COMPILE_OPTIONS",
     "FUSED_MODES",
     "FusedMode",
     "adamw_kernel",
@@ -62,7 +70,7 @@ __all__ = [
     "compiled_fp8_adamw_step",
     "compiled_kahan_adamw",
     "compiled_stochastic_rounding_adamw",
-    "fp8_adamw_amax_kernel",
+    "fp8_adamw_scale_kernel",
     "fp8_adamw_store_kernel",
     "kahan_kernel",
     "stochastic_rounding_kernel",
@@ -97,42 +105,6 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
-def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Veltkamp's split of an FP32 number into two halves of at most 12 bits: a = hi + lo."""
-    c = a * 4097.0
-    hi = c - (c - a)
-    return hi, a - hi
-
-
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """a·b + c rounded once to FP32, as the eager CPU kernels compute `lerp` and `addcmul`.
-
-    ATen's vectorised lerp is an explicit FMA and its addcmul is contracted into one by the
-    compiler; Inductor's C++ has no FMA (-ffp-contract=off). So: Dekker's TwoProduct gives
-    p + e = a·b exactly, TwoSum gives s + t = c + p exactly, and fl(s + fl(t + e)) is the fused
-    result unless the small correction lands exactly on a rounding midpoint (never seen in the
-    tests). All FP32 vector arithmetic: converting to FP64 instead costs more than the step.
-    """
-    p = a * b
-    a_hi, a_lo = _split(a)
-    b_hi, b_lo = _split(b)
-    e = ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
-    s = c + p
-    bb = s - c
-    t = (p - bb) + (c - (s - bb))
-    fused = s + (t + e)
-    # Where the split or the product overflows, the correction is inf or NaN (never a wrong
-    # finite value): the plain sum is then what the FMA gives too (±inf) or as near as matters.
-    return torch.where(torch.isfinite(fused), fused, s)
-
-
-def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`torch.lerp` in FP32 as ATen's CPU kernel computes it: one FMA, from whichever end is
-    nearer the weight (start + w·(end − start) for w < 0.5, else end + (w − 1)·(end − start))."""
-    near_start = weight.abs() < 0.5
-    return _fma(torch.where(near_start, weight, weight - 1.0), end - start, torch.where(near_start, start, end))
-
-
 def _adamw_registers(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -143,17 +115,17 @@ def _adamw_registers(
 ) -> torch.Tensor:
     """Store the new moments and return Δθ₃₂: `collage.adamw_moments_` + `adamw_delta`, fused.
 
-    m₃₂ = lerp(m, g, 1 − β1); v₃₂ = min(β2·(v [+ δv]) + (1 − β2)·g·g, max_v);
+    m₃₂ = m + (1 − β1)·(g − m); v₃₂ = min(β2·(v [+ δv]) + ((1 − β2)·g)·g, max_v);
     Δθ₃₂ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'), all FP32; m, v (and δv = r(v₃₂ − r(v₃₂)))
     stored rounded once in their own dtype.
     """
     g = grad.float()
     m_old = exp_avg.float()
-    m = _lerp(m_old, g, h[_W1])
+    m = m_old + h[_W1] * (g - m_old)
     v = exp_avg_sq.float()
     if exp_avg_sq_error is not None:
         v = v + exp_avg_sq_error.float()
-    v = _fma(h[_OMB2] * g, g, v * h[_B2])
+    v = v * h[_B2] + h[_OMB2] * g * g
     v = torch.clamp(v, max=torch.finfo(exp_avg_sq.dtype).max)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
@@ -256,7 +228,7 @@ def stochastic_rounding_kernel(
 
 
 # FP8AdamW (FP8-LM / MS-AMP O2): slots of its scalar vector, as `fp8_adamw.adamw_update` uses them.
-_F_W1, _F_B2, _F_OMB2, _F_C1, _F_C2, _F_EPS, _F_NEG_LR, _F_LR_WD = range(8)
+_F_W1, _F_B2, _F_OMB2, _F_STEP, _F_EPS, _F_LR_WD = range(6)
 
 
 def _fp8_adamw_registers(
@@ -270,18 +242,24 @@ def _fp8_adamw_registers(
     exp_avg_sq_scale: torch.Tensor,
     h: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(θ', m, v) in FP32 real units: dequantize (payload / scale), then `fp8_adamw.adamw_update`."""
-    real = param.float() if master_scale is None else param.float() / master_scale
+    """(θ', m, v) in FP32 real units: dequantize, then `fp8_adamw.adamw_update`.
+
+    The stored moments and the master carry power-of-two scales (`pow2_scale`, exponent within
+    ±126), so payload·(1/s) equals the reference's payload/s exactly and costs a multiply per
+    element instead of a division. The gradient's scale may carry a clipping factor that is
+    not a power of two: it stays a division.
+    """
+    real = param.float() if master_scale is None else param.float() * (1.0 / master_scale)
     g = grad.float() if grad_scale is None else grad.float() / grad_scale
-    m = _lerp(exp_avg.float() / exp_avg_scale, g, h[_F_W1])
-    v = _fma(h[_F_OMB2] * g, g, exp_avg_sq.float() / exp_avg_sq_scale * h[_F_B2])
-    denominator = torch.sqrt(v / h[_F_C2]) + h[_F_EPS]
-    update = m / h[_F_C1] / denominator * h[_F_NEG_LR]
+    m_old = exp_avg.float() * (1.0 / exp_avg_scale)
+    m = m_old + h[_F_W1] * (g - m_old)
+    v = exp_avg_sq.float() * (1.0 / exp_avg_sq_scale) * h[_F_B2] + h[_F_OMB2] * g * g
+    update = h[_F_STEP] * m / (torch.sqrt(v) + h[_F_EPS])
     update = torch.where(h[_F_LR_WD] != 0, update - h[_F_LR_WD] * real, update)
     return real + update, m, v
 
 
-def fp8_adamw_amax_kernel(
+def fp8_adamw_scale_kernel(
     param: torch.Tensor,
     master_scale: torch.Tensor | None,
     grad: torch.Tensor,
@@ -291,30 +269,40 @@ def fp8_adamw_amax_kernel(
     exp_avg_sq: torch.Tensor,
     exp_avg_sq_scale: torch.Tensor,
     h: torch.Tensor,
+    margin: int,
 ) -> torch.Tensor:
-    """First pass of the FP8AdamW step: amax of the new m, v and θ (what the new scales need).
+    """First pass of the FP8AdamW step: the new scales of m, v and θ, from their amax.
 
     Recomputing the update in the second pass reads g, m, v, θ again (6 bytes/param) instead of
     writing and re-reading FP32 m, v, θ (24): the scales need the whole tensor's amax first.
+    The scales are computed here, once, after the reduction: inside the second pass's loop
+    Inductor would evaluate `pow2_scale` (frexp, exp2) for every element.
     """
     new, m, v = _fp8_adamw_registers(param, master_scale, grad, grad_scale, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, h)
-    return torch.stack([m.abs().amax(), v.abs().amax(), new.abs().amax()])
+    return torch.stack([_new_scale(exp_avg.dtype, m, margin), _new_scale(exp_avg_sq.dtype, v, margin),
+                        _new_scale(param.dtype, new, margin)])  # fmt: skip
 
 
-def _store_scaled_(payload: torch.Tensor, scale: torch.Tensor | None, real: torch.Tensor, amax: torch.Tensor, margin: int) -> None:
-    """`fp8_adamw._requantize_`: payload = saturate(real·s) with s the power-of-two scale of
-    amax; FP32 storage is kept unscaled (s = 1)."""
-    from hf_lowprec.fp8.scaled import format_max, pow2_scale
+def _new_scale(dtype: torch.dtype, real: torch.Tensor, margin: int) -> torch.Tensor:
+    """`fp8_adamw._requantize_`'s scale: the power-of-two scale of amax(real); FP32 storage is
+    kept unscaled (s = 1)."""
+    from hf_lowprec.fp8.scaled import pow2_scale
+
+    if dtype == torch.float32:
+        return torch.ones((), dtype=torch.float32, device=real.device)
+    return pow2_scale(real.abs().amax(), dtype, margin)
+
+
+def _store_scaled_(payload: torch.Tensor, scale: torch.Tensor | None, real: torch.Tensor, new_scale: torch.Tensor) -> None:
+    """`fp8_adamw._requantize_` with the scale already chosen: payload = saturate(real·s)."""
+    from hf_lowprec.fp8.scaled import format_max
 
     if payload.dtype == torch.float32:
         payload.copy_(real)
-        if scale is not None:
-            scale.fill_(1.0)
-        return
-    new_scale = pow2_scale(amax, payload.dtype, margin)
-    limit = format_max(payload.dtype)
-    scaled = real * new_scale
-    payload.copy_(scaled.clamp(-limit, limit) + (scaled - scaled))
+    else:
+        limit = format_max(payload.dtype)
+        scaled = real * new_scale
+        payload.copy_(scaled.clamp(-limit, limit) + (scaled - scaled))
     if scale is not None:
         scale.copy_(new_scale)
 
@@ -329,20 +317,23 @@ def fp8_adamw_store_kernel(
     exp_avg_sq: torch.Tensor,
     exp_avg_sq_scale: torch.Tensor,
     h: torch.Tensor,
-    amax: torch.Tensor,
-    margin: int,
+    new_scales: torch.Tensor,
 ) -> None:
     """Second pass: recompute the update and store m, v and θ with their new scales, in place."""
     new, m, v = _fp8_adamw_registers(param, master_scale, grad, grad_scale, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, h)
-    _store_scaled_(exp_avg, exp_avg_scale, m, amax[0], margin)
-    _store_scaled_(exp_avg_sq, exp_avg_sq_scale, v, amax[1], margin)
+    _store_scaled_(exp_avg, exp_avg_scale, m, new_scales[0])
+    _store_scaled_(exp_avg_sq, exp_avg_sq_scale, v, new_scales[1])
     if master_scale is None:
         param.copy_(new)
     else:
-        _store_scaled_(param, master_scale, new, amax[2], margin)
+        _store_scaled_(param, master_scale, new, new_scales[2])
 
 
 # --- compilation and dispatch ------------------------------------------------------------
+
+
+# emulate_precision_casts: see "Arithmetic", cpp.dynamic_threads: see "Threads" above.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 
 
 @functools.cache
@@ -351,17 +342,20 @@ def _compiled(kernel: Callable[..., None]) -> Callable[..., None]:
     # and optimizers share graphs (dynamo then recompiles only for new dtypes or devices).
     # emulate_precision_casts: without it Inductor drops a cast to BF16/FP16 followed by a
     # cast back to FP32, which would remove exactly the roundings the kernels spell out.
-    compiled = torch.compile(kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+    compiled = torch.compile(kernel, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
 
-    @functools.wraps(kernel)
-    def run(*args: Any) -> Any:
-        # One graph per combination of parameter, state and gradient dtypes: a process that
-        # trains several strategies (or FP8AdamW's five state formats) needs more than dynamo's
-        # default of 8 before it would give up on the kernel; raised only around our kernels.
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return compiled(*args)
+    return compiled
 
-    return run
+
+def _recompile_budget() -> Any:
+    """Dynamo's recompile limit raised around our kernels' calls (entered once per step).
+
+    One graph per combination of parameter, state and gradient dtypes: a process that trains
+    several strategies (or FP8AdamW's five state formats) needs more than dynamo's default of 8
+    before it would give up on the kernel. Entering the patch costs ~20 µs, so it wraps a
+    whole step's calls, not each tensor's.
+    """
+    return torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)
 
 
 _RECOMPILE_LIMIT = 64
@@ -436,11 +430,12 @@ def _each(kernel: Callable[..., None], fused: str, rows: Sequence[Sequence[torch
         return False
     if not all(t is None or t.is_contiguous() for row in rows for t in row):
         return False
-    for index, row in enumerate(rows):
-        if not _run(kernel, fused, *(None if t is None else t.detach().view(-1) for t in row)):
-            if index:  # the first call compiles; later calls cannot fail for a new reason
-                raise RuntimeError(f"{kernel.__name__}: compiled step failed after {index} parameters")
-            return False
+    with _recompile_budget():
+        for index, row in enumerate(rows):
+            if not _run(kernel, fused, *(None if t is None else t.detach().view(-1) for t in row)):
+                if index:  # the first call compiles; later calls cannot fail for a new reason
+                    raise RuntimeError(f"{kernel.__name__}: compiled step failed after {index} parameters")
+                return False
     return True
 
 
@@ -561,14 +556,17 @@ def compiled_fp8_adamw_step(
     if not all(t is None or t.is_contiguous() for t in tensors):
         return False
     t = state["step"] + 1
+    sqrt_c2 = math.sqrt(1.0 - beta2**t)
+    tiny = torch.finfo(torch.float32).smallest_normal
     h = torch.tensor(
-        [1.0 - beta1, beta2, 1.0 - beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, -lr, lr * weight_decay],
+        [1.0 - beta1, beta2, 1.0 - beta2, -lr * sqrt_c2 / (1.0 - beta1**t), max(eps * sqrt_c2, tiny), lr * weight_decay],
         dtype=torch.float32, device=param.device,
     )  # fmt: skip
     flat = [None if x is None else (x.detach().view(-1) if x.dim() else x.detach()) for x in tensors]
     try:
-        amax = _compiled(fp8_adamw_amax_kernel)(*flat, h)
-        _compiled(fp8_adamw_store_kernel)(*flat, h, amax, margin)
+        with _recompile_budget():
+            new_scales = _compiled(fp8_adamw_scale_kernel)(*flat, h, margin)
+            _compiled(fp8_adamw_store_kernel)(*flat, h, new_scales)
     except Exception as error:  # the first pass has not written anything yet
         if fused == "compiled":
             raise

@@ -51,9 +51,9 @@ def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
     # The step itself is FP32 arithmetic on the decoded moments: a few FP32 roundings of Δθ
     # (|Δθ| ≈ lr) plus the rounding of θ + Δθ (|θ| ≲ 4: 2^-22 absolute).
     torch.testing.assert_close(param.detach().double() - theta, update, rtol=1e-5, atol=4 * 2.0**-23)
-    # What is stored is the encoding of the new FP32 moment, lerp'ed in FP32 as the step does
-    # (the format's error is bounded in tests/test_coat.py).
-    m32 = m.float().lerp(grads[3], 1 - b1)
+    # What is stored is the encoding of the new FP32 moment, m + (1 − β1)·(g − m) in FP32 as
+    # the step computes it (the format's error is bounded in tests/test_coat.py).
+    m32 = m.float() + (1 - b1) * (grads[3] - m.float())
     stored = quantize_state(m32, 128, E4M3, True).dequantize()
     assert torch.equal(decoded(optimizer, param, "exp_avg"), stored)
 

@@ -222,7 +222,7 @@ def test_unsupported_device_falls_back_or_refuses(monkeypatch):
         _run(make, "compiled", 1)
 
 
-def _fp8_o2_run(fused: str, steps: int):
+def _fp8_o2_run(fused: str, steps: int, grad_scale_factor: float = 1.0):
     """FP8AdamW as fp8-lm-o2 drives it: an FP16 master with a per-tensor scale and FP8
     gradients handed over (`set_fp8_grad`), next to an FP32 parameter with FP32 states and a
     plain gradient (the non-FP8 parameters). Includes an all-zero gradient row and step."""
@@ -243,16 +243,35 @@ def _fp8_o2_run(fused: str, steps: int):
     for step in range(steps):
         g = torch.randn(master.shape, generator=generator) * 1e-3
         g[0] = 0.0
-        scale = pow2_scale(g.abs().amax(), torch.float8_e4m3fn)
+        scale = pow2_scale(g.abs().amax(), torch.float8_e4m3fn) * grad_scale_factor
         optimizer.set_fp8_grad(master, quantize(g, scale, torch.float8_e4m3fn), scale)
         gain.grad = torch.randn(gain.shape, generator=generator) * 1e-2 * (step != 1)
         optimizer.step()
     return [master, gain], optimizer
 
 
-def test_compiled_fp8_adamw_is_bit_identical_to_the_reference():
-    compiled, reference = _fp8_o2_run("compiled", 3), _fp8_o2_run("foreach", 3)
+@pytest.mark.parametrize("grad_scale_factor", [1.0, 0.7], ids=["pow2", "clipped"])
+def test_compiled_fp8_adamw_is_bit_identical_to_the_reference(grad_scale_factor):
+    """The kernel multiplies by 1/s for the power-of-two scales of the states and the master
+    (exact) but divides by the gradient's scale, which gradient clipping re-encodes with a
+    factor that is not a power of two (0.7 here): 1/s would round there."""
+    compiled = _fp8_o2_run("compiled", 3, grad_scale_factor)
+    reference = _fp8_o2_run("foreach", 3, grad_scale_factor)
     _assert_same(*compiled, *reference)
     from hf_lowprec.fp8.scaled import get_master_scale
 
     assert torch.equal(get_master_scale(compiled[0][0]), get_master_scale(reference[0][0]))
+
+
+def test_kernel_first_compiled_on_a_small_tensor_still_runs_in_parallel():
+    """Regression: Inductor chose the OpenMP parallel region from the first call's size hint,
+    and the dynamic-shape graph then served every size: a model whose first parameter is a
+    bias ran its whole optimizer step on one thread. `cpp.dynamic_threads` keeps the region."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    tensors = [torch.zeros(7, dtype=BF16) for _ in range(4)]
+    scalars = kernels._adamw_scalars([1], torch.device("cpu"), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)[0]
+    with fresh_cache():
+        compiled = torch.compile(kernels.adamw_kernel, dynamic=True, fullgraph=True, options=kernels.COMPILE_OPTIONS)
+        _, code = run_and_get_code(compiled, *tensors, scalars)
+    assert any("#pragma omp parallel" in c for c in code), "the compiled step has no parallel region"
