@@ -61,6 +61,7 @@ import torch
 __all__ = [
     "COMPILE_OPTIONS",
     "FUSED_MODES",
+    "PARALLEL_MIN_NUMEL",
     "FusedMode",
     "adamw_kernel",
     "check_fused_mode",
@@ -334,17 +335,22 @@ def fp8_adamw_store_kernel(
 
 # emulate_precision_casts: see "Arithmetic", cpp.dynamic_threads: see "Threads" above.
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+# Tensors below this many elements run a single-threaded build of the kernel (no OpenMP
+# region to open and join), the grain below which ATen's own loops stay on one thread.
+PARALLEL_MIN_NUMEL = 32768
 
 
 @functools.cache
-def _compiled(kernel: Callable[..., None]) -> Callable[..., None]:
-    # Module-level cache: one compiled callable per kernel for the whole process, so tests
-    # and optimizers share graphs (dynamo then recompiles only for new dtypes or devices).
-    # emulate_precision_casts: without it Inductor drops a cast to BF16/FP16 followed by a
-    # cast back to FP32, which would remove exactly the roundings the kernels spell out.
-    compiled = torch.compile(kernel, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+def _compiled(kernel: Callable[..., None], parallel: bool = True) -> Callable[..., None]:
+    # Module-level cache: one compiled callable per kernel (and threading) for the whole
+    # process, so tests and optimizers share graphs (dynamo then recompiles only for new dtypes
+    # or devices).
+    options = COMPILE_OPTIONS if parallel else {**COMPILE_OPTIONS, "cpp.dynamic_threads": False, "cpp.threads": 1}
+    return torch.compile(kernel, dynamic=True, fullgraph=True, options=options)
 
-    return compiled
+
+def _kernel_for(kernel: Callable[..., None], numel: int) -> Callable[..., None]:
+    return _compiled(kernel, numel >= PARALLEL_MIN_NUMEL)
 
 
 def _recompile_budget() -> Any:
@@ -410,7 +416,7 @@ def _run(kernel: Callable[..., None], fused: str, *args: torch.Tensor | None) ->
     Inductor compiles the whole graph before running it, so a failure leaves the tensors untouched.
     """
     try:
-        _compiled(kernel)(*args)
+        _kernel_for(kernel, args[0].numel())(*args)
         return True
     except Exception as error:  # any backend failure: fall back, never lose the step
         if fused == "compiled":
@@ -433,7 +439,9 @@ def _each(kernel: Callable[..., None], fused: str, rows: Sequence[Sequence[torch
     with _recompile_budget():
         for index, row in enumerate(rows):
             if not _run(kernel, fused, *(None if t is None else t.detach().view(-1) for t in row)):
-                if index:  # the first call compiles; later calls cannot fail for a new reason
+                # The first call compiles (a small tensor's single-threaded build may compile
+                # later in the step: the same graph, so it does not fail where the other passed).
+                if index:
                     raise RuntimeError(f"{kernel.__name__}: compiled step failed after {index} parameters")
                 return False
     return True
@@ -565,8 +573,8 @@ def compiled_fp8_adamw_step(
     flat = [None if x is None else (x.detach().view(-1) if x.dim() else x.detach()) for x in tensors]
     try:
         with _recompile_budget():
-            new_scales = _compiled(fp8_adamw_scale_kernel)(*flat, h, margin)
-            _compiled(fp8_adamw_store_kernel)(*flat, h, new_scales)
+            new_scales = _kernel_for(fp8_adamw_scale_kernel, param.numel())(*flat, h, margin)
+            _kernel_for(fp8_adamw_store_kernel, param.numel())(*flat, h, new_scales)
     except Exception as error:  # the first pass has not written anything yet
         if fused == "compiled":
             raise

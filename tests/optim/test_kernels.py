@@ -29,7 +29,9 @@ from hf_lowprec.optim import (
 )
 
 BF16 = torch.bfloat16
-SHAPES = [(48, 33), (257,), (7,)]
+# One tensor above `kernels.PARALLEL_MIN_NUMEL` (the OpenMP build), the rest below it (the
+# single-threaded build): both builds are checked against the reference.
+SHAPES = [(48, 33), (257,), (7,), (200, 180)]
 
 FAMILIES = {
     "collage-plus": lambda ps, f: CollageAdamW(ps, lr=1e-2, weight_decay=0.1, variant="plus", fused=f),
@@ -193,7 +195,7 @@ def test_strategy_option_reaches_the_optimizer():
 
 
 def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog):
-    def broken(kernel):
+    def broken(kernel, parallel=True):
         def fail(*args):
             raise RuntimeError("no compiler here")
 
