@@ -108,12 +108,18 @@ class COAT(PrecisionStrategy):
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.states:
             o = self.options
+            if o.fused == "compiled":
+                raise ValueError(
+                    "coat: fused='compiled' asks for a compiled optimizer step, but COAT's FP8 group "
+                    "states have none (their step runs eagerly); use fused='auto', or states=False "
+                    "for the compiled BF16 step"
+                )
             return COATAdamW(
                 param_groups, **hyper, group_size=o.group_size, exp_avg_sq_format=o.exp_avg_sq_format, expand=o.expand
             )
         if self.bf16_master:
-            return CollageAdamW(param_groups, **hyper, variant="light")
-        return PlainAdamW(param_groups, **hyper)
+            return CollageAdamW(param_groups, **hyper, variant="light", fused=self.options.fused)
+        return PlainAdamW(param_groups, **hyper, fused=self.options.fused)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return bf16_autocast()

@@ -194,6 +194,21 @@ def test_strategy_option_reaches_the_optimizer():
     assert inner.fused == "foreach"
 
 
+@pytest.mark.parametrize("options", [{"states": False}, {"states": False, "master_weights": "bf16-collage"}],
+                         ids=["fp32-master", "bf16-collage"])  # fmt: skip
+def test_coat_passes_the_option_to_its_bf16_and_fp32_steps(options):
+    strategy = get_strategy("coat", activations=True, fused="foreach", **options)
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=strategy.param_dtype))]
+    optimizer = strategy.create_optimizer(params)
+    assert getattr(optimizer, "optimizer", optimizer).fused == "foreach"
+
+
+def test_coat_refuses_a_compiled_step_for_its_fp8_states_before_any_work():
+    strategy = get_strategy("coat", fused="compiled")
+    with pytest.raises(ValueError, match="COAT's FP8 group states have none.*fused='auto'"):
+        strategy.create_optimizer([torch.nn.Parameter(torch.zeros(4))])
+
+
 def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog):
     def broken(kernel, parallel=True):
         def fail(*args):
