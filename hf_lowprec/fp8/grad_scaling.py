@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from .cast import scale_to_fp8
 from .scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
@@ -40,7 +41,12 @@ def quantize_gradient(
         (payload, scale, saturated): the FP8 payload, its FP32 scale (real = payload / scale)
         and the number of clipped elements as an int64 tensor (no host sync).
     """
-    scale = pow2_scale(tensor_amax(grad), dtype, margin) * mu
+    amax = tensor_amax(grad)
+    scale = pow2_scale(amax, dtype, margin) * mu
+    if mu <= 1.0 and bool(torch.isfinite(amax)):
+        # amax·2^e ≤ max(dtype) for pow2_scale's exponent e, so |g·s| ≤ μ·max ≤ max: nothing
+        # can saturate, the count is 0 and the plain cast gives quantize's payload.
+        return scale_to_fp8(grad, scale, dtype), scale, torch.zeros((), dtype=torch.int64, device=grad.device)
     payload, saturated = quantize_counting(grad, scale, dtype)
     return payload, scale, saturated
 

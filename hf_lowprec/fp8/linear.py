@@ -25,8 +25,10 @@ it lets every device use its fast GEMM. Two implementations compute that:
 The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
 choice is made once per device and logged; `set_fp8_gemm_path` forces one.
 
-Quantization. Activations and output gradients are quantized on every call (amax, scale and
-cast in three passes; see `_quantize_per_tensor`). `FP8Linear` quantizes its weight once per
+Quantization. Activations and output gradients are quantized on every call (amax, then scale
+and cast in one compiled pass; see `_quantize_per_tensor`); the upcast path widens FP8
+payloads by table lookup (`cast.widen`): PyTorch's own CPU casts to and from FP8 cost more
+than the GEMMs. `FP8Linear` quantizes its weight once per
 optimizer step: the FP8 weight is cached under the weight's version counter and a global
 optimizer-step counter, so gradient accumulation and evaluation reuse it, and any change
 (optimizer step, `load_state_dict`, in-place edits, `.to()`) invalidates it. Only the FP8
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .cast import scale_to_fp8, widen
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
 __all__ = ["FP8Linear", "GemmPath", "convert_to_fp8", "fp8_gemm_path", "fp8_linear", "set_fp8_gemm_path"]
@@ -80,13 +83,13 @@ def _quantize_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, s) with s the power-of-two scale of the real values x / master_scale.
 
-    Three passes over x: amax, x·s in FP32, the cast. The scale comes from this tensor's own
+    Two passes over x: amax, then x·s in FP32 and the cast (one compiled loop, `cast.scale_to_fp8`).
+    The scale comes from this tensor's own
     amax, so |x·s| ≤ max(dtype) already and `quantize`'s saturating clamp has nothing to do.
     A non-finite amax (an inf or NaN anywhere in x) makes the scale NaN, so the whole payload
     is NaN and the overflow stays visible downstream, as with `quantize`.
     """
-    # max |x| in one pass, without the |x| temporary that abs().amax() allocates.
-    amax = torch.linalg.vector_norm(x.detach(), float("inf")).float() if x.numel() else torch.zeros((), device=x.device)
+    amax = tensor_amax(x)
     if master_scale is not None:
         amax = amax / master_scale
     scale = pow2_scale(amax, dtype, margin)
@@ -95,8 +98,7 @@ def _quantize_per_tensor(
     if master_scale is not None:
         # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
         factor = factor / master_scale
-    y = x.detach().float() * factor if x.dtype != torch.float32 else x.detach() * factor
-    return y.to(dtype), scale
+    return scale_to_fp8(x.detach(), factor, dtype), scale
 
 
 def _pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -122,7 +124,7 @@ class _Upcast:
     name: GemmPath = "upcast"
 
     def operand(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(GEMM_OUT_DTYPE)
+        return widen(t, GEMM_OUT_DTYPE)
 
     def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
         """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16."""
@@ -249,13 +251,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         sw: torch.Tensor,
         transposed: bool,
         margin: int,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
         gemm = _gemm_for(x.device)
-        x8, sx = _quantize_per_tensor(x.reshape(-1, x.shape[-1]), E4M3, margin)
-        # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
-        out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, x.dtype, gemm)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
+        # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
+        with torch.autocast(x.device.type, enabled=False):
+            x8, sx = _quantize_per_tensor(x.reshape(-1, x.shape[-1]), E4M3, margin)
+            # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
+            out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
+            # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
+            # is rounded once to the output dtype.
+            out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
         ctx.save_for_backward(x8, sx, w8, sw)
         ctx.transposed = transposed
         ctx.margin = margin
@@ -287,12 +293,27 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
     if x.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"FP8 linear takes FP32, FP16 or BF16 inputs, got {x.dtype}; cast the input first")
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The input's dtype, or under autocast its dtype, as autocast gives `nn.Linear`'s output.
+
+    Only the output's rounding follows autocast: the GEMM result is BF16 whatever the output
+    dtype (module docstring), so under BF16 autocast the output is exactly the FP32-input
+    layer's output rounded to BF16, and the FP8 operands and what is saved are the same.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in _ACTIVATION_DTYPES:
+            return dtype
+    return x.dtype
 
 
 def fp8_linear(
@@ -307,7 +328,8 @@ def fp8_linear(
     """Functional FP8 linear: x·Wᵀ + b (x·W + b when `weight_transposed`, GPT-2 Conv1D layout).
 
     Args:
-        x: input (..., K) in FP32, FP16 or BF16; the output has the same dtype.
+        x: input (..., K) in FP32, FP16 or BF16; the output has the same dtype (the autocast
+            dtype under autocast, see `_output_dtype`).
         weight: N×K (or K×N when `weight_transposed`).
         margin: scale margin in binades for every FP8 cast.
         master_scale: when the weight is a scaled master (payload = real·s_m), its scale.
@@ -317,7 +339,7 @@ def fp8_linear(
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
     w8, sw = _quantize_per_tensor(weight, E4M3, margin, master_scale)
-    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, weight_transposed, margin)
+    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, weight_transposed, margin, _output_dtype(x))
 
 
 class FP8Linear(nn.Module):
@@ -398,7 +420,9 @@ class FP8Linear(nn.Module):
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
         w8, sw = self._fp8_weight()
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin)
+        return _FP8LinearFunction.apply(
+            x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin, _output_dtype(x)
+        )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""

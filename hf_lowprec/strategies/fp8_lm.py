@@ -11,6 +11,7 @@ the FP8 DDP hook) and `hf_lowprec.optim.FP8AdamW`; this class only combines them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from ..fp8.scaled import FORMATS, dequantize, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
 from ..registry import register
 from .base import PrecisionStrategy, StrategyOptions, grads_are_finite
+from .baselines import bf16_autocast
 
 __all__ = ["FP8LM", "FP8LMOptions"]
 
@@ -105,8 +107,9 @@ class FP8LM(PrecisionStrategy):
 
     @property
     def compute_dtype(self) -> torch.dtype:  # type: ignore[override]
-        # Linear GEMMs run in FP8 inside FP8Linear; everything else computes in FP32.
-        return torch.float32
+        # Linear GEMMs run in FP8 inside FP8Linear; everything else under BF16 autocast, as in
+        # bf16-mixed (the LM head, attention matmuls; norms and the loss stay FP32 by autocast's rules).
+        return torch.bfloat16
 
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.float16) if self.o2 else (torch.float32,)
@@ -161,6 +164,9 @@ class FP8LM(PrecisionStrategy):
         optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin)
         self.backward_grads.owner = optimizer
         return optimizer
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return bf16_autocast()
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """O2 clips the FP8 gradients kept by FP8AdamW with the FP32 ones (custom loops call this

@@ -174,3 +174,50 @@ def test_module_filter_replaces_the_default_filter():
     converted = sorted(n for n, m in model.named_modules() if isinstance(m, FP8Linear))
     assert converted == ["lm_head", "transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
     assert model.lm_head.weight is model.transformer.wte.weight, "tying must survive the swap"
+
+
+def _saved_during(fn):
+    """(result, the tensors autograd saved while `fn` ran)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_bf16_autocast_only_rounds_the_output(transposed):
+    """Under BF16 autocast an FP8 layer computes what it computes without (same FP8 operands,
+    same GEMM, same saved tensors: FP8 payloads and their scales, nothing in high precision);
+    only the output is rounded to BF16, as autocast rounds `nn.Linear`'s. The GEMM result is
+    BF16 already and the bias is added in FP32, so the autocast output is exactly the FP32
+    output rounded to BF16, and backward given the same output gradient gives the same
+    input and weight gradients bit for bit."""
+    layer = FP8Linear(64, 48, weight_transposed=transposed)
+    nn.init.normal_(layer.weight, std=0.1)
+    nn.init.normal_(layer.bias, std=0.5)
+    x = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(5, 7, 48, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    runs = []
+    for autocast in (False, True):
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, saved = _saved_during(lambda: layer(xi))
+        y.backward(grad.to(y.dtype))
+        runs.append((y, saved, xi.grad, layer.weight.grad, layer.bias.grad))
+    (y32, saved32, gx32, gw32, gb32), (y16, saved16, gx16, gw16, gb16) = runs
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert torch.equal(_bits(y16), _bits(y32.to(torch.bfloat16)))
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert all(t.dtype in fp8 or t.dim() == 0 for t in saved16), [(t.dtype, t.shape) for t in saved16]
+    assert len(saved16) == len(saved32) == 4  # x and W payloads, their scales
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(saved32, saved16))
+    assert torch.equal(gx32, gx16) and torch.equal(gw32, gw16)
+    # The bias gradient sums the same 35 values per column in FP32 from FP32 or BF16 storage;
+    # only the summation order may differ: |error| ≤ 34·2^-24·Σ|g|.
+    bound = 34 * 2.0**-24 * grad.float().abs().sum(dim=(0, 1))
+    assert ((gb32 - gb16).abs() <= bound).all()

@@ -257,3 +257,86 @@ def test_o2_lost_arithmetic_metrics_are_taken_on_the_masters():
     metrics = strategy.metrics()
     assert metrics["precision/imprecision_pct"] < 0.1
     assert abs(metrics["precision/edq_ratio"] - 1.0) < 0.05, metrics
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the floating operand dtypes of every matrix product (after autocast's casts)."""
+
+    PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention_for_cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.seen.append((func.overloadpacket.__name__, {a.dtype for a in args if torch.is_tensor(a)}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_matrix_product_runs_in_bf16(name):
+    """Outside the FP8 layers (LM head, attention scores and values) the products run under BF16
+    autocast as in bf16-mixed; the FP8 layers' own GEMMs take the BF16-widened FP8 payloads
+    (exact). Before autocast, the LM head and attention computed in FP32."""
+    strategy, model, _ = setup(name)
+    assert strategy.compute_dtype == torch.bfloat16
+    ids = batches(1)[0]
+    with _MatmulDtypes() as mode:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+    # 2 blocks × (4 FP8 GEMMs + 2 attention products) + the LM head, each in forward and backward.
+    assert len(mode.seen) >= 2 * (2 * 6 + 1), mode.seen
+    assert all(dtypes == {torch.bfloat16} for _, dtypes in mode.seen), mode.seen
+    assert loss.dtype == torch.float32  # the loss itself is FP32 (autocast's rule for cross-entropy)
+
+
+def _saved_in_first_block(name):
+    """Bytes autograd saves inside block 0 of the tiny GPT-2 under `name`'s forward context, by
+    dtype, parameters left out (they are saved by reference)."""
+    strategy, model, _ = setup(name)
+    block = model.transformer.h[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, saved = [False], {}
+    block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if inside[0] and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = (storage.nbytes(), t.dtype)
+        return t
+
+    ids = batches(1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), strategy.forward_context():
+        model(input_ids=ids, labels=ids)
+    by_dtype = {}
+    for nbytes, dtype in saved.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    return by_dtype
+
+
+def test_o2_block_saves_fp8_layer_inputs_in_fp8_only_and_the_rest_in_bf16():
+    """Per block of the tiny GPT-2 (T = 4·32 tokens, h = 64, 2 heads), measured with
+    saved-tensor hooks. FP8: the inputs of c_attn, attn.c_proj, c_fc (h each) and mlp.c_proj
+    (4h), 7·h·T bytes, plus the per-step FP8 weights, 12·h² (1 byte per element), exactly; the
+    FP8 layers save nothing else (tests/fp8/test_linear.py). The rest is bounded by what the
+    non-FP8 operations keep: in FP32 the LayerNorm inputs (the residual stream: 2·4·h·T) with
+    their mean and rstd (2·2·4·T), SDPA's log-sum-exp (4·2·32·4) and the 8 FP8 scales; in BF16
+    the q/k/v projection output (3·h·T·2), SDPA's output and its head-layout copies of k and v
+    (3·h·T·2; the output is also attn.c_proj's input, which SDPA's backward needs) and the
+    tanh-GELU's four intermediates (4·4h·T·2). With FP32 compute (before autocast) the GELU
+    intermediates alone were twice that; bf16-mixed saves the linear inputs in BF16 and BF16
+    copies of the weights, so it saves more in total.
+    """
+    h, tokens = 64, 4 * 32
+    by_dtype = _saved_in_first_block("fp8-lm-o2")
+    assert set(by_dtype) <= {torch.float8_e4m3fn, torch.float32, torch.bfloat16}, by_dtype
+    assert by_dtype[torch.float8_e4m3fn] == 7 * h * tokens + 12 * h * h
+    fp32_bound = 2 * 4 * h * tokens + 2 * 2 * 4 * tokens + 4 * 2 * 32 * 4 + 8 * 4
+    bf16_bound = 3 * h * tokens * 2 + 3 * h * tokens * 2 + 4 * (4 * h * tokens) * 2
+    assert by_dtype[torch.float32] <= fp32_bound, by_dtype
+    assert by_dtype[torch.bfloat16] <= bf16_bound, by_dtype
+    reference = _saved_in_first_block("bf16-mixed")
+    assert sum(by_dtype.values()) < sum(reference.values()), (by_dtype, reference)

@@ -1,0 +1,108 @@
+"""Fast FP8 conversions (hf_lowprec.fp8.cast) give exactly PyTorch's casts, bit for bit."""
+
+import pytest
+import torch
+
+from hf_lowprec.fp8 import cast, quantize_counting, quantize_gradient
+from hf_lowprec.fp8.scaled import format_max, pow2_scale, tensor_amax
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+WIDE = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (so NaN == NaN and -0 != +0 in comparisons)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", WIDE)
+def test_widen_gives_the_cast_of_every_code(fp8, dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8)  # ±0, subnormals, max, NaN (and E5M2 ±inf)
+    assert torch.equal(bits(cast.widen(codes, dtype)), bits(codes.to(dtype)))
+    grid = codes[torch.randperm(256, generator=torch.Generator().manual_seed(0))].view(16, 16)
+    for layout in (grid, grid.t(), grid[:, ::2], grid.t()[1:]):  # contiguous, transposed, strided
+        out = cast.widen(layout, dtype)
+        assert out.shape == layout.shape and torch.equal(bits(out), bits(layout.to(dtype)))
+
+
+def test_widen_leaves_other_dtypes_to_the_plain_cast():
+    x = torch.randn(5, 3)
+    assert torch.equal(cast.widen(x, torch.bfloat16), x.to(torch.bfloat16))
+
+
+def fp8_test_values(fp8: torch.dtype) -> torch.Tensor:
+    """Every finite FP8 value, the midpoints between neighbours (exact ties for round-to-nearest-even),
+    and the FP32 numbers one ulp on either side of each midpoint, with both signs."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[values.isfinite() & (values >= 0)].unique().double()
+    mids = ((values[1:] + values[:-1]) / 2).float()  # exact in FP32: 4 significant bits at most
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    out = torch.cat([values.float(), near])
+    return torch.cat([out, -out])
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_scale_to_fp8_rounds_like_the_eager_cast_and_like_fp64(fp8):
+    """Compiled and eager casts agree bit for bit on ties and their neighbours; and against FP64:
+    the payload is the FP8 value nearest to x·s (ties to even), so its error is at most half the
+    spacing between the two FP8 neighbours of x·s."""
+    y = fp8_test_values(fp8)
+    for factor in (1.0, 2.0**-3, 2.0**5):
+        x = y / factor  # exact: powers of two
+        scale = torch.tensor(factor)
+        got = cast.scale_to_fp8(x, scale, fp8)
+        assert torch.equal(bits(got), bits((x * scale).to(fp8)))
+        grid = torch.arange(256, dtype=torch.uint8).view(fp8).double()
+        grid = grid[grid.isfinite()].unique()
+        target = (x.double() * factor).unsqueeze(1)
+        distance = (grid.unsqueeze(0) - target).abs().min(dim=1).values
+        assert torch.equal((got.double() - target.squeeze(1)).abs(), distance)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", WIDE)
+def test_scale_to_fp8_takes_every_input_dtype_and_keeps_nan(fp8, dtype):
+    x = torch.randn(37, 19, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[3, 4] = float("nan")
+    scale = pow2_scale(tensor_amax(x[x.isfinite()]), fp8)
+    got = cast.scale_to_fp8(x, scale, fp8)
+    assert got.shape == x.shape and got.dtype == fp8
+    assert torch.equal(bits(got), bits((x.float() * scale).to(fp8)))
+    assert got[3, 4].float().isnan()
+    assert cast.scale_to_fp8(torch.empty(0, 8, dtype=dtype), scale, fp8).shape == (0, 8)
+
+
+def test_tensor_amax_is_the_max_of_abs_including_nan_and_signed_zero():
+    for x in (torch.tensor([-3.0, 2.0]), torch.tensor([-0.0, 0.0]), torch.tensor([1.0, float("-inf")])):
+        assert torch.equal(tensor_amax(x), x.abs().amax())
+    assert tensor_amax(torch.tensor([1.0, float("nan"), -5.0])).isnan()
+    assert tensor_amax(torch.empty(0)) == 0
+
+
+@pytest.mark.parametrize("mu", [1.0, 0.5, 0.75])
+def test_gradient_quantization_fast_path_equals_the_counting_path(mu):
+    """With μ ≤ 1 and a finite amax nothing can saturate (amax·s ≤ μ·max): the plain cast gives
+    quantize_counting's payload (up to the sign of zero, which it drops) and the count is 0."""
+    g = torch.randn(300, 70, generator=torch.Generator().manual_seed(2)) * 1e-3
+    g[0, :5] = 0.0
+    payload, scale, saturated = quantize_gradient(g, mu, torch.float8_e4m3fn)
+    reference, count = quantize_counting(g, scale, torch.float8_e4m3fn)
+    assert int(saturated) == int(count) == 0
+    assert torch.equal(payload.float(), reference.float())
+    assert (payload.float().abs() <= format_max(torch.float8_e4m3fn)).all()
+
+
+def test_gradient_quantization_counts_saturation_when_mu_exceeds_one():
+    g = torch.zeros(1000)
+    g[:3] = torch.tensor([1.0, 0.9, 0.1])
+    # μ = 2: 1.0 and 0.9 scale past 448, 0.1 does not.
+    _, _, saturated = quantize_gradient(g, 2.0, torch.float8_e4m3fn)
+    assert int(saturated) == 2
+    # A non-finite amax gives scale μ and the counting path, even at μ = 1: the finite elements
+    # above the FP8 maximum count (they decide whether μ halves on a skipped step).
+    g[:3] = torch.tensor([1000.0, 900.0, 0.1])
+    g[5] = float("inf")
+    payload, scale, saturated = quantize_gradient(g, 1.0, torch.float8_e4m3fn)
+    assert scale == 1.0 and int(saturated) == 2
+    assert payload[5].float().isnan() and payload[0].float() == 448.0
