@@ -7,14 +7,16 @@ strategy, as ratios to bf16-mixed measured in the same run.
 Each strategy runs in its own process (peak RSS is per process: `ru_maxrss`), with the strategy
 loop the Trainer drives (forward context, scaled backward, optimizer step). The first step is
 warm-up (allocations, the optimizer's compiled kernels); the median of the next `--steps` is
-reported. On a shared machine absolute times drift; the ratios to the first strategy, measured
-in the same run, are what to read.
+reported, for the whole step and for forward + backward alone (the optimizer step is measured
+on its own by bench_optim.py). On a shared machine absolute times drift; the ratios to the first
+strategy, measured in the same run, are what to read, with the load average printed beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -41,18 +43,20 @@ def child(args: argparse.Namespace) -> None:
     model = strategy.prepare_model(GPT2LMHeadModel(GPT2Config()))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    times, losses = [], []
+    times, passes, losses = [], [], []
     for _ in range(args.steps + 1):
         start = time.perf_counter()
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
         strategy.scale_loss(loss).backward()
+        passes.append(time.perf_counter() - start)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"step_s": statistics.median(times[1:]), "peak_mib": peak_mib, "loss": losses[-1]}))
+    out = {"step_s": statistics.median(times[1:]), "fwd_bwd_s": statistics.median(passes[1:]), "peak_mib": peak_mib}
+    print(json.dumps({**out, "loss": losses[-1]}))
 
 
 def main() -> int:
@@ -68,6 +72,7 @@ def main() -> int:
         child(args)
         return 0
     names = args.strategies.split(",")
+    load = os.getloadavg()
     results = {}
     for name in names:
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--threads", str(args.threads),
@@ -80,9 +85,12 @@ def main() -> int:
     base = results[names[0]]
     print(f"GPT-2 124M, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps; "
           f"ratios to {names[0]} in this run")  # fmt: skip
-    print(f"| strategy | step | step ratio | peak RSS | RSS ratio | loss |\n|---|---|---|---|---|---|")
+    print(f"load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}")
+    print("| strategy | step | step ratio | forward+backward | fwd+bwd ratio | peak RSS | RSS ratio | loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f} | {r['peak_mib']:.0f} MiB | "
+        print(f"| {name} | {r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f} | {r['fwd_bwd_s']:.2f} s | "
+              f"{r['fwd_bwd_s'] / base['fwd_bwd_s']:.2f} | {r['peak_mib']:.0f} MiB | "
               f"{r['peak_mib'] / base['peak_mib']:.2f} | {r['loss']:.3f} |")  # fmt: skip
     return 0
 
