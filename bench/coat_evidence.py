@@ -1,6 +1,6 @@
 """COAT evidence (ALGORITHMS.md §4): state quantization error, saved-activation bytes, gradient error, bytes/param.
 
-    python bench/coat_evidence.py [--steps 200] [--train 2000]
+    python bench/coat_evidence.py [--steps 200] [--train 2000] [--train-only]
 
 1. Mean relative error of FP8 optimizer states on real AdamW moments (a tiny GPT-2 trained
    `--steps` steps on the embedded corpus with torch.optim.AdamW): COAT's dynamic range
@@ -10,7 +10,8 @@
    and Llama tiny configs, BF16 autocast vs `coat`, from what autograd keeps alive.
 3. Gradient error of `coat`'s FP8 activations vs the BF16 model on the same batch.
 4. Model-state bytes/param of `coat` (FP32 master, BF16 + δθ), from `model_state_bytes`.
-5. With `--train N`: `hf_lowprec.demo` training of bf16-mixed and coat, eval perplexity.
+5. With `--train N`: `hf_lowprec.demo` training of bf16-mixed, coat and each coat piece on its
+   own (same seed, data and schedule), eval perplexity and its ratio to bf16-mixed.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from hf_lowprec.memory import model_state_bytes
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def adamw_snapshots(steps: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """m1 and m2 of every parameter (one flat FP32 tensor each) after `steps` AdamW steps."""
+def adamw_snapshots(steps: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """m1 and m2 of every parameter (one FP32 tensor per parameter) after `steps` AdamW steps."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     train_ds, _ = clm_datasets(tokenizer, block_size=64)
@@ -50,42 +51,65 @@ def adamw_snapshots(steps: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
             if step == steps:
                 break
     states = list(optimizer.state.values())
-    return (torch.cat([s["exp_avg"].flatten() for s in states]), torch.cat([s["exp_avg_sq"].flatten() for s in states]))
+    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
 
 
-def mean_relative_error(x: torch.Tensor, decoded: torch.Tensor) -> float:
-    """mean over non-zero x of |x̂ − x| / |x|, in FP64."""
+def mean_relative_error(tensors: list[torch.Tensor], method, signed: bool) -> float:
+    """mean over the non-zero elements of all `tensors` of |x̂ − x| / |x|, in FP64.
+
+    Each tensor is quantized on its own, as an optimizer stores each parameter's state (groups
+    never straddle two parameters).
+    """
+    x = torch.cat([t.flatten() for t in tensors]).double()
+    decoded = torch.cat([method(t, signed).flatten() for t in tensors]).double()
     nz = x != 0
-    x64, d64 = x[nz].double(), decoded[nz].double()
-    return ((d64 - x64).abs() / x64.abs()).mean().item()
+    return ((decoded[nz] - x[nz]).abs() / x[nz].abs()).mean().item()
 
 
 def _ours(expand: bool, dtype: torch.dtype, group_size: int = 128):
     return lambda x, signed: dequantize_state(quantize_state(x, group_size, dtype, expand))
 
 
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x flattened and zero-padded to whole blocks (a peer's block must not straddle parameters;
+    zeros change no block maximum). torchao's optimizers keep tensors below 4096 elements in FP32;
+    here every tensor is quantized so that all methods see the same elements."""
+    flat = x.detach().float().flatten()
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % block))
+
+
+def _unblocks(decoded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return decoded.flatten()[: x.numel()].view(x.shape)
+
+
 def _torchao_fp8(x: torch.Tensor, signed: bool) -> torch.Tensor:
     from torchao.optim.subclass_fp8 import OptimStateFp8
 
-    state = OptimStateFp8.zeros(x.shape, block_size=256)
-    state.copy_(x)
-    return state.dequantize()
+    flat = _blocks(x, 256)
+    state = OptimStateFp8.zeros(flat.shape, block_size=256)
+    state.copy_(flat)
+    return _unblocks(state.dequantize(), x)
 
 
 def _torchao_8bit(x: torch.Tensor, signed: bool) -> torch.Tensor:
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    state = OptimState8bit.zeros(x.shape, signed=signed, block_size=256)
-    state.copy_(x)
-    return state.dequantize()
+    flat = _blocks(x, 256)
+    state = OptimState8bit.zeros(flat.shape, signed=signed, block_size=256)
+    state.copy_(flat)
+    return _unblocks(state.dequantize(), x)
 
 
 def _bnb_blockwise(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """bitsandbytes' own quantize/dequantize. Its CPU kernel (0.50.2) maps |x| below about
+    2e-5·absmax, exact zeros included, to the code 2.1e-5·absmax instead of the nearest code, so
+    the mean relative error of this row is dominated by those elements. The same dynamic map
+    rounded to the nearest code is torchao's `OptimState8bit` row (identical errors here)."""
     import bitsandbytes.functional as F
 
     code = F.create_dynamic_map(signed=signed)
-    q, state = F.quantize_blockwise(x, code=code, blocksize=256)
-    return F.dequantize_blockwise(q, state)
+    q, state = F.quantize_blockwise(_blocks(x, 256), code=code, blocksize=256)
+    return _unblocks(F.dequantize_blockwise(q, state), x)
 
 
 def state_error_table(steps: int) -> list[tuple[str, float | None, float | None]]:
@@ -101,12 +125,12 @@ def state_error_table(steps: int) -> list[tuple[str, float | None, float | None]
         ("torchao OptimState8bit (dynamic map, block 256)", "torchao", _torchao_8bit),
         ("bitsandbytes 8-bit blockwise (dynamic map, block 256)", "bitsandbytes", _bnb_blockwise),
     ]
-    rows = [(name, mean_relative_error(m1, f1(m1, True)), mean_relative_error(m2, f2(m2, False))) for name, f1, f2 in methods]
+    rows = [(name, mean_relative_error(m1, f1, True), mean_relative_error(m2, f2, False)) for name, f1, f2 in methods]
     for name, package, fn in peers:
         if importlib.util.find_spec(package) is None:
             rows.append((f"{name}: not installed", None, None))
             continue
-        rows.append((name, mean_relative_error(m1, fn(m1, True)), mean_relative_error(m2, fn(m2, False))))
+        rows.append((name, mean_relative_error(m1, fn, True), mean_relative_error(m2, fn, False)))
     return rows
 
 
@@ -182,41 +206,70 @@ def bytes_per_param() -> dict[str, float]:
     return out
 
 
+#: bf16-mixed first (the reference), then `coat` and each of its pieces on its own.
+TRAINING_RUNS = (
+    ("bf16-mixed", "bf16-mixed", None),
+    ("coat", "coat", None),
+    ("coat master_weights=bf16-collage", "coat", {"master_weights": "bf16-collage"}),
+    ("coat states=False (FP8 linear + activations)", "coat", {"states": False}),
+    ("coat activations=False (FP8 states only)", "coat", {"activations": False}),
+)
+
+
+def training_rows(steps: int):
+    """Yield (label, demo row) for each of TRAINING_RUNS, same seed, data and schedule."""
+    import tempfile
+
+    from hf_lowprec.demo import run_strategy
+
+    tokenizer = build_tokenizer()
+    train_ds, eval_ds = clm_datasets(tokenizer, block_size=64)
+    with tempfile.TemporaryDirectory() as out:
+        for label, name, options in TRAINING_RUNS:
+            yield label, run_strategy(name, steps=steps, batch_size=8, lr=1e-3, seed=0, tokenizer=tokenizer,
+                                      train_ds=train_ds, eval_ds=eval_ds, output_dir=out, options=options)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="AdamW steps before the state snapshot")
-    parser.add_argument("--train", type=int, default=0, help="also train bf16-mixed and coat for this many steps")
+    parser.add_argument("--train", type=int, default=0, help="also train bf16-mixed and coat (and its pieces) this many steps")
+    parser.add_argument("--train-only", action="store_true", help="skip sections 1-4")
     ns = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
 
-    print(f"1. FP8 optimizer-state error, tiny GPT-2 after {ns.steps} AdamW steps (mean relative error, non-zero elements)")
-    rows = state_error_table(ns.steps)
-    print(f"{'method':<58} {'m1':>8} {'m2':>8}")
-    for name, e1, e2 in rows:
-        cells = "".join(f" {e:>8.4f}" if e is not None else f" {'-':>8}" for e in (e1, e2))
-        print(f"{name:<58}{cells}")
-    plain = rows[2]
-    print(f"expansion / plain (E4M3/E4M3): m1 {rows[0][1] / plain[1]:.3f}x, m2 {rows[0][2] / plain[2]:.3f}x")
+    if not ns.train_only:
+        print(f"1. FP8 optimizer-state error, tiny GPT-2 after {ns.steps} AdamW steps (mean relative error, non-zero elements)")
+        rows = state_error_table(ns.steps)
+        print(f"{'method':<58} {'m1':>8} {'m2':>8}")
+        for name, e1, e2 in rows:
+            cells = "".join(f" {e:>8.4f}" if e is not None else f" {'-':>8}" for e in (e1, e2))
+            print(f"{name:<58}{cells}")
+        plain = rows[2]
+        print(f"expansion / plain (E4M3/E4M3): m1 {rows[0][1] / plain[1]:.3f}x, m2 {rows[0][2] / plain[2]:.3f}x")
 
-    print("\n2. Saved-activation bytes per transformer block, batch 8x128, hidden 64")
-    print(f"{'model':<8} {'bf16':>10} {'coat':>10} {'ratio':>7}")
-    for kind, bf16, coat in activation_table():
-        print(f"{kind:<8} {bf16:>10} {coat:>10} {coat / bf16:>7.3f}")
+        print("\n2. Saved-activation bytes per transformer block, batch 8x128, hidden 64")
+        print(f"{'model':<8} {'bf16':>10} {'coat':>10} {'ratio':>7}")
+        for kind, bf16, coat in activation_table():
+            print(f"{kind:<8} {bf16:>10} {coat:>10} {coat / bf16:>7.3f}")
 
-    print("\n3. Gradient error (norm-wise relative, all parameters), tiny GPT-2, batch 8x128")
-    for label, value in gradient_errors().items():
-        print(f"{label:<36} {value:.4f}")
+        print("\n3. Gradient error (norm-wise relative, all parameters), tiny GPT-2, batch 8x128")
+        for label, value in gradient_errors().items():
+            print(f"{label:<36} {value:.4f}")
 
-    print("\n4. Model-state bytes/param (hf_lowprec.memory.model_state_bytes), tiny GPT-2")
-    for label, value in bytes_per_param().items():
-        print(f"{label:<36} {value:.2f}")
+        print("\n4. Model-state bytes/param (hf_lowprec.memory.model_state_bytes), tiny GPT-2")
+        for label, value in bytes_per_param().items():
+            print(f"{label:<36} {value:.2f}")
 
     if ns.train:
-        from hf_lowprec.demo import main as demo
-
-        print(f"\n5. Training, {ns.train} steps")
-        demo(["--steps", str(ns.train), "--lr", "1e-3", "--threads", "1", "--strategies", "bf16-mixed,coat"])
+        print(f"\n5. Training, tiny GPT-2, {ns.train} steps, batch 8x64, cosine lr 1e-3, seed 0 (hf_lowprec.demo)")
+        print(f"{'strategy':<48} {'train loss':>10} {'eval ppl':>9} {'vs bf16':>8} {'step ms':>8}")
+        reference = None
+        for label, row in training_rows(ns.train):
+            reference = reference or row["eval_perplexity"]
+            print(f"{label:<48} {row['final_train_loss']:>10.4f} {row['eval_perplexity']:>9.2f} "
+                  f"{row['eval_perplexity'] / reference:>8.4f} {row['median_step_ms']:>8.1f}", flush=True)
 
 
 if __name__ == "__main__":

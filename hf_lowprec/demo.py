@@ -40,13 +40,14 @@ class _StepTimer(TrainerCallback):
 
 
 def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed: int,
-                 tokenizer, train_ds, eval_ds, output_dir: str) -> dict[str, float]:
-    """Train the tiny GPT-2 under `strategy` with hf_lowprec.Trainer and return its row."""
+                 tokenizer, train_ds, eval_ds, output_dir: str, options: dict | None = None) -> dict[str, float]:
+    """Train the tiny GPT-2 under `strategy` (with `options`, its `precision_options`) and return its row."""
     transformers.set_seed(seed)
     model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer)))
     args = TrainingArguments(
         output_dir=output_dir,
         precision_strategy=strategy,
+        precision_options=options,
         max_steps=steps,
         per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=batch_size,

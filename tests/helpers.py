@@ -19,14 +19,17 @@ def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 1) -> list[torch.
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
 
 
-def train_steps(strategy, model, optimizer, data: list[torch.Tensor]) -> list[float]:
-    """The plain strategy loop (forward context, scaled backward, step) over `data`; the losses."""
+def train_steps(strategy, model, optimizer, data: list[torch.Tensor], scheduler=None) -> list[float]:
+    """The plain strategy loop (forward context, scaled backward, step, `scheduler` step if
+    given) over `data`; the losses."""
     losses = []
     for ids in data:
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
         strategy.scale_loss(loss).backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
