@@ -84,14 +84,17 @@ def test_expansion_cuts_the_error_on_real_adamw_states():
         optimizer.zero_grad()
     ratios = {}
     for key in ("exp_avg", "exp_avg_sq"):
-        x = torch.cat([s[key].flatten() for s in optimizer.state.values()])
+        states = [s[key] for s in optimizer.state.values()]
+        x = torch.cat([t.flatten() for t in states])
         nz = x != 0
         errors = []
         for expand in (True, False):
-            decoded = dequantize_state(quantize_state(x, expand=expand))
+            # Each parameter's state on its own, as COATAdamW stores it.
+            decoded = torch.cat([dequantize_state(quantize_state(t, expand=expand)).flatten() for t in states])
             errors.append(((decoded - x)[nz].double().abs() / x[nz].double().abs()).mean().item())
         ratios[key] = errors[0] / errors[1]
-    # bench/coat_evidence.py measures 0.61× (m1) and 0.36× (m2) after 200 steps on the corpus.
+    # Here 0.64× and 0.38× (both ISAs); bench/coat_evidence.py measures 0.61× (m1) and 0.35× (m2)
+    # after 200 steps on the corpus.
     assert ratios["exp_avg"] <= 0.7 and ratios["exp_avg_sq"] <= 0.5, ratios
 
 
