@@ -5,8 +5,9 @@ PyTorch's CPU kernels convert to and from float8 one element at a time (measured
 Two replacements, each giving exactly what the plain cast gives:
 
 - `widen` (FP8 → 16/32-bit): an FP8 payload has only 256 codes, so widening is a lookup of the
-  byte in a 256-entry table of the exact values (1.2 ms for the same tensor). The table is made
-  by PyTorch's own conversion of the 256 codes, so every value, ±0, subnormals and NaN
+  byte in a 256-entry table of the exact values (1.2 ms for the same tensor); for 16-bit
+  results, two bytes at a time in a 65536-entry table of value pairs (0.6 ms). The tables are
+  made by PyTorch's own conversion of the 256 codes, so every value, ±0, subnormals and NaN
   included, is the one `payload.to(dtype)` gives.
 - `scale_to_fp8` (x·s → FP8): the product in FP32 and the cast, compiled by Inductor into one
   vectorised loop (0.6 ms), where a C++ compiler is available; the eager ops otherwise. The
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import sys
 from typing import Callable
 
 import torch
@@ -41,6 +43,14 @@ def _table(fp8: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.arange(256, dtype=torch.uint8, device=device).view(fp8).to(dtype)
 
 
+@functools.cache
+def _pair_table(fp8: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """65536 entries: the 2-byte values of both codes of a little-endian byte pair, as one int32."""
+    pair = torch.arange(65536, dtype=torch.int32, device=device)
+    single = _table(fp8, dtype, device)
+    return torch.stack([single[pair & 0xFF], single[pair >> 8]], dim=1).view(torch.int32).reshape(-1)
+
+
 def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`payload.to(dtype)` for an FP8 payload, by table lookup on CPU (same values, bit for bit).
 
@@ -51,6 +61,10 @@ def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if payload.dim() == 2 and not payload.is_contiguous() and payload.t().is_contiguous():
         return widen(payload.t(), dtype).t()  # a transposed operand keeps its layout, no copy
     codes = payload.view(torch.uint8).reshape(-1)
+    if dtype.itemsize == 2 and codes.numel() % 2 == 0 and sys.byteorder == "little":
+        # Two codes per lookup: half the index conversions and gathers (1.9× faster here).
+        pairs = codes.contiguous().view(torch.uint16).int()
+        return torch.index_select(_pair_table(payload.dtype, dtype, payload.device), 0, pairs).view(dtype).view(payload.shape)
     # index_select takes int32 indices on CPU: a quarter of the int64 index tensor's traffic.
     out = torch.index_select(_table(payload.dtype, dtype, payload.device), 0, codes.int())
     return out.view(payload.shape)

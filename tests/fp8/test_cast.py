@@ -26,6 +26,18 @@ def test_widen_gives_the_cast_of_every_code(fp8, dtype):
         assert out.shape == layout.shape and torch.equal(bits(out), bits(layout.to(dtype)))
 
 
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", WIDE)
+def test_widen_two_codes_at_a_time_gives_the_cast_of_every_pair(fp8, dtype):
+    """16-bit results are looked up a byte pair at a time: all 65536 pairs, and an odd size
+    (the single-code table for the last byte's layout)."""
+    first, second = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
+    pairs = torch.stack([first, second], dim=-1).reshape(-1).to(torch.uint8).view(fp8)
+    assert torch.equal(bits(cast.widen(pairs, dtype)), bits(pairs.to(dtype)))
+    odd = pairs[:255]
+    assert torch.equal(bits(cast.widen(odd, dtype)), bits(odd.to(dtype)))
+
+
 def test_widen_leaves_other_dtypes_to_the_plain_cast():
     x = torch.randn(5, 3)
     assert torch.equal(cast.widen(x, torch.bfloat16), x.to(torch.bfloat16))
