@@ -28,6 +28,8 @@ import dataclasses
 
 import torch
 
+from .cast import widen
+
 __all__ = [
     "FORMATS",
     "ScaledTensor",
@@ -161,11 +163,13 @@ def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def _apply_scale(x: torch.Tensor, scale: torch.Tensor, group_size: int | None, *, multiply: bool) -> torch.Tensor:
-    # x.float() aliases an FP32 input, so every product here is out of place.
+    # x.float() aliases an FP32 input, so every product here is out of place. FP8 payloads are
+    # widened by table lookup (`cast.widen`, the same values as .float(), several times faster).
     scale = scale.to(device=x.device, dtype=torch.float32)
     if group_size is None:
-        return x.float() * scale if multiply else x.float() / scale
-    groups = _grouped(x, group_size).float()
+        wide = widen(x, torch.float32)
+        return wide * scale if multiply else wide / scale
+    groups = widen(_grouped(x, group_size), torch.float32)
     out = groups * scale[:, None] if multiply else groups / scale[:, None]
     return out.reshape(x.shape)
 

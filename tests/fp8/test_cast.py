@@ -118,3 +118,16 @@ def test_gradient_quantization_counts_saturation_when_mu_exceeds_one():
     payload, scale, saturated = quantize_gradient(g, 1.0, torch.float8_e4m3fn)
     assert scale == 1.0 and int(saturated) == 2
     assert payload[5].float().isnan() and payload[0].float() == 448.0
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_dequantize_of_fp8_payloads_is_the_plain_cast_divided(fp8):
+    """dequantize widens FP8 by table lookup: the same FP32 values as payload.float() / s."""
+    from hf_lowprec.fp8 import dequantize
+
+    payload = torch.arange(256, dtype=torch.uint8).view(fp8)
+    scale = torch.tensor(2.0**-5)
+    assert torch.equal(bits(dequantize(payload, scale)), bits(payload.float() / scale))
+    groups = torch.tensor([2.0**3, 2.0**-7, 1.0, 0.5])
+    grouped = dequantize(payload, groups, group_size=64)
+    assert torch.equal(bits(grouped), bits((payload.float().view(4, 64) / groups[:, None]).view(-1)))
