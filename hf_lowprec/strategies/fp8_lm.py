@@ -5,6 +5,9 @@
 | fp8-lm-o1 | FP8 (E4M3 fwd, E5M2 grad) | FP8, auto-scaled μ | FP32 AdamW states | FP32 | 16 |
 | fp8-lm-o2 | FP8 | FP8, auto-scaled μ, kept in the optimizer | FP8AdamW: E4M3 m, FP16 v | FP16 masters, scaled in FP8 layers | 6 |
 
+Both levels run everything outside the FP8 layers under BF16 autocast, as bf16-mixed does; the
+FP8 layers keep their own numerics under it (only their output is rounded to BF16).
+
 The pieces live in `hf_lowprec.fp8` (convert_to_fp8, quantize_gradient, GradientAutoScaler,
 the FP8 DDP hook) and `hf_lowprec.optim.FP8AdamW`; this class only combines them.
 """
