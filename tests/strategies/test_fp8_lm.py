@@ -126,7 +126,8 @@ def test_tiny_gpt2_trains_under_o1_and_o2_close_to_fp32():
         assert losses[-1] < losses[0] - 1.0, f"{name}: {losses[0]:.3f} -> {losses[-1]:.3f}"
         final[name] = sum(losses[-2:]) / 2
     # Measured after 24 steps (from 5.55): fp32 2.737, O1 2.740, O2 2.758 (FP16 non-FP8
-    # parameters), 2.743 (FP32 masters for them).
+    # parameters), 2.743 (FP32 masters for them); under BF16 autocast for the non-FP8
+    # operations: O1 2.749, O2 2.743 (bf16-mixed 2.738), within 0.5% of fp32.
     for name in NAMES:
         assert final[name] <= final["fp32"] + 0.15, final
 
