@@ -153,7 +153,7 @@ class FP8LM(PrecisionStrategy):
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if not self.o2:
-            return PlainAdamW(param_groups, **hyper)
+            return PlainAdamW(param_groups, **hyper, fused=self.options.fused)
         # Each group splits in two: FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 master) and
         # the rest (FP32 master, m and v), with the group's other settings kept.
         groups = []
@@ -164,7 +164,10 @@ class FP8LM(PrecisionStrategy):
                 groups.append({**group, "params": fp8})
             if other:
                 groups.append({**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"})
-        optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin)
+        optimizer = FP8AdamW(
+            groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
+            fused=self.options.fused,
+        )  # fmt: skip
         self.backward_grads.owner = optimizer
         return optimizer
 

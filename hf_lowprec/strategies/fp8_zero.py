@@ -214,8 +214,9 @@ class FP8LMO3(FP8LM):
                    "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"} for g in param_groups]  # fmt: skip
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
         return FP8ZeroAdamW(
-            groups, fp8, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin
-        )
+            groups, fp8, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
+            fused=self.options.fused,
+        )  # fmt: skip
 
     def ddp_comm_hook(self) -> None:  # type: ignore[override]
         return None  # FP8ZeroAdamW reduces the FP8 weights' gradients; ZeRO (or DDP) the rest

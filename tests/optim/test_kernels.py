@@ -203,6 +203,14 @@ def test_coat_passes_the_option_to_its_bf16_and_fp32_steps(options):
     assert getattr(optimizer, "optimizer", optimizer).fused == "foreach"
 
 
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3"])
+def test_fp8_lm_passes_the_option_to_its_optimizer(name):
+    strategy = get_strategy(name, fused="foreach")
+    model = strategy.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))
+    optimizer = strategy.create_optimizer(model.parameters())
+    assert getattr(optimizer, "optimizer", optimizer).fused == "foreach"
+
+
 def test_coat_refuses_a_compiled_step_for_its_fp8_states_before_any_work():
     strategy = get_strategy("coat", fused="compiled")
     with pytest.raises(ValueError, match="COAT's FP8 group states have none.*fused='auto'"):
