@@ -155,3 +155,29 @@ def test_zero_gradient_groups_and_all_zero_state():
     assert torch.equal(param.detach()[:128], torch.ones(128))
     assert torch.isfinite(param.detach()).all()
     assert math.isclose(param.detach()[200].item(), 1 - 1e-3, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_step_is_bit_identical_to_one_bucket(monkeypatch, dtype):
+    """The step runs over chunks of at most CHUNK_NUMEL elements (bounded FP32 working memory):
+    chunks that split the parameters between tensors, and one tensor larger than a chunk, give
+    the same bits as the whole bucket at once."""
+    from hf_lowprec.optim import coat
+
+    def train(chunk_numel):
+        monkeypatch.setattr(coat, "CHUNK_NUMEL", chunk_numel)
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (300, 1000, 50, 257)]
+        optimizer = COATAdamW(params, **HYPER)
+        for _ in range(3):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(dtype)
+            optimizer.step()
+        return params, optimizer
+
+    (whole, whole_opt), (chunked, chunked_opt) = train(1 << 22), train(400)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+        for key, value in whole_opt.state[a].items():
+            other = chunked_opt.state[b][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
