@@ -24,11 +24,11 @@ import functools
 import logging
 import shutil
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["scale_to_fp8", "widen"]
+__all__ = ["scale_to_fp8", "unscale_into", "widen"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,16 @@ def _scale_to_fp8_eager(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtyp
     return (x.float() * factor).to(dtype)
 
 
+def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
+    # Inductor's FP8 → FP32 conversion is exact and vectorised (unlike the eager cast).
+    out.copy_(payload.to(torch.float32) / scale)
+
+
 @functools.cache
-def _compiled() -> Callable[..., torch.Tensor]:
+def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any]:
     # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
     # size of the first tensor (see `hf_lowprec.optim.kernels`, "Threads").
-    return torch.compile(_scale_to_fp8_eager, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
 @functools.cache
@@ -111,3 +116,22 @@ def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> t
         _broken.append(f"{type(error).__name__}: {error}")
         logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
         return _scale_to_fp8_eager(x, factor, dtype)
+
+
+def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
+    """out ← payload / scale in place (FP32 division, then rounded to out's dtype): the values of
+    `scaled.dequantize(payload, scale, out.dtype)` without its FP32 temporary, in one compiled
+    pass on CPU (O1 writes every FP8 gradient back into its `p.grad` this way: the lookup,
+    division and copy took 7.6 ns per element, more than the rest of the step).
+    """
+    if (payload.dtype not in FP8_DTYPES or out.device.type != "cpu" or _broken or _compiler_missing() is not None
+            or not (out.is_contiguous() and payload.is_contiguous())):  # fmt: skip
+        out.copy_(widen(payload, torch.float32) / scale.float())
+        return
+    try:
+        with torch.autocast("cpu", enabled=False), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            _compiled(_unscale_into_compiled)(out.view(-1), payload.view(-1), scale.float())
+    except Exception as error:  # any backend failure: fall back to the eager ops for good
+        _broken.append(f"{type(error).__name__}: {error}")
+        logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
+        out.copy_(widen(payload, torch.float32) / scale.float())

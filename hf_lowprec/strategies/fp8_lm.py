@@ -23,7 +23,8 @@ import torch
 
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
-from ..fp8.scaled import FORMATS, dequantize, get_master_scale
+from ..fp8.cast import unscale_into
+from ..fp8.scaled import FORMATS, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
 from ..registry import register
 from .base import PrecisionStrategy, StrategyOptions, grads_are_finite
@@ -217,7 +218,7 @@ class FP8LM(PrecisionStrategy):
                 optimizer.set_fp8_grad(p, payload, scale)
                 p.grad = None
             else:
-                p.grad.copy_(dequantize(payload, scale, p.grad.dtype))
+                unscale_into(p.grad, payload, scale)
         comm_scales.clear()
         self.scaler.update()
         return True

@@ -131,3 +131,22 @@ def test_dequantize_of_fp8_payloads_is_the_plain_cast_divided(fp8):
     groups = torch.tensor([2.0**3, 2.0**-7, 1.0, 0.5])
     grouped = dequantize(payload, groups, group_size=64)
     assert torch.equal(bits(grouped), bits((payload.float().view(4, 64) / groups[:, None]).view(-1)))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [2.0**-7, 3.0 * 2.0**5], ids=["pow2", "clipped"])
+def test_unscale_into_gives_dequantize_for_every_code(fp8, dtype, scale):
+    """O1 writes FP8 gradients back with `unscale_into`: every code (NaN included, compared as
+    NaN), a power-of-two scale and one that clipping leaves non-power-of-two, FP32 and BF16
+    targets, contiguous (compiled) and transposed (eager fallback): the bits of `dequantize`."""
+    from hf_lowprec.fp8.scaled import dequantize
+
+    payload = torch.arange(256, dtype=torch.uint8).repeat(3).view(fp8).view(48, 16)
+    scale = torch.tensor(scale)
+    expected = dequantize(payload, scale, dtype)
+    for target in (torch.empty(48, 16, dtype=dtype), torch.empty(16, 48, dtype=dtype).t()):
+        cast.unscale_into(target, payload, scale)
+        nan = expected.isnan()
+        assert torch.equal(target.isnan(), nan)
+        assert torch.equal(bits(target)[~nan], bits(expected)[~nan])  # -0 and +0 told apart
