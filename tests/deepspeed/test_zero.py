@@ -137,19 +137,28 @@ def test_fp8_lm_o3_zero2_matches_single_process_o2(ranks):
     shared-scale FP8 all-reduce of two half-batch gradients instead of one per-tensor FP8
     quantization of the full-batch gradient: E4M3 keeps 4 significant bits, so the two differ by
     up to 2^-4 relative per element, and the activation scales are taken per half batch. Step 1
-    (same weights, same data) agrees to 1e-5 relative; later steps are held to 4× the FP32
-    strategy's own ZeRO-2 vs one-process gap (the data-parallel effect of Adam's sign-like
-    first steps, see test_collage_plus_zero2_matches_one_process) plus 2e-4 for the FP8
-    rounding (measured: 1.7e-4, 3.7e-4, 4.6e-4 against an FP32 gap of 2.1e-4).
+    (same weights, same data) agrees to 1e-5 relative. Later steps are held to 4× the
+    data-parallel effect of Adam's sign-like first steps (see
+    test_collage_plus_zero2_matches_one_process), plus 2e-4 for the FP8 rounding. That effect is
+    measured in the same run as ZeRO-2 vs one-process gaps: the FP32 strategy's (FP32 gradients
+    reduced in another order, as the FP8 all-reduce does with its own rounding) plus
+    bf16-mixed's (since the operations outside the FP8 layers run under BF16 autocast, whose
+    half-batch and full-batch roundings differ): o3 has both sources, and in the worst case
+    their effects add. Measured with FP32 non-FP8 operations: 1.7e-4, 3.7e-4, 4.6e-4 against
+    an FP32 gap of 2.1e-4; under BF16 autocast: 2.5e-4, 6.6e-4, 1.25e-3 against gaps of 2.1e-4
+    (FP32) and 2.4e-4 (bf16-mixed), bound 2.0e-3.
     """
+
+    def gap(result, name):
+        return max(abs(a - b) for a, b in zip(result["cases"][f"{name}/2"]["losses"], result["references"][name]["losses"]))
+
     for result in ranks:
         zero = result["cases"]["fp8-lm-o3/2"]["losses"]
         one = result["references"]["fp8-lm-o2"]["losses"]
-        fp32_gap = max(abs(a - b) for a, b in zip(result["cases"]["fp32/2"]["losses"],
-                                                   result["references"]["fp32"]["losses"]))
+        data_parallel = gap(result, "fp32") + gap(result, "bf16-mixed")
         assert abs(zero[0] - one[0]) <= 1e-5 * abs(one[0])
         for a, b in zip(zero[1:], one[1:]):
-            assert abs(a - b) <= 4 * fp32_gap + 2e-4, (zero, one, fp32_gap)
+            assert abs(a - b) <= 4 * data_parallel + 2e-4, (zero, one, gap(result, "fp32"), gap(result, "bf16-mixed"))
 
 
 def test_model_state_bytes_are_split_across_ranks(ranks):
