@@ -221,6 +221,21 @@ def adamw_delta(
     return delta
 
 
+def _chunks(params: Tensors, limit: int | None) -> list[Tensors]:
+    """`params` in order, split into runs of at most `limit` elements (a larger tensor alone)."""
+    if limit is None:
+        return [params]
+    chunks: list[Tensors] = []
+    numel = 0
+    for param in params:
+        if not chunks or numel + param.numel() > limit:
+            chunks.append([])
+            numel = 0
+        chunks[-1].append(param)
+        numel += param.numel()
+    return chunks
+
+
 class AdamWBase(LowPrecisionOptimizer):
     """What the AdamW variants share: validation, the step loop and update tracking.
 
@@ -236,6 +251,9 @@ class AdamWBase(LowPrecisionOptimizer):
     compensation_key: ClassVar[str | None] = None
     # State key of a master copy that holds the parameter's real value, if any.
     master_key: ClassVar[str | None] = None
+    # Most elements one `_update_bucket` call gets (whole tensors; a larger tensor alone), for
+    # references whose FP32 working copies would otherwise span the whole model; None = no limit.
+    bucket_numel: ClassVar[int | None] = None
     # Group options beyond the AdamW hyper-parameters that a subclass's constructor passes on.
     extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
@@ -375,7 +393,7 @@ class AdamWBase(LowPrecisionOptimizer):
                 if param.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
                 buckets.setdefault((param.device, param.dtype), []).append(param)
-            for params in buckets.values():
+            for params in (chunk for bucket in buckets.values() for chunk in _chunks(bucket, self.bucket_numel)):
                 states = []
                 for param in params:
                     if not self.state[param]:

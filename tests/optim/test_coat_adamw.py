@@ -159,13 +159,12 @@ def test_zero_gradient_groups_and_all_zero_state():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_step_is_bit_identical_to_one_bucket(monkeypatch, dtype):
-    """The step runs over chunks of at most CHUNK_NUMEL elements (bounded FP32 working memory):
+    """The step runs over chunks of at most `bucket_numel` elements (bounded FP32 working memory):
     chunks that split the parameters between tensors, and one tensor larger than a chunk, give
     the same bits as the whole bucket at once."""
-    from hf_lowprec.optim import coat
 
     def train(chunk_numel):
-        monkeypatch.setattr(coat, "CHUNK_NUMEL", chunk_numel)
+        monkeypatch.setattr(COATAdamW, "bucket_numel", chunk_numel)
         g = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (300, 1000, 50, 257)]
         optimizer = COATAdamW(params, **HYPER)
@@ -175,7 +174,11 @@ def test_chunked_step_is_bit_identical_to_one_bucket(monkeypatch, dtype):
             optimizer.step()
         return params, optimizer
 
-    (whole, whole_opt), (chunked, chunked_opt) = train(1 << 22), train(400)
+    from hf_lowprec.optim.collage import _chunks
+
+    sizes = [[p.numel() for p in chunk] for chunk in _chunks([torch.empty(n) for n in (300, 1000, 50, 257)], 400)]
+    assert sizes == [[300], [1000], [50, 257]]
+    (whole, whole_opt), (chunked, chunked_opt) = train(None), train(400)
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
         for key, value in whole_opt.state[a].items():
