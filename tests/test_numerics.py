@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_lowprec import numerics
 from hf_lowprec.numerics import (
     expansion,
     fast_two_sum,
@@ -332,3 +333,44 @@ def test_stochastic_round_is_reproducible() -> None:
         b = stochastic_round(x, dtype, torch.Generator().manual_seed(3))
         c = stochastic_round(x, dtype, torch.Generator().manual_seed(4))
         assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# --- abs_max and all_finite: the extremes from one aminmax pass -----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_abs_max_is_the_fp64_max_of_abs_with_nan_signed_zero_and_empty(dtype):
+    big = torch.finfo(dtype).max
+    cases = [[-3.0, 2.0], [2.0, -3.0], [-0.0, -0.0], [0.0, -0.0], [-big, 1.0], [1.0, float("-inf")], [7.0]]
+    for values in cases:
+        x = torch.tensor(values, dtype=dtype)
+        got = numerics.abs_max(x)
+        assert got.dtype == dtype and got.item() == max(abs(v) for v in x.double().tolist())
+    # max |x| of [−0, −0] is +0, as |x|.amax() gives.
+    assert not numerics.abs_max(torch.tensor([-0.0, -0.0], dtype=dtype)).signbit()
+    for nan_at in range(3):
+        x = torch.tensor([-1.0, 5.0, -7.0], dtype=dtype)
+        x[nan_at] = float("nan")
+        assert numerics.abs_max(x).isnan()
+    assert numerics.abs_max(torch.empty(0, 4, dtype=dtype)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_one_bad_value_anywhere_and_nothing_else(dtype):
+    big = torch.finfo(dtype).max
+    # Finite tensors whose squares, sums or norms overflow are still finite.
+    finite = [torch.full((1000,), big, dtype=dtype), torch.tensor([-big, big], dtype=dtype), torch.zeros(3, dtype=dtype),
+              torch.tensor([torch.finfo(dtype).tiny / 4], dtype=dtype)]  # fmt: skip
+    assert numerics.all_finite(finite)
+    assert numerics.all_finite([]) and numerics.all_finite([torch.empty(0, dtype=dtype)])
+    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan")):
+        for where in (0, 517, 999):
+            x = torch.randn(1000).to(dtype)
+            x[where] = bad
+            # The bad tensor among finite ones, first or last; an all-zero tensor beside it.
+            assert not numerics.all_finite([torch.zeros(5, dtype=dtype), x])
+            assert not numerics.all_finite([x, torch.ones(2, dtype=dtype)])
+    # A non-contiguous view sees only its own elements.
+    x = torch.zeros(4, 4, dtype=dtype)
+    x[1, 0] = float("inf")
+    assert numerics.all_finite([x[:, 1:]]) and not numerics.all_finite([x.t()])

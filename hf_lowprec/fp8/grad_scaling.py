@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .cast import scale_to_fp8, widen
+from .cast import has_nan, scale_to_fp8, widen
 from .scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
@@ -214,8 +214,7 @@ class BackwardFP8Gradients:
 
     def all_finite(self, params: Iterable[torch.Tensor]) -> bool:
         """False when a stored gradient holds NaN (the saturating cast turns inf into NaN)."""
-        # Widened by table lookup: PyTorch's own FP8 cast would cost more than the step's GEMMs.
-        return not any(bool(widen(payload, torch.bfloat16).isnan().any()) for payload, _ in self.stored(params))
+        return not any(has_nan(payload) for payload, _ in self.stored(params))
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.

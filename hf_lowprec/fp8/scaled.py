@@ -28,6 +28,7 @@ import dataclasses
 
 import torch
 
+from ..numerics import abs_max
 from .cast import widen
 
 __all__ = [
@@ -77,12 +78,7 @@ def format_max(dtype: torch.dtype) -> float:
 def tensor_amax(x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
     """max |x| in FP32: a scalar, or one value per group of `group_size` elements."""
     if group_size is None:
-        if not x.numel():
-            return torch.zeros((), device=x.device)
-        # max(−min, max): the same value as |x|.amax() (negation is exact, NaN propagates) from
-        # one vectorised pass without the |x| temporary (~2× faster than abs().amax() on CPU).
-        low, high = torch.aminmax(x.detach())
-        return torch.maximum(-low, high).float()
+        return abs_max(x).float()
     return _grouped(x.detach(), group_size).abs().amax(dim=1).float()
 
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hf_lowprec.numerics import LOW_PRECISION_DTYPES, foreach_grow_
+from hf_lowprec.numerics import LOW_PRECISION_DTYPES, abs_max, foreach_grow_
 
 from .base import LowPrecisionOptimizer
 from .kernels import FusedMode, check_fused_mode, compiled_collage_adamw
@@ -177,8 +177,8 @@ def _rescale_(scales: Tensors, values: Tensors, max_value: float) -> None:
 
     The exponent is clamped to FP32's normal range. An amax of inf or NaN keeps the scale.
     """
-    for scale, amax in zip(scales, torch._foreach_norm(values, float("inf"))):
-        amax = amax.double()
+    for scale, value in zip(scales, values):
+        amax = abs_max(value).double()
         exponent = torch.floor(torch.log2(max_value / amax)).clamp_(-126, 126)
         usable = (amax > 0) & torch.isfinite(amax)
         scale.copy_(torch.where(usable, torch.exp2(exponent), scale.double()))

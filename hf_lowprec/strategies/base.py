@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar, Literal
 import torch
 
 from ..metrics import edq, imprecision_percentage
+from ..numerics import all_finite
 from ..optim.collage import check_adamw_hyperparameters
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
@@ -209,7 +210,7 @@ class PrecisionStrategy:
         if not self.skips_nonfinite:
             return True
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return grads_are_finite(grads)
+        return all_finite(grads)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         """The step itself."""
@@ -286,14 +287,6 @@ class PrecisionStrategy:
             out[f"precision/edq{name}"] = quality
             out[f"precision/edq_ratio{name}"] = ratio
         self._lost_arithmetic = out
-
-
-def grads_are_finite(grads: list[torch.Tensor]) -> bool:
-    """True when no gradient holds inf or NaN (one host sync)."""
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads, float("inf"))
-    return bool(torch.stack([n.float() for n in norms]).isfinite().all())
 
 
 class StrategyOptimizer(torch.optim.Optimizer):

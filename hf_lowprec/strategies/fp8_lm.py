@@ -26,8 +26,9 @@ from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
 from ..fp8.cast import unscale_into
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
+from ..numerics import all_finite
 from ..registry import register
-from .base import PrecisionStrategy, StrategyOptions, grads_are_finite
+from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
 
 __all__ = ["FP8LM", "FP8LMOptions"]
@@ -197,7 +198,7 @@ class FP8LM(PrecisionStrategy):
         everything = [p for g in optimizer.param_groups for p in g["params"]]
         params = [p for p in everything if p.grad is not None]
         comm_scales = self.comm_state.grad_scales
-        finite = grads_are_finite([p.grad for p in params]) and self.backward_grads.all_finite(everything)
+        finite = all_finite([p.grad for p in params]) and self.backward_grads.all_finite(everything)
         if not finite:
             comm_scales.clear()
             if self.o2:

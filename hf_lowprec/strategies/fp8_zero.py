@@ -35,8 +35,8 @@ from ..fp8.linear import E4M3, _quantize_per_tensor
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
 from ..optim import FP8AdamW
 from ..optim.fp8_adamw import fp8_adamw_param_step
+from ..numerics import all_finite
 from ..registry import register
-from .base import grads_are_finite
 from .fp8_lm import FP8LM
 
 __all__ = ["FP8LMO3", "FP8ZeroAdamW"]
@@ -223,7 +223,7 @@ class FP8LMO3(FP8LM):
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok = torch.tensor(float(grads_are_finite(grads + optimizer.fp8_grads())))
+        ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())))
         if optimizer.world > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together
         if not ok:

@@ -92,6 +92,29 @@ def test_tensor_amax_is_the_max_of_abs_including_nan_and_signed_zero():
     assert tensor_amax(torch.empty(0)) == 0
 
 
+@pytest.mark.parametrize("fp8", FP8)
+def test_has_nan_reads_every_code_like_the_cast(fp8):
+    """Every code, alone or beside the largest finite code of either sign, in any position."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    is_nan = values.isnan()
+    assert int(is_nan.sum()) == {torch.float8_e4m3fn: 2, torch.float8_e5m2: 6}[fp8]
+    largest = (values.abs() == format_max(fp8)).nonzero().flatten().tolist()
+    assert len(largest) == 2
+    for code in range(256):
+        for neighbour in [0, *largest]:
+            for where in (0, 7, 12):
+                payload = torch.full((13,), neighbour, dtype=torch.uint8)
+                payload[where] = code
+                assert cast.has_nan(payload.view(fp8)) == bool(is_nan[code]), (code, neighbour, where)
+    # A transposed payload and an empty one; infinities (E5M2) are not NaN.
+    grid = torch.zeros(6, 4, dtype=torch.uint8)
+    grid[5, 0] = 0xFF
+    assert cast.has_nan(grid.view(fp8).t()) and not cast.has_nan(grid[:5].view(fp8).t())
+    assert not cast.has_nan(torch.empty(0, dtype=fp8))
+    if fp8 == torch.float8_e5m2:
+        assert not cast.has_nan(torch.tensor([float("inf"), -float("inf")]).to(fp8))
+
+
 @pytest.mark.parametrize("mu", [1.0, 0.5, 0.75])
 def test_gradient_quantization_fast_path_equals_the_counting_path(mu):
     """With μ ≤ 1 and a finite amax nothing can saturate (amax·s ≤ μ·max): the plain cast gives
