@@ -374,3 +374,25 @@ def test_all_finite_finds_one_bad_value_anywhere_and_nothing_else(dtype):
     x = torch.zeros(4, 4, dtype=dtype)
     x[1, 0] = float("inf")
     assert numerics.all_finite([x[:, 1:]]) and not numerics.all_finite([x.t()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sqrt_rn_is_the_correctly_rounded_root(dtype):
+    """Against Python's math.sqrt (correctly rounded FP64), rounded to the dtype on the host."""
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.rand(200_000, generator=generator) * 4,
+        torch.exp2(torch.empty(5000).uniform_(math.log2(info.tiny) - 10, math.log2(info.max), generator=generator)),
+        torch.tensor([0.0, -0.0, info.tiny, info.max, math.inf]),
+    ]).to(dtype)  # fmt: skip
+    got = numerics.sqrt_rn(x)
+    assert got.dtype == dtype
+    expected = [round_to_dtype(math.sqrt(v), dtype) for v in x.double().tolist()]
+    assert got.double().tolist() == expected
+    assert numerics.sqrt_rn(torch.tensor([-0.0], dtype=dtype)).signbit()
+    assert numerics.sqrt_rn(torch.tensor([-1.0, math.nan], dtype=dtype)).isnan().all()
+    # Slices beyond the first keep their place; a non-contiguous input is read in its own order.
+    long = torch.arange(3 * (1 << 20) + 5, dtype=torch.float32)
+    assert torch.equal(numerics.sqrt_rn(long)[-3:], long[-3:].double().sqrt().float())
+    assert torch.equal(numerics.sqrt_rn(x[:100].view(10, 10).t()), numerics.sqrt_rn(x[:100].view(10, 10)).t())

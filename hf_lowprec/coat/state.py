@@ -36,6 +36,7 @@ import math
 import torch
 
 from ..fp8.scaled import dequantize, format_max, quantize
+from ..numerics import sqrt_rn
 
 __all__ = ["FP8_STATE_DTYPES", "FP8GroupState", "dequantize_state", "expansion_exponent", "quantize_state"]
 
@@ -154,7 +155,7 @@ def quantize_state(
         amin = torch.where(magnitude > 0, magnitude, torch.full_like(magnitude, math.inf)).amin(dim=1)
         exponent = expansion_exponent(amax, amin, fp8_dtype)
         # k = 1 needs no centre; c = 1 there also keeps |x|/c finite for ranges beyond FP32's.
-        center = torch.where((amax > 0) & (exponent > 1), amax.sqrt() * amin.sqrt(), ones)
+        center = torch.where((amax > 0) & (exponent > 1), sqrt_rn(amax) * sqrt_rn(amin), ones)
         magnitude = magnitude.div_(center[:, None]).pow_(exponent[:, None])
         grouped = magnitude.copysign(grouped)
         amax = magnitude.amax(dim=1)

@@ -27,6 +27,7 @@ from ..coat.state import FP8GroupState, quantize_state
 from ..fp8.scaled import format_dtype
 from ..numerics import LOW_PRECISION_DTYPES, foreach_grow_
 from .collage import AdamWBase, Tensors, adamw_delta, adamw_moments_
+from .kernels import FusedMode, compiled_coat_adamw
 
 __all__ = ["COATAdamW"]
 
@@ -58,6 +59,8 @@ class COATAdamW(AdamWBase):
         group_size: elements per quantization group (COAT: 128).
         exp_avg_sq_format: "e4m3" (COAT default) or "e5m2" for v; m is always E4M3.
         expand: dynamic range expansion; False stores plain per-group FP8 (for comparison).
+        fused: "auto" (the compiled `kernels.coat_kernel` where it can run, else the reference),
+            "compiled" (require it) or "foreach" (the eager reference below); same bits.
 
     State per parameter: `step` (int); for m ("exp_avg") and v ("exp_avg_sq") the FP8 payload
     (flat, padded to a multiple of `group_size`) and FP32 `_scale`, `_exponent` (k), `_center`
@@ -91,9 +94,10 @@ class COATAdamW(AdamWBase):
         group_size: int = 128,
         exp_avg_sq_format: str = "e4m3",
         expand: bool = True,
+        fused: FusedMode = "auto",
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay,
+            params, lr, betas, eps, weight_decay, fused=fused,
             group_size=group_size, exp_avg_sq_format=exp_avg_sq_format, expand=expand,
         )  # fmt: skip
 
@@ -152,3 +156,28 @@ class COATAdamW(AdamWBase):
         for state, m, v in zip(states, exp_avgs, exp_avg_sqs):
             for key, value in (("exp_avg", m), ("exp_avg_sq", v)):
                 _store(state, key, quantize_state(value, group["group_size"], dtypes[key], group["expand"]))
+
+    def _fused_update(
+        self, group: dict[str, Any], params: Tensors, grads: Tensors, states: list[dict[str, Any]], steps: list[int]
+    ) -> bool:
+        """The compiled `kernels._coat_kernel` for parameters made of whole groups; a parameter
+        with a padded last group takes the reference in the same step."""
+        size = group["group_size"]
+        whole = [i for i, p in enumerate(params) if p.numel() % size == 0]
+        if not whole:
+            return False
+        pick = lambda items: [items[i] for i in whole]  # noqa: E731
+        beta1, beta2 = group["betas"]
+        errors = [states[i].get("param_error") for i in whole]
+        done = compiled_coat_adamw(
+            pick(params), pick(grads), errors, pick(states), pick(steps), lr=group["lr"], beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], group_size=size,
+            expand=group["expand"], fused=self.fused,
+        )  # fmt: skip
+        if done and len(whole) < len(params):
+            rest = [i for i in range(len(params)) if i not in set(whole)]
+            self._update_bucket(
+                group, [params[i] for i in rest], [grads[i] for i in rest], [states[i] for i in rest],
+                [steps[i] for i in rest], None,
+            )  # fmt: skip
+        return done

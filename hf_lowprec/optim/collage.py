@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hf_lowprec.numerics import LOW_PRECISION_DTYPES, abs_max, foreach_grow_
+from hf_lowprec.numerics import LOW_PRECISION_DTYPES, abs_max, foreach_grow_, sqrt_rn
 
 from .base import LowPrecisionOptimizer
 from .kernels import FusedMode, check_fused_mode, compiled_collage_adamw
@@ -214,7 +214,8 @@ def adamw_delta(
     tiny = torch.finfo(dtype).smallest_normal
     sqrt_c2 = [math.sqrt(1.0 - beta2**t) for t in steps]
     step_sizes = [-lr * c2 / (1.0 - beta1**t) for c2, t in zip(sqrt_c2, steps)]
-    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    # Correctly rounded roots (`sqrt_rn`): the compiled kernels' hardware root gives these bits.
+    denominators = [sqrt_rn(v) for v in exp_avg_sqs]
     torch._foreach_add_(denominators, [max(eps * c2, tiny) for c2 in sqrt_c2])
     delta = torch._foreach_mul(_as_dtype(params, dtype), -lr * weight_decay)
     torch._foreach_addcdiv_(delta, exp_avgs, denominators, step_sizes)

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..fp8.scaled import FORMATS, dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
+from ..numerics import sqrt_rn
 from .base import LowPrecisionOptimizer
 from .kernels import FusedMode, check_fused_mode, compiled_fp8_adamw_step
 
@@ -71,7 +72,7 @@ def adamw_update(
     # division per element; `tiny` keeps v = 0 with ε = 0 from giving 0/0.
     sqrt_c2 = math.sqrt(1.0 - beta2**step)
     step_size = -lr * sqrt_c2 / (1.0 - beta1**step)
-    denom = exp_avg_sq.sqrt() + max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
+    denom = sqrt_rn(exp_avg_sq) + max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
     update = step_size * exp_avg / denom
     if weight_decay:
         update = update - (lr * weight_decay) * param

@@ -67,6 +67,7 @@ __all__ = [
     "check_fused_mode",
     "collage_kernel",
     "compiled_adamw",
+    "compiled_coat_adamw",
     "compiled_collage_adamw",
     "compiled_fp8_adamw_step",
     "compiled_kahan_adamw",
@@ -120,20 +121,26 @@ def _adamw_registers(
     Δθ₃₂ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'), all FP32; m, v (and δv = r(v₃₂ − r(v₃₂)))
     stored rounded once in their own dtype.
     """
-    g = grad.float()
-    m_old = exp_avg.float()
-    m = m_old + h[_W1] * (g - m_old)
-    v = exp_avg_sq.float()
+    v_old = exp_avg_sq.float()
     if exp_avg_sq_error is not None:
-        v = v + exp_avg_sq_error.float()
-    v = v * h[_B2] + h[_OMB2] * g * g
-    v = torch.clamp(v, max=torch.finfo(exp_avg_sq.dtype).max)
+        v_old = v_old + exp_avg_sq_error.float()
+    m, v, delta = _adamw_math(param.float(), grad.float(), exp_avg.float(), v_old, h, torch.finfo(exp_avg_sq.dtype).max)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if exp_avg_sq_error is not None:
         exp_avg_sq_error.copy_(v - _round(v, exp_avg_sq.dtype))
+    return delta
+
+
+def _adamw_math(
+    theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, h: torch.Tensor, max_v: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m₃₂, v₃₂, Δθ₃₂) from FP32 values: the arithmetic of `_adamw_registers`, no loads or stores."""
+    m = m_old + h[_W1] * (g - m_old)
+    v = v_old * h[_B2] + h[_OMB2] * g * g
+    v = torch.clamp(v, max=max_v)
     denominator = torch.sqrt(v) + h[_EPS]
-    return param.float() * h[_DECAY] + h[_STEP] * m / denominator
+    return m, v, theta * h[_DECAY] + h[_STEP] * m / denominator
 
 
 def _two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +179,14 @@ def collage_kernel(
     light when `exp_avg_sq_error` is None, plus otherwise: the sequence spelled out in
     `collage.collage_adamw`, then (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, add, Fast2Sum.
     """
+    _grow_(param, param_error, _adamw_registers(param, grad, exp_avg, exp_avg_sq, exp_avg_sq_error, h))
+
+
+def _grow_(param: torch.Tensor, param_error: torch.Tensor, delta32: torch.Tensor) -> None:
+    """(θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) in the parameter's dtype: TwoSum, add, Fast2Sum
+    (`numerics.foreach_grow_`)."""
     dtype = param.dtype
-    delta = _round(_adamw_registers(param, grad, exp_avg, exp_avg_sq, exp_avg_sq_error, h), dtype)
-    s, e = _two_sum(param.float(), delta, dtype)
+    s, e = _two_sum(param.float(), _round(delta32, dtype), dtype)
     theta, error = _fast_two_sum(s, _round(param_error.float() + e, dtype), dtype)
     param.copy_(theta)
     param_error.copy_(error)
@@ -226,6 +238,72 @@ def stochastic_rounding_kernel(
     rounded = (bits & -65536).view(torch.float32)
     plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(param.dtype).max)
     param.copy_(torch.where(plain, target, rounded))
+
+
+def _decode_groups(
+    payload: torch.Tensor, scale: torch.Tensor, exponent: torch.Tensor, center: torch.Tensor, expand: bool
+) -> torch.Tensor:
+    """`coat.FP8GroupState.dequantize` of a (groups × G) payload: y = q/s, then sign(y)·|y|^(1/k)·c."""
+    y = payload.float() / scale[:, None]
+    if expand:
+        y = (y.abs().pow(exponent.reciprocal()[:, None]) * center[:, None]).copysign(y)
+    return y
+
+
+def _encode_groups_(
+    grouped: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor, exponent: torch.Tensor, center: torch.Tensor,
+    expand: bool,
+) -> None:  # fmt: skip
+    """`coat.quantize_state` of FP32 (groups × G) values into the stored payload and (s, k, c), in place."""
+    from hf_lowprec.coat.state import expansion_exponent
+    from hf_lowprec.fp8.scaled import format_max
+
+    magnitude = grouped.abs()
+    amax = magnitude.amax(dim=1)
+    ones = torch.ones_like(amax)
+    k, c = ones, ones
+    if expand:
+        amin = torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1)
+        k = expansion_exponent(amax, amin, payload.dtype)
+        c = torch.where((amax > 0) & (k > 1), amax.sqrt() * amin.sqrt(), ones)
+        magnitude = (magnitude / c[:, None]).pow(k[:, None])
+        grouped = magnitude.copysign(grouped)
+        amax = magnitude.amax(dim=1)
+    limit = format_max(payload.dtype)
+    s = torch.where(amax > 0, limit / amax, ones)
+    s = torch.where(torch.isfinite(amax), s, math.nan)
+    y = grouped * s[:, None]
+    payload.copy_(y.clamp(-limit, limit) + (y - y))
+    scale.copy_(s)
+    exponent.copy_(k)
+    center.copy_(c)
+
+
+def _coat_kernel(
+    param: torch.Tensor,
+    param_error: torch.Tensor | None,
+    grad: torch.Tensor,
+    m_payload: torch.Tensor, m_scale: torch.Tensor, m_exponent: torch.Tensor, m_center: torch.Tensor,
+    v_payload: torch.Tensor, v_scale: torch.Tensor, v_exponent: torch.Tensor, v_center: torch.Tensor,
+    h: torch.Tensor,
+    expand: bool,
+) -> None:  # fmt: skip
+    """One `COATAdamW` step on one parameter, in place: decode m and v (per-group FP8 with
+    dynamic range expansion), the FP32 AdamW update, θ ← θ + Δθ₃₂ (FP32 masters) or Grow
+    (BF16/FP16 + δθ), and m, v encoded again with fresh per-group (s, k, c).
+
+    Every tensor comes as (groups × G), the group size a static dimension (so the group loops
+    are vectorised), the number of groups dynamic; the per-group metadata as (groups,).
+    """
+    m_old = _decode_groups(m_payload, m_scale, m_exponent, m_center, expand)
+    v_old = _decode_groups(v_payload, v_scale, v_exponent, v_center, expand)
+    m, v, delta = _adamw_math(param.float(), grad.float(), m_old, v_old, h, torch.finfo(torch.float32).max)
+    if param_error is None:
+        param.copy_(param.float() + delta)
+    else:
+        _grow_(param, param_error, delta)
+    _encode_groups_(m, m_payload, m_scale, m_exponent, m_center, expand)
+    _encode_groups_(v, v_payload, v_scale, v_exponent, v_center, expand)
 
 
 # FP8AdamW (FP8-LM / MS-AMP O2): slots of its scalar vector, as `fp8_adamw.adamw_update` uses them.
@@ -531,6 +609,59 @@ def compiled_stochastic_rounding_adamw(
     seeds = seeds.to(params[0].device)
     rows = [(*row, seed) for row, seed in zip(zip(params, grads, exp_avgs, exp_avg_sqs, scalars), seeds)]
     return _each(stochastic_rounding_kernel, fused, rows)
+
+
+@functools.cache
+def _coat_step(expand: bool) -> Callable[..., None]:
+    """`_coat_kernel` with the expansion switch fixed (a constant in the graph)."""
+
+    def coat_kernel(*tensors: torch.Tensor | None) -> None:
+        _coat_kernel(*tensors, expand)
+
+    return coat_kernel
+
+
+def compiled_coat_adamw(
+    params: Tensors, grads: Tensors, param_errors: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]],
+    steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    group_size: int, expand: bool, fused: str,
+) -> bool:  # fmt: skip
+    """`COATAdamW`'s step through `_coat_kernel` for parameters of whole groups (`COATAdamW`
+    sends a padded one to the reference); False if the reference must run instead."""
+    kernel = _coat_step(expand)
+    if not params or not _runnable(kernel, fused, params[0].device):
+        return False
+    moments = [
+        [s[f"{key}{field}"] for key in ("exp_avg", "exp_avg_sq") for field in ("", "_scale", "_exponent", "_center")]
+        for s in states
+    ]
+    rows = list(zip(params, param_errors, grads, moments))
+    if any(p.numel() % group_size for p in params):
+        raise ValueError(f"compiled_coat_adamw: every parameter must hold whole groups of {group_size}")
+    if not all(t is None or t.is_contiguous() for p, e, g, m in rows for t in (p, e, g, *m)):
+        return False
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    scalars = _adamw_scalars(steps, params[0].device, **hyper)
+
+    def grouped(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        view = t.detach().view(-1, group_size)
+        torch._dynamo.mark_static(view, 1)  # the group loop: a constant length, vectorised
+        return view
+
+    with _recompile_budget():
+        for index, ((param, error, grad, moment), h) in enumerate(zip(rows, scalars)):
+            m_payload, m_scale, m_exponent, m_center, v_payload, v_scale, v_exponent, v_center = moment
+            args = (
+                grouped(param), grouped(error), grouped(grad),
+                grouped(m_payload), m_scale, m_exponent, m_center, grouped(v_payload), v_scale, v_exponent, v_center, h,
+            )  # fmt: skip
+            if not _run(kernel, fused, *args):
+                if index:
+                    raise RuntimeError(f"coat_kernel: compiled step failed after {index} parameters")
+                return False
+    return True
 
 
 def compiled_fp8_adamw_step(

@@ -108,15 +108,10 @@ class COAT(PrecisionStrategy):
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.states:
             o = self.options
-            if o.fused == "compiled":
-                raise ValueError(
-                    "coat: fused='compiled' asks for a compiled optimizer step, but COAT's FP8 group "
-                    "states have none (their step runs eagerly); use fused='auto', or states=False "
-                    "for the compiled BF16 step"
-                )
             return COATAdamW(
-                param_groups, **hyper, group_size=o.group_size, exp_avg_sq_format=o.exp_avg_sq_format, expand=o.expand
-            )
+                param_groups, **hyper, group_size=o.group_size, exp_avg_sq_format=o.exp_avg_sq_format,
+                expand=o.expand, fused=o.fused,
+            )  # fmt: skip
         if self.bf16_master:
             return CollageAdamW(param_groups, **hyper, variant="light", fused=self.options.fused)
         return PlainAdamW(param_groups, **hyper, fused=self.options.fused)

@@ -20,6 +20,7 @@ import torch
 
 from hf_lowprec import get_strategy
 from hf_lowprec.optim import (
+    COATAdamW,
     CollageAdamW,
     FP32StatesAdamW,
     KahanAdamW,
@@ -211,10 +212,84 @@ def test_fp8_lm_passes_the_option_to_its_optimizer(name):
     assert getattr(optimizer, "optimizer", optimizer).fused == "foreach"
 
 
-def test_coat_refuses_a_compiled_step_for_its_fp8_states_before_any_work():
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns: FP8 has no equality kernel, and NaN must equal NaN."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_same_bits(params_a, opt_a, params_b, opt_b) -> None:
+    for index, (a, b) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(_bits(a.detach()), _bits(b.detach())), f"parameter {index} differs"
+        for key, value in opt_a.state[a].items():
+            other = opt_b.state[b][key]
+            if torch.is_tensor(value):
+                assert value.dtype == other.dtype and torch.equal(_bits(value), _bits(other)), f"{key} of {index}"
+            else:
+                assert value == other, key
+
+
+# Whole groups of 128 (compiled) beside a padded parameter (the reference, in the same step);
+# the first holds an all-zero group and a group with one non-zero gradient (amin = amax).
+COAT_SHAPES = [(6, 128), (257,), (200, 128), (3, 256)]
+
+
+def _coat_run(fused: str, dtype: torch.dtype, steps: int, **options):
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(dtype)) for s in COAT_SHAPES]
+    optimizer = COATAdamW(params, lr=1e-2, weight_decay=0.1, fused=fused, **options)
+    for step in range(steps):
+        for index, p in enumerate(params):
+            # Groups over 10 decades (k = 1) and over one (k > 1: the expansion's pow and centre).
+            decades = (-8, 2) if index % 2 else (-1, 0)
+            spread = torch.logspace(*decades, p.numel())[torch.randperm(p.numel(), generator=generator)]
+            p.grad = (torch.randn(p.shape, generator=generator) * spread.view(p.shape)).to(dtype)
+        first = params[0].grad.view(-1)
+        first[:128] = 0
+        first[128:256] = 0
+        first[200] = 3e-3
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32-master", "bf16-collage"])
+@pytest.mark.parametrize("options", [{}, {"expand": False}, {"exp_avg_sq_format": "e5m2"}],
+                         ids=["expand", "plain", "v-e5m2"])  # fmt: skip
+def test_compiled_coat_step_is_bit_identical_to_the_reference(dtype, options):
+    compiled = _coat_run("compiled", dtype, 3, **options)
+    if options.get("expand", True):  # both branches of the expansion ran
+        exponents = torch.cat([s["exp_avg_exponent"] for s in compiled[1].state.values()])
+        assert (exponents > 1).any() and (exponents == 1).any()
+    _assert_same_bits(*compiled, *_coat_run("foreach", dtype, 3, **options))
+
+
+def test_coat_strategy_runs_the_compiled_step_when_asked():
     strategy = get_strategy("coat", fused="compiled")
-    with pytest.raises(ValueError, match="COAT's FP8 group states have none.*fused='auto'"):
-        strategy.create_optimizer([torch.nn.Parameter(torch.zeros(4))])
+    params = [torch.nn.Parameter(torch.randn(2, 128))]
+    optimizer = strategy.create_optimizer(params)
+    assert getattr(optimizer, "optimizer", optimizer).fused == "compiled"
+    params[0].grad = torch.randn(2, 128)
+    before = params[0].detach().clone()
+    optimizer.step()
+    assert not torch.equal(params[0], before)
+
+
+def test_compiled_step_on_fp32_parameters_is_bit_identical():
+    """FP32 parameters keep Δθ's FP32 bits, so a one-ulp difference in √v would show here (the
+    eager CPU sqrt is not correctly rounded; the reference uses `numerics.sqrt_rn`)."""
+
+    def fp32_params():
+        return [p.detach().float().requires_grad_() for p in _params()]
+
+    def run(fused):
+        params = fp32_params()
+        optimizer = FAMILIES["plain"](params, fused)
+        for step in range(3):
+            for p, g in zip(params, _grads(step)):
+                p.grad = g.float()
+            optimizer.step()
+        return params, optimizer
+
+    _assert_same(*run("compiled"), *run("foreach"))
 
 
 def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog):
