@@ -26,6 +26,7 @@ Ideal bytes per parameter and step (reads + writes):
 | bf16-pure, bf16-sr (BF16) | g, m, v, θ: 8 | m, v, θ: 6 | 14 |
 | bf16-fp32states | g, θ: 4 + m, v: 8 | θ: 2 + m, v: 8 | 22 |
 | fp8-lm-o2 FP8AdamW | g 1, m 1, v 2, θ 2: 6 | m 1, v 2, θ 2: 5 | 11 |
+| coat COATAdamW (FP32 θ) | g 4, θ 4, m 1, v 1: 10 | θ 4, m 1, v 1: 6 | 16 |
 | 8-bit peers (BF16 θ) | g, θ: 4 + m, v: 2 | θ: 2 + m, v: 2 | 10 |
 
 `--layout` measures the per-tensor layout of the compiled kernels against one flat buffer
@@ -51,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "inductor"))
 
 from hf_lowprec.optim import (  # noqa: E402
+    COATAdamW,
     CollageAdamW,
     FP8AdamW,
     FP32StatesAdamW,
@@ -146,6 +148,9 @@ def _ours() -> list[Candidate]:
             rows.append(Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16)))
     for path in ("compiled", "foreach"):
         rows.append(Candidate("fp8-lm-o2", path, 11, _fp8_o2(path), "FP8AdamW, FP16 masters"))
+    for path in ("compiled", "foreach"):
+        make = lambda ps, p=path: COATAdamW(ps, weight_decay=0.01, fused=p)  # noqa: E731
+        rows.append(Candidate("coat", path, 16, _optimizer_step(make, torch.float32), "COATAdamW, FP32 masters"))
     return rows
 
 
