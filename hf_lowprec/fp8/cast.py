@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import sys
 from typing import Any, Callable
 
@@ -114,14 +113,11 @@ def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
-@functools.cache
 def _compiler_missing() -> str | None:
-    from torch._inductor import config
+    # The optimizer kernels' check (cached there); imported here to keep this module's imports light.
+    from ..optim.kernels import _compiler_missing as missing
 
-    compiler = config.cpp.cxx[1] if isinstance(config.cpp.cxx, tuple) and config.cpp.cxx[1] else "g++"
-    if not any(shutil.which(c) for c in (compiler, "g++", "c++", "clang++")):
-        return "no C++ compiler on PATH"
-    return None
+    return missing("cpu")
 
 
 _broken: list[str] = []

@@ -83,9 +83,9 @@ def _quantize_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, s) with s the power-of-two scale of the real values x / master_scale.
 
-    Two passes over x: amax, then x·s in FP32 and the cast (one compiled loop, `cast.scale_to_fp8`).
-    The scale comes from this tensor's own
-    amax, so |x·s| ≤ max(dtype) already and `quantize`'s saturating clamp has nothing to do.
+    Two passes over x: amax, then x·s in FP32 and the cast (one compiled loop,
+    `cast.scale_to_fp8`). The scale comes from this tensor's own amax, so |x·s| ≤ max(dtype)
+    already and `quantize`'s saturating clamp has nothing to do.
     A non-finite amax (an inf or NaN anywhere in x) makes the scale NaN, so the whole payload
     is NaN and the overflow stays visible downstream, as with `quantize`.
     """

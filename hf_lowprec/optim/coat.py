@@ -163,21 +163,18 @@ class COATAdamW(AdamWBase):
         """The compiled `kernels._coat_kernel` for parameters made of whole groups; a parameter
         with a padded last group takes the reference in the same step."""
         size = group["group_size"]
-        whole = [i for i, p in enumerate(params) if p.numel() % size == 0]
+        rows = list(zip(params, grads, states, steps))
+        whole = [row for row in rows if row[0].numel() % size == 0]
+        padded = [row for row in rows if row[0].numel() % size]
         if not whole:
             return False
-        pick = lambda items: [items[i] for i in whole]  # noqa: E731
         beta1, beta2 = group["betas"]
-        errors = [states[i].get("param_error") for i in whole]
+        w_params, w_grads, w_states, w_steps = map(list, zip(*whole))
         done = compiled_coat_adamw(
-            pick(params), pick(grads), errors, pick(states), pick(steps), lr=group["lr"], beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], group_size=size,
+            w_params, w_grads, [s.get("param_error") for s in w_states], w_states, w_steps, lr=group["lr"],
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], group_size=size,
             expand=group["expand"], fused=self.fused,
         )  # fmt: skip
-        if done and len(whole) < len(params):
-            rest = [i for i in range(len(params)) if i not in set(whole)]
-            self._update_bucket(
-                group, [params[i] for i in rest], [grads[i] for i in rest], [states[i] for i in rest],
-                [steps[i] for i in rest], None,
-            )  # fmt: skip
+        if done and padded:
+            self._update_bucket(group, *map(list, zip(*padded)), None)
         return done

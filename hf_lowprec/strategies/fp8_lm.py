@@ -25,8 +25,8 @@ from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, f
 from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
 from ..fp8.cast import unscale_into
 from ..fp8.scaled import FORMATS, get_master_scale
-from ..optim import FP8AdamW, PlainAdamW
 from ..numerics import all_finite
+from ..optim import FP8AdamW, PlainAdamW
 from ..registry import register
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast

@@ -33,9 +33,9 @@ from ..deepspeed import assign_whole_tensors
 from ..fp8 import fp8_allreduce, quantize_gradient
 from ..fp8.linear import E4M3, _quantize_per_tensor
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
+from ..numerics import all_finite
 from ..optim import FP8AdamW
 from ..optim.fp8_adamw import fp8_adamw_param_step
-from ..numerics import all_finite
 from ..registry import register
 from .fp8_lm import FP8LM
 
