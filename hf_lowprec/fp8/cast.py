@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..compiling import compiler_missing
+
 __all__ = ["has_nan", "scale_to_fp8", "unscale_into", "widen"]
 
 logger = logging.getLogger(__name__)
@@ -109,15 +111,12 @@ def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torc
 @functools.cache
 def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any]:
     # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
-    # size of the first tensor (see `hf_lowprec.optim.kernels`, "Threads").
+    # size of the first tensor (see `hf_lowprec.optim.fastpath`).
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
 def _compiler_missing() -> str | None:
-    # The optimizer kernels' check (cached there); imported here to keep this module's imports light.
-    from ..optim.kernels import _compiler_missing as missing
-
-    return missing("cpu")
+    return compiler_missing("cpu")
 
 
 _broken: list[str] = []

@@ -1,23 +1,38 @@
-"""Optimizers for low-precision parameters and states."""
+"""Optimizers for low-precision parameters and states: AdamW as (m format × v format × update rule).
 
+`adamw` holds the core (arithmetic, step loop), `formats` (in `hf_lowprec.formats`) and `rules`
+the pieces, `families` the BF16/FP16 families, `fp8_adamw` and `coat` the FP8 ones, `fastpath`
+the dispatch between the eager reference and the compiled step.
+"""
+
+from .adamw import AdamW, Composition
 from .base import LowPrecisionOptimizer, TrackedUpdate
-from .bf16 import FP32StatesAdamW, KahanAdamW, PlainAdamW, StochasticRoundingAdamW
-from .collage import CollageAdamW
+from .coat import COATAdamW
+from .families import (
+    Collage8bitAdamW,
+    CollageAdamW,
+    FP32StatesAdamW,
+    FP32StatesSRAdamW,
+    KahanAdamW,
+    MasterWeightAdamW,
+    PlainAdamW,
+    StochasticRoundingAdamW,
+)
+from .fp8_adamw import FP8AdamW
 
 __all__ = [
+    "AdamW",
+    "COATAdamW",
+    "Collage8bitAdamW",
     "CollageAdamW",
+    "Composition",
     "FP32StatesAdamW",
+    "FP32StatesSRAdamW",
+    "FP8AdamW",
     "KahanAdamW",
     "LowPrecisionOptimizer",
+    "MasterWeightAdamW",
     "PlainAdamW",
     "StochasticRoundingAdamW",
     "TrackedUpdate",
 ]
-
-from .fp8_adamw import FP8AdamW  # noqa: E402
-
-__all__ += ["FP8AdamW"]
-
-from .coat import COATAdamW  # noqa: E402
-
-__all__ += ["COATAdamW"]

@@ -1,4 +1,4 @@
-"""FP8 AdamW: the low-bit optimizer of FP8-LM / MS-AMP O2 (FP8-LM §2.2; ALGORITHMS.md §3).
+"""FP8 AdamW: the low-bit optimizer of FP8-LM / MS-AMP O2 (FP8-LM §2.2; docs/algorithms.md §3).
 
 Per parameter θ with gradient g, step t, all arithmetic in FP32:
 
@@ -21,77 +21,37 @@ parameter group, so the parameters that are not FP8 GEMM weights (LayerNorm gain
 embeddings) can sit in the same optimizer with FP32 masters and FP32 moments (stored
 unscaled), as MS-AMP keeps them.
 
+A composition of the AdamW core: m and v as `formats.Scaled` (per-tensor power-of-two scales
+from the new amax), and `rules.ScaledMaster` for a scaled FP16 master, `rules.Nearest` for the
+others. The scales need the amax of the new values before anything is stored: the compiled
+step reduces, then stores in a second loop over the same registers (Inductor recomputes the
+cheap element-wise update rather than writing FP32 copies).
+
 The lost-arithmetic metrics see the master in real units (`held_value`), in FP64.
 """
 
 from __future__ import annotations
 
-import math
-
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from ..fp8.scaled import FORMATS, dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
-from ..numerics import sqrt_rn
-from .base import LowPrecisionOptimizer
-from .kernels import FusedMode, check_fused_mode, compiled_fp8_adamw_step
+from ..formats import Scaled
+from ..fp8.scaled import FORMATS, format_dtype, get_master_scale
+from .adamw import AdamW, Composition, adamw_scalars
+from .fastpath import FusedMode
+from .rules import Nearest, ScaledMaster
 
-__all__ = ["FP8AdamW", "adamw_update", "fp8_adamw_param_step"]
-
-
-def adamw_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One AdamW step on real FP32 values, out of place: the update rule of FP8AdamW.
-
-    A pure function of its tensors (nothing is stored or scaled here), so it can be compiled
-    into one fused kernel; `fp8_adamw_param_step` wraps it with the dequantize / requantize
-    of the scaled storage.
-
-    Returns:
-        (param, exp_avg, exp_avg_sq, update): the new values and the intended update Δθ.
-    """
-    # Each operation rounded on its own (no lerp / addcmul, which fuse a multiply-add on CPU):
-    # the compiled kernel then reproduces these values with plain vector arithmetic.
-    exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-    exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
-    # m̂/(√v̂ + ε) with the bias corrections folded into two host scalars (FP64, rounded once),
-    # as `collage.adamw_delta` does: (s·m)/(√v + ε·√c2), s = −α·√c2/c1: one root and one
-    # division per element; `tiny` keeps v = 0 with ε = 0 from giving 0/0.
-    sqrt_c2 = math.sqrt(1.0 - beta2**step)
-    step_size = -lr * sqrt_c2 / (1.0 - beta1**step)
-    denom = sqrt_rn(exp_avg_sq) + max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
-    update = step_size * exp_avg / denom
-    if weight_decay:
-        update = update - (lr * weight_decay) * param
-    return param + update, exp_avg, exp_avg_sq, update
+__all__ = ["FP8AdamW", "fp8_adamw_param_step"]
 
 
-def _requantize_(payload: torch.Tensor, scale: torch.Tensor, real: torch.Tensor, margin: int) -> None:
-    """Store `real` into (payload, scale) in place, with a fresh power-of-two scale.
-
-    FP32 storage (the high-precision parameters of FP8-LM O2) has the range of the values
-    themselves: it is stored unscaled, with scale 1.
-    """
-    if payload.dtype == torch.float32:
-        payload.copy_(real)
-        scale.fill_(1.0)
-        return
-    new_scale = pow2_scale(tensor_amax(real), payload.dtype, margin)
-    payload.copy_(quantize(real, new_scale, payload.dtype))
-    scale.copy_(new_scale)
+def _composition(param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    margin = group["margin"]
+    m = Scaled(format_dtype(group["exp_avg_format"]), margin)
+    v = Scaled(format_dtype(group["exp_avg_sq_format"]), margin)
+    rule = ScaledMaster(margin) if get_master_scale(param) is not None else Nearest()
+    return Composition(m, v, rule)
 
 
 def fp8_adamw_param_step(
@@ -105,35 +65,39 @@ def fp8_adamw_param_step(
     eps: float,
     weight_decay: float,
     margin: int,
+    exp_avg_format: str | None = None,
+    exp_avg_sq_format: str | None = None,
 ) -> torch.Tensor:
-    """One AdamW step for one parameter with scaled low-precision moments, in place.
+    """One FP8AdamW step of one parameter outside an optimizer (the reference), in place.
 
     Args:
         param: the master weight (real values, or an FP16 payload with `get_master_scale`).
-        grad: the gradient with respect to the real weight, FP32.
-        state: "step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale".
+        grad: the gradient with respect to the real weight.
+        state: "step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"; the
+            formats are read from the payloads' dtypes unless given.
 
     Returns:
-        The intended update Δθ in real units (FP32), for the lost-arithmetic metrics.
+        The update Δθ in real units (FP32), for the lost-arithmetic metrics.
     """
+    names = {dtype: name for name, dtype in FORMATS.items()}
+    group = dict(
+        margin=margin,
+        exp_avg_format=exp_avg_format or names[state["exp_avg"].dtype],
+        exp_avg_sq_format=exp_avg_sq_format or names[state["exp_avg_sq"].dtype],
+    )
+    composition = _composition(param, group)
     state["step"] += 1
-    master_scale = get_master_scale(param)
-    real = param.float() if master_scale is None else dequantize(param, master_scale)
-    new, m, v, update = adamw_update(
-        real, grad, dequantize(state["exp_avg"], state["exp_avg_scale"]),
-        dequantize(state["exp_avg_sq"], state["exp_avg_sq_scale"]), step=state["step"],
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+    h = torch.tensor(
+        adamw_scalars(state["step"], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
+        dtype=torch.float32, device=param.device,
     )  # fmt: skip
-    _requantize_(state["exp_avg"], state["exp_avg_scale"], m, margin)
-    _requantize_(state["exp_avg_sq"], state["exp_avg_sq_scale"], v, margin)
-    if master_scale is None:
-        param.copy_(new)
-    else:
-        _requantize_(param, master_scale, new, margin)
-    return update
+    stored = composition.stored(param, state)
+    flat = [param.detach().view(-1), grad.detach().reshape(-1), None]
+    flat += [t.view(-1) if t.dim() else t for t in stored]
+    return composition.step(*flat, h, None).view(param.shape)
 
 
-class FP8AdamW(LowPrecisionOptimizer):
+class FP8AdamW(AdamW):
     """AdamW with an E4M3 first moment and a scaled FP16 second moment (MS-AMP O2 "LBAdamW").
 
     Args:
@@ -143,9 +107,7 @@ class FP8AdamW(LowPrecisionOptimizer):
         exp_avg_sq_format: storage of v: "fp16" (paper), or "e4m3"/"e5m2" for the
             FP8-second-moment ablation (FP8-LM Fig. 8 #4), "bf16", "fp32".
         margin: scale margin in binades for moments and scaled masters.
-        fused: "auto" (the step of each parameter as two compiled passes of `kernels`, amax
-            then update and store, where torch.compile can build them), "compiled" (require
-            them) or "foreach" (`fp8_adamw_param_step`); bit-identical results on CPU.
+        fused: as `AdamW` ("auto", "compiled", "reference"; same bits).
 
     State per parameter: `step` (int), `exp_avg` + `exp_avg_scale`, `exp_avg_sq` +
     `exp_avg_sq_scale` (payloads + FP32 scalars), and, once `set_fp8_grad` was used, `grad` +
@@ -157,14 +119,8 @@ class FP8AdamW(LowPrecisionOptimizer):
     which takes precedence and lets the caller free `p.grad` (1 byte per element instead of 2–4).
     """
 
-    state_roles: ClassVar[dict[str, str]] = {
-        "exp_avg": "optimizer",
-        "exp_avg_sq": "optimizer",
-        "exp_avg_scale": "extra",
-        "exp_avg_sq_scale": "extra",
-        "grad": "gradient",
-        "grad_scale": "extra",
-    }
+    param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    extra_options: ClassVar[tuple[str, ...]] = ("exp_avg_format", "exp_avg_sq_format", "margin")
 
     def __init__(
         self,
@@ -179,36 +135,23 @@ class FP8AdamW(LowPrecisionOptimizer):
         margin: int = 0,
         fused: FusedMode = "auto",
     ) -> None:
-        self.fused = check_fused_mode("FP8AdamW", fused)
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        self._pending_grads: set[int] = set()
+        super().__init__(
+            params, lr, betas, eps, weight_decay, fused=fused,
             exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format, margin=margin,
         )  # fmt: skip
-        _check_group(defaults)
-        self._pending_grads: set[int] = set()
-        super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _check_group({**self.defaults, **param_group})
-        params = param_group["params"]
-        params = [params] if torch.is_tensor(params) else list(params)
-        for param in params:
-            if not param.is_floating_point():
-                raise ValueError(f"FP8AdamW optimizes floating-point parameters, got {param.dtype}")
-        param_group["params"] = params
-        super().add_param_group(param_group)
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        for key in ("exp_avg_format", "exp_avg_sq_format"):
+            if group[key] not in FORMATS:
+                raise ValueError(f"FP8AdamW: {key} must be one of {sorted(FORMATS)}, got {group[key]!r}")
+        margin = group["margin"]
+        if not (isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0):
+            raise ValueError(f"FP8AdamW: margin must be an integer >= 0, got {margin!r}")
 
-    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        m_dtype = format_dtype(group["exp_avg_format"])
-        v_dtype = format_dtype(group["exp_avg_sq_format"])
-        device = param.device
-        return {
-            "step": 0,
-            "exp_avg": torch.zeros_like(param, dtype=m_dtype),
-            "exp_avg_scale": torch.ones((), device=device),
-            "exp_avg_sq": torch.zeros_like(param, dtype=v_dtype),
-            "exp_avg_sq_scale": torch.ones((), device=device),
-        }
+    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+        return _composition(param, group)
 
     def planned_grad_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype `param`'s gradient is held in between steps (memory plans): FP8 for a scaled
@@ -244,70 +187,14 @@ class FP8AdamW(LowPrecisionOptimizer):
         state = self.state[param]
         return state["grad"], state["grad_scale"]
 
-    def _gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+    def _gradient(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if id(param) in self._pending_grads:
             state = self.state[param]
-            return dequantize(state["grad"], state["grad_scale"])
-        if param.grad is None:
-            return None
-        if param.grad.is_sparse:
-            raise ValueError("FP8AdamW does not support sparse gradients")
-        return param.grad.float()
+            return state["grad"], state["grad_scale"]
+        return super()._gradient(param)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimization step; `closure` re-evaluates the loss, as in torch.optim."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if not self.track_updates and self._fused_param_step(param, group):
-                    continue
-                grad = self._gradient(param)
-                if grad is None:
-                    continue
-                state = self.state[param]
-                if "exp_avg" not in state:
-                    state.update(self._init_state(param, group))
-                before = self.held_value(param) if self.track_updates else None
-                update = fp8_adamw_param_step(
-                    param, grad, state, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], margin=group["margin"],
-                )  # fmt: skip
-                if before is not None:
-                    self._track(index, param, before, update)
+    def _after_step(self) -> None:
         self._pending_grads.clear()
-        return loss
-
-    def _fused_param_step(self, param: torch.Tensor, group: dict[str, Any]) -> bool:
-        """The step of `param` through `kernels.compiled_fp8_adamw_step`; False = not done.
-
-        The FP8 gradient goes in as payload and scale, never widened to an FP32 copy."""
-        if self.fused == "foreach":
-            return False
-        state = self.state[param]
-        if id(param) in self._pending_grads:
-            grad, grad_scale = state["grad"], state["grad_scale"]
-        elif param.grad is None or param.grad.is_sparse:
-            return False
-        else:
-            grad, grad_scale = param.grad, None
-        if "exp_avg" not in state:
-            state.update(self._init_state(param, group))
-        beta1, beta2 = group["betas"]
-        return compiled_fp8_adamw_step(
-            param, get_master_scale(param), grad, grad_scale, state, lr=group["lr"], beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], margin=group["margin"],
-            fused=self.fused,
-        )  # fmt: skip
-
-    def held_value(self, param: torch.Tensor) -> torch.Tensor:
-        """The master in real units (payload / scale for a scaled FP16 master), FP64."""
-        scale = get_master_scale(param)
-        return param.detach().double() if scale is None else dequantize(param.detach(), scale, torch.float64)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pending_grads.clear()
@@ -325,21 +212,3 @@ class FP8AdamW(LowPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_grads.clear()
         super().load_state_dict(state_dict)
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not lr >= 0:
-        raise ValueError(f"FP8AdamW: learning rate must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"FP8AdamW: betas must lie in [0, 1), got {group['betas']}")
-    if not eps >= 0:
-        raise ValueError(f"FP8AdamW: eps must be >= 0, got {eps}")
-    if not wd >= 0:
-        raise ValueError(f"FP8AdamW: weight_decay must be >= 0, got {wd}")
-    for key in ("exp_avg_format", "exp_avg_sq_format"):
-        if group[key] not in FORMATS:
-            raise ValueError(f"FP8AdamW: {key} must be one of {sorted(FORMATS)}, got {group[key]!r}")
-    margin = group["margin"]
-    if not (isinstance(margin, int) and margin >= 0):
-        raise ValueError(f"FP8AdamW: margin must be an integer >= 0, got {margin!r}")

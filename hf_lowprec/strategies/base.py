@@ -25,7 +25,7 @@ import torch
 
 from ..metrics import edq, imprecision_percentage
 from ..numerics import all_finite
-from ..optim.collage import check_adamw_hyperparameters
+from ..optim.adamw import check_adamw_hyperparameters
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from ..memory import unwrap_optimizer
-from ..optim.fp16 import FP32StatesSRAdamW, MasterWeightAdamW
+from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..registry import register
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
 from .base import StrategyOptions

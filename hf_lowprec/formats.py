@@ -1,0 +1,399 @@
+"""Storage formats of optimizer states: how a stored tensor becomes FP32 registers and back.
+
+A format (a codec) is a small frozen description — hashable, so a compiled step can be built
+once per combination — with four operations over the tensors it stores for one parameter:
+
+    keys(prefix)                 the state keys it owns ("exp_avg", "exp_avg_scale", ...)
+    zeros(param)                 the stored tensors of an all-zero state
+    decode(*stored)              FP32 values, one per element (the padded length for blocks)
+    encode_(values, *stored)     store FP32 `values`, rounding once, updating any scales
+
+Element-wise formats see flat 1-D tensors. Block formats (`block` > 1) see (blocks × block)
+views, their payloads stored flat and padded to whole blocks: the caller pads the parameter
+and its gradient with zeros (zeros stay zero in every format and do not move a block's
+maximum). Every operation is a pure function of tensors, written to run eagerly (the
+reference) and under `torch.compile` (the fast path) with the same bits: roots go through
+`root`, which is correctly rounded in both.
+
+| format              | stores (per element)             | used by                               |
+|---------------------|----------------------------------|---------------------------------------|
+| `Plain(dtype)`      | the value rounded to dtype       | m and v of the BF16 family; FP32      |
+| `Scaled(dtype)`     | payload + one power-of-two scale | FP8AdamW's m and v; FP16 second moments|
+| `Pair(base)`        | (value, error): ~2p bits (MCF)   | Collage-plus's v                      |
+| `GroupFP8(dtype)`   | FP8 + per-group (s, k, c)        | COAT's m and v (range expansion)      |
+| `Blockwise8bit()`   | 8-bit dynamic-map code + absmax  | the collage-8bit strategy's m and v   |
+
+The rules are in docs/algorithms.md §0 (formats), §2 (MCF pairs), §3 (scaled tensors) and §4
+(COAT's groups); the blockwise 8-bit format is described on `Blockwise8bit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from .fp8.scaled import format_max, pow2_scale
+from .numerics import sqrt_rn
+
+__all__ = [
+    "Blockwise8bit",
+    "Format",
+    "GroupFP8",
+    "Pair",
+    "Plain",
+    "Scaled",
+    "dynamic_map",
+    "expansion_exponent",
+    "root",
+    "round_to",
+    "saturate",
+]
+
+F32 = torch.float32
+
+
+def root(x: torch.Tensor) -> torch.Tensor:
+    """√x correctly rounded: the hardware root when compiled, `numerics.sqrt_rn` eagerly.
+
+    PyTorch's eager CPU root of FP32 is one ulp off for ~0.7% of inputs; a compiled loop uses
+    the exact instruction. Taking the exact root on both sides keeps the paths bit-identical.
+    """
+    if torch.compiler.is_compiling():
+        return torch.sqrt(x)
+    return sqrt_rn(x)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` (to nearest even) and widened back to FP32."""
+    return x.to(dtype).to(F32)
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y clamped to ±max(dtype), NaN kept NaN and ±inf made NaN (the FP8 cast convention).
+
+    clamp turns ±inf into ±max; adding y − y (0 when finite, NaN otherwise) restores NaN.
+    """
+    limit = format_max(dtype)
+    return y.clamp(-limit, limit) + (y - y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """Base of the formats: one stored tensor `prefix`, element-wise."""
+
+    block: int = dataclasses.field(default=1, init=False)
+
+    suffixes = ("",)
+    #: Per stored tensor: whether it has the parameter's elements (flattened or padded with it)
+    #: or is stored as it is (scales, block metadata, payloads already padded to whole blocks).
+    shaped = (True,)
+
+    def keys(self, prefix: str) -> tuple[str, ...]:
+        return tuple(prefix + s for s in self.suffixes)
+
+    def register_max(self, payload_dtype: torch.dtype) -> float:
+        """Largest value the update may hold in registers before `encode_` (v is clamped to it,
+        so a finite gradient whose square overflows saturates instead of storing inf): FP32's
+        for formats whose encoding handles range (scaled, block), the dtype's for plain ones."""
+        return torch.finfo(F32).max
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        raise NotImplementedError
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def decode(self, *stored: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_(self, values: torch.Tensor, *stored: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        """Stored bytes per parameter element (scales and block metadata included)."""
+        raise NotImplementedError
+
+
+def _dtype_or_param(dtype: torch.dtype | None, param: torch.Tensor) -> torch.dtype:
+    return param.dtype if dtype is None else dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain(Format):
+    """The value rounded once to `dtype` (None: the parameter's dtype)."""
+
+    dtype: torch.dtype | None = None
+
+    def register_max(self, payload_dtype: torch.dtype) -> float:
+        return torch.finfo(payload_dtype).max
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return _dtype_or_param(self.dtype, param)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros_like(param, dtype=self.storage_dtype(param), memory_format=torch.preserve_format),)
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload.float()
+
+    def encode_(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        payload.copy_(values)
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        return (self.dtype or param_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled(Format):
+    """payload = saturate(value·s) in `dtype`, s a power of two re-chosen at every store.
+
+    s = 2^(floor(log2(max(dtype)/amax)) − margin) (`fp8.scaled.pow2_scale`): amax·s lands in
+    the format's top binade, so the scaling is exact and only the cast rounds; amax = 0 or
+    non-finite gives s = 1. FP32 storage is kept unscaled (s = 1). Decoding multiplies by
+    1/s, exact for a power of two (the same bits as dividing by s).
+    """
+
+    dtype: torch.dtype | None = None
+    margin: int = 0
+
+    suffixes = ("", "_scale")
+    shaped = (True, False)
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return _dtype_or_param(self.dtype, param)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        payload = torch.zeros_like(param, dtype=self.storage_dtype(param), memory_format=torch.preserve_format)
+        return payload, torch.ones((), dtype=F32, device=param.device)
+
+    def decode(self, payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return payload.float() * (1.0 / scale)
+
+    def encode_(self, values: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
+        payload.copy_(self.scaled(values, payload, scale))
+
+    def scaled(self, values: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Choose the new scale from amax(values), store it, return saturate(values·s) in FP32."""
+        if payload.dtype == F32:
+            scale.fill_(1.0)
+            return values
+        new_scale = pow2_scale(values.abs().amax(), payload.dtype, self.margin)
+        scale.copy_(new_scale)
+        return saturate(values * new_scale, payload.dtype)
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        return (self.dtype or param_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair(Format):
+    """A multi-component value (v, δv) in `base`'s dtype: v = r(x), δv = r(x − v).
+
+    The pair holds ~2p bits; decoding adds the components in FP32, exact while they span at
+    most 24 bits (else off by < 2^-24 relative). With a `Scaled` base both components carry
+    its scale (FP16 second moments: FP16 cannot hold a small v unscaled).
+    """
+
+    base: Plain | Scaled = Plain()
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("", "_error", *self.base.suffixes[1:])
+
+    @property
+    def shaped(self) -> tuple[bool, ...]:  # type: ignore[override]
+        return (True, True, *self.base.shaped[1:])
+
+    def register_max(self, payload_dtype: torch.dtype) -> float:
+        return self.base.register_max(payload_dtype)
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.base.storage_dtype(param)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        value, *scale = self.base.zeros(param)
+        return (value, torch.zeros_like(value), *scale)
+
+    def decode(self, value: torch.Tensor, error: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
+        total = value.float() + error.float()
+        return total * (1.0 / scale[0]) if scale else total
+
+    def encode_(self, values: torch.Tensor, value: torch.Tensor, error: torch.Tensor, *scale: torch.Tensor) -> None:
+        stored = self.base.scaled(values, value, scale[0]) if scale else values
+        value.copy_(stored)
+        error.copy_(stored - round_to(stored, value.dtype))
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        return 2 * self.base.bytes_per_element(param_dtype)
+
+
+# COAT: k is a multiple of 1/16; the floor keeps R^k at or below the target range.
+_K_STEPS = 16
+
+
+def expansion_exponent(amax: torch.Tensor, amin: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """COAT's k = max(1, floor(log2(F²/2) / log2(amax/amin) · 16) / 16) per group, FP32.
+
+    Args:
+        amax: max |x| per group; amin: smallest non-zero |x| per group (any value where amax = 0).
+    Groups with amax = 0 or amax/amin ≤ 1 get k = 1.
+    """
+    target = math.log2(format_max(fp8_dtype) ** 2 / 2)
+    log_range = torch.log2(amax.double()) - torch.log2(amin.double())
+    usable = (amax > 0) & (log_range > 0)
+    raw = torch.floor(target / torch.where(usable, log_range, torch.ones_like(log_range)) * _K_STEPS) / _K_STEPS
+    return torch.where(usable, raw.clamp(min=1.0), torch.ones_like(raw)).float()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFP8(Format):
+    """COAT's state format: FP8 codes with per-group (s, k, c), dynamic range expansion.
+
+    Per group of `group_size` elements, mx = max|x|, mn = the smallest non-zero |x|:
+    c = √mx·√mn, k = `expansion_exponent`, y = sign(x)·(|x|/c)^k, q = FP8(y·s), s = F/max|y|;
+    decoded x̂ = sign(q)·|q/s|^(1/k)·c. A group with k = 1 stores c = 1 (plain per-group
+    scaling); an all-zero group stores s = k = c = 1; inf or NaN makes the group decode to NaN.
+    `expand=False` is plain per-group scaling (k = c = 1). (s, k, c) are FP32.
+    """
+
+    dtype: torch.dtype = torch.float8_e4m3fn
+    group_size: int = 128
+    expand: bool = True
+
+    suffixes = ("", "_scale", "_exponent", "_center")
+    shaped = (False, False, False, False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r} (COAT uses 128)")
+        if self.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"GroupFP8 stores torch.float8_e4m3fn or torch.float8_e5m2, got {self.dtype}")
+        object.__setattr__(self, "block", self.group_size)
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.dtype
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        groups = -(-param.numel() // self.group_size)
+        ones = torch.ones(groups, dtype=F32, device=param.device)
+        payload = torch.zeros(groups * self.group_size, dtype=self.dtype, device=param.device)
+        return payload, ones, ones.clone(), ones.clone()
+
+    def decode(self, payload, scale, exponent, center) -> torch.Tensor:  # noqa: ANN001
+        y = payload.view(-1, self.group_size).float() / scale[:, None]
+        if self.expand:
+            y = (y.abs().pow(exponent.reciprocal()[:, None]) * center[:, None]).copysign(y)
+        return y
+
+    def encode_(self, values, payload, scale, exponent, center) -> None:  # noqa: ANN001
+        grouped = values.view(-1, self.group_size)
+        magnitude = grouped.abs()
+        amax = magnitude.amax(dim=1)
+        ones = torch.ones_like(amax)
+        k, c = ones, ones
+        if self.expand:
+            amin = torch.where(magnitude > 0, magnitude, math.inf).amin(dim=1)
+            k = expansion_exponent(amax, amin, self.dtype)
+            # √mx·√mn, not √(mx·mn): the product of two tiny second moments would underflow.
+            c = torch.where((amax > 0) & (k > 1), root(amax) * root(amin), ones)
+            magnitude = (magnitude / c[:, None]).pow(k[:, None])
+            grouped = magnitude.copysign(grouped)
+            amax = magnitude.amax(dim=1)
+        limit = format_max(self.dtype)
+        s = torch.where(amax > 0, limit / amax, ones)
+        s = torch.where(torch.isfinite(amax), s, math.nan)
+        payload.view(-1, self.group_size).copy_(saturate(grouped * s[:, None], self.dtype))
+        scale.copy_(s)
+        exponent.copy_(k)
+        center.copy_(c)
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        return 1 + 12 / self.group_size
+
+
+@functools.cache
+def dynamic_map(signed: bool) -> tuple[float, ...]:
+    """The 256 values of the 8-bit dynamic (tree) quantization map, ascending.
+
+    A code spends its leading bits on a decimal exponent and the rest on a linear fraction:
+    level e (0 … 6) covers magnitudes 10^(e−6)·[0.1, 1] with 2^e (signed) or 2^(e+1)
+    (unsigned) values at the midpoints of an even split of [0.1, 1], so small magnitudes get
+    few, widely spaced codes and the top decade most of them. With 0 and 1 that is 2·127 + 2
+    codes signed, 254 + 2 unsigned (the signed map has +1 but not −1: a block's most negative
+    element, when it holds the absmax, lands on the top midpoint, 0.7% short). Relative spacing in the top decade: 1/128 (signed) and
+    1/256 (unsigned) of the block maximum.
+    """
+    values = {0.0, 1.0}
+    for level in range(7):
+        count = 2**level if signed else 2 ** (level + 1)
+        edges = [0.1 + 0.9 * i / count for i in range(count + 1)]
+        for low, high in zip(edges, edges[1:]):
+            magnitude = 10.0 ** (level - 6) * (low + high) / 2
+            values.add(magnitude)
+            if signed:
+                values.add(-magnitude)
+    ordered = sorted(values)
+    if len(ordered) != 256:
+        raise AssertionError(f"dynamic map has {len(ordered)} codes, expected 256")
+    return tuple(ordered)
+
+
+@functools.cache
+def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    values = torch.tensor(dynamic_map(signed), dtype=F32, device=device)
+    midpoints = (values[1:] + values[:-1]) / 2
+    return values, midpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise8bit(Format):
+    """8-bit codes into the `dynamic_map` with one FP32 absmax per block of `block_size`.
+
+    Encoding divides a block by its absmax (a = max|x|; an all-zero block keeps a = 0 and
+    codes of 0) and stores the index of the nearest map value (ties to the lower one);
+    decoding is map[code]·a. The first moment uses the signed map, the second (never
+    negative) the unsigned one, whose codes are twice as dense. This is the layout of the
+    8-bit AdamW states of the 8-bit optimizer literature (Dettmers et al., 2022): 1 byte + 4/256
+    per element. NaN in a block makes its absmax NaN, so the block decodes to NaN.
+    """
+
+    signed: bool = True
+    block_size: int = 256
+
+    suffixes = ("", "_absmax")
+    shaped = (False, False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        object.__setattr__(self, "block", self.block_size)
+
+    def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return torch.uint8
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        blocks = -(-param.numel() // self.block_size)
+        zero_code = dynamic_map(self.signed).index(0.0)
+        codes = torch.full((blocks * self.block_size,), zero_code, dtype=torch.uint8, device=param.device)
+        return codes, torch.zeros(blocks, dtype=F32, device=param.device)
+
+    def decode(self, codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        values, _ = _map_tensors(self.signed, codes.device)
+        return values[codes.view(-1, self.block_size).long()] * absmax[:, None]
+
+    def encode_(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+        _, midpoints = _map_tensors(self.signed, codes.device)
+        grouped = x.view(-1, self.block_size)
+        amax = grouped.abs().amax(dim=1)
+        normalized = grouped / torch.where(amax > 0, amax, 1.0)[:, None]
+        if not self.signed:
+            normalized = normalized.clamp(min=0.0)
+        index = torch.bucketize(normalized, midpoints)
+        codes.view(-1, self.block_size).copy_(index.to(torch.uint8))
+        absmax.copy_(amax)
+
+    def bytes_per_element(self, param_dtype: torch.dtype) -> float:
+        return 1 + 4 / self.block_size

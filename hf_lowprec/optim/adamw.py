@@ -1,0 +1,410 @@
+"""The AdamW core: validation, the per-step scalars, the arithmetic and the step loop, once.
+
+Every optimizer of `hf_lowprec.optim` is AdamW with a choice of three pieces (a composition):
+
+    m format × v format × update rule          (`hf_lowprec.formats`, `rules`)
+
+and its step for one parameter is one pure function of tensors, `Composition.step`:
+
+    g  = decode(grad)                                    (FP8 payload / scale, or widened)
+    θ  = rule.read(param)                                (the master, or the parameter)
+    m₃₂ = m + (1 − β1)·(g − m)                           m, v decoded to FP32 registers
+    v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v)
+    Δθ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'),  s = −α·√c2/c1, ε' = max(ε·√c2, tiny)
+    encode m₃₂, v₃₂; rule.apply(Δθ)                      each stored value rounded once
+
+with c1 = 1 − β1^t, c2 = 1 − β2^t folded into two scalars on the host in FP64 and rounded
+once to FP32 (`adamw_scalars`): m̂/(√v̂ + ε) = (m·√c2/c1)/(√v + ε·√c2). Every FP32 operation
+is rounded on its own (no lerp or addcmul, whose CPU kernels fuse a multiply-add), so the
+compiled function reproduces the eager one bit for bit. ε sits outside the root as in
+`torch.optim.AdamW`; decoupled weight decay is part of Δθ (so a compensated rule compensates
+it too); `tiny` (FP32's smallest normal) keeps v = 0 with ε = 0 from giving 0/0; max_v (the
+largest value v's storage holds) makes a finite gradient whose square overflows saturate v.
+
+Run eagerly the function is the reference; `fastpath` compiles it. `AdamW` is the
+`torch.optim.Optimizer` around it: validation, per-parameter state made by the formats and
+the rule, buckets of parameters sharing a composition, the lost-arithmetic tracking, and
+state that loads back in its own dtypes. A family is a subclass that says which composition
+a parameter gets (`composition`), in a few lines (`families.py`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..formats import Format, root
+from ..numerics import LOW_PRECISION_DTYPES
+from .base import LowPrecisionOptimizer
+from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
+from .rules import Rule
+
+__all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
+
+Tensors = list[torch.Tensor]
+
+# Slots of the per-step scalar vector.
+W1, B2, OMB2, STEP, EPS, DECAY = range(6)
+
+#: Where each state key's bytes go ("optimizer" moments, "extra" components, scales and
+#: masters, "gradient" kept in the optimizer), for `hf_lowprec.memory` and the reports.
+STATE_ROLES: dict[str, str] = {
+    "exp_avg": "optimizer",
+    "exp_avg_sq": "optimizer",
+    "grad": "gradient",
+    **{
+        f"{prefix}{suffix}": "extra"
+        for prefix in ("exp_avg", "exp_avg_sq")
+        for suffix in ("_error", "_scale", "_exponent", "_center", "_absmax")
+    },
+    "grad_scale": "extra",
+    "param_error": "extra",
+    "compensation": "extra",
+    "master": "extra",
+}
+
+
+def check_adamw_hyperparameters(
+    name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float
+) -> None:
+    """Raise ValueError naming the bad value and what to pass instead."""
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: invalid lr={lr!r}; the learning rate must be >= 0 (e.g. lr=1e-3)")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(
+            f"{name}: invalid betas={tuple(betas)!r}; pass two values in [0, 1), e.g. betas=(0.9, 0.999)"
+        )
+    if not eps >= 0.0:
+        raise ValueError(f"{name}: invalid eps={eps!r}; eps must be >= 0 (e.g. eps=1e-8)")
+    if not weight_decay >= 0.0:
+        raise ValueError(
+            f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)"
+        )
+
+
+def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
+    """The per-step scalars (slots W1 … DECAY), computed in FP64 on the host."""
+    sqrt_c2 = math.sqrt(1.0 - beta2**step)
+    values = [0.0] * 6
+    values[W1], values[B2], values[OMB2] = 1.0 - beta1, beta2, 1.0 - beta2
+    values[STEP] = -lr * sqrt_c2 / (1.0 - beta1**step)
+    values[EPS] = max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
+    values[DECAY] = -lr * weight_decay
+    return values
+
+
+def adamw_math(
+    theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, h: torch.Tensor, max_v: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `h` (see the module docstring)."""
+    m = m_old + h[W1] * (g - m_old)
+    v = torch.clamp(v_old * h[B2] + h[OMB2] * g * g, max=max_v)
+    return m, v, theta * h[DECAY] + h[STEP] * m / (root(v) + h[EPS])
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+    """An AdamW family for one parameter: how m and v are stored, how Δθ is applied."""
+
+    m: Format
+    v: Format
+    rule: Rule
+
+    @property
+    def block(self) -> int:
+        return math.lcm(self.m.block, self.v.block)
+
+    def keys(self) -> tuple[str, ...]:
+        return (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"), *self.rule.keys())
+
+    def shaped(self) -> tuple[bool, ...]:
+        """For param, grad, grad_scale and every stored tensor: has it the parameter's elements?"""
+        return (True, True, False, *self.m.shaped, *self.v.shaped, *self.rule.shaped)
+
+    def zeros(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = (*self.m.zeros(param), *self.v.zeros(param), *self.rule.zeros(param))
+        return dict(zip(self.keys(), tensors))
+
+    def stored(self, param: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
+        keys = (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"))
+        return [state[k] for k in keys] + list(self.rule.stored(param, state))
+
+    def step(self, param: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None, *rest: Any) -> torch.Tensor:
+        """One AdamW step of one parameter, in place; returns Δθ₃₂ (see the module docstring).
+
+        `rest` is the stored tensors of m, v and the rule, then the scalar vector and the seed.
+        """
+        *stored, h, seed = rest
+        split_m, split_v = len(self.m.suffixes), len(self.m.suffixes) + len(self.v.suffixes)
+        m_stored, v_stored, rule_stored = stored[:split_m], stored[split_m:split_v], stored[split_v:]
+        g = grad.float() if grad_scale is None else grad.float() / grad_scale
+        theta = self.rule.read(param, *rule_stored)
+        m_old, v_old = self.m.decode(*m_stored), self.v.decode(*v_stored)
+        m, v, delta = adamw_math(theta, g, m_old, v_old, h, self.v.register_max(v_stored[0].dtype))
+        self.m.encode_(m, *m_stored)
+        self.v.encode_(v, *v_stored)
+        self.rule.apply_(delta, theta, param, *rule_stored, seed=seed)
+        return delta
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2): the step is element-wise, so each rank steps its shard."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
+class AdamW(LowPrecisionOptimizer):
+    """AdamW over a composition (m format × v format × update rule) chosen per parameter.
+
+    Args:
+        params: parameters or parameter groups (an ordered collection).
+        lr, betas, eps, weight_decay: as in `torch.optim.AdamW` (decoupled weight decay).
+        fused: "auto" (the compiled step where it can run, else the reference), "compiled"
+            (require it; raises naming the reason) or "reference"; same bits on CPU. Not a
+            group option: checkpoints are the same whichever path wrote them.
+        seed: for rules that round stochastically, the seed of the per-device generators
+            (drawn from the global RNG when None); their states travel in `state_dict()`.
+        extra options: the family's group options (`extra_options`).
+
+    Subclasses implement `composition(param, group)`. State per parameter: `step` (int) and
+    the tensors of the composition's `keys()`, created at the first step (or by `plan_state`).
+    `paths_taken` counts, per parameter step, which implementation ran ("compiled",
+    "reference").
+    """
+
+    #: Parameter dtypes accepted (None: any floating dtype).
+    param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = LOW_PRECISION_DTYPES
+    #: Group options beyond the AdamW hyper-parameters.
+    extra_options: ClassVar[tuple[str, ...]] = ()
+    dtype_advice: ClassVar[str] = (
+        "cast the model with model.to(torch.bfloat16), or use PlainAdamW / torch.optim.AdamW "
+        "for FP32 parameters"
+    )
+    state_roles: ClassVar[dict[str, str]] = STATE_ROLES
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        fused: FusedMode = "auto",
+        seed: int | None = None,
+        **extra_defaults: Any,
+    ):
+        unknown = sorted(set(extra_defaults) - set(self.extra_options))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected argument(s) {unknown}")
+        check_adamw_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
+        self.fused = check_fused_mode(type(self).__name__, fused)
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        self._generators: dict[str, torch.Generator] = {}
+        self.paths_taken: collections.Counter[str] = collections.Counter()
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
+        super().__init__(params, defaults)
+
+    # --- what a family declares -------------------------------------------------------------
+
+    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+        """The formats of m and v and the update rule for `param` in `group`."""
+        raise NotImplementedError
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_adamw_hyperparameters(
+            type(self).__name__, group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        )
+
+    # --- parameter groups and state --------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        merged = {**self.defaults, **param_group}
+        self._check_group(merged)
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError(
+                f"{type(self).__name__}: parameters must be an ordered collection, not a set; "
+                f"pass a list so that state_dict order is reproducible"
+            )
+        params = param_group["params"] = [params] if torch.is_tensor(params) else list(params)
+        for index, param in enumerate(params):
+            if not param.is_floating_point():
+                raise ValueError(
+                    f"{type(self).__name__} optimizes floating-point parameters, got {param.dtype} "
+                    f"(parameter {index} of group {len(self.param_groups)})"
+                )
+            if self.param_dtypes is not None and param.dtype not in self.param_dtypes:
+                allowed = " or ".join(str(d) for d in self.param_dtypes)
+                raise ValueError(
+                    f"{type(self).__name__} needs {allowed} parameters, got {param.dtype} "
+                    f"(parameter {index} of group {len(self.param_groups)}); {self.dtype_advice}"
+                )
+        super().add_param_group(param_group)
+
+    def group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise ValueError(f"{type(self).__name__}: the parameter is not one this optimizer updates")
+
+    def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state `param` gets at its first step (zeros; a master copies the parameter)."""
+        group = self.group_of(param) if group is None else group
+        local = _local(param.detach())
+        return {"step": 0, **self.composition(param, group).zeros(local)}
+
+    def _complete_state(self, param: torch.Tensor, local: torch.Tensor, state: dict[str, Any], composition: Composition) -> None:
+        """Create the keys a composition needs that the state lacks: a group switched from
+        Collage-light to plus starts δv at zero; an FP16 v saved before it had a scale gets
+        s = 1, which reads the unscaled values correctly."""
+        missing = [k for k in composition.keys() if k not in state]
+        if missing:
+            zeros = composition.zeros(local)
+            for key in missing:
+                state[key] = zeros[key] if not key.endswith("_scale") else torch.ones((), device=local.device)
+
+    def held_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The value this optimizer holds for `param` (θ + δθ, the master), FP64."""
+        state = self.state[param] if param in self.state else {}
+        return self.composition(param, self.group_of(param)).rule.held_value(param, state)
+
+    def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
+        """`held_value` rounded once to FP32, such that casting it back gives θ.
+
+        θ is the round-to-nearest of θ + δθ, but the FP32 rounding can land exactly on a tie of
+        the parameter's dtype; there the value moves one FP32 ulp towards θ, so loading the
+        checkpoint into a BF16 model restores θ bit for bit.
+        """
+        value = super().full_precision_value(param)
+        rule = self.composition(param, self.group_of(param)).rule
+        if rule.compensation_key is None or param.dtype == value.dtype:
+            return value
+        astray = value.to(param.dtype) != param.detach()
+        if bool(astray.any()):
+            towards = torch.nextafter(value, param.detach().float())
+            value = torch.where(astray, towards, value)
+        return value
+
+    def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
+        """Start the compensation of `param` at `residual`, so θ + δθ is a wider value.
+
+        For a model converted from FP32: residual = r(θ₃₂ − r(θ₃₂)), and θ + δθ reproduces the
+        FP32 weights to about 2p bits (16 for BF16) instead of p. Call before the first step.
+        """
+        group = self.group_of(param)
+        key = self.composition(param, group).rule.compensation_key
+        if key is None:
+            raise ValueError(f"{type(self).__name__} keeps no compensation to seed")
+        if residual.shape != param.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != parameter shape {tuple(param.shape)}")
+        if not self.state[param]:
+            self.state[param] = self.plan_state(param, group)
+        self.state[param][key].copy_(residual)
+
+    # --- the step --------------------------------------------------------------------------
+
+    def _gradient(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """This step's gradient of `param` as (tensor, scale or None), or None to skip it."""
+        if param.grad is None:
+            return None
+        if param.grad.is_sparse:
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        return _local(param.grad), None
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group_index, group in enumerate(self.param_groups):
+            buckets: dict[tuple[Composition, torch.device], list[tuple]] = {}
+            for param in group["params"]:
+                gradient = self._gradient(param)
+                if gradient is None:
+                    continue
+                local = _local(param.detach())
+                composition = self.composition(param, group)
+                state = self.state[param]
+                if not state:
+                    state.update(self.plan_state(param, group))
+                self._complete_state(param, local, state, composition)
+                state["step"] += 1
+                buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
+            for (composition, device), items in buckets.items():
+                self._step_bucket(group_index, group, composition, device, items)
+        self._after_step()
+        return loss
+
+    def _step_bucket(self, group_index: int, group: dict[str, Any], composition: Composition,
+                     device: torch.device, items: list[tuple]) -> None:  # fmt: skip
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        scalars: dict[int, torch.Tensor] = {}
+        seeds: list[torch.Tensor | None] = [None] * len(items)
+        if composition.rule.needs_seed:
+            generator = self._generator(device)
+            drawn = torch.randint(0, 2**31 - 1, (len(items),), generator=generator, device=generator.device)
+            seeds = list(drawn.to(device).unbind())
+        rows = []
+        for (param, local, (grad, grad_scale), state), seed in zip(items, seeds):
+            t = state["step"]
+            if t not in scalars:
+                scalars[t] = torch.tensor(adamw_scalars(t, **hyper), dtype=torch.float32, device=device)
+            tensors = [local, grad, grad_scale, *composition.stored(param, state)]
+            rows.append(ParamStep(tensors, composition.shaped(), scalars[t], seed))
+        track = self.track_updates
+        befores = [self.held_value(item[0]) for item in items] if track else None
+        updates = run_bucket(
+            composition, _step_function(composition), composition.block, rows, self.fused,
+            want_updates=track, counter=self.paths_taken,
+        )  # fmt: skip
+        if befores is not None and updates is not None:
+            for (param, local, _, _), before, update in zip(items, befores, updates):
+                update = update.reshape(-1)[: local.numel()].view(local.shape)
+                self._track(group_index, param, before, update)
+
+    def _after_step(self) -> None:
+        """Called once after every step (FP8AdamW forgets the FP8 gradients it was handed)."""
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        if self._generators:
+            state_dict["generator_states"] = {key: g.get_state() for key, g in self._generators.items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        generator_states = state_dict.pop("generator_states", {})
+        super().load_state_dict(state_dict)
+        self._generators = {}
+        for key, rng_state in generator_states.items():
+            generator = torch.Generator(device=key)
+            generator.set_state(rng_state.to(device="cpu", dtype=torch.uint8))
+            self._generators[key] = generator
+
+
+@functools.cache
+def _step_function(composition: Composition) -> Callable[..., torch.Tensor]:
+    """`composition.step` as a plain function (what `fastpath` compiles, once per composition)."""
+
+    def adamw_step(*args: Any) -> torch.Tensor:
+        return composition.step(*args)
+
+    return adamw_step

@@ -1,0 +1,229 @@
+"""Which implementation runs an optimizer step: one dispatch for every AdamW family.
+
+The step of a family is one pure function of one parameter's tensors (`adamw.adamw_step`,
+built from its formats and update rule). Run eagerly it is the reference; the fast path is
+the same function compiled by `torch.compile` (vectorised C++/OpenMP on CPU, Triton on CUDA).
+On CPU the two are bit-identical: Inductor keeps the explicit casts
+(`emulate_precision_casts`), does not contract a·b + c into an FMA (its C++ is built with
+-ffp-contract=off), and roots are correctly rounded on both sides (`formats.root`). On CUDA,
+Triton may contract: the results then agree within one rounding of each FP32 intermediate.
+
+Modes (the optimizers' `fused` option):
+
+- "reference": the eager function, always;
+- "compiled": the compiled function, or a RuntimeError naming why it cannot run;
+- "auto": compiled where it can run (CPU with a C++ compiler, CUDA with Triton), else the
+  reference, the reason logged once. A compile failure marks the kernel broken for the process.
+
+("foreach", the old name of "reference", is accepted.) Every call records the path it took in
+the optimizer's `paths_taken` counter, so tests and users can see what ran.
+
+Layout: one call per parameter, its tensors flat (or as (blocks × block) views for block
+formats, the block a static dimension so the loops vectorise), dynamic shapes, so one compiled
+graph serves every parameter of a dtype combination. A parameter that is not contiguous, or
+whose size is not a multiple of the block, runs on contiguous zero-padded copies that are
+copied back (both paths; zeros stay zero in every format). Threads: `cpp.dynamic_threads`
+always opens the OpenMP region (otherwise the size hint of the first, possibly tiny, tensor
+would leave the graph single-threaded); tensors below `PARALLEL_MIN_NUMEL` take a
+single-threaded build. Compiled graphs are cached on disk by Inductor
+(`TORCHINDUCTOR_CACHE_DIR`, under build/ for `make` and the tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from ..compiling import compiler_missing
+
+__all__ = [
+    "COMPILE_OPTIONS",
+    "FUSED_MODES",
+    "PARALLEL_MIN_NUMEL",
+    "FusedMode",
+    "ParamStep",
+    "check_fused_mode",
+    "run_bucket",
+]
+
+logger = logging.getLogger(__name__)
+
+FusedMode = Literal["auto", "compiled", "reference", "foreach"]
+FUSED_MODES: tuple[str, ...] = ("auto", "compiled", "reference")
+
+# emulate_precision_casts and dynamic_threads: see the module docstring.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+PARALLEL_MIN_NUMEL = 32768
+# One graph per (family, dtypes, device): a process that trains several strategies needs more
+# than dynamo's default of 8 recompiles before it would give up on the function.
+_RECOMPILE_LIMIT = 64
+
+_logged: set[str] = set()
+_broken: set[tuple[object, str]] = set()
+
+
+def check_fused_mode(owner: str, fused: str) -> str:
+    """The mode `fused` names ("foreach" is read as "reference"); raise naming the valid ones."""
+    if fused == "foreach":
+        return "reference"
+    if fused not in FUSED_MODES:
+        raise ValueError(
+            f"{owner}: unknown fused={fused!r}; choose 'auto' (compiled where possible), "
+            f"'compiled' (require it) or 'reference' (the eager reference)"
+        )
+    return fused
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
+@dataclasses.dataclass
+class ParamStep:
+    """One parameter's share of a step: its tensors in the order the step function takes them.
+
+    `shaped[i]` says whether `tensors[i]` has the parameter's elements (it is flattened, padded
+    to whole blocks or staged like the parameter) or is stored as it is (scales, block metadata,
+    payloads already padded).
+    """
+
+    tensors: list[torch.Tensor | None]
+    shaped: Sequence[bool]
+    scalars: torch.Tensor
+    seed: torch.Tensor | None
+
+
+def _stage(row: ParamStep, block: int) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The row's tensors as the step function takes them, and the (original, copy) pairs to write back."""
+    param = row.tensors[0]
+    numel = param.numel()
+    padded = -(-numel // block) * block
+    staged: list[torch.Tensor | None] = []
+    write_back = []
+    for tensor, shaped in zip(row.tensors, row.shaped):
+        if tensor is None or not shaped:
+            staged.append(tensor)
+            continue
+        tensor = tensor.detach()
+        if padded == numel and tensor.is_contiguous():
+            flat = tensor.view(-1)
+        else:
+            flat = torch.zeros(padded, dtype=tensor.dtype, device=tensor.device)
+            flat[:numel].copy_(tensor.reshape(-1))
+            write_back.append((tensor, flat))
+        staged.append(flat if block == 1 else flat.view(-1, block))
+    return staged, write_back
+
+
+def _unstage(write_back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for original, flat in write_back:
+        original.copy_(flat[: original.numel()].view(original.shape))
+
+
+def _why_not_compiled(key: object, device: torch.device) -> str | None:
+    reason = compiler_missing(device.type)
+    if reason is None and (key, device.type) in _broken:
+        reason = "compiling it failed earlier in this process"
+    return reason
+
+
+def run_bucket(
+    key: object,
+    function: Callable[..., torch.Tensor],
+    block: int,
+    rows: Sequence[ParamStep],
+    mode: str,
+    *,
+    want_updates: bool,
+    counter: collections.Counter | None = None,
+) -> list[torch.Tensor] | None:
+    """Run `function(*tensors, scalars, seed)` on every row, compiled or eagerly as `mode` says.
+
+    Args:
+        key: names the function for logs and the broken-kernel set (its composition).
+        function: the pure step; returns Δθ (FP32), which the compiled path discards.
+        block: elements per block of the formats (1 for element-wise ones).
+        want_updates: return each row's Δθ (tracked steps): always the reference, which has the
+            same bits as the compiled path but also hands Δθ back.
+        counter: receives one count per row under "compiled" or "reference".
+    Returns:
+        The updates Δθ (FP32, in the staged layout) when `want_updates`, else None.
+    """
+    if not rows:
+        return [] if want_updates else None
+    device = rows[0].tensors[0].device
+    compiled = mode != "reference" and not want_updates
+    if compiled:
+        reason = _why_not_compiled(key, device)
+        if reason is not None:
+            if mode == "compiled":
+                raise RuntimeError(
+                    f"fused='compiled' but the compiled step of {key} cannot run on {device.type}: {reason}; "
+                    f"use fused='auto' (falls back to the reference) or fused='reference'"
+                )
+            _log_once(logging.WARNING, f"optimizer step: {reason}; running the reference of {key}")
+            compiled = False
+    if compiled:
+        _log_once(logging.INFO, f"optimizer step: compiled {key} on {device.type}")
+        done = _run_compiled(key, function, block, rows, mode, device, counter)
+        if done:
+            return None
+    updates = []
+    for row in rows:
+        staged, write_back = _stage(row, block)
+        delta = function(*staged, row.scalars, row.seed)
+        _unstage(write_back)
+        if want_updates:
+            updates.append(delta)
+        if counter is not None:
+            counter["reference"] += 1
+    return updates if want_updates else None
+
+
+def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:  # noqa: ANN001
+    def discard(*args: torch.Tensor | None) -> None:
+        function(*args)
+
+    discard.__name__ = discard.__qualname__ = f"step_{abs(hash(key))}"
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        for index, row in enumerate(rows):
+            staged, write_back = _stage(row, block)
+            if block > 1:
+                for tensor in staged:
+                    if tensor is not None and tensor.dim() == 2:
+                        torch._dynamo.mark_static(tensor, 1)
+            parallel = row.tensors[0].numel() >= PARALLEL_MIN_NUMEL
+            try:
+                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed)
+            except Exception as error:  # a backend failure: fall back in "auto", never lose a step
+                if mode == "compiled" or index:
+                    # After the first row the graph is built: a later failure is not a
+                    # compile problem, and the rows before it have already stepped.
+                    raise
+                _broken.add((key, device.type))
+                _log_once(logging.WARNING, f"compiling {key} failed ({type(error).__name__}: {error}); using the reference")
+                return False
+            _unstage(write_back)
+            if counter is not None:
+                counter["compiled"] += 1
+    return True
+
+
+_graphs: dict[tuple[object, bool], Callable[..., object]] = {}
+
+
+def _compiled_for(key: object, discard: Callable[..., None], parallel: bool) -> Callable[..., object]:
+    # One compiled callable per composition and threading for the whole process, so tests and
+    # optimizers share graphs (dynamo then recompiles only for new dtypes or devices).
+    graph = _graphs.get((key, parallel))
+    if graph is None:
+        options = COMPILE_OPTIONS if parallel else {**COMPILE_OPTIONS, "cpp.dynamic_threads": False, "cpp.threads": 1}
+        graph = _graphs[(key, parallel)] = torch.compile(discard, dynamic=True, fullgraph=True, options=options)
+    return graph

@@ -1,0 +1,249 @@
+"""Update rules: how the AdamW update Δθ (FP32 registers) is applied to the stored parameter.
+
+A rule owns the state that completes the parameter (a compensation, a master copy) and four
+operations, pure functions of tensors like the formats' (`hf_lowprec.formats`):
+
+    read(param, *stored)                    θ in FP32 registers (the value the update starts from)
+    apply_(delta, theta, param, *stored)    write θ + Δθ back, rounding as the rule says
+    held_value(param, state)                the value the optimizer really holds, FP64
+    zeros(param)                            its state for a fresh parameter
+
+| rule                 | state         | θ written as                                    |
+|----------------------|---------------|-------------------------------------------------|
+| `Nearest`            | —             | r(θ + Δθ), rounded once                         |
+| `Kahan`              | k             | y = r(Δθ + k); (θ, k) ← TwoSum(θ, y)            |
+| `Grow`               | δθ            | (θ, δθ) ← Grow((θ, δθ), r(Δθ)) (Collage, MCF)   |
+| `StochasticRounding` | —             | SR(θ + Δθ), unbiased                            |
+| `Master`             | FP32 master   | master ← master + Δθ; θ ← r(master)             |
+| `ScaledMaster`       | (scale attr.) | FP16 payload·s, s re-chosen from amax (FP8-LM)  |
+
+The error-free transformations run in the parameter's dtype on FP32 registers, each
+operation that can round rounded by `round_to` (docs/algorithms.md §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..formats import Scaled, round_to
+from ..fp8.scaled import get_master_scale
+
+__all__ = ["Grow", "Kahan", "Master", "Nearest", "Rule", "ScaledMaster", "StochasticRounding", "uniform_bits"]
+
+F32 = torch.float32
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """TwoSum in `dtype` arithmetic on FP32 registers: s = fl(a + b), e = a + b − s exactly.
+
+    s = fl(a + b); bb = fl(s − a); e = (b − bb) + (a − (s − bb)). Only the first two operations
+    can round; the last four are exact in round to nearest (Knuth, TAOCP vol. 2 §4.2.2 Thm B).
+    """
+    s = round_to(a + b, dtype)
+    bb = round_to(s - a, dtype)
+    return s, (b - bb) + (a - (s - bb))
+
+
+def fast_two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast2Sum in `dtype` arithmetic; needs |a| ≥ |b| or a = 0: s = fl(a + b), e = b + (a − s)."""
+    s = round_to(a + b, dtype)
+    return s, b + (a - s)
+
+
+def uniform_bits(shape: torch.Size, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """32 uniform random bits per element (int64 in [0, 2^32)) from a hash of (seed, index).
+
+    Two rounds of multiply-xorshift over index + seed·golden ratio, kept to 32 bits in int64
+    arithmetic with every product below 2^63: no generator state and no buffer, so a compiled
+    loop makes its bits in registers, and the eager reference makes the same ones.
+    """
+    mask = 0xFFFFFFFF
+    numel = 1
+    for size in shape:
+        numel *= size
+    x = (torch.arange(numel, device=device, dtype=torch.int64).view(shape) + seed * 0x9E3779B9) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    return x ^ (x >> 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Base: no state; θ read from the parameter."""
+
+    suffixes = ()
+    #: Per stored tensor: whether it has the parameter's elements (see `formats.Format.shaped`).
+    shaped = ()
+    #: State key of a compensation that completes the parameter (θ + δθ), if any.
+    compensation_key: str | None = dataclasses.field(default=None, init=False)
+    #: State key of a master copy holding the parameter's real value, if any.
+    master_key: str | None = dataclasses.field(default=None, init=False)
+    needs_seed = False
+
+    def keys(self) -> tuple[str, ...]:
+        return self.suffixes
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def stored(self, param: torch.Tensor, state: dict) -> tuple[torch.Tensor, ...]:
+        return tuple(state[k] for k in self.keys())
+
+    def read(self, param: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        return param.float()
+
+    def apply_(self, delta, theta, param, *stored, seed=None) -> None:  # noqa: ANN001
+        raise NotImplementedError
+
+    def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
+        value = param.detach().double()
+        key = self.compensation_key
+        if key is not None and key in state:
+            value = value.add_(state[key].double())
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Nearest(Rule):
+    """θ ← r(θ + Δθ): the sum formed in FP32 and rounded once (exact FP32 AdamW for FP32 θ)."""
+
+    def apply_(self, delta, theta, param, *stored, seed=None) -> None:  # noqa: ANN001
+        param.copy_(theta + delta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kahan(Rule):
+    """Kahan (1965): y = r(Δθ + k); (θ, k) ← TwoSum(θ, y).
+
+    k holds what the parameter should still receive, so θ + k tracks the exact sum (the
+    classic compensation with the opposite sign). TwoSum, not Fast2Sum: near-zero parameters
+    have |y| > |θ|. A special case of Collage-light.
+    """
+
+    suffixes = ("compensation",)
+    shaped = (True,)
+    compensation_key: str | None = dataclasses.field(default="compensation", init=False)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros_like(param, memory_format=torch.preserve_format),)
+
+    def apply_(self, delta, theta, param, compensation, seed=None) -> None:  # noqa: ANN001
+        dtype = param.dtype
+        y = round_to(compensation.float() + delta, dtype)
+        new_theta, new_compensation = two_sum(theta, y, dtype)
+        param.copy_(new_theta)
+        compensation.copy_(new_compensation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow(Rule):
+    """Collage's MCF update: (θ, δθ) ← Grow((θ, δθ), r(Δθ)) = TwoSum, add, Fast2Sum.
+
+    s, e = TwoSum(θ, r(Δθ)); t = r(δθ + e); (θ, δθ) ← Fast2Sum(s, t), every operation in the
+    parameter's dtype. θ + δθ holds ~2p bits, so updates far below ulp(θ)/2 accumulate.
+    """
+
+    suffixes = ("param_error",)
+    shaped = (True,)
+    compensation_key: str | None = dataclasses.field(default="param_error", init=False)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros_like(param, memory_format=torch.preserve_format),)
+
+    def apply_(self, delta, theta, param, param_error, seed=None) -> None:  # noqa: ANN001
+        dtype = param.dtype
+        s, e = two_sum(theta, round_to(delta, dtype), dtype)
+        new_theta, new_error = fast_two_sum(s, round_to(param_error.float() + e, dtype), dtype)
+        param.copy_(new_theta)
+        param_error.copy_(new_error)
+
+
+@dataclasses.dataclass(frozen=True)
+class StochasticRounding(Rule):
+    """θ ← SR(θ + Δθ): up with probability (x − lo)/(hi − lo), so E[θ'] = θ + Δθ.
+
+    BF16 shares FP32's exponent: adding 16 uniform bits below BF16's significand and
+    truncating is exactly that rounding. FP16 picks between its two neighbours with a 24-bit
+    uniform (probabilities resolved to 2^-24). The bits come from `uniform_bits` with one seed
+    per parameter and step, drawn by the optimizer from its checkpointed generator: the
+    reference and the compiled step make the same bits. ±inf, NaN and finite values beyond
+    the dtype's largest round to nearest, as a plain cast does.
+    """
+
+    needs_seed = True
+
+    def apply_(self, delta, theta, param, seed=None) -> None:  # noqa: ANN001
+        dtype = param.dtype
+        target = delta + theta
+        bits = uniform_bits(target.shape, seed, target.device)
+        if dtype == torch.bfloat16:
+            summed = target.view(torch.int32) + (bits >> 16).to(torch.int32)
+            # Truncation rounds toward zero in magnitude; with the sign-magnitude layout that
+            # is the right direction for negative numbers too.
+            rounded = (summed & -65536).view(F32)
+        else:
+            nearest = target.to(dtype)
+            nearest32 = nearest.float()
+            down = torch.nextafter(nearest, torch.full_like(nearest, -float("inf"))).float()
+            up = torch.nextafter(nearest, torch.full_like(nearest, float("inf"))).float()
+            below = torch.where(nearest32 > target, down, nearest32)
+            above = torch.where(nearest32 < target, up, nearest32)
+            gap = above - below
+            probability_up = torch.where(gap > 0, (target - below) / gap, torch.zeros_like(target))
+            uniform = (bits >> 8).to(F32) * (1.0 / (1 << 24))
+            rounded = torch.where(uniform < probability_up, above, below)
+        plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(dtype).max)
+        param.copy_(torch.where(plain, target, rounded))
+
+
+@dataclasses.dataclass(frozen=True)
+class Master(Rule):
+    """Classic mixed precision: an FP32 master θ₃₂ takes the update; the weight is r(θ₃₂)."""
+
+    suffixes = ("master",)
+    shaped = (True,)
+    master_key: str | None = dataclasses.field(default="master", init=False)
+
+    def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (param.detach().to(F32, copy=True),)
+
+    def read(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        return master
+
+    def apply_(self, delta, theta, param, master, seed=None) -> None:  # noqa: ANN001
+        new = theta + delta
+        master.copy_(new)
+        param.copy_(new)
+
+    def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
+        master = state.get("master")
+        return param.detach().double() if master is None else master.double()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledMaster(Rule):
+    """FP8-LM O2's master: an FP16 payload with a per-tensor power-of-two scale (real = θ/s).
+
+    The scale is the parameter's own (`fp8.scaled.get_master_scale`, set when the FP8 layer
+    scaled its master); θ + Δθ is stored with a fresh scale from its amax, as `Scaled` does.
+    """
+
+    margin: int = 0
+    shaped = (False,)
+
+    def stored(self, param: torch.Tensor, state: dict) -> tuple[torch.Tensor, ...]:
+        return (get_master_scale(param),)
+
+    def read(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return param.float() * (1.0 / scale)
+
+    def apply_(self, delta, theta, param, scale, seed=None) -> None:  # noqa: ANN001
+        Scaled(param.dtype, self.margin).encode_(theta + delta, param, scale)
+
+    def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
+        scale = get_master_scale(param)
+        if scale is None:
+            return param.detach().double()
+        return param.detach().double() / scale.double()
