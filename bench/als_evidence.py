@@ -70,12 +70,7 @@ def train(name: str, seed: int, steps: int, lr: float, alpha: float, **options) 
     losses, scales = [], []
     for step in range(steps):
         ids = batches[step % len(batches)]
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(strategy.train_step(model, ids, optimizer).item())
         scales.append(strategy.metrics().get("precision/loss_scale", 1.0))
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     metrics = strategy.metrics()

@@ -7,7 +7,7 @@ d_model = 1024 transformer blocks (well out of cache), 2 threads:
 - the median step time, timed alternately with option D (`torch.optim.AdamW(fused=True)` on FP32
   weights, FP32 gradients and FP32 m, v) so that background load on a shared machine slows both
   alike; the ratio is D's time over the candidate's (above 1 = faster than D);
-- the compiled fused path ("compiled") and the `torch._foreach_*` reference ("foreach");
+- the compiled path ("compiled") and the eager reference ("reference") of each optimizer;
 - the first step's time, which includes compiling the kernel (a warm Inductor cache under build/
   makes it small);
 - achieved GB/s: the bytes a fused step must move (each stored tensor read once and written
@@ -27,10 +27,9 @@ Ideal bytes per parameter and step (reads + writes):
 | bf16-fp32states | g, θ: 4 + m, v: 8 | θ: 2 + m, v: 8 | 22 |
 | fp8-lm-o2 FP8AdamW | g 1, m 1, v 2, θ 2: 6 | m 1, v 2, θ 2: 5 | 11 |
 | coat COATAdamW (FP32 θ) | g 4, θ 4, m 1, v 1: 10 | θ 4, m 1, v 1: 6 | 16 |
+| collage-8bit (BF16 θ, δθ, 8-bit m, v) | g, θ, δθ: 6 + m, v: 2 | θ, δθ: 4 + m, v: 2 | 14 |
 | 8-bit peers (BF16 θ) | g, θ: 4 + m, v: 2 | θ: 2 + m, v: 2 | 10 |
 
-`--layout` measures the per-tensor layout of the compiled kernels against one flat buffer
-(the number quoted in `hf_lowprec/optim/kernels.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / "build" / "inductor"
 
 from hf_lowprec.optim import (  # noqa: E402
     COATAdamW,
+    Collage8bitAdamW,
     CollageAdamW,
     FP8AdamW,
     FP32StatesAdamW,
@@ -66,13 +66,9 @@ D_MODEL = 1024
 BLOCK = [(3 * D_MODEL, D_MODEL), (3 * D_MODEL,), (D_MODEL, D_MODEL), (D_MODEL,),
          (4 * D_MODEL, D_MODEL), (4 * D_MODEL,), (D_MODEL, 4 * D_MODEL), (D_MODEL,)] + [(D_MODEL,)] * 4
 SHAPES = BLOCK * 4
-# GPT-2 small (124M): embeddings, 12 blocks, final LayerNorm; 148 tensors.
-GPT2_BLOCK = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
-              (768, 3072), (3072,), (3072, 768), (768,)]
-GPT2_SHAPES = [(50257, 768), (1024, 768)] + GPT2_BLOCK * 12 + [(768,), (768,)]
 
-GOALS = {"collage-plus": 1.1, "collage-light": 1.35, "bf16-kahan": 1.35, "bf16-sr": 1.7,
-         "bf16-pure": 1.7, "fp8-lm-o2": 1.8}
+GOALS = {"collage-plus": 1.15, "collage-light": 1.45, "bf16-kahan": 1.45, "bf16-sr": 1.7,
+         "bf16-pure": 1.9, "bf16-fp32states": 1.2, "fp8-lm-o2": 1.5, "coat": 1.0}
 
 
 @dataclasses.dataclass
@@ -117,11 +113,7 @@ def _fp8_o2(fused: str) -> Callable[[], Callable[[], None]]:
             scale = pow2_scale(g.abs().max(), torch.float8_e4m3fn)
             grads.append((quantize(g, scale, torch.float8_e4m3fn), scale))
             p.grad = None
-        kwargs = {} if fused == "foreach" else {"fused": fused}
-        try:
-            optimizer = FP8AdamW(params, lr=1e-3, weight_decay=0.01, **kwargs)
-        except TypeError:  # no compiled FP8 path in this version
-            raise RuntimeError("FP8AdamW has no fused option") from None
+        optimizer = FP8AdamW(params, lr=1e-3, weight_decay=0.01, fused=fused)
 
         def step() -> None:
             for p, (payload, scale) in zip(params, grads):
@@ -142,13 +134,14 @@ def _ours() -> list[Candidate]:
         ("bf16-sr", 14, lambda ps, f: StochasticRoundingAdamW(ps, weight_decay=0.01, seed=0, fused=f)),
         ("bf16-pure", 14, lambda ps, f: PlainAdamW(ps, weight_decay=0.01, fused=f)),
         ("bf16-fp32states", 22, lambda ps, f: FP32StatesAdamW(ps, weight_decay=0.01, fused=f)),
+        ("collage-8bit", 14, lambda ps, f: Collage8bitAdamW(ps, weight_decay=0.01, fused=f)),
     ]
     for name, ideal, make in specs:
-        for path in ("compiled", "foreach"):
+        for path in ("compiled", "reference"):
             rows.append(Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16)))
-    for path in ("compiled", "foreach"):
+    for path in ("compiled", "reference"):
         rows.append(Candidate("fp8-lm-o2", path, 11, _fp8_o2(path), "FP8AdamW, FP16 masters"))
-    for path in ("compiled", "foreach"):
+    for path in ("compiled", "reference"):
         make = lambda ps, p=path: COATAdamW(ps, weight_decay=0.01, fused=p)  # noqa: E731
         rows.append(Candidate("coat", path, 16, _optimizer_step(make, torch.float32), "COATAdamW, FP32 masters"))
     return rows
@@ -229,51 +222,18 @@ def measure(candidate: Candidate, option_d: Callable[[], None], repeats: int) ->
     return {"ms": _median_ms(ours), "d_ms": _median_ms(theirs), "first_s": first}
 
 
-def layout(repeats: int) -> None:
-    """Per-tensor compiled calls over GPT-2 124M shapes against one call on a flat buffer."""
-    from hf_lowprec.optim import kernels
-
-    generator = torch.Generator().manual_seed(0)
-
-    def tensors(shapes):
-        return [[(torch.randn(s, generator=generator) * 0.02).bfloat16() for s in shapes] for _ in range(6)]
-
-    numel = sum(torch.Size(s).numel() for s in GPT2_SHAPES)
-    per_tensor = tensors(GPT2_SHAPES)
-    flat = tensors([(numel,)])
-
-    def run(ts):
-        params, errors, grads, ms, vs, dvs = ts
-        kernels.compiled_collage_adamw(params, grads, ms, vs, errors, dvs, [1] * len(params), lr=1e-3,
-                                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, fused="compiled")
-
-    run(per_tensor), run(flat)
-    a, b = [], []
-    for _ in range(repeats):
-        for ts, out in ((per_tensor, a), (flat, b)):
-            start = time.perf_counter()
-            run(ts)
-            out.append(time.perf_counter() - start)
-    print(f"layout, compiled collage-plus over GPT-2 124M ({numel / 1e6:.0f}M): {len(GPT2_SHAPES)} tensors "
-          f"{_median_ms(a):.1f} ms, one flat buffer {_median_ms(b):.1f} ms ({_median_ms(a) / _median_ms(b):.3f}x)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (and as many of D)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
     parser.add_argument("--no-peers", action="store_true", help="skip the peer optimizers")
-    parser.add_argument("--layout", action="store_true", help="only measure per-tensor vs flat-buffer layout")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default), or the process's CPU time on a busy machine")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
-    if args.layout:
-        layout(args.repeats)
-        return
 
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

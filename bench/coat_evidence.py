@@ -199,9 +199,7 @@ def bytes_per_param() -> dict[str, float]:
         strategy = hf_lowprec.get_strategy("coat", **options)
         model = strategy.prepare_model(tiny_model("gpt2", 2))
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-        with strategy.forward_context():
-            model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
+        strategy.train_step(model, ids, optimizer)
         out[label] = model_state_bytes(model, optimizer)["total"]
     return out
 

@@ -44,12 +44,8 @@ def train(strategy_name: str, model: GPT2LMHeadModel, data: list[torch.Tensor], 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / len(data))))
     model.train()
     for ids in data:
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
+        strategy.train_step(model, ids, optimizer)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
     return strategy, model, optimizer, start
 
 

@@ -3,15 +3,13 @@
     from hf_lowprec import Trainer, TrainingArguments
     args = TrainingArguments(output_dir="out", precision_strategy="collage-plus", use_cpu=True)
 
-`Trainer` and `TrainingArguments` import transformers on first use, so `import hf_lowprec`
-stays light for custom loops that only need `get_strategy`.
+Every name here is imported on first use (`get_strategy` imports torch and the strategies,
+`Trainer` transformers), so `import hf_lowprec` itself stays light.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from .registry import available_strategies, get_strategy, register
 
 __version__ = "0.1.0"
 
@@ -27,6 +25,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "available_strategies": "hf_lowprec.registry",
+    "get_strategy": "hf_lowprec.registry",
+    "register": "hf_lowprec.registry",
     "Trainer": "hf_lowprec.integrations.trainer",
     "TrainingArguments": "hf_lowprec.integrations.trainer",
     "PrecisionCallback": "hf_lowprec.integrations.trainer",

@@ -67,7 +67,7 @@ def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
     """Model-state bytes per trainable parameter, from the optimizer's state as it is or will be.
 
-    Parameters without state yet get the state the optimizer's `_init_state` would create
+    Parameters without state yet get the state the optimizer's `plan_state` would create
     (torch optimizers without one: two moments in the parameter dtype). A gradient counts in
     the dtype the optimizer's `planned_grad_dtype(param)` names (an optimizer that keeps FP8
     gradients in its state), else in the parameter dtype. Every tensor is counted by numel ×
@@ -86,7 +86,7 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
         raise ValueError("the model has no trainable parameters")
     owned = {id(p) for p in params}
     totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
-    init_state = getattr(inner, "_init_state", None)
+    init_state = getattr(inner, "plan_state", None)
     grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
     # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
     # are planned by its `plan_state(param)`.
@@ -147,11 +147,11 @@ def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.
     roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
     sample = next((p for p in params if inner.state.get(p)), None)
     state = inner.state.get(sample) if sample is not None else None
-    if state is None and sample is None and params and hasattr(inner, "_init_state"):
+    if state is None and sample is None and params and hasattr(inner, "plan_state"):
         # Under DeepSpeed the groups hold its flat partitions, not the model's parameters.
         group = next((g for g in inner.param_groups if any(q is params[0] for q in g["params"])), None)
         if group is not None:
-            sample, state = params[0], inner._init_state(params[0], group)
+            sample, state = params[0], inner.plan_state(params[0], group)
     dtypes = sorted({_dtype_name(p.dtype) for p in params})
     if state:
         # A parameter-shaped extra state in the parameter's dtype is a compensation component
@@ -227,10 +227,10 @@ def describe(
             if inner.state.get(p):
                 sample_state = inner.state[p]
                 break
-        if not sample_state and params and hasattr(inner, "_init_state"):
+        if not sample_state and params and hasattr(inner, "plan_state"):
             group = next((g for g in inner.param_groups if any(q is params[0] for q in g["params"])), None)
             if group is not None:
-                sample_state = inner._init_state(params[0], group)
+                sample_state = inner.plan_state(params[0], group)
         report["optimizer"] = {
             "class": type(inner).__name__,
             "states": {k: {"dtype": _dtype_name(v.dtype), "role": roles.get(k, "extra")}

@@ -24,14 +24,9 @@ def train_steps(strategy, model, optimizer, data: list[torch.Tensor], scheduler=
     given) over `data`; the losses."""
     losses = []
     for ids in data:
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
+        losses.append(strategy.train_step(model, ids, optimizer).item())
         if scheduler is not None:
             scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
     return losses
 
 

@@ -340,8 +340,9 @@ class AdamW(LowPrecisionOptimizer):
                 local = _local(param.detach())
                 composition = self.composition(param, group)
                 state = self.state[param]
-                if not state:
-                    state.update(self.plan_state(param, group))
+                if "step" not in state:
+                    # A state may already hold a handed-over gradient (FP8AdamW.set_fp8_grad).
+                    state.update({k: v for k, v in self.plan_state(param, group).items() if k not in state})
                 self._complete_state(param, local, state, composition)
                 state["step"] += 1
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))

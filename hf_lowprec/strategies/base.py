@@ -10,6 +10,11 @@ strategy through the same hooks:
         loss = model(**batch).loss
     strategy.scale_loss(loss).backward()
     optimizer.step()          # runs strategy.process_gradients, then strategy.optimizer_step
+
+or, for the last four lines, `loss = strategy.train_step(model, batch, optimizer)`.
+
+This module is long because the hooks and `StrategyOptimizer`, the wrapper that runs them
+around any optimizer, are one contract that every strategy and integration reads together.
 """
 
 from __future__ import annotations
@@ -41,14 +46,15 @@ class StrategyOptions:
             copy of every parameter and its update in FP32 on those steps).
         save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
             weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
-        fused: how the optimizer step runs: "auto" (one compiled kernel per step where
-            torch.compile can build it, else the foreach reference), "compiled" (require the
-            kernel) or "foreach" (the reference). Same results on CPU; see `optim.kernels`.
+        fused: how the optimizer step runs: "auto" (the compiled step where torch.compile can
+            build it, else the eager reference), "compiled" (require it: an error names why it
+            cannot run) or "reference" ("foreach" is its old name). Same results on CPU; see
+            `optim.fastpath`.
     """
 
     lost_arithmetic_metrics: bool = False
     save_full_precision: bool = False
-    fused: Literal["auto", "compiled", "foreach"] = "auto"
+    fused: Literal["auto", "compiled", "reference", "foreach"] = "auto"
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against
@@ -187,6 +193,48 @@ class PrecisionStrategy:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor to call backward on (loss scaling)."""
         return loss
+
+    def train_step(
+        self,
+        model: torch.nn.Module,
+        batch: dict[str, Any] | torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        max_grad_norm: float | None = None,
+    ) -> torch.Tensor:
+        """One training step of a custom loop, through this strategy's hooks; returns the loss.
+
+        Forward under `forward_context`, backward on `scale_loss(loss)`, optional clipping of
+        the unscaled gradients, `optimizer.step()` (the `create_optimizer` wrapper: gradient
+        processing, skipped steps, metrics), then `zero_grad`.
+
+        Args:
+            batch: the model's keyword inputs (`model(**batch).loss`), or a tensor of token ids
+                for a causal LM (`model(input_ids=batch, labels=batch).loss`).
+            loss_fn: `loss_fn(model, batch)` instead of the above.
+            max_grad_norm: clip to this global norm (through `clip_grad_norm` when the strategy
+                clips itself, else `torch.nn.utils.clip_grad_norm_`).
+        Returns:
+            The loss, detached (unscaled).
+        """
+        with self.forward_context():
+            if loss_fn is not None:
+                loss = loss_fn(model, batch)
+            elif torch.is_tensor(batch):
+                loss = model(input_ids=batch, labels=batch).loss
+            else:
+                loss = model(**batch).loss
+        self.scale_loss(loss).backward()
+        if max_grad_norm is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            self.unscale_gradients(inner)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if self.clip_grad_norm(params, max_grad_norm) is None:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     def set_gradient_accumulation(self, micro_batches: int) -> None:
         """Told by the loop that each micro-batch loss was divided by `micro_batches` (the

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..registry import register
+from .registry import register
 from .base import PrecisionStrategy
 
 __all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast", "device_autocast"]

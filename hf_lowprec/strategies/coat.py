@@ -28,7 +28,7 @@ import torch
 from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
-from ..registry import register
+from .registry import register
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
 

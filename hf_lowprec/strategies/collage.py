@@ -1,4 +1,4 @@
-"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (ALGORITHMS.md §2).
+"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (docs/algorithms.md §2).
 
 Every strategy here trains a BF16 model with BF16 gradients; they differ only in the update
 rule, i.e. in the optimizer they build:
@@ -10,6 +10,7 @@ rule, i.e. in the optimizer they build:
 | bf16-kahan | Kahan-compensated update | 10 |
 | bf16-sr | update stochastically rounded into BF16 | 8 |
 | bf16-fp32states | option D−MW: FP32 moments, no master weights | 12 |
+| collage-8bit | (θ, δθ) via Grow, m and v blockwise 8-bit | 8.03 |
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any, Literal
 import torch
 
 from ..numerics import split
-from ..optim import CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
-from ..registry import register
+from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
+from .registry import register
 from .base import StrategyOptions
 from .baselines import BF16Pure
 
@@ -30,18 +31,20 @@ __all__ = ["BF16Update", "BF16UpdateOptions"]
 
 logger = logging.getLogger(__name__)
 
-Update = Literal["collage-light", "collage-plus", "kahan", "sr", "fp32-states"]
+Update = Literal["collage-light", "collage-plus", "collage-8bit", "kahan", "sr", "fp32-states"]
 
 # update → (optimizer factory, model-state bytes/param)
 _UPDATES: dict[str, tuple[Any, float]] = {
     "collage-light": (lambda groups, o, **h: CollageAdamW(groups, variant="light", **h), 10.0),
     "collage-plus": (lambda groups, o, **h: CollageAdamW(groups, variant="plus", **h), 12.0),
+    # 2 (θ) + 2 (δθ) + 2 (g) + 1 (m) + 1 (v) + 2·4/256 (the absmax per block of m and v).
+    "collage-8bit": (lambda groups, o, **h: Collage8bitAdamW(groups, **h), 8.03),
     "kahan": (lambda groups, o, **h: KahanAdamW(groups, **h), 10.0),
     "sr": (lambda groups, o, **h: StochasticRoundingAdamW(groups, seed=o.seed, **h), 8.0),
     "fp32-states": (lambda groups, o, **h: FP32StatesAdamW(groups, **h), 12.0),
 }
 # Updates whose optimizer completes θ with a compensation (δθ, Kahan's k) that can be seeded.
-_COMPENSATED = ("collage-light", "collage-plus", "kahan")
+_COMPENSATED = ("collage-light", "collage-plus", "collage-8bit", "kahan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,7 @@ class BF16UpdateOptions(StrategyOptions):
         seed_compensation: when `prepare_model` converts FP32 (or FP64) parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
-            collage-plus, bf16-kahan; ignored by the others).
+            collage-plus, collage-8bit, bf16-kahan; ignored by the others).
     """
 
     update: Update = "collage-plus"
@@ -73,6 +76,8 @@ class BF16UpdateOptions(StrategyOptions):
           summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights")
 @register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
 @register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
+@register("collage-8bit", update="collage-8bit",
+          summary="Collage-light weights (BF16 θ + δθ) with blockwise 8-bit AdamW states: 8 bytes/param")
 @register("collage-plus", update="collage-plus",
           summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it")
 @register("collage-light", update="collage-light",

@@ -17,7 +17,7 @@ import torch
 
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
-from ..registry import register
+from .registry import register
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
 from .base import StrategyOptions
 from .loss_scaling import LossScaledStrategy

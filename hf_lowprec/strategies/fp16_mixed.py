@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..registry import register
+from .registry import register
 from .base import StrategyOptions
 from .baselines import device_autocast
 from .loss_scaling import LossScaledStrategy

@@ -27,7 +27,7 @@ from ..fp8.cast import unscale_into
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..numerics import all_finite
 from ..optim import FP8AdamW, PlainAdamW
-from ..registry import register
+from .registry import register
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
 

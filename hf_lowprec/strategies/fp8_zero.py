@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..deepspeed import assign_whole_tensors
+from ..partition import assign_whole_tensors
 from ..fp8 import fp8_allreduce, quantize_gradient
 from ..fp8.linear import E4M3, _quantize_per_tensor
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
 from ..numerics import all_finite
 from ..optim import FP8AdamW
 from ..optim.fp8_adamw import fp8_adamw_param_step
-from ..registry import register
+from .registry import register
 from .fp8_lm import FP8LM
 
 __all__ = ["FP8LMO3", "FP8ZeroAdamW"]
@@ -72,8 +72,11 @@ class FP8ZeroAdamW(FP8AdamW):
         self._margin = kwargs.get("margin", 0)
         self._v_dtype = format_dtype(kwargs.get("exp_avg_sq_format", "fp16"))
 
-    def plan_state(self, param: torch.Tensor) -> dict[str, Any]:
-        """The state an FP8 weight gets on its owner (memory plans, `hf_lowprec.report`)."""
+    def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state an FP8 weight gets on its owner (memory plans, `hf_lowprec.report`); a
+        parameter of the groups gets FP8AdamW's."""
+        if group is not None or not any(param is p for p in self.fp8_params):
+            return super().plan_state(param, group)
         return {"exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"), "exp_avg_scale": torch.ones((), device="meta"),
                 "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
                 "exp_avg_sq_scale": torch.ones((), device="meta")}

@@ -144,12 +144,7 @@ def reference(name: str, data) -> dict:
     initial = state_l1(optimizer)
     losses = []
     for ids in data:
-        with strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
-        strategy.scale_loss(loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(strategy.train_step(model, ids, optimizer).item())
     params = [p for p in model.parameters() if p.requires_grad]
     return {
         "losses": losses,
