@@ -1,0 +1,57 @@
+"""Optimizer checkpoints written before the AdamW-core restructuring load and continue bit for bit.
+
+tests/data/optimizer_states_6be633d.pt was written by the optimizers of commit 6be633d (the
+script is in its docstring below): for each family, the parameters and `state_dict()` after two
+steps, the third step's gradients, and the parameters after that third step (compiled path). It was made with this loop over the families below, run against the
+old package: parameters from `torch.randn(shape, generator=seed 3) * 0.1` for shapes (24, 16),
+(130,), (7,); three sets of gradients from seed 4; two steps; `copy.deepcopy(state_dict())`;
+the third step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_lowprec import optim
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "optimizer_states_6be633d.pt"
+
+FACTORIES = {
+    "collage_plus_bf16": lambda ps: optim.CollageAdamW(ps, lr=1e-3, weight_decay=0.1, variant="plus"),
+    "collage_light_fp16": lambda ps: optim.CollageAdamW(ps, lr=1e-3, weight_decay=0.1, variant="light"),
+    "kahan_bf16": lambda ps: optim.KahanAdamW(ps, lr=1e-3),
+    "sr_bf16": lambda ps: optim.StochasticRoundingAdamW(ps, lr=1e-3, seed=5),
+    "fp32states_bf16": lambda ps: optim.FP32StatesAdamW(ps, lr=1e-3),
+    "plain_fp32": lambda ps: optim.PlainAdamW(ps, lr=1e-3, weight_decay=0.1),
+    "coat_fp32": lambda ps: optim.COATAdamW(ps, lr=1e-3),
+    "coat_bf16": lambda ps: optim.COATAdamW(ps, lr=1e-3),
+    "fp8adamw_fp32": lambda ps: optim.FP8AdamW(ps, lr=1e-3, weight_decay=0.1),
+}
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    return torch.load(DATA, weights_only=True)
+
+
+@pytest.mark.parametrize("fused", ["reference", "compiled"])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_old_checkpoint_loads_and_continues_bit_for_bit(saved: dict, name: str, fused: str) -> None:
+    case = saved[name]
+    params = [torch.nn.Parameter(p.clone()) for p in case["params"]]
+    optimizer = FACTORIES[name](params)
+    optimizer.fused = fused
+    optimizer.load_state_dict(case["state"])
+    for old_state, param in zip(case["state"]["state"].values(), params):
+        for key, value in old_state.items():
+            if torch.is_tensor(value):
+                assert optimizer.state[param][key].dtype == value.dtype, (key, value.dtype)
+    for param, grad in zip(params, case["grads"]):
+        param.grad = grad.clone()
+    optimizer.step()
+    assert optimizer.paths_taken[fused] == len(params)
+    for param, expected in zip(params, case["after"]):
+        assert torch.equal(param.detach(), expected)
