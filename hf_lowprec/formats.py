@@ -341,11 +341,15 @@ def dynamic_map(signed: bool) -> tuple[float, ...]:
     return tuple(ordered)
 
 
-@functools.cache
+# Both maps, as plain tuples read at import: a compiled step builds its map tensor from them
+# as a constant (a cached builder would be traced through its cache).
+_MAPS = {signed: dynamic_map(signed) for signed in (True, False)}
+
+
 def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    values = torch.tensor(dynamic_map(signed), dtype=F32, device=device)
-    midpoints = (values[1:] + values[:-1]) / 2
-    return values, midpoints
+    """The map's values and the midpoints between neighbours (the rounding boundaries)."""
+    values = torch.tensor(_MAPS[signed], dtype=F32, device=device)
+    return values, (values[1:] + values[:-1]) / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +380,7 @@ class Blockwise8bit(Format):
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = -(-param.numel() // self.block_size)
-        zero_code = dynamic_map(self.signed).index(0.0)
+        zero_code = _MAPS[self.signed].index(0.0)
         codes = torch.full((blocks * self.block_size,), zero_code, dtype=torch.uint8, device=param.device)
         return codes, torch.zeros(blocks, dtype=F32, device=param.device)
 
