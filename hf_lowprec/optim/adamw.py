@@ -344,7 +344,6 @@ class AdamW(LowPrecisionOptimizer):
                     # A state may already hold a handed-over gradient (FP8AdamW.set_fp8_grad).
                     state.update({k: v for k, v in self.plan_state(param, group).items() if k not in state})
                 self._complete_state(param, local, state, composition)
-                state["step"] += 1
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
             for (composition, device), items in buckets.items():
                 self._step_bucket(group_index, group, composition, device, items)
@@ -363,7 +362,7 @@ class AdamW(LowPrecisionOptimizer):
             seeds = list(drawn.to(device).unbind())
         rows = []
         for (param, local, (grad, grad_scale), state), seed in zip(items, seeds):
-            t = state["step"]
+            t = state["step"] + 1
             if t not in scalars:
                 scalars[t] = torch.tensor(adamw_scalars(t, **hyper), dtype=torch.float32, device=device)
             tensors = [local, grad, grad_scale, *composition.stored(param, state)]
@@ -374,6 +373,9 @@ class AdamW(LowPrecisionOptimizer):
             composition, _step_function(composition), composition.block, rows, self.fused,
             want_updates=track, counter=self.paths_taken,
         )  # fmt: skip
+        # Counted once the bucket has stepped: a path that refuses to run leaves the state as it was.
+        for item in items:
+            item[3]["step"] += 1
         if befores is not None and updates is not None:
             for (param, local, _, _), before, update in zip(items, befores, updates):
                 update = update.reshape(-1)[: local.numel()].view(local.shape)

@@ -8,12 +8,19 @@ On CPU the two are bit-identical: Inductor keeps the explicit casts
 -ffp-contract=off), and roots are correctly rounded on both sides (`formats.root`). On CUDA,
 Triton may contract: the results then agree within one rounding of each FP32 intermediate.
 
+A third path on CPU: the native kernels (`optim.native`, hand-written C++ with explicit SIMD,
+one per family, built on first use; `native_path` says which compositions they run). They
+follow the same operation sequence, bit for bit (COAT with range expansion: within a few FP32
+ulps, bounded in the tests).
+
 Modes (the optimizers' `fused` option):
 
 - "reference": the eager function, always;
 - "compiled": the compiled function, or a RuntimeError naming why it cannot run;
-- "auto": compiled where it can run (CPU with a C++ compiler, CUDA with Triton), else the
-  reference, the reason logged once. A compile failure marks the kernel broken for the process.
+- "native": the native kernel, or a RuntimeError naming why it cannot run;
+- "auto": on CPU the native kernel where the family has one, else the compiled function (CPU
+  with a C++ compiler, CUDA with Triton), else the reference, each fallback's reason logged
+  once. A compile failure marks the kernel broken for the process.
 
 ("foreach", the old name of "reference", is accepted.) Every call records the path it took in
 the optimizer's `paths_taken` counter, so tests and users can see what ran.
@@ -53,8 +60,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FusedMode = Literal["auto", "compiled", "reference", "foreach"]
-FUSED_MODES: tuple[str, ...] = ("auto", "compiled", "reference")
+FusedMode = Literal["auto", "native", "compiled", "reference", "foreach"]
+FUSED_MODES: tuple[str, ...] = ("auto", "native", "compiled", "reference")
 
 # emulate_precision_casts and dynamic_threads: see the module docstring.
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
@@ -73,8 +80,8 @@ def check_fused_mode(owner: str, fused: str) -> str:
         return "reference"
     if fused not in FUSED_MODES:
         raise ValueError(
-            f"{owner}: unknown fused={fused!r}; choose 'auto' (compiled where possible), "
-            f"'compiled' (require it) or 'reference' (the eager reference)"
+            f"{owner}: unknown fused={fused!r}; choose 'auto' (the fastest path that runs), "
+            f"'native' or 'compiled' (require that path) or 'reference' (the eager reference)"
         )
     return fused
 
@@ -159,7 +166,9 @@ def run_bucket(
     if not rows:
         return [] if want_updates else None
     device = rows[0].tensors[0].device
-    compiled = mode != "reference" and not want_updates
+    if mode in ("auto", "native") and not want_updates and _run_native(key, rows, mode, counter):
+        return None
+    compiled = mode in ("auto", "compiled") and not want_updates
     if compiled:
         reason = _why_not_compiled(key, device)
         if reason is not None:
@@ -185,6 +194,33 @@ def run_bucket(
         if counter is not None:
             counter["reference"] += 1
     return updates if want_updates else None
+
+
+def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: collections.Counter | None) -> bool:
+    """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
+    try:
+        from .native_path import native_call, unsupported
+    except ImportError:  # TEMPORARY until the native package lands
+        return False
+
+    reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
+    if reason is not None:
+        if mode == "native":
+            raise RuntimeError(
+                f"fused='native' but the native kernels cannot run {key}: {reason}; "
+                f"use fused='auto' (falls back to the compiled step) or fused='compiled'"
+            )
+        _log_once(logging.INFO, f"optimizer step: no native kernel ({reason}); trying the compiled step of {key}")
+        return False
+    staged = [_stage(row, 1) for row in rows]
+    flat_rows = [ParamStep(tensors, row.shaped, row.scalars, row.seed) for (tensors, _), row in zip(staged, rows)]
+    _log_once(logging.INFO, f"optimizer step: native {key}")
+    native_call(key, flat_rows)()
+    for _, write_back in staged:
+        _unstage(write_back)
+    if counter is not None:
+        counter["native"] += len(rows)
+    return True
 
 
 def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:  # noqa: ANN001

@@ -69,6 +69,24 @@ def uniform_bits(shape: torch.Size, seed: torch.Tensor, device: torch.device) ->
     return x ^ (x >> 16)
 
 
+def _next_fp16(x: torch.Tensor, *, up: bool) -> torch.Tensor:
+    """The FP16 value next to `x` towards +inf (`up`) or −inf, widened to FP32.
+
+    From the bit pattern (sign and magnitude): away from zero is magnitude + 1, towards zero
+    magnitude − 1, and from ±0 the smallest subnormal of the direction's sign. Integer
+    arithmetic, so a compiled loop computes it exactly (`torch.nextafter` on FP16 is evaluated
+    in FP32 there, which returns x itself).
+    """
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    negative = bits >= 0x8000
+    magnitude = bits & 0x7FFF
+    away = negative != up  # moving up from a positive value, or down from a negative one
+    moved = torch.where(away, bits + 1, bits - 1)
+    from_zero = 0x0001 if up else 0x8001
+    result = torch.where(magnitude == 0, from_zero, moved)
+    return result.to(torch.int16).view(torch.float16).float()
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """Base: no state; θ read from the parameter."""
@@ -186,10 +204,8 @@ class StochasticRounding(Rule):
         else:
             nearest = target.to(dtype)
             nearest32 = nearest.float()
-            down = torch.nextafter(nearest, torch.full_like(nearest, -float("inf"))).float()
-            up = torch.nextafter(nearest, torch.full_like(nearest, float("inf"))).float()
-            below = torch.where(nearest32 > target, down, nearest32)
-            above = torch.where(nearest32 < target, up, nearest32)
+            below = torch.where(nearest32 > target, _next_fp16(nearest, up=False), nearest32)
+            above = torch.where(nearest32 < target, _next_fp16(nearest, up=True), nearest32)
             gap = above - below
             probability_up = torch.where(gap > 0, (target - below) / gap, torch.zeros_like(target))
             uniform = (bits >> 8).to(F32) * (1.0 / (1 << 24))

@@ -91,8 +91,8 @@ class FP16ALS(LossScaledStrategy):
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.weights == "sr":
-            return FP32StatesSRAdamW(param_groups, seed=self.options.seed, **hyper)
-        return MasterWeightAdamW(param_groups, **hyper)
+            return FP32StatesSRAdamW(param_groups, seed=self.options.seed, fused=self.options.fused, **hyper)
+        return MasterWeightAdamW(param_groups, fused=self.options.fused, **hyper)
 
     def set_gradient_accumulation(self, micro_batches: int) -> None:
         # The loop divided each micro-batch loss by `micro_batches`; the running mean averages

@@ -157,30 +157,40 @@ def test_zero_gradient_groups_and_all_zero_state():
     assert math.isclose(param.detach()[200].item(), 1 - 1e-3, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("fused", ["reference", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_step_is_bit_identical_to_one_bucket(monkeypatch, dtype):
-    """The step runs over chunks of at most `bucket_numel` elements (bounded FP32 working memory):
-    chunks that split the parameters between tensors, and one tensor larger than a chunk, give
-    the same bits as the whole bucket at once."""
-
-    def train(chunk_numel):
-        monkeypatch.setattr(COATAdamW, "bucket_numel", chunk_numel)
-        g = torch.Generator().manual_seed(3)
-        params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (300, 1000, 50, 257)]
-        optimizer = COATAdamW(params, **HYPER)
-        for _ in range(3):
-            for p in params:
-                p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(dtype)
+def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused):
+    """A parameter whose size is not a multiple of the group (300 = 2·128 + 44) is stepped on a
+    zero-padded copy: it must give the same bits as the same values at the start of a
+    whole-group parameter (384) whose tail is zero with zero gradients. Zeros stay zero (θ = 0
+    takes no decay, m = v = 0 no update) and do not move a group's max or smallest non-zero
+    magnitude, so every group's s, k, c and codes agree, and the tail stays exactly zero."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(300, generator=g).to(dtype)
+    padded = torch.nn.Parameter(values.clone())
+    whole = torch.nn.Parameter(torch.cat([values, torch.zeros(84, dtype=dtype)]))
+    optimizers = [COATAdamW([p], **HYPER, fused=fused) for p in (padded, whole)]
+    for _ in range(3):
+        # Magnitudes over a few decades: groups expand (k > 1, c ≠ 1).
+        grad = torch.rand(300, generator=g) + 0.1
+        padded.grad = grad.to(dtype)
+        whole.grad = torch.cat([grad, torch.zeros(84)]).to(dtype)
+        for optimizer in optimizers:
             optimizer.step()
-        return params, optimizer
-
-    from hf_lowprec.optim.collage import _chunks
-
-    sizes = [[p.numel() for p in chunk] for chunk in _chunks([torch.empty(n) for n in (300, 1000, 50, 257)], 400)]
-    assert sizes == [[300], [1000], [50, 257]]
-    (whole, whole_opt), (chunked, chunked_opt) = train(None), train(400)
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b)
-        for key, value in whole_opt.state[a].items():
-            other = chunked_opt.state[b][key]
-            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    for optimizer in optimizers:
+        assert dict(optimizer.paths_taken) == {fused: 3}
+    assert torch.equal(padded.detach(), whole.detach()[:300])
+    assert torch.equal(whole.detach()[300:], torch.zeros(84, dtype=dtype))
+    state_padded, state_whole = (o.state[p] for o, p in zip(optimizers, (padded, whole)))
+    assert state_padded.keys() == state_whole.keys()
+    assert (state_whole["exp_avg_exponent"] > 1).all() and (state_whole["exp_avg_sq_exponent"] > 1).all()
+    for key, value in state_padded.items():
+        other = state_whole[key]
+        if not torch.is_tensor(value):
+            assert value == other, key
+        elif key == "param_error":  # shaped like the parameter
+            assert torch.equal(value, other[:300]) and not other[300:].any(), key
+        else:  # payloads padded to 3 whole groups, and per-group metadata
+            assert value.shape == other.shape, key
+            assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
+                               other.view(torch.uint8) if other.element_size() == 1 else other), key

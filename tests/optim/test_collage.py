@@ -16,7 +16,8 @@ from hf_lowprec.optim import (
     LowPrecisionOptimizer,
     PlainAdamW,
 )
-from hf_lowprec.optim.collage import adamw_moments_
+from hf_lowprec.formats import Pair
+from hf_lowprec.optim.adamw import adamw_math, adamw_scalars
 
 Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
 
@@ -157,24 +158,52 @@ def test_plus_second_moment_decays_light_does_not() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta2", [0.999, 0.99, 0.95])
 def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, beta2: float) -> None:
-    # v₃₂ = β2·(v + δv) + (1 − β2)·g² takes three FP32 roundings (≤ 3·2^-24 relative); the
-    # split (r(v₃₂), r(v₃₂ − r(v₃₂))) then loses at most ulp(lo)/2 ≤ 2^-p·ulp(hi)/2 ≤ 2^-2p·|v₃₂|
-    # (p = 8 for BF16, 11 for FP16), plus half FP16's smallest subnormal (2^-25) where lo
-    # is subnormal. Plain storage would be off by up to 2^-p.
+    # One step of Collage-plus's composition (`CollageAdamW.composition`: v stored as the pair
+    # (v, δv), scaled for FP16) from a given (v, δv) and g; the reference is the FP64 update of
+    # the decoded v (decoding is bounded in tests/test_formats.py). In FP32 registers
+    # v₃₂ = B2·(v + δv) + (OMB2·g)·g with B2 = fl(β2), OMB2 = fl(1 − β2): the first term carries
+    # two roundings (≤ 2^-25 + 2^-24 relative, β2 ∈ [0.5, 1)), the second three (≤ 3·2^-24), the
+    # sum one more: ≤ 4·2^-24·|v₃₂| against the exact FP64 value (both terms are ≥ 0). The split
+    # (r(v₃₂·s), r(v₃₂·s − r(v₃₂·s)))/s then loses at most ulp(lo)/2 ≤ 2^-2p·|v₃₂| (p = 8 for
+    # BF16, 11 for FP16), plus half FP16's smallest subnormal (2^-25, divided by s ≥ 1) where
+    # lo is subnormal. Plain storage would be off by up to 2^-p.
     p = {torch.bfloat16: 8, torch.float16: 11}[dtype]
     floor = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}[dtype]
     generator = torch.Generator().manual_seed(0)
     v = [torch.rand(n, generator=generator).to(dtype) for n in (33, 1000)]
     dv = [((torch.rand(t.shape, generator=generator) - 0.5) * 2.0**-p).to(dtype) * t for t in v]
     grads = [torch.randn(t.shape, generator=generator).to(dtype) for t in v]
-    exact = [beta2 * (a.double() + b.double()) + (1 - beta2) * g.double() ** 2 for a, b, g in zip(v, dv, grads)]
-    m = [torch.zeros_like(t) for t in v]
-    _, v32 = adamw_moments_(m, v, grads, beta1=0.9, beta2=beta2, exp_avg_sq_errors=dv)
-    for hi, lo, reference, register in zip(v, dv, exact, v32):
-        assert hi.dtype == lo.dtype == dtype
-        bound = (3 * 2.0**-24 + 2.0 ** (-2 * p)) * reference.abs() + floor
-        assert bool(((hi.double() + lo.double() - reference).abs() <= bound).all())
-        assert bool(((register.double() - reference).abs() <= 3 * 2.0**-24 * reference.abs()).all())
+    h = torch.tensor(adamw_scalars(1, lr=0.0, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0))
+    for hi, lo, g in zip(v, dv, grads):
+        param = torch.zeros_like(hi, requires_grad=True)
+        optimizer = CollageAdamW([param], variant="plus", fused="reference")
+        composition = optimizer.composition(param, optimizer.param_groups[0])
+        assert isinstance(composition.v, Pair)
+        stored = composition.zeros(param.detach())
+        stored["exp_avg_sq"].copy_(hi)
+        stored["exp_avg_sq_error"].copy_(lo)  # a scale, if any, starts at 1: v + δv as given
+        v_old = composition.v.decode(*(stored[k] for k in composition.v.keys("exp_avg_sq")))
+        # Decoding adds the components in FP32: one rounding (these δv are not r(v − r(v)), so
+        # the sum can need more than 24 bits). The reference starts from the decoded value.
+        pair = hi.double() + lo.double()
+        assert bool(((v_old.double() - pair).abs() <= 2.0**-24 * pair.abs()).all())
+        reference = beta2 * v_old.double() + (1 - beta2) * g.double() ** 2
+        # The register the step computes (`adamw_math` is the step's arithmetic) ...
+        zeros = torch.zeros_like(v_old)
+        _, register, _ = adamw_math(zeros, g.float(), zeros, v_old, h, composition.v.register_max(dtype))
+        assert bool(((register.double() - reference).abs() <= 4 * 2.0**-24 * reference.abs()).all())
+        # ... and what the step stores.
+        composition.step(param.detach(), g, None, *composition.stored(param, stored), h, None)
+        new_hi, new_lo = stored["exp_avg_sq"], stored["exp_avg_sq_error"]
+        assert new_hi.dtype == new_lo.dtype == dtype
+        s = stored["exp_avg_sq_scale"].item() if dtype == torch.float16 else 1.0
+        assert s >= 1.0
+        decoded = composition.v.decode(*(stored[k] for k in composition.v.keys("exp_avg_sq"))).double()
+        assert torch.equal(decoded, (new_hi.double() + new_lo.double()) / s)
+        bound = (4 * 2.0**-24 + 2.0 ** (-2 * p)) * reference.abs() + floor
+        assert bool(((decoded - reference).abs() <= bound).all())
+        # The pair is worth keeping: its first component alone is off by up to 2^-p.
+        assert (new_hi.double() / s - reference).abs().max() > 2.0**4 * (decoded - reference).abs().max()
 
 
 def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:

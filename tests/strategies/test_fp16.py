@@ -9,6 +9,7 @@ import transformers
 
 import hf_lowprec
 from hf_lowprec import Trainer
+from hf_lowprec.optim import FP32StatesSRAdamW, MasterWeightAdamW
 from hf_lowprec.scaling import running_mean_
 from tests.helpers import batches, tiny_gpt2, train_steps
 from tests.integrations.test_trainer import Blocks, losses, make_args
@@ -40,8 +41,6 @@ def test_dtypes_and_metrics():
 
 
 def test_master_weight_adamw_follows_fp32_adamw():
-    from hf_lowprec.optim.fp16 import MasterWeightAdamW
-
     g = torch.Generator().manual_seed(0)
     weight16 = torch.nn.Parameter((torch.randn(256, generator=g)).half())
     weight32 = torch.nn.Parameter(weight16.detach().float().clone())
@@ -59,12 +58,42 @@ def test_master_weight_adamw_follows_fp32_adamw():
     assert torch.equal(weight16.detach(), master.half())  # the weight is the master rounded once
 
 
+def test_full_precision_export_is_the_fp32_master():
+    """Regression (issue 21): the master-weight optimizer declared no master, so the metrics and
+    `full_precision_state_dict` read the FP16 weight. After 3 steps at lr 1e-5 the weights near
+    1 (LayerNorm gains, ulp 2^-10) have not moved while their masters moved by ~3e-5: the
+    export must be the master, the weight the master rounded once."""
+    strategy = hf_lowprec.get_strategy("fp16-als")
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-5)
+    inner = optimizer.optimizer
+    assert isinstance(inner, MasterWeightAdamW)
+    train_steps(strategy, model, optimizer, batches(3))
+    full = strategy.full_precision_state_dict(model, optimizer)
+    apart = 0.0
+    for name, param in model.named_parameters():
+        master = inner.state[param]["master"]
+        assert master.dtype == torch.float32 and inner.state[param]["step"] == 3
+        assert torch.equal(param.detach(), master.half()), name
+        assert torch.equal(inner.held_value(param), master.double()), name
+        assert torch.equal(inner.full_precision_value(param), master), name
+        assert full[name].dtype == torch.float32 and torch.equal(full[name], master), name
+        apart = max(apart, (master.double() - param.detach().double()).abs().max().item())
+    assert apart > 2e-5  # exporting the FP16 weight would have been this far off
+
+
 def test_stochastic_rounding_weights_train_and_resume_bit_for_bit():
     data = batches(1) * 12
     strategy, model, optimizer = setup("fp16-als", weights="sr", seed=3)
     assert strategy.bytes_per_param == 12.0
-    assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values()) or not optimizer.state
+    assert isinstance(optimizer.optimizer, FP32StatesSRAdamW)
     first = train_steps(strategy, model, optimizer, data[:6])
+    # After the steps, every parameter has FP32 moments and no master (the 12 bytes/param).
+    states = [optimizer.state[p] for p in model.parameters()]
+    assert len(states) == len(list(model.parameters())) and all(states)
+    for state in states:
+        assert {k: v.dtype for k, v in state.items() if torch.is_tensor(v)} == {
+            "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)

@@ -1,0 +1,101 @@
+"""The native CPU path of the dispatch: which compositions `optim.native` runs, and the call.
+
+`optim.native` has one hand-written SIMD kernel per family (C++, AVX-512/AVX2/scalar, built on
+first use). This module maps a `Composition` and its dtypes to that kernel, or says why it
+cannot run it (`unsupported`), so `fastpath` can fall back to the compiled step. The kernels
+follow the reference's operation sequence: bit-identical for every family except COAT with
+range expansion, whose powers use the kernels' vector log2/exp2 (a few FP32 ulps; the tests
+bound it against FP64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..formats import GroupFP8, Pair, Plain, Scaled
+from . import native
+from .rules import Grow, Kahan, Master, Nearest, ScaledMaster, StochasticRounding
+
+__all__ = ["native_call", "unsupported"]
+
+F32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+_E4M3 = torch.float8_e4m3fn
+
+
+def _plain_moments(composition, m: torch.Tensor, v: torch.Tensor) -> bool:  # noqa: ANN001
+    return isinstance(composition.m, Plain) and isinstance(composition.v, Plain) and m.dtype == v.dtype
+
+
+def unsupported(composition, sample) -> str | None:  # noqa: ANN001
+    """Why the native kernels cannot run `composition` on a row like `sample` (a `ParamStep`), or None."""
+    reason = native.native_unavailable()
+    if reason is not None:
+        return reason
+    param, grad, grad_scale, *stored = sample.tensors
+    if param.device.type != "cpu":
+        return f"the native kernels are for CPU tensors, got {param.device.type}"
+    rule, m_format, v_format = composition.rule, composition.m, composition.v
+    if grad_scale is not None and not isinstance(rule, (ScaledMaster, Nearest)):
+        return "FP8 gradients go through FP8AdamW's kernel only"
+    m, v = stored[0], stored[len(m_format.suffixes)]
+    if isinstance(m_format, GroupFP8) and isinstance(v_format, GroupFP8) and isinstance(rule, (Grow, Nearest)):
+        if m_format.group_size != v_format.group_size or m_format.expand != v_format.expand:
+            return "m and v with different group layouts"
+        return None if m_format.group_size % 16 == 0 and m_format.group_size <= 1024 else "group size not a multiple of 16 up to 1024"
+    if isinstance(m_format, Scaled) and isinstance(v_format, Scaled) and isinstance(rule, (ScaledMaster, Nearest)):
+        if (m.dtype, v.dtype) not in ((_E4M3, FP16), (F32, F32)):
+            return f"FP8AdamW's kernel stores (E4M3, FP16) or (FP32, FP32) moments, got ({m.dtype}, {v.dtype})"
+        return None
+    plus = isinstance(v_format, Pair) and isinstance(v_format.base, Plain)
+    if isinstance(rule, Grow) and isinstance(m_format, Plain) and (isinstance(v_format, Plain) or plus):
+        return None if param.dtype in (BF16, F32) and m.dtype == v.dtype else f"Collage's kernel: {param.dtype} θ"
+    if not _plain_moments(composition, m, v):
+        return f"no native kernel for {type(m_format).__name__} m / {type(v_format).__name__} v"
+    if isinstance(rule, Nearest):
+        return None if m.dtype == F32 or (m.dtype == BF16 and param.dtype == BF16) else f"{m.dtype} moments, {param.dtype} θ"
+    if isinstance(rule, Kahan):
+        return None if param.dtype == BF16 or (param.dtype == FP16 and m.dtype == F32) else f"Kahan: {param.dtype} θ"
+    if isinstance(rule, StochasticRounding):
+        return None if param.dtype == BF16 else f"stochastic rounding into {param.dtype} (BF16 only)"
+    if isinstance(rule, Master):
+        return None if m.dtype == F32 else "master weights need FP32 moments"
+    return f"no native kernel for the {type(rule).__name__} rule"
+
+
+def native_call(composition, rows: Sequence) -> Callable[[], None]:  # noqa: ANN001
+    """The native call that steps every row of a bucket (rows already checked by `unsupported`)."""
+    params = [r.tensors[0] for r in rows]
+    grads = [r.tensors[1] for r in rows]
+    stored = [r.tensors[3:] for r in rows]
+    scalars = torch.stack([r.scalars for r in rows]).cpu()
+    rule, m_format = composition.rule, composition.m
+    split = len(m_format.suffixes)
+    m = [s[0] for s in stored]
+    v = [s[split] for s in stored]
+    if isinstance(m_format, GroupFP8):
+        groups = m_format.group_size
+        errors = [s[-1] for s in stored] if isinstance(rule, Grow) else None
+        m_fields = [tuple(s[:split]) for s in stored]
+        v_fields = [tuple(s[split : 2 * split]) for s in stored]
+        return lambda: native.coat_step(params, errors, grads, m_fields, v_fields, scalars,
+                                        group_size=groups, expand=m_format.expand)  # fmt: skip
+    if isinstance(m_format, Scaled):
+        masters = [s[-1] if isinstance(rule, ScaledMaster) else None for s in stored]
+        return lambda: native.fp8_adamw_step(
+            params, masters, grads, [r.tensors[2] for r in rows], m, [s[1] for s in stored], v,
+            [s[split + 1] for s in stored], scalars, margin=m_format.margin,
+        )  # fmt: skip
+    if isinstance(rule, Grow):
+        plus = isinstance(composition.v, Pair)
+        errors = [s[split + 1] for s in stored] if plus else None
+        return lambda: native.collage_step(params, [s[-1] for s in stored], grads, m, v, errors, scalars)
+    if isinstance(rule, Kahan):
+        return lambda: native.kahan_step(params, [s[-1] for s in stored], grads, m, v, scalars)
+    if isinstance(rule, StochasticRounding):
+        seeds = torch.stack([r.seed for r in rows]).cpu()
+        return lambda: native.sr_step(params, grads, m, v, scalars, seeds)
+    if isinstance(rule, Master):
+        return lambda: native.master_step(params, [s[-1] for s in stored], grads, m, v, scalars)
+    return lambda: native.adamw_step(params, grads, m, v, scalars)

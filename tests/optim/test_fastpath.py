@@ -1,0 +1,451 @@
+"""The compiled optimizer step (`hf_lowprec.optim.fastpath`) against the eager reference.
+
+On CPU the compiled step performs exactly the reference's roundings, so the test for every
+family is bit-for-bit equality of the parameters and of every state tensor (compared as bit
+patterns: FP8 and uint8 payloads, NaN equal to NaN). Any tolerance would hide a dropped
+rounding, which moves an error-free transformation's result by a whole ulp. Stochastic
+rounding draws its bits from a counter hash seeded by the optimizer's generator, so it is
+bit-identical too. Each run asserts from `paths_taken` that the path it names really ran:
+a comparison of the reference with itself cannot fail.
+
+Every family steps the same kinds of tensors: one with exact zeros, values near zero (where
+|Δθ| > |θ| and TwoSum, not Fast2Sum, is needed) and large values; sizes that are not a
+multiple of any block (staged on zero-padded copies); a non-contiguous parameter with a
+non-contiguous gradient (staged too); an all-zero gradient; and a finite gradient whose
+square overflows FP32 (BF16/FP32) or FP16.
+
+Compile cost: one graph per composition (and per threading build) for the whole process,
+with dynamic shapes, so these tests share graphs; new shapes must not recompile
+(`test_new_shapes_do_not_recompile`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hf_lowprec import available_strategies, get_strategy
+from hf_lowprec.formats import Plain
+from hf_lowprec.optim import (
+    COATAdamW,
+    Collage8bitAdamW,
+    CollageAdamW,
+    Composition,
+    FP8AdamW,
+    FP32StatesAdamW,
+    FP32StatesSRAdamW,
+    KahanAdamW,
+    MasterWeightAdamW,
+    PlainAdamW,
+    StochasticRoundingAdamW,
+    fastpath,
+)
+from hf_lowprec.optim.rules import Nearest
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+# Below `fastpath.PARALLEL_MIN_NUMEL`: the single-threaded build; the non-contiguous one last.
+SHAPES = [(48, 33), (257,), (7,)]
+NONCONTIGUOUS = (33, 48)  # stored transposed: a (48, 33) view with strides (1, 48)
+# Above it: the OpenMP build, checked for a few families (same arithmetic, other loop).
+LARGE = (200, 180)
+
+Factory = Callable[[list[torch.Tensor], str], torch.optim.Optimizer]
+
+FAMILIES: dict[str, tuple[torch.dtype, Factory]] = {
+    "plain-bf16": (BF16, lambda ps, f: PlainAdamW(ps, **HYPER, fused=f)),
+    "plain-fp32": (F32, lambda ps, f: PlainAdamW(ps, **HYPER, fused=f)),
+    "plain-fp16": (F16, lambda ps, f: PlainAdamW(ps, **HYPER, fused=f)),
+    "fp32-states-bf16": (BF16, lambda ps, f: FP32StatesAdamW(ps, **HYPER, fused=f)),
+    "kahan-bf16": (BF16, lambda ps, f: KahanAdamW(ps, **HYPER, fused=f)),
+    "kahan-fp16": (F16, lambda ps, f: KahanAdamW(ps, **HYPER, fused=f)),
+    "sr-bf16": (BF16, lambda ps, f: StochasticRoundingAdamW(ps, **HYPER, seed=5, fused=f)),
+    "sr-fp16": (F16, lambda ps, f: StochasticRoundingAdamW(ps, **HYPER, seed=5, fused=f)),
+    "fp32-states-sr-bf16": (BF16, lambda ps, f: FP32StatesSRAdamW(ps, **HYPER, seed=5, fused=f)),
+    "fp32-states-sr-fp16": (F16, lambda ps, f: FP32StatesSRAdamW(ps, **HYPER, seed=5, fused=f)),  # fp16-als "sr"
+    "master-bf16": (BF16, lambda ps, f: MasterWeightAdamW(ps, **HYPER, fused=f)),
+    "master-fp16": (F16, lambda ps, f: MasterWeightAdamW(ps, **HYPER, fused=f)),
+    "collage-light-bf16": (BF16, lambda ps, f: CollageAdamW(ps, **HYPER, variant="light", fused=f)),
+    "collage-plus-bf16": (BF16, lambda ps, f: CollageAdamW(ps, **HYPER, variant="plus", fused=f)),
+    "collage-light-fp16": (F16, lambda ps, f: CollageAdamW(ps, **HYPER, variant="light", fused=f)),
+    "collage-plus-fp16": (F16, lambda ps, f: CollageAdamW(ps, **HYPER, variant="plus", fused=f)),
+    "collage8bit-bf16": (BF16, lambda ps, f: Collage8bitAdamW(ps, **HYPER, fused=f)),
+}
+WITH_LARGE = {"collage-plus-bf16", "sr-bf16", "collage8bit-bf16"}
+
+
+def _params(dtype: torch.dtype, seed: int = 0, shapes=SHAPES, large: bool = False) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    flat = params[0].view(-1)
+    flat[:5] = 0.0
+    flat[5:40] = (torch.randn(35, generator=generator) * 1e-3).to(dtype)
+    flat[40:45] = 3e4
+    params.append(torch.randn(NONCONTIGUOUS, generator=generator).to(dtype).t())
+    if large:
+        params.append(torch.randn(LARGE, generator=generator).to(dtype))
+    assert not params[len(shapes)].is_contiguous()
+    return [p.requires_grad_() for p in params]
+
+
+def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    """Gradients with an all-zero tensor, a zero element, a finite g whose g² overflows (step 2),
+    and a non-contiguous gradient for the non-contiguous parameter."""
+    dtype = params[0].dtype
+    generator = torch.Generator().manual_seed(1000 + step)
+    grads = [(torch.randn(p.shape[::-1], generator=generator) * 1e-2).to(dtype).t()
+             if not p.is_contiguous() else (torch.randn(p.shape, generator=generator) * 1e-2).to(dtype)
+             for p in params]  # fmt: skip
+    big = 6e4 if dtype == F16 else 1e30  # (6e4)² overflows FP16; (1e30)² overflows FP32
+    grads[0].view(-1)[0] = 0.0
+    grads[0].view(-1)[1] = big if step == 2 else 1e-2
+    grads[2].zero_()
+    return grads
+
+
+def _run(make: Factory, fused: str, steps: int, params=None, optimizer=None, start: int = 0, dtype=BF16, large=False):
+    params = params if params is not None else _params(dtype, large=large)
+    optimizer = optimizer if optimizer is not None else make(params, fused)
+    for step in range(start, start + steps):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        optimizer.step()
+    return params, optimizer
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns: FP8 has no equality kernel, and NaN must equal NaN."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_same_bits(params_a, opt_a, params_b, opt_b) -> None:
+    for index, (a, b) in enumerate(zip(params_a, params_b)):
+        assert a.dtype == b.dtype and a.stride() == b.stride()
+        assert torch.equal(_bits(a.detach()), _bits(b.detach())), (
+            f"parameter {index} differs in {(_bits(a.detach()) != _bits(b.detach())).sum().item()} elements"
+        )
+        state_a, state_b = opt_a.state[a], opt_b.state[b]
+        assert state_a.keys() == state_b.keys()
+        for key, value in state_a.items():
+            other = state_b[key]
+            if torch.is_tensor(value):
+                assert value.dtype == other.dtype and value.shape == other.shape, f"{key} of {index}"
+                assert torch.equal(_bits(value), _bits(other)), f"{key} of parameter {index} differs"
+            else:
+                assert value == other, key
+
+
+def _paths(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    return dict(optimizer.paths_taken)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_step_is_bit_identical_to_the_reference(family):
+    dtype, make = FAMILIES[family]
+    large = family in WITH_LARGE
+    steps = 4
+    compiled = _run(make, "compiled", steps, dtype=dtype, large=large)
+    reference = _run(make, "reference", steps, dtype=dtype, large=large)
+    rows = steps * len(compiled[0])
+    assert _paths(compiled[1]) == {"compiled": rows}
+    assert _paths(reference[1]) == {"reference": rows}
+    _assert_same_bits(*compiled, *reference)
+    assert all(torch.isfinite(p).all() for p in compiled[0]), "a finite gradient made a parameter non-finite"
+    # The steps did something to every parameter with a non-zero gradient (not a no-op on both).
+    for index, (p, p0) in enumerate(zip(compiled[0], _params(dtype, large=large))):
+        if index != 2:
+            assert not torch.equal(p.detach(), p0.detach()), f"parameter {index} never moved"
+
+
+def test_auto_runs_the_compiled_step_here():
+    """This machine has a C++ compiler: "auto" must take the compiled path, not fall back."""
+    assert fastpath.compiler_missing("cpu") is None
+    dtype, make = FAMILIES["kahan-bf16"]
+    auto = _run(make, "auto", 2, dtype=dtype)
+    assert _paths(auto[1]) == {"compiled": 2 * len(auto[0])}
+    _assert_same_bits(*auto, *_run(make, "reference", 2, dtype=dtype))
+
+
+def test_master_weight_compiled_step_updates_the_master():
+    """Regression (issue 21): the fused step of the master-weight optimizer stepped the BF16
+    weight and never the master. The master must move, and the weight be the master rounded once."""
+    dtype, make = FAMILIES["master-bf16"]
+    params = _params(dtype)
+    masters0 = [p.detach().float().clone() for p in params]
+    params, optimizer = _run(make, "compiled", 3, params=params, dtype=dtype)
+    assert _paths(optimizer) == {"compiled": 3 * len(params)}
+    for index, (p, master0) in enumerate(zip(params, masters0)):
+        master = optimizer.state[p]["master"]
+        assert master.dtype == F32
+        if index != 2:  # parameter 2 has all-zero gradients (it still decays)
+            assert not torch.equal(master, master0), f"master {index} never moved"
+        assert torch.equal(p.detach(), master.to(dtype)), f"parameter {index} is not its master rounded"
+        assert torch.equal(optimizer.held_value(p), master.double())
+
+
+@pytest.mark.parametrize("family", ["collage-plus-bf16", "kahan-fp16", "sr-bf16", "master-fp16", "collage8bit-bf16"])
+def test_checkpoints_move_between_paths(family):
+    """2 steps on one path, state_dict → fresh optimizer on the other path, 2 more steps =
+    4 steps on the reference path, bit for bit, in both directions."""
+    dtype, make = FAMILIES[family]
+    straight = _run(make, "reference", 4, dtype=dtype)
+    for first, second in (("compiled", "reference"), ("reference", "compiled")):
+        params, optimizer = _run(make, first, 2, dtype=dtype)
+        saved = optimizer.state_dict()
+        resumed = make(params, second)
+        resumed.load_state_dict(saved)
+        _run(make, second, 2, params=params, optimizer=resumed, start=2, dtype=dtype)
+        assert _paths(optimizer) == {first: 2 * len(params)}
+        assert _paths(resumed) == {second: 2 * len(params)}
+        _assert_same_bits(params, resumed, *straight)
+
+
+@pytest.mark.parametrize("family", ["collage-plus-bf16", "sr-fp16", "master-fp16", "collage8bit-bf16"])
+def test_tracking_does_not_change_the_trajectory(family):
+    """Tracked steps hand Δθ back to the metrics; the parameters and states are the same bits
+    as an untracked compiled run, and each record holds `held_value` before and after."""
+    dtype, make = FAMILIES[family]
+    untracked = _run(make, "compiled", 3, dtype=dtype)
+    assert _paths(untracked[1]) == {"compiled": 3 * len(untracked[0])}
+    params = _params(dtype)
+    optimizer = make(params, "compiled")
+    optimizer.track_updates = True
+    _run(make, "compiled", 3, params=params, optimizer=optimizer, dtype=dtype)
+    _assert_same_bits(*untracked, params, optimizer)
+    assert len(optimizer.tracked) == 3 * len(params)
+    for record in optimizer.tracked[-len(params):]:
+        assert record.before.dtype == record.after.dtype == torch.float64
+        assert record.update.dtype == F32 and record.update.shape == record.param.shape
+        assert torch.equal(record.after, optimizer.held_value(record.param))
+
+
+def test_new_shapes_do_not_recompile():
+    """One dynamic-shape graph serves every tensor size: a model of new shapes reuses it."""
+    from torch._dynamo.utils import counters
+
+    dtype, make = FAMILIES["collage-plus-bf16"]
+    _run(make, "compiled", 1, dtype=dtype)
+    before = counters["stats"]["unique_graphs"]
+    params = _params(dtype, seed=1, shapes=[(91, 5), (1000,), (3,)])
+    optimizer = make(params, "compiled")
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    assert _paths(optimizer) == {"compiled": len(params)}
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_invalid_mode_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="fused='fast'.*'auto'"):
+        CollageAdamW(_params(BF16), fused="fast")
+    with pytest.raises(ValueError, match="fused"):
+        get_strategy("collage-plus", fused="yes")
+
+
+def test_foreach_is_read_as_reference():
+    optimizer = PlainAdamW(_params(BF16), fused="foreach")
+    assert optimizer.fused == "reference"
+    _run(None, "foreach", 1, params=optimizer.param_groups[0]["params"], optimizer=optimizer)
+    assert _paths(optimizer) == {"reference": len(optimizer.param_groups[0]["params"])}
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+@pytest.mark.parametrize("name", available_strategies())
+@pytest.mark.parametrize(("given", "expected"), [("foreach", "reference"), ("reference", "reference"), ("compiled", "compiled")])
+def test_strategy_option_reaches_the_optimizer(name, given, expected):
+    strategy = get_strategy(name, fused=given)
+    model = strategy.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))
+    optimizer = strategy.create_optimizer(model.parameters())
+    assert _inner(optimizer).fused == expected
+
+
+@pytest.mark.parametrize("options", [{"weights": "sr"}, {}], ids=["sr", "master"])
+def test_fp16_als_passes_the_option_to_both_optimizers(options):
+    strategy = get_strategy("fp16-als", fused="foreach", **options)
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))]
+    assert _inner(strategy.create_optimizer(params)).fused == "reference"
+
+
+@pytest.mark.parametrize("options", [{"states": False}, {"states": False, "master_weights": "bf16-collage"}],
+                         ids=["fp32-master", "bf16-collage"])  # fmt: skip
+def test_coat_passes_the_option_to_its_bf16_and_fp32_steps(options):
+    strategy = get_strategy("coat", activations=True, fused="foreach", **options)
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=strategy.param_dtype))]
+    assert _inner(strategy.create_optimizer(params)).fused == "reference"
+
+
+def test_coat_strategy_runs_the_compiled_step_when_asked():
+    strategy = get_strategy("coat", fused="compiled")
+    params = [torch.nn.Parameter(torch.randn(2, 128))]
+    optimizer = strategy.create_optimizer(params)
+    params[0].grad = torch.randn(2, 128)
+    before = params[0].detach().clone()
+    optimizer.step()
+    assert _paths(_inner(optimizer)) == {"compiled": 1}
+    assert not torch.equal(params[0], before)
+
+
+# --- when the compiled step cannot run -------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """Forget which messages were logged and which kernels broke, for this test only."""
+    monkeypatch.setattr(fastpath, "_logged", set())
+    monkeypatch.setattr(fastpath, "_broken", set())
+
+
+def test_compiled_raises_and_auto_falls_back_with_one_log_line_when_the_compiler_is_missing(
+    monkeypatch, caplog, fresh_dispatch
+):
+    monkeypatch.setattr(fastpath, "compiler_missing", lambda device_type: "no C++ compiler on PATH")
+    dtype, make = FAMILIES["collage-plus-fp16"]
+    with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
+        auto = _run(make, "auto", 3, dtype=dtype)
+    lines = [r.getMessage() for r in caplog.records if r.name == fastpath.__name__]
+    assert len(lines) == 1 and "no C++ compiler on PATH" in lines[0] and "reference" in lines[0], lines
+    assert _paths(auto[1]) == {"reference": 3 * len(auto[0])}
+    _assert_same_bits(*auto, *_run(make, "reference", 3, dtype=dtype))
+    params = _params(dtype)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="fused='compiled'.*no C\\+\\+ compiler on PATH.*fused='auto'"):
+        _run(make, "compiled", 1, params=params)
+    # Refused before any parameter moved.
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog, fresh_dispatch):
+    def broken(key, discard, parallel):
+        def fail(*args):
+            raise RuntimeError("the backend broke")
+
+        return fail
+
+    monkeypatch.setattr(fastpath, "_compiled_for", broken)
+    dtype, make = FAMILIES["kahan-bf16"]
+    with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
+        fallback = _run(make, "auto", 3, dtype=dtype)
+    assert sum("the backend broke" in r.getMessage() for r in caplog.records) == 1
+    assert _paths(fallback[1]) == {"reference": 3 * len(fallback[0])}
+    _assert_same_bits(*fallback, *_run(make, "reference", 3, dtype=dtype))
+    with pytest.raises(RuntimeError, match="compiling it failed earlier"):
+        _run(make, "compiled", 1, dtype=dtype)
+    fastpath._broken.clear()
+    with pytest.raises(RuntimeError, match="the backend broke"):
+        _run(make, "compiled", 1, dtype=dtype)
+
+
+def test_first_graph_built_on_a_small_tensor_still_runs_in_parallel():
+    """Regression: Inductor chose the OpenMP parallel region from the first call's size hint,
+    and the dynamic-shape graph then served every size: a model whose first parameter is a
+    bias ran its whole optimizer step on one thread. `cpp.dynamic_threads` keeps the region."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from hf_lowprec.optim.adamw import adamw_scalars
+
+    composition = Composition(Plain(), Plain(), Nearest())
+    param, grad, m, v = (torch.zeros(7, dtype=BF16) for _ in range(4))
+    scalars = torch.tensor(adamw_scalars(1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0))
+
+    def discard(*args):
+        composition.step(*args)
+
+    with fresh_cache():
+        compiled = torch.compile(discard, dynamic=True, fullgraph=True, options=fastpath.COMPILE_OPTIONS)
+        _, code = run_and_get_code(compiled, param, grad, None, m, v, scalars, None)
+    assert any("#pragma omp parallel" in c for c in code), "the compiled step has no parallel region"
+
+
+# --- COATAdamW ---------------------------------------------------------------------------------
+
+# Whole groups of 128 beside parameters whose size is not a multiple of 128 (staged on padded
+# copies, both paths); the first holds an all-zero group and a group with one non-zero
+# gradient (amin = amax).
+COAT_SHAPES = [(6, 128), (257,), (3, 256), (5, 30)]
+
+
+def _coat_run(fused: str, dtype: torch.dtype, steps: int, **options):
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(dtype)) for s in COAT_SHAPES]
+    optimizer = COATAdamW(params, lr=1e-2, weight_decay=0.1, fused=fused, **options)
+    for step in range(steps):
+        for index, p in enumerate(params):
+            # Groups over 10 decades (k = 1) and over one (k > 1: the expansion's pow and centre).
+            decades = (-8, 2) if index % 2 else (-1, 0)
+            spread = torch.logspace(*decades, p.numel())[torch.randperm(p.numel(), generator=generator)]
+            p.grad = (torch.randn(p.shape, generator=generator) * spread.view(p.shape)).to(dtype)
+        first = params[0].grad.view(-1)
+        first[:128] = 0
+        first[128:256] = 0
+        first[200] = 3e-3
+        optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32-master", "bf16-collage"])
+@pytest.mark.parametrize("options", [{}, {"expand": False}, {"exp_avg_sq_format": "e5m2"}],
+                         ids=["expand", "plain", "v-e5m2"])  # fmt: skip
+def test_compiled_coat_step_is_bit_identical_to_the_reference(dtype, options):
+    compiled = _coat_run("compiled", dtype, 3, **options)
+    reference = _coat_run("reference", dtype, 3, **options)
+    rows = 3 * len(COAT_SHAPES)
+    assert _paths(compiled[1]) == {"compiled": rows} and _paths(reference[1]) == {"reference": rows}
+    if options.get("expand", True):  # both branches of the expansion ran
+        exponents = torch.cat([s["exp_avg_exponent"] for s in compiled[1].state.values()])
+        assert (exponents > 1).any() and (exponents == 1).any()
+    _assert_same_bits(*compiled, *reference)
+
+
+# --- FP8AdamW ----------------------------------------------------------------------------------
+
+
+def _fp8_o2_run(fused: str, steps: int, grad_scale_factor: float = 1.0):
+    """FP8AdamW as fp8-lm-o2 drives it: an FP16 master with a per-tensor scale and FP8
+    gradients handed over (`set_fp8_grad`), next to an FP32 parameter with FP32 states and a
+    plain gradient, and a non-contiguous FP32 parameter with the default E4M3 m and scaled FP16
+    v. Includes an all-zero gradient row and an all-zero gradient step."""
+    from hf_lowprec.fp8 import pow2_scale, quantize
+    from hf_lowprec.fp8.scaled import set_master_scale
+
+    generator = torch.Generator().manual_seed(0)
+    real = torch.randn(40, 33, generator=generator) * 0.05
+    master_scale = pow2_scale(real.abs().amax(), F16)
+    master = quantize(real, master_scale, F16).requires_grad_()
+    set_master_scale(master, master_scale)
+    gain = torch.randn(300, generator=generator).requires_grad_()
+    other = torch.randn(17, 9, generator=generator).t().requires_grad_()
+    optimizer = FP8AdamW(
+        [{"params": [master, other]}, {"params": [gain], "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}],
+        lr=1e-2, weight_decay=0.1, fused=fused,
+    )  # fmt: skip
+    for step in range(steps):
+        g = torch.randn(master.shape, generator=generator) * 1e-3
+        g[0] = 0.0
+        scale = pow2_scale(g.abs().amax(), torch.float8_e4m3fn) * grad_scale_factor
+        optimizer.set_fp8_grad(master, quantize(g, scale, torch.float8_e4m3fn), scale)
+        gain.grad = torch.randn(gain.shape, generator=generator) * 1e-2 * (step != 1)
+        other.grad = torch.randn(other.shape, generator=generator) * 1e-2
+        optimizer.step()
+    return [master, other, gain], optimizer
+
+
+@pytest.mark.parametrize("grad_scale_factor", [1.0, 0.7], ids=["pow2", "clipped"])
+def test_compiled_fp8_adamw_is_bit_identical_to_the_reference(grad_scale_factor):
+    """The step multiplies by 1/s for the power-of-two scales of the states and the master
+    (exact) but divides by the gradient's scale, which gradient clipping re-encodes with a
+    factor that is not a power of two (0.7 here): 1/s would round there."""
+    from hf_lowprec.fp8.scaled import get_master_scale
+
+    compiled = _fp8_o2_run("compiled", 3, grad_scale_factor)
+    reference = _fp8_o2_run("reference", 3, grad_scale_factor)
+    assert _paths(compiled[1]) == {"compiled": 9} and _paths(reference[1]) == {"reference": 9}
+    _assert_same_bits(*compiled, *reference)
+    assert torch.equal(get_master_scale(compiled[0][0]), get_master_scale(reference[0][0]))
+    assert compiled[1].state[compiled[0][0]]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert compiled[1].state[compiled[0][0]]["grad"].dtype == torch.float8_e4m3fn
