@@ -171,6 +171,13 @@ class StochasticRoundingAdamW(AdamWBase):
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         return {"step": 0, "exp_avg": _zeros(param), "exp_avg_sq": _zeros(param)}
 
+    def init_states(self) -> None:
+        """Also create the generators, so a sharded checkpoint load has their state to fill in."""
+        super().init_states()
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._generator(param.device)
+
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
         if updates_out is not None and self.fused != "foreach":
             # A tracked step keeps the compiled path's random stream, so turning the metrics on

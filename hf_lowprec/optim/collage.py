@@ -25,6 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
+try:  # FSDP2 parameters; a torch built without distributed support has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = type("DTensor", (), {})  # matches no tensor
 
 from hf_lowprec.numerics import LOW_PRECISION_DTYPES, abs_max, foreach_grow_, sqrt_rn
 
@@ -237,6 +241,51 @@ def _chunks(params: Tensors, limit: int | None) -> list[Tensors]:
     return chunks
 
 
+# --- FSDP2: DTensor parameters step on their local shards --------------------------------
+# Under `fully_shard` a parameter and its gradient are DTensors sharded on dim 0. The update
+# is element-wise, so each rank steps its own shard with the same code as one process; every
+# state tensor shaped like the parameter is created from the local shard (same dtype as in one
+# process) and kept as a DTensor with the parameter's placements, so that
+# torch.distributed.checkpoint saves and reshards it like the parameter. Scalars (step
+# counters, per-tensor scales) stay plain.
+
+
+def _local(tensor: Any) -> Any:
+    """The local shard of a DTensor (same storage: in-place updates reach the DTensor); anything else as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """`value` (a tensor shaped like the local shard of the DTensor `param`) as a DTensor sharded like it."""
+    if not isinstance(param, DTensor) or not torch.is_tensor(value) or isinstance(value, DTensor):
+        return value
+    if value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A view of `state` with every DTensor replaced by its local shard (`state` itself when none is)."""
+    if not any(isinstance(v, DTensor) for v in state.values()):
+        return state
+    return {key: _local(value) for key, value in state.items()}
+
+
+def _store_local_state(state: dict[str, Any], local: dict[str, Any], before: dict[str, Any], param: torch.Tensor) -> None:
+    """Write back what an update added to or replaced in the local view `local` of `state`."""
+    if local is state:
+        return
+    for key, value in local.items():
+        if before.get(key, _MISSING) is not value:
+            state[key] = _sharded_like(value, param)
+
+
+_MISSING = object()
+# --- end FSDP2 ----------------------------------------------------------------------------
+
+
 class AdamWBase(LowPrecisionOptimizer):
     """What the AdamW variants share: validation, the step loop and update tracking.
 
@@ -316,12 +365,12 @@ class AdamWBase(LowPrecisionOptimizer):
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
         """The master (`master_key`) or θ + its compensation (`compensation_key`), in FP64."""
         state = self.state[param] if param in self.state else {}
-        master = state.get(self.master_key)
+        master = _local(state.get(self.master_key))
         if master is not None:
-            return master.double()
-        value = param.detach().double()
-        compensation = state.get(self.compensation_key)
-        return value if compensation is None else value.add_(compensation.double())
+            return _sharded_like(master.double(), param)
+        value = _local(param).detach().double()
+        compensation = _local(state.get(self.compensation_key))
+        return _sharded_like(value if compensation is None else value.add_(compensation.double()), param)
 
     def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
         """θ + δθ summed in FP64 and rounded once to FP32, such that casting it back gives θ.
@@ -334,11 +383,12 @@ class AdamWBase(LowPrecisionOptimizer):
         value = super().full_precision_value(param)
         if self.compensation_key is None or param.dtype == value.dtype:
             return value
-        astray = value.to(param.dtype) != param.detach()
+        value, theta = _local(value), _local(param).detach()  # element-wise: per shard under FSDP2
+        astray = value.to(param.dtype) != theta
         if bool(astray.any()):
-            towards = torch.nextafter(value, param.detach().float())
+            towards = torch.nextafter(value, theta.float())
             value = torch.where(astray, towards, value)
-        return value
+        return _sharded_like(value, param)
 
     def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
         """Start the compensation of `param` at `residual`, so θ + δθ is a wider value.
@@ -354,8 +404,22 @@ class AdamWBase(LowPrecisionOptimizer):
         if group is None:
             raise ValueError("seed_compensation: the parameter is not one this optimizer updates")
         if not self.state[param]:
-            self.state[param] = self._init_state(param, group)
+            self.state[param] = self.new_state(param, group)
         self.state[param][self.compensation_key].copy_(residual)
+
+    def new_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """`_init_state` of `param`; for a DTensor (FSDP2), made from its local shard and
+        wrapped back as DTensors sharded like it (see `_sharded_like`)."""
+        state = self._init_state(_local(param), group)
+        return {key: _sharded_like(value, param) for key, value in state.items()}
+
+    def init_states(self) -> None:
+        """Create the state of every parameter that has none (zeros, step 0), as the first
+        step would: what a sharded checkpoint load (torch.distributed.checkpoint) fills in."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.state[param]:
+                    self.state[param] = self.new_state(param, group)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
@@ -398,7 +462,7 @@ class AdamWBase(LowPrecisionOptimizer):
                 states = []
                 for param in params:
                     if not self.state[param]:
-                        self.state[param] = self._init_state(param, group)
+                        self.state[param] = self.new_state(param, group)
                     state = self.state[param]
                     if state["exp_avg_sq"].dtype == torch.float16 and "exp_avg_sq_scale" not in state:
                         # v is stored as v·s in FP16 (see `adamw_moments_`); s = 1 reads an
@@ -406,22 +470,31 @@ class AdamWBase(LowPrecisionOptimizer):
                         state["exp_avg_sq_scale"] = torch.ones((), device=param.device)
                     state["step"] += 1
                     states.append(state)
-                grads = [p.grad for p in params]
+                # FSDP2: the update runs on the local shards (plain tensors) of parameters,
+                # gradients and states; what it adds to a state's view goes back sharded.
+                sharded, params = params, [_local(p) for p in params]
+                grads = [_local(p.grad) for p in sharded]
+                saved = [_local_state(s) for s in states]
+                views = [dict(v) if v is not s else s for v, s in zip(saved, states)]
                 steps = [s["step"] for s in states]
-                if not self.track_updates and self._fused_update(group, params, grads, states, steps):
+                if not self.track_updates and self._fused_update(group, params, grads, views, steps):
+                    for state, view, before, param in zip(states, views, saved, sharded):
+                        _store_local_state(state, view, before, param)
                     continue
-                befores = [self.held_value(p) for p in params] if self.track_updates else None
+                befores = [_local(self.held_value(p)) for p in sharded] if self.track_updates else None
                 updates: Tensors | None = [] if self.track_updates else None
                 self._update_bucket(
                     group,
                     params,
                     grads,
-                    states,
+                    views,
                     steps,
                     updates,
                 )
+                for state, view, before, param in zip(states, views, saved, sharded):
+                    _store_local_state(state, view, before, param)
                 if befores is not None:
-                    for param, before, update in zip(params, befores, updates):
+                    for param, before, update in zip(sharded, befores, updates):
                         self._track(group_index, param, before, update)
         return loss
 
