@@ -144,6 +144,16 @@ class PrecisionPlugin:
             self._hooked.add(id(model))
         return model
 
+    def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
+        """FSDP2 in a custom loop: `prepare_model` (conversion, forward context), then
+        `fully_shard` per transformer block and on the root with the strategy's mixed-precision
+        policy (`strategy.shard`). Every rank calls it; build the optimizer afterwards with
+        `create_optimizer(model.parameters(), ...)`. Refused strategies raise before any work."""
+        from ..fsdp import check_fsdp2_support
+
+        check_fsdp2_support(self.strategy)
+        return self.strategy.shard(self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
+
     def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
         """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""
         optimizer = self.strategy.create_optimizer(params_or_groups, **hyper)
