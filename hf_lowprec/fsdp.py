@@ -56,11 +56,13 @@ if TYPE_CHECKING:
 __all__ = [
     "all_ranks_agree",
     "check_fsdp2_support",
+    "configure_accelerator",
     "default_mesh",
     "fsdp2_support",
     "is_sharded",
     "load_sharded",
     "local_shard",
+    "move_state_to_shards",
     "save_sharded",
     "shard_model",
     "sharded_state_dict",
@@ -208,6 +210,56 @@ def _shard_like(tensor: torch.Tensor, param: Any) -> Any:
             f"{tuple(param.to_local().shape)}"
         )
     return out
+
+
+# --- Accelerate (`fsdp_version: 2`) --------------------------------------------------------------
+def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -> None:
+    """Before `accelerator.prepare` under Accelerate's FSDP plugin: refuse what cannot work
+    (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's) and give
+    Accelerate's `fully_shard` calls the strategy's `MixedPrecisionPolicy`."""
+    strategy = _strategy(strategy)
+    plugin = accelerator.state.fsdp_plugin
+    check_fsdp2_support(strategy)
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            f"precision strategy {strategy.name!r} runs under FSDP2 only; set fsdp_version: 2 in the "
+            "Accelerate config (fsdp_config) or FullyShardedDataParallelPlugin(fsdp_version=2)"
+        )
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+        raise ValueError("FSDP CPU offload is not supported with a precision strategy; set fsdp_offload_params: false")
+    ours = strategy.fsdp2_mixed_precision()
+    theirs = getattr(plugin, "mixed_precision_policy", None)
+    if theirs is not None and theirs != ours:
+        raise ValueError(
+            f"precision strategy {strategy.name!r} owns FSDP2's mixed precision ({ours}); drop "
+            f"mixed_precision_policy ({theirs}) from the FSDP plugin"
+        )
+    plugin.mixed_precision_policy = ours
+
+
+def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
+    """Move state created before sharding (a seeded δθ) onto the shards that replaced the
+    optimizer's parameters (`before`: the parameters in `param_groups` order, as they were).
+
+    Accelerate's FSDP2 `prepare` swaps each parameter for its DTensor shard in place in the
+    groups but leaves the state keyed by the old tensors; the first step would then start the
+    shards' state at zero and the seeded compensation would be lost silently."""
+    from .memory import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
+    after = [p for group in inner.param_groups for p in group["params"]]
+    if len(after) != len(before):
+        raise RuntimeError(f"the optimizer had {len(before)} parameters before sharding and {len(after)} after")
+    for old, new in zip(before, after):
+        if old is new or old not in inner.state:
+            continue
+        state = inner.state.pop(old)
+        inner.state[new] = {
+            key: _shard_like(value, new) if torch.is_tensor(value) and value.shape == new.shape else value
+            for key, value in state.items()
+        }
 
 
 # --- what must agree across ranks ------------------------------------------------------------------

@@ -98,8 +98,24 @@ class PrecisionPlugin:
             from ..deepspeed import configure_accelerator
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
+        fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
+        before: dict[int, list[torch.Tensor]] = {}
+        if fsdp:
+            from ..fsdp import configure_accelerator as configure_fsdp
+
+            configure_fsdp(self.strategy, accelerator)  # before prepare runs fully_shard
+            before = {id(o): [p for g in o.param_groups for p in g["params"]]
+                      for o in objects if isinstance(o, StrategyOptimizer)}
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
+        if fsdp:
+            from ..fsdp import move_state_to_shards
+
+            # Accelerate's FSDP2 prepare returns a list, the others a tuple.
+            for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
+                inner = getattr(obj, "optimizer", None)  # AcceleratedOptimizer → StrategyOptimizer
+                if id(inner) in before:
+                    move_state_to_shards(inner, before[id(inner)])
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             from ..deepspeed import move_state_to_partitions

@@ -258,6 +258,64 @@ def run_plugin(name: str, data) -> dict:
     return {"losses": losses, "digest": digest(model)}
 
 
+def forced_fsdp2_accelerator():
+    """An Accelerator on the FSDP2 path on CPU.
+
+    Accelerate 1.15 takes its FSDP path only on accelerator devices: on CPU,
+    `Accelerator(cpu=True, fsdp_plugin=...)` silently runs MULTI_CPU data parallel. State.py on a
+    GPU sets `distributed_type = FSDP` and keeps the plugin; this sets the same two attributes
+    right after construction, so `accelerator.prepare` runs the code it runs on GPUs
+    (`_prepare_fsdp2` → `fsdp2_prepare_model`: Accelerate's own `fully_shard` calls and its
+    swap of the optimizer's parameters for the shards)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            reshard_after_forward=True)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU  # what the fixture works around
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def run_accelerate(name: str, data) -> dict:
+    """`PrecisionPlugin.prepare` with Accelerate's FSDP2 (a torch AdamW replaced by the
+    strategy's optimizer, Accelerate's wrapping): the same numerics as `strategy.shard`."""
+    accelerator = forced_fsdp2_accelerator()
+    wrapper = PrecisionPlugin(name)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model, optimizer = wrapper.prepare(accelerator, model, optimizer)
+    inner = optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → AdamW core
+    policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+    initial = torch.tensor(state_l1(inner), dtype=torch.float64)
+    dist.all_reduce(initial)
+    losses = []
+    for ids in data[:2]:
+        ids = local(ids)
+        loss = model(input_ids=ids, labels=ids).loss  # the plugin's hook enters the forward context
+        wrapper.backward(accelerator, loss)
+        wrapper.clip_grad_norm_(accelerator, model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().float().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+    return {
+        "losses": losses,
+        "digest": digest(model),
+        "initial_state_l1": initial.item(),
+        "states": len(inner.state),
+        "params": len([p for g in inner.param_groups for p in g["params"]]),
+        "state_layout": shards_like_params(inner),
+        "state_dtypes": state_dtypes(inner),
+        "policy": str(policy),
+        "strategy_policy": str(get_strategy(name).fsdp2_mixed_precision()),
+    }
+
+
 def run_skip(name: str, data) -> dict:
     """A non-finite gradient on rank 1's shard only: every rank must skip the step."""
     strategy, model, optimizer = build(name)
@@ -271,6 +329,34 @@ def run_skip(name: str, data) -> dict:
     optimizer.step()
     return {"skipped": optimizer.step_was_skipped, "skipped_steps": strategy.skipped_steps,
             "unchanged": digest(model) == before}
+
+
+def gpt2_small_bytes(name: str) -> dict:
+    """Model-state bytes of a GPT-2-small-shaped model (124M parameters, built on the meta
+    device: shapes and dtypes, no memory) in one process and on this rank under FSDP2.
+    Gradients are counted as one element of the parameter's dtype per parameter element (what
+    backward allocates; FSDP2 reduce-scatters into the shard's dtype)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def measure(model, optimizer) -> dict:
+        optimizer.optimizer.init_states()
+        params = [plain(p) for p in model.parameters()]
+        states = [plain(v) for _, v in state_tensors(optimizer.optimizer)]
+        return {"params": nbytes(params), "grads": nbytes(params), "states": nbytes(s for s in states if s.dim() > 0),
+                "unshardable": nbytes(s for s in states if s.dim() == 0),
+                "num_params": sum(p.numel() for p in model.parameters())}
+
+    def model():
+        with torch.device("meta"):
+            return GPT2LMHeadModel(GPT2Config())
+
+    strategy = get_strategy(name)
+    one = strategy.prepare_model(model())
+    one = measure(one, strategy.create_optimizer(one.parameters(), lr=LR))
+    strategy = get_strategy(name)
+    sharded = strategy.shard(model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    return {"one": one, "rank": measure(sharded, strategy.create_optimizer(sharded.parameters(), lr=LR))}
 
 
 def main() -> None:
@@ -296,8 +382,12 @@ def main() -> None:
             if mode == "train":
                 results["references"][name] = reference(name, data)
                 case = run_sharded(name, out / "ckpt" / name, data)
+            elif mode == "accelerate":
+                case = run_accelerate(name, data)
             elif mode == "plugin":
                 case = run_plugin(name, data)
+            elif mode == "gpt2-small-bytes":
+                case = gpt2_small_bytes(name)
             elif mode == "skip":
                 case = run_skip(name, data)
             else:

@@ -23,6 +23,7 @@ SUPPORTED = [n for n in available_strategies() if fsdp2_support(n) is None]
 REFUSED = [n for n in available_strategies() if fsdp2_support(n) is not None]
 BF16_FAMILY = {"collage-light", "collage-plus", "bf16-kahan", "bf16-sr", "bf16-pure", "bf16-fp32states"}
 PLUGIN_CASE = "collage-plus"
+ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
 
 
 def test_the_bf16_family_bf16_mixed_and_fp32_are_declared_supported():
@@ -72,10 +73,17 @@ def test_support_table_has_every_strategy_from_the_declarations():
         assert (get_strategy(name).fsdp2_note if name in SUPPORTED else get_strategy(name).fsdp2_refusal) in row
 
 
+def test_readme_shows_the_generated_table():
+    readme = (HERE.parents[1] / "README.md").read_text()
+    assert support_matrix_markdown() in readme, "regenerate with hf_lowprec.fsdp.support_matrix_markdown()"
+
+
 # --- training on 2 gloo ranks ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, "train"] for name in SUPPORTED] + [["collage-plus", "skip"], [PLUGIN_CASE, "plugin"]]
+    cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
+    cases += [[name, "accelerate"] for name in ACCELERATE_CASES]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
     for result in results:
@@ -219,8 +227,49 @@ def test_model_state_bytes_per_rank_are_one_process_split_by_world(ranks):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_gpt2_small_model_state_bytes_per_rank(ranks):
+    """The same bound on a GPT-2-small-shaped model (124M parameters, meta device), whose
+    vocabulary (50257 rows) does not split evenly: rank 0 holds one row more of the embedding."""
+    world = len(ranks)
+    for name in SUPPORTED:
+        one = ranks[0]["cases"][f"{name}/gpt2-small-bytes"]["one"]
+        assert one["num_params"] == 124_439_808
+        one_total = one["params"] + one["grads"] + one["states"]
+        assert one_total / one["num_params"] == get_strategy(name).bytes_per_param, name  # the documented figure
+        for result in ranks:
+            b = result["cases"][f"{name}/gpt2-small-bytes"]["rank"]
+            assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
+        total = sum(r["cases"][f"{name}/gpt2-small-bytes"]["rank"]["states"] for r in ranks)
+        assert total == one["states"], name  # every state element on exactly one rank
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_precision_plugin_shards_the_same_way(ranks):
     for result in ranks:
         plugin, direct = result["cases"][f"{PLUGIN_CASE}/plugin"], result["cases"][f"{PLUGIN_CASE}/train"]
         assert plugin["losses"] == direct["losses"][:2]
         assert plugin["digest"] == direct["digest_step2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
+    """`PrecisionPlugin.prepare` under Accelerate's FSDP2 (forced on CPU, see
+    `forced_fsdp2_accelerator` in the worker): Accelerate shards with the strategy's policy, the
+    seeded δθ moves onto the shards Accelerate swapped into the optimizer (Σ|state| over ranks as
+    in one process, one state per parameter), and the weights after 2 steps equal those of
+    `strategy.shard` bit for bit (Accelerate groups the embeddings differently; the element-wise
+    numerics are the same)."""
+    for result in ranks:
+        for name in ACCELERATE_CASES:
+            case, direct = result["cases"][f"{name}/accelerate"], result["cases"][f"{name}/train"]
+            assert case["policy"] == case["strategy_policy"], name
+            assert case["states"] == case["params"], name  # no state left on the unsharded tensors
+            assert case["state_layout"]["not"] == 0, name
+            assert case["state_dtypes"] == direct["state_dtypes"], name
+            assert case["initial_state_l1"] == pytest.approx(
+                result["references"][name]["initial_state_l1"], rel=1e-9, abs=0.0), name
+            assert case["losses"] == direct["losses"][:2], name
+            assert case["digest"] == direct["digest_step2"], name
+    assert ranks[0]["cases"]["collage-plus/accelerate"]["initial_state_l1"] > 0  # the seeded case
