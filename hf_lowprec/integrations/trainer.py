@@ -78,6 +78,14 @@ class PrecisionArgumentsMixin:
 
                 require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
+            if getattr(self, "fsdp", None):
+                # Not wired yet: the Trainer's FSDP would shard without the strategy's policy.
+                raise ValueError(
+                    f"precision_strategy={self.precision_strategy!r} with the Trainer's --fsdp is not supported yet; "
+                    "for FSDP2 use a custom loop (strategy.shard(model), or PrecisionPlugin(...).prepare with "
+                    "Accelerate's fsdp_version: 2, see recipes/configs/fsdp2.yaml), or keep the Trainer with DDP "
+                    "or DeepSpeed (--deepspeed)"
+                )
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         super().__post_init__()

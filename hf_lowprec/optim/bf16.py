@@ -176,7 +176,8 @@ class StochasticRoundingAdamW(AdamWBase):
         super().init_states()
         for group in self.param_groups:
             for param in group["params"]:
-                self._generator(param.device)
+                if param.device.type != "meta":  # a model of shapes only has no random stream
+                    self._generator(param.device)
 
     def _update_bucket(self, group, params, grads, states, steps, updates_out) -> None:
         if updates_out is not None and self.fused != "foreach":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -258,6 +259,19 @@ def run_plugin(name: str, data) -> dict:
     return {"losses": losses, "digest": digest(model)}
 
 
+def fsdp2_config_env() -> dict[str, str]:
+    """The FSDP_* environment `accelerate launch --config_file recipes/configs/fsdp2.yaml` gives
+    each process (Accelerate's own parsing of the config file)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    parser = launch_command_parser()
+    args = parser.parse_args(["--config_file", str(ROOT / "recipes/configs/fsdp2.yaml"), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith("FSDP_")}
+
+
 def forced_fsdp2_accelerator():
     """An Accelerator on the FSDP2 path on CPU.
 
@@ -270,8 +284,9 @@ def forced_fsdp2_accelerator():
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True)
+    os.environ.update(fsdp2_config_env())  # the plugin reads recipes/configs/fsdp2.yaml's settings
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     assert accelerator.distributed_type == DistributedType.MULTI_CPU  # what the fixture works around
     accelerator.state.distributed_type = DistributedType.FSDP

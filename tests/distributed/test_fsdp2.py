@@ -73,6 +73,42 @@ def test_support_table_has_every_strategy_from_the_declarations():
         assert (get_strategy(name).fsdp2_note if name in SUPPORTED else get_strategy(name).fsdp2_refusal) in row
 
 
+class _Accelerator:
+    """What `configure_accelerator` reads of an Accelerator: its state's FSDP plugin."""
+
+    def __init__(self, plugin):
+        self.state = type("State", (), {"fsdp_plugin": plugin})()
+
+
+def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypatch):
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from hf_lowprec.fsdp import configure_accelerator
+    from tests.distributed._fsdp2_worker import fsdp2_config_env
+
+    for key, value in fsdp2_config_env().items():  # as `accelerate launch --config_file recipes/configs/fsdp2.yaml`
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.mixed_precision_policy is None
+    configure_accelerator("bf16-mixed", _Accelerator(plugin))
+    assert plugin.mixed_precision_policy == get_strategy("bf16-mixed").fsdp2_mixed_precision()
+    with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):  # the user's policy differs
+        configure_accelerator("collage-plus", _Accelerator(plugin))
+    with pytest.raises(ValueError, match="'coat' is not supported under FSDP2"):
+        configure_accelerator("coat", _Accelerator(FullyShardedDataParallelPlugin()))
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        configure_accelerator("collage-plus", _Accelerator(FullyShardedDataParallelPlugin()))
+
+
+def test_trainer_fsdp_is_refused_naming_what_works(tmp_path):
+    from hf_lowprec import TrainingArguments
+
+    with pytest.raises(ValueError, match="--fsdp is not supported yet.*strategy.shard.*fsdp2.yaml"):
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-plus", fsdp="full_shard",
+                          fsdp_config={"fsdp_version": 2}, use_cpu=True)
+
+
 def test_readme_shows_the_generated_table():
     readme = (HERE.parents[1] / "README.md").read_text()
     assert support_matrix_markdown() in readme, "regenerate with hf_lowprec.fsdp.support_matrix_markdown()"
