@@ -252,6 +252,25 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
     return result
 
 
+def run_until_killed(name: str, ckpt: Path, data, flush) -> None:
+    """Train 2 steps, save a sharded checkpoint, record the results and end the process at once
+    (`os._exit`: no teardown, no process-group shutdown), as a killed job would."""
+    strategy, model, optimizer = build(name)
+    losses, _ = train(strategy, model, optimizer, data[:2], sharded=True)
+    save_sharded(ckpt, model, optimizer)
+    flush({"losses": losses}, complete=True)
+    os._exit(0)
+
+
+def run_resumed(name: str, ckpt: Path, data) -> dict:
+    """New processes: a fresh model (another initialization) and optimizer load the checkpoint a
+    killed job left and train steps 3 and 4."""
+    strategy, model, optimizer = build(name, seed=5)
+    load_sharded(ckpt, model, optimizer)
+    losses, _ = train(strategy, model, optimizer, data[2:], sharded=True)
+    return {"losses": losses, "digest": digest(model)}
+
+
 def run_plugin(name: str, data) -> dict:
     """`PrecisionPlugin.shard` + `create_optimizer`: the same numerics as `strategy.shard`."""
     strategy, model, optimizer = build(name, plugin=True)
@@ -378,6 +397,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True, help="JSON list of [strategy, mode]")
+    parser.add_argument("--ckpt", default=None, help="checkpoint root (default: <out>/ckpt)")
     args = parser.parse_args()
     out = Path(args.out)
     dist.init_process_group("gloo")
@@ -386,9 +406,17 @@ def main() -> None:
     results: dict = {"world_size": world, "cases": {}, "references": {}}
     path = out / f"rank{rank}.json"
 
+    ckpt_root = Path(args.ckpt) if args.ckpt else out / "ckpt"
+
     def flush(complete: bool = False) -> None:
         results["complete"] = complete
         path.write_text(json.dumps(results, indent=1))
+
+    def flush_case(key: str):
+        def write(case: dict, complete: bool = False) -> None:
+            results["cases"][key] = case
+            flush(complete)
+        return write
 
     for name, mode in json.loads(args.cases):
         key = f"{name}/{mode}"
@@ -396,9 +424,13 @@ def main() -> None:
         try:
             if mode == "train":
                 results["references"][name] = reference(name, data)
-                case = run_sharded(name, out / "ckpt" / name, data)
+                case = run_sharded(name, ckpt_root / name, data)
             elif mode == "accelerate":
                 case = run_accelerate(name, data)
+            elif mode == "killed":
+                run_until_killed(name, ckpt_root / f"{name}-killed", data, flush_case(key))
+            elif mode == "resumed":
+                case = run_resumed(name, ckpt_root / f"{name}-killed", data)
             elif mode == "plugin":
                 case = run_plugin(name, data)
             elif mode == "gpt2-small-bytes":

@@ -309,3 +309,20 @@ def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
             assert case["losses"] == direct["losses"][:2], name
             assert case["digest"] == direct["digest_step2"], name
     assert ranks[0]["cases"]["collage-plus/accelerate"]["initial_state_l1"] > 0  # the seeded case
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_killed_job_resumes_bit_for_bit_in_new_processes(ranks, tmp_path):
+    """collage-plus: one launch trains 2 steps, writes a sharded checkpoint and ends at once
+    (`os._exit`, no teardown); a second launch of new processes loads it into a model of another
+    initialization and trains steps 3 and 4: the losses and weights equal the uninterrupted run's."""
+    ckpt = ["--ckpt", str(tmp_path / "ckpt")]
+    killed = launch(HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", json.dumps([["collage-plus", "killed"]]), *ckpt])
+    resumed = launch(HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", json.dumps([["collage-plus", "resumed"]]), *ckpt])
+    for first, second, whole in zip(killed, resumed, ranks):
+        uninterrupted = whole["cases"]["collage-plus/train"]
+        assert "error" not in second["cases"]["collage-plus/resumed"], second["cases"]["collage-plus/resumed"]["error"]
+        assert first["cases"]["collage-plus/killed"]["losses"] == uninterrupted["losses"][:2]
+        assert second["cases"]["collage-plus/resumed"]["losses"] == uninterrupted["losses"][2:]
+        assert second["cases"]["collage-plus/resumed"]["digest"] == uninterrupted["digest"]
