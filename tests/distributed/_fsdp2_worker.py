@@ -37,6 +37,21 @@ from tests.helpers import batches, tiny_gpt2  # noqa: E402
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
 MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
+COMPILED_RUNS = [0]  # calls of the optimizer's compiled kernels (one per parameter and step)
+
+
+def _count_compiled_runs() -> None:
+    """Count the compiled optimizer kernels' runs, to show the fast path steps the shards."""
+    from hf_lowprec.optim import kernels
+
+    run = kernels._run
+
+    def counted(*args, **kwargs):
+        done = run(*args, **kwargs)
+        COMPILED_RUNS[0] += bool(done)
+        return done
+
+    kernels._run = counted
 
 
 def local(ids: torch.Tensor) -> torch.Tensor:
@@ -227,8 +242,11 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
     export_before = strategy.full_precision_state_dict(model, optimizer)
     grads: list = []
     grad_bytes_hook(optimizer.optimizer, grads)
+    COMPILED_RUNS[0] = 0
     losses, norms = train(strategy, model, optimizer, data[:2], sharded=True)
     result = {
+        "compiled_runs": COMPILED_RUNS[0],
+        "updated_params": len([p for g in optimizer.param_groups for p in g["params"]]),
         "initial_state_l1": initial.item(),
         "export_digest_before": dict_digest(export_before) if export_before else None,
         "export_keys_before": len(export_before),
@@ -401,6 +419,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     dist.init_process_group("gloo")
+    _count_compiled_runs()
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(4, batch=MICRO * world)
     results: dict = {"world_size": world, "cases": {}, "references": {}}

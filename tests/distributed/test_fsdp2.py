@@ -155,6 +155,17 @@ def test_every_state_component_is_sharded_like_its_parameter_in_its_one_process_
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_the_compiled_optimizer_step_runs_on_the_shards(ranks):
+    # fused="auto" falls back to the foreach reference silently where a kernel cannot run; on the
+    # shards every parameter's step of the first 2 steps must have run compiled.
+    for result in ranks:
+        for name in SUPPORTED:
+            case = result["cases"][f"{name}/train"]
+            assert case["compiled_runs"] == 2 * case["updated_params"], (name, case["compiled_runs"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_seeded_compensation_moves_onto_the_shards(ranks):
     # Collage and Kahan start δθ at the FP32 → BF16 residual; after sharding, the two ranks'
     # shards hold all of it: Σ|state| over ranks equals the one-process figure (FP64 sums of the
