@@ -35,6 +35,11 @@ read that one source. Checkpoints: `save_sharded` / `load_sharded` write and rea
 and optimizer shards with torch.distributed.checkpoint (every rank its own shards, the
 strategy's counters once) and resume bit for bit; `strategy.full_precision_state_dict` gathers
 the FP32 weights the optimizer holds (θ + δθ, masters) onto rank 0.
+
+Accelerate (`fsdp_version: 2`, recipes/configs/fsdp2.yaml) runs its own `fully_shard` calls inside
+`accelerator.prepare`; `PrecisionPlugin.prepare` first hands it the strategy's policy
+(`configure_accelerator`) and afterwards moves state started before sharding (the seeded δθ)
+onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
 """
 
 from __future__ import annotations
