@@ -98,8 +98,24 @@ class PrecisionPlugin:
             from ..deepspeed import configure_accelerator
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
+        fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
+        before: dict[int, list[torch.Tensor]] = {}
+        if fsdp:
+            from ..fsdp import configure_accelerator as configure_fsdp
+
+            configure_fsdp(self.strategy, accelerator)  # before prepare runs fully_shard
+            before = {id(o): [p for g in o.param_groups for p in g["params"]]
+                      for o in objects if isinstance(o, StrategyOptimizer)}
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
+        if fsdp:
+            from ..fsdp import move_state_to_shards
+
+            # Accelerate's FSDP2 prepare returns a list, the others a tuple.
+            for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
+                inner = getattr(obj, "optimizer", None)  # AcceleratedOptimizer → StrategyOptimizer
+                if id(inner) in before:
+                    move_state_to_shards(inner, before[id(inner)])
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             from ..deepspeed import move_state_to_partitions
@@ -143,6 +159,16 @@ class PrecisionPlugin:
             model.register_forward_hook(leave, always_call=True)
             self._hooked.add(id(model))
         return model
+
+    def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
+        """FSDP2 in a custom loop: `prepare_model` (conversion, forward context), then
+        `fully_shard` per transformer block and on the root with the strategy's mixed-precision
+        policy (`strategy.shard`). Every rank calls it; build the optimizer afterwards with
+        `create_optimizer(model.parameters(), ...)`. Refused strategies raise before any work."""
+        from ..fsdp import check_fsdp2_support
+
+        check_fsdp2_support(self.strategy)
+        return self.strategy.shard(self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
 
     def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
         """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""

@@ -78,6 +78,9 @@ class PrecisionArgumentsMixin:
 
                 require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
+            if getattr(self, "fsdp", None):
+                # Not wired yet: the Trainer's FSDP would shard without the strategy's policy.
+                raise ValueError(_trainer_fsdp_refusal(self.precision_strategy))
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         super().__post_init__()
@@ -87,6 +90,15 @@ class PrecisionArgumentsMixin:
         if self.precision_strategy is None:
             return None
         return get_strategy(self.precision_strategy, **(self.precision_options or {}))
+
+
+def _trainer_fsdp_refusal(name: str) -> str:
+    return (
+        f"precision_strategy={name!r} with the Trainer's FSDP (--fsdp, or an Accelerate FSDP config) is not "
+        "supported yet; for FSDP2 use a custom loop (strategy.shard(model), or PrecisionPlugin(...).prepare with "
+        "Accelerate's fsdp_version: 2, see recipes/configs/fsdp2.yaml and examples/accelerate_loop.py), or keep "
+        "the Trainer with DDP or DeepSpeed (--deepspeed)"
+    )
 
 
 def _reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
@@ -228,6 +240,8 @@ class PrecisionTrainerMixin:
                 self.model_wrapped = prepared
             self.model = prepared
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
+        if getattr(self, "is_fsdp_enabled", False):  # e.g. `accelerate launch` with an FSDP config
+            raise ValueError(_trainer_fsdp_refusal(self.precision.name))
         if getattr(self, "is_deepspeed_enabled", False):
             from ..deepspeed import configure_accelerator
 

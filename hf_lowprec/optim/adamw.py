@@ -39,6 +39,11 @@ from typing import Any, ClassVar
 
 import torch
 
+try:  # FSDP2 parameters; a torch built without distributed support has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = type("DTensor", (), {})  # matches no tensor
+
 from ..formats import Format, root
 from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
@@ -153,10 +158,32 @@ class Composition:
         return delta
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2): the step is element-wise, so each rank steps its shard."""
-    to_local = getattr(tensor, "to_local", None)
-    return tensor if to_local is None else to_local()
+# --- FSDP2: DTensor parameters step on their local shards --------------------------------
+# Under `fully_shard` a parameter and its gradient are DTensors sharded on dim 0. The update is
+# element-wise, so each rank steps its own shard with the same code as one process. Every state
+# tensor shaped like the parameter is made from the local shard (the same dtype as in one
+# process) and kept as a DTensor with the parameter's placements, so that
+# torch.distributed.checkpoint saves and reshards it like the parameter; scalars (step counts,
+# per-tensor scales) stay plain. The step works on local views (same storage).
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard (same storage: in-place updates reach the DTensor); else as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """`value` (shaped like the local shard of the DTensor `param`) as a DTensor sharded like it."""
+    if not isinstance(param, DTensor) or not torch.is_tensor(value) or isinstance(value, DTensor):
+        return value
+    if value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+# --- end FSDP2 ----------------------------------------------------------------------------
 
 
 class AdamW(LowPrecisionOptimizer):
@@ -257,8 +284,19 @@ class AdamW(LowPrecisionOptimizer):
     def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
         """The state `param` gets at its first step (zeros; a master copies the parameter)."""
         group = self.group_of(param) if group is None else group
-        local = _local(param.detach())
-        return {"step": 0, **self.composition(param, group).zeros(local)}
+        zeros = self.composition(param, group).zeros(_local(param.detach()))
+        return {"step": 0, **{key: _sharded_like(value, param) for key, value in zeros.items()}}
+
+    def init_states(self) -> None:
+        """Create the state of every parameter that has none (zeros, step 0) as the first step
+        would, and the generators of a stochastic rule: what a sharded checkpoint load
+        (torch.distributed.checkpoint) fills in."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.state[param]:
+                    self.state[param] = self.plan_state(param, group)
+                if self.composition(param, group).rule.needs_seed and param.device.type != "meta":
+                    self._generator(_local(param).device)
 
     def _complete_state(self, param: torch.Tensor, local: torch.Tensor, state: dict[str, Any], composition: Composition) -> None:
         """Create the keys a composition needs that the state lacks: a group switched from
@@ -268,12 +306,17 @@ class AdamW(LowPrecisionOptimizer):
         if missing:
             zeros = composition.zeros(local)
             for key in missing:
-                state[key] = zeros[key] if not key.endswith("_scale") else torch.ones((), device=local.device)
+                value = zeros[key] if not key.endswith("_scale") else torch.ones((), device=local.device)
+                state[key] = _sharded_like(value, param)
 
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
         """The value this optimizer holds for `param` (θ + δθ, the master), FP64."""
         state = self.state[param] if param in self.state else {}
-        return self.composition(param, self.group_of(param)).rule.held_value(param, state)
+        rule = self.composition(param, self.group_of(param)).rule
+        if not isinstance(param, DTensor):
+            return rule.held_value(param, state)
+        local_state = {key: _local(value) for key, value in state.items()}
+        return _sharded_like(rule.held_value(_local(param), local_state), param)
 
     def full_precision_value(self, param: torch.Tensor) -> torch.Tensor:
         """`held_value` rounded once to FP32, such that casting it back gives θ.
@@ -286,11 +329,12 @@ class AdamW(LowPrecisionOptimizer):
         rule = self.composition(param, self.group_of(param)).rule
         if rule.compensation_key is None or param.dtype == value.dtype:
             return value
-        astray = value.to(param.dtype) != param.detach()
+        value, theta = _local(value), _local(param).detach()  # element-wise: per shard under FSDP2
+        astray = value.to(param.dtype) != theta
         if bool(astray.any()):
-            towards = torch.nextafter(value, param.detach().float())
+            towards = torch.nextafter(value, theta.float())
             value = torch.where(astray, towards, value)
-        return value
+        return _sharded_like(value, param)
 
     def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
         """Start the compensation of `param` at `residual`, so θ + δθ is a wider value.
@@ -306,7 +350,7 @@ class AdamW(LowPrecisionOptimizer):
             raise ValueError(f"residual shape {tuple(residual.shape)} != parameter shape {tuple(param.shape)}")
         if not self.state[param]:
             self.state[param] = self.plan_state(param, group)
-        self.state[param][key].copy_(residual)
+        _local(self.state[param][key]).copy_(_local(residual))
 
     # --- the step --------------------------------------------------------------------------
 
@@ -365,10 +409,10 @@ class AdamW(LowPrecisionOptimizer):
             t = state["step"] + 1
             if t not in scalars:
                 scalars[t] = torch.tensor(adamw_scalars(t, **hyper), dtype=torch.float32, device=device)
-            tensors = [local, grad, grad_scale, *composition.stored(param, state)]
+            tensors = [local, grad, grad_scale, *(_local(t) for t in composition.stored(param, state))]
             rows.append(ParamStep(tensors, composition.shaped(), scalars[t], seed))
         track = self.track_updates
-        befores = [self.held_value(item[0]) for item in items] if track else None
+        befores = [_local(self.held_value(item[0])) for item in items] if track else None
         updates = run_bucket(
             composition, _step_function(composition), composition.block, rows, self.fused,
             want_updates=track, counter=self.paths_taken,

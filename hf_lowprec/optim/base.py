@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+try:  # FSDP2 parameters; a torch built without distributed support has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = type("DTensor", (), {})  # matches no tensor
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate"]
 
@@ -72,7 +76,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         return self.held_value(param).float()
 
     def _track(self, group: int, param: torch.Tensor, before: torch.Tensor, update: torch.Tensor) -> None:
-        self.tracked.append(TrackedUpdate(group, param, before, self.held_value(param), update))
+        after = self.held_value(param)
+        if isinstance(after, DTensor):  # FSDP2: the metrics are taken on this rank's shard
+            after = after.to_local()
+        self.tracked.append(TrackedUpdate(group, param, before, after, update))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]

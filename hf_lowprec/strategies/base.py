@@ -113,6 +113,10 @@ class PrecisionStrategy:
             by tests/deepspeed); `hf_lowprec.deepspeed` refuses the others before training.
         zero_refusal: why the other stages are refused, naming what works instead.
         zero_note: one line for the README support matrix: what the ZeRO partitions hold.
+        fsdp2: the strategy trains under FSDP2 (`shard`, tested by tests/distributed);
+            `hf_lowprec.fsdp` refuses the others before any work.
+        fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
+        fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
     """
 
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -125,6 +129,9 @@ class PrecisionStrategy:
     zero_stages: ClassVar[tuple[int, ...]] = ()
     zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO; train it with DDP (no DeepSpeed)"
     zero_note: ClassVar[str] = ""
+    fsdp2: ClassVar[bool] = False
+    fsdp2_refusal: ClassVar[str] = "it has not been verified under FSDP2; train it with DDP"
+    fsdp2_note: ClassVar[str] = ""
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -147,6 +154,27 @@ class PrecisionStrategy:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert the model (dtypes, module swaps). Returns the model to train."""
         return model
+
+    # --- FSDP2 -------------------------------------------------------------------------
+    def fsdp2_mixed_precision(self) -> Any:
+        """The `MixedPrecisionPolicy` FSDP2 applies to this strategy's (converted) model.
+
+        Default: gather parameters in their own dtype and reduce gradients in FP32 (a 16-bit
+        gradient is averaged over ranks in FP32 and rounded once into the shard)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+    def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
+        """Convert `model` (`prepare_model`) and shard it with FSDP2: `fully_shard` per
+        transformer block and on the root, with this strategy's mixed-precision policy.
+
+        Every rank calls it on the same model; build the optimizer afterwards from the
+        returned model's parameters. Refused strategies raise ValueError before any work.
+        See `hf_lowprec.fsdp.shard_model` for the arguments."""
+        from ..fsdp import shard_model
+
+        return shard_model(self, model, mesh, **fully_shard_kwargs)
 
     # --- optimizer ---------------------------------------------------------------------
     def build_optimizer(
@@ -258,7 +286,7 @@ class PrecisionStrategy:
         if not self.skips_nonfinite:
             return True
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return all_finite(grads)
+        return _agree(all_finite([_local(g) for g in grads]), grads)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         """The step itself."""
@@ -287,6 +315,10 @@ class PrecisionStrategy:
         and rounded once for an expansion (Collage, Kahan), the master for a master-weight
         scheme, a plain FP32 copy otherwise; other floating tensors are FP32 copies, the rest
         copies. Tied weights stay one tensor. The result loads into a plain FP32 model.
+
+        Under FSDP2 (DTensor parameters) every rank must call it: each value is computed on
+        the shards and gathered one tensor at a time; rank 0 gets the full dict, the other
+        ranks an empty one (no rank holds more than one full tensor beyond its shards).
         """
         from ..memory import unwrap_optimizer
 
@@ -295,16 +327,25 @@ class PrecisionStrategy:
         updated = {id(p) for g in inner.param_groups for p in g["params"]} if full_value is not None else set()
         out: dict[str, torch.Tensor] = {}
         done: dict[int, torch.Tensor] = {}
+        sharded = False
         with torch.no_grad():
             for key, tensor in model.state_dict(keep_vars=True).items():
                 if id(tensor) not in done:
                     if id(tensor) in updated:
-                        done[id(tensor)] = full_value(tensor)
+                        value = full_value(tensor)
                     elif tensor.is_floating_point():
-                        done[id(tensor)] = tensor.detach().to(torch.float32, copy=True)
+                        value = tensor.detach().to(torch.float32, copy=True)
                     else:
-                        done[id(tensor)] = tensor.detach().clone()
+                        value = tensor.detach().clone()
+                    if hasattr(value, "full_tensor"):  # a DTensor: gather it (a collective)
+                        sharded = True
+                        value = value.full_tensor()
+                        if torch.distributed.get_rank() != 0:
+                            value = None  # dropped at once: only rank 0 keeps full tensors
+                    done[id(tensor)] = value
                 out[key] = done[id(tensor)]
+        if sharded and torch.distributed.get_rank() != 0:
+            return {}
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -442,6 +483,20 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 (DTensor) gradient; a plain tensor as is."""
+    from ..fsdp import local_shard
+
+    return local_shard(tensor)
+
+
+def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
+    """`flag` on every rank when the tensors are FSDP2 shards (AND over ranks), else `flag`."""
+    from ..fsdp import all_ranks_agree
+
+    return all_ranks_agree(flag, tensors)
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:

@@ -33,6 +33,13 @@ class FP32(PrecisionStrategy):
 
     zero_stages = (0, 1, 2, 3)
     zero_note = "FP32 partitions and AdamW states"
+    fsdp2 = True
+    fsdp2_note = "FP32 shards and AdamW states; FP32 all-gather and reduce-scatter"
+
+    def fsdp2_mixed_precision(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy()
 
 
 @register("bf16-mixed", summary="option D: BF16 autocast, FP32 weights (masters) and AdamW states — what `bf16=True` does")
@@ -45,6 +52,15 @@ class BF16Mixed(PrecisionStrategy):
     compute_dtype = torch.bfloat16
     zero_stages = (0, 1, 2, 3)
     zero_note = "FP32 partitions (the masters) and AdamW states; BF16 autocast compute"
+    fsdp2 = True
+    fsdp2_note = "FP32 shards (the masters) and AdamW states; BF16 all-gather, FP32 reduce-scatter"
+
+    def fsdp2_mixed_precision(self) -> Any:
+        """FSDP2's own mixed precision: BF16 copies of the FP32 shards are all-gathered and
+        computed with (the BF16 autocast stays on for the ops it covers), gradients reduced in FP32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return bf16_autocast()
@@ -62,6 +78,11 @@ class BF16Pure(PrecisionStrategy):
     zero_stages = (1, 2, 3)
     zero_refusal = "DeepSpeed without ZeRO keeps FP32 master weights of a BF16 model"
     zero_note = "BF16 partitions (bf16_master_weights_and_grads), the optimizer's own state dtypes"
+    fsdp2 = True
+    fsdp2_note = (
+        "BF16 DTensor shards; every state component (m, v, δθ, δv, Kahan's k) sharded like its "
+        "parameter in its one-process dtype; BF16 all-gather, gradients averaged in FP32"
+    )
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(torch.bfloat16)

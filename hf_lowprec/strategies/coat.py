@@ -78,6 +78,11 @@ class COAT(PrecisionStrategy):
     """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
 
     Options = COATOptions
+    fsdp2_refusal = (
+        "its FP8 weight scales and per-group FP8 optimizer states are computed on whole tensors; on "
+        "dim-0 shards a group would straddle two ranks unless every row holds whole groups, and that "
+        "layout is not built; train it with DDP"
+    )
 
     @property
     def bf16_master(self) -> bool:

@@ -90,6 +90,12 @@ class FP8LM(PrecisionStrategy):
         "ZeRO would split the per-tensor FP8 gradients and scaled FP16 masters into flat partitions "
         "and reduce the gradients outside the FP8 all-reduce; use fp8-lm-o3 with ZeRO stage 1 or 2"
     )
+    fsdp2_refusal = (
+        "its per-tensor FP8 scales (weights, FP8AdamW's m, v and masters, FP8 gradients) would be taken "
+        "from each shard's amax instead of the whole tensor's, so sharded training would quantize "
+        "differently from one process, and the FP8 all-gather is not built; train it with DDP "
+        "(FP8 all-reduce), or with DeepSpeed ZeRO 1/2 as fp8-lm-o3"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)

@@ -1,0 +1,329 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for precision strategies.
+
+A custom loop shards a model with the strategy's own hook, which converts the model first
+(`prepare_model`), applies `fully_shard` to every transformer block and then to the root, and
+passes the strategy's mixed-precision policy:
+
+    strategy = get_strategy("collage-plus")
+    model = strategy.shard(model)                    # = shard_model(strategy, model)
+    optimizer = strategy.create_optimizer(model.parameters(), lr=3e-4)
+    for batch in loader:                             # each rank its own part of the batch
+        with strategy.forward_context():
+            loss = model(**batch).loss
+        strategy.scale_loss(loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # global norm (DTensor gradients)
+        optimizer.step(); optimizer.zero_grad()
+
+| strategy family | parameters (DTensor shards) | FSDP2 `MixedPrecisionPolicy` |
+|---|---|---|
+| `fp32` | FP32 | none: FP32 all-gather, FP32 reduce-scatter |
+| `bf16-mixed` | FP32 (the masters) | `param_dtype=bf16, reduce_dtype=fp32`: BF16 all-gather |
+| BF16 (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) | BF16 | `reduce_dtype=fp32`: BF16 all-gather, gradients averaged in FP32 and rounded once to BF16 |
+
+The optimizers step the local shards: every state tensor shaped like a parameter (m, v, δθ,
+δv, Kahan's k, FP32 moments) is created from the local shard in the dtype it has in one process
+and kept as a DTensor sharded like the parameter (`optim.collage.AdamWBase`). Update rules are
+element-wise, so a shard's update is exactly what one process computes for those elements
+given the same gradient. What must agree across ranks does: the finite check all-reduces its
+flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad_norm_` forms
+the global norm of DTensor gradients. A parameter converted from FP32 keeps its BF16 residual
+as the seed of δθ (`seed_compensation`), sharded like the parameter.
+
+Which strategies run under FSDP2 is declared on the strategy class (`fsdp2`,
+`fsdp2_refusal`); `fsdp2_support`, the check in `shard_model` and `support_matrix_markdown`
+read that one source. Checkpoints: `save_sharded` / `load_sharded` write and read the model
+and optimizer shards with torch.distributed.checkpoint (every rank its own shards, the
+strategy's counters once) and resume bit for bit; `strategy.full_precision_state_dict` gathers
+the FP32 weights the optimizer holds (θ + δθ, masters) onto rank 0.
+
+Accelerate (`fsdp_version: 2`, recipes/configs/fsdp2.yaml) runs its own `fully_shard` calls inside
+`accelerator.prepare`; `PrecisionPlugin.prepare` first hands it the strategy's policy
+(`configure_accelerator`) and afterwards moves state started before sharding (the seeded δθ)
+onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .registry import available_strategies, get_strategy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .strategies.base import PrecisionStrategy
+
+__all__ = [
+    "all_ranks_agree",
+    "check_fsdp2_support",
+    "configure_accelerator",
+    "default_mesh",
+    "fsdp2_support",
+    "is_sharded",
+    "load_sharded",
+    "local_shard",
+    "move_state_to_shards",
+    "save_sharded",
+    "shard_model",
+    "sharded_state_dict",
+    "support_matrix_markdown",
+]
+
+
+def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
+    return get_strategy(strategy) if isinstance(strategy, str) else strategy
+
+
+# --- what runs under FSDP2 ------------------------------------------------------------------------
+def fsdp2_support(strategy: PrecisionStrategy | str) -> str | None:
+    """None when `strategy` trains under FSDP2 with its numerics, else the refusal message
+    (why, and what works instead)."""
+    strategy = _strategy(strategy)
+    if strategy.fsdp2:
+        return None
+    working = ", ".join(n for n in available_strategies() if get_strategy(n).fsdp2)
+    return (
+        f"precision strategy {strategy.name!r} is not supported under FSDP2 (fully_shard): "
+        f"{strategy.fsdp2_refusal}. Strategies that train under FSDP2: {working}"
+    )
+
+
+def check_fsdp2_support(strategy: PrecisionStrategy | str) -> None:
+    """Raise ValueError with `fsdp2_support`'s message when the strategy is refused."""
+    message = fsdp2_support(strategy)
+    if message is not None:
+        raise ValueError(message)
+
+
+def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
+    """The FSDP2 column of the support matrix as a markdown table, from the same declarations."""
+    names = available_strategies() if names is None else list(names)
+    lines = ["| strategy | FSDP2 | under FSDP2 |", "|---|---|---|"]
+    for name in names:
+        strategy = get_strategy(name)
+        ok = fsdp2_support(strategy) is None
+        lines.append(f"| `{name}` | {'yes' if ok else 'no'} | {strategy.fsdp2_note if ok else strategy.fsdp2_refusal} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- sharding --------------------------------------------------------------------------------------
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when some parameter of `model` is a DTensor (already sharded by `fully_shard`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def default_mesh(model: torch.nn.Module) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group, on the model's device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "FSDP2 needs an initialized process group: call torch.distributed.init_process_group(...) "
+            "(or launch with torchrun / accelerate launch) before sharding the model"
+        )
+    param = next(model.parameters(), None)
+    device_type = param.device.type if param is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: modules whose class a Hugging Face model names in `_no_split_modules`."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def shard_model(
+    strategy: PrecisionStrategy | str,
+    model: torch.nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    blocks: Iterable[torch.nn.Module] | None = None,
+    prepared: bool = False,
+    **fully_shard_kwargs: Any,
+) -> torch.nn.Module:
+    """Convert `model` for `strategy` and shard it with FSDP2; returns the model to train.
+
+    Every rank calls this with the same model (same initialization). Steps: refuse a strategy
+    that FSDP2 does not support (before any work); `strategy.prepare_model(model)` unless
+    `prepared` (then the caller did it, e.g. `PrecisionPlugin.prepare_model`); `fully_shard` on
+    each block (default: the modules a Hugging Face model lists in `_no_split_modules`, e.g.
+    `GPT2Block`), then on the root, with `strategy.fsdp2_mixed_precision()` as the policy; the
+    FP32 residuals a compensated strategy kept for δθ move onto the new (sharded) parameters.
+    Build the optimizer afterwards, from the sharded `model.parameters()`.
+
+    Args:
+        mesh: a 1-D device mesh (default: every rank, the parameters' device type).
+        blocks: the modules to shard one by one (their parameters are gathered per block).
+        **fully_shard_kwargs: passed to `fully_shard` (e.g. `reshard_after_forward`); not
+            `mp_policy`, which the strategy owns.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    strategy = _strategy(strategy)
+    check_fsdp2_support(strategy)
+    if "mp_policy" in fully_shard_kwargs:
+        raise ValueError(
+            f"precision strategy {strategy.name!r} owns FSDP2's mixed precision "
+            f"({strategy.fsdp2_mixed_precision()}); drop mp_policy= from the shard call"
+        )
+    if "offload_policy" in fully_shard_kwargs:
+        raise ValueError(
+            "offload_policy is not supported by the precision strategies' FSDP2 path (optimizer states "
+            "are created on the parameters' device); drop offload_policy="
+        )
+    if is_sharded(model):
+        raise ValueError("the model is already sharded (DTensor parameters); pass the unsharded model")
+    mesh = default_mesh(model) if mesh is None else mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"shard_model takes a 1-D device mesh (pure FSDP), got a {mesh.ndim}-D mesh")
+    if not prepared:
+        model = strategy.prepare_model(model)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    residuals = {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+    policy = strategy.fsdp2_mixed_precision()
+    block_list = list(_blocks(model) if blocks is None else blocks)
+    for block in block_list:
+        fully_shard(block, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    if residuals:
+        strategy._residuals.clear()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name in residuals:
+                strategy._residuals[id(param)] = (param, _shard_like(residuals[name], param))
+    return model
+
+
+def _shard_like(tensor: torch.Tensor, param: Any) -> Any:
+    """`tensor` (the full value on every rank) cut into the shard `param` (a DTensor) holds here."""
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every rank has the full tensor and keeps its own chunk (no communication);
+    # FSDP2 and `distribute_tensor` cut dim 0 the same way (torch.chunk, padded last shards).
+    out = distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    if out.to_local().shape != param.to_local().shape:
+        raise RuntimeError(
+            f"residual shard {tuple(out.to_local().shape)} does not match the parameter shard "
+            f"{tuple(param.to_local().shape)}"
+        )
+    return out
+
+
+# --- Accelerate (`fsdp_version: 2`) --------------------------------------------------------------
+def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -> None:
+    """Before `accelerator.prepare` under Accelerate's FSDP plugin: refuse what cannot work
+    (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's) and give
+    Accelerate's `fully_shard` calls the strategy's `MixedPrecisionPolicy`."""
+    strategy = _strategy(strategy)
+    plugin = accelerator.state.fsdp_plugin
+    check_fsdp2_support(strategy)
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            f"precision strategy {strategy.name!r} runs under FSDP2 only; set fsdp_version: 2 in the "
+            "Accelerate config (fsdp_config) or FullyShardedDataParallelPlugin(fsdp_version=2)"
+        )
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+        raise ValueError("FSDP CPU offload is not supported with a precision strategy; set fsdp_offload_params: false")
+    ours = strategy.fsdp2_mixed_precision()
+    theirs = getattr(plugin, "mixed_precision_policy", None)
+    if theirs is not None and theirs != ours:
+        raise ValueError(
+            f"precision strategy {strategy.name!r} owns FSDP2's mixed precision ({ours}); drop "
+            f"mixed_precision_policy ({theirs}) from the FSDP plugin"
+        )
+    plugin.mixed_precision_policy = ours
+
+
+def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
+    """Move state created before sharding (a seeded δθ) onto the shards that replaced the
+    optimizer's parameters (`before`: the parameters in `param_groups` order, as they were).
+
+    Accelerate's FSDP2 `prepare` swaps each parameter for its DTensor shard in place in the
+    groups but leaves the state keyed by the old tensors; the first step would then start the
+    shards' state at zero and the seeded compensation would be lost silently."""
+    from .memory import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
+    after = [p for group in inner.param_groups for p in group["params"]]
+    if len(after) != len(before):
+        raise RuntimeError(f"the optimizer had {len(before)} parameters before sharding and {len(after)} after")
+    for old, new in zip(before, after):
+        if old is new or old not in inner.state:
+            continue
+        state = inner.state.pop(old)
+        inner.state[new] = {
+            key: _shard_like(value, new) if torch.is_tensor(value) and value.shape == new.shape else value
+            for key, value in state.items()
+        }
+
+
+# --- what must agree across ranks ------------------------------------------------------------------
+def local_shard(tensor: Any) -> Any:
+    """The local shard of a DTensor; any other tensor (or None) as is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def all_ranks_agree(flag: bool, tensors: Iterable[torch.Tensor]) -> bool:
+    """`flag` AND-ed over the ranks of the DTensors' mesh (one all-reduce), or `flag` when no
+    tensor is a DTensor. The flag tensor lives on the tensors' device (NCCL needs that)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = next((t for t in tensors if isinstance(t, DTensor)), None)
+    if sharded is None:
+        return flag
+    value = torch.tensor(1.0 if flag else 0.0, device=sharded.to_local().device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=sharded.device_mesh.get_group())
+    return bool(value.item() == 1.0)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """{"model": ..., "optimizer": ...} of live references: DTensor shards, the optimizer's
+    state (every parameter's, created at zero where no step ran yet, so that a load has
+    somewhere to write) and the strategy's counters under "hf_lowprec"."""
+    from .memory import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
+    init_states = getattr(inner, "init_states", None)
+    if init_states is None:
+        raise TypeError(f"{type(inner).__name__} cannot create its state before a step; sharded checkpoints need it")
+    init_states()
+    optimizer_state = dict(optimizer.state_dict())
+    # String keys: the checkpoint's loader writes a non-tensor value (a step number) back under
+    # str(key), so an int-keyed entry would come back as a second, string-keyed one.
+    optimizer_state["state"] = {str(index): state for index, state in optimizer_state["state"].items()}
+    return {"model": model.state_dict(), "optimizer": optimizer_state}
+
+
+def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
+    """Write model and optimizer shards to the directory `path` (torch.distributed.checkpoint;
+    every rank calls it). A DTensor is written once, split by its shards; a plain value (the
+    strategy's counters, step numbers, a random generator's state: equal on every rank) once."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
+    """Read what `save_sharded` wrote into a freshly sharded `model` and its new `optimizer`
+    (same strategy; any world size, DTensors are resharded), then continue bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    target = sharded_state_dict(model, optimizer)
+    dcp.load(target, checkpoint_id=os.fspath(path))
+    model.load_state_dict(target["model"])
+    optimizer_state = dict(target["optimizer"])
+    optimizer_state["state"] = {int(index): state for index, state in optimizer_state["state"].items()}
+    optimizer.load_state_dict(optimizer_state)

@@ -1,0 +1,473 @@
+"""One rank of the FSDP2 tests: every strategy that trains under FSDP2, in one launch.
+
+Started by `tests/deepspeed/_launch.py` as RANK/WORLD_SIZE processes (gloo, CPU). For each
+strategy it trains the tiny GPT-2 in one process on the whole batches (the reference), then
+sharded with `strategy.shard` (each rank half of every batch), and records: losses, the
+pre-clip gradient norms, what the optimizer state holds (dtypes, DTensor placements, local
+shard shapes), the model-state bytes on this rank, the seeded state before the first step,
+the full-precision export before and after training, and whether a sharded checkpoint
+(torch.distributed.checkpoint) taken after step 2 continues bit for bit. Results go to
+`<out>/rank<r>.json`, written before the process exits, with "complete": true at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.fsdp import load_sharded, save_sharded  # noqa: E402
+from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
+from tests.helpers import batches, tiny_gpt2  # noqa: E402
+
+MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
+LR = 1e-3
+MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
+COMPILED_RUNS = [0]  # calls of the optimizer's compiled kernels (one per parameter and step)
+
+
+def _count_compiled_runs() -> None:
+    """Count the compiled optimizer kernels' runs, to show the fast path steps the shards."""
+    from hf_lowprec.optim import kernels
+
+    run = kernels._run
+
+    def counted(*args, **kwargs):
+        done = run(*args, **kwargs)
+        COMPILED_RUNS[0] += bool(done)
+        return done
+
+    kernels._run = counted
+
+
+def local(ids: torch.Tensor) -> torch.Tensor:
+    rank = dist.get_rank()
+    return ids[rank * MICRO:(rank + 1) * MICRO]
+
+
+def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float], list[float]]:
+    """Losses of the whole global batch and pre-clip gradient norms, per step."""
+    losses, norms = [], []
+    for ids in data:
+        ids = local(ids) if sharded else ids
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().float().clone()
+        if sharded:
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(value.item())
+    return losses, norms
+
+
+def plain(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_tensors(optimizer):
+    return [(k, v) for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)]
+
+
+def state_dtypes(optimizer) -> dict[str, list[str]]:
+    out: dict[str, set] = {}
+    for key, value in state_tensors(optimizer):
+        if value.dim() > 0:
+            out.setdefault(key, set()).add(str(value.dtype))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def model_state_bytes(model, optimizer, grads_bytes: int) -> dict[str, int]:
+    """This rank's bytes: parameters, gradients (measured before the step), optimizer state
+    shaped like parameters, and the rest (0-dim scales; step counters are Python ints)."""
+    params = [plain(p) for p in model.parameters()]
+    states = [plain(v) for _, v in state_tensors(optimizer)]
+    return {
+        "params": nbytes(params),
+        "grads": grads_bytes,
+        "states": nbytes(s for s in states if s.dim() > 0),
+        "unshardable": nbytes(s for s in states if s.dim() == 0),
+    }
+
+
+def grad_bytes_hook(optimizer, record: list):
+    optimizer.register_step_pre_hook(lambda opt, *_: record.append(
+        nbytes(plain(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
+
+
+def state_l1(optimizer) -> float:
+    """Σ|x| over this rank's (local) state tensors, FP64: seeded state before the first step."""
+    return sum(float(plain(v).double().abs().sum()) for _, v in state_tensors(optimizer) if v.dim() > 0)
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def dict_digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def shards_like_params(optimizer) -> dict:
+    """Every state tensor shaped like its parameter: a DTensor with the parameter's placements
+    and local shard shape (counts of those that are and are not)."""
+    good = bad = 0
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                continue
+            ok = (isinstance(value, DTensor) and value.placements == param.placements
+                  and value.shape == param.shape and value.to_local().shape == param.to_local().shape)
+            good, bad = good + ok, bad + (not ok)
+    return {"sharded_like_param": good, "not": bad}
+
+
+def export_check(strategy, model, optimizer) -> dict:
+    """`full_precision_state_dict` under FSDP2: rank 0 gets every key in FP32, others nothing.
+    On rank 0, each updated weight rounds back to the BF16/FP32 parameter exactly and lies within
+    one FP32 ulp of θ + δθ (or the master) computed here from gathered shards."""
+    full = strategy.full_precision_state_dict(model, optimizer)
+    out = {"keys": len(full), "digest": dict_digest(full) if full else None}
+    inner = optimizer.optimizer
+    checks = []
+    for name, param in model.named_parameters():
+        theta = param.full_tensor()
+        state = inner.state.get(param, {})
+        key = inner.compensation_key or inner.master_key
+        extra = state.get(key) if key else None
+        extra = extra.full_tensor() if extra is not None else None  # every rank joins the gather
+        if dist.get_rank() != 0:
+            continue
+        value = full[name]
+        expected = theta.double() if extra is None else (
+            extra.double() if key == inner.master_key else theta.double() + extra.double())
+        ulp = 2 * torch.finfo(torch.float32).eps * expected.abs().float().clamp_min(2**-126)
+        checks.append(bool(value.dtype == torch.float32 and torch.equal(value.to(theta.dtype), theta)
+                           and ((value.double() - expected).abs() <= ulp.double()).all()))
+    out["exact"] = all(checks) if dist.get_rank() == 0 else None
+    return out
+
+
+def accumulated(name: str, data) -> list[float]:
+    """One process, each batch as the ranks' micro-batches with gradient accumulation: the same
+    half-batch backward passes and a rounded combination of their gradients as data parallelism,
+    without FSDP. Its gap to `reference` is the data-parallel effect of the strategy's rounding."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    strategy.set_gradient_accumulation(dist.get_world_size())
+    losses = []
+    for ids in data:
+        total = 0.0
+        for part in ids.split(MICRO):
+            with strategy.forward_context():
+                loss = model(input_ids=part, labels=part).loss
+            strategy.scale_loss(loss / dist.get_world_size()).backward()
+            total += loss.item() / dist.get_world_size()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+def reference(name: str, data) -> dict:
+    """The strategy in one process on the whole batches."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    initial = state_l1(optimizer)
+    export0 = dict_digest(strategy.full_precision_state_dict(model, optimizer))
+    grads: list = []
+    grad_bytes_hook(optimizer.optimizer, grads)
+    losses, norms = train(strategy, model, optimizer, data, sharded=False)
+    return {
+        "losses": losses,
+        "accumulated_losses": accumulated(name, data),
+        "norms": norms,
+        "initial_state_l1": initial,
+        "export_digest_before": export0,
+        "state_dtypes": state_dtypes(optimizer),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "bytes": model_state_bytes(model, optimizer, max(grads)),
+    }
+
+
+def build(name: str, seed: int = 0, plugin: bool = False):
+    strategy = get_strategy(name)
+    if plugin:
+        wrapper = PrecisionPlugin(strategy)
+        model = wrapper.shard(tiny_gpt2(seed))
+        optimizer = wrapper.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    else:
+        model = strategy.shard(tiny_gpt2(seed))
+        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    return strategy, model, optimizer
+
+
+def run_sharded(name: str, ckpt: Path, data) -> dict:
+    strategy, model, optimizer = build(name)
+    initial = torch.tensor(state_l1(optimizer), dtype=torch.float64)
+    dist.all_reduce(initial)  # each element of a state lives on exactly one rank
+    export_before = strategy.full_precision_state_dict(model, optimizer)
+    grads: list = []
+    grad_bytes_hook(optimizer.optimizer, grads)
+    COMPILED_RUNS[0] = 0
+    losses, norms = train(strategy, model, optimizer, data[:2], sharded=True)
+    result = {
+        "compiled_runs": COMPILED_RUNS[0],
+        "updated_params": len([p for g in optimizer.param_groups for p in g["params"]]),
+        "initial_state_l1": initial.item(),
+        "export_digest_before": dict_digest(export_before) if export_before else None,
+        "export_keys_before": len(export_before),
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "state_dtypes": state_dtypes(optimizer),
+        "state_layout": shards_like_params(optimizer.optimizer),
+        "bytes": model_state_bytes(model, optimizer, max(grads)),
+    }
+    result["digest_step2"] = digest(model)
+    save_sharded(ckpt, model, optimizer)
+    more, more_norms = train(strategy, model, optimizer, data[2:], sharded=True)
+    result.update(losses=losses + more, norms=norms + more_norms, digest=digest(model))
+    result["export"] = export_check(strategy, model, optimizer)
+    # A fresh model (another initialization) and optimizer restored from the checkpoint.
+    strategy2, model2, optimizer2 = build(name, seed=5)
+    load_sharded(ckpt, model2, optimizer2)
+    result["resumed_losses"], _ = train(strategy2, model2, optimizer2, data[2:], sharded=True)
+    result["resumed_digest"] = digest(model2)
+    result["resumed_state_dtypes"] = state_dtypes(optimizer2)
+    return result
+
+
+def run_until_killed(name: str, ckpt: Path, data, flush) -> None:
+    """Train 2 steps, save a sharded checkpoint, record the results and end the process at once
+    (`os._exit`: no teardown, no process-group shutdown), as a killed job would."""
+    strategy, model, optimizer = build(name)
+    losses, _ = train(strategy, model, optimizer, data[:2], sharded=True)
+    save_sharded(ckpt, model, optimizer)
+    flush({"losses": losses}, complete=True)
+    os._exit(0)
+
+
+def run_resumed(name: str, ckpt: Path, data) -> dict:
+    """New processes: a fresh model (another initialization) and optimizer load the checkpoint a
+    killed job left and train steps 3 and 4."""
+    strategy, model, optimizer = build(name, seed=5)
+    load_sharded(ckpt, model, optimizer)
+    losses, _ = train(strategy, model, optimizer, data[2:], sharded=True)
+    return {"losses": losses, "digest": digest(model)}
+
+
+def run_plugin(name: str, data) -> dict:
+    """`PrecisionPlugin.shard` + `create_optimizer`: the same numerics as `strategy.shard`."""
+    strategy, model, optimizer = build(name, plugin=True)
+    losses, _ = train(strategy, model, optimizer, data[:2], sharded=True)
+    return {"losses": losses, "digest": digest(model)}
+
+
+def fsdp2_config_env() -> dict[str, str]:
+    """The FSDP_* environment `accelerate launch --config_file recipes/configs/fsdp2.yaml` gives
+    each process (Accelerate's own parsing of the config file)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    parser = launch_command_parser()
+    args = parser.parse_args(["--config_file", str(ROOT / "recipes/configs/fsdp2.yaml"), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith("FSDP_")}
+
+
+def forced_fsdp2_accelerator():
+    """An Accelerator on the FSDP2 path on CPU.
+
+    Accelerate 1.15 takes its FSDP path only on accelerator devices: on CPU,
+    `Accelerator(cpu=True, fsdp_plugin=...)` silently runs MULTI_CPU data parallel. State.py on a
+    GPU sets `distributed_type = FSDP` and keeps the plugin; this sets the same two attributes
+    right after construction, so `accelerator.prepare` runs the code it runs on GPUs
+    (`_prepare_fsdp2` → `fsdp2_prepare_model`: Accelerate's own `fully_shard` calls and its
+    swap of the optimizer's parameters for the shards)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    os.environ.update(fsdp2_config_env())  # the plugin reads recipes/configs/fsdp2.yaml's settings
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU  # what the fixture works around
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def run_accelerate(name: str, data) -> dict:
+    """`PrecisionPlugin.prepare` with Accelerate's FSDP2 (a torch AdamW replaced by the
+    strategy's optimizer, Accelerate's wrapping): the same numerics as `strategy.shard`."""
+    accelerator = forced_fsdp2_accelerator()
+    wrapper = PrecisionPlugin(name)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model, optimizer = wrapper.prepare(accelerator, model, optimizer)
+    inner = optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → AdamW core
+    policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+    initial = torch.tensor(state_l1(inner), dtype=torch.float64)
+    dist.all_reduce(initial)
+    losses = []
+    for ids in data[:2]:
+        ids = local(ids)
+        loss = model(input_ids=ids, labels=ids).loss  # the plugin's hook enters the forward context
+        wrapper.backward(accelerator, loss)
+        wrapper.clip_grad_norm_(accelerator, model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().float().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / dist.get_world_size())
+    return {
+        "losses": losses,
+        "digest": digest(model),
+        "initial_state_l1": initial.item(),
+        "states": len(inner.state),
+        "params": len([p for g in inner.param_groups for p in g["params"]]),
+        "state_layout": shards_like_params(inner),
+        "state_dtypes": state_dtypes(inner),
+        "policy": str(policy),
+        "strategy_policy": str(get_strategy(name).fsdp2_mixed_precision()),
+    }
+
+
+def run_skip(name: str, data) -> dict:
+    """A non-finite gradient on rank 1's shard only: every rank must skip the step."""
+    strategy, model, optimizer = build(name)
+    before = digest(model)
+    ids = local(data[0])
+    with strategy.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss
+    strategy.scale_loss(loss).backward()
+    if dist.get_rank() == 1:
+        next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
+    optimizer.step()
+    return {"skipped": optimizer.step_was_skipped, "skipped_steps": strategy.skipped_steps,
+            "unchanged": digest(model) == before}
+
+
+def gpt2_small_bytes(name: str) -> dict:
+    """Model-state bytes of a GPT-2-small-shaped model (124M parameters, built on the meta
+    device: shapes and dtypes, no memory) in one process and on this rank under FSDP2.
+    Gradients are counted as one element of the parameter's dtype per parameter element (what
+    backward allocates; FSDP2 reduce-scatters into the shard's dtype)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def measure(model, optimizer) -> dict:
+        optimizer.optimizer.init_states()
+        params = [plain(p) for p in model.parameters()]
+        states = [plain(v) for _, v in state_tensors(optimizer.optimizer)]
+        return {"params": nbytes(params), "grads": nbytes(params), "states": nbytes(s for s in states if s.dim() > 0),
+                "unshardable": nbytes(s for s in states if s.dim() == 0),
+                "num_params": sum(p.numel() for p in model.parameters())}
+
+    def model():
+        with torch.device("meta"):
+            return GPT2LMHeadModel(GPT2Config())
+
+    strategy = get_strategy(name)
+    one = strategy.prepare_model(model())
+    one = measure(one, strategy.create_optimizer(one.parameters(), lr=LR))
+    strategy = get_strategy(name)
+    sharded = strategy.shard(model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    return {"one": one, "rank": measure(sharded, strategy.create_optimizer(sharded.parameters(), lr=LR))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of [strategy, mode]")
+    parser.add_argument("--ckpt", default=None, help="checkpoint root (default: <out>/ckpt)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    dist.init_process_group("gloo")
+    _count_compiled_runs()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(4, batch=MICRO * world)
+    results: dict = {"world_size": world, "cases": {}, "references": {}}
+    path = out / f"rank{rank}.json"
+
+    ckpt_root = Path(args.ckpt) if args.ckpt else out / "ckpt"
+
+    def flush(complete: bool = False) -> None:
+        results["complete"] = complete
+        path.write_text(json.dumps(results, indent=1))
+
+    def flush_case(key: str):
+        def write(case: dict, complete: bool = False) -> None:
+            results["cases"][key] = case
+            flush(complete)
+        return write
+
+    for name, mode in json.loads(args.cases):
+        key = f"{name}/{mode}"
+        start = time.time()
+        try:
+            if mode == "train":
+                results["references"][name] = reference(name, data)
+                case = run_sharded(name, ckpt_root / name, data)
+            elif mode == "accelerate":
+                case = run_accelerate(name, data)
+            elif mode == "killed":
+                run_until_killed(name, ckpt_root / f"{name}-killed", data, flush_case(key))
+            elif mode == "resumed":
+                case = run_resumed(name, ckpt_root / f"{name}-killed", data)
+            elif mode == "plugin":
+                case = run_plugin(name, data)
+            elif mode == "gpt2-small-bytes":
+                case = gpt2_small_bytes(name)
+            elif mode == "skip":
+                case = run_skip(name, data)
+            else:
+                raise ValueError(f"unknown mode {mode!r}")
+        except Exception:  # recorded, so the test shows which case failed and why
+            case = {"error": traceback.format_exc()}
+        case["seconds"] = round(time.time() - start, 2)
+        results["cases"][key] = case
+        flush()
+        dist.barrier()
+    flush(complete=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
