@@ -97,6 +97,15 @@ class BF16Update(BF16Pure):
     def bytes_per_param(self) -> float:  # type: ignore[override]
         return _UPDATES[self.options.update][1]
 
+    @property
+    def fsdp2(self) -> bool:  # type: ignore[override]
+        return self.options.update != "collage-8bit"
+
+    fsdp2_refusal = (
+        "its 8-bit states are stored in whole blocks of 256 (padded), not shaped like the parameter, "
+        "so FSDP2 cannot shard or checkpoint them like it; use collage-light (BF16 states)"
+    )
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""
         residuals = {}
