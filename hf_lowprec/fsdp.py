@@ -5,7 +5,7 @@ A custom loop shards a model with the strategy's own hook, which converts the mo
 passes the strategy's mixed-precision policy:
 
     strategy = get_strategy("collage-plus")
-    model = strategy.shard(model)                    # = shard_model(strategy, model)
+    model = shard_model(strategy, model)
     optimizer = strategy.create_optimizer(model.parameters(), lr=3e-4)
     for batch in loader:                             # each rank its own part of the batch
         with strategy.forward_context():
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .distributed import all_ranks_agree, local_shard  # noqa: F401  (part of this module's API)
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -268,26 +269,6 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
 
 # --- what must agree across ranks ------------------------------------------------------------------
-def local_shard(tensor: Any) -> Any:
-    """The local shard of a DTensor; any other tensor (or None) as is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def all_ranks_agree(flag: bool, tensors: Iterable[torch.Tensor]) -> bool:
-    """`flag` AND-ed over the ranks of the DTensors' mesh (one all-reduce), or `flag` when no
-    tensor is a DTensor. The flag tensor lives on the tensors' device (NCCL needs that)."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = next((t for t in tensors if isinstance(t, DTensor)), None)
-    if sharded is None:
-        return flag
-    value = torch.tensor(1.0 if flag else 0.0, device=sharded.to_local().device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=sharded.device_mesh.get_group())
-    return bool(value.item() == 1.0)
-
-
 # --- checkpoints -----------------------------------------------------------------------------------
 def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """{"model": ..., "optimizer": ...} of live references: DTensor shards, the optimizer's

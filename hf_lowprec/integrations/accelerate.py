@@ -168,7 +168,9 @@ class PrecisionPlugin:
         from ..fsdp import check_fsdp2_support
 
         check_fsdp2_support(self.strategy)
-        return self.strategy.shard(self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
+        from ..fsdp import shard_model
+
+        return shard_model(self.strategy, self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
 
     def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
         """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""

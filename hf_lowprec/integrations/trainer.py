@@ -95,7 +95,7 @@ class PrecisionArgumentsMixin:
 def _trainer_fsdp_refusal(name: str) -> str:
     return (
         f"precision_strategy={name!r} with the Trainer's FSDP (--fsdp, or an Accelerate FSDP config) is not "
-        "supported yet; for FSDP2 use a custom loop (strategy.shard(model), or PrecisionPlugin(...).prepare with "
+        "supported yet; for FSDP2 use a custom loop (hf_lowprec.fsdp.shard_model(strategy, model), or PrecisionPlugin(...).prepare with "
         "Accelerate's fsdp_version: 2, see recipes/configs/fsdp2.yaml and examples/accelerate_loop.py), or keep "
         "the Trainer with DDP or DeepSpeed (--deepspeed)"
     )

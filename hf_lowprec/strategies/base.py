@@ -165,17 +165,6 @@ class PrecisionStrategy:
 
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
-    def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
-        """Convert `model` (`prepare_model`) and shard it with FSDP2: `fully_shard` per
-        transformer block and on the root, with this strategy's mixed-precision policy.
-
-        Every rank calls it on the same model; build the optimizer afterwards from the
-        returned model's parameters. Refused strategies raise ValueError before any work.
-        See `hf_lowprec.fsdp.shard_model` for the arguments."""
-        from ..fsdp import shard_model
-
-        return shard_model(self, model, mesh, **fully_shard_kwargs)
-
     # --- optimizer ---------------------------------------------------------------------
     def build_optimizer(
         self,
@@ -487,14 +476,14 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 (DTensor) gradient; a plain tensor as is."""
-    from ..fsdp import local_shard
+    from ..distributed import local_shard
 
     return local_shard(tensor)
 
 
 def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
     """`flag` on every rank when the tensors are FSDP2 shards (AND over ranks), else `flag`."""
-    from ..fsdp import all_ranks_agree
+    from ..distributed import all_ranks_agree
 
     return all_ranks_agree(flag, tensors)
 

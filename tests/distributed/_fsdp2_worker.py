@@ -30,30 +30,13 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.fsdp import load_sharded, save_sharded  # noqa: E402
+from hf_lowprec.fsdp import load_sharded, save_sharded, shard_model  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
 MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
-COMPILED_RUNS = [0]  # calls of the optimizer's compiled kernels (one per parameter and step)
-
-
-def _count_compiled_runs() -> None:
-    """Count the compiled optimizer kernels' runs, to show the fast path steps the shards."""
-    from hf_lowprec.optim import kernels
-
-    run = kernels._run
-
-    def counted(*args, **kwargs):
-        done = run(*args, **kwargs)
-        COMPILED_RUNS[0] += bool(done)
-        return done
-
-    kernels._run = counted
-
-
 def local(ids: torch.Tensor) -> torch.Tensor:
     rank = dist.get_rank()
     return ids[rank * MICRO:(rank + 1) * MICRO]
@@ -230,7 +213,7 @@ def build(name: str, seed: int = 0, plugin: bool = False):
         model = wrapper.shard(tiny_gpt2(seed))
         optimizer = wrapper.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
     else:
-        model = strategy.shard(tiny_gpt2(seed))
+        model = shard_model(strategy, tiny_gpt2(seed))
         optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
     return strategy, model, optimizer
 
@@ -242,10 +225,12 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
     export_before = strategy.full_precision_state_dict(model, optimizer)
     grads: list = []
     grad_bytes_hook(optimizer.optimizer, grads)
-    COMPILED_RUNS[0] = 0
+    optimizer.optimizer.paths_taken.clear()
     losses, norms = train(strategy, model, optimizer, data[:2], sharded=True)
+    paths = optimizer.optimizer.paths_taken  # one count per parameter and step, by the path that ran
     result = {
-        "compiled_runs": COMPILED_RUNS[0],
+        "compiled_runs": paths["compiled"] + paths["native"],
+        "reference_runs": paths["reference"],
         "updated_params": len([p for g in optimizer.param_groups for p in g["params"]]),
         "initial_state_l1": initial.item(),
         "export_digest_before": dict_digest(export_before) if export_before else None,
@@ -407,7 +392,7 @@ def gpt2_small_bytes(name: str) -> dict:
     one = strategy.prepare_model(model())
     one = measure(one, strategy.create_optimizer(one.parameters(), lr=LR))
     strategy = get_strategy(name)
-    sharded = strategy.shard(model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    sharded = shard_model(strategy, model(), init_device_mesh("cpu", (dist.get_world_size(),)))
     return {"one": one, "rank": measure(sharded, strategy.create_optimizer(sharded.parameters(), lr=LR))}
 
 
@@ -419,7 +404,6 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     dist.init_process_group("gloo")
-    _count_compiled_runs()
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(4, batch=MICRO * world)
     results: dict = {"world_size": world, "cases": {}, "references": {}}

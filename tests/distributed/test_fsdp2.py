@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.fsdp import fsdp2_support, support_matrix_markdown
+from hf_lowprec.fsdp import fsdp2_support, shard_model, support_matrix_markdown
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
 from tests.deepspeed._launch import launch
 from tests.helpers import tiny_gpt2
@@ -37,7 +37,7 @@ def test_refused_strategy_raises_before_touching_the_model(name):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     with pytest.raises(ValueError) as err:
-        get_strategy(name).shard(model)
+        shard_model(name, model)
     message = str(err.value)
     assert f"{name!r}" in message and "FSDP2" in message
     assert all(s in message for s in SUPPORTED)  # names what works instead
@@ -52,7 +52,7 @@ def test_mixed_precision_policy_belongs_to_the_strategy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):
-        get_strategy("collage-plus").shard(tiny_gpt2(), mp_policy=MixedPrecisionPolicy())
+        shard_model("collage-plus", tiny_gpt2(), mp_policy=MixedPrecisionPolicy())
     assert get_strategy("bf16-mixed").fsdp2_mixed_precision() == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert get_strategy("collage-plus").fsdp2_mixed_precision() == MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -62,7 +62,7 @@ def test_mixed_precision_policy_belongs_to_the_strategy():
 def test_sharding_without_a_process_group_says_how_to_start_one(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="init_process_group"):
-        get_strategy("collage-plus").shard(tiny_gpt2())
+        shard_model("collage-plus", tiny_gpt2())
 
 
 def test_support_table_has_every_strategy_from_the_declarations():
@@ -161,7 +161,9 @@ def test_the_compiled_optimizer_step_runs_on_the_shards(ranks):
     for result in ranks:
         for name in SUPPORTED:
             case = result["cases"][f"{name}/train"]
+            # The fast path (native or compiled) stepped every shard, the reference none.
             assert case["compiled_runs"] == 2 * case["updated_params"], (name, case["compiled_runs"])
+            assert case["reference_runs"] == 0, (name, case["reference_runs"])
 
 
 @pytest.mark.slow
