@@ -21,3 +21,7 @@ __all__ += ["FP8AdamW"]
 from .coat import COATAdamW  # noqa: E402
 
 __all__ += ["COATAdamW"]
+
+from .fp8_zero import FP8ZeroAdamW  # noqa: E402
+
+__all__ += ["FP8ZeroAdamW"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.deepspeed import zero_support
+from hf_lowprec.integrations.deepspeed import zero_support
 from tests.helpers import batches, tiny_gpt2, train_steps
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.deepspeed import STAGES, zero_support
+from hf_lowprec.integrations.deepspeed import STAGES, zero_support
 from tests.deepspeed._launch import launch
 from tests.helpers import tiny_gpt2
 

@@ -15,8 +15,8 @@ stochastic-rounding state live in the partitioned optimizer state as they do in 
 
 Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
 (`zero_stages`, `zero_refusal`); `zero_support`, the check and `support_matrix_markdown` all read
-that one source. `assign_whole_tensors` and `partition_report` are the FP8 ZeRO distribution of
-ALGORITHMS.md §3 (whole tensors, largest first, to the least-loaded rank).
+that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
+`hf_lowprec.partition`.
 
 DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.deepspeed` works
 without it.
@@ -25,32 +25,27 @@ without it.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import heapq
 import json
-import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .registry import available_strategies, get_strategy
+from ..registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from .strategies.base import PrecisionStrategy
+    from ..strategies.base import PrecisionStrategy
 
 __all__ = [
     "STAGES",
-    "PartitionReport",
     "apply_precision_config",
-    "assign_whole_tensors",
+    "attach_zero_optimizer",
     "check_zero_support",
     "configure_accelerator",
     "load_config",
     "move_state_to_partitions",
     "owned_entries",
-    "partition_report",
     "precision_config",
     "require_deepspeed",
     "support_matrix",
@@ -363,86 +358,22 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
     return len(moved)
 
 
-# --- whole-tensor distribution (FP8 ZeRO) ---------------------------------------------------------
-def assign_whole_tensors(sizes: Sequence[int], world_size: int) -> list[int]:
-    """The owning rank of each tensor: largest first, each to the rank with the fewest bytes so far.
+def attach_zero_optimizer(zero_optimizer: Any) -> int:
+    """Call after `deepspeed.initialize`, before the first step (the Trainer and `PrecisionPlugin` do).
 
-    Ties go to the lower rank and, among equal sizes, the earlier tensor goes first, so every
-    rank computes the same assignment from the same list.
+    Moves state made before DeepSpeed partitioned the parameters onto the partitions
+    (`move_state_to_partitions`), then hands DeepSpeed's ZeRO optimizer to a client optimizer
+    that works with it (`attach_zero`): fp8-lm-o3's `FP8ZeroAdamW` reads DeepSpeed's gradient
+    norm and `gradient_clipping` from it, to clip the FP8 weights' gradients with the others,
+    and learns the groups DeepSpeed steps one at a time. Returns the number of parameters
+    whose state moved.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if any(s < 0 for s in sizes):
-        raise ValueError("tensor sizes must be >= 0")
-    owners = [0] * len(sizes)
-    loads = [(0, rank) for rank in range(world_size)]
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, rank = heapq.heappop(loads)
-        owners[index] = rank
-        heapq.heappush(loads, (load + sizes[index], rank))
-    return owners
+    from ..memory import unwrap_optimizer
 
+    moved = move_state_to_partitions(zero_optimizer)
+    client = unwrap_optimizer(getattr(zero_optimizer, "optimizer", None))
+    attach = getattr(client, "attach_zero", None)
+    if callable(attach):
+        attach(zero_optimizer)
+    return moved
 
-@dataclasses.dataclass(frozen=True)
-class PartitionReport:
-    """Bytes and tensors per rank of a whole-tensor distribution, and the greedy bound.
-
-    For largest-first greedy assignment of total T bytes over N ranks with largest tensor s,
-    max(T/N, s) ≤ max bytes per rank ≤ T/N + (1 − 1/N)·s (the rank that ends up heaviest was the
-    least loaded, hence at most T/N before its last tensor).
-    """
-
-    world_size: int
-    owners: tuple[int, ...]
-    bytes_per_rank: tuple[int, ...]
-    tensors_per_rank: tuple[int, ...]
-    lower_bound: float
-    greedy_bound: float
-
-    @property
-    def max_min_ratio(self) -> float:
-        low = min(self.bytes_per_rank)
-        return math.inf if low == 0 else max(self.bytes_per_rank) / low
-
-    def markdown(self) -> str:
-        rows = ["| rank | tensors | bytes |", "|---|---|---|"]
-        rows += [f"| {r} | {t} | {b} |" for r, (t, b) in enumerate(zip(self.tensors_per_rank, self.bytes_per_rank))]
-        rows.append(f"\nmax/min = {self.max_min_ratio:.4f}; bounds {self.lower_bound:.0f} ≤ max ≤ {self.greedy_bound:.0f}")
-        return "\n".join(rows)
-
-
-def _nbytes(item: Any, bytes_per_element: float) -> int:
-    if isinstance(item, torch.Tensor):
-        return int(round(item.numel() * (bytes_per_element or item.element_size())))
-    if isinstance(item, (tuple, list, torch.Size)):
-        return int(round(math.prod(item) * (bytes_per_element or 1)))
-    return int(round(item * (bytes_per_element or 1)))
-
-
-def partition_report(
-    tensors: Iterable[torch.Tensor | Sequence[int] | int], world_size: int, *, bytes_per_element: float = 0.0
-) -> PartitionReport:
-    """The whole-tensor distribution of `tensors` over `world_size` ranks (no processes needed).
-
-    Args:
-        tensors: tensors, shapes or element counts.
-        world_size: number of ranks.
-        bytes_per_element: bytes each element costs its owner (e.g. 5 for an FP8-LM O3 owner: FP16
-            master, FP8 m, FP16 v); 0 takes the tensor's element size (1 for shapes and counts).
-    """
-    sizes = [_nbytes(t, bytes_per_element) for t in tensors]
-    owners = assign_whole_tensors(sizes, world_size)
-    loads = [0] * world_size
-    counts = [0] * world_size
-    for size, rank in zip(sizes, owners):
-        loads[rank] += size
-        counts[rank] += 1
-    total, largest = sum(sizes), max(sizes, default=0)
-    return PartitionReport(
-        world_size=world_size,
-        owners=tuple(owners),
-        bytes_per_rank=tuple(loads),
-        tensors_per_rank=tuple(counts),
-        lower_bound=max(total / world_size, largest),
-        greedy_bound=total / world_size + (1 - 1 / world_size) * largest,
-    )
