@@ -193,7 +193,7 @@ class FP8ZeroAdamW(FP8AdamW):
         if zero is None:
             return None
         dense = getattr(zero, "_global_grad_norm", None)
-        dense = torch.as_tensor(0.0 if dense is None else dense, dtype=torch.float32).to(self.device).reshape(())
+        dense = torch.as_tensor(0.0 if dense is None else dense, dtype=torch.float32, device=self.device).reshape(())
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for i in self.owned:
             pending = self.fp8_grad(self.fp8_params[i])
