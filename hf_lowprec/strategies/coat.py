@@ -78,6 +78,11 @@ class COAT(PrecisionStrategy):
     """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
 
     Options = COATOptions
+    zero_stages = (1, 2, 3)
+    zero_note = (
+        "per-group (128) FP8 moments over each rank's flat partition (FP32, or BF16 + δθ): groups follow "
+        "the partition, so a group may span two parameters' elements"
+    )
 
     @property
     def bf16_master(self) -> bool:

@@ -58,7 +58,8 @@ class FP8LMO3(FP8LM):
 
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         # Across ranks, the FP8 weights another rank owns are held as their E4M3 payload.
-        return (torch.float32, torch.float16, E4M3)
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return super().promised_param_dtypes() + ((E4M3,) if several else ())
 
     def ddp_comm_hook(self) -> None:  # type: ignore[override]
         return None  # FP8ZeroAdamW reduces the FP8 weights' gradients; ZeRO the rest

@@ -59,8 +59,11 @@ def test_partitions_hold_the_strategys_own_dtypes(ranks):
             case, ref = result["cases"][f"{name}/{stage}"], result["references"][name]
             expected = "torch.bfloat16" if name in BF16_WEIGHTS else "torch.float32"
             assert case["partition_dtypes"] == [expected], (name, stage)
-            promised = sorted(str(d) for d in get_strategy(name).promised_param_dtypes())
-            assert case["model_dtypes"] == ref["param_dtypes"] == promised, (name, stage)
+            promised = sorted(str(d) for d in get_strategy(name).promised_param_dtypes())  # one process
+            assert ref["param_dtypes"] == promised, (name, stage)
+            # fp8-lm-o3 across ranks holds the FP8 weights another rank owns as E4M3 (1 byte).
+            across = sorted(promised + (["torch.float8_e4m3fn"] if name == "fp8-lm-o3" else []))
+            assert case["model_dtypes"] == across, (name, stage)
             assert case["state_dtypes"] == ref["state_dtypes"], (name, stage)
             assert case["client_is_ours"], (name, stage)
         # Collage's δθ and δv live in the partitioned optimizer state, in BF16.
@@ -192,8 +195,8 @@ def test_trainer_with_a_deepspeed_config_runs_the_strategy(ranks):
 
 def test_trainer_resumes_fp8_lm_o3_exactly(ranks):
     """fp8-lm-o3 through the Trainer: each rank's masters and FP8 states come back from its own
-    ZeRO checkpoint file. save_model writes rank 0's module: the masters rank 0 owns and the
-    FP8 values of the others (every rank's masters are in the DeepSpeed checkpoint)."""
+    ZeRO checkpoint file. save_model gathers every FP8 weight's master from its owner: the saved
+    model holds, on every rank's check, the masters that rank owns and the trained other weights."""
     for rank, result in enumerate(ranks):
         case = result["cases"]["/".join(map(str, O3_TRAINER_CASE))]
         assert "error" not in case, case["error"]
@@ -201,5 +204,4 @@ def test_trainer_resumes_fp8_lm_o3_exactly(ranks):
         assert case["state_dtypes"]["grad"] == ["torch.float8_e4m3fn"]
         assert case["resumed_digest"] == case["digest"]
         assert case["saved_dtype"] == "torch.float32"
-        if rank == 0:
-            assert case["saved_equal"]
+        assert case["saved_equal"], rank
