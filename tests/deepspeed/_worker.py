@@ -155,8 +155,10 @@ def reference(name: str, data) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     params = [p for p in model.parameters() if p.requires_grad]
+    accum = accumulated_halves(name, data) if name == "coat" else None
     return {
         "losses": losses,
+        "accumulated_halves_losses": accum,
         "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
@@ -164,6 +166,27 @@ def reference(name: str, data) -> dict:
             v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
         ),
     }
+
+
+def accumulated_halves(name: str, data) -> list[float]:
+    """The strategy in one process with each batch as two accumulated halves (one per rank of the
+    ZeRO runs): the data-parallel perturbation of its own numerics (per-half activation scales,
+    the mean of two half-batch gradients), measured without DeepSpeed."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in data:
+        total = 0.0
+        for half in ids.chunk(2):
+            with strategy.forward_context():
+                loss = model(input_ids=half, labels=half).loss
+            strategy.scale_loss(loss / 2).backward()
+            total += loss.item() / 2
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
 
 
 def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:

@@ -164,6 +164,33 @@ def test_fp8_lm_o3_zero2_matches_single_process_o2(ranks):
             assert abs(a - b) <= 4 * data_parallel + 2e-4, (zero, one, gap(result, "fp32"), gap(result, "bf16-mixed"))
 
 
+def test_coat_zero_matches_one_process(ranks):
+    """coat under ZeRO 1, 2, 3 (2 ranks × 2 samples) vs coat in one process (4 samples).
+
+    Step 1 sees identical weights and data: the losses agree to 1e-5 relative. Later steps
+    carry COAT's data-parallel perturbation: each rank quantizes its half batch's activations
+    with its own per-tensor FP8 scales, and the averaged half-batch gradients then cross the
+    E4M3 rounding of the per-group moments at other points (2^-4 relative in m and v, so an
+    Adam update of up to lr per element lands elsewhere). That perturbation is measured on
+    COAT's own numerics in one process, without DeepSpeed: the same batches as two accumulated
+    halves against the full batch (`accumulated_halves_losses`). Under ZeRO the moments' groups
+    of 128 also follow the rank's flat partition instead of each parameter, one more
+    perturbation of the same kind. Bound: 4× that measured gap (as the BF16 family's bound is
+    4× the FP32 strategy's) plus 2e-4. Measured here: one process, halves vs full batch,
+    2.3e-3; ZeRO-2 vs one process 5.4e-3 (bound 9.4e-3); ZeRO-3 within 4e-4 of ZeRO-2.
+    """
+    for result in ranks:
+        ref = result["references"]["coat"]
+        one, halves = ref["losses"], ref["accumulated_halves_losses"]
+        perturbation = max(abs(a - b) for a, b in zip(one, halves))
+        assert perturbation > 0  # the measurement this bound rests on
+        for stage in (1, 2, 3):
+            zero = result["cases"][f"coat/{stage}"]["losses"]
+            assert abs(zero[0] - one[0]) <= 1e-5 * abs(one[0]), stage
+            for a, b in zip(zero[1:], one[1:]):
+                assert abs(a - b) <= 4 * perturbation + 2e-4, (stage, zero, one, halves)
+
+
 def test_model_state_bytes_are_split_across_ranks(ranks):
     for name in ("bf16-mixed", "collage-plus"):
         ref = ranks[0]["references"][name]
