@@ -462,6 +462,15 @@ class FP8Linear(nn.Module):
         self.master_scale = scale
         set_master_scale(self.weight, scale)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Linear:
+        # `.to()` / `.cuda()` replace the buffer `master_scale` with a new tensor: relink it to the
+        # weight now, so that an optimizer reading `get_master_scale` before the next forward
+        # (FP8 ZeRO's weight exchange right after DeepSpeed moved the model) sees the live one.
+        out = super()._apply(fn, recurse)
+        if self.master_scale is not None:
+            set_master_scale(self.weight, self.master_scale)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.master_scale
         if scale is not None and get_master_scale(self.weight) is not scale:

@@ -279,3 +279,11 @@ def test_fp8_stored_weight_state_dict_round_trip():
     other.load_state_dict(master.state_dict())
     w8, sw = master._fp8_weight()
     assert torch.equal(other.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(other.master_scale, sw)
+
+
+def test_moving_the_layer_keeps_the_master_scale_linked():
+    from hf_lowprec.fp8.scaled import get_master_scale
+
+    layer, _ = _fp8_stored_pair(False)
+    layer.to("meta")  # a device move replaces the buffer (as .cuda() does)
+    assert layer.master_scale.device.type == "meta" and get_master_scale(layer.weight) is layer.master_scale
