@@ -47,9 +47,9 @@ __all__ = ["FP8ZeroAdamW"]
 _CLIP_EPS = 1e-6
 
 
-def _world() -> tuple[int, int]:
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
@@ -61,15 +61,25 @@ class FP8ZeroAdamW(FP8AdamW):
         param_groups: groups of the parameters that are not FP8 GEMM weights (FP32 states).
         fp8_weights: per group, its FP8 GEMM weights (scaled FP16 masters); they follow the
             group's lr and weight_decay, so LR schedulers drive them too.
+        process_group: the data-parallel ranks the FP8 weights are distributed over (default:
+            the world; under DeepSpeed, its data-parallel group).
         margin, exp_avg_sq_format, **hyper: as in FP8AdamW.
 
     The owned weights' states sit in `self.state` next to the groups' (same keys and dtypes as
     O2); `state_dict` saves them, with the owned masters, under "fp8_zero".
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], fp8_weights: list[list[torch.Tensor]], **kwargs: Any):
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        fp8_weights: list[list[torch.Tensor]],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(param_groups, **kwargs)
-        self.rank, self.world = _world()
+        self.process_group = process_group
+        self.rank, self.world = _world(process_group)
         self.fp8_params = [p for weights in fp8_weights for p in weights]
         self.fp8_sources = [group for weights, group in zip(fp8_weights, self.param_groups) for _ in weights]
         self.owners = assign_whole_tensors([p.numel() for p in self.fp8_params], self.world)
@@ -113,6 +123,12 @@ class FP8ZeroAdamW(FP8AdamW):
         optimizer (its gradient norm and `clip_grad`), and stores the weights other ranks own
         as FP8 from now on (after `deepspeed.initialize`, whose broadcast of the model needs
         every rank's parameters in one dtype)."""
+        dp_group = getattr(zero_optimizer, "dp_process_group", None)
+        if dp_group is not None and dist.get_world_size(dp_group) != self.world:
+            raise ValueError(
+                f"DeepSpeed's data-parallel group has {dist.get_world_size(dp_group)} ranks, but the FP8 weights "
+                f"were distributed over {self.world}; build the strategy's optimizer with process_group= that group"
+            )
         self.zero_optimizer = zero_optimizer
         self._all_groups = list(self.param_groups)
         self.store_non_owned_as_fp8()
@@ -169,7 +185,8 @@ class FP8ZeroAdamW(FP8AdamW):
             numels = [g.numel() for g in grads]
             flat = torch.cat([g.float().reshape(-1) for g in grads])
             del grads
-            result = fp8_allreduce(flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin)
+            result = fp8_allreduce(flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin,
+                                   group=self.process_group)  # fmt: skip
             scaler.record(result.stats.overflow, result.stats.numel)
             payloads = result.payload.split(numels)
             for i in self.owned:
@@ -201,7 +218,7 @@ class FP8ZeroAdamW(FP8AdamW):
                 payload, scale = pending
                 squares += (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square()
         if self.world > 1:
-            dist.all_reduce(squares)
+            dist.all_reduce(squares, group=self.process_group)
         total = (dense.square() + squares).sqrt()
         zero._global_grad_norm = total
         max_norm = float(getattr(zero, "clip_grad", 0.0) or 0.0)
@@ -279,7 +296,7 @@ class FP8ZeroAdamW(FP8AdamW):
         """Each owner sends its FP8 weights (as bytes) and their scales; the others store them."""
         mine = [(i, *self.fp8_weight(i)) for i in self.owned]
         payloads, scales = all_gather_owned_fp8(
-            mine, [p.numel() for p in self.fp8_params], self.owners, device=self.device
+            mine, [p.numel() for p in self.fp8_params], self.owners, device=self.device, group=self.process_group
         )
         for i, owner in enumerate(self.owners):
             if owner != self.rank:
@@ -301,8 +318,9 @@ class FP8ZeroAdamW(FP8AdamW):
                 scale = torch.empty((), dtype=torch.float32, device=p.device)
             if self.world > 1:
                 payload = payload.contiguous()
-                dist.broadcast(payload, src=owner)
-                dist.broadcast(scale, src=owner)
+                src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
+                dist.broadcast(payload, src=src, group=self.process_group)
+                dist.broadcast(scale, src=src, group=self.process_group)
             out[i] = dequantize(payload, scale, torch.float32)
         return out
 

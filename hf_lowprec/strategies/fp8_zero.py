@@ -44,6 +44,9 @@ class FP8LMO3(FP8LM):
         "scales; use ZeRO stage 1 or 2"
     )
     zero_note = "FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions"
+    # The ranks the FP8 weights are distributed over (None: the world); set it before building
+    # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).
+    process_group: dist.ProcessGroup | None = None
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         # The groups (what DeepSpeed partitions) keep the parameters that are not FP8 GEMM
@@ -53,12 +56,12 @@ class FP8LMO3(FP8LM):
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
         return FP8ZeroAdamW(
             groups, fp8, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
-            fused=self.options.fused,
+            fused=self.options.fused, process_group=self.process_group,
         )  # fmt: skip
 
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         # Across ranks, the FP8 weights another rank owns are held as their E4M3 payload.
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
         return super().promised_param_dtypes() + ((E4M3,) if several else ())
 
     def ddp_comm_hook(self) -> None:  # type: ignore[override]
@@ -76,7 +79,7 @@ class FP8LMO3(FP8LM):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())), device=optimizer.device)
         if optimizer.world > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=optimizer.process_group)  # every rank skips together
         optimizer._step_ok = bool(ok)
         if not optimizer._step_ok:
             optimizer.clear_fp8_grads()

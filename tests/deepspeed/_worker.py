@@ -34,6 +34,7 @@ from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
+SOLO: list = []  # one single-rank process group per rank, for the one-process references
 MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
 LR = 1e-3
 BASE_CONFIG = {
@@ -143,6 +144,8 @@ def digest(engine) -> str:
 def reference(name: str, data) -> dict:
     """The strategy in one process (no DeepSpeed) on the whole batches: dtypes and losses."""
     strategy = get_strategy(name)
+    if name == "fp8-lm-o3":  # one process: its own rank is its whole data-parallel group
+        strategy.process_group = SOLO[dist.get_rank()]
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
     initial = state_l1(optimizer)
@@ -290,6 +293,7 @@ def main() -> None:
     out = Path(args.out)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    SOLO.extend(dist.new_group([r]) for r in range(world))  # collective: every rank makes every group
     data = batches(4, batch=MICRO * world)
     results: dict = {"world_size": world, "cases": {}, "references": {}}
     path = out / f"rank{rank}.json"
