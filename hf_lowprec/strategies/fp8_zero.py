@@ -75,6 +75,8 @@ class FP8LMO3(FP8LM):
         if not optimizer.begins_step():  # a later group of the same DeepSpeed step
             if optimizer._step_ok:
                 optimizer.clip_dense_groups()
+            else:
+                self.skipped_steps -= 1  # counted once, on the step's first call
             return optimizer._step_ok
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())), device=optimizer.device)
