@@ -53,6 +53,13 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return 0, 1
 
 
+def _first_param(group: dict[str, Any]) -> Any:
+    # A group is recognised by its first parameter (DeepSpeed's flat partition): the tensors
+    # stay when `load_state_dict` replaces the group dicts.
+    params = group["params"]
+    return params[0] if params else group
+
+
 class FP8ZeroAdamW(FP8AdamW):
     """The O3 client optimizer: FP8AdamW on the non-FP8 parameters (its groups, which DeepSpeed
     may partition) plus the FP8 ZeRO part for the FP8 GEMM weights, distributed whole.
@@ -81,7 +88,9 @@ class FP8ZeroAdamW(FP8AdamW):
         self.process_group = process_group
         self.rank, self.world = _world(process_group)
         self.fp8_params = [p for weights in fp8_weights for p in weights]
-        self.fp8_sources = [group for weights, group in zip(fp8_weights, self.param_groups) for _ in weights]
+        # Each FP8 weight follows the group it came with, by index: `load_state_dict` (DeepSpeed's
+        # resume) replaces the group dicts, and an LR scheduler writes into the current ones.
+        self._fp8_group = [index for index, weights in enumerate(fp8_weights) for _ in weights]
         self.owners = assign_whole_tensors([p.numel() for p in self.fp8_params], self.world)
         self.owned = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self._margin = kwargs.get("margin", 0)
@@ -137,7 +146,19 @@ class FP8ZeroAdamW(FP8AdamW):
         """True on the call of `step()` that starts an optimizer step: always, except on the
         calls DeepSpeed makes for its second and later groups."""
         groups = self._all_groups
-        return groups is None or not groups or not self.param_groups or self.param_groups[0] is groups[0]
+        if groups is None or not groups or not self.param_groups:
+            return True
+        return _first_param(self.param_groups[0]) is _first_param(groups[0])
+
+    def _full_groups(self) -> list[dict[str, Any]]:
+        """Every group, also during DeepSpeed's one-group calls."""
+        return self._all_groups if self._all_groups is not None else self.param_groups
+
+    @property
+    def fp8_sources(self) -> list[dict[str, Any]]:
+        """The group (lr, betas, weight_decay) each FP8 weight follows."""
+        groups = self._full_groups()
+        return [groups[index] for index in self._fp8_group]
 
     def _check_attached(self) -> None:
         if self.world > 1 and self.zero_optimizer is None:
@@ -246,8 +267,9 @@ class FP8ZeroAdamW(FP8AdamW):
         """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
         self._check_attached()
         if self.begins_step():
+            sources = self.fp8_sources
             for i in self.owned:
-                p, group = self.fp8_params[i], self.fp8_sources[i]
+                p, group = self.fp8_params[i], sources[i]
                 state = self.state[p]
                 if "grad" not in state or id(p) not in self._pending_grads:
                     continue
@@ -349,7 +371,9 @@ class FP8ZeroAdamW(FP8AdamW):
                 f"this FP8 ZeRO state was saved with tensor owners {ours['owners']}, this run assigns "
                 f"{self.owners}; resume with the same number of ranks"
             )
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # new group dicts: the full list is this one now
+        if self._all_groups is not None:
+            self._all_groups = list(self.param_groups)
         for i, (payload, scale) in ours["masters"].items():
             self.fp8_params[int(i)].copy_(payload)
             get_master_scale(self.fp8_params[int(i)]).copy_(scale)

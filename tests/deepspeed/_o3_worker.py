@@ -144,7 +144,13 @@ def client_grads(inner, record: list) -> None:
     """Pre-hook of the client optimizer: the gradients it is about to update with, per call
     (DeepSpeed calls it once per group; the FP8 gradients are taken on the first call)."""
 
+    seen = set()
+
     def hook(opt, *_):
+        key = id(opt.param_groups[0]["params"][0])  # once per call (a nested hooked super().step())
+        if key in seen:
+            return
+        seen.add(key)
         dense = [p.grad.detach().double().reshape(-1).clone() for g in opt.param_groups for p in g["params"]
                  if p.grad is not None]  # fmt: skip
         fp8 = {}

@@ -97,7 +97,15 @@ def captured_step(clip: float, data):
     inner = optimizer.optimizer
     calls = []
 
+    seen = set()
+
     def hook(opt, *_):
+        # Once per client call (DeepSpeed's group): a nested super().step() of a hooked
+        # FP8AdamW.step runs the instance's hooks again.
+        key = id(opt.param_groups[0]["params"][0])
+        if key in seen:
+            return
+        seen.add(key)
         dense = [p.grad.double().reshape(-1).clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
         fp8 = [dequantize(*opt.fp8_grad(p), torch.float64).reshape(-1) for p in opt.fp8_params if opt.fp8_grad(p)]
         calls.append(dense + fp8)
@@ -142,3 +150,25 @@ def test_a_skipped_step_is_skipped_by_every_group_and_counted_once():
     assert strategy.skipped_steps == 1 and optimizer.step_was_skipped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not inner.fp8_grads()  # nothing left to leak into the next step
+
+
+def test_after_load_state_dict_the_fp8_part_still_runs_once_per_step():
+    # DeepSpeed's resume replaces the group dicts (torch's load_state_dict): the FP8 part must
+    # still recognise the first group's call and follow the new groups' learning rates.
+    strategy, model, optimizer, zero = two_group_o3(0.0)
+    data = batches(2)
+    for ids in data[:1]:
+        with strategy.forward_context():
+            model(input_ids=ids, labels=ids).loss.backward()
+        deepspeed_like_step(optimizer, zero)
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.load_state_dict(optimizer.state_dict())
+    inner = optimizer.optimizer
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # a scheduler writing into the new dicts: the FP8 weights follow
+    before = [p.detach().clone() for p in inner.fp8_params]
+    with strategy.forward_context():
+        model(input_ids=data[1], labels=data[1]).loss.backward()
+    deepspeed_like_step(optimizer, zero)
+    assert all(inner.state[inner.fp8_params[i]]["step"] == 2 for i in inner.owned)
+    assert all(torch.equal(a, b) for a, b in zip(before, inner.fp8_params))  # lr 0 (weight decay × lr = 0)
