@@ -105,7 +105,7 @@ class FP8ZeroAdamW(FP8AdamW):
         # Set by `attach_zero`: DeepSpeed's ZeRO optimizer and the full list of groups.
         self.zero_optimizer: Any = None
         self._all_groups: list[dict[str, Any]] | None = None
-        self._step_ok = True
+        self.step_ok = True  # this step's finite decision, taken on its first call, kept for the other groups
         self._dense_factor = 1.0
 
     @property
@@ -160,7 +160,8 @@ class FP8ZeroAdamW(FP8AdamW):
         groups = self._full_groups()
         return [groups[index] for index in self._fp8_group]
 
-    def _check_attached(self) -> None:
+    def check_attached(self) -> None:
+        """Across ranks the FP8 part needs DeepSpeed's ZeRO optimizer (`attach_zero`): raise, naming the call."""
         if self.world > 1 and self.zero_optimizer is None:
             raise RuntimeError(
                 "fp8-lm-o3 across processes runs under DeepSpeed ZeRO stage 1 or 2: call "
@@ -265,7 +266,7 @@ class FP8ZeroAdamW(FP8AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
-        self._check_attached()
+        self.check_attached()
         if self.begins_step():
             sources = self.fp8_sources
             for i in self.owned:

@@ -71,19 +71,19 @@ class FP8LMO3(FP8LM):
         """Once per step (DeepSpeed calls the optimizer once per group): one finite decision on
         every rank, the FP8 all-reduce and the global clipping coefficient; on every call the
         current groups' gradients are brought to that clipping."""
-        optimizer._check_attached()
+        optimizer.check_attached()
         if not optimizer.begins_step():  # a later group of the same DeepSpeed step
-            if optimizer._step_ok:
+            if optimizer.step_ok:
                 optimizer.clip_dense_groups()
             else:
                 self.skipped_steps -= 1  # counted once, on the step's first call
-            return optimizer._step_ok
+            return optimizer.step_ok
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())), device=optimizer.device)
         if optimizer.world > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=optimizer.process_group)  # every rank skips together
-        optimizer._step_ok = bool(ok)
-        if not optimizer._step_ok:
+        optimizer.step_ok = bool(ok)
+        if not optimizer.step_ok:
             optimizer.clear_fp8_grads()
             return False
         optimizer.reduce_fp8_gradients(self.scaler, self.grad_dtype)
@@ -93,7 +93,9 @@ class FP8LMO3(FP8LM):
         return True
 
     # --- export ---------------------------------------------------------------------------
-    def full_precision_state_dict(self, model: torch.nn.Module, optimizer: Any | None = None) -> dict[str, torch.Tensor]:
+    def full_precision_state_dict(
+        self, model: torch.nn.Module, optimizer: Any | None = None
+    ) -> dict[str, torch.Tensor]:
         """FP32 weights with every FP8 weight's master from its owner (a collective across ranks:
         every rank calls it; see `FP8ZeroAdamW.gather_masters`)."""
         out = super().full_precision_state_dict(model, optimizer)

@@ -116,8 +116,10 @@ def run_train(out: Path, data) -> dict:
     full = strategy.full_precision_state_dict(model, inner)
     # What the export held before it gathered: rank 0's module, i.e. the FP8 values of the
     # weights rank 0 does not own. Each owner measures that error on its own weights.
-    fp8_values = {names[id(inner.fp8_params[i])]: (widen(inner.fp8_weight(i)[0], torch.float32) / inner.fp8_weight(i)[1]).cpu()
-                  for i in inner.owned}  # fmt: skip
+    fp8_values = {}
+    for i in inner.owned:
+        payload, scale = inner.fp8_weight(i)
+        fp8_values[names[id(inner.fp8_params[i])]] = (widen(payload, torch.float32) / scale).cpu()
     save = out / "export"
     if rank == 0:
         model.save_pretrained(str(save), state_dict=exported, safe_serialization=True)

@@ -106,7 +106,8 @@ def captured_step(clip: float, data):
         if key in seen:
             return
         seen.add(key)
-        dense = [p.grad.double().reshape(-1).clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        dense = [p.grad.double().reshape(-1).clone()
+                 for g in opt.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
         fp8 = [dequantize(*opt.fp8_grad(p), torch.float64).reshape(-1) for p in opt.fp8_params if opt.fp8_grad(p)]
         calls.append(dense + fp8)
 
