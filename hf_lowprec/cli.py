@@ -101,7 +101,7 @@ def _zero_refusal(name: str, stage: int) -> str | None:
     if stage == 0:
         return None
     try:
-        from . import deepspeed as ds
+        from .integrations import deepspeed as ds
     except ImportError:
         return None
     check = getattr(ds, "zero_support", None)
@@ -141,7 +141,7 @@ def readme_blocks() -> dict[str, str]:
         lines.append(f"| `{r['name']}` | {r['summary']} | {planned[r['name']]:.2f} | {r['needs'] or '—'} |")
     blocks = {"strategies": "\n".join(lines)}
     try:
-        from . import deepspeed as ds
+        from .integrations import deepspeed as ds
 
         table = getattr(ds, "support_matrix_markdown", None)
         if table is not None:

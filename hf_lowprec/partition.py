@@ -1,8 +1,9 @@
-"""Whole-tensor distribution over ranks: which rank owns each tensor (FP8-LM O3's ZeRO stage).
+"""Whole-tensor distribution over ranks: the FP8 ZeRO assignment of ALGORITHMS.md §3.
 
-Largest first, each tensor to the rank with the fewest bytes so far: a plain utility of sizes,
-with no process group, so the optimizer that distributes its FP8 weights and the memory
-planners compute the same assignment from the same list.
+Each tensor goes whole to one rank: largest first, to the rank with the fewest bytes so far
+(greedy list scheduling). Pure arithmetic on sizes: no process group is needed, so memory
+plans (`partition_report`) run anywhere, and every rank of a job computes the same owners
+from the same list.
 """
 
 from __future__ import annotations

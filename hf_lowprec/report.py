@@ -247,7 +247,7 @@ def describe(
             }
         else:  # DeepSpeed: the optimizer steps flat partitions, whose bytes are per rank
             report["memory"] = {"note": "the optimizer steps DeepSpeed's partitions; per-rank bytes: "
-                                        "hf_lowprec.deepspeed.partition_report"}
+                                        "hf_lowprec.partition.partition_report"}
         keeps_grad = "gradient" in roles.values()
     else:
         keeps_grad = False

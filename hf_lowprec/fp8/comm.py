@@ -21,6 +21,10 @@ to FP8 once, and `all_gather` returns the FP8 sums. FP8 is all that crosses the 
 2(N−1)/N bytes per element per rank as in a ring all-reduce, plus per-tensor scalars (the
 MIN of the scales and one all-reduce of two counters).
 
+`all_gather_owned_fp8` is the other FP8 collective of FP8 ZeRO (fp8-lm-o3): each rank owns
+whole tensors; after the step every owner sends its FP8 weights (1 byte per element, as
+uint8: gloo has no FP8) and their per-tensor scales, and every rank receives all of them.
+
 The two classic baselines (eqs. 1–2) are the same pipeline with μ fixed: pre-scaling
 divides by N before the sum (μ = 1/N: small values underflow), post-scaling after it
 (μ = 1: large sums overflow). `fp8_allreduce_hook` is a standard DDP communication hook:
@@ -44,6 +48,7 @@ __all__ = [
     "AllReduceStats",
     "FP8AllReduceResult",
     "FP8CommState",
+    "all_gather_owned_fp8",
     "fp8_allreduce",
     "fp8_allreduce_hook",
     "postscale_allreduce",
@@ -263,3 +268,58 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def all_gather_owned_fp8(
+    owned: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    numels: Sequence[int],
+    owners: Sequence[int],
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every rank's whole FP8 tensors to every rank: 1 byte per element on the wire.
+
+    Tensor i (of `numels[i]` elements) is owned by rank `owners[i]`; rank r packs its tensors
+    in index order into one uint8 buffer, padded to the largest rank's total, and one
+    `all_gather_into_tensor` moves the buffers. The scales travel as one FP32 vector summed
+    over ranks (each entry is nonzero on its owner only, so the sum is exact).
+
+    Args:
+        owned: (index, FP8 payload, FP32 scalar scale) of each tensor this rank owns.
+        numels: element count of every tensor.
+        owners: owning rank of every tensor (the same list on every rank).
+        device: the device of the payloads, where every buffer of the collective lives
+            (NCCL takes CUDA tensors only, gloo CPU ones).
+        dtype: the FP8 format of the payloads.
+        group: process group (default: the world).
+
+    Returns:
+        (payloads, scales): flat FP8 views into one receive buffer, one per tensor, and the
+        FP32 scales (real = payload / scale).
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    per_rank = [0] * world
+    for numel, owner in zip(numels, owners):
+        per_rank[owner] += int(numel)
+    size = max(per_rank, default=0)
+    send = torch.zeros(size, dtype=torch.uint8, device=device)
+    scales = torch.zeros(len(numels), dtype=torch.float32, device=device)
+    offset = 0
+    for index, payload, scale in sorted(owned, key=lambda item: item[0]):
+        if owners[index] != rank:
+            raise ValueError(f"tensor {index} is owned by rank {owners[index]}, not by this rank {rank}")
+        send[offset:offset + payload.numel()] = payload.reshape(-1).view(torch.uint8)
+        offset += payload.numel()
+        scales[index] = scale
+    received = torch.empty(size * world, dtype=torch.uint8, device=device)
+    _all_gather_bytes(received, send, group)
+    dist.all_reduce(scales, group=group)
+    payloads, offsets = [], [0] * world
+    for numel, owner in zip(numels, owners):
+        start = owner * size + offsets[owner]
+        offsets[owner] += int(numel)
+        payloads.append(received[start:start + int(numel)].view(dtype))
+    return payloads, scales

@@ -43,6 +43,15 @@ payload = real·s_m with an FP32 scale s_m in the buffer `master_scale`; the lay
 it when quantizing, and `p.grad` is the gradient with respect to the *real* weight (what
 `FP8AdamW` and gradient clipping expect). The module's state dict holds real values in
 FP32, so checkpoints and `save_pretrained` stay ordinary.
+
+FP8-stored weights (fp8-lm-o3, a rank that does not own the weight's master): the parameter
+holds the E4M3 payload itself (1 byte per element) and `master_scale` its FP8 scale, so
+real = payload / scale as for a scaled master; the layer uses them as its FP8 weight without
+quantizing again. No gradient can be held in 1 byte, so the weight's gradient goes to a
+*gradient sink* (`set_grad_sink`): a callable the backward hands the BF16 weight gradient to,
+instead of accumulating it into `p.grad`. A sink may be set on any weight (the FP8 ZeRO
+optimizer sets one on every weight another rank owns); an FP8-stored weight without one
+gets no gradient.
 """
 
 from __future__ import annotations
@@ -61,7 +70,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .cast import scale_to_fp8, widen
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
-__all__ = ["FP8Linear", "GemmPath", "convert_to_fp8", "fp8_gemm_path", "fp8_linear", "set_fp8_gemm_path"]
+__all__ = [
+    "FP8Linear",
+    "GemmPath",
+    "GradSink",
+    "convert_to_fp8",
+    "fp8_gemm_path",
+    "fp8_linear",
+    "get_grad_sink",
+    "set_fp8_gemm_path",
+    "set_grad_sink",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +95,8 @@ _FP8_TENSOR_CORE_CAPABILITY = (8, 9)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 GemmPath = Literal["scaled_mm", "upcast"]
+GradSink = Callable[[torch.Tensor], None]
+_GRAD_SINK_ATTR = "_hf_lowprec_grad_sink"
 
 # Output dtypes torch._scaled_mm offers, hence the activation dtypes the layer accepts.
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,6 +123,24 @@ def _quantize_per_tensor(
         # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
         factor = factor / master_scale
     return scale_to_fp8(x.detach(), factor, dtype), scale
+
+
+def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
+    """Send the weight gradient of `param` to `sink(grad)` instead of `param.grad` (None: undo).
+
+    `grad` is the gradient with respect to the real weight, in BF16 (the FP8 GEMM's output),
+    once per backward; the sink owns accumulation across micro-batches.
+    """
+    if sink is None:
+        if hasattr(param, _GRAD_SINK_ATTR):
+            delattr(param, _GRAD_SINK_ATTR)
+        return
+    setattr(param, _GRAD_SINK_ATTR, sink)
+
+
+def get_grad_sink(param: torch.Tensor) -> GradSink | None:
+    """The gradient sink set on `param` by `set_grad_sink`, or None."""
+    return getattr(param, _GRAD_SINK_ATTR, None)
 
 
 def _pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -255,6 +294,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         transposed: bool,
         margin: int,
         out_dtype: torch.dtype,
+        grad_sink: GradSink | None = None,
     ) -> torch.Tensor:
         gemm = _gemm_for(x.device)
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
@@ -271,6 +311,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.weight_dtype = weight.dtype
+        ctx.grad_sink = grad_sink
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -286,17 +327,24 @@ class _FP8LinearFunction(torch.autograd.Function):
             # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
             w_op = gemm.operand(w8.t() if ctx.transposed else w8)
             grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        sink = ctx.grad_sink
+        if ctx.needs_input_grad[1] or sink is not None:
             x_op = gemm.operand(x8)
             if ctx.transposed:  # dW (K×N) = xᵀ·dy
                 grad_w = gemm.mm(x_op.t(), sx, g_op, sg)
             else:  # dW (N×K) = dyᵀ·x
                 grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
-            grad_w = grad_w.to(ctx.weight_dtype)
+            if sink is not None:
+                sink(grad_w)
+                grad_w = None
+            elif ctx.weight_dtype in (E4M3, E5M2):
+                grad_w = None  # an FP8-stored weight's gradient exists only through a sink
+            else:
+                grad_w = grad_w.to(ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
@@ -417,6 +465,15 @@ class FP8Linear(nn.Module):
         self.master_scale = scale
         set_master_scale(self.weight, scale)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Linear:
+        # `.to()` / `.cuda()` replace the buffer `master_scale` with a new tensor: relink it to the
+        # weight now, so that an optimizer reading `get_master_scale` before the next forward
+        # (FP8 ZeRO's weight exchange right after DeepSpeed moved the model) sees the live one.
+        out = super()._apply(fn, recurse)
+        if self.master_scale is not None:
+            set_master_scale(self.weight, self.master_scale)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.master_scale
         if scale is not None and get_master_scale(self.weight) is not scale:
@@ -424,12 +481,17 @@ class FP8Linear(nn.Module):
         _check_input_dtype(x)
         w8, sw = self._fp8_weight()
         return _FP8LinearFunction.apply(
-            x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin, _output_dtype(x)
-        )
+            x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin, _output_dtype(x),
+            get_grad_sink(self.weight),
+        )  # fmt: skip
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""
         weight, scale = self.weight, self.master_scale
+        if weight.dtype == E4M3:  # an FP8-stored weight is its own FP8 weight (module docstring)
+            if scale is None:
+                raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
+            return weight.detach(), scale
         key = (
             _step_generation, weight.data_ptr(), weight._version, weight.dtype, weight.device, self.margin,
             None if scale is None else (scale.data_ptr(), scale._version),
@@ -445,6 +507,8 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         layout = ", conv1d_layout" if self.weight_transposed else ""
         master = ", scaled_fp16_master" if self.master_scale is not None else ""
+        if self.weight.dtype == E4M3:
+            master = ", fp8_storage"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, margin={self.margin}{layout}{master}"
@@ -462,8 +526,10 @@ def _import_real_weight(module: FP8Linear, state_dict: dict[str, Any], prefix: s
     if module.master_scale is None or key not in state_dict:
         return
     real = state_dict[key]
-    scale = pow2_scale(tensor_amax(real), torch.float16, module.master_margin).to(module.master_scale.device)
-    state_dict[key] = quantize(real, scale, torch.float16)
+    # An FP8-stored weight takes the values as its forward would quantize them, a master as FP16.
+    dtype, margin = (E4M3, module.margin) if module.weight.dtype == E4M3 else (torch.float16, module.master_margin)
+    scale = pow2_scale(tensor_amax(real), dtype, margin).to(module.master_scale.device)
+    state_dict[key] = quantize(real, scale, dtype)
     module.master_scale.copy_(scale)
 
 

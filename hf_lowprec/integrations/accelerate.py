@@ -95,7 +95,7 @@ class PrecisionPlugin:
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
                 _rebind_scheduler(obj, replaced[id(old)])
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
-            from ..deepspeed import configure_accelerator
+            from .deepspeed import configure_accelerator
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
         fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
@@ -118,10 +118,10 @@ class PrecisionPlugin:
                     move_state_to_shards(inner, before[id(inner)])
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
-            from ..deepspeed import move_state_to_partitions
+            from .deepspeed import attach_zero_optimizer
 
             for obj in prepared if isinstance(prepared, tuple) else (prepared,):
-                move_state_to_partitions(getattr(obj, "optimizer", None))  # the engine's ZeRO optimizer
+                attach_zero_optimizer(getattr(obj, "optimizer", None))  # the engine's ZeRO optimizer
         return prepared
 
     def _report(self, accelerator: Any, objects: list[Any]) -> None:

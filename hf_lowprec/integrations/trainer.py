@@ -74,7 +74,7 @@ class PrecisionArgumentsMixin:
             strategy = self.build_precision_strategy()  # validates the name and options before any work
             _reconcile_mixed_precision_flags(self, strategy)
             if getattr(self, "deepspeed", None):
-                from ..deepspeed import precision_config, require_deepspeed
+                from .deepspeed import precision_config, require_deepspeed
 
                 require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
@@ -148,11 +148,11 @@ class PrecisionCallback(TrainerCallback):
                 wrapped.register_comm_hook(*hook)
                 wrapped._hf_lowprec_hooked = True
         if getattr(self.trainer, "is_deepspeed_enabled", False):
-            from ..deepspeed import move_state_to_partitions
+            from .deepspeed import attach_zero_optimizer
 
             # DeepSpeed swapped the optimizer's parameters for its partitions after the strategy
             # built it: state started at construction (seeded compensations) moves with them.
-            move_state_to_partitions(getattr(wrapped, "optimizer", None))
+            attach_zero_optimizer(getattr(wrapped, "optimizer", None))
         if self.trainer is not None and not getattr(self.trainer, "_hf_lowprec_reported", False):
             self.trainer._hf_lowprec_reported = True
             self._report(args, state, ddp)
@@ -243,7 +243,7 @@ class PrecisionTrainerMixin:
         if getattr(self, "is_fsdp_enabled", False):  # e.g. `accelerate launch` with an FSDP config
             raise ValueError(_trainer_fsdp_refusal(self.precision.name))
         if getattr(self, "is_deepspeed_enabled", False):
-            from ..deepspeed import configure_accelerator
+            from .deepspeed import configure_accelerator
 
             configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
         self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision, self))
@@ -293,6 +293,10 @@ class PrecisionTrainerMixin:
         full = self.precision is not None and self.precision.options.save_full_precision
         if full and state_dict is None:
             state_dict = self.precision.full_precision_state_dict(self.model, self.optimizer)
+        elif self.precision is not None and (getattr(self, "is_deepspeed_enabled", False) or self.args.world_size == 1):
+            # Under DeepSpeed every rank saves (a collective export is safe); elsewhere only
+            # one process does, so only a one-process run may gather.
+            state_dict = self.precision.exported_state_dict(self.model, self.optimizer, state_dict)
         super()._save(output_dir, state_dict=state_dict)
         if full and self.args.should_save and isinstance(self.model, transformers.PreTrainedModel):
             # save_pretrained records the parameters' dtype (BF16); the weights written are FP32.

@@ -19,6 +19,7 @@ from .families import (
     StochasticRoundingAdamW,
 )
 from .fp8_adamw import FP8AdamW
+from .fp8_zero import FP8ZeroAdamW
 
 __all__ = [
     "AdamW",
@@ -29,6 +30,7 @@ __all__ = [
     "FP32StatesAdamW",
     "FP32StatesSRAdamW",
     "FP8AdamW",
+    "FP8ZeroAdamW",
     "KahanAdamW",
     "LowPrecisionOptimizer",
     "MasterWeightAdamW",

@@ -281,6 +281,11 @@ class AdamW(LowPrecisionOptimizer):
                 return group
         raise ValueError(f"{type(self).__name__}: the parameter is not one this optimizer updates")
 
+    def _options_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """`param`'s group, or the defaults for a tensor kept outside the groups (FP8ZeroAdamW's
+        FP8 weights): what `composition` reads."""
+        return next((g for g in self.param_groups if any(p is param for p in g["params"])), self.defaults)
+
     def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
         """The state `param` gets at its first step (zeros; a master copies the parameter)."""
         group = self.group_of(param) if group is None else group
@@ -312,7 +317,7 @@ class AdamW(LowPrecisionOptimizer):
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
         """The value this optimizer holds for `param` (θ + δθ, the master), FP64."""
         state = self.state[param] if param in self.state else {}
-        rule = self.composition(param, self.group_of(param)).rule
+        rule = self.composition(param, self._options_of(param)).rule
         if not isinstance(param, DTensor):
             return rule.held_value(param, state)
         local_state = {key: _local(value) for key, value in state.items()}
@@ -326,7 +331,7 @@ class AdamW(LowPrecisionOptimizer):
         checkpoint into a BF16 model restores θ bit for bit.
         """
         value = super().full_precision_value(param)
-        rule = self.composition(param, self.group_of(param)).rule
+        rule = self.composition(param, self._options_of(param)).rule
         if rule.compensation_key is None or param.dtype == value.dtype:
             return value
         value, theta = _local(value), _local(param).detach()  # element-wise: per shard under FSDP2

@@ -110,7 +110,7 @@ class PrecisionStrategy:
         skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
         uses_fp8_gemm: linear layers compute in FP8 (the startup check requires an FP8 layer).
         zero_stages: DeepSpeed ZeRO stages under which the strategy keeps its numerics (tested
-            by tests/deepspeed); `hf_lowprec.deepspeed` refuses the others before training.
+            by tests/deepspeed); `hf_lowprec.integrations.deepspeed` refuses the others before training.
         zero_refusal: why the other stages are refused, naming what works instead.
         zero_note: one line for the README support matrix: what the ZeRO partitions hold.
         fsdp2: the strategy trains under FSDP2 (`shard`, tested by tests/distributed);
@@ -336,6 +336,15 @@ class PrecisionStrategy:
         if sharded and torch.distributed.get_rank() != 0:
             return {}
         return out
+
+    def exported_state_dict(
+        self, model: torch.nn.Module, optimizer: Any | None, state_dict: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """The weights to write when the model is saved (`save_pretrained`, the Trainer's
+        `save_model`): `state_dict` (None: the model's own) unless the strategy holds some
+        weights elsewhere. fp8-lm-o3 gathers each FP8 weight's master from its owner here, a
+        collective: every rank calls it."""
+        return state_dict
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue bit-for-bit (counters, scales)."""

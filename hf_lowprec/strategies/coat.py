@@ -81,7 +81,12 @@ class COAT(PrecisionStrategy):
     fsdp2_refusal = (
         "its FP8 weight scales and per-group FP8 optimizer states are computed on whole tensors; on "
         "dim-0 shards a group would straddle two ranks unless every row holds whole groups, and that "
-        "layout is not built; train it with DDP"
+        "layout is not built; train it with DDP or DeepSpeed ZeRO"
+    )
+    zero_stages = (1, 2, 3)
+    zero_note = (
+        "per-group (128) FP8 moments over each rank's flat partition (FP32, or BF16 + δθ): groups follow "
+        "the partition, so a group may span two parameters' elements"
     )
 
     @property

@@ -87,8 +87,9 @@ class FP8LM(PrecisionStrategy):
     Options = FP8LMOptions
     uses_fp8_gemm = True
     zero_refusal = (
-        "ZeRO would split the per-tensor FP8 gradients and scaled FP16 masters into flat partitions "
-        "and reduce the gradients outside the FP8 all-reduce; use fp8-lm-o3 with ZeRO stage 1 or 2"
+        "ZeRO reduces the gradients itself, in FP32 flat buckets, so the FP8 all-reduce with one shared "
+        "scale per tensor would not run, and it would cut O2's scaled FP16 masters (one scale per "
+        "tensor) into flat partitions; use fp8-lm-o3 with ZeRO stage 1 or 2 (FP8-LM's own ZeRO), or DDP"
     )
     fsdp2_refusal = (
         "its per-tensor FP8 scales (weights, FP8AdamW's m, v and masters, FP8 gradients) would be taken "

@@ -1,25 +1,12 @@
 """FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (ALGORITHMS.md §3).
 
-The FP8 GEMM weights are distributed as whole tensors (`assign_whole_tensors`: largest first,
-to the rank with the fewest bytes): the owner keeps the scaled FP16 master and the FP8AdamW
-state (E4M3 m, FP16 v, FP8 gradient) of its tensors; every rank keeps the FP8 weight. A step:
-
-1. the FP8 weight gradients are averaged with the shared-scale FP8 all-reduce of O2's DDP
-   path (`fp8_allreduce`, μ from the automatic gradient scaler); in one process they are
-   quantized per tensor exactly as O2 does;
-2. each owner updates its masters with FP8AdamW (the O2 optimizer) and quantizes them to E4M3;
-3. the FP8 weights and their scales are all-gathered (as uint8 bytes: gloo has no float8), and
-   every other rank stores the FP8 values into its weight, so the next forward quantizes to
-   the same FP8 weight on every rank.
-
-The other parameters (LayerNorm, biases, embeddings, LM head) keep FP32 masters and states in
-the strategy's client optimizer, which DeepSpeed ZeRO 1/2 partitions as usual; this class only
-steps the FP8 part from inside that optimizer's step, so DeepSpeed's ZeRO optimizer is used
-as is. In one process, rank 0 owns everything and O3 trains exactly like O2.
-
-Storage note: a rank that does not own a weight keeps its FP8 values in the FP16 parameter
-container of the FP8 layer (2 bytes per element, holding FP8 values exactly); the saving is in
-the masters, FP8 gradients and optimizer states, which live on the owner only.
+The optimizer is `hf_lowprec.optim.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
+gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on
+every rank together, and gathers the owners' masters for export. Memory per rank: the masters
+(2 bytes), FP8AdamW states (3 bytes) and FP8 gradients (1 byte) of the weights it owns, and
+1 byte per element for every FP8 weight another rank owns; the other parameters keep FP32
+masters and states, which DeepSpeed ZeRO 1/2 partitions. In one process, rank 0 owns
+everything and O3 trains exactly like O2.
 """
 
 from __future__ import annotations
@@ -29,173 +16,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..partition import assign_whole_tensors
-from ..fp8 import fp8_allreduce, quantize_gradient
-from ..fp8.linear import E4M3, _quantize_per_tensor
-from ..fp8.scaled import dequantize, format_dtype, get_master_scale, pow2_scale, quantize, tensor_amax
+from ..fp8.linear import E4M3
+from ..fp8.scaled import get_master_scale
 from ..numerics import all_finite
-from ..optim import FP8AdamW
-from ..optim.fp8_adamw import fp8_adamw_param_step
-from .registry import register
+from ..optim import FP8ZeroAdamW
+from ..registry import register
 from .fp8_lm import FP8LM
 
-__all__ = ["FP8LMO3", "FP8ZeroAdamW"]
+__all__ = ["FP8LMO3"]
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _fp8_zero(optimizer: Any) -> FP8ZeroAdamW | None:
+    from ..memory import unwrap_optimizer
 
-
-class FP8ZeroAdamW(FP8AdamW):
-    """The O3 client optimizer: FP8AdamW on the non-FP8 parameters (its groups, which DeepSpeed
-    may partition) plus the FP8 ZeRO part for the FP8 GEMM weights, distributed whole.
-
-    Args:
-        param_groups: groups of the parameters that are not FP8 GEMM weights (FP32 states).
-        fp8_weights: per group, its FP8 GEMM weights (scaled FP16 masters); they follow the
-            group's lr and weight_decay, so LR schedulers drive them too.
-        margin, exp_avg_sq_format, **hyper: as in FP8AdamW.
-
-    The owned weights' states sit in `self.state` next to the groups' (same keys and dtypes as
-    O2); `state_dict` saves them, with the owned masters, under "fp8_zero".
-    """
-
-    def __init__(self, param_groups: list[dict[str, Any]], fp8_weights: list[list[torch.Tensor]], **kwargs: Any):
-        super().__init__(param_groups, **kwargs)
-        self.rank, self.world = _world()
-        self.fp8_params = [p for weights in fp8_weights for p in weights]
-        self.fp8_sources = [group for weights, group in zip(fp8_weights, self.param_groups) for _ in weights]
-        self.owners = assign_whole_tensors([p.numel() for p in self.fp8_params], self.world)
-        self.owned = [i for i, owner in enumerate(self.owners) if owner == self.rank]
-        self._margin = kwargs.get("margin", 0)
-        self._v_dtype = format_dtype(kwargs.get("exp_avg_sq_format", "fp16"))
-
-    def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The state an FP8 weight gets on its owner (memory plans, `hf_lowprec.report`); a
-        parameter of the groups gets FP8AdamW's."""
-        if group is not None or not any(param is p for p in self.fp8_params):
-            return super().plan_state(param, group)
-        return {"exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"), "exp_avg_scale": torch.ones((), device="meta"),
-                "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
-                "exp_avg_sq_scale": torch.ones((), device="meta")}
-
-    # --- gradients ----------------------------------------------------------------------
-    def fp8_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.fp8_params if p.grad is not None]
-
-    def clear_fp8_grads(self) -> None:
-        for p in self.fp8_params:
-            p.grad = None
-
-    def reduce_fp8_gradients(self, scaler: Any, grad_dtype: torch.dtype) -> None:
-        """Average the FP8 weights' gradients over ranks in FP8; each owner keeps its FP8 gradients."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.fp8_params]
-        if self.world == 1:
-            for i in self.owned:
-                payload, scale, saturated = quantize_gradient(grads[i], scaler.mu, grad_dtype, self._margin)
-                scaler.record(saturated, grads[i].numel())
-                self.set_fp8_grad(self.fp8_params[i], payload, scale)
-        elif self.fp8_params:
-            numels = [g.numel() for g in grads]
-            flat = torch.cat([g.float().reshape(-1) for g in grads])
-            result = fp8_allreduce(flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin)
-            scaler.record(result.stats.overflow, result.stats.numel)
-            payloads = result.payload.split(numels)
-            for i in self.owned:
-                p = self.fp8_params[i]
-                self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
-        self.clear_fp8_grads()
-
-    # --- step -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
-        for i in self.owned:
-            p, group = self.fp8_params[i], self.fp8_sources[i]
-            state = self.state[p]
-            if "grad" not in state or id(p) not in self._pending_grads:
-                continue
-            if "exp_avg" not in state:
-                state.update(step=0, exp_avg=torch.zeros_like(p, dtype=E4M3), exp_avg_scale=torch.ones(()),
-                             exp_avg_sq=torch.zeros_like(p, dtype=self._v_dtype), exp_avg_sq_scale=torch.ones(()))
-            beta1, beta2 = group["betas"]
-            fp8_adamw_param_step(
-                p, dequantize(state["grad"], state["grad_scale"]), state, lr=group["lr"], beta1=beta1,
-                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], margin=self._margin,
-            )  # fmt: skip
-        loss = super().step(closure)  # clears the pending FP8 gradients too
-        if self.world > 1 and self.fp8_params:
-            self.all_gather_fp8_weights()
-        return loss
-
-    def fp8_weight(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E4M3 payload, scale) of FP8 weight `index`, as the FP8 layer's forward quantizes it."""
-        p = self.fp8_params[index]
-        return _quantize_per_tensor(p.detach(), E4M3, self._margin, get_master_scale(p))
-
-    @torch.no_grad()
-    def all_gather_fp8_weights(self) -> None:
-        """Each owner sends its FP8 weights (as bytes) and their scales; the others store them."""
-        mine = [self.fp8_weight(i) for i in self.owned]
-        per_rank = [sum(p.numel() for p, o in zip(self.fp8_params, self.owners) if o == r) for r in range(self.world)]
-        size = max(per_rank)
-        send = torch.zeros(size, dtype=torch.uint8)
-        offset = 0
-        for payload, _ in mine:
-            send[offset:offset + payload.numel()] = payload.reshape(-1).view(torch.uint8)
-            offset += payload.numel()
-        received = torch.empty(size * self.world, dtype=torch.uint8)
-        dist.all_gather_into_tensor(received, send)
-        scales = torch.zeros(len(self.fp8_params))
-        for (_, scale), i in zip(mine, self.owned):
-            scales[i] = scale
-        dist.all_reduce(scales)  # each scale is nonzero on its owner only
-        offsets = [0] * self.world
-        for i, (p, owner) in enumerate(zip(self.fp8_params, self.owners)):
-            start = owner * size + offsets[owner]
-            offsets[owner] += p.numel()
-            if owner == self.rank:
-                continue
-            real = received[start:start + p.numel()].view(E4M3).float().view(p.shape) / scales[i]
-            # The FP16 container holds the FP8 values exactly (4-bit significands rescaled by a
-            # power of two), so this rank's next forward quantizes them to the same FP8 weight.
-            new_scale = pow2_scale(tensor_amax(real), torch.float16, self._margin)
-            p.copy_(quantize(real, new_scale, torch.float16))
-            get_master_scale(p).copy_(new_scale)
-
-    # --- checkpoint -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        owned = {i: self.state.pop(self.fp8_params[i]) for i in self.owned if self.fp8_params[i] in self.state}
-        try:
-            state = super().state_dict()
-        finally:
-            for i, s in owned.items():
-                self.state[self.fp8_params[i]] = s
-        state["fp8_zero"] = {
-            "owners": list(self.owners),
-            "masters": {i: (self.fp8_params[i].detach().clone(), get_master_scale(self.fp8_params[i]).clone())
-                        for i in self.owned},
-            "states": owned,
-        }  # fmt: skip
-        return state
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("fp8_zero")
-        if list(ours["owners"]) != self.owners:
-            raise ValueError(
-                f"this FP8 ZeRO state was saved with tensor owners {ours['owners']}, this run assigns "
-                f"{self.owners}; resume with the same number of ranks"
-            )
-        super().load_state_dict(state_dict)
-        for i, (payload, scale) in ours["masters"].items():
-            self.fp8_params[int(i)].copy_(payload)
-            get_master_scale(self.fp8_params[int(i)]).copy_(scale)
-        for i, s in ours["states"].items():  # stored in their own dtypes: no cast to the master's
-            self.state[self.fp8_params[int(i)]] = dict(s)
+    inner = unwrap_optimizer(optimizer) if optimizer is not None else None
+    return inner if isinstance(inner, FP8ZeroAdamW) else None
 
 
 @register("fp8-lm-o3", level="O2")
@@ -209,6 +44,9 @@ class FP8LMO3(FP8LM):
         "scales; use ZeRO stage 1 or 2"
     )
     zero_note = "FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions"
+    # The ranks the FP8 weights are distributed over (None: the world); set it before building
+    # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).
+    process_group: dist.ProcessGroup | None = None
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         # The groups (what DeepSpeed partitions) keep the parameters that are not FP8 GEMM
@@ -218,20 +56,71 @@ class FP8LMO3(FP8LM):
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
         return FP8ZeroAdamW(
             groups, fp8, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
-            fused=self.options.fused,
+            fused=self.options.fused, process_group=self.process_group,
         )  # fmt: skip
 
+    def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
+        # Across ranks, the FP8 weights another rank owns are held as their E4M3 payload.
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        return super().promised_param_dtypes() + ((E4M3,) if several else ())
+
     def ddp_comm_hook(self) -> None:  # type: ignore[override]
-        return None  # FP8ZeroAdamW reduces the FP8 weights' gradients; ZeRO (or DDP) the rest
+        return None  # FP8ZeroAdamW reduces the FP8 weights' gradients; ZeRO the rest
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Once per step (DeepSpeed calls the optimizer once per group): one finite decision on
+        every rank, the FP8 all-reduce and the global clipping coefficient; on every call the
+        current groups' gradients are brought to that clipping."""
+        optimizer.check_attached()
+        if not optimizer.begins_step():  # a later group of the same DeepSpeed step
+            if optimizer.step_ok:
+                optimizer.clip_dense_groups()
+            else:
+                self.skipped_steps -= 1  # counted once, on the step's first call
+            return optimizer.step_ok
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())))
+        ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())), device=optimizer.device)
         if optimizer.world > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank skips together
-        if not ok:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=optimizer.process_group)  # every rank skips together
+        optimizer.step_ok = bool(ok)
+        if not optimizer.step_ok:
             optimizer.clear_fp8_grads()
             return False
         optimizer.reduce_fp8_gradients(self.scaler, self.grad_dtype)
         self.scaler.update()
+        optimizer.clip_coefficient()
+        optimizer.clip_dense_groups()
         return True
+
+    # --- export ---------------------------------------------------------------------------
+    def full_precision_state_dict(
+        self, model: torch.nn.Module, optimizer: Any | None = None
+    ) -> dict[str, torch.Tensor]:
+        """FP32 weights with every FP8 weight's master from its owner (a collective across ranks:
+        every rank calls it; see `FP8ZeroAdamW.gather_masters`)."""
+        out = super().full_precision_state_dict(model, optimizer)
+        return self.exported_state_dict(model, optimizer, out)
+
+    def exported_state_dict(
+        self, model: torch.nn.Module, optimizer: Any | None, state_dict: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """`state_dict` (of `model`) with each FP8 weight replaced by its owner's master in FP32.
+
+        A rank holds only the masters it owns (the FP8 values of the others): the export
+        gathers them from their owners. A collective when several ranks run: every rank calls it.
+        """
+        inner = _fp8_zero(optimizer)
+        if inner is None:
+            return state_dict
+        masters = inner.gather_masters()
+        if state_dict is None:
+            state_dict = model.state_dict()
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        out = dict(state_dict)
+        for i, p in enumerate(inner.fp8_params):
+            for name in names.get(id(p), []):
+                if name in out:
+                    out[name] = masters[i]
+        return out

@@ -1,7 +1,7 @@
 """One rank of the DeepSpeed ZeRO tests: every case of the support matrix in one launch.
 
 Started by `tests/deepspeed/launch.py` as RANK/WORLD_SIZE processes (gloo). For each
-(strategy, stage) it either expects `hf_lowprec.deepspeed.precision_config` to refuse, or builds
+(strategy, stage) it either expects `hf_lowprec.integrations.deepspeed.precision_config` to refuse, or builds
 a fresh `deepspeed.initialize` with the strategy's client optimizer, trains a few steps and
 records what the partitions DeepSpeed holds really are, the per-rank model-state bytes, the
 losses, and whether save_checkpoint → load_checkpoint continues bit-for-bit. Results go to
@@ -28,11 +28,13 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.deepspeed import move_state_to_partitions, precision_config, zero_support  # noqa: E402
+from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
-from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
+from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
+from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
+SOLO: list = []  # one single-rank process group per rank, for the one-process references
 MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
 LR = 1e-3
 BASE_CONFIG = {
@@ -57,7 +59,7 @@ def build(name: str, stage: int):
     engine, zero_opt, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=precision_config(strategy, ds_config(stage))
     )
-    move_state_to_partitions(zero_opt)
+    attach_zero_optimizer(zero_opt)
     return strategy, engine, zero_opt, optimizer
 
 
@@ -116,7 +118,10 @@ def forward_digest(module) -> str:
     for p in module.parameters():
         scale = get_master_scale(p)
         if scale is not None:
-            w8, sw = _quantize_per_tensor(p.detach(), torch.float8_e4m3fn, 0, scale)
+            if p.dtype == torch.float8_e4m3fn:  # fp8-lm-o3: a weight another rank owns is its FP8 weight
+                w8, sw = p.detach(), scale
+            else:
+                w8, sw = _quantize_per_tensor(p.detach(), torch.float8_e4m3fn, 0, scale)
             p = w8.float() / sw + 0.0  # +0.0 turns -0 into +0: the same FP8 value for the GEMM
         h.update(p.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -139,6 +144,8 @@ def digest(engine) -> str:
 def reference(name: str, data) -> dict:
     """The strategy in one process (no DeepSpeed) on the whole batches: dtypes and losses."""
     strategy = get_strategy(name)
+    if name == "fp8-lm-o3":  # one process: its own rank is its whole data-parallel group
+        strategy.process_group = SOLO[dist.get_rank()]
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
     initial = state_l1(optimizer)
@@ -146,8 +153,10 @@ def reference(name: str, data) -> dict:
     for ids in data:
         losses.append(strategy.train_step(model, ids, optimizer).item())
     params = [p for p in model.parameters() if p.requires_grad]
+    accum = accumulated_halves(name, data) if name == "coat" else None
     return {
         "losses": losses,
+        "accumulated_halves_losses": accum,
         "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
@@ -155,6 +164,27 @@ def reference(name: str, data) -> dict:
             v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
         ),
     }
+
+
+def accumulated_halves(name: str, data) -> list[float]:
+    """The strategy in one process with each batch as two accumulated halves (one per rank of the
+    ZeRO runs): the data-parallel perturbation of its own numerics (per-half activation scales,
+    the mean of two half-batch gradients), measured without DeepSpeed."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in data:
+        total = 0.0
+        for half in ids.chunk(2):
+            with strategy.forward_context():
+                loss = model(input_ids=half, labels=half).loss
+            strategy.scale_loss(loss / 2).backward()
+            total += loss.item() / 2
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
 
 
 def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
@@ -233,7 +263,15 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
     dist.barrier()
     plain = GPT2LMHeadModel.from_pretrained(str(out / "saved"))
     trained = {k: v.float() for k, v in first.model.state_dict().items()}
-    result["saved_equal"] = all(torch.equal(v.float(), trained[k]) for k, v in plain.state_dict().items())
+    inner = unwrap_optimizer(zero_opt)
+    if hasattr(inner, "fp8_params"):  # fp8-lm-o3: each FP8 weight is saved as its owner's master
+        names = {id(p): n for n, p in first.model.named_parameters()}
+        fp8 = {names[id(p)]: i for i, p in enumerate(inner.fp8_params)}
+        trained = {k: v for k, v in trained.items() if k not in fp8}
+        trained.update({names[id(inner.fp8_params[i])]: dequantize(inner.fp8_params[i].detach(),
+                        get_master_scale(inner.fp8_params[i]), torch.float32) for i in inner.owned})  # fmt: skip
+    saved = plain.state_dict()
+    result["saved_equal"] = all(torch.equal(saved[k].float(), v) for k, v in trained.items())
     result["saved_dtype"] = str(next(plain.parameters()).dtype)
     second = trainer("full")
     second.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
@@ -250,6 +288,7 @@ def main() -> None:
     out = Path(args.out)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    SOLO.extend(dist.new_group([r]) for r in range(world))  # collective: every rank makes every group
     data = batches(4, batch=MICRO * world)
     results: dict = {"world_size": world, "cases": {}, "references": {}}
     path = out / f"rank{rank}.json"

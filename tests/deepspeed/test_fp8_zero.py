@@ -1,13 +1,15 @@
 """fp8-lm-o3 in one process (no DeepSpeed): rank 0 owns every FP8 weight, so O3 is O2 exactly.
 
-The 2-rank ZeRO runs of O3 are in test_zero.py.
+The 2-rank ZeRO runs of O3 are in test_zero.py and test_fp8_zero_ranks.py; the tests at the end
+emulate DeepSpeed's per-group client calls in one process.
 """
 
 import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.deepspeed import zero_support
+from hf_lowprec.fp8.scaled import dequantize
+from hf_lowprec.integrations.deepspeed import zero_support
 from tests.helpers import batches, tiny_gpt2, train_steps
 
 
@@ -49,3 +51,125 @@ def test_o3_state_carries_masters_and_refuses_another_world_size():
 def test_o3_zero_stages():
     assert zero_support("fp8-lm-o3", 1) is None and zero_support("fp8-lm-o3", 2) is None
     assert "use ZeRO stage 1 or 2" in zero_support("fp8-lm-o3", 3)
+
+
+class FakeZero:
+    """What FP8ZeroAdamW reads from DeepSpeed's ZeRO optimizer: its norm of the partitioned
+    gradients (before its clipping) and `clip_grad`."""
+
+    def __init__(self, clip: float) -> None:
+        self.clip_grad = clip
+        self._global_grad_norm = None
+
+
+def two_group_o3(clip: float):
+    strategy = hf_lowprec.get_strategy("fp8-lm-o3")
+    model = strategy.prepare_model(tiny_gpt2())
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    optimizer = strategy.create_optimizer(groups, lr=1e-3)
+    zero = FakeZero(clip)
+    optimizer.optimizer.attach_zero(zero)
+    return strategy, model, optimizer, zero
+
+
+def deepspeed_like_step(optimizer, zero) -> None:
+    """What DeepSpeed's ZeRO step does around its client: the norm of the dense gradients, its
+    own clipping of them by that norm alone, then one client step per group."""
+    inner = optimizer.optimizer
+    groups = list(inner.param_groups)
+    dense = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense]))
+    zero._global_grad_norm = norm
+    if zero.clip_grad > 0:
+        factor = torch.clamp((norm + 1e-6) / zero.clip_grad, min=1.0)
+        for g in dense:
+            g.mul_(1.0 / factor)
+    for group in groups:
+        optimizer.param_groups = [group]
+        optimizer.step()
+    optimizer.param_groups = groups
+
+
+def captured_step(clip: float, data):
+    strategy, model, optimizer, zero = two_group_o3(clip)
+    inner = optimizer.optimizer
+    calls = []
+
+    seen = set()
+
+    def hook(opt, *_):
+        # Once per client call (DeepSpeed's group): a nested super().step() of a hooked
+        # FP8AdamW.step runs the instance's hooks again.
+        key = id(opt.param_groups[0]["params"][0])
+        if key in seen:
+            return
+        seen.add(key)
+        dense = [p.grad.double().reshape(-1).clone()
+                 for g in opt.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
+        fp8 = [dequantize(*opt.fp8_grad(p), torch.float64).reshape(-1) for p in opt.fp8_params if opt.fp8_grad(p)]
+        calls.append(dense + fp8)
+
+    inner.register_step_pre_hook(hook)
+    with strategy.forward_context():
+        loss = model(input_ids=data, labels=data).loss
+    loss.backward()
+    deepspeed_like_step(optimizer, zero)
+    return torch.cat([g for call in calls for g in call]), len(calls), float(zero._global_grad_norm), inner
+
+
+def test_clipping_under_zero_covers_the_fp8_gradients_and_steps_fp8_once():
+    """DeepSpeed calls the client once per group; the FP8 part (reduction, clipping coefficient,
+    update) runs once, and the clipped gradients equal c·g for every gradient, dense and FP8,
+    with c = C/(‖g‖ + 1e-6) over all of them (FP64 reference; 2^-20 relative: an FP32
+    coefficient from FP32 norms, at most three roundings per gradient). The 2-rank version
+    under real DeepSpeed is in test_fp8_zero_ranks.py."""
+    data = batches(1)[0]
+    free, calls, free_norm, inner = captured_step(0.0, data)
+    clipped, _, clipped_norm, _ = captured_step(0.05, data)
+    assert calls == 2
+    assert all(inner.state[p]["step"] == 1 for p in inner.fp8_params)
+    norm = float(torch.linalg.vector_norm(free))
+    assert free_norm == pytest.approx(norm, rel=1e-6) and clipped_norm == pytest.approx(norm, rel=1e-6)
+    c = 0.05 / (norm + 1e-6)
+    assert c < 0.1
+    nonzero = free != 0
+    rel = ((clipped - c * free).abs()[nonzero] / (c * free).abs()[nonzero]).max()
+    assert rel <= 2**-20 and torch.all(clipped[~nonzero] == 0)
+
+
+def test_a_skipped_step_is_skipped_by_every_group_and_counted_once():
+    strategy, model, optimizer, zero = two_group_o3(0.0)
+    data = batches(1)[0]
+    with strategy.forward_context():
+        model(input_ids=data, labels=data).loss.backward()
+    inner = optimizer.optimizer
+    inner.fp8_params[0].grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    deepspeed_like_step(optimizer, zero)
+    assert strategy.skipped_steps == 1 and optimizer.step_was_skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not inner.fp8_grads()  # nothing left to leak into the next step
+
+
+def test_after_load_state_dict_the_fp8_part_still_runs_once_per_step():
+    # DeepSpeed's resume replaces the group dicts (torch's load_state_dict): the FP8 part must
+    # still recognise the first group's call and follow the new groups' learning rates.
+    strategy, model, optimizer, zero = two_group_o3(0.0)
+    data = batches(2)
+    for ids in data[:1]:
+        with strategy.forward_context():
+            model(input_ids=ids, labels=ids).loss.backward()
+        deepspeed_like_step(optimizer, zero)
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.load_state_dict(optimizer.state_dict())
+    inner = optimizer.optimizer
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # a scheduler writing into the new dicts: the FP8 weights follow
+    before = [p.detach().clone() for p in inner.fp8_params]
+    with strategy.forward_context():
+        model(input_ids=data[1], labels=data[1]).loss.backward()
+    deepspeed_like_step(optimizer, zero)
+    assert all(inner.state[inner.fp8_params[i]]["step"] == 2 for i in inner.owned)
+    assert all(torch.equal(a, b) for a, b in zip(before, inner.fp8_params))  # lr 0 (weight decay × lr = 0)

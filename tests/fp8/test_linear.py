@@ -221,3 +221,69 @@ def test_bf16_autocast_only_rounds_the_output(transposed):
     # only the summation order may differ: |error| ≤ 34·2^-24·Σ|g|.
     bound = 34 * 2.0**-24 * grad.float().abs().sum(dim=(0, 1))
     assert ((gb32 - gb16).abs() <= bound).all()
+
+
+def _fp8_stored_pair(transposed: bool):
+    """An FP8Linear with a scaled FP16 master and a copy holding that master's FP8 weight (1 byte)."""
+    from hf_lowprec.fp8.linear import E4M3
+
+    torch.manual_seed(3)
+    master = FP8Linear(64, 32, weight_transposed=transposed)
+    nn.init.normal_(master.weight, std=0.05)
+    master.weight.data = master.weight.data.half()
+    master.scale_master_weight()
+    stored = copy.deepcopy(master)
+    w8, sw = master._fp8_weight()
+    stored.weight.data = w8.clone()
+    stored.master_scale.copy_(sw)
+    assert stored.weight.dtype == E4M3 and stored.weight.element_size() == 1
+    return master, stored
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_stored_weight_computes_as_its_master_and_sends_its_gradient_to_the_sink(transposed):
+    from hf_lowprec.fp8.linear import set_grad_sink
+
+    master, stored = _fp8_stored_pair(transposed)
+    received = []
+    set_grad_sink(stored.weight, received.append)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    y_master, y_stored = master(x), stored(x)
+    assert torch.equal(y_master, y_stored)  # the same FP8 weight, used as is
+    y_master.square().sum().backward()
+    y_stored.square().sum().backward()
+    assert stored.weight.grad is None and len(received) == 1  # no 1-byte gradient: the sink has it
+    assert torch.equal(received[0].to(master.weight.grad.dtype), master.weight.grad)
+    assert torch.equal(stored.bias.grad, master.bias.grad)
+
+
+def test_fp8_stored_weight_without_a_sink_gets_no_gradient():
+    _, stored = _fp8_stored_pair(False)
+    stored(torch.randn(4, 64)).sum().backward()
+    assert stored.weight.grad is None and stored.bias.grad is not None
+
+
+def test_fp8_stored_weight_state_dict_round_trip():
+    # The state dict holds real values (FP32); loading them into an FP8-stored weight quantizes
+    # them as the forward would, which for FP8 values is exact.
+    master, stored = _fp8_stored_pair(False)
+    state = stored.state_dict()
+    assert state["weight"].dtype == torch.float32
+    _, fresh = _fp8_stored_pair(False)
+    with torch.no_grad():
+        fresh.weight.zero_()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.state_dict()["weight"], state["weight"])
+    # A master's real values load into an FP8-stored weight as the master's FP8 weight.
+    _, other = _fp8_stored_pair(False)
+    other.load_state_dict(master.state_dict())
+    w8, sw = master._fp8_weight()
+    assert torch.equal(other.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(other.master_scale, sw)
+
+
+def test_moving_the_layer_keeps_the_master_scale_linked():
+    from hf_lowprec.fp8.scaled import get_master_scale
+
+    layer, _ = _fp8_stored_pair(False)
+    layer.to("meta")  # a device move replaces the buffer (as .cuda() does)
+    assert layer.master_scale.device.type == "meta" and get_master_scale(layer.weight) is layer.master_scale

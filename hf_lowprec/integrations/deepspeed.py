@@ -15,8 +15,8 @@ stochastic-rounding state live in the partitioned optimizer state as they do in 
 
 Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
 (`zero_stages`, `zero_refusal`); `zero_support`, the check and `support_matrix_markdown` all read
-that one source. `assign_whole_tensors` and `partition_report` are the FP8 ZeRO distribution of
-ALGORITHMS.md §3 (whole tensors, largest first, to the least-loaded rank).
+that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
+`hf_lowprec.partition`.
 
 DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.deepspeed` works
 without it.
@@ -25,32 +25,27 @@ without it.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
-import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .partition import PartitionReport, assign_whole_tensors, partition_report
-from .registry import available_strategies, get_strategy
+from ..registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from .strategies.base import PrecisionStrategy
+    from ..strategies.base import PrecisionStrategy
 
 __all__ = [
     "STAGES",
-    "PartitionReport",
     "apply_precision_config",
-    "assign_whole_tensors",
+    "attach_zero_optimizer",
     "check_zero_support",
     "configure_accelerator",
     "load_config",
     "move_state_to_partitions",
     "owned_entries",
-    "partition_report",
     "precision_config",
     "require_deepspeed",
     "support_matrix",
@@ -363,4 +358,22 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
     return len(moved)
 
 
-# --- whole-tensor distribution (FP8 ZeRO) ---------------------------------------------------------
+def attach_zero_optimizer(zero_optimizer: Any) -> int:
+    """Call after `deepspeed.initialize`, before the first step (the Trainer and `PrecisionPlugin` do).
+
+    Moves state made before DeepSpeed partitioned the parameters onto the partitions
+    (`move_state_to_partitions`), then hands DeepSpeed's ZeRO optimizer to a client optimizer
+    that works with it (`attach_zero`): fp8-lm-o3's `FP8ZeroAdamW` reads DeepSpeed's gradient
+    norm and `gradient_clipping` from it, to clip the FP8 weights' gradients with the others,
+    and learns the groups DeepSpeed steps one at a time. Returns the number of parameters
+    whose state moved.
+    """
+    from ..memory import unwrap_optimizer
+
+    moved = move_state_to_partitions(zero_optimizer)
+    client = unwrap_optimizer(getattr(zero_optimizer, "optimizer", None))
+    attach = getattr(client, "attach_zero", None)
+    if callable(attach):
+        attach(zero_optimizer)
+    return moved
+

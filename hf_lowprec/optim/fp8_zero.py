@@ -1,0 +1,385 @@
+"""FP8 ZeRO: FP8AdamW with the FP8 GEMM weights distributed whole over ranks (FP8-LM O3; ALGORITHMS.md §3).
+
+The FP8 GEMM weights are distributed as whole tensors (`hf_lowprec.partition.assign_whole_tensors`:
+largest first, to the rank with the fewest bytes). Per weight, its owner keeps the scaled FP16
+master and the FP8AdamW state (E4M3 m, FP16 v, FP8 gradient); every other rank keeps only the
+FP8 weight, stored in the parameter itself as its E4M3 payload (1 byte per element) with the
+FP8 scale in the layer's `master_scale` (see `hf_lowprec.fp8.linear`, "FP8-stored weights").
+A step:
+
+1. the FP8 weight gradients are averaged with the shared-scale FP8 all-reduce
+   (`fp8_allreduce`, μ from the automatic gradient scaler); a rank that does not own a weight
+   collects its gradient through the layer's gradient sink (FP16, as `p.grad` would be); in
+   one process they are quantized per tensor exactly as O2 does;
+2. gradient clipping over every gradient (`clip_coefficient`): under DeepSpeed ZeRO the norm
+   of the partitioned gradients (DeepSpeed's) and of the FP8 gradients (summed over owners)
+   give one coefficient c = min(1, C / (‖g‖ + 1e-6)), C = `gradient_clipping`;
+3. each owner updates its masters with FP8AdamW and quantizes them to E4M3;
+4. the FP8 weights and their scales are all-gathered (`all_gather_owned_fp8`, 1 byte per
+   element on the wire) and every other rank stores them as they are.
+
+Under DeepSpeed ZeRO 1/2 this optimizer is the client optimizer: its groups hold the other
+parameters, which DeepSpeed partitions, and DeepSpeed calls `step()` once per group. The FP8
+part (reduction, clipping coefficient, updates, all-gather) runs once per DeepSpeed step, on
+the call with the first group; `attach_zero_optimizer` (after `deepspeed.initialize`) tells
+it the groups and DeepSpeed's optimizer. Every tensor a collective touches is created on the
+parameters' device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
+from ..fp8.cast import widen
+from ..fp8.linear import E4M3, _quantize_per_tensor, set_grad_sink
+from ..fp8.scaled import dequantize, format_dtype, get_master_scale
+from ..partition import assign_whole_tensors
+from .fp8_adamw import FP8AdamW, fp8_adamw_param_step
+
+__all__ = ["FP8ZeroAdamW"]
+
+# The eps of DeepSpeed's and torch's clipping: c = C / (‖g‖ + 1e-6).
+_CLIP_EPS = 1e-6
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _first_param(group: dict[str, Any]) -> Any:
+    # A group is recognised by its first parameter (DeepSpeed's flat partition): the tensors
+    # stay when `load_state_dict` replaces the group dicts.
+    params = group["params"]
+    return params[0] if params else group
+
+
+class FP8ZeroAdamW(FP8AdamW):
+    """The O3 client optimizer: FP8AdamW on the non-FP8 parameters (its groups, which DeepSpeed
+    may partition) plus the FP8 ZeRO part for the FP8 GEMM weights, distributed whole.
+
+    Args:
+        param_groups: groups of the parameters that are not FP8 GEMM weights (FP32 states).
+        fp8_weights: per group, its FP8 GEMM weights (scaled FP16 masters); they follow the
+            group's lr and weight_decay, so LR schedulers drive them too.
+        process_group: the data-parallel ranks the FP8 weights are distributed over (default:
+            the world; under DeepSpeed, its data-parallel group).
+        margin, exp_avg_sq_format, **hyper: as in FP8AdamW.
+
+    The owned weights' states sit in `self.state` next to the groups' (same keys and dtypes as
+    O2); `state_dict` saves them, with the owned masters, under "fp8_zero".
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        fp8_weights: list[list[torch.Tensor]],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(param_groups, **kwargs)
+        self.process_group = process_group
+        self.rank, self.world = _world(process_group)
+        self.fp8_params = [p for weights in fp8_weights for p in weights]
+        # Each FP8 weight follows the group it came with, by index: `load_state_dict` (DeepSpeed's
+        # resume) replaces the group dicts, and an LR scheduler writes into the current ones.
+        self._fp8_group = [index for index, weights in enumerate(fp8_weights) for _ in weights]
+        self.owners = assign_whole_tensors([p.numel() for p in self.fp8_params], self.world)
+        self.owned = [i for i, owner in enumerate(self.owners) if owner == self.rank]
+        self._margin = kwargs.get("margin", 0)
+        self._v_dtype = format_dtype(kwargs.get("exp_avg_sq_format", "fp16"))
+        # Gradients of the weights another rank owns, collected by the layers' gradient sinks
+        # in the masters' dtype (what `p.grad` would hold), until the FP8 all-reduce.
+        self._grad_dtype = {i: p.dtype for i, p in enumerate(self.fp8_params)}
+        self._sunk: dict[int, torch.Tensor] = {}
+        for i, owner in enumerate(self.owners):
+            if owner != self.rank:
+                set_grad_sink(self.fp8_params[i], self._sink(i))
+        # Set by `attach_zero`: DeepSpeed's ZeRO optimizer and the full list of groups.
+        self.zero_optimizer: Any = None
+        self._all_groups: list[dict[str, Any]] | None = None
+        self.step_ok = True  # this step's finite decision, taken on its first call, kept for the other groups
+        self._dense_factor = 1.0
+
+    @property
+    def device(self) -> torch.device:
+        """The parameters' device: where every tensor of a collective lives (NCCL or gloo)."""
+        for p in self.fp8_params:
+            return p.device
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def plan_state(self, param: torch.Tensor, group: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state an FP8 weight gets on its owner (memory plans, `hf_lowprec.report`); a
+        parameter of the groups gets FP8AdamW's."""
+        if group is not None or not any(param is p for p in self.fp8_params):
+            return super().plan_state(param, group)
+        return {"exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"), "exp_avg_scale": torch.ones((), device="meta"),
+                "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
+                "exp_avg_sq_scale": torch.ones((), device="meta")}
+
+    # --- DeepSpeed ----------------------------------------------------------------------
+    def attach_zero(self, zero_optimizer: Any) -> None:
+        """Run under DeepSpeed ZeRO `zero_optimizer` (whose client this optimizer is).
+
+        Records the full list of groups (DeepSpeed steps them one call each) and the ZeRO
+        optimizer (its gradient norm and `clip_grad`), and stores the weights other ranks own
+        as FP8 from now on (after `deepspeed.initialize`, whose broadcast of the model needs
+        every rank's parameters in one dtype)."""
+        dp_group = getattr(zero_optimizer, "dp_process_group", None)
+        if dp_group is not None and dist.get_world_size(dp_group) != self.world:
+            raise ValueError(
+                f"DeepSpeed's data-parallel group has {dist.get_world_size(dp_group)} ranks, but the FP8 weights "
+                f"were distributed over {self.world}; build the strategy's optimizer with process_group= that group"
+            )
+        self.zero_optimizer = zero_optimizer
+        self._all_groups = list(self.param_groups)
+        self.store_non_owned_as_fp8()
+
+    def begins_step(self) -> bool:
+        """True on the call of `step()` that starts an optimizer step: always, except on the
+        calls DeepSpeed makes for its second and later groups."""
+        groups = self._all_groups
+        if groups is None or not groups or not self.param_groups:
+            return True
+        return _first_param(self.param_groups[0]) is _first_param(groups[0])
+
+    def _full_groups(self) -> list[dict[str, Any]]:
+        """Every group, also during DeepSpeed's one-group calls."""
+        return self._all_groups if self._all_groups is not None else self.param_groups
+
+    @property
+    def fp8_sources(self) -> list[dict[str, Any]]:
+        """The group (lr, betas, weight_decay) each FP8 weight follows."""
+        groups = self._full_groups()
+        return [groups[index] for index in self._fp8_group]
+
+    def check_attached(self) -> None:
+        """Across ranks the FP8 part needs DeepSpeed's ZeRO optimizer (`attach_zero`): raise, naming the call."""
+        if self.world > 1 and self.zero_optimizer is None:
+            raise RuntimeError(
+                "fp8-lm-o3 across processes runs under DeepSpeed ZeRO stage 1 or 2: call "
+                "hf_lowprec.integrations.deepspeed.attach_zero_optimizer(engine.optimizer) after "
+                "deepspeed.initialize (the Trainer and Accelerate's PrecisionPlugin do)"
+            )
+
+    # --- gradients ----------------------------------------------------------------------
+    def _sink(self, index: int) -> Any:
+        def sink(grad: torch.Tensor) -> None:
+            grad = grad.to(self._grad_dtype[index])
+            held = self._sunk.get(index)
+            if held is None:
+                self._sunk[index] = grad
+            else:
+                held.add_(grad)  # micro-batch accumulation, rounded as autograd's would be
+
+        return sink
+
+    def _local_grad(self, index: int) -> torch.Tensor | None:
+        p = self.fp8_params[index]
+        return p.grad if p.grad is not None else self._sunk.get(index)
+
+    def fp8_grads(self) -> list[torch.Tensor]:
+        """This rank's local FP8 weights' gradients before the all-reduce (for the finite check)."""
+        return [g for g in (self._local_grad(i) for i in range(len(self.fp8_params))) if g is not None]
+
+    def clear_fp8_grads(self) -> None:
+        for p in self.fp8_params:
+            p.grad = None
+        self._sunk.clear()
+
+    def reduce_fp8_gradients(self, scaler: Any, grad_dtype: torch.dtype) -> None:
+        """Average the FP8 weights' gradients over ranks in FP8; each owner keeps its FP8 gradients."""
+        grads = [self._local_grad(i) for i in range(len(self.fp8_params))]
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.fp8_params, strict=True)]
+        if self.world == 1:
+            for i in self.owned:
+                payload, scale, saturated = quantize_gradient(grads[i], scaler.mu, grad_dtype, self._margin)
+                scaler.record(saturated, grads[i].numel())
+                self.set_fp8_grad(self.fp8_params[i], payload, scale)
+        elif self.fp8_params:
+            numels = [g.numel() for g in grads]
+            flat = torch.cat([g.float().reshape(-1) for g in grads])
+            del grads
+            result = fp8_allreduce(flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin,
+                                   group=self.process_group)  # fmt: skip
+            scaler.record(result.stats.overflow, result.stats.numel)
+            payloads = result.payload.split(numels)
+            for i in self.owned:
+                p = self.fp8_params[i]
+                self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
+        self.clear_fp8_grads()
+
+    def clip_coefficient(self) -> torch.Tensor | None:
+        """Once per step, after `reduce_fp8_gradients`: the global norm of every gradient and the
+        clipping of the FP8 ones; None outside DeepSpeed (one process clips `p.grad` as usual).
+
+        ‖g‖² = ‖dense‖² + Σ_owners ‖FP8‖². ‖dense‖ is DeepSpeed's norm of its partitioned
+        gradients (before its clipping); the FP8 sum is one all-reduce. With C =
+        `gradient_clipping` > 0 the coefficient is c = 1/max(1, (‖g‖ + 1e-6)/C), DeepSpeed's
+        formula; the FP8 gradients take it by dividing their scales (payloads untouched) and
+        the dense groups, which DeepSpeed clipped by its own c_d from ‖dense‖ alone, are
+        multiplied by c/c_d in `clip_dense_groups`. DeepSpeed's reported norm becomes ‖g‖.
+        """
+        zero = self.zero_optimizer
+        self._dense_factor = 1.0
+        if zero is None:
+            return None
+        dense = getattr(zero, "_global_grad_norm", None)
+        dense = torch.as_tensor(0.0 if dense is None else dense, dtype=torch.float32, device=self.device).reshape(())
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i in self.owned:
+            pending = self.fp8_grad(self.fp8_params[i])
+            if pending is not None:
+                payload, scale = pending
+                squares += (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square()
+        if self.world > 1:
+            dist.all_reduce(squares, group=self.process_group)
+        total = (dense.square() + squares).sqrt()
+        zero._global_grad_norm = total
+        max_norm = float(getattr(zero, "clip_grad", 0.0) or 0.0)
+        if max_norm > 0 and math.isfinite(float(total)):
+            ours = torch.clamp((total + _CLIP_EPS) / max_norm, min=1.0)
+            theirs = torch.clamp((dense + _CLIP_EPS) / max_norm, min=1.0)
+            for i in self.owned:
+                pending = self.fp8_grad(self.fp8_params[i])
+                if pending is not None:
+                    pending[1].mul_(ours)  # real = payload / scale: the gradient divided by `ours`
+            self._dense_factor = float(theirs / ours)
+        return total
+
+    def clip_dense_groups(self) -> None:
+        """Bring the current groups' gradients (DeepSpeed's partitions) to the global clipping."""
+        if self._dense_factor != 1.0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self._dense_factor)
+
+    # --- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
+        self.check_attached()
+        if self.begins_step():
+            sources = self.fp8_sources
+            for i in self.owned:
+                p, group = self.fp8_params[i], sources[i]
+                state = self.state[p]
+                if "grad" not in state or id(p) not in self._pending_grads:
+                    continue
+                if "exp_avg" not in state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=E4M3),
+                                 exp_avg_scale=torch.ones((), device=p.device),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=self._v_dtype),
+                                 exp_avg_sq_scale=torch.ones((), device=p.device))  # fmt: skip
+                beta1, beta2 = group["betas"]
+                fp8_adamw_param_step(
+                    p, dequantize(state["grad"], state["grad_scale"]), state, lr=group["lr"], beta1=beta1,
+                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], margin=self._margin,
+                )  # fmt: skip
+            self._pending_grads.difference_update(id(self.fp8_params[i]) for i in self.owned)
+            if self.world > 1 and self.fp8_params:
+                self.all_gather_fp8_weights()
+        return super().step(closure)
+
+    def fp8_weight(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E4M3 payload, scale) of FP8 weight `index`, as the FP8 layer's forward quantizes it."""
+        p = self.fp8_params[index]
+        if p.dtype == E4M3:
+            return p.detach(), get_master_scale(p)
+        return _quantize_per_tensor(p.detach(), E4M3, self._margin, get_master_scale(p))
+
+    @torch.no_grad()
+    def _store_fp8(self, index: int, payload: torch.Tensor, scale: torch.Tensor) -> None:
+        p = self.fp8_params[index]
+        if p.dtype != E4M3:
+            p.data = torch.empty(p.shape, dtype=E4M3, device=p.device)  # frees the FP16 copy
+        p.copy_(payload.view(p.shape))
+        get_master_scale(p).copy_(scale)
+
+    @torch.no_grad()
+    def store_non_owned_as_fp8(self) -> None:
+        """Keep each weight another rank owns as its FP8 weight (1 byte per element) from now on.
+
+        The FP8 weight is computed here from this rank's copy, which equals the owner's master
+        (data-parallel ranks start from one model), as the owner's forward computes it."""
+        for i, owner in enumerate(self.owners):
+            if owner != self.rank and self.fp8_params[i].dtype != E4M3:
+                self._store_fp8(i, *self.fp8_weight(i))
+
+    @torch.no_grad()
+    def all_gather_fp8_weights(self) -> None:
+        """Each owner sends its FP8 weights (as bytes) and their scales; the others store them."""
+        mine = [(i, *self.fp8_weight(i)) for i in self.owned]
+        payloads, scales = all_gather_owned_fp8(
+            mine, [p.numel() for p in self.fp8_params], self.owners, device=self.device, group=self.process_group
+        )
+        for i, owner in enumerate(self.owners):
+            if owner != self.rank:
+                self._store_fp8(i, payloads[i], scales[i])
+
+    @torch.no_grad()
+    def gather_masters(self) -> dict[int, torch.Tensor]:
+        """Every FP8 weight's master in real units (FP32), from its owner; a collective.
+
+        Every rank must call it (export runs on every rank under DeepSpeed). Each owner
+        broadcasts its FP16 payload and FP32 scale; real = payload / scale is rounded once
+        (FP16 payloads and power-of-two scales: exact in FP32 unless below FP32's normals)."""
+        out = {}
+        for i, (p, owner) in enumerate(zip(self.fp8_params, self.owners, strict=True)):
+            if owner == self.rank:
+                payload, scale = p.detach(), get_master_scale(p).detach().float().reshape(())
+            else:
+                payload = torch.empty(p.shape, dtype=self._grad_dtype[i], device=p.device)
+                scale = torch.empty((), dtype=torch.float32, device=p.device)
+            if self.world > 1:
+                payload = payload.contiguous()
+                src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
+                dist.broadcast(payload, src=src, group=self.process_group)
+                dist.broadcast(scale, src=src, group=self.process_group)
+            out[i] = dequantize(payload, scale, torch.float32)
+        return out
+
+    # --- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        owned = {i: self.state.pop(self.fp8_params[i]) for i in self.owned if self.fp8_params[i] in self.state}
+        try:
+            state = super().state_dict()
+        finally:
+            for i, s in owned.items():
+                self.state[self.fp8_params[i]] = s
+        state["fp8_zero"] = {
+            "owners": list(self.owners),
+            "masters": {i: (self.fp8_params[i].detach().clone(), get_master_scale(self.fp8_params[i]).clone())
+                        for i in self.owned},
+            "states": owned,
+        }  # fmt: skip
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("fp8_zero")
+        if list(ours["owners"]) != self.owners:
+            raise ValueError(
+                f"this FP8 ZeRO state was saved with tensor owners {ours['owners']}, this run assigns "
+                f"{self.owners}; resume with the same number of ranks"
+            )
+        super().load_state_dict(state_dict)  # new group dicts: the full list is this one now
+        if self._all_groups is not None:
+            self._all_groups = list(self.param_groups)
+        for i, (payload, scale) in ours["masters"].items():
+            self.fp8_params[int(i)].copy_(payload)
+            get_master_scale(self.fp8_params[int(i)]).copy_(scale)
+        for i, s in ours["states"].items():  # stored in their own dtypes: no cast to the master's
+            self.state[self.fp8_params[int(i)]] = dict(s)
