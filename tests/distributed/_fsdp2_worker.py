@@ -146,14 +146,16 @@ def export_check(strategy, model, optimizer) -> dict:
     for name, param in model.named_parameters():
         theta = param.full_tensor()
         state = inner.state.get(param, {})
-        key = inner.compensation_key or inner.master_key
+        group = next(g for g in inner.param_groups if any(p is param for p in g["params"]))
+        rule = inner.composition(param, group).rule
+        key = rule.compensation_key or rule.master_key
         extra = state.get(key) if key else None
         extra = extra.full_tensor() if extra is not None else None  # every rank joins the gather
         if dist.get_rank() != 0:
             continue
         value = full[name]
         expected = theta.double() if extra is None else (
-            extra.double() if key == inner.master_key else theta.double() + extra.double())
+            extra.double() if key == rule.master_key else theta.double() + extra.double())
         ulp = 2 * torch.finfo(torch.float32).eps * expected.abs().float().clamp_min(2**-126)
         checks.append(bool(value.dtype == torch.float32 and torch.equal(value.to(theta.dtype), theta)
                            and ((value.double() - expected).abs() <= ulp.double()).all()))

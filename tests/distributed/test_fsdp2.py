@@ -104,7 +104,7 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
 def test_trainer_fsdp_is_refused_naming_what_works(tmp_path):
     from hf_lowprec import TrainingArguments
 
-    with pytest.raises(ValueError, match="FSDP.*is not supported yet.*strategy.shard.*fsdp2.yaml"):
+    with pytest.raises(ValueError, match="FSDP.*is not supported yet.*shard_model.*fsdp2.yaml"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-plus", fsdp="full_shard",
                           fsdp_config={"fsdp_version": 2}, use_cpu=True)
 
