@@ -1,0 +1,258 @@
+"""Native CPU optimizer kernels: hand-written C++ with explicit SIMD for every AdamW family.
+
+The same update rules as `hf_lowprec.optim.kernels` (whose docstring states the arithmetic
+contract), written in C++ over a small vector-traits layer and compiled three times: AVX-512
+(16 lanes), AVX2 + F16C (8 lanes) and scalar. One build serves every x86-64 CPU: each
+instruction set lives in its own translation unit compiled for it (a target pragma), and the
+widest one the CPU runs is picked at run time; `HF_LOWPREC_CPU_ISA=avx512|avx2|scalar` forces
+one (an ISA the CPU lacks is an error, not a silent fallback). Vector bodies and the scalar
+tail run one template, so results do not depend on the ISA, the thread count or an element's
+position: the tests check all three against the references bit for bit.
+
+Arithmetic: every FP32 operation rounded on its own (built with -ffp-contract=off, no fast
+math), IEEE square root and division, round-to-nearest-even conversions. FP32 -> BF16 uses
+the integer rounding PyTorch's cast uses (NaN -> 0xFFFF like its vectorised cast); AVX512-BF16's
+`vcvtneps2bf16` is not used because it flushes FP32 subnormals to zero. FP16 uses F16C's
+conversions (IEEE), FP8 E4M3/E5M2 an exact integer rounding with PyTorch's saturation and NaN
+codes.
+
+Build: `torch.utils.cpp_extension.load` on first use (ninja and a C++17 compiler), cached under
+`TORCH_EXTENSIONS_DIR` (`make` and the tests put it under build/); sources are shipped in the
+wheel (package data `csrc/*`). A missing compiler or a failed build does not raise here:
+`native_unavailable()` returns the reason, for the caller to log once and fall back.
+
+Threads: each call splits its whole bucket into blocks of 32768 elements and runs them on
+ATen's intra-op pool (`at::parallel_for`: OpenMP in PyTorch's CPU builds, sized by
+`torch.set_num_threads`); a bucket under 32768 elements runs on the calling thread.
+
+Per-parameter scalars: an (n, 6) FP32 CPU tensor, one row per parameter, slots as
+`kernels._adamw_scalars`: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1,
+EPS = max(ε·√c2, tiny), DECAY = −α·λ (`adamw_scalars` builds it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "ISAS",
+    "adamw_scalars",
+    "adamw_step",
+    "collage_step",
+    "fp8_adamw_step",
+    "isa",
+    "kahan_step",
+    "master_step",
+    "native_unavailable",
+    "sr_step",
+]
+
+#: Instruction sets the kernels are built for, widest first.
+ISAS: tuple[str, ...] = ("avx512", "avx2", "scalar")
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISA_ENV = "HF_LOWPREC_CPU_ISA"
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("bindings.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+# -ffp-contract=off: no a·b + c fused into an FMA (the references round the product);
+# -fno-fast-math: IEEE semantics; -fno-math-errno only lets sqrtf inline as the instruction.
+_CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno")
+
+Tensors = Sequence[torch.Tensor]
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str | None]:
+    """(extension module, None), or (None, why it cannot be built). Built once per process."""
+    if os.name != "posix" or not any(m in (os.uname().machine or "") for m in ("x86_64", "AMD64")):
+        return None, f"the native kernels are x86-64 only (this machine: {os.uname().machine})"
+    compiler = os.environ.get("CXX", "c++")
+    if not shutil.which(compiler) and not shutil.which("g++"):
+        return None, f"no C++ compiler on PATH ({compiler!r}, 'g++')"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return None, "ninja is not installed (torch.utils.cpp_extension needs it: pip install ninja)"
+    try:
+        module = cpp_extension.load(
+            name="hf_lowprec_native_optim",
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=list(_CFLAGS),
+            extra_include_paths=[str(_CSRC)],
+            verbose=False,
+        )
+    except Exception as error:  # any build failure: report it, never raise from here
+        return None, f"building the native optimizer kernels failed ({type(error).__name__}: {error})"
+    return module, None
+
+
+def native_unavailable() -> str | None:
+    """Why the native kernels cannot run here (no compiler, build failed, not x86-64), or None.
+
+    The first call builds (or loads the cached build of) the extension.
+    """
+    return _load()[1]
+
+
+def _module() -> ModuleType:
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(f"hf_lowprec native optimizer kernels unavailable: {reason}")
+    return module
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: `HF_LOWPREC_CPU_ISA` if set, else the widest
+    this CPU supports ("avx512", "avx2" or "scalar")."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in _ISA_CODES:
+            raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)} (or unset it)")
+        return forced
+    return _module().best_isa()
+
+
+def _isa_code(isa_name: str | None) -> int:
+    name = isa() if isa_name is None else isa_name
+    if name not in _ISA_CODES:
+        raise ValueError(f"unknown ISA {name!r}; choose one of {', '.join(ISAS)}")
+    return _ISA_CODES[name]
+
+
+def adamw_scalars(
+    steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> torch.Tensor:
+    """The (n, 6) FP32 CPU tensor of per-parameter scalars for steps `steps` (1-based).
+
+    The values of `kernels._adamw_scalars`: computed in FP64 on the host, rounded once to FP32.
+    """
+    tiny = torch.finfo(torch.float32).smallest_normal
+    rows = []
+    for t in steps:
+        sqrt_c2 = math.sqrt(1.0 - beta2**t)
+        rows.append([1.0 - beta1, beta2, 1.0 - beta2, -lr * sqrt_c2 / (1.0 - beta1**t), max(eps * sqrt_c2, tiny),
+                     -lr * weight_decay])  # fmt: skip
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 6)
+
+
+def _flat(tensors: Tensors) -> list[torch.Tensor]:
+    return [t.detach().view(-1) if t.is_contiguous() else t.detach() for t in tensors]
+
+
+def adamw_step(
+    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, scalars: torch.Tensor,
+    *, isa: str | None = None,
+) -> None:  # fmt: skip
+    """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
+    moments: bf16-mixed's masters) and `FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
+
+    Per element (`kernels.adamw_kernel`): m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g,
+    max of v's dtype); Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS); θ ← r(θ + Δθ); m, v rounded once.
+
+    Dtypes: θ FP32, BF16 or FP16; g FP32, BF16 or FP16; m and v one dtype, FP32 (any θ) or BF16
+    (BF16 θ). Every tensor contiguous, on CPU, the parameter's size. `isa` overrides `isa()`.
+    """
+    _module().adamw_step(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa))
+
+
+def collage_step(
+    params: Tensors, param_errors: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+    exp_avg_sq_errors: Tensors | None, scalars: torch.Tensor, *, isa: str | None = None,
+) -> None:  # fmt: skip
+    """Collage AdamW in place (`kernels.collage_kernel`): light when `exp_avg_sq_errors` is None,
+    plus otherwise.
+
+    The AdamW moments (plus: v read as v + δv, then δv ← r(v₃₂ − r(v₃₂))), then
+    (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)): TwoSum in θ's dtype, δθ + e rounded, Fast2Sum.
+
+    Dtypes: θ and δθ BF16 with moments (and δv) BF16 or FP32, or all FP32; g FP32, BF16 or FP16.
+    """
+    errors = None if exp_avg_sq_errors is None else _flat(exp_avg_sq_errors)
+    _module().collage_step(
+        _flat(params), _flat(param_errors), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), errors, scalars,
+        _isa_code(isa),
+    )  # fmt: skip
+
+
+def kahan_step(
+    params: Tensors, compensations: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+    scalars: torch.Tensor, *, isa: str | None = None,
+) -> None:  # fmt: skip
+    """`KahanAdamW` in place (`kernels.kahan_kernel`): y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
+
+    Dtypes: θ and k BF16 with moments BF16 or FP32, or FP16 with FP32 moments; g FP32, BF16 or FP16.
+    """
+    _module().kahan_step(
+        _flat(params), _flat(compensations), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa)
+    )
+
+
+def sr_step(
+    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, scalars: torch.Tensor,
+    seeds: torch.Tensor, *, isa: str | None = None,
+) -> None:  # fmt: skip
+    """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂) (`StochasticRoundingAdamW`,
+    and `FP32StatesSRAdamW` with FP32 moments).
+
+    The random bits of element i of parameter j are those of `kernels._uniform_bits16(·, seeds[j])`
+    (a counter-based hash of (seed, i)): the compiled kernel's stream, independent of the ISA and
+    the thread count, so the same seeds give the same bits (resume). Values that are not finite
+    or beyond BF16's largest finite value are rounded to nearest.
+
+    Dtypes: θ BF16; moments BF16 or FP32; g FP32, BF16 or FP16; `seeds` int64, one per parameter.
+    """
+    _module().sr_step(
+        _flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, seeds.reshape(-1), _isa_code(isa)
+    )
+
+
+def master_step(
+    params: Tensors, masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+    scalars: torch.Tensor, *, isa: str | None = None,
+) -> None:  # fmt: skip
+    """`MasterWeightAdamW` in place: AdamW on the FP32 master θ₃₂ (FP32 moments), then the
+    visible weight θ ← r(θ₃₂), one pass.
+
+    Dtypes: θ BF16, FP16 (or FP32); masters and moments FP32; g FP32, BF16 or FP16.
+    """
+    _module().master_step(
+        _flat(params), _flat(masters), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa)
+    )
+
+
+def fp8_adamw_step(
+    params: Tensors, master_scales: Sequence[torch.Tensor | None], grads: Tensors,
+    grad_scales: Sequence[torch.Tensor | None], exp_avgs: Tensors, exp_avg_scales: Tensors, exp_avg_sqs: Tensors,
+    exp_avg_sq_scales: Tensors, scalars: torch.Tensor, *, margin: int = 0, isa: str | None = None,
+) -> None:  # fmt: skip
+    """`fp8_adamw.fp8_adamw_param_step` in place over a bucket (the step counts are the caller's).
+
+    Two passes over each tensor, as the compiled path: pass 1 computes the new (θ, m, v) and their
+    amax (an integer max of |x|'s bits, NaN above inf, per block then per tensor); the new
+    power-of-two scales follow from the amax (`fp8.scaled.pow2_scale`, margin `margin`); pass 2
+    recomputes the values and stores them saturated with the new scales, and the scale tensors
+    are updated last. Recomputing reads g, m, v, θ again (6 bytes/param for the FP8-LM formats)
+    instead of writing and re-reading FP32 m, v, θ (24): bit-identical to the reference.
+
+    Per element: θ = θ_payload·(1/s_θ) (scaled FP16 master) or θ; g = g_payload/s_g (FP8) or g;
+    m₃₂ = m_old + W1·(g − m_old), m_old = m_payload·(1/s_m); v₃₂ = (v_payload·(1/s_v))·B2 +
+    (OMB2·g)·g; u = (STEP·m₃₂)/(√v₃₂ + EPS), u ← u + DECAY·θ when DECAY ≠ 0; θ' = θ + u.
+
+    Dtypes: θ an FP16 payload with its 0-dim FP32 scale in `master_scales`, or FP32/BF16 with None;
+    g FP8 (E4M3/E5M2) with its scale in `grad_scales`, or FP32/BF16/FP16 with None; (m, v) E4M3 and
+    FP16, or FP32 and FP32 (stored unscaled, scale 1); every scale a 0-dim FP32 CPU tensor.
+    """
+    flat_scales = [None if s is None else s.detach() for s in master_scales]
+    grad_scales = [None if s is None else s.detach() for s in grad_scales]
+    _module().fp8_adamw_step(
+        _flat(params), flat_scales, _flat(grads), grad_scales, _flat(exp_avgs), list(exp_avg_scales), _flat(exp_avg_sqs),
+        list(exp_avg_sq_scales), scalars, margin, _isa_code(isa),
+    )  # fmt: skip

@@ -1,0 +1,51 @@
+// Shared declarations of the native CPU optimizer kernels (hf_lowprec.optim.native).
+//
+// Each instruction-set translation unit (isa_scalar.cpp, isa_avx2.cpp, isa_avx512.cpp) compiles
+// the same kernel templates (kernels_impl.h) for its vector width and exports one `Table` of
+// entry points. bindings.cpp picks a table at run time (CPU features, or HF_LOWPREC_CPU_ISA),
+// splits each bucket of tensors into blocks and runs the blocks on ATen's thread pool.
+#pragma once
+
+#include <cstdint>
+
+namespace hfl {
+
+// Storage formats. F16S is a scaled FP16 master (FP8AdamW): payload = saturate(real·s).
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5 };
+
+// Slots of the per-parameter scalar vector (hf_lowprec.optim.kernels._adamw_scalars).
+enum Slot : int { W1 = 0, B2 = 1, OMB2 = 2, STEP = 3, EPS = 4, DECAY = 5 };
+
+// One contiguous flat tensor of a bucket, and everything its step reads besides the elements.
+struct Row {
+  void* param = nullptr;         // θ (FP8AdamW: payload of a scaled FP16 master, or plain)
+  const void* grad = nullptr;    // g
+  void* exp_avg = nullptr;       // m
+  void* exp_avg_sq = nullptr;    // v
+  void* extra = nullptr;         // δθ (Collage), k (Kahan), FP32 master (master-weight)
+  void* extra2 = nullptr;        // δv (Collage-plus)
+  int param_dtype = F32, grad_dtype = F32, moment_dtype = F32, extra_dtype = F32;
+  int exp_avg_sq_dtype = F32;    // FP8AdamW only (m and v differ there)
+  float h[6] = {0, 0, 0, 0, 0, 0};
+  uint32_t seed_mix = 0;         // stochastic rounding: seed·0x9E3779B9 mod 2^32
+  // FP8AdamW: reciprocal scales of the stored values (real = payload·(1/s)), the gradient's
+  // scale (real = payload / s), and the new scales of pass 2.
+  float inv_param_scale = 1, grad_scale = 1, inv_m_scale = 1, inv_v_scale = 1;
+  float new_param_scale = 1, new_m_scale = 1, new_v_scale = 1;
+  int64_t numel = 0;
+};
+
+// Runs elements [begin, end) of one row. `amax` (FP8AdamW pass 1 only) receives the
+// bit patterns of max|m|, max|v|, max|θ'| over the range (NaN above +inf).
+using RangeFn = bool (*)(const Row& row, int64_t begin, int64_t end, uint32_t* amax);
+
+struct Table {
+  const char* name;
+  RangeFn adamw, collage_light, collage_plus, kahan, sr, master, fp8_amax, fp8_store;
+};
+
+const Table* table_scalar();
+const Table* table_avx2();
+const Table* table_avx512();
+
+}  // namespace hfl
