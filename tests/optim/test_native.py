@@ -1,0 +1,424 @@
+"""The native CPU kernels (`hf_lowprec.optim.native`) against the references, on every ISA this CPU runs.
+
+Bit for bit: each family's parameters and every state tensor equal the foreach reference's
+(`collage.adamw_moments_` / `adamw_delta` and the family's update, `fp8_adamw.fp8_adamw_param_step`),
+over several steps with a different step count per tensor, on data with the edges in it: zeros,
+FP32 and BF16 subnormals, a finite gradient whose square overflows, ±inf and NaN gradients,
+lengths that are odd, below one vector, not multiples of 16, and across blocks of the parallel
+split. NaN lanes must be NaN on both sides (the bits of a NaN are not specified by the references).
+Stochastic rounding uses the compiled kernel's counter-based stream: its bits are checked exactly
+against that stream applied to the reference's FP32 target, and its statistics against FP64.
+
+The tests call the kernels directly: a native path that did not run leaves the tensors at their
+initial values and fails the comparison. The module is skipped (with the reason) only when no
+compiler or ninja is available; a failed build fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_lowprec.fp8.scaled import dequantize, pow2_scale, quantize, set_master_scale
+from hf_lowprec.numerics import foreach_two_sum_
+from hf_lowprec.optim import kernels, native
+from hf_lowprec.optim.collage import adamw_delta, adamw_moments_, collage_adamw
+from hf_lowprec.optim.fp8_adamw import fp8_adamw_param_step
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+_REASON = native.native_unavailable()
+if _REASON is not None and ("compiler" in _REASON or "ninja" in _REASON):
+    pytest.skip(f"native kernels unavailable: {_REASON}", allow_module_level=True)
+
+
+def test_the_extension_builds():
+    assert _REASON is None, _REASON
+
+
+def _supported_isas() -> list[str]:
+    best = native.ISAS.index(native._module().best_isa()) if _REASON is None else len(native.ISAS) - 1
+    return list(native.ISAS[best:])
+
+
+ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(_REASON is None and isa not in _supported_isas(), reason=f"CPU lacks {isa}"))
+    for isa in native.ISAS
+]
+
+# Lengths: 1, below one AVX2 vector, odd, not multiples of 16, and one across two 32768-element
+# blocks (run in parallel).
+SIZES = [1, 7, 17, 257, 48 * 33, 70001]
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+STEP_OFFSETS = [0, 4, 0, 99, 1, 0]  # a different step count per tensor
+
+
+def _steps(step: int) -> list[int]:
+    return [step + 1 + o for o in STEP_OFFSETS]
+
+
+def _values(numel: int, generator: torch.Generator, scale: float) -> torch.Tensor:
+    return torch.randn(numel, generator=generator) * scale
+
+
+def _edge_params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    """Parameters with zeros, values near zero (|Δθ| > |θ|), BF16/FP32 subnormals and large values."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [_values(n, generator, 1.0) for n in SIZES]
+    flat = params[-1]
+    flat[:5] = 0.0
+    flat[5:40] = _values(35, generator, 1e-3)
+    flat[40:45] = 3e4
+    flat[45:50] = torch.tensor([1e-39, -1e-39, 1e-40, 5e-42, -2e-45])
+    flat[50:55] = -0.0
+    params[3][:3] = torch.tensor([0.0, 1e-39, -3e-40])
+    return [p.to(dtype) for p in params]
+
+
+def _edge_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Gradients with zeros, subnormals, an all-zero tensor, a finite g whose g² overflows FP32
+    (BF16/FP32 only) and, on one step, ±inf and NaN."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    grads = [_values(n, generator, 1e-2) for n in SIZES]
+    g = grads[-1]
+    g[0] = 0.0
+    g[1] = 1e30 if dtype != FP16 else 6e4
+    g[2:6] = torch.tensor([1e-39, -1e-40, 1e-44, -0.0])
+    g[100:110] = _values(10, generator, 1e-20)
+    if step == 1:
+        g[7], g[8], g[9] = math.inf, -math.inf, math.nan
+    grads[3][5] = -1e30 if dtype != FP16 else -6e4
+    grads[2].zero_()
+    return [t.to(dtype) for t in grads]
+
+
+def _moments(dtype: torch.dtype, seed: int = 7) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Non-zero starting moments (a zero v and subnormal v included)."""
+    generator = torch.Generator().manual_seed(seed)
+    ms = [_values(n, generator, 1e-2) for n in SIZES]
+    vs = [_values(n, generator, 1e-2).square() for n in SIZES]
+    vs[-1][:4] = torch.tensor([0.0, 1e-40, 1e-39, 3e38])
+    return [m.to(dtype) for m in ms], [v.to(dtype) for v in vs]
+
+
+def _clone(tensors):
+    return [t.clone() for t in tensors]
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bit equality, except that a NaN only has to be matched by a NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    nan_a, nan_e = torch.isnan(actual.float()), torch.isnan(expected.float())
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN at different places"
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    differ = (actual.view(bits) != expected.view(bits)) & ~nan_a
+    assert not bool(differ.any()), (
+        f"{what}: {int(differ.sum())} elements differ, first at {int(differ.nonzero()[0])}: "
+        f"{actual.view(-1)[differ.view(-1)][:3].tolist()} vs {expected.view(-1)[differ.view(-1)][:3].tolist()}"
+    )
+
+
+def _same_all(actual: list, expected: list, what: str) -> None:
+    for index, (a, e) in enumerate(zip(actual, expected)):
+        _same(a, e, f"{what}[{index}] (numel {a.numel()})")
+
+
+def _scalars(steps):
+    return native.adamw_scalars(steps, **HYPER)
+
+
+def _reference_delta(params, grads, ms, vs, steps, v_errors=None):
+    m32, v32 = adamw_moments_(ms, vs, grads, beta1=HYPER["beta1"], beta2=HYPER["beta2"], exp_avg_sq_errors=v_errors)
+    return adamw_delta(params, m32, v32, steps, **HYPER)
+
+
+# --- AdamW: bf16-pure, FP32 states, FP32 -------------------------------------------------
+
+ADAMW_DTYPES = [  # (param, grad, moments)
+    (BF16, BF16, BF16), (BF16, FP32, BF16), (BF16, BF16, FP32), (FP16, FP16, FP32), (FP32, FP32, FP32), (FP32, BF16, FP32),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtypes", ADAMW_DTYPES, ids=lambda d: "-".join(str(x).split(".")[1] for x in d))
+def test_adamw_is_bit_identical(isa, dtypes):
+    p_dtype, g_dtype, m_dtype = dtypes
+    params = _edge_params(p_dtype)
+    ms, vs = _moments(m_dtype)
+    ref = [_clone(params), _clone(ms), _clone(vs)]
+    for step in range(3):
+        grads = _edge_grads(step, g_dtype)
+        native.adamw_step(params, grads, ms, vs, _scalars(_steps(step)), isa=isa)
+        delta = _reference_delta(ref[0], grads, ref[1], ref[2], _steps(step))
+        for p, d in zip(ref[0], delta):
+            p.add_(d)
+        _same_all(params, ref[0], f"step {step} param")
+        _same_all(ms, ref[1], f"step {step} exp_avg")
+        _same_all(vs, ref[2], f"step {step} exp_avg_sq")
+
+
+# --- Collage light / plus ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("variant", ["light", "plus"])
+@pytest.mark.parametrize("g_dtype", [BF16, FP32], ids=["g-bf16", "g-fp32"])
+def test_collage_is_bit_identical(isa, variant, g_dtype):
+    params = _edge_params(BF16)
+    generator = torch.Generator().manual_seed(3)
+    errors = [(_values(p.numel(), generator, 1e-3) * p.float().abs()).to(BF16) for p in params]
+    ms, vs = _moments(BF16)
+    v_errors = [(v.float() * 1e-3).to(BF16) for v in vs] if variant == "plus" else None
+    ref = [_clone(params), _clone(errors), _clone(ms), _clone(vs), None if v_errors is None else _clone(v_errors)]
+    for step in range(3):
+        grads = _edge_grads(step, g_dtype)
+        native.collage_step(params, errors, grads, ms, vs, v_errors, _scalars(_steps(step)), isa=isa)
+        collage_adamw(ref[0], grads, ref[2], ref[3], ref[1], ref[4], _steps(step), variant=variant, **HYPER)
+        _same_all(params, ref[0], f"step {step} param")
+        _same_all(errors, ref[1], f"step {step} param_error")
+        _same_all(ms, ref[2], f"step {step} exp_avg")
+        _same_all(vs, ref[3], f"step {step} exp_avg_sq")
+        if v_errors is not None:
+            _same_all(v_errors, ref[4], f"step {step} exp_avg_sq_error")
+
+
+# --- Kahan ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtypes", [(BF16, BF16), (BF16, FP32), (FP16, FP32)], ids=["bf16", "bf16-fp32states", "fp16-fp32states"])
+def test_kahan_is_bit_identical(isa, dtypes):
+    p_dtype, m_dtype = dtypes
+    params = _edge_params(p_dtype)
+    generator = torch.Generator().manual_seed(5)
+    comps = [(_values(p.numel(), generator, 1e-3) * p.float().abs()).to(p_dtype) for p in params]
+    ms, vs = _moments(m_dtype)
+    ref = [_clone(params), _clone(comps), _clone(ms), _clone(vs)]
+    for step in range(3):
+        grads = _edge_grads(step, p_dtype)
+        native.kahan_step(params, comps, grads, ms, vs, _scalars(_steps(step)), isa=isa)
+        delta = _reference_delta(ref[0], grads, ref[2], ref[3], _steps(step))
+        for k, d in zip(ref[1], delta):
+            k.add_(d)  # y = r(Δθ₃₂ + k)
+        foreach_two_sum_(ref[0], ref[1])
+        _same_all(params, ref[0], f"step {step} param")
+        _same_all(comps, ref[1], f"step {step} compensation")
+        _same_all(ms, ref[2], f"step {step} exp_avg")
+        _same_all(vs, ref[3], f"step {step} exp_avg_sq")
+
+
+# --- master weights ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("p_dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_master_weight_step_is_bit_identical(isa, p_dtype):
+    masters = _edge_params(FP32)
+    params = [m.to(p_dtype) for m in masters]
+    ms, vs = _moments(FP32)
+    ref = [_clone(params), _clone(masters), _clone(ms), _clone(vs)]
+    for step in range(3):
+        grads = _edge_grads(step, p_dtype)
+        native.master_step(params, masters, grads, ms, vs, _scalars(_steps(step)), isa=isa)
+        delta = _reference_delta(ref[1], grads, ref[2], ref[3], _steps(step))
+        for master, d in zip(ref[1], delta):
+            master.add_(d)
+        torch._foreach_copy_(ref[0], ref[1])
+        _same_all(params, ref[0], f"step {step} param")
+        _same_all(masters, ref[1], f"step {step} master")
+        _same_all(ms, ref[2], f"step {step} exp_avg")
+        _same_all(vs, ref[3], f"step {step} exp_avg_sq")
+
+
+# --- stochastic rounding -------------------------------------------------------------------
+
+
+def _sr_expected(target: torch.Tensor, seed: int) -> torch.Tensor:
+    """`kernels.stochastic_rounding_kernel`'s rounding of an FP32 target with its stream."""
+    bits = target.view(torch.int32) + kernels._uniform_bits16(target.numel(), torch.tensor(seed), target.device)
+    rounded = (bits & -65536).view(torch.float32)
+    plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(BF16).max)
+    return torch.where(plain, target, rounded).to(BF16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m_dtype", [BF16, FP32], ids=["bf16-states", "fp32-states"])
+def test_stochastic_rounding_is_the_compiled_stream_bit_for_bit(isa, m_dtype):
+    params = _edge_params(BF16)
+    params[-1][60:70] = torch.tensor([3.3e38, -3.3e38] * 5).to(BF16)  # near BF16's maximum
+    ms, vs = _moments(m_dtype)
+    ref = [_clone(params), _clone(ms), _clone(vs)]
+    for step in range(3):
+        grads = _edge_grads(step, BF16)
+        seeds = torch.arange(len(SIZES), dtype=torch.int64) * 7919 + 2**31 - 100 * step - 2
+        native.sr_step(params, grads, ms, vs, _scalars(_steps(step)), seeds, isa=isa)
+        delta = _reference_delta(ref[0], grads, ref[1], ref[2], _steps(step))
+        for index, (p, d) in enumerate(zip(ref[0], delta)):
+            p.copy_(_sr_expected(d + p.float(), int(seeds[index])))
+        _same_all(params, ref[0], f"step {step} param")
+        _same_all(ms, ref[1], f"step {step} exp_avg")
+        _same_all(vs, ref[2], f"step {step} exp_avg_sq")
+
+
+def test_stochastic_rounding_is_unbiased_and_bounded():
+    """θ = 1 with an update of about −0.1 ulp: every result is one of the two BF16 neighbours of
+    the target x = θ + Δθ₃₂, and the mean over 2^20 elements (summed in FP64) is x within 5
+    standard deviations of a Bernoulli average, σ = ulp·√(p(1 − p)/n). x is the FP32 value the
+    kernel rounds: the same step on an FP32 parameter (bit-identical to the reference above)."""
+    n = 1 << 20
+    scalars = native.adamw_scalars([1], lr=2.0**-8 * 0.1, beta1=0.9, beta2=0.999, eps=0.0, weight_decay=0.0)
+    exact = [torch.ones(1)]
+    native.adamw_step(exact, [torch.ones(1)], [torch.zeros(1)], [torch.zeros(1)], scalars)
+    target = float(exact[0])
+    param = torch.ones(n, dtype=BF16)
+    state = [torch.zeros(n, dtype=BF16), torch.zeros(n, dtype=BF16)]
+    native.sr_step([param], [torch.ones(n, dtype=BF16)], [state[0]], [state[1]], scalars, torch.tensor([12345]))
+    low, high = 1.0 - 2.0**-8, 1.0  # the BF16 neighbours of x (ulp 2^-8 just below 1)
+    assert low < target < high and target < 1.0 - 2.0**-12
+    values = param.double()
+    assert bool(((values == low) | (values == high)).all())
+    p_low = (high - target) / (high - low)
+    sigma = (high - low) * math.sqrt(p_low * (1 - p_low) / n)
+    assert abs(values.mean().item() - target) < 5 * sigma
+
+
+def test_stochastic_rounding_repeats_with_the_same_seed_and_differs_with_another():
+    def run(seed: int) -> torch.Tensor:
+        params = _edge_params(BF16)
+        ms, vs = _moments(BF16)
+        native.sr_step(params, _edge_grads(0, BF16), ms, vs, _scalars(_steps(0)), torch.full((len(SIZES),), seed))
+        return params[-1]
+
+    first, again, other = run(11), run(11), run(12)
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    assert not torch.equal(first.view(torch.int16), other.view(torch.int16))
+
+
+# --- FP8AdamW --------------------------------------------------------------------------------
+
+
+def _fp8_setup(kind: str, seed: int = 0):
+    """One FP8-LM O2 row set: scaled FP16 masters with E4M3 m / FP16 v, or FP32 params with
+    FP32 states; every size of SIZES."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in SIZES:
+        real = _values(n, generator, 0.05)
+        if kind == "scaled":
+            scale = pow2_scale(real.abs().amax(), FP16)
+            param = quantize(real, scale, FP16)
+            state = {
+                "step": 0, "exp_avg": torch.zeros(n, dtype=torch.float8_e4m3fn), "exp_avg_scale": torch.ones(()),
+                "exp_avg_sq": torch.zeros(n, dtype=FP16), "exp_avg_sq_scale": torch.ones(()),
+            }  # fmt: skip
+        else:
+            scale, param = None, real
+            state = {
+                "step": 0, "exp_avg": torch.zeros(n), "exp_avg_scale": torch.ones(()),
+                "exp_avg_sq": torch.zeros(n), "exp_avg_sq_scale": torch.ones(()),
+            }  # fmt: skip
+        rows.append([param, scale, state])
+    return rows
+
+
+def _fp8_grads(step: int, kind: str, clip: float):
+    generator = torch.Generator().manual_seed(500 + step)
+    out = []
+    for index, n in enumerate(SIZES):
+        g = _values(n, generator, 1e-3)
+        g[0] = 0.0
+        if index == 2 and step == 1:
+            g.zero_()
+        if kind == "scaled":
+            scale = pow2_scale(g.abs().amax(), torch.float8_e4m3fn) * clip
+            out.append((quantize(g, scale, torch.float8_e4m3fn), scale))
+        else:
+            out.append((g.to(BF16), None))
+    return out
+
+
+def _copy_rows(rows):
+    return [[p.clone(), None if s is None else s.clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}]
+            for p, s, st in rows]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["scaled", "fp32"])
+@pytest.mark.parametrize("clip", [1.0, 0.7], ids=["pow2", "clipped"])
+def test_fp8_adamw_is_bit_identical(isa, kind, clip):
+    rows = _fp8_setup(kind)
+    ref = _copy_rows(rows)
+    for step in range(4):
+        grads = _fp8_grads(step, kind, clip)
+        for row in rows:
+            row[2]["step"] += 1
+        scalars = _scalars([r[2]["step"] for r in rows])
+        native.fp8_adamw_step(
+            [r[0] for r in rows], [r[1] for r in rows], [g for g, _ in grads], [s for _, s in grads],
+            [r[2]["exp_avg"] for r in rows], [r[2]["exp_avg_scale"] for r in rows],
+            [r[2]["exp_avg_sq"] for r in rows], [r[2]["exp_avg_sq_scale"] for r in rows], scalars, margin=0, isa=isa,
+        )  # fmt: skip
+        for (param, scale, state), (g, g_scale) in zip(ref, grads):
+            set_master_scale(param, scale)
+            real_g = g.float() if g_scale is None else dequantize(g, g_scale)
+            fp8_adamw_param_step(param, real_g, state, lr=HYPER["lr"], beta1=HYPER["beta1"], beta2=HYPER["beta2"],
+                                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], margin=0)  # fmt: skip
+        for index, ((p, s, st), (rp, rs, rst)) in enumerate(zip(rows, ref)):
+            what = f"step {step} row {index}"
+            _same(p, rp, f"{what} param")
+            if s is not None:
+                _same(s, rs, f"{what} master scale")
+            for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+                _same(st[key], rst[key], f"{what} {key}")
+
+
+# --- the ISA switch, errors ----------------------------------------------------------------
+
+
+def test_forced_isa_by_environment_runs_that_isa():
+    """HF_LOWPREC_CPU_ISA picks the kernels (checked in a fresh process); an unknown value or an
+    ISA the CPU lacks is refused with the fix, before any work."""
+    code = (
+        "import torch; from hf_lowprec.optim import native; print(native.isa());"
+        "p = [torch.ones(37, dtype=torch.bfloat16)]; g = [torch.full((37,), 0.5, dtype=torch.bfloat16)];"
+        "m = [torch.zeros(37, dtype=torch.bfloat16)]; v = [torch.zeros(37, dtype=torch.bfloat16)];"
+        "native.adamw_step(p, g, m, v, native.adamw_scalars([1], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, "
+        "weight_decay=0.0)); print(p[0][0].item())"
+    )
+    for isa in _supported_isas():
+        env = {**os.environ, native.ISA_ENV: isa}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        assert out[0] == isa and float(out[1]) < 1.0
+    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "sse9"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "choose one of avx512, avx2, scalar" in bad.stderr
+    if "avx512" not in _supported_isas():
+        lacking = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "avx512"},
+                                 capture_output=True, text=True)  # fmt: skip
+        assert lacking.returncode != 0 and "which this CPU lacks" in lacking.stderr
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    params = [torch.ones(10, dtype=BF16), torch.ones(12, dtype=BF16)]
+    before = [p.clone() for p in params]
+    grads = [torch.ones(10, dtype=BF16), torch.ones(11, dtype=BF16)]
+    ms = [torch.zeros(10, dtype=BF16), torch.zeros(12, dtype=BF16)]
+    vs = [torch.zeros(10, dtype=BF16), torch.zeros(12, dtype=BF16)]
+    scalars = _scalars([1, 1])
+    with pytest.raises(RuntimeError, match=r"grads\[1\] has 11 elements"):
+        native.adamw_step(params, grads, ms, vs, scalars)
+    grads[1] = torch.ones(12, dtype=BF16)
+    with pytest.raises(RuntimeError, match="shape \\(2, 6\\)"):
+        native.adamw_step(params, grads, ms, vs, scalars[:1])
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        native.adamw_step(params, [grads[0], torch.ones(24, dtype=BF16)[::2]], ms, vs, scalars)
+    with pytest.raises(RuntimeError, match="unsupported dtype combination"):
+        native.adamw_step([p.half() for p in params], grads, [m.half() for m in ms], [v.half() for v in vs], scalars)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        native.adamw_step(params, grads, ms, [v.float() for v in vs], scalars)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
