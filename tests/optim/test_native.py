@@ -422,3 +422,159 @@ def test_bad_arguments_are_refused_before_any_work():
         native.adamw_step(params, grads, ms, [v.float() for v in vs], scalars)
     for p, b in zip(params, before):
         assert torch.equal(p, b)
+
+
+# --- COAT ------------------------------------------------------------------------------------
+
+COAT_SIZES = [7, 640, 1584, 70001]  # a partial group alone, whole groups, partial last groups
+
+
+def _coat_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2000 + step)
+    grads = [_values(n, generator, 1e-2) for n in COAT_SIZES]
+    grads[-1][:3] = torch.tensor([0.0, 1e30, -1e-39])
+    grads[1][:128] = 0.0  # an all-zero group
+    if step == 1:
+        grads[2][200] = math.nan  # poisons its group: NaN scale, NaN from then on
+    return [g.to(dtype) for g in grads]
+
+
+def _coat_pair(dtype: torch.dtype, v_format: str, expand: bool):
+    """A reference COATAdamW (foreach) and native state for the same parameters."""
+    from hf_lowprec.coat.state import FP8GroupState
+    from hf_lowprec.optim import COATAdamW
+
+    generator = torch.Generator().manual_seed(9)
+    params = [_values(n, generator, 1.0).to(dtype) for n in COAT_SIZES]
+    ref = [p.clone().requires_grad_() for p in params]
+    optimizer = COATAdamW(ref, exp_avg_sq_format=v_format, expand=expand, fused="foreach", **{
+        "lr": HYPER["lr"], "betas": (HYPER["beta1"], HYPER["beta2"]), "eps": HYPER["eps"],
+        "weight_decay": HYPER["weight_decay"]})  # fmt: skip
+    v_dtype = torch.float8_e4m3fn if v_format == "e4m3" else torch.float8_e5m2
+    ms = [FP8GroupState.zeros(p.shape, expand=expand) for p in params]
+    vs = [FP8GroupState.zeros(p.shape, fp8_dtype=v_dtype, expand=expand) for p in params]
+    errors = None if dtype == FP32 else [torch.zeros_like(p) for p in params]
+    return params, errors, ms, vs, ref, optimizer
+
+
+def _coat_state_fields(state: dict, key: str) -> list[torch.Tensor]:
+    return [state[key], state[f"{key}_scale"], state[f"{key}_exponent"], state[f"{key}_center"]]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32-master", "bf16-grow"])
+@pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
+def test_coat_without_expansion_is_bit_identical(isa, dtype, v_format):
+    params, errors, ms, vs, ref, optimizer = _coat_pair(dtype, v_format, expand=False)
+    for step in range(3):
+        grads = _coat_grads(step, dtype)
+        native.coat_step(params, errors, grads, ms, vs, _scalars([step + 1] * len(params)), expand=False, isa=isa)
+        for r, g in zip(ref, grads):
+            r.grad = g
+        optimizer.step()
+        for index, (p, r) in enumerate(zip(params, ref)):
+            what = f"step {step} tensor {index}"
+            state = optimizer.state[r]
+            _same(p, r.detach(), f"{what} param")
+            if errors is not None:
+                _same(errors[index], state["param_error"], f"{what} param_error")
+            for key, mine in (("exp_avg", ms[index]), ("exp_avg_sq", vs[index])):
+                fields = [mine.payload, mine.scale, mine.exponent, mine.center]
+                for name, a, e in zip(("payload", "scale", "exponent", "center"), fields, _coat_state_fields(state, key)):
+                    _same(a, e, f"{what} {key} {name}")
+
+
+def _decode64(payload: torch.Tensor, scale, exponent, center, numel: int) -> torch.Tensor:
+    """A group state decoded in FP64: sign(y)·|y|^(1/k)·c, y = q/s."""
+    groups = scale.numel()
+    y = payload.double().view(groups, -1) / scale.double()[:, None]
+    x = y.abs().pow(1.0 / exponent.double()[:, None]) * center.double()[:, None]
+    return x.copysign(y).view(-1)[:numel]
+
+
+def _fp8_half_ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of `dtype` (E4M3/E5M2) codes at |y| (FP64), subnormals included."""
+    mantissa, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    exponent = torch.floor(torch.log2(y.abs().clamp_min(2.0**min_exp)))
+    return torch.exp2(exponent - mantissa - 1)
+
+
+def _quantization_interval(x64, slack, scale, exponent, center, dtype, group):
+    """Bounds on |decode(encode(x))| for |x| within x64 ± slack, given the group's (s, k, c):
+    the encoded y = (|x|/c)^k·s moves to a code within half an FP8 spacing (plus 2^-16
+    relative for the FP32 evaluation), then decodes through (·/s)^(1/k)·c; FP64 throughout."""
+    s = scale.double()[group]
+    k = exponent.double()[group]
+    c = center.double()[group]
+    lo = ((x64.abs() - slack).clamp_min(0) / c).pow(k) * s
+    hi = ((x64.abs() + slack) / c).pow(k) * s
+    lo = (lo - _fp8_half_ulp(lo, dtype)).clamp_min(0) * (1 - 2.0**-16)
+    hi = (hi + _fp8_half_ulp(hi, dtype)) * (1 + 2.0**-16)
+    return (lo / s).pow(1 / k) * c * (1 - 2.0**-16), (hi / s).pow(1 / k) * c * (1 + 2.0**-16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_coat_with_expansion_is_within_the_fp64_bounds(isa):
+    """With range expansion the native powers are not PyTorch's `pow` (a few FP32 ulps): from
+    the same state, one step of the native kernel and of the reference are both checked against
+    FP64 (the decoded old state, the AdamW update and θ in FP64):
+
+    - θ: |θ − θ₆₄| ≤ 2^-16·(|s|·(|m_old| + |g|)/(√v + ε') + |Δθ₆₄|) + ulp(θ₆₄): FP32 rounding of
+      the moment update (its cancellation is absolute, in |m_old| + |g|), of the decoded moments
+      (a few ulps from the powers), the root and the division, then the add;
+    - each decoded new moment within the quantization interval of its FP64 value (half an FP8
+      spacing of y = (|x|/c)^k·s, with the group's own (s, k, c) and the same FP32 slack);
+    - the exponents k: the same as the reference's in at least 99% of the groups (the moments'
+      smallest non-zero value, which sets k and c, can come from a cancellation)."""
+    params, _, ms, vs, ref, optimizer = _coat_pair(FP32, "e4m3", expand=True)
+    for step in range(2):  # the second step starts from a non-trivial reference state
+        grads = _coat_grads(step, FP32)
+        for r, g in zip(ref, grads):
+            r.grad = g
+        if step == 1:
+            states = [optimizer.state[r] for r in ref]
+            for m, v, state, p, r in zip(ms, vs, states, params, ref):
+                for mine, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
+                    for target, source in zip((mine.payload, mine.scale, mine.exponent, mine.center), _coat_state_fields(state, key)):
+                        target.copy_(source)
+                p.copy_(r.detach())
+            before = [(p.double(), [f.clone() for f in _coat_state_fields(s, "exp_avg")],
+                       [f.clone() for f in _coat_state_fields(s, "exp_avg_sq")]) for p, s in zip(params, states)]  # fmt: skip
+            native.coat_step(params, None, grads, ms, vs, _scalars([2] * len(params)), expand=True, isa=isa)
+        optimizer.step()
+    h = _scalars([2])[0].double()
+    groups_total, k_same = 0, 0
+    for index, ((theta, m_fields, v_fields), g, p, r) in enumerate(zip(before, grads, params, ref)):
+        n = theta.numel()
+        finite = torch.isfinite(g)
+        g64 = g.double()
+        m_old = _decode64(*m_fields, n)
+        v_old = _decode64(*v_fields, n)
+        m64 = m_old + h[0] * (g64 - m_old)
+        v64 = (v_old * h[1] + h[2] * g64 * g64).clamp_max(torch.finfo(FP32).max)
+        den = v64.sqrt() + h[4]
+        delta = theta * h[5] + h[3] * m64 / den
+        theta64 = theta + delta
+        ulp = torch.finfo(FP32).eps * theta64.abs().clamp_min(torch.finfo(FP32).tiny)
+        tol = 2.0**-16 * (h[3].abs() * (m_old.abs() + g64.abs()) / den + delta.abs()) + ulp
+        ok = finite & torch.isfinite(theta64)
+        for name, got in (("native", p), ("reference", r.detach())):
+            error = (got.double() - theta64).abs()
+            assert bool((error[ok] <= tol[ok]).all()), f"{name} θ of tensor {index}: {(error / tol)[ok].max():.3g} × the bound"
+        group = torch.arange(n) // 128
+        slack_m = 2.0**-16 * (m_old.abs() + g64.abs())
+        slack_v = 2.0**-16 * (v_old.abs() + h[2] * g64 * g64)
+        good_groups = torch.isfinite(ms[index].scale)
+        usable = good_groups[group] & finite
+        for name, fields in (("native", None), ("reference", optimizer.state[r])):
+            for key, x64, slack, state in (("exp_avg", m64, slack_m, ms[index]), ("exp_avg_sq", v64, slack_v, vs[index])):
+                stored = [state.payload, state.scale, state.exponent, state.center] if fields is None else _coat_state_fields(fields, key)
+                dtype = stored[0].dtype
+                decoded = _decode64(*stored, n).abs()
+                lo, hi = _quantization_interval(x64, slack, *stored[1:], dtype, group)
+                inside = (decoded >= lo) & (decoded <= hi)
+                assert bool(inside[usable].all()), f"{name} {key} of tensor {index}: {int((~inside & usable).sum())} outside"
+        groups_total += ms[index].exponent.numel() + vs[index].exponent.numel()
+        k_same += int((ms[index].exponent == optimizer.state[r]["exp_avg_exponent"]).sum())
+        k_same += int((vs[index].exponent == optimizer.state[r]["exp_avg_sq_exponent"]).sum())
+    assert k_same >= 0.99 * groups_total

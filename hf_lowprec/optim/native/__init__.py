@@ -39,6 +39,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ __all__ = [
     "ISAS",
     "adamw_scalars",
     "adamw_step",
+    "coat_step",
     "collage_step",
     "fp8_adamw_step",
     "isa",
@@ -255,4 +257,48 @@ def fp8_adamw_step(
     _module().fp8_adamw_step(
         _flat(params), flat_scales, _flat(grads), grad_scales, _flat(exp_avgs), list(exp_avg_scales), _flat(exp_avg_sqs),
         list(exp_avg_sq_scales), scalars, margin, _isa_code(isa),
+    )  # fmt: skip
+
+
+def _group_fields(state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(state, (tuple, list)):
+        payload, scale, exponent, center = state
+    else:  # coat.state.FP8GroupState
+        payload, scale, exponent, center = state.payload, state.scale, state.exponent, state.center
+    return payload.detach().view(-1), scale.detach(), exponent.detach(), center.detach()
+
+
+def coat_step(
+    params: Tensors, param_errors: Tensors | None, grads: Tensors, exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any],
+    scalars: torch.Tensor, *, group_size: int = 128, expand: bool = True, isa: str | None = None,
+) -> None:  # fmt: skip
+    """`COATAdamW`'s step in place (`kernels._coat_kernel`), group by group of `group_size`.
+
+    Per group of m and of v: decode x = sign(y)·|y|^(1/k)·c, y = q/s (expand) or x = q/s; the
+    AdamW update (FP32, v clamped to FP32's max); θ ← θ + Δθ₃₂ (FP32 θ) or (θ, δθ) ←
+    Grow((θ, δθ), r(Δθ₃₂)) (BF16/FP16 θ); then `coat.quantize_state` of the new m and v: amax,
+    amin (smallest non-zero), k = max(1, ⌊log2(F²/2)/log2(amax/amin)·16⌋/16) (FP64),
+    c = √amax·√amin, |x| ← (|x|/c)^k, s = F/amax, q = cast(clamp(x·s) + (x·s − x·s)).
+    A last partial group is padded with zeros, as `quantize_state` pads.
+
+    Numerics: without expansion (or in groups with k = 1) every operation is the reference's and
+    the result is bit-identical. With k > 1 the powers use the kernels' own vector
+    log2/exp2 (a few FP32 ulps, not PyTorch's `pow`): decoded values and the update then differ
+    from the reference by a few ulps, and a value on an FP8 rounding boundary may take the
+    neighbouring code (the tests bound both against FP64).
+
+    Args:
+        param_errors: δθ per BF16/FP16 parameter (its dtype), or None for FP32 parameters.
+        exp_avgs, exp_avg_sqs: per parameter an `FP8GroupState` or a tuple (payload, scale,
+            exponent, center): payload float8_e4m3fn for m, float8_e4m3fn or float8_e5m2 for v,
+            padded to whole groups; FP32 metadata, one value per group; updated in place.
+        group_size: a multiple of 16 up to 1024 (COAT: 128).
+    Dtypes: θ FP32, BF16 or FP16; g FP32, BF16 or FP16.
+    """
+    m = [_group_fields(s) for s in exp_avgs]
+    v = [_group_fields(s) for s in exp_avg_sqs]
+    errors = None if param_errors is None else _flat(param_errors)
+    _module().coat_step(
+        _flat(params), errors, _flat(grads), *([list(f) for f in zip(*m)] if m else [[]] * 4),
+        *([list(f) for f in zip(*v)] if v else [[]] * 4), scalars, group_size, expand, _isa_code(isa),
     )  # fmt: skip

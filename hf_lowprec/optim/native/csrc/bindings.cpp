@@ -101,16 +101,19 @@ struct Block {
   int64_t row, begin, end;
 };
 
-std::vector<Block> blocks_of(const std::vector<Row>& rows) {
+// Blocks of about kBlock elements, each a multiple of `align` (COAT's group size) long.
+std::vector<Block> blocks_of(const std::vector<Row>& rows, int64_t align = 1) {
+  const int64_t size = std::max<int64_t>(1, kBlock / align) * align;
   std::vector<Block> blocks;
   for (size_t r = 0; r < rows.size(); ++r)
-    for (int64_t b = 0; b < rows[r].numel; b += kBlock) blocks.push_back({static_cast<int64_t>(r), b, std::min(rows[r].numel, b + kBlock)});
+    for (int64_t b = 0; b < rows[r].numel; b += size) blocks.push_back({static_cast<int64_t>(r), b, std::min(rows[r].numel, b + size)});
   return blocks;
 }
 
 // Runs `fn` over every element of every row, the blocks spread over ATen's threads.
-void run_rows(const char* fn_name, RangeFn fn, const std::vector<Row>& rows, std::vector<uint32_t>* amax = nullptr) {
-  auto blocks = blocks_of(rows);
+void run_rows(const char* fn_name, RangeFn fn, const std::vector<Row>& rows, std::vector<uint32_t>* amax = nullptr,
+              int64_t align = 1) {
+  auto blocks = blocks_of(rows, align);
   if (amax) amax->assign(3 * blocks.size(), 0);
   int64_t total = 0;
   for (const auto& r : rows) total += r.numel;
@@ -257,7 +260,8 @@ float pow2_scale(uint32_t amax_bits, float format_max_value, int64_t margin) {
   float amax;
   std::memcpy(&amax, &amax_bits, 4);
   if (!(amax > 0.0f) || !std::isfinite(amax)) return 1.0f;
-  float ratio = format_max_value / amax;  // one FP32 division, as the tensor op
+  // F / amax as PyTorch evaluates a Python scalar over a tensor: (1/amax)·F, two FP32 roundings.
+  float ratio = (1.0f / amax) * format_max_value;
   float clamped = std::min(ratio, std::numeric_limits<float>::max());
   int exponent = 0;
   std::frexp(clamped, &exponent);
@@ -348,6 +352,79 @@ void fp8_adamw_step(const TensorList& params, const OptionalList& master_scales,
   }
 }
 
+
+void check_meta(const char* fn, const char* what, size_t i, const at::Tensor& t, int64_t groups) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == groups, fn,
+              ": ", what, "[", i, "] must be a contiguous FP32 CPU tensor of ", groups, " values (one per group), got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+void coat_step(const TensorList& params, const std::optional<TensorList>& param_errors, const TensorList& grads,
+               const TensorList& m_payloads, const TensorList& m_scales, const TensorList& m_exponents,
+               const TensorList& m_centers, const TensorList& v_payloads, const TensorList& v_scales,
+               const TensorList& v_exponents, const TensorList& v_centers, const at::Tensor& scalars,
+               int64_t group_size, bool expand, int64_t isa) {
+  const char* fn = "coat_step";
+  const size_t n = params.size();
+  check_lengths(fn, n, {{"grads", grads.size()}, {"exp_avg payloads", m_payloads.size()},
+                        {"exp_avg scales", m_scales.size()}, {"exp_avg exponents", m_exponents.size()},
+                        {"exp_avg centers", m_centers.size()}, {"exp_avg_sq payloads", v_payloads.size()},
+                        {"exp_avg_sq scales", v_scales.size()}, {"exp_avg_sq exponents", v_exponents.size()},
+                        {"exp_avg_sq centers", v_centers.size()}});
+  if (param_errors) check_lengths(fn, n, {{"param_errors", param_errors->size()}});
+  TORCH_CHECK(group_size > 0 && group_size <= kMaxGroup && group_size % 16 == 0, fn, ": group_size must be a ",
+              "multiple of 16 up to ", kMaxGroup, " (COAT uses 128), got ", group_size,
+              "; use the reference path for other sizes");
+  std::vector<Row> rows;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    const int64_t groups = (numel + group_size - 1) / group_size;
+    check_tensor(fn, "params", i, params[i], numel);
+    check_tensor(fn, "grads", i, grads[i], numel);
+    check_tensor(fn, "exp_avg payloads", i, m_payloads[i], groups * group_size);
+    check_tensor(fn, "exp_avg_sq payloads", i, v_payloads[i], groups * group_size);
+    check_meta(fn, "exp_avg scales", i, m_scales[i], groups);
+    check_meta(fn, "exp_avg exponents", i, m_exponents[i], groups);
+    check_meta(fn, "exp_avg centers", i, m_centers[i], groups);
+    check_meta(fn, "exp_avg_sq scales", i, v_scales[i], groups);
+    check_meta(fn, "exp_avg_sq exponents", i, v_exponents[i], groups);
+    check_meta(fn, "exp_avg_sq centers", i, v_centers[i], groups);
+    Row r;
+    r.numel = numel;
+    r.param = params[i].data_ptr();
+    r.grad = grads[i].data_ptr();
+    r.exp_avg = m_payloads[i].data_ptr();
+    r.exp_avg_sq = v_payloads[i].data_ptr();
+    r.param_dtype = dtype_code(params[i]);
+    r.grad_dtype = dtype_code(grads[i]);
+    r.moment_dtype = dtype_code(m_payloads[i]);
+    r.exp_avg_sq_dtype = dtype_code(v_payloads[i]);
+    TORCH_CHECK(r.moment_dtype == E4M3 && (r.exp_avg_sq_dtype == E4M3 || r.exp_avg_sq_dtype == E5M2), fn,
+                ": COAT stores m as float8_e4m3fn and v as float8_e4m3fn or float8_e5m2, got ",
+                m_payloads[i].scalar_type(), " and ", v_payloads[i].scalar_type());
+    const bool low = r.param_dtype == BF16 || r.param_dtype == F16;
+    TORCH_CHECK(low == static_cast<bool>(param_errors), fn, ": params[", i, "] is ", params[i].scalar_type(),
+                "; BF16/FP16 parameters need their δθ in param_errors, FP32 parameters take None");
+    if (param_errors) {
+      check_tensor(fn, "param_errors", i, (*param_errors)[i], numel);
+      TORCH_CHECK((*param_errors)[i].scalar_type() == params[i].scalar_type(), fn, ": param_errors[", i,
+                  "] must have the parameter's dtype");
+      r.extra = (*param_errors)[i].data_ptr();
+    }
+    r.m_meta[0] = m_scales[i].data_ptr<float>();
+    r.m_meta[1] = m_exponents[i].data_ptr<float>();
+    r.m_meta[2] = m_centers[i].data_ptr<float>();
+    r.v_meta[0] = v_scales[i].data_ptr<float>();
+    r.v_meta[1] = v_exponents[i].data_ptr<float>();
+    r.v_meta[2] = v_centers[i].data_ptr<float>();
+    r.group_size = group_size;
+    r.expand = expand;
+    rows.push_back(r);
+  }
+  fill_scalars(fn, scalars, rows);
+  run_rows(fn, table_for(isa)->coat, rows, nullptr, group_size);
+}
+
 }  // namespace
 }  // namespace hfl
 
@@ -360,4 +437,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sr_step", &hfl::sr_step);
   m.def("master_step", &hfl::master_step);
   m.def("fp8_adamw_step", &hfl::fp8_adamw_step);
+  m.def("coat_step", &hfl::coat_step);
 }

@@ -34,8 +34,11 @@ struct V8 {
   template <int N> static I srl(I a) { return _mm256_srli_epi32(a, N); }
   template <int N> static I sll(I a) { return _mm256_slli_epi32(a, N); }
   static I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  static I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static M igt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   static M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  static M mor(M a, M b) { return _mm256_or_si256(a, b); }
   static M isnan(F x) { return bits(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
   static M not_le(F a, F b) { return bits(_mm256_cmp_ps(a, b, _CMP_NLE_UQ)); }
   static M lt(F a, F b) { return bits(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }

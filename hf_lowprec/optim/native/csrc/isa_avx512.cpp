@@ -37,8 +37,11 @@ struct V16 {
   template <int N> static I srl(I a) { return _mm512_srli_epi32(a, N); }
   template <int N> static I sll(I a) { return _mm512_slli_epi32(a, N); }
   static I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  static I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
   static M igt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   static M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static M mor(M a, M b) { return static_cast<M>(a | b); }
   static M isnan(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
   static M not_le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLE_UQ); }
   static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }

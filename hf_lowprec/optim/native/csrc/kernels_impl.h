@@ -514,7 +514,248 @@ inline bool fp8_store_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
   HFL_FP8_DISPATCH(run_fp8, FP8StoreKernel, r, b, e)
 }
 
+
+// ---- COAT: per-group FP8 moments with dynamic range expansion (coat.state) -------------
+
+// log2(x) for x > 0 (normal or subnormal): x = 2^e·m with m in [√½, √2), and
+// ln m = 2·atanh(t), t = (m − 1)/(m + 1), |t| <= 0.172, by its series to t⁹ (truncation
+// below 2^-28 relative). Error a few FP32 ulps of the result, and relative to log2 m near m = 1.
+template <class V>
+inline typename V::F log2_positive(typename V::F x) {
+  auto tiny = V::lt(x, V::set1(1.17549435e-38f));
+  x = V::select(tiny, x * V::set1(8388608.0f), x);
+  auto u = V::bits(x);
+  auto e = V::to_float(V::sub(V::template srl<23>(u), V::iset1(127)));
+  e = V::select(tiny, e - V::set1(23.0f), e);
+  auto m = V::from_bits(V::or_(V::and_(u, V::iset1(0x7FFFFF)), V::iset1(0x3F800000)));
+  auto big = V::lt(V::set1(1.41421356f), m);
+  m = V::select(big, m * V::set1(0.5f), m);
+  e = V::select(big, e + V::set1(1.0f), e);
+  auto t = (m - V::set1(1.0f)) / (m + V::set1(1.0f));
+  auto t2 = t * t;
+  auto p = t2 * V::set1(1.0f / 9.0f) + V::set1(1.0f / 7.0f);
+  p = p * t2 + V::set1(1.0f / 5.0f);
+  p = p * t2 + V::set1(1.0f / 3.0f);
+  p = p * t2 + V::set1(1.0f);
+  return e + (p * t) * V::set1(2.8853900817779268f);  // 2/ln 2
+}
+
+// 2^y for y in [−125, 126] (clamped): 2^n·2^f, n = rne(y), |f| <= ½, 2^f = e^(f·ln 2) by its
+// Taylor series to degree 7 (truncation below 2^-27 relative).
+template <class V>
+inline typename V::F exp2_(typename V::F y) {
+  y = V::min(V::set1(126.0f), V::max(V::set1(-125.0f), y));
+  auto shifted = y + V::set1(12582912.0f);
+  auto n = V::sub(V::bits(shifted), V::iset1(0x4B400000));
+  auto z = (y - (shifted - V::set1(12582912.0f))) * V::set1(0.69314718f);
+  auto p = z * V::set1(1.0f / 5040.0f) + V::set1(1.0f / 720.0f);
+  p = p * z + V::set1(1.0f / 120.0f);
+  p = p * z + V::set1(1.0f / 24.0f);
+  p = p * z + V::set1(1.0f / 6.0f);
+  p = p * z + V::set1(0.5f);
+  p = p * z + V::set1(1.0f);
+  p = p * z + V::set1(1.0f);
+  return V::from_bits(V::add(V::bits(p), V::template sll<23>(n)));
+}
+
+// x^e for x >= 0 (0 -> 0, NaN -> NaN), e > 0. Not PyTorch's pow: results may differ by a
+// few FP32 ulps (the tests bound the effect against FP64).
+template <class V>
+inline typename V::F pow_nonnegative(typename V::F x, typename V::F e) {
+  auto r = exp2_<V>(e * log2_positive<V>(x));
+  r = V::select(V::ieq(V::bits(x), V::iset1(0)), x, r);
+  return V::select(V::isnan(x), x, r);
+}
+
+template <class V>
+inline typename V::F copysign_(typename V::F magnitude, typename V::F sign_of) {
+  auto sign = V::and_(V::bits(sign_of), V::iset1(0x80000000u));
+  return V::from_bits(V::or_(V::and_(V::bits(magnitude), V::iset1(0x7FFFFFFF)), sign));
+}
+
+// One group's decoding constants: real = sign(y)·|y|^(1/k)·c, y = q/s.
+template <class V>
+struct GroupCode {
+  typename V::F scale, inv_k, center;
+  bool power;
+  GroupCode(float* const* meta, int64_t g) {
+    float k = meta[1][g];
+    float inv_k_value = 1.0f / k;  // exponent.reciprocal(), FP32
+    scale = V::set1(meta[0][g]);
+    inv_k = V::set1(inv_k_value);
+    center = V::set1(meta[2][g]);
+    power = inv_k_value != 1.0f;  // pow(x, 1) = x: skipped
+  }
+};
+
+template <class V, int D, bool EXPAND>
+inline typename V::F decode(const void* payload, int64_t i, const GroupCode<V>& code) {
+  auto y = load<V, D>(payload, i) / code.scale;
+  if constexpr (!EXPAND) {
+    return y;
+  } else {
+    auto magnitude = V::from_bits(V::and_(V::bits(y), V::iset1(0x7FFFFFFF)));
+    if (code.power) magnitude = pow_nonnegative<V>(magnitude, code.inv_k);
+    return copysign_<V>(magnitude * code.center, y);
+  }
+}
+
+template <class V>
+inline uint32_t reduce_max(typename V::I x) {
+  uint32_t lanes[V::W];
+  V::store_i(lanes, x);
+  uint32_t r = lanes[0];
+  for (int l = 1; l < V::W; ++l) r = lanes[l] > r ? lanes[l] : r;
+  return r;
+}
+
+template <class V>
+inline uint32_t reduce_min(typename V::I x) {
+  uint32_t lanes[V::W];
+  V::store_i(lanes, x);
+  uint32_t r = lanes[0];
+  for (int l = 1; l < V::W; ++l) r = lanes[l] < r ? lanes[l] : r;
+  return r;
+}
+
+// coat.quantize_state of one group held in `buf` (FP32, `size` elements, a multiple of V::W):
+// amax, amin (smallest non-zero |x|), k and c (expansion), |x| ← (|x|/c)^k, s = F/amax (NaN if
+// amax is not finite, 1 if 0), payload = cast(clamp(x·s) + (x·s − x·s)).
+template <int D, bool EXPAND>
+inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, float* const* meta, int64_t g) {
+  const float limit = format_max(D);
+  auto magnitude_mask = V::iset1(0x7FFFFFFF);
+  auto infinity = V::iset1(0x7F800000);
+  auto zero = V::iset1(0);
+  typename V::I amax_v = zero, amin_v = infinity;
+  for (int64_t j = 0; j < size; j += V::W) {
+    auto b = V::and_(V::bits(V::load_f32(buf + j)), magnitude_mask);
+    amax_v = V::imax(amax_v, b);  // bits order like |x|, NaN above inf: max propagates NaN
+    auto excluded = V::mor(V::ieq(b, zero), V::igt(b, infinity));
+    amin_v = V::imin(amin_v, V::iselect(excluded, infinity, b));
+  }
+  const uint32_t amax_bits = reduce_max<V>(amax_v), amin_bits = reduce_min<V>(amin_v);
+  float amax = VS::from_bits(amax_bits), amin = VS::from_bits(amin_bits);
+  float k = 1.0f, c = 1.0f;
+  if constexpr (EXPAND) {
+    // coat.state.expansion_exponent, in FP64 as there: k = max(1, floor(log2(F²/2)/log2(R)·16)/16).
+    const double target = __builtin_log2(static_cast<double>(limit) * static_cast<double>(limit) / 2.0);
+    const double log_range = __builtin_log2(static_cast<double>(amax)) - __builtin_log2(static_cast<double>(amin));
+    const bool usable = amax > 0.0f && log_range > 0.0;
+    if (usable) {
+      double raw = __builtin_floor(target / log_range * 16.0) / 16.0;
+      k = static_cast<float>(raw < 1.0 ? 1.0 : raw);
+    }
+    if (amax > 0.0f && k > 1.0f) c = __builtin_sqrtf(amax) * __builtin_sqrtf(amin);
+    if (k != 1.0f) {  // |x|/1 and x^1 are x: nothing to do for k = 1 (c = 1 then)
+      auto cv = V::set1(c), kv = V::set1(k);
+      typename V::I new_max = zero;
+      for (int64_t j = 0; j < size; j += V::W) {
+        auto x = V::load_f32(buf + j);
+        auto magnitude = V::from_bits(V::and_(V::bits(x), magnitude_mask));
+        magnitude = pow_nonnegative<V>(magnitude / cv, kv);
+        new_max = V::imax(new_max, V::and_(V::bits(magnitude), magnitude_mask));
+        V::store_f32(buf + j, copysign_<V>(magnitude, x));
+      }
+      amax = VS::from_bits(reduce_max<V>(new_max));
+    }
+  }
+  // F/amax as PyTorch evaluates a Python scalar over a tensor: reciprocal, then multiply.
+  float s = amax > 0.0f ? (1.0f / amax) * limit : 1.0f;
+  if (!(VS::bits(amax) < 0x7F800000u)) s = VS::from_bits(0x7FC00000u);  // inf or NaN amax: NaN scale
+  auto sv = V::set1(s);
+  for (int64_t j = 0; j < size; j += V::W) store_scaled<V, D>(payload, base + j, V::load_f32(buf + j), sv);
+  meta[0][g] = s;
+  meta[1][g] = k;
+  meta[2][g] = c;
+}
+
+template <class V, int P, int G, int VM, bool EXPAND>
+inline void coat_element(const Row& r, const Consts<V>& c, const GroupCode<V>& mc, const GroupCode<V>& vc,
+                         int64_t i, float* mbuf, float* vbuf) {
+  typename V::F m, v, delta;
+  auto theta = load<V, P>(r.param, i);
+  auto m_old = decode<V, E4M3, EXPAND>(r.exp_avg, i, mc);
+  auto v_old = decode<V, VM, EXPAND>(r.exp_avg_sq, i, vc);
+  adamw_math<V>(c, theta, load<V, G>(r.grad, i), m_old, v_old, V::set1(format_max(F32)), m, v, delta);
+  if constexpr (P == F32) {
+    store<V, F32>(r.param, i, theta + delta);
+  } else {  // (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)), as Collage-light
+    typename V::F s, e;
+    two_sum<V, P>(theta, round_to<V, P>(delta), s, e);
+    auto b = round_to<V, P>(load<V, P>(r.extra, i) + e);
+    auto sum = round_to<V, P>(s + b);
+    store<V, P>(r.param, i, sum);
+    store<V, P>(r.extra, i, b + (s - sum));
+  }
+  V::store_f32(mbuf, m);
+  V::store_f32(vbuf, v);
+}
+
+// Groups [begin, end) of one row (begin a multiple of the group size): decode, AdamW, the
+// parameter update, encode m and v with fresh per-group (s, k, c). A last partial group is
+// padded with zeros for the encoding, as coat.quantize_state pads.
+template <int P, int G, int VM, bool EXPAND>
+inline void coat_run(const Row& r, int64_t begin, int64_t end) {
+  const int64_t size = r.group_size;
+  alignas(64) float mbuf[kMaxGroup];
+  alignas(64) float vbuf[kMaxGroup];
+  const Consts<V> c(r);
+  const Consts<VS> cs(r);
+  for (int64_t base = begin; base < end; base += size) {
+    const int64_t g = base / size;
+    const int64_t count = size < r.numel - base ? size : r.numel - base;
+    {
+      const GroupCode<V> mc(r.m_meta, g), vc(r.v_meta, g);
+      int64_t j = 0;
+      for (; j + V::W <= count; j += V::W) coat_element<V, P, G, VM, EXPAND>(r, c, mc, vc, base + j, mbuf + j, vbuf + j);
+      if (j < count) {
+        const GroupCode<VS> mcs(r.m_meta, g), vcs(r.v_meta, g);
+        for (; j < count; ++j) coat_element<VS, P, G, VM, EXPAND>(r, cs, mcs, vcs, base + j, mbuf + j, vbuf + j);
+      }
+      for (; j < size; ++j) mbuf[j] = vbuf[j] = 0.0f;
+    }
+    encode_group<E4M3, EXPAND>(mbuf, size, r.exp_avg, base, r.m_meta, g);
+    encode_group<VM, EXPAND>(vbuf, size, r.exp_avg_sq, base, r.v_meta, g);
+  }
+}
+
+#define HFL_COAT_GRAD(P_, VM_, EXPAND_)                                                           \
+  switch (r.grad_dtype) {                                                                         \
+    case F32: coat_run<P_, F32, VM_, EXPAND_>(r, b, e); return true;                              \
+    case BF16: coat_run<P_, BF16, VM_, EXPAND_>(r, b, e); return true;                            \
+    case F16: coat_run<P_, F16, VM_, EXPAND_>(r, b, e); return true;                              \
+    default: return false;                                                                        \
+  }
+
+template <int P, int VM>
+inline bool coat_dispatch_expand(const Row& r, int64_t b, int64_t e) {
+  if (r.expand) {
+    HFL_COAT_GRAD(P, VM, true)
+  } else {
+    HFL_COAT_GRAD(P, VM, false)
+  }
+}
+
+template <int P>
+inline bool coat_dispatch_v(const Row& r, int64_t b, int64_t e) {
+  if (r.moment_dtype != E4M3) return false;
+  if (r.exp_avg_sq_dtype == E4M3) return coat_dispatch_expand<P, E4M3>(r, b, e);
+  if (r.exp_avg_sq_dtype == E5M2) return coat_dispatch_expand<P, E5M2>(r, b, e);
+  return false;
+}
+
+inline bool coat_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
+  if (r.group_size <= 0 || r.group_size > kMaxGroup || r.group_size % V::W) return false;
+  switch (r.param_dtype) {
+    case F32: return coat_dispatch_v<F32>(r, b, e);
+    case BF16: return coat_dispatch_v<BF16>(r, b, e);
+    case F16: return coat_dispatch_v<F16>(r, b, e);
+    default: return false;
+  }
+}
+
 inline Table make_table(const char* name) {
   return Table{name, adamw_range, collage_light_range, collage_plus_range, kahan_range,
-               sr_range, master_range, fp8_amax_range, fp8_store_range};
+               sr_range, master_range, fp8_amax_range, fp8_store_range, coat_range};
 }

@@ -33,7 +33,16 @@ struct Row {
   float inv_param_scale = 1, grad_scale = 1, inv_m_scale = 1, inv_v_scale = 1;
   float new_param_scale = 1, new_m_scale = 1, new_v_scale = 1;
   int64_t numel = 0;
+  // COAT: per-group (scale, exponent k, centre c) of m and v, FP32, one per group of
+  // `group_size` elements; payloads padded to whole groups; `expand` = dynamic range expansion.
+  float* m_meta[3] = {nullptr, nullptr, nullptr};
+  float* v_meta[3] = {nullptr, nullptr, nullptr};
+  int64_t group_size = 0;
+  bool expand = false;
 };
+
+// Largest COAT group the kernels take (their per-group buffers live on the stack).
+constexpr int64_t kMaxGroup = 1024;
 
 // Runs elements [begin, end) of one row. `amax` (FP8AdamW pass 1 only) receives the
 // bit patterns of max|m|, max|v|, max|θ'| over the range (NaN above +inf).
@@ -41,7 +50,7 @@ using RangeFn = bool (*)(const Row& row, int64_t begin, int64_t end, uint32_t* a
 
 struct Table {
   const char* name;
-  RangeFn adamw, collage_light, collage_plus, kahan, sr, master, fp8_amax, fp8_store;
+  RangeFn adamw, collage_light, collage_plus, kahan, sr, master, fp8_amax, fp8_store, coat;
 };
 
 const Table* table_scalar();

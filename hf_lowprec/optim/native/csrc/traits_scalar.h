@@ -27,8 +27,11 @@ struct VS {
   template <int N> static I srl(I a) { return a >> N; }
   template <int N> static I sll(I a) { return a << N; }
   static I imax(I a, I b) { return a > b ? a : b; }  // used on values < 2^31 only
+  static I imin(I a, I b) { return a < b ? a : b; }  // idem
+  static F to_float(I a) { return static_cast<float>(static_cast<int32_t>(a)); }  // signed
   static M igt(I a, I b) { return a > b; }           // idem
   static M ieq(I a, I b) { return a == b; }
+  static M mor(M a, M b) { return a || b; }
   static M isnan(F x) { return x != x; }
   static M not_le(F a, F b) { return !(a <= b); }    // true for NaN
   static M lt(F a, F b) { return a < b; }
