@@ -517,9 +517,9 @@ inline bool fp8_store_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
 
 // ---- COAT: per-group FP8 moments with dynamic range expansion (coat.state) -------------
 
-// log2(x) for x > 0 (normal or subnormal): x = 2^e·m with m in [√½, √2), and
-// ln m = 2·atanh(t), t = (m − 1)/(m + 1), |t| <= 0.172, by its series to t⁹ (truncation
-// below 2^-28 relative). Error a few FP32 ulps of the result, and relative to log2 m near m = 1.
+// log2(x) for x > 0 (normal or subnormal): x = 2^e·m with m in [√½, √2), ln m = ln(1 + f) by
+// Cephes' single-precision polynomial (f − f²/2 + f³·P(f), peak relative error below 1e-7),
+// then ·1/ln 2; no division. Error a few FP32 ulps of the result.
 template <class V>
 inline typename V::F log2_positive(typename V::F x) {
   auto tiny = V::lt(x, V::set1(1.17549435e-38f));
@@ -531,13 +531,18 @@ inline typename V::F log2_positive(typename V::F x) {
   auto big = V::lt(V::set1(1.41421356f), m);
   m = V::select(big, m * V::set1(0.5f), m);
   e = V::select(big, e + V::set1(1.0f), e);
-  auto t = (m - V::set1(1.0f)) / (m + V::set1(1.0f));
-  auto t2 = t * t;
-  auto p = t2 * V::set1(1.0f / 9.0f) + V::set1(1.0f / 7.0f);
-  p = p * t2 + V::set1(1.0f / 5.0f);
-  p = p * t2 + V::set1(1.0f / 3.0f);
-  p = p * t2 + V::set1(1.0f);
-  return e + (p * t) * V::set1(2.8853900817779268f);  // 2/ln 2
+  auto f = m - V::set1(1.0f);
+  auto z = f * f;
+  auto p = V::set1(7.0376836292e-2f) * f - V::set1(1.1514610310e-1f);
+  p = p * f + V::set1(1.1676998740e-1f);
+  p = p * f - V::set1(1.2420140846e-1f);
+  p = p * f + V::set1(1.4249322787e-1f);
+  p = p * f - V::set1(1.6668057665e-1f);
+  p = p * f + V::set1(2.0000714765e-1f);
+  p = p * f - V::set1(2.4999993993e-1f);
+  p = p * f + V::set1(3.3333331174e-1f);
+  auto ln = f + ((p * f) * z - V::set1(0.5f) * z);
+  return e + ln * V::set1(1.4426950408889634f);  // 1/ln 2
 }
 
 // 2^y for y in [−125, 126] (clamped): 2^n·2^f, n = rne(y), |f| <= ½, 2^f = e^(f·ln 2) by its
@@ -576,27 +581,32 @@ inline typename V::F copysign_(typename V::F magnitude, typename V::F sign_of) {
 // One group's decoding constants: real = sign(y)·|y|^(1/k)·c, y = q/s.
 template <class V>
 struct GroupCode {
-  typename V::F scale, inv_k, center;
+  typename V::F scale, inv_scale, inv_k, center;
   bool power;
   GroupCode(float* const* meta, int64_t g) {
     float k = meta[1][g];
     float inv_k_value = 1.0f / k;  // exponent.reciprocal(), FP32
     scale = V::set1(meta[0][g]);
+    inv_scale = V::set1(1.0f / meta[0][g]);
     inv_k = V::set1(inv_k_value);
     center = V::set1(meta[2][g]);
     power = inv_k_value != 1.0f;  // pow(x, 1) = x: skipped
   }
 };
 
+// y = q/s, then sign(y)·|y|^(1/k)·c. Where k ≠ 1 the power is not PyTorch's anyway, and q·(1/s)
+// (one more rounding, 2^-24 relative) replaces the division; where k = 1 the sequence is the
+// reference's, operation for operation.
 template <class V, int D, bool EXPAND>
 inline typename V::F decode(const void* payload, int64_t i, const GroupCode<V>& code) {
-  auto y = load<V, D>(payload, i) / code.scale;
+  auto q = load<V, D>(payload, i);
   if constexpr (!EXPAND) {
-    return y;
+    return q / code.scale;
   } else {
+    auto y = code.power ? q * code.inv_scale : q / code.scale;
+    if (!code.power) return copysign_<V>(V::from_bits(V::and_(V::bits(y), V::iset1(0x7FFFFFFF))) * code.center, y);
     auto magnitude = V::from_bits(V::and_(V::bits(y), V::iset1(0x7FFFFFFF)));
-    if (code.power) magnitude = pow_nonnegative<V>(magnitude, code.inv_k);
-    return copysign_<V>(magnitude * code.center, y);
+    return copysign_<V>(pow_nonnegative<V>(magnitude, code.inv_k) * code.center, y);
   }
 }
 
@@ -648,12 +658,14 @@ inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, 
     }
     if (amax > 0.0f && k > 1.0f) c = __builtin_sqrtf(amax) * __builtin_sqrtf(amin);
     if (k != 1.0f) {  // |x|/1 and x^1 are x: nothing to do for k = 1 (c = 1 then)
-      auto cv = V::set1(c), kv = V::set1(k);
+      // |x|·(1/c) for |x|/c: one more rounding (2^-24 relative) under a power that is not
+      // PyTorch's anyway, and no division per element.
+      auto inv_c = V::set1(1.0f / c), kv = V::set1(k);
       typename V::I new_max = zero;
       for (int64_t j = 0; j < size; j += V::W) {
         auto x = V::load_f32(buf + j);
         auto magnitude = V::from_bits(V::and_(V::bits(x), magnitude_mask));
-        magnitude = pow_nonnegative<V>(magnitude / cv, kv);
+        magnitude = pow_nonnegative<V>(magnitude * inv_c, kv);
         new_max = V::imax(new_max, V::and_(V::bits(magnitude), magnitude_mask));
         V::store_f32(buf + j, copysign_<V>(magnitude, x));
       }
