@@ -242,7 +242,12 @@ def fp8_adamw_step(
     power-of-two scales follow from the amax (`fp8.scaled.pow2_scale`, margin `margin`); pass 2
     recomputes the values and stores them saturated with the new scales, and the scale tensors
     are updated last. Recomputing reads g, m, v, θ again (6 bytes/param for the FP8-LM formats)
-    instead of writing and re-reading FP32 m, v, θ (24): bit-identical to the reference.
+    instead of writing and re-reading FP32 m, v, θ (24): bit-identical to the reference. An
+    unscaled master (FP32/BF16) needs no amax, so its pass 1 forms only m and v (no root or
+    division). Why not one pass: a payload stored with a predicted scale (the previous step's)
+    cannot be corrected exactly when the amax crosses a binade (saturated or FP8-subnormal
+    codes lost bits) and the old inputs are overwritten by then; an exact one-pass step would
+    need double-buffered states (5 more bytes per parameter) — not done here.
 
     Per element: θ = θ_payload·(1/s_θ) (scaled FP16 master) or θ; g = g_payload/s_g (FP8) or g;
     m₃₂ = m_old + W1·(g − m_old), m_old = m_payload·(1/s_m); v₃₂ = (v_payload·(1/s_v))·B2 +

@@ -285,6 +285,16 @@ struct FP8Consts : Consts<V> {
         new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.h[DECAY] != 0.0f) {}
 };
 
+// m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp), from the dequantized values.
+template <class V, int G, int M, int VD>
+inline void fp8_moments(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::F& m, typename V::F& v) {
+  auto g = load<V, G>(r.grad, i);
+  if constexpr (G == E4M3 || G == E5M2) g = g / c.g_scale;  // may carry a clipping factor
+  auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;        // power-of-two scales: exact
+  m = m_old + c.w1 * (g - m_old);
+  v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.b2 + (c.omb2 * g) * g;
+}
+
 // (θ', m, v) in real units: m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp);
 // u = (s·m)/(√v + ε'); u = u + (−α·λ)·θ when λ ≠ 0; θ' = θ + u.
 template <class V, int P, int G, int M, int VD>
@@ -292,11 +302,7 @@ inline void fp8_adamw_math(const Row& r, const FP8Consts<V>& c, int64_t i, typen
                            typename V::F& m, typename V::F& v) {
   auto real = load<V, P>(r.param, i);
   if constexpr (P == F16S) real = real * c.inv_p;
-  auto g = load<V, G>(r.grad, i);
-  if constexpr (G == E4M3 || G == E5M2) g = g / c.g_scale;  // may carry a clipping factor
-  auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;        // power-of-two scales: exact
-  m = m_old + c.w1 * (g - m_old);
-  v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.b2 + (c.omb2 * g) * g;
+  fp8_moments<V, G, M, VD>(r, c, i, m, v);
   auto update = (c.step * m) / (V::sqrt(v) + c.eps);
   if (c.has_decay) update = update + c.decay * real;
   updated = real + update;
@@ -320,12 +326,16 @@ struct FP8AmaxKernel {
   template <class V>
   static inline void step(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::I* amax) {
     typename V::F updated, m, v;
-    fp8_adamw_math<V, P, G, M, VD>(r, c, i, updated, m, v);
     auto magnitude = V::iset1(0x7FFFFFFF);
-    // |x| as bits orders like |x| (NaN above +inf), so an integer max is the amax.
+    if constexpr (P == F16S) {
+      fp8_adamw_math<V, P, G, M, VD>(r, c, i, updated, m, v);
+      // |x| as bits orders like |x| (NaN above +inf), so an integer max is the amax.
+      amax[2] = V::imax(amax[2], V::and_(V::bits(updated), magnitude));
+    } else {  // an unscaled master needs no amax: the moments only, no root or division
+      fp8_moments<V, G, M, VD>(r, c, i, m, v);
+    }
     amax[0] = V::imax(amax[0], V::and_(V::bits(m), magnitude));
     amax[1] = V::imax(amax[1], V::and_(V::bits(v), magnitude));
-    amax[2] = V::imax(amax[2], V::and_(V::bits(updated), magnitude));
   }
 };
 
