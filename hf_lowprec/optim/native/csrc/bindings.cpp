@@ -320,7 +320,14 @@ void fp8_adamw_step(const TensorList& params, const OptionalList& master_scales,
     const bool fp8_grad = r.grad_dtype == E4M3 || r.grad_dtype == E5M2;
     TORCH_CHECK(fp8_grad == grad_scales[i].has_value(), fn, ": grads[", i, "] is ", grads[i].scalar_type(),
                 "; an FP8 gradient needs its scale in grad_scales and any other gradient takes None");
-    if (fp8_grad) r.grad_scale = scalar_of(fn, "grad_scales", i, *grad_scales[i]);
+    if (fp8_grad) {
+      r.grad_scale = scalar_of(fn, "grad_scales", i, *grad_scales[i]);
+      int exponent = 0;
+      const float mantissa = std::frexp(r.grad_scale, &exponent);
+      r.inv_grad_scale = 1.0f / r.grad_scale;
+      // 1/s exact and normal: q·(1/s) is the correctly rounded q/s.
+      r.grad_scale_pow2 = mantissa == 0.5f && std::isnormal(r.grad_scale) && std::isnormal(r.inv_grad_scale);
+    }
     r.moment_dtype = dtype_code(exp_avgs[i]);
     r.exp_avg_sq_dtype = dtype_code(exp_avg_sqs[i]);
     r.inv_m_scale = 1.0f / scalar_of(fn, "exp_avg_scales", i, exp_avg_scales[i]);

@@ -277,20 +277,23 @@ struct MasterKernel {
 template <class V>
 struct FP8Consts : Consts<V> {
   using F = typename V::F;
-  F inv_p, g_scale, inv_m, inv_v, new_p, new_m, new_v;
-  bool has_decay;
+  F inv_p, g_scale, inv_g, inv_m, inv_v, new_p, new_m, new_v;
+  bool has_decay, g_pow2;
   explicit FP8Consts(const Row& r)
       : Consts<V>(r), inv_p(V::set1(r.inv_param_scale)), g_scale(V::set1(r.grad_scale)),
+        inv_g(V::set1(r.inv_grad_scale)),
         inv_m(V::set1(r.inv_m_scale)), inv_v(V::set1(r.inv_v_scale)), new_p(V::set1(r.new_param_scale)),
-        new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.h[DECAY] != 0.0f) {}
+        new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.h[DECAY] != 0.0f),
+        g_pow2(r.grad_scale_pow2) {}
 };
 
 // m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp), from the dequantized values.
 template <class V, int G, int M, int VD>
 inline void fp8_moments(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::F& m, typename V::F& v) {
   auto g = load<V, G>(r.grad, i);
-  if constexpr (G == E4M3 || G == E5M2) g = g / c.g_scale;  // may carry a clipping factor
-  auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;        // power-of-two scales: exact
+  // g = q/s: a clipping factor makes s a non-power of two, where only the division is exact.
+  if constexpr (G == E4M3 || G == E5M2) g = c.g_pow2 ? g * c.inv_g : g / c.g_scale;
+  auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;  // power-of-two scales: exact
   m = m_old + c.w1 * (g - m_old);
   v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.b2 + (c.omb2 * g) * g;
 }

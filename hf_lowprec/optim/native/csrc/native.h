@@ -32,6 +32,10 @@ struct Row {
   // scale (real = payload / s), and the new scales of pass 2.
   float inv_param_scale = 1, grad_scale = 1, inv_m_scale = 1, inv_v_scale = 1;
   float new_param_scale = 1, new_m_scale = 1, new_v_scale = 1;
+  // A power-of-two gradient scale (no clipping factor) is applied as the exact product with
+  // 1/s: the same correctly rounded quotient, without a division per element.
+  float inv_grad_scale = 1;
+  bool grad_scale_pow2 = false;
   int64_t numel = 0;
   // COAT: per-group (scale, exponent k, centre c) of m and v, FP32, one per group of
   // `group_size` elements; payloads padded to whole groups; `expand` = dynamic range expansion.
