@@ -1,13 +1,17 @@
 """The native CPU kernels (`hf_lowprec.optim.native`) against the references, on every ISA this CPU runs.
 
-Bit for bit: each family's parameters and every state tensor equal the foreach reference's
-(`collage.adamw_moments_` / `adamw_delta` and the family's update, `fp8_adamw.fp8_adamw_param_step`),
-over several steps with a different step count per tensor, on data with the edges in it: zeros,
+Bit for bit: each family's parameters and every state tensor equal the reference's, over several
+steps with a different step count per tensor: the eager sequences below (`_adamw_reference` and
+each family's update, the operation sequence the optimizers' reference path performs, with
+PyTorch's own casts and the correctly rounded root `numerics.sqrt_rn`), the public optimizers on
+their reference path (`fused="foreach"`, `test_optimizers_reference_path_matches_native`),
+`fp8_adamw.fp8_adamw_param_step` and `COATAdamW`; on data with the edges in it: zeros,
 FP32 and BF16 subnormals, a finite gradient whose square overflows, ±inf and NaN gradients,
 lengths that are odd, below one vector, not multiples of 16, and across blocks of the parallel
 split. NaN lanes must be NaN on both sides (the bits of a NaN are not specified by the references).
-Stochastic rounding uses the compiled kernel's counter-based stream: its bits are checked exactly
-against that stream applied to the reference's FP32 target, and its statistics against FP64.
+Stochastic rounding uses the optimizers' counter-based stream (a hash of seed and index): its bits
+are checked exactly against that stream applied to the reference's FP32 target, and its
+statistics against FP64.
 
 The tests call the kernels directly: a native path that did not run leaves the tensors at their
 initial values and fails the comparison. The module is skipped (with the reason) only when no
@@ -25,9 +29,8 @@ import pytest
 import torch
 
 from hf_lowprec.fp8.scaled import dequantize, pow2_scale, quantize, set_master_scale
-from hf_lowprec.numerics import foreach_two_sum_
-from hf_lowprec.optim import kernels, native
-from hf_lowprec.optim.collage import adamw_delta, adamw_moments_, collage_adamw
+from hf_lowprec.numerics import sqrt_rn
+from hf_lowprec.optim import native
 from hf_lowprec.optim.fp8_adamw import fp8_adamw_param_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -132,9 +135,61 @@ def _scalars(steps):
     return native.adamw_scalars(steps, **HYPER)
 
 
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` by PyTorch's cast and widened back to FP32."""
+    return x.to(dtype).float()
+
+
+def _adamw_reference(theta, grad, m, v, h, v_error=None):
+    """The AdamW core on one tensor, eager, each FP32 operation rounded on its own; stores m, v
+    (and δv) and returns Δθ₃₂. `h`: the six FP32 scalars (W1, B2, OMB2, STEP, EPS, DECAY).
+
+    m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g, max of v's dtype), v read as v + δv
+    when δv is kept; Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS)."""
+    w1, b2, omb2, step, eps, decay = h
+    g = grad.float()
+    m_old = m.float()
+    v_old = v.float() if v_error is None else v.float() + v_error.float()
+    m32 = m_old + w1 * (g - m_old)
+    v32 = (v_old * b2 + (omb2 * g) * g).clamp(max=torch.finfo(v.dtype).max)
+    delta = theta.float() * decay + (step * m32) / (sqrt_rn(v32) + eps)
+    m.copy_(m32)
+    v.copy_(v32)
+    if v_error is not None:
+        v_error.copy_(v32 - v.float())
+    return delta
+
+
+def _h(scalars: torch.Tensor, index: int) -> list[float]:
+    return [float(x) for x in scalars[index]]  # exactly the FP32 values (Python floats hold them)
+
+
 def _reference_delta(params, grads, ms, vs, steps, v_errors=None):
-    m32, v32 = adamw_moments_(ms, vs, grads, beta1=HYPER["beta1"], beta2=HYPER["beta2"], exp_avg_sq_errors=v_errors)
-    return adamw_delta(params, m32, v32, steps, **HYPER)
+    scalars = _scalars(steps)
+    errors = v_errors or [None] * len(params)
+    return [_adamw_reference(p, g, m, v, _h(scalars, i), e) for i, (p, g, m, v, e) in enumerate(zip(params, grads, ms, vs, errors))]
+
+
+def _two_sum(a, b, dtype):
+    """TwoSum in `dtype` arithmetic: s = r(a + b), bb = r(s − a), e = (b − bb) + (a − (s − bb))."""
+    s = _round(a + b, dtype)
+    bb = _round(s - a, dtype)
+    return s, (b - bb) + (a - (s - bb))
+
+
+def _grow_reference(param, param_error, delta):
+    """(θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)): TwoSum, r(δθ + e), Fast2Sum, in θ's dtype."""
+    dtype = param.dtype
+    s, e = _two_sum(param.float(), _round(delta, dtype), dtype)
+    b = _round(param_error.float() + e, dtype)
+    total = _round(s + b, dtype)
+    param.copy_(total)
+    param_error.copy_(b + (s - total))
+
+
+def _collage_reference(params, errors, grads, ms, vs, v_errors, steps):
+    for p, e, d in zip(params, errors, _reference_delta(params, grads, ms, vs, steps, v_errors)):
+        _grow_reference(p, e, d)
 
 
 # --- AdamW: bf16-pure, FP32 states, FP32 -------------------------------------------------
@@ -178,7 +233,7 @@ def test_collage_is_bit_identical(isa, variant, g_dtype):
     for step in range(3):
         grads = _edge_grads(step, g_dtype)
         native.collage_step(params, errors, grads, ms, vs, v_errors, _scalars(_steps(step)), isa=isa)
-        collage_adamw(ref[0], grads, ref[2], ref[3], ref[1], ref[4], _steps(step), variant=variant, **HYPER)
+        _collage_reference(ref[0], ref[1], grads, ref[2], ref[3], ref[4], _steps(step))
         _same_all(params, ref[0], f"step {step} param")
         _same_all(errors, ref[1], f"step {step} param_error")
         _same_all(ms, ref[2], f"step {step} exp_avg")
@@ -203,9 +258,11 @@ def test_kahan_is_bit_identical(isa, dtypes):
         grads = _edge_grads(step, p_dtype)
         native.kahan_step(params, comps, grads, ms, vs, _scalars(_steps(step)), isa=isa)
         delta = _reference_delta(ref[0], grads, ref[2], ref[3], _steps(step))
-        for k, d in zip(ref[1], delta):
-            k.add_(d)  # y = r(Δθ₃₂ + k)
-        foreach_two_sum_(ref[0], ref[1])
+        for p, k, d in zip(ref[0], ref[1], delta):
+            y = _round(k.float() + d, p.dtype)  # y = r(Δθ₃₂ + k), then (θ, k) ← TwoSum(θ, y)
+            total, error = _two_sum(p.float(), y, p.dtype)
+            p.copy_(total)
+            k.copy_(error)
         _same_all(params, ref[0], f"step {step} param")
         _same_all(comps, ref[1], f"step {step} compensation")
         _same_all(ms, ref[2], f"step {step} exp_avg")
@@ -238,9 +295,20 @@ def test_master_weight_step_is_bit_identical(isa, p_dtype):
 # --- stochastic rounding -------------------------------------------------------------------
 
 
+def _uniform_bits16(numel: int, seed: int) -> torch.Tensor:
+    """The optimizers' counter-based stream: two multiply-xorshift rounds over index + seed·golden
+    ratio (32-bit), its top 16 bits."""
+    mask = 0xFFFFFFFF
+    x = (torch.arange(numel, dtype=torch.int64) + seed * 0x9E3779B9) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    return ((x ^ (x >> 16)) >> 16).to(torch.int32)
+
+
 def _sr_expected(target: torch.Tensor, seed: int) -> torch.Tensor:
-    """`kernels.stochastic_rounding_kernel`'s rounding of an FP32 target with its stream."""
-    bits = target.view(torch.int32) + kernels._uniform_bits16(target.numel(), torch.tensor(seed), target.device)
+    """Stochastic rounding of an FP32 target to BF16 with that stream: add 16 random bits below
+    BF16's significand and truncate; non-finite values and those beyond BF16's maximum to nearest."""
+    bits = target.view(torch.int32) + _uniform_bits16(target.numel(), seed)
     rounded = (bits & -65536).view(torch.float32)
     plain = ~torch.isfinite(target) | (target.abs() > torch.finfo(BF16).max)
     return torch.where(plain, target, rounded).to(BF16)
@@ -248,7 +316,7 @@ def _sr_expected(target: torch.Tensor, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m_dtype", [BF16, FP32], ids=["bf16-states", "fp32-states"])
-def test_stochastic_rounding_is_the_compiled_stream_bit_for_bit(isa, m_dtype):
+def test_stochastic_rounding_is_the_reference_stream_bit_for_bit(isa, m_dtype):
     params = _edge_params(BF16)
     params[-1][60:70] = torch.tensor([3.3e38, -3.3e38] * 5).to(BF16)  # near BF16's maximum
     ms, vs = _moments(m_dtype)
@@ -578,3 +646,59 @@ def test_coat_with_expansion_is_within_the_fp64_bounds(isa):
         k_same += int((ms[index].exponent == optimizer.state[r]["exp_avg_exponent"]).sum())
         k_same += int((vs[index].exponent == optimizer.state[r]["exp_avg_sq_exponent"]).sum())
     assert k_same >= 0.99 * groups_total
+
+
+# --- the public optimizers' reference path -----------------------------------------------------
+
+# family: (optimizer class name, options, moment dtype, extra state keys in the native call's order)
+OPTIMIZER_FAMILIES = {
+    "bf16-pure": ("PlainAdamW", {}, BF16, ()),
+    "bf16-fp32states": ("FP32StatesAdamW", {}, FP32, ()),
+    "collage-light": ("CollageAdamW", {"variant": "light"}, BF16, ("param_error",)),
+    "collage-plus": ("CollageAdamW", {"variant": "plus"}, BF16, ("param_error", "exp_avg_sq_error")),
+    "bf16-kahan": ("KahanAdamW", {}, BF16, ("compensation",)),
+    "master-weights": ("MasterWeightAdamW", {}, FP32, ("master",)),
+}
+
+
+@pytest.mark.parametrize("family", list(OPTIMIZER_FAMILIES))
+def test_optimizers_reference_path_matches_native(family):
+    """Each family's optimizer on its reference path (`fused="foreach"`), three steps on the edge
+    data, against the native kernel from the same zero state: every state tensor, bit for bit."""
+    from hf_lowprec import optim
+
+    name, options, m_dtype, extra_keys = OPTIMIZER_FAMILIES[family]
+    params = _edge_params(BF16)
+    ref = [p.clone().requires_grad_() for p in params]
+    cls = getattr(optim, name, None)
+    if cls is None:  # before the optimizer core exported it from hf_lowprec.optim
+        from hf_lowprec.optim import fp16
+
+        cls = getattr(fp16, name)
+    optimizer = cls(ref, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                                     weight_decay=HYPER["weight_decay"], fused="foreach", **options)  # fmt: skip
+    ms = [torch.zeros_like(p, dtype=m_dtype) for p in params]
+    vs = [torch.zeros_like(p, dtype=m_dtype) for p in params]
+    extras = {key: [p.float() if key == "master" else torch.zeros_like(p) for p in params] for key in extra_keys}
+    for step in range(3):
+        grads = _edge_grads(step, BF16)
+        for r, g in zip(ref, grads):
+            r.grad = g
+        optimizer.step()
+        scalars = _scalars([step + 1] * len(params))
+        if family in ("bf16-pure", "bf16-fp32states"):
+            native.adamw_step(params, grads, ms, vs, scalars)
+        elif family.startswith("collage"):
+            native.collage_step(params, extras["param_error"], grads, ms, vs, extras.get("exp_avg_sq_error"), scalars)
+        elif family == "bf16-kahan":
+            native.kahan_step(params, extras["compensation"], grads, ms, vs, scalars)
+        else:
+            native.master_step(params, extras["master"], grads, ms, vs, scalars)
+        for index, r in enumerate(ref):
+            state = optimizer.state[r]
+            what = f"{family} step {step} tensor {index}"
+            _same(params[index], r.detach(), f"{what} param")
+            _same(ms[index], state["exp_avg"], f"{what} exp_avg")
+            _same(vs[index], state["exp_avg_sq"], f"{what} exp_avg_sq")
+            for key in extra_keys:
+                _same(extras[key][index], state[key], f"{what} {key}")
