@@ -1,13 +1,19 @@
 """Native CPU optimizer kernels: hand-written C++ with explicit SIMD for every AdamW family.
 
-The same update rules as `hf_lowprec.optim.kernels` (whose docstring states the arithmetic
-contract), written in C++ over a small vector-traits layer and compiled three times: AVX-512
+The update rules of the optimizers' reference path, operation for operation, written in C++
+over a small vector-traits layer and compiled three times: AVX-512
 (16 lanes), AVX2 + F16C (8 lanes) and scalar. One build serves every x86-64 CPU: each
 instruction set lives in its own translation unit compiled for it (a target pragma), and the
 widest one the CPU runs is picked at run time; `HF_LOWPREC_CPU_ISA=avx512|avx2|scalar` forces
 one (an ISA the CPU lacks is an error, not a silent fallback). Vector bodies and the scalar
 tail run one template, so results do not depend on the ISA, the thread count or an element's
-position: the tests check all three against the references bit for bit.
+position: the tests check every ISA the CPU runs against the references bit for bit.
+
+Results: bit-identical to the reference for every family (AdamW, Collage light/plus, Kahan,
+stochastic rounding with the optimizers' counter-based stream, master weights, FP8AdamW, COAT
+without range expansion and COAT groups with k = 1). COAT groups with k > 1 use the kernels'
+own vector log2/exp2 for |x|^k and |y|^(1/k) (a few FP32 ulps, not PyTorch's `pow`): bounded
+against FP64 in the tests, and a value on an FP8 rounding boundary may take the other code.
 
 Arithmetic: every FP32 operation rounded on its own (built with -ffp-contract=off, no fast
 math), IEEE square root and division, round-to-nearest-even conversions. FP32 -> BF16 uses
@@ -25,9 +31,10 @@ Threads: each call splits its whole bucket into blocks of 32768 elements and run
 ATen's intra-op pool (`at::parallel_for`: OpenMP in PyTorch's CPU builds, sized by
 `torch.set_num_threads`); a bucket under 32768 elements runs on the calling thread.
 
-Per-parameter scalars: an (n, 6) FP32 CPU tensor, one row per parameter, slots as
-`kernels._adamw_scalars`: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1,
-EPS = max(ε·√c2, tiny), DECAY = −α·λ (`adamw_scalars` builds it).
+Per-parameter scalars: an (n, 6) FP32 CPU tensor, one row per parameter, the optimizers'
+per-step scalars: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2,
+tiny), DECAY = −α·λ with c1 = 1 − β1^t, c2 = 1 − β2^t, computed in FP64 and rounded once
+(`adamw_scalars` builds it).
 """
 
 from __future__ import annotations
@@ -134,7 +141,7 @@ def adamw_scalars(
 ) -> torch.Tensor:
     """The (n, 6) FP32 CPU tensor of per-parameter scalars for steps `steps` (1-based).
 
-    The values of `kernels._adamw_scalars`: computed in FP64 on the host, rounded once to FP32.
+    Computed in FP64 on the host (bias corrections folded into STEP and EPS), rounded once to FP32.
     """
     tiny = torch.finfo(torch.float32).smallest_normal
     rows = []
@@ -156,7 +163,7 @@ def adamw_step(
     """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
     moments: bf16-mixed's masters) and `FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
 
-    Per element (`kernels.adamw_kernel`): m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g,
+    Per element: m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g,
     max of v's dtype); Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS); θ ← r(θ + Δθ); m, v rounded once.
 
     Dtypes: θ FP32, BF16 or FP16; g FP32, BF16 or FP16; m and v one dtype, FP32 (any θ) or BF16
@@ -169,7 +176,7 @@ def collage_step(
     params: Tensors, param_errors: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
     exp_avg_sq_errors: Tensors | None, scalars: torch.Tensor, *, isa: str | None = None,
 ) -> None:  # fmt: skip
-    """Collage AdamW in place (`kernels.collage_kernel`): light when `exp_avg_sq_errors` is None,
+    """Collage AdamW in place: light when `exp_avg_sq_errors` is None,
     plus otherwise.
 
     The AdamW moments (plus: v read as v + δv, then δv ← r(v₃₂ − r(v₃₂))), then
@@ -188,7 +195,7 @@ def kahan_step(
     params: Tensors, compensations: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
     scalars: torch.Tensor, *, isa: str | None = None,
 ) -> None:  # fmt: skip
-    """`KahanAdamW` in place (`kernels.kahan_kernel`): y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
+    """`KahanAdamW` in place: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
 
     Dtypes: θ and k BF16 with moments BF16 or FP32, or FP16 with FP32 moments; g FP32, BF16 or FP16.
     """
@@ -204,9 +211,9 @@ def sr_step(
     """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂) (`StochasticRoundingAdamW`,
     and `FP32StatesSRAdamW` with FP32 moments).
 
-    The random bits of element i of parameter j are those of `kernels._uniform_bits16(·, seeds[j])`
-    (a counter-based hash of (seed, i)): the compiled kernel's stream, independent of the ISA and
-    the thread count, so the same seeds give the same bits (resume). Values that are not finite
+    The random bits of element i of parameter j: two multiply-xorshift rounds over
+    (i + seeds[j]·0x9E3779B9) mod 2^32, the top 16 bits (the optimizers' counter-based stream),
+    independent of the ISA and the thread count, so the same seeds give the same bits (resume). Values that are not finite
     or beyond BF16's largest finite value are rounded to nearest.
 
     Dtypes: θ BF16; moments BF16 or FP32; g FP32, BF16 or FP16; `seeds` int64, one per parameter.
@@ -277,7 +284,7 @@ def coat_step(
     params: Tensors, param_errors: Tensors | None, grads: Tensors, exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any],
     scalars: torch.Tensor, *, group_size: int = 128, expand: bool = True, isa: str | None = None,
 ) -> None:  # fmt: skip
-    """`COATAdamW`'s step in place (`kernels._coat_kernel`), group by group of `group_size`.
+    """`COATAdamW`'s step in place, group by group of `group_size`.
 
     Per group of m and of v: decode x = sign(y)·|y|^(1/k)·c, y = q/s (expand) or x = q/s; the
     AdamW update (FP32, v clamped to FP32's max); θ ← θ + Δθ₃₂ (FP32 θ) or (θ, δθ) ←

@@ -90,7 +90,7 @@ void fill_scalars(const char* fn, const at::Tensor& scalars, std::vector<Row>& r
   TORCH_CHECK(scalars.device().is_cpu() && scalars.scalar_type() == at::kFloat && scalars.dim() == 2 &&
                   scalars.size(0) == static_cast<int64_t>(rows.size()) && scalars.size(1) == 6,
               fn, ": scalars must be an FP32 CPU tensor of shape (", rows.size(), ", 6) (one row of ",
-              "kernels._adamw_scalars per parameter), got ", scalars.scalar_type(), " ", scalars.sizes(), " on ",
+              "native.adamw_scalars per parameter), got ", scalars.scalar_type(), " ", scalars.sizes(), " on ",
               scalars.device());
   auto s = scalars.contiguous();
   const float* data = s.data_ptr<float>();

@@ -1,7 +1,7 @@
 // The optimizer steps, written once over a vector-traits class V (VS: one lane; V8: AVX2;
 // V16: AVX-512) and instantiated by each ISA translation unit inside an anonymous namespace.
 //
-// Arithmetic contract (hf_lowprec.optim.kernels, "Arithmetic"): every FP32 operation is one
+// Arithmetic contract (that of the optimizers' reference path): every FP32 operation is one
 // IEEE operation rounded on its own (the units are built with -ffp-contract=off and no fast
 // math, so a·b + c is never fused), square root and division are the correctly rounded
 // instructions, and each conversion to a narrower format rounds to nearest even, with the
@@ -143,7 +143,7 @@ struct Consts {
 };
 
 // m₃₂ = m + (1 − β1)·(g − m); v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v);
-// Δθ₃₂ = θ·(−α·λ) + (s·m₃₂)/(√v₃₂ + ε')  (kernels._adamw_math, operation for operation).
+// Δθ₃₂ = θ·(−α·λ) + (s·m₃₂)/(√v₃₂ + ε')  (the reference's sequence, operation for operation).
 template <class V>
 inline void adamw_math(const Consts<V>& c, typename V::F theta, typename V::F g, typename V::F m_old,
                        typename V::F v_old, typename V::F max_v, typename V::F& m, typename V::F& v,
@@ -224,7 +224,7 @@ struct KahanKernel {
 };
 
 // 16 uniform bits per element from a counter-based hash of (seed, index): the stream of
-// kernels._uniform_bits16 (two multiply-xorshift rounds over index + seed·golden ratio).
+// optimizers' stream (two multiply-xorshift rounds over index + seed·golden ratio, top 16 bits).
 template <class V>
 inline typename V::I uniform_bits16(uint32_t seed_mix, int64_t i) {
   auto x = V::add(V::iota(static_cast<uint32_t>(i)), V::iset1(seed_mix));

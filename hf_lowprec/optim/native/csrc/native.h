@@ -13,7 +13,7 @@ namespace hfl {
 // Storage formats. F16S is a scaled FP16 master (FP8AdamW): payload = saturate(real·s).
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5 };
 
-// Slots of the per-parameter scalar vector (hf_lowprec.optim.kernels._adamw_scalars).
+// Slots of the per-parameter scalar vector (hf_lowprec.optim.native.adamw_scalars).
 enum Slot : int { W1 = 0, B2 = 1, OMB2 = 2, STEP = 3, EPS = 4, DECAY = 5 };
 
 // One contiguous flat tensor of a bucket, and everything its step reads besides the elements.
