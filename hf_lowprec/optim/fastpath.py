@@ -198,10 +198,7 @@ def run_bucket(
 
 def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: collections.Counter | None) -> bool:
     """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
-    try:
-        from .native_path import native_call, unsupported
-    except ImportError:  # TEMPORARY until the native package lands
-        return False
+    from .native_path import native_call, unsupported
 
     reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
     if reason is not None:

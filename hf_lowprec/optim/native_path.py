@@ -34,6 +34,8 @@ def unsupported(composition, sample) -> str | None:  # noqa: ANN001
     if reason is not None:
         return reason
     param, grad, grad_scale, *stored = sample.tensors
+    if grad_scale is None and grad.dtype not in (F32, BF16, FP16):
+        return f"{grad.dtype} gradients"
     if param.device.type != "cpu":
         return f"the native kernels are for CPU tensors, got {param.device.type}"
     rule, m_format, v_format = composition.rule, composition.m, composition.v
@@ -47,10 +49,13 @@ def unsupported(composition, sample) -> str | None:  # noqa: ANN001
     if isinstance(m_format, Scaled) and isinstance(v_format, Scaled) and isinstance(rule, (ScaledMaster, Nearest)):
         if (m.dtype, v.dtype) not in ((_E4M3, FP16), (F32, F32)):
             return f"FP8AdamW's kernel stores (E4M3, FP16) or (FP32, FP32) moments, got ({m.dtype}, {v.dtype})"
+        if isinstance(rule, Nearest) and param.dtype not in (F32, BF16):
+            return f"FP8AdamW's kernel takes a scaled FP16 master or an FP32/BF16 one, got plain {param.dtype}"
         return None
     plus = isinstance(v_format, Pair) and isinstance(v_format.base, Plain)
     if isinstance(rule, Grow) and isinstance(m_format, Plain) and (isinstance(v_format, Plain) or plus):
-        return None if param.dtype in (BF16, F32) and m.dtype == v.dtype else f"Collage's kernel: {param.dtype} θ"
+        usable = m.dtype == v.dtype and (param.dtype == BF16 and m.dtype in (BF16, F32) or param.dtype == m.dtype == F32)
+        return None if usable else f"Collage's kernel: {param.dtype} θ with {m.dtype} moments"
     if not _plain_moments(composition, m, v):
         return f"no native kernel for {type(m_format).__name__} m / {type(v_format).__name__} v"
     if isinstance(rule, Nearest):

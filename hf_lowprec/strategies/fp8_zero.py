@@ -20,7 +20,7 @@ from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
 from ..numerics import all_finite
 from ..optim import FP8ZeroAdamW
-from ..registry import register
+from .registry import register
 from .fp8_lm import FP8LM
 
 __all__ = ["FP8LMO3"]
