@@ -16,7 +16,7 @@ stochastic-rounding state live in the partitioned optimizer state as they do in 
 Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
 (`zero_stages`, `zero_refusal`); `zero_support`, the check and `support_matrix_markdown` all read
 that one source. `assign_whole_tensors` and `partition_report` are the FP8 ZeRO distribution of
-ALGORITHMS.md §3 (whole tensors, largest first, to the least-loaded rank).
+docs/algorithms.md §3 (whole tensors, largest first, to the least-loaded rank).
 
 DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.deepspeed` works
 without it.

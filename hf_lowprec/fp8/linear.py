@@ -1,4 +1,4 @@
-"""FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; ALGORITHMS.md §3).
+"""FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; docs/algorithms.md §3).
 
 The three GEMMs of a linear layer take FP8 operands with per-tensor power-of-two scales
 (real = payload / s) and accumulate in FP32:

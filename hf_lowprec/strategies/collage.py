@@ -1,4 +1,4 @@
-"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (ALGORITHMS.md §2).
+"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (docs/algorithms.md §2).
 
 Every strategy here trains a BF16 model with BF16 gradients; they differ only in the update
 rule, i.e. in the optimizer they build:

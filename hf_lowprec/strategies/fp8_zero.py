@@ -1,4 +1,4 @@
-"""FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (ALGORITHMS.md §3).
+"""FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (docs/algorithms.md §3).
 
 The FP8 GEMM weights are distributed as whole tensors (`assign_whole_tensors`: largest first,
 to the rank with the fewest bytes): the owner keeps the scaled FP16 master and the FP8AdamW
