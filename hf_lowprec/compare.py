@@ -85,7 +85,8 @@ def _run_one(command: list[str], cwd: Path | None, strategy: str, seed: int, out
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = (run_dir / "stdout.log").read_text().splitlines()[-15:]
-        raise RuntimeError(f"{' '.join(command[1:])} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
+        what = " ".join(command[1:])
+        raise RuntimeError(f"{what} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
                            f"last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(tail))
     result = json.loads((run_dir / "recipe_result.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())

@@ -340,7 +340,10 @@ def slow_fp16_warning(strategy: PrecisionStrategy, model: torch.nn.Module) -> st
     ratio = hardware.fp16_gemm_slowdown(device.type)
     if ratio < hardware.SLOW_FP16_RATIO:
         return None
-    speed = "cannot run FP16 matmuls at all" if math.isinf(ratio) else f"runs FP16 matmuls ~{ratio:.0f}x slower than BF16"
+    if math.isinf(ratio):
+        speed = "cannot run FP16 matmuls at all"
+    else:
+        speed = f"runs FP16 matmuls ~{ratio:.0f}x slower than BF16"
     return (
         f"precision strategy {strategy.name!r} computes in FP16, and this CPU {speed} (no native FP16 "
         f"arithmetic; measured by a timed matmul): training will be that much slower. The BF16 strategies "

@@ -104,8 +104,12 @@ def _parse(argv: list[str]) -> tuple[CLMRunArguments, Any]:
     from .integrations.trainer import TrainingArguments
 
     parser = HfArgumentParser((CLMRunArguments, TrainingArguments))
-    parser.set_defaults(output_dir=os.path.join("runs", "pretrain_clm"), report_to="none",
-                        use_cpu=not torch.cuda.is_available(), **PRETRAIN_CLM_DEFAULTS)
+    parser.set_defaults(
+        output_dir=os.path.join("runs", "pretrain_clm"),
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        **PRETRAIN_CLM_DEFAULTS,
+    )
     return parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -122,8 +126,14 @@ def pretrain_clm(argv: list[str] | None = None) -> dict[str, Any]:
     train_ds, eval_ds = clm_datasets(tokenizer, block_size=run_args.block_size, seed=training_args.seed)
     config = tiny_gpt2_config(len(tokenizer), n_positions=max(128, run_args.block_size))
     model = GPT2LMHeadModel(config)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      processing_class=tokenizer, data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
     train_result = trainer.train()
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)

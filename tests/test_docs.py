@@ -36,8 +36,11 @@ def _tracked_files() -> list[Path]:
         out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
         names = out.splitlines()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
-        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-                 if p.is_file() and not {".git", "build", "__pycache__"} & set(p.relative_to(ROOT).parts)]
+        names = [
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file() and not {".git", "build", "__pycache__"} & set(p.relative_to(ROOT).parts)
+        ]
     return [ROOT / n for n in names if (ROOT / n).is_file() and (ROOT / n).suffix in TEXT_SUFFIXES]
 
 
@@ -75,8 +78,11 @@ def test_every_relative_link_of_the_pages_resolves():
 
 
 def test_nothing_cites_the_outside_specification():
-    citing = [str(p.relative_to(ROOT)) for p in _tracked_files()
-              if OUTSIDE_SPEC in _text(p) and not str(p.relative_to(ROOT)).startswith(EXEMPT_FROM_SPEC_CHECK)]
+    citing = [
+        str(p.relative_to(ROOT))
+        for p in _tracked_files()
+        if OUTSIDE_SPEC in _text(p) and not str(p.relative_to(ROOT)).startswith(EXEMPT_FROM_SPEC_CHECK)
+    ]
     assert not citing, f"cite docs/algorithms.md §N instead of {OUTSIDE_SPEC} in: {citing}"
 
 
@@ -108,7 +114,10 @@ def test_regenerating_rewrites_a_stale_block_and_refuses_an_unknown_one():
     tables = _readme_tables()
     generated = {"strategies": "| new |\n"}
     stale = "a\n<!-- generated:strategies -->\n| old |\n<!-- /generated:strategies -->\nb\n"
-    assert tables.regenerate(stale, generated) == "a\n<!-- generated:strategies -->\n| new |\n<!-- /generated:strategies -->\nb\n"
+    assert (
+        tables.regenerate(stale, generated)
+        == "a\n<!-- generated:strategies -->\n| new |\n<!-- /generated:strategies -->\nb\n"
+    )
     with pytest.raises(KeyError, match="unknown generated block 'nope'"):
         tables.regenerate("<!-- generated:nope -->\n<!-- /generated:nope -->", generated, "X.md")
 
@@ -126,8 +135,14 @@ def _python_blocks() -> list[str]:
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_quick_starts_run(index, tmp_path):
     code = _python_blocks()[index]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, f"README python block {index} failed:\n{code}\n--- stderr\n{proc.stderr[-4000:]}"

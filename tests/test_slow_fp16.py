@@ -6,7 +6,6 @@ import logging
 import math
 
 import pytest
-import torch
 
 import hf_lowprec
 from hf_lowprec import Trainer, hardware, report

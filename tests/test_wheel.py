@@ -53,14 +53,42 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str], Path, Path]:
     shutil.copytree(ROOT / "hf_lowprec", src / "hf_lowprec", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(tmp / "dist"), str(src)], cwd=tmp, env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        cwd=tmp,
+        env=env,
+    )
     (wheel,) = (tmp / "dist").glob("hf_lowprec-*.whl")
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp, env=env)
     bin_dir = venv / "bin"
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall",
-          str(wheel)], cwd=tmp, env=env)
+    _run(
+        [
+            str(bin_dir / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        cwd=tmp,
+        env=env,
+    )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     work = tmp / "elsewhere"
     work.mkdir()
@@ -87,15 +115,32 @@ def test_user_commands_run_from_the_installed_wheel_in_any_directory(installed):
     listing = _run([str(bin_dir / "hf-lowprec"), "list"], work, env)
     assert "collage-plus" in listing and "fp8-lm-o2" in listing
 
-    memory = _run([str(bin_dir / "hf-lowprec"), "memory", "--model", "gpt2", "--strategies", "bf16-pure,collage-plus"],
-                  work, env)
+    memory = _run(
+        [str(bin_dir / "hf-lowprec"), "memory", "--model", "gpt2", "--strategies", "bf16-pure,collage-plus"], work, env
+    )
     assert "124,439,808 trainable parameters" in memory
     rows = {line.split()[0]: line.split() for line in memory.splitlines() if line.startswith(("bf16-pure", "collage"))}
     assert float(rows["bf16-pure"][5]) == 8.0 and float(rows["collage-plus"][5]) == 12.0
 
     steps = 3
-    out = _run([str(bin_dir / "hf-lowprec"), "compare", "--strategies", "bf16-pure,collage-plus", "--max_steps",
-                str(steps), "--out", "cmp", "--", "--per_device_train_batch_size", "4"], work, env, timeout=1500)
+    out = _run(
+        [
+            str(bin_dir / "hf-lowprec"),
+            "compare",
+            "--strategies",
+            "bf16-pure,collage-plus",
+            "--max_steps",
+            str(steps),
+            "--out",
+            "cmp",
+            "--",
+            "--per_device_train_batch_size",
+            "4",
+        ],
+        work,
+        env,
+        timeout=1500,
+    )
     assert "perplexity" in out and "collage-plus" in out, out
     cmp = work / "cmp"
     with open(cmp / "results.csv") as f:
