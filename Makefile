@@ -11,7 +11,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-ppo bench gpu-check fidelity clean
+.PHONY: install demo test test-ppo bench gpu-check fidelity readme lint clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
@@ -26,6 +26,16 @@ install: $(STAMP)
 DEMO_STRATEGIES ?= bf16-mixed,bf16-pure,collage-plus,fp8-lm-o2
 demo: install
 	$(PYTHON) -m hf_lowprec compare --recipe pretrain_clm --strategies $(DEMO_STRATEGIES) --max_steps 150 --out $(BUILD)/demo
+
+# Maintainer tools of the repository (not `hf-lowprec` subcommands: they write into the checkout).
+# The README/docs tables that come from the code; tests/test_docs.py fails when they are stale.
+readme: install
+	$(PYTHON) scripts/readme_tables.py
+
+# ruff (pinned in the dev extra): lint rules and formatting, both checked, nothing rewritten.
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 # The suite runs on the current TRL line; the ppo-marked tests need TRL 1.12 (the last with
 # PPOTrainer), which test-ppo puts in front of it on PYTHONPATH (same other packages).
@@ -55,7 +65,7 @@ gpu-check:
 		$(MAKE) --no-print-directory install && TORCHINDUCTOR_CACHE_DIR=$(BUILD)/inductor $(PYTHON) bench/gpu_check.py; \
 	else echo "gpu-check: no CUDA GPU here (torch.cuda.is_available() is False, or torch is missing): nothing run."; fi
 
-# Collage training-fidelity comparison (ALGORITHMS.md §2): beta2 = 0.999, cosine decay, thousands of steps.
+# Collage training-fidelity comparison (docs/algorithms.md §2): beta2 = 0.999, cosine decay, thousands of steps.
 fidelity: install
 	OMP_NUM_THREADS=1 $(PYTHON) -m hf_lowprec.demo --steps 2000 --lr 1e-3 --threads 1 \
 		--strategies bf16-pure,collage-light,collage-plus,bf16-fp32states,bf16-mixed,bf16-kahan,bf16-sr

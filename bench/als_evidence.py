@@ -1,4 +1,4 @@
-"""Evidence for FP16 with Graphcore automatic loss scaling (ALGORITHMS.md §5), on a tiny GPT-2.
+"""Evidence for FP16 with Graphcore automatic loss scaling (docs/algorithms.md §5), on a tiny GPT-2.
 
 Run `python bench/als_evidence.py` (about 10 minutes on one core; `--part` picks one part).
 

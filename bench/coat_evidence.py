@@ -1,4 +1,4 @@
-"""COAT evidence (ALGORITHMS.md §4): state quantization error, saved-activation bytes, gradient error, bytes/param.
+"""COAT evidence (docs/algorithms.md §4): state quantization error, saved-activation bytes, gradient error, B/param.
 
     python bench/coat_evidence.py [--steps 200] [--train 2000] [--train-only]
 

@@ -2,17 +2,17 @@
 
     hf-lowprec list                                  every strategy, what it does, bytes/param, needs
     hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
-    hf-lowprec compare --recipe pretrain_clm --strategies bf16-pure,collage-plus [--seeds 0,1] [--out DIR]
-    hf-lowprec bench [args...]                       the optimizer-step benchmark (`make bench`)
-    hf-lowprec readme [--check]                      regenerate README.md's tables from the code
+    hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
+
+Every command works from an installed wheel in any directory: `compare` trains what ships in
+the package (`hf_lowprec.runner`). Maintainer tools live in the repository (`make readme`,
+`make bench`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 
 from .registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
-__all__ = ["main", "strategy_rows", "memory_plan", "MODELS", "readme_blocks"]
+__all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
 
 # Named model shapes for `memory`: (config class, its arguments, model class), all from transformers.
 MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -128,45 +128,6 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
         print(line)
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
-
-
-def readme_blocks() -> dict[str, str]:
-    """The generated README.md blocks: marker name → markdown."""
-    rows = strategy_rows()
-    planned = {r["strategy"]: r["total"] for r in memory_plan("gpt2", [r["name"] for r in rows])}
-    lines = ["| name | what | model-state bytes/param (GPT-2 small, planned) | needs |", "|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| `{r['name']}` | {r['summary']} | {planned[r['name']]:.2f} | {r['needs'] or '—'} |")
-    blocks = {"strategies": "\n".join(lines)}
-    try:
-        from .integrations import deepspeed as ds
-
-        table = getattr(ds, "support_matrix_markdown", None)
-        if table is not None:
-            blocks["zero-matrix"] = table()
-    except ImportError:
-        pass
-    return blocks
-
-
-def _update_readme(check: bool) -> int:
-    path = _repo_root() / "README.md"
-    text = path.read_text()
-    new = text
-    for name, body in readme_blocks().items():
-        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
-        new = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), new)
-    if check:
-        if new != text:
-            print("README.md's generated tables are out of date: run `hf-lowprec readme`", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(new)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-lowprec", description="Low-precision training strategies for the HF stack.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--world-size", type=int, default=1)
     mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
 
-    cmp_ = sub.add_parser("compare", help="run a recipe per strategy and seed; CSV, plots and a summary table")
+    cmp_ = sub.add_parser("compare", help="train a recipe per strategy and seed; CSV, plots and a summary table")
     from .compare import RECIPES
 
-    cmp_.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    cmp_.add_argument("--recipe", default="pretrain_clm",
+                      help=f"in-package: {', '.join(sorted(RECIPES))} (default); or the path of a recipe script")
     cmp_.add_argument("--strategies", required=True, help="comma-separated strategy names")
     cmp_.add_argument("--max_steps", "--max-steps", type=int, default=100)
     cmp_.add_argument("--seeds", default="0", help="comma-separated seeds")
@@ -190,12 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--no-metrics", action="store_true", help="do not log the lost-arithmetic metrics")
     cmp_.add_argument("--no-progress", action="store_true")
     cmp_.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: more arguments for the recipe")
-
-    bench = sub.add_parser("bench", help="the optimizer-step benchmark (what `make bench` runs)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-
-    readme = sub.add_parser("readme", help="regenerate README.md's strategy and support tables from the code")
-    readme.add_argument("--check", action="store_true", help="exit 1 when README.md is out of date")
 
     ns = parser.parse_args(argv)
     if ns.command == "list":
@@ -214,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         _print_memory(memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage)
         return 0
     if ns.command == "compare":
-        from .compare import run_compare, summary_table
+        from .compare import resolve_recipe, run_compare, summary_table
 
+        try:
+            resolve_recipe(ns.recipe)
+        except ValueError as error:
+            parser.error(str(error))
         names = [s for s in ns.strategies.split(",") if s]
         try:
             seeds = [int(s) for s in ns.seeds.split(",") if s]
@@ -228,14 +188,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "
               "results.csv (per step), summary.csv (per run)")
         return 0
-    if ns.command == "bench":
-        script = _repo_root() / "bench" / "bench_optim.py"
-        if not script.is_file():
-            print(f"bench/ not found at {script.parent}: run from a source checkout", file=sys.stderr)
-            return 2
-        return subprocess.call([sys.executable, str(script), *[a for a in ns.bench_args if a != "--"]])
-    if ns.command == "readme":
-        return _update_readme(ns.check)
     return 2
 
 

@@ -1,8 +1,13 @@
-"""Run one recipe under several strategies and seeds on the same data; tabulate and plot.
+"""Train one recipe under several strategies and seeds on the same data; tabulate and plot.
 
-Each run is the recipe script itself (`recipes/<recipe>.py`) in a child process, so what is
-compared is exactly what a user runs, and each run's peak RSS is its own (read from the
-child's resource usage). Outputs in the chosen directory:
+What is trained by default ships inside the package: `--recipe pretrain_clm` is
+`hf_lowprec.runner` (a tiny GPT-2 on the embedded corpus, the Trainer path of the
+repository's `recipes/pretrain_clm.py`), so `hf-lowprec compare` works from an installed wheel
+in any directory. `--recipe` may also be the path of a recipe script that writes the same
+result files (`recipes/pretrain_mlm.py`, `recipes/finetune_glue.py`, `recipes/sft.py` of a
+source checkout). Each run is a child process, so what is compared is exactly what a user
+runs, and each run's peak RSS is its own (read from the child's resource usage). Outputs in
+the chosen directory:
 
 - `results.csv`: one row per logged step per strategy and seed (loss, learning rate, every
   `precision/...` metric logged at that step);
@@ -25,36 +30,47 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "recipes_dir", "run_compare", "plot", "summary_table"]
+__all__ = ["RECIPES", "SCRIPT_METRICS", "resolve_recipe", "run_compare", "plot", "summary_table"]
 
-# recipe → (script, the eval metric it reports, lower is better)
-RECIPES: dict[str, tuple[str, str, bool]] = {
-    "pretrain_clm": ("pretrain_clm.py", "perplexity", True),
-    "pretrain_mlm": ("pretrain_mlm.py", "eval_loss", True),
-    "finetune_glue": ("finetune_glue.py", "eval_accuracy", False),
-    "sft": ("sft.py", "eval_loss", True),
+# In-package recipes: name → (module run with `python -m`, the eval metric it reports).
+RECIPES: dict[str, tuple[str, str]] = {
+    "pretrain_clm": ("hf_lowprec.runner", "perplexity"),
+}
+# The eval metric of the repository's recipe scripts, by file stem (others: eval_loss).
+SCRIPT_METRICS: dict[str, str] = {
+    "pretrain_clm": "perplexity",
+    "pretrain_mlm": "eval_loss",
+    "finetune_glue": "eval_accuracy",
+    "sft": "eval_loss",
 }
 # Logged keys that are curves of their own, beyond the loss.
 _LOST = ("precision/imprecision_pct", "precision/edq_ratio")
 _SCALES = ("precision/loss_scale", "precision/fp8_grad_mu")
 
 
-def recipes_dir() -> Path:
-    """The repository's recipes/ folder (present in a source checkout / editable install)."""
-    path = Path(__file__).resolve().parent.parent / "recipes"
-    if not (path / "common.py").is_file():
-        raise FileNotFoundError(
-            f"recipes/ not found next to the package ({path}); `hf-lowprec compare` runs the recipe scripts "
-            "of a source checkout: clone the repository and `pip install -e .`"
-        )
-    return path
+def resolve_recipe(recipe: str) -> tuple[list[str], Path | None, str]:
+    """The command prefix, working directory (None: the run's own) and eval metric of `recipe`.
+
+    `recipe` is an in-package name (`RECIPES`) or the path of a recipe script.
+    """
+    if recipe in RECIPES:
+        module, metric = RECIPES[recipe]
+        return [sys.executable, "-m", module], None, metric
+    path = Path(recipe)
+    if path.suffix == ".py" and path.is_file():
+        path = path.resolve()
+        return [sys.executable, str(path)], path.parent, SCRIPT_METRICS.get(path.stem, "eval_loss")
+    raise ValueError(
+        f"--recipe {recipe!r} is neither an in-package recipe ({', '.join(sorted(RECIPES))}) nor the path of a "
+        "recipe script (e.g. recipes/finetune_glue.py in a source checkout)"
+    )
 
 
-def _run_one(script: Path, strategy: str, seed: int, out: Path, max_steps: int, metrics: bool,
-             extra: list[str]) -> dict[str, Any]:
-    run_dir = out / "runs" / f"{strategy}-seed{seed}"
+def _run_one(command: list[str], cwd: Path | None, strategy: str, seed: int, out: Path, max_steps: int,
+             metrics: bool, extra: list[str]) -> dict[str, Any]:
+    run_dir = (out / "runs" / f"{strategy}-seed{seed}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(script), "--precision_strategy", strategy, "--seed", str(seed),
+    cmd = [*command, "--precision_strategy", strategy, "--seed", str(seed),
            "--max_steps", str(max_steps), "--output_dir", str(run_dir), "--logging_steps", "1",
            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
     if metrics:
@@ -63,13 +79,14 @@ def _run_one(script: Path, strategy: str, seed: int, out: Path, max_steps: int, 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(script.parent))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd or run_dir))
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = (run_dir / "stdout.log").read_text().splitlines()[-15:]
-        raise RuntimeError(f"{script.name} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
+        what = " ".join(command[1:])
+        raise RuntimeError(f"{what} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
                            f"last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(tail))
     result = json.loads((run_dir / "recipe_result.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
@@ -82,16 +99,13 @@ def run_compare(recipe: str, strategies: list[str], *, seeds: list[int], max_ste
     """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows."""
     from .registry import strategy_class
 
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    command, cwd, metric = resolve_recipe(recipe)
     for name in strategies:
         strategy_class(name)  # unknown names fail before any run
     if not strategies or not seeds:
         raise ValueError("give at least one strategy and one seed")
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    script_name, metric, _ = RECIPES[recipe]
-    script = recipes_dir() / script_name
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -100,10 +114,10 @@ def run_compare(recipe: str, strategies: list[str], *, seeds: list[int], max_ste
     runs = [(s, seed) for s in strategies for seed in seeds]
     step_rows: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
-    bar = tqdm(runs, desc=f"compare {recipe}", unit="run", disable=not progress)
+    bar = tqdm(runs, desc=f"compare {Path(recipe).stem}", unit="run", disable=not progress)
     for strategy, seed in bar:
         bar.set_postfix_str(f"{strategy} seed {seed}")
-        run = _run_one(script, strategy, seed, out, max_steps, metrics, list(extra_args or []))
+        run = _run_one(command, cwd, strategy, seed, out, max_steps, metrics, list(extra_args or []))
         for entry in run["history"]:
             if "loss" in entry and "step" in entry:
                 row = {"strategy": strategy, "seed": seed, "step": entry["step"], "loss": entry["loss"],
@@ -122,7 +136,7 @@ def run_compare(recipe: str, strategies: list[str], *, seeds: list[int], max_ste
         })
     _write_csv(out / "results.csv", step_rows)
     _write_csv(out / "summary.csv", summary)
-    plot(step_rows, summary, out, title=f"{recipe}, {max_steps} steps")
+    plot(step_rows, summary, out, title=f"{Path(recipe).stem}, {max_steps} steps")
     return summary
 
 

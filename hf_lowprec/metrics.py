@@ -1,4 +1,4 @@
-"""Lost-arithmetic metrics of an optimizer step (Collage §3, ALGORITHMS.md §1).
+"""Lost-arithmetic metrics of an optimizer step (Collage §3, docs/algorithms.md §1).
 
 For a parameter θ with intended update Δθ and the value θ̂ it actually holds after the step,
 the effective update is Δθ̂ = θ̂ − θ, computed exactly in FP64. Everything here is computed

@@ -1,7 +1,7 @@
 """Error-free transformations, multi-component floats and stochastic rounding.
 
 Pure tensor functions with no framework import, used by the low-precision optimizers
-(Collage §2.2, §4; ALGORITHMS.md §2 and §5).
+(Collage §2.2, §4; docs/algorithms.md §2 and §5).
 
 A length-2 *expansion* (hi, lo) stands for the exact sum hi + lo, both components stored in
 the same low-precision dtype (BF16 or FP16) with |lo| ≤ ulp(hi)/2.
@@ -125,7 +125,7 @@ def grow(x: Number, y: Number, a: Number) -> tuple[torch.Tensor, torch.Tensor]:
     (u, v) = TwoSum(x, a); (u, v) = Fast2Sum(u, y + v). Collage uses Fast2Sum for the first
     sum too, which needs |x| ≥ |a|; that fails for parameters near zero (θ = 0.000866 and
     Δθ = 0.001007 in BF16 lose the whole rounding error of that step), so the first sum is
-    TwoSum (ALGORITHMS.md §2). The second keeps Fast2Sum: u = fl(x + a) is either 0 or at
+    TwoSum (docs/algorithms.md §2). The second keeps Fast2Sum: u = fl(x + a) is either 0 or at
     least as large in exponent as y + v, whose parts are below ulp(x)/2 and ulp(u)/2.
     The only rounding is that of t = y + v, so |(u + v) − (x + y + a)| ≤ 2^-p·|t| ≤
     2^-p·(|y| + ulp(u₁)/2), where u₁ = fl(x + a) and p is the significand width (8 for
@@ -158,7 +158,7 @@ def mul_expansion(
     """Product of two expansions (a_hi, a_lo) × (b_hi, b_lo), as an expansion.
 
     (p, e) = TwoProd(a_hi, b_hi); e += a_hi·b_lo + a_lo·b_hi; return Fast2Sum(p, e)
-    (ALGORITHMS.md §2, "Mul of expansions"). The a_lo·b_lo term is below the precision kept.
+    (docs/algorithms.md §2, "Mul of expansions"). The a_lo·b_lo term is below the precision kept.
     Each cross term is added with one rounding (its product is exact in FP32), the same
     arithmetic as `torch.add(e, t, alpha=scalar)` in the vectorised optimizer step.
     """
@@ -203,7 +203,7 @@ def expansion(value: float, dtype: torch.dtype) -> tuple[float, float]:
     """Split a constant into a length-2 expansion (hi, lo) of `dtype`.
 
     hi = round(value), lo = round(value − hi), the difference taken in FP64 against the
-    low-precision hi (ALGORITHMS.md §2). For BF16, 0.999 → (1.0, −0.00099945068359375):
+    low-precision hi (docs/algorithms.md §2). For BF16, 0.999 → (1.0, −0.00099945068359375):
     the correction Collage needs so that β2·v decays at all.
     """
     hi = round_to_dtype(value, dtype)
@@ -240,7 +240,7 @@ def stochastic_round(
     """Round FP32 `x` to BF16 or FP16 up with probability (x − lo)/(hi − lo), else down.
 
     lo and hi are the neighbouring values of `dtype` around x, so E[SR(x)] = x
-    (ALGORITHMS.md §5): repeated updates below ulp/2 are absorbed on average instead of
+    (docs/algorithms.md §5): repeated updates below ulp/2 are absorbed on average instead of
     being lost. BF16 shares FP32's exponent, so adding 16 uniform random bits below the
     BF16 significand and truncating is exactly that; FP16 uses the general two-neighbour
     method. ±inf and NaN pass through unchanged; finite values beyond the dtype's largest

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import hardware
 from .memory import unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -33,8 +35,12 @@ __all__ = [
     "plan_model_state",
     "promise_violations",
     "silent_precision_problem",
+    "slow_fp16_warning",
+    "warn_slow_fp16_once",
     "zero_per_rank",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Where a state key's bytes go when the optimizer does not declare `state_roles` (torch's AdamW).
 _DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_avg_sq": "optimizer",
@@ -42,6 +48,9 @@ _DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_av
 _BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
 # Strategies that fix the silent loss of BF16/FP16 updates under a plain AdamW.
 FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
+# What to use instead of FP16 where FP16 GEMMs are slow: the FP32-master and the 12-byte BF16 answers.
+BF16_INSTEAD_OF_FP16 = ("bf16-mixed", "collage-plus")
+_SLOW_FP16_WARNED: set[str] = set()  # strategy names already warned about in this process
 
 
 class SilentPrecisionWarning(UserWarning):
@@ -315,6 +324,43 @@ def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | No
         f"(in BF16, an update 256x smaller than its weight is lost). Set precision_strategy to one of "
         f"{', '.join(repr(s) for s in FIXING_STRATEGIES)} (bf16-mixed keeps FP32 weights)."
     )
+
+
+def slow_fp16_warning(strategy: PrecisionStrategy, model: torch.nn.Module) -> str | None:
+    """The warning text when `strategy` computes in FP16 on a CPU whose FP16 GEMMs are slow, else None.
+
+    Slow means `hardware.fp16_gemm_slowdown` (a timed FP16 vs BF16 matmul, once per process)
+    is at least `hardware.SLOW_FP16_RATIO`; the probe runs only for FP16-compute strategies.
+    """
+    if strategy.compute_dtype != torch.float16:
+        return None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cpu":
+        return None
+    ratio = hardware.fp16_gemm_slowdown(device.type)
+    if ratio < hardware.SLOW_FP16_RATIO:
+        return None
+    if math.isinf(ratio):
+        speed = "cannot run FP16 matmuls at all"
+    else:
+        speed = f"runs FP16 matmuls ~{ratio:.0f}x slower than BF16"
+    return (
+        f"precision strategy {strategy.name!r} computes in FP16, and this CPU {speed} (no native FP16 "
+        f"arithmetic; measured by a timed matmul): training will be that much slower. The BF16 strategies "
+        f"train at full speed here: {', '.join(repr(s) for s in BF16_INSTEAD_OF_FP16)} (FP32 masters, "
+        f"16 bytes/param; BF16 weights that keep small updates, 12 bytes/param)."
+    )
+
+
+def warn_slow_fp16_once(strategy: PrecisionStrategy, model: torch.nn.Module) -> str | None:
+    """Log `slow_fp16_warning` as a warning, once per strategy name and process; the text or None."""
+    if strategy.name in _SLOW_FP16_WARNED:
+        return None
+    text = slow_fp16_warning(strategy, model)
+    if text is not None:
+        _SLOW_FP16_WARNED.add(strategy.name)
+        logger.warning("%s", text)
+    return text
 
 
 def _fmt_bytes(value: float) -> str:

@@ -1,6 +1,6 @@
 """Graphcore automatic loss scaling (ALS) and running-mean gradient accumulation for FP16.
 
-ALGORITHMS.md §5 (ALS post, seed 002). Plain torch: no Trainer, Accelerate or DeepSpeed import.
+docs/algorithms.md §5 (ALS post, seed 002). Plain torch: no Trainer, Accelerate or DeepSpeed import.
 
 **ALS.** After each backward, |g| of the weight gradients and (optionally) of the activation
 gradients is counted in two bins over FP16's range, split at `bin_edge` (2^13). Every `period`

@@ -14,11 +14,9 @@ here, at the recipe's edge, and nowhere in the library.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import random
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +26,9 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_bert_config, tiny_gpt2_config
+# The result line and files every recipe writes (`hf-lowprec compare` reads them) are the package's.
+from hf_lowprec.runner import RESULT_MARKER
+from hf_lowprec.runner import write_result as report
 
 __all__ = [
     "ENV_STRATEGY",
@@ -50,8 +51,6 @@ __all__ = [
 
 ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
 ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
-# The line a recipe prints when it finishes; tests and scripts parse the JSON after it.
-RESULT_MARKER = "hf_lowprec-recipe-result:"
 
 logger = logging.getLogger("recipes")
 
@@ -313,43 +312,3 @@ def reward_model(path: str | None, tokenizer: Any, training_args: Any, *, steps:
     if logged:
         logger.info("reward model: loss %.4f after %d steps", logged[-1]["loss"], steps)
     return trainer.model
-
-
-def report(training_args: Any, trainer: Any | None = None, **metrics: Any) -> dict[str, Any]:
-    """Print the result line (main process) and write it to `<output_dir>/recipe_result.json`."""
-    result: dict[str, Any] = {"precision_strategy": training_args.precision_strategy}
-    if trainer is not None:
-        history = trainer.state.log_history
-        losses = [h["loss"] for h in history if "loss" in h]
-        if losses:
-            result["first_loss"], result["final_loss"] = losses[0], losses[-1]
-        result["global_step"] = trainer.state.global_step
-        precision = getattr(trainer, "precision", None)
-        if precision is not None:
-            result.update(precision.metrics())
-            params = [p for p in trainer.model.parameters() if p.requires_grad]
-            result["trainable_param_dtype"] = str(params[0].dtype) if params else None
-            if trainer.optimizer is not None:
-                from hf_lowprec.memory import model_state_bytes
-
-                result["model_state_bytes_per_param"] = model_state_bytes(trainer.model, trainer.optimizer)["total"]
-        step_seconds = getattr(trainer, "step_seconds", None)
-        if step_seconds:
-            # The first step carries one-off work (compilation, allocation); the median skips it.
-            result["median_step_seconds"] = statistics.median(step_seconds[1:] or step_seconds)
-        result["world_size"] = training_args.world_size
-        accelerator = getattr(trainer, "accelerator", None)
-        if accelerator is not None:
-            result["distributed_type"] = str(accelerator.distributed_type.value)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                result["backend"] = torch.distributed.get_backend()
-    result.update(metrics)
-    if training_args.process_index == 0:
-        os.makedirs(training_args.output_dir, exist_ok=True)
-        with open(os.path.join(training_args.output_dir, "recipe_result.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        if trainer is not None:  # the per-step logs, for `hf-lowprec compare`
-            with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
-                json.dump(trainer.state.log_history, f, default=str)
-        print(RESULT_MARKER, json.dumps(result, default=str), flush=True)
-    return result

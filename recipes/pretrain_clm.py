@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, default_data_collator, set_seed
 from common import ModelArguments, TextDataArguments, group_texts, load_model, load_text_datasets, load_tokenizer
 from common import parse_args, report, setup_logging
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.runner import PRETRAIN_CLM_DEFAULTS
 
 
 @dataclasses.dataclass
@@ -29,8 +30,7 @@ class CLMArguments:
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, clm_args, training_args = parse_args(
         (ModelArguments, TextDataArguments, CLMArguments, TrainingArguments), "pretrain_clm", argv,
-        num_train_epochs=1.0, learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=10,
-        weight_decay=0.01, per_device_train_batch_size=16, logging_steps=10, save_strategy="no",
+        **PRETRAIN_CLM_DEFAULTS,
     )
     setup_logging(training_args)
     set_seed(training_args.seed)

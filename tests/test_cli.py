@@ -1,4 +1,4 @@
-"""The `hf-lowprec` command line: list, memory, compare, readme."""
+"""The `hf-lowprec` command line: list, memory, compare (the wheel install: tests/test_wheel.py)."""
 
 import csv
 import struct
@@ -50,10 +50,6 @@ def test_memory_refuses_an_unknown_model_before_any_work():
         memory_plan("gpt5", ["bf16-pure"])
 
 
-def test_readme_tables_are_generated_from_the_code():
-    assert main(["readme", "--check"]) == 0, "README.md is stale: run `python -m hf_lowprec readme`"
-
-
 def test_plot_draws_mean_and_range_over_seeds(tmp_path):
     steps = [{"strategy": s, "seed": seed, "step": k, "loss": 5.0 - 0.1 * k + 0.01 * seed,
               "precision/imprecision_pct": 10.0 * (s == "bf16-pure"), "precision/edq_ratio": 1.0}
@@ -90,3 +86,32 @@ def test_compare_refuses_an_unknown_strategy_before_running(tmp_path):
     with pytest.raises(ValueError, match="unknown precision strategy"):
         run_compare("pretrain_clm", ["bf16-pure", "colage-plus"], seeds=[0], max_steps=2, out=tmp_path)
     assert not (tmp_path / "runs").exists()
+
+
+def test_compare_refuses_an_unknown_recipe_naming_the_choices(tmp_path, capsys):
+    with pytest.raises(ValueError, match="in-package recipe .*pretrain_clm.*path of a recipe script"):
+        run_compare("pretrain_gpt", ["bf16-pure"], seeds=[0], max_steps=2, out=tmp_path)
+    with pytest.raises(SystemExit):
+        main(["compare", "--recipe", "nowhere/recipe.py", "--strategies", "bf16-pure", "--out", str(tmp_path)])
+    assert "neither an in-package recipe" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_maintainer_tools_are_not_user_subcommands(capsys):
+    for command in ("readme", "bench"):
+        with pytest.raises(SystemExit):
+            main([command])
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_in_package_runner_shares_the_pretrain_clm_recipe_defaults():
+    from pathlib import Path
+
+    from hf_lowprec.runner import PRETRAIN_CLM_DEFAULTS, _parse
+
+    _, args = _parse(["--output_dir", "unused"])
+    for key, value in PRETRAIN_CLM_DEFAULTS.items():
+        parsed = getattr(args, key)
+        assert getattr(parsed, "value", parsed) == value, (key, parsed, value)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_clm.py"
+    assert "**PRETRAIN_CLM_DEFAULTS" in recipe.read_text(), "recipes/pretrain_clm.py must train with the runner's defaults"

@@ -1,4 +1,4 @@
-"""COAT numerics: the FP8 optimizer-state format and the FP8 saved activations (ALGORITHMS.md §4)."""
+"""COAT numerics: the FP8 optimizer-state format and the FP8 saved activations (docs/algorithms.md §4)."""
 
 import io
 import logging

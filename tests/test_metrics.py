@@ -1,4 +1,4 @@
-"""Lost-arithmetic metrics (ALGORITHMS.md §1) on cases with known answers."""
+"""Lost-arithmetic metrics (docs/algorithms.md §1) on cases with known answers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hf_lowprec.metrics import edq, imprecision_percentage
 
 
 def test_all_updates_lost_in_bf16() -> None:
-    # 200 + 0.1 == 200 in BF16 (ALGORITHMS.md §0): every update is lost.
+    # 200 + 0.1 == 200 in BF16 (docs/algorithms.md §0): every update is lost.
     before = torch.full((1000,), 200.0, dtype=torch.bfloat16)
     update = torch.full((1000,), 0.1)
     after = (before.float() + update).to(torch.bfloat16)

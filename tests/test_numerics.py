@@ -1,4 +1,4 @@
-"""Error-free transformations against exact FP64 references (ALGORITHMS.md §2, §5)."""
+"""Error-free transformations against exact FP64 references (docs/algorithms.md §2, §5)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def pairs(dtype: torch.dtype, exponents: tuple[int, int]) -> st.SearchStrategy:
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ulp(x) in FP64 for values of `dtype` (ALGORITHMS.md §0), the subnormal spacing near 0."""
+    """ulp(x) in FP64 for values of `dtype` (docs/algorithms.md §0), the subnormal spacing near 0."""
     finfo = torch.finfo(dtype)
     _, exponent = torch.frexp(x.double())
     spacing = torch.pow(2.0, (exponent - BITS[dtype]).double())

@@ -1,4 +1,4 @@
-"""Graphcore ALS and running-mean accumulation on synthetic gradients (ALGORITHMS.md §5)."""
+"""Graphcore ALS and running-mean accumulation on synthetic gradients (docs/algorithms.md §5)."""
 
 import logging
 import math

@@ -1,7 +1,7 @@
 """COAT's mixed-granularity FP8 activations: what layers save for backward is kept in FP8 (COAT §Part 2).
 
 - Linear layers: `hf_lowprec.fp8.FP8Linear` already saves the E4M3 input with one per-tensor
-  scale, the very tensor its FP8 GEMM used (ALGORITHMS.md §3); nothing to add here.
+  scale, the very tensor its FP8 GEMM used (docs/algorithms.md §3); nothing to add here.
 - Non-linear layers (LayerNorm/RMSNorm, GELU/NewGELU/SiLU/… modules): their forward runs
   without building a graph and only the input is saved, as E4M3 with one power-of-two scale
   per 1×16 group along the last dimension, the scale stored as its int8 exponent

@@ -1,4 +1,4 @@
-"""COAT's FP8 optimizer-state format: per-group FP8 with dynamic range expansion (COAT §Part 1; docs/algorithms.md §4).
+"""COAT's FP8 optimizer-state format: per-group FP8 with dynamic range expansion (COAT Part 1; docs/algorithms.md §4).
 
 A tensor x is flattened, zero-padded to a multiple of G (default 128) and cut into groups of
 G consecutive elements. Per group, with mx = max|x| and mn = the smallest non-zero |x|:

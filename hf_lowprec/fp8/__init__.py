@@ -1,5 +1,5 @@
 """FP8-LM building blocks: scaled FP8 tensors, FP8 linear layers, gradient auto-scaling,
-FP8 all-reduce (FP8-LM §2; ALGORITHMS.md §3). The FP8 optimizer is `hf_lowprec.optim.FP8AdamW`."""
+FP8 all-reduce (FP8-LM §2; docs/algorithms.md §3). The FP8 optimizer is `hf_lowprec.optim.FP8AdamW`."""
 
 from .comm import (
     AllReduceStats,

@@ -1,4 +1,4 @@
-"""FP8 gradient all-reduce with one shared scale per tensor (FP8-LM §2.1, eqs. 4–6; ALGORITHMS.md §3).
+"""FP8 gradient all-reduce with one shared scale per tensor (FP8-LM §2.1, eqs. 4–6; docs/algorithms.md §3).
 
 Rank i holds gradient gᵢ of each tensor. The scheme:
 

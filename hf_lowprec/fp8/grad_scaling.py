@@ -1,4 +1,4 @@
-"""FP8 gradients with automatic scaling μ (FP8-LM §2.1, eq. 3; ALGORITHMS.md §3).
+"""FP8 gradients with automatic scaling μ (FP8-LM §2.1, eq. 3; docs/algorithms.md §3).
 
 A gradient g is stored as the scaled FP8 tensor (payload, s) with
 

@@ -1,4 +1,4 @@
-"""FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; ALGORITHMS.md §3).
+"""FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; docs/algorithms.md §3).
 
 This module is long because one autograd function, its two GEMM paths and the module swap
 share one quantization contract; split, each half would restate it.

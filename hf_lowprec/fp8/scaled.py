@@ -5,7 +5,7 @@ One convention everywhere in `hf_lowprec.fp8`:
     real value = payload / scale
 
 Scales are powers of two chosen from the tensor's absolute maximum, with a safety margin
-(ALGORITHMS.md §3):
+(docs/algorithms.md §3):
 
     s = 2^(floor(log2(fmt_max / amax)) − margin)
 

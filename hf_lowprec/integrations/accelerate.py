@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..registry import get_strategy
-from ..report import check_promises, describe, format_report
+from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .peft import prepare_model as _prepare_model
 
@@ -131,6 +131,7 @@ class PrecisionPlugin:
             self.report = describe(self.strategy, model, optimizer, ddp=getattr(accelerator, "num_processes", 1) > 1)
             if getattr(accelerator, "is_main_process", True):
                 logger.info("%s", format_report(self.report))
+                warn_slow_fp16_once(self.strategy, model)
             check_promises(self.strategy, model)
 
     def backward(self, accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -23,7 +23,14 @@ import transformers
 from transformers import TrainerCallback
 
 from ..registry import get_strategy
-from ..report import SilentPrecisionWarning, check_promises, describe, format_report, silent_precision_problem
+from ..report import (
+    SilentPrecisionWarning,
+    check_promises,
+    describe,
+    format_report,
+    silent_precision_problem,
+    warn_slow_fp16_once,
+)
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .checkpoints import resolve_resume_checkpoint
 from .peft import prepare_model
@@ -166,6 +173,7 @@ class PrecisionCallback(TrainerCallback):
         report = describe(self.strategy, trainer.model, trainer.optimizer, deepspeed_stage=stage, ddp=ddp)
         if state.is_world_process_zero:
             logger.info("%s", format_report(report))
+            warn_slow_fp16_once(self.strategy, trainer.model)
             if args.output_dir:
                 os.makedirs(args.output_dir, exist_ok=True)
                 with open(os.path.join(args.output_dir, REPORT_FILE), "w") as f:

@@ -1,4 +1,4 @@
-"""The classic baselines (ALGORITHMS.md §6): FP32, BF16 mixed precision (option D), pure BF16 (option A)."""
+"""The classic baselines (docs/algorithms.md §6): FP32, BF16 mixed precision (option D), pure BF16 (option A)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""COAT: FP8 optimizer states and FP8 activations for memory-efficient FP8 training (ALGORITHMS.md §4).
+"""COAT: FP8 optimizer states and FP8 activations for memory-efficient FP8 training (docs/algorithms.md §4).
 
 | piece (option) | what | from |
 |---|---|---|

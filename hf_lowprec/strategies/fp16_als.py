@@ -1,4 +1,4 @@
-"""FP16 training with Graphcore automatic loss scaling (ALGORITHMS.md §5; ALS post, seed 002).
+"""FP16 training with Graphcore automatic loss scaling (docs/algorithms.md §5; ALS post, seed 002).
 
 FP16 weights, activations and gradients; FP32 AdamW moments; `AutomaticLossScaler` (two-bin
 histogram, clip instead of skip); running-mean gradient accumulation. The weight update keeps

@@ -1,4 +1,4 @@
-"""FP8-LM / MS-AMP optimization levels O1 and O2 (FP8-LM §2; ALGORITHMS.md §3).
+"""FP8-LM / MS-AMP optimization levels O1 and O2 (FP8-LM §2; docs/algorithms.md §3).
 
 | name | GEMMs | gradients (+ all-reduce) | optimizer | weights | bytes/param |
 |---|---|---|---|---|---|

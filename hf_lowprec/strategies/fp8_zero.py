@@ -1,4 +1,4 @@
-"""FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (ALGORITHMS.md §3).
+"""FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (docs/algorithms.md §3).
 
 The optimizer is `hf_lowprec.optim.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
 gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on

@@ -1,4 +1,4 @@
-"""FP8 gradients with automatic scaling μ (FP8-LM §2.1; ALGORITHMS.md §3)."""
+"""FP8 gradients with automatic scaling μ (FP8-LM §2.1; docs/algorithms.md §3)."""
 
 import io
 import math

@@ -1,4 +1,4 @@
-"""FP8 linear layers (ALGORITHMS.md §3) against an FP64 reference, and model conversion."""
+"""FP8 linear layers (docs/algorithms.md §3) against an FP64 reference, and model conversion."""
 
 import copy
 import logging

@@ -1,4 +1,4 @@
-"""Scaled FP8 tensors (ALGORITHMS.md §3): power-of-two scales, saturating casts, safe loading."""
+"""Scaled FP8 tensors (docs/algorithms.md §3): power-of-two scales, saturating casts, safe loading."""
 
 import io
 import math

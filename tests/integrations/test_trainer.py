@@ -136,7 +136,7 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
 
 def capture_bounds(strategy, bounds):
     """Wrap the strategy's measurement to record ‖Δθ̂ − Δθ‖/‖Δθ‖ of each measured step, from the
-    tracked FP64 tensors: by Cauchy–Schwarz |EDQ ratio − 1| ≤ that (ALGORITHMS.md §1)."""
+    tracked FP64 tensors: by Cauchy–Schwarz |EDQ ratio − 1| ≤ that (docs/algorithms.md §1)."""
     measure = strategy._measure_lost_arithmetic
 
     def wrapped(records, group_count):

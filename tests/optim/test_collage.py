@@ -1,4 +1,4 @@
-"""CollageAdamW (Collage Alg. 2, ALGORITHMS.md §2) against an FP64 AdamW reference."""
+"""CollageAdamW (Collage Alg. 2, docs/algorithms.md §2) against an FP64 AdamW reference."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def reference_adamw(
     theta0: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, betas: tuple[float, float],
     eps: float = 1e-8, weight_decay: float = 0.0,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """AdamW exactly as ALGORITHMS.md §2 writes it, in FP64, on the same gradients."""
+    """AdamW exactly as docs/algorithms.md §2 writes it, in FP64, on the same gradients."""
     beta1, beta2 = betas
     theta = [t.double() for t in theta0]
     m = [torch.zeros_like(t) for t in theta]
@@ -133,7 +133,7 @@ def test_plus_beats_light_with_beta2_0999_light_suffices_with_095(accuracy: dict
     assert accuracy["light(θ+δθ)@0.95"] < 0.9 * accuracy["light(θ+δθ)"]
     assert accuracy["light(θ+δθ)@0.95"] < 1.5 * accuracy["plus(θ+δθ)@0.95"]
     assert accuracy["light"] < 0.25 * accuracy["plain"]
-    # Kahan summation is Collage-light's parameter update (ALGORITHMS.md §2).
+    # Kahan summation is Collage-light's parameter update (docs/algorithms.md §2).
     assert accuracy["kahan"] == pytest.approx(accuracy["light"], rel=0.05)
 
 
@@ -318,7 +318,7 @@ def test_expansion_keeps_the_updates_bf16_parameters_lose() -> None:
         record = collage.tracked[-1]
         # θ alone drops every update: δθ carries them until they add up to ulp(θ)/2.
         assert imprecision_percentage(theta_before, params[0], record.update) > 90.0
-        # The record holds θ + δθ, the value Collage really keeps (ALGORITHMS.md §1).
+        # The record holds θ + δθ, the value Collage really keeps (docs/algorithms.md §1).
         before = theta_before.double() + error_before.double()
         after = params[0].detach().double() + state[params[0]]["param_error"].double()
         assert torch.equal(record.before, before) and torch.equal(record.after, after)

@@ -1,4 +1,4 @@
-"""FP8AdamW (FP8-LM §2.2; ALGORITHMS.md §3): E4M3 m, scaled FP16 v, FP16 (scaled) masters."""
+"""FP8AdamW (FP8-LM §2.2; docs/algorithms.md §3): E4M3 m, scaled FP16 v, FP16 (scaled) masters."""
 
 import io
 

@@ -1,4 +1,4 @@
-"""The `coat` strategy: each piece on its own, the BF16 + δθ master option (ALGORITHMS.md §4).
+"""The `coat` strategy: each piece on its own, the BF16 + δθ master option (docs/algorithms.md §4).
 
 The default options are covered by tests/strategies/test_contract.py like every registered
 strategy; this file checks the option combinations the contract does not see.

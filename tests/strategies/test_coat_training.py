@@ -1,4 +1,4 @@
-"""`coat` trains as well as `bf16-mixed` (ALGORITHMS.md §4; issue goal: eval perplexity within 3%).
+"""`coat` trains as well as `bf16-mixed` (docs/algorithms.md §4; issue goal: eval perplexity within 3%).
 
 The thousands-of-steps comparison on the whole corpus is `python bench/coat_evidence.py
 --train 2000` (README, COAT section). This is the short regression guard: a tiny GPT-2

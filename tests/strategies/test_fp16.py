@@ -1,4 +1,4 @@
-"""fp16-als and fp16-mixed: Trainer runs, overflow injection, accumulation, options (ALGORITHMS.md §5, §6)."""
+"""fp16-als and fp16-mixed: Trainer runs, overflow injection, accumulation, options (docs/algorithms.md §5, §6)."""
 
 import io
 import math

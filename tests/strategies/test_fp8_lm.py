@@ -1,4 +1,4 @@
-"""FP8-LM strategies O1 and O2 (ALGORITHMS.md §3), in the plain training loop of the brief."""
+"""FP8-LM strategies O1 and O2 (docs/algorithms.md §3), in the plain training loop of the brief."""
 
 import io
 

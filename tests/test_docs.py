@@ -1,0 +1,148 @@
+"""The documentation: no dangling references, generated tables up to date, README short and runnable.
+
+- Every `docs/...md` path that a docstring, comment or page cites exists, and every relative
+  link of README.md and the docs/ pages points at a file of the repository.
+- Nothing cites the numerics specification that lived outside the repository; the algorithms
+  are docs/algorithms.md, with stable section numbers.
+- The tables that come from the code (strategy table, ZeRO support matrix) match it
+  (`make readme` rewrites them).
+- README.md stays a five-minute read, and its Python quick starts run as printed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", ".json", ""}
+# The old citation target, spelled in two pieces so this file does not cite it itself.
+OUTSIDE_SPEC = "ALGORITHMS" + ".md"
+# TEMPORARY: hf_lowprec/optim/ is being restructured on another branch, which applies the same
+# mapping (the old citation §N -> docs/algorithms.md §N) there; remove this exemption once it lands.
+EXEMPT_FROM_SPEC_CHECK = ("hf_lowprec/optim/",)
+_DOCS_PATH = re.compile(r"\bdocs/(?:[\w-]+/)*[\w-][\w.-]*?\.md\b")
+_MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        names = out.splitlines()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
+        names = [
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file() and not {".git", "build", "__pycache__"} & set(p.relative_to(ROOT).parts)
+        ]
+    return [ROOT / n for n in names if (ROOT / n).is_file() and (ROOT / n).suffix in TEXT_SUFFIXES]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return ""
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_cited_docs_page_exists():
+    missing = []
+    for path in _tracked_files():
+        for match in _DOCS_PATH.finditer(_text(path)):
+            if not (ROOT / match.group(0)).is_file():
+                line = _text(path).count("\n", 0, match.start()) + 1
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
+    assert not missing, "cited docs pages that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_relative_link_of_the_pages_resolves():
+    broken = []
+    for page in _pages():
+        for match in _MD_LINK.finditer(_text(page)):
+            target = match.group(1).split("#", 1)[0]
+            if not target or re.match(r"^[a-z]+:", target):  # an anchor on the page, or a URL
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {match.group(1)}")
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def test_nothing_cites_the_outside_specification():
+    citing = [
+        str(p.relative_to(ROOT))
+        for p in _tracked_files()
+        if OUTSIDE_SPEC in _text(p) and not str(p.relative_to(ROOT)).startswith(EXEMPT_FROM_SPEC_CHECK)
+    ]
+    assert not citing, f"cite docs/algorithms.md §N instead of {OUTSIDE_SPEC} in: {citing}"
+
+
+def test_algorithms_page_keeps_its_section_numbers():
+    text = _text(ROOT / "docs" / "algorithms.md")
+    headings = re.findall(r"^## §(\d+) ", text, re.M)
+    assert headings == [str(n) for n in range(7)], headings
+    for path in _tracked_files():
+        for number in re.findall(r"docs/algorithms\.md §(\d+)", _text(path)):
+            assert int(number) <= 6, f"{path.relative_to(ROOT)} cites docs/algorithms.md §{number}"
+
+
+def _readme_tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_tables_match_the_code():
+    tables = _readme_tables()
+    assert not tables.stale_pages(), "generated tables are stale: run `make readme`"
+    readme = _text(ROOT / "README.md")
+    for name in tables.blocks():
+        assert f"<!-- generated:{name} -->" in readme, f"README.md lost its generated {name} table"
+
+
+def test_regenerating_rewrites_a_stale_block_and_refuses_an_unknown_one():
+    tables = _readme_tables()
+    generated = {"strategies": "| new |\n"}
+    stale = "a\n<!-- generated:strategies -->\n| old |\n<!-- /generated:strategies -->\nb\n"
+    assert (
+        tables.regenerate(stale, generated)
+        == "a\n<!-- generated:strategies -->\n| new |\n<!-- /generated:strategies -->\nb\n"
+    )
+    with pytest.raises(KeyError, match="unknown generated block 'nope'"):
+        tables.regenerate("<!-- generated:nope -->\n<!-- /generated:nope -->", generated, "X.md")
+
+
+def test_readme_is_a_five_minute_read():
+    lines = _text(ROOT / "README.md").count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move detail to docs/"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", _text(ROOT / "README.md"), re.S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(_python_blocks())))
+def test_readme_python_quick_starts_run(index, tmp_path):
+    code = _python_blocks()[index]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"README python block {index} failed:\n{code}\n--- stderr\n{proc.stderr[-4000:]}"
