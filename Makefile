@@ -55,6 +55,7 @@ test-ppo: install
 	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 bench: install
+	$(PYTHON) bench/bench_native.py
 	$(PYTHON) bench/bench_optim.py
 	$(PYTHON) bench/bench_e2e.py
 

@@ -1,4 +1,4 @@
-"""Whole-tensor distribution over ranks: the FP8 ZeRO assignment of ALGORITHMS.md §3.
+"""Whole-tensor distribution over ranks: the FP8 ZeRO assignment of docs/algorithms.md §3.
 
 Each tensor goes whole to one rank: largest first, to the rank with the fewest bytes so far
 (greedy list scheduling). Pure arithmetic on sizes: no process group is needed, so memory

@@ -24,9 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", ".json", ""}
 # The old citation target, spelled in two pieces so this file does not cite it itself.
 OUTSIDE_SPEC = "ALGORITHMS" + ".md"
-# TEMPORARY: hf_lowprec/optim/ is being restructured on another branch, which applies the same
-# mapping (the old citation §N -> docs/algorithms.md §N) there; remove this exemption once it lands.
-EXEMPT_FROM_SPEC_CHECK = ("hf_lowprec/optim/",)
 _DOCS_PATH = re.compile(r"\bdocs/(?:[\w-]+/)*[\w-][\w.-]*?\.md\b")
 _MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -81,7 +78,7 @@ def test_nothing_cites_the_outside_specification():
     citing = [
         str(p.relative_to(ROOT))
         for p in _tracked_files()
-        if OUTSIDE_SPEC in _text(p) and not str(p.relative_to(ROOT)).startswith(EXEMPT_FROM_SPEC_CHECK)
+        if OUTSIDE_SPEC in _text(p)
     ]
     assert not citing, f"cite docs/algorithms.md §N instead of {OUTSIDE_SPEC} in: {citing}"
 

@@ -47,7 +47,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     ("optimizer" for moments, "extra" for MCF components, master weights and scales,
     "gradient" for gradients kept in optimizer state), which `hf_lowprec.memory` reads.
 
-    Lost-arithmetic tracking (ALGORITHMS.md §1): the metrics are taken on the value the
+    Lost-arithmetic tracking (docs/algorithms.md §1): the metrics are taken on the value the
     optimizer really holds for a parameter, `held_value(param)`: the parameter itself by
     default, θ + δθ for an expansion (Collage, Kahan), the master for a master-weight scheme.
     When `track_updates` is true, `step()` implementations take `before = held_value(param)`

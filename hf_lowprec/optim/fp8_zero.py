@@ -1,4 +1,4 @@
-"""FP8 ZeRO: FP8AdamW with the FP8 GEMM weights distributed whole over ranks (FP8-LM O3; ALGORITHMS.md §3).
+"""FP8 ZeRO: FP8AdamW with the FP8 GEMM weights distributed whole over ranks (FP8-LM O3; docs/algorithms.md §3).
 
 The FP8 GEMM weights are distributed as whole tensors (`hf_lowprec.partition.assign_whole_tensors`:
 largest first, to the rank with the fewest bytes). Per weight, its owner keeps the scaled FP16
