@@ -35,8 +35,17 @@ def tiny_gpt2(seed: int, alpha: float = 1.0) -> GPT2LMHeadModel:
     # activation_function="gelu" (one op): GPT-2's default tanh GELU forms x³, which overflows
     # FP16 for |x| > 40 inside the module, and tanh'(inf)·inf is a NaN in backward that no
     # loss scale can prevent (pure FP16 only; autocast runs pow in FP32).
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu")
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu",
+    )
     model = GPT2LMHeadModel(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -80,13 +89,13 @@ def train(name: str, seed: int, steps: int, lr: float, alpha: float, **options) 
         "skipped": int(metrics["precision/skipped_steps"]),
         "clipped_total": int(getattr(strategy.scaler, "total_clipped", 0)) if hasattr(strategy, "scaler") else 0,
         "finite_params": finite,
-        "scale_trace": scales[:: max(1, steps // 12)] + [scales[-1]],
+        "scale_trace": [*scales[:: max(1, steps // 12)], scales[-1]],
         "min_scale": min(scales),
     }
 
 
 def fmt_scale(s: float) -> str:
-    return f"2^{int(round(torch.tensor(s).log2().item()))}" if s > 0 else "0"
+    return f"2^{round(torch.tensor(s).log2().item())}" if s > 0 else "0"
 
 
 def part_failure(args) -> None:
@@ -97,8 +106,11 @@ def part_failure(args) -> None:
         for seed in args.seeds:
             r = train(name, seed, args.steps, args.lr, args.alpha)
             trace = " ".join(fmt_scale(s) for s in r["scale_trace"])
-            print(f"| {name} | {seed} | {r['first_loss']:.3f} | {r['final_loss']:.3f} | {r['skipped']} | "
-                  f"{r['clipped_total']} | {fmt_scale(r['min_scale'])} | {trace} |", flush=True)
+            print(
+                f"| {name} | {seed} | {r['first_loss']:.3f} | {r['final_loss']:.3f} | {r['skipped']} | "
+                f"{r['clipped_total']} | {fmt_scale(r['min_scale'])} | {trace} |",
+                flush=True,
+            )
 
 
 def part_static(args) -> None:
@@ -112,8 +124,11 @@ def part_static(args) -> None:
     for label, options in runs.items():
         for seed in args.seeds:
             r = train("fp16-als", seed, args.steps, args.lr, 1.0, **options)
-            print(f"| {label} | {seed} | {r['first_loss']:.3f} | {r['final_loss']:.3f} | {r['skipped']} | "
-                  f"{fmt_scale(r['scale_trace'][-1])} |", flush=True)
+            print(
+                f"| {label} | {seed} | {r['first_loss']:.3f} | {r['final_loss']:.3f} | {r['skipped']} | "
+                f"{fmt_scale(r['scale_trace'][-1])} |",
+                flush=True,
+            )
 
 
 def part_underflow(args) -> None:
@@ -121,15 +136,17 @@ def part_underflow(args) -> None:
     untrained model, as shares of elements that FP16 flushes to zero (< 2^-24) or holds as
     subnormals (< 2^-14, fewer than 11 significant bits) at loss scale 1 and at 2^10."""
     print("\n## 2b. FP32 reference gradients of the tiny GPT-2 against FP16's floor\n")
-    print("| seed | kind | elements | < 2^-24 at scale 1 | < 2^-14 at scale 1 | < 2^-24 at scale 2^10 | < 2^-14 at scale 2^10 |")
+    print(
+        "| seed | kind | elements | < 2^-24 at scale 1 | < 2^-14 at scale 1 | < 2^-24 at scale 2^10 | < 2^-14 at scale 2^10 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         model = tiny_gpt2(seed)
         activation_grads = []
 
-        def capture(module, inputs, output):
+        def capture(module, inputs, output, sink=activation_grads):
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(activation_grads.append)
+                output.register_hook(sink.append)
 
         for module in model.modules():
             if next(module.children(), None) is None:
@@ -139,14 +156,19 @@ def part_underflow(args) -> None:
         kinds = {"weights": [p.grad for p in model.parameters()], "activations": activation_grads}
         for kind, grads in kinds.items():
             flat = torch.cat([g.detach().abs().flatten() for g in grads])
-            share = lambda scale, edge: f"{float(((flat * scale) < edge).double().mean()):.1%}"  # noqa: E731
-            print(f"| {seed} | {kind} | {flat.numel()} | {share(1, 2**-24)} | {share(1, 2**-14)} | "
-                  f"{share(2**10, 2**-24)} | {share(2**10, 2**-14)} |", flush=True)
+            share = lambda scale, edge, flat=flat: f"{float(((flat * scale) < edge).double().mean()):.1%}"  # noqa: E731
+            print(
+                f"| {seed} | {kind} | {flat.numel()} | {share(1, 2**-24)} | {share(1, 2**-14)} | "
+                f"{share(2**10, 2**-24)} | {share(2**10, 2**-14)} |",
+                flush=True,
+            )
 
 
 def part_accumulation(args) -> None:
     print("\n## 3. Gradient accumulation in FP16 over 16 micro-batches of large gradients\n")
-    print("| seed | max |g_k| | plain sum: inf elements | running mean: inf elements | running mean max rel. error vs FP64 |")
+    print(
+        "| seed | max |g_k| | plain sum: inf elements | running mean: inf elements | running mean max rel. error vs FP64 |"
+    )
     print("|---|---|---|---|---|")
     for seed in args.seeds:
         g = torch.Generator().manual_seed(seed)
@@ -158,8 +180,11 @@ def part_accumulation(args) -> None:
             running_mean_(mean, grad, k)
         reference = torch.stack([x.double() for x in grads]).mean(0)
         error = ((mean.double() - reference).abs().max() / reference.abs().max()).item()
-        print(f"| {seed} | {max(x.abs().max().item() for x in grads):.0f} | {int(torch.isinf(total).sum())} | "
-              f"{int(torch.isinf(mean).sum())} | {error:.2e} |", flush=True)
+        print(
+            f"| {seed} | {max(x.abs().max().item() for x in grads):.0f} | {int(torch.isinf(total).sum())} | "
+            f"{int(torch.isinf(mean).sum())} | {error:.2e} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -170,12 +195,16 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=64.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--failure-runs", nargs="+", default=["fp16-mixed", "fp16-als", "fp16-mixed+als"],
-                        help="part 1 runs; fp16-mixed+als is fp16-mixed with ALS instead of GradScaler")
+    parser.add_argument(
+        "--failure-runs",
+        nargs="+",
+        default=["fp16-mixed", "fp16-als", "fp16-mixed+als"],
+        help="part 1 runs; fp16-mixed+als is fp16-mixed with ALS instead of GradScaler",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print("# fp16-als evidence:", json.dumps({k: v for k, v in vars(args).items()}))
+    print("# fp16-als evidence:", json.dumps(dict(vars(args).items())))
     if args.part in ("failure", "all"):
         part_failure(args)
     if args.part in ("static", "all"):

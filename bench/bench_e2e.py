@@ -58,8 +58,12 @@ def child(args: argparse.Namespace) -> None:
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = {"step_s": statistics.median(times[1:]), "fwd_bwd_s": statistics.median(passes[1:]), "peak_mib": peak_mib,
-           "fastest_s": min(times[1:])}  # fmt: skip
+    out = {
+        "step_s": statistics.median(times[1:]),
+        "fwd_bwd_s": statistics.median(passes[1:]),
+        "peak_mib": peak_mib,
+        "fastest_s": min(times[1:]),
+    }
     print(json.dumps({**out, "loss": losses[-1]}))
 
 
@@ -81,8 +85,20 @@ def main() -> int:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
-            cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--threads", str(args.threads),
-                   "--batch", str(args.batch), "--seq", str(args.seq)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+            ]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -91,26 +107,36 @@ def main() -> int:
     # Other jobs on a shared machine only ever slow a run down: the fastest round is the closest
     # to the strategy's own cost. Peak RSS barely moves between rounds; the largest is kept.
     results = {
-        name: {"step_s": min(r["step_s"] for r in rs), "fwd_bwd_s": min(r["fwd_bwd_s"] for r in rs),
-               "fastest_s": min(r["fastest_s"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
-               "loss": rs[0]["loss"]}
+        name: {
+            "step_s": min(r["step_s"] for r in rs),
+            "fwd_bwd_s": min(r["fwd_bwd_s"] for r in rs),
+            "fastest_s": min(r["fastest_s"] for r in rs),
+            "peak_mib": max(r["peak_mib"] for r in rs),
+            "loss": rs[0]["loss"],
+        }
         for name, rs in runs.items()
-    }  # fmt: skip
+    }
     base = results[names[0]]
-    print(f"GPT-2 124M, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps, "
-          f"fastest of {args.rounds} interleaved rounds; ratios to {names[0]} in this run")  # fmt: skip
+    print(
+        f"GPT-2 124M, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps, "
+        f"fastest of {args.rounds} interleaved rounds; ratios to {names[0]} in this run"
+    )
     print(f"load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}")
     # A step's time swings with page faults (freed memory returned to the OS and faulted in
     # again), more for some strategies than others: the fastest single step is the steadier
     # measure of the work a step needs, the median what a run sees.
-    print("| strategy | step | step ratio | fastest step | fastest ratio | forward+backward | fwd+bwd ratio "
-          "| peak RSS | RSS ratio | loss |")  # fmt: skip
+    print(
+        "| strategy | step | step ratio | fastest step | fastest ratio | forward+backward | fwd+bwd ratio "
+        "| peak RSS | RSS ratio | loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f} | {r['fastest_s']:.2f} s | "
-              f"{r['fastest_s'] / base['fastest_s']:.2f} | {r['fwd_bwd_s']:.2f} s | "
-              f"{r['fwd_bwd_s'] / base['fwd_bwd_s']:.2f} | {r['peak_mib']:.0f} MiB | "
-              f"{r['peak_mib'] / base['peak_mib']:.2f} | {r['loss']:.3f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['step_s']:.2f} s | {r['step_s'] / base['step_s']:.2f} | {r['fastest_s']:.2f} s | "
+            f"{r['fastest_s'] / base['fastest_s']:.2f} | {r['fwd_bwd_s']:.2f} s | "
+            f"{r['fwd_bwd_s'] / base['fwd_bwd_s']:.2f} | {r['peak_mib']:.0f} MiB | "
+            f"{r['peak_mib'] / base['peak_mib']:.2f} | {r['loss']:.3f} |"
+        )
     return 0
 
 

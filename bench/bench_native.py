@@ -54,9 +54,15 @@ from hf_lowprec.optim import native  # noqa: E402
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 WARMUP, TIMED = 4, 7
 GOALS = {
-    "bf16-pure": 1.9, "bf16-sr": 1.7, "collage-light": 1.45, "bf16-kahan": 1.45, "collage-plus": 1.15,
-    "bf16-fp32states": 1.2, "fp8adamw": 1.5, "coat": 1.0,
-}  # fmt: skip
+    "bf16-pure": 1.9,
+    "bf16-sr": 1.7,
+    "collage-light": 1.45,
+    "bf16-kahan": 1.45,
+    "collage-plus": 1.15,
+    "bf16-fp32states": 1.2,
+    "fp8adamw": 1.5,
+    "coat": 1.0,
+}
 
 
 def _tensors(count: int, side: int, dtype: torch.dtype, fill: str = "randn", seed: int = 0) -> list[torch.Tensor]:
@@ -98,9 +104,7 @@ class Native:
             from hf_lowprec.coat.state import FP8GroupState
 
             self.params, self.grads = t(fp32), t(fp32, seed=1)
-            self.states = [
-                [FP8GroupState.zeros(p.shape, device="cpu") for _ in range(2)] for p in self.params
-            ]
+            self.states = [[FP8GroupState.zeros(p.shape, device="cpu") for _ in range(2)] for p in self.params]
             return
         param_dtype = bf16
         moment_dtype = fp32 if family in ("bf16-fp32states", "master") else bf16
@@ -136,11 +140,21 @@ class Native:
             elif f == "master":
                 native.master_step(self.params, self.masters, self.grads, self.m, self.v, scalars)
             elif f == "fp8adamw":
-                native.fp8_adamw_step(self.params, self.master_scales, self.grads, self.grad_scales, self.m,
-                                      self.m_scales, self.v, self.v_scales, scalars)  # fmt: skip
+                native.fp8_adamw_step(
+                    self.params,
+                    self.master_scales,
+                    self.grads,
+                    self.grad_scales,
+                    self.m,
+                    self.m_scales,
+                    self.v,
+                    self.v_scales,
+                    scalars,
+                )
             elif f == "coat":
-                native.coat_step(self.params, None, self.grads,
-                                 [s[0] for s in self.states], [s[1] for s in self.states], scalars)  # fmt: skip
+                native.coat_step(
+                    self.params, None, self.grads, [s[0] for s in self.states], [s[1] for s in self.states], scalars
+                )
             else:
                 raise ValueError(f)
         finally:
@@ -152,8 +166,14 @@ def _torch_adamw(count: int, side: int, dtype: torch.dtype) -> Callable[[], None
     params = [p.requires_grad_() for p in _tensors(count, side, dtype)]
     for p, g in zip(params, _tensors(count, side, dtype, seed=1)):
         p.grad = g
-    opt = torch.optim.AdamW(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                            weight_decay=HYPER["weight_decay"], fused=True)  # fmt: skip
+    opt = torch.optim.AdamW(
+        params,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        fused=True,
+    )
     return opt.step
 
 
@@ -163,8 +183,15 @@ def _deepspeed(count: int, side: int, dtype: torch.dtype, fp32_states: bool) -> 
     params = [torch.nn.Parameter(p) for p in _tensors(count, side, dtype)]
     for p, g in zip(params, _tensors(count, side, dtype, seed=1)):
         p.grad = g
-    opt = DeepSpeedCPUAdam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                           weight_decay=HYPER["weight_decay"], adamw_mode=True, fp32_optimizer_states=fp32_states)  # fmt: skip
+    opt = DeepSpeedCPUAdam(
+        params,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        adamw_mode=True,
+        fp32_optimizer_states=fp32_states,
+    )
     return opt.step
 
 
@@ -204,14 +231,23 @@ def main() -> None:
     numel = n * side * side
     reason = native.native_unavailable()
     best = native.isa() if reason is None else "unavailable"
-    print(f"# {numel / 1e6:.1f}M parameters ({n} x {side}^2), {args.threads} threads, torch {torch.__version__}, "
-          f"native ISA {best}{'' if reason is None else ' (' + reason + ')'}")  # fmt: skip
+    print(
+        f"# {numel / 1e6:.1f}M parameters ({n} x {side}^2), {args.threads} threads, torch {torch.__version__}, "
+        f"native ISA {best}{'' if reason is None else ' (' + reason + ')'}"
+    )
     print(f"# load before: {_uptime()}")
 
     families = [
-        ("bf16-pure", 14), ("bf16-sr", 14), ("collage-light", 18), ("bf16-kahan", 18), ("collage-plus", 22),
-        ("bf16-fp32states", 22), ("master", 28), ("fp8adamw", 11), ("coat", 16),
-    ]  # fmt: skip
+        ("bf16-pure", 14),
+        ("bf16-sr", 14),
+        ("collage-light", 18),
+        ("bf16-kahan", 18),
+        ("collage-plus", 22),
+        ("bf16-fp32states", 22),
+        ("master", 28),
+        ("fp8adamw", 11),
+        ("coat", 16),
+    ]
     rows: list[tuple[str, Callable[[], Callable[[], None]], int, str | None]] = []
     if reason is None:
         isas = [(best, None)] + ([("avx2", "avx2")] if best == "avx512" else [])
@@ -219,7 +255,14 @@ def main() -> None:
             for family, nbytes in families:
                 if family == "coat" and not hasattr(native, "coat_step"):
                     continue
-                rows.append((f"native {family} [{isa_name}]", lambda f=family, e=env: Native(f, n, side, e).step, nbytes, family))
+                rows.append(
+                    (
+                        f"native {family} [{isa_name}]",
+                        lambda f=family, e=env: Native(f, n, side, e).step,
+                        nbytes,
+                        family,
+                    )
+                )
     rows += [
         ("torch fused AdamW BF16/BF16", lambda: _torch_adamw(n, side, torch.bfloat16), 14, None),
         ("DeepSpeedCPUAdam FP32", lambda: _deepspeed(n, side, torch.float32, True), 28, None),
@@ -241,11 +284,14 @@ def main() -> None:
             continue
         cand, ref = _interleaved(step, reference)
         c_med, r_med = statistics.median(cand), statistics.median(ref)
-        goal = GOALS.get(family or "", None)
+        goal = GOALS.get(family or "")
         goal_text = f"≥ {goal:.2f}×" if goal else ""
-        print(f"| {name} | {c_med * 1e3:.1f} ({min(cand) * 1e3:.1f}–{max(cand) * 1e3:.1f}) | "
-              f"{r_med * 1e3:.1f} ({min(ref) * 1e3:.1f}–{max(ref) * 1e3:.1f}) | {r_med / c_med:.2f}× | {goal_text} | "
-              f"{numel * nbytes / c_med / 1e9:.1f} ({nbytes}) |", flush=True)  # fmt: skip
+        print(
+            f"| {name} | {c_med * 1e3:.1f} ({min(cand) * 1e3:.1f}–{max(cand) * 1e3:.1f}) | "
+            f"{r_med * 1e3:.1f} ({min(ref) * 1e3:.1f}–{max(ref) * 1e3:.1f}) | {r_med / c_med:.2f}× | {goal_text} | "
+            f"{numel * nbytes / c_med / 1e9:.1f} ({nbytes}) |",
+            flush=True,
+        )
         del step
         gc.collect()
     print(f"# load after: {_uptime()}")

@@ -63,12 +63,28 @@ from hf_lowprec.optim import (  # noqa: E402
 
 D_MODEL = 1024
 # Four transformer blocks: QKV, attention output, MLP in and out, their biases, two LayerNorms.
-BLOCK = [(3 * D_MODEL, D_MODEL), (3 * D_MODEL,), (D_MODEL, D_MODEL), (D_MODEL,),
-         (4 * D_MODEL, D_MODEL), (4 * D_MODEL,), (D_MODEL, 4 * D_MODEL), (D_MODEL,)] + [(D_MODEL,)] * 4
+BLOCK = [
+    (3 * D_MODEL, D_MODEL),
+    (3 * D_MODEL,),
+    (D_MODEL, D_MODEL),
+    (D_MODEL,),
+    (4 * D_MODEL, D_MODEL),
+    (4 * D_MODEL,),
+    (D_MODEL, 4 * D_MODEL),
+    (D_MODEL,),
+] + [(D_MODEL,)] * 4
 SHAPES = BLOCK * 4
 
-GOALS = {"collage-plus": 1.15, "collage-light": 1.45, "bf16-kahan": 1.45, "bf16-sr": 1.7,
-         "bf16-pure": 1.9, "bf16-fp32states": 1.2, "fp8-lm-o2": 1.5, "coat": 1.0}
+GOALS = {
+    "collage-plus": 1.15,
+    "collage-light": 1.45,
+    "bf16-kahan": 1.45,
+    "bf16-sr": 1.7,
+    "bf16-pure": 1.9,
+    "bf16-fp32states": 1.2,
+    "fp8-lm-o2": 1.5,
+    "coat": 1.0,
+}
 
 
 @dataclasses.dataclass
@@ -90,7 +106,9 @@ def _tensors(dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> list[
     return params
 
 
-def _optimizer_step(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], dtype: torch.dtype) -> Callable[[], Callable[[], None]]:
+def _optimizer_step(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], dtype: torch.dtype
+) -> Callable[[], Callable[[], None]]:
     def build() -> Callable[[], None]:
         return factory(_tensors(dtype)).step
 
@@ -138,7 +156,9 @@ def _ours() -> list[Candidate]:
     ]
     for name, ideal, make in specs:
         for path in ("compiled", "reference"):
-            rows.append(Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16)))
+            rows.append(
+                Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16))
+            )
     for path in ("compiled", "reference"):
         rows.append(Candidate("fp8-lm-o2", path, 11, _fp8_o2(path), "FP8AdamW, FP16 masters"))
     for path in ("compiled", "reference"):
@@ -172,7 +192,13 @@ def _peers() -> list[Candidate]:
     return [
         Candidate("torchao AdamWFp8", "peer", 10, _optimizer_step(torchao("AdamWFp8"), bf16), "BF16 θ"),
         Candidate("torchao AdamW8bit", "peer", 10, _optimizer_step(torchao("AdamW8bit"), bf16), "BF16 θ"),
-        Candidate("torchao _AdamW SR", "peer", 14, _optimizer_step(torchao("_AdamW", bf16_stochastic_round=True), bf16), "BF16 θ, BF16 m, v"),
+        Candidate(
+            "torchao _AdamW SR",
+            "peer",
+            14,
+            _optimizer_step(torchao("_AdamW", bf16_stochastic_round=True), bf16),
+            "BF16 θ, BF16 m, v",
+        ),
         Candidate("bnb AdamW8bit", "peer", 10, _optimizer_step(bnb, bf16), "BF16 θ"),
         Candidate("optimi Kahan AdamW", "peer", 18, _optimizer_step(optimi, bf16), "BF16 θ, m, v, k"),
     ]
@@ -228,8 +254,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
     parser.add_argument("--no-peers", action="store_true", help="skip the peer optimizers")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall time (default), or the process's CPU time on a busy machine")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time (default), or the process's CPU time on a busy machine",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -237,9 +267,11 @@ def main() -> None:
 
     numel = sum(torch.Size(s).numel() for s in SHAPES)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
-          f"(load average {load:.1f}), {numel / 1e6:.1f}M parameters in {len(SHAPES)} tensors, "
-          f"medians of {args.repeats} steps alternated with D, {args.clock} clock")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
+        f"(load average {load:.1f}), {numel / 1e6:.1f}M parameters in {len(SHAPES)} tensors, "
+        f"medians of {args.repeats} steps alternated with D, {args.clock} clock"
+    )
     bandwidth = copy_bandwidth(args.repeats)
     print(f"copy bandwidth (dst.copy_(src), 256 MB FP32, read + write): {bandwidth:.1f} GB/s\n")
 
@@ -249,8 +281,10 @@ def main() -> None:
         candidates = [c for c in candidates if any(k in f"{c.name} {c.path}" for k in keys)]
     option_d = _option_d()
     option_d()
-    header = (f"{'optimizer':20s} {'path':8s} {'ms/step':>8s} {'D ms':>7s} {'x D':>6s} {'goal':>5s} "
-              f"{'B/par':>5s} {'GB/s':>5s} {'of copy':>7s} {'1st step s':>10s}  note")
+    header = (
+        f"{'optimizer':20s} {'path':8s} {'ms/step':>8s} {'D ms':>7s} {'x D':>6s} {'goal':>5s} "
+        f"{'B/par':>5s} {'GB/s':>5s} {'of copy':>7s} {'1st step s':>10s}  note"
+    )
     print(header)
     print("-" * len(header))
     for candidate in candidates:
@@ -261,13 +295,18 @@ def main() -> None:
         ms, d_ms = result["ms"], result["d_ms"]
         gbs = candidate.ideal_bytes * numel / (ms * 1e-3) / 1e9
         goal = GOALS.get(candidate.name) if candidate.path == "compiled" else None
-        print(f"{candidate.name:20s} {candidate.path:8s} {ms:8.1f} {d_ms:7.1f} {d_ms / ms:5.2f}x "
-              f"{f'{goal:.2f}' if goal else '':>5s} {candidate.ideal_bytes:5d} {gbs:5.1f} "
-              f"{100 * gbs / bandwidth:6.0f}% {result['first_s']:10.1f}  {candidate.note}", flush=True)
+        print(
+            f"{candidate.name:20s} {candidate.path:8s} {ms:8.1f} {d_ms:7.1f} {d_ms / ms:5.2f}x "
+            f"{f'{goal:.2f}' if goal else '':>5s} {candidate.ideal_bytes:5d} {gbs:5.1f} "
+            f"{100 * gbs / bandwidth:6.0f}% {result['first_s']:10.1f}  {candidate.note}",
+            flush=True,
+        )
     d_gbs = 28 * numel / (statistics.median([_time(option_d) for _ in range(args.repeats)])) / 1e9
-    print(f"\nD itself: 28 B/param at {d_gbs:.1f} GB/s ({100 * d_gbs / bandwidth:.0f}% of copy)."
-          "\n'x D': D's step time over the candidate's, D timed alternately in the same run (above 1 ="
-          "\nfaster than D). GB/s: the ideal bytes over the step time. '1st step s' includes compiling.")
+    print(
+        f"\nD itself: 28 B/param at {d_gbs:.1f} GB/s ({100 * d_gbs / bandwidth:.0f}% of copy)."
+        "\n'x D': D's step time over the candidate's, D timed alternately in the same run (above 1 ="
+        "\nfaster than D). GB/s: the ideal bytes over the step time. '1st step s' includes compiling."
+    )
 
 
 def _time(fn: Callable[[], None]) -> float:

@@ -137,14 +137,42 @@ def state_error_table(steps: int) -> list[tuple[str, float | None, float | None]
 def tiny_model(kind: str, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=layers, n_head=2,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=256,
+                n_positions=128,
+                n_embd=64,
+                n_layer=layers,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
     if kind == "bert":
-        return BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers,
-                                          num_attention_heads=2, intermediate_size=256, max_position_embeddings=128,
-                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128))
+        return BertForMaskedLM(
+            BertConfig(
+                vocab_size=256,
+                hidden_size=64,
+                num_hidden_layers=layers,
+                num_attention_heads=2,
+                intermediate_size=256,
+                max_position_embeddings=128,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
 
 
 def coat_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -188,14 +216,21 @@ def gradient_errors(kind: str = "gpt2", batch: int = 8, seq: int = 128) -> dict[
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a - b).norm() / b.norm()).item()
 
-    return {"coat vs bf16": rel(gcoat, g16), "FP8 non-linear saves only vs bf16": rel(gact, g16),
-            "bf16 vs fp32": rel(g16, g32), "coat vs fp32": rel(gcoat, g32)}
+    return {
+        "coat vs bf16": rel(gcoat, g16),
+        "FP8 non-linear saves only vs bf16": rel(gact, g16),
+        "bf16 vs fp32": rel(g16, g32),
+        "coat vs fp32": rel(gcoat, g32),
+    }
 
 
 def bytes_per_param() -> dict[str, float]:
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     out = {}
-    for label, options in (("coat (FP32 master)", {}), ("coat master_weights=bf16-collage", {"master_weights": "bf16-collage"})):
+    for label, options in (
+        ("coat (FP32 master)", {}),
+        ("coat master_weights=bf16-collage", {"master_weights": "bf16-collage"}),
+    ):
         strategy = hf_lowprec.get_strategy("coat", **options)
         model = strategy.prepare_model(tiny_model("gpt2", 2))
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
@@ -224,21 +259,38 @@ def training_rows(steps: int):
     train_ds, eval_ds = clm_datasets(tokenizer, block_size=64)
     with tempfile.TemporaryDirectory() as out:
         for label, name, options in TRAINING_RUNS:
-            yield label, run_strategy(name, steps=steps, batch_size=8, lr=1e-3, seed=0, tokenizer=tokenizer,
-                                      train_ds=train_ds, eval_ds=eval_ds, output_dir=out, options=options)
+            yield (
+                label,
+                run_strategy(
+                    name,
+                    steps=steps,
+                    batch_size=8,
+                    lr=1e-3,
+                    seed=0,
+                    tokenizer=tokenizer,
+                    train_ds=train_ds,
+                    eval_ds=eval_ds,
+                    output_dir=out,
+                    options=options,
+                ),
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="AdamW steps before the state snapshot")
-    parser.add_argument("--train", type=int, default=0, help="also train bf16-mixed and coat (and its pieces) this many steps")
+    parser.add_argument(
+        "--train", type=int, default=0, help="also train bf16-mixed and coat (and its pieces) this many steps"
+    )
     parser.add_argument("--train-only", action="store_true", help="skip sections 1-4")
     ns = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
 
     if not ns.train_only:
-        print(f"1. FP8 optimizer-state error, tiny GPT-2 after {ns.steps} AdamW steps (mean relative error, non-zero elements)")
+        print(
+            f"1. FP8 optimizer-state error, tiny GPT-2 after {ns.steps} AdamW steps (mean relative error, non-zero elements)"
+        )
         rows = state_error_table(ns.steps)
         print(f"{'method':<58} {'m1':>8} {'m2':>8}")
         for name, e1, e2 in rows:
@@ -266,8 +318,11 @@ def main() -> None:
         reference = None
         for label, row in training_rows(ns.train):
             reference = reference or row["eval_perplexity"]
-            print(f"{label:<48} {row['final_train_loss']:>10.4f} {row['eval_perplexity']:>9.2f} "
-                  f"{row['eval_perplexity'] / reference:>8.4f} {row['median_step_ms']:>8.1f}", flush=True)
+            print(
+                f"{label:<48} {row['final_train_loss']:>10.4f} {row['eval_perplexity']:>9.2f} "
+                f"{row['eval_perplexity'] / reference:>8.4f} {row['median_step_ms']:>8.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

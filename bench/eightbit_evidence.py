@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_lowprec.formats import Blockwise8bit, GroupFP8, Plain, Scaled  # noqa: E402
+from hf_lowprec.formats import Blockwise8bit, GroupFP8, Plain, Scaled
 
 EPS = 1e-8
 
@@ -80,16 +80,28 @@ def bnb_8bit(signed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 ROWS: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = [
-    ("hf_lowprec blockwise 8-bit (collage-8bit)", lambda x: through(Blockwise8bit(True), x),
-     lambda x: through(Blockwise8bit(False), x)),
+    (
+        "hf_lowprec blockwise 8-bit (collage-8bit)",
+        lambda x: through(Blockwise8bit(True), x),
+        lambda x: through(Blockwise8bit(False), x),
+    ),
     ("torchao AdamW8bit states", torchao_8bit(True), torchao_8bit(False)),
     ("bitsandbytes AdamW8bit states", bnb_8bit(True), bnb_8bit(False)),
-    ("BF16 (bf16-pure, collage-light)", lambda x: through(Plain(torch.bfloat16), x),
-     lambda x: through(Plain(torch.bfloat16), x)),
-    ("FP8AdamW: E4M3 m, FP16 v, per tensor", lambda x: through(Scaled(torch.float8_e4m3fn), x),
-     lambda x: through(Scaled(torch.float16), x)),
-    ("COAT: per-group E4M3, expansion", lambda x: through(GroupFP8(torch.float8_e4m3fn), x),
-     lambda x: through(GroupFP8(torch.float8_e4m3fn), x)),
+    (
+        "BF16 (bf16-pure, collage-light)",
+        lambda x: through(Plain(torch.bfloat16), x),
+        lambda x: through(Plain(torch.bfloat16), x),
+    ),
+    (
+        "FP8AdamW: E4M3 m, FP16 v, per tensor",
+        lambda x: through(Scaled(torch.float8_e4m3fn), x),
+        lambda x: through(Scaled(torch.float16), x),
+    ),
+    (
+        "COAT: per-group E4M3, expansion",
+        lambda x: through(GroupFP8(torch.float8_e4m3fn), x),
+        lambda x: through(GroupFP8(torch.float8_e4m3fn), x),
+    ),
 ]
 
 
@@ -108,8 +120,10 @@ def main() -> None:
     ms, vs = [m for m, _ in states], [v for _, v in states]
     directions = [m.double() / (v.double().sqrt() + EPS) for m, v in states]
     numel = sum(m.numel() for m in ms)
-    print(f"1. State error after {args.steps} FP32 AdamW steps of a 2-layer GPT-2 (d=128): {len(ms)} weights, "
-          f"{numel / 1e6:.2f}M elements; norm-wise relative error against the FP32 states\n")
+    print(
+        f"1. State error after {args.steps} FP32 AdamW steps of a 2-layer GPT-2 (d=128): {len(ms)} weights, "
+        f"{numel / 1e6:.2f}M elements; norm-wise relative error against the FP32 states\n"
+    )
     print("| storage of m, v | m | v | m/(√v + ε) |")
     print("|---|---|---|---|")
     for name, encode_m, encode_v in ROWS:
@@ -120,8 +134,10 @@ def main() -> None:
             continue
         qd = [m.double() / (v.double().clamp(min=0).sqrt() + EPS) for m, v in zip(qm, qv)]
         print(f"| {name} | {relative(qm, ms):.2e} | {relative(qv, vs):.2e} | {relative(qd, directions):.2e} |")
-    print("\n2. Fidelity: OMP_NUM_THREADS=1 python -m hf_lowprec.demo --steps 1000 --lr 1e-3 --threads 1 "
-          "--strategies bf16-mixed,collage-8bit,collage-light,bf16-pure")
+    print(
+        "\n2. Fidelity: OMP_NUM_THREADS=1 python -m hf_lowprec.demo --steps 1000 --lr 1e-3 --threads 1 "
+        "--strategies bf16-mixed,collage-8bit,collage-light,bf16-pure"
+    )
 
 
 if __name__ == "__main__":

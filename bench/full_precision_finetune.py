@@ -26,8 +26,8 @@ from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.data import build_tokenizer, clm_datasets, tiny_gpt2_config  # noqa: E402
+from hf_lowprec import get_strategy
+from hf_lowprec.data import build_tokenizer, clm_datasets, tiny_gpt2_config
 
 
 def batches(dataset, indices: list[int], batch: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -80,7 +80,9 @@ def main() -> None:
     half = len(train_ds) // 2
     torch.manual_seed(0)
     pretrained = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer)))
-    _, pretrained, _, _ = train("fp32", pretrained, batches(train_ds, list(range(half)), 16, args.pretrain_steps, 0), 1e-3)
+    _, pretrained, _, _ = train(
+        "fp32", pretrained, batches(train_ds, list(range(half)), 16, args.pretrain_steps, 0), 1e-3
+    )
     w32 = {k: v.clone() for k, v in pretrained.state_dict().items()}
     print(f"pretrained FP32 for {args.pretrain_steps} steps: eval loss {eval_loss(pretrained, eval_ds.blocks):.4f}")
 
@@ -89,18 +91,20 @@ def main() -> None:
         _, ref_model, _, _ = train("fp32", copy.deepcopy(pretrained), finetune, lr)
         reference = {k: v.clone() for k, v in ref_model.state_dict().items()}
         moved = distance(reference, w32)
-        print(f"\nfinetune {args.finetune_steps} steps, lr {lr:g} (cosine), FP32 reference eval loss "
-              f"{eval_loss(ref_model, eval_ds.blocks):.4f}, moved ‖W_ref − W₀‖ = {moved:.4g}")
+        print(
+            f"\nfinetune {args.finetune_steps} steps, lr {lr:g} (cosine), FP32 reference eval loss "
+            f"{eval_loss(ref_model, eval_ds.blocks):.4f}, moved ‖W_ref − W₀‖ = {moved:.4g}"
+        )
         print(f"{'strategy':15s} {'seed':>5s} {'start err':>10s} {'drift':>8s} {'eval (bf16)':>11s} {'eval (W)':>9s}")
         for name in ("collage-plus", "collage-light", "bf16-kahan", "bf16-pure"):
-            for seed in ((True, False) if name != "bf16-pure" else (False,)):
+            for seed in (True, False) if name != "bf16-pure" else (False,):
                 options = {"seed_compensation": seed} if name != "bf16-pure" else {}
                 strategy, model, optimizer, start = train(name, copy.deepcopy(pretrained), finetune, lr, **options)
                 full = strategy.full_precision_state_dict(model, optimizer)
                 fp32_model = GPT2LMHeadModel(pretrained.config)
                 fp32_model.load_state_dict(full)
                 print(
-                    f"{name:15s} {str(seed):>5s} {distance(start, w32) / distance(w32, {k: 0 * v for k, v in w32.items()}):10.2e} "
+                    f"{name:15s} {seed!s:>5s} {distance(start, w32) / distance(w32, {k: 0 * v for k, v in w32.items()}):10.2e} "
                     f"{distance(full, reference) / moved:8.4f} {eval_loss(model, eval_ds.blocks, strategy.forward_context):11.4f} "
                     f"{eval_loss(fp32_model, eval_ds.blocks):9.4f}"
                 )

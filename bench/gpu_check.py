@@ -55,7 +55,19 @@ def median_time(fn, device: torch.device, warmup: int, reps: int) -> float:
 
 
 def run_tests() -> int:
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "--no-header", "--tb=line", "-p", "no:cacheprovider", "tests"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "cuda",
+        "-q",
+        "--no-header",
+        "--tb=line",
+        "-p",
+        "no:cacheprovider",
+        "tests",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.strip() and not set(line) <= set(".sxF ")]
     print("\n".join(lines[-12:]))  # failures (one line each) and the summary
@@ -86,9 +98,13 @@ def bench_optimizers(device: torch.device, numel: int, deadline: float) -> list[
 
     reference = model()
     fused = device.type == "cuda"
-    base = median_time(stepper(reference, torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=fused)), device, 2, 5)
+    base = median_time(
+        stepper(reference, torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=fused)), device, 2, 5
+    )
     del reference
-    out = [f"optimizer step, {rows * 1024 * cols / 1e6:.0f}M params: torch AdamW(fused={fused}) {base * 1e3:.1f} ms = 1.00"]
+    out = [
+        f"optimizer step, {rows * 1024 * cols / 1e6:.0f}M params: torch AdamW(fused={fused}) {base * 1e3:.1f} ms = 1.00"
+    ]
     cells = []
     for name in hf_lowprec.available_strategies():
         if time.monotonic() > deadline:
@@ -146,7 +162,7 @@ def bench_e2e(device: torch.device, smoke: bool, deadline: float) -> list[str]:
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
         losses = []
 
-        def step() -> None:
+        def step(strategy=strategy, model=model, optimizer=optimizer, losses=losses) -> None:
             with strategy.forward_context():
                 loss = model(input_ids=ids, labels=ids).loss
             strategy.scale_loss(loss).backward()
@@ -159,8 +175,10 @@ def bench_e2e(device: torch.device, smoke: bool, deadline: float) -> list[str]:
         results[name] = (t, peak, losses[-1].item())
         del model, optimizer, strategy
     base = results[E2E_STRATEGIES[0]]
-    out = [f"GPT-2 {'smoke' if smoke else '124M'} step, batch {batch}x{seq}: {E2E_STRATEGIES[0]} "
-           f"{base[0] * 1e3:.0f} ms, peak {base[1] / 2**20:.0f} MiB = 1.00"]  # fmt: skip
+    out = [
+        f"GPT-2 {'smoke' if smoke else '124M'} step, batch {batch}x{seq}: {E2E_STRATEGIES[0]} "
+        f"{base[0] * 1e3:.0f} ms, peak {base[1] / 2**20:.0f} MiB = 1.00"
+    ]
     cells = []
     for name in E2E_STRATEGIES[1:]:
         r = results[name]
@@ -177,13 +195,17 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False): "
-              "nothing run.")  # fmt: skip
+        print(
+            f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False): "
+            "nothing run."
+        )
         return 0
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
-        print(f"gpu-check: {torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}, {torch.cuda.device_count()} GPU), "
-              f"torch {torch.__version__}, FP8 GEMM path: {fp8_gemm_path(device)}")  # fmt: skip
+        print(
+            f"gpu-check: {torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}, {torch.cuda.device_count()} GPU), "
+            f"torch {torch.__version__}, FP8 GEMM path: {fp8_gemm_path(device)}"
+        )
     status = 0
     if not args.no_tests:
         status = run_tests()

@@ -3,6 +3,7 @@
 Only the adapter weights are trained, so only they get the strategy's optimizer state; the
 frozen base is held in the strategy's compute dtype; `save_model` writes just the adapter.
 """
+
 import sys
 
 import torch
@@ -16,9 +17,16 @@ tokenizer = build_tokenizer()
 train_ds, _ = clm_datasets(tokenizer, block_size=64)
 base = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer)))
 model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_proj"], task_type="CAUSAL_LM"))
-args = TrainingArguments(output_dir="runs/lora", precision_strategy=(sys.argv[1:] or ["collage-plus"])[0],
-                         max_steps=30, per_device_train_batch_size=8, learning_rate=3e-3, logging_steps=10,
-                         report_to="none", use_cpu=not torch.cuda.is_available())
+args = TrainingArguments(
+    output_dir="runs/lora",
+    precision_strategy=(sys.argv[1:] or ["collage-plus"])[0],
+    max_steps=30,
+    per_device_train_batch_size=8,
+    learning_rate=3e-3,
+    logging_steps=10,
+    report_to="none",
+    use_cpu=not torch.cuda.is_available(),
+)
 trainer = Trainer(model=model, args=args, train_dataset=train_ds)
 trainer.train()
 trainer.save_model()  # adapter_model.safetensors + adapter_config.json

@@ -27,10 +27,22 @@ __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
 MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
     "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel"),
     "bert-base": ("BertConfig", {}, "BertForMaskedLM"),
-    "roberta-base": ("RobertaConfig", {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1,
-                                       "pad_token_id": 1}, "RobertaForMaskedLM"),
-    "llama-7b": ("LlamaConfig", {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-                                 "num_hidden_layers": 32, "num_attention_heads": 32}, "LlamaForCausalLM"),
+    "roberta-base": (
+        "RobertaConfig",
+        {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1},
+        "RobertaForMaskedLM",
+    ),
+    "llama-7b": (
+        "LlamaConfig",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+        },
+        "LlamaForCausalLM",
+    ),
 }
 
 
@@ -44,8 +56,14 @@ def strategy_rows() -> list[dict[str, Any]]:
     rows = []
     for name in available_strategies():
         strategy = get_strategy(name)
-        rows.append({"name": name, "summary": strategy_summary(name),
-                     "bytes_per_param": float(strategy.bytes_per_param), "needs": _needs(name)})
+        rows.append(
+            {
+                "name": name,
+                "summary": strategy_summary(name),
+                "bytes_per_param": float(strategy.bytes_per_param),
+                "needs": _needs(name),
+            }
+        )
     return rows
 
 
@@ -59,7 +77,9 @@ def _build_meta_model(model: str) -> torch.nn.Module:
     else:
         path = Path(model)
         if not path.is_file():
-            raise ValueError(f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither")
+            raise ValueError(
+                f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither"
+            )
         config = transformers.AutoConfig.from_pretrained(str(path))
         arch = (getattr(config, "architectures", None) or [None])[0]
         cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
@@ -121,15 +141,19 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (f"{r['strategy']:<16} {r['params']:>7.2f} {r['grads']:>7.2f} {r['optimizer_states']:>7.2f} "
-                f"{r['extra']:>7.2f} {r['total']:>7.2f} {r['total'] * r['num_params'] / 2**30:>9.2f}")
+        line = (
+            f"{r['strategy']:<16} {r['params']:>7.2f} {r['grads']:>7.2f} {r['optimizer_states']:>7.2f} "
+            f"{r['extra']:>7.2f} {r['total']:>7.2f} {r['total'] * r['num_params'] / 2**30:>9.2f}"
+        )
         if zero:
             line += f" {r['per_rank_total'] * r['num_params'] / 2**30:>9.2f}  {r['zero']}"
         print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-lowprec", description="Low-precision training strategies for the HF stack.")
+    parser = argparse.ArgumentParser(
+        prog="hf-lowprec", description="Low-precision training strategies for the HF stack."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("list", help="every registered strategy: what it does, bytes/param, what it needs")
@@ -143,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     cmp_ = sub.add_parser("compare", help="train a recipe per strategy and seed; CSV, plots and a summary table")
     from .compare import RECIPES
 
-    cmp_.add_argument("--recipe", default="pretrain_clm",
-                      help=f"in-package: {', '.join(sorted(RECIPES))} (default); or the path of a recipe script")
+    cmp_.add_argument(
+        "--recipe",
+        default="pretrain_clm",
+        help=f"in-package: {', '.join(sorted(RECIPES))} (default); or the path of a recipe script",
+    )
     cmp_.add_argument("--strategies", required=True, help="comma-separated strategy names")
     cmp_.add_argument("--max_steps", "--max-steps", type=int, default=100)
     cmp_.add_argument("--seeds", default="0", help="comma-separated seeds")
@@ -167,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             strategy_class(name)
         if ns.world_size < 1:
             parser.error("--world-size must be >= 1")
-        _print_memory(memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage)
+        _print_memory(
+            memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage
+        )
         return 0
     if ns.command == "compare":
         from .compare import resolve_recipe, run_compare, summary_table
@@ -182,11 +211,21 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             parser.error(f"--seeds must be comma-separated integers, got {ns.seeds!r}")
         extra = [a for a in ns.recipe_args if a != "--"]
-        summary = run_compare(ns.recipe, names, seeds=seeds, max_steps=ns.max_steps, out=ns.out,
-                              metrics=not ns.no_metrics, extra_args=extra, progress=not ns.no_progress)
+        summary = run_compare(
+            ns.recipe,
+            names,
+            seeds=seeds,
+            max_steps=ns.max_steps,
+            out=ns.out,
+            metrics=not ns.no_metrics,
+            extra_args=extra,
+            progress=not ns.no_progress,
+        )
         print(summary_table(summary, Path(ns.out) / "results.csv"))
-        print(f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "
-              "results.csv (per step), summary.csv (per run)")
+        print(
+            f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "
+            "results.csv (per step), summary.csv (per run)"
+        )
         return 0
     return 2
 

@@ -66,13 +66,37 @@ def resolve_recipe(recipe: str) -> tuple[list[str], Path | None, str]:
     )
 
 
-def _run_one(command: list[str], cwd: Path | None, strategy: str, seed: int, out: Path, max_steps: int,
-             metrics: bool, extra: list[str]) -> dict[str, Any]:
+def _run_one(
+    command: list[str],
+    cwd: Path | None,
+    strategy: str,
+    seed: int,
+    out: Path,
+    max_steps: int,
+    metrics: bool,
+    extra: list[str],
+) -> dict[str, Any]:
     run_dir = (out / "runs" / f"{strategy}-seed{seed}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*command, "--precision_strategy", strategy, "--seed", str(seed),
-           "--max_steps", str(max_steps), "--output_dir", str(run_dir), "--logging_steps", "1",
-           "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+    cmd = [
+        *command,
+        "--precision_strategy",
+        strategy,
+        "--seed",
+        str(seed),
+        "--max_steps",
+        str(max_steps),
+        "--output_dir",
+        str(run_dir),
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+    ]
     if metrics:
         cmd += ["--precision_options", json.dumps({"lost_arithmetic_metrics": True})]
     cmd += extra
@@ -86,16 +110,26 @@ def _run_one(command: list[str], cwd: Path | None, strategy: str, seed: int, out
     if proc.returncode != 0:
         tail = (run_dir / "stdout.log").read_text().splitlines()[-15:]
         what = " ".join(command[1:])
-        raise RuntimeError(f"{what} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
-                           f"last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(tail))
+        raise RuntimeError(
+            f"{what} with {strategy!r} (seed {seed}) failed with exit code {proc.returncode}; "
+            f"last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(tail)
+        )
     result = json.loads((run_dir / "recipe_result.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
     return {"result": result, "history": history, "peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": wall}
 
 
-def run_compare(recipe: str, strategies: list[str], *, seeds: list[int], max_steps: int, out: str | Path,
-                metrics: bool = True, extra_args: list[str] | None = None, progress: bool = True
-                ) -> list[dict[str, Any]]:
+def run_compare(
+    recipe: str,
+    strategies: list[str],
+    *,
+    seeds: list[int],
+    max_steps: int,
+    out: str | Path,
+    metrics: bool = True,
+    extra_args: list[str] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
     """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows."""
     from .registry import strategy_class
 
@@ -120,20 +154,31 @@ def run_compare(recipe: str, strategies: list[str], *, seeds: list[int], max_ste
         run = _run_one(command, cwd, strategy, seed, out, max_steps, metrics, list(extra_args or []))
         for entry in run["history"]:
             if "loss" in entry and "step" in entry:
-                row = {"strategy": strategy, "seed": seed, "step": entry["step"], "loss": entry["loss"],
-                       "learning_rate": entry.get("learning_rate")}
+                row = {
+                    "strategy": strategy,
+                    "seed": seed,
+                    "step": entry["step"],
+                    "loss": entry["loss"],
+                    "learning_rate": entry.get("learning_rate"),
+                }
                 row.update({k: v for k, v in entry.items() if k.startswith("precision/")})
                 step_rows.append(row)
         res = run["result"]
         step_s = res.get("median_step_seconds")
-        summary.append({
-            "strategy": strategy, "seed": seed, "eval_metric": metric, "eval_value": res.get(metric),
-            "final_loss": res.get("final_loss"),
-            "median_step_ms": 1000 * step_s if step_s is not None else None,
-            "bytes_per_param": res.get("model_state_bytes_per_param"),
-            "peak_rss_mib": run["peak_rss_mib"], "skipped_steps": res.get("precision/skipped_steps"),
-            "wall_s": run["wall_s"],
-        })
+        summary.append(
+            {
+                "strategy": strategy,
+                "seed": seed,
+                "eval_metric": metric,
+                "eval_value": res.get(metric),
+                "final_loss": res.get("final_loss"),
+                "median_step_ms": 1000 * step_s if step_s is not None else None,
+                "bytes_per_param": res.get("model_state_bytes_per_param"),
+                "peak_rss_mib": run["peak_rss_mib"],
+                "skipped_steps": res.get("precision/skipped_steps"),
+                "wall_s": run["wall_s"],
+            }
+        )
     _write_csv(out / "results.csv", step_rows)
     _write_csv(out / "summary.csv", summary)
     plot(step_rows, summary, out, title=f"{Path(recipe).stem}, {max_steps} steps")
@@ -150,7 +195,9 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def _curves(step_rows: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
+def _curves(
+    step_rows: list[dict[str, Any]], key: str
+) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
     """strategy → (steps, mean, min, max) of `key` over seeds, on the steps every seed logged."""
     by: dict[str, dict[int, list[float]]] = {}
     for row in step_rows:
@@ -163,12 +210,18 @@ def _curves(step_rows: list[dict[str, Any]], key: str) -> dict[str, tuple[list[i
     for strategy, steps in by.items():
         xs = sorted(x for x, v in steps.items() if len(v) == seeds[strategy])
         if xs:
-            out[strategy] = (xs, [statistics.fmean(steps[x]) for x in xs], [min(steps[x]) for x in xs],
-                             [max(steps[x]) for x in xs])
+            out[strategy] = (
+                xs,
+                [statistics.fmean(steps[x]) for x in xs],
+                [min(steps[x]) for x in xs],
+                [max(steps[x]) for x in xs],
+            )
     return out
 
 
-def plot(step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: str | Path, *, title: str = "") -> list[Path]:
+def plot(
+    step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: str | Path, *, title: str = ""
+) -> list[Path]:
     """Write the PNG plots into `out`; the paths written."""
     try:
         import matplotlib
@@ -187,7 +240,7 @@ def plot(step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: st
         fig, axes = plt.subplots(1, len(present), figsize=(6.4 * len(present), 4.2), squeeze=False)
         for ax, key in zip(axes[0], present):
             for strategy, (xs, mean, lo, hi) in _curves(step_rows, key).items():
-                line, = ax.plot(xs, mean, label=strategy, linewidth=1.4)
+                (line,) = ax.plot(xs, mean, label=strategy, linewidth=1.4)
                 if any(a != b for a, b in zip(lo, hi)):
                     ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
             ax.set_xlabel("training step")
@@ -196,7 +249,9 @@ def plot(step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: st
                 ax.set_yscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(title + ("  (line: mean over seeds, band: min–max)" if len({r["seed"] for r in step_rows}) > 1 else ""))
+        fig.suptitle(
+            title + ("  (line: mean over seeds, band: min–max)" if len({r["seed"] for r in step_rows}) > 1 else "")
+        )
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)
@@ -204,18 +259,33 @@ def plot(step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: st
         written.append(path)
 
     curves_figure(("loss",), {"loss": "training loss (nats/token)"}, "loss.png")
-    curves_figure(_LOST, {"precision/imprecision_pct": "imprecision: updates lost entirely (% of elements)",
-                          "precision/edq_ratio": "EDQ ratio (1.0 = intended update kept)"}, "lost_arithmetic.png")
-    curves_figure(_SCALES, {"precision/loss_scale": "loss scale", "precision/fp8_grad_mu": "FP8 gradient scale μ"},
-                  "scaling.png", log_y=True)
+    curves_figure(
+        _LOST,
+        {
+            "precision/imprecision_pct": "imprecision: updates lost entirely (% of elements)",
+            "precision/edq_ratio": "EDQ ratio (1.0 = intended update kept)",
+        },
+        "lost_arithmetic.png",
+    )
+    curves_figure(
+        _SCALES,
+        {"precision/loss_scale": "loss scale", "precision/fp8_grad_mu": "FP8 gradient scale μ"},
+        "scaling.png",
+        log_y=True,
+    )
 
     strategies = list(dict.fromkeys(r["strategy"] for r in summary))
-    panels = [("bytes_per_param", "model-state bytes / parameter"), ("median_step_ms", "median step time (ms)"),
-              ("peak_rss_mib", "process peak RSS (MiB)")]
+    panels = [
+        ("bytes_per_param", "model-state bytes / parameter"),
+        ("median_step_ms", "median step time (ms)"),
+        ("peak_rss_mib", "process peak RSS (MiB)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
     for ax, (key, label) in zip(axes, panels):
-        values = [statistics.fmean([float(r[key]) for r in summary if r["strategy"] == s and r[key] is not None] or [0.0])
-                  for s in strategies]
+        values = [
+            statistics.fmean([float(r[key]) for r in summary if r["strategy"] == s and r[key] is not None] or [0.0])
+            for s in strategies
+        ]
         bars = ax.bar(strategies, values, color=[f"C{i}" for i in range(len(strategies))])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_ylabel(label)
@@ -237,30 +307,42 @@ def summary_table(summary: list[dict[str, Any]], step_rows_path: str | Path | No
         with open(step_rows_path) as f:
             rows = list(csv.DictReader(f))
         for strategy in {r["strategy"] for r in rows}:
-            imp = [float(r["precision/imprecision_pct"]) for r in rows
-                   if r["strategy"] == strategy and r.get("precision/imprecision_pct")]
-            edq = [float(r["precision/edq_ratio"]) for r in rows
-                   if r["strategy"] == strategy and r.get("precision/edq_ratio")]
+            imp = [
+                float(r["precision/imprecision_pct"])
+                for r in rows
+                if r["strategy"] == strategy and r.get("precision/imprecision_pct")
+            ]
+            edq = [
+                float(r["precision/edq_ratio"])
+                for r in rows
+                if r["strategy"] == strategy and r.get("precision/edq_ratio")
+            ]
             if imp:
                 # The last quarter of training, where the learning rate is smallest and updates are lost most.
                 tail = max(1, len(imp) // 4)
                 lost[strategy] = (statistics.fmean(imp[-tail:]), statistics.fmean(edq[-tail:]))
     metric = summary[0]["eval_metric"] if summary else "eval"
-    header = (f"{'strategy':<16} {metric:>11} {'final loss':>10} {'bytes/param':>11} {'step ms':>8} {'peak MiB':>9}"
-              f" {'lost %':>7} {'EDQ':>6}")
+    header = (
+        f"{'strategy':<16} {metric:>11} {'final loss':>10} {'bytes/param':>11} {'step ms':>8} {'peak MiB':>9}"
+        f" {'lost %':>7} {'EDQ':>6}"
+    )
     lines = [header, "-" * len(header)]
     for strategy in dict.fromkeys(r["strategy"] for r in summary):
         rows = [r for r in summary if r["strategy"] == strategy]
 
-        def mean(key: str) -> float:
+        def mean(key: str, rows: list = rows) -> float:
             values = [float(r[key]) for r in rows if r[key] is not None]
             return statistics.fmean(values) if values else float("nan")
 
         imp, edq = lost.get(strategy, (float("nan"), float("nan")))
-        lines.append(f"{strategy:<16} {mean('eval_value'):>11.3f} {mean('final_loss'):>10.3f} "
-                     f"{mean('bytes_per_param'):>11.2f} {mean('median_step_ms'):>8.1f} {mean('peak_rss_mib'):>9.0f}"
-                     f" {imp:>7.2f} {edq:>6.3f}")
+        lines.append(
+            f"{strategy:<16} {mean('eval_value'):>11.3f} {mean('final_loss'):>10.3f} "
+            f"{mean('bytes_per_param'):>11.2f} {mean('median_step_ms'):>8.1f} {mean('peak_rss_mib'):>9.0f}"
+            f" {imp:>7.2f} {edq:>6.3f}"
+        )
     if lost:
-        lines.append("lost % / EDQ: mean over the last quarter of logged steps (imprecision % of elements whose "
-                     "update was lost entirely; EDQ ratio 1.0 = the intended update was applied)")
+        lines.append(
+            "lost % / EDQ: mean over the last quarter of logged steps (imprecision % of elements whose "
+            "update was lost entirely; EDQ ratio 1.0 = the intended update was applied)"
+        )
     return "\n".join(lines)

@@ -26,14 +26,85 @@ __all__ = [
     "clm_datasets",
 ]
 
-_CORPUS_MODULES = (
-    "abc argparse ast asyncio base64 bisect calendar collections colorsys configparser contextlib copy csv "
-    "dataclasses datetime decimal difflib email enum fnmatch fractions functools getopt gettext glob gzip "
-    "hashlib heapq hmac html http inspect io ipaddress itertools json logging mailbox math mimetypes "
-    "operator optparse os pathlib pickle pprint queue random re sched secrets shelve shlex shutil socket "
-    "sqlite3 statistics string struct subprocess tarfile tempfile textwrap threading timeit tokenize "
-    "traceback types typing unittest urllib uuid warnings weakref xml zipfile zoneinfo"
-).split()
+_CORPUS_MODULES = [
+    "abc",
+    "argparse",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "math",
+    "mimetypes",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shelve",
+    "shlex",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "types",
+    "typing",
+    "unittest",
+    "urllib",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml",
+    "zipfile",
+    "zoneinfo",
+]
 
 
 def cache_dir() -> Path:
@@ -107,8 +178,16 @@ def tiny_gpt2_config(vocab_size: int = 1024, **overrides: Any) -> Any:
     """A GPT-2 config small enough to train on 2 CPU cores in seconds."""
     from transformers import GPT2Config
 
-    kwargs = dict(vocab_size=vocab_size, n_positions=128, n_embd=64, n_layer=2, n_head=2,
-                  bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
     kwargs.update(overrides)
     return GPT2Config(**kwargs)
 
@@ -117,8 +196,15 @@ def tiny_bert_config(vocab_size: int = 1024, **overrides: Any) -> Any:
     """A BERT config of the same size as `tiny_gpt2_config`."""
     from transformers import BertConfig
 
-    kwargs = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=256, max_position_embeddings=128, pad_token_id=1)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=128,
+        pad_token_id=1,
+    )
     kwargs.update(overrides)
     return BertConfig(**kwargs)
 
@@ -142,8 +228,9 @@ class TokenBlocks(torch.utils.data.Dataset):
         return {"input_ids": block, "labels": block.clone()}
 
 
-def clm_datasets(tokenizer: Any, block_size: int = 64, eval_fraction: float = 0.1,
-                 seed: int = 0) -> tuple[TokenBlocks, TokenBlocks]:
+def clm_datasets(
+    tokenizer: Any, block_size: int = 64, eval_fraction: float = 0.1, seed: int = 0
+) -> tuple[TokenBlocks, TokenBlocks]:
     """Train and eval causal-LM blocks from the embedded corpus (paragraphs split at random, fixed seed)."""
     paragraphs = embedded_corpus()
     random.Random(seed).shuffle(paragraphs)

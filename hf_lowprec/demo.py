@@ -39,8 +39,19 @@ class _StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def run_strategy(strategy: str, *, steps: int, batch_size: int, lr: float, seed: int,
-                 tokenizer, train_ds, eval_ds, output_dir: str, options: dict | None = None) -> dict[str, float]:
+def run_strategy(
+    strategy: str,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    tokenizer,
+    train_ds,
+    eval_ds,
+    output_dir: str,
+    options: dict | None = None,
+) -> dict[str, float]:
     """Train the tiny GPT-2 under `strategy` (with `options`, its `precision_options`) and return its row."""
     transformers.set_seed(seed)
     model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer)))
@@ -87,8 +98,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--strategies", default=",".join(available_strategies()),
-                        help="comma-separated strategy names (default: all registered)")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(available_strategies()),
+        help="comma-separated strategy names (default: all registered)",
+    )
     ns = parser.parse_args(argv)
     names = [s for s in ns.strategies.split(",") if s]
     for name in names:
@@ -105,12 +119,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as out:
         for name in names:
-            row = run_strategy(name, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, seed=ns.seed,
-                               tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, output_dir=out)
+            row = run_strategy(
+                name,
+                steps=ns.steps,
+                batch_size=ns.batch_size,
+                lr=ns.lr,
+                seed=ns.seed,
+                tokenizer=tokenizer,
+                train_ds=train_ds,
+                eval_ds=eval_ds,
+                output_dir=out,
+            )
             row["strategy"] = name
             rows.append(row)
-            print(f"{name:<18} {row['final_train_loss']:>10.4f} {row['eval_perplexity']:>9.2f} "
-                  f"{row['median_step_ms']:>8.1f} {row['bytes_per_param']:>11.2f}", flush=True)
+            print(
+                f"{name:<18} {row['final_train_loss']:>10.4f} {row['eval_perplexity']:>9.2f} "
+                f"{row['median_step_ms']:>8.1f} {row['bytes_per_param']:>11.2f}",
+                flush=True,
+            )
     return rows
 
 

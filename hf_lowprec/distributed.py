@@ -12,21 +12,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_ranks_agree", "local_shard"]
+try:  # FSDP2 parameters; a torch built without distributed support has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = type("DTensor", (), {})  # matches no tensor
+
+__all__ = ["DTensor", "all_ranks_agree", "local_shard", "sharded_like"]
 
 
 def local_shard(tensor: Any) -> Any:
-    """The local shard of a DTensor; any other tensor (or None) as is."""
-    from torch.distributed.tensor import DTensor
-
+    """The local shard of a DTensor (same storage: in-place updates reach it); anything else as is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """`value` (shaped like the local shard of the DTensor `param`) as a DTensor sharded like it;
+    anything else (a plain `param`, a scalar, another shape) as is."""
+    if not isinstance(param, DTensor) or not torch.is_tensor(value) or isinstance(value, DTensor):
+        return value
+    if value.shape != param.to_local().shape:
+        return value
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def all_ranks_agree(flag: bool, tensors: Iterable[torch.Tensor]) -> bool:
     """`flag` AND-ed over the ranks of the DTensors' mesh (one all-reduce), or `flag` when no
     tensor is a DTensor. The flag tensor lives on the tensors' device (NCCL needs that)."""
-    from torch.distributed.tensor import DTensor
-
     sharded = next((t for t in tensors if isinstance(t, DTensor)), None)
     if sharded is None:
         return flag

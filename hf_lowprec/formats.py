@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import torch
@@ -282,13 +283,13 @@ class GroupFP8(Format):
         payload = torch.zeros(groups * self.group_size, dtype=self.dtype, device=param.device)
         return payload, ones, ones.clone(), ones.clone()
 
-    def decode(self, payload, scale, exponent, center) -> torch.Tensor:  # noqa: ANN001
+    def decode(self, payload, scale, exponent, center) -> torch.Tensor:
         y = payload.view(-1, self.group_size).float() / scale[:, None]
         if self.expand:
             y = (y.abs().pow(exponent.reciprocal()[:, None]) * center[:, None]).copysign(y)
         return y
 
-    def encode_(self, values, payload, scale, exponent, center) -> None:  # noqa: ANN001
+    def encode_(self, values, payload, scale, exponent, center) -> None:
         grouped = values.view(-1, self.group_size)
         magnitude = grouped.abs()
         amax = magnitude.amax(dim=1)
@@ -330,7 +331,7 @@ def dynamic_map(signed: bool) -> tuple[float, ...]:
     for level in range(7):
         count = 2**level if signed else 2 ** (level + 1)
         edges = [0.1 + 0.9 * i / count for i in range(count + 1)]
-        for low, high in zip(edges, edges[1:]):
+        for low, high in itertools.pairwise(edges):
             magnitude = 10.0 ** (level - 6) * (low + high) / 2
             values.add(magnitude)
             if signed:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_ranks_agree, local_shard  # noqa: F401  (part of this module's API)
+from .distributed import all_ranks_agree, local_shard
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -108,7 +108,9 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
     for name in names:
         strategy = get_strategy(name)
         ok = fsdp2_support(strategy) is None
-        lines.append(f"| `{name}` | {'yes' if ok else 'no'} | {strategy.fsdp2_note if ok else strategy.fsdp2_refusal} |")
+        lines.append(
+            f"| `{name}` | {'yes' if ok else 'no'} | {strategy.fsdp2_note if ok else strategy.fsdp2_refusal} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -10,13 +10,18 @@ import torch
 __all__ = ["model_state_bytes", "unwrap_optimizer"]
 
 # State keys of optimizers that do not declare `state_roles` (e.g. torch.optim.AdamW).
-_DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "momentum_buffer": "optimizer",
-                  "max_exp_avg_sq": "optimizer", "step": "extra"}
+_DEFAULT_ROLES = {
+    "exp_avg": "optimizer",
+    "exp_avg_sq": "optimizer",
+    "momentum_buffer": "optimizer",
+    "max_exp_avg_sq": "optimizer",
+    "step": "extra",
+}
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The innermost optimizer under Accelerate's and the strategy's wrappers."""
-    while hasattr(optimizer, "optimizer") and not isinstance(getattr(optimizer, "optimizer"), str):
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer.optimizer, str):
         optimizer = optimizer.optimizer
     return optimizer
 

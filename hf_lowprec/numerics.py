@@ -152,9 +152,7 @@ def two_prod(a: Number, b: Number) -> tuple[torch.Tensor, torch.Tensor]:
     return p, e
 
 
-def mul_expansion(
-    a_hi: Number, a_lo: Number, b_hi: Number, b_lo: Number
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mul_expansion(a_hi: Number, a_lo: Number, b_hi: Number, b_lo: Number) -> tuple[torch.Tensor, torch.Tensor]:
     """Product of two expansions (a_hi, a_lo) × (b_hi, b_lo), as an expansion.
 
     (p, e) = TwoProd(a_hi, b_hi); e += a_hi·b_lo + a_lo·b_hi; return Fast2Sum(p, e)
@@ -234,9 +232,7 @@ def _neighbours(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return below.float(), above.float()
 
 
-def stochastic_round(
-    x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
-) -> torch.Tensor:
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
     """Round FP32 `x` to BF16 or FP16 up with probability (x − lo)/(hi − lo), else down.
 
     lo and hi are the neighbouring values of `dtype` around x, so E[SR(x)] = x
@@ -256,9 +252,7 @@ def stochastic_round(
         raise ValueError(f"stochastic_round rounds to torch.bfloat16 or torch.float16, got {dtype}")
     x = x.float()
     if dtype == torch.bfloat16:
-        noise = torch.randint(
-            0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator
-        )
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
         # Truncating after the add rounds toward zero in magnitude; with the sign-magnitude
         # layout that is the right direction for negative numbers too.
         bits = (x.view(torch.int32) + noise).bitwise_and_(-65536)

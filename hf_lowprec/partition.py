@@ -62,16 +62,18 @@ class PartitionReport:
     def markdown(self) -> str:
         rows = ["| rank | tensors | bytes |", "|---|---|---|"]
         rows += [f"| {r} | {t} | {b} |" for r, (t, b) in enumerate(zip(self.tensors_per_rank, self.bytes_per_rank))]
-        rows.append(f"\nmax/min = {self.max_min_ratio:.4f}; bounds {self.lower_bound:.0f} ≤ max ≤ {self.greedy_bound:.0f}")
+        rows.append(
+            f"\nmax/min = {self.max_min_ratio:.4f}; bounds {self.lower_bound:.0f} ≤ max ≤ {self.greedy_bound:.0f}"
+        )
         return "\n".join(rows)
 
 
 def _nbytes(item: Any, bytes_per_element: float) -> int:
     if isinstance(item, torch.Tensor):
-        return int(round(item.numel() * (bytes_per_element or item.element_size())))
+        return round(item.numel() * (bytes_per_element or item.element_size()))
     if isinstance(item, (tuple, list, torch.Size)):
-        return int(round(math.prod(item) * (bytes_per_element or 1)))
-    return int(round(item * (bytes_per_element or 1)))
+        return round(math.prod(item) * (bytes_per_element or 1))
+    return round(item * (bytes_per_element or 1))
 
 
 def partition_report(

@@ -26,9 +26,7 @@ def strategy_class(name: str) -> tuple[type, dict[str, Any]]:
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, list(REGISTRY), n=3, cutoff=0.4)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(
-            f"unknown precision strategy {name!r}.{hint} Valid names: {', '.join(sorted(REGISTRY))}."
-        )
+        raise ValueError(f"unknown precision strategy {name!r}.{hint} Valid names: {', '.join(sorted(REGISTRY))}.")
     return REGISTRY[name]
 
 

@@ -43,8 +43,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Where a state key's bytes go when the optimizer does not declare `state_roles` (torch's AdamW).
-_DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_avg_sq": "optimizer",
-                  "momentum_buffer": "optimizer", "step": "extra"}
+_DEFAULT_ROLES = {
+    "exp_avg": "optimizer",
+    "exp_avg_sq": "optimizer",
+    "max_exp_avg_sq": "optimizer",
+    "momentum_buffer": "optimizer",
+    "step": "extra",
+}
 _BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
 # Strategies that fix the silent loss of BF16/FP16 updates under a plain AdamW.
 FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
@@ -109,8 +114,10 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
             elif init_state is not None:
                 state = init_state(p, group)
             else:
-                state = {"exp_avg": torch.empty_like(p, device="meta"),
-                         "exp_avg_sq": torch.empty_like(p, device="meta")}
+                state = {
+                    "exp_avg": torch.empty_like(p, device="meta"),
+                    "exp_avg_sq": torch.empty_like(p, device="meta"),
+                }
         for key, value in state.items():
             if torch.is_tensor(value):
                 bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
@@ -165,8 +172,11 @@ def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.
     if state:
         # A parameter-shaped extra state in the parameter's dtype is a compensation component
         # (the value held is their sum); in another dtype it is a separate master copy.
-        shaped = {k: v for k, v in state.items() if torch.is_tensor(v) and roles.get(k, "extra") in ("extra", "master")
-                  and v.shape == sample.shape}
+        shaped = {
+            k: v
+            for k, v in state.items()
+            if torch.is_tensor(v) and roles.get(k, "extra") in ("extra", "master") and v.shape == sample.shape
+        }
         masters = [f"{k} ({_dtype_name(v.dtype)})" for k, v in shaped.items() if v.dtype != sample.dtype]
         components = [k for k, v in shaped.items() if v.dtype == sample.dtype]
         if masters:
@@ -202,17 +212,26 @@ def describe(
     params = _trainable(model)
     modules: dict[str, dict[str, Any]] = collections.OrderedDict()
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False)]
+        own = list(module.parameters(recurse=False))
         if not own:
             continue
-        entry = modules.setdefault(type(module).__name__, {"count": 0, "param_dtypes": set(), "compute": set(),
-                                                           "trainable": 0})
+        entry = modules.setdefault(
+            type(module).__name__, {"count": 0, "param_dtypes": set(), "compute": set(), "trainable": 0}
+        )
         entry["count"] += 1
         entry["param_dtypes"].update(_dtype_name(p.dtype) for p in own)
         entry["compute"].add(_compute_label(strategy, module))
         entry["trainable"] += sum(p.numel() for p in own if p.requires_grad)
-    module_rows = [{"type": t, "count": e["count"], "param_dtypes": sorted(e["param_dtypes"]),
-                    "compute": sorted(e["compute"]), "trainable_params": e["trainable"]} for t, e in modules.items()]
+    module_rows = [
+        {
+            "type": t,
+            "count": e["count"],
+            "param_dtypes": sorted(e["param_dtypes"]),
+            "compute": sorted(e["compute"]),
+            "trainable_params": e["trainable"],
+        }
+        for t, e in modules.items()
+    ]
 
     fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
     skipped = dict(model.__dict__.get("fp8_skipped_layers", {}))
@@ -221,9 +240,11 @@ def describe(
     report: dict[str, Any] = {
         "strategy": strategy.name,
         "options": dataclasses.asdict(strategy.options),
-        "promised": {"param_dtype": _dtype_name(strategy.param_dtype),
-                     "compute_dtype": _dtype_name(strategy.compute_dtype),
-                     "bytes_per_param": float(strategy.bytes_per_param)},
+        "promised": {
+            "param_dtype": _dtype_name(strategy.param_dtype),
+            "compute_dtype": _dtype_name(strategy.compute_dtype),
+            "bytes_per_param": float(strategy.bytes_per_param),
+        },
         "modules": module_rows,
         "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
         "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
@@ -242,8 +263,11 @@ def describe(
                 sample_state = inner.plan_state(params[0], group)
         report["optimizer"] = {
             "class": type(inner).__name__,
-            "states": {k: {"dtype": _dtype_name(v.dtype), "role": roles.get(k, "extra")}
-                       for k, v in sample_state.items() if torch.is_tensor(v)},
+            "states": {
+                k: {"dtype": _dtype_name(v.dtype), "role": roles.get(k, "extra")}
+                for k, v in sample_state.items()
+                if torch.is_tensor(v)
+            },
         }
         report["master_weights"] = _master_weights(strategy, inner, params)
         owned = {id(p) for p in params}
@@ -255,8 +279,10 @@ def describe(
                 "gib": round(plan["total"] * plan["num_params"] / 2**30, 4),
             }
         else:  # DeepSpeed: the optimizer steps flat partitions, whose bytes are per rank
-            report["memory"] = {"note": "the optimizer steps DeepSpeed's partitions; per-rank bytes: "
-                                        "hf_lowprec.partition.partition_report"}
+            report["memory"] = {
+                "note": "the optimizer steps DeepSpeed's partitions; per-rank bytes: "
+                "hf_lowprec.partition.partition_report"
+            }
         keeps_grad = "gradient" in roles.values()
     else:
         keeps_grad = False
@@ -264,12 +290,15 @@ def describe(
     if deepspeed_stage is not None:
         comm = f"DeepSpeed ZeRO stage {deepspeed_stage}"
     elif hook is not None:
-        comm = f"{getattr(hook[1], '__name__', 'custom')} (DDP communication hook)" + ("" if ddp else ", when under DDP")
+        comm = f"{getattr(hook[1], '__name__', 'custom')} (DDP communication hook)" + (
+            "" if ddp else ", when under DDP"
+        )
     else:
         comm = "DDP all-reduce in the gradient dtype" if ddp else "none (single process)"
     report["gradients"] = {
         "dtype": _dtype_name(grad_dtype) + (" (kept by the optimizer)" if keeps_grad else "")
-        if grad_dtype is not None else sorted({_dtype_name(p.dtype) for p in params}),
+        if grad_dtype is not None
+        else sorted({_dtype_name(p.dtype) for p in params}),
         "communication": comm,
     }
     report["violations"] = promise_violations(strategy, model)
@@ -289,11 +318,15 @@ def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> l
             wrong[p.dtype] += p.numel()
             examples.setdefault(p.dtype, name)
     for dtype, count in wrong.items():
-        out.append(f"{count} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
-                   f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}")
+        out.append(
+            f"{count} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
+            f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}"
+        )
     if strategy.uses_fp8_gemm and not any(isinstance(m, FP8Linear) for m in model.modules()):
-        out.append(f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
-                   "(none converted: check the skipped layers and their dimensions)")
+        out.append(
+            f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
+            "(none converted: check the skipped layers and their dimensions)"
+        )
     return out
 
 
@@ -370,13 +403,15 @@ def _fmt_bytes(value: float) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """A compact multi-line table of `describe`'s result for the logs."""
     lines = [f"hf_lowprec: precision strategy {report['strategy']!r}"]
-    options = {k: v for k, v in report["options"].items()}
+    options = dict(report["options"].items())
     lines.append(f"  options: {options}")
     width = max((len(r["type"]) for r in report["modules"]), default=6)
     lines.append(f"  {'module':<{width}}  {'n':>4}  {'params':<16} compute")
     for row in report["modules"]:
-        lines.append(f"  {row['type']:<{width}}  {row['count']:>4}  {'/'.join(row['param_dtypes']):<16} "
-                     f"{', '.join(row['compute'])}")
+        lines.append(
+            f"  {row['type']:<{width}}  {row['count']:>4}  {'/'.join(row['param_dtypes']):<16} "
+            f"{', '.join(row['compute'])}"
+        )
     fp8 = report["fp8"]
     if fp8["converted"] or fp8["skipped"]:
         lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
@@ -393,9 +428,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  model state: {report['memory']['note']}")
     elif "memory" in report:
         m = report["memory"]
-        lines.append(f"  model state: {_fmt_bytes(m['total'])} bytes/param (params {_fmt_bytes(m['params'])}, grads "
-                     f"{_fmt_bytes(m['grads'])}, optimizer {_fmt_bytes(m['optimizer_states'])}, extra "
-                     f"{_fmt_bytes(m['extra'])}) = {m['gib']:.3f} GiB for {m['num_params']:,} parameters")
+        lines.append(
+            f"  model state: {_fmt_bytes(m['total'])} bytes/param (params {_fmt_bytes(m['params'])}, grads "
+            f"{_fmt_bytes(m['grads'])}, optimizer {_fmt_bytes(m['optimizer_states'])}, extra "
+            f"{_fmt_bytes(m['extra'])}) = {m['gib']:.3f} GiB for {m['num_params']:,} parameters"
+        )
     for problem in report["violations"]:
         lines.append(f"  BROKEN PROMISE: {problem}")
     return "\n".join(lines)

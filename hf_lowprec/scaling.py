@@ -59,9 +59,7 @@ def check_loss_scaler_settings(
         if math.frexp(value)[0] != 0.5:
             raise ValueError(f"{name} must be a power of two so that scaling is exact, got {value!r}")
     if not (min_scale <= init_scale <= max_scale):
-        raise ValueError(
-            f"need min_scale <= init_scale <= max_scale, got {min_scale!r}, {init_scale!r}, {max_scale!r}"
-        )
+        raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale!r}, {init_scale!r}, {max_scale!r}")
 
 
 class AutomaticLossScaler:
@@ -182,9 +180,7 @@ class AutomaticLossScaler:
         self.total_clipped += self.last_clipped
         new = sorted(set(clipped) - set(self._overflowing))
         if new:
-            logger.warning(
-                "FP16 overflow clipped to ±65504 at loss scale %g in: %s", self._scale, ", ".join(new)
-            )
+            logger.warning("FP16 overflow clipped to ±65504 at loss scale %g in: %s", self._scale, ", ".join(new))
         self._overflowing = sorted(clipped)
 
         self._period_upper += upper

@@ -168,7 +168,9 @@ def _ppo_classes() -> dict[str, type]:
     from .strategies.base import PrecisionStrategy, StrategyOptimizer
 
     config_cls = _finish(
-        dataclasses.dataclass(type("PPOConfig", (_config_mixin(), ppo.PPOConfig), {"__doc__": _config_doc(ppo.PPOConfig)})),
+        dataclasses.dataclass(
+            type("PPOConfig", (_config_mixin(), ppo.PPOConfig), {"__doc__": _config_doc(ppo.PPOConfig)})
+        ),
         "PPOConfig",
     )
     signature = inspect.signature(ppo.PPOTrainer.__init__)

@@ -18,14 +18,16 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_bert_config, tiny_gpt2_config
+
 # The result line and files every recipe writes (`hf-lowprec compare` reads them) are the package's.
 from hf_lowprec.runner import RESULT_MARKER
 from hf_lowprec.runner import write_result as report
@@ -60,16 +62,24 @@ class ModelArguments:
     """Which model and tokenizer: a hub name or local path, a config, or the embedded tiny default."""
 
     model_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Pretrained model name or path. Unset: a model built from a config."})
+        default=None, metadata={"help": "Pretrained model name or path. Unset: a model built from a config."}
+    )
     config_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Config name or path to build a fresh model from. Unset, with no "
-                                        "model_name_or_path: a tiny config of --model_type."})
+        default=None,
+        metadata={
+            "help": "Config name or path to build a fresh model from. Unset, with no "
+            "model_name_or_path: a tiny config of --model_type."
+        },
+    )
     model_type: str | None = dataclasses.field(
-        default=None, metadata={"help": "Architecture of the tiny default model (gpt2, bert, roberta)."})
+        default=None, metadata={"help": "Architecture of the tiny default model (gpt2, bert, roberta)."}
+    )
     config_overrides: str | None = dataclasses.field(
-        default=None, metadata={"help": "Override config values of a fresh model, e.g. 'n_embd=128,n_layer=4'."})
+        default=None, metadata={"help": "Override config values of a fresh model, e.g. 'n_embd=128,n_layer=4'."}
+    )
     tokenizer_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Tokenizer name or path. Unset: the model's, or the local BPE tokenizer."})
+        default=None, metadata={"help": "Tokenizer name or path. Unset: the model's, or the local BPE tokenizer."}
+    )
 
 
 @dataclasses.dataclass
@@ -78,25 +88,32 @@ class TextDataArguments:
 
     dataset_name: str | None = dataclasses.field(default=None, metadata={"help": "A `datasets` dataset name."})
     dataset_config_name: str | None = dataclasses.field(default=None, metadata={"help": "Its configuration."})
-    train_file: str | None = dataclasses.field(default=None, metadata={"help": "Training text (.txt, .csv, .json, .jsonl)."})
+    train_file: str | None = dataclasses.field(
+        default=None, metadata={"help": "Training text (.txt, .csv, .json, .jsonl)."}
+    )
     validation_file: str | None = dataclasses.field(default=None, metadata={"help": "Validation text, same formats."})
     text_column: str = dataclasses.field(default="text", metadata={"help": "Column holding the text."})
     validation_split_percentage: int = dataclasses.field(
-        default=10, metadata={"help": "Percent of train held out when there is no validation split."})
+        default=10, metadata={"help": "Percent of train held out when there is no validation split."}
+    )
     max_train_samples: int | None = dataclasses.field(default=None, metadata={"help": "Truncate the training set."})
     max_eval_samples: int | None = dataclasses.field(default=None, metadata={"help": "Truncate the validation set."})
 
 
-def parse_args(dataclass_types: tuple[type, ...], recipe: str, argv: list[str] | None = None,
-               **defaults: Any) -> tuple[Any, ...]:
+def parse_args(
+    dataclass_types: tuple[type, ...], recipe: str, argv: list[str] | None = None, **defaults: Any
+) -> tuple[Any, ...]:
     """Parse the command line into `dataclass_types`, with the recipe's and the environment's defaults.
 
     Defaults (all overridable on the command line): output_dir `runs/<recipe>`, no reporting
     integrations, CPU when no CUDA device is present, the strategy from the environment.
     """
     parser = HfArgumentParser(dataclass_types)
-    base: dict[str, Any] = {"output_dir": os.path.join("runs", recipe), "report_to": "none",
-                            "use_cpu": not torch.cuda.is_available()}
+    base: dict[str, Any] = {
+        "output_dir": os.path.join("runs", recipe),
+        "report_to": "none",
+        "use_cpu": not torch.cuda.is_available(),
+    }
     if os.environ.get(ENV_STRATEGY):
         base["precision_strategy"] = os.environ[ENV_STRATEGY]
     if os.environ.get(ENV_OPTIONS):
@@ -117,8 +134,11 @@ def parse_args(dataclass_types: tuple[type, ...], recipe: str, argv: list[str] |
 
 def setup_logging(training_args: Any) -> None:
     """HF examples' logging: the process log level (quiet on replicas), to stdout."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        handlers=[logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
     level = training_args.get_process_log_level()
     logger.setLevel(level)
     transformers.utils.logging.set_verbosity(level)
@@ -170,15 +190,20 @@ def _tiny_roberta_config(vocab_size: int, **overrides: Any) -> Any:
     return RobertaConfig(vocab_size=vocab_size, **kwargs)
 
 
-_TINY: dict[str, Callable[..., Any]] = {"gpt2": tiny_gpt2_config, "bert": tiny_bert_config,
-                                        "roberta": _tiny_roberta_config}
+_TINY: dict[str, Callable[..., Any]] = {
+    "gpt2": tiny_gpt2_config,
+    "bert": tiny_bert_config,
+    "roberta": _tiny_roberta_config,
+}
 
 
 def tiny_config(model_type: str, vocab_size: int, max_length: int | None = None, **overrides: Any) -> Any:
     """The embedded tiny config of `model_type`, with room for `max_length` positions."""
     if model_type not in _TINY:
-        raise ValueError(f"no tiny default for model_type {model_type!r}; choose one of {sorted(_TINY)} "
-                         "or pass --config_name / --model_name_or_path")
+        raise ValueError(
+            f"no tiny default for model_type {model_type!r}; choose one of {sorted(_TINY)} "
+            "or pass --config_name / --model_name_or_path"
+        )
     config = _TINY[model_type](vocab_size)
     if max_length is not None:
         if model_type == "gpt2":
@@ -191,8 +216,15 @@ def tiny_config(model_type: str, vocab_size: int, max_length: int | None = None,
     return config
 
 
-def load_model(auto_class: Any, model_args: ModelArguments, tokenizer: Any, *, default_type: str,
-               max_length: int | None = None, **config_values: Any) -> Any:
+def load_model(
+    auto_class: Any,
+    model_args: ModelArguments,
+    tokenizer: Any,
+    *,
+    default_type: str,
+    max_length: int | None = None,
+    **config_values: Any,
+) -> Any:
     """`auto_class.from_pretrained(name)`, or a fresh model from `--config_name` or the tiny default."""
     if model_args.model_name_or_path:
         return auto_class.from_pretrained(model_args.model_name_or_path, **config_values)
@@ -231,8 +263,9 @@ def load_text_datasets(data_args: TextDataArguments, seed: int) -> Any:
     return raw
 
 
-def group_texts(raw: Any, tokenizer: Any, block_size: int, text_column: str, *, training_args: Any,
-                append_eos: bool, labels: bool) -> Any:
+def group_texts(
+    raw: Any, tokenizer: Any, block_size: int, text_column: str, *, training_args: Any, append_eos: bool, labels: bool
+) -> Any:
     """Tokenize, concatenate and cut into blocks of `block_size` tokens (run_clm / run_mlm style)."""
     eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
 
@@ -243,7 +276,7 @@ def group_texts(raw: Any, tokenizer: Any, block_size: int, text_column: str, *, 
     def blocks(batch: dict[str, list]) -> dict[str, list]:
         ids = [t for seq in batch["input_ids"] for t in seq]
         n = len(ids) // block_size * block_size
-        out = {"input_ids": [ids[i:i + block_size] for i in range(0, n, block_size)]}
+        out = {"input_ids": [ids[i : i + block_size] for i in range(0, n, block_size)]}
         if labels:
             out["labels"] = [list(b) for b in out["input_ids"]]
         return out
@@ -299,11 +332,20 @@ def reward_model(path: str | None, tokenizer: Any, training_args: Any, *, steps:
     from hf_lowprec.trl import RewardConfig, RewardTrainer
 
     args = RewardConfig(
-        output_dir=os.path.join(training_args.output_dir, "reward_model"), max_steps=steps,
-        precision_strategy=training_args.precision_strategy, precision_options=training_args.precision_options,
-        per_device_train_batch_size=batch_size, learning_rate=1e-3, max_length=64, activation_checkpointing=False,
-        logging_steps=max(1, steps // 4), save_strategy="no", report_to="none", use_cpu=training_args.use_cpu,
-        seed=training_args.seed, disable_tqdm=training_args.disable_tqdm,
+        output_dir=os.path.join(training_args.output_dir, "reward_model"),
+        max_steps=steps,
+        precision_strategy=training_args.precision_strategy,
+        precision_options=training_args.precision_options,
+        per_device_train_batch_size=batch_size,
+        learning_rate=1e-3,
+        max_length=64,
+        activation_checkpointing=False,
+        logging_steps=max(1, steps // 4),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=training_args.use_cpu,
+        seed=training_args.seed,
+        disable_tqdm=training_args.disable_tqdm,
     )
     pairs = datasets.Dataset.from_dict(preference_pairs(steps * batch_size, training_args.seed))
     trainer = RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer)

@@ -27,9 +27,12 @@ from hf_lowprec.trl import DPOConfig, DPOTrainer
 @dataclasses.dataclass
 class DPOScriptArguments:
     dataset_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "A `datasets` preference dataset (prompt/chosen/rejected). Unset: embedded."})
+        default=None, metadata={"help": "A `datasets` preference dataset (prompt/chosen/rejected). Unset: embedded."}
+    )
     num_pairs: int = dataclasses.field(default=128, metadata={"help": "Embedded preference pairs to train on."})
-    prompt_words: int = dataclasses.field(default=6, metadata={"help": "Words of each embedded passage used as the prompt."})
+    prompt_words: int = dataclasses.field(
+        default=6, metadata={"help": "Words of each embedded passage used as the prompt."}
+    )
 
 
 def embedded_preferences(n: int, seed: int, prompt_words: int) -> dict[str, list[str]]:
@@ -39,7 +42,7 @@ def embedded_preferences(n: int, seed: int, prompt_words: int) -> dict[str, list
     for chosen, rejected in zip(pairs["chosen"], pairs["rejected"]):
         words = chosen.split()
         prompt, rest = words[:prompt_words], words[prompt_words:]
-        shuffled = [w for w in rejected.split()]
+        shuffled = list(rejected.split())
         for w in prompt:  # the rejected side continues the same prompt with the remaining words shuffled
             shuffled.remove(w)
         if not rest or rest == shuffled:
@@ -52,9 +55,15 @@ def embedded_preferences(n: int, seed: int, prompt_words: int) -> dict[str, list
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, script_args, training_args = parse_args(
-        (ModelArguments, DPOScriptArguments, DPOConfig), "dpo", argv,
-        learning_rate=5e-4, per_device_train_batch_size=8, num_train_epochs=1.0, logging_steps=1,
-        save_strategy="no", max_length=64,
+        (ModelArguments, DPOScriptArguments, DPOConfig),
+        "dpo",
+        argv,
+        learning_rate=5e-4,
+        per_device_train_batch_size=8,
+        num_train_epochs=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        max_length=64,
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -69,18 +78,25 @@ def main(argv: list[str] | None = None) -> dict:
         train = datasets.load_dataset(script_args.dataset_name, split="train")
     else:
         train = datasets.Dataset.from_dict(
-            embedded_preferences(script_args.num_pairs, training_args.seed, script_args.prompt_words))
+            embedded_preferences(script_args.num_pairs, training_args.seed, script_args.prompt_words)
+        )
 
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=training_args, train_dataset=train,
-                         processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference, args=training_args, train_dataset=train, processing_class=tokenizer
+    )
     trainer.train()
     trainer.save_model()
     history = [h for h in trainer.state.log_history if "loss" in h]
     first, last = (history[0], history[-1]) if history else ({}, {})
     margin_key = next((k for k in last if k.endswith("rewards/margins")), None)
     accuracy_key = next((k for k in last if k.endswith("rewards/accuracies")), None)
-    return report(training_args, trainer, first_margin=first.get(margin_key), final_margin=last.get(margin_key),
-                  final_reward_accuracy=last.get(accuracy_key))
+    return report(
+        training_args,
+        trainer,
+        first_margin=first.get(margin_key),
+        final_margin=last.get(margin_key),
+        final_reward_accuracy=last.get(accuracy_key),
+    )
 
 
 if __name__ == "__main__":

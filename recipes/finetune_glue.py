@@ -47,9 +47,13 @@ GLUE_TASKS: dict[str, tuple[tuple[str, str | None], int, str]] = {
 @dataclasses.dataclass
 class GlueArguments:
     task_name: str | None = dataclasses.field(
-        default=None, metadata={"help": f"GLUE task ({', '.join(GLUE_TASKS)}) or embedded task "
-                                        "(synthetic-sst2, synthetic-cola, synthetic-mrpc, synthetic-stsb). "
-                                        "Unset with no files: synthetic-sst2."})
+        default=None,
+        metadata={
+            "help": f"GLUE task ({', '.join(GLUE_TASKS)}) or embedded task "
+            "(synthetic-sst2, synthetic-cola, synthetic-mrpc, synthetic-stsb). "
+            "Unset with no files: synthetic-sst2."
+        },
+    )
     train_file: str | None = dataclasses.field(default=None, metadata={"help": "Training CSV/JSON."})
     validation_file: str | None = dataclasses.field(default=None, metadata={"help": "Validation CSV/JSON."})
     max_seq_length: int = dataclasses.field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
@@ -64,8 +68,28 @@ _NEGATIVE = ("confusing", "useless", "fragile", "clumsy", "slow", "terrible", "b
 _SUBJECTS = ("the {} module", "this {} function", "the {} documentation", "using {}", "the {} API")
 _FRAMES = ("{s} is {a}.", "I found {s} {a}.", "Honestly, {s} feels {a}.", "{s} turned out {a} in practice.")
 # Words that replace a sentence's own in the similarity task; how many there are sets the score.
-_NOISE = ("banana", "violet", "thunder", "pebble", "walrus", "saffron", "lantern", "meadow", "quartz", "tulip",
-          "harbor", "cobalt", "falcon", "juniper", "marble", "nutmeg", "orchid", "papaya", "rocket", "velvet")
+_NOISE = (
+    "banana",
+    "violet",
+    "thunder",
+    "pebble",
+    "walrus",
+    "saffron",
+    "lantern",
+    "meadow",
+    "quartz",
+    "tulip",
+    "harbor",
+    "cobalt",
+    "falcon",
+    "juniper",
+    "marble",
+    "nutmeg",
+    "orchid",
+    "papaya",
+    "rocket",
+    "velvet",
+)
 
 
 def _sentences(seed: int) -> list[str]:
@@ -115,16 +139,21 @@ def synthetic_task(name: str, size: int, seed: int) -> tuple[dict[str, dict[str,
         same = sum(a == b for a, b in zip(tokens, changed)) / len(tokens)
         return " ".join(tokens), " ".join(changed), round(5.0 * same, 2)
 
-    makers = {"synthetic-sst2": (sst2, ("sentence",), "sst2"), "synthetic-cola": (cola, ("sentence",), "cola"),
-              "synthetic-mrpc": (mrpc, ("sentence1", "sentence2"), "mrpc"),
-              "synthetic-stsb": (stsb, ("sentence1", "sentence2"), "stsb")}
+    makers = {
+        "synthetic-sst2": (sst2, ("sentence",), "sst2"),
+        "synthetic-cola": (cola, ("sentence",), "cola"),
+        "synthetic-mrpc": (mrpc, ("sentence1", "sentence2"), "mrpc"),
+        "synthetic-stsb": (stsb, ("sentence1", "sentence2"), "stsb"),
+    }
     if name not in makers:
         raise ValueError(f"unknown embedded task {name!r}; choose one of {sorted(makers)}")
     make, columns, glue_task = makers[name]
     rows = [make(i) for i in range(n)]
     splits = {"train": rows[:size], "validation": rows[size:]}
-    out = {split: {col: [r[k] for r in part] for k, col in enumerate((*columns, "label"))}
-           for split, part in splits.items()}
+    out = {
+        split: {col: [r[k] for r in part] for k, col in enumerate((*columns, "label"))}
+        for split, part in splits.items()
+    }
     return out, glue_task
 
 
@@ -180,10 +209,20 @@ def load_glue_data(args: GlueArguments, seed: int):
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, glue_args, training_args = parse_args(
-        (ModelArguments, GlueArguments, TrainingArguments), "finetune_glue", argv,
-        model_type="bert", num_train_epochs=3.0, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=0.06,
-        weight_decay=0.01, per_device_train_batch_size=32, per_device_eval_batch_size=64, logging_steps=10,
-        save_strategy="no", eval_strategy="epoch",
+        (ModelArguments, GlueArguments, TrainingArguments),
+        "finetune_glue",
+        argv,
+        model_type="bert",
+        num_train_epochs=3.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=0.06,
+        weight_decay=0.01,
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=64,
+        logging_steps=10,
+        save_strategy="no",
+        eval_strategy="epoch",
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -199,8 +238,14 @@ def main(argv: list[str] | None = None) -> dict:
     extra = {"num_labels": num_labels, "problem_type": "regression" if num_labels == 1 else None}
     if tokenizer.pad_token_id is not None:
         extra["pad_token_id"] = tokenizer.pad_token_id
-    model = load_model(AutoModelForSequenceClassification, model_args, tokenizer, default_type="bert",
-                       max_length=glue_args.max_seq_length, **extra)
+    model = load_model(
+        AutoModelForSequenceClassification,
+        model_args,
+        tokenizer,
+        default_type="bert",
+        max_length=glue_args.max_seq_length,
+        **extra,
+    )
 
     def encode(batch: dict) -> dict:
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
@@ -208,26 +253,40 @@ def main(argv: list[str] | None = None) -> dict:
 
     with training_args.main_process_first(desc="tokenize"):
         keep = {"label"}
-        encoded = raw.map(encode, batched=True,
-                          remove_columns=[c for c in raw["train"].column_names if c not in keep])
+        encoded = raw.map(encode, batched=True, remove_columns=[c for c in raw["train"].column_names if c not in keep])
 
     def compute_metrics(prediction) -> dict:
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
         predictions = np.squeeze(logits, -1) if num_labels == 1 else np.argmax(logits, axis=-1)
         return metric.compute(predictions=predictions, references=prediction.label_ids)
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"],
-                      eval_dataset=encoded["validation"], processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=encoded["train"],
+        eval_dataset=encoded["validation"],
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_metrics,
+    )
     train_result = trainer.train()
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()
     trainer.log_metrics("eval", eval_metrics)
-    glue = {k[len("eval_"):]: v for k, v in eval_metrics.items()
-            if k[len("eval_"):] in ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")}
-    return report(training_args, trainer, task=glue_args.task_name or ("files" if glue_args.train_file else "synthetic-sst2"), metric_task=metric_task,
-                  glue=glue, eval_loss=eval_metrics["eval_loss"])
+    glue = {
+        k[len("eval_") :]: v
+        for k, v in eval_metrics.items()
+        if k[len("eval_") :] in ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")
+    }
+    return report(
+        training_args,
+        trainer,
+        task=glue_args.task_name or ("files" if glue_args.train_file else "synthetic-sst2"),
+        metric_task=metric_task,
+        glue=glue,
+        eval_loss=eval_metrics["eval_loss"],
+    )
 
 
 if __name__ == "__main__":

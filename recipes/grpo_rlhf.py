@@ -20,27 +20,45 @@ import dataclasses
 
 from transformers import AutoModelForCausalLM, set_seed
 
-from common import ModelArguments, docstring_prompts, load_model, load_tokenizer, parse_args, report
-from common import reward_model, setup_logging
+from common import (
+    ModelArguments,
+    docstring_prompts,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    report,
+    reward_model,
+    setup_logging,
+)
 from hf_lowprec.trl import GRPOConfig, GRPOTrainer
 
 
 @dataclasses.dataclass
 class GRPOScriptArguments:
     reward_model_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Reward model name or path. Unset: a tiny one trained here."})
+        default=None, metadata={"help": "Reward model name or path. Unset: a tiny one trained here."}
+    )
     dataset_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "A `datasets` dataset with a `prompt` column. Unset: docstring prompts."})
+        default=None, metadata={"help": "A `datasets` dataset with a `prompt` column. Unset: docstring prompts."}
+    )
     num_prompts: int = dataclasses.field(default=64, metadata={"help": "Embedded prompts to train on."})
     reward_steps: int = dataclasses.field(
-        default=40, metadata={"help": "Steps to train the tiny reward model when no --reward_model_path."})
+        default=40, metadata={"help": "Steps to train the tiny reward model when no --reward_model_path."}
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, script_args, training_args = parse_args(
-        (ModelArguments, GRPOScriptArguments, GRPOConfig), "grpo_rlhf", argv,
-        learning_rate=1e-4, per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
-        num_train_epochs=1.0, logging_steps=1, save_strategy="no",
+        (ModelArguments, GRPOScriptArguments, GRPOConfig),
+        "grpo_rlhf",
+        argv,
+        learning_rate=1e-4,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        num_train_epochs=1.0,
+        logging_steps=1,
+        save_strategy="no",
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -59,14 +77,21 @@ def main(argv: list[str] | None = None) -> dict:
         train = datasets.Dataset.from_dict({"prompt": docstring_prompts(script_args.num_prompts, training_args.seed)})
 
     reward_tokenizer = load_tokenizer(ModelArguments(model_name_or_path=script_args.reward_model_path))
-    trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=training_args, train_dataset=train,
-                          processing_class=tokenizer, reward_processing_classes=[reward_tokenizer])
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=[reward],
+        args=training_args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        reward_processing_classes=[reward_tokenizer],
+    )
     trainer.train()
     trainer.save_model()
     history = [h for h in trainer.state.log_history if "reward" in h]
     last = history[-1] if history else {}
-    return report(training_args, trainer, reward=last.get("reward"), reward_std=last.get("reward_std"),
-                  kl=last.get("kl"))
+    return report(
+        training_args, trainer, reward=last.get("reward"), reward_std=last.get("reward_std"), kl=last.get("kl")
+    )
 
 
 if __name__ == "__main__":

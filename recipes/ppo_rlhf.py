@@ -20,27 +20,49 @@ import dataclasses
 
 from transformers import AutoModelForCausalLM, set_seed
 
-from common import ModelArguments, docstring_prompts, load_model, load_tokenizer, parse_args, report
-from common import reward_model, setup_logging
+from common import (
+    ModelArguments,
+    docstring_prompts,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    report,
+    reward_model,
+    setup_logging,
+)
 from hf_lowprec.trl import PPOConfig, PPOTrainer
 
 
 @dataclasses.dataclass
 class PPODataArguments:
     dataset_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "A `datasets` dataset with a prompt column. Unset: docstring prompts."})
+        default=None, metadata={"help": "A `datasets` dataset with a prompt column. Unset: docstring prompts."}
+    )
     dataset_text_field: str = dataclasses.field(default="prompt", metadata={"help": "The prompt column."})
     num_prompts: int = dataclasses.field(default=256, metadata={"help": "Embedded prompts to train on."})
     reward_steps: int = dataclasses.field(
-        default=40, metadata={"help": "Steps to train the tiny reward model when no --reward_model_path."})
+        default=40, metadata={"help": "Steps to train the tiny reward model when no --reward_model_path."}
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_args(
-        (ModelArguments, PPODataArguments, PPOConfig), "ppo_rlhf", argv,
-        sft_model_path=None, reward_model_path=None, learning_rate=1e-4, per_device_train_batch_size=8,
-        num_mini_batches=2, num_ppo_epochs=2, response_length=16, total_episodes=64, stop_token="eos",
-        missing_eos_penalty=1.0, num_sample_generations=0, logging_steps=1, save_strategy="no",
+        (ModelArguments, PPODataArguments, PPOConfig),
+        "ppo_rlhf",
+        argv,
+        sft_model_path=None,
+        reward_model_path=None,
+        learning_rate=1e-4,
+        per_device_train_batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        response_length=16,
+        total_episodes=64,
+        stop_token="eos",
+        missing_eos_penalty=1.0,
+        num_sample_generations=0,
+        logging_steps=1,
+        save_strategy="no",
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -70,8 +92,16 @@ def main(argv: list[str] | None = None) -> dict:
     train = train.map(tokenize, batched=True, remove_columns=train.column_names)
     evaluation = evaluation.map(tokenize, batched=True, remove_columns=evaluation.column_names)
 
-    trainer = PPOTrainer(args=training_args, processing_class=tokenizer, model=policy, ref_model=None,
-                         reward_model=reward, value_model=value, train_dataset=train, eval_dataset=evaluation)
+    trainer = PPOTrainer(
+        args=training_args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
     trainer.train()
     trainer.save_model(training_args.output_dir)
     updates = [h for h in trainer.state.log_history if "loss/policy_avg" in h]

@@ -16,8 +16,17 @@ import math
 
 from transformers import AutoModelForCausalLM, default_data_collator, set_seed
 
-from common import ModelArguments, TextDataArguments, group_texts, load_model, load_text_datasets, load_tokenizer
-from common import parse_args, report, setup_logging
+from common import (
+    ModelArguments,
+    TextDataArguments,
+    group_texts,
+    load_model,
+    load_text_datasets,
+    load_tokenizer,
+    parse_args,
+    report,
+    setup_logging,
+)
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.runner import PRETRAIN_CLM_DEFAULTS
 
@@ -29,7 +38,9 @@ class CLMArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, clm_args, training_args = parse_args(
-        (ModelArguments, TextDataArguments, CLMArguments, TrainingArguments), "pretrain_clm", argv,
+        (ModelArguments, TextDataArguments, CLMArguments, TrainingArguments),
+        "pretrain_clm",
+        argv,
         **PRETRAIN_CLM_DEFAULTS,
     )
     setup_logging(training_args)
@@ -38,11 +49,24 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(model_args)
     model = load_model(AutoModelForCausalLM, model_args, tokenizer, default_type="gpt2", max_length=clm_args.block_size)
     raw = load_text_datasets(data_args, training_args.seed)
-    lm = group_texts(raw, tokenizer, clm_args.block_size, data_args.text_column, training_args=training_args,
-                     append_eos=True, labels=True)
+    lm = group_texts(
+        raw,
+        tokenizer,
+        clm_args.block_size,
+        data_args.text_column,
+        training_args=training_args,
+        append_eos=True,
+        labels=True,
+    )
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=lm["train"], eval_dataset=lm["validation"],
-                      processing_class=tokenizer, data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=lm["train"],
+        eval_dataset=lm["validation"],
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
     train_result = trainer.train()
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)

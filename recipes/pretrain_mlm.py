@@ -21,8 +21,17 @@ from typing import Literal
 
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, set_seed
 
-from common import ModelArguments, TextDataArguments, group_texts, load_model, load_text_datasets, load_tokenizer
-from common import parse_args, report, setup_logging
+from common import (
+    ModelArguments,
+    TextDataArguments,
+    group_texts,
+    load_model,
+    load_text_datasets,
+    load_tokenizer,
+    parse_args,
+    report,
+    setup_logging,
+)
 from hf_lowprec import Trainer, TrainingArguments
 
 
@@ -32,7 +41,8 @@ class MLMArguments:
     phase1_seq_length: int = dataclasses.field(default=128, metadata={"help": "Sequence length of phase 1."})
     phase2_seq_length: int = dataclasses.field(default=512, metadata={"help": "Sequence length of phase 2."})
     max_seq_length: int | None = dataclasses.field(
-        default=None, metadata={"help": "Sequence length, overriding the phase's."})
+        default=None, metadata={"help": "Sequence length, overriding the phase's."}
+    )
     mlm_probability: float = dataclasses.field(default=0.15, metadata={"help": "Fraction of tokens to mask."})
 
     def __post_init__(self) -> None:
@@ -49,9 +59,18 @@ class MLMArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, mlm_args, training_args = parse_args(
-        (ModelArguments, TextDataArguments, MLMArguments, TrainingArguments), "pretrain_mlm", argv,
-        model_type="bert", num_train_epochs=1.0, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=10,
-        weight_decay=0.01, per_device_train_batch_size=16, logging_steps=10, save_strategy="no",
+        (ModelArguments, TextDataArguments, MLMArguments, TrainingArguments),
+        "pretrain_mlm",
+        argv,
+        model_type="bert",
+        num_train_epochs=1.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=10,
+        weight_decay=0.01,
+        per_device_train_batch_size=16,
+        logging_steps=10,
+        save_strategy="no",
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -67,19 +86,31 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"the model has {limit} positions, fewer than the sequence length {seq_length}")
     raw = load_text_datasets(data_args, training_args.seed)
     # Blocks hold raw text tokens; the collator masks them. Phase lengths count every token.
-    lm = group_texts(raw, tokenizer, seq_length, data_args.text_column, training_args=training_args,
-                     append_eos=False, labels=False)
+    lm = group_texts(
+        raw, tokenizer, seq_length, data_args.text_column, training_args=training_args, append_eos=False, labels=False
+    )
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_args.mlm_probability)
 
-    trainer = Trainer(model=model, args=training_args, train_dataset=lm["train"], eval_dataset=lm["validation"],
-                      processing_class=tokenizer, data_collator=collator)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=lm["train"],
+        eval_dataset=lm["validation"],
+        processing_class=tokenizer,
+        data_collator=collator,
+    )
     train_result = trainer.train()
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()
     trainer.log_metrics("eval", eval_metrics)
-    return report(training_args, trainer, eval_loss=eval_metrics["eval_loss"], seq_length=seq_length,
-                  model_type=model.config.model_type)
+    return report(
+        training_args,
+        trainer,
+        eval_loss=eval_metrics["eval_loss"],
+        seq_length=seq_length,
+        model_type=model.config.model_type,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ from typing import Literal
 
 from transformers import AutoModelForCausalLM, set_seed
 
-from common import ModelArguments, TextDataArguments, load_model, load_text_datasets, load_tokenizer
-from common import parse_args, report, setup_logging
+from common import (
+    ModelArguments,
+    TextDataArguments,
+    load_model,
+    load_text_datasets,
+    load_tokenizer,
+    parse_args,
+    report,
+    setup_logging,
+)
 from hf_lowprec.trl import SFTConfig, SFTTrainer
 
 # Roles are written out as text; the answer and its end-of-text token are the generation.
@@ -40,16 +48,42 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|assistant|>\n' }}{%- endif %}"
 )
 
-_CHAT_MODULES = ("json", "os.path", "re", "textwrap", "itertools", "functools", "collections", "string",
-                 "math", "statistics", "shutil", "pathlib", "random", "heapq", "bisect", "base64", "difflib",
-                 "fnmatch", "glob", "shlex", "copy", "operator", "datetime", "csv", "zipfile", "tarfile")
+_CHAT_MODULES = (
+    "json",
+    "os.path",
+    "re",
+    "textwrap",
+    "itertools",
+    "functools",
+    "collections",
+    "string",
+    "math",
+    "statistics",
+    "shutil",
+    "pathlib",
+    "random",
+    "heapq",
+    "bisect",
+    "base64",
+    "difflib",
+    "fnmatch",
+    "glob",
+    "shlex",
+    "copy",
+    "operator",
+    "datetime",
+    "csv",
+    "zipfile",
+    "tarfile",
+)
 _QUESTIONS = ("What does {} do?", "Explain {} briefly.", "How would you describe {}?", "What is {} for?")
 
 
 @dataclasses.dataclass
 class SFTDataArguments:
     dataset_format: Literal["text", "messages"] = dataclasses.field(
-        default="text", metadata={"help": "Embedded default data: plain text or chat messages."})
+        default="text", metadata={"help": "Embedded default data: plain text or chat messages."}
+    )
     use_peft: bool = dataclasses.field(default=False, metadata={"help": "Train a LoRA adapter (needs peft)."})
     lora_r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank."})
     lora_alpha: int = dataclasses.field(default=16, metadata={"help": "LoRA alpha."})
@@ -76,9 +110,17 @@ def docstring_chats(seed: int) -> list[list[dict[str, str]]]:
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, sft_args, training_args = parse_args(
-        (ModelArguments, TextDataArguments, SFTDataArguments, SFTConfig), "sft", argv,
-        num_train_epochs=1.0, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.05,
-        per_device_train_batch_size=8, max_length=128, logging_steps=10, save_strategy="no",
+        (ModelArguments, TextDataArguments, SFTDataArguments, SFTConfig),
+        "sft",
+        argv,
+        num_train_epochs=1.0,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        per_device_train_batch_size=8,
+        max_length=128,
+        logging_steps=10,
+        save_strategy="no",
     )
     setup_logging(training_args)
     set_seed(training_args.seed)
@@ -87,16 +129,21 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(model_args)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
-    model = load_model(AutoModelForCausalLM, model_args, tokenizer, default_type="gpt2",
-                       max_length=training_args.max_length)
+    model = load_model(
+        AutoModelForCausalLM, model_args, tokenizer, default_type="gpt2", max_length=training_args.max_length
+    )
 
     if data_args.dataset_name or data_args.train_file or sft_args.dataset_format == "text":
         data = load_text_datasets(data_args, training_args.seed)
     else:
         chats = docstring_chats(training_args.seed)
         n_eval = max(1, len(chats) // 10)
-        data = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"messages": chats[n_eval:]}),
-                                     "validation": datasets.Dataset.from_dict({"messages": chats[:n_eval]})})
+        data = datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"messages": chats[n_eval:]}),
+                "validation": datasets.Dataset.from_dict({"messages": chats[:n_eval]}),
+            }
+        )
         for split, limit in (("train", data_args.max_train_samples), ("validation", data_args.max_eval_samples)):
             if limit is not None:
                 data[split] = data[split].select(range(min(limit, len(data[split]))))
@@ -107,20 +154,36 @@ def main(argv: list[str] | None = None) -> dict:
     if sft_args.use_peft:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=sft_args.lora_r, lora_alpha=sft_args.lora_alpha, lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=sft_args.lora_r,
+            lora_alpha=sft_args.lora_alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
 
-    trainer = SFTTrainer(model=model, args=training_args, train_dataset=data["train"],
-                         eval_dataset=data["validation"], processing_class=tokenizer, peft_config=peft_config)
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"],
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     train_result = trainer.train()
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()
     trainer.log_metrics("eval", eval_metrics)
     frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
-    return report(training_args, trainer, eval_loss=eval_metrics["eval_loss"],
-                  data_format=list(data["train"].column_names), peft=sft_args.use_peft,
-                  frozen_param_dtype=str(frozen[0].dtype) if frozen else None)
+    return report(
+        training_args,
+        trainer,
+        eval_loss=eval_metrics["eval_loss"],
+        data_format=list(data["train"].column_names),
+        peft=sft_args.use_peft,
+        frozen_param_dtype=str(frozen[0].dtype) if frozen else None,
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ def test_memory_with_zero_splits_states_gradients_and_parameters(capsys):
     rows = memory_plan("bert-base", ["collage-plus"], world_size=4, zero_stage=2)
     # ZeRO-2 on 4 ranks: BF16 parameters stay whole (2), gradients (2) and states + components (8) split.
     assert rows[0]["per_rank_total"] == pytest.approx(2 + (2 + 8) / 4)
-    assert main(["memory", "--model", "bert-base", "--strategies", "bf16-pure", "--world-size", "4",
-                 "--zero-stage", "3"]) == 0
+    assert (
+        main(["memory", "--model", "bert-base", "--strategies", "bf16-pure", "--world-size", "4", "--zero-stage", "3"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "bf16-pure" in out and "GiB/rank" in out
 
@@ -51,11 +53,24 @@ def test_memory_refuses_an_unknown_model_before_any_work():
 
 
 def test_plot_draws_mean_and_range_over_seeds(tmp_path):
-    steps = [{"strategy": s, "seed": seed, "step": k, "loss": 5.0 - 0.1 * k + 0.01 * seed,
-              "precision/imprecision_pct": 10.0 * (s == "bf16-pure"), "precision/edq_ratio": 1.0}
-             for s in ("bf16-pure", "collage-plus") for seed in (0, 1, 2) for k in range(1, 6)]
-    summary = [{"strategy": s, "seed": seed, "bytes_per_param": b, "median_step_ms": 10.0, "peak_rss_mib": 500.0}
-               for s, b in (("bf16-pure", 8.0), ("collage-plus", 12.0)) for seed in (0, 1, 2)]
+    steps = [
+        {
+            "strategy": s,
+            "seed": seed,
+            "step": k,
+            "loss": 5.0 - 0.1 * k + 0.01 * seed,
+            "precision/imprecision_pct": 10.0 * (s == "bf16-pure"),
+            "precision/edq_ratio": 1.0,
+        }
+        for s in ("bf16-pure", "collage-plus")
+        for seed in (0, 1, 2)
+        for k in range(1, 6)
+    ]
+    summary = [
+        {"strategy": s, "seed": seed, "bytes_per_param": b, "median_step_ms": 10.0, "peak_rss_mib": 500.0}
+        for s, b in (("bf16-pure", 8.0), ("collage-plus", 12.0))
+        for seed in (0, 1, 2)
+    ]
     written = plot(steps, summary, tmp_path, title="synthetic")
     assert {p.name for p in written} == {"loss.png", "lost_arithmetic.png", "cost.png"}
     for path in written:
@@ -66,8 +81,15 @@ def test_plot_draws_mean_and_range_over_seeds(tmp_path):
 @pytest.mark.slow
 def test_compare_runs_the_recipe_per_strategy_and_writes_one_row_per_step(tmp_path):
     steps = 3
-    summary = run_compare("pretrain_clm", ["bf16-pure", "collage-plus"], seeds=[0], max_steps=steps, out=tmp_path,
-                          progress=False, extra_args=["--per_device_train_batch_size", "4"])
+    summary = run_compare(
+        "pretrain_clm",
+        ["bf16-pure", "collage-plus"],
+        seeds=[0],
+        max_steps=steps,
+        out=tmp_path,
+        progress=False,
+        extra_args=["--per_device_train_batch_size", "4"],
+    )
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     for strategy in ("bf16-pure", "collage-plus"):
@@ -89,7 +111,7 @@ def test_compare_refuses_an_unknown_strategy_before_running(tmp_path):
 
 
 def test_compare_refuses_an_unknown_recipe_naming_the_choices(tmp_path, capsys):
-    with pytest.raises(ValueError, match="in-package recipe .*pretrain_clm.*path of a recipe script"):
+    with pytest.raises(ValueError, match=r"in-package recipe .*pretrain_clm.*path of a recipe script"):
         run_compare("pretrain_gpt", ["bf16-pure"], seeds=[0], max_steps=2, out=tmp_path)
     with pytest.raises(SystemExit):
         main(["compare", "--recipe", "nowhere/recipe.py", "--strategies", "bf16-pure", "--out", str(tmp_path)])
@@ -114,4 +136,6 @@ def test_the_in_package_runner_shares_the_pretrain_clm_recipe_defaults():
         parsed = getattr(args, key)
         assert getattr(parsed, "value", parsed) == value, (key, parsed, value)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_clm.py"
-    assert "**PRETRAIN_CLM_DEFAULTS" in recipe.read_text(), "recipes/pretrain_clm.py must train with the runner's defaults"
+    assert "**PRETRAIN_CLM_DEFAULTS" in recipe.read_text(), (
+        "recipes/pretrain_clm.py must train with the runner's defaults"
+    )

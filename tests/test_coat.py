@@ -21,7 +21,9 @@ U = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 def moment_like(n=128 * 64, spread=3.0, seed=0):
     """Values whose magnitudes span ~e^±(2·spread) within a group, like AdamW's first moment."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(spread * torch.rand(n, generator=g, dtype=torch.float64))
+    return torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(
+        spread * torch.rand(n, generator=g, dtype=torch.float64)
+    )
 
 
 def test_expansion_exponent_formula_and_guards():
@@ -155,11 +157,14 @@ def test_non_finite_groups_decode_to_nan_and_others_are_untouched():
     torch.testing.assert_close(decoded[128:], x[128:], rtol=0.016, atol=0.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"group_size": 0}, "group_size"),
-    ({"group_size": 1.5}, "group_size"),
-    ({"fp8_dtype": torch.float16}, "fp8_dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"group_size": 0}, "group_size"),
+        ({"group_size": 1.5}, "group_size"),
+        ({"fp8_dtype": torch.float16}, "fp8_dtype"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         quantize_state(torch.ones(4), **kwargs)
@@ -226,9 +231,10 @@ def test_saved_activation_bytes_counts_hook_packed_tensors():
         def forward():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return model(input_ids=ids, labels=ids).loss
+
         return saved_activation_bytes(forward)
 
-    loss, plain = measure(tiny_gpt2())
+    _loss, plain = measure(tiny_gpt2())
     _, coat = measure(compress_activations(convert_to_fp8(tiny_gpt2())))
     assert plain > 0 and coat < 0.75 * plain  # the whole model incl. embeddings and LM head
     # A tensor packed by a saved-tensor hook and kept only by the graph is counted.

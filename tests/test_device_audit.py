@@ -18,9 +18,26 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_lowprec"
 FACTORIES = {
-    "tensor", "as_tensor", "scalar_tensor", "zeros", "ones", "empty", "full", "arange", "range", "linspace",
-    "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided", "from_numpy", "frombuffer",
-}  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "scalar_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "from_numpy",
+    "frombuffer",
+}
 # (module path relative to hf_lowprec, enclosing function, factory) → why it may use the default device.
 ALLOWED: dict[tuple[str, str, str], str] = {}
 
@@ -98,7 +115,7 @@ def test_allow_list_entries_still_exist_and_give_a_reason():
 
 def test_the_audit_flags_what_it_should():
     # The shapes of the defects it exists for (the FP8 ZeRO all-gather built its buffers this way).
-    source = '''
+    source = """
 import torch
 import torch.distributed as dist
 
@@ -109,5 +126,5 @@ class Z:
         ok = torch.tensor(1.0, device=None)
         scales = torch.zeros_like(mine)
         dist.all_gather_into_tensor(received, send)
-'''
+"""
     assert deviceless_factories(source) == [("Z.gather", "zeros", 7), ("Z.gather", "tensor", 9)]

@@ -75,11 +75,7 @@ def test_every_relative_link_of_the_pages_resolves():
 
 
 def test_nothing_cites_the_outside_specification():
-    citing = [
-        str(p.relative_to(ROOT))
-        for p in _tracked_files()
-        if OUTSIDE_SPEC in _text(p)
-    ]
+    citing = [str(p.relative_to(ROOT)) for p in _tracked_files() if OUTSIDE_SPEC in _text(p)]
     assert not citing, f"cite docs/algorithms.md §N instead of {OUTSIDE_SPEC} in: {citing}"
 
 

@@ -127,7 +127,7 @@ def test_scaled_edge_cases():
     assert torch.isnan(decoded[1])
     # FP32 storage is not scaled: exact.
     x = values()
-    decoded, (payload, scale) = round_trip(Scaled(F32), x)
+    decoded, (_payload, scale) = round_trip(Scaled(F32), x)
     assert scale.item() == 1.0 and torch.equal(decoded, x)
 
 
@@ -149,7 +149,7 @@ def test_pair_holds_about_twice_the_bits(dtype):
     assert bool((deviation <= bound).all()), (deviation / bound).max().item()
     # Far better than the plain format: its own error is up to u·|x|.
     plain = (value.double() / s - exact).abs()
-    assert plain.max() > 2 ** 4 * deviation.max()
+    assert plain.max() > 2**4 * deviation.max()
     assert bool((decoded[x == 0] == 0).all())
     nan = torch.tensor([float("nan"), 1.0])
     assert torch.isnan(round_trip(fmt, nan, dtype)[0][0])
@@ -167,7 +167,9 @@ def test_group_fp8_round_trip_within_the_coat_bound(dtype, expand):
     # side is the larger). The FP32 arithmetic of encode/decode (pow, division, ·c) adds < 1e-5.
     generator = torch.Generator().manual_seed(0)
     n = 128 * 32
-    x = (torch.randn(n, generator=generator, dtype=F64) * torch.exp(3 * torch.rand(n, generator=generator, dtype=F64))).float()
+    x = (
+        torch.randn(n, generator=generator, dtype=F64) * torch.exp(3 * torch.rand(n, generator=generator, dtype=F64))
+    ).float()
     x[::53] = 0.0
     fmt = GroupFP8(dtype, 128, expand)
     decoded, (payload, scale, exponent, center) = round_trip(fmt, x)
@@ -279,10 +281,18 @@ def test_blockwise_8bit_edge_blocks():
     assert torch.equal(decoded[768:], clean[768:])
 
 
-@pytest.mark.parametrize(("fmt", "dtype"), [
-    (Plain(), BF16), (Scaled(), F16), (Pair(Plain()), BF16), (Pair(Scaled()), F16),
-    (GroupFP8(E4M3), F32), (Blockwise8bit(True), BF16), (Blockwise8bit(False), BF16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [
+        (Plain(), BF16),
+        (Scaled(), F16),
+        (Pair(Plain()), BF16),
+        (Pair(Scaled()), F16),
+        (GroupFP8(E4M3), F32),
+        (Blockwise8bit(True), BF16),
+        (Blockwise8bit(False), BF16),
+    ],
+)
 def test_zeros_state_decodes_to_zero_and_counts_its_bytes(fmt, dtype):
     param = torch.zeros(300, dtype=dtype)
     stored = fmt.zeros(param)
@@ -400,7 +410,7 @@ def test_stochastic_rounding_is_unbiased_over_many_values(dtype):
     below = torch.where(down.float() > target, torch.nextafter(down, torch.full_like(down, -math.inf)), down)
     above = torch.where(down.float() < target, up, down)
     assert bool(((result == below) | (result == above)).all())
-    ulp = (above.double() - below.double())
+    ulp = above.double() - below.double()
     total = (result.double() - target.double()).sum().item()
     assert abs(total) <= 4 * math.sqrt((ulp**2 / 4).sum().item())
 

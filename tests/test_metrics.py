@@ -42,7 +42,7 @@ def test_known_edq_and_partial_loss() -> None:
 def test_lists_aggregate_over_all_elements() -> None:
     generator = torch.Generator().manual_seed(0)
     before = [torch.randn(s, generator=generator).bfloat16() for s in ((10, 3), (7,), (2, 2, 2))]
-    update = [torch.randn(t.shape, generator=generator) * 10.0 ** -k for k, t in enumerate(before, start=1)]
+    update = [torch.randn(t.shape, generator=generator) * 10.0**-k for k, t in enumerate(before, start=1)]
     after = [(b.float() + u).bfloat16() for b, u in zip(before, update)]
     flat = [torch.cat([t.reshape(-1).double() for t in ts]) for ts in (before, after, update)]
     assert imprecision_percentage(before, after, update) == imprecision_percentage(*flat)

@@ -157,9 +157,7 @@ def check_grow_bound(dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, a: to
 def test_grow_error_bound(dtype: torch.dtype) -> None:
     p = BITS[dtype]
     lo, hi = GROW_EXPONENTS[dtype]
-    element = st.tuples(
-        st.integers(lo, hi), st.integers(1, 2 * p), st.integers(2, 3 * p), *[st.integers(0, 2**24)] * 3
-    )
+    element = st.tuples(st.integers(lo, hi), st.integers(1, 2 * p), st.integers(2, 3 * p), *[st.integers(0, 2**24)] * 3)
 
     @settings(max_examples=40, deadline=None)
     @given(st.lists(element, min_size=1, max_size=16))
@@ -359,8 +357,12 @@ def test_abs_max_is_the_fp64_max_of_abs_with_nan_signed_zero_and_empty(dtype):
 def test_all_finite_finds_one_bad_value_anywhere_and_nothing_else(dtype):
     big = torch.finfo(dtype).max
     # Finite tensors whose squares, sums or norms overflow are still finite.
-    finite = [torch.full((1000,), big, dtype=dtype), torch.tensor([-big, big], dtype=dtype), torch.zeros(3, dtype=dtype),
-              torch.tensor([torch.finfo(dtype).tiny / 4], dtype=dtype)]  # fmt: skip
+    finite = [
+        torch.full((1000,), big, dtype=dtype),
+        torch.tensor([-big, big], dtype=dtype),
+        torch.zeros(3, dtype=dtype),
+        torch.tensor([torch.finfo(dtype).tiny / 4], dtype=dtype),
+    ]
     assert numerics.all_finite(finite)
     assert numerics.all_finite([]) and numerics.all_finite([torch.empty(0, dtype=dtype)])
     for bad in (float("inf"), float("-inf"), float("nan"), -float("nan")):
@@ -381,11 +383,13 @@ def test_sqrt_rn_is_the_correctly_rounded_root(dtype):
     """Against Python's math.sqrt (correctly rounded FP64), rounded to the dtype on the host."""
     info = torch.finfo(dtype)
     generator = torch.Generator().manual_seed(0)
-    x = torch.cat([
-        torch.rand(200_000, generator=generator) * 4,
-        torch.exp2(torch.empty(5000).uniform_(math.log2(info.tiny) - 10, math.log2(info.max), generator=generator)),
-        torch.tensor([0.0, -0.0, info.tiny, info.max, math.inf]),
-    ]).to(dtype)  # fmt: skip
+    x = torch.cat(
+        [
+            torch.rand(200_000, generator=generator) * 4,
+            torch.exp2(torch.empty(5000).uniform_(math.log2(info.tiny) - 10, math.log2(info.max), generator=generator)),
+            torch.tensor([0.0, -0.0, info.tiny, info.max, math.inf]),
+        ]
+    ).to(dtype)
     got = numerics.sqrt_rn(x)
     assert got.dtype == dtype
     expected = [round_to_dtype(math.sqrt(v), dtype) for v in x.double().tolist()]

@@ -16,7 +16,7 @@ def test_unknown_name_names_the_closest():
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="Valid names: .*fp32"):
+    with pytest.raises(ValueError, match=r"Valid names: .*fp32"):
         hf_lowprec.get_strategy("zzzz")
 
 
@@ -26,7 +26,7 @@ def test_bad_option_name_raises_before_work():
 
 
 def test_bad_option_value_raises():
-    with pytest.raises(ValueError, match="lost_arithmetic_metrics.*true or false"):
+    with pytest.raises(ValueError, match=r"lost_arithmetic_metrics.*true or false"):
         hf_lowprec.get_strategy("fp32", lost_arithmetic_metrics="yes")
 
 

@@ -29,9 +29,18 @@ def _dataset(n=8, seq=32):
 
 def _trainer(tmp_path, model, strategy=None, **kwargs):
     args = hf_lowprec.TrainingArguments(
-        output_dir=str(tmp_path), precision_strategy=strategy, max_steps=kwargs.pop("max_steps", 1),
-        per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
-        logging_steps=1, disable_tqdm=True, **kwargs)
+        output_dir=str(tmp_path),
+        precision_strategy=strategy,
+        max_steps=kwargs.pop("max_steps", 1),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        **kwargs,
+    )
     return hf_lowprec.Trainer(model=model, args=args, train_dataset=_dataset())
 
 
@@ -96,7 +105,7 @@ def test_a_broken_dtype_promise_stops_before_the_first_step(tmp_path, monkeypatc
     model = tiny_gpt2()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = _trainer(tmp_path, model, "bf16-pure")
-    with pytest.raises(PrecisionPromiseError, match="float32.*promises bfloat16"):
+    with pytest.raises(PrecisionPromiseError, match=r"float32.*promises bfloat16"):
         trainer.train()
     assert trainer.state.global_step == 0
     for n, p in model.named_parameters():

@@ -237,7 +237,7 @@ def test_running_mean_hooks_match_the_function_and_reset():
     model = Holder(64)
     accumulator = RunningMeanGradients().attach(model)
     expected = torch.zeros(64, dtype=torch.float16)
-    for window in range(2):  # the second window starts after zero_grad(set_to_none=False) + reset
+    for _window in range(2):  # the second window starts after zero_grad(set_to_none=False) + reset
         for k, g in enumerate(grads, start=1):
             (model.w.float() * g.float()).sum().backward()  # dL/dw = g exactly
             running_mean_(expected, g, k)

@@ -114,7 +114,9 @@ def quantize_state(
     codec = GroupFP8(fp8_dtype, group_size, expand)
     if not x.is_floating_point():
         raise ValueError(f"quantize_state takes a floating-point tensor, got {x.dtype}")
-    state = FP8GroupState.zeros(tuple(x.shape), group_size=group_size, fp8_dtype=fp8_dtype, expand=expand, device=x.device)
+    state = FP8GroupState.zeros(
+        tuple(x.shape), group_size=group_size, fp8_dtype=fp8_dtype, expand=expand, device=x.device
+    )
     flat = torch.zeros(state.payload.numel(), dtype=torch.float32, device=x.device)
     flat[: x.numel()] = x.detach().reshape(-1)
     codec.encode_(flat, state.payload, state.scale, state.exponent, state.center)

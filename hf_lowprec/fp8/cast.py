@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -65,7 +66,11 @@ def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype.itemsize == 2 and codes.numel() % 2 == 0 and sys.byteorder == "little":
         # Two codes per lookup: half the index conversions and gathers (1.9× faster here).
         pairs = codes.contiguous().view(torch.uint16).int()
-        return torch.index_select(_pair_table(payload.dtype, dtype, payload.device), 0, pairs).view(dtype).view(payload.shape)
+        return (
+            torch.index_select(_pair_table(payload.dtype, dtype, payload.device), 0, pairs)
+            .view(dtype)
+            .view(payload.shape)
+        )
     # index_select takes int32 indices on CPU: a quarter of the int64 index tensor's traffic.
     out = torch.index_select(_table(payload.dtype, dtype, payload.device), 0, codes.int())
     return out.view(payload.shape)
@@ -146,8 +151,13 @@ def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) 
     pass on CPU (O1 writes every FP8 gradient back into its `p.grad` this way: the lookup,
     division and copy took 7.6 ns per element, more than the rest of the step).
     """
-    if (payload.dtype not in FP8_DTYPES or out.device.type != "cpu" or _broken or _compiler_missing() is not None
-            or not (out.is_contiguous() and payload.is_contiguous())):  # fmt: skip
+    if (
+        payload.dtype not in FP8_DTYPES
+        or out.device.type != "cpu"
+        or _broken
+        or _compiler_missing() is not None
+        or not (out.is_contiguous() and payload.is_contiguous())
+    ):
         out.copy_(widen(payload, torch.float32) / scale.float())
         return
     try:

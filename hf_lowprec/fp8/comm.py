@@ -257,9 +257,13 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
         logger.debug("bucket %d has gaps between gradients; using one scale for it", bucket.index())
         numels, params = [buffer.numel()], []
     result = fp8_allreduce(
-        buffer, numels=numels, mu=state.scaler.mu, fp8_dtype=state.fp8_dtype,
-        margin=state.margin, group=state.process_group,
-    )  # fmt: skip
+        buffer,
+        numels=numels,
+        mu=state.scaler.mu,
+        fp8_dtype=state.fp8_dtype,
+        margin=state.margin,
+        group=state.process_group,
+    )
     state.scaler.record(result.stats.overflow, result.stats.numel)
     state.stats += result.stats
     for param, scale in zip(params, result.scales):
@@ -311,7 +315,7 @@ def all_gather_owned_fp8(
     for index, payload, scale in sorted(owned, key=lambda item: item[0]):
         if owners[index] != rank:
             raise ValueError(f"tensor {index} is owned by rank {owners[index]}, not by this rank {rank}")
-        send[offset:offset + payload.numel()] = payload.reshape(-1).view(torch.uint8)
+        send[offset : offset + payload.numel()] = payload.reshape(-1).view(torch.uint8)
         offset += payload.numel()
         scales[index] = scale
     received = torch.empty(size * world, dtype=torch.uint8, device=device)
@@ -321,5 +325,5 @@ def all_gather_owned_fp8(
     for numel, owner in zip(numels, owners):
         start = owner * size + offsets[owner]
         offsets[owner] += int(numel)
-        payloads.append(received[start:start + int(numel)].view(dtype))
+        payloads.append(received[start : start + int(numel)].view(dtype))
     return payloads, scales

@@ -228,7 +228,9 @@ class BackwardFP8Gradients:
             return None
         dense = [p.grad for p in params if p.grad is not None]
         squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
-        squares += [(torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored]
+        squares += [
+            (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored
+        ]
         norm = torch.stack(squares).sum().sqrt()
         if math.isfinite(max_norm):
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -60,7 +60,8 @@ import itertools
 import logging
 import sys
 import weakref
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -247,9 +248,13 @@ def fp8_gemm_path(device: torch.device | str) -> GemmPath:
 
 
 def _fp8_mm(
-    a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
     gemm: _Upcast | _ScaledMM | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
     gemm = gemm or _gemm_for(a.device)
     out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
@@ -438,11 +443,15 @@ class FP8Linear(nn.Module):
     def from_float(cls, module: nn.Module, *, margin: int = 0) -> FP8Linear:
         """An FP8Linear that shares `module`'s parameters (no copy): `nn.Linear` or `Conv1D`."""
         transposed = not isinstance(module, nn.Linear)
-        in_features, out_features = (module.weight.shape if transposed else module.weight.shape[::-1])
+        in_features, out_features = module.weight.shape if transposed else module.weight.shape[::-1]
         new = cls(
-            in_features, out_features, bias=module.bias is not None,
-            weight_transposed=transposed, margin=margin, device="meta",
-        )  # fmt: skip
+            in_features,
+            out_features,
+            bias=module.bias is not None,
+            weight_transposed=transposed,
+            margin=margin,
+            device="meta",
+        )
         new.weight = module.weight
         new.bias = module.bias
         new.train(module.training)
@@ -451,7 +460,9 @@ class FP8Linear(nn.Module):
     def scale_master_weight(self, margin: int = 0) -> None:
         """Turn the FP16 weight into a scaled master: payload = real·s_m, s_m a power of two for FP16."""
         if self.weight.dtype != torch.float16:
-            raise ValueError(f"scaled master weights are FP16; this weight is {self.weight.dtype} (cast the model first)")
+            raise ValueError(
+                f"scaled master weights are FP16; this weight is {self.weight.dtype} (cast the model first)"
+            )
         if self.master_scale is not None:
             return
         shared = get_master_scale(self.weight)
@@ -481,9 +492,16 @@ class FP8Linear(nn.Module):
         _check_input_dtype(x)
         w8, sw = self._fp8_weight()
         return _FP8LinearFunction.apply(
-            x, self.weight, self.bias, w8, sw, self.weight_transposed, self.margin, _output_dtype(x),
+            x,
+            self.weight,
+            self.bias,
+            w8,
+            sw,
+            self.weight_transposed,
+            self.margin,
+            _output_dtype(x),
             get_grad_sink(self.weight),
-        )  # fmt: skip
+        )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""
@@ -493,9 +511,14 @@ class FP8Linear(nn.Module):
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
         key = (
-            _step_generation, weight.data_ptr(), weight._version, weight.dtype, weight.device, self.margin,
+            _step_generation,
+            weight.data_ptr(),
+            weight._version,
+            weight.dtype,
+            weight.device,
+            self.margin,
             None if scale is None else (scale.data_ptr(), scale._version),
-        )  # fmt: skip
+        )
         cached = self._weight_cache
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
@@ -555,9 +578,7 @@ def _default_skips(model: nn.Module) -> dict[int, str]:
     return skips
 
 
-def convert_to_fp8(
-    model: nn.Module, *, module_filter: ModuleFilter | None = None, margin: int = 0
-) -> nn.Module:
+def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = None, margin: int = 0) -> nn.Module:
     """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, in place; returns `model`.
 
     Args:
@@ -592,7 +613,7 @@ def convert_to_fp8(
         if reason is None and is_linear and type(module) is not nn.Linear:
             reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
         if reason is None:
-            k, n = (module.weight.shape if is_conv1d else module.weight.shape[::-1])
+            k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
             bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % GEMM_MULTIPLE]
             if bad:
                 reason = f"{', '.join(bad)} not a multiple of {GEMM_MULTIPLE} (FP8 GEMM requirement)"

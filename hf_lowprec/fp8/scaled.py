@@ -102,9 +102,7 @@ def pow2_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch
     return torch.where(usable, torch.exp2(exponent), torch.ones_like(amax))
 
 
-def quantize(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
     """payload = saturate(x·s) cast to `dtype`; inf/NaN become NaN.
 
     Args:
@@ -123,7 +121,9 @@ def quantize_counting(
     return _saturating_cast(y, dtype), _saturated(y, dtype)
 
 
-def count_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None) -> torch.Tensor:
+def count_saturated(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_size: int | None = None
+) -> torch.Tensor:
     """Number of finite elements with |x·s| > max(dtype), i.e. clipped by `quantize` (int64 tensor).
 
     Elements exactly at the maximum are not counted: they were represented, not clipped.

@@ -104,8 +104,11 @@ class PrecisionPlugin:
             from ..fsdp import configure_accelerator as configure_fsdp
 
             configure_fsdp(self.strategy, accelerator)  # before prepare runs fully_shard
-            before = {id(o): [p for g in o.param_groups for p in g["params"]]
-                      for o in objects if isinstance(o, StrategyOptimizer)}
+            before = {
+                id(o): [p for g in o.param_groups for p in g["params"]]
+                for o in objects
+                if isinstance(o, StrategyOptimizer)
+            }
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         if fsdp:
@@ -232,8 +235,9 @@ class PrecisionPlugin:
                     "layers); build the optimizer after plugin.prepare_model(model)"
                 )
             groups.append({k: group[k] for k in _GROUP_KEYS if k in group})
-        return self.strategy.create_optimizer(groups, **{k: optimizer.defaults[k] for k in
-                                                         ("lr", "betas", "eps", "weight_decay")})
+        return self.strategy.create_optimizer(
+            groups, **{k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        )
 
 
 def _rebind_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: StrategyOptimizer) -> None:

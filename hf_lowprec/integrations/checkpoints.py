@@ -59,7 +59,8 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
             return path
         logger.warning(
             "skipping incomplete checkpoint %s: %s (its save was interrupted); resuming from an earlier one",
-            path, reason,
+            path,
+            reason,
         )
     return None
 

@@ -192,16 +192,16 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
     check_zero_support(strategy, stage)
     for key, ours in owned_entries(strategy).items():
         value = _as_bool(_get(config, key))
-        if value is None or value == _AUTO or value == ours:
+        if value is None or value in (_AUTO, ours):
             continue
         raise ValueError(
             f"the DeepSpeed config sets {key}={value!r}, but precision strategy {name!r} needs "
-            f"{key}={ours!r}: the strategy owns mixed precision; set it to {json.dumps(ours)} or \"auto\""
+            f'{key}={ours!r}: the strategy owns mixed precision; set it to {json.dumps(ours)} or "auto"'
         )
     if "optimizer" in config:
         raise ValueError(
-            f"the DeepSpeed config has an \"optimizer\" section, but precision strategy {name!r} builds the "
-            "optimizer; remove the \"optimizer\" section (keep \"scheduler\" if you want DeepSpeed's)"
+            f'the DeepSpeed config has an "optimizer" section, but precision strategy {name!r} builds the '
+            'optimizer; remove the "optimizer" section (keep "scheduler" if you want DeepSpeed\'s)'
         )
     accum = _get(config, "data_types.grad_accum_dtype")
     partition = "bf16" if _partition_dtype(strategy) == torch.bfloat16 else "fp32"
@@ -344,11 +344,13 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
             for key, value in state[param].items():
                 if torch.is_tensor(value) and value.numel() > 1:
                     buffer = merged.setdefault(key, torch.zeros(part.numel(), dtype=value.dtype, device=part.device))
-                    buffer[q_start:q_start + length] = value.reshape(-1)[p_start:p_start + length]
+                    buffer[q_start : q_start + length] = value.reshape(-1)[p_start : p_start + length]
                 else:
                     merged.setdefault(key, value)
         if merged:
-            state[part] = {k: v.view(part.shape) if torch.is_tensor(v) and v.numel() > 1 else v for k, v in merged.items()}
+            state[part] = {
+                k: v.view(part.shape) if torch.is_tensor(v) and v.numel() > 1 else v for k, v in merged.items()
+            }
     # A parameter DeepSpeed partitioned has its state on the partitions now (on this rank or
     # another); state of tensors outside DeepSpeed's groups (fp8-lm-o3's FP8 weights) stays.
     groups = getattr(zero_optimizer, "bit16_groups", None) or getattr(zero_optimizer, "fp16_groups", [])
@@ -376,4 +378,3 @@ def attach_zero_optimizer(zero_optimizer: Any) -> int:
     if callable(attach):
         attach(zero_optimizer)
     return moved
-

@@ -58,13 +58,17 @@ class PrecisionArgumentsMixin:
 
     precision_strategy: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "hf_lowprec precision strategy, e.g. 'bf16-pure', 'collage-plus', 'fp8-lm-o2'. "
-                          "The strategy owns mixed precision: leave --bf16/--fp16 unset."},
+        metadata={
+            "help": "hf_lowprec precision strategy, e.g. 'bf16-pure', 'collage-plus', 'fp8-lm-o2'. "
+            "The strategy owns mixed precision: leave --bf16/--fp16 unset."
+        },
     )
     precision_options: dict | str | None = dataclasses.field(
         default=None,
-        metadata={"help": "Options of the precision strategy, a dict or a JSON string, "
-                          "e.g. '{\"lost_arithmetic_metrics\": true}'."},
+        metadata={
+            "help": "Options of the precision strategy, a dict or a JSON string, "
+            "e.g. '{\"lost_arithmetic_metrics\": true}'."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -150,10 +154,9 @@ class PrecisionCallback(TrainerCallback):
         wrapped = getattr(self.trainer, "model_wrapped", None)
         hook = self.strategy.ddp_comm_hook()
         ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
-        if hook is not None and ddp:
-            if not getattr(wrapped, "_hf_lowprec_hooked", False):
-                wrapped.register_comm_hook(*hook)
-                wrapped._hf_lowprec_hooked = True
+        if hook is not None and ddp and not getattr(wrapped, "_hf_lowprec_hooked", False):
+            wrapped.register_comm_hook(*hook)
+            wrapped._hf_lowprec_hooked = True
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             from .deepspeed import attach_zero_optimizer
 
@@ -239,8 +242,7 @@ class PrecisionTrainerMixin:
             )
         if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
             raise ValueError(
-                f"precision_strategy={self.precision.name!r} builds the optimizer; "
-                "drop optimizer_cls_and_kwargs="
+                f"precision_strategy={self.precision.name!r} builds the optimizer; drop optimizer_cls_and_kwargs="
             )
         prepared = prepare_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
         if prepared is not self.model:

@@ -39,11 +39,9 @@ from typing import Any, ClassVar
 
 import torch
 
-try:  # FSDP2 parameters; a torch built without distributed support has none
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = type("DTensor", (), {})  # matches no tensor
-
+from ..distributed import DTensor
+from ..distributed import local_shard as _local
+from ..distributed import sharded_like as _sharded_like
 from ..formats import Format, root
 from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
@@ -75,22 +73,16 @@ STATE_ROLES: dict[str, str] = {
 }
 
 
-def check_adamw_hyperparameters(
-    name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float
-) -> None:
+def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
     """Raise ValueError naming the bad value and what to pass instead."""
     if not lr >= 0.0:
         raise ValueError(f"{name}: invalid lr={lr!r}; the learning rate must be >= 0 (e.g. lr=1e-3)")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(
-            f"{name}: invalid betas={tuple(betas)!r}; pass two values in [0, 1), e.g. betas=(0.9, 0.999)"
-        )
+        raise ValueError(f"{name}: invalid betas={tuple(betas)!r}; pass two values in [0, 1), e.g. betas=(0.9, 0.999)")
     if not eps >= 0.0:
         raise ValueError(f"{name}: invalid eps={eps!r}; eps must be >= 0 (e.g. eps=1e-8)")
     if not weight_decay >= 0.0:
-        raise ValueError(
-            f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)"
-        )
+        raise ValueError(f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)")
 
 
 def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
@@ -140,7 +132,9 @@ class Composition:
         keys = (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"))
         return [state[k] for k in keys] + list(self.rule.stored(param, state))
 
-    def step(self, param: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None, *rest: Any) -> torch.Tensor:
+    def step(
+        self, param: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None, *rest: Any
+    ) -> torch.Tensor:
         """One AdamW step of one parameter, in place; returns Δθ₃₂ (see the module docstring).
 
         `rest` is the stored tensors of m, v and the rule, then the scalar vector and the seed.
@@ -158,32 +152,9 @@ class Composition:
         return delta
 
 
-# --- FSDP2: DTensor parameters step on their local shards --------------------------------
-# Under `fully_shard` a parameter and its gradient are DTensors sharded on dim 0. The update is
-# element-wise, so each rank steps its own shard with the same code as one process. Every state
-# tensor shaped like the parameter is made from the local shard (the same dtype as in one
-# process) and kept as a DTensor with the parameter's placements, so that
-# torch.distributed.checkpoint saves and reshards it like the parameter; scalars (step counts,
-# per-tensor scales) stay plain. The step works on local views (same storage).
-
-
-def _local(tensor: Any) -> Any:
-    """A DTensor's local shard (same storage: in-place updates reach the DTensor); else as is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _sharded_like(value: Any, param: torch.Tensor) -> Any:
-    """`value` (shaped like the local shard of the DTensor `param`) as a DTensor sharded like it."""
-    if not isinstance(param, DTensor) or not torch.is_tensor(value) or isinstance(value, DTensor):
-        return value
-    if value.shape != param.to_local().shape:
-        return value
-    return DTensor.from_local(
-        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
-# --- end FSDP2 ----------------------------------------------------------------------------
+# FSDP2: a DTensor parameter steps on its local shard with the same code as one process (the
+# update is element-wise); its parameter-shaped states are DTensors sharded like it, so that
+# torch.distributed.checkpoint saves and reshards them like the parameter (`distributed`).
 
 
 class AdamW(LowPrecisionOptimizer):
@@ -210,8 +181,7 @@ class AdamW(LowPrecisionOptimizer):
     #: Group options beyond the AdamW hyper-parameters.
     extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
-        "cast the model with model.to(torch.bfloat16), or use PlainAdamW / torch.optim.AdamW "
-        "for FP32 parameters"
+        "cast the model with model.to(torch.bfloat16), or use PlainAdamW / torch.optim.AdamW for FP32 parameters"
     )
     state_roles: ClassVar[dict[str, str]] = STATE_ROLES
 
@@ -303,11 +273,13 @@ class AdamW(LowPrecisionOptimizer):
                 if self.composition(param, group).rule.needs_seed and param.device.type != "meta":
                     self._generator(_local(param).device)
 
-    def _complete_state(self, param: torch.Tensor, local: torch.Tensor, state: dict[str, Any], composition: Composition) -> None:
+    def _complete_state(
+        self, param: torch.Tensor, local: torch.Tensor, state: dict[str, Any], composition: Composition
+    ) -> None:
         """Create the keys a composition needs that the state lacks: a group switched from
         Collage-light to plus starts δv at zero; an FP16 v saved before it had a scale gets
         s = 1, which reads the unscaled values correctly."""
-        missing = [k for k in composition.keys() if k not in state]
+        missing = [k for k in composition.keys() if k not in state]  # noqa: SIM118 (a method, not a dict)
         if missing:
             zeros = composition.zeros(local)
             for key in missing:
@@ -316,7 +288,7 @@ class AdamW(LowPrecisionOptimizer):
 
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
         """The value this optimizer holds for `param` (θ + δθ, the master), FP64."""
-        state = self.state[param] if param in self.state else {}
+        state = self.state.get(param, {})
         rule = self.composition(param, self._options_of(param)).rule
         if not isinstance(param, DTensor):
             return rule.held_value(param, state)
@@ -399,8 +371,14 @@ class AdamW(LowPrecisionOptimizer):
         self._after_step()
         return loss
 
-    def _step_bucket(self, group_index: int, group: dict[str, Any], composition: Composition,
-                     device: torch.device, items: list[tuple]) -> None:  # fmt: skip
+    def _step_bucket(
+        self,
+        group_index: int,
+        group: dict[str, Any],
+        composition: Composition,
+        device: torch.device,
+        items: list[tuple],
+    ) -> None:
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
         scalars: dict[int, torch.Tensor] = {}
@@ -419,9 +397,14 @@ class AdamW(LowPrecisionOptimizer):
         track = self.track_updates
         befores = [_local(self.held_value(item[0])) for item in items] if track else None
         updates = run_bucket(
-            composition, _step_function(composition), composition.block, rows, self.fused,
-            want_updates=track, counter=self.paths_taken,
-        )  # fmt: skip
+            composition,
+            _step_function(composition),
+            composition.block,
+            rows,
+            self.fused,
+            want_updates=track,
+            counter=self.paths_taken,
+        )
         # Counted once the bucket has stepped: a path that refuses to run leaves the state as it was.
         for item in items:
             item[3]["step"] += 1

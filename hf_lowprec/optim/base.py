@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+
 try:  # FSDP2 parameters; a torch built without distributed support has none
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
@@ -24,7 +25,7 @@ class TrackedUpdate:
         update: the update the optimizer intended to add (Δθ), at least FP32.
     """
 
-    __slots__ = ("group", "param", "before", "after", "update")
+    __slots__ = ("after", "before", "group", "param", "update")
 
     def __init__(
         self, group: int, param: torch.Tensor, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor

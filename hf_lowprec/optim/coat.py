@@ -62,9 +62,16 @@ class COATAdamW(AdamW):
         fused: FusedMode = "auto",
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, fused=fused,
-            group_size=group_size, exp_avg_sq_format=exp_avg_sq_format, expand=expand,
-        )  # fmt: skip
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            fused=fused,
+            group_size=group_size,
+            exp_avg_sq_format=exp_avg_sq_format,
+            expand=expand,
+        )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)

@@ -220,7 +220,7 @@ def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: coll
     return True
 
 
-def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:  # noqa: ANN001
+def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
     def discard(*args: torch.Tensor | None) -> None:
         function(*args)
 
@@ -241,7 +241,9 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:  #
                     # compile problem, and the rows before it have already stepped.
                     raise
                 _broken.add((key, device.type))
-                _log_once(logging.WARNING, f"compiling {key} failed ({type(error).__name__}: {error}); using the reference")
+                _log_once(
+                    logging.WARNING, f"compiling {key} failed ({type(error).__name__}: {error}); using the reference"
+                )
                 return False
             _unstage(write_back)
             if counter is not None:

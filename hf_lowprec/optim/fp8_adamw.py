@@ -89,8 +89,9 @@ def fp8_adamw_param_step(
     state["step"] += 1
     h = torch.tensor(
         adamw_scalars(state["step"], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
-        dtype=torch.float32, device=param.device,
-    )  # fmt: skip
+        dtype=torch.float32,
+        device=param.device,
+    )
     stored = composition.stored(param, state)
     flat = [param.detach().view(-1), grad.detach().reshape(-1), None]
     flat += [t.view(-1) if t.dim() else t for t in stored]
@@ -137,9 +138,16 @@ class FP8AdamW(AdamW):
     ) -> None:
         self._pending_grads: set[int] = set()
         super().__init__(
-            params, lr, betas, eps, weight_decay, fused=fused,
-            exp_avg_format=exp_avg_format, exp_avg_sq_format=exp_avg_sq_format, margin=margin,
-        )  # fmt: skip
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            fused=fused,
+            exp_avg_format=exp_avg_format,
+            exp_avg_sq_format=exp_avg_sq_format,
+            margin=margin,
+        )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)

@@ -123,9 +123,12 @@ class FP8ZeroAdamW(FP8AdamW):
         parameter of the groups gets FP8AdamW's."""
         if group is not None or not any(param is p for p in self.fp8_params):
             return super().plan_state(param, group)
-        return {"exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"), "exp_avg_scale": torch.ones((), device="meta"),
-                "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
-                "exp_avg_sq_scale": torch.ones((), device="meta")}
+        return {
+            "exp_avg": torch.empty_like(param, dtype=E4M3, device="meta"),
+            "exp_avg_scale": torch.ones((), device="meta"),
+            "exp_avg_sq": torch.empty_like(param, dtype=self._v_dtype, device="meta"),
+            "exp_avg_sq_scale": torch.ones((), device="meta"),
+        }
 
     # --- DeepSpeed ----------------------------------------------------------------------
     def attach_zero(self, zero_optimizer: Any) -> None:
@@ -210,8 +213,9 @@ class FP8ZeroAdamW(FP8AdamW):
             numels = [g.numel() for g in grads]
             flat = torch.cat([g.float().reshape(-1) for g in grads])
             del grads
-            result = fp8_allreduce(flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin,
-                                   group=self.process_group)  # fmt: skip
+            result = fp8_allreduce(
+                flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin, group=self.process_group
+            )
             scaler.record(result.stats.overflow, result.stats.numel)
             payloads = result.payload.split(numels)
             for i in self.owned:
@@ -278,15 +282,25 @@ class FP8ZeroAdamW(FP8AdamW):
                 if "grad" not in state or id(p) not in self._pending_grads:
                     continue
                 if "exp_avg" not in state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p, dtype=E4M3),
-                                 exp_avg_scale=torch.ones((), device=p.device),
-                                 exp_avg_sq=torch.zeros_like(p, dtype=self._v_dtype),
-                                 exp_avg_sq_scale=torch.ones((), device=p.device))  # fmt: skip
+                    state.update(
+                        step=0,
+                        exp_avg=torch.zeros_like(p, dtype=E4M3),
+                        exp_avg_scale=torch.ones((), device=p.device),
+                        exp_avg_sq=torch.zeros_like(p, dtype=self._v_dtype),
+                        exp_avg_sq_scale=torch.ones((), device=p.device),
+                    )
                 beta1, beta2 = group["betas"]
                 fp8_adamw_param_step(
-                    p, dequantize(state["grad"], state["grad_scale"]), state, lr=group["lr"], beta1=beta1,
-                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], margin=self._margin,
-                )  # fmt: skip
+                    p,
+                    dequantize(state["grad"], state["grad_scale"]),
+                    state,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    margin=self._margin,
+                )
             self._pending_grads.difference_update(id(self.fp8_params[i]) for i in self.owned)
             if self.world > 1 and self.fp8_params:
                 self.all_gather_fp8_weights()
@@ -360,10 +374,12 @@ class FP8ZeroAdamW(FP8AdamW):
                 self.state[self.fp8_params[i]] = s
         state["fp8_zero"] = {
             "owners": list(self.owners),
-            "masters": {i: (self.fp8_params[i].detach().clone(), get_master_scale(self.fp8_params[i]).clone())
-                        for i in self.owned},
+            "masters": {
+                i: (self.fp8_params[i].detach().clone(), get_master_scale(self.fp8_params[i]).clone())
+                for i in self.owned
+            },
             "states": owned,
-        }  # fmt: skip
+        }
         return state
 
     @torch.no_grad()

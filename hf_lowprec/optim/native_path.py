@@ -24,11 +24,11 @@ F32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 _E4M3 = torch.float8_e4m3fn
 
 
-def _plain_moments(composition, m: torch.Tensor, v: torch.Tensor) -> bool:  # noqa: ANN001
+def _plain_moments(composition, m: torch.Tensor, v: torch.Tensor) -> bool:
     return isinstance(composition.m, Plain) and isinstance(composition.v, Plain) and m.dtype == v.dtype
 
 
-def unsupported(composition, sample) -> str | None:  # noqa: ANN001
+def unsupported(composition, sample) -> str | None:
     """Why the native kernels cannot run `composition` on a row like `sample` (a `ParamStep`), or None."""
     reason = native.native_unavailable()
     if reason is not None:
@@ -45,7 +45,11 @@ def unsupported(composition, sample) -> str | None:  # noqa: ANN001
     if isinstance(m_format, GroupFP8) and isinstance(v_format, GroupFP8) and isinstance(rule, (Grow, Nearest)):
         if m_format.group_size != v_format.group_size or m_format.expand != v_format.expand:
             return "m and v with different group layouts"
-        return None if m_format.group_size % 16 == 0 and m_format.group_size <= 1024 else "group size not a multiple of 16 up to 1024"
+        return (
+            None
+            if m_format.group_size % 16 == 0 and m_format.group_size <= 1024
+            else "group size not a multiple of 16 up to 1024"
+        )
     if isinstance(m_format, Scaled) and isinstance(v_format, Scaled) and isinstance(rule, (ScaledMaster, Nearest)):
         if (m.dtype, v.dtype) not in ((_E4M3, FP16), (F32, F32)):
             return f"FP8AdamW's kernel stores (E4M3, FP16) or (FP32, FP32) moments, got ({m.dtype}, {v.dtype})"
@@ -54,12 +58,18 @@ def unsupported(composition, sample) -> str | None:  # noqa: ANN001
         return None
     plus = isinstance(v_format, Pair) and isinstance(v_format.base, Plain)
     if isinstance(rule, Grow) and isinstance(m_format, Plain) and (isinstance(v_format, Plain) or plus):
-        usable = m.dtype == v.dtype and (param.dtype == BF16 and m.dtype in (BF16, F32) or param.dtype == m.dtype == F32)
+        usable = m.dtype == v.dtype and (
+            (param.dtype == BF16 and m.dtype in (BF16, F32)) or param.dtype == m.dtype == F32
+        )
         return None if usable else f"Collage's kernel: {param.dtype} θ with {m.dtype} moments"
     if not _plain_moments(composition, m, v):
         return f"no native kernel for {type(m_format).__name__} m / {type(v_format).__name__} v"
     if isinstance(rule, Nearest):
-        return None if m.dtype == F32 or (m.dtype == BF16 and param.dtype == BF16) else f"{m.dtype} moments, {param.dtype} θ"
+        return (
+            None
+            if m.dtype == F32 or (m.dtype == BF16 and param.dtype == BF16)
+            else f"{m.dtype} moments, {param.dtype} θ"
+        )
     if isinstance(rule, Kahan):
         return None if param.dtype == BF16 or (param.dtype == FP16 and m.dtype == F32) else f"Kahan: {param.dtype} θ"
     if isinstance(rule, StochasticRounding):
@@ -69,7 +79,7 @@ def unsupported(composition, sample) -> str | None:  # noqa: ANN001
     return f"no native kernel for the {type(rule).__name__} rule"
 
 
-def native_call(composition, rows: Sequence) -> Callable[[], None]:  # noqa: ANN001
+def native_call(composition, rows: Sequence) -> Callable[[], None]:
     """The native call that steps every row of a bucket (rows already checked by `unsupported`)."""
     params = [r.tensors[0] for r in rows]
     grads = [r.tensors[1] for r in rows]
@@ -84,14 +94,23 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:  # noqa: ANN
         errors = [s[-1] for s in stored] if isinstance(rule, Grow) else None
         m_fields = [tuple(s[:split]) for s in stored]
         v_fields = [tuple(s[split : 2 * split]) for s in stored]
-        return lambda: native.coat_step(params, errors, grads, m_fields, v_fields, scalars,
-                                        group_size=groups, expand=m_format.expand)  # fmt: skip
+        return lambda: native.coat_step(
+            params, errors, grads, m_fields, v_fields, scalars, group_size=groups, expand=m_format.expand
+        )
     if isinstance(m_format, Scaled):
         masters = [s[-1] if isinstance(rule, ScaledMaster) else None for s in stored]
         return lambda: native.fp8_adamw_step(
-            params, masters, grads, [r.tensors[2] for r in rows], m, [s[1] for s in stored], v,
-            [s[split + 1] for s in stored], scalars, margin=m_format.margin,
-        )  # fmt: skip
+            params,
+            masters,
+            grads,
+            [r.tensors[2] for r in rows],
+            m,
+            [s[1] for s in stored],
+            v,
+            [s[split + 1] for s in stored],
+            scalars,
+            margin=m_format.margin,
+        )
     if isinstance(rule, Grow):
         plus = isinstance(composition.v, Pair)
         errors = [s[split + 1] for s in stored] if plus else None

@@ -112,7 +112,7 @@ class Rule:
     def read(self, param: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
         return param.float()
 
-    def apply_(self, delta, theta, param, *stored, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, *stored, seed=None) -> None:
         raise NotImplementedError
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
@@ -127,7 +127,7 @@ class Rule:
 class Nearest(Rule):
     """θ ← r(θ + Δθ): the sum formed in FP32 and rounded once (exact FP32 AdamW for FP32 θ)."""
 
-    def apply_(self, delta, theta, param, *stored, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, *stored, seed=None) -> None:
         param.copy_(theta + delta)
 
 
@@ -147,7 +147,7 @@ class Kahan(Rule):
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.zeros_like(param, memory_format=torch.preserve_format),)
 
-    def apply_(self, delta, theta, param, compensation, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, compensation, seed=None) -> None:
         dtype = param.dtype
         y = round_to(compensation.float() + delta, dtype)
         new_theta, new_compensation = two_sum(theta, y, dtype)
@@ -170,7 +170,7 @@ class Grow(Rule):
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.zeros_like(param, memory_format=torch.preserve_format),)
 
-    def apply_(self, delta, theta, param, param_error, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, param_error, seed=None) -> None:
         dtype = param.dtype
         s, e = two_sum(theta, round_to(delta, dtype), dtype)
         new_theta, new_error = fast_two_sum(s, round_to(param_error.float() + e, dtype), dtype)
@@ -192,7 +192,7 @@ class StochasticRounding(Rule):
 
     needs_seed = True
 
-    def apply_(self, delta, theta, param, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, seed=None) -> None:
         dtype = param.dtype
         target = delta + theta
         bits = uniform_bits(target.shape, seed, target.device)
@@ -228,7 +228,7 @@ class Master(Rule):
     def read(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         return master
 
-    def apply_(self, delta, theta, param, master, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, master, seed=None) -> None:
         new = theta + delta
         master.copy_(new)
         param.copy_(new)
@@ -255,7 +255,7 @@ class ScaledMaster(Rule):
     def read(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return param.float() * (1.0 / scale)
 
-    def apply_(self, delta, theta, param, scale, seed=None) -> None:  # noqa: ANN001
+    def apply_(self, delta, theta, param, scale, seed=None) -> None:
         Scaled(param.dtype, self.margin).encode_(theta + delta, param, scale)
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:

@@ -23,8 +23,8 @@ import contextlib
 import dataclasses
 import logging
 import typing
-from collections.abc import Iterable
-from typing import Any, Callable, ClassVar, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -139,8 +139,7 @@ class PrecisionStrategy:
         unknown = sorted(set(options) - valid)
         if unknown:
             raise ValueError(
-                f"precision strategy {self.name!r} has no option(s) {unknown}; "
-                f"valid options: {sorted(valid) or 'none'}"
+                f"precision strategy {self.name!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
             )
         self.options = self.Options(**options)
         self.skipped_steps = 0
@@ -297,7 +296,9 @@ class PrecisionStrategy:
         return describe(self, model, optimizer, **context)
 
     # --- state and metrics -------------------------------------------------------------
-    def full_precision_state_dict(self, model: torch.nn.Module, optimizer: Any | None = None) -> dict[str, torch.Tensor]:
+    def full_precision_state_dict(
+        self, model: torch.nn.Module, optimizer: Any | None = None
+    ) -> dict[str, torch.Tensor]:
         """FP32 weights keyed like `model.state_dict()`, each parameter as the optimizer holds it.
 
         A parameter the optimizer updates is its `full_precision_value`: θ + δθ summed in FP64

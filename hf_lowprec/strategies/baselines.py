@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .registry import register
 from .base import PrecisionStrategy
+from .registry import register
 
 __all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast", "device_autocast"]
 
@@ -42,7 +42,9 @@ class FP32(PrecisionStrategy):
         return MixedPrecisionPolicy()
 
 
-@register("bf16-mixed", summary="option D: BF16 autocast, FP32 weights (masters) and AdamW states — what `bf16=True` does")
+@register(
+    "bf16-mixed", summary="option D: BF16 autocast, FP32 weights (masters) and AdamW states — what `bf16=True` does"
+)
 class BF16Mixed(PrecisionStrategy):
     """Option D: BF16 autocast compute over FP32 parameters, FP32 gradients and AdamW states.
 

@@ -28,9 +28,9 @@ import torch
 from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
-from .registry import register
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
+from .registry import register
 
 __all__ = ["COAT", "COATOptions"]
 
@@ -119,9 +119,13 @@ class COAT(PrecisionStrategy):
         if self.options.states:
             o = self.options
             return COATAdamW(
-                param_groups, **hyper, group_size=o.group_size, exp_avg_sq_format=o.exp_avg_sq_format,
-                expand=o.expand, fused=o.fused,
-            )  # fmt: skip
+                param_groups,
+                **hyper,
+                group_size=o.group_size,
+                exp_avg_sq_format=o.exp_avg_sq_format,
+                expand=o.expand,
+                fused=o.fused,
+            )
         if self.bf16_master:
             return CollageAdamW(param_groups, **hyper, variant="light", fused=self.options.fused)
         return PlainAdamW(param_groups, **hyper, fused=self.options.fused)

@@ -23,9 +23,9 @@ import torch
 
 from ..numerics import split
 from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
-from .registry import register
 from .base import StrategyOptions
 from .baselines import BF16Pure
+from .registry import register
 
 __all__ = ["BF16Update", "BF16UpdateOptions"]
 
@@ -72,16 +72,26 @@ class BF16UpdateOptions(StrategyOptions):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-@register("bf16-fp32states", update="fp32-states",
-          summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights")
+@register(
+    "bf16-fp32states", update="fp32-states", summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights"
+)
 @register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
 @register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
-@register("collage-8bit", update="collage-8bit",
-          summary="Collage-light weights (BF16 θ + δθ) with blockwise 8-bit AdamW states: 8 bytes/param")
-@register("collage-plus", update="collage-plus",
-          summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it")
-@register("collage-light", update="collage-light",
-          summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow")
+@register(
+    "collage-8bit",
+    update="collage-8bit",
+    summary="Collage-light weights (BF16 θ + δθ) with blockwise 8-bit AdamW states: 8 bytes/param",
+)
+@register(
+    "collage-plus",
+    update="collage-plus",
+    summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it",
+)
+@register(
+    "collage-light",
+    update="collage-light",
+    summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow",
+)
 class BF16Update(BF16Pure):
     """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic."""
 
@@ -115,9 +125,7 @@ class BF16Update(BF16Pure):
                     residuals[id(param)] = (param, split(param, self.param_dtype)[1])
         model = super().prepare_model(model)
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
-        self._residuals.update(
-            {key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype}
-        )
+        self._residuals.update({key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype})
         return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:

@@ -17,10 +17,10 @@ import torch
 
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
-from .registry import register
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
 from .base import StrategyOptions
 from .loss_scaling import LossScaledStrategy
+from .registry import register
 
 __all__ = ["FP16ALS", "FP16ALSOptions"]
 
@@ -72,9 +72,14 @@ class FP16ALS(LossScaledStrategy):
         super().__init__(name, **options)
         o = self.options
         self.scaler = AutomaticLossScaler(
-            bin_edge=o.bin_edge, threshold=o.threshold, period=o.period, init_scale=o.init_scale,
-            max_scale=o.max_scale, min_scale=o.min_scale, track_activations=o.track_activations,
-        )  # fmt: skip
+            bin_edge=o.bin_edge,
+            threshold=o.threshold,
+            period=o.period,
+            init_scale=o.init_scale,
+            max_scale=o.max_scale,
+            min_scale=o.min_scale,
+            track_activations=o.track_activations,
+        )
         self.accumulator = RunningMeanGradients() if o.running_mean else None
         self._loss_divisor = 1
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .registry import register
 from .base import StrategyOptions
 from .baselines import device_autocast
 from .loss_scaling import LossScaledStrategy
+from .registry import register
 
 __all__ = ["FP16Mixed", "FP16MixedOptions"]
 

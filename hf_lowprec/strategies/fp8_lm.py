@@ -22,14 +22,14 @@ from typing import Any, Literal
 import torch
 
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
-from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
 from ..fp8.cast import unscale_into
+from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..numerics import all_finite
 from ..optim import FP8AdamW, PlainAdamW
-from .registry import register
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
+from .registry import register
 
 __all__ = ["FP8LM", "FP8LMOptions"]
 
@@ -79,8 +79,16 @@ class FP8LMOptions(StrategyOptions):
             raise ValueError("exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states")
 
 
-@register("fp8-lm-o2", level="O2", summary="O1 + FP8 optimizer on FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 masters, FP8 gradients from backward on); FP32 masters and states elsewhere (6 bytes/param on FP8 GEMM weights, 16 elsewhere)")
-@register("fp8-lm-o1", level="O1", summary="FP8-LM O1: FP8 GEMMs (E4M3 forward, E5M2 output gradients), FP8 gradients with automatic scaling μ, FP8 all-reduce (DDP hook), FP32 AdamW")
+@register(
+    "fp8-lm-o2",
+    level="O2",
+    summary="O1 + FP8 optimizer on FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 masters, FP8 gradients from backward on); FP32 masters and states elsewhere (6 bytes/param on FP8 GEMM weights, 16 elsewhere)",
+)
+@register(
+    "fp8-lm-o1",
+    level="O1",
+    summary="FP8-LM O1: FP8 GEMMs (E4M3 forward, E5M2 output gradients), FP8 gradients with automatic scaling μ, FP8 all-reduce (DDP hook), FP32 AdamW",
+)
 class FP8LM(PrecisionStrategy):
     """FP8 linear layers, FP8 gradients with automatic scaling μ, FP8 all-reduce; O2 adds FP8AdamW."""
 
@@ -174,9 +182,12 @@ class FP8LM(PrecisionStrategy):
             if other:
                 groups.append({**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"})
         optimizer = FP8AdamW(
-            groups, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
+            groups,
+            **hyper,
+            exp_avg_sq_format=self.options.exp_avg_sq_format,
+            margin=self.options.margin,
             fused=self.options.fused,
-        )  # fmt: skip
+        )
         self.backward_grads.owner = optimizer
         return optimizer
 
@@ -218,7 +229,9 @@ class FP8LM(PrecisionStrategy):
                 continue
             scale = comm_scales.pop(id(p), None)
             if scale is None:
-                payload, scale, saturated = quantize_gradient(p.grad, self.scaler.mu, self.grad_dtype, self.options.margin)
+                payload, scale, saturated = quantize_gradient(
+                    p.grad, self.scaler.mu, self.grad_dtype, self.options.margin
+                )
                 self.scaler.record(saturated, p.numel())
             else:
                 payload, scale = requantize_gradient(p.grad, scale, self.grad_dtype, self.options.margin)

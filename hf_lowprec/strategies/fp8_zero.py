@@ -20,8 +20,8 @@ from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
 from ..numerics import all_finite
 from ..optim import FP8ZeroAdamW
-from .registry import register
 from .fp8_lm import FP8LM
+from .registry import register
 
 __all__ = ["FP8LMO3"]
 
@@ -51,13 +51,25 @@ class FP8LMO3(FP8LM):
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         # The groups (what DeepSpeed partitions) keep the parameters that are not FP8 GEMM
         # weights, with FP32 states as in O2; the FP8 weights go to the FP8 ZeRO part.
-        groups = [{**g, "params": [p for p in g["params"] if get_master_scale(p) is None],
-                   "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"} for g in param_groups]  # fmt: skip
+        groups = [
+            {
+                **g,
+                "params": [p for p in g["params"] if get_master_scale(p) is None],
+                "exp_avg_format": "fp32",
+                "exp_avg_sq_format": "fp32",
+            }
+            for g in param_groups
+        ]
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
         return FP8ZeroAdamW(
-            groups, fp8, **hyper, exp_avg_sq_format=self.options.exp_avg_sq_format, margin=self.options.margin,
-            fused=self.options.fused, process_group=self.process_group,
-        )  # fmt: skip
+            groups,
+            fp8,
+            **hyper,
+            exp_avg_sq_format=self.options.exp_avg_sq_format,
+            margin=self.options.margin,
+            fused=self.options.fused,
+            process_group=self.process_group,
+        )
 
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         # Across ranks, the FP8 weights another rank owns are held as their E4M3 payload.

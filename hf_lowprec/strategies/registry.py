@@ -6,7 +6,8 @@ without an import cycle; the lookups live one layer up, after the built-ins are 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["REGISTRY", "SUMMARIES", "register"]
 

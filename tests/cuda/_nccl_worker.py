@@ -20,7 +20,7 @@ from hf_lowprec.fp8 import FP8CommState, GradientAutoScaler, fp8_allreduce_hook
 def main() -> None:
     out_dir = sys.argv[1]
     dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.manual_seed(0)

@@ -40,7 +40,9 @@ def make(shape, fmt, device, seed, column_major):
     return payload, scale
 
 
-@pytest.mark.parametrize("fmts", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3xe4m3", "e5m2xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize(
+    "fmts", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3xe4m3", "e5m2xe4m3", "e4m3xe5m2"]
+)
 @pytest.mark.parametrize("layout", ["rr", "cr", "rc", "cc"])  # (a, b): row- or column-major storage
 @pytest.mark.parametrize("mkn", [(64, 128, 32), (24, 200, 40)], ids=["aligned", "padded"])
 def test_fp8_gemm_against_fp64_of_the_same_operands(device, fmts, layout, mkn):

@@ -12,7 +12,11 @@ import torch
 WORKER = Path(__file__).with_name("_nccl_worker.py")
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
-pytestmark = [pytest.mark.cuda, pytest.mark.multiproc, pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices"),
+]
 
 
 def free_port() -> int:
@@ -25,8 +29,13 @@ def test_fp8_allreduce_hook_over_nccl_matches_the_fp64_mean(tmp_path):
     world = 2
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=dict(env, RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path)],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]

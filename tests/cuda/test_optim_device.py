@@ -14,7 +14,7 @@ elements by about lr = 1e-2, hundreds of ulps at these magnitudes.
 import pytest
 import torch
 
-from hf_lowprec.optim import CollageAdamW, FP32StatesAdamW, FP8AdamW, KahanAdamW, PlainAdamW, StochasticRoundingAdamW
+from hf_lowprec.optim import CollageAdamW, FP8AdamW, FP32StatesAdamW, KahanAdamW, PlainAdamW, StochasticRoundingAdamW
 from tests.cuda.conftest import requires_cuda
 
 LR, STEPS = 1e-2, 3

@@ -49,7 +49,9 @@ def test_resume_continues_bit_for_bit(device, name):
     strategy, model, optimizer = setup(name, device)
     train_steps(strategy, model, optimizer, data[:3])
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict()}, buffer)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict()}, buffer
+    )
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True, map_location=device)
     strategy2, model2, optimizer2 = setup(name, device, seed=123)

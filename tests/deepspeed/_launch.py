@@ -53,10 +53,16 @@ def launch(script: Path, out: Path, args: list[str], world_size: int = 2, timeou
     procs = []
     for rank in range(world_size):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), "--out", str(out), *args],
-            cwd=ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), "--out", str(out), *args],
+                cwd=ROOT,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = []
     for proc in procs:
         try:

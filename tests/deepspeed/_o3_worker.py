@@ -55,18 +55,22 @@ def build(clip: float = 0.0):
     ]
     optimizer = strategy.create_optimizer(groups, lr=LR)
     config = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2}, "steps_per_print": 10**9, "gradient_clipping": clip,
-    }  # fmt: skip
-    engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                  config=precision_config(strategy, config))
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+        "gradient_clipping": clip,
+    }
+    engine, zero_opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=precision_config(strategy, config)
+    )
     attach_zero_optimizer(zero_opt)
     return strategy, engine, zero_opt, optimizer.optimizer
 
 
 def local(ids: torch.Tensor) -> torch.Tensor:
     rank = dist.get_rank()
-    return ids[rank * MICRO:(rank + 1) * MICRO].to(DEVICE)
+    return ids[rank * MICRO : (rank + 1) * MICRO].to(DEVICE)
 
 
 def step(strategy, engine, ids) -> float:
@@ -86,7 +90,7 @@ def forward_digest(inner) -> str:
 
 
 def run_train(out: Path, data) -> dict:
-    strategy, engine, zero_opt, inner = build()
+    strategy, engine, _zero_opt, inner = build()
     rank = dist.get_rank()
     others = [i for i, o in enumerate(inner.owners) if o != rank]
     result = {
@@ -95,8 +99,9 @@ def run_train(out: Path, data) -> dict:
         "non_owned_bytes_fp16_storage": sum(inner.fp8_params[i].numel() * 2 for i in others),
         "non_owned_bytes": sum(inner.fp8_params[i].numel() * inner.fp8_params[i].element_size() for i in others),
         "non_owned_dtypes": sorted({str(inner.fp8_params[i].dtype) for i in others}),
-        "losses": [], "digests": [],
-    }  # fmt: skip
+        "losses": [],
+        "digests": [],
+    }
     for ids in data:
         result["losses"].append(step(strategy, engine, ids))
         result["digests"].append(forward_digest(inner))
@@ -104,14 +109,19 @@ def run_train(out: Path, data) -> dict:
         inner.fp8_params[i].numel() * inner.fp8_params[i].element_size() for i in others
     )
     result["fp8_steps"] = sorted({inner.state[inner.fp8_params[i]]["step"] for i in inner.owned})
-    result["group_steps"] = sorted({s["step"] for p, s in inner.state.items()
-                                    if all(p is not q for q in inner.fp8_params)})  # fmt: skip
+    result["group_steps"] = sorted(
+        {s["step"] for p, s in inner.state.items() if all(p is not q for q in inner.fp8_params)}
+    )
 
     # Export: every rank takes part in the gather; rank 0 writes.
     model = engine.module
     names = {id(p): n for n, p in model.named_parameters()}
-    masters = {names[id(inner.fp8_params[i])]: dequantize(inner.fp8_params[i].detach(),
-               get_master_scale(inner.fp8_params[i]), torch.float32).cpu() for i in inner.owned}  # fmt: skip
+    masters = {
+        names[id(inner.fp8_params[i])]: dequantize(
+            inner.fp8_params[i].detach(), get_master_scale(inner.fp8_params[i]), torch.float32
+        ).cpu()
+        for i in inner.owned
+    }
     exported = strategy.exported_state_dict(model, inner, None)
     full = strategy.full_precision_state_dict(model, inner)
     # What the export held before it gathered: rank 0's module, i.e. the FP8 values of the
@@ -129,15 +139,19 @@ def run_train(out: Path, data) -> dict:
     saved = GPT2LMHeadModel.from_pretrained(str(save)).state_dict()
     result["export_equal_owned"] = {n: bool(torch.equal(saved[n], m)) for n, m in masters.items()}
     result["full_equal_owned"] = {n: bool(torch.equal(full[n].cpu(), m)) for n, m in masters.items()}
-    trained = {n: p.detach().float().cpu() for n, p in model.named_parameters() if id(p) not in
-               {id(q) for q in inner.fp8_params}}  # fmt: skip
+    trained = {
+        n: p.detach().float().cpu()
+        for n, p in model.named_parameters()
+        if id(p) not in {id(q) for q in inner.fp8_params}
+    }
     result["export_equal_other"] = all(torch.equal(saved[n], v) for n, v in trained.items())
     result["export_fp8_names"] = sorted(names[id(p)] for p in inner.fp8_params)
     result["fp8_export_max_rel_error"] = max(
         (float((fp8_values[n] - m).abs().max() / m.abs().max()) for n, m in masters.items()), default=0.0
     )
-    result["fp8_export_max_abs_error"] = max((float((fp8_values[n] - m).abs().max()) for n, m in masters.items()),
-                                             default=0.0)
+    result["fp8_export_max_abs_error"] = max(
+        (float((fp8_values[n] - m).abs().max()) for n, m in masters.items()), default=0.0
+    )
     engine.destroy()
     return result
 
@@ -153,8 +167,12 @@ def client_grads(inner, record: list) -> None:
         if key in seen:
             return
         seen.add(key)
-        dense = [p.grad.detach().double().reshape(-1).clone() for g in opt.param_groups for p in g["params"]
-                 if p.grad is not None]  # fmt: skip
+        dense = [
+            p.grad.detach().double().reshape(-1).clone()
+            for g in opt.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
         fp8 = {}
         for i in opt.owned:
             pending = opt.fp8_grad(opt.fp8_params[i])
@@ -168,14 +186,18 @@ def client_grads(inner, record: list) -> None:
 def run_clip(data, clip: float) -> dict:
     out = {}
     for name, value in (("free", 0.0), ("clipped", clip)):
-        strategy, engine, zero_opt, inner = build(value)
+        strategy, engine, _zero_opt, inner = build(value)
         record: list = []
         client_grads(inner, record)
         step(strategy, engine, data[0])
         dense = torch.cat([g for dense, _ in record for g in dense])
         fp8 = {i: g for _, calls in record for i, g in calls.items()}
-        out[name] = {"dense": dense.tolist(), "fp8": {i: g.tolist() for i, g in fp8.items()}, "calls": len(record),
-                     "engine_norm": float(engine.get_global_grad_norm())}
+        out[name] = {
+            "dense": dense.tolist(),
+            "fp8": {i: g.tolist() for i, g in fp8.items()},
+            "calls": len(record),
+            "engine_norm": float(engine.get_global_grad_norm()),
+        }
         engine.destroy()
     return out
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 import traceback
@@ -28,9 +27,9 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
+from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
@@ -65,7 +64,7 @@ def build(name: str, stage: int):
 
 def local(ids: torch.Tensor) -> torch.Tensor:
     rank = dist.get_rank()
-    return ids[rank * MICRO:(rank + 1) * MICRO]
+    return ids[rank * MICRO : (rank + 1) * MICRO]
 
 
 def train(strategy, engine, data, digests: list | None = None) -> list[float]:
@@ -108,8 +107,12 @@ def state_dtypes(optimizer) -> dict[str, list[str]]:
 
 def state_l1(optimizer) -> float:
     """Σ|x| over the optimizer's state tensors (FP64): seeded state before the first step."""
-    return sum(float(v.double().abs().sum()) for st in optimizer.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.numel() > 1)
+    return sum(
+        float(v.double().abs().sum())
+        for st in optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.numel() > 1
+    )
 
 
 def forward_digest(module) -> str:
@@ -160,9 +163,8 @@ def reference(name: str, data) -> dict:
         "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
-        "model_state_bytes": nbytes(params) * 2 + nbytes(
-            v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1
-        ),
+        "model_state_bytes": nbytes(params) * 2
+        + nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1),
     }
 
 
@@ -193,8 +195,11 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     initial = torch.tensor(state_l1(inner), dtype=torch.float64)
     dist.all_reduce(initial)  # each element of the partitions lives on exactly one rank
     grad_bytes = []  # the gradient partitions the client optimizer steps on
-    inner.register_step_pre_hook(lambda opt, *_: grad_bytes.append(
-        nbytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)))
+    inner.register_step_pre_hook(
+        lambda opt, *_: grad_bytes.append(
+            nbytes(p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        )
+    )
     step_digests: list[str] = []
     losses = train(strategy, engine, data[:2], step_digests)
     parts = partitions(zero_opt)
@@ -220,7 +225,7 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     result["digest"] = digest(engine)
     result["forward_digests"] = step_digests
     # A fresh engine restored from the checkpoint must continue exactly.
-    strategy2, engine2, zero_opt2, client2 = build(name, stage)
+    strategy2, engine2, _zero_opt2, client2 = build(name, stage)
     engine2.load_checkpoint(str(ckpt_dir), tag="t2")
     result["resumed_losses"] = train(strategy2, engine2, data[2:])
     result["resumed_digest"] = digest(engine2)
@@ -241,10 +246,22 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
 
     def trainer(run: str) -> Trainer:
         args = TrainingArguments(
-            output_dir=str(out / run), precision_strategy=name, deepspeed=ds_config(stage), use_cpu=True,
-            per_device_train_batch_size=MICRO, max_steps=4, save_steps=2, learning_rate=LR, weight_decay=0.01,
-            lr_scheduler_type="constant", logging_steps=1, report_to=[], disable_tqdm=True, seed=0,
-            data_seed=0, save_only_model=False,
+            output_dir=str(out / run),
+            precision_strategy=name,
+            deepspeed=ds_config(stage),
+            use_cpu=True,
+            per_device_train_batch_size=MICRO,
+            max_steps=4,
+            save_steps=2,
+            learning_rate=LR,
+            weight_decay=0.01,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+            data_seed=0,
+            save_only_model=False,
         )
         return Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
 
@@ -268,8 +285,14 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
         names = {id(p): n for n, p in first.model.named_parameters()}
         fp8 = {names[id(p)]: i for i, p in enumerate(inner.fp8_params)}
         trained = {k: v for k, v in trained.items() if k not in fp8}
-        trained.update({names[id(inner.fp8_params[i])]: dequantize(inner.fp8_params[i].detach(),
-                        get_master_scale(inner.fp8_params[i]), torch.float32) for i in inner.owned})  # fmt: skip
+        trained.update(
+            {
+                names[id(inner.fp8_params[i])]: dequantize(
+                    inner.fp8_params[i].detach(), get_master_scale(inner.fp8_params[i]), torch.float32
+                )
+                for i in inner.owned
+            }
+        )
     saved = plain.state_dict()
     result["saved_equal"] = all(torch.equal(saved[k].float(), v) for k, v in trained.items())
     result["saved_dtype"] = str(next(plain.parameters()).dtype)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.partition import assign_whole_tensors, partition_report
 from hf_lowprec.integrations.deepspeed import (
     STAGES,
     precision_config,
@@ -21,6 +20,7 @@ from hf_lowprec.integrations.deepspeed import (
     support_matrix_markdown,
     zero_support,
 )
+from hf_lowprec.partition import assign_whole_tensors, partition_report
 
 BF16_WEIGHTS = ["collage-plus", "collage-light", "bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states"]
 AUTO = {
@@ -57,16 +57,22 @@ def test_explicit_agreeing_values_pass():
     "name, patch, key",
     [
         ("collage-plus", {"fp16": {"enabled": True}}, "fp16.enabled"),
-        ("bf16-pure", {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
-         "bf16.bf16_master_weights_and_grads"),
+        (
+            "bf16-pure",
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
+            "bf16.bf16_master_weights_and_grads",
+        ),
         ("collage-light", {"bf16": {"enabled": "auto", "bf16_optimizer_states": False}}, "bf16.bf16_optimizer_states"),
         ("bf16-mixed", {"bf16": {"enabled": True}}, "bf16.enabled"),
         ("fp32", {"fp16": {"enabled": True}}, "fp16.enabled"),
         ("collage-plus", {"zero_allow_untested_optimizer": False}, "zero_allow_untested_optimizer"),
-        ("collage-plus", {"optimizer": {"type": "AdamW", "params": {}}}, "\"optimizer\" section"),
+        ("collage-plus", {"optimizer": {"type": "AdamW", "params": {}}}, '"optimizer" section'),
         ("collage-plus", {"data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype"),
-        ("collage-plus", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer"),
+        (
+            "collage-plus",
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer",
+        ),
     ],
 )
 def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
@@ -80,7 +86,7 @@ def test_refused_stages_name_a_combination_that_works():
         precision_config("fp8-lm-o2", AUTO)
     with pytest.raises(ValueError, match=r"stage 0.*runs under ZeRO stage 1 or 2 or 3"):
         precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 0}})
-    with pytest.raises(ValueError, match="zero_optimization.stage must be"):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be"):
         precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 4}})
 
 
@@ -89,8 +95,10 @@ def test_training_arguments_refuse_a_contradicting_deepspeed_config_before_any_w
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**AUTO, "fp16": {"enabled": True}}))
-    with pytest.raises(ValueError, match="fp16.enabled"):
-        TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-plus", deepspeed=str(path), use_cpu=True)
+    with pytest.raises(ValueError, match=r"fp16.enabled"):
+        TrainingArguments(
+            output_dir=str(tmp_path), precision_strategy="collage-plus", deepspeed=str(path), use_cpu=True
+        )
     with pytest.raises(ValueError, match="ZeRO stage 2"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp8-lm-o1", deepspeed=dict(AUTO), use_cpu=True)
 
@@ -104,7 +112,7 @@ def test_support_matrix_covers_every_registered_strategy_from_one_source():
     for name, row in matrix.items():
         cells = [c.strip() for c in rows[name].split("|")[2:5]]
         assert cells == ["yes" if row[s] is None else "no" for s in STAGES]
-        assert set(row[s] is None for s in STAGES) == {True} or name not in BF16_WEIGHTS
+        assert {row[s] is None for s in STAGES} == {True} or name not in BF16_WEIGHTS
         for stage in STAGES:
             assert row[stage] == zero_support(get_strategy(name), stage)
 
@@ -116,8 +124,10 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
 
 
 def test_module_imports_without_deepspeed():
-    code = ("import sys; sys.modules['deepspeed'] = None; import hf_lowprec.integrations.deepspeed as d; "
-            "print(len(d.support_matrix()), d.precision_config('collage-plus', {'zero_optimization': {'stage': 2}})['bf16']['enabled'])")
+    code = (
+        "import sys; sys.modules['deepspeed'] = None; import hf_lowprec.integrations.deepspeed as d; "
+        "print(len(d.support_matrix()), d.precision_config('collage-plus', {'zero_optimization': {'stage': 2}})['bf16']['enabled'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-1] == "True"
 
@@ -185,9 +195,15 @@ def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
     # Accelerate filled bf16.enabled=False from mixed_precision="no"; transformers then compared
     # it with --bf16 (off): both are the strategy's to decide.
-    filled = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}, "fp16": {"enabled": False},
-              "train_micro_batch_size_per_gpu": 4}
-    accelerator, hf_config = fake_accelerator(filled, ["- ds bf16.enabled=True vs hf bf16=False", "- ds other=1 vs hf x=2"])
+    filled = {
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "train_micro_batch_size_per_gpu": 4,
+    }
+    accelerator, hf_config = fake_accelerator(
+        filled, ["- ds bf16.enabled=True vs hf bf16=False", "- ds other=1 vs hf x=2"]
+    )
     configure_accelerator(get_strategy("collage-plus"), accelerator)
     assert filled["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert hf_config.mismatches == ["- ds other=1 vs hf x=2"] and hf_config._dtype == torch.bfloat16
@@ -196,7 +212,7 @@ def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches
     path.write_text(json.dumps({**AUTO, "bf16": {"enabled": False}}))
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
     accelerator, _ = fake_accelerator({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}, [])
-    with pytest.raises(ValueError, match="bf16.enabled=False"):
+    with pytest.raises(ValueError, match=r"bf16.enabled=False"):
         configure_accelerator(get_strategy("collage-plus"), accelerator)
 
 

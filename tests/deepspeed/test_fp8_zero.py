@@ -40,7 +40,7 @@ def test_o3_state_carries_masters_and_refuses_another_world_size():
     state = optimizer.state_dict()
     ours = state["fp8_zero"]
     first = optimizer.optimizer.fp8_params[0]
-    payload, scale = ours["masters"][0]
+    payload, _scale = ours["masters"][0]
     assert payload.dtype == torch.float16 and torch.equal(payload, first.detach())
     assert ours["states"][0]["exp_avg"].dtype == torch.float8_e4m3fn
     wrong = dict(state, fp8_zero=dict(ours, owners=[i % 2 for i in range(len(ours["owners"]))]))
@@ -66,8 +66,10 @@ def two_group_o3(clip: float):
     strategy = hf_lowprec.get_strategy("fp8-lm-o3")
     model = strategy.prepare_model(tiny_gpt2())
     named = list(model.named_parameters())
-    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01},
-              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = strategy.create_optimizer(groups, lr=1e-3)
     zero = FakeZero(clip)
     optimizer.optimizer.attach_zero(zero)
@@ -106,8 +108,9 @@ def captured_step(clip: float, data):
         if key in seen:
             return
         seen.add(key)
-        dense = [p.grad.double().reshape(-1).clone()
-                 for g in opt.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
+        dense = [
+            p.grad.double().reshape(-1).clone() for g in opt.param_groups for p in g["params"] if p.grad is not None
+        ]
         fp8 = [dequantize(*opt.fp8_grad(p), torch.float64).reshape(-1) for p in opt.fp8_params if opt.fp8_grad(p)]
         calls.append(dense + fp8)
 

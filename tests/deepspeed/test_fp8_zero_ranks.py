@@ -4,7 +4,6 @@ The same worker runs on gloo (CPU, every run) and on NCCL (two CUDA devices, `ma
 every tensor of the FP8 ZeRO collectives is made on the parameters' device, which NCCL checks.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -17,9 +16,10 @@ HERE = Path(__file__).resolve().parent
 CLIP = 0.05  # far below the tiny model's first gradient norm (≈1.6): clipping is active
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 NCCL = pytest.param(
-    "nccl", id="nccl",
+    "nccl",
+    id="nccl",
     marks=[pytest.mark.cuda, pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")],
-)  # fmt: skip
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -90,8 +90,11 @@ def test_gradient_clipping_covers_the_fp8_gradients(ranks):
     times (DeepSpeed's dense clip, our correction, and the division of an FP8 scale).
     DeepSpeed's reported norm (`get_global_grad_norm`) must be ‖g‖ (FP32 sums: 1e-6).
     """
-    free_sq = sum(sum(x * x for x in r["clip"]["free"]["dense"]) +
-                  sum(x * x for g in r["clip"]["free"]["fp8"].values() for x in g) for r in ranks)  # fmt: skip
+    free_sq = sum(
+        sum(x * x for x in r["clip"]["free"]["dense"])
+        + sum(x * x for g in r["clip"]["free"]["fp8"].values() for x in g)
+        for r in ranks
+    )
     norm = math.sqrt(free_sq)
     c = CLIP / (norm + 1e-6)
     assert c < 0.1  # clipping is active

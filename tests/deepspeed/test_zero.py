@@ -125,8 +125,9 @@ def test_collage_plus_zero2_matches_one_process(ranks):
     """
     for result in ranks:
         zero, one = result["cases"]["collage-plus/2"]["losses"], result["references"]["collage-plus"]["losses"]
-        fp32_gap = max(abs(a - b) for a, b in zip(result["cases"]["fp32/2"]["losses"],
-                                                   result["references"]["fp32"]["losses"]))
+        fp32_gap = max(
+            abs(a - b) for a, b in zip(result["cases"]["fp32/2"]["losses"], result["references"]["fp32"]["losses"])
+        )
         assert abs(zero[0] - one[0]) <= 2**-8 * abs(one[0])
         for a, b in zip(zero[1:], one[1:]):
             assert abs(a - b) <= 4 * fp32_gap + 1e-4, (zero, one, fp32_gap)
@@ -153,7 +154,9 @@ def test_fp8_lm_o3_zero2_matches_single_process_o2(ranks):
     """
 
     def gap(result, name):
-        return max(abs(a - b) for a, b in zip(result["cases"][f"{name}/2"]["losses"], result["references"][name]["losses"]))
+        return max(
+            abs(a - b) for a, b in zip(result["cases"][f"{name}/2"]["losses"], result["references"][name]["losses"])
+        )
 
     for result in ranks:
         zero = result["cases"]["fp8-lm-o3/2"]["losses"]

@@ -37,9 +37,11 @@ from tests.helpers import batches, tiny_gpt2  # noqa: E402
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
 MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
+
+
 def local(ids: torch.Tensor) -> torch.Tensor:
     rank = dist.get_rank()
-    return ids[rank * MICRO:(rank + 1) * MICRO]
+    return ids[rank * MICRO : (rank + 1) * MICRO]
 
 
 def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float], list[float]]:
@@ -96,8 +98,11 @@ def model_state_bytes(model, optimizer, grads_bytes: int) -> dict[str, int]:
 
 
 def grad_bytes_hook(optimizer, record: list):
-    optimizer.register_step_pre_hook(lambda opt, *_: record.append(
-        nbytes(plain(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)))
+    optimizer.register_step_pre_hook(
+        lambda opt, *_: record.append(
+            nbytes(plain(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        )
+    )
 
 
 def state_l1(optimizer) -> float:
@@ -126,11 +131,15 @@ def shards_like_params(optimizer) -> dict:
     and local shard shape (counts of those that are and are not)."""
     good = bad = 0
     for param, state in optimizer.state.items():
-        for key, value in state.items():
+        for _key, value in state.items():
             if not torch.is_tensor(value) or value.dim() == 0:
                 continue
-            ok = (isinstance(value, DTensor) and value.placements == param.placements
-                  and value.shape == param.shape and value.to_local().shape == param.to_local().shape)
+            ok = (
+                isinstance(value, DTensor)
+                and value.placements == param.placements
+                and value.shape == param.shape
+                and value.to_local().shape == param.to_local().shape
+            )
             good, bad = good + ok, bad + (not ok)
     return {"sharded_like_param": good, "not": bad}
 
@@ -154,11 +163,19 @@ def export_check(strategy, model, optimizer) -> dict:
         if dist.get_rank() != 0:
             continue
         value = full[name]
-        expected = theta.double() if extra is None else (
-            extra.double() if key == rule.master_key else theta.double() + extra.double())
+        expected = (
+            theta.double()
+            if extra is None
+            else (extra.double() if key == rule.master_key else theta.double() + extra.double())
+        )
         ulp = 2 * torch.finfo(torch.float32).eps * expected.abs().float().clamp_min(2**-126)
-        checks.append(bool(value.dtype == torch.float32 and torch.equal(value.to(theta.dtype), theta)
-                           and ((value.double() - expected).abs() <= ulp.double()).all()))
+        checks.append(
+            bool(
+                value.dtype == torch.float32
+                and torch.equal(value.to(theta.dtype), theta)
+                and ((value.double() - expected).abs() <= ulp.double()).all()
+            )
+        )
     out["exact"] = all(checks) if dist.get_rank() == 0 else None
     return out
 
@@ -366,8 +383,11 @@ def run_skip(name: str, data) -> dict:
     if dist.get_rank() == 1:
         next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
     optimizer.step()
-    return {"skipped": optimizer.step_was_skipped, "skipped_steps": strategy.skipped_steps,
-            "unchanged": digest(model) == before}
+    return {
+        "skipped": optimizer.step_was_skipped,
+        "skipped_steps": strategy.skipped_steps,
+        "unchanged": digest(model) == before,
+    }
 
 
 def gpt2_small_bytes(name: str) -> dict:
@@ -382,9 +402,13 @@ def gpt2_small_bytes(name: str) -> dict:
         optimizer.optimizer.init_states()
         params = [plain(p) for p in model.parameters()]
         states = [plain(v) for _, v in state_tensors(optimizer.optimizer)]
-        return {"params": nbytes(params), "grads": nbytes(params), "states": nbytes(s for s in states if s.dim() > 0),
-                "unshardable": nbytes(s for s in states if s.dim() == 0),
-                "num_params": sum(p.numel() for p in model.parameters())}
+        return {
+            "params": nbytes(params),
+            "grads": nbytes(params),
+            "states": nbytes(s for s in states if s.dim() > 0),
+            "unshardable": nbytes(s for s in states if s.dim() == 0),
+            "num_params": sum(p.numel() for p in model.parameters()),
+        }
 
     def model():
         with torch.device("meta"):
@@ -421,6 +445,7 @@ def main() -> None:
         def write(case: dict, complete: bool = False) -> None:
             results["cases"][key] = case
             flush(complete)
+
         return write
 
     for name, mode in json.loads(args.cases):

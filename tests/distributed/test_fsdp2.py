@@ -54,7 +54,8 @@ def test_mixed_precision_policy_belongs_to_the_strategy():
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):
         shard_model("collage-plus", tiny_gpt2(), mp_policy=MixedPrecisionPolicy())
     assert get_strategy("bf16-mixed").fsdp2_mixed_precision() == MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
     assert get_strategy("collage-plus").fsdp2_mixed_precision() == MixedPrecisionPolicy(reduce_dtype=torch.float32)
     assert get_strategy("fp32").fsdp2_mixed_precision() == MixedPrecisionPolicy()
 
@@ -104,9 +105,14 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
 def test_trainer_fsdp_is_refused_naming_what_works(tmp_path):
     from hf_lowprec import TrainingArguments
 
-    with pytest.raises(ValueError, match="FSDP.*is not supported yet.*shard_model.*fsdp2.yaml"):
-        TrainingArguments(output_dir=str(tmp_path), precision_strategy="collage-plus", fsdp="full_shard",
-                          fsdp_config={"fsdp_version": 2}, use_cpu=True)
+    with pytest.raises(ValueError, match=r"FSDP.*is not supported yet.*shard_model.*fsdp2.yaml"):
+        TrainingArguments(
+            output_dir=str(tmp_path),
+            precision_strategy="collage-plus",
+            fsdp="full_shard",
+            fsdp_config={"fsdp_version": 2},
+            use_cpu=True,
+        )
 
 
 def test_readme_shows_the_generated_table():
@@ -198,8 +204,9 @@ def test_losses_match_one_process_within_the_data_parallel_bound(ranks):
     agree to 4e-7; FP32 gap 5e-7.
     """
     for result in ranks:
-        fp32_gap = max(abs(a - b) for a, b in zip(result["cases"]["fp32/train"]["losses"],
-                                                   result["references"]["fp32"]["losses"]))
+        fp32_gap = max(
+            abs(a - b) for a, b in zip(result["cases"]["fp32/train"]["losses"], result["references"]["fp32"]["losses"])
+        )
         for name in SUPPORTED:
             sharded, ref = result["cases"][f"{name}/train"]["losses"], result["references"][name]
             one, accumulated = ref["losses"], ref["accumulated_losses"]
@@ -318,7 +325,8 @@ def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
             assert case["state_layout"]["not"] == 0, name
             assert case["state_dtypes"] == direct["state_dtypes"], name
             assert case["initial_state_l1"] == pytest.approx(
-                result["references"][name]["initial_state_l1"], rel=1e-9, abs=0.0), name
+                result["references"][name]["initial_state_l1"], rel=1e-9, abs=0.0
+            ), name
             assert case["losses"] == direct["losses"][:2], name
             assert case["digest"] == direct["digest_step2"], name
     assert ranks[0]["cases"]["collage-plus/accelerate"]["initial_state_l1"] > 0  # the seeded case
@@ -331,8 +339,12 @@ def test_killed_job_resumes_bit_for_bit_in_new_processes(ranks, tmp_path):
     (`os._exit`, no teardown); a second launch of new processes loads it into a model of another
     initialization and trains steps 3 and 4: the losses and weights equal the uninterrupted run's."""
     ckpt = ["--ckpt", str(tmp_path / "ckpt")]
-    killed = launch(HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", json.dumps([["collage-plus", "killed"]]), *ckpt])
-    resumed = launch(HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", json.dumps([["collage-plus", "resumed"]]), *ckpt])
+    killed = launch(
+        HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", json.dumps([["collage-plus", "killed"]]), *ckpt]
+    )
+    resumed = launch(
+        HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", json.dumps([["collage-plus", "resumed"]]), *ckpt]
+    )
     for first, second, whole in zip(killed, resumed, ranks):
         uninterrupted = whole["cases"]["collage-plus/train"]
         assert "error" not in second["cases"]["collage-plus/resumed"], second["cases"]["collage-plus/resumed"]["error"]

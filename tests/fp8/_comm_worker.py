@@ -70,7 +70,9 @@ def skew(rank: int, world: int, steps: int = 3) -> dict:
         scaler.update()
         pre = prescale_allreduce(grad)
         post = postscale_allreduce(grad)
-        stats = {name: (r.stats.underflow, r.stats.overflow) for name, r in (("ours", ours), ("pre", pre), ("post", post))}
+        stats = {
+            name: (r.stats.underflow, r.stats.overflow) for name, r in (("ours", ours), ("pre", pre), ("post", post))
+        }
     return {"mus": mus, "stats": stats}
 
 

@@ -33,11 +33,17 @@ def free_port() -> int:
 def ranks(request, tmp_path_factory) -> list[dict]:
     world = request.param
     out = tmp_path_factory.mktemp(f"comm{world}")
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               OMP_NUM_THREADS="1")  # fmt: skip
+    env = dict(
+        os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"
+    )
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(out)], env=dict(env, RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(out)],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
     logs = []

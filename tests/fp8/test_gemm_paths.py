@@ -66,7 +66,9 @@ CPU_SCALED_MM = _cpu_scaled_mm_runs()
 needs_cpu_scaled_mm = pytest.mark.skipif(not CPU_SCALED_MM, reason="torch._scaled_mm needs an AVX-512 CPU")
 
 
-@pytest.mark.parametrize("path", [p if p == "upcast" else pytest.param(p, marks=needs_cpu_scaled_mm) for p in sorted(PATHS)])
+@pytest.mark.parametrize(
+    "path", [p if p == "upcast" else pytest.param(p, marks=needs_cpu_scaled_mm) for p in sorted(PATHS)]
+)
 @pytest.mark.parametrize(
     "shape, fmts, positive",
     [

@@ -115,9 +115,14 @@ def _gpt2(init_range: float = 0.1) -> GPT2LMHeadModel:
 def _bert(init_range: float = 0.1) -> BertForMaskedLM:
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=64, initializer_range=init_range,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        initializer_range=init_range,
+    )
     return BertForMaskedLM(config).eval()
 
 
@@ -151,9 +156,13 @@ def test_converted_model_loss_at_init_matches_bf16(build, caplog):
 def test_layers_fp8_cannot_handle_are_skipped_with_a_named_warning(caplog):
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=128, num_labels=3,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=128,
+        num_labels=3,
+    )
     model = BertForSequenceClassification(config)
     with caplog.at_level(logging.WARNING, logger="hf_lowprec.fp8.linear"):
         convert_to_fp8(model)
@@ -206,7 +215,7 @@ def test_bf16_autocast_only_rounds_the_output(transposed):
         xi = x.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y, saved = _saved_during(lambda: layer(xi))
+            y, saved = _saved_during(lambda xi=xi: layer(xi))
         y.backward(grad.to(y.dtype))
         runs.append((y, saved, xi.grad, layer.weight.grad, layer.bias.grad))
     (y32, saved32, gx32, gw32, gb32), (y16, saved16, gx16, gw16, gb16) = runs

@@ -34,8 +34,9 @@ def loop(accelerator, plugin, steps=6, wd=0.01, lr=3e-3):
     model = tiny_gpt2()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=lr)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
     data = [{"input_ids": b, "labels": b} for b in batches(1, batch=4, seq=32)] * steps
     loader = torch.utils.data.DataLoader(data, batch_size=None)
@@ -133,7 +134,7 @@ def test_plugin_refuses_what_it_cannot_honour(accelerator):
     with pytest.raises(ValueError, match="owns mixed precision"):
         plugin.prepare(types.SimpleNamespace(mixed_precision="bf16"), tiny_gpt2())
     model = tiny_gpt2()
-    with pytest.raises(TypeError, match="torch.optim.AdamW"):
+    with pytest.raises(TypeError, match=r"torch.optim.AdamW"):
         plugin.prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="L2"):
         plugin.prepare(accelerator, model, torch.optim.Adam(model.parameters(), weight_decay=0.1))
@@ -144,20 +145,39 @@ def test_plugin_refuses_what_it_cannot_honour(accelerator):
 # --- accelerate launch ---------------------------------------------------------------------------
 def launch(config: str, strategy: str, tmp_path: Path, *, via_env: bool) -> dict:
     env = {**os.environ}
-    args = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--max_eval_samples", "12",
-            "--logging_steps", "1", "--disable_tqdm", "true", "--output_dir", str(tmp_path / "out")]
+    args = [
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_eval_samples",
+        "12",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     if via_env:
         env["HF_LOWPREC_PRECISION_STRATEGY"] = strategy
     else:
         args = ["--precision_strategy", strategy, *args]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"recipes/configs/{config}",
-           "recipes/pretrain_clm.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"recipes/configs/{config}",
+        "recipes/pretrain_clm.py",
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     # Judged by the result line, written before exit: about one two-process DeepSpeed run in
     # thirteen aborts in interpreter teardown after finishing, which is not a training failure.
     assert lines, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    result = json.loads(lines[-1][len(MARKER):])
+    result = json.loads(lines[-1][len(MARKER) :])
     assert json.loads((tmp_path / "out" / "recipe_result.json").read_text()) == result
     return result
 

@@ -33,9 +33,21 @@ FAULTS = {3: "gradient", 6: "activation", 9: "loss"}  # 1-based step -> where th
 
 
 def make_args(output_dir: Path, strategy: str | None, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(output_dir), precision_strategy=strategy, max_steps=STEPS, save_strategy="no",
-                per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1,
-                report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    base = dict(
+        output_dir=str(output_dir),
+        precision_strategy=strategy,
+        max_steps=STEPS,
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -126,7 +138,7 @@ def test_injected_inf_and_nan_are_counted_and_training_goes_on(tmp_path, strateg
     assert trainer.state.global_step == STEPS
     assert watch.problems == [], f"{strategy}: non-finite values in {watch.problems[:5]}"
     # Every fault moved a counter on its own step, and nothing else did.
-    moved = [i + 1 for i, (a, b) in enumerate(zip([0.0] + watch.counters, watch.counters)) if b > a]
+    moved = [i + 1 for i, (a, b) in enumerate(zip([0.0, *watch.counters], watch.counters)) if b > a]
     assert moved == sorted(FAULTS), f"{strategy}: counters moved at steps {moved}, faults at {sorted(FAULTS)}"
     # The LR schedule does not advance on a skipped step.
     assert trainer.lr_scheduler.last_epoch == STEPS - trainer.precision.skipped_steps
@@ -174,12 +186,15 @@ def assert_refused_before_any_change(output_dir: Path, strategy: str | None, res
         assert torch.equal(value, before[key]), f"{key} changed before the error"
 
 
-@pytest.mark.parametrize("name, damage, what", [
-    ("optimizer.pt", "truncated", "not a complete torch.save archive"),
-    ("optimizer.pt", "corrupted", "fails its CRC check"),
-    ("model.safetensors", "truncated", "not a complete safetensors file"),
-    ("scheduler.pt", "truncated", "not a complete torch.save archive"),
-])
+@pytest.mark.parametrize(
+    "name, damage, what",
+    [
+        ("optimizer.pt", "truncated", "not a complete torch.save archive"),
+        ("optimizer.pt", "corrupted", "fails its CRC check"),
+        ("model.safetensors", "truncated", "not a complete safetensors file"),
+        ("scheduler.pt", "truncated", "not a complete torch.save archive"),
+    ],
+)
 def test_damaged_checkpoint_file_is_named_before_anything_loads(checkpoint, tmp_path, name, damage, what):
     copy = damaged_copy(checkpoint, tmp_path, name, damage)
     match = rf"checkpoint file {copy / name} is damaged \(.*{what}.*\)\. Nothing was loaded\. Delete {copy} and resume"
@@ -194,11 +209,17 @@ def test_damaged_trainer_state_means_an_interrupted_save(checkpoint, tmp_path):
     assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
 
 
-@pytest.mark.parametrize("strategy, match", [
-    ("collage-plus", r"optimizer.pt was saved by precision strategy 'bf16-pure', but this run uses "
-                     r"precision_strategy='collage-plus'; resume with --precision_strategy bf16-pure"),
-    (None, r"saved by precision strategy 'bf16-pure', but this run uses no precision strategy"),
-])
+@pytest.mark.parametrize(
+    "strategy, match",
+    [
+        (
+            "collage-plus",
+            r"optimizer.pt was saved by precision strategy 'bf16-pure', but this run uses "
+            r"precision_strategy='collage-plus'; resume with --precision_strategy bf16-pure",
+        ),
+        (None, r"saved by precision strategy 'bf16-pure', but this run uses no precision strategy"),
+    ],
+)
 def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy, match):
     assert_refused_before_any_change(tmp_path, strategy, str(checkpoint), match)
 
@@ -206,19 +227,30 @@ def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy,
 # --- bad precision_options from the command line --------------------------------------------------
 def parse(tmp_path: Path, strategy: str, options: str):
     parser = HfArgumentParser(TrainingArguments)
-    return parser.parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--use_cpu", "--precision_strategy", strategy, "--precision_options", options,
-    ])
+    return parser.parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--use_cpu",
+            "--precision_strategy",
+            strategy,
+            "--precision_options",
+            options,
+        ]
+    )
 
 
-@pytest.mark.parametrize("text, match", [
-    ('{"lost_arithmetic_metrics": tru', "must be a JSON object"),
-    ("[1, 2]", "must be a dict or JSON object"),
-    ('"lost_arithmetic_metrics"', "must be a dict or JSON object"),
-    ('{"colour": "red"}', r"no option\(s\) \['colour'\]; valid options: .*lost_arithmetic_metrics"),
-    ('{"lost_arithmetic_metrics": "true"}', "'lost_arithmetic_metrics' must be true or false"),
-    ('{"lost_arithmetic_metrics": null}', "'lost_arithmetic_metrics' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"lost_arithmetic_metrics": tru', "must be a JSON object"),
+        ("[1, 2]", "must be a dict or JSON object"),
+        ('"lost_arithmetic_metrics"', "must be a dict or JSON object"),
+        ('{"colour": "red"}', r"no option\(s\) \['colour'\]; valid options: .*lost_arithmetic_metrics"),
+        ('{"lost_arithmetic_metrics": "true"}', "'lost_arithmetic_metrics' must be true or false"),
+        ('{"lost_arithmetic_metrics": null}', "'lost_arithmetic_metrics' must be true or false"),
+    ],
+)
 def test_malformed_options_fail_while_parsing(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
         parse(tmp_path, "fp32", text)
@@ -257,7 +289,7 @@ def test_every_option_of_every_strategy_rejects_wrong_values(tmp_path):
         except ValueError as err:
             if option not in str(err):
                 failures.append(f"{strategy} {text}: the error does not name the option: {err}")
-        except Exception as err:  # noqa: BLE001 - any other type is the deep traceback this test forbids
+        except Exception as err:
             failures.append(f"{strategy} {text}: {type(err).__name__}: {err}")
         else:
             failures.append(f"{strategy} {text}: accepted")
@@ -294,7 +326,7 @@ def test_huge_option_values_fail_early_or_train(tmp_path):
                         loss = model(input_ids=ids, labels=ids).loss
                     strategy.scale_loss(loss).backward()
                     optimizer.step()
-                except Exception as err:  # noqa: BLE001 - accepted at parse time, then failed deep inside
+                except Exception as err:
                     failures.append(f"{name} {field.name}={value}: accepted, then {type(err).__name__}: {err}")
                     continue
                 bad = nonfinite_tensors(dict(model.named_parameters()), "params")

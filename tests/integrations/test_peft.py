@@ -18,8 +18,9 @@ STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def lora_model(seed=0):
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
-                             task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"], task_type="CAUSAL_LM"
+    )
     return peft.get_peft_model(tiny_gpt2(seed), config)
 
 
@@ -49,16 +50,26 @@ def check_dtypes(model, strategy):
 def test_lora_with_trainer(tmp_path, name):
     strategy = get_strategy(name)
     model = lora_model()
-    args = TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, max_steps=3,
-                             per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-                             report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        precision_strategy=name,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Blocks())
     # Snapshots after the strategy converted the model (FP8 layers may store scaled weights).
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     adapter_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
 
-    trainable, frozen = check_dtypes(trainer.model, strategy)
+    trainable, _frozen = check_dtypes(trainer.model, strategy)
     # Optimizer state exists for exactly the adapter weights.
     assert {id(p) for p in trainer.optimizer.state} == {id(p) for p in trainable}
     after = dict(trainer.model.named_parameters())

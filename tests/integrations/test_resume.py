@@ -34,10 +34,22 @@ CHILD_TIMEOUT = 300.0
 
 def make_args(output_dir: Path, strategy: str) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=str(output_dir), precision_strategy=strategy, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
-        save_strategy="steps", per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="cosine",
-        warmup_steps=1, weight_decay=0.01, logging_steps=1, report_to=[], use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(output_dir),
+        precision_strategy=strategy,
+        max_steps=MAX_STEPS,
+        save_steps=SAVE_STEPS,
+        save_strategy="steps",
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        weight_decay=0.01,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
 
 

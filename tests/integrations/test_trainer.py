@@ -23,10 +23,23 @@ class Blocks(torch.utils.data.Dataset):
 
 
 def make_args(tmp_path, strategy, **kw):
-    base = dict(output_dir=str(tmp_path), precision_strategy=strategy, max_steps=6,
-                per_device_train_batch_size=4, learning_rate=3e-3, logging_steps=1, save_steps=3,
-                save_strategy="steps", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01)
+    base = dict(
+        output_dir=str(tmp_path),
+        precision_strategy=strategy,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_steps=3,
+        save_strategy="steps",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        weight_decay=0.01,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -60,10 +73,17 @@ def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
 
 def test_precision_strategy_parses_from_the_command_line(tmp_path):
     parser = HfArgumentParser(TrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--precision_strategy", "bf16-pure", "--use_cpu",
-        "--precision_options", json.dumps({"lost_arithmetic_metrics": True}),
-    ])
+    (args,) = parser.parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--precision_strategy",
+            "bf16-pure",
+            "--use_cpu",
+            "--precision_options",
+            json.dumps({"lost_arithmetic_metrics": True}),
+        ]
+    )
     assert args.precision_strategy == "bf16-pure"
     assert args.precision_options == {"lost_arithmetic_metrics": True}
     assert args.build_precision_strategy().options.lost_arithmetic_metrics is True
@@ -113,8 +133,7 @@ class NaNOnceTrainer(Trainer):
 
 
 def test_nonfinite_step_is_skipped_and_logged(tmp_path):
-    args = make_args(tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear",
-                     warmup_steps=0)
+    args = make_args(tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear", warmup_steps=0)
     trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
     snapshots = []
 
@@ -152,8 +171,14 @@ def capture_bounds(strategy, bounds):
 def test_lost_arithmetic_metrics_are_logged_and_do_not_change_training(tmp_path):
     runs, bounds = {}, []
     for enabled in (False, True):
-        args = make_args(tmp_path / str(enabled), "collage-plus", max_steps=4, save_strategy="no",
-                         logging_steps=2, precision_options={"lost_arithmetic_metrics": enabled})
+        args = make_args(
+            tmp_path / str(enabled),
+            "collage-plus",
+            max_steps=4,
+            save_strategy="no",
+            logging_steps=2,
+            precision_options={"lost_arithmetic_metrics": enabled},
+        )
         trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
         if enabled:
             trainer.precision._measure_lost_arithmetic = capture_bounds(trainer.precision, bounds)

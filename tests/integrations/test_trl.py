@@ -56,17 +56,28 @@ def test_configs_leave_mixed_precision_to_the_strategy(tmp_path, name):
 
 
 def test_config_parses_and_pickles(tmp_path):
-    (args,) = HfArgumentParser(hl_trl.SFTConfig).parse_args_into_dataclasses([
-        "--output_dir", str(tmp_path), "--precision_strategy", "bf16-pure", "--use_cpu", "true",
-        "--precision_options", '{"lost_arithmetic_metrics": true}'])
+    (args,) = HfArgumentParser(hl_trl.SFTConfig).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--precision_strategy",
+            "bf16-pure",
+            "--use_cpu",
+            "true",
+            "--precision_options",
+            '{"lost_arithmetic_metrics": true}',
+        ]
+    )
     assert args.precision_options == {"lost_arithmetic_metrics": True}
     clone = pickle.loads(pickle.dumps(args))  # the Trainer saves training_args.bin this way
     assert type(clone) is hl_trl.SFTConfig and clone.precision_strategy == "bf16-pure"
 
 
 def test_missing_trl_names_the_extra():
-    code = ("import sys; sys.modules['trl'] = None\nimport hf_lowprec.trl as t\n"
-            "try:\n    t.SFTTrainer\nexcept ImportError as e:\n    print(e)")
+    code = (
+        "import sys; sys.modules['trl'] = None\nimport hf_lowprec.trl as t\n"
+        "try:\n    t.SFTTrainer\nexcept ImportError as e:\n    print(e)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "pip install 'hf-lowprec[trl]'" in out
 
@@ -79,13 +90,24 @@ def test_grpo_generates_and_scores_in_the_strategy_context(tmp_path, tokenizer):
         seen.append(torch.is_autocast_enabled("cpu"))
         return [float(len(c)) / 10 for c in completions]
 
-    args = hl_trl.GRPOConfig(output_dir=str(tmp_path), precision_strategy="bf16-mixed", use_cpu=True, max_steps=1,
-                             per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-                             activation_checkpointing=False, report_to="none", save_strategy="no",
-                             logging_steps=1, disable_tqdm=True)
+    args = hl_trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        precision_strategy="bf16-mixed",
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     train = datasets.Dataset.from_dict({"prompt": ["Return the", "Open a file", "Split the", "Join"]})
-    trainer = hl_trl.GRPOTrainer(model=tiny_lm(tokenizer), reward_funcs=[reward], args=args, train_dataset=train,
-                                 processing_class=tokenizer)
+    trainer = hl_trl.GRPOTrainer(
+        model=tiny_lm(tokenizer), reward_funcs=[reward], args=args, train_dataset=train, processing_class=tokenizer
+    )
     trainer.train()
     assert seen and all(seen)
     assert isinstance(trainer.optimizer.optimizer, StrategyOptimizer)
@@ -116,19 +138,38 @@ class _ScaledFP32(PrecisionStrategy):
 
 def run_ppo(tmp_path, tokenizer, strategy=None):
     set_seed(0)
-    args = hl_trl.PPOConfig(output_dir=str(tmp_path), precision_strategy="fp32", use_cpu=True,
-                            per_device_train_batch_size=4, num_mini_batches=1, num_ppo_epochs=1, total_episodes=4,
-                            response_length=4, num_sample_generations=0, learning_rate=1e-3,
-                            activation_checkpointing=False, report_to="none", save_strategy="no",
-                            logging_steps=1, disable_tqdm=True)
+    args = hl_trl.PPOConfig(
+        output_dir=str(tmp_path),
+        precision_strategy="fp32",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=4,
+        response_length=4,
+        num_sample_generations=0,
+        learning_rate=1e-3,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     if strategy is not None:
         args.build_precision_strategy = lambda: strategy
     prompts = [tokenizer(t)["input_ids"] for t in ("Return the", "Open a file", "Split the", "Join the")]
     train = datasets.Dataset.from_dict({"input_ids": prompts})
     reward = tiny_scorer(tokenizer, seed=1)
-    trainer = hl_trl.PPOTrainer(args=args, processing_class=tokenizer, model=tiny_lm(tokenizer), ref_model=None,
-                                reward_model=reward, value_model=tiny_scorer(tokenizer, seed=2),
-                                train_dataset=train, eval_dataset=train)
+    trainer = hl_trl.PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=tiny_lm(tokenizer),
+        ref_model=None,
+        reward_model=reward,
+        value_model=tiny_scorer(tokenizer, seed=2),
+        train_dataset=train,
+        eval_dataset=train,
+    )
     trainer.train()
     return trainer
 
@@ -147,15 +188,33 @@ def test_ppo_under_current_trl_names_the_ppo_extra():
 
 
 def test_dpo_converts_policy_and_reference_with_the_strategy(tmp_path, tokenizer):
-    pairs = {"prompt": ["Return the", "Open a"], "chosen": [" value of x", " file for reading"],
-             "rejected": [" x of value", " reading for file"]}
-    args = hl_trl.DPOConfig(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True,
-                            per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, report_to="none",
-                            save_strategy="no", logging_steps=1, disable_tqdm=True, max_length=32)
+    pairs = {
+        "prompt": ["Return the", "Open a"],
+        "chosen": [" value of x", " file for reading"],
+        "rejected": [" x of value", " reading for file"],
+    }
+    args = hl_trl.DPOConfig(
+        output_dir=str(tmp_path),
+        precision_strategy="collage-plus",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_length=32,
+    )
     policy, reference = tiny_lm(tokenizer), tiny_lm(tokenizer)
     reference.requires_grad_(False)
-    trainer = hl_trl.DPOTrainer(model=policy, ref_model=reference, args=args,
-                                train_dataset=datasets.Dataset.from_dict(pairs), processing_class=tokenizer)
+    trainer = hl_trl.DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(pairs),
+        processing_class=tokenizer,
+    )
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -187,11 +246,36 @@ def test_ppo_applies_the_strategy_including_loss_scaling(tmp_path, tokenizer):
 def test_ppo_recipe_under_ddp_trains_and_saves(tmp_path):
     """Two gloo ranks: PPO trains, and save_model writes the policy (TRL 1.12 alone fails there)."""
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/configs/ddp.yaml",
-           "recipes/ppo_rlhf.py", "--precision_strategy", "collage-plus", "--total_episodes", "8",
-           "--per_device_train_batch_size", "4", "--num_mini_batches", "1", "--num_ppo_epochs", "1",
-           "--response_length", "4", "--reward_steps", "1", "--num_prompts", "16",
-           "--activation_checkpointing", "false", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/configs/ddp.yaml",
+        "recipes/ppo_rlhf.py",
+        "--precision_strategy",
+        "collage-plus",
+        "--total_episodes",
+        "8",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_mini_batches",
+        "1",
+        "--num_ppo_epochs",
+        "1",
+        "--response_length",
+        "4",
+        "--reward_steps",
+        "1",
+        "--num_prompts",
+        "16",
+        "--activation_checkpointing",
+        "false",
+        "--disable_tqdm",
+        "true",
+        "--output_dir",
+        str(tmp_path),
+    ]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -94,7 +94,9 @@ def test_update_is_computed_in_fp32_and_rounded_once(name: str, weight_decay: fl
         after = param.detach().double()
         target = theta.double() + exact
         ulp = torch.nextafter(param.detach(), torch.full_like(param, float("inf"))).double() - after
-        ulp = torch.maximum(ulp, after - torch.nextafter(param.detach(), torch.full_like(param, -float("inf"))).double())
+        ulp = torch.maximum(
+            ulp, after - torch.nextafter(param.detach(), torch.full_like(param, -float("inf"))).double()
+        )
         assert bool(((after - target).abs() <= ulp / 2 + 1e-6 * scale).all())
     else:
         # The held value θ + δθ (θ + k) keeps Δθ rounded to BF16 once (unit roundoff 2^-8).

@@ -36,15 +36,11 @@ STATE_DTYPES = {
 def make_problem(steps: int, seed: int = 0) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     generator = torch.Generator().manual_seed(seed)
     theta0 = [torch.randn(s, generator=generator).bfloat16() for s in ((16, 8), (33,))]
-    grads = [
-        [torch.randn(t.shape, generator=generator).bfloat16() for t in theta0] for _ in range(steps)
-    ]
+    grads = [[torch.randn(t.shape, generator=generator).bfloat16() for t in theta0] for _ in range(steps)]
     return theta0, grads
 
 
-def step_all(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]
-) -> None:
+def step_all(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()

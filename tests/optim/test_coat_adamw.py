@@ -17,9 +17,14 @@ def decoded(optimizer, param, key):
     state = optimizer.state[param]
     group = optimizer.param_groups[0]
     return FP8GroupState(
-        state[key], state[f"{key}_scale"], state[f"{key}_exponent"], state[f"{key}_center"],
-        tuple(param.shape), group["group_size"], group["expand"],
-    ).dequantize()  # fmt: skip
+        state[key],
+        state[f"{key}_scale"],
+        state[f"{key}_exponent"],
+        state[f"{key}_center"],
+        tuple(param.shape),
+        group["group_size"],
+        group["expand"],
+    ).dequantize()
 
 
 def make(dtype=torch.float32, n=300, seed=0, **options):
@@ -47,7 +52,9 @@ def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
     m1 = b1 * m + (1 - b1) * g
     v1 = b2 * v + (1 - b2) * g * g
     t = 4
-    update = -HYPER["lr"] * ((m1 / (1 - b1**t)) / ((v1 / (1 - b2**t)).sqrt() + HYPER["eps"]) + HYPER["weight_decay"] * theta)
+    update = -HYPER["lr"] * (
+        (m1 / (1 - b1**t)) / ((v1 / (1 - b2**t)).sqrt() + HYPER["eps"]) + HYPER["weight_decay"] * theta
+    )
     # The step itself is FP32 arithmetic on the decoded moments: a few FP32 roundings of Δθ
     # (|Δθ| ≈ lr) plus the rounding of θ + Δθ (|θ| ≲ 4: 2^-22 absolute).
     torch.testing.assert_close(param.detach().double() - theta, update, rtol=1e-5, atol=4 * 2.0**-23)
@@ -73,12 +80,15 @@ def test_state_dtypes_shapes_and_options():
     assert torch.equal(optimizer.state[param]["exp_avg_exponent"], torch.ones(3))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"group_size": 0}, "group_size"),
-    ({"exp_avg_sq_format": "fp16"}, "exp_avg_sq_format"),
-    ({"expand": "yes"}, "expand"),
-    ({"lr": -1.0}, "lr"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"group_size": 0}, "group_size"),
+        ({"exp_avg_sq_format": "fp16"}, "exp_avg_sq_format"),
+        ({"expand": "yes"}, "expand"),
+        ({"lr": -1.0}, "lr"),
+    ],
+)
 def test_bad_hyperparameters_raise_before_any_work(kwargs, match):
     with pytest.raises(ValueError, match=match):
         COATAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)
@@ -192,5 +202,7 @@ def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused
             assert torch.equal(value, other[:300]) and not other[300:].any(), key
         else:  # payloads padded to 3 whole groups, and per-group metadata
             assert value.shape == other.shape, key
-            assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
-                               other.view(torch.uint8) if other.element_size() == 1 else other), key
+            assert torch.equal(
+                value.view(torch.uint8) if value.element_size() == 1 else value,
+                other.view(torch.uint8) if other.element_size() == 1 else other,
+            ), key

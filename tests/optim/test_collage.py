@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from hf_lowprec.formats import Pair
 from hf_lowprec.metrics import edq, imprecision_percentage
 from hf_lowprec.optim import (
     CollageAdamW,
@@ -16,7 +17,6 @@ from hf_lowprec.optim import (
     LowPrecisionOptimizer,
     PlainAdamW,
 )
-from hf_lowprec.formats import Pair
 from hf_lowprec.optim.adamw import adamw_math, adamw_scalars
 
 Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
@@ -40,9 +40,13 @@ def make_problem(seed: int = 0, steps: int = 200, dtype: torch.dtype = torch.bfl
 
 
 def reference_adamw(
-    theta0: list[torch.Tensor], grads: list[list[torch.Tensor]], lr: float, betas: tuple[float, float],
-    eps: float = 1e-8, weight_decay: float = 0.0,
-) -> list[torch.Tensor]:  # fmt: skip
+    theta0: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> list[torch.Tensor]:
     """AdamW exactly as docs/algorithms.md §2 writes it, in FP64, on the same gradients."""
     beta1, beta2 = betas
     theta = [t.double() for t in theta0]
@@ -59,9 +63,10 @@ def reference_adamw(
 
 
 def run(
-    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], theta0: list[torch.Tensor],
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    theta0: list[torch.Tensor],
     grads: list[list[torch.Tensor]],
-) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:  # fmt: skip
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
     params = [t.clone().requires_grad_() for t in theta0]
     optimizer = factory(params)
     for step_grads in grads:
@@ -71,9 +76,7 @@ def run(
     return params, optimizer
 
 
-def relative_error(
-    values: list[torch.Tensor], reference: list[torch.Tensor], theta0: list[torch.Tensor]
-) -> float:
+def relative_error(values: list[torch.Tensor], reference: list[torch.Tensor], theta0: list[torch.Tensor]) -> float:
     """‖θ − θ_ref‖ / ‖θ_ref − θ0‖: the error relative to how far the reference moved."""
     error = sum(((v.detach().double() - r) ** 2).sum() for v, r in zip(values, reference))
     moved = sum(((r - t.double()) ** 2).sum() for r, t in zip(reference, theta0))
@@ -97,11 +100,11 @@ def accuracy() -> dict[str, float]:
         rounded = [r.bfloat16() for r in reference]
         errors["bf16(reference)" + suffix] = relative_error(rounded, reference, theta0)
         for name, factory in {
-            "plain": lambda ps: PlainAdamW(ps, **hyper),
-            "fp32-states": lambda ps: FP32StatesAdamW(ps, **hyper),
-            "kahan": lambda ps: KahanAdamW(ps, **hyper),
-            "light": lambda ps: CollageAdamW(ps, **hyper, variant="light"),
-            "plus": lambda ps: CollageAdamW(ps, **hyper, variant="plus"),
+            "plain": lambda ps, h=hyper: PlainAdamW(ps, **h),
+            "fp32-states": lambda ps, h=hyper: FP32StatesAdamW(ps, **h),
+            "kahan": lambda ps, h=hyper: KahanAdamW(ps, **h),
+            "light": lambda ps, h=hyper: CollageAdamW(ps, **h, variant="light"),
+            "plus": lambda ps, h=hyper: CollageAdamW(ps, **h, variant="plus"),
         }.items():
             params, optimizer = run(factory, theta0, grads)
             errors[name + suffix] = relative_error(params, reference, theta0)
@@ -139,10 +142,8 @@ def test_plus_beats_light_with_beta2_0999_light_suffices_with_095(accuracy: dict
 
 def test_plus_second_moment_decays_light_does_not() -> None:
     param = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
-    optimizers = {
-        v: CollageAdamW([param.detach().clone().requires_grad_()], variant=v) for v in ("light", "plus")
-    }
-    for variant, optimizer in optimizers.items():
+    optimizers = {v: CollageAdamW([param.detach().clone().requires_grad_()], variant=v) for v in ("light", "plus")}
+    for _variant, optimizer in optimizers.items():
         p = optimizer.param_groups[0]["params"][0]
         for step in range(300):
             p.grad = torch.full_like(p, 1.0 if step == 0 else 0.0)
@@ -214,7 +215,9 @@ def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> li
 
 
 @pytest.mark.parametrize("variant", ["light", "plus"])
-@pytest.mark.parametrize(("through_bytes", "dtype"), [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float16)])
+@pytest.mark.parametrize(
+    ("through_bytes", "dtype"), [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float16)]
+)
 def test_state_dict_round_trip_continues_bit_for_bit(variant: str, through_bytes: bool, dtype: torch.dtype) -> None:
     # FP16 also carries the second moment's scale (FP32), which must come back as FP32.
     theta0, grads = make_problem(steps=12, dtype=dtype)
@@ -273,9 +276,7 @@ def test_bad_parameters_raise() -> None:
 @pytest.mark.parametrize("variant", ["light", "plus"])
 def test_tracking_does_not_change_the_trajectory(variant: str) -> None:
     theta0, grads = make_problem(steps=10)
-    plain_params, plain = run(
-        lambda ps: CollageAdamW(ps, weight_decay=0.01, variant=variant), theta0, grads
-    )
+    plain_params, plain = run(lambda ps: CollageAdamW(ps, weight_decay=0.01, variant=variant), theta0, grads)
 
     def tracked_factory(ps: list[torch.Tensor]) -> CollageAdamW:
         optimizer = CollageAdamW(ps, weight_decay=0.01, variant=variant)

@@ -96,9 +96,12 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     and a non-contiguous gradient for the non-contiguous parameter."""
     dtype = params[0].dtype
     generator = torch.Generator().manual_seed(1000 + step)
-    grads = [(torch.randn(p.shape[::-1], generator=generator) * 1e-2).to(dtype).t()
-             if not p.is_contiguous() else (torch.randn(p.shape, generator=generator) * 1e-2).to(dtype)
-             for p in params]  # fmt: skip
+    grads = [
+        (torch.randn(p.shape[::-1], generator=generator) * 1e-2).to(dtype).t()
+        if not p.is_contiguous()
+        else (torch.randn(p.shape, generator=generator) * 1e-2).to(dtype)
+        for p in params
+    ]
     big = 6e4 if dtype == F16 else 1e30  # (6e4)² overflows FP16; (1e30)² overflows FP32
     grads[0].view(-1)[0] = 0.0
     grads[0].view(-1)[1] = big if step == 2 else 1e-2
@@ -216,7 +219,7 @@ def test_tracking_does_not_change_the_trajectory(family):
     _run(make, "compiled", 3, params=params, optimizer=optimizer, dtype=dtype)
     _assert_same_bits(*untracked, params, optimizer)
     assert len(optimizer.tracked) == 3 * len(params)
-    for record in optimizer.tracked[-len(params):]:
+    for record in optimizer.tracked[-len(params) :]:
         assert record.before.dtype == record.after.dtype == torch.float64
         assert record.update.dtype == F32 and record.update.shape == record.param.shape
         assert torch.equal(record.after, optimizer.held_value(record.param))
@@ -239,7 +242,7 @@ def test_new_shapes_do_not_recompile():
 
 
 def test_invalid_mode_is_refused_before_any_work():
-    with pytest.raises(ValueError, match="fused='fast'.*'auto'"):
+    with pytest.raises(ValueError, match=r"fused='fast'.*'auto'"):
         CollageAdamW(_params(BF16), fused="fast")
     with pytest.raises(ValueError, match="fused"):
         get_strategy("collage-plus", fused="yes")
@@ -257,7 +260,9 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("name", available_strategies())
-@pytest.mark.parametrize(("given", "expected"), [("foreach", "reference"), ("reference", "reference"), ("compiled", "compiled")])
+@pytest.mark.parametrize(
+    ("given", "expected"), [("foreach", "reference"), ("reference", "reference"), ("compiled", "compiled")]
+)
 def test_strategy_option_reaches_the_optimizer(name, given, expected):
     strategy = get_strategy(name, fused=given)
     model = strategy.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))
@@ -272,8 +277,11 @@ def test_fp16_als_passes_the_option_to_both_optimizers(options):
     assert _inner(strategy.create_optimizer(params)).fused == "reference"
 
 
-@pytest.mark.parametrize("options", [{"states": False}, {"states": False, "master_weights": "bf16-collage"}],
-                         ids=["fp32-master", "bf16-collage"])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [{"states": False}, {"states": False, "master_weights": "bf16-collage"}],
+    ids=["fp32-master", "bf16-collage"],
+)
 def test_coat_passes_the_option_to_its_bf16_and_fp32_steps(options):
     strategy = get_strategy("coat", activations=True, fused="foreach", **options)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=strategy.param_dtype))]
@@ -314,7 +322,7 @@ def test_compiled_raises_and_auto_falls_back_with_one_log_line_when_the_compiler
     _assert_same_bits(*auto, *_run(make, "reference", 3, dtype=dtype))
     params = _params(dtype)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(RuntimeError, match="fused='compiled'.*no C\\+\\+ compiler on PATH.*fused='auto'"):
+    with pytest.raises(RuntimeError, match=r"fused='compiled'.*no C\\+\\+ compiler on PATH.*fused='auto'"):
         _run(make, "compiled", 1, params=params)
     # Refused before any parameter moved.
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
@@ -374,7 +382,7 @@ def _coat_run(fused: str, dtype: torch.dtype, steps: int, **options):
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(dtype)) for s in COAT_SHAPES]
     optimizer = COATAdamW(params, lr=1e-2, weight_decay=0.1, fused=fused, **options)
-    for step in range(steps):
+    for _step in range(steps):
         for index, p in enumerate(params):
             # Groups over 10 decades (k = 1) and over one (k > 1: the expansion's pow and centre).
             decades = (-8, 2) if index % 2 else (-1, 0)
@@ -389,8 +397,9 @@ def _coat_run(fused: str, dtype: torch.dtype, steps: int, **options):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32-master", "bf16-collage"])
-@pytest.mark.parametrize("options", [{}, {"expand": False}, {"exp_avg_sq_format": "e5m2"}],
-                         ids=["expand", "plain", "v-e5m2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "options", [{}, {"expand": False}, {"exp_avg_sq_format": "e5m2"}], ids=["expand", "plain", "v-e5m2"]
+)
 def test_compiled_coat_step_is_bit_identical_to_the_reference(dtype, options):
     compiled = _coat_run("compiled", dtype, 3, **options)
     reference = _coat_run("reference", dtype, 3, **options)
@@ -422,8 +431,10 @@ def _fp8_o2_run(fused: str, steps: int, grad_scale_factor: float = 1.0):
     other = torch.randn(17, 9, generator=generator).t().requires_grad_()
     optimizer = FP8AdamW(
         [{"params": [master, other]}, {"params": [gain], "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}],
-        lr=1e-2, weight_decay=0.1, fused=fused,
-    )  # fmt: skip
+        lr=1e-2,
+        weight_decay=0.1,
+        fused=fused,
+    )
     for step in range(steps):
         g = torch.randn(master.shape, generator=generator) * 1e-3
         g[0] = 0.0

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from hf_lowprec.fp8 import FP8Linear, get_master_scale, quantize_gradient
-from hf_lowprec.metrics import edq
 from hf_lowprec.memory import model_state_bytes
+from hf_lowprec.metrics import edq
 from hf_lowprec.optim import FP8AdamW, LowPrecisionOptimizer
 
 HYPER = dict(lr=1e-3, weight_decay=0.01)
@@ -50,10 +50,14 @@ def test_tracks_adamw_on_fixed_gradients_and_fp8_second_moment_is_worse():
     theta0, grads = gradient_problem()
     reference = replay(lambda p: torch.optim.AdamW(p, **HYPER), theta0, grads, torch.float64)
     errors = {
-        fmt: relative_error(replay(lambda p: FP8AdamW(p, exp_avg_sq_format=fmt, **HYPER), theta0, grads), reference, theta0)
+        fmt: relative_error(
+            replay(lambda p, fmt=fmt: FP8AdamW(p, exp_avg_sq_format=fmt, **HYPER), theta0, grads), reference, theta0
+        )
         for fmt in ("fp16", "e4m3")
     }
-    fp16_master = relative_error(replay(lambda p: FP8AdamW(p, **HYPER), theta0, grads, torch.float16), reference, theta0)
+    fp16_master = relative_error(
+        replay(lambda p: FP8AdamW(p, **HYPER), theta0, grads, torch.float16), reference, theta0
+    )
     # Measured: 0.023 with FP16 v (E4M3 m's half-ulp noise, 2^-4), 0.023 with FP16 masters too,
     # and 42 with E4M3 v: where v underflows to 0 the update becomes m/ε (FP8-LM Fig. 8 #4).
     assert errors["fp16"] < 0.05
@@ -156,7 +160,7 @@ def test_fp8_gradient_handover_equals_the_dequantized_gradient():
     a = nn.Parameter(torch.randn(64, 32).half())
     b = nn.Parameter(a.detach().clone())
     opt_a, opt_b = FP8AdamW([a], **HYPER), FP8AdamW([b], **HYPER)
-    for step in range(3):
+    for _step in range(3):
         grad = torch.randn(64, 32) * 1e-3
         payload, scale, _ = quantize_gradient(grad, 1.0, torch.float8_e4m3fn)
         opt_a.set_fp8_grad(a, payload, scale)
@@ -231,7 +235,7 @@ def test_tracking_survives_a_doubling_master_scale():
     reference = torch.full_like(moved, -0.01)
     # One FP16 rounding of the new master: half an ulp of the top binade, 16 / 2^16 at most.
     assert (moved - reference).abs().max() <= 16.0 / 2**16
-    quality, ratio = edq([record.before], [record.after], [record.update])
+    _quality, ratio = edq([record.before], [record.after], [record.update])
     # ratio − 1 = ⟨Δθ, r⟩/‖Δθ‖² with |r_i| ≤ 16/2^16 and |Δθ_i| = 0.01: at most 0.0244.
     assert abs(ratio - 1.0) <= (16.0 / 2**16) / 0.01
 

@@ -179,7 +179,10 @@ def _h(scalars: torch.Tensor, index: int) -> list[float]:
 def _reference_delta(params, grads, ms, vs, steps, v_errors=None):
     scalars = _scalars(steps)
     errors = v_errors or [None] * len(params)
-    return [_adamw_reference(p, g, m, v, _h(scalars, i), e) for i, (p, g, m, v, e) in enumerate(zip(params, grads, ms, vs, errors))]
+    return [
+        _adamw_reference(p, g, m, v, _h(scalars, i), e)
+        for i, (p, g, m, v, e) in enumerate(zip(params, grads, ms, vs, errors))
+    ]
 
 
 def _two_sum(a, b, dtype):
@@ -207,8 +210,13 @@ def _collage_reference(params, errors, grads, ms, vs, v_errors, steps):
 # --- AdamW: bf16-pure, FP32 states, FP32 -------------------------------------------------
 
 ADAMW_DTYPES = [  # (param, grad, moments)
-    (BF16, BF16, BF16), (BF16, FP32, BF16), (BF16, BF16, FP32), (FP16, FP16, FP32), (FP32, FP32, FP32), (FP32, BF16, FP32),
-]  # fmt: skip
+    (BF16, BF16, BF16),
+    (BF16, FP32, BF16),
+    (BF16, BF16, FP32),
+    (FP16, FP16, FP32),
+    (FP32, FP32, FP32),
+    (FP32, BF16, FP32),
+]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -258,7 +266,9 @@ def test_collage_is_bit_identical(isa, variant, g_dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtypes", [(BF16, BF16), (BF16, FP32), (FP16, FP32)], ids=["bf16", "bf16-fp32states", "fp16-fp32states"])
+@pytest.mark.parametrize(
+    "dtypes", [(BF16, BF16), (BF16, FP32), (FP16, FP32)], ids=["bf16", "bf16-fp32states", "fp16-fp32states"]
+)
 def test_kahan_is_bit_identical(isa, dtypes):
     p_dtype, m_dtype = dtypes
     params = _edge_params(p_dtype)
@@ -393,15 +403,21 @@ def _fp8_setup(kind: str, seed: int = 0):
             scale = pow2_scale(real.abs().amax(), FP16)
             param = quantize(real, scale, FP16)
             state = {
-                "step": 0, "exp_avg": torch.zeros(n, dtype=torch.float8_e4m3fn), "exp_avg_scale": torch.ones(()),
-                "exp_avg_sq": torch.zeros(n, dtype=FP16), "exp_avg_sq_scale": torch.ones(()),
-            }  # fmt: skip
+                "step": 0,
+                "exp_avg": torch.zeros(n, dtype=torch.float8_e4m3fn),
+                "exp_avg_scale": torch.ones(()),
+                "exp_avg_sq": torch.zeros(n, dtype=FP16),
+                "exp_avg_sq_scale": torch.ones(()),
+            }
         else:
             scale, param = None, real
             state = {
-                "step": 0, "exp_avg": torch.zeros(n), "exp_avg_scale": torch.ones(()),
-                "exp_avg_sq": torch.zeros(n), "exp_avg_sq_scale": torch.ones(()),
-            }  # fmt: skip
+                "step": 0,
+                "exp_avg": torch.zeros(n),
+                "exp_avg_scale": torch.ones(()),
+                "exp_avg_sq": torch.zeros(n),
+                "exp_avg_sq_scale": torch.ones(()),
+            }
         rows.append([param, scale, state])
     return rows
 
@@ -423,8 +439,14 @@ def _fp8_grads(step: int, kind: str, clip: float):
 
 
 def _copy_rows(rows):
-    return [[p.clone(), None if s is None else s.clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}]
-            for p, s, st in rows]  # fmt: skip
+    return [
+        [
+            p.clone(),
+            None if s is None else s.clone(),
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()},
+        ]
+        for p, s, st in rows
+    ]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -439,15 +461,32 @@ def test_fp8_adamw_is_bit_identical(isa, kind, clip):
             row[2]["step"] += 1
         scalars = _scalars([r[2]["step"] for r in rows])
         native.fp8_adamw_step(
-            [r[0] for r in rows], [r[1] for r in rows], [g for g, _ in grads], [s for _, s in grads],
-            [r[2]["exp_avg"] for r in rows], [r[2]["exp_avg_scale"] for r in rows],
-            [r[2]["exp_avg_sq"] for r in rows], [r[2]["exp_avg_sq_scale"] for r in rows], scalars, margin=0, isa=isa,
-        )  # fmt: skip
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [g for g, _ in grads],
+            [s for _, s in grads],
+            [r[2]["exp_avg"] for r in rows],
+            [r[2]["exp_avg_scale"] for r in rows],
+            [r[2]["exp_avg_sq"] for r in rows],
+            [r[2]["exp_avg_sq_scale"] for r in rows],
+            scalars,
+            margin=0,
+            isa=isa,
+        )
         for (param, scale, state), (g, g_scale) in zip(ref, grads):
             set_master_scale(param, scale)
             real_g = g.float() if g_scale is None else dequantize(g, g_scale)
-            fp8_adamw_param_step(param, real_g, state, lr=HYPER["lr"], beta1=HYPER["beta1"], beta2=HYPER["beta2"],
-                                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], margin=0)  # fmt: skip
+            fp8_adamw_param_step(
+                param,
+                real_g,
+                state,
+                lr=HYPER["lr"],
+                beta1=HYPER["beta1"],
+                beta2=HYPER["beta2"],
+                eps=HYPER["eps"],
+                weight_decay=HYPER["weight_decay"],
+                margin=0,
+            )
         for index, ((p, s, st), (rp, rs, rst)) in enumerate(zip(rows, ref)):
             what = f"step {step} row {index}"
             _same(p, rp, f"{what} param")
@@ -472,13 +511,18 @@ def test_forced_isa_by_environment_runs_that_isa():
     )
     for isa in _supported_isas():
         env = {**os.environ, native.ISA_ENV: isa}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
         assert out[0] == isa and float(out[1]) < 1.0
-    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "sse9"}, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "sse9"}, capture_output=True, text=True
+    )
     assert bad.returncode != 0 and "choose one of avx512, avx2, scalar" in bad.stderr
     if "avx512" not in _cpu_isas():
-        lacking = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "avx512"},
-                                 capture_output=True, text=True)  # fmt: skip
+        lacking = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "avx512"}, capture_output=True, text=True
+        )
         assert lacking.returncode != 0 and "which this CPU lacks" in lacking.stderr
 
 
@@ -527,9 +571,16 @@ def _coat_pair(dtype: torch.dtype, v_format: str, expand: bool):
     generator = torch.Generator().manual_seed(9)
     params = [_values(n, generator, 1.0).to(dtype) for n in COAT_SIZES]
     ref = [p.clone().requires_grad_() for p in params]
-    optimizer = COATAdamW(ref, exp_avg_sq_format=v_format, expand=expand, fused="foreach", **{
-        "lr": HYPER["lr"], "betas": (HYPER["beta1"], HYPER["beta2"]), "eps": HYPER["eps"],
-        "weight_decay": HYPER["weight_decay"]})  # fmt: skip
+    optimizer = COATAdamW(
+        ref,
+        exp_avg_sq_format=v_format,
+        expand=expand,
+        fused="foreach",
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     v_dtype = torch.float8_e4m3fn if v_format == "e4m3" else torch.float8_e5m2
     ms = [FP8GroupState.zeros(p.shape, expand=expand) for p in params]
     vs = [FP8GroupState.zeros(p.shape, fp8_dtype=v_dtype, expand=expand) for p in params]
@@ -560,7 +611,9 @@ def test_coat_without_expansion_is_bit_identical(isa, dtype, v_format):
                 _same(errors[index], state["param_error"], f"{what} param_error")
             for key, mine in (("exp_avg", ms[index]), ("exp_avg_sq", vs[index])):
                 fields = [mine.payload, mine.scale, mine.exponent, mine.center]
-                for name, a, e in zip(("payload", "scale", "exponent", "center"), fields, _coat_state_fields(state, key)):
+                for name, a, e in zip(
+                    ("payload", "scale", "exponent", "center"), fields, _coat_state_fields(state, key)
+                ):
                     _same(a, e, f"{what} {key} {name}")
 
 
@@ -615,11 +668,19 @@ def test_coat_with_expansion_is_within_the_fp64_bounds(isa):
             states = [optimizer.state[r] for r in ref]
             for m, v, state, p, r in zip(ms, vs, states, params, ref):
                 for mine, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
-                    for target, source in zip((mine.payload, mine.scale, mine.exponent, mine.center), _coat_state_fields(state, key)):
+                    for target, source in zip(
+                        (mine.payload, mine.scale, mine.exponent, mine.center), _coat_state_fields(state, key)
+                    ):
                         target.copy_(source)
                 p.copy_(r.detach())
-            before = [(p.double(), [f.clone() for f in _coat_state_fields(s, "exp_avg")],
-                       [f.clone() for f in _coat_state_fields(s, "exp_avg_sq")]) for p, s in zip(params, states)]  # fmt: skip
+            before = [
+                (
+                    p.double(),
+                    [f.clone() for f in _coat_state_fields(s, "exp_avg")],
+                    [f.clone() for f in _coat_state_fields(s, "exp_avg_sq")],
+                )
+                for p, s in zip(params, states)
+            ]
             native.coat_step(params, None, grads, ms, vs, _scalars([2] * len(params)), expand=True, isa=isa)
         optimizer.step()
     h = _scalars([2])[0].double()
@@ -640,20 +701,31 @@ def test_coat_with_expansion_is_within_the_fp64_bounds(isa):
         ok = finite & torch.isfinite(theta64)
         for name, got in (("native", p), ("reference", r.detach())):
             error = (got.double() - theta64).abs()
-            assert bool((error[ok] <= tol[ok]).all()), f"{name} θ of tensor {index}: {(error / tol)[ok].max():.3g} × the bound"
+            assert bool((error[ok] <= tol[ok]).all()), (
+                f"{name} θ of tensor {index}: {(error / tol)[ok].max():.3g} × the bound"
+            )
         group = torch.arange(n) // 128
         slack_m = 2.0**-16 * (m_old.abs() + g64.abs())
         slack_v = 2.0**-16 * (v_old.abs() + h[2] * g64 * g64)
         good_groups = torch.isfinite(ms[index].scale)
         usable = good_groups[group] & finite
         for name, fields in (("native", None), ("reference", optimizer.state[r])):
-            for key, x64, slack, state in (("exp_avg", m64, slack_m, ms[index]), ("exp_avg_sq", v64, slack_v, vs[index])):
-                stored = [state.payload, state.scale, state.exponent, state.center] if fields is None else _coat_state_fields(fields, key)
+            for key, x64, slack, state in (
+                ("exp_avg", m64, slack_m, ms[index]),
+                ("exp_avg_sq", v64, slack_v, vs[index]),
+            ):
+                stored = (
+                    [state.payload, state.scale, state.exponent, state.center]
+                    if fields is None
+                    else _coat_state_fields(fields, key)
+                )
                 dtype = stored[0].dtype
                 decoded = _decode64(*stored, n).abs()
                 lo, hi = _quantization_interval(x64, slack, *stored[1:], dtype, group)
                 inside = (decoded >= lo) & (decoded <= hi)
-                assert bool(inside[usable].all()), f"{name} {key} of tensor {index}: {int((~inside & usable).sum())} outside"
+                assert bool(inside[usable].all()), (
+                    f"{name} {key} of tensor {index}: {int((~inside & usable).sum())} outside"
+                )
         groups_total += ms[index].exponent.numel() + vs[index].exponent.numel()
         k_same += int((ms[index].exponent == optimizer.state[r]["exp_avg_exponent"]).sum())
         k_same += int((vs[index].exponent == optimizer.state[r]["exp_avg_sq_exponent"]).sum())
@@ -687,8 +759,15 @@ def test_optimizers_reference_path_matches_native(family):
         from hf_lowprec.optim import fp16
 
         cls = getattr(fp16, name)
-    optimizer = cls(ref, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                                     weight_decay=HYPER["weight_decay"], fused="foreach", **options)  # fmt: skip
+    optimizer = cls(
+        ref,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        fused="foreach",
+        **options,
+    )
     ms = [torch.zeros_like(p, dtype=m_dtype) for p in params]
     vs = [torch.zeros_like(p, dtype=m_dtype) for p in params]
     extras = {key: [p.float() if key == "master" else torch.zeros_like(p) for p in params] for key in extra_keys}

@@ -43,7 +43,7 @@ def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, v
     assert proc.returncode == 0 and lines, (
         f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     )
-    return json.loads(lines[-1][len(MARKER):])
+    return json.loads(lines[-1][len(MARKER) :])
 
 
 def import_recipe(name: str):
@@ -64,8 +64,13 @@ def check_trained(result: dict, strategy: str, steps: int) -> None:
 @pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
 def test_pretrain_clm(tmp_path, strategy):
     via_env = strategy == "collage-plus"
-    result = run_recipe("pretrain_clm.py", ["--max_steps", "2", "--per_device_train_batch_size", "4",
-                                            "--max_eval_samples", "12"], tmp_path, strategy=strategy, via_env=via_env)
+    result = run_recipe(
+        "pretrain_clm.py",
+        ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "12"],
+        tmp_path,
+        strategy=strategy,
+        via_env=via_env,
+    )
     check_trained(result, strategy, 2)
     assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1
     assert (tmp_path / "out" / "model.safetensors").exists()
@@ -74,24 +79,60 @@ def test_pretrain_clm(tmp_path, strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,model_type,phase", [("collage-plus", "bert", "1"), ("bf16-mixed", "roberta", "2")])
 def test_pretrain_mlm(tmp_path, strategy, model_type, phase):
-    result = run_recipe("pretrain_mlm.py", ["--model_type", model_type, "--bert_phase", phase,
-                                            "--phase1_seq_length", "32", "--phase2_seq_length", "64",
-                                            "--max_steps", "2", "--per_device_train_batch_size", "4",
-                                            "--max_eval_samples", "12"], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "pretrain_mlm.py",
+        [
+            "--model_type",
+            model_type,
+            "--bert_phase",
+            phase,
+            "--phase1_seq_length",
+            "32",
+            "--phase2_seq_length",
+            "64",
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_eval_samples",
+            "12",
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     check_trained(result, strategy, 2)
     assert result["model_type"] == model_type
     assert result["seq_length"] == (32 if phase == "1" else 64)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,task,metrics", [
-    ("collage-plus", "synthetic-sst2", {"accuracy"}),          # single sentence
-    ("bf16-mixed", "synthetic-stsb", {"pearson", "spearmanr"}),  # sentence pair, regression
-])
+@pytest.mark.parametrize(
+    "strategy,task,metrics",
+    [
+        ("collage-plus", "synthetic-sst2", {"accuracy"}),  # single sentence
+        ("bf16-mixed", "synthetic-stsb", {"pearson", "spearmanr"}),  # sentence pair, regression
+    ],
+)
 def test_finetune_glue_reports_glue_metrics(tmp_path, strategy, task, metrics):
-    result = run_recipe("finetune_glue.py", ["--task_name", task, "--max_steps", "3", "--eval_strategy", "no",
-                                             "--per_device_train_batch_size", "8", "--synthetic_size", "64",
-                                             "--max_eval_samples", "32"], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "finetune_glue.py",
+        [
+            "--task_name",
+            task,
+            "--max_steps",
+            "3",
+            "--eval_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "8",
+            "--synthetic_size",
+            "64",
+            "--max_eval_samples",
+            "32",
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     check_trained(result, strategy, 3)
     assert set(result["glue"]) == metrics
     assert all(-1.0 <= v <= 1.0 for v in result["glue"].values())
@@ -102,8 +143,21 @@ def test_finetune_glue_reports_glue_metrics(tmp_path, strategy, task, metrics):
 def test_dpo_learns_the_embedded_preferences(tmp_path, strategy):
     # 16 pairs seen 6 times: the policy must come to prefer the ordered continuation over the
     # shuffled one (reward margin > 0 and most pairs ranked right) on the last logged batch.
-    result = run_recipe("dpo.py", ["--num_pairs", "16", "--num_train_epochs", "6", "--per_device_train_batch_size", "8",
-                                   "--learning_rate", "2e-3"], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "dpo.py",
+        [
+            "--num_pairs",
+            "16",
+            "--num_train_epochs",
+            "6",
+            "--per_device_train_batch_size",
+            "8",
+            "--learning_rate",
+            "2e-3",
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     assert result["precision_strategy"] == strategy
     assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
     assert result["final_loss"] < result["first_loss"] - 0.1, result
@@ -114,9 +168,26 @@ def test_dpo_learns_the_embedded_preferences(tmp_path, strategy):
 @pytest.mark.parametrize("strategy,fmt", [("collage-plus", "text"), ("bf16-mixed", "messages")])
 def test_sft(tmp_path, strategy, fmt):
     extra = ["--assistant_only_loss", "true"] if fmt == "messages" else []
-    result = run_recipe("sft.py", ["--dataset_format", fmt, "--max_steps", "2", "--per_device_train_batch_size", "4",
-                                   "--max_length", "64", "--activation_checkpointing", "false",
-                                   "--max_eval_samples", "8", *extra], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "sft.py",
+        [
+            "--dataset_format",
+            fmt,
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_length",
+            "64",
+            "--activation_checkpointing",
+            "false",
+            "--max_eval_samples",
+            "8",
+            *extra,
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     check_trained(result, strategy, 2)
     assert result["data_format"] == [fmt]
 
@@ -125,10 +196,29 @@ def test_sft(tmp_path, strategy, fmt):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
 def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
-    result = run_recipe("ppo_rlhf.py", ["--total_episodes", "8", "--per_device_train_batch_size", "4",
-                                        "--num_mini_batches", "2", "--num_ppo_epochs", "1", "--response_length", "8",
-                                        "--reward_steps", "2", "--num_prompts", "16",
-                                        "--activation_checkpointing", "false"], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "ppo_rlhf.py",
+        [
+            "--total_episodes",
+            "8",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_mini_batches",
+            "2",
+            "--num_ppo_epochs",
+            "1",
+            "--response_length",
+            "8",
+            "--reward_steps",
+            "2",
+            "--num_prompts",
+            "16",
+            "--activation_checkpointing",
+            "false",
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     assert result["precision_strategy"] == strategy
     assert result["ppo_updates"] == 2  # 8 episodes, 4 prompts a batch
     assert math.isfinite(result["loss/policy_avg"]) and math.isfinite(result["loss/value_avg"])
@@ -139,10 +229,27 @@ def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", SUBPROCESS_STRATEGIES)
 def test_grpo_rlhf(tmp_path, strategy):
-    result = run_recipe("grpo_rlhf.py", ["--max_steps", "1", "--per_device_train_batch_size", "4",
-                                         "--num_generations", "4", "--max_completion_length", "8",
-                                         "--reward_steps", "2", "--num_prompts", "8",
-                                         "--activation_checkpointing", "false"], tmp_path, strategy=strategy)
+    result = run_recipe(
+        "grpo_rlhf.py",
+        [
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--reward_steps",
+            "2",
+            "--num_prompts",
+            "8",
+            "--activation_checkpointing",
+            "false",
+        ],
+        tmp_path,
+        strategy=strategy,
+    )
     check_trained(result, strategy, 1)
     assert math.isfinite(result["reward"])
 
@@ -155,9 +262,23 @@ OTHER_STRATEGIES = [s for s in available_strategies() if s not in SUBPROCESS_STR
 @pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
 def test_pretrain_clm_every_other_strategy(tmp_path, strategy):
     recipe = import_recipe("pretrain_clm")
-    result = recipe.main(["--precision_strategy", strategy, "--output_dir", str(tmp_path), *QUICK,
-                          "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "8",
-                          "--use_cpu", "true"])
+    result = recipe.main(
+        [
+            "--precision_strategy",
+            strategy,
+            "--output_dir",
+            str(tmp_path),
+            *QUICK,
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_eval_samples",
+            "8",
+            "--use_cpu",
+            "true",
+        ]
+    )
     check_trained(result, strategy, 2)
 
 
@@ -170,10 +291,29 @@ def test_finetune_glue_from_csv_files(tmp_path):
             writer = csv.writer(f)
             writer.writerow(["sentence1", "sentence2", "label"])
             writer.writerows(zip(rows["sentence1"], rows["sentence2"], rows["label"]))
-    result = recipe.main(["--precision_strategy", "bf16-pure", "--output_dir", str(tmp_path / "out"), *QUICK,
-                          "--train_file", str(tmp_path / "train.csv"), "--validation_file",
-                          str(tmp_path / "validation.csv"), "--max_steps", "2", "--eval_strategy", "no",
-                          "--per_device_train_batch_size", "8", "--max_eval_samples", "16", "--use_cpu", "true"])
+    result = recipe.main(
+        [
+            "--precision_strategy",
+            "bf16-pure",
+            "--output_dir",
+            str(tmp_path / "out"),
+            *QUICK,
+            "--train_file",
+            str(tmp_path / "train.csv"),
+            "--validation_file",
+            str(tmp_path / "validation.csv"),
+            "--max_steps",
+            "2",
+            "--eval_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_eval_samples",
+            "16",
+            "--use_cpu",
+            "true",
+        ]
+    )
     check_trained(result, "bf16-pure", 2)
     assert result["metric_task"] == "mrpc" and set(result["glue"]) == {"accuracy", "f1"}
 
@@ -187,9 +327,11 @@ def test_strategy_from_environment_and_command_line_precedence(monkeypatch, tmp_
     (args,) = common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path)])
     assert args.precision_strategy == "collage-plus"
     assert args.precision_options == {"lost_arithmetic_metrics": True}
-    (args,) = common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path),
-                                                           "--precision_strategy", "bf16-pure",
-                                                           "--precision_options", "{}"])
+    (args,) = common.parse_args(
+        (TrainingArguments,),
+        "t",
+        ["--output_dir", str(tmp_path), "--precision_strategy", "bf16-pure", "--precision_options", "{}"],
+    )
     assert args.precision_strategy == "bf16-pure" and args.precision_options == {}
     assert args.use_cpu == (not torch.cuda.is_available())
     monkeypatch.setenv(common.ENV_STRATEGY, "collage-pls")

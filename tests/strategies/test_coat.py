@@ -23,25 +23,31 @@ def setup(seed=0, **options):
     return strategy, model, optimizer
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"master_weights": "fp16"}, "master_weights"),
-    ({"exp_avg_sq_format": "fp16"}, "exp_avg_sq_format"),
-    ({"group_size": 0}, "group_size"),
-    ({"expand": 1}, "expand"),
-    ({"states": False, "activations": False}, "enable a piece"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"master_weights": "fp16"}, "master_weights"),
+        ({"exp_avg_sq_format": "fp16"}, "exp_avg_sq_format"),
+        ({"group_size": 0}, "group_size"),
+        ({"expand": 1}, "expand"),
+        ({"states": False, "activations": False}, "enable a piece"),
+    ],
+)
 def test_bad_options_raise_before_any_work(options, match):
     with pytest.raises(ValueError, match=match):
         hf_lowprec.get_strategy("coat", **options)
 
 
-@pytest.mark.parametrize("options, fp8_layers, optimizer_class, dtype, documented", [
-    ({}, True, COATAdamW, torch.float32, 10.1875),
-    ({"activations": False}, False, COATAdamW, torch.float32, 10.1875),
-    ({"states": False}, True, PlainAdamW, torch.float32, 16.0),
-    ({"master_weights": "bf16-collage"}, True, COATAdamW, torch.bfloat16, 8.1875),
-    ({"master_weights": "bf16-collage", "states": False}, True, CollageAdamW, torch.bfloat16, 10.0),
-])
+@pytest.mark.parametrize(
+    "options, fp8_layers, optimizer_class, dtype, documented",
+    [
+        ({}, True, COATAdamW, torch.float32, 10.1875),
+        ({"activations": False}, False, COATAdamW, torch.float32, 10.1875),
+        ({"states": False}, True, PlainAdamW, torch.float32, 16.0),
+        ({"master_weights": "bf16-collage"}, True, COATAdamW, torch.bfloat16, 8.1875),
+        ({"master_weights": "bf16-collage", "states": False}, True, CollageAdamW, torch.bfloat16, 10.0),
+    ],
+)
 def test_options_select_the_pieces_and_bytes_per_param(options, fp8_layers, optimizer_class, dtype, documented):
     strategy, model, optimizer = setup(**options)
     assert any(isinstance(m, FP8Linear) for m in model.modules()) == fp8_layers

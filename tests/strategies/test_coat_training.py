@@ -37,7 +37,7 @@ def memorize(name: str, **options) -> float:
     model = strategy.prepare_model(GPT2LMHeadModel(config))
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
     schedule = get_cosine_schedule_with_warmup(optimizer, STEPS // 20, STEPS)
-    data = [blocks[(step * BATCH) % BLOCKS:][:BATCH] for step in range(STEPS)]
+    data = [blocks[(step * BATCH) % BLOCKS :][:BATCH] for step in range(STEPS)]
     train_steps(strategy, model, optimizer, data, schedule)
     model.eval()
     with torch.no_grad(), strategy.forward_context():

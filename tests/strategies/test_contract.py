@@ -47,7 +47,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(name):
     strategy2, model2, optimizer2 = setup(name, seed=123)  # a different init, overwritten by the load
     model2.load_state_dict(saved["model"])
     optimizer2.load_state_dict(saved["optimizer"])
-    for (p1, s1), (p2, s2) in zip(optimizer.state.items(), optimizer2.state.items()):
+    for (_p1, s1), (_p2, s2) in zip(optimizer.state.items(), optimizer2.state.items()):
         for key in s1:
             if torch.is_tensor(s1[key]):
                 assert s2[key].dtype == s1[key].dtype, f"{name}: state {key!r} came back as {s2[key].dtype}"

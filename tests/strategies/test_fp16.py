@@ -29,7 +29,10 @@ def test_dtypes_and_metrics():
     assert {p.grad for p in model.parameters()} == {None}
     state = next(iter(optimizer.state.values()))
     assert {k: v.dtype for k, v in state.items() if torch.is_tensor(v)} == {
-        "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "master": torch.float32}
+        "exp_avg": torch.float32,
+        "exp_avg_sq": torch.float32,
+        "master": torch.float32,
+    }
     metrics = strategy.metrics()
     assert metrics["precision/loss_scale"] == 4.0  # 1 → 2 → 4: tiny gradients double it each step
     assert metrics["precision/upper_bin_share"] == 0.0 and metrics["precision/clipped_elements"] == 0.0
@@ -93,7 +96,9 @@ def test_stochastic_rounding_weights_train_and_resume_bit_for_bit():
     assert len(states) == len(list(model.parameters())) and all(states)
     for state in states:
         assert {k: v.dtype for k, v in state.items() if torch.is_tensor(v)} == {
-            "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+            "exp_avg": torch.float32,
+            "exp_avg_sq": torch.float32,
+        }
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)
@@ -149,7 +154,7 @@ def test_refused_under_deepspeed_with_a_reason(name, tmp_path):
         assert message is not None and "no FP16" in message and "bf16-mixed" in message
     # Refused when the arguments are built, before any model or process group exists.
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
-    with pytest.raises(ValueError, match="not supported under DeepSpeed ZeRO stage 2.*no FP16"):
+    with pytest.raises(ValueError, match=r"not supported under DeepSpeed ZeRO stage 2.*no FP16"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, use_cpu=True, deepspeed=config)
 
 

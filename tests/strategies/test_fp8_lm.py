@@ -9,7 +9,8 @@ import hf_lowprec
 from hf_lowprec.fp8 import FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, PlainAdamW
-from tests.helpers import batches, tiny_gpt2, train_steps as train
+from tests.helpers import batches, tiny_gpt2
+from tests.helpers import train_steps as train
 
 NAMES = ["fp8-lm-o1", "fp8-lm-o2"]
 
@@ -92,7 +93,7 @@ def test_o2_trains_layernorm_gains_at_lr_1e_4():
     master (the old O2) cannot move at all: half its ulp at 1.0 is 4.9e-4 > 1e-4.
     """
     lr, wd = 1e-4, 0.01
-    strategy, model, optimizer = setup("fp8-lm-o2", lr=lr)
+    _strategy, model, optimizer = setup("fp8-lm-o2", lr=lr)
     gains = [m.weight for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
     before = [g.detach().double().clone() for g in gains]
     ids = batches(1)[0]
@@ -203,7 +204,7 @@ def test_o2_gradient_accumulation_in_fp8_matches_the_fp64_sum():
     """
     data = batches(4, seed=3)
     reference = micro_batch_gradients(data)
-    strategy, model, optimizer = setup("fp8-lm-o2")
+    _strategy, model, optimizer = setup("fp8-lm-o2")
     for ids in data:
         model(input_ids=ids, labels=ids).loss.backward()
     for i, p in enumerate(fp8_weights(model)):
@@ -263,7 +264,9 @@ def test_o2_lost_arithmetic_metrics_are_taken_on_the_masters():
 class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the floating operand dtypes of every matrix product (after autocast's casts)."""
 
-    PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention_for_cpu"}
+    PRODUCTS = frozenset(
+        {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention_for_cpu"}
+    )
 
     def __init__(self):
         super().__init__()

@@ -99,10 +99,21 @@ def test_seed_compensation_refuses_what_it_cannot_seed() -> None:
 @pytest.mark.slow
 def test_trainer_saves_fp32_weights_that_load_into_a_plain_model(tmp_path) -> None:
     def args(**kw):
-        base = dict(output_dir=str(tmp_path), precision_strategy="collage-plus", max_steps=4,
-                    per_device_train_batch_size=4, learning_rate=1e-3, save_strategy="steps", save_steps=2,
-                    logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                    precision_options={"save_full_precision": True})  # fmt: skip
+        base = dict(
+            output_dir=str(tmp_path),
+            precision_strategy="collage-plus",
+            max_steps=4,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            save_strategy="steps",
+            save_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            precision_options={"save_full_precision": True},
+        )
         base.update(kw)
         return TrainingArguments(**base)
 

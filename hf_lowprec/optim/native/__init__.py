@@ -154,8 +154,16 @@ def adamw_scalars(
     rows = []
     for t in steps:
         sqrt_c2 = math.sqrt(1.0 - beta2**t)
-        rows.append([1.0 - beta1, beta2, 1.0 - beta2, -lr * sqrt_c2 / (1.0 - beta1**t), max(eps * sqrt_c2, tiny),
-                     -lr * weight_decay])  # fmt: skip
+        rows.append(
+            [
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                -lr * sqrt_c2 / (1.0 - beta1**t),
+                max(eps * sqrt_c2, tiny),
+                -lr * weight_decay,
+            ]
+        )
     return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 6)
 
 
@@ -164,9 +172,14 @@ def _flat(tensors: Tensors) -> list[torch.Tensor]:
 
 
 def adamw_step(
-    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, scalars: torch.Tensor,
-    *, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    scalars: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> None:
     """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
     moments: bf16-mixed's masters) and `FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
 
@@ -180,9 +193,16 @@ def adamw_step(
 
 
 def collage_step(
-    params: Tensors, param_errors: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-    exp_avg_sq_errors: Tensors | None, scalars: torch.Tensor, *, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    param_errors: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    exp_avg_sq_errors: Tensors | None,
+    scalars: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> None:
     """Collage AdamW in place: light when `exp_avg_sq_errors` is None,
     plus otherwise.
 
@@ -193,15 +213,27 @@ def collage_step(
     """
     errors = None if exp_avg_sq_errors is None else _flat(exp_avg_sq_errors)
     _module().collage_step(
-        _flat(params), _flat(param_errors), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), errors, scalars,
+        _flat(params),
+        _flat(param_errors),
+        _flat(grads),
+        _flat(exp_avgs),
+        _flat(exp_avg_sqs),
+        errors,
+        scalars,
         _isa_code(isa),
-    )  # fmt: skip
+    )
 
 
 def kahan_step(
-    params: Tensors, compensations: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-    scalars: torch.Tensor, *, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    compensations: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    scalars: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> None:
     """`KahanAdamW` in place: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
 
     Dtypes: θ and k BF16 with moments BF16 or FP32, or FP16 with FP32 moments; g FP32, BF16 or FP16.
@@ -212,9 +244,15 @@ def kahan_step(
 
 
 def sr_step(
-    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, scalars: torch.Tensor,
-    seeds: torch.Tensor, *, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    scalars: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> None:
     """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂) (`StochasticRoundingAdamW`,
     and `FP32StatesSRAdamW` with FP32 moments).
 
@@ -231,9 +269,15 @@ def sr_step(
 
 
 def master_step(
-    params: Tensors, masters: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-    scalars: torch.Tensor, *, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    masters: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    scalars: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> None:
     """`MasterWeightAdamW` in place: AdamW on the FP32 master θ₃₂ (FP32 moments), then the
     visible weight θ ← r(θ₃₂), one pass.
 
@@ -245,10 +289,19 @@ def master_step(
 
 
 def fp8_adamw_step(
-    params: Tensors, master_scales: Sequence[torch.Tensor | None], grads: Tensors,
-    grad_scales: Sequence[torch.Tensor | None], exp_avgs: Tensors, exp_avg_scales: Tensors, exp_avg_sqs: Tensors,
-    exp_avg_sq_scales: Tensors, scalars: torch.Tensor, *, margin: int = 0, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    master_scales: Sequence[torch.Tensor | None],
+    grads: Tensors,
+    grad_scales: Sequence[torch.Tensor | None],
+    exp_avgs: Tensors,
+    exp_avg_scales: Tensors,
+    exp_avg_sqs: Tensors,
+    exp_avg_sq_scales: Tensors,
+    scalars: torch.Tensor,
+    *,
+    margin: int = 0,
+    isa: str | None = None,
+) -> None:
     """`fp8_adamw.fp8_adamw_param_step` in place over a bucket (the step counts are the caller's).
 
     Two passes over each tensor, as the compiled path: pass 1 computes the new (θ, m, v) and their
@@ -274,9 +327,18 @@ def fp8_adamw_step(
     flat_scales = [None if s is None else s.detach() for s in master_scales]
     grad_scales = [None if s is None else s.detach() for s in grad_scales]
     _module().fp8_adamw_step(
-        _flat(params), flat_scales, _flat(grads), grad_scales, _flat(exp_avgs), list(exp_avg_scales), _flat(exp_avg_sqs),
-        list(exp_avg_sq_scales), scalars, margin, _isa_code(isa),
-    )  # fmt: skip
+        _flat(params),
+        flat_scales,
+        _flat(grads),
+        grad_scales,
+        _flat(exp_avgs),
+        list(exp_avg_scales),
+        _flat(exp_avg_sqs),
+        list(exp_avg_sq_scales),
+        scalars,
+        margin,
+        _isa_code(isa),
+    )
 
 
 def _group_fields(state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,9 +350,17 @@ def _group_fields(state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def coat_step(
-    params: Tensors, param_errors: Tensors | None, grads: Tensors, exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any],
-    scalars: torch.Tensor, *, group_size: int = 128, expand: bool = True, isa: str | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    param_errors: Tensors | None,
+    grads: Tensors,
+    exp_avgs: Sequence[Any],
+    exp_avg_sqs: Sequence[Any],
+    scalars: torch.Tensor,
+    *,
+    group_size: int = 128,
+    expand: bool = True,
+    isa: str | None = None,
+) -> None:
     """`COATAdamW`'s step in place, group by group of `group_size`.
 
     Per group of m and of v: decode x = sign(y)·|y|^(1/k)·c, y = q/s (expand) or x = q/s; the
@@ -318,6 +388,13 @@ def coat_step(
     v = [_group_fields(s) for s in exp_avg_sqs]
     errors = None if param_errors is None else _flat(param_errors)
     _module().coat_step(
-        _flat(params), errors, _flat(grads), *([list(f) for f in zip(*m)] if m else [[]] * 4),
-        *([list(f) for f in zip(*v)] if v else [[]] * 4), scalars, group_size, expand, _isa_code(isa),
-    )  # fmt: skip
+        _flat(params),
+        errors,
+        _flat(grads),
+        *([list(f) for f in zip(*m)] if m else [[]] * 4),
+        *([list(f) for f in zip(*v)] if v else [[]] * 4),
+        scalars,
+        group_size,
+        expand,
+        _isa_code(isa),
+    )

@@ -84,7 +84,7 @@ def average_ranks(x: np.ndarray) -> np.ndarray:
         end = start
         while end + 1 < len(x) and sorted_x[end + 1] == sorted_x[start]:
             end += 1
-        ranks[order[start:end + 1]] = (start + end) / 2 + 1
+        ranks[order[start : end + 1]] = (start + end) / 2 + 1
         start = end + 1
     return ranks
 
