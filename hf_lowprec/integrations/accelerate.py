@@ -167,7 +167,7 @@ class PrecisionPlugin:
     def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
         """FSDP2 in a custom loop: `prepare_model` (conversion, forward context), then
         `fully_shard` per transformer block and on the root with the strategy's mixed-precision
-        policy (`strategy.shard`). Every rank calls it; build the optimizer afterwards with
+        policy (`hf_lowprec.fsdp.shard_model`). Every rank calls it; build the optimizer afterwards with
         `create_optimizer(model.parameters(), ...)`. Refused strategies raise before any work."""
         from ..fsdp import check_fsdp2_support
 
