@@ -271,7 +271,7 @@ class GroupFP8(Format):
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r} (COAT uses 128)")
         if self.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"GroupFP8 stores torch.float8_e4m3fn or torch.float8_e5m2, got {self.dtype}")
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.dtype}")
         object.__setattr__(self, "block", self.group_size)
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:

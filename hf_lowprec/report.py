@@ -169,6 +169,15 @@ def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.
         if group is not None:
             sample, state = params[0], inner.plan_state(params[0], group)
     dtypes = sorted({_dtype_name(p.dtype) for p in params})
+    composition = getattr(inner, "composition", None)
+    if composition is not None and sample is not None and hasattr(inner, "_options_of"):
+        # An hf_lowprec AdamW says what completes the parameter: its update rule's state.
+        rule = composition(sample, inner._options_of(sample)).rule
+        if rule.master_key is not None:
+            return f"separate master {rule.master_key} (fp32); the {'/'.join(dtypes)} parameters are its copy"
+        if rule.compensation_key is not None:
+            return f"parameter + compensation {rule.compensation_key} ({'/'.join(dtypes)}), value held = their sum"
+        return f"the parameters themselves ({'/'.join(dtypes)})"
     if state:
         # A parameter-shaped extra state in the parameter's dtype is a compensation component
         # (the value held is their sum); in another dtype it is a separate master copy.

@@ -315,6 +315,18 @@ def _partition_segments(zero_optimizer: Any) -> list[tuple[torch.Tensor, list[tu
     return out
 
 
+def _elementwise_keys(client: Any, param: torch.Tensor) -> set[str] | None:
+    """The state keys of `param` stored element by element like it (for an `optim.AdamW`), or None."""
+    inner = getattr(client, "optimizer", client)  # through the strategy's wrapper
+    composition = getattr(inner, "composition", None)
+    options = getattr(inner, "_options_of", None)
+    if composition is None or options is None:
+        return None
+    chosen = composition(param, options(param))
+    flags = (*chosen.m.shaped, *chosen.v.shaped, *chosen.rule.shaped)
+    return {key for key, shaped in zip(chosen.keys(), flags) if shaped}
+
+
 @torch.no_grad()
 def move_state_to_partitions(zero_optimizer: Any) -> int:
     """Move optimizer state made before DeepSpeed partitioned the parameters onto the partitions.
@@ -341,7 +353,12 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
             if id(param) not in stale:
                 continue
             moved.add(id(param))
+            elementwise = _elementwise_keys(client, param)
             for key, value in state[param].items():
+                if elementwise is not None and torch.is_tensor(value) and value.numel() > 1 and key not in elementwise:
+                    # Blocked or grouped storage (8-bit blocks, COAT groups) does not follow the
+                    # parameter's elements: the partition's own is made fresh at its first step.
+                    continue
                 if torch.is_tensor(value) and value.numel() > 1:
                     buffer = merged.setdefault(key, torch.zeros(part.numel(), dtype=value.dtype, device=part.device))
                     buffer[q_start : q_start + length] = value.reshape(-1)[p_start : p_start + length]

@@ -18,7 +18,8 @@ Modes (the optimizers' `fused` option):
 - "reference": the eager function, always;
 - "compiled": the compiled function, or a RuntimeError naming why it cannot run;
 - "native": the native kernel, or a RuntimeError naming why it cannot run;
-- "auto": on CPU the native kernel where the family has one, else the compiled function (CPU
+- "auto": on CPU the native kernel where the family has a bit-identical one (all but COAT with
+  range expansion), else the compiled function (CPU
   with a C++ compiler, CUDA with Triton), else the reference, each fallback's reason logged
   once. A compile failure marks the kernel broken for the process.
 
@@ -198,9 +199,11 @@ def run_bucket(
 
 def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: collections.Counter | None) -> bool:
     """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
-    from .native_path import native_call, unsupported
+    from .native_path import differs, native_call, unsupported
 
     reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
+    if reason is None and mode == "auto":
+        reason = differs(key)
     if reason is not None:
         if mode == "native":
             raise RuntimeError(

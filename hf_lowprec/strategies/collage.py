@@ -111,6 +111,19 @@ class BF16Update(BF16Pure):
     def fsdp2(self) -> bool:  # type: ignore[override]
         return self.options.update != "collage-8bit"
 
+    @property
+    def zero_stages(self) -> tuple[int, ...]:  # type: ignore[override]
+        return () if self.options.update == "collage-8bit" else (1, 2, 3)
+
+    @property
+    def zero_refusal(self) -> str:  # type: ignore[override]
+        if self.options.update == "collage-8bit":
+            return (
+                "its 8-bit block states over DeepSpeed's flat partitions are not verified yet; train it "
+                "in one process or with DDP, or use collage-light under ZeRO"
+            )
+        return super().zero_refusal
+
     fsdp2_refusal = (
         "its 8-bit states are stored in whole blocks of 256 (padded), not shaped like the parameter, "
         "so FSDP2 cannot shard or checkpoint them like it; use collage-light (BF16 states)"

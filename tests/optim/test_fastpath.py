@@ -163,12 +163,20 @@ def test_compiled_step_is_bit_identical_to_the_reference(family):
             assert not torch.equal(p.detach(), p0.detach()), f"parameter {index} never moved"
 
 
-def test_auto_runs_the_compiled_step_here():
-    """This machine has a C++ compiler: "auto" must take the compiled path, not fall back."""
+def test_auto_runs_the_fastest_path_that_can_run_here():
+    """This machine has a C++ compiler: "auto" takes the native kernel where the family has one
+    and the compiled step where it has none (FP16 second moments), never the reference."""
+    from hf_lowprec.optim import native
+
     assert fastpath.compiler_missing("cpu") is None
-    dtype, make = FAMILIES["kahan-bf16"]
+    dtype, make = FAMILIES["collage-plus-fp16"]
     auto = _run(make, "auto", 2, dtype=dtype)
     assert _paths(auto[1]) == {"compiled": 2 * len(auto[0])}
+    _assert_same_bits(*auto, *_run(make, "reference", 2, dtype=dtype))
+    dtype, make = FAMILIES["kahan-bf16"]
+    auto = _run(make, "auto", 2, dtype=dtype)
+    fast = "native" if native.native_unavailable() is None else "compiled"
+    assert _paths(auto[1]) == {fast: 2 * len(auto[0])}
     _assert_same_bits(*auto, *_run(make, "reference", 2, dtype=dtype))
 
 
@@ -322,7 +330,7 @@ def test_compiled_raises_and_auto_falls_back_with_one_log_line_when_the_compiler
     _assert_same_bits(*auto, *_run(make, "reference", 3, dtype=dtype))
     params = _params(dtype)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(RuntimeError, match=r"fused='compiled'.*no C\\+\\+ compiler on PATH.*fused='auto'"):
+    with pytest.raises(RuntimeError, match=r"fused='compiled'.*no C\+\+ compiler on PATH.*fused='auto'"):
         _run(make, "compiled", 1, params=params)
     # Refused before any parameter moved.
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
@@ -336,7 +344,7 @@ def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplo
         return fail
 
     monkeypatch.setattr(fastpath, "_compiled_for", broken)
-    dtype, make = FAMILIES["kahan-bf16"]
+    dtype, make = FAMILIES["collage-plus-fp16"]
     with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
         fallback = _run(make, "auto", 3, dtype=dtype)
     assert sum("the backend broke" in r.getMessage() for r in caplog.records) == 1
