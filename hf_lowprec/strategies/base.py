@@ -46,15 +46,16 @@ class StrategyOptions:
             copy of every parameter and its update in FP32 on those steps).
         save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
             weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
-        fused: how the optimizer step runs: "auto" (the compiled step where torch.compile can
-            build it, else the eager reference), "compiled" (require it: an error names why it
-            cannot run) or "reference" ("foreach" is its old name). Same results on CPU; see
+        fused: how the optimizer step runs: "auto" (on CPU the native kernel where it is
+            bit-identical, else the compiled step where torch.compile can build it, else the eager
+            reference), "native" or "compiled" (require that path: an error names why it cannot
+            run) or "reference" ("foreach" is its old name). Same results on CPU; see
             `optim.fastpath`.
     """
 
     lost_arithmetic_metrics: bool = False
     save_full_precision: bool = False
-    fused: Literal["auto", "compiled", "reference", "foreach"] = "auto"
+    fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against

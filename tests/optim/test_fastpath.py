@@ -468,3 +468,19 @@ def test_compiled_fp8_adamw_is_bit_identical_to_the_reference(grad_scale_factor)
     assert torch.equal(get_master_scale(compiled[0][0]), get_master_scale(reference[0][0]))
     assert compiled[1].state[compiled[0][0]]["exp_avg"].dtype == torch.float8_e4m3fn
     assert compiled[1].state[compiled[0][0]]["grad"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("name", ["bf16-pure", "collage-plus", "fp8-lm-o2"])
+def test_strategy_option_fused_native_runs_the_native_kernels(name):
+    """precision_options={"fused": "native"} reaches the optimizer: every parameter steps natively."""
+    import hf_lowprec
+
+    strategy = hf_lowprec.get_strategy(name, fused="native")
+    model = strategy.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    batch = torch.randn(4, 32)
+    strategy.train_step(
+        model, batch, optimizer, loss_fn=lambda m, x: m(x.to(m[0].weight.dtype)).float().square().mean()
+    )
+    inner = getattr(optimizer, "optimizer", optimizer)
+    assert set(inner.paths_taken) == {"native"} and inner.paths_taken["native"] > 0, dict(inner.paths_taken)
