@@ -75,15 +75,17 @@ BLOCK = [
 ] + [(D_MODEL,)] * 4
 SHAPES = BLOCK * 4
 
+# The project's goals: torch fused AdamW FP32's step time over ours, at N threads.
 GOALS = {
-    "collage-plus": 1.15,
-    "collage-light": 1.45,
-    "bf16-kahan": 1.45,
-    "bf16-sr": 1.7,
-    "bf16-pure": 1.9,
-    "bf16-fp32states": 1.2,
-    "fp8-lm-o2": 1.5,
-    "coat": 1.0,
+    "bf16-pure": 1.4,
+    "bf16-sr": 1.3,
+    "bf16-kahan": 1.1,
+    "bf16-fp32states": 1.1,
+    "collage-light": 1.0,
+    "collage-plus": 0.8,
+    "collage-8bit": 1.0,
+    "fp8-lm-o2": 1.0,
+    "coat": 0.4,
 }
 
 
@@ -138,30 +140,41 @@ def _fp8_o2(fused: str) -> Callable[[], Callable[[], None]]:
                 optimizer.set_fp8_grad(p, payload, scale)
             optimizer.step()
 
+        step.optimizer = optimizer
         return step
 
     return build
 
 
-def _ours() -> list[Candidate]:
+FAMILIES = [  # (family, ideal bytes per parameter, optimizer factory over (params, fused))
+    ("bf16-pure", 14, lambda ps, f: PlainAdamW(ps, weight_decay=0.01, fused=f)),
+    ("bf16-sr", 14, lambda ps, f: StochasticRoundingAdamW(ps, weight_decay=0.01, seed=0, fused=f)),
+    ("bf16-kahan", 18, lambda ps, f: KahanAdamW(ps, weight_decay=0.01, fused=f)),
+    ("bf16-fp32states", 22, lambda ps, f: FP32StatesAdamW(ps, weight_decay=0.01, fused=f)),
+    ("collage-light", 18, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="light", fused=f)),
+    ("collage-plus", 22, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="plus", fused=f)),
+    ("collage-8bit", 14, lambda ps, f: Collage8bitAdamW(ps, weight_decay=0.01, fused=f)),
+]
+# The peer a user would pick for the same arithmetic, by family (a name from `_peers`).
+PEER_OF = {
+    "bf16-pure": "DeepSpeedCPUAdam BF16",
+    "bf16-sr": "torchao _AdamW SR",
+    "bf16-kahan": "optimi Kahan AdamW",
+    "collage-8bit": "torchao AdamW8bit",
+    "fp8-lm-o2": "torchao AdamWFp8",
+}
+
+
+def _ours(paths: tuple[str, ...]) -> list[Candidate]:
     rows = []
-    specs = [
-        ("collage-plus", 22, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="plus", fused=f)),
-        ("collage-light", 18, lambda ps, f: CollageAdamW(ps, weight_decay=0.01, variant="light", fused=f)),
-        ("bf16-kahan", 18, lambda ps, f: KahanAdamW(ps, weight_decay=0.01, fused=f)),
-        ("bf16-sr", 14, lambda ps, f: StochasticRoundingAdamW(ps, weight_decay=0.01, seed=0, fused=f)),
-        ("bf16-pure", 14, lambda ps, f: PlainAdamW(ps, weight_decay=0.01, fused=f)),
-        ("bf16-fp32states", 22, lambda ps, f: FP32StatesAdamW(ps, weight_decay=0.01, fused=f)),
-        ("collage-8bit", 14, lambda ps, f: Collage8bitAdamW(ps, weight_decay=0.01, fused=f)),
-    ]
-    for name, ideal, make in specs:
-        for path in ("compiled", "reference"):
+    for name, ideal, make in FAMILIES:
+        for path in paths:
             rows.append(
                 Candidate(name, path, ideal, _optimizer_step(lambda ps, m=make, p=path: m(ps, p), torch.bfloat16))
             )
-    for path in ("compiled", "reference"):
+    for path in paths:
         rows.append(Candidate("fp8-lm-o2", path, 11, _fp8_o2(path), "FP8AdamW, FP16 masters"))
-    for path in ("compiled", "reference"):
+    for path in paths:
         make = lambda ps, p=path: COATAdamW(ps, weight_decay=0.01, fused=p)  # noqa: E731
         rows.append(Candidate("coat", path, 16, _optimizer_step(make, torch.float32), "COATAdamW, FP32 masters"))
     return rows
@@ -188,8 +201,14 @@ def _peers() -> list[Candidate]:
 
         return optimi.AdamW(ps, lr=1e-3, weight_decay=0.01, kahan_sum=True)
 
+    def deepspeed(ps):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.01, adamw_mode=True, fp32_optimizer_states=False)
+
     bf16 = torch.bfloat16
     return [
+        Candidate("DeepSpeedCPUAdam BF16", "peer", 14, _optimizer_step(deepspeed, bf16), "BF16 θ, m, v"),
         Candidate("torchao AdamWFp8", "peer", 10, _optimizer_step(torchao("AdamWFp8"), bf16), "BF16 θ"),
         Candidate("torchao AdamW8bit", "peer", 10, _optimizer_step(torchao("AdamW8bit"), bf16), "BF16 θ"),
         Candidate(
@@ -236,7 +255,8 @@ def measure(candidate: Candidate, option_d: Callable[[], None], repeats: int) ->
         first = time.perf_counter() - start
         step()
     except Exception as error:  # a peer that does not run on CPU, a missing package
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:70]}"}
+        return {"error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:70]}"}
+    taken = _paths_taken(step)
     ours, theirs = [], []
     for _ in range(repeats):
         for fn, out in ((option_d, theirs), (step, ours)):
@@ -245,15 +265,26 @@ def measure(candidate: Candidate, option_d: Callable[[], None], repeats: int) ->
             out.append(clock() - start)
     del step
     gc.collect()
-    return {"ms": _median_ms(ours), "d_ms": _median_ms(theirs), "first_s": first}
+    return {"ms": _median_ms(ours), "d_ms": _median_ms(theirs), "first_s": first, "taken": taken}
+
+
+def _paths_taken(step: Callable[[], None]) -> str:
+    optimizer = getattr(step, "optimizer", getattr(step, "__self__", None))
+    taken = dict(getattr(optimizer, "paths_taken", {}))
+    return "+".join(sorted(taken)) or "?"
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per candidate (and as many of D)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (N)")
+    parser.add_argument("--only", default="", help="comma-separated substrings: run only matching families")
     parser.add_argument("--no-peers", action="store_true", help="skip the peer optimizers")
+    parser.add_argument("--paths", default="native,compiled", help="paths timed besides auto's choice")
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -263,50 +294,91 @@ def main() -> None:
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
-    torch.set_num_threads(args.threads)
+    threads = args.threads
+    torch.set_num_threads(threads)
+    from hf_lowprec.optim import native
 
     numel = sum(torch.Size(s).numel() for s in SHAPES)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    isa = native.isa() if native.native_unavailable() is None else f"none ({native.native_unavailable()})"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
-        f"(load average {load:.1f}), {numel / 1e6:.1f}M parameters in {len(SHAPES)} tensors, "
-        f"medians of {args.repeats} steps alternated with D, {args.clock} clock"
+        f"torch {torch.__version__}, N = {threads} threads, {os.cpu_count()} CPUs, native ISA {isa}, "
+        f"{numel / 1e6:.1f}M parameters in {len(SHAPES)} tensors, medians of {args.repeats} steps alternated "
+        f"with D, {args.clock} clock; load average before: {_load()}"
     )
     bandwidth = copy_bandwidth(args.repeats)
-    print(f"copy bandwidth (dst.copy_(src), 256 MB FP32, read + write): {bandwidth:.1f} GB/s\n")
+    print(f"copy bandwidth (dst.copy_(src), 256 MB FP32, read + write, {threads} threads): {bandwidth:.1f} GB/s\n")
 
-    candidates = _ours() + ([] if args.no_peers else _peers())
-    if args.only:
-        keys = args.only.split(",")
-        candidates = [c for c in candidates if any(k in f"{c.name} {c.path}" for k in keys)]
+    only = [k for k in args.only.split(",") if k]
+    paths = tuple(p for p in args.paths.split(",") if p)
+    candidates = _ours(("auto", *paths)) + ([] if args.no_peers else _peers())
+    if only:
+        candidates = [c for c in candidates if c.path == "peer" or any(k in c.name for k in only)]
+        if not args.no_peers:
+            wanted = {PEER_OF.get(c.name) for c in candidates if c.path != "peer"}
+            candidates = [c for c in candidates if c.path != "peer" or c.name in wanted]
     option_d = _option_d()
     option_d()
-    header = (
-        f"{'optimizer':20s} {'path':8s} {'ms/step':>8s} {'D ms':>7s} {'x D':>6s} {'goal':>5s} "
-        f"{'B/par':>5s} {'GB/s':>5s} {'of copy':>7s} {'1st step s':>10s}  note"
-    )
-    print(header)
-    print("-" * len(header))
+    results: dict[tuple[str, str], dict] = {}
+    print(f"{'optimizer':22s} {'path':9s} {'ms/step':>8s} {'D ms':>7s} {'x D':>6s} {'GB/s':>5s} {'of copy':>7s}  note")
     for candidate in candidates:
         result = measure(candidate, option_d, args.repeats)
+        results[(candidate.name, candidate.path)] = result
         if "error" in result:
-            print(f"{candidate.name:20s} {candidate.path:8s} not run: {result['error']}")
+            print(f"{candidate.name:22s} {candidate.path:9s} not run: {result['error']}", flush=True)
             continue
         ms, d_ms = result["ms"], result["d_ms"]
         gbs = candidate.ideal_bytes * numel / (ms * 1e-3) / 1e9
-        goal = GOALS.get(candidate.name) if candidate.path == "compiled" else None
+        result["gbs"] = gbs
         print(
-            f"{candidate.name:20s} {candidate.path:8s} {ms:8.1f} {d_ms:7.1f} {d_ms / ms:5.2f}x "
-            f"{f'{goal:.2f}' if goal else '':>5s} {candidate.ideal_bytes:5d} {gbs:5.1f} "
-            f"{100 * gbs / bandwidth:6.0f}% {result['first_s']:10.1f}  {candidate.note}",
+            f"{candidate.name:22s} {candidate.path + ('=' + result['taken'] if candidate.path == 'auto' else ''):9s} "
+            f"{ms:8.1f} {d_ms:7.1f} {d_ms / ms:5.2f}x {gbs:5.1f} {100 * gbs / bandwidth:6.0f}%  {candidate.note}",
             flush=True,
+        )
+
+    # auto's choice again at one thread (D at one thread beside it): the threads' speed-up.
+    torch.set_num_threads(1)
+    single = {}
+    for candidate in candidates:
+        if candidate.path == "auto" and "error" not in results[(candidate.name, "auto")]:
+            single[candidate.name] = measure(candidate, option_d, max(3, args.repeats // 2))
+    torch.set_num_threads(threads)
+
+    print(
+        f"\nSummary, N = {threads} threads (ratio = torch fused AdamW FP32 ÷ ours, same run; > 1 is faster; "
+        f"copy bandwidth {bandwidth:.1f} GB/s)\n"
+    )
+    print(
+        "| family | auto runs | ms | × fused FP32 | goal | GB/s | % of copy | ms at 1 thread | N/1 | peer | peer ms | peer ÷ ours |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for candidate in candidates:
+        if candidate.path != "auto":
+            continue
+        r = results[(candidate.name, "auto")]
+        if "error" in r:
+            print(f"| {candidate.name} | not run: {r['error']} |||||||||||")
+            continue
+        one = single.get(candidate.name, {})
+        peer_name = PEER_OF.get(candidate.name)
+        peer = results.get((peer_name, "peer"), {}) if peer_name else {}
+        peer_ms = peer.get("ms")
+        goal = GOALS.get(candidate.name)
+        print(
+            f"| {candidate.name} | {r['taken']} | {r['ms']:.1f} | {r['d_ms'] / r['ms']:.2f}× | "
+            f"{'≥ ' + format(goal, '.2f') + '×' if goal else ''} | {r['gbs']:.1f} | {100 * r['gbs'] / bandwidth:.0f}% | "
+            f"{_fmt(one.get('ms'))} | {_fmt(one['ms'] / r['ms'] if one.get('ms') else None, '.2f')} | "
+            f"{peer_name or '—'} | {_fmt(peer_ms) if 'error' not in peer else 'not run'} | "
+            f"{_fmt(peer_ms / r['ms'] if peer_ms else None, '.2f')} |"
         )
     d_gbs = 28 * numel / (statistics.median([_time(option_d) for _ in range(args.repeats)])) / 1e9
     print(
-        f"\nD itself: 28 B/param at {d_gbs:.1f} GB/s ({100 * d_gbs / bandwidth:.0f}% of copy)."
-        "\n'x D': D's step time over the candidate's, D timed alternately in the same run (above 1 ="
-        "\nfaster than D). GB/s: the ideal bytes over the step time. '1st step s' includes compiling."
+        f"\nD (torch fused AdamW, FP32): 28 B/param at {d_gbs:.1f} GB/s ({100 * d_gbs / bandwidth:.0f}% of copy). "
+        f"Load average after: {_load()}."
     )
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unavailable"
 
 
 def _time(fn: Callable[[], None]) -> float:

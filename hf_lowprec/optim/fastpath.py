@@ -10,18 +10,17 @@ Triton may contract: the results then agree within one rounding of each FP32 int
 
 A third path on CPU: the native kernels (`optim.native`, hand-written C++ with explicit SIMD,
 one per family, built on first use; `native_path` says which compositions they run). They
-follow the same operation sequence, bit for bit (COAT with range expansion: within a few FP32
-ulps, bounded in the tests).
+follow the same operation sequence, bit for bit.
 
 Modes (the optimizers' `fused` option):
 
 - "reference": the eager function, always;
 - "compiled": the compiled function, or a RuntimeError naming why it cannot run;
 - "native": the native kernel, or a RuntimeError naming why it cannot run;
-- "auto": on CPU the native kernel where the family has a bit-identical one (all but COAT with
-  range expansion), else the compiled function (CPU
-  with a C++ compiler, CUDA with Triton), else the reference, each fallback's reason logged
-  once. A compile failure marks the kernel broken for the process.
+- "auto": on CPU the native kernel where the family has one (every kernel is bit-identical to
+  the reference, and the fastest path on the CPUs measured: docs/benchmarks.md), else the
+  compiled function (CPU with a C++ compiler, CUDA with Triton), else the reference, each
+  fallback's reason logged once. A compile failure marks the kernel broken for the process.
 
 ("foreach", the old name of "reference", is accepted.) Every call records the path it took in
 the optimizer's `paths_taken` counter, so tests and users can see what ran.
@@ -199,11 +198,9 @@ def run_bucket(
 
 def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: collections.Counter | None) -> bool:
     """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
-    from .native_path import differs, native_call, unsupported
+    from .native_path import native_call, unsupported
 
     reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
-    if reason is None and mode == "auto":
-        reason = differs(key)
     if reason is not None:
         if mode == "native":
             raise RuntimeError(

@@ -3,9 +3,8 @@
 `optim.native` has one hand-written SIMD kernel per family (C++, AVX-512/AVX2/scalar, built on
 first use). This module maps a `Composition` and its dtypes to that kernel, or says why it
 cannot run it (`unsupported`), so `fastpath` can fall back to the compiled step. The kernels
-follow the reference's operation sequence: bit-identical for every family except COAT with
-range expansion, whose powers use the kernels' vector log2/exp2 (a few FP32 ulps; the tests
-bound it against FP64).
+follow the reference's operation sequence: bit-identical for every family (COAT's range
+expansion included: its powers are `formats.pow_nonnegative` on every path).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from ..formats import GroupFP8, Pair, Plain, Scaled
 from . import native
 from .rules import Grow, Kahan, Master, Nearest, ScaledMaster, StochasticRounding
 
-__all__ = ["differs", "native_call", "unsupported"]
+__all__ = ["native_call", "unsupported"]
 
 F32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 _E4M3 = torch.float8_e4m3fn
@@ -26,16 +25,6 @@ _E4M3 = torch.float8_e4m3fn
 
 def _plain_moments(composition, m: torch.Tensor, v: torch.Tensor) -> bool:
     return isinstance(composition.m, Plain) and isinstance(composition.v, Plain) and m.dtype == v.dtype
-
-
-def differs(composition) -> str | None:
-    """Why the native kernel of `composition` is not bit-identical to the reference, or None.
-
-    "auto" takes only bit-identical kernels, so its results never depend on the path;
-    fused="native" runs the others too."""
-    if isinstance(composition.m, GroupFP8) and composition.m.expand:
-        return "COAT's range expansion uses the kernel's own vector log2/exp2 (a few FP32 ulps from pow)"
-    return None
 
 
 def unsupported(composition, sample) -> str | None:

@@ -588,11 +588,12 @@ def _coat_state_fields(state: dict, key: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32-master", "bf16-grow"])
 @pytest.mark.parametrize("v_format", ["e4m3", "e5m2"])
-def test_coat_without_expansion_is_bit_identical(isa, dtype, v_format):
-    params, errors, ms, vs, ref, optimizer = _coat_pair(dtype, v_format, expand=False)
+@pytest.mark.parametrize("expand", [False, True], ids=["plain-groups", "range-expansion"])
+def test_coat_is_bit_identical(isa, dtype, v_format, expand):
+    params, errors, ms, vs, ref, optimizer = _coat_pair(dtype, v_format, expand=expand)
     for step in range(3):
         grads = _coat_grads(step, dtype)
-        native.coat_step(params, errors, grads, ms, vs, _scalars([step + 1] * len(params)), expand=False, isa=isa)
+        native.coat_step(params, errors, grads, ms, vs, _scalars([step + 1] * len(params)), expand=expand, isa=isa)
         for r, g in zip(ref, grads):
             r.grad = g
         optimizer.step()
@@ -608,6 +609,8 @@ def test_coat_without_expansion_is_bit_identical(isa, dtype, v_format):
                     ("payload", "scale", "exponent", "center"), fields, _coat_state_fields(state, key)
                 ):
                     _same(a, e, f"{what} {key} {name}")
+    if expand:  # the powers really ran: groups with k > 1 in both moments
+        assert all(max(float(x.exponent.max()) for x in states) > 1 for states in (ms, vs))
 
 
 def _decode64(payload: torch.Tensor, scale, exponent, center, numel: int) -> torch.Tensor:

@@ -6,6 +6,11 @@ steps, the third step's gradients, and the parameters after that third step (com
 old package: parameters from `torch.randn(shape, generator=seed 3) * 0.1` for shapes (24, 16),
 (130,), (7,); three sets of gradients from seed 4; two steps; `copy.deepcopy(state_dict())`;
 the third step.
+
+COAT's range expansion changed its power after that commit (PyTorch's `pow`, which rounds
+differently in its vector and scalar loops, became `formats.pow_nonnegative`, one fixed
+sequence on every path): its checkpoints load exactly and continue within a few FP32 ulps of
+the old trajectory, bounded below; every other family continues bit for bit.
 """
 
 from __future__ import annotations
@@ -53,5 +58,16 @@ def test_old_checkpoint_loads_and_continues_bit_for_bit(saved: dict, name: str, 
         param.grad = grad.clone()
     optimizer.step()
     assert optimizer.paths_taken[fused] == len(params)
-    for param, expected in zip(params, case["after"]):
-        assert torch.equal(param.detach(), expected)
+    for param, before, expected in zip(params, case["params"], case["after"]):
+        after = param.detach()
+        assert after.dtype == expected.dtype
+        if not name.startswith("coat"):
+            assert torch.equal(after.view(torch.uint8), expected.view(torch.uint8)), name
+            continue
+        # Decoded moments move by a few FP32 ulps (|x|^(1/k) from log2/exp2, each within ~4
+        # ulps = 2^-21 relative), so Δθ ∝ m/√v by under 2^-18 relative: 2^-16·|Δθ| bounds it,
+        # plus one ulp of θ's dtype where the rounded sum lands on the other side of a tie.
+        step = (expected.double() - before.double()).abs()
+        ulp = torch.finfo(expected.dtype).eps * expected.double().abs()
+        gap = (after.double() - expected.double()).abs()
+        assert not gap.isnan().any() and bool((gap <= step * 2.0**-16 + ulp).all()), (name, float(gap.max()))

@@ -11,9 +11,8 @@ position: the tests check every ISA the CPU runs against the references bit for 
 
 Results: bit-identical to the reference for every family (AdamW, Collage light/plus, Kahan,
 stochastic rounding with the optimizers' counter-based stream, master weights, FP8AdamW, COAT
-without range expansion and COAT groups with k = 1). COAT groups with k > 1 use the kernels'
-own vector log2/exp2 for |x|^k and |y|^(1/k) (a few FP32 ulps, not PyTorch's `pow`): bounded
-against FP64 in the tests, and a value on an FP8 rounding boundary may take the other code.
+with and without range expansion: its powers |x|^k and |y|^(1/k) are `formats.pow_nonnegative`,
+a fixed log2/exp2 sequence that the reference runs too).
 
 Arithmetic: every FP32 operation rounded on its own (built with -ffp-contract=off, no fast
 math), IEEE square root and division, round-to-nearest-even conversions. FP32 -> BF16 uses
@@ -368,11 +367,9 @@ def coat_step(
     c = √amax·√amin, |x| ← (|x|/c)^k, s = F/amax, q = cast(clamp(x·s) + (x·s − x·s)).
     A last partial group is padded with zeros, as `quantize_state` pads.
 
-    Numerics: without expansion (or in groups with k = 1) every operation is the reference's and
-    the result is bit-identical. With k > 1 the powers use the kernels' own vector
-    log2/exp2 (a few FP32 ulps, not PyTorch's `pow`): decoded values and the update then differ
-    from the reference by a few ulps, and a value on an FP8 rounding boundary may take the
-    neighbouring code (the tests bound both against FP64).
+    Numerics: every operation is the reference's (`formats.GroupFP8`, whose powers are
+    `formats.pow_nonnegative`): bit-identical. k itself is FP64 arithmetic on the group's amax
+    and amin, as the reference computes it.
 
     Args:
         param_errors: δθ per BF16/FP16 parameter (its dtype), or None for FP32 parameters.

@@ -576,8 +576,8 @@ inline typename V::F exp2_(typename V::F y) {
   return V::from_bits(V::add(V::bits(p), V::template sll<23>(n)));
 }
 
-// x^e for x >= 0 (0 -> 0, NaN -> NaN), e > 0. Not PyTorch's pow: results may differ by a
-// few FP32 ulps (the tests bound the effect against FP64).
+// x^e for x >= 0 (0 -> 0, NaN -> NaN), e > 0: formats.pow_nonnegative, operation for
+// operation (not PyTorch's pow; a few FP32 ulps from the exact power).
 template <class V>
 inline typename V::F pow_nonnegative(typename V::F x, typename V::F e) {
   auto r = exp2_<V>(e * log2_positive<V>(x));
@@ -594,32 +594,28 @@ inline typename V::F copysign_(typename V::F magnitude, typename V::F sign_of) {
 // One group's decoding constants: real = sign(y)·|y|^(1/k)·c, y = q/s.
 template <class V>
 struct GroupCode {
-  typename V::F scale, inv_scale, inv_k, center;
+  typename V::F scale, inv_k, center;
   bool power;
   GroupCode(float* const* meta, int64_t g) {
-    float k = meta[1][g];
-    float inv_k_value = 1.0f / k;  // exponent.reciprocal(), FP32
+    float inv_k_value = 1.0f / meta[1][g];  // exponent.reciprocal(), FP32
     scale = V::set1(meta[0][g]);
-    inv_scale = V::set1(1.0f / meta[0][g]);
     inv_k = V::set1(inv_k_value);
     center = V::set1(meta[2][g]);
-    power = inv_k_value != 1.0f;  // pow(x, 1) = x: skipped
+    power = inv_k_value != 1.0f;  // the reference takes |y| itself where 1/k = 1
   }
 };
 
-// y = q/s, then sign(y)·|y|^(1/k)·c. Where k ≠ 1 the power is not PyTorch's anyway, and q·(1/s)
-// (one more rounding, 2^-24 relative) replaces the division; where k = 1 the sequence is the
-// reference's, operation for operation.
+// y = q/s, then sign(y)·|y|^(1/k)·c: the reference's sequence (formats.GroupFP8.decode), with
+// its power `formats.pow_nonnegative`, operation for operation.
 template <class V, int D, bool EXPAND>
 inline typename V::F decode(const void* payload, int64_t i, const GroupCode<V>& code) {
-  auto q = load<V, D>(payload, i);
+  auto y = load<V, D>(payload, i) / code.scale;
   if constexpr (!EXPAND) {
-    return q / code.scale;
+    return y;
   } else {
-    auto y = code.power ? q * code.inv_scale : q / code.scale;
-    if (!code.power) return copysign_<V>(V::from_bits(V::and_(V::bits(y), V::iset1(0x7FFFFFFF))) * code.center, y);
     auto magnitude = V::from_bits(V::and_(V::bits(y), V::iset1(0x7FFFFFFF)));
-    return copysign_<V>(pow_nonnegative<V>(magnitude, code.inv_k) * code.center, y);
+    if (code.power) magnitude = pow_nonnegative<V>(magnitude, code.inv_k);
+    return copysign_<V>(magnitude * code.center, y);
   }
 }
 
@@ -671,14 +667,12 @@ inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, 
     }
     if (amax > 0.0f && k > 1.0f) c = __builtin_sqrtf(amax) * __builtin_sqrtf(amin);
     if (k != 1.0f) {  // |x|/1 and x^1 are x: nothing to do for k = 1 (c = 1 then)
-      // |x|·(1/c) for |x|/c: one more rounding (2^-24 relative) under a power that is not
-      // PyTorch's anyway, and no division per element.
-      auto inv_c = V::set1(1.0f / c), kv = V::set1(k);
+      auto cv = V::set1(c), kv = V::set1(k);
       typename V::I new_max = zero;
       for (int64_t j = 0; j < size; j += V::W) {
         auto x = V::load_f32(buf + j);
         auto magnitude = V::from_bits(V::and_(V::bits(x), magnitude_mask));
-        magnitude = pow_nonnegative<V>(magnitude * inv_c, kv);
+        magnitude = pow_nonnegative<V>(magnitude / cv, kv);
         new_max = V::imax(new_max, V::and_(V::bits(magnitude), magnitude_mask));
         V::store_f32(buf + j, copysign_<V>(magnitude, x));
       }
