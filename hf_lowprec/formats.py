@@ -47,6 +47,7 @@ __all__ = [
     "Plain",
     "Scaled",
     "dynamic_map",
+    "dynamic_map_lookup",
     "expansion_exponent",
     "pow_nonnegative",
     "root",
@@ -412,6 +413,35 @@ def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torc
     """The map's values and the midpoints between neighbours (the rounding boundaries)."""
     values = torch.tensor(_MAPS[signed], dtype=F32, device=device)
     return values, (values[1:] + values[:-1]) / 2
+
+
+@functools.cache
+def dynamic_map_lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Tables that encode into the dynamic map without a search (the native kernels use them).
+
+    Returns (values, midpoints, lookup, nan_code): the 256 FP32 values; the 255 FP32 midpoints
+    and a +inf sentinel; for each 16-bit key (the top half of an FP32's bits) the number of
+    midpoints below every float with that key (uint8, 65536 entries and 3 bytes of padding for
+    4-byte gathers); the code of NaN. The code of x is lookup[key] + (x > midpoints[lookup[key]]),
+    `torch.bucketize(x, midpoints)` exactly: at most one midpoint lies among the floats of a key
+    (checked here) and it is the next one above the counted ones.
+    """
+    values, midpoints = _map_tensors(signed, torch.device("cpu"))
+    keys = torch.arange(1 << 16, dtype=torch.int64)
+    first = (keys << 16).to(torch.int32).view(F32)  # the key's floats with the low half 0 ...
+    last = ((keys << 16) | 0xFFFF).to(torch.int32).view(F32)  # ... and 0xFFFF
+    negative = keys >= 0x8000
+    low, high = torch.where(negative, last, first), torch.where(negative, first, last)
+    lookup = torch.searchsorted(midpoints, low.nan_to_num(nan=math.inf, posinf=math.inf))
+    inside = torch.searchsorted(midpoints, high) - lookup
+    valid = ~(low.isnan() | high.isnan())
+    if bool((inside[valid] > 1).any()):
+        raise AssertionError("dynamic map: two midpoints share a 16-bit key; the lookup cannot encode it")
+    lookup = torch.where(low.isnan(), 0, lookup)  # NaN keys: the kernels take nan_code instead
+    nan_code = int(torch.bucketize(torch.tensor([math.nan]), midpoints))
+    padded = torch.cat([lookup.to(torch.uint8), torch.zeros(3, dtype=torch.uint8)])
+    mids = torch.cat([midpoints, torch.tensor([math.inf])])
+    return values, mids, padded, nan_code
 
 
 @dataclasses.dataclass(frozen=True)

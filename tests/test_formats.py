@@ -471,3 +471,32 @@ def test_fp16_neighbours_from_the_bit_pattern_match_nextafter_for_every_code() -
         assert torch.equal(_next_fp16(finite, up=up)[keep], expected[keep])
         compiled = torch.compile(lambda x, u=up: _next_fp16(x, up=u))(finite)
         assert torch.equal(compiled[keep], expected[keep])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_dynamic_map_lookup_encodes_as_bucketize(signed):
+    """The lookup-table encoding of the native kernels gives torch.bucketize's code for the floats
+    that decide it: the first and last float of every 16-bit key (both signs), every midpoint
+    and its neighbours 1 and 2 ulps away, ±0, ±inf, NaN, and random values over the map's
+    decades and beyond."""
+    from hf_lowprec.formats import _map_tensors, dynamic_map_lookup
+
+    _, midpoints = _map_tensors(signed, torch.device("cpu"))
+    values, mids, lookup, nan_code = dynamic_map_lookup(signed)
+    keys = torch.arange(1 << 16, dtype=torch.int64) << 16
+    edges = torch.cat([keys, keys | 0xFFFF]).to(torch.int32).view(torch.float32)
+    near = midpoints.view(torch.int32)[:, None] + torch.tensor([-2, -1, 0, 1, 2], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(3)
+    random = torch.randn(200_000, generator=generator) * torch.exp(
+        torch.empty(200_000).uniform_(-20, 5, generator=generator)
+    )
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0])
+    x = torch.cat([edges, near.view(torch.float32).reshape(-1), random, specials])
+    key = (x.view(torch.int32) >> 16) & 0xFFFF
+    base = lookup[key.long()].long()
+    code = base + (mids[base] < x).long()
+    code = torch.where(x.isnan(), nan_code, code)
+    expected = torch.bucketize(x, midpoints)
+    differ = code != expected
+    assert not bool(differ.any()), (x[differ][:5].tolist(), code[differ][:5].tolist(), expected[differ][:5].tolist())
+    assert torch.equal(values.view(torch.int32), _map_tensors(signed, torch.device("cpu"))[0].view(torch.int32))

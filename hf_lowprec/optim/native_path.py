@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..formats import GroupFP8, Pair, Plain, Scaled
+from ..formats import Blockwise8bit, GroupFP8, Pair, Plain, Scaled
 from . import native
 from .rules import Grow, Kahan, Master, Nearest, ScaledMaster, StochasticRounding
 
@@ -41,6 +41,12 @@ def unsupported(composition, sample) -> str | None:
     if grad_scale is not None and not isinstance(rule, (ScaledMaster, Nearest)):
         return "FP8 gradients go through FP8AdamW's kernel only"
     m, v = stored[0], stored[len(m_format.suffixes)]
+    if isinstance(m_format, Blockwise8bit) and isinstance(v_format, Blockwise8bit) and isinstance(rule, Grow):
+        if not (m_format.signed and not v_format.signed and m_format.block_size == v_format.block_size):
+            return "8-bit states other than (signed m, unsigned v) in blocks of one size"
+        if m_format.block_size % 16 or m_format.block_size > 1024:
+            return "8-bit block size not a multiple of 16 up to 1024"
+        return None if param.dtype in (BF16, FP16) else f"Collage-8bit's kernel takes BF16/FP16 θ, got {param.dtype}"
     if isinstance(m_format, GroupFP8) and isinstance(v_format, GroupFP8) and isinstance(rule, (Grow, Nearest)):
         if m_format.group_size != v_format.group_size or m_format.expand != v_format.expand:
             return "m and v with different group layouts"
@@ -88,6 +94,18 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
     split = len(m_format.suffixes)
     m = [s[0] for s in stored]
     v = [s[split] for s in stored]
+    if isinstance(m_format, Blockwise8bit):
+        return lambda: native.eightbit_step(
+            params,
+            [s[-1] for s in stored],
+            grads,
+            m,
+            [s[1] for s in stored],
+            v,
+            [s[split + 1] for s in stored],
+            scalars,
+            block_size=m_format.block_size,
+        )
     if isinstance(m_format, GroupFP8):
         groups = m_format.group_size
         errors = [s[-1] for s in stored] if isinstance(rule, Grow) else None

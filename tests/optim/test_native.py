@@ -816,6 +816,17 @@ def _thread_bucket(family: str) -> dict:
             exp_avg_sqs=[x.square().to(FP16) for x in rand(1e-2, FP32)],
             exp_avg_sq_scales=[torch.ones(()) for _ in _THREAD_SIZES],
         )
+    if family == "eightbit":
+        from hf_lowprec.formats import Blockwise8bit
+
+        params = rand(1.0, BF16)
+        return dict(
+            params=params,
+            errors=[torch.zeros_like(p) for p in params],
+            grads=rand(1e-2, BF16),
+            m=[Blockwise8bit(True).zeros(p) for p in params],
+            v=[Blockwise8bit(False).zeros(p) for p in params],
+        )
     if family == "coat":
         from hf_lowprec.coat.state import FP8GroupState
 
@@ -846,6 +857,11 @@ def _thread_step(family: str, b: dict, step: int) -> list[torch.Tensor]:
             b["exp_avg_sqs"], b["exp_avg_sq_scales"], scalars,
         )  # fmt: skip
         return [*b["params"], *b["master_scales"], *b["exp_avgs"], *b["exp_avg_scales"], *b["exp_avg_sqs"]]
+    if family == "eightbit":
+        m_codes, m_absmax = zip(*b["m"])
+        v_codes, v_absmax = zip(*b["v"])
+        native.eightbit_step(b["params"], b["errors"], b["grads"], m_codes, m_absmax, v_codes, v_absmax, scalars)
+        return [*b["params"], *b["errors"], *m_codes, *m_absmax, *v_codes, *v_absmax]
     if family == "coat":
         native.coat_step(b["params"], None, b["grads"], b["m"], b["v"], scalars, expand=True)
         states = [f for s in b["m"] + b["v"] for f in (s.payload, s.scale, s.exponent, s.center)]
@@ -865,7 +881,7 @@ def _thread_step(family: str, b: dict, step: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "family", ["bf16-pure", "fp32states", "collage-plus", "kahan", "sr", "master", "fp8adamw", "coat"]
+    "family", ["bf16-pure", "fp32states", "collage-plus", "kahan", "sr", "master", "fp8adamw", "coat", "eightbit"]
 )
 def test_results_do_not_depend_on_the_thread_count(family):
     """The same bucket stepped at 1 thread and at 2 (the blocks of the parallel split land on
@@ -880,3 +896,84 @@ def test_results_do_not_depend_on_the_thread_count(family):
     finally:
         torch.set_num_threads(before)
     _same_all(results[1], results[0], f"{family} at 2 threads vs 1")
+
+
+# --- blockwise 8-bit (collage-8bit) ---------------------------------------------------------
+
+# Lengths: below a block, one block, a partial last block, several blocks across the parallel split.
+EIGHTBIT_SIZES = [1, 7, 256, 300, 4113, 70001]
+
+
+def _eightbit_pair(dtype: torch.dtype, block_size: int):
+    """A reference Collage8bitAdamW and native state for the same parameters."""
+    from hf_lowprec.formats import Blockwise8bit
+    from hf_lowprec.optim import Collage8bitAdamW
+
+    generator = torch.Generator().manual_seed(5)
+    params = [_values(n, generator, 1.0).to(dtype) for n in EIGHTBIT_SIZES]
+    params[-1][:3] = 0.0
+    ref = [p.clone().requires_grad_() for p in params]
+    optimizer = Collage8bitAdamW(
+        ref,
+        block_size=block_size,
+        fused="reference",
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
+    m = [Blockwise8bit(True, block_size).zeros(p) for p in params]
+    v = [Blockwise8bit(False, block_size).zeros(p) for p in params]
+    errors = [torch.zeros_like(p) for p in params]
+    return params, errors, m, v, ref, optimizer
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [256, 64])
+def test_eightbit_is_bit_identical(isa, dtype, block_size):
+    """Codes, absmax, θ and δθ equal the reference's over four steps, with the edge gradients
+    (zeros, subnormals, a square that overflows, ±inf and NaN on one step: NaN blocks)."""
+    params, errors, m, v, ref, optimizer = _eightbit_pair(dtype, block_size)
+    for step in range(4):
+        grads = [g[: p.numel()] for g, p in zip(_eightbit_grads(step, dtype), params)]
+        native.eightbit_step(
+            params,
+            errors,
+            grads,
+            [c for c, _ in m],
+            [a for _, a in m],
+            [c for c, _ in v],
+            [a for _, a in v],
+            _scalars([step + 1] * len(params)),
+            block_size=block_size,
+            isa=isa,
+        )
+        for r, g in zip(ref, grads):
+            r.grad = g
+        optimizer.step()
+        for index, (p, r) in enumerate(zip(params, ref)):
+            what = f"step {step} tensor {index}"
+            state = optimizer.state[r]
+            _same(p, r.detach(), f"{what} param")
+            _same(errors[index], state["param_error"], f"{what} param_error")
+            _same(m[index][0], state["exp_avg"], f"{what} exp_avg codes")
+            _same(m[index][1], state["exp_avg_absmax"], f"{what} exp_avg absmax")
+            _same(v[index][0], state["exp_avg_sq"], f"{what} exp_avg_sq codes")
+            _same(v[index][1], state["exp_avg_sq_absmax"], f"{what} exp_avg_sq absmax")
+    finite = [bool(a.isfinite().all()) for _, a in m]
+    assert not all(finite) and any(finite), "the data must hold both NaN blocks and finite ones"
+
+
+def _eightbit_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(300 + step)
+    grads = [_values(n, generator, 1e-2) for n in EIGHTBIT_SIZES]
+    g = grads[-1]
+    g[0] = 0.0
+    g[1] = 1e30 if dtype != FP16 else 6e4
+    g[2:6] = torch.tensor([1e-39, -1e-40, 1e-44, -0.0])
+    g[5000:5100] = _values(100, generator, 1e-20)
+    if step == 2:
+        g[40000], g[40001], g[40002] = math.inf, -math.inf, math.nan
+    grads[2].zero_()
+    return [t.to(dtype) for t in grads]

@@ -55,6 +55,7 @@ __all__ = [
     "adamw_step",
     "coat_step",
     "collage_step",
+    "eightbit_step",
     "fp8_adamw_step",
     "isa",
     "kahan_step",
@@ -391,5 +392,53 @@ def coat_step(
         scalars,
         group_size,
         expand,
+        _isa_code(isa),
+    )
+
+
+def eightbit_step(
+    params: Tensors,
+    param_errors: Tensors,
+    grads: Tensors,
+    m_codes: Tensors,
+    m_absmax: Tensors,
+    v_codes: Tensors,
+    v_absmax: Tensors,
+    scalars: torch.Tensor,
+    *,
+    block_size: int = 256,
+    isa: str | None = None,
+) -> None:
+    """`Collage8bitAdamW`'s step in place: blockwise 8-bit m (signed dynamic map) and v
+    (unsigned), Collage's Grow on BF16/FP16 θ and δθ, block by block of `block_size`.
+
+    Per block: decode m = map[code]·absmax (and v), the AdamW update (FP32, v clamped to FP32's
+    max), (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)); then `formats.Blockwise8bit.encode_` of the new m
+    and v: a = max|x|, x/(a > 0 ? a : 1) (v clamped at 0), the nearest map value's index (ties
+    to the lower: `torch.bucketize` over the midpoints, here through
+    `formats.dynamic_map_lookup`), absmax = a. A last partial block runs its padding as the
+    reference pads it (θ = g = 0). Bit-identical to the reference.
+
+    Dtypes: θ and δθ BF16 or FP16; g FP32, BF16 or FP16; codes uint8 padded to whole blocks;
+    absmax FP32, one per block. `block_size`: a multiple of 16 up to 1024.
+    """
+    from ...formats import dynamic_map_lookup
+
+    *m_map, m_nan = dynamic_map_lookup(True)
+    *v_map, v_nan = dynamic_map_lookup(False)
+    _module().eightbit_step(
+        _flat(params),
+        _flat(param_errors),
+        _flat(grads),
+        _flat(m_codes),
+        [a.detach() for a in m_absmax],
+        _flat(v_codes),
+        [a.detach() for a in v_absmax],
+        scalars,
+        block_size,
+        m_map,
+        m_nan,
+        v_map,
+        v_nan,
         _isa_code(isa),
     )

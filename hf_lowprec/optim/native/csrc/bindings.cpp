@@ -64,6 +64,7 @@ int dtype_code(const at::Tensor& t) {
     case at::kHalf: return F16;
     case at::kFloat8_e4m3fn: return E4M3;
     case at::kFloat8_e5m2: return E5M2;
+    case at::kByte: return U8;
     default: return -1;
   }
 }
@@ -432,6 +433,70 @@ void coat_step(const TensorList& params, const std::optional<TensorList>& param_
   run_rows(fn, table_for(isa)->coat, rows, nullptr, group_size);
 }
 
+// One dynamic map's tables (formats.dynamic_map_lookup): values (256 FP32), midpoints + sentinel
+// (256 FP32), the code below each 16-bit key (65536 + 3 padding bytes, uint8), the NaN code.
+void set_map(const char* fn, Row& r, int map, const TensorList& tables, int64_t nan_code) {
+  TORCH_CHECK(tables.size() == 3, fn, ": a map is (values, midpoints, lookup), got ", tables.size(), " tensors");
+  const auto& values = tables[0];
+  const auto& mids = tables[1];
+  const auto& base = tables[2];
+  TORCH_CHECK(values.is_cpu() && values.scalar_type() == at::kFloat && values.is_contiguous() && values.numel() == 256 &&
+                  mids.is_cpu() && mids.scalar_type() == at::kFloat && mids.is_contiguous() && mids.numel() == 256 &&
+                  base.is_cpu() && base.scalar_type() == at::kByte && base.is_contiguous() && base.numel() == 65536 + 3,
+              fn, ": map tables must be formats.dynamic_map_lookup's (256 FP32, 256 FP32, 65539 uint8 CPU tensors)");
+  TORCH_CHECK(nan_code >= 0 && nan_code < 256, fn, ": the NaN code must be in [0, 256), got ", nan_code);
+  r.map_values[map] = values.data_ptr<float>();
+  r.map_mids[map] = mids.data_ptr<float>();
+  r.map_base[map] = base.data_ptr<uint8_t>();
+  r.map_nan[map] = static_cast<uint32_t>(nan_code);
+}
+
+void eightbit_step(const TensorList& params, const TensorList& param_errors, const TensorList& grads,
+                   const TensorList& m_codes, const TensorList& m_absmax, const TensorList& v_codes,
+                   const TensorList& v_absmax, const at::Tensor& scalars, int64_t block_size,
+                   const TensorList& m_map, int64_t m_nan, const TensorList& v_map, int64_t v_nan, int64_t isa) {
+  const char* fn = "eightbit_step";
+  const size_t n = params.size();
+  check_lengths(fn, n, {{"param_errors", param_errors.size()}, {"grads", grads.size()}, {"m_codes", m_codes.size()},
+                        {"m_absmax", m_absmax.size()}, {"v_codes", v_codes.size()}, {"v_absmax", v_absmax.size()}});
+  TORCH_CHECK(block_size > 0 && block_size <= kMaxGroup && block_size % 16 == 0, fn, ": block_size must be a ",
+              "multiple of 16 up to ", kMaxGroup, " (the default is 256), got ", block_size,
+              "; use the compiled or reference path for other sizes");
+  std::vector<Row> rows;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    const int64_t blocks = (numel + block_size - 1) / block_size;
+    check_tensor(fn, "params", i, params[i], numel);
+    check_tensor(fn, "param_errors", i, param_errors[i], numel);
+    check_tensor(fn, "grads", i, grads[i], numel);
+    check_tensor(fn, "m_codes", i, m_codes[i], blocks * block_size);
+    check_tensor(fn, "v_codes", i, v_codes[i], blocks * block_size);
+    check_meta(fn, "m_absmax", i, m_absmax[i], blocks);
+    check_meta(fn, "v_absmax", i, v_absmax[i], blocks);
+    TORCH_CHECK(param_errors[i].scalar_type() == params[i].scalar_type(), fn, ": param_errors[", i,
+                "] must have the parameter's dtype ", params[i].scalar_type());
+    Row r;
+    r.numel = numel;
+    r.param = params[i].data_ptr();
+    r.extra = param_errors[i].data_ptr();
+    r.grad = grads[i].data_ptr();
+    r.exp_avg = m_codes[i].data_ptr();
+    r.exp_avg_sq = v_codes[i].data_ptr();
+    r.param_dtype = dtype_code(params[i]);
+    r.grad_dtype = dtype_code(grads[i]);
+    r.moment_dtype = dtype_code(m_codes[i]);
+    r.exp_avg_sq_dtype = dtype_code(v_codes[i]);
+    r.m_meta[0] = m_absmax[i].data_ptr<float>();
+    r.v_meta[0] = v_absmax[i].data_ptr<float>();
+    r.group_size = block_size;
+    set_map(fn, r, 0, m_map, m_nan);
+    set_map(fn, r, 1, v_map, v_nan);
+    rows.push_back(r);
+  }
+  fill_scalars(fn, scalars, rows);
+  run_rows(fn, table_for(isa)->eightbit, rows, nullptr, block_size);
+}
+
 }  // namespace
 }  // namespace hfl
 
@@ -445,4 +510,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("master_step", &hfl::master_step);
   m.def("fp8_adamw_step", &hfl::fp8_adamw_step);
   m.def("coat_step", &hfl::coat_step);
+  m.def("eightbit_step", &hfl::eightbit_step);
 }

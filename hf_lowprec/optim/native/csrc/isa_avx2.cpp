@@ -60,6 +60,11 @@ struct V8 {
     __m128i bytes = _mm_packus_epi16(pack16(x), _mm_setzero_si128());
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
   }
+  static F gather(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
+  // Four bytes read at each byte offset (the table has 3 bytes of padding), the low one kept.
+  static I gather_u8(const uint8_t* table, I index) {
+    return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 1), iset1(0xFF));
+  }
   static F f16_to_f32(I h) { return _mm256_cvtph_ps(pack16(h)); }
   static I f32_to_f16(F x) { return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 };

@@ -56,6 +56,11 @@ struct V16 {
   static void store_u16(uint16_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x)); }
   static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store_u8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static F gather(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
+  // Four bytes read at each byte offset (the table has 3 bytes of padding), the low one kept.
+  static I gather_u8(const uint8_t* table, I index) {
+    return _mm512_and_si512(_mm512_i32gather_epi32(index, table, 1), iset1(0xFF));
+  }
   static F f16_to_f32(I h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)); }
   static I f32_to_f16(F x) { return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
 };

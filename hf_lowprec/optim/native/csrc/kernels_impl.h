@@ -163,6 +163,17 @@ inline void two_sum(typename V::F a, typename V::F b, typename V::F& s, typename
   e = (b - bb) + (a - (s - bb));
 }
 
+// (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, r(δθ + e), Fast2Sum (|s| >= |b|), δθ in `extra`.
+template <class V, int P>
+inline void grow_store(const Row& r, int64_t i, typename V::F theta, typename V::F delta) {
+  typename V::F s, e;
+  two_sum<V, P>(theta, round_to<V, P>(delta), s, e);
+  auto b = round_to<V, P>(load<V, P>(r.extra, i) + e);
+  auto sum = round_to<V, P>(s + b);
+  store<V, P>(r.param, i, sum);
+  store<V, P>(r.extra, i, b + (s - sum));
+}
+
 // ---- families --------------------------------------------------------------------------
 
 // bf16-pure / FP32-states / FP32 AdamW: θ ← r(θ + Δθ₃₂); m, v stored once each.
@@ -195,12 +206,7 @@ struct CollageKernel {
     store<V, M>(r.exp_avg, i, m);
     store<V, M>(r.exp_avg_sq, i, v);
     if constexpr (PLUS) store<V, M>(r.extra2, i, v - round_to<V, M>(v));
-    typename V::F s, e;
-    two_sum<V, P>(theta, round_to<V, P>(delta), s, e);
-    auto b = round_to<V, P>(load<V, P>(r.extra, i) + e);
-    auto sum = round_to<V, P>(s + b);  // Fast2Sum(s, b): |s| >= |b|
-    store<V, P>(r.param, i, sum);
-    store<V, P>(r.extra, i, b + (s - sum));
+    grow_store<V, P>(r, i, theta, delta);
   }
 };
 
@@ -699,13 +705,8 @@ inline void coat_element(const Row& r, const Consts<V>& c, const GroupCode<V>& m
   adamw_math<V>(c, theta, load<V, G>(r.grad, i), m_old, v_old, V::set1(format_max(F32)), m, v, delta);
   if constexpr (P == F32) {
     store<V, F32>(r.param, i, theta + delta);
-  } else {  // (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)), as Collage-light
-    typename V::F s, e;
-    two_sum<V, P>(theta, round_to<V, P>(delta), s, e);
-    auto b = round_to<V, P>(load<V, P>(r.extra, i) + e);
-    auto sum = round_to<V, P>(s + b);
-    store<V, P>(r.param, i, sum);
-    store<V, P>(r.extra, i, b + (s - sum));
+  } else {
+    grow_store<V, P>(r, i, theta, delta);
   }
   V::store_f32(mbuf, m);
   V::store_f32(vbuf, v);
@@ -774,7 +775,93 @@ inline bool coat_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
   }
 }
 
+// ---- blockwise 8-bit states (formats.Blockwise8bit): dynamic-map codes, absmax per block ----
+
+// The index of the nearest map value, ties to the lower one (torch.bucketize over the
+// midpoints): the lookup table gives, for x's top 16 bits, the number of midpoints below every
+// float with those bits; at most one midpoint lies among them (checked where the table is
+// built), the next one, so one comparison finishes the count. NaN takes bucketize's code.
+template <class V>
+inline typename V::I map_encode(const Row& r, int map, typename V::F x) {
+  auto base = V::gather_u8(r.map_base[map], V::template srl<16>(V::bits(x)));
+  auto above = V::lt(V::gather(r.map_mids[map], base), x);
+  auto code = V::iselect(above, V::add(base, V::iset1(1)), base);
+  return V::iselect(V::isnan(x), V::iset1(r.map_nan[map]), code);
+}
+
+template <class V, int P, int G>
+inline void eightbit_element(const Row& r, const Consts<V>& c, typename V::F m_absmax, typename V::F v_absmax,
+                             int64_t i, float* mbuf, float* vbuf) {
+  typename V::F m, v, delta;
+  auto theta = load<V, P>(r.param, i);
+  auto m_old = V::gather(r.map_values[0], V::load_u8(static_cast<const uint8_t*>(r.exp_avg) + i)) * m_absmax;
+  auto v_old = V::gather(r.map_values[1], V::load_u8(static_cast<const uint8_t*>(r.exp_avg_sq) + i)) * v_absmax;
+  adamw_math<V>(c, theta, load<V, G>(r.grad, i), m_old, v_old, V::set1(format_max(F32)), m, v, delta);
+  grow_store<V, P>(r, i, theta, delta);
+  V::store_f32(mbuf, m);
+  V::store_f32(vbuf, v);
+}
+
+// Encode one block held in `buf` (FP32, `size` elements, a multiple of V::W): a = max|x| (NaN
+// above inf), x / (a > 0 ? a : 1), clamped at 0 for the unsigned map, then the codes; absmax = a.
+template <int MAP>
+inline void encode_block(const Row& r, float* buf, int64_t size, uint8_t* codes, float* absmax) {
+  typename V::I amax_v = V::iset1(0);
+  for (int64_t j = 0; j < size; j += V::W) {
+    amax_v = V::imax(amax_v, V::and_(V::bits(V::load_f32(buf + j)), V::iset1(0x7FFFFFFF)));
+  }
+  const float amax = VS::from_bits(reduce_max<V>(amax_v));
+  const auto divisor = V::set1(amax > 0.0f ? amax : 1.0f);
+  for (int64_t j = 0; j < size; j += V::W) {
+    auto x = V::load_f32(buf + j) / divisor;
+    if constexpr (MAP == 1) x = V::max(V::set1(0.0f), x);  // clamp(min=0): NaN stays NaN
+    V::store_u8(codes + j, map_encode<V>(r, MAP, x));
+  }
+  *absmax = amax;
+}
+
+// Blocks [begin, end) of one row (begin a multiple of the block): decode, AdamW, Grow, encode.
+// A last partial block runs its padding as the reference pads it (θ = g = 0, the stored codes
+// of the padding decoded), so the block's absmax and codes match.
+template <int P, int G>
+inline void eightbit_run(const Row& r, int64_t begin, int64_t end) {
+  const int64_t size = r.group_size;
+  alignas(64) float mbuf[kMaxGroup];
+  alignas(64) float vbuf[kMaxGroup];
+  const Consts<V> c(r);
+  const Consts<VS> cs(r);
+  auto* m_codes = static_cast<uint8_t*>(r.exp_avg);
+  auto* v_codes = static_cast<uint8_t*>(r.exp_avg_sq);
+  for (int64_t base = begin; base < end; base += size) {
+    const int64_t g = base / size;
+    const int64_t count = size < r.numel - base ? size : r.numel - base;
+    const float ma = r.m_meta[0][g], va = r.v_meta[0][g];
+    int64_t j = 0;
+    for (; j + V::W <= count; j += V::W) {
+      eightbit_element<V, P, G>(r, c, V::set1(ma), V::set1(va), base + j, mbuf + j, vbuf + j);
+    }
+    for (; j < count; ++j) eightbit_element<VS, P, G>(r, cs, ma, va, base + j, mbuf + j, vbuf + j);
+    for (; j < size; ++j) {
+      float delta;
+      adamw_math<VS>(cs, 0.0f, 0.0f, r.map_values[0][m_codes[base + j]] * ma, r.map_values[1][v_codes[base + j]] * va,
+                     format_max(F32), mbuf[j], vbuf[j], delta);
+    }
+    encode_block<0>(r, mbuf, size, m_codes + base, r.m_meta[0] + g);
+    encode_block<1>(r, vbuf, size, v_codes + base, r.v_meta[0] + g);
+  }
+}
+
+inline bool eightbit_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
+  if (r.group_size <= 0 || r.group_size > kMaxGroup || r.group_size % V::W) return false;
+  if (r.moment_dtype != U8 || r.exp_avg_sq_dtype != U8) return false;
+  switch (r.param_dtype) {
+    case BF16: { constexpr int P = BF16; HFL_GRAD_SWITCH(r.grad_dtype, (eightbit_run<P, G>(r, b, e))) }
+    case F16: { constexpr int P = F16; HFL_GRAD_SWITCH(r.grad_dtype, (eightbit_run<P, G>(r, b, e))) }
+    default: return false;
+  }
+}
+
 inline Table make_table(const char* name) {
   return Table{name, adamw_range, collage_light_range, collage_plus_range, kahan_range,
-               sr_range, master_range, fp8_amax_range, fp8_store_range, coat_range};
+               sr_range, master_range, fp8_amax_range, fp8_store_range, coat_range, eightbit_range};
 }

@@ -10,8 +10,9 @@
 
 namespace hfl {
 
-// Storage formats. F16S is a scaled FP16 master (FP8AdamW): payload = saturate(real·s).
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5 };
+// Storage formats. F16S is a scaled FP16 master (FP8AdamW): payload = saturate(real·s); U8 the
+// codes of the blockwise 8-bit states.
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5, U8 = 6 };
 
 // Slots of the per-parameter scalar vector (hf_lowprec.optim.native.adamw_scalars).
 enum Slot : int { W1 = 0, B2 = 1, OMB2 = 2, STEP = 3, EPS = 4, DECAY = 5 };
@@ -43,6 +44,14 @@ struct Row {
   float* v_meta[3] = {nullptr, nullptr, nullptr};
   int64_t group_size = 0;
   bool expand = false;
+  // Blockwise 8-bit (formats.Blockwise8bit): per map (0: m, signed; 1: v, unsigned) its 256
+  // values, its 255 midpoints and a +inf sentinel, the lookup table of the code below each
+  // 16-bit key (an FP32's top half) and the code of NaN; the absmax per block of `group_size`
+  // in m_meta[0] and v_meta[0].
+  const float* map_values[2] = {nullptr, nullptr};
+  const float* map_mids[2] = {nullptr, nullptr};
+  const uint8_t* map_base[2] = {nullptr, nullptr};
+  uint32_t map_nan[2] = {0, 0};
 };
 
 // Largest COAT group the kernels take (their per-group buffers live on the stack).
@@ -54,7 +63,7 @@ using RangeFn = bool (*)(const Row& row, int64_t begin, int64_t end, uint32_t* a
 
 struct Table {
   const char* name;
-  RangeFn adamw, collage_light, collage_plus, kahan, sr, master, fp8_amax, fp8_store, coat;
+  RangeFn adamw, collage_light, collage_plus, kahan, sr, master, fp8_amax, fp8_store, coat, eightbit;
 };
 
 const Table* table_scalar();

@@ -46,6 +46,8 @@ struct VS {
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static I load_u8(const uint8_t* p) { return *p; }
   static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static F gather(const float* table, I index) { return table[index]; }
+  static I gather_u8(const uint8_t* table, I index) { return table[index]; }
 
   // IEEE binary16 <-> binary32, round to nearest even, as F16C's vcvtps2ph/vcvtph2ps.
   static F f16_to_f32(I h) {
