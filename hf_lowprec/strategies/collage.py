@@ -23,7 +23,7 @@ import torch
 
 from ..numerics import split
 from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
-from .base import StrategyOptions
+from .base import PrecisionStrategy, StrategyOptions
 from .baselines import BF16Pure
 from .registry import register
 
@@ -96,6 +96,8 @@ class BF16Update(BF16Pure):
     """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic."""
 
     Options = BF16UpdateOptions
+    # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
+    resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
