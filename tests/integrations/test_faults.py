@@ -342,6 +342,7 @@ def test_untouched_checkpoint_continues_bit_for_bit_and_without_manifest_warns(s
     warnings = [r for r in caplog.records if MANIFEST in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
     assert_same(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model, no manifest")
+    assert_same(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer, no manifest")
 
 
 def optimizer_steps(trainer: Trainer) -> set[int]:
