@@ -277,10 +277,9 @@ class PrecisionTrainerMixin:
         resume_from_checkpoint, self._resume_resets = resolve_resume_checkpoint(
             self.args.output_dir, resume_from_checkpoint, self.precision, reset
         )
-        residuals = getattr(self.precision, "_residuals", None)
-        if "optimizer" in self._resume_resets and residuals:
+        if "optimizer" in self._resume_resets and self.precision is not None:
             # Residuals of this run's initial weights would seed δθ next to the checkpoint's θ.
-            residuals.clear()
+            self.precision.discard_prepared_state()
         if resume_from_checkpoint is not None:  # by keyword: TRL 1.12's PPOTrainer.train() takes no argument
             kwargs["resume_from_checkpoint"] = resume_from_checkpoint
         return super().train(*args, **kwargs)

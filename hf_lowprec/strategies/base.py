@@ -160,6 +160,10 @@ class PrecisionStrategy:
         """Convert the model (dtypes, module swaps). Returns the model to train."""
         return model
 
+    def discard_prepared_state(self) -> None:
+        """Forget what `prepare_model` kept of the initial weights for `create_optimizer` (a resume
+        whose optimizer starts afresh takes its weights from the checkpoint, not from them)."""
+
     # --- FSDP2 -------------------------------------------------------------------------
     def fsdp2_mixed_precision(self) -> Any:
         """The `MixedPrecisionPolicy` FSDP2 applies to this strategy's (converted) model.

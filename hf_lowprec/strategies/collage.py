@@ -143,6 +143,9 @@ class BF16Update(BF16Pure):
         self._residuals.update({key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype})
         return model
 
+    def discard_prepared_state(self) -> None:
+        self._residuals.clear()
+
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         factory, _ = _UPDATES[self.options.update]
         optimizer = factory(param_groups, self.options, fused=self.options.fused, **hyper)
