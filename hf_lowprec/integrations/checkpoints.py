@@ -136,16 +136,19 @@ def _check_files(path: str) -> None:
                 raise _damaged(path, name, f"entry {bad} fails its CRC check")
 
 
-def _check_strategy(path: str, strategy: str | None) -> None:
+def _check_strategy(path: str, strategy: Any) -> None:
+    """The strategy (and options, where saved) in `optimizer.pt` against this run's, for a checkpoint without manifest."""
     file = os.path.join(path, OPTIMIZER)
     if not os.path.isfile(file):  # DeepSpeed and sharded layouts keep their own optimizer files
         return
     state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     ours = state.get("hf_lowprec") if isinstance(state, dict) else None
     saved = ours.get("strategy") if isinstance(ours, dict) else None
-    if saved == strategy:
-        return
-    _refuse_strategy(file, path, saved, strategy)
+    name = strategy.name if strategy is not None else None
+    if saved != name:
+        _refuse_strategy(file, path, saved, name)
+    if strategy is not None and isinstance(ours.get("options"), dict):
+        strategy.check_resume_options(ours["options"], file)
 
 
 def _refuse_strategy(file: str, path: str, saved: str | None, strategy: str | None) -> None:
@@ -305,7 +308,7 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
         MANIFEST,
     )
     _check_files(path)
-    _check_strategy(path, strategy.name if strategy is not None else None)
+    _check_strategy(path, strategy)
     return set()
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -263,6 +264,12 @@ def test_resuming_with_other_options_is_refused_naming_each(coat_checkpoint, tmp
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(ValueError, match=rf"hf_lowprec_manifest.json was saved by precision strategy 'coat' .*{match}"):
         trainer.train(resume_from_checkpoint=str(coat_checkpoint))
+    # Without a manifest (saved before there was one) the options come from optimizer.pt, still before any load.
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(coat_checkpoint, copy)
+    (copy / "hf_lowprec_manifest.json").unlink()
+    with pytest.raises(ValueError, match=rf"optimizer.pt was saved by precision strategy 'coat' .*{match}"):
+        trainer.train(resume_from_checkpoint=str(copy))
     assert trainer.state.global_step == 0 and trainer.optimizer is None
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
 
