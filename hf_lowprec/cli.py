@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -67,27 +68,52 @@ def strategy_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _build_meta_model(model: str) -> torch.nn.Module:
+# Config fields that count or size something: a model needs each at least 1.
+_SIZE_FIELDS = (
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "n_positions",
+    "n_inner",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def _model_config(model: str) -> tuple[Any, Any]:
+    """The config and model class `--model` names (a known shape or a config.json), checked; ValueError if bad."""
     import transformers
 
     if model in MODELS:
         config_cls, kwargs, model_cls = MODELS[model]
-        config = getattr(transformers, config_cls)(**kwargs)
-        cls = getattr(transformers, model_cls)
-    else:
-        path = Path(model)
-        if not path.is_file():
-            raise ValueError(
-                f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither"
-            )
+        return getattr(transformers, config_cls)(**kwargs), getattr(transformers, model_cls)
+    path = Path(model)
+    if not path.is_file():
+        raise ValueError(f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither")
+    try:
         config = transformers.AutoConfig.from_pretrained(str(path))
-        arch = (getattr(config, "architectures", None) or [None])[0]
-        cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
-        if cls is transformers.AutoModelForCausalLM:
-            with torch.device("meta"):
-                return cls.from_config(config)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"--model {model}: not a transformers config.json ({str(err).splitlines()[0]})") from None
+    for key in _SIZE_FIELDS:
+        value = getattr(config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"--model {model}: {key} must be a positive integer, got {value!r}")
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
+    return config, cls
+
+
+def _build_meta_model(model: str) -> torch.nn.Module:
+    import transformers
+
+    config, cls = _model_config(model)
     with torch.device("meta"):
-        return cls(config)
+        return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
 
 
 def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_stage: int = 0) -> list[dict[str, Any]]:
@@ -150,6 +176,29 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
         print(line)
 
 
+def _check_strategy_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated strategy names in `text`; a usage error (exit 2) for an unknown one."""
+    names = [s for s in text.split(",") if s]
+    if not names:
+        parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
+    for name in names:
+        try:
+            strategy_class(name)
+        except ValueError as error:
+            parser.error(f"--strategies: {error}")
+    return names
+
+
+def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
+    """Create `out` and write a file in it now, so no run's results are lost at the end."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        parser.error(f"--out {out} is not writable ({error.strerror or error}); pick another directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hf-lowprec", description="Low-precision training strategies for the HF stack."
@@ -189,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['name']:<{width}}  {r['bytes_per_param']:>7g}  {(r['needs'] or '-'):<16} {r['summary']}")
         return 0
     if ns.command == "memory":
-        names = [s for s in (ns.strategies or ",".join(available_strategies())).split(",") if s]
-        for name in names:
-            strategy_class(name)
+        names = _check_strategy_names(mem, ns.strategies or ",".join(available_strategies()))
         if ns.world_size < 1:
-            parser.error("--world-size must be >= 1")
+            mem.error("--world-size must be >= 1")
+        try:
+            _model_config(ns.model)
+        except ValueError as error:
+            mem.error(str(error))
         _print_memory(
             memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage
         )
@@ -204,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             resolve_recipe(ns.recipe)
         except ValueError as error:
-            parser.error(str(error))
-        names = [s for s in ns.strategies.split(",") if s]
+            cmp_.error(str(error))
+        names = _check_strategy_names(cmp_, ns.strategies)
         try:
             seeds = [int(s) for s in ns.seeds.split(",") if s]
         except ValueError:
-            parser.error(f"--seeds must be comma-separated integers, got {ns.seeds!r}")
+            cmp_.error(f"--seeds must be comma-separated integers, got {ns.seeds!r}")
+        if ns.max_steps < 1:
+            cmp_.error(f"--max_steps must be >= 1, got {ns.max_steps}")
+        _check_writable(cmp_, ns.out)
         extra = [a for a in ns.recipe_args if a != "--"]
         summary = run_compare(
             ns.recipe,

@@ -23,6 +23,11 @@ def available_strategies() -> list[str]:
 
 def strategy_class(name: str) -> tuple[type, dict[str, Any]]:
     """The class and preset options registered under `name`; ValueError naming close names."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"precision strategy must be a name (a string), got {name!r} ({type(name).__name__}). "
+            f"Valid names: {', '.join(sorted(REGISTRY))}."
+        )
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, list(REGISTRY), n=3, cutoff=0.4)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""

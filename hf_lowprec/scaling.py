@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "FP16_MAX",
+    "check_loss_scale",
     "AutomaticLossScaler",
     "RunningMeanGradients",
     "check_loss_scaler_settings",
@@ -41,6 +42,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def check_loss_scale(name: str, value: float, high: float | None = None) -> None:
+    """Raise ValueError unless the loss scale `value` is a positive power of two (at most `high`)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if math.frexp(value)[0] != 0.5:
+        raise ValueError(f"{name} must be a power of two so that scaling is exact, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(
+            f"{name} must be at most 2**{math.frexp(high)[1] - 1}, got {value!r}: a larger scale overflows FP16 (65504) for "
+            "gradients of any useful size, so every step would be skipped"
+        )
 
 
 def check_loss_scaler_settings(
@@ -54,10 +68,7 @@ def check_loss_scaler_settings(
     if not (0.0 <= threshold < 1.0):
         raise ValueError(f"threshold must lie in [0, 1) (a share of elements; seed: 1e-7), got {threshold!r}")
     for name, value in (("init_scale", init_scale), ("max_scale", max_scale), ("min_scale", min_scale)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        if math.frexp(value)[0] != 0.5:
-            raise ValueError(f"{name} must be a power of two so that scaling is exact, got {value!r}")
+        check_loss_scale(name, value)
     if not (min_scale <= init_scale <= max_scale):
         raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale!r}, {init_scale!r}, {max_scale!r}")
 

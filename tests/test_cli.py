@@ -139,3 +139,52 @@ def test_the_in_package_runner_shares_the_pretrain_clm_recipe_defaults():
     assert "**PRETRAIN_CLM_DEFAULTS" in recipe.read_text(), (
         "recipes/pretrain_clm.py must train with the runner's defaults"
     )
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run the CLI; it must exit 2 with a one-line argparse error and no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["compare", "--strategies", "nonexistent"], "unknown precision strategy 'nonexistent'"),
+        (["compare", "--strategies", "bf16-pure", "--max_steps", "-3"], "--max_steps must be >= 1, got -3"),
+        (["memory", "--model", "nonexistent"], "--model must be one of"),
+        (["memory", "--strategies", "bf16-pur"], "Did you mean 'bf16-pure'"),
+    ],
+)
+def test_user_errors_are_usage_errors(argv, match, capsys, monkeypatch):
+    import hf_lowprec.compare
+
+    monkeypatch.setattr(hf_lowprec.compare, "run_compare", _no_training)
+    assert match in _usage_error(argv, capsys)
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("training started before the arguments were checked")
+
+
+def test_memory_checks_the_config_it_is_given(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2", "n_layer": -2}')
+    line = _usage_error(["memory", "--model", str(config), "--strategies", "bf16-pure"], capsys)
+    assert f"--model {config}: n_layer must be a positive integer, got -2" in line
+
+
+def test_compare_checks_out_is_writable_before_training(tmp_path, capsys, monkeypatch):
+    import hf_lowprec.compare
+
+    monkeypatch.setattr(hf_lowprec.compare, "run_compare", _no_training)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    line = _usage_error(["compare", "--strategies", "bf16-pure", "--out", str(blocked / "out")], capsys)
+    assert f"--out {blocked / 'out'} is not writable" in line

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 import hf_lowprec
@@ -18,6 +20,16 @@ def test_unknown_name_names_the_closest():
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match=r"Valid names: .*fp32"):
         hf_lowprec.get_strategy("zzzz")
+
+
+@pytest.mark.parametrize("name", [3, None, ["bf16-pure"]])
+def test_a_name_that_is_not_a_string_is_refused_clearly(name, tmp_path):
+    match = rf"precision strategy must be a name \(a string\), got {re.escape(repr(name))}.*Valid names: .*fp32"
+    with pytest.raises(ValueError, match=match):
+        hf_lowprec.get_strategy(name)
+    if name is not None:  # None means no strategy in TrainingArguments
+        with pytest.raises(ValueError, match=match):
+            hf_lowprec.TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, use_cpu=True)
 
 
 def test_bad_option_name_raises_before_work():

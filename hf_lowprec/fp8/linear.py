@@ -587,8 +587,8 @@ def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = Non
             filter, which skips the LM head and layers tied to embeddings.
         margin: scale margin for the FP8 casts of the new layers.
 
-    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA)
-    and subclasses of `nn.Linear` (whose own forward a swap would drop) are always skipped.
+    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA),
+    layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a swap would drop) are always skipped.
     Each skip is logged as a warning naming the layer and the reason.
     """
     if margin < 0:
@@ -615,7 +615,9 @@ def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = Non
         if reason is None:
             k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
             bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % GEMM_MULTIPLE]
-            if bad:
+            if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
+                reason = f"it has no elements (in_features={k}, out_features={n})"
+            elif bad:
                 reason = f"{', '.join(bad)} not a multiple of {GEMM_MULTIPLE} (FP8 GEMM requirement)"
         if reason is not None:
             logger.warning("FP8: skipped layer %s: %s", name, reason)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..registry import get_strategy
 from ..report import (
@@ -32,7 +33,7 @@ from ..report import (
     warn_slow_fp16_once,
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
-from .checkpoints import resolve_resume_checkpoint
+from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, write_manifest
 from .peft import prepare_model
 
 __all__ = [
@@ -70,8 +71,18 @@ class PrecisionArgumentsMixin:
             "e.g. '{\"lost_arithmetic_metrics\": true}'."
         },
     )
+    resume_reset: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Parts of the training state a resume may start afresh when the checkpoint's file for "
+            "them is missing or damaged, comma-separated: "
+            + "; ".join(f"{part}: {what}" for part, what in RESETTABLE.items())
+            + ". Default: none, and such a checkpoint is refused."
+        },
+    )
 
     def __post_init__(self) -> None:
+        parse_resume_reset(self.resume_reset)  # a bad part name fails before any work
         if isinstance(self.precision_options, str):
             try:
                 self.precision_options = json.loads(self.precision_options) if self.precision_options else {}
@@ -260,12 +271,43 @@ class PrecisionTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         # Pick and check the checkpoint before the base class loads anything: an interrupted
-        # save is skipped, a damaged file or another strategy's checkpoint is refused.
-        name = self.precision.name if self.precision is not None else None
-        resume_from_checkpoint = resolve_resume_checkpoint(self.args.output_dir, resume_from_checkpoint, name)
+        # save is skipped; a missing or damaged file, another strategy's checkpoint or changed
+        # options are refused, unless `resume_reset` names the part that file holds.
+        reset = parse_resume_reset(getattr(self.args, "resume_reset", None))
+        resume_from_checkpoint, self._resume_resets = resolve_resume_checkpoint(
+            self.args.output_dir, resume_from_checkpoint, self.precision, reset
+        )
+        if "optimizer" in self._resume_resets and self.precision is not None:
+            # Residuals of this run's initial weights would seed δθ next to the checkpoint's θ.
+            self.precision.discard_prepared_state()
         if resume_from_checkpoint is not None:  # by keyword: TRL 1.12's PPOTrainer.train() takes no argument
             kwargs["resume_from_checkpoint"] = resume_from_checkpoint
         return super().train(*args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, DeepSpeed shards) are written
+        if self.args.should_save and os.path.isdir(path):
+            write_manifest(path, self.precision)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}
+        if checkpoint is None or not resets:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if getattr(self, "is_deepspeed_enabled", False):
+            # DeepSpeed loaded its optimizer with the model; only the scheduler file is left.
+            return None if "scheduler" in resets else super()._load_optimizer_and_scheduler(checkpoint)
+        if "optimizer" not in resets:
+            state = torch.load(os.path.join(checkpoint, "optimizer.pt"), map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state)
+        if "scheduler" not in resets:
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        return None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if "rng" not in getattr(self, "_resume_resets", set()):
+            super()._load_rng_state(checkpoint)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.precision is None or self.optimizer is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import typing
 from collections.abc import Callable, Iterable
@@ -133,6 +134,11 @@ class PrecisionStrategy:
     fsdp2: ClassVar[bool] = False
     fsdp2_refusal: ClassVar[str] = "it has not been verified under FSDP2; train it with DDP"
     fsdp2_note: ClassVar[str] = ""
+    # Options a resume may change: they decide how the step runs or what is measured and
+    # saved, not the layout or meaning of the saved state. Any other change is refused.
+    resume_safe_options: ClassVar[frozenset[str]] = frozenset(
+        {"lost_arithmetic_metrics", "save_full_precision", "fused"}
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -154,6 +160,10 @@ class PrecisionStrategy:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert the model (dtypes, module swaps). Returns the model to train."""
         return model
+
+    def discard_prepared_state(self) -> None:
+        """Forget what `prepare_model` kept of the initial weights for `create_optimizer` (a resume
+        whose optimizer starts afresh takes its weights from the checkpoint, not from them)."""
 
     # --- FSDP2 -------------------------------------------------------------------------
     def fsdp2_mixed_precision(self) -> Any:
@@ -355,6 +365,28 @@ class PrecisionStrategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
+    def check_resume_options(self, saved: dict[str, Any], where: str) -> list[str]:
+        """Compare this strategy's options with the `saved` ones (read from `where`).
+
+        Raises ValueError naming each changed option outside `resume_safe_options` with its
+        saved value; returns the safe options that changed, which the resumed run applies.
+        """
+        current = dataclasses.asdict(self.options)
+        changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+        refused = [k for k in changed if k not in self.resume_safe_options]
+        if refused:
+            listed = ", ".join(f"{k}={current.get(k)!r} (saved: {saved.get(k)!r})" for k in refused)
+            keep = {k: saved[k] for k in refused if k in saved}
+            raise ValueError(
+                f"{where} was saved by precision strategy {self.name!r} with other options; this run changes "
+                f"{listed}, which decide the layout and meaning of the saved state. Resume with the saved values "
+                f"(precision_options {json.dumps(keep)}), or start a new run from the checkpoint's weights "
+                "without resume_from_checkpoint"
+            )
+        for k in changed:
+            logger.info("resuming with %s=%r (saved: %r): applied from here on", k, current.get(k), saved.get(k))
+        return changed
+
     def metrics(self) -> dict[str, float]:
         """Metrics for the logs, under stable `precision/...` keys."""
         return {"precision/skipped_steps": float(self.skipped_steps), **self._lost_arithmetic}
@@ -459,7 +491,11 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self.optimizer.state_dict())
-        state["hf_lowprec"] = {"strategy": self.strategy.name, **self.strategy.state_dict()}
+        state["hf_lowprec"] = {
+            "strategy": self.strategy.name,
+            "options": dataclasses.asdict(self.strategy.options),
+            **self.strategy.state_dict(),
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -472,7 +508,12 @@ class StrategyOptimizer(torch.optim.Optimizer):
                     f"this optimizer state was saved by precision strategy {saved!r}, "
                     f"not {self.strategy.name!r}; resume with --precision_strategy {saved}"
                 )
-            self.strategy.load_state_dict({k: v for k, v in ours.items() if k != "strategy"})
+            options = ours.get("options")
+            changed = self.strategy.check_resume_options(options, "this optimizer state") if options else []
+            if "seed" in changed:
+                # A new stochastic-rounding seed applies for real: the generators start from it.
+                state_dict.pop("generator_states", None)
+            self.strategy.load_state_dict({k: v for k, v in ours.items() if k not in ("strategy", "options")})
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:

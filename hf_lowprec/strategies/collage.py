@@ -23,7 +23,7 @@ import torch
 
 from ..numerics import split
 from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
-from .base import StrategyOptions
+from .base import PrecisionStrategy, StrategyOptions
 from .baselines import BF16Pure
 from .registry import register
 
@@ -96,6 +96,8 @@ class BF16Update(BF16Pure):
     """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic."""
 
     Options = BF16UpdateOptions
+    # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
+    resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
@@ -140,6 +142,9 @@ class BF16Update(BF16Pure):
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
         self._residuals.update({key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype})
         return model
+
+    def discard_prepared_state(self) -> None:
+        self._residuals.clear()
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         factory, _ = _UPDATES[self.options.update]

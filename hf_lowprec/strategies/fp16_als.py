@@ -18,7 +18,7 @@ import torch
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
-from .base import StrategyOptions
+from .base import PrecisionStrategy, StrategyOptions
 from .loss_scaling import LossScaledStrategy
 from .registry import register
 
@@ -66,6 +66,8 @@ class FP16ALS(LossScaledStrategy):
     """
 
     Options = FP16ALSOptions
+    # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
+    resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
     param_dtype = torch.float16
 
     def __init__(self, name: str | None = None, **options: Any) -> None:

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import torch
 
+from ..scaling import check_loss_scale
 from .base import StrategyOptions
 from .baselines import device_autocast
 from .loss_scaling import LossScaledStrategy
 from .registry import register
 
 __all__ = ["FP16Mixed", "FP16MixedOptions"]
+
+# Above 2**24 a scaled gradient of 2**-8 already exceeds FP16's 65504: GradScaler would skip
+# step after step, halving the scale each time, before training starts.
+_MAX_INIT_SCALE = 2.0**24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +40,7 @@ class FP16MixedOptions(StrategyOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.init_scale, (int, float)) and math.isfinite(self.init_scale) and self.init_scale > 0):
-            raise ValueError(f"init_scale must be a positive finite number, got {self.init_scale!r}")
+        check_loss_scale("init_scale", self.init_scale, high=_MAX_INIT_SCALE)
         if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
             raise ValueError(f"growth_interval must be an integer >= 1, got {self.growth_interval!r}")
 

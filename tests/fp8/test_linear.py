@@ -177,6 +177,39 @@ def test_layers_fp8_cannot_handle_are_skipped_with_a_named_warning(caplog):
     assert "skipped layer 0: it is a subclass of nn.Linear (Special)" in caplog.text
 
 
+class WithEmptyLayers(nn.Module):
+    """A trainable layer beside two with a zero dimension (e.g. a head pruned to no classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(64, 64)
+        self.no_outputs = nn.Linear(64, 0)
+        self.no_inputs = nn.Linear(0, 16)
+
+    def forward(self, x):
+        empty = x[:, :0]
+        return self.dense(x).pow(2).mean() + self.no_outputs(x).sum() + self.no_inputs(empty).pow(2).mean()
+
+
+@pytest.mark.parametrize("strategy", ["fp8-lm-o1", "fp8-lm-o2", "coat"])
+def test_zero_size_layers_stay_high_precision_and_train(strategy, caplog):
+    import hf_lowprec
+
+    torch.manual_seed(0)
+    precision = hf_lowprec.get_strategy(strategy)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.fp8.linear"):
+        model = precision.prepare_model(WithEmptyLayers())
+    assert "skipped layer no_outputs: it has no elements (in_features=64, out_features=0)" in caplog.text
+    assert "skipped layer no_inputs: it has no elements (in_features=0, out_features=16)" in caplog.text
+    assert isinstance(model.dense, FP8Linear) and type(model.no_outputs) is nn.Linear
+    optimizer = precision.create_optimizer(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        loss = precision.train_step(model, x, optimizer, loss_fn=lambda m, batch: m(batch))
+        assert math.isfinite(loss.item())
+    assert precision.skipped_steps == 0
+
+
 def test_module_filter_replaces_the_default_filter():
     model = _gpt2()
     convert_to_fp8(model, module_filter=lambda module, fqn: fqn.endswith("mlp.c_fc") or fqn == "lm_head")

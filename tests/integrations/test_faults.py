@@ -6,6 +6,9 @@
   training goes on with the loss still falling.
 - A truncated or corrupted checkpoint file, and another strategy's checkpoint: an error that
   names the file and what to do, raised before the model, optimizer or state change.
+- The fault matrix: for five strategies, every file of a checkpoint deleted, truncated and
+  overwritten in the middle is refused naming the file (or, with `resume_reset`, the part is
+  started afresh as documented); the untouched checkpoint continues bit for bit.
 - Bad `precision_options` on the command line: a ValueError naming the option, raised while
   the arguments are parsed, for every option of every registered strategy.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import typing
@@ -25,7 +29,9 @@ from transformers import HfArgumentParser, TrainerCallback
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.integrations.checkpoints import MANIFEST
 from tests.helpers import TokenBlocks, batches, tiny_gpt2
+from tests.integrations.test_resume import assert_same
 
 STRATEGIES = hf_lowprec.available_strategies()
 STEPS = 12
@@ -164,14 +170,19 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def damaged_copy(checkpoint: Path, tmp_path: Path, name: str, damage: str) -> Path:
+    """A copy of `checkpoint` under tmp_path/run with `name` deleted, truncated or overwritten."""
     run = tmp_path / "run"
     copy = run / checkpoint.name
     shutil.copytree(checkpoint, copy)
+    if damage == "deleted":
+        (copy / name).unlink()
+        return copy
     data = bytearray((copy / name).read_bytes())
     if damage == "truncated":
         data = data[: len(data) // 2]
-    else:  # one byte flipped in the middle of the file
-        data[len(data) // 2] ^= 0xFF
+    else:  # "corrupted" / "overwritten": 8 bytes flipped in the middle, the size kept
+        middle = len(data) // 2
+        data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
     (copy / name).write_bytes(bytes(data))
     return copy
 
@@ -197,6 +208,7 @@ def assert_refused_before_any_change(output_dir: Path, strategy: str | None, res
 )
 def test_damaged_checkpoint_file_is_named_before_anything_loads(checkpoint, tmp_path, name, damage, what):
     copy = damaged_copy(checkpoint, tmp_path, name, damage)
+    (copy / MANIFEST).unlink()  # saved before checkpoints carried a manifest: the archives' own checks
     match = rf"checkpoint file {copy / name} is damaged \(.*{what}.*\)\. Nothing was loaded\. Delete {copy} and resume"
     assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
     # resume_from_checkpoint=True picks the same (finished, but damaged) checkpoint: same error.
@@ -214,7 +226,7 @@ def test_damaged_trainer_state_means_an_interrupted_save(checkpoint, tmp_path):
     [
         (
             "collage-plus",
-            r"optimizer.pt was saved by precision strategy 'bf16-pure', but this run uses "
+            rf"{MANIFEST} was saved by precision strategy 'bf16-pure', but this run uses "
             r"precision_strategy='collage-plus'; resume with --precision_strategy bf16-pure",
         ),
         (None, r"saved by precision strategy 'bf16-pure', but this run uses no precision strategy"),
@@ -222,6 +234,137 @@ def test_damaged_trainer_state_means_an_interrupted_save(checkpoint, tmp_path):
 )
 def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy, match):
     assert_refused_before_any_change(tmp_path, strategy, str(checkpoint), match)
+
+
+# --- the fault matrix: every checkpoint file deleted, truncated, overwritten -------------------------
+MATRIX_STRATEGIES = ["collage-plus", "fp8-lm-o2", "coat", "fp16-als", "collage-8bit"]
+MATRIX_STEPS, MATRIX_SAVE = 3, 2  # checkpoint-2, then one more step to compare against
+FILES = [
+    "model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "trainer_state.json",
+    "training_args.bin",
+    "config.json",
+    "generation_config.json",
+    MANIFEST,
+]
+DAMAGES = ["deleted", "truncated", "overwritten"]
+# The part `resume_reset` may start afresh when its file is missing or damaged.
+PARTS = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "rng_state.pth": "rng"}
+
+
+def matrix_trainer(output_dir: Path, strategy: str, seed: int = 0, **kw) -> Trainer:
+    args = make_args(
+        output_dir,
+        strategy,
+        precision_options={"fused": "reference"},  # the eager step: no kernel to compile for 3 steps
+        max_steps=MATRIX_STEPS,
+        save_strategy="steps",
+        save_steps=MATRIX_SAVE,
+        lr_scheduler_type="linear",
+        **kw,
+    )
+    return Trainer(model=tiny_gpt2(seed), args=args, train_dataset=TokenBlocks(16))
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory) -> dict[str, tuple[Path, Trainer]]:
+    """Per strategy: checkpoint-2 and the run that wrote it, trained on to step 3 (the reference)."""
+    runs = {}
+    for strategy in MATRIX_STRATEGIES:
+        out = tmp_path_factory.mktemp(strategy)
+        trainer = matrix_trainer(out, strategy)
+        trainer.train()
+        runs[strategy] = (out / f"checkpoint-{MATRIX_SAVE}", trainer)
+    return runs
+
+
+def test_every_checkpoint_file_is_in_the_manifest(saved_runs):
+    for strategy, (checkpoint, _) in saved_runs.items():
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        assert sorted(manifest["files"]) == sorted(f for f in FILES if f != MANIFEST), strategy
+        assert manifest["strategy"] == strategy
+        options = hf_lowprec.get_strategy(strategy, fused="reference").options
+        assert manifest["options"] == dataclasses.asdict(options)
+
+
+def expected_refusal(copy: Path, name: str, damage: str) -> str:
+    if name == "trainer_state.json":  # the Trainer writes it last: its damage means an interrupted save
+        return rf"{copy} is an incomplete checkpoint \(trainer_state.json is (missing|cut short)"
+    what = "missing" if damage == "deleted" else r"damaged \(.*\)"
+    if name == MANIFEST:
+        what = r"damaged \(unreadable.*\)"
+    hint = rf".*resume_reset='{PARTS[name]}'" if name in PARTS else ""
+    return rf"checkpoint file {copy / name} is {what}\. Nothing was loaded\. Delete {copy} and resume{hint}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("name", [f for f in FILES if f != MANIFEST])
+@pytest.mark.parametrize("strategy", MATRIX_STRATEGIES)
+def test_fault_matrix_refuses_naming_the_file(saved_runs, tmp_path, strategy, name, damage):
+    copy = damaged_copy(saved_runs[strategy][0], tmp_path, name, damage)
+    assert_refused_before_any_change(copy.parent, strategy, str(copy), expected_refusal(copy, name, damage))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_manifest_is_refused(saved_runs, tmp_path, damage):
+    copy = damaged_copy(saved_runs["coat"][0], tmp_path, MANIFEST, damage)
+    assert_refused_before_any_change(copy.parent, "coat", str(copy), expected_refusal(copy, MANIFEST, damage))
+
+
+def resumed(copy: Path, strategy: str, caplog, **kw) -> Trainer:
+    trainer = matrix_trainer(copy.parent, strategy, seed=7, **kw)  # other weights: all must come from the copy
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.integrations.checkpoints"):
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert trainer.state.global_step == MATRIX_STEPS
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", MATRIX_STRATEGIES)
+def test_untouched_checkpoint_continues_bit_for_bit_and_without_manifest_warns(saved_runs, tmp_path, strategy, caplog):
+    checkpoint, reference = saved_runs[strategy]
+    copy = tmp_path / "run" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    trainer = resumed(copy, strategy, caplog)
+    assert "no hf_lowprec_manifest.json" not in caplog.text
+    assert_same(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
+    assert_same(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
+    assert_same(trainer.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
+    # A checkpoint without the manifest (as saved before manifests existed): one warning, then the same run.
+    shutil.rmtree(copy.parent / f"checkpoint-{MATRIX_STEPS}", ignore_errors=True)
+    (copy / MANIFEST).unlink()
+    caplog.clear()
+    trainer = resumed(copy, strategy, caplog)
+    warnings = [r for r in caplog.records if MANIFEST in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
+    assert_same(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model, no manifest")
+    assert_same(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer, no manifest")
+
+
+def optimizer_steps(trainer: Trainer) -> set[int]:
+    """The step counts the optimizer holds per parameter (each family stores "step")."""
+    return {int(state["step"]) for state in trainer.optimizer.state.values() if "step" in state}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PARTS))
+@pytest.mark.parametrize("strategy", MATRIX_STRATEGIES)
+def test_resume_reset_starts_the_named_part_afresh(saved_runs, tmp_path, strategy, name, caplog):
+    part = PARTS[name]
+    copy = damaged_copy(saved_runs[strategy][0], tmp_path, name, "deleted")
+    trainer = resumed(copy, strategy, caplog, resume_reset=part)
+    assert f"{copy / name} is missing; resume_reset names '{part}'" in caplog.text
+    reference = saved_runs[strategy][1]
+    # One step after the resume: a fresh optimizer has taken 1 step, a restarted schedule 1 step.
+    assert optimizer_steps(trainer) == ({1} if part == "optimizer" else optimizer_steps(reference))
+    expected_epoch = 1 if part == "scheduler" else reference.lr_scheduler.last_epoch
+    assert trainer.lr_scheduler.last_epoch == expected_epoch
+    if part == "rng":  # weights and optimizer came from the checkpoint: the step differs only in data order
+        assert trainer.state.global_step == MATRIX_STEPS
 
 
 # --- bad precision_options from the command line --------------------------------------------------

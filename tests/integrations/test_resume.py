@@ -8,13 +8,19 @@ parameters, optimizer state (strategy state included), scheduler state and losse
 bit. The child and this process run on the same machine with the same settings, so the
 comparison is exact. The other places a kill can land (between checkpoints, before the
 optimizer file, in the middle of it) are covered for fp32, where a run is cheapest.
+
+Options on resume: a run that changes an option deciding the saved state's layout or meaning
+is refused naming each change and its saved value; a safe change (what is measured, a new
+stochastic-rounding seed) is applied, and the startup report shows it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -25,7 +31,7 @@ import transformers
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
-from tests.helpers import TokenBlocks, tiny_gpt2
+from tests.helpers import TokenBlocks, batches, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 MAX_STEPS, SAVE_STEPS, KILLED_AT = 6, 2, 4  # checkpoints at 2, 4, 6; killed while writing checkpoint-4
@@ -213,3 +219,86 @@ def test_an_explicitly_named_incomplete_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no complete checkpoint-N directory"):
         trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == 0
+
+
+# --- options on resume ----------------------------------------------------------------------------
+def options_trainer(output_dir: Path, strategy: str, seed: int = 0, **options) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        precision_strategy=strategy,
+        precision_options={"fused": "reference", **options},  # eager steps: nothing to compile
+        max_steps=3,
+        save_steps=2,
+        save_strategy="steps",
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return Trainer(model=tiny_gpt2(seed), args=args, train_dataset=TokenBlocks(16))
+
+
+@pytest.fixture(scope="module")
+def coat_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("coat")
+    options_trainer(out, "coat").train()
+    return out / "checkpoint-2"
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (
+            {"exp_avg_sq_format": "e5m2", "group_size": 64},
+            r"this run changes exp_avg_sq_format='e5m2' \(saved: 'e4m3'\), group_size=64 \(saved: 128\).*"
+            r'Resume with the saved values \(precision_options \{"exp_avg_sq_format": "e4m3", "group_size": 128\}\)',
+        ),
+        ({"states": False}, r"this run changes states=False \(saved: True\)"),
+    ],
+)
+def test_resuming_with_other_options_is_refused_naming_each(coat_checkpoint, tmp_path, options, match):
+    trainer = options_trainer(tmp_path, "coat", seed=3, **options)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"hf_lowprec_manifest.json was saved by precision strategy 'coat' .*{match}"):
+        trainer.train(resume_from_checkpoint=str(coat_checkpoint))
+    # Without a manifest (saved before there was one) the options come from optimizer.pt, still before any load.
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(coat_checkpoint, copy)
+    (copy / "hf_lowprec_manifest.json").unlink()
+    with pytest.raises(ValueError, match=rf"optimizer.pt was saved by precision strategy 'coat' .*{match}"):
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert trainer.state.global_step == 0 and trainer.optimizer is None
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_a_safe_option_change_is_applied_and_reported(coat_checkpoint, tmp_path):
+    trainer = options_trainer(tmp_path, "coat", seed=3, lost_arithmetic_metrics=True)
+    trainer.train(resume_from_checkpoint=str(coat_checkpoint))
+    report = json.loads((tmp_path / "precision_report.json").read_text())
+    assert report["options"]["lost_arithmetic_metrics"] is True
+    assert "precision/edq" in trainer.state.log_history[-2], "the metrics the option turns on were measured"
+
+
+def test_a_custom_loop_refuses_changed_options_and_applies_a_new_seed():
+    saved = hf_lowprec.get_strategy("coat")
+    model = saved.prepare_model(tiny_gpt2())
+    optimizer = saved.create_optimizer(model.parameters(), lr=1e-3)
+    train_steps(saved, model, optimizer, batches(1))
+    other = hf_lowprec.get_strategy("coat", group_size=64)
+    resumed = other.create_optimizer(other.prepare_model(tiny_gpt2()).parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"this optimizer state was saved .*group_size=64 \(saved: 128\)"):
+        resumed.load_state_dict(optimizer.state_dict())
+
+    # bf16-sr: the seed only picks the stochastic-rounding stream, so a new one takes over.
+    sr = hf_lowprec.get_strategy("bf16-sr", seed=1)
+    model = sr.prepare_model(tiny_gpt2())
+    optimizer = sr.create_optimizer(model.parameters(), lr=1e-3)
+    train_steps(sr, model, optimizer, batches(2))
+    reseeded = hf_lowprec.get_strategy("bf16-sr", seed=5)
+    resumed = reseeded.create_optimizer(reseeded.prepare_model(tiny_gpt2()).parameters(), lr=1e-3)
+    resumed.load_state_dict(optimizer.state_dict())
+    state = resumed.optimizer._generator(torch.device("cpu")).get_state()
+    assert torch.equal(state, torch.Generator().manual_seed(5).get_state()), "the new seed's stream, from its start"

@@ -142,6 +142,11 @@ def test_options_are_checked_before_any_work():
         hf_lowprec.get_strategy("fp16-als", period=0)
     with pytest.raises(ValueError, match="growth_interval"):
         hf_lowprec.get_strategy("fp16-mixed", growth_interval=0)
+    # fp16-mixed's scale is checked as fp16-als's is: a power of two, small enough to train.
+    with pytest.raises(ValueError, match="init_scale must be a power of two"):
+        hf_lowprec.get_strategy("fp16-mixed", init_scale=1e30)
+    with pytest.raises(ValueError, match=r"init_scale must be at most 2\*\*24.*every step would be skipped"):
+        hf_lowprec.get_strategy("fp16-mixed", init_scale=2.0**40)
 
 
 @pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
