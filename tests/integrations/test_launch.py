@@ -244,7 +244,19 @@ print(json.dumps({
         ["--output_dir", "o", "--use_cpu"])[0].precision_strategy if hasattr(
         transformers.TrainingArguments, "build_precision_strategy") else None,
     "shadowed_sitecustomize": getattr(sys.modules.get("sitecustomize"), "RAN", False),
+    "stock_trainer": refused(),
 }))
+"""
+# A Trainer class that bypasses hf_lowprec's (TRL's KTOTrainer, say) must stop at construction.
+REFUSED = """
+import transformers.trainer
+
+def refused():
+    stock = transformers.trainer.Trainer.__mro__[-2]  # transformers' own class, under the patched name
+    try:
+        type("Stock", (stock,), {})()
+    except (TypeError, RuntimeError) as err:  # RuntimeError: plain transformers asks for a model
+        return str(err).split(", so")[0] if str(err).startswith("hf-lowprec launch") else None
 """
 
 
@@ -253,7 +265,8 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "sitecustomize.py").write_text("RAN = True\n")
-    probe = [sys.executable, "-c", PROBE]
+    # hf_lowprec imported before transformers: the patch waits for hf_lowprec's classes to exist.
+    probe = [sys.executable, "-c", "import hf_lowprec.integrations.trainer\n" + REFUSED + PROBE]
     launched = _run(
         _launch("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", *probe),
         tmp_path,
@@ -267,6 +280,7 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
         "sft_trainer_mro": ["SFTTrainer", "PrecisionTrainerMixin", "SFTTrainer"],
         "default": STRATEGY,
         "shadowed_sitecustomize": True,
+        "stock_trainer": f"hf-lowprec launch: __main__.Stock does not take precision_strategy={STRATEGY!r}",
     }
     # Importing hf_lowprec and transformers without the launcher's variable, even with the hook first
     # on the path (it stays inert and runs the sitecustomize it shadows): untouched.
@@ -276,8 +290,13 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
         "sft_config": "trl.trainer.sft_config",
         "sft_trainer_mro": ["SFTTrainer", "_BaseTrainer", "Trainer"],
         "default": None,
+        "stock_trainer": None,
     }
-    plain = [sys.executable, "-c", "import hf_lowprec, hf_lowprec.trl, hf_lowprec.integrations.trainer\n" + PROBE]
+    plain = [
+        sys.executable,
+        "-c",
+        "import hf_lowprec, hf_lowprec.trl, hf_lowprec.integrations.trainer\n" + REFUSED + PROBE,
+    ]
     path = os.pathsep.join([str(launch.HOOK_DIR), str(ROOT), str(user)])
     seen = json.loads(subprocess.check_output(plain, cwd=tmp_path, env=_env(PYTHONPATH=path), text=True))
     assert seen == {**untouched, "shadowed_sitecustomize": True}
