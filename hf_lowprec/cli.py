@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("HF_LOWPREC_PRECISION_STRATEGY") or None,
         help="the default strategy of every process (a --precision_strategy on the script's command line wins)",
     )
-    run.add_argument("--precision_options", "--precision-options", default=None, help="a JSON object of options")
+    run.add_argument(
+        "--precision_options",
+        "--precision-options",
+        default=os.environ.get("HF_LOWPREC_PRECISION_OPTIONS") or None,
+        help="a JSON object of the strategy's options",
+    )
     run.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
 
     ns = parser.parse_args(argv)

@@ -221,6 +221,25 @@ def test_environment_puts_the_hook_first_and_the_strategy_in_it():
         launch.launch_environment(STRATEGY, '{"fusd": "reference"}', {})
 
 
+def test_a_missing_patch_point_names_the_versions_and_the_import_that_works(monkeypatch):
+    import transformers.trainer
+
+    monkeypatch.setattr(transformers.trainer, "TrainingArguments", object)
+    with pytest.raises(launch.LaunchPatchError) as raised:
+        launch._transformers_swaps(STRATEGY, None)
+    message = str(raised.value)
+    assert "transformers.trainer.TrainingArguments is missing or changed" in message
+    assert (
+        f"transformers {transformers.__version__}" in message
+        and "tested with transformers 5.24 and TRL 1.16" in message
+    )
+    assert "`from hf_lowprec import Trainer, TrainingArguments`" in message
+
+    monkeypatch.setattr(launch._PATCH, "originals", (transformers.TrainingArguments, transformers.Trainer))
+    with pytest.raises(launch.LaunchPatchError, match=r"trl\.SFTTrainer no longer subclasses transformers'"):
+        launch._precision_name(None, "SFTTrainer", type("SFTTrainer", (), {}))
+
+
 def test_misspelt_strategy_stops_before_the_command_starts(tmp_path):
     marker = tmp_path / "started"
     cmd = _launch("--precision_strategy", "colage-plus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
