@@ -176,7 +176,7 @@ class _Patch:
             elif _is_hf_lowprec(fullname):
                 self.hf_lowprec_depth += 1
 
-    def leave(self, fullname: str) -> None:
+    def leave(self, fullname: str, loaded: bool = True) -> None:
         with self.lock:
             if _is_trl(fullname):
                 self.trl_depth -= 1
@@ -184,11 +184,12 @@ class _Patch:
                     self.show(True)
             elif _is_hf_lowprec(fullname):
                 self.hf_lowprec_depth -= 1
-            loaded = sys.modules.get(fullname)
+        if not loaded:  # the import failed: let its own error through
+            return
         if fullname == "transformers" or (self.pending and self.hf_lowprec_depth == 0):
             self.patch_transformers()
-        if fullname == "trl" and loaded is not None:
-            _patch_trl(loaded)
+        if fullname == "trl" and sys.modules.get("trl") is not None:
+            _patch_trl(sys.modules["trl"])  # trl/__init__.py put its lazy module there
 
     def patch_transformers(self) -> None:
         with self.lock:
@@ -229,8 +230,10 @@ class _WatchedLoader(importlib.abc.Loader):
         _PATCH.enter(self.fullname)
         try:
             self.loader.exec_module(module)
-        finally:
-            _PATCH.leave(self.fullname)
+        except BaseException:
+            _PATCH.leave(self.fullname, loaded=False)
+            raise
+        _PATCH.leave(self.fullname)
 
     def __getattr__(self, name: str) -> Any:  # get_source, is_package, get_resource_reader, ...
         return getattr(self.loader, name)
