@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             command = ns.launched[1:] if ns.launched[:1] == ["--"] else ns.launched
             launch(command, ns.precision_strategy, ns.precision_options)
         except ValueError as error:
-            parser.error(str(error))
+            run.error(str(error))
     if ns.command == "list":
         rows = strategy_rows()
         width = max(len(r["name"]) for r in rows)
