@@ -240,6 +240,17 @@ def test_a_missing_patch_point_names_the_versions_and_the_import_that_works(monk
         launch._precision_name(None, "SFTTrainer", type("SFTTrainer", (), {}))
 
 
+def test_a_launched_interpreter_without_hf_lowprec_refuses_transformers(tmp_path):
+    """Another environment's Python under the launcher must not train without the strategy."""
+    (tmp_path / "hf_lowprec").mkdir()
+    (tmp_path / "hf_lowprec" / "__init__.py").write_text("raise ImportError('not importable here')\n")
+    env = launch.launch_environment(None, None, _env(PYTHONPATH=str(tmp_path)))
+    cmd = [sys.executable, "-c", "import transformers"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "cannot import hf_lowprec (not importable here), so this process would train without" in proc.stderr
+
+
 def test_misspelt_strategy_stops_before_the_command_starts(tmp_path):
     marker = tmp_path / "started"
     cmd = _launch("--precision_strategy", "colage-plus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
