@@ -3,6 +3,8 @@
     hf-lowprec list                                  every strategy, what it does, bytes/param, needs
     hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
     hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
+    hf-lowprec launch [--precision_strategy NAME] [--precision_options JSON] -- COMMAND...
+                                                     any training command, unchanged, with the strategy
 
 Every command works from an installed wheel in any directory: `compare` trains what ships in
 the package (`hf_lowprec.runner`). Maintainer tools live in the repository (`make readme`,
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -229,7 +232,34 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--no-progress", action="store_true")
     cmp_.add_argument("recipe_args", nargs=argparse.REMAINDER, help="after --: more arguments for the recipe")
 
+    run = sub.add_parser(
+        "launch",
+        help="run COMMAND (python/torchrun/accelerate launch/deepspeed/trl ...) so that its transformers and "
+        "TRL trainers take the strategy (docs/launch.md)",
+    )
+    run.add_argument(
+        "--precision_strategy",
+        "--precision-strategy",
+        default=os.environ.get("HF_LOWPREC_PRECISION_STRATEGY") or None,
+        help="the default strategy of every process (a --precision_strategy on the script's command line wins)",
+    )
+    run.add_argument(
+        "--precision_options",
+        "--precision-options",
+        default=os.environ.get("HF_LOWPREC_PRECISION_OPTIONS") or None,
+        help="a JSON object of the strategy's options",
+    )
+    run.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
+
     ns = parser.parse_args(argv)
+    if ns.command == "launch":
+        from .integrations.launch import run as launch
+
+        try:
+            command = ns.launched[1:] if ns.launched[:1] == ["--"] else ns.launched
+            launch(command, ns.precision_strategy, ns.precision_options)
+        except ValueError as error:
+            run.error(str(error))
     if ns.command == "list":
         rows = strategy_rows()
         width = max(len(r["name"]) for r in rows)

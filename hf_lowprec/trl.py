@@ -44,6 +44,8 @@ __all__ = [
     "DPOTrainer",
     "PPOConfig",
     "PPOTrainer",
+    "TRAINER_KINDS",
+    "with_precision",
 ]
 
 # SFT, Reward, GRPO and DPO follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
@@ -56,8 +58,12 @@ def __getattr__(name: str) -> Any:
     if name in ("PPOConfig", "PPOTrainer"):
         return _ppo_classes()[name]
     if name in __all__:
-        return _classes()[name]
+        return with_precision(getattr(_import("trl"), name))
     raise AttributeError(f"module 'hf_lowprec.trl' has no attribute {name!r}")
+
+
+# The TRL names this module wraps (PPO apart, see `_ppo_classes`).
+TRAINER_KINDS = ("SFT", "Reward", "GRPO", "DPO")
 
 
 def _import(module: str) -> Any:
@@ -89,26 +95,21 @@ def _config_mixin() -> type:
 
 
 @functools.cache
-def _classes() -> dict[str, type]:
-    trl = _import("trl")
-    from .integrations.trainer import PrecisionTrainerMixin
+def with_precision(cls: type) -> type:
+    """TRL's config or trainer class `cls` (one of `TRAINER_KINDS`) with `precision_strategy`.
 
-    mixin = _config_mixin()
-    out: dict[str, type] = {}
-    for kind in ("SFT", "Reward", "GRPO", "DPO"):
-        config = getattr(trl, f"{kind}Config")
-        trainer = getattr(trl, f"{kind}Trainer")
-        out[f"{kind}Config"] = _finish(
-            dataclasses.dataclass(type(f"{kind}Config", (mixin, config), {"__doc__": _config_doc(config)})),
-            f"{kind}Config",
-        )
-        extra = {"GRPO": (_RolloutInContext,), "DPO": (_ReferenceInStrategy,)}.get(kind, ())
-        bases = (*extra, PrecisionTrainerMixin, trainer)
-        out[f"{kind}Trainer"] = _finish(
-            type(f"{kind}Trainer", bases, {"__doc__": f"`trl.{kind}Trainer` applying `args.precision_strategy`."}),
-            f"{kind}Trainer",
-        )
-    return out
+    `cls` itself when it has it already (`hf-lowprec launch` puts these classes under TRL's names).
+    """
+    from .integrations.trainer import PrecisionArgumentsMixin, PrecisionTrainerMixin
+
+    name = cls.__name__
+    if issubclass(cls, (PrecisionArgumentsMixin, PrecisionTrainerMixin)):
+        return cls
+    if dataclasses.is_dataclass(cls):
+        return _finish(dataclasses.dataclass(type(name, (_config_mixin(), cls), {"__doc__": _config_doc(cls)})), name)
+    extra = {"GRPOTrainer": (_RolloutInContext,), "DPOTrainer": (_ReferenceInStrategy,)}.get(name, ())
+    doc = f"`trl.{name}` applying `args.precision_strategy`."
+    return _finish(type(name, (*extra, PrecisionTrainerMixin, cls), {"__doc__": doc}), name)
 
 
 def _config_doc(config: type) -> str:

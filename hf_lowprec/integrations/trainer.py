@@ -11,6 +11,7 @@ behaviour in one line:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "PrecisionCallback",
     "TrainingArguments",
     "Trainer",
+    "PRECISION_DEFAULTS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,20 +54,29 @@ REPORT_FILE = "precision_report.json"
 # Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
 _ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
 
+# The defaults of `precision_strategy` / `precision_options` when an argument is left unset.
+# `hf-lowprec launch` sets them in the processes it starts; elsewhere they stay None.
+PRECISION_DEFAULTS: dict[str, Any] = {"precision_strategy": None, "precision_options": None}
+
+
+def _default(name: str) -> Any:
+    value = PRECISION_DEFAULTS[name]
+    return dict(value) if isinstance(value, dict) else value
+
 
 @dataclasses.dataclass
 class PrecisionArgumentsMixin:
     """Adds `precision_strategy` and `precision_options` to a TrainingArguments dataclass."""
 
     precision_strategy: str | None = dataclasses.field(
-        default=None,
+        default_factory=functools.partial(_default, "precision_strategy"),
         metadata={
             "help": "hf_lowprec precision strategy, e.g. 'bf16-pure', 'collage-plus', 'fp8-lm-o2'. "
             "The strategy owns mixed precision: leave --bf16/--fp16 unset."
         },
     )
     precision_options: dict | str | None = dataclasses.field(
-        default=None,
+        default_factory=functools.partial(_default, "precision_options"),
         metadata={
             "help": "Options of the precision strategy, a dict or a JSON string, "
             "e.g. '{\"lost_arithmetic_metrics\": true}'."

@@ -1,0 +1,422 @@
+"""`hf-lowprec launch`: unchanged transformers scripts and TRL's own CLI train with the strategy.
+
+Every training test compares a launched run with a run of the same code written against
+hf_lowprec (`from hf_lowprec import Trainer, TrainingArguments`, `hf_lowprec.trl`'s classes),
+same seed: the logged losses, the saved weights and the saved optimizer state must be equal bit
+for bit, and the startup report must name the strategy and its optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import math
+import os
+import runpy
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_lowprec.integrations import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+STRATEGY = "collage-plus"
+# The eager reference step: no kernel build or compile in the launched processes.
+OPTIONS = '{"fused": "reference"}'
+STEPS = 3
+
+# A script of the shape of transformers' examples/pytorch/language-modeling/run_clm.py.
+SCRIPT = """
+import dataclasses
+
+from datasets import load_dataset
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, HfArgumentParser, default_data_collator, set_seed
+from transformers import Trainer, TrainingArguments
+
+
+@dataclasses.dataclass
+class ModelArguments:
+    tokenizer_name: str
+    n_embd: int = 64
+
+
+@dataclasses.dataclass
+class DataArguments:
+    train_file: str
+    block_size: int = 32
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+    set_seed(training_args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+    raw = load_dataset("json", data_files=data_args.train_file)["train"]
+    tokenized = raw.map(lambda batch: tokenizer(batch["text"]), batched=True, remove_columns=raw.column_names)
+
+    def group_texts(batch):
+        ids = sum(batch["input_ids"], [])
+        size = data_args.block_size
+        blocks = [ids[i : i + size] for i in range(0, len(ids) // size * size, size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    train = tokenized.map(group_texts, batched=True, remove_columns=tokenized.column_names)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=data_args.block_size, n_embd=model_args.n_embd, n_layer=2, n_head=2
+    )
+    model = GPT2LMHeadModel(config)
+    trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+
+if __name__ == "__main__":
+    main()
+"""
+TRANSFORMERS_IMPORT = "from transformers import Trainer, TrainingArguments\n"
+HF_LOWPREC_IMPORT = "from hf_lowprec import Trainer, TrainingArguments\n"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_LOWPREC_PRECISION")}
+    env.update({"PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1", **extra})
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+def _launch(*launcher_args: str) -> list[str]:
+    return [sys.executable, "-m", "hf_lowprec", "launch", *launcher_args]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """A saved tiny GPT-2 with its tokenizer, text for the script, SFT and DPO data folders (jsonl)."""
+    from transformers import GPT2LMHeadModel
+
+    from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_gpt2_config
+
+    root = tmp_path_factory.mktemp("launch_assets")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    texts = [t[:200] for t in embedded_corpus() if t.strip()][:64]
+    for name, rows in {
+        "sft": [{"text": t} for t in texts],
+        "dpo": [
+            {"prompt": t[:40], "chosen": t[40:80], "rejected": u[40:80]} for t, u in itertools.pairwise(texts[:32])
+        ],
+    }.items():
+        (root / name).mkdir()
+        (root / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _script(directory: Path, hf_lowprec: bool) -> Path:
+    text = SCRIPT.replace(TRANSFORMERS_IMPORT, HF_LOWPREC_IMPORT) if hf_lowprec else SCRIPT
+    path = directory / ("run_clm_hf_lowprec.py" if hf_lowprec else "run_clm.py")
+    path.write_text(text)
+    return path
+
+
+def _script_args(assets: Path, out: Path) -> list[str]:
+    return [
+        "--tokenizer_name",
+        str(assets / "model"),
+        "--train_file",
+        str(assets / "sft" / "train.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        str(STEPS),
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--disable_tqdm",
+        "true",
+    ]
+
+
+def _float_bits(values: list[float]) -> list[bytes]:
+    return [struct.pack("<d", v) for v in values]
+
+
+def _tensor_bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+class Run:
+    """What one training run left in its output directory."""
+
+    def __init__(self, out: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = json.loads(next(out.rglob("trainer_state.json")).read_text())
+        self.losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+        self.weights = load_file(out / "model.safetensors")
+        checkpoint = out / f"checkpoint-{state['global_step']}"
+        optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+        self.optimizer_state = {
+            (index, key): value
+            for index, entries in optimizer["state"].items()
+            for key, value in entries.items()
+            if torch.is_tensor(value) and key != "step"
+        }
+        self.report = json.loads((out / "precision_report.json").read_text())
+
+
+def assert_same_training(launched: Run, reference: Run, steps: int) -> None:
+    """The strategy ran in the launched process, and it trained exactly as the hf_lowprec-written code."""
+    assert launched.report["strategy"] == reference.report["strategy"] == STRATEGY
+    assert launched.report["optimizer"]["class"] == reference.report["optimizer"]["class"] == "CollageAdamW"
+    # Collage-plus keeps every optimizer state (moments and compensations) in BF16.
+    assert {v.dtype for v in launched.optimizer_state.values()} == {torch.bfloat16}
+    assert launched.optimizer_state.keys() == reference.optimizer_state.keys()
+    for key, value in launched.optimizer_state.items():
+        assert torch.equal(_tensor_bits(value), _tensor_bits(reference.optimizer_state[key])), key
+    assert len(launched.losses) == steps and all(math.isfinite(v) for v in launched.losses), launched.losses
+    assert _float_bits(launched.losses) == _float_bits(reference.losses), (launched.losses, reference.losses)
+    assert launched.weights.keys() == reference.weights.keys()
+    for name, value in launched.weights.items():
+        other = reference.weights[name]
+        assert value.dtype == other.dtype and torch.equal(_tensor_bits(value), _tensor_bits(other)), name
+
+
+def test_environment_puts_the_hook_first_and_the_strategy_in_it():
+    env = launch.launch_environment(STRATEGY, OPTIONS, {"PYTHONPATH": "/elsewhere", "KEEP": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.HOOK_DIR), "/elsewhere"]
+    assert (launch.HOOK_DIR / "sitecustomize.py").is_file()
+    assert env[launch.ENV_LAUNCH] == "1" and env["KEEP"] == "1"
+    assert env[launch.ENV_STRATEGY] == STRATEGY and json.loads(env[launch.ENV_OPTIONS]) == {"fused": "reference"}
+    plain = launch.launch_environment(None, None, {launch.ENV_STRATEGY: "bf16-pure", "PYTHONPATH": ""})
+    assert launch.ENV_STRATEGY not in plain and plain["PYTHONPATH"] == str(launch.HOOK_DIR)
+    with pytest.raises(ValueError, match="without --precision_strategy"):
+        launch.launch_environment(None, OPTIONS, {})
+    with pytest.raises(ValueError, match="JSON object"):
+        launch.launch_environment(STRATEGY, "[1]", {})
+    with pytest.raises(ValueError, match=r"has no option\(s\) \['fusd'\]; valid options"):
+        launch.launch_environment(STRATEGY, '{"fusd": "reference"}', {})
+
+
+def test_a_missing_patch_point_names_the_versions_and_the_import_that_works(monkeypatch):
+    import transformers.trainer
+
+    monkeypatch.setattr(transformers.trainer, "TrainingArguments", object)
+    with pytest.raises(launch.LaunchPatchError) as raised:
+        launch._transformers_swaps(STRATEGY, None)
+    message = str(raised.value)
+    assert "transformers.trainer.TrainingArguments is missing or changed" in message
+    assert (
+        f"transformers {transformers.__version__}" in message
+        and "tested with transformers 5.24 and TRL 1.16" in message
+    )
+    assert "`from hf_lowprec import Trainer, TrainingArguments`" in message
+
+    monkeypatch.setattr(launch._PATCH, "originals", (transformers.TrainingArguments, transformers.Trainer))
+    with pytest.raises(launch.LaunchPatchError, match=r"trl\.SFTTrainer no longer subclasses transformers'"):
+        launch._precision_name(None, "SFTTrainer", type("SFTTrainer", (), {}))
+
+
+def test_a_launched_interpreter_without_hf_lowprec_refuses_transformers(tmp_path):
+    """Another environment's Python under the launcher must not train without the strategy."""
+    (tmp_path / "hf_lowprec").mkdir()
+    (tmp_path / "hf_lowprec" / "__init__.py").write_text("raise ImportError('not importable here')\n")
+    env = launch.launch_environment(None, None, _env(PYTHONPATH=str(tmp_path)))
+    cmd = [sys.executable, "-c", "import transformers"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "cannot import hf_lowprec (not importable here), so this process would train without" in proc.stderr
+
+
+def test_misspelt_strategy_stops_before_the_command_starts(tmp_path):
+    marker = tmp_path / "started"
+    cmd = _launch("--precision_strategy", "colage-plus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown precision strategy 'colage-plus'" in proc.stderr and "collage-plus" in proc.stderr
+    assert "Valid names:" in proc.stderr and "bf16-pure" in proc.stderr
+    assert not marker.exists()
+
+
+PROBE = """
+import json, sys
+import transformers, trl
+from transformers import HfArgumentParser
+print(json.dumps({
+    "training_args": transformers.TrainingArguments.__module__,
+    "trainer": transformers.Trainer.__module__,
+    "sft_config": trl.SFTConfig.__module__,
+    "sft_trainer_mro": [c.__name__ for c in trl.SFTTrainer.__mro__[:3]],
+    "default": HfArgumentParser(transformers.TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--use_cpu"])[0].precision_strategy if hasattr(
+        transformers.TrainingArguments, "build_precision_strategy") else None,
+    "shadowed_sitecustomize": getattr(sys.modules.get("sitecustomize"), "RAN", False),
+    "stock_trainer": refused(),
+}))
+"""
+# A Trainer class that bypasses hf_lowprec's (TRL's KTOTrainer, say) must stop at construction.
+REFUSED = """
+import transformers.trainer
+
+def refused():
+    stock = transformers.trainer.Trainer.__mro__[-2]  # transformers' own class, under the patched name
+    try:
+        type("Stock", (stock,), {})()
+    except (TypeError, RuntimeError) as err:  # RuntimeError: plain transformers asks for a model
+        return str(err).split(", so")[0] if str(err).startswith("hf-lowprec launch") else None
+"""
+
+
+def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
+    """One fresh interpreter each: launched (with a user sitecustomize to chain to), hook on the path, plain."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("RAN = True\n")
+    # hf_lowprec imported before transformers: the patch waits for hf_lowprec's classes to exist.
+    probe = [sys.executable, "-c", "import hf_lowprec.integrations.trainer\n" + REFUSED + PROBE]
+    launched = _run(
+        _launch("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", *probe),
+        tmp_path,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(user)]),
+    )
+    seen = json.loads(launched.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "training_args": "hf_lowprec.integrations.trainer",
+        "trainer": "hf_lowprec.integrations.trainer",
+        "sft_config": "hf_lowprec.trl",
+        "sft_trainer_mro": ["SFTTrainer", "PrecisionTrainerMixin", "SFTTrainer"],
+        "default": STRATEGY,
+        "shadowed_sitecustomize": True,
+        "stock_trainer": f"hf-lowprec launch: __main__.Stock does not take precision_strategy={STRATEGY!r}",
+    }
+    # Importing hf_lowprec and transformers without the launcher's variable, even with the hook first
+    # on the path (it stays inert and runs the sitecustomize it shadows): untouched.
+    untouched = {
+        "training_args": "transformers.training_args",
+        "trainer": "transformers.trainer",
+        "sft_config": "trl.trainer.sft_config",
+        "sft_trainer_mro": ["SFTTrainer", "_BaseTrainer", "Trainer"],
+        "default": None,
+        "stock_trainer": None,
+    }
+    plain = [
+        sys.executable,
+        "-c",
+        "import hf_lowprec, hf_lowprec.trl, hf_lowprec.integrations.trainer\n" + REFUSED + PROBE,
+    ]
+    path = os.pathsep.join([str(launch.HOOK_DIR), str(ROOT), str(user)])
+    seen = json.loads(subprocess.check_output(plain, cwd=tmp_path, env=_env(PYTHONPATH=path), text=True))
+    assert seen == {**untouched, "shadowed_sitecustomize": True}
+
+
+@pytest.mark.slow
+def test_transformers_script_takes_the_strategy_from_the_launcher_or_its_command_line(tmp_path, assets, monkeypatch):
+    script, twin = _script(tmp_path, hf_lowprec=False), _script(tmp_path, hf_lowprec=True)
+    strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
+    # The launcher's value is the default ...
+    _run(_launch(*strategy_args, "--", sys.executable, str(script), *_script_args(assets, tmp_path / "a")), tmp_path)
+    # ... and the script's own command line wins over it.
+    launched_b = [*_script_args(assets, tmp_path / "b"), *strategy_args]
+    _run(_launch("--precision_strategy", "bf16-pure", "--", sys.executable, str(script), *launched_b), tmp_path)
+    # The same script with the import changed, run here, without the launcher.
+    monkeypatch.setattr(sys, "argv", [str(twin), *_script_args(assets, tmp_path / "ref"), *strategy_args])
+    runpy.run_path(str(twin), run_name="__main__")
+    reference = Run(tmp_path / "ref")
+    assert_same_training(Run(tmp_path / "a"), reference, STEPS)
+    assert_same_training(Run(tmp_path / "b"), reference, STEPS)
+
+
+def _trl_args(kind: str, assets: Path, out: Path) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(assets / "model"),
+        "--dataset_name",
+        str(assets / kind.lower()),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_length",
+        "64",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "2",
+        "--gradient_checkpointing",
+        "false",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "--disable_tqdm",
+        "true",
+    ]
+
+
+def _trl_reference(kind: str, argv: list[str], monkeypatch) -> None:
+    """TRL's own script for `kind`, run here with `hf_lowprec.trl`'s config and trainer in place of TRL's."""
+    import trl
+
+    import hf_lowprec.trl as hl_trl
+
+    script = importlib.import_module(f"trl.scripts.{kind.lower()}")
+    with monkeypatch.context() as patch:
+        for suffix in ("Config", "Trainer"):
+            patch.setattr(trl, f"{kind}{suffix}", getattr(hl_trl, f"{kind}{suffix}"))
+        parsed = script.make_parser().parse_args_and_config(argv)
+        script.main(*parsed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["SFT", "DPO"])
+def test_trl_cli_trains_with_the_strategy(tmp_path, assets, monkeypatch, kind):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    cli = shutil.which("trl")
+    if cli is None:
+        pytest.skip("the `trl` console script is not on PATH")
+    launched = tmp_path / "launched"
+    cmd = _launch("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", cli, kind.lower())
+    _run([*cmd, *_trl_args(kind, assets, launched)], tmp_path)
+    strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
+    _trl_reference(kind, [*_trl_args(kind, assets, tmp_path / "ref"), *strategy_args], monkeypatch)
+    assert_same_training(Run(launched), Run(tmp_path / "ref"), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_torchrun_ranks_train_with_the_strategy(tmp_path, assets):
+    script, twin = _script(tmp_path, hf_lowprec=False), _script(tmp_path, hf_lowprec=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
+    _run(_launch(*strategy_args, "--", *torchrun, str(script), *_script_args(assets, tmp_path / "a")), tmp_path)
+    _run([*torchrun, str(twin), *_script_args(assets, tmp_path / "ref"), *strategy_args], tmp_path)
+    launched, reference = Run(tmp_path / "a"), Run(tmp_path / "ref")
+    # Both ranks' gradients were all-reduced (the report of rank 0 says so), in a world of two.
+    assert launched.report["gradients"]["communication"] == "DDP all-reduce in the gradient dtype"
+    assert torch.load(tmp_path / "a" / "training_args.bin", weights_only=False).world_size == 2
+    assert_same_training(launched, reference, STEPS)
