@@ -6,7 +6,7 @@ EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home
 export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
-# The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once into this cache.
+# The compiled optimizer steps (hf_lowprec.optim.fastpath) are built once into this cache.
 export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	@# A machine that already has torch (e.g. a CUDA build) keeps it; otherwise take the CPU wheel.
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet "torch==2.13.0"
 	$(PYTHON) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@# Build the native optimizer kernels now (a minute or two), not inside the first training step.
+	@$(PYTHON) -c "from hf_lowprec.optim import native; r = native.native_unavailable(); print('native optimizer kernels:', r or 'built, ISA ' + native.isa())"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -41,9 +43,12 @@ lint: install
 # PPOTrainer), which test-ppo puts in front of it on PYTHONPATH (same other packages).
 PPO_SITE := $(BUILD)/ppo-site
 
+# The suite pins one intra-op thread (tests/conftest.py); the native kernels' tests run again at
+# two, where their blocks are split over threads (results must not change).
 test: install
 	@$(PYTHON) -m pytest -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing loudly" >&2; exit 1; fi; \
+	if [ -z "$(PYTEST_ARGS)" ]; then OMP_NUM_THREADS=2 $(PYTHON) -m pytest -q tests/optim/test_native.py || rc=1; fi; \
 	$(MAKE) --no-print-directory test-ppo; ppo=$$?; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$ppo
 

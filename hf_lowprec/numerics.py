@@ -31,6 +31,7 @@ __all__ = [
     "foreach_two_sum_",
     "grow",
     "mul_expansion",
+    "pow_nonnegative",
     "round_to_dtype",
     "sqrt_rn",
     "split",
@@ -306,3 +307,59 @@ def foreach_grow_(x: list[torch.Tensor], y: list[torch.Tensor], a: list[torch.Te
     foreach_two_sum_(x, a)  # x ← s, a ← e
     torch._foreach_add_(y, a)  # y ← t = fl(y + e)
     foreach_fast_two_sum_(x, y)
+
+
+# The power x^e of COAT's range expansion, as a fixed sequence of FP32 operations: the eager
+# reference, the compiled step and the native kernels evaluate the same sequence, so the three
+# agree bit for bit and nothing depends on the thread count or the vector width (PyTorch's own
+# `pow` does: its vectorised and scalar loops round differently). log2 by Cephes' single-
+# precision polynomial for ln(1 + f), 2^y by a degree-7 Taylor series of e^(f·ln 2); each a few
+# FP32 ulps from the exact function (the tests bound the decoded values against FP64).
+_LOG_POLY = (
+    7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
+    -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1,
+)  # fmt: skip
+# 1/5040, 1/720, 1/120, 1/24, 1/6 rounded once to FP32 (as the kernels' `1.0f / 5040.0f`).
+_EXP_POLY = tuple(float(torch.tensor(1.0, dtype=torch.float32) / d) for d in (5040.0, 720.0, 120.0, 24.0, 6.0))
+_SMALLEST_NORMAL = 1.17549435e-38
+_ROUND_SHIFT = 12582912.0  # 1.5·2^23: y + this rounds y to an integer, held in the low bits
+
+
+def _log2_positive(x: torch.Tensor) -> torch.Tensor:
+    """log2(x) for x ≥ 0 (subnormals included; 0 gives −150), FP32, a few ulps."""
+    tiny = x < _SMALLEST_NORMAL
+    x = torch.where(tiny, x * 8388608.0, x)
+    bits = x.view(torch.int32)
+    e = ((bits >> 23) - 127).to(torch.float32)
+    e = torch.where(tiny, e - 23.0, e)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
+    big = m > 1.41421356
+    m = torch.where(big, m * 0.5, m)
+    e = torch.where(big, e + 1.0, e)
+    f = m - 1.0
+    z = f * f
+    p = f * _LOG_POLY[0] + _LOG_POLY[1]
+    for c in _LOG_POLY[2:]:
+        p = p * f + c
+    ln = f + ((p * f) * z - z * 0.5)
+    return e + ln * 1.4426950408889634
+
+
+def _exp2(y: torch.Tensor) -> torch.Tensor:
+    """2^y for y clamped to [−125, 126], FP32, a few ulps."""
+    y = y.clamp(-125.0, 126.0)
+    shifted = y + _ROUND_SHIFT
+    n = shifted.view(torch.int32) - 0x4B400000
+    z = (y - (shifted - _ROUND_SHIFT)) * 0.69314718
+    p = z * _EXP_POLY[0] + _EXP_POLY[1]
+    for c in (*_EXP_POLY[2:], 0.5, 1.0, 1.0):
+        p = p * z + c
+    return (p.view(torch.int32) + (n << 23)).view(torch.float32)
+
+
+def pow_nonnegative(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x^e for x ≥ 0 (0 → 0, NaN → NaN) and e > 0, FP32: exp2(e·log2(x)), the sequence the
+    native kernels run (not PyTorch's `pow`; a few ulps from the exact power)."""
+    r = _exp2(e * _log2_positive(x))
+    r = torch.where(x.view(torch.int32) == 0, x, r)
+    return torch.where(torch.isnan(x), x, r)

@@ -4,7 +4,7 @@
 first use). This module maps a `Composition` and its dtypes to that kernel, or says why it
 cannot run it (`unsupported`), so `fastpath` can fall back to the compiled step. The kernels
 follow the reference's operation sequence: bit-identical for every family (COAT's range
-expansion included: its powers are `formats.pow_nonnegative` on every path).
+expansion included: its powers are `numerics.pow_nonnegative` on every path).
 """
 
 from __future__ import annotations

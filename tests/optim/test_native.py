@@ -511,10 +511,11 @@ def test_forced_isa_by_environment_runs_that_isa():
     bad = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "sse9"}, capture_output=True, text=True
     )
-    assert bad.returncode != 0 and "choose one of avx512, avx2, scalar" in bad.stderr
-    if "avx512" not in _cpu_isas():
+    assert bad.returncode != 0 and "choose one of avx512_bf16, avx512, avx2, scalar" in bad.stderr
+    lacked = [isa for isa in native.ISAS if isa not in _cpu_isas()]
+    if lacked:  # the widest ISA this CPU lacks
         lacking = subprocess.run(
-            [sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: "avx512"}, capture_output=True, text=True
+            [sys.executable, "-c", code], env={**os.environ, native.ISA_ENV: lacked[-1]}, capture_output=True, text=True
         )
         assert lacking.returncode != 0 and "which this CPU lacks" in lacking.stderr
 

@@ -8,7 +8,7 @@ old package: parameters from `torch.randn(shape, generator=seed 3) * 0.1` for sh
 the third step.
 
 COAT's range expansion changed its power after that commit (PyTorch's `pow`, which rounds
-differently in its vector and scalar loops, became `formats.pow_nonnegative`, one fixed
+differently in its vector and scalar loops, became `numerics.pow_nonnegative`, one fixed
 sequence on every path): its checkpoints load exactly and continue within a few FP32 ulps of
 the old trajectory, bounded below; every other family continues bit for bit.
 """

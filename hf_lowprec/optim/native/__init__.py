@@ -1,23 +1,25 @@
 """Native CPU optimizer kernels: hand-written C++ with explicit SIMD for every AdamW family.
 
 The update rules of the optimizers' reference path, operation for operation, written in C++
-over a small vector-traits layer and compiled three times: AVX-512
-(16 lanes), AVX2 + F16C (8 lanes) and scalar. One build serves every x86-64 CPU: each
+over a small vector-traits layer and compiled four times: AVX-512 with AVX512-BF16 (its
+hardware FP32 -> BF16 rounding where that equals PyTorch's cast: no subnormal or NaN in the
+vector), AVX-512 (16 lanes), AVX2 + F16C (8 lanes) and scalar. One build serves every x86-64 CPU: each
 instruction set lives in its own translation unit compiled for it (a target pragma), and the
-widest one the CPU runs is picked at run time; `HF_LOWPREC_CPU_ISA=avx512|avx2|scalar` forces
+widest one the CPU runs is picked at run time; `HF_LOWPREC_CPU_ISA=avx512_bf16|avx512|avx2|scalar` forces
 one (an ISA the CPU lacks is an error, not a silent fallback). Vector bodies and the scalar
 tail run one template, so results do not depend on the ISA, the thread count or an element's
 position: the tests check every ISA the CPU runs against the references bit for bit.
 
 Results: bit-identical to the reference for every family (AdamW, Collage light/plus, Kahan,
 stochastic rounding with the optimizers' counter-based stream, master weights, FP8AdamW, COAT
-with and without range expansion: its powers |x|^k and |y|^(1/k) are `formats.pow_nonnegative`,
+with and without range expansion: its powers |x|^k and |y|^(1/k) are `numerics.pow_nonnegative`,
 a fixed log2/exp2 sequence that the reference runs too).
 
 Arithmetic: every FP32 operation rounded on its own (built with -ffp-contract=off, no fast
 math), IEEE square root and division, round-to-nearest-even conversions. FP32 -> BF16 uses
 the integer rounding PyTorch's cast uses (NaN -> 0xFFFF like its vectorised cast); AVX512-BF16's
-`vcvtneps2bf16` is not used because it flushes FP32 subnormals to zero. FP16 uses F16C's
+`vcvtneps2bf16` gives the same bits except on subnormal inputs (flushed) and NaN, so the
+avx512_bf16 build uses it only for vectors with neither. FP16 uses F16C's
 conversions (IEEE), FP8 E4M3/E5M2 an exact integer rounding with PyTorch's saturation and NaN
 codes.
 
@@ -65,12 +67,12 @@ __all__ = [
 ]
 
 #: Instruction sets the kernels are built for, widest first.
-ISAS: tuple[str, ...] = ("avx512", "avx2", "scalar")
-_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS: tuple[str, ...] = ("avx512_bf16", "avx512", "avx2", "scalar")
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 ISA_ENV = "HF_LOWPREC_CPU_ISA"
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_SOURCES = ("bindings.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512bf16.cpp")
 # -ffp-contract=off: no a·b + c fused into an FMA (the references round the product);
 # -fno-fast-math: IEEE semantics; -fno-math-errno only lets sqrtf inline as the instruction;
 # -fopenmp: `at::parallel_for` is an inline OpenMP region, serial without it. The library it links
@@ -125,7 +127,7 @@ def _module() -> ModuleType:
 
 def isa() -> str:
     """The instruction set the kernels run with: `HF_LOWPREC_CPU_ISA` if set, else the widest one
-    this CPU supports ("avx512", "avx2" or "scalar"; every one is tested bit for bit)."""
+    this CPU supports ("avx512_bf16", "avx512", "avx2" or "scalar"; each is tested bit for bit)."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced:
         if forced not in _ISA_CODES:
@@ -369,7 +371,7 @@ def coat_step(
     A last partial group is padded with zeros, as `quantize_state` pads.
 
     Numerics: every operation is the reference's (`formats.GroupFP8`, whose powers are
-    `formats.pow_nonnegative`): bit-identical. k itself is FP64 arithmetic on the group's amax
+    `numerics.pow_nonnegative`): bit-identical. k itself is FP64 arithmetic on the group's amax
     and amin, as the reference computes it.
 
     Args:

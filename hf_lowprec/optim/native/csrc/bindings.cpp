@@ -25,7 +25,7 @@ constexpr int64_t kBlock = 1 << 15;
 // A bucket smaller than this runs on the calling thread (no parallel region to open).
 constexpr int64_t kParallelMin = 1 << 15;
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
@@ -38,8 +38,14 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+bool cpu_has_avx512bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
 const Table* table_for(int64_t isa) {
   switch (isa) {
+    case kAvx512Bf16:
+      TORCH_CHECK(cpu_has_avx512bf16(), "hf_lowprec native optimizer: the avx512_bf16 kernels need AVX512-BF16, "
+                  "which this CPU lacks; unset HF_LOWPREC_CPU_ISA or set it to avx512, avx2 or scalar");
+      return table_avx512bf16();
     case kAvx512:
       TORCH_CHECK(cpu_has_avx512(), "hf_lowprec native optimizer: the AVX-512 kernels need AVX512F/BW/VL/DQ, "
                   "which this CPU lacks; unset HF_LOWPREC_CPU_ISA or set it to avx2 or scalar");
@@ -55,7 +61,9 @@ const Table* table_for(int64_t isa) {
   }
 }
 
-std::string best_isa() { return cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar"; }
+std::string best_isa() {
+  return cpu_has_avx512bf16() ? "avx512_bf16" : cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "scalar";
+}
 
 int dtype_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -502,7 +510,7 @@ void eightbit_step(const TensorList& params, const TensorList& param_errors, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native CPU optimizer kernels of hf_lowprec (see hf_lowprec.optim.native)";
-  m.def("best_isa", &hfl::best_isa, "The widest instruction set this CPU runs: avx512, avx2 or scalar");
+  m.def("best_isa", &hfl::best_isa, "The widest instruction set this CPU runs: avx512_bf16, avx512, avx2 or scalar");
   m.def("adamw_step", &hfl::adamw_step);
   m.def("collage_step", &hfl::collage_step);
   m.def("kahan_step", &hfl::kahan_step);

@@ -80,6 +80,9 @@ inline typename V::F round_to(typename V::F x) {
   if constexpr (D == F32) {
     return x;
   } else if constexpr (D == BF16) {
+    if constexpr (HasBF16Hw<V>::value) {
+      if (V::bf16_exact(x)) return V::round_bf16_hw(x);
+    }
     auto u = V::bits(x);
     auto odd = V::and_(V::template srl<16>(u), V::iset1(1));
     auto r = V::and_(V::add(u, V::add(odd, V::iset1(0x7FFF))), V::iset1(0xFFFF0000u));
@@ -112,6 +115,9 @@ inline void store(void* base, int64_t i, typename V::F x) {
   if constexpr (D == F32) {
     V::store_f32(static_cast<float*>(base) + i, x);
   } else if constexpr (D == BF16) {
+    if constexpr (HasBF16Hw<V>::value) {
+      if (V::bf16_exact(x)) return V::store_bf16_hw(static_cast<uint16_t*>(base) + i, x);
+    }
     V::store_u16(static_cast<uint16_t*>(base) + i, bf16_bits<V>(x));
   } else if constexpr (D == F16 || D == F16S) {
     V::store_u16(static_cast<uint16_t*>(base) + i, V::f32_to_f16(x));
@@ -582,7 +588,7 @@ inline typename V::F exp2_(typename V::F y) {
   return V::from_bits(V::add(V::bits(p), V::template sll<23>(n)));
 }
 
-// x^e for x >= 0 (0 -> 0, NaN -> NaN), e > 0: formats.pow_nonnegative, operation for
+// x^e for x >= 0 (0 -> 0, NaN -> NaN), e > 0: numerics.pow_nonnegative, operation for
 // operation (not PyTorch's pow; a few FP32 ulps from the exact power).
 template <class V>
 inline typename V::F pow_nonnegative(typename V::F x, typename V::F e) {
@@ -612,7 +618,7 @@ struct GroupCode {
 };
 
 // y = q/s, then sign(y)·|y|^(1/k)·c: the reference's sequence (formats.GroupFP8.decode), with
-// its power `formats.pow_nonnegative`, operation for operation.
+// its power `numerics.pow_nonnegative`, operation for operation.
 template <class V, int D, bool EXPAND>
 inline typename V::F decode(const void* payload, int64_t i, const GroupCode<V>& code) {
   auto y = load<V, D>(payload, i) / code.scale;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace hfl {
 
@@ -69,5 +70,12 @@ struct Table {
 const Table* table_scalar();
 const Table* table_avx2();
 const Table* table_avx512();
+const Table* table_avx512bf16();
+
+// Whether vector traits V round FP32 to BF16 in hardware where that is exact (AVX512-BF16).
+template <class T, class = void>
+struct HasBF16Hw : std::false_type {};
+template <class T>
+struct HasBF16Hw<T, std::void_t<decltype(T::kBF16Hw)>> : std::true_type {};
 
 }  // namespace hfl
