@@ -1,7 +1,7 @@
 """End-to-end training step on GPT-2 small (124M, from config): step time and peak RSS per
 strategy, as ratios to bf16-mixed measured in the same run.
 
-    python bench/bench_e2e.py [--strategies bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2]
+    python bench/bench_e2e.py [--strategies bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2,coat]
                               [--steps 3] [--threads 2] [--batch 2] [--seq 256] [--rounds 2]
 
 Each strategy runs in its own process (peak RSS is per process: `ru_maxrss`), `--rounds` times,
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = "bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2"
+DEFAULT = "bf16-mixed,collage-plus,fp8-lm-o1,fp8-lm-o2,coat"
 
 
 def child(args: argparse.Namespace) -> None:

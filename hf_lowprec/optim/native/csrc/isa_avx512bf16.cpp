@@ -1,4 +1,4 @@
-// The AVX-512 build with AVX512-BF16: as isa_avx512.cpp, and FP32 -> BF16 rounding by
+// The AVX-512 build with AVX512-BF16: as isa_avx512.cpp, and BF16 stores rounded by
 // vcvtneps2bf16 where it equals PyTorch's cast. That instruction rounds to nearest even but
 // treats subnormal inputs as zero and writes its own NaN, so a vector holding a subnormal or a
 // NaN (vfpclassps: one instruction) takes the integer rounding of kernels_impl.h instead: the
@@ -20,7 +20,6 @@ struct V16B : V16 {
   static bool bf16_exact(F x) { return _mm512_fpclass_ps_mask(x, 0xA1) == 0; }
   static __m256i bf16_hw(F x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
   static void store_bf16_hw(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_hw(x)); }
-  static F round_bf16_hw(F x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_hw(x)), 16)); }
 };
 
 using V = V16B;

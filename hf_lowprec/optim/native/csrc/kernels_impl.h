@@ -80,9 +80,8 @@ inline typename V::F round_to(typename V::F x) {
   if constexpr (D == F32) {
     return x;
   } else if constexpr (D == BF16) {
-    if constexpr (HasBF16Hw<V>::value) {
-      if (V::bf16_exact(x)) return V::round_bf16_hw(x);
-    }
+    // The integer rounding even where AVX512-BF16 exists: rounding and widening back in hardware
+    // (check, convert, widen, shift) costs as many operations and was slower in registers.
     auto u = V::bits(x);
     auto odd = V::and_(V::template srl<16>(u), V::iset1(1));
     auto r = V::and_(V::add(u, V::add(odd, V::iset1(0x7FFF))), V::iset1(0xFFFF0000u));
