@@ -1,12 +1,13 @@
 # Every target sets up what it needs first; `make install` is idempotent and fast once done.
 PYTHON ?= python3
 BUILD := $(CURDIR)/build
-STAMP := $(BUILD)/.installed
+# One stamp per Python environment: installing into the system Python does not install into a venv.
+STAMP := $(BUILD)/.installed-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])")
 EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home
 export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
-# The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once into this cache.
+# The compiled optimizer kernels (hf_lowprec.optim.fastpath) are built once into this cache.
 export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false

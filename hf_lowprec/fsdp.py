@@ -22,7 +22,7 @@ passes the strategy's mixed-precision policy:
 
 The optimizers step the local shards: every state tensor shaped like a parameter (m, v, δθ,
 δv, Kahan's k, FP32 moments) is created from the local shard in the dtype it has in one process
-and kept as a DTensor sharded like the parameter (`optim.collage.AdamWBase`). Update rules are
+and kept as a DTensor sharded like the parameter (`hf_lowprec.optim.adamw.AdamW`). Update rules are
 element-wise, so a shard's update is exactly what one process computes for those elements
 given the same gradient. What must agree across ranks does: the finite check all-reduces its
 flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad_norm_` forms
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_ranks_agree, local_shard
+from .distributed import DTensor, all_ranks_agree, local_shard
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -117,8 +117,6 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
 # --- sharding --------------------------------------------------------------------------------------
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when some parameter of `model` is a DTensor (already sharded by `fully_shard`)."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 

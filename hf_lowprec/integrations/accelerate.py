@@ -191,7 +191,7 @@ class PrecisionPlugin:
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
-        norm = self.strategy.clip_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
+        norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
         return norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
 
     def metrics(self) -> dict[str, float]:

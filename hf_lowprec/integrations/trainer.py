@@ -338,7 +338,7 @@ class PrecisionTrainerMixin:
     def _clip_grad_norm(self, model):
         if self.precision is not None:
             self.precision.unscale_gradients(self.optimizer)
-            norm = self.precision.clip_grad_norm(model.parameters(), self.args.max_grad_norm)
+            norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
             if norm is not None:
                 return norm
         return super()._clip_grad_norm(model)
@@ -348,7 +348,7 @@ class PrecisionTrainerMixin:
         # which turns FP16 gradients with a norm above 65504 into NaN; the strategy measures.
         if grad_norm is None and self.precision is not None:
             self.precision.unscale_gradients(self.optimizer)
-            grad_norm = self.precision.clip_grad_norm(model.parameters(), float("inf"))
+            grad_norm = self.precision.clip_own_grad_norm(model.parameters(), float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
 
