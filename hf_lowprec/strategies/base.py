@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from .. import report
 from ..metrics import edq, imprecision_percentage
 from ..numerics import all_finite
 from ..optim.adamw import check_adamw_hyperparameters
@@ -300,9 +301,7 @@ class PrecisionStrategy:
 
     def describe(self, model: torch.nn.Module, optimizer: Any | None = None, **context: Any) -> dict[str, Any]:
         """What is active on `model` and `optimizer` (see `hf_lowprec.report.describe`)."""
-        from ..report import describe
-
-        return describe(self, model, optimizer, **context)
+        return report.describe(self, model, optimizer, **context)
 
     # --- state and metrics -------------------------------------------------------------
     def full_precision_state_dict(
