@@ -24,3 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Property tests: in CI (CI set, as .ci/run's environment has it) every run draws the same
+# examples, so a failure in the log reproduces with the same command; locally they explore.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "default")

@@ -1,11 +1,9 @@
 """Optimizer checkpoints written before the AdamW-core restructuring load and continue bit for bit.
 
-tests/data/optimizer_states_6be633d.pt was written by the optimizers of commit 6be633d (the
-script is in its docstring below): for each family, the parameters and `state_dict()` after two
-steps, the third step's gradients, and the parameters after that third step (compiled path). It was made with this loop over the families below, run against the
-old package: parameters from `torch.randn(shape, generator=seed 3) * 0.1` for shapes (24, 16),
-(130,), (7,); three sets of gradients from seed 4; two steps; `copy.deepcopy(state_dict())`;
-the third step.
+tests/data/optimizer_states_6be633d.pt was written by the optimizers of commit 6be633d with
+`python scripts/optimizer_states_6be633d.py OUT.pt` (its docstring says what the file holds):
+for each family, the parameters and `state_dict()` after two steps, the third step's gradients,
+and the parameters after that third step.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 from hf_lowprec import optim
+from tests.helpers import assert_bits_equal
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "optimizer_states_6be633d.pt"
 
@@ -53,5 +52,5 @@ def test_old_checkpoint_loads_and_continues_bit_for_bit(saved: dict, name: str, 
         param.grad = grad.clone()
     optimizer.step()
     assert optimizer.paths_taken[fused] == len(params)
-    for param, expected in zip(params, case["after"]):
-        assert torch.equal(param.detach(), expected)
+    for i, (param, expected) in enumerate(zip(params, case["after"])):
+        assert_bits_equal(param.detach(), expected, f"{name}, parameter {i}")
