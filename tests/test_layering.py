@@ -37,7 +37,7 @@ LAYERS = {
     "hf_lowprec.registry": 4,
     "hf_lowprec.integrations": 5,
     "hf_lowprec.fsdp": 5,
-    "hf_lowprec.trl": 5,
+    "hf_lowprec.trl": 5,  # the short import path of integrations.trl
     "hf_lowprec.compare": 6,
     "hf_lowprec.demo": 6,
     "hf_lowprec.runner": 6,
