@@ -44,6 +44,7 @@ onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,10 @@ __all__ = [
     "shard_model",
     "sharded_state_dict",
     "support_matrix_markdown",
+    "warn_if_fsdp_fell_back",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
@@ -219,6 +223,28 @@ def _shard_like(tensor: torch.Tensor, param: Any) -> Any:
 
 
 # --- Accelerate (`fsdp_version: 2`) --------------------------------------------------------------
+_FALLBACK_WARNED: list[bool] = []
+
+
+def warn_if_fsdp_fell_back(accelerator: Any) -> str | None:
+    """Warn once per process when the launch asked for FSDP (`distributed_type: FSDP`, e.g.
+    recipes/configs/fsdp2.yaml) but Accelerate runs without it: Accelerate takes its FSDP path
+    only on accelerators, and on a CPU-only machine silently trains plain data parallel. The
+    warning's text, or None when there is nothing to say (or it was said already)."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    if not asked or getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None or _FALLBACK_WARNED:
+        return None
+    _FALLBACK_WARNED.append(True)
+    text = (
+        "the Accelerate config asks for FSDP, but Accelerate takes its FSDP path only on accelerators "
+        "(CUDA/XPU/NPU): on this machine every rank trains a full replica (plain data parallel, no "
+        "sharding). For FSDP2 on CPU, shard in the loop: PrecisionPlugin(...).shard(model) or "
+        "hf_lowprec.fsdp.shard_model (docs/distributed.md)"
+    )
+    logger.warning("hf_lowprec: %s", text)
+    return text
+
+
 def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -> None:
     """Before `accelerator.prepare` under Accelerate's FSDP plugin: refuse what cannot work
     (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's) and give

@@ -99,6 +99,10 @@ class PrecisionPlugin:
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
         fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
+        if not fsdp:
+            from ..fsdp import warn_if_fsdp_fell_back
+
+            warn_if_fsdp_fell_back(accelerator)
         before: dict[int, list[torch.Tensor]] = {}
         if fsdp:
             from ..fsdp import configure_accelerator as configure_fsdp

@@ -252,6 +252,9 @@ class PrecisionTrainerMixin:
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
         if getattr(self, "is_fsdp_enabled", False):  # e.g. `accelerate launch` with an FSDP config
             raise ValueError(_trainer_fsdp_refusal(self.precision.name))
+        from ..fsdp import warn_if_fsdp_fell_back
+
+        warn_if_fsdp_fell_back(self.accelerator)  # an FSDP config on a CPU-only machine
         if getattr(self, "is_deepspeed_enabled", False):
             from .deepspeed import configure_accelerator
 
