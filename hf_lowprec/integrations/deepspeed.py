@@ -64,7 +64,7 @@ def require_deepspeed() -> Any:
         import deepspeed
     except ImportError as err:
         raise ImportError(
-            "DeepSpeed is not installed; install the extra with `pip install 'hf-lowprec[deepspeed]'`"
+            "DeepSpeed is not installed; install the `deepspeed` extra (from a checkout: `pip install -e '.[deepspeed]'`)"
         ) from err
     return deepspeed
 

@@ -50,8 +50,8 @@ __all__ = [
 
 # SFT, Reward, GRPO and DPO follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
 # runs on the 1.12 line, installed by its own extra.
-_TRL_EXTRA = "pip install 'hf-lowprec[trl]'"
-_PPO_EXTRA = "pip install 'hf-lowprec[ppo]'"
+_TRL_EXTRA = "install the `trl` extra (from a checkout: pip install -e '.[trl]')"
+_PPO_EXTRA = "install the `ppo` extra (from a checkout: pip install -e '.[ppo]')"
 
 
 def __getattr__(name: str) -> Any:

@@ -89,7 +89,7 @@ def test_missing_trl_names_the_extra():
         "try:\n    t.SFTTrainer\nexcept ImportError as e:\n    print(e)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert "pip install 'hf-lowprec[trl]'" in out
+    assert "pip install -e '.[trl]'" in out
 
 
 @pytest.mark.slow
@@ -193,7 +193,7 @@ def test_ppo_config_leaves_mixed_precision_to_the_strategy(tmp_path):
 @pytest.mark.skipif(TRL_HAS_PPO, reason="this TRL still ships PPOTrainer; the ppo-marked tests cover it")
 def test_ppo_under_current_trl_names_the_ppo_extra():
     for name in ("PPOConfig", "PPOTrainer"):
-        with pytest.raises(ImportError, match=r"removed it in 1\.13.*hf-lowprec\[ppo\]"):
+        with pytest.raises(ImportError, match=r"removed it in 1\.13.*the `ppo` extra"):
             getattr(hl_trl, name)
 
 
