@@ -1,7 +1,8 @@
 # Every target sets up what it needs first; `make install` is idempotent and fast once done.
 PYTHON ?= python3
 BUILD := $(CURDIR)/build
-STAMP := $(BUILD)/.installed
+# One stamp per Python environment: installing into the system Python does not install into a venv.
+STAMP := $(BUILD)/.installed-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:10])")
 EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home

@@ -226,7 +226,9 @@ def plot(
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("the comparison plots need matplotlib: pip install 'hf-lowprec[plots]'") from None
+        raise ImportError(
+            "the comparison plots need matplotlib: install the `plots` extra (from a checkout: pip install -e '.[plots]')"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -22,7 +22,7 @@ passes the strategy's mixed-precision policy:
 
 The optimizers step the local shards: every state tensor shaped like a parameter (m, v, δθ,
 δv, Kahan's k, FP32 moments) is created from the local shard in the dtype it has in one process
-and kept as a DTensor sharded like the parameter (`optim.collage.AdamWBase`). Update rules are
+and kept as a DTensor sharded like the parameter (`hf_lowprec.optim.adamw.AdamW`). Update rules are
 element-wise, so a shard's update is exactly what one process computes for those elements
 given the same gradient. What must agree across ranks does: the finite check all-reduces its
 flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad_norm_` forms
@@ -44,6 +44,7 @@ onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_ranks_agree, local_shard
+from .distributed import DTensor, all_ranks_agree, local_shard
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -73,7 +74,10 @@ __all__ = [
     "shard_model",
     "sharded_state_dict",
     "support_matrix_markdown",
+    "warn_if_fsdp_fell_back",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
@@ -117,8 +121,6 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
 # --- sharding --------------------------------------------------------------------------------------
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when some parameter of `model` is a DTensor (already sharded by `fully_shard`)."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -221,6 +223,28 @@ def _shard_like(tensor: torch.Tensor, param: Any) -> Any:
 
 
 # --- Accelerate (`fsdp_version: 2`) --------------------------------------------------------------
+_FALLBACK_WARNED: list[bool] = []
+
+
+def warn_if_fsdp_fell_back(accelerator: Any) -> str | None:
+    """Warn once per process when the launch asked for FSDP (`distributed_type: FSDP`, e.g.
+    recipes/configs/fsdp2.yaml) but Accelerate runs without it: Accelerate takes its FSDP path
+    only on accelerators, and on a CPU-only machine silently trains plain data parallel. The
+    warning's text, or None when there is nothing to say (or it was said already)."""
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    if not asked or getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None or _FALLBACK_WARNED:
+        return None
+    _FALLBACK_WARNED.append(True)
+    text = (
+        "the Accelerate config asks for FSDP, but Accelerate takes its FSDP path only on accelerators "
+        "(CUDA/XPU/NPU): on this machine every rank trains a full replica (plain data parallel, no "
+        "sharding). For FSDP2 on CPU, shard in the loop: PrecisionPlugin(...).shard(model) or "
+        "hf_lowprec.fsdp.shard_model (docs/distributed.md)"
+    )
+    logger.warning("hf_lowprec: %s", text)
+    return text
+
+
 def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -> None:
     """Before `accelerator.prepare` under Accelerate's FSDP plugin: refuse what cannot work
     (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's) and give

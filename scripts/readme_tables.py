@@ -5,8 +5,9 @@
 
 A generated block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` in
 README.md or any docs/ page; NAME is one of `blocks()`: the strategy table (names, summaries,
-model-state bytes/param planned for GPT-2 small on the meta device, requirements) and the
-DeepSpeed ZeRO support matrix. A maintainer tool of the repository, not of the installed package.
+model-state bytes/param planned for GPT-2 small on the meta device, requirements), the engines
+matrix (README and, per family with the reasons, each docs/strategies/ page), the DeepSpeed ZeRO
+and FSDP2 support matrices. A maintainer tool of the repository, not of the installed package.
 """
 
 from __future__ import annotations
@@ -31,25 +32,52 @@ def blocks() -> dict[str, str]:
     lines = ["| name | what | model-state bytes/param (GPT-2 small, planned) | needs |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r['name']}` | {r['summary']} | {planned[r['name']]:.2f} | {r['needs'] or '—'} |")
-    return {
+    generated = {
         "strategies": "\n".join(lines) + "\n",
         "engines": engines_markdown(),
         "zero-matrix": support_matrix_markdown(),
         "fsdp2-matrix": fsdp2_matrix(),
     }
+    for page, prefixes in STRATEGY_PAGES.items():
+        generated[f"engines-{page}"] = engines_markdown(prefixes, reasons=True)
+    return generated
 
 
-def engines_markdown() -> str:
-    """Strategies × engines, yes/no, from the declarations the engines' checks read."""
+# docs/strategies/<page>.md → the name prefixes of the strategies it documents.
+STRATEGY_PAGES = {
+    "bf16": ("bf16-", "fp32"),
+    "coat": ("coat",),
+    "collage": ("collage-",),
+    "fp16": ("fp16-",),
+    "fp8-lm": ("fp8-lm-",),
+}
+
+
+def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -> str:
+    """Strategies × engines, yes/no, from the declarations the engines' checks read.
+
+    Args:
+        prefixes: only the strategies whose names start with one of these.
+        reasons: add a column with why each refused engine is refused (the engines' own message).
+    """
     from hf_lowprec.fsdp import fsdp2_support
     from hf_lowprec.integrations.deepspeed import zero_support
-    from hf_lowprec.registry import available_strategies
+    from hf_lowprec.registry import available_strategies, get_strategy
 
-    lines = ["| strategy | one process | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |", "|---|---|---|---|---|---|"]
+    head = "| strategy | one process | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |"
+    lines = [head + (" why not |" if reasons else ""), "|---|---|---|---|---|---|" + ("---|" if reasons else "")]
     for name in available_strategies():
-        zero = ["yes" if zero_support(name, stage) is None else "no" for stage in (1, 2, 3)]
-        fsdp2 = "yes" if fsdp2_support(name) is None else "no"
-        lines.append(f"| `{name}` | yes | {' | '.join(zero)} | {fsdp2} |")
+        if not name.startswith(prefixes):
+            continue
+        zero = [zero_support(name, stage) is None for stage in (1, 2, 3)]
+        fsdp2 = fsdp2_support(name) is None
+        row = f"| `{name}` | yes | {' | '.join('yes' if ok else 'no' for ok in [*zero, fsdp2])} |"
+        if reasons:
+            strategy = get_strategy(name)
+            why = [f"ZeRO: {strategy.zero_refusal}"] if not all(zero) else []
+            why += [f"FSDP2: {strategy.fsdp2_refusal}"] if not fsdp2 else []
+            row += f" {'; '.join(why) or '—'} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 

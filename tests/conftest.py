@@ -5,7 +5,7 @@ _BUILD = Path(__file__).resolve().parent.parent / "build"
 os.environ.setdefault("HF_LOWPREC_CACHE", str(_BUILD / "cache"))
 os.environ.setdefault("HF_HOME", str(_BUILD / "hf_home"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_BUILD / "torch_extensions"))
-# The compiled optimizer kernels (hf_lowprec.optim.kernels) are built once and reused by every
+# The compiled optimizer kernels (hf_lowprec.optim.fastpath) are built once and reused by every
 # test process (and the subprocesses they start) from this cache, one per ATen CPU capability:
 # a kernel cached by a process run with ATEN_CPU_CAPABILITY=avx2 segfaults when an AVX-512
 # process on the same machine loads it (seen with torch 2.13).
@@ -24,3 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Property tests: in CI (CI set, as .ci/run's environment has it) every run draws the same
+# examples, so a failure in the log reproduces with the same command; locally they explore.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "default")

@@ -1,4 +1,4 @@
-"""Small shared builders for tests: a tiny GPT-2 and fixed random batches."""
+"""Small shared builders for tests: a tiny GPT-2, fixed random batches, bit-pattern equality."""
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -49,3 +49,28 @@ class TokenBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bit pattern: what "bit-identical" means (−0 ≠ +0; a NaN equals
+    only a NaN with the same payload), unlike `torch.equal`."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        a, b = a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    return torch.equal(a, b)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """`bits_equal`, or an AssertionError naming the first element whose bits differ."""
+    if bits_equal(a, b):
+        return
+    where = f"{what}: " if what else ""
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{where}{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    first = (a.view(_BITS[a.element_size()]) != b.view(_BITS[b.element_size()])).flatten().nonzero()[0].item()
+    raise AssertionError(
+        f"{where}bits differ first at flat index {first}: {a.flatten()[first]} vs {b.flatten()[first]}"
+    )

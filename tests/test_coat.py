@@ -11,7 +11,7 @@ from torch import nn
 from hf_lowprec.coat import FP8GroupState, dequantize_state, expansion_exponent, quantize_state
 from hf_lowprec.coat.activations import compress_activations, dequantize_groups, quantize_groups, saved_activation_bytes
 from hf_lowprec.fp8 import convert_to_fp8
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import batches, bits_equal, tiny_gpt2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Unit roundoff of the formats (round to nearest, 3 and 2 mantissa bits).
@@ -122,9 +122,9 @@ def test_all_zero_constant_and_single_element_groups_are_exact():
     decoded = dequantize_state(state)
     # Zeros are exact; a group's maximum maps to the code F exactly, and s = F/amax (not a power
     # of two) costs two FP32 roundings: F/s = amax·(1 ± 2^-23)².
-    assert torch.equal(decoded[:128], x[:128]) and torch.equal(decoded[256:383], x[256:383])
+    assert bits_equal(decoded[:128], x[:128]) and bits_equal(decoded[256:383], x[256:383])
     torch.testing.assert_close(decoded, x, rtol=2**-22, atol=0.0)
-    assert torch.equal(state.exponent, torch.ones(3)) and torch.equal(state.center, torch.ones(3))
+    assert bits_equal(state.exponent, torch.ones(3)) and bits_equal(state.center, torch.ones(3))
 
 
 def test_padding_shape_and_metadata_dtypes():
@@ -174,14 +174,14 @@ def test_bad_arguments_raise(kwargs, match):
 
 def test_zeros_and_safe_checkpoint_loading():
     state = FP8GroupState.zeros((10, 20), group_size=64, fp8_dtype=E5M2)
-    assert torch.equal(state.dequantize(), torch.zeros(10, 20))
+    assert bits_equal(state.dequantize(), torch.zeros(10, 20))
     filled = quantize_state(moment_like(200).float(), group_size=64)
     buffer = io.BytesIO()
     torch.save({"zeros": state, "filled": filled}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
-    assert torch.equal(loaded["filled"].payload.view(torch.uint8), filled.payload.view(torch.uint8))
-    assert torch.equal(loaded["filled"].dequantize(), filled.dequantize())
+    assert bits_equal(loaded["filled"].payload.view(torch.uint8), filled.payload.view(torch.uint8))
+    assert bits_equal(loaded["filled"].dequantize(), filled.dequantize())
     assert loaded["zeros"].shape == (10, 20)
 
 
@@ -254,6 +254,6 @@ def test_original_forward_under_no_grad_and_state_dict_unchanged():
     with torch.no_grad():
         ln = model.transformer.h[0].ln_1
         x = torch.randn(2, 5, 64)
-        assert torch.equal(ln(x), nn.LayerNorm.forward(ln, x))
-        assert torch.equal(reference.transformer.h[0].ln_1(x), ln(x))
+        assert bits_equal(ln(x), nn.LayerNorm.forward(ln, x))
+        assert bits_equal(reference.transformer.h[0].ln_1(x), ln(x))
     assert model(input_ids=ids).logits.shape == (4, 32, 256)

@@ -4,13 +4,16 @@
   link of README.md and the docs/ pages points at a file of the repository.
 - Nothing cites the numerics specification that lived outside the repository; the algorithms
   are docs/algorithms.md, with stable section numbers.
-- The tables that come from the code (strategy table, ZeRO support matrix) match it
+- The tables that come from the code (strategy table, engine matrices) match it
   (`make readme` rewrites them).
+- Every dotted `hf_lowprec.…` name in README.md, docs/ and the package's docstrings and
+  comments names a module or attribute that exists; every Markdown file's code fences close.
 - README.md stays a five-minute read, and its Python quick starts run as printed.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -88,6 +91,68 @@ def test_algorithms_page_keeps_its_section_numbers():
             assert int(number) <= 6, f"{path.relative_to(ROOT)} cites docs/algorithms.md §{number}"
 
 
+_DOTTED = re.compile(r"\bhf_lowprec(?:\.[A-Za-z_]\w*)+")
+# Inside the package, names are often written from the package down (`optim.adamw.AdamW`).
+_PACKAGE_RELATIVE = re.compile(r"`((?:optim|fp8|coat|strategies|integrations)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _resolves(dotted: str) -> bool:
+    """Import the longest importable module prefix of `dotted`, then getattr the rest."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            continue
+        if cut == len(parts):
+            return True  # a module (not imported: `hf_lowprec.__main__` would run the command line)
+        obj = importlib.import_module(module)
+        for attribute in parts[cut:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+def _named_places() -> list[tuple[Path, str]]:
+    """(file, dotted name) for every `hf_lowprec.…` name of the pages and the package's source."""
+    sources = _pages() + sorted((ROOT / "hf_lowprec").rglob("*.py")) + [ROOT / "Makefile", ROOT / "pyproject.toml"]
+    places = []
+    for path in sources:
+        text = _text(path)
+        places += [(path, m.group(0)) for m in _DOTTED.finditer(text)]
+        if path.suffix == ".py":
+            places += [(path, "hf_lowprec." + m.group(1)) for m in _PACKAGE_RELATIVE.finditer(text)]
+    return places
+
+
+def test_every_dotted_name_resolves():
+    places = _named_places()
+    assert len(places) > 100, "the scan found almost no names: the pattern is broken"
+    unknown = sorted({f"{path.relative_to(ROOT)}: {name}" for path, name in places if not _resolves(name)})
+    assert not unknown, "names of modules or attributes that do not exist:\n" + "\n".join(unknown)
+
+
+def test_the_name_check_catches_a_stale_name():
+    assert _resolves("hf_lowprec.optim.adamw.adamw_scalars") and _resolves("hf_lowprec.__main__")
+    assert not _resolves("hf_lowprec.optim.kernels") and not _resolves("hf_lowprec.optim.adamw.AdamWBase")
+
+
+def test_every_markdown_file_closes_its_code_fences():
+    unbalanced = []
+    for path in _tracked_files():
+        if path.suffix != ".md":
+            continue
+        fences = re.findall(r"^ {0,3}(```|~~~)", _text(path), re.M)
+        if len(fences) % 2:
+            unbalanced.append(f"{path.relative_to(ROOT)} ({len(fences)} fences)")
+    assert not unbalanced, "code fences left open (the page renders cut off):\n" + "\n".join(unbalanced)
+
+
 def _readme_tables():
     spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
     module = importlib.util.module_from_spec(spec)
@@ -105,6 +170,7 @@ def test_generated_tables_match_the_code():
         "engines": "README.md",
         "zero-matrix": "docs/distributed.md",
         "fsdp2-matrix": "docs/distributed.md",
+        **{f"engines-{page}": f"docs/strategies/{page}.md" for page in tables.STRATEGY_PAGES},
     }
     assert set(homes) == set(tables.blocks())
     for name, home in homes.items():

@@ -19,6 +19,7 @@ from hf_lowprec.formats import Blockwise8bit, GroupFP8, Pair, Plain, Scaled, dyn
 from hf_lowprec.fp8.scaled import format_max
 from hf_lowprec.numerics import sqrt_rn
 from hf_lowprec.optim.rules import Grow, Kahan, Master, Nearest, StochasticRounding, uniform_bits
+from tests.helpers import bits_equal
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -56,8 +57,8 @@ def round_trip(fmt, x: torch.Tensor, param_dtype: torch.dtype = F32) -> tuple[to
 
 def test_root_is_correctly_rounded_eagerly():
     x = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 10
-    assert torch.equal(root(x), sqrt_rn(x))
-    assert torch.equal(root(x).double(), x.double().sqrt().float().double())
+    assert bits_equal(root(x), sqrt_rn(x))
+    assert bits_equal(root(x).double(), x.double().sqrt().float().double())
 
 
 # --- element-wise formats ----------------------------------------------------------------------
@@ -70,11 +71,11 @@ def test_plain_rounds_once_to_nearest(dtype):
     x = values(binades=20.0 if dtype == F16 else 200.0)
     decoded, (payload,) = round_trip(Plain(dtype), x)
     assert payload.dtype == dtype
-    assert torch.equal(decoded, x.to(dtype).float())
+    assert bits_equal(decoded, x.to(dtype).float())
     exact = x.double()
     error = (decoded.double() - exact).abs()
     if dtype == F32:
-        assert torch.equal(decoded, x)
+        assert bits_equal(decoded, x)
     else:
         assert bool((error <= U[dtype] * exact.abs()).all())
         assert error.max() > 0  # really rounded: the format is not wider than it says
@@ -86,7 +87,7 @@ def test_plain_of_none_takes_the_parameter_dtype_and_keeps_nan():
     assert fmt.storage_dtype(torch.zeros(1, dtype=BF16)) == BF16
     x = torch.tensor([1.0, float("nan"), -2.0, 0.0])
     decoded, _ = round_trip(fmt, x, BF16)
-    assert torch.isnan(decoded[1]) and torch.equal(decoded[[0, 2, 3]], x[[0, 2, 3]])
+    assert torch.isnan(decoded[1]) and bits_equal(decoded[[0, 2, 3]], x[[0, 2, 3]])
 
 
 @pytest.mark.parametrize(("dtype", "margin"), [(F16, 0), (F16, 2), (E4M3, 0), (E5M2, 0)])
@@ -116,19 +117,19 @@ def test_scaled_edge_cases():
     fmt = Scaled(F16)
     # All zeros: s = 1 and zeros back.
     decoded, (_, scale) = round_trip(fmt, torch.zeros(10))
-    assert scale.item() == 1.0 and torch.equal(decoded, torch.zeros(10))
+    assert scale.item() == 1.0 and bits_equal(decoded, torch.zeros(10))
     # NaN makes amax NaN: s = 1, NaN stays NaN, the others are FP16 roundings of themselves.
     x = torch.tensor([1.0, float("nan"), -3.0, 1e-3])
     decoded, (_, scale) = round_trip(fmt, x)
     assert scale.item() == 1.0 and torch.isnan(decoded[1])
-    assert torch.equal(decoded[[0, 2, 3]], x[[0, 2, 3]].half().float())
+    assert bits_equal(decoded[[0, 2, 3]], x[[0, 2, 3]].half().float())
     # ±inf is made NaN (the FP8 cast convention), never stored as the format's max.
     decoded, _ = round_trip(fmt, torch.tensor([1.0, float("inf")]))
     assert torch.isnan(decoded[1])
     # FP32 storage is not scaled: exact.
     x = values()
     decoded, (_payload, scale) = round_trip(Scaled(F32), x)
-    assert scale.item() == 1.0 and torch.equal(decoded, x)
+    assert scale.item() == 1.0 and bits_equal(decoded, x)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -177,7 +178,7 @@ def test_group_fp8_round_trip_within_the_coat_bound(dtype, expand):
     if expand:
         assert (exponent > 1).any()
     else:
-        assert torch.equal(exponent, torch.ones(32)) and torch.equal(center, torch.ones(32))
+        assert bits_equal(exponent, torch.ones(32)) and bits_equal(center, torch.ones(32))
     k, c, s = (t.double().repeat_interleave(128) for t in (exponent, center, scale))
     nonzero = x != 0
     exact = x.double()
@@ -198,13 +199,13 @@ def test_group_fp8_edge_groups():
     x[300] = float("nan")  # a NaN group decodes to NaN, the others are untouched
     decoded, (_, scale, exponent, center) = round_trip(fmt, x)
     assert scale[0].item() == exponent[0].item() == center[0].item() == 1.0
-    assert torch.equal(decoded[:128], torch.zeros(128))
+    assert bits_equal(decoded[:128], torch.zeros(128))
     # s = F/amax is not a power of two: F/s = amax·(1 ± 2^-23)², two FP32 roundings.
     assert exponent[1].item() == 1.0 and decoded[200].item() == pytest.approx(x[200].item(), rel=2.0**-22, abs=0)
     assert bool((decoded[128:256][torch.arange(128) != 72] == 0).all())
     assert torch.isnan(decoded[256:384]).all()
     clean, _ = round_trip(fmt, torch.where(torch.isnan(x), 0.0, x))
-    assert torch.equal(decoded[384:], clean[384:])
+    assert bits_equal(decoded[384:], clean[384:])
 
 
 # --- blockwise 8-bit ---------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def test_blockwise_8bit_round_trip_within_half_a_code_gap(signed):
     decoded, (codes, absmax) = round_trip(fmt, x)
     assert codes.dtype == torch.uint8 and codes.numel() == 256 * 13 and absmax.shape == (13,)
     a = absmax.double().repeat_interleave(256)[: x.numel()]
-    assert torch.equal(absmax[:12], x[: 256 * 12].view(12, 256).abs().amax(dim=1))
+    assert bits_equal(absmax[:12], x[: 256 * 12].view(12, 256).abs().amax(dim=1))
     exact = x.double()
     bound = _gap_bound(exact / a, signed) * a + 2.0**-21 * a
     error = (decoded.double() - exact).abs()
@@ -269,7 +270,7 @@ def test_blockwise_8bit_edge_blocks():
     x[300] = 1e30  # one huge value: it is exact, the rest of its block falls to the map's bottom
     x[600] = float("nan")  # NaN: the block decodes to NaN, the others are untouched
     decoded, (codes, absmax) = round_trip(fmt, x)
-    assert absmax[0].item() == 0.0 and torch.equal(decoded[:256], torch.zeros(256))
+    assert absmax[0].item() == 0.0 and bits_equal(decoded[:256], torch.zeros(256))
     assert bool((codes[:256] == dynamic_map(True).index(0.0)).all())
     assert decoded[300] == x[300]  # the map's 1 times the absmax
     rest = torch.cat([decoded[256:300], decoded[301:512]]).double()
@@ -278,7 +279,7 @@ def test_blockwise_8bit_edge_blocks():
     assert bool((rest == 0).all()) and smallest > 2 * 4.0
     assert torch.isnan(decoded[512:768]).all() and math.isnan(absmax[2].item())
     clean, _ = round_trip(fmt, torch.where(torch.isnan(x), 0.0, x))
-    assert torch.equal(decoded[768:], clean[768:])
+    assert bits_equal(decoded[768:], clean[768:])
 
 
 @pytest.mark.parametrize(
@@ -297,7 +298,7 @@ def test_zeros_state_decodes_to_zero_and_counts_its_bytes(fmt, dtype):
     param = torch.zeros(300, dtype=dtype)
     stored = fmt.zeros(param)
     assert len(stored) == len(fmt.keys("exp_avg")) == len(fmt.shaped)
-    assert torch.equal(fmt.decode(*stored).reshape(-1)[:300], torch.zeros(300))
+    assert bits_equal(fmt.decode(*stored).reshape(-1)[:300], torch.zeros(300))
     per_element = sum(t.numel() * t.element_size() for t in stored) / param.numel()
     # Stored bytes per element: the format's count, up to the padding to whole blocks and one
     # scalar scale.
@@ -340,7 +341,7 @@ def test_compensated_rules_keep_the_exact_sum_of_tiny_updates(rule, dtype):
         rule.apply_(delta, param.float(), param, compensation)
         exact += delta.double()
     held = rule.held_value(param, {rule.compensation_key: compensation})
-    assert torch.equal(held, param.double() + compensation.double())
+    assert bits_equal(held, param.double() + compensation.double())
     p = {BF16: 8, F16: 11}[dtype]
     largest = max(u.abs().max().item() for u in updates)
     per_step = _half_ulp(2.0**-p + largest, dtype) + (_half_ulp(largest, dtype) if isinstance(rule, Grow) else 0.0)
@@ -351,7 +352,7 @@ def test_compensated_rules_keep_the_exact_sum_of_tiny_updates(rule, dtype):
     plain = theta0.clone()
     for delta in updates:
         Nearest().apply_(delta, plain.float(), plain)
-    assert torch.equal(plain, theta0)
+    assert bits_equal(plain, theta0)
     assert (plain.double() - exact).abs().max().item() > 10 * bound
 
 
@@ -366,7 +367,7 @@ def test_kahan_step_is_error_free_apart_from_one_rounding(dtype):
         before = param.double() + 0.0
         y = (compensation.float() + delta).to(dtype).double()
         Kahan().apply_(delta, param.float(), param, compensation)
-        assert torch.equal(param.double() + compensation.double(), before + y)
+        assert bits_equal(param.double() + compensation.double(), before + y)
 
 
 def _sr_draws(dtype: torch.dtype, target: torch.Tensor, seed: int) -> torch.Tensor:
@@ -394,8 +395,8 @@ def test_stochastic_rounding_is_unbiased(dtype, fraction, sign):
     sigma = ulp * math.sqrt(fraction * (1 - fraction) / n)
     assert abs(result.mean().item() - target[0].item()) <= 4 * sigma
     # Another seed draws another stream; the same seed reproduces it.
-    assert not torch.equal(result, _sr_draws(dtype, target, seed=12).double())
-    assert torch.equal(result, _sr_draws(dtype, target, seed=11).double())
+    assert not bits_equal(result, _sr_draws(dtype, target, seed=12).double())
+    assert bits_equal(result, _sr_draws(dtype, target, seed=11).double())
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -422,8 +423,8 @@ def test_stochastic_rounding_keeps_exact_values_and_rounds_the_rest_as_a_cast(dt
     target = torch.tensor([1.0, -0.5, 0.0, float("inf"), float("nan"), big, -big], dtype=F32)
     result = _sr_draws(dtype, target, seed=1)
     expected = target.to(dtype)
-    assert torch.equal(result[:4], expected[:4]) and torch.isnan(result[4])
-    assert torch.equal(result[5:], expected[5:])
+    assert bits_equal(result[:4], expected[:4]) and torch.isnan(result[4])
+    assert bits_equal(result[5:], expected[5:])
 
 
 def test_uniform_bits_are_32_bits_and_depend_on_the_seed():
@@ -432,7 +433,7 @@ def test_uniform_bits_are_32_bits_and_depend_on_the_seed():
     # Each of the 32 bits is set about half the time (σ = 0.5/√n = 0.002; 4σ allowed).
     ones = torch.stack([(bits >> i) & 1 for i in range(32)]).double().mean(dim=1)
     assert bool(((ones - 0.5).abs() <= 4 * 0.5 / math.sqrt(1 << 16)).all())
-    assert not torch.equal(bits, uniform_bits(torch.Size([1 << 16]), torch.tensor(8), torch.device("cpu")))
+    assert not bits_equal(bits, uniform_bits(torch.Size([1 << 16]), torch.tensor(8), torch.device("cpu")))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -443,16 +444,16 @@ def test_master_rule_keeps_the_fp32_master(dtype):
     param = (1 + 0.5 * torch.rand(1024, generator=generator)).to(dtype)
     rule = Master()
     (master,) = rule.zeros(param)
-    assert master.dtype == F32 and torch.equal(master, param.float())
+    assert master.dtype == F32 and bits_equal(master, param.float())
     exact = param.double()
     updates = _tiny_updates(1024, 200, 1e-4)
     for delta in updates:
         rule.apply_(delta, rule.read(param, master), param, master)
         exact += delta.double()
-        assert torch.equal(param, master.to(dtype))
+        assert bits_equal(param, master.to(dtype))
     assert (master.double() - exact).abs().max().item() <= 200 * 2.0**-23
     held = rule.held_value(param, {"master": master})
-    assert torch.equal(held, master.double())
+    assert bits_equal(held, master.double())
     assert (param.double() - held).abs().max() > 1e-5  # the weight alone would not be the master
 
 
@@ -468,9 +469,9 @@ def test_fp16_neighbours_from_the_bit_pattern_match_nextafter_for_every_code() -
     for up in (True, False):
         expected = torch.nextafter(finite, torch.full_like(finite, math.inf if up else -math.inf)).float()
         keep = torch.isfinite(expected)  # ±max steps to ±inf, which the rounding never asks for
-        assert torch.equal(_next_fp16(finite, up=up)[keep], expected[keep])
+        assert bits_equal(_next_fp16(finite, up=up)[keep], expected[keep])
         compiled = torch.compile(lambda x, u=up: _next_fp16(x, up=u))(finite)
-        assert torch.equal(compiled[keep], expected[keep])
+        assert bits_equal(compiled[keep], expected[keep])
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])

@@ -23,6 +23,7 @@ from hf_lowprec.numerics import (
     two_prod,
     two_sum,
 )
+from tests.helpers import bits_equal
 
 DTYPES = [torch.bfloat16, torch.float16]
 BITS = {torch.bfloat16: 8, torch.float16: 11}
@@ -75,9 +76,9 @@ def test_two_sum_is_exact(dtype: torch.dtype) -> None:
         a0, b0 = a.clone(), b.clone()
         s, e = two_sum(a, b)
         assert s.dtype == e.dtype == dtype
-        assert torch.equal(s, a + b)
-        assert torch.equal(s.double() + e.double(), a.double() + b.double())
-        assert torch.equal(a, a0) and torch.equal(b, b0)
+        assert bits_equal(s, a + b)
+        assert bits_equal(s.double() + e.double(), a.double() + b.double())
+        assert bits_equal(a, a0) and bits_equal(b, b0)
 
     check()
 
@@ -92,7 +93,7 @@ def test_fast_two_sum_is_exact_when_ordered(dtype: torch.dtype) -> None:
         a, b = torch.where(swap, b, a), torch.where(swap, a, b)
         s, e = fast_two_sum(a, b)
         assert s.dtype == e.dtype == dtype
-        assert torch.equal(s.double() + e.double(), a.double() + b.double())
+        assert bits_equal(s.double() + e.double(), a.double() + b.double())
         assert bool((e.double().abs() <= ulp(s, dtype) / 2).all())
 
     check()
@@ -106,8 +107,10 @@ def test_two_prod_is_exact(dtype: torch.dtype) -> None:
         a, b = ab
         p, e = two_prod(a, b)
         assert p.dtype == e.dtype == dtype
-        assert torch.equal(p, a * b)
-        assert torch.equal(p.double() + e.double(), a.double() * b.double())
+        assert bits_equal(p, a * b)
+        assert torch.equal(
+            p.double() + e.double(), a.double() * b.double()
+        )  # exact in value (a signed zero may differ)
 
     check()
 
@@ -219,7 +222,7 @@ def test_foreach_two_sum_matches_two_sum_bitwise(dtype: torch.dtype) -> None:
     x_, a_ = [x.clone() for x in xs], [a.clone() for a in adds]
     foreach_two_sum_(x_, a_)
     for (s, e), got_s, got_e in zip(expected, x_, a_):
-        assert torch.equal(s, got_s) and torch.equal(e, got_e)
+        assert bits_equal(s, got_s) and bits_equal(e, got_e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -232,13 +235,13 @@ def test_foreach_variants_match_elementwise_bitwise(dtype: torch.dtype) -> None:
     x_, y_ = [x.clone() for x in xs], [y.clone() for y in ys]
     foreach_grow_(x_, y_, [a.clone() for a in adds])
     for (u, v), got_u, got_v in zip(expected, x_, y_):
-        assert torch.equal(u, got_u) and torch.equal(v, got_v)
+        assert bits_equal(u, got_u) and bits_equal(v, got_v)
 
     expected = [fast_two_sum(x, a) for x, a in zip(xs, adds)]
     x_, a_ = [x.clone() for x in xs], [a.clone() for a in adds]
     foreach_fast_two_sum_(x_, a_)
     for (s, e), got_s, got_e in zip(expected, x_, a_):
-        assert torch.equal(s, got_s) and torch.equal(e, got_e)
+        assert bits_equal(s, got_s) and bits_equal(e, got_e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -312,13 +315,13 @@ def test_stochastic_round_picks_a_neighbour_and_is_unbiased(dtype: torch.dtype) 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stochastic_round_special_values(dtype: torch.dtype) -> None:
     exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 0.0078125])
-    assert torch.equal(stochastic_round(exact, dtype), exact.to(dtype))
+    assert bits_equal(stochastic_round(exact, dtype), exact.to(dtype))
     special = torch.tensor([math.inf, -math.inf, math.nan])
     out = stochastic_round(special, dtype)
     assert out[0] == math.inf and out[1] == -math.inf and out[2].isnan()
     # Beyond the largest finite value there is no upper neighbour: round to nearest, as a cast.
     big = torch.tensor([3.4e38, -3.4e38] if dtype == torch.bfloat16 else [65510.0, 70000.0, -70000.0])
-    assert torch.equal(stochastic_round(big, dtype), big.to(dtype))
+    assert bits_equal(stochastic_round(big, dtype), big.to(dtype))
     # A NaN whose payload sits in the low 16 bits must not be truncated into an infinity.
     low_payload_nan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
     assert stochastic_round(low_payload_nan, dtype).isnan().all()
@@ -330,7 +333,7 @@ def test_stochastic_round_is_reproducible() -> None:
         a = stochastic_round(x, dtype, torch.Generator().manual_seed(3))
         b = stochastic_round(x, dtype, torch.Generator().manual_seed(3))
         c = stochastic_round(x, dtype, torch.Generator().manual_seed(4))
-        assert torch.equal(a, b) and not torch.equal(a, c)
+        assert bits_equal(a, b) and not bits_equal(a, c)
 
 
 # --- abs_max and all_finite: the extremes from one aminmax pass -----------------------------
@@ -398,5 +401,5 @@ def test_sqrt_rn_is_the_correctly_rounded_root(dtype):
     assert numerics.sqrt_rn(torch.tensor([-1.0, math.nan], dtype=dtype)).isnan().all()
     # Slices beyond the first keep their place; a non-contiguous input is read in its own order.
     long = torch.arange(3 * (1 << 20) + 5, dtype=torch.float32)
-    assert torch.equal(numerics.sqrt_rn(long)[-3:], long[-3:].double().sqrt().float())
-    assert torch.equal(numerics.sqrt_rn(x[:100].view(10, 10).t()), numerics.sqrt_rn(x[:100].view(10, 10)).t())
+    assert bits_equal(numerics.sqrt_rn(long)[-3:], long[-3:].double().sqrt().float())
+    assert bits_equal(numerics.sqrt_rn(x[:100].view(10, 10).t()), numerics.sqrt_rn(x[:100].view(10, 10)).t())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_lowprec.scaling import FP16_MAX, AutomaticLossScaler, RunningMeanGradients, clip_grad_norm_, running_mean_
+from tests.helpers import bits_equal
 
 EDGE = 2.0**13
 U16 = 2.0**-11  # FP16 unit roundoff (11-bit significand, round to nearest)
@@ -42,7 +43,7 @@ def test_saturating_gradients_halve_the_scale():
     assert scale == 2.0**9
     assert scaler.last_upper_share == pytest.approx(3 / 1000)
     # Unscaling divides by a power of two: exact for these normal FP16 values.
-    assert torch.equal(grad[:3].double(), torch.full((3,), 2.0**14 / 2.0**10, dtype=torch.float64))
+    assert bits_equal(grad[:3].double(), torch.full((3,), 2.0**14 / 2.0**10, dtype=torch.float64))
 
 
 def test_tiny_gradients_grow_the_scale_to_the_cap_and_stop():
@@ -80,7 +81,7 @@ def test_overflow_is_clipped_not_skipped_and_counted():
     model.w.grad = torch.tensor([math.inf, -math.inf, 8.0, 0.0], dtype=torch.float16)
     scaler.unscale_(optimizer)
     scaler.unscale_(optimizer)  # a second call in the same step is a no-op
-    assert torch.equal(model.w.grad, torch.tensor([FP16_MAX / 4, -FP16_MAX / 4, 2.0, 0.0], dtype=torch.float16))
+    assert bits_equal(model.w.grad, torch.tensor([FP16_MAX / 4, -FP16_MAX / 4, 2.0, 0.0], dtype=torch.float16))
     scaler.step(optimizer)
     assert torch.isfinite(model.w).all() and model.w[2] == -2.0  # the step happened
     assert scaler.update() == 2.0
@@ -102,7 +103,7 @@ def test_nan_skips_the_step_and_halves_at_once():
     model.w.grad = torch.tensor([math.nan, 1.0, 1.0], dtype=torch.float16)
     scaler.unscale_(optimizer)
     assert scaler.step(optimizer) is None
-    assert torch.equal(model.w.detach(), torch.zeros(3, dtype=torch.float16))
+    assert bits_equal(model.w.detach(), torch.zeros(3, dtype=torch.float16))
     assert scaler.update() == 4.0  # mid-period, halved anyway
 
 
@@ -146,7 +147,7 @@ def test_activation_overflow_is_clipped_in_backward_and_named_once(caplog):
         else:
             backward()
             # Clamped in the hook to 65504, so dL/dW = 65504·2^-4 = 4094, exact in FP16.
-            assert torch.equal(model[0].weight.grad, torch.full((4, 4), 4094.0, dtype=torch.float16))
+            assert bits_equal(model[0].weight.grad, torch.full((4, 4), 4094.0, dtype=torch.float16))
         scaler.unscale_(optimizer)
         scaler.update()
     named = [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()]
@@ -193,13 +194,13 @@ def test_clip_grad_norm_accumulates_in_fp32_where_torch_overflows():
     reference = math.sqrt(100 * 8000.0**2 + 25.0)  # FP64
     theirs = params()
     assert torch.isinf(torch.nn.utils.clip_grad_norm_(theirs, 1.0))  # why this function exists
-    assert torch.equal(theirs[0].grad, torch.zeros(100, dtype=torch.float16))
+    assert bits_equal(theirs[0].grad, torch.zeros(100, dtype=torch.float16))
 
     measured = params()
     norm = clip_grad_norm_(measured, math.inf)
     # FP32 sum of 100 equal squares and one sqrt: relative error well under 2^-20.
     assert norm.dtype == torch.float32 and abs(norm.item() - reference) <= 2.0**-20 * reference
-    assert torch.equal(measured[0].grad, params()[0].grad)  # max_norm=inf only measures
+    assert bits_equal(measured[0].grad, params()[0].grad)  # max_norm=inf only measures
 
     clipped = params()
     clip_grad_norm_(clipped, 1.0)
@@ -241,7 +242,7 @@ def test_running_mean_hooks_match_the_function_and_reset():
         for k, g in enumerate(grads, start=1):
             (model.w.float() * g.float()).sum().backward()  # dL/dw = g exactly
             running_mean_(expected, g, k)
-        assert torch.equal(model.w.grad, expected)
+        assert bits_equal(model.w.grad, expected)
         model.zero_grad(set_to_none=False)
         accumulator.reset()
 

@@ -2,19 +2,28 @@
 
 The wheel is built from a copy of the files a release is built from (pyproject.toml,
 README.md, hf_lowprec/), so nothing of the checkout (recipes/, bench/, stale build/lib
-files) can leak in. It is installed into a throw-away virtual environment that sees the
-installed dependencies (`--system-site-packages`; the wheel itself with `--no-deps`), and the
-`hf-lowprec` commands run from an empty temporary directory with no PYTHONPATH, so they
-import the installed copy and find nothing of the repository.
+files) can leak in. It is installed (`--no-deps`) into a throw-away virtual environment that
+sees the dependencies of the environment running the tests through a `.pth` file listing that
+environment's site directories. `--system-site-packages` would not do: inside a virtual
+environment it exposes the base interpreter's packages, not the virtual environment's. Path
+lines of a `.pth` file do not run the `.pth` files of the directories they add, so an editable
+install of hf_lowprec there stays out of the way. The `hf-lowprec` commands run from an empty
+temporary directory with no PYTHONPATH, so they import the installed copy and find nothing of
+the repository.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -42,9 +51,35 @@ def _package_files() -> set[str]:
     }
 
 
+def _site_dirs() -> list[str]:
+    """The site directories on the test interpreter's sys.path, in its order (a venv's own first)."""
+    paths = sysconfig.get_paths()
+    sites = [*site.getsitepackages(), paths["purelib"], paths["platlib"]]
+    if site.ENABLE_USER_SITE:
+        sites.append(site.getusersitepackages())
+    real = {os.path.realpath(d) for d in sites}
+    return [d for d in dict.fromkeys(sys.path) if d and os.path.realpath(d) in real and Path(d).is_dir()]
+
+
+def _check_build_tools() -> None:
+    """The wheel is built without build isolation (offline): this interpreter's setuptools must
+    build wheels itself (70.1 on) or have the `wheel` package beside it."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        version = "none"
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", version)[:2]) or (0, 0)
+    if major_minor < (70, 1) and importlib.util.find_spec("wheel") is None:
+        pytest.fail(
+            f"{sys.executable} has setuptools {version}, which cannot build a wheel without the `wheel` "
+            "package: run `make install` (the dev extra brings setuptools>=70.1)"
+        )
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, dict[str, str], Path, Path]:
     """(venv bin directory, environment, empty working directory, the wheel) with the wheel installed."""
+    _check_build_tools()
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
@@ -72,8 +107,12 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str], Path, Path]:
     )
     (wheel,) = (tmp / "dist").glob("hf_lowprec-*.whl")
     venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp, env=env)
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp, env=env)
     bin_dir = venv / "bin"
+    venv_site = _run(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp, env
+    ).strip()
+    (Path(venv_site) / "dependencies_of_the_test_environment.pth").write_text("\n".join(_site_dirs()) + "\n")
     _run(
         [
             str(bin_dir / "python"),
@@ -110,7 +149,7 @@ def test_user_commands_run_from_the_installed_wheel_in_any_directory(installed):
     assert Path(where.strip()).is_relative_to(bin_dir.parent), f"imported {where.strip()}, not the installed wheel"
 
     help_text = _run([str(bin_dir / "hf-lowprec"), "--help"], work, env)
-    assert "{list,memory,compare}" in help_text, help_text  # no maintainer tools among the user commands
+    assert "{list,memory,compare,launch}" in help_text, help_text  # no maintainer tools among the user commands
 
     listing = _run([str(bin_dir / "hf-lowprec"), "list"], work, env)
     assert "collage-plus" in listing and "fp8-lm-o2" in listing

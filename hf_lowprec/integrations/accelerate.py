@@ -99,6 +99,10 @@ class PrecisionPlugin:
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
         fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
+        if not fsdp:
+            from ..fsdp import warn_if_fsdp_fell_back
+
+            warn_if_fsdp_fell_back(accelerator)
         before: dict[int, list[torch.Tensor]] = {}
         if fsdp:
             from ..fsdp import configure_accelerator as configure_fsdp
@@ -191,7 +195,7 @@ class PrecisionPlugin:
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
-        norm = self.strategy.clip_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
+        norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
         return norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
 
     def metrics(self) -> dict[str, float]:

@@ -18,7 +18,7 @@ Which ZeRO stages a strategy keeps its numerics under is declared on the strateg
 that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
 `hf_lowprec.partition`.
 
-DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.deepspeed` works
+DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.integrations.deepspeed` works
 without it.
 """
 
@@ -64,7 +64,7 @@ def require_deepspeed() -> Any:
         import deepspeed
     except ImportError as err:
         raise ImportError(
-            "DeepSpeed is not installed; install the extra with `pip install 'hf-lowprec[deepspeed]'`"
+            "DeepSpeed is not installed; install the `deepspeed` extra (from a checkout: `pip install -e '.[deepspeed]'`)"
         ) from err
     return deepspeed
 

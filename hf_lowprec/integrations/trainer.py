@@ -274,6 +274,9 @@ class PrecisionTrainerMixin:
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
         if getattr(self, "is_fsdp_enabled", False):  # e.g. `accelerate launch` with an FSDP config
             raise ValueError(_trainer_fsdp_refusal(self.precision.name))
+        from ..fsdp import warn_if_fsdp_fell_back
+
+        warn_if_fsdp_fell_back(self.accelerator)  # an FSDP config on a CPU-only machine
         if getattr(self, "is_deepspeed_enabled", False):
             from .deepspeed import configure_accelerator
 
@@ -391,7 +394,7 @@ class PrecisionTrainerMixin:
     def _clip_grad_norm(self, model):
         if self.precision is not None:
             self.precision.unscale_gradients(self.optimizer)
-            norm = self.precision.clip_grad_norm(model.parameters(), self.args.max_grad_norm)
+            norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
             if norm is not None:
                 return norm
         return super()._clip_grad_norm(model)
@@ -401,7 +404,7 @@ class PrecisionTrainerMixin:
         # which turns FP16 gradients with a norm above 65504 into NaN; the strategy measures.
         if grad_norm is None and self.precision is not None:
             self.precision.unscale_gradients(self.optimizer)
-            grad_norm = self.precision.clip_grad_norm(model.parameters(), float("inf"))
+            grad_norm = self.precision.clip_own_grad_norm(model.parameters(), float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
 

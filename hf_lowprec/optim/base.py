@@ -6,10 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-try:  # FSDP2 parameters; a torch built without distributed support has none
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = type("DTensor", (), {})  # matches no tensor
+from ..distributed import DTensor
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate"]
 

@@ -22,7 +22,7 @@ Modes (the optimizers' `fused` option):
   compiled function (CPU with a C++ compiler, CUDA with Triton), else the reference, each
   fallback's reason logged once. A compile failure marks the kernel broken for the process.
 
-("foreach", the old name of "reference", is accepted.) Every call records the path it took in
+("foreach", the old name of "reference", is accepted with a DeprecationWarning.) Every call records the path it took in
 the optimizer's `paths_taken` counter, so tests and users can see what ran.
 
 Layout: one call per parameter, its tensors flat (or as (blocks × block) views for block
@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -75,8 +76,14 @@ _broken: set[tuple[object, str]] = set()
 
 
 def check_fused_mode(owner: str, fused: str) -> str:
-    """The mode `fused` names ("foreach" is read as "reference"); raise naming the valid ones."""
+    """The mode `fused` names ("foreach", deprecated, is read as "reference"); raise naming the valid ones."""
     if fused == "foreach":
+        warnings.warn(
+            f"{owner}: fused='foreach' is deprecated: it is the old name of the eager reference step; "
+            "pass fused='reference'",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         return "reference"
     if fused not in FUSED_MODES:
         raise ValueError(

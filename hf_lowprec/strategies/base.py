@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from .. import report
 from ..metrics import edq, imprecision_percentage
 from ..numerics import all_finite
 from ..optim.adamw import check_adamw_hyperparameters
@@ -240,8 +241,7 @@ class PrecisionStrategy:
             batch: the model's keyword inputs (`model(**batch).loss`), or a tensor of token ids
                 for a causal LM (`model(input_ids=batch, labels=batch).loss`).
             loss_fn: `loss_fn(model, batch)` instead of the above.
-            max_grad_norm: clip to this global norm (through `clip_grad_norm` when the strategy
-                clips itself, else `torch.nn.utils.clip_grad_norm_`).
+            max_grad_norm: clip to this global norm (`clip_grad_norm`).
         Returns:
             The loss, detached (unscaled).
         """
@@ -257,8 +257,7 @@ class PrecisionStrategy:
             inner = getattr(optimizer, "optimizer", optimizer)
             self.unscale_gradients(inner)
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            if self.clip_grad_norm(params, max_grad_norm) is None:
-                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            self.clip_grad_norm(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -274,9 +273,20 @@ class PrecisionStrategy:
         scales must make the second call a no-op within one step.
         """
 
-    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
-        """Clip unscaled gradients to `max_norm` and return the pre-clip norm (`max_norm=inf`:
-        only measure), or None to leave clipping to the training loop's own function."""
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip unscaled gradients to the global norm `max_norm`; the pre-clip total norm (a
+        tensor), as `torch.nn.utils.clip_grad_norm_` returns it (`max_norm=inf`: only measure).
+
+        What a custom loop calls: the strategy's own clipping where it has one, else torch's.
+        """
+        params = list(parameters)
+        norm = self.clip_own_grad_norm(params, max_norm)
+        return norm if norm is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """Hook: clip where the loop's own function would be wrong (FP16 norms overflow, FP8
+        gradients outside `p.grad`) and return the pre-clip norm, or None to leave clipping to
+        the training loop's function (torch's, Accelerate's or DeepSpeed's)."""
         return None
 
     # --- step --------------------------------------------------------------------------
@@ -302,9 +312,7 @@ class PrecisionStrategy:
 
     def describe(self, model: torch.nn.Module, optimizer: Any | None = None, **context: Any) -> dict[str, Any]:
         """What is active on `model` and `optimizer` (see `hf_lowprec.report.describe`)."""
-        from ..report import describe
-
-        return describe(self, model, optimizer, **context)
+        return report.describe(self, model, optimizer, **context)
 
     # --- state and metrics -------------------------------------------------------------
     def full_precision_state_dict(

@@ -2,7 +2,7 @@
 
 | piece (option) | what | from |
 |---|---|---|
-| `activations` | FP8 GEMMs whose linear layers save the per-tensor E4M3 input; norms, activation functions and gated-MLP products save 1×16-group E4M3 | `hf_lowprec.fp8.convert_to_fp8`, `hf_lowprec.coat.compress_activations` |
+| `activations` | FP8 GEMMs whose linear layers save the per-tensor E4M3 input; norms, activation functions and gated-MLP products save 1×16-group E4M3 | `hf_lowprec.fp8.convert_to_fp8`, `hf_lowprec.coat.activations.compress_activations` |
 | `states` | AdamW moments in per-group (128) E4M3 with dynamic range expansion | `hf_lowprec.optim.COATAdamW` |
 | `master_weights` | "fp32" (COAT), or "bf16-collage": BF16 weights with the Collage-light δθ | `COATAdamW` / `CollageAdamW(variant="light")` |
 

@@ -5,7 +5,8 @@ histogram, clip instead of skip); running-mean gradient accumulation. The weight
 an FP32 master copy (16 bytes/param) or, with `weights="sr"`, writes the FP16 weight with
 stochastic rounding and keeps no master (12 bytes/param).
 
-The pieces live in `hf_lowprec.scaling` and `hf_lowprec.optim.fp16`; this class combines them.
+The pieces live in `hf_lowprec.scaling` and `hf_lowprec.optim` (`MasterWeightAdamW`,
+`FP32StatesSRAdamW`); this class combines them.
 """
 
 from __future__ import annotations

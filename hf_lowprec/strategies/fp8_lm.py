@@ -194,9 +194,9 @@ class FP8LM(PrecisionStrategy):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return bf16_autocast()
 
-    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
-        """O2 clips the FP8 gradients kept by FP8AdamW with the FP32 ones (custom loops call this
-        instead of `torch.nn.utils.clip_grad_norm_`, which sees only `p.grad`)."""
+    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """O2 clips the FP8 gradients kept by FP8AdamW with the FP32 ones (custom loops call
+        `clip_grad_norm`, not `torch.nn.utils.clip_grad_norm_`, which sees only `p.grad`)."""
         return self.backward_grads.clip_grad_norm(parameters, max_norm) if self.o2 else None
 
     def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:

@@ -40,7 +40,7 @@ class LossScaledStrategy(PrecisionStrategy):
         # optimizer: one optimizer, unscaled once.
         self.scaler.unscale_(unwrap_optimizer(optimizer))
 
-    def clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
+    def clip_own_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(parameters, max_norm)  # torch's FP16 norm overflows to inf
 
     def gradients_ok(self, optimizer: torch.optim.Optimizer) -> bool:

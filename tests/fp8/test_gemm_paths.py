@@ -12,6 +12,7 @@ from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_pa
 from hf_lowprec.fp8 import linear as fp8_linear_module
 from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor, _ScaledMM, _Upcast
 from hf_lowprec.fp8.scaled import pow2_scale, quantize, tensor_amax
+from tests.helpers import bits_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U32 = 2.0**-24  # unit roundoff of FP32 (the accumulator)
@@ -105,7 +106,7 @@ def test_all_zero_operand_gives_zero():
     assert sa.item() == 1.0
     b8, sb = _quantize_per_tensor(torch.randn(32, 16), E4M3, 0)
     for gemm in PATHS.values() if CPU_SCALED_MM else [PATHS["upcast"]]:
-        assert torch.equal(_fp8_mm(a8, sa, b8, sb, torch.float32, gemm), torch.zeros(16, 16))
+        assert bits_equal(_fp8_mm(a8, sa, b8, sb, torch.float32, gemm), torch.zeros(16, 16))
 
 
 def test_scaled_mm_layout_is_row_major_times_column_major_padded():
@@ -180,7 +181,7 @@ def test_fused_quantization_is_bit_identical_to_quantize(dtype, fmt):
         real_amax = tensor_amax(x) / (1 if master_scale is None else master_scale)
         expected_scale = pow2_scale(real_amax, fmt, 1)
         factor = expected_scale if master_scale is None else expected_scale / master_scale
-        assert torch.equal(scale, expected_scale)
+        assert bits_equal(scale, expected_scale)
         # Equal values (quantize turns −0 into +0; the fused form keeps the sign of zero).
         assert torch.equal(payload.float(), quantize(x, factor, fmt).float())
 
@@ -239,12 +240,12 @@ def test_cached_weight_follows_every_update_bit_for_bit(optimizer_cls):
         for x in data[:2] if step % 2 else data:  # gradient accumulation over 2 or 4 micro-batches
             layer(x).pow(2).mean().backward()
             fp8_linear(x, ref_w).pow(2).mean().backward()
-        assert torch.equal(layer.weight.grad, ref_w.grad)
+        assert bits_equal(layer.weight.grad, ref_w.grad)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
         assert layer._weight_cache is None, "an optimizer step drops the cached FP8 weight"
     with torch.no_grad():
-        assert torch.equal(layer.eval()(data[0]), fp8_linear(data[0], ref_w))
+        assert bits_equal(layer.eval()(data[0]), fp8_linear(data[0], ref_w))
 
 
 def test_weight_is_quantized_once_per_step_and_requantized_after_any_change(monkeypatch):
@@ -267,4 +268,4 @@ def test_weight_is_quantized_once_per_step_and_requantized_after_any_change(monk
     y = layer(x)
     assert quantized.count(True) == 2
     layer.load_state_dict({k: v * 0.5 for k, v in layer.state_dict().items()})
-    assert not torch.equal(layer(x), y) and quantized.count(True) == 3
+    assert not bits_equal(layer(x), y) and quantized.count(True) == 3

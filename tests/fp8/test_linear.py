@@ -11,6 +11,7 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 from transformers.pytorch_utils import Conv1D
 
 from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
+from tests.helpers import bits_equal
 
 # SNR floors, with margin under the values measured here (forward 28.5 dB without bias,
 # input/weight gradients 24.5–24.8 dB). Per-tensor E4M3 keeps 4 significant bits, i.e. a relative
@@ -93,17 +94,17 @@ def test_scaled_fp16_master_weight_is_invisible_to_forward_and_checkpoints():
     assert scale > 1 and math.log2(scale) == int(math.log2(scale))
     assert layer.weight.abs().max() > 2**14, "the FP16 payload should use FP16's range"
     # Same real weights → same FP8 weights → bit-identical output.
-    assert torch.equal(layer(x), plain)
+    assert bits_equal(layer(x), plain)
     exported = layer.state_dict()["weight"]
-    assert exported.dtype == torch.float32 and torch.equal(exported, real.float())
+    assert exported.dtype == torch.float32 and bits_equal(exported, real.float())
 
     fresh = FP8Linear.from_float(nn.Linear(64, 32)).half()
     fresh.scale_master_weight()
     fresh.load_state_dict(layer.state_dict())
-    assert torch.equal(fresh.weight, layer.weight) and torch.equal(fresh.master_scale, layer.master_scale)
+    assert bits_equal(fresh.weight, layer.weight) and bits_equal(fresh.master_scale, layer.master_scale)
     # deepcopy drops tensor attributes on parameters; forward re-links the scale.
     clone = copy.deepcopy(layer)
-    assert torch.equal(clone(x), plain)
+    assert bits_equal(clone(x), plain)
 
 
 def _gpt2(init_range: float = 0.1) -> GPT2LMHeadModel:
@@ -253,12 +254,12 @@ def test_bf16_autocast_only_rounds_the_output(transposed):
         runs.append((y, saved, xi.grad, layer.weight.grad, layer.bias.grad))
     (y32, saved32, gx32, gw32, gb32), (y16, saved16, gx16, gw16, gb16) = runs
     assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
-    assert torch.equal(_bits(y16), _bits(y32.to(torch.bfloat16)))
+    assert bits_equal(_bits(y16), _bits(y32.to(torch.bfloat16)))
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     assert all(t.dtype in fp8 or t.dim() == 0 for t in saved16), [(t.dtype, t.shape) for t in saved16]
     assert len(saved16) == len(saved32) == 4  # x and W payloads, their scales
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(saved32, saved16))
-    assert torch.equal(gx32, gx16) and torch.equal(gw32, gw16)
+    assert all(bits_equal(_bits(a), _bits(b)) for a, b in zip(saved32, saved16))
+    assert bits_equal(gx32, gx16) and bits_equal(gw32, gw16)
     # The bias gradient sums the same 35 values per column in FP32 from FP32 or BF16 storage;
     # only the summation order may differ: |error| ≤ 34·2^-24·Σ|g|.
     bound = 34 * 2.0**-24 * grad.float().abs().sum(dim=(0, 1))
@@ -291,12 +292,12 @@ def test_fp8_stored_weight_computes_as_its_master_and_sends_its_gradient_to_the_
     set_grad_sink(stored.weight, received.append)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
     y_master, y_stored = master(x), stored(x)
-    assert torch.equal(y_master, y_stored)  # the same FP8 weight, used as is
+    assert bits_equal(y_master, y_stored)  # the same FP8 weight, used as is
     y_master.square().sum().backward()
     y_stored.square().sum().backward()
     assert stored.weight.grad is None and len(received) == 1  # no 1-byte gradient: the sink has it
-    assert torch.equal(received[0].to(master.weight.grad.dtype), master.weight.grad)
-    assert torch.equal(stored.bias.grad, master.bias.grad)
+    assert bits_equal(received[0].to(master.weight.grad.dtype), master.weight.grad)
+    assert bits_equal(stored.bias.grad, master.bias.grad)
 
 
 def test_fp8_stored_weight_without_a_sink_gets_no_gradient():
@@ -315,12 +316,12 @@ def test_fp8_stored_weight_state_dict_round_trip():
     with torch.no_grad():
         fresh.weight.zero_()
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.state_dict()["weight"], state["weight"])
+    assert bits_equal(fresh.state_dict()["weight"], state["weight"])
     # A master's real values load into an FP8-stored weight as the master's FP8 weight.
     _, other = _fp8_stored_pair(False)
     other.load_state_dict(master.state_dict())
     w8, sw = master._fp8_weight()
-    assert torch.equal(other.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(other.master_scale, sw)
+    assert bits_equal(other.weight.view(torch.uint8), w8.view(torch.uint8)) and bits_equal(other.master_scale, sw)
 
 
 def test_moving_the_layer_keeps_the_master_scale_linked():

@@ -18,6 +18,7 @@ from hf_lowprec.fp8 import (
     quantize,
     quantize_counting,
 )
+from tests.helpers import bits_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Half an ulp relative to the value: 2^-(P) for P significand bits (E4M3: 4, E5M2: 3, FP16: 11).
@@ -50,7 +51,7 @@ def test_pow2_scale_puts_amax_in_the_top_binade_below_the_margin(log2_amax, marg
 
 def test_pow2_scale_of_zero_and_nonfinite_is_one():
     amax = torch.tensor([0.0, float("inf"), float("nan")])
-    assert torch.equal(pow2_scale(amax, E4M3), torch.ones(3))
+    assert bits_equal(pow2_scale(amax, E4M3), torch.ones(3))
     with pytest.raises(ValueError, match="margin"):
         pow2_scale(amax, E4M3, margin=-1)
 
@@ -101,13 +102,13 @@ def test_dequantize_matches_the_convention_real_equals_payload_over_scale():
 def test_zeros_and_safe_loading():
     zeros = ScaledTensor.zeros((3, 16), "e5m2", group_size=16)
     assert zeros.payload.dtype == E5M2 and zeros.scale.shape == (3,)
-    assert torch.equal(zeros.dequantize(), torch.zeros(3, 16))
+    assert bits_equal(zeros.dequantize(), torch.zeros(3, 16))
     x = ScaledTensor.quantize(torch.randn(32), "e4m3")
     buffer = io.BytesIO()
     torch.save({"container": x, "plain": (x.payload, x.scale)}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
     assert loaded["container"].payload.dtype == E4M3
-    assert torch.equal(loaded["container"].payload.view(torch.uint8), x.payload.view(torch.uint8))
-    assert torch.equal(loaded["plain"][1], x.scale)
+    assert bits_equal(loaded["container"].payload.view(torch.uint8), x.payload.view(torch.uint8))
+    assert bits_equal(loaded["plain"][1], x.scale)
     assert x.nbytes() == 32 + 4

@@ -1,4 +1,4 @@
-"""hf_lowprec.trl: TRL configs and trainers with precision_strategy (the recipes run them end to end)."""
+"""hf_lowprec.integrations.trl (also `hf_lowprec.trl`): TRL configs and trainers with precision_strategy (the recipes run them end to end)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def tiny_scorer(tokenizer, seed=1):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_configs_leave_mixed_precision_to_the_strategy(tmp_path, name):
     config = getattr(hl_trl, name)
-    assert config.__module__ == "hf_lowprec.trl" and config.__name__ == name
+    assert config.__module__ == "hf_lowprec.integrations.trl" and config.__name__ == name
     with_strategy = config(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True)
     assert with_strategy.bf16 is False and with_strategy.build_precision_strategy().name == "collage-plus"
     assert config(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's own default, untouched
@@ -73,13 +73,23 @@ def test_config_parses_and_pickles(tmp_path):
     assert type(clone) is hl_trl.SFTConfig and clone.precision_strategy == "bf16-pure"
 
 
+def test_the_short_import_path_gives_the_same_classes():
+    from hf_lowprec.integrations import trl as integrations_trl
+    from hf_lowprec.trl import SFTConfig, SFTTrainer
+
+    assert SFTConfig is integrations_trl.SFTConfig and SFTTrainer is integrations_trl.SFTTrainer
+    assert set(hl_trl.__all__) == set(integrations_trl.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchTrainer'"):
+        hl_trl.NoSuchTrainer  # noqa: B018
+
+
 def test_missing_trl_names_the_extra():
     code = (
         "import sys; sys.modules['trl'] = None\nimport hf_lowprec.trl as t\n"
         "try:\n    t.SFTTrainer\nexcept ImportError as e:\n    print(e)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert "pip install 'hf-lowprec[trl]'" in out
+    assert "pip install -e '.[trl]'" in out
 
 
 @pytest.mark.slow
@@ -183,7 +193,7 @@ def test_ppo_config_leaves_mixed_precision_to_the_strategy(tmp_path):
 @pytest.mark.skipif(TRL_HAS_PPO, reason="this TRL still ships PPOTrainer; the ppo-marked tests cover it")
 def test_ppo_under_current_trl_names_the_ppo_extra():
     for name in ("PPOConfig", "PPOTrainer"):
-        with pytest.raises(ImportError, match=r"removed it in 1\.13.*hf-lowprec\[ppo\]"):
+        with pytest.raises(ImportError, match=r"removed it in 1\.13.*the `ppo` extra"):
             getattr(hl_trl, name)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from hf_lowprec.coat import FP8GroupState, quantize_state
 from hf_lowprec.optim import COATAdamW
+from tests.helpers import bits_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -62,7 +63,7 @@ def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
     # the step computes it (the format's error is bounded in tests/test_coat.py).
     m32 = m.float() + (1 - b1) * (grads[3] - m.float())
     stored = quantize_state(m32, 128, E4M3, True).dequantize()
-    assert torch.equal(decoded(optimizer, param, "exp_avg"), stored)
+    assert bits_equal(decoded(optimizer, param, "exp_avg"), stored)
 
 
 def test_state_dtypes_shapes_and_options():
@@ -77,7 +78,7 @@ def test_state_dtypes_shapes_and_options():
     assert "param_error" not in state
     param, grads, optimizer = make(expand=False)
     run(optimizer, param, grads[:2])
-    assert torch.equal(optimizer.state[param]["exp_avg_exponent"], torch.ones(3))
+    assert bits_equal(optimizer.state[param]["exp_avg_exponent"], torch.ones(3))
 
 
 @pytest.mark.parametrize(
@@ -144,15 +145,15 @@ def test_state_dict_round_trip_bit_exact_and_resume_bit_for_bit(dtype):
     for key, value in s1.items():
         if torch.is_tensor(value):
             assert s2[key].dtype == value.dtype, key
-            assert torch.equal(s2[key].view(torch.uint8), value.view(torch.uint8)), key
+            assert bits_equal(s2[key].view(torch.uint8), value.view(torch.uint8)), key
         else:
             assert s2[key] == value
     run(optimizer, param, grads[3:])
     run(optimizer2, param2, grads[3:])
-    assert torch.equal(param.detach(), param2.detach())
+    assert bits_equal(param.detach(), param2.detach())
     for key, value in optimizer.state[param].items():
         if torch.is_tensor(value):
-            assert torch.equal(optimizer2.state[param2][key].view(torch.uint8), value.view(torch.uint8)), key
+            assert bits_equal(optimizer2.state[param2][key].view(torch.uint8), value.view(torch.uint8)), key
 
 
 def test_zero_gradient_groups_and_all_zero_state():
@@ -162,7 +163,7 @@ def test_zero_gradient_groups_and_all_zero_state():
     grad[128:] = 1.0
     param.grad = grad
     optimizer.step()
-    assert torch.equal(param.detach()[:128], torch.ones(128))
+    assert bits_equal(param.detach()[:128], torch.ones(128))
     assert torch.isfinite(param.detach()).all()
     assert math.isclose(param.detach()[200].item(), 1 - 1e-3, rel_tol=1e-6)
 
@@ -189,8 +190,8 @@ def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused
             optimizer.step()
     for optimizer in optimizers:
         assert dict(optimizer.paths_taken) == {fused: 3}
-    assert torch.equal(padded.detach(), whole.detach()[:300])
-    assert torch.equal(whole.detach()[300:], torch.zeros(84, dtype=dtype))
+    assert bits_equal(padded.detach(), whole.detach()[:300])
+    assert bits_equal(whole.detach()[300:], torch.zeros(84, dtype=dtype))
     state_padded, state_whole = (o.state[p] for o, p in zip(optimizers, (padded, whole)))
     assert state_padded.keys() == state_whole.keys()
     assert (state_whole["exp_avg_exponent"] > 1).all() and (state_whole["exp_avg_sq_exponent"] > 1).all()
@@ -199,10 +200,10 @@ def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused
         if not torch.is_tensor(value):
             assert value == other, key
         elif key == "param_error":  # shaped like the parameter
-            assert torch.equal(value, other[:300]) and not other[300:].any(), key
+            assert bits_equal(value, other[:300]) and not other[300:].any(), key
         else:  # payloads padded to 3 whole groups, and per-group metadata
             assert value.shape == other.shape, key
-            assert torch.equal(
+            assert bits_equal(
                 value.view(torch.uint8) if value.element_size() == 1 else value,
                 other.view(torch.uint8) if other.element_size() == 1 else other,
             ), key

@@ -18,6 +18,7 @@ from hf_lowprec.optim import (
     PlainAdamW,
 )
 from hf_lowprec.optim.adamw import adamw_math, adamw_scalars
+from tests.helpers import bits_equal
 
 Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
 
@@ -200,7 +201,7 @@ def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, 
         s = stored["exp_avg_sq_scale"].item() if dtype == torch.float16 else 1.0
         assert s >= 1.0
         decoded = composition.v.decode(*(stored[k] for k in composition.v.keys("exp_avg_sq"))).double()
-        assert torch.equal(decoded, (new_hi.double() + new_lo.double()) / s)
+        assert bits_equal(decoded, (new_hi.double() + new_lo.double()) / s)
         bound = (4 * 2.0**-24 + 2.0 ** (-2 * p)) * reference.abs() + floor
         assert bool(((decoded - reference).abs() <= bound).all())
         # The pair is worth keeping: its first component alone is off by up to 2^-p.
@@ -241,7 +242,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(variant: str, through_bytes
         optimizer.step()
         resumed.step()
     for a, b in zip(snapshot(optimizer, params), snapshot(resumed, resumed_params)):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert a.dtype == b.dtype and bits_equal(a, b)
     assert resumed.state[resumed_params[0]]["step"] == 12
 
 
@@ -288,7 +289,7 @@ def test_tracking_does_not_change_the_trajectory(variant: str) -> None:
     assert all(r.update.dtype == torch.float32 for r in tracked.tracked)
     assert all(r.before.dtype == r.after.dtype == torch.float64 for r in tracked.tracked)
     for a, b in zip(snapshot(plain, plain_params), snapshot(tracked, tracked_params)):
-        assert torch.equal(a, b)
+        assert bits_equal(a, b)
 
 
 def test_expansion_keeps_the_updates_bf16_parameters_lose() -> None:
@@ -322,7 +323,7 @@ def test_expansion_keeps_the_updates_bf16_parameters_lose() -> None:
         # The record holds θ + δθ, the value Collage really keeps (docs/algorithms.md §1).
         before = theta_before.double() + error_before.double()
         after = params[0].detach().double() + state[params[0]]["param_error"].double()
-        assert torch.equal(record.before, before) and torch.equal(record.after, after)
+        assert bits_equal(record.before, before) and bits_equal(record.after, after)
         # θ + δθ receives them up to Grow's rounding of t = δθ + e: |error| ≤ 2^-8·|t| with
         # |t| ≲ ulp(θ)/2 = 2^-8, so only updates below 2^-16 can vanish (measured: < 3 %
         # of the elements, all |Δθ| < 4e-6, against a median |Δθ| of 2e-5).
@@ -363,6 +364,6 @@ def test_groups_hyperparameters_and_missing_grads() -> None:
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     optimizer.step()
     assert torch.all(a < 1.0)
-    assert torch.equal(b, torch.ones_like(b)) and torch.equal(c, torch.ones_like(c))
+    assert bits_equal(b, torch.ones_like(b)) and bits_equal(c, torch.ones_like(c))
     assert "exp_avg_sq_error" in optimizer.state[a] and "exp_avg_sq_error" not in optimizer.state[b]
     assert c not in optimizer.state

@@ -256,8 +256,9 @@ def test_invalid_mode_is_refused_before_any_work():
         get_strategy("collage-plus", fused="yes")
 
 
-def test_foreach_is_read_as_reference():
-    optimizer = PlainAdamW(_params(BF16), fused="foreach")
+def test_foreach_is_a_deprecated_name_of_reference():
+    with pytest.warns(DeprecationWarning, match="fused='reference'"):
+        optimizer = PlainAdamW(_params(BF16), fused="foreach")
     assert optimizer.fused == "reference"
     _run(None, "foreach", 1, params=optimizer.param_groups[0]["params"], optimizer=optimizer)
     assert _paths(optimizer) == {"reference": len(optimizer.param_groups[0]["params"])}
@@ -268,9 +269,7 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("name", available_strategies())
-@pytest.mark.parametrize(
-    ("given", "expected"), [("foreach", "reference"), ("reference", "reference"), ("compiled", "compiled")]
-)
+@pytest.mark.parametrize(("given", "expected"), [("reference", "reference"), ("compiled", "compiled")])
 def test_strategy_option_reaches_the_optimizer(name, given, expected):
     strategy = get_strategy(name, fused=given)
     model = strategy.prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))
@@ -280,7 +279,7 @@ def test_strategy_option_reaches_the_optimizer(name, given, expected):
 
 @pytest.mark.parametrize("options", [{"weights": "sr"}, {}], ids=["sr", "master"])
 def test_fp16_als_passes_the_option_to_both_optimizers(options):
-    strategy = get_strategy("fp16-als", fused="foreach", **options)
+    strategy = get_strategy("fp16-als", fused="reference", **options)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))]
     assert _inner(strategy.create_optimizer(params)).fused == "reference"
 
@@ -291,7 +290,7 @@ def test_fp16_als_passes_the_option_to_both_optimizers(options):
     ids=["fp32-master", "bf16-collage"],
 )
 def test_coat_passes_the_option_to_its_bf16_and_fp32_steps(options):
-    strategy = get_strategy("coat", activations=True, fused="foreach", **options)
+    strategy = get_strategy("coat", activations=True, fused="reference", **options)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=strategy.param_dtype))]
     assert _inner(strategy.create_optimizer(params)).fused == "reference"
 

@@ -10,6 +10,7 @@ from hf_lowprec.fp8 import FP8Linear, get_master_scale, quantize_gradient
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.metrics import edq
 from hf_lowprec.optim import FP8AdamW, LowPrecisionOptimizer
+from tests.helpers import bits_equal
 
 HYPER = dict(lr=1e-3, weight_decay=0.01)
 
@@ -147,12 +148,12 @@ def test_state_dict_round_trip_is_bit_exact_through_weights_only_load():
         for key in s1:
             if torch.is_tensor(s1[key]):
                 assert s2[key].dtype == s1[key].dtype, f"{key} came back as {s2[key].dtype}"
-                assert torch.equal(s1[key].reshape(-1).view(torch.uint8), s2[key].reshape(-1).view(torch.uint8)), key
+                assert bits_equal(s1[key].reshape(-1).view(torch.uint8), s2[key].reshape(-1).view(torch.uint8)), key
             else:
                 assert s1[key] == s2[key]
     theta1, losses1 = train(model, optimizer, steps=4)
     theta2, losses2 = train(model2, optimizer2, steps=4)
-    assert losses1 == losses2 and torch.equal(theta1, theta2)
+    assert losses1 == losses2 and bits_equal(theta1, theta2)
 
 
 def test_fp8_gradient_handover_equals_the_dequantized_gradient():
@@ -167,12 +168,12 @@ def test_fp8_gradient_handover_equals_the_dequantized_gradient():
         b.grad = (payload.float() / scale).half()  # exact: FP8 values fit in FP16
         opt_a.step()
         opt_b.step()
-        assert torch.equal(a, b)
+        assert bits_equal(a, b)
     assert opt_a.state[a]["grad"].dtype == torch.float8_e4m3fn
     # After the step the handed-over gradient is spent: a step without a new one changes nothing.
     before = a.detach().clone()
     opt_a.step()
-    assert torch.equal(a, before)
+    assert bits_equal(a, before)
     with pytest.raises(ValueError, match="shape"):
         opt_a.set_fp8_grad(a, payload[:2], scale)
 
@@ -199,13 +200,13 @@ def test_track_updates_records_the_master_in_real_units_without_changing_the_ste
     optimizer.track_updates = True
     train(tracked_model, optimizer, steps=1)
     train(plain_model, FP8AdamW(plain_model.parameters(), **HYPER), steps=1)
-    assert all(torch.equal(a, b) for a, b in zip(tracked_model.parameters(), plain_model.parameters()))
+    assert all(bits_equal(a, b) for a, b in zip(tracked_model.parameters(), plain_model.parameters()))
     assert len(optimizer.tracked) == len(list(tracked_model.parameters()))
     for record in optimizer.tracked:
         assert record.before.dtype == record.after.dtype == torch.float64
         scale = get_master_scale(record.param)
         real = record.param.detach().double() if scale is None else record.param.detach().double() / scale.item()
-        assert torch.equal(record.after, real), "after = the master's real value"
+        assert bits_equal(record.after, real), "after = the master's real value"
         # after − before is the intended update up to one rounding of the new master: half an
         # FP16 ulp of the top binade (2^15 ≤ payload < 2^16 → 16 payload units) over the scale.
         half_ulp = 16.0 / scale.item() if scale is not None else 0.5 * torch.finfo(torch.float16).eps

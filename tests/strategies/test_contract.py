@@ -7,7 +7,7 @@ import torch
 
 import hf_lowprec
 from hf_lowprec.memory import model_state_bytes
-from tests.helpers import batches, tiny_gpt2, train_steps
+from tests.helpers import assert_bits_equal, batches, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -56,7 +56,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(name):
     losses2 = train_steps(strategy2, model2, optimizer2, data[3:])
     assert losses1 == losses2
     for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
-        assert torch.equal(a, b), f"{name}: {n} differs after resume"
+        assert_bits_equal(a, b, f"{name}: {n} after resume")
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -96,7 +96,33 @@ def test_nonfinite_gradients_never_reach_the_weights(name):
     assert optimizer.step_was_skipped
     assert strategy.metrics()["precision/skipped_steps"] == 1.0
     for n, p in model.named_parameters():
-        assert torch.equal(p.detach(), before[n]), f"{name}: {n} changed on a NaN step"
+        assert_bits_equal(p.detach(), before[n], f"{name}: {n} on a NaN step")
     # The next finite step goes through.
     train_steps(strategy, model, optimizer, batches(1))
     assert not optimizer.step_was_skipped
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_clip_grad_norm_returns_the_total_norm_like_torch(name):
+    strategy, model, optimizer = setup(name)
+    ids = batches(1)[0]
+    with strategy.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss
+    strategy.scale_loss(loss).backward()
+    strategy.unscale_gradients(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params if p.grad is not None]
+    # torch rounds each tensor's norm and their total to the gradients' dtype: two roundings,
+    # plus FP32 accumulation error well below one; 4 ulps of that dtype covers it.
+    rel = 4 * max(torch.finfo(g.dtype).eps for g in grads)
+    norm = strategy.clip_grad_norm(params, float("inf"))
+    assert torch.is_tensor(norm) and norm.numel() == 1 and torch.isfinite(norm), f"{name}: {norm!r}"
+    if len(grads) == len(params):  # every gradient in p.grad (not FP8-LM O2's stored FP8 ones)
+        reference = torch.cat([g.double().flatten() for g in grads]).norm().item()
+        assert abs(norm.item() - reference) <= rel * reference, f"{name}: {norm.item()} vs FP64 {reference}"
+    # Clipping to a quarter of the norm returns the pre-clip norm and leaves a quarter of it
+    # (the coefficient max_norm / (norm + 1e-6), one more rounding of every gradient).
+    assert abs(strategy.clip_grad_norm(params, norm.item() / 4).item() - norm.item()) <= rel * norm.item()
+    expected = norm.item() / 4 * norm.item() / (norm.item() + 1e-6)
+    after = strategy.clip_grad_norm(params, float("inf")).item()
+    assert abs(after - expected) <= 2 * rel * expected, f"{name}: {after} after clipping to 1/4, not {expected}"

@@ -1,0 +1,244 @@
+"""TRL trainers with `precision_strategy`: one import change for a TRL script.
+
+    from hf_lowprec.trl import SFTConfig, SFTTrainer      # was: from trl import SFTConfig, SFTTrainer
+    args = SFTConfig(output_dir="out", precision_strategy="collage-plus")
+
+(`hf_lowprec.trl` is the short import path of this module.)
+
+Each config is the TRL config plus `precision_strategy`/`precision_options`; each trainer is
+the TRL trainer with `PrecisionTrainerMixin`. What differs from the plain Trainer glue:
+
+- TRL configs turn `bf16` on when it is left unset; with a strategy it stays off instead
+  (the strategy owns mixed precision; an explicit `--bf16` is still checked against it).
+- `GRPOTrainer` also runs its rollouts (generation, reference and reward scoring) in the
+  strategy's forward context, so the old/reference log-probabilities are computed with the
+  same numerics as the training forward.
+- `DPOTrainer`: pass `ref_model=` for a model built from a config (TRL would rebuild the
+  reference from the empty `config._name_or_path`); the strategy converts both models.
+- `PPOTrainer` (TRL 1.12, `trl.experimental.ppo`; install the `ppo` extra) does not use the Trainer loop: it builds
+  its optimizer and `accelerator.prepare` inside `__init__` and runs its own loop in
+  `train()`. The strategy therefore converts the policy, value, reference and reward models
+  before that `__init__`, builds the optimizer over the policy+value parameters, runs the
+  whole of `train()` (rollouts and PPO epochs) in its forward context, and scales the PPO
+  loss at `accelerator.backward` when it scales losses. Backward passes run inside
+  that context too; autocast only affects forward ops, whose backward follows the dtypes
+  chosen in the forward. The strategy's metrics join each PPO log line.
+
+trl is imported on first use of a name here; without it the error names the extra to install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+from typing import Any
+
+__all__ = [
+    "SFTConfig",
+    "SFTTrainer",
+    "RewardConfig",
+    "RewardTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "DPOConfig",
+    "DPOTrainer",
+    "PPOConfig",
+    "PPOTrainer",
+    "TRAINER_KINDS",
+    "with_precision",
+]
+
+# SFT, Reward, GRPO and DPO follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
+# runs on the 1.12 line, installed by its own extra.
+_TRL_EXTRA = "install the `trl` extra (from a checkout: pip install -e '.[trl]')"
+_PPO_EXTRA = "install the `ppo` extra (from a checkout: pip install -e '.[ppo]')"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("PPOConfig", "PPOTrainer"):
+        return _ppo_classes()[name]
+    if name in __all__:
+        return with_precision(getattr(_import("trl"), name))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# The TRL names this module wraps (PPO apart, see `_ppo_classes`).
+TRAINER_KINDS = ("SFT", "Reward", "GRPO", "DPO")
+
+
+def _import(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"hf_lowprec.trl needs TRL: {_TRL_EXTRA} ({err})") from err
+
+
+def _finish(cls: type, name: str) -> type:
+    # Built inside a function, but pickled (training_args.bin) and documented under this module.
+    cls.__name__ = cls.__qualname__ = name
+    cls.__module__ = __name__
+    return cls
+
+
+@functools.cache
+def _config_mixin() -> type:
+    from .trainer import PrecisionArgumentsMixin
+
+    class TRLPrecisionArguments(PrecisionArgumentsMixin):
+        def __post_init__(self) -> None:
+            # TRL turns bf16 on when it is unset; a strategy owns mixed precision instead.
+            if self.precision_strategy is not None and self.bf16 is None:
+                self.bf16 = False
+            super().__post_init__()
+
+    return TRLPrecisionArguments
+
+
+@functools.cache
+def with_precision(cls: type) -> type:
+    """TRL's config or trainer class `cls` (one of `TRAINER_KINDS`) with `precision_strategy`.
+
+    `cls` itself when it has it already (`hf-lowprec launch` puts these classes under TRL's names).
+    """
+    from .trainer import PrecisionArgumentsMixin, PrecisionTrainerMixin
+
+    name = cls.__name__
+    if issubclass(cls, (PrecisionArgumentsMixin, PrecisionTrainerMixin)):
+        return cls
+    if dataclasses.is_dataclass(cls):
+        return _finish(dataclasses.dataclass(type(name, (_config_mixin(), cls), {"__doc__": _config_doc(cls)})), name)
+    extra = {"GRPOTrainer": (_RolloutInContext,), "DPOTrainer": (_ReferenceInStrategy,)}.get(name, ())
+    doc = f"`trl.{name}` applying `args.precision_strategy`."
+    return _finish(type(name, (*extra, PrecisionTrainerMixin, cls), {"__doc__": doc}), name)
+
+
+def _config_doc(config: type) -> str:
+    return f"`trl.{config.__name__}` plus `precision_strategy` and `precision_options`."
+
+
+class _ReferenceInStrategy:
+    """Converts DPO's `ref_model=` with the strategy too, so both models compute alike.
+
+    A separate strategy object prepares it: a strategy may keep facts about the model it
+    prepared (the policy's), which the reference must not overwrite.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        build = getattr(kwargs.get("args"), "build_precision_strategy", None)
+        reference = kwargs.get("ref_model")
+        if build is not None and isinstance(reference, _torch_module()):
+            from .peft import prepare_model
+
+            strategy = build()
+            if strategy is not None:
+                kwargs["ref_model"] = prepare_model(strategy, reference)
+        super().__init__(*args, **kwargs)
+
+
+def _torch_module() -> type:
+    import torch
+
+    return torch.nn.Module
+
+
+class _RolloutInContext:
+    """Runs `_prepare_inputs` (where GRPO generates and scores) in the strategy's forward context."""
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        precision = getattr(self, "precision", None)
+        if precision is None:
+            return super()._prepare_inputs(inputs)
+        with precision.forward_context():
+            return super()._prepare_inputs(inputs)
+
+
+@functools.cache
+def _ppo_classes() -> dict[str, type]:
+    trl = _import("trl")
+    try:
+        ppo = importlib.import_module("trl.experimental.ppo")
+    except ImportError:
+        raise ImportError(
+            f"PPOTrainer is not in TRL {trl.__version__}: TRL removed it in 1.13. PPO runs on the TRL 1.12 line: "
+            f"{_PPO_EXTRA} (in its own environment if other TRL trainers should stay current)"
+        ) from None
+    import torch
+
+    from .peft import prepare_model
+    from .trainer import PrecisionTrainerMixin
+    from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+
+    config_cls = _finish(
+        dataclasses.dataclass(
+            type("PPOConfig", (_config_mixin(), ppo.PPOConfig), {"__doc__": _config_doc(ppo.PPOConfig)})
+        ),
+        "PPOConfig",
+    )
+    signature = inspect.signature(ppo.PPOTrainer.__init__)
+
+    class PPOTrainer(PrecisionTrainerMixin, ppo.PPOTrainer):
+        """`trl.experimental.ppo.PPOTrainer` applying `args.precision_strategy` (see the module doc)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            call = signature.bind(self, *args, **kwargs).arguments
+            call.pop("self")
+            build = getattr(call["args"], "build_precision_strategy", None)
+            self.precision = build() if build is not None else None
+            if self.precision is not None:
+                optimizer = (call.get("optimizers") or (None, None))[0]
+                if optimizer is not None and not isinstance(optimizer, StrategyOptimizer):
+                    raise ValueError(
+                        f"precision_strategy={self.precision.name!r} builds the optimizer, but optimizers=(...) "
+                        "passed another one; drop `optimizers=`"
+                    )
+                if call.get("peft_config") is not None:
+                    # Wrap here, so the adapters exist when the strategy converts the model.
+                    from peft import get_peft_model
+
+                    call["model"] = get_peft_model(call["model"], call.pop("peft_config"))
+                for role in ("model", "value_model", "ref_model", "reward_model"):
+                    if call.get(role) is not None:
+                        call[role] = prepare_model(self.precision, call[role])
+            # PPOTrainer.__init__ builds the optimizer (our create_optimizer) and prepares it.
+            super(PrecisionTrainerMixin, self).__init__(**call)
+            # It skips Trainer.__init__, which sets this flag that Trainer._save reads on
+            # non-saving ranks (transformers 5.x): without it, save_model fails under DDP.
+            if not hasattr(self, "is_distributed_loading_by_transformers"):
+                self.is_distributed_loading_by_transformers = False
+            if self.precision is not None and _scales_loss(self.precision):
+                # train() calls `self.accelerator.backward(loss)` on the PPO loss itself: scale it there.
+                backward = self.accelerator.backward
+
+                def scaled_backward(loss: torch.Tensor, **kwargs: Any) -> None:
+                    backward(self.precision.scale_loss(loss), **kwargs)
+
+                self.accelerator.backward = scaled_backward
+
+        def train(self) -> None:
+            if self.precision is None:
+                return super().train()
+            with self.precision.forward_context():
+                return super().train()
+
+        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+            # TRL 1.12 saves `self.model.policy`, which a DDP wrapper hides (it would save the
+            # wrapped policy+value pair and fail on shared tensors): unwrap DDP first.
+            wrapped = self.model
+            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                self.model = wrapped.module
+            try:
+                super().save_model(output_dir, _internal_call)
+            finally:
+                self.model = wrapped
+
+        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if self.precision is not None:
+                logs = {**logs, **self.precision.metrics()}
+            return super().log(logs, *args, **kwargs)
+
+    def _scales_loss(strategy: PrecisionStrategy) -> bool:
+        return type(strategy).scale_loss is not PrecisionStrategy.scale_loss
+
+    return {"PPOConfig": config_cls, "PPOTrainer": _finish(PPOTrainer, "PPOTrainer")}
