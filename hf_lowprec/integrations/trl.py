@@ -166,9 +166,9 @@ def _ppo_classes() -> dict[str, type]:
         ) from None
     import torch
 
+    from ..strategies.base import PrecisionStrategy, StrategyOptimizer
     from .peft import prepare_model
     from .trainer import PrecisionTrainerMixin
-    from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 
     config_cls = _finish(
         dataclasses.dataclass(
