@@ -41,7 +41,6 @@ tiny), DECAY = −α·λ with c1 = 1 − β1^t, c2 = 1 − β2^t, computed in FP
 from __future__ import annotations
 
 import functools
-import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -50,6 +49,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from ..adamw import adamw_scalars as _adamw_scalars
 
 __all__ = [
     "ISAS",
@@ -146,25 +147,11 @@ def _isa_code(isa_name: str | None) -> int:
 def adamw_scalars(
     steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
 ) -> torch.Tensor:
-    """The (n, 6) FP32 CPU tensor of per-parameter scalars for steps `steps` (1-based).
-
-    Computed in FP64 on the host (bias corrections folded into STEP and EPS), rounded once to FP32.
-    """
-    tiny = torch.finfo(torch.float32).smallest_normal
-    rows = []
-    for t in steps:
-        sqrt_c2 = math.sqrt(1.0 - beta2**t)
-        rows.append(
-            [
-                1.0 - beta1,
-                beta2,
-                1.0 - beta2,
-                -lr * sqrt_c2 / (1.0 - beta1**t),
-                max(eps * sqrt_c2, tiny),
-                -lr * weight_decay,
-            ]
-        )
-    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 6)
+    """The (n, 6) FP32 CPU tensor of per-parameter scalars for steps `steps` (1-based): one row of
+    `optim.adamw.adamw_scalars` per step (FP64 on the host, bias corrections folded into STEP and
+    EPS), rounded once to FP32."""
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    return torch.tensor([_adamw_scalars(t, **hyper) for t in steps], dtype=torch.float32).reshape(len(steps), 6)
 
 
 def _flat(tensors: Tensors) -> list[torch.Tensor]:

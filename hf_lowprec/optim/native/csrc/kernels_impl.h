@@ -283,7 +283,7 @@ struct MasterKernel {
   }
 };
 
-// ---- FP8AdamW (fp8_adamw.adamw_update on dequantized values; two passes) ----------------
+// ---- FP8AdamW (fp8_adamw.fp8_adamw_param_step on dequantized values; two passes) --------
 
 template <class V>
 struct FP8Consts : Consts<V> {
@@ -668,7 +668,7 @@ inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, 
   float amax = VS::from_bits(amax_bits), amin = VS::from_bits(amin_bits);
   float k = 1.0f, c = 1.0f;
   if constexpr (EXPAND) {
-    // coat.state.expansion_exponent, in FP64 as there: k = max(1, floor(log2(F²/2)/log2(R)·16)/16).
+    // formats.expansion_exponent, in FP64 as there: k = max(1, floor(log2(F²/2)/log2(R)·16)/16).
     const double target = __builtin_log2(static_cast<double>(limit) * static_cast<double>(limit) / 2.0);
     const double log_range = __builtin_log2(static_cast<double>(amax)) - __builtin_log2(static_cast<double>(amin));
     const bool usable = amax > 0.0f && log_range > 0.0;
