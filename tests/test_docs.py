@@ -111,6 +111,14 @@ def _resolves(dotted: str) -> bool:
             return True  # a module (not imported: `hf_lowprec.__main__` would run the command line)
         obj = importlib.import_module(module)
         for attribute in parts[cut:]:
+            if attribute in getattr(obj, "__all__", ()) and not hasattr(type(obj), attribute):
+                # A lazily built export (hf_lowprec.trl's trainers) may need an optional package
+                # that this environment lacks (TRL 1.12 for PPO): listed in __all__ is enough.
+                try:
+                    obj = getattr(obj, attribute)
+                except ImportError:
+                    return True
+                continue
             if not hasattr(obj, attribute):
                 return False
             obj = getattr(obj, attribute)

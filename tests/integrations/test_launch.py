@@ -306,7 +306,7 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     assert seen == {
         "training_args": "hf_lowprec.integrations.trainer",
         "trainer": "hf_lowprec.integrations.trainer",
-        "sft_config": "hf_lowprec.trl",
+        "sft_config": "hf_lowprec.integrations.trl",
         "sft_trainer_mro": ["SFTTrainer", "PrecisionTrainerMixin", "SFTTrainer"],
         "default": STRATEGY,
         "shadowed_sitecustomize": True,
