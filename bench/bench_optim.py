@@ -122,11 +122,17 @@ def _option_d() -> Callable[[], None]:
 
 
 def _fp8_o2(fused: str) -> Callable[[], Callable[[], None]]:
-    """FP8AdamW as fp8-lm-o2 drives it: FP16 masters, FP8 gradients handed over, then the step."""
-    from hf_lowprec.fp8 import pow2_scale, quantize
+    """FP8AdamW as fp8-lm-o2 drives it: scaled FP16 masters, FP8 gradients handed over, then the step."""
+    from hf_lowprec.fp8 import pow2_scale, quantize, set_master_scale
 
     def build() -> Callable[[], None]:
-        params = _tensors(torch.float16)
+        params = []
+        for real in _tensors(torch.float32):  # scaled FP16 masters, as fp8-lm-o2 holds them
+            scale = pow2_scale(real.detach().abs().max(), torch.float16)
+            master = quantize(real.detach(), scale, torch.float16).requires_grad_()
+            master.grad = real.grad.half()
+            set_master_scale(master, scale)
+            params.append(master)
         grads = []
         for p in params:
             g = p.grad.float()
