@@ -6,7 +6,7 @@
 A generated block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` in
 README.md or any docs/ page; NAME is one of `blocks()`: the strategy table (names, summaries,
 model-state bytes/param planned for GPT-2 small on the meta device, requirements) and the
-DeepSpeed ZeRO support matrix. A maintainer tool of the repository, not of the installed package.
+engine support matrices (DDP, DeepSpeed ZeRO, FSDP2). A maintainer tool of the repository, not of the installed package.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def blocks() -> dict[str, str]:
     return {
         "strategies": "\n".join(lines) + "\n",
         "engines": engines_markdown(),
+        "ddp-matrix": ddp_matrix(),
         "zero-matrix": support_matrix_markdown(),
         "fsdp2-matrix": fsdp2_matrix(),
     }
@@ -42,15 +43,23 @@ def blocks() -> dict[str, str]:
 def engines_markdown() -> str:
     """Strategies × engines, yes/no, from the declarations the engines' checks read."""
     from hf_lowprec.fsdp import fsdp2_support
+    from hf_lowprec.integrations.ddp import ddp_support
     from hf_lowprec.integrations.deepspeed import zero_support
     from hf_lowprec.registry import available_strategies
 
-    lines = ["| strategy | one process | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |", "|---|---|---|---|---|---|"]
+    lines = ["| strategy | one process | DDP | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |", "|---|---|---|---|---|---|---|"]
     for name in available_strategies():
+        ddp = "yes" if ddp_support(name) is None else "no"
         zero = ["yes" if zero_support(name, stage) is None else "no" for stage in (1, 2, 3)]
         fsdp2 = "yes" if fsdp2_support(name) is None else "no"
-        lines.append(f"| `{name}` | yes | {' | '.join(zero)} | {fsdp2} |")
+        lines.append(f"| `{name}` | yes | {ddp} | {' | '.join(zero)} | {fsdp2} |")
     return "\n".join(lines) + "\n"
+
+
+def ddp_matrix() -> str:
+    from hf_lowprec.integrations.ddp import support_matrix_markdown as ddp_markdown
+
+    return ddp_markdown()
 
 
 def fsdp2_matrix() -> str:

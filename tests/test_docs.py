@@ -103,6 +103,7 @@ def test_generated_tables_match_the_code():
     homes = {
         "strategies": "README.md",
         "engines": "README.md",
+        "ddp-matrix": "docs/distributed.md",
         "zero-matrix": "docs/distributed.md",
         "fsdp2-matrix": "docs/distributed.md",
     }

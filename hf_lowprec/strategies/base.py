@@ -117,6 +117,10 @@ class PrecisionStrategy:
             `hf_lowprec.fsdp` refuses the others before any work.
         fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
         fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
+        ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
+            `hf_lowprec.distributed.check_ddp_support` refuses the others before training.
+        ddp_refusal: why it is refused under DDP, naming what works instead.
+        ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
     """
 
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -132,6 +136,11 @@ class PrecisionStrategy:
     fsdp2: ClassVar[bool] = False
     fsdp2_refusal: ClassVar[str] = "it has not been verified under FSDP2; train it with DDP"
     fsdp2_note: ClassVar[str] = ""
+    ddp: ClassVar[bool] = True
+    ddp_refusal: ClassVar[str] = ""
+    ddp_note: ClassVar[str] = (
+        "DDP's all-reduce: each rank's gradient divided by the world size, summed in its own dtype"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -283,6 +292,10 @@ class PrecisionStrategy:
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None:
         """(state, hook) for `ddp_model.register_comm_hook`, or None to keep DDP's all-reduce."""
         return None
+
+    def set_data_parallel_group(self, group: Any) -> None:
+        """Told the data-parallel ranks (DDP's process group) before the first step; a strategy
+        whose decisions read rank-local values (activation statistics) agrees over them."""
 
     # --- what is active -----------------------------------------------------------------
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:

@@ -104,6 +104,11 @@ class FP16ALS(LossScaledStrategy):
         # by itself, so undo that division (exact in FP32: it multiplies a scalar gradient).
         self._loss_divisor = micro_batches if self.accumulator is not None else 1
 
+    def set_data_parallel_group(self, group: Any) -> None:
+        # Each rank sees the activation gradients of its own half batch: the scale decision
+        # sums the histogram over the ranks, or the ranks' scales (and weights) would drift apart.
+        self.scaler.process_group = group
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) * self._loss_divisor
 
