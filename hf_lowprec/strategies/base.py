@@ -153,6 +153,7 @@ class PrecisionStrategy:
         self.options = self.Options(**options)
         self.skipped_steps = 0
         self.measure_next_step = False
+        self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
 
     def __repr__(self) -> str:
@@ -282,8 +283,10 @@ class PrecisionStrategy:
         """Work on gradients before the step; return False to skip this step."""
         if not self.skips_nonfinite:
             return True
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return _agree(all_finite([_local(g) for g in grads]), grads)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = _agree(all_finite([_local(g) for g in grads]), grads)
+        return _agree_over(finite, self._data_parallel_group, params[0].device if params else None)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         """The step itself."""
@@ -294,8 +297,11 @@ class PrecisionStrategy:
         return None
 
     def set_data_parallel_group(self, group: Any) -> None:
-        """Told the data-parallel ranks (DDP's process group) before the first step; a strategy
-        whose decisions read rank-local values (activation statistics) agrees over them."""
+        """Told the data-parallel ranks (DDP's process group, DeepSpeed's data-parallel group)
+        before the first step: the decision to skip a step is taken on every rank together
+        (under ZeRO each rank checks only its partition of the gradients), and a strategy whose
+        decisions read other rank-local values (activation statistics) agrees over them too."""
+        self._data_parallel_group = group
 
     # --- what is active -----------------------------------------------------------------
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -509,6 +515,15 @@ def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
     from ..distributed import all_ranks_agree
 
     return all_ranks_agree(flag, tensors)
+
+
+def _agree_over(flag: bool, group: Any, device: torch.device | None) -> bool:
+    """`flag` AND-ed over the ranks of `group` (one all-reduce on `device`), or `flag` without one."""
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return flag
+    value = torch.tensor(1.0 if flag else 0.0, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(value.item() == 1.0)
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:

@@ -107,6 +107,7 @@ class FP16ALS(LossScaledStrategy):
     def set_data_parallel_group(self, group: Any) -> None:
         # Each rank sees the activation gradients of its own half batch: the scale decision
         # sums the histogram over the ranks, or the ranks' scales (and weights) would drift apart.
+        super().set_data_parallel_group(group)
         self.scaler.process_group = group
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

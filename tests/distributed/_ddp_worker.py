@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from hf_lowprec import available_strategies, get_strategy  # noqa: E402
 from hf_lowprec.integrations.ddp import ddp_support, prepare_ddp  # noqa: E402
-from tests.helpers import batches, tiny_gpt2  # noqa: E402
+from tests.helpers import accumulated_halves, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 STEPS = 3
 MICRO = 2  # samples per rank per step; the references take both ranks' samples
@@ -42,9 +42,9 @@ LR = 1e-3
 WEIGHT_DECAY = 0.01
 
 
-def bits(value: torch.Tensor) -> int:
-    """The FP32 bit pattern of a scalar (NaN and ±0 kept apart, JSON-safe)."""
-    return struct.unpack("<i", struct.pack("<f", float(value.float())))[0]
+def bits(value: torch.Tensor | float) -> int:
+    """The FP32 bit pattern of an FP32 scalar (NaN and ±0 kept apart, JSON-safe)."""
+    return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -67,19 +67,6 @@ def optimizer_for(strategy, params):
     return strategy.create_optimizer(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def fp32_gradient_norms(strategy, model, optimizer, ids: torch.Tensor) -> dict[str, float]:
-    """‖∇L‖₁ and Σ|∂L/∂wᵢ·wᵢ| at the weights the optimizer holds, taken on an FP32 copy of the
-    model (the first-order terms of the loss bounds in test_ddp.py)."""
-    plain = tiny_gpt2()
-    plain.load_state_dict(strategy.full_precision_state_dict(model, optimizer))
-    plain(input_ids=ids, labels=ids).loss.backward()
-    grads = [(p.grad.double(), p.detach().double()) for p in plain.parameters()]
-    return {
-        "grad_l1": sum(float(g.abs().sum()) for g, _ in grads),
-        "grad_w_l1": sum(float((g * w).abs().sum()) for g, w in grads),
-    }
-
-
 def whole(name: str, data) -> dict:
     """One process, the whole global batch per step."""
     strategy, model = build(name)
@@ -92,29 +79,12 @@ def whole(name: str, data) -> dict:
 
 
 def halves(name: str, data) -> dict:
-    """One process, each global batch as the two ranks' halves, their gradients accumulated and
-    then halved: fl(g₀ + g₁)/2 = fl(g₀/2 + g₁/2), the gradient DDP's all-reduce forms on 2 ranks
-    (halving is exact in FP32 and BF16; halving each loss instead would round differently where
-    a loss-scaled FP16 gradient is subnormal). fp16-als averages micro-batches itself (running
-    mean: M₂ = fl(g₀/2 + g₁/2) in FP16, as DDP's bucket forms it): nothing more to halve."""
+    """One process, each global batch as the ranks' two halves, accumulated then halved: the
+    gradient DDP's all-reduce forms (`tests.helpers.accumulated_halves`)."""
     strategy, model = build(name)
-    averages_itself = getattr(strategy.options, "running_mean", False)
     optimizer = optimizer_for(strategy, model.parameters())
-    losses = []
-    for ids in data:
-        total = torch.zeros((), dtype=torch.float32)
-        for half in ids.chunk(2):
-            with strategy.forward_context():
-                loss = model(input_ids=half, labels=half).loss
-            strategy.scale_loss(loss).backward()
-            total += loss.detach().float()
-        for p in model.parameters():
-            if p.grad is not None and not averages_itself:
-                p.grad.mul_(0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(bits(total / 2))
-    return {"losses": losses, "digest": digest(model)}
+    losses = accumulated_halves(strategy, model, optimizer, data)
+    return {"losses": [bits(v) for v in losses], "digest": digest(model)}
 
 
 def recording_hook(strategy, record: list, recording: dict):

@@ -18,6 +18,7 @@ import torch
 from hf_lowprec import available_strategies, get_strategy
 from hf_lowprec.integrations.ddp import ddp_support
 from tests.deepspeed._launch import launch
+from tests.helpers import first_order_bound
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -92,33 +93,6 @@ def test_ddp_first_loss_equals_the_whole_batch_within_summation_rounding(ranks):
         ddp = floats(results[0]["cases"][name]["losses"])[0]
         whole = floats(results[0]["cases"][name]["reference"]["losses"])[0]
         assert math.isclose(ddp, whole, rel_tol=2 * TOKENS * 2.0**-24, abs_tol=0.0), (name, ddp, whole)
-
-
-def adam_update_ratio(step: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
-    """max |m̂ₜ|/√v̂ₜ of Adam over all gradient sequences (Cauchy–Schwarz): √(Σ aⱼ²/bⱼ) with aⱼ, bⱼ the
-    bias-corrected weights of gⱼ in m̂ and of gⱼ² in v̂."""
-    a = [(1 - beta1) * beta1 ** (step - j) / (1 - beta1**step) for j in range(1, step + 1)]
-    b = [(1 - beta2) * beta2 ** (step - j) / (1 - beta2**step) for j in range(1, step + 1)]
-    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
-
-
-def first_order_bound(norms: list[dict], step: int, lr: float = 1e-3, weight_decay: float = 0.01) -> float:
-    """|L(w') − L(w)| at step `step` (0-based) of two runs from the same start.
-
-    Each AdamW step moves a weight by at most lr·(U·q + wd·|w|), U = `adam_update_ratio`, q = 2
-    for stored moments rounded to 8 bits (their relative rounding is at most 2⁻³ on m and v), so
-    after k steps the two runs' weights differ by δᵢ ≤ 2k·lr·(U·q + wd·|wᵢ|) plus the rounding of
-    the weights the forward sees, at most 2⁻³·|wᵢ| per step (E4M3, the coarsest weight format of
-    any strategy). To first order |ΔL| ≤ Σᵢ |∂L/∂wᵢ|·δᵢ, with ∂L/∂w taken on an FP32 copy of the
-    reference's weights; the factor 2 covers the curvature term and the strategy's own gradient
-    rounding. Loose by design: it catches NaN and divergence, the exact and element-wise checks
-    carry the rest.
-    """
-    if step == 0:
-        return 0.0
-    ratio = sum(2 * adam_update_ratio(k) for k in range(1, step + 1))
-    g1, gw1 = norms[step]["grad_l1"], norms[step]["grad_w_l1"]
-    return 2 * (g1 * 2 * lr * ratio + gw1 * step * (2 * lr * weight_decay + 2.0**-3))
 
 
 def test_ddp_later_losses_within_the_first_order_bound_of_the_whole_batch(ranks):
