@@ -67,6 +67,15 @@ class FP16ALS(LossScaledStrategy):
 
     Options = FP16ALSOptions
     param_dtype = torch.float16
+    ddp_note = "DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)"
+    zero_refusal = (
+        "DeepSpeed's FP16 engine owns the loss scale: its optimizer checks the partitions for overflow, "
+        "skips the step and moves the scale by its own dynamic rule, while ALS sets the scale from a "
+        "histogram of activation and weight gradients taken during backward and clips overflows instead of "
+        "skipping; riding on DeepSpeed would mean replacing the scaler inside DeepSpeed's optimizer, which "
+        "is not built, and DeepSpeed's CPU accelerator has no FP16; for ZeRO pick a BF16 strategy "
+        "(bf16-mixed, collage-plus), or train fp16-als with DDP"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
