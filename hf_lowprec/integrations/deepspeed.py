@@ -355,9 +355,10 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
             moved.add(id(param))
             elementwise = _elementwise_keys(client, param)
             for key, value in state[param].items():
-                if elementwise is not None and torch.is_tensor(value) and value.numel() > 1 and key not in elementwise:
-                    # Blocked or grouped storage (8-bit blocks, COAT groups) does not follow the
-                    # parameter's elements: the partition's own is made fresh at its first step.
+                if elementwise is not None and torch.is_tensor(value) and value.dim() > 0 and key not in elementwise:
+                    # Blocked or grouped storage (8-bit blocks and their absmax, COAT groups), even
+                    # of a parameter with a single block, does not follow the parameter's elements:
+                    # the partition's own is made fresh at its first step.
                     continue
                 if torch.is_tensor(value) and value.numel() > 1:
                     buffer = merged.setdefault(key, torch.zeros(part.numel(), dtype=value.dtype, device=part.device))

@@ -106,12 +106,13 @@ def state_dtypes(optimizer) -> dict[str, list[str]]:
 
 
 def state_l1(optimizer) -> float:
-    """Σ|x| over the optimizer's state tensors (FP64): seeded state before the first step."""
+    """Σ|x| over the optimizer's floating-point state tensors (FP64): seeded state before the first
+    step (the integer codes of 8-bit states encode zeros, and are made fresh on the partitions)."""
     return sum(
         float(v.double().abs().sum())
         for st in optimizer.state.values()
         for v in st.values()
-        if torch.is_tensor(v) and v.numel() > 1
+        if torch.is_tensor(v) and v.numel() > 1 and v.is_floating_point()
     )
 
 

@@ -17,7 +17,15 @@ from tests.deepspeed._launch import launch
 from tests.helpers import assert_same_losses, finite, first_order_bound, tiny_gpt2
 
 HERE = Path(__file__).resolve().parent
-BF16_WEIGHTS = {"collage-plus", "collage-light", "bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states"}
+BF16_WEIGHTS = {
+    "collage-plus",
+    "collage-light",
+    "collage-8bit",
+    "bf16-pure",
+    "bf16-kahan",
+    "bf16-sr",
+    "bf16-fp32states",
+}
 TRAINER_CASE = ("collage-plus", 2, "trainer")
 O3_TRAINER_CASE = ("fp8-lm-o3", 2, "trainer")
 # An inf in one element of rank 0's gradient at step 2: of a dense parameter, or of an FP8 weight
