@@ -28,6 +28,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "FP16_MAX",
@@ -97,6 +98,11 @@ class AutomaticLossScaler:
             keeps activation gradients of models that overflow at scale 1 in range.
         track_activations: count (and clip) activation gradients too, via tensor hooks on the
             outputs of the leaf modules of the model passed to `track`.
+
+    Under data parallelism (`process_group` set, as DDP's `prepare_ddp` does through the
+    strategy) every rank must take the same decision from the same histogram: the activation
+    gradients (each rank's own half of the batch) and the NaN count are summed over the group
+    in `update`, one all-reduce; the weight gradients, already all-reduced, count once.
     """
 
     def __init__(
@@ -125,6 +131,11 @@ class AutomaticLossScaler:
         self._clipped: dict[str, torch.Tensor] = {}
         self._nan: torch.Tensor | int = 0
         self._unscaled: set[int] = set()
+        # This rank's share of the tallies (activation gradients), summed over `process_group`.
+        self.process_group: Any = None
+        self._rank_upper: torch.Tensor | int = 0
+        self._rank_total = 0
+        self._device = torch.device("cpu")
         # Across steps (checkpointed).
         self._period_upper = 0
         self._period_total = 0
@@ -177,6 +188,7 @@ class AutomaticLossScaler:
 
     def update(self) -> float:
         """Close the step: apply the ALS rule at the end of a period, log new overflows; the scale."""
+        self._sum_over_ranks()
         upper = int(self._upper.item()) if torch.is_tensor(self._upper) else int(self._upper)
         nan = bool(self._nan.item()) if torch.is_tensor(self._nan) else bool(self._nan)
         clipped = {}
@@ -185,6 +197,7 @@ class AutomaticLossScaler:
             clipped = {name: int(c) for name, c in zip(self._clipped, counts) if c}
         total = self._total
         self._upper, self._total, self._clipped, self._nan = 0, 0, {}, 0
+        self._rank_upper, self._rank_total = 0, 0
         self._unscaled.clear()
 
         self.last_clipped = sum(clipped.values())
@@ -261,21 +274,44 @@ class AutomaticLossScaler:
 
         return hook
 
+    def _sum_over_ranks(self) -> None:
+        """Add the other ranks' activation tallies and NaN counts (one all-reduce; no-op alone)."""
+        group = self.process_group
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        mine = torch.stack(
+            [
+                torch.as_tensor(v, dtype=torch.float64).reshape(())
+                for v in (self._rank_upper, self._rank_total, self._nan)
+            ]
+        ).to(self._device)
+        summed = mine.clone()
+        dist.all_reduce(summed, group=group)
+        others = (summed - mine).cpu().tolist()
+        self._upper = self._upper + int(others[0])
+        self._total += int(others[1])
+        self._nan = self._nan + int(others[2])
+
     def _activation_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
-        self._record(name, grad)
+        self._rank_upper = self._rank_upper + self._record(name, grad)
+        self._rank_total += grad.numel()
+        self._device = grad.device
         if grad.dtype == torch.float16:
             # clamp keeps NaN (so a lost value still surfaces) and turns ±inf into ±65504.
             return grad.clamp(-FP16_MAX, FP16_MAX)
         return None
 
-    def _record(self, name: str, grad: torch.Tensor) -> None:
+    def _record(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Tally `grad` into this step's histogram; its upper-bin count."""
         magnitude = grad.detach().abs()
-        self._upper = self._upper + (magnitude >= self.bin_edge).sum()
+        upper = (magnitude >= self.bin_edge).sum()
+        self._upper = self._upper + upper
         self._total += grad.numel()
         if grad.dtype == torch.float16:
             clipped = (magnitude > FP16_MAX).sum()
             previous = self._clipped.get(name)
             self._clipped[name] = clipped if previous is None else previous + clipped
+        return upper
 
     def __repr__(self) -> str:
         return (

@@ -6,8 +6,8 @@
 A generated block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` in
 README.md or any docs/ page; NAME is one of `blocks()`: the strategy table (names, summaries,
 model-state bytes/param planned for GPT-2 small on the meta device, requirements), the engines
-matrix (README and, per family with the reasons, each docs/strategies/ page), the DeepSpeed ZeRO
-and FSDP2 support matrices. A maintainer tool of the repository, not of the installed package.
+matrix (README and, per family with the reasons, each docs/strategies/ page), the DDP, DeepSpeed
+ZeRO and FSDP2 support matrices. A maintainer tool of the repository, not of the installed package.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def blocks() -> dict[str, str]:
     generated = {
         "strategies": "\n".join(lines) + "\n",
         "engines": engines_markdown(),
+        "ddp-matrix": ddp_matrix(),
         "zero-matrix": support_matrix_markdown(),
         "fsdp2-matrix": fsdp2_matrix(),
     }
@@ -61,24 +62,33 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
         reasons: add a column with why each refused engine is refused (the engines' own message).
     """
     from hf_lowprec.fsdp import fsdp2_support
+    from hf_lowprec.integrations.ddp import ddp_support
     from hf_lowprec.integrations.deepspeed import zero_support
     from hf_lowprec.registry import available_strategies, get_strategy
 
-    head = "| strategy | one process | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |"
-    lines = [head + (" why not |" if reasons else ""), "|---|---|---|---|---|---|" + ("---|" if reasons else "")]
+    head = "| strategy | one process | DDP | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |"
+    lines = [head + (" why not |" if reasons else ""), "|---|---|---|---|---|---|---|" + ("---|" if reasons else "")]
     for name in available_strategies():
         if not name.startswith(prefixes):
             continue
+        ddp = ddp_support(name) is None
         zero = [zero_support(name, stage) is None for stage in (1, 2, 3)]
         fsdp2 = fsdp2_support(name) is None
-        row = f"| `{name}` | yes | {' | '.join('yes' if ok else 'no' for ok in [*zero, fsdp2])} |"
+        row = f"| `{name}` | yes | {' | '.join('yes' if ok else 'no' for ok in [ddp, *zero, fsdp2])} |"
         if reasons:
             strategy = get_strategy(name)
-            why = [f"ZeRO: {strategy.zero_refusal}"] if not all(zero) else []
+            why = [f"DDP: {strategy.ddp_refusal}"] if not ddp else []
+            why += [f"ZeRO: {strategy.zero_refusal}"] if not all(zero) else []
             why += [f"FSDP2: {strategy.fsdp2_refusal}"] if not fsdp2 else []
             row += f" {'; '.join(why) or '—'} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def ddp_matrix() -> str:
+    from hf_lowprec.integrations.ddp import support_matrix_markdown as ddp_markdown
+
+    return ddp_markdown()
 
 
 def fsdp2_matrix() -> str:

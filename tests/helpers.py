@@ -1,5 +1,7 @@
 """Small shared builders for tests: a tiny GPT-2, fixed random batches, bit-pattern equality."""
 
+import math
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -74,3 +76,82 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     raise AssertionError(
         f"{where}bits differ first at flat index {first}: {a.flatten()[first]} vs {b.flatten()[first]}"
     )
+
+
+def finite(values: list[float]) -> list[float]:
+    """`values` after asserting every one is finite: a NaN or inf loss fails here, before any
+    comparison (JSON decodes every NaN as one object, so `[nan] == [nan]` would pass)."""
+    values = [float(v) for v in values]
+    assert all(math.isfinite(v) for v in values), values
+    return values
+
+
+def assert_same_losses(got: list[float], expected: list[float], context: object = "") -> None:
+    """Equal FP32 losses, every one finite (a NaN on both sides fails)."""
+    assert finite(got) == finite(expected), (context, got, expected)
+
+
+def fp32_gradient_norms(strategy, model, optimizer, ids: torch.Tensor) -> dict[str, float]:
+    """‖∇L‖₁ and Σ|∂L/∂wᵢ·wᵢ| at the weights the optimizer holds, on an FP32 copy of the model
+    (the first-order terms of `first_order_bound`)."""
+    plain = tiny_gpt2()
+    plain.load_state_dict(strategy.full_precision_state_dict(model, optimizer))
+    plain(input_ids=ids, labels=ids).loss.backward()
+    grads = [(p.grad.double(), p.detach().double()) for p in plain.parameters()]
+    return {
+        "grad_l1": sum(float(g.abs().sum()) for g, _ in grads),
+        "grad_w_l1": sum(float((g * w).abs().sum()) for g, w in grads),
+    }
+
+
+def accumulated_halves(strategy, model, optimizer, data: list[torch.Tensor]) -> list[float]:
+    """One process, each batch as two halves (one per rank of a 2-rank run) whose gradients are
+    accumulated and then halved: fl(g₀ + g₁)/2 = fl(g₀/2 + g₁/2), the gradient a 2-rank
+    all-reduce (DDP) or reduce-scatter (ZeRO) forms. Halving is exact in FP32 and BF16; halving
+    each loss instead would round differently where a loss-scaled FP16 gradient is subnormal. A
+    strategy that averages micro-batches itself (fp16-als' running mean, M₂ = fl(g₀/2 + g₁/2)
+    as the 2-rank reduction forms it) is left to do so. Returns the losses of the whole batches
+    (FP32 sum of the halves' means, halved, as the ranks' losses are combined)."""
+    averages_itself = getattr(strategy.options, "running_mean", False)
+    losses = []
+    for ids in data:
+        total = torch.zeros((), dtype=torch.float32)
+        for half in ids.chunk(2):
+            with strategy.forward_context():
+                loss = model(input_ids=half, labels=half).loss
+            strategy.scale_loss(loss).backward()
+            total += loss.detach().float()
+        for p in model.parameters():
+            if p.grad is not None and not averages_itself:
+                p.grad.mul_(0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total / 2))
+    return losses
+
+
+def adam_update_ratio(step: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """max |m̂ₜ|/√v̂ₜ of Adam over every gradient sequence (Cauchy–Schwarz): √(Σ aⱼ²/bⱼ), with aⱼ
+    and bⱼ the bias-corrected weights of gⱼ in m̂ₜ and of gⱼ² in v̂ₜ."""
+    a = [(1 - beta1) * beta1 ** (step - j) / (1 - beta1**step) for j in range(1, step + 1)]
+    b = [(1 - beta2) * beta2 ** (step - j) / (1 - beta2**step) for j in range(1, step + 1)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
+
+
+def first_order_bound(norms: list[dict], step: int, lr: float = 1e-3, weight_decay: float = 0.01) -> float:
+    """|L(w') − L(w)| at `step` (0-based) of two AdamW runs from the same weights.
+
+    Each step moves a weight by at most lr·(U·q + wd·|w|), U = `adam_update_ratio`, q = 2 for
+    moments stored in 8 bits (relative rounding at most 2⁻³ on m and on v), so after k steps the
+    runs' weights differ by δᵢ ≤ 2k·lr·(U·q + wd·|wᵢ|), plus the rounding of the weights the
+    forward sees, at most 2⁻³·|wᵢ| per step (E4M3, the coarsest weight format of any strategy).
+    To first order |ΔL| ≤ Σᵢ |∂L/∂wᵢ|·δᵢ (`norms[step]`, from `fp32_gradient_norms` on the
+    reference run); the factor 2 covers the curvature term and the strategy's own gradient
+    rounding. Loose by design (≈ 1 on these models' loss of 5.5): it catches NaN and divergence;
+    the exact and per-element checks carry the rest.
+    """
+    if step == 0:
+        return 0.0
+    ratio = sum(2 * adam_update_ratio(k) for k in range(1, step + 1))
+    g1, gw1 = norms[step]["grad_l1"], norms[step]["grad_w_l1"]
+    return 2 * (g1 * 2 * lr * ratio + gw1 * step * (2 * lr * weight_decay + 2.0**-3))

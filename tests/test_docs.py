@@ -176,6 +176,7 @@ def test_generated_tables_match_the_code():
     homes = {
         "strategies": "README.md",
         "engines": "README.md",
+        "ddp-matrix": "docs/distributed.md",
         "zero-matrix": "docs/distributed.md",
         "fsdp2-matrix": "docs/distributed.md",
         **{f"engines-{page}": f"docs/strategies/{page}.md" for page in tables.STRATEGY_PAGES},

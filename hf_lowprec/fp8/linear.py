@@ -79,6 +79,7 @@ __all__ = [
     "fp8_gemm_path",
     "fp8_linear",
     "get_grad_sink",
+    "quantize_weight",
     "set_fp8_gemm_path",
     "set_grad_sink",
 ]
@@ -124,6 +125,14 @@ def _quantize_per_tensor(
         # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
         factor = factor / master_scale
     return scale_to_fp8(x.detach(), factor, dtype), scale
+
+
+def quantize_weight(
+    weight: torch.Tensor, margin: int = 0, master_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 payload, scale) of `weight` as an FP8 layer's forward quantizes it (real = payload /
+    scale); `master_scale` when the weight is a scaled master (payload = real·s_m)."""
+    return _quantize_per_tensor(weight, E4M3, margin, master_scale)
 
 
 def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:

@@ -29,6 +29,7 @@ import torch
 from ..registry import get_strategy
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from .ddp import prepare_ddp
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
@@ -205,13 +206,9 @@ class PrecisionPlugin:
     # --- internals ---------------------------------------------------------------------
     def _register_comm_hooks(self, prepared: tuple) -> None:
         # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
-        # `ddp_comm_hook() -> (state, hook)`; DDP models get it.
-        hook = self.strategy.ddp_comm_hook()
-        if hook is None:
-            return
+        # `ddp_comm_hook() -> (state, hook)`; DDP models get it (a refused strategy stops here).
         for obj in prepared:
-            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-                obj.register_comm_hook(*hook)
+            prepare_ddp(self.strategy, obj)
 
     def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
         name = type(optimizer).__name__

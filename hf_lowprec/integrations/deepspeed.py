@@ -355,9 +355,10 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
             moved.add(id(param))
             elementwise = _elementwise_keys(client, param)
             for key, value in state[param].items():
-                if elementwise is not None and torch.is_tensor(value) and value.numel() > 1 and key not in elementwise:
-                    # Blocked or grouped storage (8-bit blocks, COAT groups) does not follow the
-                    # parameter's elements: the partition's own is made fresh at its first step.
+                if elementwise is not None and torch.is_tensor(value) and value.dim() > 0 and key not in elementwise:
+                    # Blocked or grouped storage (8-bit blocks and their absmax, COAT groups), even
+                    # of a parameter with a single block, does not follow the parameter's elements:
+                    # the partition's own is made fresh at its first step.
                     continue
                 if torch.is_tensor(value) and value.numel() > 1:
                     buffer = merged.setdefault(key, torch.zeros(part.numel(), dtype=value.dtype, device=part.device))
@@ -381,7 +382,8 @@ def attach_zero_optimizer(zero_optimizer: Any) -> int:
     """Call after `deepspeed.initialize`, before the first step (the Trainer and `PrecisionPlugin` do).
 
     Moves state made before DeepSpeed partitioned the parameters onto the partitions
-    (`move_state_to_partitions`), then hands DeepSpeed's ZeRO optimizer to a client optimizer
+    (`move_state_to_partitions`), tells the strategy DeepSpeed's data-parallel group (a step is
+    skipped on every rank together), then hands DeepSpeed's ZeRO optimizer to a client optimizer
     that works with it (`attach_zero`): fp8-lm-o3's `FP8ZeroAdamW` reads DeepSpeed's gradient
     norm and `gradient_clipping` from it, to clip the FP8 weights' gradients with the others,
     and learns the groups DeepSpeed steps one at a time. Returns the number of parameters
@@ -390,7 +392,14 @@ def attach_zero_optimizer(zero_optimizer: Any) -> int:
     from ..memory import unwrap_optimizer
 
     moved = move_state_to_partitions(zero_optimizer)
-    client = unwrap_optimizer(getattr(zero_optimizer, "optimizer", None))
+    wrapper = getattr(zero_optimizer, "optimizer", None)
+    strategy = getattr(wrapper, "strategy", None)
+    if strategy is not None:
+        # Each rank checks only its partition of the gradients: a non-finite value reduced into
+        # one rank's partition must skip the step on every rank (DeepSpeed skips by itself only
+        # where its gradient norm sees it: FP32 partitions, and only with the norm computed).
+        strategy.set_data_parallel_group(getattr(zero_optimizer, "dp_process_group", None))
+    client = unwrap_optimizer(wrapper)
     attach = getattr(client, "attach_zero", None)
     if callable(attach):
         attach(zero_optimizer)

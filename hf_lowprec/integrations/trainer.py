@@ -35,6 +35,7 @@ from ..report import (
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, write_manifest
+from .ddp import prepare_ddp
 from .peft import prepare_model
 
 __all__ = [
@@ -174,11 +175,8 @@ class PrecisionCallback(TrainerCallback):
         # The Trainer wraps the model in DDP inside train(), just before this event and before
         # the first backward: the last moment a communication hook can be registered.
         wrapped = getattr(self.trainer, "model_wrapped", None)
-        hook = self.strategy.ddp_comm_hook()
         ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
-        if hook is not None and ddp and not getattr(wrapped, "_hf_lowprec_hooked", False):
-            wrapped.register_comm_hook(*hook)
-            wrapped._hf_lowprec_hooked = True
+        prepare_ddp(self.strategy, wrapped)
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             from .deepspeed import attach_zero_optimizer
 

@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
 from ..fp8.cast import widen
-from ..fp8.linear import E4M3, _quantize_per_tensor, set_grad_sink
+from ..fp8.linear import E4M3, quantize_weight, set_grad_sink
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale
 from ..partition import assign_whole_tensors
-from .fp8_adamw import FP8AdamW, fp8_adamw_param_step
+from .fp8_adamw import FP8AdamW
 
 __all__ = ["FP8ZeroAdamW"]
 
@@ -137,7 +137,12 @@ class FP8ZeroAdamW(FP8AdamW):
         Records the full list of groups (DeepSpeed steps them one call each) and the ZeRO
         optimizer (its gradient norm and `clip_grad`), and stores the weights other ranks own
         as FP8 from now on (after `deepspeed.initialize`, whose broadcast of the model needs
-        every rank's parameters in one dtype)."""
+        every rank's parameters in one dtype).
+
+        The FP8 weights lie outside DeepSpeed's groups, so its `zero_grad` would not reach their
+        gradients: it is extended to drop them too. A step DeepSpeed skips (a non-finite dense
+        gradient in its norm) never calls this optimizer but ends in that `zero_grad`, so the
+        skipped batch's FP8 gradients are not added into the next step's."""
         dp_group = getattr(zero_optimizer, "dp_process_group", None)
         if dp_group is not None and dist.get_world_size(dp_group) != self.world:
             raise ValueError(
@@ -147,6 +152,15 @@ class FP8ZeroAdamW(FP8AdamW):
         self.zero_optimizer = zero_optimizer
         self._all_groups = list(self.param_groups)
         self.store_non_owned_as_fp8()
+        dense_zero_grad = getattr(zero_optimizer, "zero_grad", None)
+        if dense_zero_grad is not None and not getattr(zero_optimizer, "_hf_lowprec_drops_fp8_grads", False):
+
+            def zero_grad(*args: Any, **kwargs: Any) -> Any:
+                self.clear_fp8_grads()
+                return dense_zero_grad(*args, **kwargs)
+
+            zero_optimizer.zero_grad = zero_grad
+            zero_optimizer._hf_lowprec_drops_fp8_grads = True
 
     def begins_step(self) -> bool:
         """True on the call of `step()` that starts an optimizer step: always, except on the
@@ -275,43 +289,40 @@ class FP8ZeroAdamW(FP8AdamW):
         """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
         self.check_attached()
         if self.begins_step():
-            sources = self.fp8_sources
-            for i in self.owned:
-                p, group = self.fp8_params[i], sources[i]
-                state = self.state[p]
-                if "grad" not in state or id(p) not in self._pending_grads:
-                    continue
-                if "exp_avg" not in state:
-                    state.update(
-                        step=0,
-                        exp_avg=torch.zeros_like(p, dtype=E4M3),
-                        exp_avg_scale=torch.ones((), device=p.device),
-                        exp_avg_sq=torch.zeros_like(p, dtype=self._v_dtype),
-                        exp_avg_sq_scale=torch.ones((), device=p.device),
-                    )
-                beta1, beta2 = group["betas"]
-                fp8_adamw_param_step(
-                    p,
-                    dequantize(state["grad"], state["grad_scale"]),
-                    state,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    margin=self._margin,
-                )
+            self._step_owned_fp8_weights()
             self._pending_grads.difference_update(id(self.fp8_params[i]) for i in self.owned)
             if self.world > 1 and self.fp8_params:
                 self.all_gather_fp8_weights()
         return super().step(closure)
+
+    def _step_owned_fp8_weights(self) -> None:
+        """FP8AdamW on the FP8 weights this rank owns and holds a gradient for, through the same
+        buckets (and fast paths) as the groups' parameters: each weight with the formats of the
+        optimizer's defaults (E4M3 m, FP16 v, scaled master) and the lr, betas and weight decay
+        of the group it came with; its FP8 gradient is the (payload, scale) handed over."""
+        groups = self._full_groups()
+        buckets: dict[tuple[int, Any, torch.device], list[tuple]] = {}
+        for i in self.owned:
+            p = self.fp8_params[i]
+            if id(p) not in self._pending_grads:
+                continue
+            options = self._options_of(p)  # the defaults: the FP8 weights are outside the groups
+            composition = self.composition(p, options)
+            local, state = p.detach(), self.state[p]
+            if "step" not in state:  # the state holds only the handed-over gradient so far
+                state.update({k: v for k, v in self.plan_state(p, options).items() if k not in state})
+            self._complete_state(p, local, state, composition)
+            key = (self._fp8_group[i], composition, local.device)
+            buckets.setdefault(key, []).append((p, local, self._gradient(p), state))
+        for (index, composition, device), items in buckets.items():
+            self._step_bucket(index, groups[index], composition, device, items)
 
     def fp8_weight(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(E4M3 payload, scale) of FP8 weight `index`, as the FP8 layer's forward quantizes it."""
         p = self.fp8_params[index]
         if p.dtype == E4M3:
             return p.detach(), get_master_scale(p)
-        return _quantize_per_tensor(p.detach(), E4M3, self._margin, get_master_scale(p))
+        return quantize_weight(p.detach(), self._margin, get_master_scale(p))
 
     @torch.no_grad()
     def _store_fp8(self, index: int, payload: torch.Tensor, scale: torch.Tensor) -> None:

@@ -120,6 +120,10 @@ class PrecisionStrategy:
             `hf_lowprec.fsdp` refuses the others before any work.
         fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
         fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
+        ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
+            `hf_lowprec.distributed.check_ddp_support` refuses the others before training.
+        ddp_refusal: why it is refused under DDP, naming what works instead.
+        ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
     """
 
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -140,6 +144,11 @@ class PrecisionStrategy:
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
         {"lost_arithmetic_metrics", "save_full_precision", "fused"}
     )
+    ddp: ClassVar[bool] = True
+    ddp_refusal: ClassVar[str] = ""
+    ddp_note: ClassVar[str] = (
+        "DDP's all-reduce: each rank's gradient divided by the world size, summed in its own dtype"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -152,6 +161,7 @@ class PrecisionStrategy:
         self.options = self.Options(**options)
         self.skipped_steps = 0
         self.measure_next_step = False
+        self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
 
     def __repr__(self) -> str:
@@ -294,8 +304,10 @@ class PrecisionStrategy:
         """Work on gradients before the step; return False to skip this step."""
         if not self.skips_nonfinite:
             return True
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return _agree(all_finite([_local(g) for g in grads]), grads)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = _agree(all_finite([_local(g) for g in grads]), grads)
+        return _agree_over(finite, self._data_parallel_group, params[0].device if params else None)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
         """The step itself."""
@@ -304,6 +316,13 @@ class PrecisionStrategy:
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None:
         """(state, hook) for `ddp_model.register_comm_hook`, or None to keep DDP's all-reduce."""
         return None
+
+    def set_data_parallel_group(self, group: Any) -> None:
+        """Told the data-parallel ranks (DDP's process group, DeepSpeed's data-parallel group)
+        before the first step: the decision to skip a step is taken on every rank together
+        (under ZeRO each rank checks only its partition of the gradients), and a strategy whose
+        decisions read other rank-local values (activation statistics) agrees over them too."""
+        self._data_parallel_group = group
 
     # --- what is active -----------------------------------------------------------------
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -546,6 +565,15 @@ def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
     from ..distributed import all_ranks_agree
 
     return all_ranks_agree(flag, tensors)
+
+
+def _agree_over(flag: bool, group: Any, device: torch.device | None) -> bool:
+    """`flag` AND-ed over the ranks of `group` (one all-reduce on `device`), or `flag` without one."""
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return flag
+    value = torch.tensor(1.0 if flag else 0.0, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(value.item() == 1.0)
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:

@@ -115,16 +115,25 @@ class BF16Update(BF16Pure):
 
     @property
     def zero_stages(self) -> tuple[int, ...]:  # type: ignore[override]
-        return () if self.options.update == "collage-8bit" else (1, 2, 3)
+        return (1, 2) if self.options.update == "collage-8bit" else (1, 2, 3)
 
     @property
     def zero_refusal(self) -> str:  # type: ignore[override]
         if self.options.update == "collage-8bit":
             return (
-                "its 8-bit block states over DeepSpeed's flat partitions are not verified yet; train it "
-                "in one process or with DDP, or use collage-light under ZeRO"
+                "ZeRO-3 keeps a padded shard of every parameter, and 8-bit blocks over those shards are not "
+                "verified; use ZeRO stage 1 or 2 (blocks over each rank's flat partition), or collage-light"
             )
         return super().zero_refusal
+
+    @property
+    def zero_note(self) -> str:  # type: ignore[override]
+        if self.options.update == "collage-8bit":
+            return (
+                "BF16 partitions; 8-bit blocks of 256 (m, v) laid over each rank's flat partition, padded per "
+                "partition, so a block may span two parameters' elements; δθ in BF16"
+            )
+        return super().zero_note
 
     fsdp2_refusal = (
         "its 8-bit states are stored in whole blocks of 256 (padded), not shaped like the parameter, "

@@ -70,6 +70,15 @@ class FP16ALS(LossScaledStrategy):
     # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
     resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
     param_dtype = torch.float16
+    ddp_note = "DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)"
+    zero_refusal = (
+        "DeepSpeed's FP16 engine owns the loss scale: its optimizer checks the partitions for overflow, "
+        "skips the step and moves the scale by its own dynamic rule, while ALS sets the scale from a "
+        "histogram of activation and weight gradients taken during backward and clips overflows instead of "
+        "skipping; riding on DeepSpeed would mean replacing the scaler inside DeepSpeed's optimizer, which "
+        "is not built, and DeepSpeed's CPU accelerator has no FP16; for ZeRO pick a BF16 strategy "
+        "(bf16-mixed, collage-plus), or train fp16-als with DDP"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
@@ -106,6 +115,12 @@ class FP16ALS(LossScaledStrategy):
         # The loop divided each micro-batch loss by `micro_batches`; the running mean averages
         # by itself, so undo that division (exact in FP32: it multiplies a scalar gradient).
         self._loss_divisor = micro_batches if self.accumulator is not None else 1
+
+    def set_data_parallel_group(self, group: Any) -> None:
+        # Each rank sees the activation gradients of its own half batch: the scale decision
+        # sums the histogram over the ranks, or the ranks' scales (and weights) would drift apart.
+        super().set_data_parallel_group(group)
+        self.scaler.process_group = group
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) * self._loss_divisor

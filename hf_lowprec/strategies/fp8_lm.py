@@ -105,6 +105,7 @@ class FP8LM(PrecisionStrategy):
         "differently from one process, and the FP8 all-gather is not built; train it with DDP "
         "(FP8 all-reduce), or with DeepSpeed ZeRO 1/2 as fp8-lm-o3"
     )
+    ddp_note = "FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)"
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)

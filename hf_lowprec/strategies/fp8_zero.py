@@ -43,6 +43,13 @@ class FP8LMO3(FP8LM):
         "ZeRO-3 would partition the FP8 layers' weights, which FP8 ZeRO keeps whole per rank with their "
         "scales; use ZeRO stage 1 or 2"
     )
+    ddp = False
+    ddp_refusal = (
+        "FP8 ZeRO reduces and gathers the FP8 weights itself and keeps the weights another rank owns as FP8, "
+        "while DDP all-reduces every parameter's gradient and needs them all in one dtype; it runs across "
+        "processes under DeepSpeed ZeRO stage 1 or 2. Under DDP use fp8-lm-o2 (the same numerics, FP8 "
+        "all-reduce as a DDP hook, no distribution of masters and states)"
+    )
     zero_note = "FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions"
     # The ranks the FP8 weights are distributed over (None: the world); set it before building
     # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).

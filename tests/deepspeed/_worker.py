@@ -31,7 +31,7 @@ from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
 from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
-from tests.helpers import batches, tiny_gpt2  # noqa: E402
+from tests.helpers import accumulated_halves, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 SOLO: list = []  # one single-rank process group per rank, for the one-process references
 MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
@@ -106,12 +106,13 @@ def state_dtypes(optimizer) -> dict[str, list[str]]:
 
 
 def state_l1(optimizer) -> float:
-    """Σ|x| over the optimizer's state tensors (FP64): seeded state before the first step."""
+    """Σ|x| over the optimizer's floating-point state tensors (FP64): seeded state before the first
+    step (the integer codes of 8-bit states encode zeros, and are made fresh on the partitions)."""
     return sum(
         float(v.double().abs().sum())
         for st in optimizer.state.values()
         for v in st.values()
-        if torch.is_tensor(v) and v.numel() > 1
+        if torch.is_tensor(v) and v.numel() > 1 and v.is_floating_point()
     )
 
 
@@ -144,49 +145,37 @@ def digest(engine) -> str:
     return h.hexdigest()
 
 
-def reference(name: str, data) -> dict:
-    """The strategy in one process (no DeepSpeed) on the whole batches: dtypes and losses."""
+def one_process(name: str):
     strategy = get_strategy(name)
     if name == "fp8-lm-o3":  # one process: its own rank is its whole data-parallel group
         strategy.process_group = SOLO[dist.get_rank()]
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    return strategy, model, optimizer
+
+
+def reference(name: str, data) -> dict:
+    """The strategy in one process (no DeepSpeed) on the whole batches: dtypes, losses, the
+    gradient norms of the loss bounds; and on the same batches as the ranks' two halves,
+    accumulated then halved, the gradient a 2-rank reduce-scatter forms."""
+    strategy, model, optimizer = one_process(name)
     initial = state_l1(optimizer)
-    losses = []
+    losses, norms = [], []
     for ids in data:
+        norms.append(fp32_gradient_norms(strategy, model, optimizer, ids))
         losses.append(strategy.train_step(model, ids, optimizer).item())
     params = [p for p in model.parameters() if p.requires_grad]
-    accum = accumulated_halves(name, data) if name == "coat" else None
+    halves = one_process(name)
     return {
         "losses": losses,
-        "accumulated_halves_losses": accum,
+        "norms": norms,
+        "halves_losses": accumulated_halves(*halves, data),
         "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
         "model_state_bytes": nbytes(params) * 2
         + nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1),
     }
-
-
-def accumulated_halves(name: str, data) -> list[float]:
-    """The strategy in one process with each batch as two accumulated halves (one per rank of the
-    ZeRO runs): the data-parallel perturbation of its own numerics (per-half activation scales,
-    the mean of two half-batch gradients), measured without DeepSpeed."""
-    strategy = get_strategy(name)
-    model = strategy.prepare_model(tiny_gpt2())
-    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for ids in data:
-        total = 0.0
-        for half in ids.chunk(2):
-            with strategy.forward_context():
-                loss = model(input_ids=half, labels=half).loss
-            strategy.scale_loss(loss / 2).backward()
-            total += loss.item() / 2
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-    return losses
 
 
 def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
@@ -231,6 +220,59 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     result["resumed_digest"] = digest(engine2)
     result["resumed_state_dtypes"] = state_dtypes(client2.optimizer)
     for e in (engine, engine2):
+        e.destroy()
+    return result
+
+
+def state_digest(strategy, optimizer) -> str:
+    """Digest of the optimizer's state tensors and the strategy's own state (μ, counters)."""
+    h = hashlib.sha256()
+    for state in optimizer.state.values():
+        for key in sorted(state):
+            value = state[key]
+            if torch.is_tensor(value):
+                h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(value).encode())
+    scaler = getattr(strategy, "scaler", None)
+    if scaler is not None and hasattr(scaler, "state_dict"):
+        h.update(repr(scaler.state_dict()).encode())
+    return h.hexdigest()
+
+
+def run_nonfinite(name: str, stage: int, where: str, data) -> dict:
+    """Step 2's gradient holds an inf on rank 0 only (one element of a dense parameter, or of an
+    FP8 weight rank 0 owns under fp8-lm-o3): both ranks must skip that step without changing any
+    state, and steps 3 and 4 must equal a run that never saw batch 2."""
+    strategy, engine, zero_opt, _ = build(name, stage)
+    inner = unwrap_optimizer(zero_opt)
+    if where == "fp8":
+        target = inner.fp8_params[inner.owners.index(0)]
+    else:
+        target = engine.module.transformer.ln_f.weight
+    poison = {"on": False}
+
+    def inject(grad: torch.Tensor) -> torch.Tensor | None:
+        if not poison["on"] or dist.get_rank() != 0:
+            return None
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    target.register_hook(inject)
+    losses = train(strategy, engine, data[:1])
+    before = (digest(engine), forward_digest(engine.module), state_digest(strategy, inner))
+    poison["on"] = True
+    train(strategy, engine, data[1:2])
+    poison["on"] = False
+    after = (digest(engine), forward_digest(engine.module), state_digest(strategy, inner))
+    skipped = {"strategy": strategy.skipped_steps, "deepspeed": engine.skipped_steps}
+    losses += train(strategy, engine, data[2:])
+    result = {"unchanged": before == after, "skipped": skipped, "losses": losses, "digest": digest(engine)}
+    clean_strategy, clean, _, _ = build(name, stage)
+    result["clean_losses"] = train(clean_strategy, clean, data[:1] + data[2:])
+    result["clean_digest"] = digest(clean)
+    for e in (engine, clean):
         e.destroy()
     return result
 
@@ -327,6 +369,8 @@ def main() -> None:
         try:
             if mode == ["trainer"]:
                 case = run_trainer(name, stage, out / "trainer" / key.replace("/", "_"), data)
+            elif mode and mode[0] == "nonfinite":
+                case = run_nonfinite(name, stage, mode[1], data)
             elif refusal is not None:
                 try:
                     precision_config(name, ds_config(stage))

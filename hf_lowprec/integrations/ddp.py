@@ -1,0 +1,68 @@
+"""torch DDP for precision strategies: which strategies it carries, and the one call a loop makes.
+
+Whether a strategy keeps its numerics under `DistributedDataParallel` is declared on its class
+(`ddp`, `ddp_refusal`, `ddp_note`); `ddp_support`, `check_ddp_support` and the support matrix
+read that one source. `prepare_ddp(strategy, wrapped)` is what the Trainer and Accelerate's
+`PrecisionPlugin` call on a DDP-wrapped model before the first backward: it refuses a strategy
+DDP does not carry, tells the strategy DDP's process group (fp16-als sums its loss-scale histogram
+over it) and registers the strategy's communication hook (FP8-LM's FP8 all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..registry import available_strategies, get_strategy
+
+if TYPE_CHECKING:
+    from ..strategies.base import PrecisionStrategy
+
+__all__ = ["check_ddp_support", "ddp_support", "prepare_ddp", "support_matrix_markdown"]
+
+
+def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
+    return get_strategy(strategy) if isinstance(strategy, str) else strategy
+
+
+def ddp_support(strategy: PrecisionStrategy | str) -> str | None:
+    """None when `strategy` trains under torch DDP with its numerics, else the refusal message
+    (why, and what works instead)."""
+    strategy = _strategy(strategy)
+    if strategy.ddp:
+        return None
+    return f"precision strategy {strategy.name!r} is not supported under torch DDP: {strategy.ddp_refusal}"
+
+
+def check_ddp_support(strategy: PrecisionStrategy | str) -> None:
+    """Raise ValueError with `ddp_support`'s message when the strategy is refused."""
+    message = ddp_support(strategy)
+    if message is not None:
+        raise ValueError(message)
+
+
+def prepare_ddp(strategy: PrecisionStrategy, wrapped: torch.nn.Module) -> None:
+    """On a `DistributedDataParallel` model: refuse a strategy DDP does not carry, hand the
+    strategy DDP's process group, and register its communication hook once. Anything else is
+    left as is."""
+    if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        return
+    check_ddp_support(strategy)
+    strategy.set_data_parallel_group(wrapped.process_group)
+    hook = strategy.ddp_comm_hook()
+    if hook is not None and not getattr(wrapped, "_hf_lowprec_hooked", False):
+        wrapped.register_comm_hook(*hook)
+        wrapped._hf_lowprec_hooked = True
+
+
+def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
+    """The DDP column of the support matrix as a markdown table, from the same declarations."""
+    names = available_strategies() if names is None else list(names)
+    lines = ["| strategy | DDP | under DDP |", "|---|---|---|"]
+    for name in names:
+        strategy = get_strategy(name)
+        ok = ddp_support(strategy) is None
+        lines.append(f"| `{name}` | {'yes' if ok else 'no'} | {strategy.ddp_note if ok else strategy.ddp_refusal} |")
+    return "\n".join(lines) + "\n"
