@@ -47,13 +47,12 @@ from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .rules import Rule
+from .scalars import B2, DECAY, EPS, OMB2, STEP, W1, adamw_scalars
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
 
 Tensors = list[torch.Tensor]
 
-# Slots of the per-step scalar vector.
-W1, B2, OMB2, STEP, EPS, DECAY = range(6)
 
 #: Where each state key's bytes go ("optimizer" moments, "extra" components, scales and
 #: masters, "gradient" kept in the optimizer), for `hf_lowprec.memory` and the reports.
@@ -83,17 +82,6 @@ def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], ep
         raise ValueError(f"{name}: invalid eps={eps!r}; eps must be >= 0 (e.g. eps=1e-8)")
     if not weight_decay >= 0.0:
         raise ValueError(f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)")
-
-
-def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
-    """The per-step scalars (slots W1 … DECAY), computed in FP64 on the host."""
-    sqrt_c2 = math.sqrt(1.0 - beta2**step)
-    values = [0.0] * 6
-    values[W1], values[B2], values[OMB2] = 1.0 - beta1, beta2, 1.0 - beta2
-    values[STEP] = -lr * sqrt_c2 / (1.0 - beta1**step)
-    values[EPS] = max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
-    values[DECAY] = -lr * weight_decay
-    return values
 
 
 def adamw_math(

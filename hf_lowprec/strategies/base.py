@@ -121,7 +121,7 @@ class PrecisionStrategy:
         fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
         fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
         ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
-            `hf_lowprec.distributed.check_ddp_support` refuses the others before training.
+            `hf_lowprec.integrations.ddp.check_ddp_support` refuses the others before training.
         ddp_refusal: why it is refused under DDP, naming what works instead.
         ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
     """

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..adamw import adamw_scalars as _adamw_scalars
+from ..scalars import adamw_scalars as _adamw_scalars
 
 __all__ = [
     "ISAS",
@@ -148,7 +148,7 @@ def adamw_scalars(
     steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
 ) -> torch.Tensor:
     """The (n, 6) FP32 CPU tensor of per-parameter scalars for steps `steps` (1-based): one row of
-    `optim.adamw.adamw_scalars` per step (FP64 on the host, bias corrections folded into STEP and
+    `optim.scalars.adamw_scalars` per step (FP64 on the host, bias corrections folded into STEP and
     EPS), rounded once to FP32."""
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     return torch.tensor([_adamw_scalars(t, **hyper) for t in steps], dtype=torch.float32).reshape(len(steps), 6)
