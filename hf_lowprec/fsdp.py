@@ -29,6 +29,11 @@ flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad
 the global norm of DTensor gradients. A parameter converted from FP32 keeps its BF16 residual
 as the seed of δθ (`seed_compensation`), sharded like the parameter.
 
+Sharding by hand (`fully_shard` on the prepared model, then `create_optimizer`) is refused at
+`create_optimizer` with a ValueError naming `shard_model`: the parameters `shard_model` (or the
+Accelerate path) produced carry the strategy's name, others would train without the strategy's
+policy or seeded state, or not at all.
+
 Which strategies run under FSDP2 is declared on the strategy class (`fsdp2`,
 `fsdp2_refusal`); `fsdp2_support`, the check in `shard_model` and `support_matrix_markdown`
 read that one source. Checkpoints: `save_sharded` / `load_sharded` write and read the model
@@ -51,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_ranks_agree, local_shard
+from .distributed import all_ranks_agree, local_shard, mark_sharded_by
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -197,6 +202,7 @@ def shard_model(
     for block in block_list:
         fully_shard(block, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    mark_sharded_by(model.parameters(), strategy.name)
     if residuals:
         strategy._residuals.clear()
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -258,6 +264,7 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
     inner = unwrap_optimizer(optimizer)
     after = [p for group in inner.param_groups for p in group["params"]]
+    mark_sharded_by(after, optimizer.strategy.name)
     if len(after) != len(before):
         raise RuntimeError(f"the optimizer had {len(before)} parameters before sharding and {len(after)} after")
     for old, new in zip(before, after):

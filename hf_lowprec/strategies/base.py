@@ -198,6 +198,7 @@ class PrecisionStrategy:
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
         check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
+        _check_sharding(self, [p for g in groups for p in g["params"]])
         inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         return StrategyOptimizer(inner, self)
 
@@ -496,6 +497,36 @@ def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
     from ..distributed import all_ranks_agree
 
     return all_ranks_agree(flag, tensors)
+
+
+def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
+    """Refuse FSDP2 parameters that `hf_lowprec.fsdp` did not shard for this strategy.
+
+    Sharding by hand (`fully_shard` on the prepared model) skips what `shard_model` does: the
+    refusal of a strategy whose numerics would differ on shards, the strategy's
+    `MixedPrecisionPolicy` and the move of seeded state onto the shards. Training would fail
+    inside the library or silently differ from one process, so it stops here, before any work."""
+    from ..distributed import DTensor, sharded_by
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return
+    from ..fsdp import fsdp2_support
+
+    refusal = fsdp2_support(strategy)
+    if refusal is not None:
+        raise ValueError(
+            f"create_optimizer got FSDP2 (DTensor) parameters, and {refusal}. "
+            "hf_lowprec.fsdp.shard_model(strategy, model) refuses it the same way before sharding"
+        )
+    by_hand = [p for p in sharded if sharded_by(p) != strategy.name]
+    if by_hand:
+        raise ValueError(
+            f"create_optimizer got {len(by_hand)} FSDP2 (DTensor) parameters that were not sharded for "
+            f"precision strategy {strategy.name!r} (fully_shard called by hand, or for another strategy). "
+            "Shard with hf_lowprec.fsdp.shard_model(strategy, model), which converts the model, applies the "
+            "strategy's MixedPrecisionPolicy and moves its seeded state onto the shards; pass the unsharded model"
+        )
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:
