@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from .strategies.base import PrecisionStrategy
 
 __all__ = [
+    "adopt_shards",
     "all_ranks_agree",
     "check_fsdp2_support",
     "configure_accelerator",
@@ -74,6 +75,7 @@ __all__ = [
     "load_sharded",
     "local_shard",
     "move_state_to_shards",
+    "residuals_by_name",
     "save_sharded",
     "shard_model",
     "sharded_state_dict",
@@ -195,20 +197,34 @@ def shard_model(
         raise ValueError(f"shard_model takes a 1-D device mesh (pure FSDP), got a {mesh.ndim}-D mesh")
     if not prepared:
         model = strategy.prepare_model(model)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    residuals = {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+    residuals = residuals_by_name(strategy, model)
     policy = strategy.fsdp2_mixed_precision()
     block_list = list(_blocks(model) if blocks is None else blocks)
     for block in block_list:
         fully_shard(block, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    adopt_shards(strategy, model, residuals)
+    return model
+
+
+def residuals_by_name(strategy: PrecisionStrategy, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The FP32 residuals a compensated strategy kept for δθ (keyed by the parameters, which
+    sharding replaces), keyed by parameter name: take them before `fully_shard`."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+
+
+def adopt_shards(strategy: PrecisionStrategy, model: torch.nn.Module, residuals: dict[str, torch.Tensor]) -> None:
+    """After `fully_shard` (ours, Accelerate's or the Trainer's): the parameters carry the
+    strategy's name (so `create_optimizer` takes them), the residuals (`residuals_by_name`)
+    move onto the shards, and the strategy re-points what it keyed on the old parameters."""
     mark_sharded_by(model.parameters(), strategy.name)
+    strategy.after_sharding(model)
     if residuals:
         strategy._residuals.clear()
         for name, param in model.named_parameters(remove_duplicate=False):
             if name in residuals:
                 strategy._residuals[id(param)] = (param, _shard_like(residuals[name], param))
-    return model
 
 
 def _shard_like(tensor: torch.Tensor, param: Any) -> Any:

@@ -164,6 +164,10 @@ class PrecisionStrategy:
 
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
+    def after_sharding(self, model: torch.nn.Module) -> None:
+        """Called once FSDP2 has swapped `model`'s parameters for DTensor shards (`shard_model`,
+        the Accelerate path): re-point what the strategy keyed on the unsharded parameters."""
+
     # --- optimizer ---------------------------------------------------------------------
     def build_optimizer(
         self,

@@ -26,8 +26,13 @@ PLUGIN_CASE = "collage-plus"
 ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
 
 
-def test_the_bf16_family_bf16_mixed_and_fp32_are_declared_supported():
-    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32"}
+LOSS_SCALED = ("fp16-mixed", "fp16-als")
+KILLED_CASES = ("collage-plus", "fp16-als")
+
+
+def test_declared_supported():
+    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", *LOSS_SCALED}
+    assert fsdp2_support(get_strategy("fp16-als", weights="sr")) is not None
 
 
 # --- refusals: before any work, naming what works -------------------------------------------------
@@ -166,6 +171,7 @@ def test_readme_shows_the_generated_table():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, "train"] for name in SUPPORTED] + [["collage-plus", "skip"], [PLUGIN_CASE, "plugin"]]
+    cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LOSS_SCALED]
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
     cases += [[name, "accelerate"] for name in ACCELERATE_CASES]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
@@ -283,6 +289,38 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(ranks):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_loss_scaler_agrees_across_ranks_on_a_nonfinite_shard(ranks):
+    # A NaN in rank 1's shard only: both ranks skip and both scalers halve (fp16-mixed's
+    # found-inf and fp16-als's NaN count are all-reduced), so the scales stay equal.
+    for name in LOSS_SCALED:
+        cases = [r["cases"][f"{name}/skip"] for r in ranks]
+        for case in cases:
+            assert case["skipped"] and case["skipped_steps"] == 1 and case["unchanged"], (name, case)
+            assert case["scale"] == case["initial_scale"] / 2, (name, case)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_loss_scaled_strategies_track_one_process_over_20_steps(ranks):
+    """FSDP2 vs one process over 20 steps. Under FSDP2 each rank's half-batch gradient is
+    formed apart and the halves averaged in FP32: the arithmetic of one process accumulating the
+    same two micro-batches (exact halvings in FP32), up to the order in which the global clip
+    norm sums the shards. So the gap to one process may be at most 4x the accumulation's gap plus
+    1e-5 (FP32 rounding of the loss); NaN fails (tensor comparisons)."""
+    for result in ranks:
+        for name in LOSS_SCALED:
+            case = result["cases"][f"{name}/long"]
+            sharded, one, accumulated = (
+                torch.tensor(case[k], dtype=torch.float64) for k in ("sharded", "one", "accumulated")
+            )
+            assert len(sharded) == len(one) == 20, name
+            effect = (accumulated - one).abs().max()
+            assert effect.isfinite() and ((sharded - one).abs() <= 4 * effect + 1e-5).all(), (name, case)
+            assert sharded[-1] < sharded[0], name  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_sharded_checkpoint_resumes_bit_for_bit(ranks):
     for name in SUPPORTED:
         cases = [r["cases"][f"{name}/train"] for r in ranks]
@@ -377,19 +415,24 @@ def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_killed_job_resumes_bit_for_bit_in_new_processes(ranks, tmp_path):
-    """collage-plus: one launch trains 2 steps, writes a sharded checkpoint and ends at once
-    (`os._exit`, no teardown); a second launch of new processes loads it into a model of another
-    initialization and trains steps 3 and 4: the losses and weights equal the uninterrupted run's."""
+    """One launch trains 2 steps of each case, writes sharded checkpoints and ends at once
+    (`os._exit`, no teardown); a second launch of new processes loads them into models of
+    another initialization and trains steps 3 and 4: losses and weights equal the
+    uninterrupted run's (bit for bit: the same arithmetic on the same shards)."""
     ckpt = ["--ckpt", str(tmp_path / "ckpt")]
-    killed = launch(
-        HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", json.dumps([["collage-plus", "killed"]]), *ckpt]
-    )
-    resumed = launch(
-        HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", json.dumps([["collage-plus", "resumed"]]), *ckpt]
-    )
+    cases = {mode: json.dumps([[name, mode] for name in KILLED_CASES]) for mode in ("killed", "resumed")}
+    killed = launch(HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", cases["killed"], *ckpt])
+    resumed = launch(HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", cases["resumed"], *ckpt])
     for first, second, whole in zip(killed, resumed, ranks):
-        uninterrupted = whole["cases"]["collage-plus/train"]
-        assert "error" not in second["cases"]["collage-plus/resumed"], second["cases"]["collage-plus/resumed"]["error"]
-        assert first["cases"]["collage-plus/killed"]["losses"] == uninterrupted["losses"][:2]
-        assert second["cases"]["collage-plus/resumed"]["losses"] == uninterrupted["losses"][2:]
-        assert second["cases"]["collage-plus/resumed"]["digest"] == uninterrupted["digest"]
+        for name in KILLED_CASES:
+            uninterrupted = whole["cases"][f"{name}/train"]
+            before, after = first["cases"][f"{name}/killed"], second["cases"][f"{name}/resumed"]
+            assert "error" not in before and "error" not in after, (before, after)
+            bits = [torch.tensor(x, dtype=torch.float64).view(torch.int64) for x in (before["losses"], after["losses"])]
+            assert torch.equal(
+                bits[0], torch.tensor(uninterrupted["losses"][:2], dtype=torch.float64).view(torch.int64)
+            )
+            assert torch.equal(
+                bits[1], torch.tensor(uninterrupted["losses"][2:], dtype=torch.float64).view(torch.int64)
+            )
+            assert after["digest"] == uninterrupted["digest"], name
