@@ -515,12 +515,10 @@ def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> 
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
         return
-    from ..fsdp import fsdp2_support
-
-    refusal = fsdp2_support(strategy)
-    if refusal is not None:
+    if not strategy.fsdp2:
         raise ValueError(
-            f"create_optimizer got FSDP2 (DTensor) parameters, and {refusal}. "
+            f"create_optimizer got FSDP2 (DTensor) parameters, and precision strategy {strategy.name!r} is not "
+            f"supported under FSDP2 (fully_shard): {strategy.fsdp2_refusal}. "
             "hf_lowprec.fsdp.shard_model(strategy, model) refuses it the same way before sharding"
         )
     by_hand = [p for p in sharded if sharded_by(p) != strategy.name]

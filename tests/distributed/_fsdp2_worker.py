@@ -387,7 +387,14 @@ def run_trainer(name: str, data, out: Path) -> dict:
 
     from hf_lowprec import Trainer, TrainingArguments
 
-    strategy, model, optimizer = build(name, weight_decay=0.0)
+    strategy = get_strategy(name)
+    model = shard_model(strategy, tiny_gpt2())
+    # The Trainer's two groups (decay, no decay; both at 0 here): bf16-sr draws its rounding
+    # seeds per group, so the groups must be the same for the same bits.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
+    optimizer = strategy.create_optimizer(groups, lr=LR, weight_decay=0.0)
     loop_losses, _ = train(strategy, model, optimizer, data, sharded=True)
 
     class FSDP2Trainer(Trainer):
@@ -405,7 +412,9 @@ def run_trainer(name: str, data, out: Path) -> dict:
         def _get_train_sampler(self, *args, **kwargs):  # batch k's rows in order: rank r its MICRO rows
             return SequentialSampler(self.train_dataset)
 
-    rows = [{"input_ids": row, "labels": row} for ids in data for row in ids]
+    # The Trainer divides the summed loss by the labels that are not -100, counted before the
+    # model's shift; position 0 is never a target, so masking it makes that count the model's.
+    rows = [{"input_ids": row, "labels": torch.cat([torch.tensor([-100]), row[1:]])} for ids in data for row in ids]
     args = TrainingArguments(
         output_dir=str(out / f"trainer-{name}"),
         precision_strategy=name,
@@ -429,6 +438,8 @@ def run_trainer(name: str, data, out: Path) -> dict:
     inner = trainer.optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → core
     return {
         "loop_losses": loop_losses,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "loop_digest": digest(model),
         "digest": digest(trainer.model),
         "param_types": sorted({type(p).__name__ for p in trainer.model.parameters()}),
@@ -540,7 +551,7 @@ def main() -> None:
             elif mode == "gpt2-small-bytes":
                 case = gpt2_small_bytes(name)
             elif mode == "trainer":
-                case = run_trainer(name, data, out)
+                case = run_trainer(name, data[:2], out)
             elif mode == "long":
                 case = run_long(name, batches(LONG_STEPS, batch=MICRO * world, seed=7))
             elif mode == "skip":

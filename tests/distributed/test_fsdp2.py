@@ -149,17 +149,24 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
         configure_accelerator("collage-plus", _Accelerator(FullyShardedDataParallelPlugin()))
 
 
-def test_trainer_fsdp_is_refused_naming_what_works(tmp_path):
+def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
     from hf_lowprec import TrainingArguments
 
-    with pytest.raises(ValueError, match=r"FSDP.*is not supported yet.*shard_model.*fsdp2.yaml"):
-        TrainingArguments(
+    def args(name, version):
+        return TrainingArguments(
             output_dir=str(tmp_path),
-            precision_strategy="collage-plus",
+            precision_strategy=name,
             fsdp="full_shard",
-            fsdp_config={"fsdp_version": 2},
+            fsdp_config={"fsdp_version": version},
             use_cpu=True,
         )
+
+    assert args("collage-plus", 2).precision_strategy == "collage-plus"
+    for name in REFUSED:
+        with pytest.raises(ValueError, match=f"{name!r} is not supported under FSDP2"):
+            args(name, 2)
+    with pytest.raises(ValueError, match="fsdp_version"):
+        args("collage-plus", 1)
 
 
 def test_readme_shows_the_generated_table():
@@ -173,7 +180,7 @@ def ranks(tmp_path_factory):
     cases = [[name, "train"] for name in SUPPORTED] + [["collage-plus", "skip"], [PLUGIN_CASE, "plugin"]]
     cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LOSS_SCALED]
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
-    cases += [[name, "accelerate"] for name in ACCELERATE_CASES]
+    cases += [[name, "accelerate"] for name in ACCELERATE_CASES] + [[name, "trainer"] for name in SUPPORTED]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
     for result in results:
@@ -410,6 +417,23 @@ def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
             assert case["losses"] == direct["losses"][:2], name
             assert case["digest"] == direct["digest_step2"], name
     assert ranks[0]["cases"]["collage-plus/accelerate"]["initial_state_l1"] > 0  # the seeded case
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_trainer_fsdp2_trains_like_shard_model_bit_for_bit(ranks):
+    """`TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, precision_strategy=...)`
+    on Accelerate's FSDP2 path (forced on CPU: Accelerate takes it only on accelerators, see
+    `forced_fsdp2_accelerator`) against the custom loop with `shard_model` on the same per-rank
+    batches: the same policy, shards and arithmetic, so equal loss bits and weights after 2 steps."""
+    for result in ranks:
+        for name in SUPPORTED:
+            case = result["cases"][f"{name}/trainer"]
+            assert case["policy"] == case["strategy_policy"], name
+            assert case["param_types"] == ["DTensor"] and case["state_layout"]["not"] == 0, name
+            trainer, loop = (torch.tensor(case[k], dtype=torch.float64) for k in ("losses", "loop_losses"))
+            assert len(trainer) == 2 and torch.equal(trainer.view(torch.int64), loop.view(torch.int64)), (name, case)
+            assert case["digest"] == case["loop_digest"], name
 
 
 @pytest.mark.slow
