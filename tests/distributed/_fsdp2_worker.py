@@ -114,8 +114,15 @@ def grad_bytes_hook(optimizer, record: list):
 
 
 def state_l1(optimizer) -> float:
-    """Σ|x| over this rank's (local) state tensors, FP64: seeded state before the first step."""
-    return sum(float(plain(v).double().abs().sum()) for _, v in state_tensors(optimizer) if v.dim() > 0)
+    """Σ|x| over this rank's (local) floating-point state tensors shaped like their parameter (a
+    seeded δθ; not 8-bit codes, whose zero is not 0, nor per-group scales), FP64: before the
+    first step."""
+    return sum(
+        float(plain(v).double().abs().sum())
+        for param, state in optimizer.state.items()
+        for v in state.values()
+        if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 and v.shape == param.shape
+    )
 
 
 def digest(model) -> str:
@@ -135,9 +142,10 @@ def dict_digest(tensors: dict) -> str:
 
 
 def shards_like_params(optimizer) -> dict:
-    """Every state tensor shaped like its parameter: a DTensor with the parameter's placements
-    and local shard shape (counts of those that are and are not)."""
-    good = bad = 0
+    """Every state tensor of a parameter: a DTensor with the parameter's placements and local
+    shard shape, or laid out per shard (a plain tensor that is not shaped like the shard: groups
+    or blocks padded per shard); counts of those and of the others."""
+    good = per_shard = bad = 0
     for param, state in optimizer.state.items():
         for _key, value in state.items():
             if not torch.is_tensor(value) or value.dim() == 0:
@@ -148,8 +156,9 @@ def shards_like_params(optimizer) -> dict:
                 and value.shape == param.shape
                 and value.to_local().shape == param.to_local().shape
             )
-            good, bad = good + ok, bad + (not ok)
-    return {"sharded_like_param": good, "not": bad}
+            own = not ok and not isinstance(value, DTensor) and value.shape != plain(param).shape
+            good, per_shard, bad = good + ok, per_shard + own, bad + (not ok and not own)
+    return {"sharded_like_param": good, "per_shard": per_shard, "not": bad}
 
 
 def export_check(strategy, model, optimizer) -> dict:

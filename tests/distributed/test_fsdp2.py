@@ -27,11 +27,13 @@ ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
 
 
 LOSS_SCALED = ("fp16-mixed", "fp16-als")
-KILLED_CASES = ("collage-plus", "fp16-als")
+PER_SHARD = ("coat", "collage-8bit")  # state laid out per shard (groups, blocks), not like the parameter
+LONG_CASES = (*LOSS_SCALED, *PER_SHARD)
+KILLED_CASES = ("collage-plus", "fp16-als", *PER_SHARD)
 
 
 def test_declared_supported():
-    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", *LOSS_SCALED}
+    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", "collage-8bit", "coat", *LOSS_SCALED}
     assert fsdp2_support(get_strategy("fp16-als", weights="sr")) is not None
 
 
@@ -142,8 +144,8 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
     assert plugin.mixed_precision_policy == get_strategy("bf16-mixed").fsdp2_mixed_precision()
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):  # the user's policy differs
         configure_accelerator("collage-plus", _Accelerator(plugin))
-    with pytest.raises(ValueError, match="'coat' is not supported under FSDP2"):
-        configure_accelerator("coat", _Accelerator(FullyShardedDataParallelPlugin()))
+    with pytest.raises(ValueError, match="'fp8-lm-o2' is not supported under FSDP2"):
+        configure_accelerator("fp8-lm-o2", _Accelerator(FullyShardedDataParallelPlugin()))
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version: 2"):
         configure_accelerator("collage-plus", _Accelerator(FullyShardedDataParallelPlugin()))
@@ -178,7 +180,7 @@ def test_readme_shows_the_generated_table():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, "train"] for name in SUPPORTED] + [["collage-plus", "skip"], [PLUGIN_CASE, "plugin"]]
-    cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LOSS_SCALED]
+    cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LONG_CASES]
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
     cases += [[name, "accelerate"] for name in ACCELERATE_CASES] + [[name, "trainer"] for name in SUPPORTED]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
@@ -208,6 +210,7 @@ def test_every_state_component_is_sharded_like_its_parameter_in_its_one_process_
             case, ref = result["cases"][f"{name}/train"], result["references"][name]
             assert case["state_dtypes"] == ref["state_dtypes"], name
             assert case["state_layout"]["not"] == 0 and case["state_layout"]["sharded_like_param"] > 0, name
+            assert (case["state_layout"]["per_shard"] > 0) == (name in PER_SHARD), name
         plus = result["cases"]["collage-plus/train"]["state_dtypes"]
         assert plus["param_error"] == plus["exp_avg_sq_error"] == ["torch.bfloat16"]
         assert result["cases"]["bf16-kahan/train"]["state_dtypes"]["compensation"] == ["torch.bfloat16"]
@@ -308,14 +311,15 @@ def test_loss_scaler_agrees_across_ranks_on_a_nonfinite_shard(ranks):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_loss_scaled_strategies_track_one_process_over_20_steps(ranks):
+def test_newly_sharded_strategies_track_one_process_over_20_steps(ranks):
     """FSDP2 vs one process over 20 steps. Under FSDP2 each rank's half-batch gradient is
     formed apart and the halves averaged in FP32: the arithmetic of one process accumulating the
     same two micro-batches (exact halvings in FP32), up to the order in which the global clip
-    norm sums the shards. So the gap to one process may be at most 4x the accumulation's gap plus
-    1e-5 (FP32 rounding of the loss); NaN fails (tensor comparisons)."""
+    norm sums the shards and, for per-shard states, the groups a shard pads. So the gap to one
+    process may be at most 4x the accumulation's gap plus 1e-5 (FP32 rounding of the loss);
+    NaN fails (tensor comparisons)."""
     for result in ranks:
-        for name in LOSS_SCALED:
+        for name in LONG_CASES:
             case = result["cases"][f"{name}/long"]
             sharded, one, accumulated = (
                 torch.tensor(case[k], dtype=torch.float64) for k in ("sharded", "one", "accumulated")
@@ -365,7 +369,8 @@ def test_model_state_bytes_per_rank_are_one_process_split_by_world(ranks):
         for result in ranks:
             b = result["cases"][f"{name}/train"]["bytes"]
             assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
-            assert b["states"] * world == one["states"], name
+            if name not in PER_SHARD:  # else each shard pads its last group or block
+                assert b["states"] * world == one["states"], name
 
 
 @pytest.mark.slow
@@ -378,12 +383,14 @@ def test_gpt2_small_model_state_bytes_per_rank(ranks):
         one = ranks[0]["cases"][f"{name}/gpt2-small-bytes"]["one"]
         assert one["num_params"] == 124_439_808
         one_total = one["params"] + one["grads"] + one["states"]
-        assert one_total / one["num_params"] == get_strategy(name).bytes_per_param, name  # the documented figure
+        documented = get_strategy(name).bytes_per_param  # collage-8bit's 8.03 is given to 2 decimals
+        assert abs(one_total / one["num_params"] - documented) <= (0.005 if name == "collage-8bit" else 0.0), name
         for result in ranks:
             b = result["cases"][f"{name}/gpt2-small-bytes"]["rank"]
             assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
         total = sum(r["cases"][f"{name}/gpt2-small-bytes"]["rank"]["states"] for r in ranks)
-        assert total == one["states"], name  # every state element on exactly one rank
+        if name not in PER_SHARD:  # else each shard pads its last group or block
+            assert total == one["states"], name  # every state element on exactly one rank
 
 
 @pytest.mark.slow
