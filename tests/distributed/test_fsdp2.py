@@ -97,6 +97,18 @@ def test_shard_model_parameters_build_the_optimizer_of_that_strategy_only(one_ra
         get_strategy("bf16-pure").create_optimizer(model.parameters(), lr=1e-3)
 
 
+def test_fp16_als_running_mean_accumulation_is_refused_once_sharded(one_rank_group):
+    # FSDP2's reduce-scatter replaces the running mean's parameter hooks: accumulation would sum.
+    strategy = get_strategy("fp16-als")
+    shard_model(strategy, tiny_gpt2())
+    strategy.set_gradient_accumulation(1)
+    with pytest.raises(ValueError, match="running_mean=False"):
+        strategy.set_gradient_accumulation(2)
+    plain = get_strategy("fp16-als", running_mean=False)
+    shard_model(plain, tiny_gpt2())
+    plain.set_gradient_accumulation(2)  # the loop's divided sum, as in one process
+
+
 def test_mixed_precision_policy_belongs_to_the_strategy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -371,6 +383,7 @@ def test_model_state_bytes_per_rank_are_one_process_split_by_world(ranks):
             assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
             if name not in PER_SHARD:  # else each shard pads its last group or block
                 assert b["states"] * world == one["states"], name
+            assert b["states"] <= 1.05 * one["states"] / world, (name, b, one)  # the optimizer's own bytes
 
 
 @pytest.mark.slow
