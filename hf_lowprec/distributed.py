@@ -17,12 +17,28 @@ try:  # FSDP2 parameters; a torch built without distributed support has none
 except ImportError:  # pragma: no cover
     DTensor = type("DTensor", (), {})  # matches no tensor
 
-__all__ = ["DTensor", "all_ranks_agree", "local_shard", "sharded_like"]
+__all__ = ["DTensor", "all_ranks_agree", "local_shard", "mark_sharded_by", "sharded_by", "sharded_like"]
+
+# Set on the FSDP2 parameters that `hf_lowprec.fsdp` sharded (shard_model, the Accelerate path):
+# the strategy's name, so that `create_optimizer` can tell them from parameters sharded by hand.
+_SHARDED_BY = "_hf_lowprec_sharded_by"
 
 
 def local_shard(tensor: Any) -> Any:
     """The local shard of a DTensor (same storage: in-place updates reach it); anything else as is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def mark_sharded_by(params: Iterable[torch.Tensor], strategy_name: str) -> None:
+    """Record on each DTensor parameter that `strategy_name`'s sharding produced it."""
+    for param in params:
+        if isinstance(param, DTensor):
+            setattr(param, _SHARDED_BY, strategy_name)
+
+
+def sharded_by(param: torch.Tensor) -> str | None:
+    """The strategy whose sharding produced the DTensor `param`, or None (sharded by hand, or plain)."""
+    return getattr(param, _SHARDED_BY, None)
 
 
 def sharded_like(value: Any, param: torch.Tensor) -> Any:

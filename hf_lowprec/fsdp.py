@@ -19,6 +19,9 @@ passes the strategy's mixed-precision policy:
 | `fp32` | FP32 | none: FP32 all-gather, FP32 reduce-scatter |
 | `bf16-mixed` | FP32 (the masters) | `param_dtype=bf16, reduce_dtype=fp32`: BF16 all-gather |
 | BF16 (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) | BF16 | `reduce_dtype=fp32`: BF16 all-gather, gradients averaged in FP32 and rounded once to BF16 |
+| `fp16-mixed` | FP32 (the masters) | `reduce_dtype=fp32`: FP32 all-gather (autocast casts to FP16 in the GEMMs) |
+| `fp16-als` (`weights="master"`) | FP16 | `reduce_dtype=fp32`: FP16 all-gather |
+| `coat` | FP32 (or BF16 + δθ) | `reduce_dtype=fp32`: FP32 (BF16) all-gather; FP8 weight scales from the gathered weight |
 
 The optimizers step the local shards: every state tensor shaped like a parameter (m, v, δθ,
 δv, Kahan's k, FP32 moments) is created from the local shard in the dtype it has in one process
@@ -27,7 +30,15 @@ element-wise, so a shard's update is exactly what one process computes for those
 given the same gradient. What must agree across ranks does: the finite check all-reduces its
 flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad_norm_` forms
 the global norm of DTensor gradients. A parameter converted from FP32 keeps its BF16 residual
-as the seed of δθ (`seed_compensation`), sharded like the parameter.
+as the seed of δθ (`seed_compensation`), sharded like the parameter. State not shaped like
+the parameter (COAT's per-group FP8 moments, collage-8bit's 8-bit blocks) is formed over the
+local shard, groups padded per shard, and checkpointed one row per rank. The loss scalers
+all-reduce what decides a step (fp16-mixed's found-inf, fp16-als's histogram and NaN counts).
+
+Sharding by hand (`fully_shard` on the prepared model, then `create_optimizer`) is refused at
+`create_optimizer` with a ValueError naming `shard_model`: the parameters `shard_model` (or the
+Accelerate path) produced carry the strategy's name, others would train without the strategy's
+policy or seeded state, or not at all.
 
 Which strategies run under FSDP2 is declared on the strategy class (`fsdp2`,
 `fsdp2_refusal`); `fsdp2_support`, the check in `shard_model` and `support_matrix_markdown`
@@ -52,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import DTensor, all_ranks_agree, local_shard
+from .distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
 from .registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -61,6 +72,7 @@ if TYPE_CHECKING:
     from .strategies.base import PrecisionStrategy
 
 __all__ = [
+    "adopt_shards",
     "all_ranks_agree",
     "check_fsdp2_support",
     "configure_accelerator",
@@ -70,6 +82,7 @@ __all__ = [
     "load_sharded",
     "local_shard",
     "move_state_to_shards",
+    "residuals_by_name",
     "save_sharded",
     "shard_model",
     "sharded_state_dict",
@@ -192,19 +205,34 @@ def shard_model(
         raise ValueError(f"shard_model takes a 1-D device mesh (pure FSDP), got a {mesh.ndim}-D mesh")
     if not prepared:
         model = strategy.prepare_model(model)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    residuals = {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+    residuals = residuals_by_name(strategy, model)
     policy = strategy.fsdp2_mixed_precision()
     block_list = list(_blocks(model) if blocks is None else blocks)
     for block in block_list:
         fully_shard(block, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
+    adopt_shards(strategy, model, residuals)
+    return model
+
+
+def residuals_by_name(strategy: PrecisionStrategy, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The FP32 residuals a compensated strategy kept for δθ (keyed by the parameters, which
+    sharding replaces), keyed by parameter name: take them before `fully_shard`."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+
+
+def adopt_shards(strategy: PrecisionStrategy, model: torch.nn.Module, residuals: dict[str, torch.Tensor]) -> None:
+    """After `fully_shard` (ours, Accelerate's or the Trainer's): the parameters carry the
+    strategy's name (so `create_optimizer` takes them), the residuals (`residuals_by_name`)
+    move onto the shards, and the strategy re-points what it keyed on the old parameters."""
+    mark_sharded_by(model.parameters(), strategy.name)
+    strategy.after_sharding(model)
     if residuals:
         strategy._residuals.clear()
         for name, param in model.named_parameters(remove_duplicate=False):
             if name in residuals:
                 strategy._residuals[id(param)] = (param, _shard_like(residuals[name], param))
-    return model
 
 
 def _shard_like(tensor: torch.Tensor, param: Any) -> Any:
@@ -282,24 +310,46 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
     inner = unwrap_optimizer(optimizer)
     after = [p for group in inner.param_groups for p in group["params"]]
+    mark_sharded_by(after, optimizer.strategy.name)
     if len(after) != len(before):
         raise RuntimeError(f"the optimizer had {len(before)} parameters before sharding and {len(after)} after")
     for old, new in zip(before, after):
         if old is new or old not in inner.state:
             continue
         state = inner.state.pop(old)
-        inner.state[new] = {
-            key: _shard_like(value, new) if torch.is_tensor(value) and value.shape == new.shape else value
-            for key, value in state.items()
-        }
+        # What the optimizer would create for the shard: a DTensor where the state follows the
+        # parameter's elements (cut it), a per-shard layout (groups, blocks) where it does not.
+        plan = inner.plan_state(new) if hasattr(inner, "plan_state") else {}
+        moved = {}
+        for key, value in state.items():
+            per_shard = key in plan and torch.is_tensor(plan[key]) and plan[key].dim() > 0
+            per_shard = per_shard and not isinstance(plan[key], DTensor)
+            if per_shard:
+                # Exact only while the state still holds its starting value (no step taken).
+                if state.get("step", 0) != 0:
+                    raise RuntimeError(
+                        f"optimizer state {key!r} is laid out over the whole tensor and has taken steps; "
+                        "shard the model before training (it cannot be cut into shards)"
+                    )
+                moved[key] = plan[key]
+            elif torch.is_tensor(value) and value.shape == new.shape:
+                moved[key] = _shard_like(value, new)
+            else:
+                moved[key] = value
+        inner.state[new] = moved
 
 
-# --- what must agree across ranks ------------------------------------------------------------------
 # --- checkpoints -----------------------------------------------------------------------------------
 def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """{"model": ..., "optimizer": ...} of live references: DTensor shards, the optimizer's
     state (every parameter's, created at zero where no step ran yet, so that a load has
-    somewhere to write) and the strategy's counters under "hf_lowprec"."""
+    somewhere to write) and the strategy's counters under "hf_lowprec". State laid out per
+    shard (COAT's per-group FP8 moments, collage-8bit's blocks) appears as copies; see
+    `_per_shard_state`."""
+    return _sharded_state_dict(model, optimizer)[0]
+
+
+def _sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> tuple[dict[str, Any], list[tuple]]:
     from .memory import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
@@ -308,10 +358,47 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]
         raise TypeError(f"{type(inner).__name__} cannot create its state before a step; sharded checkpoints need it")
     init_states()
     optimizer_state = dict(optimizer.state_dict())
+    params = [p for group in inner.param_groups for p in group["params"]]
     # String keys: the checkpoint's loader writes a non-tensor value (a step number) back under
     # str(key), so an int-keyed entry would come back as a second, string-keyed one.
-    optimizer_state["state"] = {str(index): state for index, state in optimizer_state["state"].items()}
-    return {"model": model.state_dict(), "optimizer": optimizer_state}
+    states = {str(index): dict(state) for index, state in optimizer_state["state"].items()}
+    optimizer_state["state"] = states
+    restore = _per_shard_state(states, params)
+    return {"model": model.state_dict(), "optimizer": optimizer_state}, restore
+
+
+def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tensor]) -> list[tuple]:
+    """Replace, in `states`, each state tensor of a DTensor parameter that is not shaped like
+    its shard (groups or blocks padded per shard) by a DTensor of shape (world, longest): row r
+    is rank r's flattened tensor, zero-padded to the longest over the ranks (one all-reduce of
+    the lengths). The checkpoint then holds every rank's tensor once, where a plain tensor would
+    be written once for all ranks. Such state resumes at the same world size only (its layout
+    follows the shards). Returns (state, key, original) to copy loaded rows back."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    found = [
+        (state, key, value, params[int(index)])
+        for index, state in states.items()
+        for key, value in state.items()
+        if isinstance(params[int(index)], DTensor)
+        and torch.is_tensor(value)
+        and not isinstance(value, DTensor)
+        and value.dim() > 0
+    ]
+    if not found:
+        return []
+    mesh = found[0][3].device_mesh
+    lengths = torch.tensor([value.numel() for _, _, value, _ in found], dtype=torch.int64)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    restore = []
+    for (state, key, value, _), longest in zip(found, lengths.tolist()):
+        row = torch.zeros(1, longest, dtype=value.dtype, device=value.device)
+        row[0, : value.numel()] = value.reshape(-1)
+        state[key] = DTensor.from_local(
+            row, mesh, [Shard(0)], run_check=False, shape=(mesh.size(), longest), stride=(longest, 1)
+        )
+        restore.append((state, key, value))
+    return restore
 
 
 def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
@@ -325,11 +412,15 @@ def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
     """Read what `save_sharded` wrote into a freshly sharded `model` and its new `optimizer`
-    (same strategy; any world size, DTensors are resharded), then continue bit for bit."""
+    (same strategy; any world size, DTensors are resharded, except state laid out per shard,
+    which needs the world size it was saved at), then continue bit for bit."""
     import torch.distributed.checkpoint as dcp
 
-    target = sharded_state_dict(model, optimizer)
+    target, restore = _sharded_state_dict(model, optimizer)
     dcp.load(target, checkpoint_id=os.fspath(path))
+    for state, key, original in restore:
+        original.reshape(-1).copy_(state[key].to_local()[0, : original.numel()])
+        state[key] = original
     model.load_state_dict(target["model"])
     optimizer_state = dict(target["optimizer"])
     optimizer_state["state"] = {int(index): state for index, state in optimizer_state["state"].items()}

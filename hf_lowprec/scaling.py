@@ -30,8 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .distributed import DTensor
+
 __all__ = [
     "FP16_MAX",
+    "AgreeingGradScaler",
     "check_loss_scale",
     "AutomaticLossScaler",
     "RunningMeanGradients",
@@ -136,6 +139,8 @@ class AutomaticLossScaler:
         self._rank_upper: torch.Tensor | int = 0
         self._rank_total = 0
         self._device = torch.device("cpu")
+        self._group: Any = None  # the FSDP2 process group, once sharded gradients were seen
+        self._reduced = False
         # Across steps (checkpointed).
         self._period_upper = 0
         self._period_total = 0
@@ -165,6 +170,9 @@ class AutomaticLossScaler:
             grad = param.grad
             if grad is None:
                 continue
+            if isinstance(grad, DTensor):  # an FSDP2 shard: count it here, `_reduce` sums over ranks
+                self._group = grad.device_mesh.get_group()
+                grad = grad.to_local()
             self._record(self._names.get(id(param), f"param{index}"), grad)
             self._nan = self._nan + grad.isnan().sum()
             if grad.dtype == torch.float16:
@@ -177,6 +185,7 @@ class AutomaticLossScaler:
     def found_nan(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when this step's weight gradients hold a NaN (unscales first if needed; one sync)."""
         self.unscale_(optimizer)
+        self._reduce()
         return bool(self._nan.item()) if torch.is_tensor(self._nan) else bool(self._nan)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +198,8 @@ class AutomaticLossScaler:
     def update(self) -> float:
         """Close the step: apply the ALS rule at the end of a period, log new overflows; the scale."""
         self._sum_over_ranks()
+        self._reduce()
+        self._reduced = False
         upper = int(self._upper.item()) if torch.is_tensor(self._upper) else int(self._upper)
         nan = bool(self._nan.item()) if torch.is_tensor(self._nan) else bool(self._nan)
         clipped = {}
@@ -247,6 +258,22 @@ class AutomaticLossScaler:
         self.last_upper_share = float(state["last_upper_share"])
         self.last_clipped = int(state["last_clipped"])
         self.total_clipped = int(state["total_clipped"])
+
+    def _reduce(self) -> None:
+        """Under FSDP2, sum this step's tallies over the ranks (one all-reduce, once per step).
+
+        Each rank counted its weight-gradient shards and the activation gradients of its own
+        samples; the sums are the counts over the whole tensors and the whole batch, so every
+        rank takes the same scale decision and skips the same steps."""
+        if self._group is None or self._reduced:
+            return
+        self._reduced = True
+        names = list(self._clipped)
+        values = [self._upper, self._total, self._nan, *(self._clipped[n] for n in names)]
+        tallies = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in values])
+        dist.all_reduce(tallies, group=self._group)  # counts below 2^53: exact in FP64
+        self._upper, self._total, self._nan = tallies[0], int(tallies[1].item()), tallies[2]
+        self._clipped = dict(zip(names, tallies[3:].unbind()))
 
     # --- activation gradients ----------------------------------------------------------
     def track(self, model: torch.nn.Module) -> AutomaticLossScaler:
@@ -318,6 +345,25 @@ class AutomaticLossScaler:
             f"AutomaticLossScaler(scale={self._scale}, bin_edge={self.bin_edge}, threshold={self.threshold}, "
             f"period={self.period}, bounds=[{self.min_scale}, {self.max_scale}])"
         )
+
+
+class AgreeingGradScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` whose found-inf agrees over the ranks when gradients are FSDP2
+    shards (DTensors): each rank checks its shards, one all-reduce (MAX) per device of the
+    found-inf flag, so every rank skips the same steps and keeps the same scale. Without
+    DTensor gradients it is `torch.amp.GradScaler`."""
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        sharded = next(
+            (p.grad for g in optimizer.param_groups for p in g["params"] if isinstance(p.grad, DTensor)), None
+        )
+        if sharded is not None:
+            for flag in per_device.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
+        return per_device
 
 
 def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:

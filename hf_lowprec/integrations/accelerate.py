@@ -117,13 +117,15 @@ class PrecisionPlugin:
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         if fsdp:
-            from ..fsdp import move_state_to_shards
+            from ..fsdp import adopt_shards, move_state_to_shards
 
             # Accelerate's FSDP2 prepare returns a list, the others a tuple.
             for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
                 inner = getattr(obj, "optimizer", None)  # AcceleratedOptimizer → StrategyOptimizer
                 if id(inner) in before:
                     move_state_to_shards(inner, before[id(inner)])
+                if isinstance(obj, torch.nn.Module):
+                    adopt_shards(self.strategy, obj, {})  # the optimizer's seeded state moved above
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             from .deepspeed import attach_zero_optimizer

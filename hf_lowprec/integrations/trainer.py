@@ -113,8 +113,7 @@ class PrecisionArgumentsMixin:
                 require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
             if getattr(self, "fsdp", None):
-                # Not wired yet: the Trainer's FSDP would shard without the strategy's policy.
-                raise ValueError(_trainer_fsdp_refusal(self.precision_strategy))
+                _check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         super().__post_init__()
@@ -126,13 +125,20 @@ class PrecisionArgumentsMixin:
         return get_strategy(self.precision_strategy, **(self.precision_options or {}))
 
 
-def _trainer_fsdp_refusal(name: str) -> str:
-    return (
-        f"precision_strategy={name!r} with the Trainer's FSDP (--fsdp, or an Accelerate FSDP config) is not "
-        "supported yet; for FSDP2 use a custom loop (hf_lowprec.fsdp.shard_model(strategy, model), or PrecisionPlugin(...).prepare with "
-        "Accelerate's fsdp_version: 2, see recipes/configs/fsdp2.yaml and examples/accelerate_loop.py), or keep "
-        "the Trainer with DDP or DeepSpeed (--deepspeed)"
-    )
+def _check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
+    """Before any work: the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
+    from ..fsdp import check_fsdp2_support
+
+    check_fsdp2_support(strategy)
+    if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
+        with open(fsdp_config, encoding="utf-8") as f:
+            fsdp_config = json.load(f)
+    version = (fsdp_config or {}).get("fsdp_version", (fsdp_config or {}).get("version", 1))
+    if int(version) != 2:
+        raise ValueError(
+            f"precision_strategy={strategy.name!r} runs under FSDP2 only; pass "
+            "fsdp_config={'fsdp_version': 2} (or set fsdp_version: 2 in the Accelerate config)"
+        )
 
 
 def _reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
@@ -177,6 +183,9 @@ class PrecisionCallback(TrainerCallback):
         wrapped = getattr(self.trainer, "model_wrapped", None)
         ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         prepare_ddp(self.strategy, wrapped)
+        if getattr(self.trainer, "is_fsdp_enabled", False) and not getattr(self.trainer, "_hf_lowprec_adopted", False):
+            self.trainer._hf_lowprec_adopted = True
+            self.trainer.adopt_fsdp2_shards()
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             from .deepspeed import attach_zero_optimizer
 
@@ -270,8 +279,12 @@ class PrecisionTrainerMixin:
                 self.model_wrapped = prepared
             self.model = prepared
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
-        if getattr(self, "is_fsdp_enabled", False):  # e.g. `accelerate launch` with an FSDP config
-            raise ValueError(_trainer_fsdp_refusal(self.precision.name))
+        if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
+            from ..fsdp import configure_accelerator
+
+            # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
+            # strategies FSDP2 does not support.
+            configure_accelerator(self.precision, self.accelerator)
         from ..fsdp import warn_if_fsdp_fell_back
 
         warn_if_fsdp_fell_back(self.accelerator)  # an FSDP config on a CPU-only machine
@@ -342,7 +355,18 @@ class PrecisionTrainerMixin:
             eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay,
         )
+        # Under FSDP2 the Trainer builds the optimizer before Accelerate shards the model.
+        self._params_before_sharding = [p for g in self.optimizer.param_groups for p in g["params"]]
         return self.optimizer
+
+    def adopt_fsdp2_shards(self) -> None:
+        """After Accelerate's FSDP2 `prepare` swapped the optimizer's parameters for shards: the
+        state started at construction (a seeded δθ) moves onto them, and the strategy adopts the
+        sharded model (`hf_lowprec.fsdp.adopt_shards`), as `shard_model` does."""
+        from ..fsdp import adopt_shards, move_state_to_shards
+
+        move_state_to_shards(_find_strategy_optimizer(self.optimizer), self._params_before_sharding)
+        adopt_shards(self.precision, self.model, {})
 
     def _warn_silent_precision(self, model: torch.nn.Module, optimizer: Any) -> None:
         # Once per trainer: BF16/FP16 weights under a plain AdamW silently drop small updates.

@@ -186,6 +186,10 @@ class PrecisionStrategy:
 
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
+    def after_sharding(self, model: torch.nn.Module) -> None:
+        """Called once FSDP2 has swapped `model`'s parameters for DTensor shards (`shard_model`,
+        the Accelerate path): re-point what the strategy keyed on the unsharded parameters."""
+
     # --- optimizer ---------------------------------------------------------------------
     def build_optimizer(
         self,
@@ -220,6 +224,7 @@ class PrecisionStrategy:
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
         check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
+        _check_sharding(self, [p for g in groups for p in g["params"]])
         inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         return StrategyOptimizer(inner, self)
 
@@ -574,6 +579,34 @@ def _agree_over(flag: bool, group: Any, device: torch.device | None) -> bool:
     value = torch.tensor(1.0 if flag else 0.0, device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(value.item() == 1.0)
+
+
+def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
+    """Refuse FSDP2 parameters that `hf_lowprec.fsdp` did not shard for this strategy.
+
+    Sharding by hand (`fully_shard` on the prepared model) skips what `shard_model` does: the
+    refusal of a strategy whose numerics would differ on shards, the strategy's
+    `MixedPrecisionPolicy` and the move of seeded state onto the shards. Training would fail
+    inside the library or silently differ from one process, so it stops here, before any work."""
+    from ..distributed import DTensor, sharded_by
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return
+    if not strategy.fsdp2:
+        raise ValueError(
+            f"create_optimizer got FSDP2 (DTensor) parameters, and precision strategy {strategy.name!r} is not "
+            f"supported under FSDP2 (fully_shard): {strategy.fsdp2_refusal}. "
+            "hf_lowprec.fsdp.shard_model(strategy, model) refuses it the same way before sharding"
+        )
+    by_hand = [p for p in sharded if sharded_by(p) != strategy.name]
+    if by_hand:
+        raise ValueError(
+            f"create_optimizer got {len(by_hand)} FSDP2 (DTensor) parameters that were not sharded for "
+            f"precision strategy {strategy.name!r} (fully_shard called by hand, or for another strategy). "
+            "Shard with hf_lowprec.fsdp.shard_model(strategy, model), which converts the model, applies the "
+            "strategy's MixedPrecisionPolicy and moves its seeded state onto the shards; pass the unsharded model"
+        )
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:

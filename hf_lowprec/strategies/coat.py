@@ -78,10 +78,11 @@ class COAT(PrecisionStrategy):
     """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
 
     Options = COATOptions
-    fsdp2_refusal = (
-        "its FP8 weight scales and per-group FP8 optimizer states are computed on whole tensors; on "
-        "dim-0 shards a group would straddle two ranks unless every row holds whole groups, and that "
-        "layout is not built; train it with DDP or DeepSpeed ZeRO"
+    fsdp2 = True
+    fsdp2_note = (
+        "FP32 (or BF16 + δθ) shards; per-group FP8 moments laid out per shard (groups padded per "
+        "shard: the one-process groups wherever a shard ends on a group boundary); FP8 weight "
+        "scales from the gathered weight; FP32 (BF16) all-gather, FP32 reduce-scatter"
     )
     zero_stages = (1, 2, 3)
     zero_note = (

@@ -110,8 +110,13 @@ class BF16Update(BF16Pure):
         return _UPDATES[self.options.update][1]
 
     @property
-    def fsdp2(self) -> bool:  # type: ignore[override]
-        return self.options.update != "collage-8bit"
+    def fsdp2_note(self) -> str:  # type: ignore[override]
+        if self.options.update == "collage-8bit":
+            return (
+                "BF16 DTensor shards and δθ sharded like them; 8-bit m, v blocks (256) laid out per "
+                "shard, written per rank by the sharded checkpoint; BF16 all-gather, gradients averaged in FP32"
+            )
+        return super().fsdp2_note
 
     @property
     def zero_stages(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -134,11 +139,6 @@ class BF16Update(BF16Pure):
                 "partition, so a block may span two parameters' elements; δθ in BF16"
             )
         return super().zero_note
-
-    fsdp2_refusal = (
-        "its 8-bit states are stored in whole blocks of 256 (padded), not shaped like the parameter, "
-        "so FSDP2 cannot shard or checkpoint them like it; use collage-light (BF16 states)"
-    )
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""

@@ -79,6 +79,10 @@ class FP16ALS(LossScaledStrategy):
         "is not built, and DeepSpeed's CPU accelerator has no FP16; for ZeRO pick a BF16 strategy "
         "(bf16-mixed, collage-plus), or train fp16-als with DDP"
     )
+    fsdp2_note = (
+        "FP16 shards, FP32 masters and AdamW states; FP16 all-gather, FP32 reduce-scatter; the "
+        "scaler's histogram and NaN counts summed by one all-reduce"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
@@ -94,10 +98,20 @@ class FP16ALS(LossScaledStrategy):
         )
         self.accumulator = RunningMeanGradients() if o.running_mean else None
         self._loss_divisor = 1
+        self._sharded = False
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
         return 16.0 if self.options.weights == "master" else 12.0
+
+    @property
+    def fsdp2(self) -> bool:  # type: ignore[override]
+        return self.options.weights == "master"
+
+    fsdp2_refusal = (
+        "with weights='sr' every rank would draw the stochastic rounding of its shard from the same "
+        "seeded stream (not one process's draws); use weights='master' under FSDP2"
+    )
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(torch.float16)
@@ -105,6 +119,15 @@ class FP16ALS(LossScaledStrategy):
         if self.accumulator is not None:
             self.accumulator.attach(model)
         return model
+
+    def after_sharding(self, model: torch.nn.Module) -> None:
+        # FSDP2 hands each shard one reduce-scattered gradient per backward: the running mean's
+        # hooks on the (replaced) parameters never run, so accumulation over micro-batches is
+        # FSDP2's own sum (see `set_gradient_accumulation`). The scaler names the new parameters.
+        self.scaler.track(model)
+        if self.accumulator is not None:
+            self.accumulator.detach()
+            self._sharded = True
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.weights == "sr":
@@ -114,6 +137,12 @@ class FP16ALS(LossScaledStrategy):
     def set_gradient_accumulation(self, micro_batches: int) -> None:
         # The loop divided each micro-batch loss by `micro_batches`; the running mean averages
         # by itself, so undo that division (exact in FP32: it multiplies a scalar gradient).
+        if self._sharded and micro_batches > 1:
+            raise ValueError(
+                "fp16-als accumulates micro-batch gradients with its running mean, which FSDP2's "
+                "reduce-scatter replaces; under FSDP2 accumulate with get_strategy('fp16-als', "
+                "running_mean=False) (the loop's divided sum) or train without accumulation"
+            )
         self._loss_divisor = micro_batches if self.accumulator is not None else 1
 
     def set_data_parallel_group(self, group: Any) -> None:

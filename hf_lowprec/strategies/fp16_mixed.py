@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..scaling import check_loss_scale
+from ..scaling import AgreeingGradScaler, check_loss_scale
 from .base import StrategyOptions
 from .baselines import device_autocast
 from .loss_scaling import LossScaledStrategy
@@ -50,11 +50,16 @@ class FP16Mixed(LossScaledStrategy):
     """FP16 autocast, FP32 weights (masters) and AdamW states, torch's GradScaler — what `fp16=True` does."""
 
     Options = FP16MixedOptions
+    fsdp2 = True
+    fsdp2_note = (
+        "FP32 shards (the masters) and AdamW states; FP32 all-gather and reduce-scatter; the "
+        "scaler's found-inf agreed by one all-reduce"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.scaler = torch.amp.GradScaler(
+        self.scaler = AgreeingGradScaler(
             device, init_scale=self.options.init_scale, growth_interval=self.options.growth_interval
         )
         self._unscaled = False

@@ -25,11 +25,6 @@ class LossScaledStrategy(PrecisionStrategy):
         "DeepSpeed's FP16 engine brings its own loss scaler and FP32 masters, and its CPU accelerator "
         "has no FP16 at all; for ZeRO pick a BF16 strategy (bf16-mixed, collage-plus)"
     )
-    fsdp2_refusal = (
-        "its unscaling, overflow statistics and FP32 gradient norm read whole gradients and its "
-        "FP16 second moments keep a per-tensor scale, which on shards would differ across ranks; "
-        "train it with DDP, or pick a BF16 strategy (bf16-mixed, collage-plus) for FSDP2"
-    )
     scaler: Any
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

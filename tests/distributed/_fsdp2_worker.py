@@ -36,12 +36,20 @@ from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
+LONG_STEPS = 20  # the strategies enabled for FSDP2 with their loss scaler or scales: losses over 20 steps
 MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
 
 
 def local(ids: torch.Tensor) -> torch.Tensor:
     rank = dist.get_rank()
     return ids[rank * MICRO : (rank + 1) * MICRO]
+
+
+def clip(strategy, model, optimizer):
+    """Clip the unscaled gradients to MAX_NORM as `strategy.train_step` does; the pre-clip norm."""
+    strategy.unscale_gradients(optimizer.optimizer)
+    norm = strategy.clip_grad_norm(list(model.parameters()), MAX_NORM)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) if norm is None else norm
 
 
 def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float], list[float]]:
@@ -52,7 +60,7 @@ def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float],
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
         strategy.scale_loss(loss).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = clip(strategy, model, optimizer)
         norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -106,8 +114,15 @@ def grad_bytes_hook(optimizer, record: list):
 
 
 def state_l1(optimizer) -> float:
-    """Σ|x| over this rank's (local) state tensors, FP64: seeded state before the first step."""
-    return sum(float(plain(v).double().abs().sum()) for _, v in state_tensors(optimizer) if v.dim() > 0)
+    """Σ|x| over this rank's (local) floating-point state tensors shaped like their parameter (a
+    seeded δθ; not 8-bit codes, whose zero is not 0, nor per-group scales), FP64: before the
+    first step."""
+    return sum(
+        float(plain(v).double().abs().sum())
+        for param, state in optimizer.state.items()
+        for v in state.values()
+        if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 and v.shape == param.shape
+    )
 
 
 def digest(model) -> str:
@@ -127,9 +142,10 @@ def dict_digest(tensors: dict) -> str:
 
 
 def shards_like_params(optimizer) -> dict:
-    """Every state tensor shaped like its parameter: a DTensor with the parameter's placements
-    and local shard shape (counts of those that are and are not)."""
-    good = bad = 0
+    """Every state tensor of a parameter: a DTensor with the parameter's placements and local
+    shard shape, or laid out per shard (a plain tensor that is not shaped like the shard: groups
+    or blocks padded per shard); counts of those and of the others."""
+    good = per_shard = bad = 0
     for param, state in optimizer.state.items():
         for _key, value in state.items():
             if not torch.is_tensor(value) or value.dim() == 0:
@@ -140,8 +156,9 @@ def shards_like_params(optimizer) -> dict:
                 and value.shape == param.shape
                 and value.to_local().shape == param.to_local().shape
             )
-            good, bad = good + ok, bad + (not ok)
-    return {"sharded_like_param": good, "not": bad}
+            own = not ok and not isinstance(value, DTensor) and value.shape != plain(param).shape
+            good, per_shard, bad = good + ok, per_shard + own, bad + (not ok and not own)
+    return {"sharded_like_param": good, "per_shard": per_shard, "not": bad}
 
 
 def export_check(strategy, model, optimizer) -> dict:
@@ -196,7 +213,7 @@ def accumulated(name: str, data) -> list[float]:
                 loss = model(input_ids=part, labels=part).loss
             strategy.scale_loss(loss / dist.get_world_size()).backward()
             total += loss.item() / dist.get_world_size()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        clip(strategy, model, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
@@ -225,15 +242,15 @@ def reference(name: str, data) -> dict:
     }
 
 
-def build(name: str, seed: int = 0, plugin: bool = False):
+def build(name: str, seed: int = 0, plugin: bool = False, weight_decay: float = 0.01):
     strategy = get_strategy(name)
     if plugin:
         wrapper = PrecisionPlugin(strategy)
         model = wrapper.shard(tiny_gpt2(seed))
-        optimizer = wrapper.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+        optimizer = wrapper.create_optimizer(model.parameters(), lr=LR, weight_decay=weight_decay)
     else:
         model = shard_model(strategy, tiny_gpt2(seed))
-        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=weight_decay)
     return strategy, model, optimizer
 
 
@@ -274,14 +291,13 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
     return result
 
 
-def run_until_killed(name: str, ckpt: Path, data, flush) -> None:
-    """Train 2 steps, save a sharded checkpoint, record the results and end the process at once
-    (`os._exit`: no teardown, no process-group shutdown), as a killed job would."""
+def run_until_killed(name: str, ckpt: Path, data) -> dict:
+    """Train 2 steps and save a sharded checkpoint; once every case ran, `main` ends the process
+    at once (`os._exit`: no teardown, no process-group shutdown), as a killed job would."""
     strategy, model, optimizer = build(name)
     losses, _ = train(strategy, model, optimizer, data[:2], sharded=True)
     save_sharded(ckpt, model, optimizer)
-    flush({"losses": losses}, complete=True)
-    os._exit(0)
+    return {"losses": losses}
 
 
 def run_resumed(name: str, ckpt: Path, data) -> dict:
@@ -372,6 +388,76 @@ def run_accelerate(name: str, data) -> dict:
     }
 
 
+def run_trainer(name: str, data, out: Path) -> dict:
+    """`TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, precision_strategy=name)`
+    on the FSDP2 path (forced on CPU, see `forced_fsdp2_accelerator`), and the custom loop with
+    `shard_model` on the same per-rank batches (no weight decay, constant LR, as the Trainer is set)."""
+    from torch.utils.data import SequentialSampler
+
+    from hf_lowprec import Trainer, TrainingArguments
+
+    strategy = get_strategy(name)
+    model = shard_model(strategy, tiny_gpt2())
+    # The Trainer's two groups (decay, no decay; both at 0 here): bf16-sr draws its rounding
+    # seeds per group, so the groups must be the same for the same bits.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
+    optimizer = strategy.create_optimizer(groups, lr=LR, weight_decay=0.0)
+    loop_losses, _ = train(strategy, model, optimizer, data, sharded=True)
+
+    class FSDP2Trainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            from accelerate import FullyShardedDataParallelPlugin
+            from accelerate.utils import DistributedType
+
+            super().create_accelerator_and_postprocess()
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            assert self.accelerator.distributed_type == DistributedType.MULTI_CPU  # what is forced here
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = plugin
+            self.is_fsdp_enabled = True
+
+        def _get_train_sampler(self, *args, **kwargs):  # batch k's rows in order: rank r its MICRO rows
+            return SequentialSampler(self.train_dataset)
+
+    # The Trainer divides the summed loss by the labels that are not -100, counted before the
+    # model's shift; position 0 is never a target, so masking it makes that count the model's.
+    rows = [{"input_ids": row, "labels": torch.cat([torch.tensor([-100]), row[1:]])} for ids in data for row in ids]
+    args = TrainingArguments(
+        output_dir=str(out / f"trainer-{name}"),
+        precision_strategy=name,
+        fsdp="full_shard",
+        fsdp_config={"fsdp_version": 2},
+        use_cpu=True,
+        per_device_train_batch_size=MICRO,
+        max_steps=len(data),
+        learning_rate=LR,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=MAX_NORM,
+        average_tokens_across_devices=False,
+        save_strategy="no",
+        logging_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = FSDP2Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
+    trainer.train()
+    inner = trainer.optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → core
+    return {
+        "loop_losses": loop_losses,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "loop_digest": digest(model),
+        "digest": digest(trainer.model),
+        "param_types": sorted({type(p).__name__ for p in trainer.model.parameters()}),
+        "state_layout": shards_like_params(inner),
+        "policy": str(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy),
+        "strategy_policy": str(get_strategy(name).fsdp2_mixed_precision()),
+    }
+
+
 def run_skip(name: str, data) -> dict:
     """A non-finite gradient on rank 1's shard only: every rank must skip the step."""
     strategy, model, optimizer = build(name)
@@ -383,11 +469,26 @@ def run_skip(name: str, data) -> dict:
     if dist.get_rank() == 1:
         next(model.parameters()).grad.to_local().view(-1)[0] = float("nan")
     optimizer.step()
+    scaler = getattr(strategy, "scaler", None)
     return {
         "skipped": optimizer.step_was_skipped,
         "skipped_steps": strategy.skipped_steps,
         "unchanged": digest(model) == before,
+        "scale": None if scaler is None else float(scaler.get_scale()),
+        "initial_scale": None if scaler is None else float(get_strategy(name).scaler.get_scale()),
     }
+
+
+def run_long(name: str, data) -> dict:
+    """LONG_STEPS steps in one process (whole batches, and as accumulated micro-batches) and
+    sharded (each rank its half): the losses as FP64 lists, judged as tensors by the test."""
+    strategy, model, optimizer = build(name)
+    sharded, _ = train(strategy, model, optimizer, data, sharded=True)
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    one, _ = train(strategy, model, optimizer, data, sharded=False)
+    return {"sharded": sharded, "one": one, "accumulated": accumulated(name, data)}
 
 
 def gpt2_small_bytes(name: str) -> dict:
@@ -441,13 +542,6 @@ def main() -> None:
         results["complete"] = complete
         path.write_text(json.dumps(results, indent=1))
 
-    def flush_case(key: str):
-        def write(case: dict, complete: bool = False) -> None:
-            results["cases"][key] = case
-            flush(complete)
-
-        return write
-
     for name, mode in json.loads(args.cases):
         key = f"{name}/{mode}"
         start = time.time()
@@ -458,13 +552,17 @@ def main() -> None:
             elif mode == "accelerate":
                 case = run_accelerate(name, data)
             elif mode == "killed":
-                run_until_killed(name, ckpt_root / f"{name}-killed", data, flush_case(key))
+                case = run_until_killed(name, ckpt_root / f"{name}-killed", data)
             elif mode == "resumed":
                 case = run_resumed(name, ckpt_root / f"{name}-killed", data)
             elif mode == "plugin":
                 case = run_plugin(name, data)
             elif mode == "gpt2-small-bytes":
                 case = gpt2_small_bytes(name)
+            elif mode == "trainer":
+                case = run_trainer(name, data[:2], out)
+            elif mode == "long":
+                case = run_long(name, batches(LONG_STEPS, batch=MICRO * world, seed=7))
             elif mode == "skip":
                 case = run_skip(name, data)
             else:
@@ -477,6 +575,8 @@ def main() -> None:
         dist.barrier()
     flush(complete=True)
     dist.barrier()
+    if any(mode == "killed" for _, mode in json.loads(args.cases)):
+        os._exit(0)
     dist.destroy_process_group()
 
 

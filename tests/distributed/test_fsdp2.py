@@ -26,8 +26,15 @@ PLUGIN_CASE = "collage-plus"
 ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
 
 
-def test_the_bf16_family_bf16_mixed_and_fp32_are_declared_supported():
-    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32"}
+LOSS_SCALED = ("fp16-mixed", "fp16-als")
+PER_SHARD = ("coat", "collage-8bit")  # state laid out per shard (groups, blocks), not like the parameter
+LONG_CASES = (*LOSS_SCALED, *PER_SHARD)
+KILLED_CASES = ("collage-plus", "fp16-als", *PER_SHARD)
+
+
+def test_declared_supported():
+    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", "collage-8bit", "coat", *LOSS_SCALED}
+    assert fsdp2_support(get_strategy("fp16-als", weights="sr")) is not None
 
 
 # --- refusals: before any work, naming what works -------------------------------------------------
@@ -46,6 +53,60 @@ def test_refused_strategy_raises_before_touching_the_model(name):
     assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="FSDP2"):
         PrecisionPlugin(name).shard(tiny_gpt2())
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone: `fully_shard` makes DTensor parameters (one
+    shard each) without launching ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _shard_by_hand(model):
+    """What the PyTorch FSDP2 tutorial teaches: `fully_shard` on each block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+@pytest.mark.parametrize("name", available_strategies())
+def test_sharding_by_hand_is_refused_at_create_optimizer_naming_shard_model(name, one_rank_group):
+    # Before this check: fp16-als and fp8-lm-o1 failed inside the library, o2/o3 inside FSDP's lazy
+    # init, and coat, collage-8bit, fp16-mixed trained with numerics shard_model refuses; the
+    # supported strategies trained without their MixedPrecisionPolicy or seeded δθ.
+    strategy = get_strategy(name)
+    model = _shard_by_hand(strategy.prepare_model(tiny_gpt2()))
+    with pytest.raises(ValueError, match=r"hf_lowprec\.fsdp\.shard_model") as err:
+        strategy.create_optimizer(model.parameters(), lr=1e-3)
+    assert ("not supported under FSDP2" in str(err.value)) == (name in REFUSED), str(err.value)
+
+
+def test_shard_model_parameters_build_the_optimizer_of_that_strategy_only(one_rank_group):
+    strategy = get_strategy("collage-plus")
+    model = shard_model(strategy, tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    assert strategy.train_step(model, torch.arange(16).view(2, 8), optimizer, max_grad_norm=1.0).isfinite()
+    with pytest.raises(ValueError, match=r"not sharded for precision strategy 'bf16-pure'.*shard_model"):
+        get_strategy("bf16-pure").create_optimizer(model.parameters(), lr=1e-3)
+
+
+def test_fp16_als_running_mean_accumulation_is_refused_once_sharded(one_rank_group):
+    # FSDP2's reduce-scatter replaces the running mean's parameter hooks: accumulation would sum.
+    strategy = get_strategy("fp16-als")
+    shard_model(strategy, tiny_gpt2())
+    strategy.set_gradient_accumulation(1)
+    with pytest.raises(ValueError, match="running_mean=False"):
+        strategy.set_gradient_accumulation(2)
+    plain = get_strategy("fp16-als", running_mean=False)
+    shard_model(plain, tiny_gpt2())
+    plain.set_gradient_accumulation(2)  # the loop's divided sum, as in one process
 
 
 def test_mixed_precision_policy_belongs_to_the_strategy():
@@ -95,24 +156,31 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
     assert plugin.mixed_precision_policy == get_strategy("bf16-mixed").fsdp2_mixed_precision()
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):  # the user's policy differs
         configure_accelerator("collage-plus", _Accelerator(plugin))
-    with pytest.raises(ValueError, match="'coat' is not supported under FSDP2"):
-        configure_accelerator("coat", _Accelerator(FullyShardedDataParallelPlugin()))
+    with pytest.raises(ValueError, match="'fp8-lm-o2' is not supported under FSDP2"):
+        configure_accelerator("fp8-lm-o2", _Accelerator(FullyShardedDataParallelPlugin()))
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version: 2"):
         configure_accelerator("collage-plus", _Accelerator(FullyShardedDataParallelPlugin()))
 
 
-def test_trainer_fsdp_is_refused_naming_what_works(tmp_path):
+def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
     from hf_lowprec import TrainingArguments
 
-    with pytest.raises(ValueError, match=r"FSDP.*is not supported yet.*shard_model.*fsdp2.yaml"):
-        TrainingArguments(
+    def args(name, version):
+        return TrainingArguments(
             output_dir=str(tmp_path),
-            precision_strategy="collage-plus",
+            precision_strategy=name,
             fsdp="full_shard",
-            fsdp_config={"fsdp_version": 2},
+            fsdp_config={"fsdp_version": version},
             use_cpu=True,
         )
+
+    assert args("collage-plus", 2).precision_strategy == "collage-plus"
+    for name in REFUSED:
+        with pytest.raises(ValueError, match=f"{name!r} is not supported under FSDP2"):
+            args(name, 2)
+    with pytest.raises(ValueError, match="fsdp_version"):
+        args("collage-plus", 1)
 
 
 def test_readme_shows_the_generated_table():
@@ -124,8 +192,9 @@ def test_readme_shows_the_generated_table():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, "train"] for name in SUPPORTED] + [["collage-plus", "skip"], [PLUGIN_CASE, "plugin"]]
+    cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LONG_CASES]
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
-    cases += [[name, "accelerate"] for name in ACCELERATE_CASES]
+    cases += [[name, "accelerate"] for name in ACCELERATE_CASES] + [[name, "trainer"] for name in SUPPORTED]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
     for result in results:
@@ -153,6 +222,7 @@ def test_every_state_component_is_sharded_like_its_parameter_in_its_one_process_
             case, ref = result["cases"][f"{name}/train"], result["references"][name]
             assert case["state_dtypes"] == ref["state_dtypes"], name
             assert case["state_layout"]["not"] == 0 and case["state_layout"]["sharded_like_param"] > 0, name
+            assert (case["state_layout"]["per_shard"] > 0) == (name in PER_SHARD), name
         plus = result["cases"]["collage-plus/train"]["state_dtypes"]
         assert plus["param_error"] == plus["exp_avg_sq_error"] == ["torch.bfloat16"]
         assert result["cases"]["bf16-kahan/train"]["state_dtypes"]["compensation"] == ["torch.bfloat16"]
@@ -244,6 +314,39 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(ranks):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_loss_scaler_agrees_across_ranks_on_a_nonfinite_shard(ranks):
+    # A NaN in rank 1's shard only: both ranks skip and both scalers halve (fp16-mixed's
+    # found-inf and fp16-als's NaN count are all-reduced), so the scales stay equal.
+    for name in LOSS_SCALED:
+        cases = [r["cases"][f"{name}/skip"] for r in ranks]
+        for case in cases:
+            assert case["skipped"] and case["skipped_steps"] == 1 and case["unchanged"], (name, case)
+            assert case["scale"] == case["initial_scale"] / 2, (name, case)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_newly_sharded_strategies_track_one_process_over_20_steps(ranks):
+    """FSDP2 vs one process over 20 steps. Under FSDP2 each rank's half-batch gradient is
+    formed apart and the halves averaged in FP32: the arithmetic of one process accumulating the
+    same two micro-batches (exact halvings in FP32), up to the order in which the global clip
+    norm sums the shards and, for per-shard states, the groups a shard pads. So the gap to one
+    process may be at most 4x the accumulation's gap plus 1e-5 (FP32 rounding of the loss);
+    NaN fails (tensor comparisons)."""
+    for result in ranks:
+        for name in LONG_CASES:
+            case = result["cases"][f"{name}/long"]
+            sharded, one, accumulated = (
+                torch.tensor(case[k], dtype=torch.float64) for k in ("sharded", "one", "accumulated")
+            )
+            assert len(sharded) == len(one) == 20, name
+            effect = (accumulated - one).abs().max()
+            assert effect.isfinite() and ((sharded - one).abs() <= 4 * effect + 1e-5).all(), (name, case)
+            assert sharded[-1] < sharded[0], name  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_sharded_checkpoint_resumes_bit_for_bit(ranks):
     for name in SUPPORTED:
         cases = [r["cases"][f"{name}/train"] for r in ranks]
@@ -281,7 +384,9 @@ def test_model_state_bytes_per_rank_are_one_process_split_by_world(ranks):
         for result in ranks:
             b = result["cases"][f"{name}/train"]["bytes"]
             assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
-            assert b["states"] * world == one["states"], name
+            if name not in PER_SHARD:  # else each shard pads its last group or block
+                assert b["states"] * world == one["states"], name
+            assert b["states"] <= 1.05 * one["states"] / world, (name, b, one)  # the optimizer's own bytes
 
 
 @pytest.mark.slow
@@ -294,12 +399,14 @@ def test_gpt2_small_model_state_bytes_per_rank(ranks):
         one = ranks[0]["cases"][f"{name}/gpt2-small-bytes"]["one"]
         assert one["num_params"] == 124_439_808
         one_total = one["params"] + one["grads"] + one["states"]
-        assert one_total / one["num_params"] == get_strategy(name).bytes_per_param, name  # the documented figure
+        documented = get_strategy(name).bytes_per_param  # collage-8bit's 8.03 is given to 2 decimals
+        assert abs(one_total / one["num_params"] - documented) <= (0.005 if name == "collage-8bit" else 0.0), name
         for result in ranks:
             b = result["cases"][f"{name}/gpt2-small-bytes"]["rank"]
             assert b["params"] + b["grads"] + b["states"] <= 1.05 * one_total / world + b["unshardable"], (name, b, one)
         total = sum(r["cases"][f"{name}/gpt2-small-bytes"]["rank"]["states"] for r in ranks)
-        assert total == one["states"], name  # every state element on exactly one rank
+        if name not in PER_SHARD:  # else each shard pads its last group or block
+            assert total == one["states"], name  # every state element on exactly one rank
 
 
 @pytest.mark.slow
@@ -337,20 +444,37 @@ def test_accelerate_fsdp2_path_trains_like_strategy_shard(ranks):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_trainer_fsdp2_trains_like_shard_model_bit_for_bit(ranks):
+    """`TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, precision_strategy=...)`
+    on Accelerate's FSDP2 path (forced on CPU: Accelerate takes it only on accelerators, see
+    `forced_fsdp2_accelerator`) against the custom loop with `shard_model` on the same per-rank
+    batches: the same policy, shards and arithmetic, so equal loss bits and weights after 2 steps."""
+    for result in ranks:
+        for name in SUPPORTED:
+            case = result["cases"][f"{name}/trainer"]
+            assert case["policy"] == case["strategy_policy"], name
+            assert case["param_types"] == ["DTensor"] and case["state_layout"]["not"] == 0, name
+            trainer, loop = (torch.tensor(case[k], dtype=torch.float64) for k in ("losses", "loop_losses"))
+            assert len(trainer) == 2 and torch.equal(trainer.view(torch.int64), loop.view(torch.int64)), (name, case)
+            assert case["digest"] == case["loop_digest"], name
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_killed_job_resumes_bit_for_bit_in_new_processes(ranks, tmp_path):
-    """collage-plus: one launch trains 2 steps, writes a sharded checkpoint and ends at once
-    (`os._exit`, no teardown); a second launch of new processes loads it into a model of another
-    initialization and trains steps 3 and 4: the losses and weights equal the uninterrupted run's."""
+    """One launch trains 2 steps of each case, writes sharded checkpoints and ends at once
+    (`os._exit`, no teardown); a second launch of new processes loads them into models of
+    another initialization and trains steps 3 and 4: losses and weights equal the
+    uninterrupted run's (bit for bit: the same arithmetic on the same shards)."""
     ckpt = ["--ckpt", str(tmp_path / "ckpt")]
-    killed = launch(
-        HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", json.dumps([["collage-plus", "killed"]]), *ckpt]
-    )
-    resumed = launch(
-        HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", json.dumps([["collage-plus", "resumed"]]), *ckpt]
-    )
+    cases = {mode: json.dumps([[name, mode] for name in KILLED_CASES]) for mode in ("killed", "resumed")}
+    killed = launch(HERE / "_fsdp2_worker.py", tmp_path / "killed", ["--cases", cases["killed"], *ckpt])
+    resumed = launch(HERE / "_fsdp2_worker.py", tmp_path / "resumed", ["--cases", cases["resumed"], *ckpt])
     for first, second, whole in zip(killed, resumed, ranks):
-        uninterrupted = whole["cases"]["collage-plus/train"]
-        assert "error" not in second["cases"]["collage-plus/resumed"], second["cases"]["collage-plus/resumed"]["error"]
-        assert_same_losses(first["cases"]["collage-plus/killed"]["losses"], uninterrupted["losses"][:2], "killed")
-        assert_same_losses(second["cases"]["collage-plus/resumed"]["losses"], uninterrupted["losses"][2:], "resumed")
-        assert second["cases"]["collage-plus/resumed"]["digest"] == uninterrupted["digest"]
+        for name in KILLED_CASES:
+            uninterrupted = whole["cases"][f"{name}/train"]
+            before, after = first["cases"][f"{name}/killed"], second["cases"][f"{name}/resumed"]
+            assert "error" not in before and "error" not in after, (before, after)
+            assert_same_losses(before["losses"], uninterrupted["losses"][:2], f"{name} killed")
+            assert_same_losses(after["losses"], uninterrupted["losses"][2:], f"{name} resumed")
+            assert after["digest"] == uninterrupted["digest"], name
