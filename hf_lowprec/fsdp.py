@@ -388,7 +388,7 @@ def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tenso
     if not found:
         return []
     mesh = found[0][3].device_mesh
-    lengths = torch.tensor([value.numel() for _, _, value, _ in found], dtype=torch.int64)
+    lengths = torch.tensor([value.numel() for _, _, value, _ in found], dtype=torch.int64, device=found[0][2].device)
     dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=mesh.get_group())
     restore = []
     for (state, key, value, _), longest in zip(found, lengths.tolist()):

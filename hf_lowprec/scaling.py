@@ -173,6 +173,7 @@ class AutomaticLossScaler:
             if isinstance(grad, DTensor):  # an FSDP2 shard: count it here, `_reduce` sums over ranks
                 self._group = grad.device_mesh.get_group()
                 grad = grad.to_local()
+            self._device = grad.device
             self._record(self._names.get(id(param), f"param{index}"), grad)
             self._nan = self._nan + grad.isnan().sum()
             if grad.dtype == torch.float16:
@@ -270,7 +271,9 @@ class AutomaticLossScaler:
         self._reduced = True
         names = list(self._clipped)
         values = [self._upper, self._total, self._nan, *(self._clipped[n] for n in names)]
-        tallies = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in values])
+        tallies = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self._device).reshape(()) for v in values]
+        )
         dist.all_reduce(tallies, group=self._group)  # counts below 2^53: exact in FP64
         self._upper, self._total, self._nan = tallies[0], int(tallies[1].item()), tallies[2]
         self._clipped = dict(zip(names, tallies[3:].unbind()))
@@ -308,10 +311,10 @@ class AutomaticLossScaler:
             return
         mine = torch.stack(
             [
-                torch.as_tensor(v, dtype=torch.float64).reshape(())
+                torch.as_tensor(v, dtype=torch.float64, device=self._device).reshape(())
                 for v in (self._rank_upper, self._rank_total, self._nan)
             ]
-        ).to(self._device)
+        )
         summed = mine.clone()
         dist.all_reduce(summed, group=group)
         others = (summed - mine).cpu().tolist()
@@ -388,9 +391,10 @@ def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
     max_norm/inf = 0 (or by inf/inf = NaN when max_norm is inf, as the Trainer does to log
     the norm). Here per-tensor norms are accumulated in FP32; `max_norm=inf` only measures.
     """
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.tensor(0.0)
+        return torch.tensor(0.0, device=parameters[0].device if parameters else "cpu")
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
     if math.isfinite(max_norm):
