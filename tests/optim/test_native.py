@@ -4,7 +4,7 @@ Bit for bit: each family's parameters and every state tensor equal the reference
 steps with a different step count per tensor: the eager sequences below (`_adamw_reference` and
 each family's update, the operation sequence the optimizers' reference path performs, with
 PyTorch's own casts and the correctly rounded root `numerics.sqrt_rn`), the public optimizers on
-their reference path (`fused="foreach"`, `test_optimizers_reference_path_matches_native`),
+their reference path (`fused="reference"`, `test_optimizers_reference_path_matches_native`),
 `fp8_adamw.fp8_adamw_param_step` and `COATAdamW`; on data with the edges in it: zeros,
 FP32 and BF16 subnormals, a finite gradient whose square overflows, ±inf and NaN gradients,
 lengths that are odd, below one vector, not multiples of 16, and across blocks of the parallel
@@ -569,7 +569,7 @@ def _coat_pair(dtype: torch.dtype, v_format: str, expand: bool):
         ref,
         exp_avg_sq_format=v_format,
         expand=expand,
-        fused="foreach",
+        fused="reference",
         lr=HYPER["lr"],
         betas=(HYPER["beta1"], HYPER["beta2"]),
         eps=HYPER["eps"],
@@ -744,7 +744,7 @@ OPTIMIZER_FAMILIES = {
 
 @pytest.mark.parametrize("family", list(OPTIMIZER_FAMILIES))
 def test_optimizers_reference_path_matches_native(family):
-    """Each family's optimizer on its reference path (`fused="foreach"`), three steps on the edge
+    """Each family's optimizer on its reference path (`fused="reference"`), three steps on the edge
     data, against the native kernel from the same zero state: every state tensor, bit for bit."""
     from hf_lowprec import optim
 
@@ -762,7 +762,7 @@ def test_optimizers_reference_path_matches_native(family):
         betas=(HYPER["beta1"], HYPER["beta2"]),
         eps=HYPER["eps"],
         weight_decay=HYPER["weight_decay"],
-        fused="foreach",
+        fused="reference",
         **options,
     )
     ms = [torch.zeros_like(p, dtype=m_dtype) for p in params]
