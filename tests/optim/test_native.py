@@ -88,11 +88,12 @@ def _edge_params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     return [p.to(dtype) for p in params]
 
 
-def _edge_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Gradients with zeros, subnormals, an all-zero tensor, a finite g whose g² overflows FP32
-    (BF16/FP32 only) and, on one step, ±inf and NaN."""
+def _edge_grads(step: int, dtype: torch.dtype, sizes: list[int] = SIZES) -> list[torch.Tensor]:
+    """Gradients of `sizes` (at least 4 tensors, the last one over 110 elements) with zeros,
+    subnormals, an all-zero tensor, a finite g whose g² overflows FP32 (BF16/FP32 only) and, on
+    one step, ±inf and NaN."""
     generator = torch.Generator().manual_seed(1000 + step)
-    grads = [_values(n, generator, 1e-2) for n in SIZES]
+    grads = [_values(n, generator, 1e-2) for n in sizes]
     g = grads[-1]
     g[0] = 0.0
     g[1] = 1e30 if dtype != FP16 else 6e4
@@ -937,7 +938,7 @@ def test_eightbit_is_bit_identical(isa, dtype, block_size):
     (zeros, subnormals, a square that overflows, ±inf and NaN on one step: NaN blocks)."""
     params, errors, m, v, ref, optimizer = _eightbit_pair(dtype, block_size)
     for step in range(4):
-        grads = [g[: p.numel()] for g, p in zip(_eightbit_grads(step, dtype), params)]
+        grads = _edge_grads(step, dtype, EIGHTBIT_SIZES)
         native.eightbit_step(
             params,
             errors,
@@ -964,17 +965,3 @@ def test_eightbit_is_bit_identical(isa, dtype, block_size):
             _same(v[index][1], state["exp_avg_sq_absmax"], f"{what} exp_avg_sq absmax")
     finite = [bool(a.isfinite().all()) for _, a in m]
     assert not all(finite) and any(finite), "the data must hold both NaN blocks and finite ones"
-
-
-def _eightbit_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(300 + step)
-    grads = [_values(n, generator, 1e-2) for n in EIGHTBIT_SIZES]
-    g = grads[-1]
-    g[0] = 0.0
-    g[1] = 1e30 if dtype != FP16 else 6e4
-    g[2:6] = torch.tensor([1e-39, -1e-40, 1e-44, -0.0])
-    g[5000:5100] = _values(100, generator, 1e-20)
-    if step == 2:
-        g[40000], g[40001], g[40002] = math.inf, -math.inf, math.nan
-    grads[2].zero_()
-    return [t.to(dtype) for t in grads]
