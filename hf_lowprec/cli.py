@@ -150,7 +150,7 @@ def _zero_refusal(name: str, stage: int) -> str | None:
     if stage == 0:
         return None
     try:
-        from .integrations import deepspeed as ds
+        from .engines import zero as ds
     except ImportError:
         return None
     check = getattr(ds, "zero_support", None)

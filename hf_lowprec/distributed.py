@@ -1,7 +1,7 @@
 """Small helpers for code that may run on FSDP2 shards (DTensors): the local shard, one agreement.
 
 No engine here, only what the strategies need to treat a sharded gradient like a plain one;
-`hf_lowprec.fsdp` builds on it.
+`hf_lowprec.engines.fsdp2` builds on it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DTensor", "all_ranks_agree", "local_shard", "mark_sharded_by", "sharded_by", "sharded_like"]
 
-# Set on the FSDP2 parameters that `hf_lowprec.fsdp` sharded (shard_model, the Accelerate path):
+# Set on the FSDP2 parameters that `hf_lowprec.engines.fsdp2` sharded (shard_model, the Accelerate path):
 # the strategy's name, so that `create_optimizer` can tell them from parameters sharded by hand.
 _SHARDED_BY = "_hf_lowprec_sharded_by"
 

@@ -25,7 +25,7 @@ _BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 def blocks() -> dict[str, str]:
     """Generated block name → its markdown, from the code."""
     from hf_lowprec.cli import memory_plan, strategy_rows
-    from hf_lowprec.integrations.deepspeed import support_matrix_markdown
+    from hf_lowprec.engines.zero import support_matrix_markdown
 
     rows = strategy_rows()
     planned = {r["strategy"]: r["total"] for r in memory_plan("gpt2", [r["name"] for r in rows])}
@@ -61,9 +61,9 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
         prefixes: only the strategies whose names start with one of these.
         reasons: add a column with why each refused engine is refused (the engines' own message).
     """
-    from hf_lowprec.fsdp import fsdp2_support
-    from hf_lowprec.integrations.ddp import ddp_support
-    from hf_lowprec.integrations.deepspeed import zero_support
+    from hf_lowprec.engines.ddp import ddp_support
+    from hf_lowprec.engines.fsdp2 import fsdp2_support
+    from hf_lowprec.engines.zero import zero_support
     from hf_lowprec.registry import available_strategies, get_strategy
 
     head = "| strategy | one process | DDP | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |"
@@ -86,13 +86,13 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
 
 
 def ddp_matrix() -> str:
-    from hf_lowprec.integrations.ddp import support_matrix_markdown as ddp_markdown
+    from hf_lowprec.engines.ddp import support_matrix_markdown as ddp_markdown
 
     return ddp_markdown()
 
 
 def fsdp2_matrix() -> str:
-    from hf_lowprec.fsdp import support_matrix_markdown as fsdp2_markdown
+    from hf_lowprec.engines.fsdp2 import support_matrix_markdown as fsdp2_markdown
 
     return fsdp2_markdown()
 

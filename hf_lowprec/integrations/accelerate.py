@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from ..engines.ddp import prepare_ddp
 from ..registry import get_strategy
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
-from .ddp import prepare_ddp
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
@@ -96,17 +96,17 @@ class PrecisionPlugin:
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
                 _rebind_scheduler(obj, replaced[id(old)])
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
-            from .deepspeed import configure_accelerator
+            from ..engines.zero import configure_accelerator
 
             configure_accelerator(self.strategy, accelerator)  # before prepare starts DeepSpeed
         fsdp = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None) is not None
         if not fsdp:
-            from ..fsdp import warn_if_fsdp_fell_back
+            from ..engines.fsdp2 import warn_if_fsdp_fell_back
 
             warn_if_fsdp_fell_back(accelerator)
         before: dict[int, list[torch.Tensor]] = {}
         if fsdp:
-            from ..fsdp import configure_accelerator as configure_fsdp
+            from ..engines.fsdp2 import configure_accelerator as configure_fsdp
 
             configure_fsdp(self.strategy, accelerator)  # before prepare runs fully_shard
             before = {
@@ -117,7 +117,7 @@ class PrecisionPlugin:
         self._report(accelerator, objects)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         if fsdp:
-            from ..fsdp import adopt_shards, move_state_to_shards
+            from ..engines.fsdp2 import adopt_shards, move_state_to_shards
 
             # Accelerate's FSDP2 prepare returns a list, the others a tuple.
             for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):
@@ -128,7 +128,7 @@ class PrecisionPlugin:
                     adopt_shards(self.strategy, obj, {})  # the optimizer's seeded state moved above
         self._register_comm_hooks(prepared if isinstance(prepared, tuple) else (prepared,))
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
-            from .deepspeed import attach_zero_optimizer
+            from ..engines.zero import attach_zero_optimizer
 
             for obj in prepared if isinstance(prepared, tuple) else (prepared,):
                 attach_zero_optimizer(getattr(obj, "optimizer", None))  # the engine's ZeRO optimizer
@@ -174,12 +174,12 @@ class PrecisionPlugin:
     def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
         """FSDP2 in a custom loop: `prepare_model` (conversion, forward context), then
         `fully_shard` per transformer block and on the root with the strategy's mixed-precision
-        policy (`hf_lowprec.fsdp.shard_model`). Every rank calls it; build the optimizer afterwards with
+        policy (`hf_lowprec.engines.fsdp2.shard_model`). Every rank calls it; build the optimizer afterwards with
         `create_optimizer(model.parameters(), ...)`. Refused strategies raise before any work."""
-        from ..fsdp import check_fsdp2_support
+        from ..engines.fsdp2 import check_fsdp2_support
 
         check_fsdp2_support(self.strategy)
-        from ..fsdp import shard_model
+        from ..engines.fsdp2 import shard_model
 
         return shard_model(self.strategy, self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
 

@@ -24,6 +24,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..engines.ddp import prepare_ddp
 from ..registry import get_strategy
 from ..report import (
     SilentPrecisionWarning,
@@ -35,7 +36,6 @@ from ..report import (
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, write_manifest
-from .ddp import prepare_ddp
 from .peft import prepare_model
 
 __all__ = [
@@ -108,7 +108,7 @@ class PrecisionArgumentsMixin:
             strategy = self.build_precision_strategy()  # validates the name and options before any work
             _reconcile_mixed_precision_flags(self, strategy)
             if getattr(self, "deepspeed", None):
-                from .deepspeed import precision_config, require_deepspeed
+                from ..engines.zero import precision_config, require_deepspeed
 
                 require_deepspeed()  # missing: an error naming the extra, before any work
                 precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
@@ -127,7 +127,7 @@ class PrecisionArgumentsMixin:
 
 def _check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
     """Before any work: the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
-    from ..fsdp import check_fsdp2_support
+    from ..engines.fsdp2 import check_fsdp2_support
 
     check_fsdp2_support(strategy)
     if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
@@ -187,7 +187,7 @@ class PrecisionCallback(TrainerCallback):
             self.trainer._hf_lowprec_adopted = True
             self.trainer.adopt_fsdp2_shards()
         if getattr(self.trainer, "is_deepspeed_enabled", False):
-            from .deepspeed import attach_zero_optimizer
+            from ..engines.zero import attach_zero_optimizer
 
             # DeepSpeed swapped the optimizer's parameters for its partitions after the strategy
             # built it: state started at construction (seeded compensations) moves with them.
@@ -280,16 +280,16 @@ class PrecisionTrainerMixin:
             self.model = prepared
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
         if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
-            from ..fsdp import configure_accelerator
+            from ..engines.fsdp2 import configure_accelerator
 
             # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
             # strategies FSDP2 does not support.
             configure_accelerator(self.precision, self.accelerator)
-        from ..fsdp import warn_if_fsdp_fell_back
+        from ..engines.fsdp2 import warn_if_fsdp_fell_back
 
         warn_if_fsdp_fell_back(self.accelerator)  # an FSDP config on a CPU-only machine
         if getattr(self, "is_deepspeed_enabled", False):
-            from .deepspeed import configure_accelerator
+            from ..engines.zero import configure_accelerator
 
             configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
         self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision, self))
@@ -362,8 +362,8 @@ class PrecisionTrainerMixin:
     def adopt_fsdp2_shards(self) -> None:
         """After Accelerate's FSDP2 `prepare` swapped the optimizer's parameters for shards: the
         state started at construction (a seeded δθ) moves onto them, and the strategy adopts the
-        sharded model (`hf_lowprec.fsdp.adopt_shards`), as `shard_model` does."""
-        from ..fsdp import adopt_shards, move_state_to_shards
+        sharded model (`hf_lowprec.engines.fsdp2.adopt_shards`), as `shard_model` does."""
+        from ..engines.fsdp2 import adopt_shards, move_state_to_shards
 
         move_state_to_shards(_find_strategy_optimizer(self.optimizer), self._params_before_sharding)
         adopt_shards(self.precision, self.model, {})

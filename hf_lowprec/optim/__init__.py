@@ -2,7 +2,8 @@
 
 `adamw` holds the core (arithmetic, step loop), `formats` (in `hf_lowprec.formats`) and `rules`
 the pieces, `families` the BF16/FP16 families, `fp8_adamw` and `coat` the FP8 ones, `fastpath`
-the dispatch between the eager reference and the compiled step.
+the dispatch between the eager reference and the compiled step. (FP8-LM O3's distributed
+`FP8ZeroAdamW` is an engine: `hf_lowprec.engines.zero_fp8`.)
 """
 
 from .adamw import AdamW, Composition
@@ -19,7 +20,6 @@ from .families import (
     StochasticRoundingAdamW,
 )
 from .fp8_adamw import FP8AdamW
-from .fp8_zero import FP8ZeroAdamW
 
 __all__ = [
     "AdamW",
@@ -30,7 +30,6 @@ __all__ = [
     "FP32StatesAdamW",
     "FP32StatesSRAdamW",
     "FP8AdamW",
-    "FP8ZeroAdamW",
     "KahanAdamW",
     "LowPrecisionOptimizer",
     "MasterWeightAdamW",

@@ -5,7 +5,7 @@ from . import (  # noqa: F401  # noqa: F401
     coat,
     collage,
     fp8_lm,
-    fp8_zero,
+    fp8_lm_o3,
     fp16_als,
     fp16_mixed,
 )

@@ -113,15 +113,15 @@ class PrecisionStrategy:
         skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
         uses_fp8_gemm: linear layers compute in FP8 (the startup check requires an FP8 layer).
         zero_stages: DeepSpeed ZeRO stages under which the strategy keeps its numerics (tested
-            by tests/deepspeed); `hf_lowprec.integrations.deepspeed` refuses the others before training.
+            by tests/deepspeed); `hf_lowprec.engines.zero` refuses the others before training.
         zero_refusal: why the other stages are refused, naming what works instead.
         zero_note: one line for the README support matrix: what the ZeRO partitions hold.
         fsdp2: the strategy trains under FSDP2 (`shard`, tested by tests/distributed);
-            `hf_lowprec.fsdp` refuses the others before any work.
+            `hf_lowprec.engines.fsdp2` refuses the others before any work.
         fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
         fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
         ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
-            `hf_lowprec.integrations.ddp.check_ddp_support` refuses the others before training.
+            `hf_lowprec.engines.ddp.check_ddp_support` refuses the others before training.
         ddp_refusal: why it is refused under DDP, naming what works instead.
         ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
     """
@@ -582,7 +582,7 @@ def _agree_over(flag: bool, group: Any, device: torch.device | None) -> bool:
 
 
 def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
-    """Refuse FSDP2 parameters that `hf_lowprec.fsdp` did not shard for this strategy.
+    """Refuse FSDP2 parameters that `hf_lowprec.engines.fsdp2` did not shard for this strategy.
 
     Sharding by hand (`fully_shard` on the prepared model) skips what `shard_model` does: the
     refusal of a strategy whose numerics would differ on shards, the strategy's
@@ -597,14 +597,14 @@ def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> 
         raise ValueError(
             f"create_optimizer got FSDP2 (DTensor) parameters, and precision strategy {strategy.name!r} is not "
             f"supported under FSDP2 (fully_shard): {strategy.fsdp2_refusal}. "
-            "hf_lowprec.fsdp.shard_model(strategy, model) refuses it the same way before sharding"
+            "hf_lowprec.engines.fsdp2.shard_model(strategy, model) refuses it the same way before sharding"
         )
     by_hand = [p for p in sharded if sharded_by(p) != strategy.name]
     if by_hand:
         raise ValueError(
             f"create_optimizer got {len(by_hand)} FSDP2 (DTensor) parameters that were not sharded for "
             f"precision strategy {strategy.name!r} (fully_shard called by hand, or for another strategy). "
-            "Shard with hf_lowprec.fsdp.shard_model(strategy, model), which converts the model, applies the "
+            "Shard with hf_lowprec.engines.fsdp2.shard_model(strategy, model), which converts the model, applies the "
             "strategy's MixedPrecisionPolicy and moves its seeded state onto the shards; pass the unsharded model"
         )
 

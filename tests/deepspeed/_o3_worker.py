@@ -35,9 +35,9 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config  # noqa: E402
 from hf_lowprec.fp8.cast import widen  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
-from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
 MICRO = 2

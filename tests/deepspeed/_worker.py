@@ -1,7 +1,7 @@
 """One rank of the DeepSpeed ZeRO tests: every case of the support matrix in one launch.
 
 Started by `tests/deepspeed/launch.py` as RANK/WORLD_SIZE processes (gloo). For each
-(strategy, stage) it either expects `hf_lowprec.integrations.deepspeed.precision_config` to refuse, or builds
+(strategy, stage) it either expects `hf_lowprec.engines.zero.precision_config` to refuse, or builds
 a fresh `deepspeed.initialize` with the strategy's client optimizer, trains a few steps and
 records what the partitions DeepSpeed holds really are, the per-rank model-state bytes, the
 losses, and whether save_checkpoint → load_checkpoint continues bit-for-bit. Results go to
@@ -27,9 +27,9 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
-from hf_lowprec.integrations.deepspeed import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import accumulated_halves, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 

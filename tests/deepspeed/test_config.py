@@ -1,6 +1,6 @@
 """The DeepSpeed precision entries a strategy owns, the support matrix, the whole-tensor partition report.
 
-No processes: these check the pure logic of `hf_lowprec.integrations.deepspeed` (the 2-rank runs are in
+No processes: these check the pure logic of `hf_lowprec.engines.zero` (the 2-rank runs are in
 test_zero.py).
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.integrations.deepspeed import (
+from hf_lowprec.engines.zero import (
     STAGES,
     precision_config,
     require_deepspeed,
@@ -125,7 +125,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
 
 def test_module_imports_without_deepspeed():
     code = (
-        "import sys; sys.modules['deepspeed'] = None; import hf_lowprec.integrations.deepspeed as d; "
+        "import sys; sys.modules['deepspeed'] = None; import hf_lowprec.engines.zero as d; "
         "print(len(d.support_matrix()), d.precision_config('collage-plus', {'zero_optimization': {'stage': 2}})['bf16']['enabled'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -190,7 +190,7 @@ def fake_accelerator(config: dict, mismatches: list[str]):
 
 
 def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches(tmp_path, monkeypatch):
-    from hf_lowprec.integrations.deepspeed import configure_accelerator
+    from hf_lowprec.engines.zero import configure_accelerator
 
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
     # Accelerate filled bf16.enabled=False from mixed_precision="no"; transformers then compared
@@ -219,7 +219,7 @@ def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches
 def test_configure_accelerator_without_deepspeed_is_a_no_op():
     from types import SimpleNamespace
 
-    from hf_lowprec.integrations.deepspeed import configure_accelerator, move_state_to_partitions
+    from hf_lowprec.engines.zero import configure_accelerator, move_state_to_partitions
 
     configure_accelerator(get_strategy("collage-plus"), SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)))
     assert move_state_to_partitions(None) == 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_lowprec
+from hf_lowprec.engines.zero import zero_support
 from hf_lowprec.fp8.scaled import dequantize
-from hf_lowprec.integrations.deepspeed import zero_support
 from tests.helpers import batches, tiny_gpt2, train_steps
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.integrations.deepspeed import STAGES, zero_support
+from hf_lowprec.engines.zero import STAGES, zero_support
 from tests.deepspeed._launch import launch
 from tests.helpers import assert_same_losses, finite, first_order_bound, tiny_gpt2
 

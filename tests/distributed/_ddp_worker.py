@@ -4,7 +4,7 @@ Started by `tests/distributed/test_ddp.py` through `tests/deepspeed/_launch.py` 
 processes, gloo). The ranks take every strategy in turn:
 
 - a strategy DDP carries trains `STEPS` steps as `DistributedDataParallel` (each rank its half of
-  the global batch, `hf_lowprec.integrations.ddp.prepare_ddp` registers the strategy's hook);
+  the global batch, `hf_lowprec.engines.ddp.prepare_ddp` registers the strategy's hook);
   meanwhile rank 0 trains the one-process reference on the whole batch ("whole") and rank 1 the
   one-process reference on the same batch as two accumulated halves, each loss halved ("halves",
   whose gradient is DDP's: fl(g₀/2 + g₁/2)). FP8-LM's hook is wrapped to record, on the first
@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from hf_lowprec import available_strategies, get_strategy  # noqa: E402
-from hf_lowprec.integrations.ddp import ddp_support, prepare_ddp  # noqa: E402
+from hf_lowprec.engines.ddp import ddp_support, prepare_ddp  # noqa: E402
 from tests.helpers import accumulated_halves, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 STEPS = 3

@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.fsdp import load_sharded, save_sharded, shard_model  # noqa: E402
+from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 

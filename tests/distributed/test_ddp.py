@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.integrations.ddp import ddp_support
+from hf_lowprec.engines.ddp import ddp_support
 from tests.deepspeed._launch import launch
 from tests.helpers import first_order_bound
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.fsdp import fsdp2_support, shard_model, support_matrix_markdown
+from hf_lowprec.engines.fsdp2 import fsdp2_support, shard_model, support_matrix_markdown
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
 from tests.deepspeed._launch import launch
 from tests.helpers import assert_same_losses, finite, tiny_gpt2
@@ -145,7 +145,7 @@ class _Accelerator:
 def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
 
-    from hf_lowprec.fsdp import configure_accelerator
+    from hf_lowprec.engines.fsdp2 import configure_accelerator
     from tests.distributed._fsdp2_worker import fsdp2_config_env
 
     for key, value in fsdp2_config_env().items():  # as `accelerate launch --config_file recipes/configs/fsdp2.yaml`

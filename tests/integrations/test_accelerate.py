@@ -220,7 +220,7 @@ def test_trainer_ddp_uses_the_fp8_allreduce_hook(tmp_path):
 def test_an_fsdp_config_that_accelerate_ignores_on_cpu_is_warned_about_once(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    import hf_lowprec.fsdp as fsdp
+    import hf_lowprec.engines.fsdp2 as fsdp
 
     monkeypatch.setattr(fsdp, "_FALLBACK_WARNED", [])
     sharded = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()))
@@ -229,7 +229,7 @@ def test_an_fsdp_config_that_accelerate_ignores_on_cpu_is_warned_about_once(monk
     assert fsdp.warn_if_fsdp_fell_back(replicated) is None  # no FSDP asked for
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets for distributed_type: FSDP
     assert fsdp.warn_if_fsdp_fell_back(sharded) is None  # Accelerate took its FSDP path
-    with caplog.at_level("WARNING", logger="hf_lowprec.fsdp"):
+    with caplog.at_level("WARNING", logger="hf_lowprec.engines.fsdp2"):
         text = fsdp.warn_if_fsdp_fell_back(replicated)
         assert text is not None and "plain data parallel" in text and "shard_model" in text
         assert fsdp.warn_if_fsdp_fell_back(replicated) is None  # once per process

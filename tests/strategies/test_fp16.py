@@ -152,7 +152,7 @@ def test_options_are_checked_before_any_work():
 @pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
 def test_refused_under_deepspeed_with_a_reason(name, tmp_path):
     from hf_lowprec import TrainingArguments
-    from hf_lowprec.integrations.deepspeed import zero_support
+    from hf_lowprec.engines.zero import zero_support
 
     for stage in (1, 2, 3):
         message = zero_support(name, stage)

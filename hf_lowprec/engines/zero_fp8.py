@@ -38,8 +38,8 @@ from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
 from ..fp8.cast import widen
 from ..fp8.linear import E4M3, quantize_weight, set_grad_sink
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale
+from ..optim.fp8_adamw import FP8AdamW
 from ..partition import assign_whole_tensors
-from .fp8_adamw import FP8AdamW
 
 __all__ = ["FP8ZeroAdamW"]
 
@@ -185,7 +185,7 @@ class FP8ZeroAdamW(FP8AdamW):
         if self.world > 1 and self.zero_optimizer is None:
             raise RuntimeError(
                 "fp8-lm-o3 across processes runs under DeepSpeed ZeRO stage 1 or 2: call "
-                "hf_lowprec.integrations.deepspeed.attach_zero_optimizer(engine.optimizer) after "
+                "hf_lowprec.engines.zero.attach_zero_optimizer(engine.optimizer) after "
                 "deepspeed.initialize (the Trainer and Accelerate's PrecisionPlugin do)"
             )
 

@@ -18,7 +18,7 @@ Which ZeRO stages a strategy keeps its numerics under is declared on the strateg
 that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
 `hf_lowprec.partition`.
 
-DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.integrations.deepspeed` works
+DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.engines.zero` works
 without it.
 """
 

@@ -63,13 +63,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
-from .registry import available_strategies, get_strategy
+from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
+from ..registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .strategies.base import PrecisionStrategy
+    from ..strategies.base import PrecisionStrategy
 
 __all__ = [
     "adopt_shards",
@@ -267,7 +267,7 @@ def warn_if_fsdp_fell_back(accelerator: Any) -> str | None:
         "the Accelerate config asks for FSDP, but Accelerate takes its FSDP path only on accelerators "
         "(CUDA/XPU/NPU): on this machine every rank trains a full replica (plain data parallel, no "
         "sharding). For FSDP2 on CPU, shard in the loop: PrecisionPlugin(...).shard(model) or "
-        "hf_lowprec.fsdp.shard_model (docs/distributed.md)"
+        "hf_lowprec.engines.fsdp2.shard_model (docs/distributed.md)"
     )
     logger.warning("hf_lowprec: %s", text)
     return text
@@ -306,7 +306,7 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
     Accelerate's FSDP2 `prepare` swaps each parameter for its DTensor shard in place in the
     groups but leaves the state keyed by the old tensors; the first step would then start the
     shards' state at zero and the seeded compensation would be lost silently."""
-    from .memory import unwrap_optimizer
+    from ..memory import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     after = [p for group in inner.param_groups for p in group["params"]]
@@ -350,7 +350,7 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]
 
 
 def _sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> tuple[dict[str, Any], list[tuple]]:
-    from .memory import unwrap_optimizer
+    from ..memory import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     init_states = getattr(inner, "init_states", None)
