@@ -7,6 +7,39 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 VOCAB = 256
 
+# Unit roundoff u = 2^-p of round to nearest, p significand bits with the implicit one:
+# |r(x) − x| ≤ u·|x| for x in the dtype's normal range (FP8 after its scale puts x there).
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float8_e4m3fn: 2.0**-4,
+    torch.float8_e5m2: 2.0**-3,
+}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of `dtype` (`UNIT_ROUNDOFF`): the relative error bound of one rounding to nearest."""
+    return UNIT_ROUNDOFF[dtype]
+
+
+def rounding_bound(dtype: torch.dtype, n_roundings: int, magnitude: float = 1.0) -> float:
+    """γₙ·magnitude, γₙ = n·u/(1 − n·u) (Higham): the error of a result after `n_roundings`
+    roundings to `dtype` of quantities of at most `magnitude`, none of them cancelling."""
+    nu = n_roundings * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"{n_roundings} roundings of {dtype} bound nothing (n·u = {nu} ≥ 1)")
+    return nu / (1 - nu) * magnitude
+
+
+def snr_floor_db(*dtypes: torch.dtype) -> float:
+    """The expected SNR floor of a sum of products whose operands are each rounded once to
+    `dtypes`: a rounding error uniform in ±ulp/2 has E[δ²] = ulp²/(12·x²) ≤ u²/3 whatever the
+    significand, and the independent, zero-mean errors of a dot product add their powers,
+    E[(ŷ − y)²] ≤ Σ uᵢ²/3 · Σ aⱼ²bⱼ² = Σ uᵢ²/3 · E[y²] for independent zero-mean operands."""
+    return 10 * math.log10(3 / sum(unit_roundoff(d) ** 2 for d in dtypes))
+
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
