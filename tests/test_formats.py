@@ -228,11 +228,16 @@ def test_dynamic_maps():
         codes = dynamic_map(signed)
         assert len(codes) == 256 and list(codes) == sorted(set(codes))
         assert 0.0 in codes and codes[-1] == 1.0
-    assert dynamic_map(True)[0] == pytest.approx(-(0.1 + 0.9 * 127 / 128))
+    # The map is FP64 arithmetic: each value takes ≤ 8 roundings of 2^-53 of quantities ≤ 2
+    # (edges 0.1 + 0.9·i/n, their sum, the power of ten and the product), so it is within 2^-49
+    # of the exact value, as is the expected value here: 2^-48 apart, 2^-47 relative to 0.99,
+    # and a difference of two within 2^-48 is 2^-40 relative to a gap ≥ 0.9/128 > 2^-8. A map
+    # computed in FP32 (2^-24 relative) fails these; pytest.approx's default 1e-6 did not.
+    assert dynamic_map(True)[0] == pytest.approx(-(0.1 + 0.9 * 127 / 128), rel=2.0**-47, abs=0)
     assert min(dynamic_map(False)) == 0.0
     # Relative spacing of the top decade: 1/128 (signed) and 1/256 (unsigned) of 0.9.
-    assert dynamic_map(True)[-2] - dynamic_map(True)[-3] == pytest.approx(0.9 / 64)
-    assert dynamic_map(False)[-2] - dynamic_map(False)[-3] == pytest.approx(0.9 / 128)
+    assert dynamic_map(True)[-2] - dynamic_map(True)[-3] == pytest.approx(0.9 / 64, rel=2.0**-40, abs=0)
+    assert dynamic_map(False)[-2] - dynamic_map(False)[-3] == pytest.approx(0.9 / 128, rel=2.0**-40, abs=0)
 
 
 @pytest.mark.parametrize("signed", [True, False])
