@@ -50,6 +50,25 @@ def test_forward_and_gradients_against_fp64(transposed, shape):
     assert snr_db(w_ref.grad, w8.grad) >= SNR_GRAD_DB
 
 
+def test_snr_floor_holds_for_one_rounding_and_fails_for_a_coarser_one():
+    # The floor's premise, with torch's own casts: operands scaled by a power of two into the
+    # top binade and rounded once to E4M3 clear the forward floor; one operand in E5M2
+    # (u = 2^-3, one bit coarser) falls below it, so the floor separates the two.
+    g = torch.Generator().manual_seed(0)
+    x, w = (
+        torch.randn(256, 128, generator=g, dtype=torch.float64),
+        torch.randn(192, 128, generator=g, dtype=torch.float64),
+    )
+
+    def rounded(t, dtype):
+        scale = 2.0 ** math.floor(math.log2(torch.finfo(dtype).max / t.abs().max().item()))
+        return (t * scale).to(dtype).double() / scale
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    assert snr_db(x @ w.t(), rounded(x, e4m3) @ rounded(w, e4m3).t()) >= SNR_FORWARD_DB
+    assert snr_db(x @ w.t(), rounded(x, e4m3) @ rounded(w, e5m2).t()) < SNR_FORWARD_DB
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_output_and_gradient_dtypes_follow_the_input(dtype):
     layer = FP8Linear(32, 16).to(dtype)
