@@ -16,9 +16,9 @@ from tests.helpers import bits_equal, snr_floor_db
 # SNR floors from the formats' unit roundoff (`snr_floor_db`): each GEMM operand is rounded
 # once (per-tensor scale: Gaussian data lands in the normal range), E[δ²] ≤ u²/3 per operand,
 # plus the output's rounding (BF16 at worst, 2^-8). Forward E4M3·E4M3: 25.8 dB; gradients
-# E5M2·E4M3: 21.9 dB. Gaussian significands (near log-uniform, E[δ²] ≈ 0.54·u²/12) give
-# ≈ 28.5 and ≈ 24.5 dB, as measured. An E5M2 forward operand (one coarser rounding) gives
-# 22.5 dB and fails the forward floor.
+# E5M2·E4M3: 21.9 dB. Gaussian significands (near log-uniform, E[δ²] ≈ 0.18·u²) give
+# ≈ 28.5 and ≈ 24.5 dB, as measured. E5M2 forward operands (one bit coarser) give 24.5 dB
+# (one) or 22.5 dB (both) and fail the forward floor.
 SNR_FORWARD_DB = snr_floor_db(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
 SNR_GRAD_DB = snr_floor_db(torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16)
 
