@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import weakref
 
 import torch
 
@@ -352,10 +353,28 @@ def dynamic_map(signed: bool) -> tuple[float, ...]:
 _MAPS = {signed: dynamic_map(signed) for signed in (True, False)}
 
 
-def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map's values and the midpoints between neighbours (the rounding boundaries)."""
+def _build_map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.tensor(_MAPS[signed], dtype=F32, device=device)
     return values, (values[1:] + values[:-1]) / 2
+
+
+# Eagerly, the map tensors are built once per (map, device) — once per fake mode for tensors of a
+# FakeTensorMode — so that a step makes no copy from the host; a compiled step builds them from
+# the tuples instead, as graph constants.
+_map_cache: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_fake_map_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map's values and the midpoints between neighbours (the rounding boundaries)."""
+    if torch.compiler.is_compiling():
+        return _build_map_tensors(signed, device)
+    fake_mode = torch._guards.detect_fake_mode()
+    cache = _map_cache if fake_mode is None else _fake_map_cache.setdefault(fake_mode, {})
+    key = (signed, torch.device(device))
+    if key not in cache:
+        cache[key] = _build_map_tensors(signed, device)
+    return cache[key]
 
 
 @functools.cache

@@ -285,17 +285,18 @@ class FP8ZeroAdamW(FP8AdamW):
 
     # --- step -------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight."""
+    def step(self, closure: Any = None, *, found_inf: torch.Tensor | None = None) -> Any:
+        """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight.
+        `found_inf` as `AdamW.step` (nonzero: nothing changes, the gathered weights included)."""
         self.check_attached()
         if self.begins_step():
-            self._step_owned_fp8_weights()
+            self._step_owned_fp8_weights(found_inf)
             self._pending_grads.difference_update(id(self.fp8_params[i]) for i in self.owned)
             if self.world > 1 and self.fp8_params:
                 self.all_gather_fp8_weights()
-        return super().step(closure)
+        return super().step(closure, found_inf=found_inf)
 
-    def _step_owned_fp8_weights(self) -> None:
+    def _step_owned_fp8_weights(self, found_inf: torch.Tensor | None = None) -> None:
         """FP8AdamW on the FP8 weights this rank owns and holds a gradient for, through the same
         buckets (and fast paths) as the groups' parameters: each weight with the formats of the
         optimizer's defaults (E4M3 m, FP16 v, scaled master) and the lr, betas and weight decay
@@ -315,7 +316,8 @@ class FP8ZeroAdamW(FP8AdamW):
             key = (self._fp8_group[i], composition, local.device)
             buckets.setdefault(key, []).append((p, local, self._gradient(p), state))
         for (index, composition, device), items in buckets.items():
-            self._step_bucket(index, groups[index], composition, device, items)
+            flag = None if found_inf is None else found_inf.reshape(()).to(device)
+            self._step_bucket(index, groups[index], composition, device, items, flag)
 
     def fp8_weight(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(E4M3 payload, scale) of FP8 weight `index`, as the FP8 layer's forward quantizes it."""

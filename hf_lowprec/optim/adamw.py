@@ -26,6 +26,9 @@ Run eagerly the function is the reference; `fastpath` compiles it. `AdamW` is th
 the rule, buckets of parameters sharing a composition, the lost-arithmetic tracking, and
 state that loads back in its own dtypes. A family is a subclass that says which composition
 a parameter gets (`composition`), in a few lines (`families.py`).
+
+Skipped steps (`step(found_inf=flag)`: nonzero skips) are decided on the device, without a
+host sync; the step counts and scalars that allows, and the rest of that story: `skipping`.
 """
 
 from __future__ import annotations
@@ -48,11 +51,9 @@ from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .rules import Rule
 from .scalars import B2, DECAY, EPS, OMB2, STEP, W1, adamw_scalars
+from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
-
-Tensors = list[torch.Tensor]
-
 
 #: Where each state key's bytes go ("optimizer" moments, "extra" components, scales and
 #: masters, "gradient" kept in the optimizer), for `hf_lowprec.memory` and the reports.
@@ -88,9 +89,12 @@ def adamw_math(
     theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, h: torch.Tensor, max_v: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `h` (see the module docstring)."""
-    m = m_old + h[W1] * (g - m_old)
-    v = torch.clamp(v_old * h[B2] + h[OMB2] * g * g, max=max_v)
-    return m, v, theta * h[DECAY] + h[STEP] * m / (root(v) + h[EPS])
+    one_minus_beta1, beta2, one_minus_beta2, step_size, eps, decay = (
+        h.select(0, i) for i in (W1, B2, OMB2, STEP, EPS, DECAY)
+    )
+    m = m_old + one_minus_beta1 * (g - m_old)
+    v = torch.clamp(v_old * beta2 + one_minus_beta2 * g * g, max=max_v)
+    return m, v, theta * decay + step_size * m / (root(v) + eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +125,23 @@ class Composition:
         return [state[k] for k in keys] + list(self.rule.stored(param, state))
 
     def step(
-        self, param: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None, *rest: Any
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+        *rest: Any,
+        found_inf: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One AdamW step of one parameter, in place; returns Δθ₃₂ (see the module docstring).
 
         `rest` is the stored tensors of m, v and the rule, then the scalar vector and the seed.
+        `found_inf`: None, or a 0-dim tensor; nonzero leaves every tensor untouched (the step runs
+        into copies, selected away with `torch.where`: fused by the compiled path) and Δθ = 0.
         """
         *stored, h, seed = rest
+        written = (param, *stored)
+        if found_inf is not None:  # step into copies, then keep the old bits where it is set
+            param, *stored = (tensor.clone() for tensor in written)
         split_m, split_v = len(self.m.suffixes), len(self.m.suffixes) + len(self.v.suffixes)
         m_stored, v_stored, rule_stored = stored[:split_m], stored[split_m:split_v], stored[split_v:]
         g = grad.float() if grad_scale is None else grad.float() / grad_scale
@@ -137,6 +151,10 @@ class Composition:
         self.m.encode_(m, *m_stored)
         self.v.encode_(v, *v_stored)
         self.rule.apply_(delta, theta, param, *rule_stored, seed=seed)
+        if found_inf is not None:
+            for original, stepped in zip(written, (param, *stored)):
+                select_(original, found_inf != 0, stepped)
+            delta = torch.where(found_inf != 0, 0.0, delta)
         return delta
 
 
@@ -334,12 +352,21 @@ class AdamW(LowPrecisionOptimizer):
         return self._generators[key]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim."""
+    def step(
+        self, closure: Callable[[], float] | None = None, *, found_inf: torch.Tensor | None = None
+    ) -> float | None:
+        """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim.
+
+        `found_inf`: a 0-dim float tensor on the parameters' device, nonzero to skip the step
+        (a loss scaler's overflow flag): θ and every state stay as they were, decided on the
+        device without a host sync (`skipping`).
+        """
+        check_found_inf(type(self).__name__, found_inf)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        flags = FlagPerDevice(found_inf)
         for group_index, group in enumerate(self.param_groups):
             buckets: dict[tuple[Composition, torch.device], list[tuple]] = {}
             for param in group["params"]:
@@ -355,7 +382,7 @@ class AdamW(LowPrecisionOptimizer):
                 self._complete_state(param, local, state, composition)
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
             for (composition, device), items in buckets.items():
-                self._step_bucket(group_index, group, composition, device, items)
+                self._step_bucket(group_index, group, composition, device, items, flags.on(device))
         self._after_step()
         return loss
 
@@ -366,22 +393,22 @@ class AdamW(LowPrecisionOptimizer):
         composition: Composition,
         device: torch.device,
         items: list[tuple],
+        found_inf: torch.Tensor | None = None,
     ) -> None:
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        scalars: dict[int, torch.Tensor] = {}
+        (beta1, beta2), counts = group["betas"], StepCounts([item[3] for item in items], device, found_inf)
+        rows_scalars = counts.scalars(
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"]
+        )
         seeds: list[torch.Tensor | None] = [None] * len(items)
         if composition.rule.needs_seed:
+            # A skipped step still draws its seeds (the generator's state lives on the host).
             generator = self._generator(device)
             drawn = torch.randint(0, 2**31 - 1, (len(items),), generator=generator, device=generator.device)
             seeds = list(drawn.to(device).unbind())
         rows = []
-        for (param, local, (grad, grad_scale), state), seed in zip(items, seeds):
-            t = state["step"] + 1
-            if t not in scalars:
-                scalars[t] = torch.tensor(adamw_scalars(t, **hyper), dtype=torch.float32, device=device)
+        for (param, local, (grad, grad_scale), state), scalars, seed in zip(items, rows_scalars, seeds):
             tensors = [local, grad, grad_scale, *(_local(t) for t in composition.stored(param, state))]
-            rows.append(ParamStep(tensors, composition.shaped(), scalars[t], seed))
+            rows.append(ParamStep(tensors, composition.shaped(), scalars, seed, found_inf))
         track = self.track_updates
         befores = [_local(self.held_value(item[0])) for item in items] if track else None
         updates = run_bucket(
@@ -394,8 +421,7 @@ class AdamW(LowPrecisionOptimizer):
             counter=self.paths_taken,
         )
         # Counted once the bucket has stepped: a path that refuses to run leaves the state as it was.
-        for item in items:
-            item[3]["step"] += 1
+        counts.advance()
         if befores is not None and updates is not None:
             for (param, local, _, _), before, update in zip(items, befores, updates):
                 update = update.reshape(-1)[: local.numel()].view(local.shape)
@@ -427,7 +453,7 @@ class AdamW(LowPrecisionOptimizer):
 def _step_function(composition: Composition) -> Callable[..., torch.Tensor]:
     """`composition.step` as a plain function (what `fastpath` compiles, once per composition)."""
 
-    def adamw_step(*args: Any) -> torch.Tensor:
-        return composition.step(*args)
+    def adamw_step(*args: Any, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+        return composition.step(*args, found_inf=found_inf)
 
     return adamw_step

@@ -112,6 +112,8 @@ class ParamStep:
     shaped: Sequence[bool]
     scalars: torch.Tensor
     seed: torch.Tensor | None
+    #: The step's found-inf flag (0-dim, the parameter's device; nonzero: leave every tensor as it was).
+    found_inf: torch.Tensor | None = None
 
 
 def _stage(row: ParamStep, block: int) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -158,7 +160,7 @@ def run_bucket(
     want_updates: bool,
     counter: collections.Counter | None = None,
 ) -> list[torch.Tensor] | None:
-    """Run `function(*tensors, scalars, seed)` on every row, compiled or eagerly as `mode` says.
+    """Run `function(*tensors, scalars, seed, found_inf=...)` on every row, compiled or eagerly as `mode` says.
 
     Args:
         key: names the function for logs and the broken-kernel set (its composition).
@@ -194,7 +196,7 @@ def run_bucket(
     updates = []
     for row in rows:
         staged, write_back = _stage(row, block)
-        delta = function(*staged, row.scalars, row.seed)
+        delta = function(*staged, row.scalars, row.seed, found_inf=row.found_inf)
         _unstage(write_back)
         if want_updates:
             updates.append(delta)
@@ -217,7 +219,9 @@ def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: coll
         _log_once(logging.INFO, f"optimizer step: no native kernel ({reason}); trying the compiled step of {key}")
         return False
     staged = [_stage(row, 1) for row in rows]
-    flat_rows = [ParamStep(tensors, row.shaped, row.scalars, row.seed) for (tensors, _), row in zip(staged, rows)]
+    flat_rows = [
+        ParamStep(tensors, row.shaped, row.scalars, row.seed, row.found_inf) for (tensors, _), row in zip(staged, rows)
+    ]
     _log_once(logging.INFO, f"optimizer step: native {key}")
     native_call(key, flat_rows)()
     for _, write_back in staged:
@@ -228,8 +232,8 @@ def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: coll
 
 
 def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
-    def discard(*args: torch.Tensor | None) -> None:
-        function(*args)
+    def discard(*args: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
+        function(*args, found_inf=found_inf)
 
     discard.__name__ = discard.__qualname__ = f"step_{abs(hash(key))}"
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
@@ -241,7 +245,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
                         torch._dynamo.mark_static(tensor, 1)
             parallel = row.tensors[0].numel() >= PARALLEL_MIN_NUMEL
             try:
-                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed)
+                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed, found_inf=row.found_inf)
             except Exception as error:  # a backend failure: fall back in "auto", never lose a step
                 if mode == "compiled" or index:
                     # After the first row the graph is built: a later failure is not a

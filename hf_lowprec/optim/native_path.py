@@ -91,6 +91,7 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
     stored = [r.tensors[3:] for r in rows]
     scalars = torch.stack([r.scalars for r in rows]).cpu()
     rule, m_format = composition.rule, composition.m
+    flag = rows[0].found_inf
     split = len(m_format.suffixes)
     m = [s[0] for s in stored]
     v = [s[split] for s in stored]
@@ -105,6 +106,7 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
             [s[split + 1] for s in stored],
             scalars,
             block_size=m_format.block_size,
+            found_inf=flag,
         )
     if isinstance(m_format, GroupFP8):
         groups = m_format.group_size
@@ -112,7 +114,15 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
         m_fields = [tuple(s[:split]) for s in stored]
         v_fields = [tuple(s[split : 2 * split]) for s in stored]
         return lambda: native.coat_step(
-            params, errors, grads, m_fields, v_fields, scalars, group_size=groups, expand=m_format.expand
+            params,
+            errors,
+            grads,
+            m_fields,
+            v_fields,
+            scalars,
+            group_size=groups,
+            expand=m_format.expand,
+            found_inf=flag,
         )
     if isinstance(m_format, Scaled):
         masters = [s[-1] if isinstance(rule, ScaledMaster) else None for s in stored]
@@ -127,16 +137,19 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
             [s[split + 1] for s in stored],
             scalars,
             margin=m_format.margin,
+            found_inf=flag,
         )
     if isinstance(rule, Grow):
         plus = isinstance(composition.v, Pair)
         errors = [s[split + 1] for s in stored] if plus else None
-        return lambda: native.collage_step(params, [s[-1] for s in stored], grads, m, v, errors, scalars)
+        return lambda: native.collage_step(
+            params, [s[-1] for s in stored], grads, m, v, errors, scalars, found_inf=flag
+        )
     if isinstance(rule, Kahan):
-        return lambda: native.kahan_step(params, [s[-1] for s in stored], grads, m, v, scalars)
+        return lambda: native.kahan_step(params, [s[-1] for s in stored], grads, m, v, scalars, found_inf=flag)
     if isinstance(rule, StochasticRounding):
         seeds = torch.stack([r.seed for r in rows]).cpu()
-        return lambda: native.sr_step(params, grads, m, v, scalars, seeds)
+        return lambda: native.sr_step(params, grads, m, v, scalars, seeds, found_inf=flag)
     if isinstance(rule, Master):
-        return lambda: native.master_step(params, [s[-1] for s in stored], grads, m, v, scalars)
-    return lambda: native.adamw_step(params, grads, m, v, scalars)
+        return lambda: native.master_step(params, [s[-1] for s in stored], grads, m, v, scalars, found_inf=flag)
+    return lambda: native.adamw_step(params, grads, m, v, scalars, found_inf=flag)

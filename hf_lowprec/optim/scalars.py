@@ -1,7 +1,14 @@
 """The per-step scalars of AdamW, one definition for every path (reference, compiled, native).
 
 Slots: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2, tiny),
-DECAY = −α·λ, with c1 = 1 − β1^t and c2 = 1 − β2^t, computed in FP64 on the host.
+DECAY = −α·λ, with c1 = 1 − β1^t and c2 = 1 − β2^t, computed in FP64 and rounded once to FP32.
+
+Two places compute them, with the same bits on CPU: the host (`adamw_scalars`, Python floats,
+while the step counts are host integers) and the device (`device_scalar_rows`, from 0-dim FP64
+step tensors, once a skipped step may have left the host not knowing t). The device sequence is
+the host's operation for operation: β^t is libm's `pow` in both (0-dim CPU tensors take the
+scalar loop), every other operation is one IEEE-rounded FP64 operation. Neither copies from
+the host to the device: `scalar_rows` fills host values in (a kernel argument, not a copy).
 """
 
 from __future__ import annotations
@@ -10,10 +17,11 @@ import math
 
 import torch
 
-__all__ = ["B2", "DECAY", "EPS", "OMB2", "STEP", "W1", "adamw_scalars"]
+__all__ = ["B2", "DECAY", "EPS", "OMB2", "STEP", "W1", "adamw_scalars", "device_scalar_rows", "scalar_rows"]
 
 # Slots of the per-step scalar vector.
 W1, B2, OMB2, STEP, EPS, DECAY = range(6)
+_TINY = torch.finfo(torch.float32).smallest_normal
 
 
 def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
@@ -22,6 +30,45 @@ def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: floa
     values = [0.0] * 6
     values[W1], values[B2], values[OMB2] = 1.0 - beta1, beta2, 1.0 - beta2
     values[STEP] = -lr * sqrt_c2 / (1.0 - beta1**step)
-    values[EPS] = max(eps * sqrt_c2, torch.finfo(torch.float32).smallest_normal)
+    values[EPS] = max(eps * sqrt_c2, _TINY)
     values[DECAY] = -lr * weight_decay
     return values
+
+
+def scalar_rows(step: int, device: torch.device, **hyper: float) -> torch.Tensor:
+    """`adamw_scalars(step)` as an FP32 tensor on `device`: built in place on a CPU, filled in
+    slot by slot elsewhere (no pageable copy from the host)."""
+    values = adamw_scalars(step, **hyper)
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.float32)
+    row = torch.empty(len(values), dtype=torch.float32, device=device)
+    for slot, value in enumerate(values):
+        row.select(0, slot).fill_(value)
+    return row
+
+
+def device_scalar_rows(
+    steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> list[torch.Tensor]:
+    """The scalar rows of the next step of each 0-dim FP64 step count in `steps` (one device),
+    computed there in FP64 as `adamw_scalars` computes them on the host, rounded once to FP32."""
+    t = torch._foreach_add(steps, 1.0)
+    c1 = torch._foreach_pow(beta1, t)
+    torch._foreach_neg_(c1)
+    torch._foreach_add_(c1, 1.0)  # fl(1 − β1^t): negation is exact
+    c2 = torch._foreach_pow(beta2, t)
+    torch._foreach_neg_(c2)
+    torch._foreach_add_(c2, 1.0)
+    sqrt_c2 = torch._foreach_sqrt(c2)
+    step = torch._foreach_mul(sqrt_c2, -lr)
+    torch._foreach_div_(step, c1)
+    eps_row = torch._foreach_mul(sqrt_c2, eps)
+    torch._foreach_maximum_(eps_row, _TINY)
+    table = torch.empty(len(steps), 6, dtype=torch.float64, device=steps[0].device)
+    table[:, W1].fill_(1.0 - beta1)
+    table[:, B2].fill_(beta2)
+    table[:, OMB2].fill_(1.0 - beta2)
+    table[:, STEP] = torch.stack(step)
+    table[:, EPS] = torch.stack(eps_row)
+    table[:, DECAY].fill_(-lr * weight_decay)
+    return list(table.float().unbind())

@@ -32,6 +32,10 @@ Threads: each call splits its whole bucket into blocks of 32768 elements and run
 ATen's intra-op pool (`at::parallel_for`: OpenMP in PyTorch's CPU builds, sized by
 `torch.set_num_threads`); a bucket under 32768 elements runs on the calling thread.
 
+Skipped steps: every entry point takes `found_inf` (None, or a one-element floating CPU tensor);
+the kernel checks its arguments, reads the flag once and, when it is nonzero (NaN included),
+returns without writing anything.
+
 Per-parameter scalars: an (n, 6) FP32 CPU tensor, one row per parameter, the optimizers'
 per-step scalars: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2,
 tiny), DECAY = −α·λ with c1 = 1 − β1^t, c2 = 1 − β2^t, computed in FP64 and rounded once
@@ -165,6 +169,7 @@ def adamw_step(
     exp_avg_sqs: Tensors,
     scalars: torch.Tensor,
     *,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
@@ -176,7 +181,9 @@ def adamw_step(
     Dtypes: θ FP32, BF16 or FP16; g FP32, BF16 or FP16; m and v one dtype, FP32 (any θ) or BF16
     (BF16 θ). Every tensor contiguous, on CPU, the parameter's size. `isa` overrides `isa()`.
     """
-    _module().adamw_step(_flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa))
+    _module().adamw_step(
+        _flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, found_inf, _isa_code(isa)
+    )
 
 
 def collage_step(
@@ -188,6 +195,7 @@ def collage_step(
     exp_avg_sq_errors: Tensors | None,
     scalars: torch.Tensor,
     *,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """Collage AdamW in place: light when `exp_avg_sq_errors` is None,
@@ -199,16 +207,16 @@ def collage_step(
     Dtypes: θ and δθ BF16 with moments (and δv) BF16 or FP32, or all FP32; g FP32, BF16 or FP16.
     """
     errors = None if exp_avg_sq_errors is None else _flat(exp_avg_sq_errors)
-    _module().collage_step(
-        _flat(params),
-        _flat(param_errors),
-        _flat(grads),
-        _flat(exp_avgs),
-        _flat(exp_avg_sqs),
-        errors,
-        scalars,
-        _isa_code(isa),
-    )
+    flat = (_flat(t) for t in (params, param_errors, grads, exp_avgs, exp_avg_sqs))
+    _module().collage_step(*flat, errors, scalars, found_inf, _isa_code(isa))
+
+
+def _with_rule_tensors(
+    kernel: str, params, rule_tensors, grads, exp_avgs, exp_avg_sqs, scalars, found_inf, isa
+) -> None:
+    """Call `kernel`, whose rule keeps one tensor per parameter (a compensation, a master)."""
+    flat = (_flat(t) for t in (params, rule_tensors, grads, exp_avgs, exp_avg_sqs))
+    getattr(_module(), kernel)(*flat, scalars, found_inf, _isa_code(isa))
 
 
 def kahan_step(
@@ -219,15 +227,14 @@ def kahan_step(
     exp_avg_sqs: Tensors,
     scalars: torch.Tensor,
     *,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """`KahanAdamW` in place: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
 
     Dtypes: θ and k BF16 with moments BF16 or FP32, or FP16 with FP32 moments; g FP32, BF16 or FP16.
     """
-    _module().kahan_step(
-        _flat(params), _flat(compensations), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa)
-    )
+    _with_rule_tensors("kahan_step", params, compensations, grads, exp_avgs, exp_avg_sqs, scalars, found_inf, isa)
 
 
 def sr_step(
@@ -238,6 +245,7 @@ def sr_step(
     scalars: torch.Tensor,
     seeds: torch.Tensor,
     *,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂) (`StochasticRoundingAdamW`,
@@ -250,9 +258,8 @@ def sr_step(
 
     Dtypes: θ BF16; moments BF16 or FP32; g FP32, BF16 or FP16; `seeds` int64, one per parameter.
     """
-    _module().sr_step(
-        _flat(params), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, seeds.reshape(-1), _isa_code(isa)
-    )
+    flat = (_flat(t) for t in (params, grads, exp_avgs, exp_avg_sqs))
+    _module().sr_step(*flat, scalars, seeds.reshape(-1), found_inf, _isa_code(isa))
 
 
 def master_step(
@@ -263,6 +270,7 @@ def master_step(
     exp_avg_sqs: Tensors,
     scalars: torch.Tensor,
     *,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """`MasterWeightAdamW` in place: AdamW on the FP32 master θ₃₂ (FP32 moments), then the
@@ -270,9 +278,7 @@ def master_step(
 
     Dtypes: θ BF16, FP16 (or FP32); masters and moments FP32; g FP32, BF16 or FP16.
     """
-    _module().master_step(
-        _flat(params), _flat(masters), _flat(grads), _flat(exp_avgs), _flat(exp_avg_sqs), scalars, _isa_code(isa)
-    )
+    _with_rule_tensors("master_step", params, masters, grads, exp_avgs, exp_avg_sqs, scalars, found_inf, isa)
 
 
 def fp8_adamw_step(
@@ -287,6 +293,7 @@ def fp8_adamw_step(
     scalars: torch.Tensor,
     *,
     margin: int = 0,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """`fp8_adamw.fp8_adamw_param_step` in place over a bucket (the step counts are the caller's).
@@ -313,18 +320,10 @@ def fp8_adamw_step(
     """
     flat_scales = [None if s is None else s.detach() for s in master_scales]
     grad_scales = [None if s is None else s.detach() for s in grad_scales]
+    m, v = _flat(exp_avgs), _flat(exp_avg_sqs)
+    moments = (m, list(exp_avg_scales), v, list(exp_avg_sq_scales))
     _module().fp8_adamw_step(
-        _flat(params),
-        flat_scales,
-        _flat(grads),
-        grad_scales,
-        _flat(exp_avgs),
-        list(exp_avg_scales),
-        _flat(exp_avg_sqs),
-        list(exp_avg_sq_scales),
-        scalars,
-        margin,
-        _isa_code(isa),
+        _flat(params), flat_scales, _flat(grads), grad_scales, *moments, scalars, margin, found_inf, _isa_code(isa)
     )
 
 
@@ -346,6 +345,7 @@ def coat_step(
     *,
     group_size: int = 128,
     expand: bool = True,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """`COATAdamW`'s step in place, group by group of `group_size`.
@@ -381,6 +381,7 @@ def coat_step(
         scalars,
         group_size,
         expand,
+        found_inf,
         _isa_code(isa),
     )
 
@@ -396,6 +397,7 @@ def eightbit_step(
     scalars: torch.Tensor,
     *,
     block_size: int = 256,
+    found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
     """`Collage8bitAdamW`'s step in place: blockwise 8-bit m (signed dynamic map) and v
@@ -429,5 +431,6 @@ def eightbit_step(
         m_nan,
         v_map,
         v_nan,
+        found_inf,
         _isa_code(isa),
     )

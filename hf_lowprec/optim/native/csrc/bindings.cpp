@@ -106,6 +106,16 @@ void fill_scalars(const char* fn, const at::Tensor& scalars, std::vector<Row>& r
   for (size_t i = 0; i < rows.size(); ++i) std::memcpy(rows[i].h, data + 6 * i, 6 * sizeof(float));
 }
 
+// The found-inf flag: read once, after the arguments are checked and before anything is
+// written; nonzero (NaN included) skips the whole step.
+bool step_skipped(const char* fn, const std::optional<at::Tensor>& found_inf) {
+  if (!found_inf) return false;
+  TORCH_CHECK(found_inf->device().is_cpu() && found_inf->numel() == 1 && at::isFloatingType(found_inf->scalar_type()),
+              fn, ": found_inf must be a one-element floating CPU tensor (nonzero skips the step), got ",
+              found_inf->scalar_type(), " ", found_inf->sizes(), " on ", found_inf->device());
+  return found_inf->item<double>() != 0.0;
+}
+
 struct Block {
   int64_t row, begin, end;
 };
@@ -168,18 +178,19 @@ Row base_row(const char* fn, size_t i, const at::Tensor& param, const at::Tensor
 }
 
 void adamw_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const at::Tensor& scalars, int64_t isa) {
+                const TensorList& exp_avg_sqs, const at::Tensor& scalars, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "adamw_step";
   check_lengths(fn, params.size(), {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}});
   std::vector<Row> rows;
   for (size_t i = 0; i < params.size(); ++i) rows.push_back(base_row(fn, i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]));
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->adamw, rows);
 }
 
 void collage_step(const TensorList& params, const TensorList& param_errors, const TensorList& grads,
                   const TensorList& exp_avgs, const TensorList& exp_avg_sqs,
-                  const std::optional<TensorList>& exp_avg_sq_errors, const at::Tensor& scalars, int64_t isa) {
+                  const std::optional<TensorList>& exp_avg_sq_errors, const at::Tensor& scalars, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "collage_step";
   check_lengths(fn, params.size(), {{"param_errors", param_errors.size()}, {"grads", grads.size()},
                                     {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}});
@@ -201,12 +212,13 @@ void collage_step(const TensorList& params, const TensorList& param_errors, cons
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   const Table* t = table_for(isa);
   run_rows(fn, exp_avg_sq_errors ? t->collage_plus : t->collage_light, rows);
 }
 
 void kahan_step(const TensorList& params, const TensorList& compensations, const TensorList& grads,
-                const TensorList& exp_avgs, const TensorList& exp_avg_sqs, const at::Tensor& scalars, int64_t isa) {
+                const TensorList& exp_avgs, const TensorList& exp_avg_sqs, const at::Tensor& scalars, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "kahan_step";
   check_lengths(fn, params.size(), {{"compensations", compensations.size()}, {"grads", grads.size()},
                                     {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}});
@@ -220,11 +232,12 @@ void kahan_step(const TensorList& params, const TensorList& compensations, const
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->kahan, rows);
 }
 
 void sr_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-             const TensorList& exp_avg_sqs, const at::Tensor& scalars, const at::Tensor& seeds, int64_t isa) {
+             const TensorList& exp_avg_sqs, const at::Tensor& scalars, const at::Tensor& seeds, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "sr_step";
   check_lengths(fn, params.size(), {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}});
   TORCH_CHECK(seeds.device().is_cpu() && seeds.scalar_type() == at::kLong &&
@@ -241,11 +254,12 @@ void sr_step(const TensorList& params, const TensorList& grads, const TensorList
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->sr, rows);
 }
 
 void master_step(const TensorList& params, const TensorList& masters, const TensorList& grads,
-                 const TensorList& exp_avgs, const TensorList& exp_avg_sqs, const at::Tensor& scalars, int64_t isa) {
+                 const TensorList& exp_avgs, const TensorList& exp_avg_sqs, const at::Tensor& scalars, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "master_step";
   check_lengths(fn, params.size(), {{"masters", masters.size()}, {"grads", grads.size()},
                                     {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}});
@@ -260,6 +274,7 @@ void master_step(const TensorList& params, const TensorList& masters, const Tens
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->master, rows);
 }
 
@@ -297,7 +312,7 @@ float format_max_of(int d) {
 void fp8_adamw_step(const TensorList& params, const OptionalList& master_scales, const TensorList& grads,
                     const OptionalList& grad_scales, const TensorList& exp_avgs, const TensorList& exp_avg_scales,
                     const TensorList& exp_avg_sqs, const TensorList& exp_avg_sq_scales, const at::Tensor& scalars,
-                    int64_t margin, int64_t isa) {
+                    int64_t margin, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "fp8_adamw_step";
   const size_t n = params.size();
   check_lengths(fn, n, {{"master_scales", master_scales.size()}, {"grads", grads.size()},
@@ -344,6 +359,7 @@ void fp8_adamw_step(const TensorList& params, const OptionalList& master_scales,
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   const Table* table = table_for(isa);
   // Pass 1: the amax of the new m, v and θ (the scales need the whole tensor first).
   std::vector<uint32_t> amax;
@@ -379,7 +395,7 @@ void coat_step(const TensorList& params, const std::optional<TensorList>& param_
                const TensorList& m_payloads, const TensorList& m_scales, const TensorList& m_exponents,
                const TensorList& m_centers, const TensorList& v_payloads, const TensorList& v_scales,
                const TensorList& v_exponents, const TensorList& v_centers, const at::Tensor& scalars,
-               int64_t group_size, bool expand, int64_t isa) {
+               int64_t group_size, bool expand, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "coat_step";
   const size_t n = params.size();
   check_lengths(fn, n, {{"grads", grads.size()}, {"exp_avg payloads", m_payloads.size()},
@@ -438,6 +454,7 @@ void coat_step(const TensorList& params, const std::optional<TensorList>& param_
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->coat, rows, nullptr, group_size);
 }
 
@@ -462,7 +479,7 @@ void set_map(const char* fn, Row& r, int map, const TensorList& tables, int64_t 
 void eightbit_step(const TensorList& params, const TensorList& param_errors, const TensorList& grads,
                    const TensorList& m_codes, const TensorList& m_absmax, const TensorList& v_codes,
                    const TensorList& v_absmax, const at::Tensor& scalars, int64_t block_size,
-                   const TensorList& m_map, int64_t m_nan, const TensorList& v_map, int64_t v_nan, int64_t isa) {
+                   const TensorList& m_map, int64_t m_nan, const TensorList& v_map, int64_t v_nan, const std::optional<at::Tensor>& found_inf, int64_t isa) {
   const char* fn = "eightbit_step";
   const size_t n = params.size();
   check_lengths(fn, n, {{"param_errors", param_errors.size()}, {"grads", grads.size()}, {"m_codes", m_codes.size()},
@@ -502,6 +519,7 @@ void eightbit_step(const TensorList& params, const TensorList& param_errors, con
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
+  if (step_skipped(fn, found_inf)) return;  // checked, nothing written
   run_rows(fn, table_for(isa)->eightbit, rows, nullptr, block_size);
 }
 
