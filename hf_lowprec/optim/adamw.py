@@ -334,8 +334,12 @@ class AdamW(LowPrecisionOptimizer):
         return self._generators[key]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(
+        self, closure: Callable[[], float] | None = None, *, found_inf: torch.Tensor | None = None
+    ) -> float | None:
         """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim."""
+        if found_inf is not None:  # TEMP: replaced by the native branch
+            return self._step_unless_found_inf(closure, found_inf)  # TEMP: replaced by the native branch
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -357,6 +361,26 @@ class AdamW(LowPrecisionOptimizer):
             for (composition, device), items in buckets.items():
                 self._step_bucket(group_index, group, composition, device, items)
         self._after_step()
+        return loss
+
+    def _step_unless_found_inf(
+        self, closure: Any, found_inf: torch.Tensor
+    ) -> Any:  # TEMP: replaced by the native branch
+        """TEMP (replaced by the native branch): the step, then every tensor put back where
+        `found_inf` is set, without a host sync; the step counts and generators still advance."""
+        for group in self.param_groups:  # states a first step would create, made before the snapshot
+            for param in group["params"]:
+                state = self.state[param]
+                if param.grad is not None and "step" not in state:
+                    state.update({k: v for k, v in self.plan_state(param, group).items() if k not in state})
+                    self._complete_state(param, _local(param.detach()), state, self.composition(param, group))
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        held = [_local(p.detach()) for p in params]
+        held += [_local(v) for p in params for v in self.state.get(p, {}).values() if torch.is_tensor(v)]
+        saved = [t.clone() for t in held]
+        loss = self.step(closure)
+        for tensor, before in zip(held, saved):
+            tensor.copy_(torch.where(found_inf.to(tensor.device) != 0, before, tensor))
         return loss
 
     def _step_bucket(
