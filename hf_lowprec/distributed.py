@@ -1,4 +1,4 @@
-"""Small helpers for code that may run on FSDP2 shards (DTensors): the local shard, one agreement.
+"""Small helpers for code that may run on FSDP2 shards (DTensors): the local shard, agreement over ranks.
 
 No engine here, only what the strategies need to treat a sharded gradient like a plain one;
 `hf_lowprec.engines.fsdp2` builds on it.
@@ -17,7 +17,7 @@ try:  # FSDP2 parameters; a torch built without distributed support has none
 except ImportError:  # pragma: no cover
     DTensor = type("DTensor", (), {})  # matches no tensor
 
-__all__ = ["DTensor", "all_ranks_agree", "local_shard", "mark_sharded_by", "sharded_by", "sharded_like"]
+__all__ = ["DTensor", "all_ranks_agree", "any_rank", "local_shard", "mark_sharded_by", "sharded_by", "sharded_like"]
 
 # Set on the FSDP2 parameters that `hf_lowprec.engines.fsdp2` sharded (shard_model, the Accelerate path):
 # the strategy's name, so that `create_optimizer` can tell them from parameters sharded by hand.
@@ -53,12 +53,28 @@ def sharded_like(value: Any, param: torch.Tensor) -> Any:
     )
 
 
+def any_rank(found: torch.Tensor, tensors: Iterable[torch.Tensor] = (), group: Any = None) -> torch.Tensor:
+    """`found` (a 0-dim tensor flag, nonzero = found) MAX-ed over the ranks, in place, without a
+    host sync: over the mesh of the first DTensor among `tensors` (FSDP2 shards), and over
+    `group` (DDP's process group, ZeRO's data-parallel group) when it spans several ranks.
+    One all-reduce per group; the flag lives on the tensors' device (NCCL needs that)."""
+    sharded = next((t for t in tensors if isinstance(t, DTensor)), None)
+    if sharded is not None:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return found
+
+
 def all_ranks_agree(flag: bool, tensors: Iterable[torch.Tensor]) -> bool:
-    """`flag` AND-ed over the ranks of the DTensors' mesh (one all-reduce), or `flag` when no
-    tensor is a DTensor. The flag tensor lives on the tensors' device (NCCL needs that)."""
+    """`flag` AND-ed over the ranks of the DTensors' mesh (one all-reduce and one host sync), or
+    `flag` when no tensor is a DTensor. Inside a training step use `any_rank`, which stays on
+    the device."""
+    tensors = list(tensors)
     sharded = next((t for t in tensors if isinstance(t, DTensor)), None)
     if sharded is None:
         return flag
-    value = torch.tensor(1.0 if flag else 0.0, device=sharded.to_local().device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=sharded.device_mesh.get_group())
-    return bool(value.item() == 1.0)
+    missing = torch.zeros((), device=sharded.to_local().device)
+    if not flag:
+        missing.fill_(1.0)
+    return not bool(any_rank(missing, tensors))

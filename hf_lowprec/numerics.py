@@ -31,6 +31,7 @@ __all__ = [
     "foreach_two_sum_",
     "grow",
     "mul_expansion",
+    "nonfinite_flag",
     "pow_nonnegative",
     "round_to_dtype",
     "sqrt_rn",
@@ -81,14 +82,23 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when no tensor holds inf or NaN: one pass per tensor and one host sync.
+def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """1.0 when some tensor holds inf or NaN, else 0.0: a 0-dim FP32 tensor on the tensors' device
+    (`device` when the list is empty), computed without a host sync.
 
     An inf is a tensor's minimum or maximum, and both propagate NaN, so the extremes from
     `torch.aminmax` decide (5× faster on CPU than the inf-norm that said the same).
     """
     extremes = [t.float() for x in tensors if x.numel() for t in torch.aminmax(x.detach())]
-    return not extremes or bool(torch.stack(extremes).isfinite().all())
+    if not extremes:
+        where = tensors[0].device if tensors else device
+        return torch.zeros((), dtype=torch.float32, device=where if where is not None else "cpu")
+    return torch.stack(extremes).isfinite().logical_not().any().to(torch.float32)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when no tensor holds inf or NaN: `nonfinite_flag` read on the host (one sync)."""
+    return not bool(nonfinite_flag(tensors))
 
 
 def _low_dtype(*values: Number) -> torch.dtype:

@@ -11,6 +11,7 @@ from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.report import (
     PrecisionPromiseError,
     SilentPrecisionWarning,
+    describe,
     format_report,
     plan_model_state,
     zero_per_rank,
@@ -73,7 +74,7 @@ def test_describe_reports_the_live_dtypes(name):
     strategy = hf_lowprec.get_strategy(name)
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-    report = strategy.describe(model, optimizer)
+    report = describe(strategy, model, optimizer)
     json.dumps(report)  # serialisable as it is written to the output directory
     assert report["strategy"] == name
     assert report["violations"] == []

@@ -28,7 +28,8 @@ def one_step(scaler, grad):
     model.w.grad = grad.to(torch.float16).clone()
     scaler.unscale_(optimizer)
     scaler.step(optimizer)
-    return scaler.update(), model.w.grad
+    scaler.update()
+    return scaler.get_scale(), model.w.grad
 
 
 def saturating():
@@ -84,7 +85,8 @@ def test_overflow_is_clipped_not_skipped_and_counted():
     assert bits_equal(model.w.grad, torch.tensor([FP16_MAX / 4, -FP16_MAX / 4, 2.0, 0.0], dtype=torch.float16))
     scaler.step(optimizer)
     assert torch.isfinite(model.w).all() and model.w[2] == -2.0  # the step happened
-    assert scaler.update() == 2.0
+    scaler.update()
+    assert scaler.get_scale() == 2.0
     assert scaler.last_clipped == 2 and scaler.total_clipped == 2
 
 
@@ -104,7 +106,8 @@ def test_nan_skips_the_step_and_halves_at_once():
     scaler.unscale_(optimizer)
     assert scaler.step(optimizer) is None
     assert bits_equal(model.w.detach(), torch.zeros(3, dtype=torch.float16))
-    assert scaler.update() == 4.0  # mid-period, halved anyway
+    scaler.update()
+    assert scaler.get_scale() == 4.0  # mid-period, halved anyway
 
 
 def linear_model():
@@ -124,7 +127,8 @@ def test_activation_gradients_are_counted():
         (model(x).float().sum() * 1e4).backward()
         assert model[0].weight.grad.abs().max() < EDGE
         scaler.unscale_(optimizer)
-        scales[track] = scaler.update()
+        scaler.update()
+        scales[track] = scaler.get_scale()
     assert scales == {True: 0.5, False: 2.0}
 
 
@@ -150,9 +154,12 @@ def test_activation_overflow_is_clipped_in_backward_and_named_once(caplog):
             assert bits_equal(model[0].weight.grad, torch.full((4, 4), 4094.0, dtype=torch.float16))
         scaler.unscale_(optimizer)
         scaler.update()
+        assert not caplog.records  # a step logs nothing (it would have to wait for the device)
+    assert scaler.log_overflows() == ["0"]
     named = [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()]
-    assert len(named) == 2, named  # steps 0 and 3, not step 1 (same occurrence as step 0)
-    assert all(m.endswith("in: 0") for m in named)
+    # Two episodes (steps 0-1 and step 3), not three: step 1 continues step 0's.
+    assert len(named) == 1 and named[0].endswith("in: 0 (2×)"), named
+    assert scaler.log_overflows() == [] and len(caplog.records) == 1  # read once
 
 
 def test_state_dict_round_trip_and_bounds():
@@ -258,3 +265,13 @@ def test_running_mean_hook_clamps_opposite_infinities():
 def test_running_mean_k_starts_at_one():
     with pytest.raises(ValueError, match="counts from 1"):
         running_mean_(torch.zeros(1), torch.ones(1), 0)
+
+
+def test_the_smallest_scale_unscales_in_fp32_without_rounding_its_inverse_to_inf():
+    # At scale 2^-16 the inverse 2^16 exceeds FP16's 65504: the product is formed in FP32 and
+    # rounded once. ×2^16 is exact; FP16's smallest subnormal 2^-24 becomes 2^-8, 0.5 becomes
+    # 32768, and 1.0 → 65536 does not fit: saturated at 65504, not inf.
+    scaler = AutomaticLossScaler(init_scale=2.0**-16, min_scale=2.0**-16)
+    _, grad = one_step(scaler, torch.tensor([2.0**-24, 0.5, 1.0, -(2.0**-10)]))
+    assert grad.tolist() == [2.0**-8, 32768.0, FP16_MAX, -64.0]
+    assert scaler.get_scale() == 2.0**-15  # the histogram (taken before unscaling) has no upper bin: doubled

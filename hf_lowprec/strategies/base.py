@@ -13,6 +13,18 @@ strategy through the same hooks:
 
 or, for the last four lines, `loss = strategy.train_step(model, batch, optimizer)`.
 
+**The step never waits for the device.** Whether a step is skipped is a tensor, not a Python
+bool: `process_gradients(optimizer)` returns `found_inf`, a 0-dim FP32 tensor on the
+gradients' device, 1.0 where the step must be skipped (non-finite gradients, MAX-ed over the
+data-parallel ranks by an all-reduce of the tensor), 0.0 otherwise; `optimizer_step(optimizer,
+found_inf)` hands it to the inner optimizer as `step(found_inf=...)`, which leaves θ and every
+state untouched where it is set (as torch's fused AdamW does with GradScaler's flag). Loss
+scales and their decisions stay on the device too. The host reads the device only when a user
+reads a counter: `metrics()` (logging steps), `state_dict()` (checkpoints), and
+`StrategyOptimizer.step_was_skipped`, which waits for the device when read (as GradScaler-based
+loops do to skip their LR scheduler step). `lost_arithmetic_metrics` reads the device on its
+measured steps only.
+
 This module is long because the hooks and `StrategyOptimizer`, the wrapper that runs them
 around any optimizer, are one contract that every strategy and integration reads together.
 """
@@ -29,10 +41,11 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from .. import report
+from ..distributed import any_rank, local_shard
 from ..metrics import edq, imprecision_percentage
-from ..numerics import all_finite
+from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
+from ..scaling import step_unless
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
@@ -159,7 +172,10 @@ class PrecisionStrategy:
                 f"precision strategy {self.name!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
             )
         self.options = self.Options(**options)
-        self.skipped_steps = 0
+        # Skipped steps: those counted before a resume (host), plus this run's on the device.
+        self._skipped_before = 0
+        self._skipped_on_device: torch.Tensor | None = None
+        self._skipped_logged = 0
         self.measure_next_step = False
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
@@ -305,18 +321,51 @@ class PrecisionStrategy:
         return None
 
     # --- step --------------------------------------------------------------------------
-    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Work on gradients before the step; return False to skip this step."""
-        if not self.skips_nonfinite:
-            return True
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Work on gradients before the step; `found_inf`, whether to skip it, without a host sync.
+
+        Returns a 0-dim FP32 tensor on the gradients' device: 1.0 where the step must be
+        skipped (here: some gradient holds inf or NaN and `skips_nonfinite` is set), 0.0
+        otherwise. Every rank returns the same value: the flag is MAX-ed over the FSDP2 mesh
+        (each rank checked its shards) and over `set_data_parallel_group`'s group (under ZeRO
+        each rank checked its partition) by an all-reduce of the tensor. An override keeps
+        all three: a tensor, no `.item()` or `bool()` of device data, agreed over the ranks.
+        """
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        finite = _agree(all_finite([_local(g) for g in grads]), grads)
-        return _agree_over(finite, self._data_parallel_group, params[0].device if params else None)
+        device = local_shard(params[0]).device if params else None
+        if not self.skips_nonfinite:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        found_inf = nonfinite_flag([local_shard(g) for g in grads], device)
+        return any_rank(found_inf, grads, self._data_parallel_group)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
-        """The step itself."""
-        return optimizer.step(closure)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
+        """The step itself: the inner optimizer's `step(found_inf=found_inf)`, which leaves θ and
+        every state untouched where `found_inf` is nonzero (see `step_unless`)."""
+        return step_unless(optimizer, found_inf)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far, this run's read from the device (a sync: read it when logging)."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
+        return self._skipped_before + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_before = int(value)
+        self._skipped_on_device = None
+        self._skipped_logged = min(self._skipped_logged, self._skipped_before)
+
+    def count_skip(self, found_inf: torch.Tensor) -> None:
+        """Add this step's `found_inf` (0 or 1) to the skipped-step counter, on the device.
+
+        An FP32 counter: exact up to 2^24 skipped steps."""
+        if self._skipped_on_device is None or self._skipped_on_device.device != found_inf.device:
+            base = self._skipped_on_device
+            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+            if base is not None:  # the gradients moved device: carry the count over (once)
+                self._skipped_before += int(base.item())
+        self._skipped_on_device.add_(found_inf)
 
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None:
         """(state, hook) for `ddp_model.register_comm_hook`, or None to keep DDP's all-reduce."""
@@ -333,10 +382,6 @@ class PrecisionStrategy:
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         """The dtypes trainable parameters may have after `prepare_model` (checked at startup)."""
         return (self.param_dtype,)
-
-    def describe(self, model: torch.nn.Module, optimizer: Any | None = None, **context: Any) -> dict[str, Any]:
-        """What is active on `model` and `optimizer` (see `hf_lowprec.report.describe`)."""
-        return report.describe(self, model, optimizer, **context)
 
     # --- state and metrics -------------------------------------------------------------
     def full_precision_state_dict(
@@ -391,11 +436,13 @@ class PrecisionStrategy:
         return state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the strategy needs to continue bit-for-bit (counters, scales)."""
+        """Everything the strategy needs to continue bit-for-bit (counters, scales), as plain
+        Python values: reading it waits for the device (checkpoints only)."""
         return {"skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skipped_logged = self._skipped_before
 
     def check_resume_options(self, saved: dict[str, Any], where: str) -> list[str]:
         """Compare this strategy's options with the `saved` ones (read from `where`).
@@ -420,8 +467,20 @@ class PrecisionStrategy:
         return changed
 
     def metrics(self) -> dict[str, float]:
-        """Metrics for the logs, under stable `precision/...` keys."""
-        return {"precision/skipped_steps": float(self.skipped_steps), **self._lost_arithmetic}
+        """Metrics for the logs, under stable `precision/...` keys.
+
+        Reads the device counters (a sync): call it at logging steps. Steps skipped since the
+        last call are logged here as one warning, since the step itself cannot know it on the host.
+        """
+        skipped = self.skipped_steps
+        if skipped > self._skipped_logged:
+            logger.warning(
+                "non-finite gradients: %d step(s) skipped since the last log (%d so far)",
+                skipped - self._skipped_logged,
+                skipped,
+            )
+            self._skipped_logged = skipped
+        return {"precision/skipped_steps": float(skipped), **self._lost_arithmetic}
 
     def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
         per_group: dict[int, list] = {}
@@ -447,16 +506,18 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's,
     so LR schedulers, gradient clipping and Accelerate's wrapper see an ordinary optimizer.
-    `step()` skips updates the strategy refuses (non-finite gradients) and records that in
-    `step_was_skipped`. `state_dict()` is the inner state dict plus the strategy's state under
-    the key "hf_lowprec", so a Trainer checkpoint carries both.
+    `step()` runs the strategy's hooks without a host sync: the inner optimizer takes the
+    strategy's `found_inf` tensor and skips on the device where it is set; the strategy counts
+    the skip on the device. `step_was_skipped` reads this step's flag (a sync, when read).
+    `state_dict()` is the inner state dict plus the strategy's state under the key
+    "hf_lowprec", so a Trainer checkpoint carries both.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: PrecisionStrategy) -> None:
         # The base __init__ would re-register parameters; this wrapper only delegates.
         self.optimizer = optimizer
         self.strategy = strategy
-        self.step_was_skipped = False
+        self._found_inf: torch.Tensor | None = None  # the last step's flag, on the device
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -494,31 +555,37 @@ class StrategyOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last `step()` was skipped. Reading it waits for the device (one sync),
+        as reading torch's GradScaler scale does; the step itself never does."""
+        return self._found_inf is not None and bool(self._found_inf)
+
     def step(self, closure: Callable | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.strategy.unscale_gradients(self.optimizer)
-        if not self.strategy.process_gradients(self.optimizer):
-            self.strategy.skipped_steps += 1
-            self.step_was_skipped = True
-            self.strategy.measure_next_step = False
-            logger.warning("non-finite gradients: step skipped (%d so far)", self.strategy.skipped_steps)
-            return loss
-        self.step_was_skipped = False
-        measure = self.strategy.measure_next_step and self.strategy.options.lost_arithmetic_metrics
-        self.strategy.measure_next_step = False
-        if measure and hasattr(self.optimizer, "track_updates"):
+        strategy = self.strategy
+        strategy.unscale_gradients(self.optimizer)
+        found_inf = strategy.process_gradients(self.optimizer)
+        if isinstance(found_inf, bool):  # the former contract (True: step), while strategies move over
+            found_inf = torch.tensor(0.0 if found_inf else 1.0)
+        strategy.count_skip(found_inf)
+        self._found_inf = found_inf
+        measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics
+        strategy.measure_next_step = False
+        # A measured step reads the flag on the host (its measurement syncs anyway).
+        if measure and hasattr(self.optimizer, "track_updates") and not bool(found_inf):
             self.optimizer.track_updates = True
             try:
-                self.strategy.optimizer_step(self.optimizer)
+                strategy.optimizer_step(self.optimizer, found_inf)
             finally:
                 self.optimizer.track_updates = False
-            self.strategy._measure_lost_arithmetic(self.optimizer.tracked, len(self.param_groups))
+            strategy._measure_lost_arithmetic(self.optimizer.tracked, len(self.param_groups))
             self.optimizer.tracked = []
         else:
-            self.strategy.optimizer_step(self.optimizer)
+            strategy.optimizer_step(self.optimizer, found_inf)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -556,29 +623,6 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 (DTensor) gradient; a plain tensor as is."""
-    from ..distributed import local_shard
-
-    return local_shard(tensor)
-
-
-def _agree(flag: bool, tensors: list[torch.Tensor]) -> bool:
-    """`flag` on every rank when the tensors are FSDP2 shards (AND over ranks), else `flag`."""
-    from ..distributed import all_ranks_agree
-
-    return all_ranks_agree(flag, tensors)
-
-
-def _agree_over(flag: bool, group: Any, device: torch.device | None) -> bool:
-    """`flag` AND-ed over the ranks of `group` (one all-reduce on `device`), or `flag` without one."""
-    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
-        return flag
-    value = torch.tensor(1.0 if flag else 0.0, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(value.item() == 1.0)
 
 
 def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:

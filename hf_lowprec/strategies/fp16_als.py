@@ -154,9 +154,10 @@ class FP16ALS(LossScaledStrategy):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) * self._loss_divisor
 
-    def gradients_ok(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Overflow is already clipped; only a NaN (which no clip can repair) skips the step."""
-        return not self.scaler.found_nan(unwrap_optimizer(optimizer))
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Overflow is already clipped; only a NaN (which no clip can repair) skips the step.
+        The scaler's NaN flag, agreed over the ranks with its histogram (one all-reduce)."""
+        return self.scaler.found_nan(unwrap_optimizer(optimizer))
 
     def end_step(self) -> None:
         super().end_step()
@@ -164,6 +165,7 @@ class FP16ALS(LossScaledStrategy):
             self.accumulator.reset()
 
     def metrics(self) -> dict[str, float]:
+        self.scaler.log_overflows()  # the names that began overflowing since the last log
         return {
             **super().metrics(),
             "precision/upper_bin_share": self.scaler.last_upper_share,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..memory import unwrap_optimizer
 from ..scaling import AgreeingGradScaler, check_loss_scale
 from .base import StrategyOptions
 from .baselines import device_autocast
@@ -72,8 +73,14 @@ class FP16Mixed(LossScaledStrategy):
             super().unscale_gradients(optimizer)
             self._unscaled = True
 
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        found_inf = super().process_gradients(optimizer)
+        self.scaler.share_found_inf(unwrap_optimizer(optimizer), found_inf)  # one decision for both
+        return found_inf
+
     def end_step(self) -> None:
         # `process_gradients` already refused inf/NaN, which is all `GradScaler.step` checks,
-        # so the step is the optimizer's own; GradScaler's update reads the inf found in unscale_.
+        # so the step is the optimizer's own; GradScaler's update reads the flag of unscale_,
+        # MAX-ed with the step's agreed one: the scale backs off on exactly the skipped steps.
         super().end_step()
         self._unscaled = False

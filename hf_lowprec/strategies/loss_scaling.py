@@ -1,7 +1,8 @@
 """What the FP16 strategies share: a loss scaler with `torch.amp.GradScaler`'s API driven through the hooks.
 
 `scaler` is a `torch.amp.GradScaler` (fp16-mixed) or a `hf_lowprec.scaling.AutomaticLossScaler`
-(fp16-als); a subclass builds it and says which gradients it refuses to step on.
+(fp16-als); a subclass builds it and, where it differs from the base check, says in
+`process_gradients` which gradients it refuses to step on (a device flag, as everywhere).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from ..memory import unwrap_optimizer
-from ..scaling import clip_grad_norm_
+from ..scaling import clip_grad_norm_, step_unless
 from .base import PrecisionStrategy
 
 __all__ = ["LossScaledStrategy"]
@@ -38,18 +39,9 @@ class LossScaledStrategy(PrecisionStrategy):
     def clip_own_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(parameters, max_norm)  # torch's FP16 norm overflows to inf
 
-    def gradients_ok(self, optimizer: torch.optim.Optimizer) -> bool:
-        """False to skip this step (after `unscale_gradients`)."""
-        return super().process_gradients(optimizer)
-
-    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.gradients_ok(optimizer):
-            return True
-        self.end_step()  # a skipped step still closes the scaler's step (and lowers the scale)
-        return False
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
-        result = optimizer.step(closure)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
+        # A skipped step still closes the scaler's step (and lowers the scale), on the device.
+        result = step_unless(optimizer, found_inf)
         self.end_step()
         return result
 
@@ -65,4 +57,4 @@ class LossScaledStrategy(PrecisionStrategy):
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), "precision/loss_scale": float(self.scaler.get_scale())}
+        return {**super().metrics(), "precision/loss_scale": float(self.scaler.get_scale())}  # a sync: logging only

@@ -165,7 +165,8 @@ def loss_scale_agreement() -> dict:
             strategy.set_data_parallel_group(group)
         big = strategy.options.bin_edge * (4.0 if dist.get_rank() == 0 else 2.0**-20)
         strategy.scale_loss(layer(torch.ones(1, 4, dtype=torch.float16)).float().sum() * big).backward()
-        out[label] = strategy.scaler.update()
+        strategy.scaler.update()
+        out[label] = strategy.scaler.get_scale()
     return out
 
 

@@ -1,0 +1,369 @@
+"""Graphcore automatic loss scaling (ALS) for FP16, decided on the device.
+
+docs/algorithms.md §5 (ALS post, seed 002). Plain torch: no Trainer, Accelerate or DeepSpeed import.
+
+**ALS.** After each backward, |g| of the weight gradients and (optionally) of the activation
+gradients is counted in two bins over FP16's range, split at `bin_edge` (2^13). Every `period`
+steps, with share = upper-bin count / total count:
+
+    share > threshold (1e-7)  → scale ← max(scale / 2, min_scale)
+    otherwise                 → scale ← min(scale · 2, max_scale)
+
+**Clip, don't skip.** Overflowing FP16 gradients are clamped to ±65504 (activation gradients as
+they flow through backward, weight gradients in `unscale_`), so no step is lost to an inf and
+the histogram sees the clipped values in its upper bin. A NaN cannot be clipped: it is not an
+overflowing magnitude but a lost value (inf − inf, 0·inf upstream, or a NaN loss). A step whose
+weight gradients hold a NaN is therefore skipped, counted in `skipped_steps`, and the scale is
+halved at once (whatever the period), as for a saturated step. This is the only skip.
+
+**On the device.** The scale, the histogram, the NaN flag, the clipped counts and the rule
+itself are tensors updated in place (`torch.where`, as `torch._amp_update_scale_` does for
+GradScaler): a step never waits for the device. The activation hooks only add into
+preallocated buffers, so `torch.compile` traces them. The host reads the tallies when asked
+(`get_scale`, the `last_*` properties, `state_dict`, `log_overflows`): at logging steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DTensor
+from .loss_scale import FP16_MAX, check_loss_scaler_settings, step_unless
+
+__all__ = ["AutomaticLossScaler"]
+
+logger = logging.getLogger(__name__)
+
+# This step's tallies (`_step`, int64): upper-bin and total counts of the weight gradients,
+# then of the activation gradients (this rank's samples).
+W_UPPER, W_TOTAL, A_UPPER, A_TOTAL = range(4)
+# Across the period (`_period`, int64): upper-bin count, total count, steps.
+P_UPPER, P_TOTAL, P_STEPS = range(3)
+
+
+class AutomaticLossScaler:
+    """Histogram-based loss scaling that clips instead of skipping (Graphcore ALS).
+
+    Used like `torch.amp.GradScaler`:
+
+        scaler = AutomaticLossScaler()
+        scaler.track(model)                 # activation-gradient hooks and parameter names
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)          # clamp to ±65504, histogram, divide by the scale
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)              # never skipped for overflow
+        scaler.update()
+
+    Args:
+        bin_edge: edge between the two bins of |g| (seed 2^13; PopART's default is 2^12).
+        threshold: upper-bin share above which the scale halves.
+        period: steps between scale updates; the histogram sums over the period.
+        init_scale: starting scale (seed: 1).
+        max_scale: upper bound (Graphcore's 2^15). Gradients are unscaled in FP16, so a larger
+            scale only moves values further from the FP16 maximum.
+        min_scale: lower bound (2^-16): below 1 the backward pass itself runs scaled down, which
+            keeps activation gradients of models that overflow at scale 1 in range.
+        track_activations: count (and clip) activation gradients too, via tensor hooks on the
+            outputs of the leaf modules of the model passed to `track`.
+
+    Under data parallelism (`process_group` set, as DDP's `prepare_ddp` does through the
+    strategy) every rank must take the same decision from the same histogram: the activation
+    gradients (each rank's own half of the batch) and the NaN flag are summed over the group
+    by one all-reduce per step; the weight gradients, already all-reduced, count once. Under
+    FSDP2 (DTensor gradients) every tally is summed over the mesh. The buffers live on one
+    device: the gradients' (they follow the loss to it in `scale`).
+    """
+
+    def __init__(
+        self,
+        bin_edge: float = 2.0**13,
+        threshold: float = 1e-7,
+        period: int = 1,
+        init_scale: float = 1.0,
+        max_scale: float = 2.0**15,
+        min_scale: float = 2.0**-16,
+        track_activations: bool = True,
+    ) -> None:
+        check_loss_scaler_settings(bin_edge, threshold, period, init_scale, max_scale, min_scale)
+        self.bin_edge = float(bin_edge)
+        self.threshold = float(threshold)
+        self.period = period
+        self.max_scale = float(max_scale)
+        self.min_scale = float(min_scale)
+        self.track_activations = bool(track_activations)
+        self._handles: list[Any] = []
+        self._names: dict[int, str] = {}  # id(parameter) → name, for the overflow log
+        self._slots: dict[str, int] = {}  # name → its row in the per-name buffers
+        self._unscaled: set[int] = set()
+        self.process_group: Any = None  # DDP's group: activation tallies summed over it
+        self._group: Any = None  # the FSDP2 process group, once sharded gradients were seen
+        self._reduced = False
+        # Device state. Across steps (checkpointed): the scale, the period's tallies, the last
+        # decision's share and the clipped counts.
+        self._scale = torch.full((), float(init_scale), dtype=torch.float32)
+        self._period = torch.zeros(3, dtype=torch.int64)
+        self._last_share = torch.zeros((), dtype=torch.float64)
+        self._last_clipped = torch.zeros((), dtype=torch.int64)
+        self._total_clipped = torch.zeros((), dtype=torch.int64)
+        # This step's tallies, zeroed by `update`.
+        self._step = torch.zeros(4, dtype=torch.int64)
+        self._nan = torch.zeros((), dtype=torch.float32)
+        # Per name: elements clipped this step, whether it clipped last step, and how many new
+        # overflow episodes began since the last `log_overflows`.
+        self._clipped = torch.zeros(0, dtype=torch.int64)
+        self._overflowing = torch.zeros(0, dtype=torch.bool)
+        self._new_episodes = torch.zeros(0, dtype=torch.int64)
+
+    # --- GradScaler API ----------------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale, read from the device (a sync, as `GradScaler.get_scale`)."""
+        return float(self._scale)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss · scale, formed in FP32 (an FP16 loss times 2^15 could overflow)."""
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
+        self._to(loss.device)
+        return loss * self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count, clamp to ±65504 and divide the weight gradients by the scale, once per step."""
+        if id(optimizer) in self._unscaled:
+            return
+        self._unscaled.add(id(optimizer))
+        half: list[torch.Tensor] = []
+        other: list[torch.Tensor] = []
+        for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):  # an FSDP2 shard: count it here, `_agree` sums over ranks
+                self._group = grad.device_mesh.get_group()
+                grad = grad.to_local()
+            self._record(self._slot(self._names.get(id(param), f"param{index}")), grad, W_UPPER)
+            (half if grad.dtype == torch.float16 else other).append(grad)
+        inverse = self._scale.reciprocal()  # a power of two: exact
+        if half:
+            _clamp_fp16_(half)
+            # Multiplies in FP32 and rounds once to FP16 (a plain FP16 multiply would round the
+            # inverse 2^16 itself to inf); after the clamp only a NaN is non-finite.
+            torch._amp_foreach_non_finite_check_and_unscale_(half, self._nan, inverse)
+            _clamp_fp16_(half)  # below scale 1 a gradient that fitted scaled may not fit unscaled
+        for grad in other:
+            self._nan.copy_(torch.maximum(self._nan, grad.isnan().any().to(self._nan.dtype)))
+            grad.mul_(inverse)
+
+    def found_nan(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """This step's NaN flag of the weight gradients (1.0: skip), agreed over the ranks; a
+        0-dim FP32 tensor on the gradients' device, no host sync (unscales first if needed)."""
+        self.unscale_(optimizer)
+        self._agree()
+        return self._nan
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """`optimizer.step()` after `unscale_`; skipped only when a gradient is NaN (see module
+        doc), on the device when the optimizer takes `found_inf` (see `step_unless`)."""
+        return step_unless(optimizer, self.found_nan(optimizer), *args, **kwargs)
+
+    def update(self) -> None:
+        """Close the step on the device: apply the ALS rule at the end of a period (or at once
+        on a NaN), fold the clipped counts into the totals, zero the step's tallies."""
+        self._agree()
+        self._reduced = False
+        self._unscaled.clear()
+        step, period = self._step, self._period
+        clipped = self._clipped.sum()
+        self._last_clipped.copy_(clipped)
+        self._total_clipped.add_(clipped)
+        now = self._clipped > 0
+        self._new_episodes.add_(now & ~self._overflowing)
+        self._overflowing.copy_(now)
+
+        period[P_UPPER].add_(step[W_UPPER] + step[A_UPPER])
+        period[P_TOTAL].add_(step[W_TOTAL] + step[A_TOTAL])
+        period[P_STEPS].add_(1)
+        nan = self._nan > 0
+        decide = nan | (period[P_STEPS] >= self.period)
+        # Counts below 2^53 are exact in FP64: the share is the correctly rounded quotient.
+        total = period[P_TOTAL].double()
+        share = torch.where(total > 0, period[P_UPPER].double() / total.clamp(min=1), 0.0)
+        halved = (self._scale / 2.0).clamp(min=self.min_scale)
+        doubled = (self._scale * 2.0).clamp(max=self.max_scale)
+        new_scale = torch.where(nan | (share > self.threshold), halved, doubled)
+        self._scale.copy_(torch.where(decide, new_scale, self._scale))
+        self._last_share.copy_(torch.where(decide, share, self._last_share))
+        period.mul_(~decide)  # a decision starts a new period
+        step.zero_()
+        self._clipped.zero_()
+        self._nan.zero_()
+
+    # --- what the host reads (each a sync) ---------------------------------------------
+    @property
+    def last_upper_share(self) -> float:
+        """The upper-bin share of the last scale decision."""
+        return float(self._last_share)
+
+    @property
+    def last_clipped(self) -> int:
+        """Elements clipped to ±65504 in the last step."""
+        return int(self._last_clipped)
+
+    @property
+    def total_clipped(self) -> int:
+        """Elements clipped to ±65504 in all steps."""
+        return int(self._total_clipped)
+
+    def log_overflows(self) -> list[str]:
+        """Log the names (parameters, modules' outputs) that began overflowing since the last
+        call, with how often; the names. Called at logging steps (a step cannot log without a sync)."""
+        episodes = self._new_episodes.tolist()
+        names = [name for name, row in self._slots.items() if episodes[row]]
+        if names:
+            listed = ", ".join(
+                f"{n}" if episodes[self._slots[n]] == 1 else f"{n} ({episodes[self._slots[n]]}×)" for n in names
+            )
+            logger.warning("FP16 overflow clipped to ±65504 at loss scale %g in: %s", self.get_scale(), listed)
+            self._new_episodes.zero_()
+        return names
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values (safe for `torch.load(weights_only=True)`); reads the device."""
+        period = self._period.tolist()
+        overflowing = self._overflowing.tolist()
+        return {
+            "scale": self.get_scale(),
+            "period_upper": period[P_UPPER],
+            "period_total": period[P_TOTAL],
+            "steps_in_period": period[P_STEPS],
+            "overflowing": sorted(name for name, row in self._slots.items() if overflowing[row]),
+            "last_upper_share": self.last_upper_share,
+            "last_clipped": self.last_clipped,
+            "total_clipped": self.total_clipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scale = float(state["scale"])
+        if not (math.isfinite(scale) and self.min_scale <= scale <= self.max_scale):
+            raise ValueError(
+                f"saved loss scale {scale} lies outside [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]"
+            )
+        self._scale.fill_(scale)
+        for index, key in ((P_UPPER, "period_upper"), (P_TOTAL, "period_total"), (P_STEPS, "steps_in_period")):
+            self._period[index].fill_(int(state[key]))
+        self._last_share.fill_(float(state["last_upper_share"]))
+        self._last_clipped.fill_(int(state["last_clipped"]))
+        self._total_clipped.fill_(int(state["total_clipped"]))
+        rows = [self._slot(name) for name in state["overflowing"]]
+        self._overflowing.zero_()
+        for row in rows:
+            self._overflowing[row] = True
+
+    # --- tallies -----------------------------------------------------------------------
+    def _record(self, row: int, grad: torch.Tensor, upper_index: int) -> None:
+        """Add `grad` to this step's histogram (at `upper_index`, its total next to it) and its
+        elements beyond ±65504 to row `row` of the clipped counts: in-place adds, traceable."""
+        if self._step.device != grad.device:
+            self._to(grad.device)
+        magnitude = grad.detach().abs()
+        self._step[upper_index].add_((magnitude >= self.bin_edge).sum())
+        self._step[upper_index + 1].add_(grad.numel())
+        if grad.dtype == torch.float16:
+            self._clipped[row].add_((magnitude > FP16_MAX).sum())
+
+    def _agree(self) -> None:
+        """Sum this step's tallies over the ranks, once per step (one all-reduce per group).
+
+        Under FSDP2 each rank counted its weight-gradient shards and the activation gradients of
+        its own samples: every tally is summed. Under DDP the weight gradients are already the
+        same on every rank: the activation tallies and the NaN flag are summed. Then every rank
+        takes the same scale decision and skips the same steps."""
+        if self._reduced:
+            return
+        self._reduced = True
+        if self._group is not None:
+            self._sum_over(self._group, [self._step, self._nan, self._clipped])
+        group = self.process_group
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            self._sum_over(group, [self._step[A_UPPER:], self._nan])
+
+    @staticmethod
+    def _sum_over(group: Any, tallies: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1).double() for t in tallies])
+        dist.all_reduce(flat, group=group)  # counts below 2^53: exact in FP64
+        for tally, summed in zip(tallies, flat.split([t.numel() for t in tallies])):
+            tally.copy_(summed.reshape(tally.shape))
+        tallies[1].clamp_(max=1.0)  # the NaN flag: found on some rank
+
+    def _slot(self, name: str) -> int:
+        """The row of `name` in the per-name buffers, adding one (outside any step's hot path)."""
+        row = self._slots.get(name)
+        if row is None:
+            row = self._slots[name] = len(self._slots)
+            self._clipped = torch.cat([self._clipped, self._clipped.new_zeros(1)])
+            self._overflowing = torch.cat([self._overflowing, self._overflowing.new_zeros(1)])
+            self._new_episodes = torch.cat([self._new_episodes, self._new_episodes.new_zeros(1)])
+        return row
+
+    def _to(self, device: torch.device) -> None:
+        """Move the device state to `device` (once: where the loss and gradients live)."""
+        if self._scale.device == device:
+            return
+        for key in ("_scale", "_period", "_last_share", "_last_clipped", "_total_clipped", "_step", "_nan"):
+            setattr(self, key, getattr(self, key).to(device))
+        for key in ("_clipped", "_overflowing", "_new_episodes"):
+            setattr(self, key, getattr(self, key).to(device))
+
+    # --- activation gradients ----------------------------------------------------------
+    def track(self, model: torch.nn.Module) -> AutomaticLossScaler:
+        """Name `model`'s parameters in overflow logs and, with `track_activations`, hook the
+        outputs of its leaf modules so that their gradients are counted and clipped."""
+        self.untrack()
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        for name in self._names.values():
+            self._slot(name)
+        first = next(model.parameters(), None)
+        if first is not None:
+            self._to(first.device)
+        if self.track_activations:
+            for name, module in model.named_modules():
+                if next(module.children(), None) is None:
+                    self._handles.append(module.register_forward_hook(self._forward_hook(self._slot(name or "model"))))
+        return self
+
+    def untrack(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward_hook(self, row: int):
+        def hook(module, inputs, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for out in outputs:
+                if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
+                    out.register_hook(lambda grad: self._activation_grad(row, grad))
+
+        return hook
+
+    def _activation_grad(self, row: int, grad: torch.Tensor) -> torch.Tensor | None:
+        self._record(row, grad, A_UPPER)
+        if grad.dtype == torch.float16:
+            # clamp keeps NaN (so a lost value still surfaces) and turns ±inf into ±65504.
+            return grad.clamp(-FP16_MAX, FP16_MAX)
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"AutomaticLossScaler(bin_edge={self.bin_edge}, threshold={self.threshold}, "
+            f"period={self.period}, bounds=[{self.min_scale}, {self.max_scale}])"
+        )
+
+
+def _clamp_fp16_(grads: list[torch.Tensor]) -> None:
+    """Clamp FP16 tensors to ±65504 in place (NaN stays NaN, ±inf becomes ±65504)."""
+    torch._foreach_clamp_min_(grads, -FP16_MAX)
+    torch._foreach_clamp_max_(grads, FP16_MAX)

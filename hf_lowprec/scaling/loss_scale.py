@@ -1,0 +1,130 @@
+"""What every FP16 loss scaler shares: setting checks, the FP16 norm, GradScaler agreeing over
+FSDP2 ranks, and the step that skips on a device flag (`step_unless`).
+
+Plain torch: no Trainer, Accelerate or DeepSpeed import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DTensor
+
+__all__ = [
+    "FP16_MAX",
+    "AgreeingGradScaler",
+    "check_loss_scale",
+    "check_loss_scaler_settings",
+    "clip_grad_norm_",
+    "step_unless",
+]
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def check_loss_scale(name: str, value: float, high: float | None = None) -> None:
+    """Raise ValueError unless the loss scale `value` is a positive power of two (at most `high`)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if math.frexp(value)[0] != 0.5:
+        raise ValueError(f"{name} must be a power of two so that scaling is exact, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(
+            f"{name} must be at most 2**{math.frexp(high)[1] - 1}, got {value!r}: a larger scale overflows FP16 (65504) for "
+            "gradients of any useful size, so every step would be skipped"
+        )
+
+
+def check_loss_scaler_settings(
+    bin_edge: float, threshold: float, period: int, init_scale: float, max_scale: float, min_scale: float
+) -> None:
+    """Raise ValueError naming the bad ALS setting and what to pass instead."""
+    if not (isinstance(period, int) and not isinstance(period, bool) and period >= 1):
+        raise ValueError(f"period must be an integer >= 1 (steps between scale updates), got {period!r}")
+    if not (0.0 < bin_edge <= FP16_MAX):
+        raise ValueError(f"bin_edge must lie in (0, 65504] (FP16's range; seed: 2**13), got {bin_edge!r}")
+    if not (0.0 <= threshold < 1.0):
+        raise ValueError(f"threshold must lie in [0, 1) (a share of elements; seed: 1e-7), got {threshold!r}")
+    for name, value in (("init_scale", init_scale), ("max_scale", max_scale), ("min_scale", min_scale)):
+        check_loss_scale(name, value)
+    if not (min_scale <= init_scale <= max_scale):
+        raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale!r}, {init_scale!r}, {max_scale!r}")
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most `max_norm`; the FP32 pre-clip norm.
+
+    `torch.nn.utils.clip_grad_norm_` forms the norm in the gradients' dtype: for FP16
+    gradients a norm above 65504 becomes inf, and the gradients are multiplied by
+    max_norm/inf = 0 (or by inf/inf = NaN when max_norm is inf, as the Trainer does to log
+    the norm). Here per-tensor norms are accumulated in FP32; `max_norm=inf` only measures.
+    """
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0, device=parameters[0].device if parameters else "cpu")
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+    if math.isfinite(max_norm):
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+    return total
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`optimizer.step(*args, found_inf=found_inf)`: the step where the 0-dim tensor `found_inf`
+    is 0, nothing where it is set, decided on the device (the optimizers of `hf_lowprec.optim`
+    take the flag, as torch's fused AdamW does GradScaler's).
+
+    An optimizer whose `step` takes no `found_inf` (a plain torch optimizer, a wrapper) is
+    stepped only when the flag, read on the host (a sync), is 0; it returns None when skipped."""
+    if _takes_found_inf(optimizer):
+        return optimizer.step(*args, found_inf=found_inf, **kwargs)
+    return None if bool(found_inf) else optimizer.step(*args, **kwargs)
+
+
+_TAKES_FOUND_INF: dict[Any, bool] = {}
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    step = type(optimizer).step
+    known = _TAKES_FOUND_INF.get(step)
+    if known is None:
+        try:
+            known = "found_inf" in inspect.signature(step).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            known = False
+        _TAKES_FOUND_INF[step] = known
+    return known
+
+
+class AgreeingGradScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` whose found-inf agrees over the ranks when gradients are FSDP2
+    shards (DTensors): each rank checks its shards, one all-reduce (MAX) per device of the
+    found-inf flag, so every rank skips the same steps and keeps the same scale. Without
+    DTensor gradients it is `torch.amp.GradScaler`."""
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        sharded = next(
+            (p.grad for g in optimizer.param_groups for p in g["params"] if isinstance(p.grad, DTensor)), None
+        )
+        if sharded is not None:
+            for flag in per_device.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
+        return per_device
+
+    def share_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        """Fold the step's agreed `found_inf` into the flags `update` reads (MAX, on the device),
+        so the scale backs off exactly on the steps that are skipped, on every rank alike."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        for flag in (state or {}).get("found_inf_per_device", {}).values():
+            flag.copy_(torch.maximum(flag, found_inf.to(flag.device)))

@@ -1,0 +1,78 @@
+"""Running-mean gradient accumulation for FP16 (docs/algorithms.md §5, ALS post, seed 002).
+
+Over micro-batches k = 1..N, M_k = ((k−1)/k)·M_{k−1} + g_k/k (M_0 = 0), so the FP16 accumulator
+never exceeds the largest micro-batch gradient, where a plain sum grows N-fold and overflows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .loss_scale import FP16_MAX
+
+__all__ = ["RunningMeanGradients", "running_mean_"]
+
+
+def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:
+    """M_k = ((k−1)/k)·M_{k−1} + value/k, in place in `mean`'s dtype.
+
+    Three roundings, the arithmetic of `RunningMeanGradients`' hooks (autograd adds value/k
+    as its own tensor). |M_k| ≤ max_j |g_j| up to rounding, so an FP16 accumulator cannot
+    overflow from the sum.
+    """
+    if k < 1:
+        raise ValueError(f"the micro-batch index k counts from 1, got {k}")
+    if k == 1:
+        return mean.copy_(value)
+    return mean.mul_((k - 1) / k).add_(value / k)
+
+
+class RunningMeanGradients:
+    """Running-mean gradient accumulation over micro-batches, through parameter hooks.
+
+    Each parameter's hook sees the incoming micro-batch gradient g_k before autograd adds it
+    to `p.grad`: it rescales `p.grad` by (k−1)/k and hands on g_k/k, so `p.grad` holds M_k.
+    k counts the backward passes since `p.grad` was last None (zero_grad) or `reset()`.
+    Incoming FP16 gradients are clamped to ±65504 first, so +inf and −inf micro-batch
+    gradients cannot meet as NaN.
+
+    The loss must *not* be divided by the number of micro-batches: the mean does that.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def attach(self, model: torch.nn.Module) -> RunningMeanGradients:
+        self.detach()
+        for param in model.parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._hook(param)))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """Start a new accumulation window (call after the optimizer step)."""
+        self._counts.clear()
+
+    def _hook(self, param: torch.Tensor):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if grad.dtype == torch.float16:
+                grad = grad.clamp(-FP16_MAX, FP16_MAX)
+            key = id(param)
+            k = 1 if param.grad is None else self._counts.get(key, 0) + 1
+            self._counts[key] = k
+            if param.grad is not None:
+                if k == 1:
+                    param.grad.zero_()
+                else:
+                    param.grad.mul_((k - 1) / k)
+            return grad if k == 1 else grad / k
+
+        return hook
