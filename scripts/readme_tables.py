@@ -7,7 +7,7 @@ A generated block sits between `<!-- generated:NAME -->` and `<!-- /generated:NA
 README.md or any docs/ page; NAME is one of `blocks()`: the strategy table (names, summaries,
 model-state bytes/param planned for GPT-2 small on the meta device, requirements), the engines
 matrix (README and, per family with the reasons, each docs/strategies/ page), the DDP, DeepSpeed
-ZeRO and FSDP2 support matrices. A maintainer tool of the repository, not of the installed package.
+ZeRO and FSDP2 support matrices, what each strategy changes in the stock Trainer. A maintainer tool of the repository, not of the installed package.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def blocks() -> dict[str, str]:
     """Generated block name → its markdown, from the code."""
     from hf_lowprec.cli import memory_plan, strategy_rows
     from hf_lowprec.engines.zero import support_matrix_markdown
+    from hf_lowprec.integrations.stock import differences_markdown
 
     rows = strategy_rows()
     planned = {r["strategy"]: r["total"] for r in memory_plan("gpt2", [r["name"] for r in rows])}
@@ -38,6 +39,7 @@ def blocks() -> dict[str, str]:
         "ddp-matrix": ddp_matrix(),
         "zero-matrix": support_matrix_markdown(),
         "fsdp2-matrix": fsdp2_matrix(),
+        "trainer-differences": differences_markdown(),
     }
     for page, prefixes in STRATEGY_PAGES.items():
         generated[f"engines-{page}"] = engines_markdown(prefixes, reasons=True)

@@ -73,6 +73,23 @@ def train_steps(strategy, model, optimizer, data: list[torch.Tensor], scheduler=
     return losses
 
 
+def trainer_arguments(output_dir, **overrides) -> dict:
+    """`TrainingArguments` keywords of the Trainer tests: a few CPU steps, every step logged, no
+    reporting integration, no progress bar; `overrides` win."""
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 3e-3,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        **overrides,
+    }
+
+
 class TokenBlocks(torch.utils.data.Dataset):
     """`n` random token blocks as causal-LM examples (labels = input_ids) for Trainer tests."""
 

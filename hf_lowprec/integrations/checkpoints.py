@@ -20,6 +20,7 @@ manifest (saved before manifests existed) gets the archive checks below and a on
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import torch
 
 __all__ = [
     "MANIFEST",
+    "IncompleteCheckpointError",
     "RESETTABLE",
     "incomplete_reason",
     "last_complete_checkpoint",
@@ -63,6 +65,11 @@ _RESET_FILES = {
     "scheduler": re.compile(r"^scheduler\.pt$"),
     "rng": re.compile(r"^rng_state(_\d+)?\.pth$"),
 }
+
+
+class IncompleteCheckpointError(FileNotFoundError, ValueError):
+    """A named checkpoint without `trainer_state.json`: a `FileNotFoundError` as the stock Trainer
+    raises there, and a `ValueError` as the package's other refusals."""
 
 
 def incomplete_reason(path: str) -> str | None:
@@ -290,11 +297,19 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
     """Raise ValueError unless `path` is a finished, undamaged checkpoint of `strategy`
     (a `PrecisionStrategy` or None); returns the parts of `reset` the resume must start afresh."""
     if not os.path.isdir(path):
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a directory; pass a checkpoint-N directory or True")
+        # The stock Trainer's refusal of this path, then ours.
+        raise ValueError(
+            f"Can't find a valid checkpoint at {path}: resume_from_checkpoint={path!r} is not a directory; "
+            "pass a checkpoint-N directory or True"
+        )
     reason = incomplete_reason(path)
     if reason is not None:
-        raise ValueError(
-            f"{path} is an incomplete checkpoint ({reason}): its save was interrupted. "
+        # The stock Trainer fails opening a missing trainer_state.json: its exception and message first.
+        state_file = os.path.join(path, TRAINER_STATE)
+        missing = not os.path.isfile(state_file)
+        stock = f"{FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), state_file)}: " if missing else ""
+        raise (IncompleteCheckpointError if missing else ValueError)(
+            f"{stock}{path} is an incomplete checkpoint ({reason}): its save was interrupted. "
             "Resume with resume_from_checkpoint=True (the last complete checkpoint) or pass an earlier one"
         )
     manifest = _read_manifest(path)
@@ -323,8 +338,8 @@ def resolve_resume_checkpoint(
         path = last_complete_checkpoint(output_dir)
         if path is None:
             raise ValueError(
-                f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint-N directory; "
-                "train without resume_from_checkpoint"
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=True, but it "
+                "holds no complete checkpoint-N directory; train without resume_from_checkpoint"
             )
     else:
         path = os.fspath(resume)

@@ -37,6 +37,13 @@ from ..report import (
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, write_manifest
 from .peft import prepare_model
+from .stock import (
+    accept_optimizer,
+    forwarding_init,
+    reconcile_mixed_precision_flags,
+    refuse_strategy_checkpoint,
+    users_optimizer_named,
+)
 
 __all__ = [
     "PrecisionArgumentsMixin",
@@ -51,9 +58,6 @@ logger = logging.getLogger(__name__)
 
 # The startup report's JSON, written to the output directory when training starts.
 REPORT_FILE = "precision_report.json"
-
-# Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
-_ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
 
 # The defaults of `precision_strategy` / `precision_options` when an argument is left unset.
 # `hf-lowprec launch` sets them in the processes it starts; elsewhere they stay None.
@@ -106,7 +110,7 @@ class PrecisionArgumentsMixin:
             raise ValueError(f"precision_options must be a dict or JSON object, got {self.precision_options!r}")
         if self.precision_strategy is not None:
             strategy = self.build_precision_strategy()  # validates the name and options before any work
-            _reconcile_mixed_precision_flags(self, strategy)
+            reconcile_mixed_precision_flags(self, strategy)
             if getattr(self, "deepspeed", None):
                 from ..engines.zero import precision_config, require_deepspeed
 
@@ -116,6 +120,9 @@ class PrecisionArgumentsMixin:
                 _check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
+        elif self.resume_reset:
+            # Without a strategy the Trainer resumes as the stock one: no manifest, nothing to reset.
+            raise ValueError("resume_reset was given without precision_strategy; set --precision_strategy")
         super().__post_init__()
 
     def build_precision_strategy(self) -> PrecisionStrategy | None:
@@ -141,37 +148,18 @@ def _check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any
         )
 
 
-def _reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
-    compute = strategy.compute_dtype
-    if args.fp16 and compute != torch.float16:
-        raise ValueError(
-            f"precision_strategy={args.precision_strategy!r} computes in {compute} but fp16=True was also set; "
-            "the strategy owns mixed precision: remove fp16=True (--fp16)"
-        )
-    if args.bf16 and compute != torch.bfloat16:
-        raise ValueError(
-            f"precision_strategy={args.precision_strategy!r} computes in {compute} but bf16=True was also set; "
-            "the strategy owns mixed precision: remove bf16=True (--bf16)"
-        )
-    if args.bf16 or args.fp16:
-        logger.info("precision_strategy %r owns mixed precision; ignoring bf16/fp16 flags", args.precision_strategy)
-        args.bf16 = False
-        args.fp16 = False
-    optim = getattr(args.optim, "value", args.optim)
-    if optim not in _ADAMW_OPTIMS:
-        raise ValueError(
-            f"precision_strategy={args.precision_strategy!r} builds its own AdamW, but optim={optim!r} was set; "
-            "remove --optim (or use adamw_torch)"
-        )
-
-
 @dataclasses.dataclass
 class TrainingArguments(PrecisionArgumentsMixin, transformers.TrainingArguments):
     """`transformers.TrainingArguments` plus `precision_strategy` and `precision_options`."""
 
 
 class PrecisionCallback(TrainerCallback):
-    """Puts the strategy's metrics into the Trainer logs and keeps the LR schedule aligned."""
+    """Prepares DDP/FSDP2/DeepSpeed for the strategy, writes the startup report, times steps
+    and keeps the LR schedule aligned with skipped steps.
+
+    Appended after the Trainer's callbacks: none of its events needs to run before theirs (the
+    strategy's metrics join the logs in `PrecisionTrainerMixin.log`, before any callback sees them).
+    """
 
     def __init__(self, strategy: PrecisionStrategy, trainer: Any = None) -> None:
         self.strategy = strategy
@@ -232,14 +220,6 @@ class PrecisionCallback(TrainerCallback):
         if inner is not None and hasattr(optimizer, "_is_overflow"):
             optimizer._is_overflow = inner.step_was_skipped
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs:
-            return
-        metrics = self.strategy.metrics()
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
-
 
 def _find_strategy_optimizer(optimizer: Any) -> StrategyOptimizer | None:
     while optimizer is not None and not isinstance(optimizer, StrategyOptimizer):
@@ -254,9 +234,17 @@ class PrecisionTrainerMixin:
     name, like TRL's, work too); the optimizer comes from the strategy; the forward pass runs
     in the strategy's context; its metrics go to the logs; its state rides in the optimizer
     checkpoint.
+
+    Every method it overrides takes the stock signature, and with no strategy it calls the
+    stock method and returns: the Trainer is the stock one (docs/launch.md).
     """
 
     precision: PrecisionStrategy | None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if PrecisionTrainerMixin in cls.__bases__ and "__init__" not in vars(cls):
+            cls.__init__ = forwarding_init(cls)  # the stock class's signature, not (*args, **kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -264,15 +252,10 @@ class PrecisionTrainerMixin:
         self.precision = build() if build is not None else None
         if self.precision is None:
             return
-        if self.optimizer is not None and not isinstance(self.optimizer, StrategyOptimizer):
-            raise ValueError(
-                f"precision_strategy={self.precision.name!r} builds the optimizer, but optimizers=(...) "
-                "passed another one; drop `optimizers=` or build it with strategy.create_optimizer(...)"
-            )
-        if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
-            raise ValueError(
-                f"precision_strategy={self.precision.name!r} builds the optimizer; drop optimizer_cls_and_kwargs="
-            )
+        # Your optimizer under the strategy's step (loss scale, skipped steps), or a refusal.
+        self.optimizer = self.callback_handler.optimizer = accept_optimizer(
+            self.precision, self.optimizer, getattr(self, "optimizer_cls_and_kwargs", None)
+        )
         prepared = prepare_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
         if prepared is not self.model:
             if self.model_wrapped is self.model:
@@ -292,9 +275,22 @@ class PrecisionTrainerMixin:
             from ..engines.zero import configure_accelerator
 
             configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
-        self.callback_handler.callbacks.insert(0, PrecisionCallback(self.precision, self))
+        self.callback_handler.add_callback(PrecisionCallback(self.precision, self))
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        # Only the arguments given, by keyword: TRL 1.12's PPOTrainer.train() takes none.
+        given = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
+        kwargs = {name: value for name, value in given.items() if value is not None}
+        if self.precision is None:  # the stock resume: its checks, its errors
+            refuse_strategy_checkpoint(self.args.output_dir, resume_from_checkpoint)
+            if resume_from_checkpoint is not None:
+                kwargs["resume_from_checkpoint"] = resume_from_checkpoint
+            return super().train(**kwargs)
         # Pick and check the checkpoint before the base class loads anything: an interrupted
         # save is skipped; a missing or damaged file, another strategy's checkpoint or changed
         # options are refused, unless `resume_reset` names the part that file holds.
@@ -302,14 +298,21 @@ class PrecisionTrainerMixin:
         resume_from_checkpoint, self._resume_resets = resolve_resume_checkpoint(
             self.args.output_dir, resume_from_checkpoint, self.precision, reset
         )
-        if "optimizer" in self._resume_resets and self.precision is not None:
+        if "optimizer" in self._resume_resets:
             # Residuals of this run's initial weights would seed δθ next to the checkpoint's θ.
             self.precision.discard_prepared_state()
-        if resume_from_checkpoint is not None:  # by keyword: TRL 1.12's PPOTrainer.train() takes no argument
+        if resume_from_checkpoint is not None:
             kwargs["resume_from_checkpoint"] = resume_from_checkpoint
-        return super().train(*args, **kwargs)
+        return super().train(**kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.precision is not None and "loss" in logs:  # training logs carry the strategy's metrics
+            logs.update(self.precision.metrics())
+        return super().log(logs, start_time)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self.precision is None:
+            return super()._save_checkpoint(model, trial)
         super()._save_checkpoint(model, trial)
         path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, DeepSpeed shards) are written
@@ -335,10 +338,14 @@ class PrecisionTrainerMixin:
             super()._load_rng_state(checkpoint)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.precision is None or self.optimizer is not None:
+        named = users_optimizer_named(self.precision, self.args, getattr(self, "optimizer_cls_and_kwargs", None))
+        if self.precision is None or self.optimizer is not None or named:
             optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
             if self.precision is None:
                 self._warn_silent_precision(self.model if model is None else model, optimizer)
+            elif not isinstance(optimizer, StrategyOptimizer):  # the optimizer your arguments name
+                self.optimizer = optimizer = StrategyOptimizer(optimizer, self.precision)
+                self._params_before_sharding = [p for g in optimizer.param_groups for p in g["params"]]
             return optimizer
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
@@ -398,8 +405,10 @@ class PrecisionTrainerMixin:
             stack.enter_context(self.precision.forward_context())
         return stack
 
-    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
-        result = super().compute_loss(model, inputs, *args, **kwargs)
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         if self.precision is None:
             return result
         loss = result[0] if isinstance(result, tuple) else result

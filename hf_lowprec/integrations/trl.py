@@ -126,15 +126,18 @@ class _ReferenceInStrategy:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        build = getattr(kwargs.get("args"), "build_precision_strategy", None)
-        reference = kwargs.get("ref_model")
+        from .stock import bind_stock_arguments
+
+        call = bind_stock_arguments(self, _ReferenceInStrategy, args, kwargs)  # positional or by keyword
+        build = getattr(call.arguments.get("args"), "build_precision_strategy", None)
+        reference = call.arguments.get("ref_model")
         if build is not None and isinstance(reference, _torch_module()):
             from .peft import prepare_model
 
             strategy = build()
             if strategy is not None:
-                kwargs["ref_model"] = prepare_model(strategy, reference)
-        super().__init__(*args, **kwargs)
+                call.arguments["ref_model"] = prepare_model(strategy, reference)
+        super().__init__(*call.args[1:], **call.kwargs)
 
 
 def _torch_module() -> type:
@@ -146,12 +149,12 @@ def _torch_module() -> type:
 class _RolloutInContext:
     """Runs `_prepare_inputs` (where GRPO generates and scores) in the strategy's forward context."""
 
-    def _prepare_inputs(self, inputs: Any) -> Any:
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
         precision = getattr(self, "precision", None)
         if precision is None:
-            return super()._prepare_inputs(inputs)
+            return super()._prepare_inputs(generation_batch)
         with precision.forward_context():
-            return super()._prepare_inputs(inputs)
+            return super()._prepare_inputs(generation_batch)
 
 
 @functools.cache
@@ -233,12 +236,13 @@ def _ppo_classes() -> dict[str, type]:
             finally:
                 self.model = wrapped
 
-        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
             if self.precision is not None:
                 logs = {**logs, **self.precision.metrics()}
-            return super().log(logs, *args, **kwargs)
+            return super().log(logs, start_time)
 
     def _scales_loss(strategy: PrecisionStrategy) -> bool:
         return type(strategy).scale_loss is not PrecisionStrategy.scale_loss
 
+    PPOTrainer.__init__.__signature__ = signature  # it binds its arguments to the stock signature
     return {"PPOConfig": config_cls, "PPOTrainer": _finish(PPOTrainer, "PPOTrainer")}

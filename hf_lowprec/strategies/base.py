@@ -137,6 +137,9 @@ class PrecisionStrategy:
             `hf_lowprec.engines.ddp.check_ddp_support` refuses the others before training.
         ddp_refusal: why it is refused under DDP, naming what works instead.
         ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
+        takes_user_optimizer: the strategy's numerics are any optimizer under its forward
+            context and loss scaling (what `bf16=True` / `fp16=True` do), so the Trainer accepts
+            the user's optimizer and scheduler; the others define their own optimizer.
     """
 
     Options: ClassVar[type[StrategyOptions]] = StrategyOptions
@@ -157,6 +160,7 @@ class PrecisionStrategy:
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
         {"lost_arithmetic_metrics", "save_full_precision", "fused"}
     )
+    takes_user_optimizer: ClassVar[bool] = False
     ddp: ClassVar[bool] = True
     ddp_refusal: ClassVar[str] = ""
     ddp_note: ClassVar[str] = (

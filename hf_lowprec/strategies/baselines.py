@@ -31,6 +31,7 @@ def bf16_autocast() -> contextlib.ExitStack:
 class FP32(PrecisionStrategy):
     """Everything in FP32: parameters, gradients, AdamW states (16 bytes/param)."""
 
+    takes_user_optimizer = True
     zero_stages = (0, 1, 2, 3)
     zero_note = "FP32 partitions and AdamW states"
     fsdp2 = True
@@ -52,6 +53,7 @@ class BF16Mixed(PrecisionStrategy):
     """
 
     compute_dtype = torch.bfloat16
+    takes_user_optimizer = True
     zero_stages = (0, 1, 2, 3)
     zero_note = "FP32 partitions (the masters) and AdamW states; BF16 autocast compute"
     fsdp2 = True

@@ -51,6 +51,7 @@ class FP16Mixed(LossScaledStrategy):
     """FP16 autocast, FP32 weights (masters) and AdamW states, torch's GradScaler — what `fp16=True` does."""
 
     Options = FP16MixedOptions
+    takes_user_optimizer = True
     fsdp2 = True
     fsdp2_note = (
         "FP32 shards (the masters) and AdamW states; FP32 all-gather and reduce-scatter; the "

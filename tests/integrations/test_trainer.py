@@ -8,7 +8,7 @@ from transformers import HfArgumentParser
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.strategies.base import StrategyOptimizer
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import batches, tiny_gpt2, trainer_arguments
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -24,24 +24,15 @@ class Blocks(torch.utils.data.Dataset):
 
 def make_args(tmp_path, strategy, **kw):
     base = dict(
-        output_dir=str(tmp_path),
         precision_strategy=strategy,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        logging_steps=1,
         save_steps=3,
         save_strategy="steps",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
         lr_scheduler_type="cosine",
         warmup_steps=1,
         weight_decay=0.01,
     )
     base.update(kw)
-    return TrainingArguments(**base)
+    return TrainingArguments(**trainer_arguments(tmp_path, **base))
 
 
 def losses(trainer):
@@ -109,7 +100,11 @@ def test_contradictory_flags(tmp_path):
     with pytest.raises(ValueError, match="remove bf16=True"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", bf16=True, use_cpu=True)
     with pytest.raises(ValueError, match="remove --optim"):
-        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", optim="sgd", use_cpu=True)
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", optim="sgd", use_cpu=True)
+    # fp32 is your optimizer in FP32: it takes the optimizer `optim` names (tests/integrations/test_stock_compat.py).
+    assert (
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp32", optim="sgd", use_cpu=True).optim == "sgd"
+    )
     # bf16=True agrees with a BF16 strategy: the strategy takes over and the flag is cleared.
     args = TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", bf16=True, use_cpu=True)
     assert args.bf16 is False
@@ -119,7 +114,7 @@ def test_foreign_optimizer_refused(tmp_path):
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="drop `optimizers=`"):
-        Trainer(model=model, args=make_args(tmp_path, "fp32"), train_dataset=Blocks(), optimizers=(opt, None))
+        Trainer(model=model, args=make_args(tmp_path, "bf16-pure"), train_dataset=Blocks(), optimizers=(opt, None))
 
 
 class NaNOnceTrainer(Trainer):
