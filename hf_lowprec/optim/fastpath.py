@@ -245,7 +245,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
                         torch._dynamo.mark_static(tensor, 1)
             parallel = row.tensors[0].numel() >= PARALLEL_MIN_NUMEL
             try:
-                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed, found_inf=row.found_inf)
+                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed, **_flag(row))
             except Exception as error:  # a backend failure: fall back in "auto", never lose a step
                 if mode == "compiled" or index:
                     # After the first row the graph is built: a later failure is not a
@@ -260,6 +260,11 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
             if counter is not None:
                 counter["compiled"] += 1
     return True
+
+
+def _flag(row: ParamStep) -> dict[str, torch.Tensor]:
+    """The found-inf keyword of a row's call: absent without a flag (the graph as before)."""
+    return {} if row.found_inf is None else {"found_inf": row.found_inf}
 
 
 _graphs: dict[tuple[object, bool], Callable[..., object]] = {}
