@@ -163,7 +163,7 @@ class AutomaticLossScaler:
         0-dim FP32 tensor on the gradients' device, no host sync (unscales first if needed)."""
         self.unscale_(optimizer)
         self._agree()
-        return self._nan
+        return self._nan.clone()  # the buffer itself is zeroed by `update`
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """`optimizer.step()` after `unscale_`; skipped only when a gradient is NaN (see module
