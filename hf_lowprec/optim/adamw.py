@@ -334,7 +334,9 @@ class AdamW(LowPrecisionOptimizer):
         return self._generators[key]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(
+        self, closure: Callable[[], float] | None = None, *, found_inf: torch.Tensor | None = None
+    ) -> float | None:
         """Perform one optimization step; `closure` re-evaluates the loss, as in torch.optim."""
         loss = None
         if closure is not None:
@@ -355,7 +357,7 @@ class AdamW(LowPrecisionOptimizer):
                 self._complete_state(param, local, state, composition)
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
             for (composition, device), items in buckets.items():
-                self._step_bucket(group_index, group, composition, device, items)
+                self._step_bucket(group_index, group, composition, device, items, found_inf)
         self._after_step()
         return loss
 
@@ -366,7 +368,17 @@ class AdamW(LowPrecisionOptimizer):
         composition: Composition,
         device: torch.device,
         items: list[tuple],
+        found_inf: torch.Tensor | None = None,
     ) -> None:
+        if found_inf is not None:  # TEMP: replaced by the core/native branch
+            written = [t for item in items for t in (item[1], *composition.stored(item[0], item[3]))]
+            kept = [t.clone() for t in written]
+            self._step_bucket(group_index, group, composition, device, items)
+            skip = found_inf.to(device) != 0
+            for original, old in zip(written, kept):
+                bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[original.element_size()]
+                original.view(bits).copy_(torch.where(skip, old.view(bits), original.view(bits)))
+            return
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
         scalars: dict[int, torch.Tensor] = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import typing
@@ -314,8 +315,12 @@ class PrecisionStrategy:
         finite = _agree(all_finite([_local(g) for g in grads]), grads)
         return _agree_over(finite, self._data_parallel_group, params[0].device if params else None)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable | None = None, found_inf: torch.Tensor | None = None
+    ) -> Any:
         """The step itself."""
+        if found_inf is not None:  # TEMP: replaced by the core/native branch
+            return optimizer.step(closure, found_inf=found_inf)
         return optimizer.step(closure)
 
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None:
@@ -500,25 +505,35 @@ class StrategyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.strategy.unscale_gradients(self.optimizer)
-        if not self.strategy.process_gradients(self.optimizer):
+        decision = self.strategy.process_gradients(self.optimizer)
+        found_inf = None
+        if torch.is_tensor(decision):  # TEMP: replaced by the core/native branch
+            found_inf = decision
+            self.strategy.skipped_steps = self.strategy.skipped_steps + found_inf
+            self.step_was_skipped = found_inf != 0
+        elif not decision:
             self.strategy.skipped_steps += 1
             self.step_was_skipped = True
             self.strategy.measure_next_step = False
             logger.warning("non-finite gradients: step skipped (%d so far)", self.strategy.skipped_steps)
             return loss
-        self.step_was_skipped = False
+        else:
+            self.step_was_skipped = False
+        step = self.strategy.optimizer_step
+        if found_inf is not None:  # TEMP: replaced by the core/native branch
+            step = functools.partial(step, found_inf=found_inf)
         measure = self.strategy.measure_next_step and self.strategy.options.lost_arithmetic_metrics
         self.strategy.measure_next_step = False
         if measure and hasattr(self.optimizer, "track_updates"):
             self.optimizer.track_updates = True
             try:
-                self.strategy.optimizer_step(self.optimizer)
+                step(self.optimizer)
             finally:
                 self.optimizer.track_updates = False
             self.strategy._measure_lost_arithmetic(self.optimizer.tracked, len(self.param_groups))
             self.optimizer.tracked = []
         else:
-            self.strategy.optimizer_step(self.optimizer)
+            step(self.optimizer)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
