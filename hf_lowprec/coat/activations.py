@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.linear import FP8Linear, _conv1d_class
+from ..fp8.linear import FP8Linear, _conv1d_class, sharing_inputs
 from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
 
 __all__ = [
@@ -124,31 +124,26 @@ def _layer_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _run_in_scope(module: nn.Module, pack_activations: bool, args: tuple, kwargs: dict) -> Any:
-    """Run the module's own forward with a pack hook that (1) keeps one copy of identical FP8
-    payloads (q/k/v or gate/up projections quantize the same input separately, each FP8Linear
-    saving its own copy) and (2) if `pack_activations`, packs other activations 1×16 FP8."""
+    """Run the module's own forward where (1) FP8 layers handed the same input (q/k/v or gate/up
+    projections) quantize it once and save one FP8 copy (`hf_lowprec.fp8.linear.sharing_inputs`),
+    and (2) if `pack_activations`, a pack hook packs the other activations 1×16 FP8."""
     if not torch.is_grad_enabled():
         return type(module).forward(module, *args, **kwargs)
+    if not pack_activations:
+        with sharing_inputs():
+            return type(module).forward(module, *args, **kwargs)
     # Parameters saved by reference cost nothing; only activations are packed.
     own = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    fp8_seen: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> Any:
-        if t.dtype == _E4M3:
-            bits = t.view(torch.uint8)
-            for earlier in fp8_seen:
-                if earlier.shape == t.shape and torch.equal(earlier.view(torch.uint8), bits):
-                    return earlier
-            fp8_seen.append(t)
-            return t
-        if not pack_activations or not _packable(t) or t.untyped_storage().data_ptr() in own:
+        if t.dtype == _E4M3 or not _packable(t) or t.untyped_storage().data_ptr() in own:
             return t
         return (*quantize_groups(t), t.dtype)
 
     def unpack(packed: Any) -> torch.Tensor:
         return dequantize_groups(*packed) if isinstance(packed, tuple) else packed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with sharing_inputs(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return type(module).forward(module, *args, **kwargs)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ..compiling import compiler_missing
 
-__all__ = ["has_nan", "scale_to_fp8", "unscale_into", "widen"]
+__all__ = ["has_nan", "nan_flag", "saturate_to_fp8", "scale_to_fp8", "unscale_into", "widen"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ def _first_nan_code(fp8: torch.dtype) -> int:
     return int(values.isnan().nonzero()[0])
 
 
-def has_nan(payload: torch.Tensor) -> bool:
-    """True when an FP8 payload holds a NaN code, read from its bytes (no conversion).
+def nan_flag(payload: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on the payload's device: True when an FP8 payload holds a NaN code,
+    read from its bytes (no conversion, no host sync).
 
     Two integer maxima decide: as int8 the negative codes sort below every positive one, so
     the int8 maximum is the largest positive code; as uint8 the largest code overall, which
@@ -96,16 +97,33 @@ def has_nan(payload: torch.Tensor) -> bool:
     CPU, against 250 ms for widening and testing each value.
     """
     if payload.dtype not in FP8_DTYPES:
-        return bool(payload.isnan().any())
+        return payload.isnan().any()
     if not payload.numel():
-        return False
+        return torch.zeros((), dtype=torch.bool, device=payload.device)
     first = _first_nan_code(payload.dtype)
-    return bool(payload.view(torch.int8).amax() >= first) or bool(payload.view(torch.uint8).amax() >= 0x80 + first)
+    return (payload.view(torch.int8).amax() >= first) | (payload.view(torch.uint8).amax() >= 0x80 + first)
+
+
+def has_nan(payload: torch.Tensor) -> bool:
+    """`nan_flag` read on the host (one sync: for checks outside the training step)."""
+    return bool(nan_flag(payload))
 
 
 def _scale_to_fp8_eager(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # x.float() aliases an FP32 input: the product is out of place.
     return (x.float() * factor).to(dtype)
+
+
+def _saturate_to_fp8_eager(
+    x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x.float() * factor
+    limit = torch.finfo(dtype).max
+    magnitude = y.abs()
+    saturated = ((magnitude > limit) & (magnitude != float("inf"))).sum()
+    # The clamp keeps every finite |y| ≤ limit and the sign of zero; the factor y − y + 1 is 1
+    # for finite y and NaN for ±inf and NaN (exact: a product by one), so inf becomes NaN.
+    return (y.clamp(-limit, limit) * (y - y + 1)).to(dtype), saturated
 
 
 def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
@@ -127,22 +145,60 @@ def _compiler_missing() -> str | None:
 _broken: list[str] = []
 
 
+def _eager_here(tensor: torch.Tensor) -> bool:
+    """Whether the plain torch ops must run instead of this module's compiled kernels.
+
+    Inside a `torch.compile`d model they are traced into the model's graph (a nested compiled
+    function cannot be inlined; Inductor fuses the plain ops into the caller's kernels). Under
+    a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
+    serve the call, and the compiled kernels stay in use afterwards.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return (
+        tensor.device.type != "cpu"
+        or bool(_broken)
+        or _compiler_missing() is not None
+        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+    )
+
+
+def _run_compiled(fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
+    try:
+        # Autocast changes nothing here (products and casts); disabling it keeps one graph.
+        # optimize_ddp off: called inside a DDP model's forward, dynamo would split these
+        # one-kernel graphs by DDP's buckets (and fail); they hold no DDP module.
+        with (
+            torch.autocast("cpu", enabled=False),
+            torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
+        ):
+            return _compiled(fn)(*args)
+    except Exception as error:  # any backend failure: fall back to the eager ops for good
+        _broken.append(f"{type(error).__name__}: {error}")
+        logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
+        return eager(*args)
+
+
 def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 payload of x·factor: the product formed in FP32, then cast to `dtype` (nearest even).
 
     The caller picks `factor` so that |x·factor| ≤ max(dtype) (or makes it NaN to mark an
     overflow): the cast does not saturate.
     """
-    if dtype not in FP8_DTYPES or x.device.type != "cpu" or _broken or _compiler_missing() is not None:
+    if dtype not in FP8_DTYPES or _eager_here(x):
         return _scale_to_fp8_eager(x, factor, dtype)
-    try:
-        # Autocast changes nothing here (a product and a cast); disabling it keeps one graph.
-        with torch.autocast("cpu", enabled=False), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return _compiled()(x.reshape(-1), factor, dtype).view(x.shape)
-    except Exception as error:  # any backend failure: fall back to the eager ops for good
-        _broken.append(f"{type(error).__name__}: {error}")
-        logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
-        return _scale_to_fp8_eager(x, factor, dtype)
+    return _run_compiled(_scale_to_fp8_eager, _scale_to_fp8_eager, x.reshape(-1), factor, dtype).view(x.shape)
+
+
+def saturate_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, saturated): x·factor formed in FP32, clamped to ±max(dtype) and cast (nearest
+    even), ±inf and NaN made NaN; and the number of finite elements it clipped (an int64
+    tensor, no host sync). Where nothing exceeds the maximum the payload is `scale_to_fp8`'s,
+    bit for bit (the sign of zero kept)."""
+    if dtype not in FP8_DTYPES or _eager_here(x):
+        return _saturate_to_fp8_eager(x, factor, dtype)
+    payload, saturated = _run_compiled(_saturate_to_fp8_eager, _saturate_to_fp8_eager, x.reshape(-1), factor, dtype)
+    return payload.view(x.shape), saturated
 
 
 def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
@@ -151,19 +207,13 @@ def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) 
     pass on CPU (O1 writes every FP8 gradient back into its `p.grad` this way: the lookup,
     division and copy took 7.6 ns per element, more than the rest of the step).
     """
-    if (
-        payload.dtype not in FP8_DTYPES
-        or out.device.type != "cpu"
-        or _broken
-        or _compiler_missing() is not None
-        or not (out.is_contiguous() and payload.is_contiguous())
-    ):
+    if payload.dtype not in FP8_DTYPES or _eager_here(out) or not (out.is_contiguous() and payload.is_contiguous()):
         out.copy_(widen(payload, torch.float32) / scale.float())
         return
-    try:
-        with torch.autocast("cpu", enabled=False), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            _compiled(_unscale_into_compiled)(out.view(-1), payload.view(-1), scale.float())
-    except Exception as error:  # any backend failure: fall back to the eager ops for good
-        _broken.append(f"{type(error).__name__}: {error}")
-        logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
-        unscale_into(out, payload, scale)  # `_broken` now routes it to the eager ops
+    _run_compiled(
+        _unscale_into_compiled,
+        lambda *_: unscale_into(out, payload, scale),
+        out.view(-1),
+        payload.view(-1),
+        scale.float(),
+    )

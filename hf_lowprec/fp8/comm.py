@@ -35,6 +35,7 @@ divides by N before the sum (μ = 1/N: small values underflow), post-scaling aft
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real
 # `dist.GradBucket` and `Future[Tensor]` objects and rejects strings.
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -63,13 +64,14 @@ class AllReduceStats:
     """What an FP8 all-reduce lost, summed over ranks.
 
     Attributes:
-        underflow: nonzero gradient elements that became FP8 zero on their rank.
-        overflow: elements clipped at the FP8 maximum, in a rank's cast or in the sum.
+        underflow: nonzero gradient elements that became FP8 zero on their rank (an int64
+            device tensor after a reduction: read it at logging steps).
+        overflow: elements clipped at the FP8 maximum, in a rank's cast or in the sum (same).
         numel: elements of the reduced tensor (per rank).
     """
 
-    underflow: int = 0
-    overflow: int = 0
+    underflow: torch.Tensor | int = 0
+    overflow: torch.Tensor | int = 0
     numel: int = 0
 
     def __iadd__(self, other: "AllReduceStats") -> "AllReduceStats":
@@ -97,8 +99,19 @@ class FP8AllReduceResult:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The mean gradient, flat, in `dtype`."""
-        per_element = torch.repeat_interleave(self.scales, torch.tensor(self.numels, device=self.scales.device))
-        return (self.payload.float() / per_element).to(dtype)
+        return (self.payload.float() / _per_element(self.scales, self.numels)).to(dtype)
+
+
+@functools.cache
+def _segment_sizes(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Built once per layout and device: a bucket's layout repeats every step.
+    return torch.tensor(numels, device=device)
+
+
+def _per_element(values: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+    """values[i] repeated numels[i] times; the output size is known, so no host sync."""
+    sizes = _segment_sizes(tuple(numels), values.device)
+    return torch.repeat_interleave(values, sizes, output_size=sum(numels))
 
 
 def _all_gather_bytes(out: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -110,7 +123,7 @@ def _reduce(
     flat: torch.Tensor,
     numels: Sequence[int] | None,
     *,
-    mu: float | None,
+    mu: float | torch.Tensor | None,
     fp8_dtype: torch.dtype,
     margin: int,
     group: dist.ProcessGroup | None,
@@ -129,7 +142,6 @@ def _reduce(
         raise ValueError("FP8 all-reduce needs an initialized torch.distributed process group")
     world = dist.get_world_size(group)
     device = flat.device
-    sizes = torch.tensor(numels, device=device)
 
     segments = flat.detach().split(numels)
     amax = torch.stack([s.abs().amax().float() if s.numel() else torch.zeros((), device=device) for s in segments])
@@ -140,7 +152,7 @@ def _reduce(
     shared = torch.where(torch.isinf(shared), torch.ones_like(shared), shared)  # zero on every rank
     send_scale = shared * (1.0 / world if mu is None else mu)
 
-    scaled = flat.float() * torch.repeat_interleave(send_scale, sizes)
+    scaled = flat.float() * _per_element(send_scale, numels)
     payload = _saturating_cast(scaled, fp8_dtype)
     overflow = _saturated(scaled, fp8_dtype)
     del scaled
@@ -165,7 +177,7 @@ def _reduce(
 
     counts = torch.stack([overflow, underflow]).to(torch.int64)
     dist.all_reduce(counts, group=group)
-    stats = AllReduceStats(underflow=int(counts[1]), overflow=int(counts[0]), numel=numel)
+    stats = AllReduceStats(underflow=counts[1], overflow=counts[0], numel=numel)
     return FP8AllReduceResult(gathered[:numel].view(fp8_dtype), send_scale * world, numels, stats)
 
 
@@ -173,7 +185,7 @@ def fp8_allreduce(
     tensor: torch.Tensor,
     *,
     numels: Sequence[int] | None = None,
-    mu: float = 1.0,
+    mu: float | torch.Tensor = 1.0,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     margin: int = 0,
     group: dist.ProcessGroup | None = None,
@@ -189,7 +201,7 @@ def fp8_allreduce(
         margin: scale margin in binades.
         group: process group (default: the world).
     """
-    if not (mu > 0):
+    if not torch.is_tensor(mu) and not (mu > 0):  # a tensor μ comes from GradientAutoScaler, positive
         raise ValueError(f"mu must be positive, got {mu}")
     return _reduce(tensor, numels, mu=mu, fp8_dtype=fp8_dtype, margin=margin, group=group)
 
@@ -259,7 +271,7 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     result = fp8_allreduce(
         buffer,
         numels=numels,
-        mu=state.scaler.mu,
+        mu=state.scaler.mu_for(buffer),
         fp8_dtype=state.fp8_dtype,
         margin=state.margin,
         group=state.process_group,

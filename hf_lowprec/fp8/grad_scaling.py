@@ -26,28 +26,28 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .cast import has_nan, scale_to_fp8, widen
-from .scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
+from .cast import nan_flag, saturate_to_fp8, widen
+from .scaled import dequantize, pow2_scale, quantize, tensor_amax
 
-__all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
+__all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "nonfinite", "quantize_gradient", "requantize_gradient"]
 
 
 def quantize_gradient(
-    grad: torch.Tensor, mu: float, dtype: torch.dtype, margin: int = 0
+    grad: torch.Tensor, mu: float | torch.Tensor, dtype: torch.dtype, margin: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 gradient with scale s = μ·2^(floor(log2(fp8_max/amax)) − margin).
 
+    With μ ≤ 1 and a finite amax nothing can saturate (amax·2^e ≤ max(dtype) for pow2_scale's
+    exponent e, so |g·s| ≤ μ·max); with μ > 1 the cast clamps to ±max and counts what it
+    clipped, and inf/NaN become NaN (a non-finite amax gives s = μ). One pass, no host sync:
+    μ may be a 0-dim device tensor (`GradientAutoScaler.mu`).
+
     Returns:
         (payload, scale, saturated): the FP8 payload, its FP32 scale (real = payload / scale)
-        and the number of clipped elements as an int64 tensor (no host sync).
+        and the number of clipped elements as an int64 tensor.
     """
-    amax = tensor_amax(grad)
-    scale = pow2_scale(amax, dtype, margin) * mu
-    if mu <= 1.0 and bool(torch.isfinite(amax)):
-        # amax·2^e ≤ max(dtype) for pow2_scale's exponent e, so |g·s| ≤ μ·max ≤ max: nothing
-        # can saturate, the count is 0 and the plain cast gives quantize's payload.
-        return scale_to_fp8(grad, scale, dtype), scale, torch.zeros((), dtype=torch.int64, device=grad.device)
-    payload, saturated = quantize_counting(grad, scale, dtype)
+    scale = pow2_scale(tensor_amax(grad), dtype, margin) * mu
+    payload, saturated = saturate_to_fp8(grad.detach(), scale, dtype)
     return payload, scale, saturated
 
 
@@ -71,11 +71,25 @@ def requantize_gradient(
     return quantize(grad, new_scale, dtype), new_scale
 
 
-class GradientAutoScaler:
-    """The auto-scaling factor μ and its update rule.
+def nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 flag on `device`: 1.0 when a tensor holds inf or NaN (no host sync).
 
-    Callers `record(saturated, total)` for every quantization of a step (counts may be
-    tensors, so no host sync happens until `update`), then call `update()` once per step.
+    As `numerics.all_finite`: an inf is a tensor's minimum or maximum, and both propagate NaN.
+    """
+    extremes = [t.float() for x in tensors if x.numel() for t in torch.aminmax(x.detach())]
+    if not extremes:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (~torch.stack(extremes).isfinite().all()).float().to(device)
+
+
+class GradientAutoScaler:
+    """The auto-scaling factor μ and its update rule, kept on the gradients' device.
+
+    Callers `record(saturated, total)` for every quantization of a step, then call `update()`
+    once per step. μ, the clean-step counter and the last saturated share are 0-dim tensors
+    updated in place with `torch.where`, so a step never waits for the host; they move to
+    the device of the first counts recorded (`mu_for` moves them to a gradient's device).
+    Read them as numbers at logging steps and checkpoints only.
 
     Args:
         init_mu: starting μ (a power of two keeps every scale a power of two).
@@ -100,55 +114,130 @@ class GradientAutoScaler:
             raise ValueError(f"threshold must lie in [0, 1), got {threshold}")
         if not (0 < min_mu <= init_mu <= max_mu):
             raise ValueError(f"need 0 < min_mu <= init_mu <= max_mu, got {min_mu}, {init_mu}, {max_mu}")
-        self.mu = float(init_mu)
         self.interval = interval
         self.threshold = threshold
         self.min_mu = min_mu
         self.max_mu = max_mu
-        self.clean_steps = 0
-        self.last_saturated_share = 0.0
+        # FP32 like the scales μ multiplies; the share in FP64 like the Python division it replaces.
+        self._mu = torch.tensor(float(init_mu), dtype=torch.float32)
+        self._clean_steps = torch.zeros((), dtype=torch.int64)
+        self._last_share = torch.zeros((), dtype=torch.float64)
         self._saturated: torch.Tensor | int = 0
-        self._total = 0
+        self._total: torch.Tensor | int = 0
+        self._recorded = False
 
-    def record(self, saturated: torch.Tensor | int, total: int) -> None:
-        """Add one quantization's clipped-element count and its size to this step's tally."""
-        self._saturated = self._saturated + saturated
-        self._total += int(total)
+    # --- the device state -------------------------------------------------------------------
+    def to(self, device: torch.device | str) -> GradientAutoScaler:
+        """Keep μ and the counters on `device` (a copy only when they live elsewhere)."""
+        device = torch.device(device)
+        if self._mu.device != device:
+            self._mu, self._clean_steps, self._last_share = (
+                t.to(device) for t in (self._mu, self._clean_steps, self._last_share)
+            )
+        return self
+
+    def mu_for(self, grad: torch.Tensor) -> torch.Tensor:
+        """μ on `grad`'s device."""
+        return self.to(grad.device)._mu
+
+    @property
+    def mu(self) -> float:
+        """μ read on the host (a sync: for logs, checks and tests; a step uses `mu_for`)."""
+        return float(self._mu)
+
+    @mu.setter
+    def mu(self, value: float) -> None:
+        self._mu.fill_(value)
+
+    @property
+    def clean_steps(self) -> int:
+        """Consecutive clean steps since μ last changed, read on the host."""
+        return int(self._clean_steps)
+
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
+        self._clean_steps.fill_(value)
+
+    @property
+    def last_saturated_share(self) -> float:
+        """The saturated share of the last `update`, read on the host."""
+        return float(self._last_share)
+
+    # --- a step -----------------------------------------------------------------------------
+    def record(self, saturated: torch.Tensor | int, total: int, unless: torch.Tensor | None = None) -> None:
+        """Add one quantization's clipped-element count and its size to this step's tally.
+
+        `unless`: a 0-dim device flag; where it is nonzero the quantization does not count
+        (a step about to be skipped), decided on the device.
+        """
+        if torch.is_tensor(saturated):
+            self.to(saturated.device)
+        if unless is None:
+            self._saturated = self._saturated + saturated
+            self._total = self._total + int(total)
+        else:
+            keep = unless == 0
+            self._saturated = self._saturated + torch.where(keep, saturated, 0)
+            self._total = self._total + keep.double() * int(total)
+        self._recorded = True
 
     @property
     def pending(self) -> bool:
-        """True when counts were recorded since the last `update`."""
-        return self._total > 0
+        """True when counts were recorded since the last `update` (known on the host)."""
+        return self._recorded
 
-    def update(self) -> float:
-        """Apply the halving/doubling rule to this step's tally, reset it, and return μ."""
-        saturated = int(self._saturated.item()) if torch.is_tensor(self._saturated) else int(self._saturated)
-        share = saturated / self._total if self._total else 0.0
-        self._saturated, self._total = 0, 0
-        self.last_saturated_share = share
-        if share > self.threshold:
-            self.mu = max(self.mu / 2.0, self.min_mu)
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps >= self.interval:
-                self.mu = min(self.mu * 2.0, self.max_mu)
-                self.clean_steps = 0
-        return self.mu
+    def update(self, unless: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the halving/doubling rule to this step's tally, reset it, and return the new μ
+        (a 0-dim tensor apart from the scaler's own).
 
+        `unless`: a 0-dim device flag; where it is nonzero μ and the counters stay as they are.
+        """
+        mu, clean = self._mu, self._clean_steps
+        saturated, total = self._saturated, self._total
+        self._saturated, self._total, self._recorded = 0, 0, False
+        if torch.is_tensor(total):
+            share = torch.where(total > 0, saturated / total, 0.0)
+        elif torch.is_tensor(saturated) and total:
+            share = saturated.double() / total
+        else:  # plain numbers: no tensor to move to the device
+            share = torch.full_like(self._last_share, saturated / total if total else 0.0)
+        over = share > self.threshold
+        counted = torch.where(over, 0, clean + 1)
+        grow = counted >= self.interval
+        new_mu = torch.where(
+            over,
+            (mu / 2.0).clamp(min=self.min_mu),
+            torch.where(grow, (mu * 2.0).clamp(max=self.max_mu), mu),
+        )
+        new_clean = torch.where(grow, 0, counted)
+        if unless is not None:
+            skip = unless != 0
+            new_mu, new_clean, share = (
+                torch.where(skip, old, new)
+                for old, new in ((mu, new_mu), (clean, new_clean), (self._last_share, share))
+            )
+        mu.copy_(new_mu)
+        clean.copy_(new_clean)
+        self._last_share.copy_(share)
+        return new_mu
+
+    # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """μ and the clean-step counter (plain Python numbers: safe for weights_only loading)."""
-        return {"mu": self.mu, "clean_steps": self.clean_steps}
+        """μ and the clean-step counter as Python numbers (read at the checkpoint: safe for
+        weights_only loading and the format older checkpoints have)."""
+        return {"mu": float(self._mu), "clean_steps": int(self._clean_steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mu = float(state["mu"])
         if not (math.isfinite(mu) and mu > 0):
             raise ValueError(f"saved gradient scale mu must be positive and finite, got {mu}")
-        self.mu = mu
-        self.clean_steps = int(state["clean_steps"])
+        self._mu.fill_(mu)
+        self._clean_steps.fill_(int(state["clean_steps"]))
 
     def __repr__(self) -> str:
-        return f"GradientAutoScaler(mu={self.mu}, clean_steps={self.clean_steps}, interval={self.interval})"
+        return (
+            f"GradientAutoScaler(mu={float(self._mu)}, clean_steps={int(self._clean_steps)}, interval={self.interval})"
+        )
 
 
 class FP8GradientOwner(Protocol):
@@ -201,7 +290,7 @@ class BackwardFP8Gradients:
         pending = owner.fp8_grad(param)
         if pending is not None:  # gradient accumulation: add to this step's stored gradient
             grad = dequantize(*pending).add_(grad)
-        payload, scale, saturated = quantize_gradient(grad, self.scaler.mu, self.dtype, self.margin)
+        payload, scale, saturated = quantize_gradient(grad, self.scaler.mu_for(grad), self.dtype, self.margin)
         self.scaler.record(saturated, grad.numel())
         owner.set_fp8_grad(param, payload, scale)
         param.grad = None
@@ -212,9 +301,19 @@ class BackwardFP8Gradients:
             return []
         return [g for g in (self.owner.fp8_grad(p) for p in params) if g is not None]
 
-    def all_finite(self, params: Iterable[torch.Tensor]) -> bool:
-        """False when a stored gradient holds NaN (the saturating cast turns inf into NaN)."""
-        return not any(has_nan(payload) for payload, _ in self.stored(params))
+    def nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """A 0-dim bool device flag: a stored gradient holds NaN (the saturating cast turns inf
+        into NaN); None when none is stored."""
+        flags = [nan_flag(payload) for payload, _ in self.stored(params)]
+        return torch.stack(flags).any() if flags else None
+
+    def discard_where(self, flag: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
+        """Zero the stored gradients (payload 0, scale 1) where the device flag is set (a skipped
+        step), so no NaN handed over in backward stays in the optimizer state or a checkpoint."""
+        skip = flag != 0
+        for payload, scale in self.stored(params):
+            payload.view(torch.uint8).masked_fill_(skip, 0)
+            scale.masked_fill_(skip, 1.0)
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.

@@ -56,11 +56,12 @@ gets no gradient.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -82,6 +83,7 @@ __all__ = [
     "quantize_weight",
     "set_fp8_gemm_path",
     "set_grad_sink",
+    "sharing_inputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -293,6 +295,42 @@ def _ensure_step_hook() -> None:
         _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
+# --- one input, several layers (q/k/v, gate/up projections) --------------------------------
+# Inside `sharing_inputs()` an FP8 layer handed the very tensor another layer of the scope
+# quantized reuses its (payload, scale): one quantization, one saved FP8 copy. Recognised by
+# identity and version counter, never by comparing values (no host sync). Eager only: under
+# torch.compile the scope is not consulted (dynamo cannot replay the dictionary).
+_input_scopes: list[dict[int, tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]] = []
+
+
+def _quantize_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_per_tensor(x.detach().reshape(-1, x.shape[-1]), E4M3, margin)
+
+
+@contextlib.contextmanager
+def sharing_inputs() -> Iterator[None]:
+    """Within the scope, FP8 layers given the same input tensor quantize it once (see above)."""
+    _input_scopes.append({})
+    try:
+        yield
+    finally:
+        _input_scopes.pop()
+
+
+def _shared_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """(x8, sx) from the innermost `sharing_inputs` scope, quantized now if it is new; () outside one."""
+    if not _input_scopes or torch.compiler.is_compiling():
+        return ()
+    scope = _input_scopes[-1]
+    hit = scope.get(id(x))
+    if hit is not None and hit[0] is x and hit[1:3] == (x._version, margin):
+        return hit[3], hit[4]
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x8, sx = _quantize_input(x, margin)
+    scope[id(x)] = (x, x._version, margin, x8, sx)
+    return x8, sx
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x·Wᵀ + b (or x·W + b for GPT-2 Conv1D layout) with FP8 GEMMs; backward written by hand
     because the FP8 GEMMs have no autograd formula."""
@@ -309,11 +347,14 @@ class _FP8LinearFunction(torch.autograd.Function):
         margin: int,
         out_dtype: torch.dtype,
         grad_sink: GradSink | None = None,
+        x8: torch.Tensor | None = None,
+        sx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gemm = _gemm_for(x.device)
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
-            x8, sx = _quantize_per_tensor(x.reshape(-1, x.shape[-1]), E4M3, margin)
+            if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
+                x8, sx = _quantize_input(x, margin)
             # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
             out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
@@ -358,7 +399,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
@@ -510,6 +551,7 @@ class FP8Linear(nn.Module):
             self.margin,
             _output_dtype(x),
             get_grad_sink(self.weight),
+            *_shared_input(x, self.margin),
         )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,8 @@ import torch
 
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
-from ..fp8.grad_scaling import BackwardFP8Gradients, requantize_gradient
+from ..fp8.grad_scaling import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
-from ..numerics import all_finite
 from ..optim import FP8AdamW, PlainAdamW
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
@@ -204,36 +203,38 @@ class FP8LM(PrecisionStrategy):
         """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""
         return self.comm_state, fp8_allreduce_hook
 
-    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Store gradients as FP8 (scale μ·2^k, or from the all-reduce's N·μ·s_g), then update μ.
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Store gradients as FP8 (scale μ·2^k, or from the all-reduce's N·μ·s_g), then update μ;
+        returns the step's skip flag (a 0-dim device tensor, 1.0 for inf/NaN), no host sync.
 
         O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 has handed
         each FP8 GEMM weight's gradient to FP8AdamW in backward already (`BackwardFP8Gradients`;
         under DDP it does so here, after the all-reduce) and frees its `p.grad`; the other
         parameters keep FP32 gradients, as they keep FP32 masters. A gradient that came out
         of the FP8 all-reduce is re-encoded from its current values (`requantize_gradient`),
-        since clipping may have scaled it since.
+        since clipping may have scaled it since. Every gradient is quantized whatever the flag
+        (the decision stays on the device): on a skipped step the quantizations made here do
+        not count towards μ, and μ moves only if the all-reduce or backward recorded counts
+        (their saturation was real even if the step is not), as before.
         """
         everything = [p for g in optimizer.param_groups for p in g["params"]]
         params = [p for p in everything if p.grad is not None]
+        device = everything[0].device
         comm_scales = self.comm_state.grad_scales
-        finite = all_finite([p.grad for p in params]) and self.backward_grads.all_finite(everything)
-        if not finite:
-            comm_scales.clear()
-            if self.o2:
-                optimizer.discard_fp8_grads()
-            if self.scaler.pending:  # the all-reduce's saturation was real even if the step is not
-                self.scaler.update()
-            return False
+        found_inf = nonfinite([p.grad for p in params], device)
+        stored = self.backward_grads.nonfinite(everything)
+        if stored is not None:
+            found_inf = torch.maximum(found_inf, stored.float())
+        recorded_before = self.scaler.pending
         for p in params:
             if self.o2 and get_master_scale(p) is None:
                 continue
             scale = comm_scales.pop(id(p), None)
             if scale is None:
                 payload, scale, saturated = quantize_gradient(
-                    p.grad, self.scaler.mu, self.grad_dtype, self.options.margin
+                    p.grad, self.scaler.mu_for(p.grad), self.grad_dtype, self.options.margin
                 )
-                self.scaler.record(saturated, p.numel())
+                self.scaler.record(saturated, p.numel(), unless=found_inf)
             else:
                 payload, scale = requantize_gradient(p.grad, scale, self.grad_dtype, self.options.margin)
             if self.o2:
@@ -242,8 +243,10 @@ class FP8LM(PrecisionStrategy):
             else:
                 unscale_into(p.grad, payload, scale)
         comm_scales.clear()
-        self.scaler.update()
-        return True
+        if self.o2:
+            self.backward_grads.discard_where(found_inf, everything)
+        self.scaler.update(unless=None if recorded_before else found_inf)
+        return found_inf
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..engines.zero_fp8 import FP8ZeroAdamW
+from ..fp8.grad_scaling import nonfinite
 from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
-from ..numerics import all_finite
 from .fp8_lm import FP8LM
 from .registry import register
 
@@ -86,30 +86,27 @@ class FP8LMO3(FP8LM):
     def ddp_comm_hook(self) -> None:  # type: ignore[override]
         return None  # FP8ZeroAdamW reduces the FP8 weights' gradients; ZeRO the rest
 
-    def process_gradients(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Once per step (DeepSpeed calls the optimizer once per group): one finite decision on
-        every rank, the FP8 all-reduce and the global clipping coefficient; on every call the
-        current groups' gradients are brought to that clipping."""
+    def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Once per step (DeepSpeed calls the optimizer once per group): one skip flag agreed by
+        every rank (all-reduce MAX), the FP8 all-reduce and the global clipping coefficient; on
+        every call the current groups' gradients are brought to that clipping. The flag is a
+        0-dim device tensor (1.0: skip); everything runs whatever it says, so no rank waits for
+        the host, and on a skipped step the quantizations do not count towards μ."""
         optimizer.check_attached()
         if not optimizer.begins_step():  # a later group of the same DeepSpeed step
-            if optimizer.step_ok:
-                optimizer.clip_dense_groups()
-            else:
-                self.skipped_steps -= 1  # counted once, on the step's first call
-            return optimizer.step_ok
+            optimizer.clip_dense_groups()
+            self.skipped_steps = self.skipped_steps - optimizer.found_inf  # counted once, on the first call
+            return optimizer.found_inf
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok = torch.tensor(float(all_finite(grads + optimizer.fp8_grads())), device=optimizer.device)
+        found_inf = nonfinite(grads + optimizer.fp8_grads(), optimizer.device)
         if optimizer.world > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=optimizer.process_group)  # every rank skips together
-        optimizer.step_ok = bool(ok)
-        if not optimizer.step_ok:
-            optimizer.clear_fp8_grads()
-            return False
-        optimizer.reduce_fp8_gradients(self.scaler, self.grad_dtype)
-        self.scaler.update()
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=optimizer.process_group)  # every rank skips together
+        optimizer.found_inf = found_inf
+        optimizer.reduce_fp8_gradients(self.scaler, self.grad_dtype, unless=found_inf)
+        self.scaler.update(unless=found_inf)
         optimizer.clip_coefficient()
         optimizer.clip_dense_groups()
-        return True
+        return found_inf
 
     # --- export ---------------------------------------------------------------------------
     def full_precision_state_dict(

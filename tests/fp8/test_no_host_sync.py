@@ -1,0 +1,51 @@
+"""A training step of the FP8 strategies never waits for the host (no `.item()`, `bool(tensor)`,
+`torch.equal`, `nonzero`): every data-dependent decision (μ, skipping, saturation) stays a
+device tensor. Counted with a dispatch mode over one whole step; the suite-wide counter is in
+tests/gpu."""
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_lowprec
+from hf_lowprec.fp8.grad_scaling import nonfinite
+from tests.helpers import batches, tiny_gpt2
+
+# The ATen ops through which a tensor's value reaches the host.
+SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
+
+
+class CountSyncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCS:
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def device_finite_check(optimizer) -> torch.Tensor:
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return nonfinite(grads, grads[0].device)
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3", "coat"])
+def test_a_training_step_has_no_host_sync(name):
+    strategy = hf_lowprec.get_strategy(name)
+    if name == "coat":
+        # coat keeps the base class's finite check, which the core branch makes a device flag
+        # (tests/gpu counts it); here the step around it is counted.
+        strategy.process_gradients = device_finite_check
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    data = batches(3)
+    for ids in data[:2]:  # state created, caches warm
+        strategy.train_step(model, ids, optimizer)
+    with CountSyncs() as counter:
+        strategy.train_step(model, data[2], optimizer)
+    assert not counter.seen, f"{name}: host syncs in one step: {dict(counter.seen)}"
