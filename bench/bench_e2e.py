@@ -160,6 +160,10 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({**out, "loss": losses[-1]}))
 
 
+def model_label(args: argparse.Namespace) -> str:
+    return "smoke model (2-layer GPT-2, n_embd 64): times mean nothing" if args.smoke else "GPT-2 124M"
+
+
 def run_children(names: list[str], args: argparse.Namespace, *, compiled: bool) -> dict[str, list[dict]] | None:
     """Each strategy's child process `args.rounds` times, interleaved; None if one failed."""
     batch, steps = (args.compiled_batch, args.compiled_steps) if compiled else (args.batch, args.steps)
@@ -216,7 +220,7 @@ def main() -> int:
     }
     base = results[names[0]]
     print(
-        f"GPT-2 124M, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps, "
+        f"{model_label(args)}, batch {args.batch}x{args.seq}, {args.threads} threads, median of {args.steps} steps, "
         f"fastest of {args.rounds} interleaved rounds; ratios to {names[0]} in this run"
     )
     print(f"load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}")
@@ -247,7 +251,7 @@ def print_compiled(args: argparse.Namespace) -> int:
         return 1
     print()
     print(
-        f"torch.compile (inductor), GPT-2 124M with Conv1D as nn.Linear, batch {args.compiled_batch}x{args.seq}, "
+        f"torch.compile (inductor), {model_label(args)} with Conv1D as nn.Linear, batch {args.compiled_batch}x{args.seq}, "
         f"{args.threads} threads, median of {args.compiled_steps} steps after {COMPILED_WARMUP} warm-up steps, "
         f"fastest of {args.rounds} rounds; load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}"
     )
