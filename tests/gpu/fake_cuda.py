@@ -1,0 +1,232 @@
+"""A CUDA device made of `FakeTensorMode` tensors, for a CPU-only torch: shapes, dtypes, devices
+and the dispatcher operations of a GPU run, with no GPU and no data.
+
+What a CPU-only build refuses is worked around here, each for a stated reason:
+
+- `torch.cuda.is_available()` is True and `get_device_capability()` is the capability under
+  test, so the package takes its CUDA branches (autocast on CUDA, the FP8 GEMM path).
+- `Tensor.copy_`, `Tensor.contiguous` and basic indexing (`t[:m, :n]`, `t[0]`, `t[:, None]`) go straight to
+  their aten operations: their Python bindings set a CUDA device guard, which a CPU-only build
+  cannot (the fake tensor never needed the device).
+- `torch.tensor(values, device=cuda)` allocates its device tensor past the fake mode: it is
+  made on the host and copied with `.to(device)`, the copy it is on a GPU (and counted as one).
+- `nn.Module._apply` (`.float()`, `.to(dtype)`) swaps fake parameters; where the swap is
+  refused (the mode holds weak references to its tensors), the parameter's `.data` is set.
+- The model is built on the CPU, then every parameter and buffer is replaced by a fake CUDA
+  tensor of the same shape and dtype (`nn.Module.to("cuda")` also needs the device guard).
+- Autograd: a CPU-only build cannot even record the graph of a CUDA tensor (its input
+  metadata asks for the device's stream and aborts the process), and Python indexing of a
+  CUDA tensor (`t[:, :1]`) sets the device too. So the whole model does not run here: the FP8
+  layers' forward and hand-written backward (the three GEMMs) are called directly with a
+  stand-in context, and the optimizer steps on gradients of the right shapes and dtypes.
+  What is not run: the autograd engine and the rest of the model (torch's and transformers'
+  own code, run by the real-GPU tests in tests/cuda, `make gpu-check`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tests.gpu.rules import DeviceTraffic
+
+__all__ = ["fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]
+
+DEVICE = torch.device("cuda", 0)
+
+
+def _swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    # `nn.Module._apply` swaps fake parameters (`.float()`, `.to(dtype)`); a fake tensor the
+    # mode holds a weak reference to cannot be swapped, and `.data =` does the same for a leaf.
+    try:
+        _swap_tensors(t1, t2)
+    except RuntimeError:
+        t1.data = t2
+
+
+_swap_tensors = torch.utils.swap_tensors
+
+
+def _copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    return torch.ops.aten.copy_.default(self, src, non_blocking)
+
+
+def _contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    if self.is_contiguous(memory_format=memory_format):
+        return self
+    return torch.ops.aten.clone.default(self, memory_format=memory_format)
+
+
+_getitem = torch.Tensor.__getitem__
+_tensor = torch.tensor
+
+
+def _tensor_via_host(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+    """`torch.tensor(data, device=cuda)` as what it is, a host tensor copied to the device."""
+    if device is None or torch.device(device).type != "cuda":
+        return _tensor(data, *args, device=device, **kwargs)
+    return _tensor(data, *args, **kwargs).to(DEVICE)
+
+
+def _basic_getitem(self: torch.Tensor, key: Any) -> torch.Tensor:
+    """`self[key]` for a tensor key, and keys of ints, None and step-1 slices, through aten ops;
+    other keys as torch does."""
+    if isinstance(key, torch.Tensor):  # a gather (a boolean key is a mask: counted as a sync)
+        return torch.ops.aten.index.Tensor(self, [key])
+    keys = key if isinstance(key, tuple) else (key,)
+    if not all(k is None or isinstance(k, int) or (isinstance(k, slice) and k.step in (None, 1)) for k in keys):
+        return _getitem(self, key)
+    out, dim = self, 0
+    for k in keys:
+        if k is None:
+            out = torch.ops.aten.unsqueeze.default(out, dim)
+            dim += 1
+        elif isinstance(k, int):
+            out = torch.ops.aten.select.int(out, dim, k)
+        else:
+            start = 0 if k.start is None else k.start
+            end = out.shape[dim] if k.stop is None else k.stop
+            out = torch.ops.aten.slice.Tensor(out, dim, start, end)
+            dim += 1
+    return out
+
+
+class _HostGenerator(torch.Generator):
+    """A CUDA generator stand-in: draws on the host, says it is on the device (a CPU-only build
+    has no CUDA generator). Fake tensors hold no values, so only the device matters."""
+
+    def __new__(cls, device: Any = "cpu") -> _HostGenerator:
+        generator = super().__new__(cls, "cpu")
+        generator._device = torch.device(device)
+        return generator
+
+    def __init__(self, device: Any = "cpu") -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._device
+
+
+@contextlib.contextmanager
+def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
+    """A fake CUDA device of compute `capability`; the package's FP8 GEMM path is chosen afresh."""
+    from hf_lowprec.fp8 import set_fp8_gemm_path
+
+    set_fp8_gemm_path(None)  # forget the paths chosen for earlier (fake) devices
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
+        stack.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=capability))
+        stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
+        stack.enter_context(mock.patch("torch.cuda.device_count", return_value=1))
+        stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=capability >= (8, 0)))
+        stack.enter_context(mock.patch.object(torch.Tensor, "copy_", _copy_))
+        stack.enter_context(mock.patch.object(torch.Tensor, "contiguous", _contiguous))
+        stack.enter_context(mock.patch("torch.tensor", _tensor_via_host))
+        stack.enter_context(mock.patch("torch.Generator", _HostGenerator))
+        stack.enter_context(mock.patch.object(torch.Tensor, "__getitem__", _basic_getitem))
+        stack.enter_context(mock.patch("torch.utils.swap_tensors", _swap_or_set_data))
+        stack.callback(set_fp8_gemm_path, None)
+        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        # Setup reads values too (a seed drawn with `.item()`): answered, not counted.
+        stack.enter_context(DeviceTraffic(stand_in=True))
+        yield mode
+
+
+def to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every parameter and buffer a fake CUDA tensor (tied tensors stay tied)."""
+    done: dict[int, Any] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in done:
+                    fake = torch.empty_like(tensor, device=DEVICE)
+                    if isinstance(tensor, torch.nn.Parameter):
+                        fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+                    done[id(tensor)] = fake
+                table[key] = done[id(tensor)]
+    return model
+
+
+class _Context:
+    """What `_FP8LinearFunction.forward`/`backward` read of an autograd context."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
+def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(y, dx, dW, db) of an `FP8Linear` on `x`: its autograd function's forward and backward
+    called directly, as the engine would (the forward GEMM and both backward GEMMs)."""
+    from hf_lowprec.fp8.linear import E4M3, _FP8LinearFunction, _output_dtype, _quantize_per_tensor
+
+    w8, sw = _quantize_per_tensor(layer.weight, E4M3, layer.margin, getattr(layer, "master_scale", None))
+    ctx = _Context((True, True, layer.bias is not None))
+    y = _FP8LinearFunction.forward(
+        ctx, x, layer.weight, layer.bias, w8, sw, layer.weight_transposed, layer.margin, _output_dtype(x)
+    )
+    dx, dw, db, *_ = _FP8LinearFunction.backward(ctx, torch.randn_like(y))
+    return y, dx, dw, db
+
+
+def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2) -> dict[str, Any]:
+    """One steady training step of strategy `name` on a fake CUDA device of `capability`.
+
+    The pieces a CPU-only build can run (module docstring): under the strategy's forward
+    context, every FP8 layer's forward and backward GEMMs called directly on a batch of
+    activations, then the optimizer step (the strategy's gradient processing included) on
+    gradients of the parameters' shapes and dtypes, after one warm-up step (the optimizer's
+    states are built there). The rest of the model's forward is not run: indexing a CUDA
+    tensor (`t[:, :1]`, in transformers' mask code) sets the device in a CPU-only build.
+
+    Returns: {"copies": host→device copies of the steady step (`Event`s), "syncs": its host
+    syncs, "gemm_path": the FP8 GEMM path chosen ("scaled_mm", "upcast", or None without
+    FP8 layers), "fp8_layers": how many FP8 layers ran their GEMMs}.
+    """
+    import hf_lowprec
+    from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path
+    from tests.gpu.rules import BATCH, SEQ, gpt2
+
+    with fake_cuda(capability):
+        strategy = hf_lowprec.get_strategy(name)
+        model = strategy.prepare_model(to_fake_cuda(gpt2(n_layer)))
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+        rows = BATCH * SEQ
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+        def step() -> None:
+            # Not requiring gradients during the forward: autocast's cast of a leaf that does
+            # would record it (a gradient accumulator, which needs the device) even under no_grad.
+            for p in trainable:
+                p.requires_grad_(False)
+            with torch.no_grad(), strategy.forward_context():
+                for layer in layers:
+                    x = torch.randn(rows, layer.in_features, device=DEVICE)
+                    fp8_layer_forward_backward(layer, x)
+            for p in trainable:
+                p.requires_grad_(True)
+                p.grad = torch.randn_like(p)
+            strategy.scale_loss(torch.zeros((), device=DEVICE))  # a loss scaler starts its step here
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        with DeviceTraffic(stand_in=True) as traffic:
+            step()
+        return {
+            "copies": traffic.copies,
+            "syncs": traffic.syncs,
+            "gemm_path": fp8_gemm_path(DEVICE) if layers else None,
+            "fp8_layers": len(layers),
+        }
