@@ -236,6 +236,50 @@ def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy,
     assert_refused_before_any_change(tmp_path, strategy, str(checkpoint), match)
 
 
+# Each edit of a manifest's JSON, and the problem the refusal must name.
+MANIFEST_EDITS = {
+    "entry-null": (lambda m: m["files"].update({"optimizer.pt": None}), r"entry 'optimizer.pt' is null, not"),
+    "entry-number": (lambda m: m["files"].update({"optimizer.pt": 7}), r"entry 'optimizer.pt' is 7, not"),
+    "entry-string": (lambda m: m["files"].update({"scheduler.pt": "x"}), r"entry 'scheduler.pt' is \"x\", not"),
+    "bytes-missing": (
+        lambda m: m["files"]["optimizer.pt"].pop("bytes"),
+        r"entry 'optimizer.pt' has bytes null, not a non-negative",
+    ),
+    "bytes-negative": (
+        lambda m: m["files"]["optimizer.pt"].update(bytes=-1),
+        r"entry 'optimizer.pt' has bytes -1, not a non-negative",
+    ),
+    "bytes-bool": (
+        lambda m: m["files"]["optimizer.pt"].update(bytes=True),
+        r"entry 'optimizer.pt' has bytes true, not",
+    ),
+    "crc-too-big": (
+        lambda m: m["files"]["optimizer.pt"].update(crc32=2**32),
+        r"entry 'optimizer.pt' has crc32 4294967296, not an integer",
+    ),
+    "path-outside": (
+        lambda m: m["files"].update({"../model.safetensors": {"bytes": 1, "crc32": 1}}),
+        r"entry '../model.safetensors' is not a path inside",
+    ),
+    "files-list": (lambda m: m.update(files=[]), r"its files are \[\], not an object of entries"),
+    "strategy-number": (lambda m: m.update(strategy=3), "its strategy is 3, not a name or null"),
+    "options-list": (lambda m: m.update(options=[1]), r"its options are \[1\], not an object or null"),
+    "world-size-zero": (lambda m: m.update(world_size=0), "its world_size is 0, not a positive integer"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_malformed_manifest_entry_is_refused_naming_the_manifest(checkpoint, tmp_path, edit):
+    change, problem = MANIFEST_EDITS[edit]
+    copy = tmp_path / "run" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    change(manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    match = rf"checkpoint file {copy / MANIFEST} is damaged \({problem}.*\)\. Nothing was loaded\. Delete {copy}"
+    assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
+
+
 # --- the fault matrix: every checkpoint file deleted, truncated, overwritten -------------------------
 MATRIX_STRATEGIES = ["collage-plus", "fp8-lm-o2", "coat", "fp16-als", "collage-8bit"]
 MATRIX_STEPS, MATRIX_SAVE = 3, 2  # checkpoint-2, then one more step to compare against
