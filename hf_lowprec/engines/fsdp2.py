@@ -404,10 +404,14 @@ def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tenso
 def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
     """Write model and optimizer shards to the directory `path` (torch.distributed.checkpoint;
     every rank calls it). A DTensor is written once, split by its shards; a plain value (the
-    strategy's counters, step numbers, a random generator's state: equal on every rank) once."""
+    strategy's counters, step numbers, a random generator's state: equal on every rank) once.
+    Atomic, with every rank's shards checksummed (`hf_lowprec.integrations.sharded_checkpoints`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=os.fspath(path))
+    from ..integrations.sharded_checkpoints import save_checked
+
+    state, restore = _sharded_state_dict(model, optimizer)
+    save_checked(os.fspath(path), lambda directory: dcp.save(state, checkpoint_id=directory), bool(restore))
 
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
@@ -416,7 +420,10 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
     which needs the world size it was saved at), then continue bit for bit."""
     import torch.distributed.checkpoint as dcp
 
+    from ..integrations.sharded_checkpoints import check_saved
+
     target, restore = _sharded_state_dict(model, optimizer)
+    check_saved(os.fspath(path), bool(restore))  # damaged, torn or another world size: refused here
     dcp.load(target, checkpoint_id=os.fspath(path))
     for state, key, original in restore:
         original.reshape(-1).copy_(state[key].to_local()[0, : original.numel()])

@@ -9,12 +9,20 @@ loads N's new weights with no optimizer state. The Trainer writes `trainer_state
 with a warning. A finished checkpoint whose files are damaged, or that another precision
 strategy saved, is refused with an error that names the file and what to do.
 
-Every checkpoint the package's Trainer saves carries a manifest (`hf_lowprec_manifest.json`):
-each file with its size and CRC-32, the precision strategy and its options. A resume checks
-presence, sizes and checksums before anything is loaded. A missing or damaged optimizer,
-scheduler or RNG file is refused unless the run names that part in `resume_reset`, which says
-what starts afresh; anything else missing or damaged is always refused. A checkpoint without a
-manifest (saved before manifests existed) gets the archive checks below and a one-line warning.
+Every checkpoint the package's Trainer saves under a strategy carries a manifest
+(`hf_lowprec_manifest.json`, `hf_lowprec.integrations.manifest`): each file with its size and
+CRC-32, the precision strategy, its options and the number of processes that saved it. The save
+is bracketed: `begin_save` writes a marker (`hf_lowprec_save_in_progress`) before any file, and
+`finish_save` writes the manifest once every rank's files exist, then removes the marker. So a
+checkpoint with the marker and no manifest is an interrupted save (a rank died before its files
+existed, say), never an old one, and older checkpoints are rotated away only after it.
+
+A resume checks presence, sizes and checksums before anything is loaded. A missing or damaged
+optimizer, scheduler or RNG file is refused unless the run names that part in `resume_reset`,
+which says what starts afresh; anything else missing or damaged is always refused. A checkpoint
+without marker and manifest (saved before manifests existed) gets the archive checks below and
+a one-line warning. A save that fails (a full disk, a permission) is reported naming the file
+and the cause, and that the previous checkpoint is intact (`failed_save`).
 """
 
 from __future__ import annotations
@@ -26,31 +34,45 @@ import logging
 import os
 import re
 import zipfile
-import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .manifest import (
+    MANIFEST,
+    ManifestError,
+    crash_point,
+    file_problem,
+    read_manifest,
+    write_failure,
+    write_manifest,
+)
 
 __all__ = [
     "MANIFEST",
     "IncompleteCheckpointError",
+    "SAVE_MARKER",
     "RESETTABLE",
+    "CheckpointSaveError",
+    "save_complete_checkpoint",
+    "begin_save",
+    "finish_save",
+    "failed_save",
     "incomplete_reason",
     "last_complete_checkpoint",
     "check_checkpoint",
     "parse_resume_reset",
     "resolve_resume_checkpoint",
-    "write_manifest",
 ]
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
-MANIFEST = "hf_lowprec_manifest.json"
-_MANIFEST_FORMAT = "hf_lowprec checkpoint manifest 1"
+SAVE_MARKER = "hf_lowprec_save_in_progress"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-_CHUNK = 1 << 20  # bytes read at a time while checksumming
 
 # Parts of the training state a resume may start afresh (`resume_reset`), what that means, and
 # the checkpoint files that hold them. Weights, the trainer state and the rest are never reset.
@@ -84,27 +106,35 @@ def incomplete_reason(path: str) -> str | None:
         return f"{TRAINER_STATE} is cut short or unreadable ({err})"
     if not isinstance(state, dict) or "global_step" not in state:
         return f"{TRAINER_STATE} holds no global_step"
+    if os.path.isfile(os.path.join(path, SAVE_MARKER)) and not os.path.isfile(os.path.join(path, MANIFEST)):
+        return (
+            f"{SAVE_MARKER} is there and {MANIFEST} is not: hf_lowprec began this save and not every "
+            "rank's files were written (a process stopped inside the save)"
+        )
     return None
 
 
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The highest-numbered finished `checkpoint-N` in `output_dir`; unfinished ones are skipped with a warning."""
+def last_complete_checkpoint(output_dir: str, exclude: str | None = None, quiet: bool = False) -> str | None:
+    """The highest-numbered finished `checkpoint-N` in `output_dir` (other than `exclude`);
+    each newer, unfinished one is skipped with a warning that says why (unless `quiet`)."""
     if not os.path.isdir(output_dir):
         return None
     numbered = []
     for name in os.listdir(output_dir):
         match = _CHECKPOINT_DIR.match(name)
-        if match and os.path.isdir(os.path.join(output_dir, name)):
-            numbered.append((int(match.group(1)), os.path.join(output_dir, name)))
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and (exclude is None or os.path.abspath(path) != os.path.abspath(exclude)):
+            numbered.append((int(match.group(1)), path))
     for _, path in sorted(numbered, reverse=True):
         reason = incomplete_reason(path)
         if reason is None:
             return path
-        logger.warning(
-            "skipping incomplete checkpoint %s: %s (its save was interrupted); resuming from an earlier one",
-            path,
-            reason,
-        )
+        if not quiet:
+            logger.warning(
+                "skipping incomplete checkpoint %s: %s (its save was interrupted); resuming from an earlier one",
+                path,
+                reason,
+            )
     return None
 
 
@@ -172,49 +202,93 @@ def _refuse_strategy(file: str, path: str, saved: str | None, strategy: str | No
     )
 
 
-def _checksum(file: str) -> int:
-    """CRC-32 of `file`, read in 1 MiB chunks (about 1 GB/s on one core; docs/checkpoints.md)."""
-    crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _checkpoint_files(path: str) -> list[str]:
     """Every file under `path` (DeepSpeed keeps its own in a sub-directory), relative, sorted."""
     found = []
     for root, _, names in os.walk(path):
         for name in names:
-            rel = os.path.relpath(os.path.join(root, name), path)
-            if rel != MANIFEST and not name.startswith(f"{MANIFEST}."):
-                found.append(rel.replace(os.sep, "/"))
+            rel = os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
+            if rel not in (MANIFEST, SAVE_MARKER) and not name.startswith(f"{MANIFEST}."):
+                found.append(rel)
     return sorted(found)
 
 
-def write_manifest(path: str, strategy: Any = None) -> None:
-    """Write `path`/hf_lowprec_manifest.json: each file's size and CRC-32, the strategy and its options.
+def begin_save(path: str, strategy: Any) -> None:
+    """Mark `path` as a save in progress, before any of its files is written (the main process).
 
-    Written last, after the Trainer finished the checkpoint, and atomically (a temporary file
-    renamed), so a manifest always describes complete files.
+    The marker outlives a kill anywhere in the save; a manifest left from an earlier save into
+    the same directory goes (after the marker exists), since its files are about to change.
     """
-    files = {}
-    for rel in _checkpoint_files(path):
-        file = os.path.join(path, rel)
-        files[rel] = {"bytes": os.path.getsize(file), "crc32": _checksum(file)}
-    options = dataclasses.asdict(strategy.options) if strategy is not None else None
-    manifest = {
-        "format": _MANIFEST_FORMAT,
-        "strategy": strategy.name if strategy is not None else None,
-        "options": options,
-        "files": files,
-    }
-    temporary = os.path.join(path, f"{MANIFEST}.tmp")
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, SAVE_MARKER), "w", encoding="utf-8") as f:
+        json.dump({"saved_by": "hf_lowprec", "strategy": strategy.name if strategy is not None else None}, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temporary, os.path.join(path, MANIFEST))
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        os.remove(os.path.join(path, MANIFEST))
+
+
+def finish_save(path: str, strategy: Any, world_size: int) -> None:
+    """Write the manifest of `path` (every rank's files must exist: call after a barrier), then drop the marker."""
+    options = dataclasses.asdict(strategy.options) if strategy is not None else None
+    write_manifest(
+        path,
+        _checkpoint_files(path),
+        strategy=strategy.name if strategy is not None else None,
+        options=options,
+        world_size=world_size,
+    )
+    marker = os.path.join(path, SAVE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+
+
+def save_complete_checkpoint(trainer: Any, save: Callable[[Any], None], trial: Any) -> None:
+    """Run `save(trial)` (the stock `Trainer._save_checkpoint`) so that the checkpoint is complete
+    on every rank before older ones are rotated away: the marker first, the stock save with its
+    rotation held back, a barrier (every rank's RNG state and DeepSpeed partitions are written),
+    the manifest, then the rotation (`save_total_limit`). A failure names the file and the cause."""
+    args = trainer.args
+    run_dir = trainer._get_output_dir(trial=trial)
+    path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    limit = args.save_total_limit
+    try:
+        if args.should_save:
+            begin_save(path, trainer.precision)
+        args.save_total_limit = None  # the stock save rotates right after trainer_state.json
+        try:
+            save(trial)
+        finally:
+            args.save_total_limit = limit
+        crash_point("save-before-barrier")
+        trainer.accelerator.wait_for_everyone()
+        if args.should_save:
+            crash_point("save-before-manifest")
+            finish_save(path, trainer.precision, args.world_size)
+    except Exception as err:
+        raise failed_save(path, err) from err
+    if args.should_save:
+        crash_point("save-before-rotation")
+        rotate_checkpoints(run_dir, limit, trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed; the message names the file, the cause and the intact checkpoint."""
+
+
+def failed_save(path: str, error: BaseException) -> CheckpointSaveError:
+    """The error to raise when the save of checkpoint `path` failed with `error`: the file being
+    written and the cause (`write_failure`), and the last complete checkpoint beside it, which
+    the save has not touched (older checkpoints are rotated only after a save completes)."""
+    file, cause = write_failure(path, error, _checkpoint_files(path) if os.path.isdir(path) else [])
+    previous = last_complete_checkpoint(os.path.dirname(path), exclude=path, quiet=True)
+    kept = f"The previous checkpoint {previous} is intact" if previous else "No earlier complete checkpoint exists"
+    where = f"while writing {file}" if file else f"in {path}"
+    return CheckpointSaveError(
+        f"saving checkpoint {path} failed {where}: {cause}. {kept}; {os.path.basename(path)} is incomplete and "
+        "resume_from_checkpoint=True skips it. Free space or fix the permissions (or set output_dir elsewhere), "
+        "then resume with resume_from_checkpoint=True"
+    )
 
 
 def parse_resume_reset(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -235,21 +309,10 @@ def parse_resume_reset(value: str | list[str] | tuple[str, ...] | None) -> tuple
 
 
 def _read_manifest(path: str) -> dict | None:
-    file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(file):
-        return None
     try:
-        with open(file, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise _damaged(path, MANIFEST, f"unreadable: {err}") from None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != _MANIFEST_FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        raise _damaged(path, MANIFEST, f"not a {_MANIFEST_FORMAT!r} file")
-    return manifest
+        return read_manifest(path)
+    except ManifestError as err:
+        raise _damaged(path, err.name, err.problem) from None
 
 
 def _resettable_part(name: str) -> str | None:
@@ -260,15 +323,10 @@ def _verify_manifest(path: str, manifest: dict, reset: tuple[str, ...]) -> set[s
     """Check every listed file; the parts to start afresh (named in `reset`), or ValueError."""
     resets: set[str] = set()
     for rel, entry in sorted(manifest["files"].items()):
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            problem = "missing"
-        elif os.path.getsize(file) != entry.get("bytes"):
-            problem = f"{os.path.getsize(file)} bytes, the manifest lists {entry.get('bytes')}"
-        elif _checksum(file) != entry.get("crc32"):
-            problem = "its CRC-32 differs from the manifest's: overwritten since it was saved"
-        else:
+        problem = file_problem(path, rel, entry)
+        if problem is None:
             continue
+        file = os.path.join(path, rel)
         part = _resettable_part(rel)
         if part is not None and part in reset:
             state = problem if problem == "missing" else f"damaged ({problem})"
@@ -291,6 +349,29 @@ def _check_manifest_strategy(path: str, manifest: dict, strategy: Any) -> None:
         _refuse_strategy(os.path.join(path, MANIFEST), path, saved, name)
     if strategy is not None and isinstance(manifest.get("options"), dict):
         strategy.check_resume_options(manifest["options"], os.path.join(path, MANIFEST))
+
+
+def _check_world_size(path: str, manifest: dict, reset: tuple[str, ...]) -> set[str]:
+    """Each process restores its own random generators (`rng_state_N.pth`): a resume with another
+    number of processes would skip that silently (the stock Trainer only logs it at INFO level)."""
+    saved = manifest.get("world_size", 1)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if saved == world:
+        return set()
+    if "rng" in reset:
+        logger.warning(
+            "%s was saved by %d processes, this run has %d; resume_reset names 'rng': %s",
+            path,
+            saved,
+            world,
+            RESETTABLE["rng"],
+        )
+        return {"rng"}
+    raise ValueError(
+        f"{path} was saved by {saved} processes, but this run has {world}: each process's random generators "
+        f"(rng_state_N.pth) belong to its rank, and the data order follows the number of processes. Nothing was "
+        f"loaded. Resume with {saved} processes, or pass resume_reset='rng' (--resume_reset rng): {RESETTABLE['rng']}"
+    )
 
 
 def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = ()) -> set[str]:
@@ -316,7 +397,7 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
     if manifest is not None:
         resets = _verify_manifest(path, manifest, reset)
         _check_manifest_strategy(path, manifest, strategy)
-        return resets
+        return resets | _check_world_size(path, manifest, reset)
     logger.warning(
         "%s has no %s (saved before checkpoints carried one): only truncation and archive CRCs are checked",
         path,

@@ -22,6 +22,10 @@ is set. `install()` adds an import watcher; when `transformers` is imported, the
 - A `transformers.Trainer` that would train without the strategy (another TRL trainer, a class
   defined before the patch) stops with an error instead.
 
+Never in silence without the strategy: a hook that fails stops its process (exit code 2); each
+process whose hook installed records itself in `HF_LOWPREC_LAUNCH_HOOKS`, and a command none of
+whose processes did (a replaced `PYTHONPATH`, `python -I`) ends the launcher non-zero.
+
 Without `HF_LOWPREC_LAUNCH` nothing here runs and importing transformers is untouched. This
 module imports only the standard library at the top: it is imported at every launched
 process's start.
@@ -35,7 +39,10 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,7 +52,9 @@ __all__ = [
     "ENV_LAUNCH",
     "ENV_STRATEGY",
     "ENV_OPTIONS",
+    "ENV_HOOKS",
     "HOOK_DIR",
+    "NO_HOOK_EXIT",
     "TESTED_VERSIONS",
     "launch_environment",
     "run",
@@ -59,6 +68,10 @@ ENV_LAUNCH = "HF_LOWPREC_LAUNCH"
 # The same variables the repository's recipes read at their edge.
 ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
 ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
+ENV_HOOKS = "HF_LOWPREC_LAUNCH_HOOKS"  # a directory where each hooked process leaves a file
+NO_HOOK_EXIT = 3  # the launcher's exit code when the command succeeded but no process was hooked
+# Signals the launcher passes on to the command (Ctrl-C reaches it directly: same process group).
+_FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 # The directory put first on the launched command's PYTHONPATH (its sitecustomize.py calls install()).
 HOOK_DIR = Path(__file__).with_name("launch_hook")
@@ -81,16 +94,19 @@ class LaunchPatchError(RuntimeError):
 
 
 def _parse_options(options: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    if options is None or options == "":
-        return {}
-    if isinstance(options, Mapping):
-        return dict(options)
+    if isinstance(options, Mapping) or not options:
+        return dict(options or {})
+    return _json_object(options, f"--precision_options (or ${ENV_OPTIONS})")
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; ValueError naming `what` and the JSON error."""
     try:
-        parsed = json.loads(options)
+        parsed = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"--precision_options must be a JSON object, got {options!r} ({err})") from None
+        raise ValueError(f"{what} must be a JSON object, got {text!r} ({err})") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"--precision_options must be a JSON object, got {options!r}")
+        raise ValueError(f"{what} must be a JSON object, got {text!r}")
     return parsed
 
 
@@ -125,16 +141,15 @@ def launch_environment(
 
 
 def run(command: Sequence[str], strategy: str | None, options: str | None) -> None:
-    """Replace this process with `command`, run under the launch environment (does not return)."""
+    """Run `command` under the launch environment and exit with its exit code, or `NO_HOOK_EXIT`
+    when it succeeded but none of its processes installed the startup hook (does not return)."""
     if not command:
         raise ValueError(
             "hf-lowprec launch needs a command after `--`, e.g. "
             "`hf-lowprec launch --precision_strategy collage-plus -- python train.py`"
         )
     env = launch_environment(strategy, options, os.environ)
-    executable = shutil.which(command[0], path=env.get("PATH"))
-    if executable is None:
-        raise ValueError(f"hf-lowprec launch: command {command[0]!r} was not found on PATH")
+    executable = _executable(command[0], env.get("PATH"))
     default = f"precision_strategy={strategy!r}" if strategy else "no default precision_strategy"
     print(
         f"hf-lowprec launch: {default} for every Python process of: {' '.join(command)} "
@@ -143,7 +158,58 @@ def run(command: Sequence[str], strategy: str | None, options: str | None) -> No
         flush=True,
     )
     sys.stdout.flush()
-    os.execve(executable, list(command), env)
+    with tempfile.TemporaryDirectory(prefix="hf_lowprec_launch_") as hooks:
+        code = _run_child(executable, command, {**env, ENV_HOOKS: hooks})
+        hooked = len(os.listdir(hooks))
+    if hooked == 0:
+        took = f"trained with precision_strategy={strategy!r}" if strategy else "took the launcher's arguments"
+        print(
+            f"hf-lowprec launch: no Python process of `{' '.join(command)}` installed the startup hook, so none "
+            f"{took}: the command replaced PYTHONPATH (keep {HOOK_DIR} first: PYTHONPATH=/x:$PYTHONPATH), started "
+            "Python with -I, -E or -S, ran no Python, or the hook failed (said above). Fix the command, or "
+            f"{_IMPORT_CHANGE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = code or NO_HOOK_EXIT
+    raise SystemExit(code)
+
+
+def _executable(name: str, path: str | None) -> str:
+    if os.sep not in name and not (os.altsep and os.altsep in name):
+        executable = shutil.which(name, path=path)
+        if executable is None:
+            raise ValueError(f"hf-lowprec launch: command {name!r} was not found on PATH")
+        return executable
+    if not os.path.exists(name):
+        raise ValueError(f"hf-lowprec launch: {name!r} does not exist")
+    if os.path.isdir(name) or not os.access(name, os.X_OK):
+        raise ValueError(f"hf-lowprec launch: {name!r} is not executable: chmod +x {name}, or run `python {name}`")
+    return name
+
+
+def _run_child(executable: str, command: Sequence[str], env: dict[str, str]) -> int:
+    """Run the command and wait, passing termination signals on; its exit code (128 + N after signal N)."""
+    received: list[int] = []  # a signal that comes before the child exists is passed on once it does
+    children: list[subprocess.Popen] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        for child in children:
+            child.send_signal(signum)
+
+    forwarded = [getattr(signal, name) for name in _FORWARDED if hasattr(signal, name)]
+    previous = {number: signal.signal(number, forward) for number in forwarded}
+    try:  # the command's own handlers are reset by exec; an ignored SIGINT would not be
+        children.append(subprocess.Popen(list(command), executable=executable, env=env))
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in received:
+            children[0].send_signal(signum)
+        code = children[0].wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return 128 - code if code < 0 else code
 
 
 # --- the launched process's side ---------------------------------------------------------------
@@ -262,12 +328,18 @@ def install(environ: Mapping[str, str] | None = None) -> None:
     if any(isinstance(finder, _Watcher) for finder in sys.meta_path):
         return
     _PATCH.strategy = environ.get(ENV_STRATEGY) or None
-    _PATCH.options = json.loads(environ[ENV_OPTIONS]) if environ.get(ENV_OPTIONS) else None
+    _PATCH.options = _json_object(environ[ENV_OPTIONS], f"${ENV_OPTIONS}") if environ.get(ENV_OPTIONS) else None
     sys.meta_path.insert(0, _Watcher())
     if "transformers" in sys.modules:
         _PATCH.patch_transformers()
     if "trl" in sys.modules:
         _patch_trl(sys.modules["trl"])
+    if environ.get(ENV_HOOKS):
+        try:  # tell the launcher this process runs with the hook
+            with open(os.path.join(environ[ENV_HOOKS], str(os.getpid())), "w"):
+                pass
+        except OSError:  # another node's filesystem: the launcher counts its own node's processes
+            pass
 
 
 def _missing(what: str, package: str) -> LaunchPatchError:

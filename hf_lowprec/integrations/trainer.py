@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import transformers
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..engines.ddp import prepare_ddp
 from ..registry import get_strategy
@@ -35,7 +34,8 @@ from ..report import (
     warn_slow_fp16_once,
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
-from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, write_manifest
+from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
+from .manifest import crash_point
 from .peft import prepare_model
 from .stock import (
     accept_optimizer,
@@ -313,11 +313,12 @@ class PrecisionTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.precision is None:
             return super()._save_checkpoint(model, trial)
-        super()._save_checkpoint(model, trial)
-        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, DeepSpeed shards) are written
-        if self.args.should_save and os.path.isdir(path):
-            write_manifest(path, self.precision)
+        # Complete on every rank (manifest written) before older checkpoints are rotated away.
+        return save_complete_checkpoint(self, functools.partial(super()._save_checkpoint, model), trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        crash_point("save-rng-state")  # test-only: a rank dies before its RNG file exists
+        super()._save_rng_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}

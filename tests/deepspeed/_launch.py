@@ -38,10 +38,9 @@ def exit_is_tolerated(returncode: int, stderr: str, result: dict | None) -> bool
     )
 
 
-def launch(script: Path, out: Path, args: list[str], world_size: int = 2, timeout: int = 900) -> list[dict]:
-    """Run `script` as `world_size` ranks; the ranks' result dicts (asserting tolerated exits)."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
+def ranks_environment(world_size: int) -> dict[str, str]:
+    """The environment shared by `world_size` local gloo ranks (each adds RANK and LOCAL_RANK)."""
+    return {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -50,6 +49,12 @@ def launch(script: Path, out: Path, args: list[str], world_size: int = 2, timeou
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
     }
+
+
+def launch(script: Path, out: Path, args: list[str], world_size: int = 2, timeout: int = 900) -> list[dict]:
+    """Run `script` as `world_size` ranks; the ranks' result dicts (asserting tolerated exits)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = ranks_environment(world_size)
     procs = []
     for rank in range(world_size):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}

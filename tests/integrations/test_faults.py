@@ -19,7 +19,11 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
+import os
+import resource
 import shutil
+import signal
 import typing
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from transformers import HfArgumentParser, TrainerCallback
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
-from hf_lowprec.integrations.checkpoints import MANIFEST
+from hf_lowprec.integrations.checkpoints import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
 from tests.helpers import TokenBlocks, batches, tiny_gpt2
 from tests.integrations.test_resume import assert_same
 
@@ -234,6 +238,98 @@ def test_damaged_trainer_state_means_an_interrupted_save(checkpoint, tmp_path):
 )
 def test_another_strategys_checkpoint_is_refused(checkpoint, tmp_path, strategy, match):
     assert_refused_before_any_change(tmp_path, strategy, str(checkpoint), match)
+
+
+# Each edit of a manifest's JSON, and the problem the refusal must name.
+MANIFEST_EDITS = {
+    "entry-null": (lambda m: m["files"].update({"optimizer.pt": None}), r"entry 'optimizer.pt' is null, not"),
+    "entry-number": (lambda m: m["files"].update({"optimizer.pt": 7}), r"entry 'optimizer.pt' is 7, not"),
+    "entry-string": (lambda m: m["files"].update({"scheduler.pt": "x"}), r"entry 'scheduler.pt' is \"x\", not"),
+    "bytes-missing": (
+        lambda m: m["files"]["optimizer.pt"].pop("bytes"),
+        r"entry 'optimizer.pt' has bytes null, not a non-negative",
+    ),
+    "bytes-negative": (
+        lambda m: m["files"]["optimizer.pt"].update(bytes=-1),
+        r"entry 'optimizer.pt' has bytes -1, not a non-negative",
+    ),
+    "bytes-bool": (
+        lambda m: m["files"]["optimizer.pt"].update(bytes=True),
+        r"entry 'optimizer.pt' has bytes true, not",
+    ),
+    "crc-too-big": (
+        lambda m: m["files"]["optimizer.pt"].update(crc32=2**32),
+        r"entry 'optimizer.pt' has crc32 4294967296, not an integer",
+    ),
+    "path-outside": (
+        lambda m: m["files"].update({"../model.safetensors": {"bytes": 1, "crc32": 1}}),
+        r"entry '../model.safetensors' is not a path inside",
+    ),
+    "files-list": (lambda m: m.update(files=[]), r"its files are \[\], not an object of entries"),
+    "strategy-number": (lambda m: m.update(strategy=3), "its strategy is 3, not a name or null"),
+    "options-list": (lambda m: m.update(options=[1]), r"its options are \[1\], not an object or null"),
+    "world-size-zero": (lambda m: m.update(world_size=0), "its world_size is 0, not a positive integer"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_malformed_manifest_entry_is_refused_naming_the_manifest(checkpoint, tmp_path, edit):
+    change, problem = MANIFEST_EDITS[edit]
+    copy = tmp_path / "run" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    change(manifest)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    match = rf"checkpoint file {copy / MANIFEST} is damaged \({problem}.*\)\. Nothing was loaded\. Delete {copy}"
+    assert_refused_before_any_change(copy.parent, "bf16-pure", str(copy), match)
+
+
+def _save_until_the_file_limit(out: Path, message: Path) -> None:
+    """Forked child: train with checkpoints every 2 steps; after step 3 the process may write no
+    file beyond the midpoint of checkpoint-2's model and optimizer sizes, so checkpoint-4's
+    optimizer.pt fails part-way (EFBIG, as a full disk fails with ENOSPC: torch reports both as
+    "unexpected pos")."""
+
+    class Limit(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                sizes = [(out / "checkpoint-2" / n).stat().st_size for n in ("model.safetensors", "optimizer.pt")]
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+                resource.setrlimit(resource.RLIMIT_FSIZE, (sum(sizes) // 2, resource.RLIM_INFINITY))
+
+    options = {"fused": "reference"}
+    args = make_args(
+        out,
+        "collage-plus",
+        precision_options=options,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+    )
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8), callbacks=[Limit()])
+    try:
+        trainer.train()
+    except CheckpointSaveError as err:
+        message.write_text(str(err))
+        os._exit(0)
+    os._exit(1)
+
+
+def test_a_failed_save_names_the_file_the_cause_and_the_intact_checkpoint(tmp_path):
+    out, message = tmp_path / "run", tmp_path / "message"
+    child = multiprocessing.get_context("fork").Process(target=_save_until_the_file_limit, args=(out, message))
+    child.start()
+    child.join(600)
+    assert child.exitcode == 0, f"the save did not fail with CheckpointSaveError (exit code {child.exitcode})"
+    failed, previous = out / "checkpoint-4", out / "checkpoint-2"
+    assert message.read_text().startswith(
+        f"saving checkpoint {failed} failed while writing {failed / 'optimizer.pt'}: the file exceeds the size this "
+        f"process may write (EFBIG). The previous checkpoint {previous} is intact; checkpoint-4 is incomplete"
+    ), message.read_text()
+    assert (previous / MANIFEST).is_file(), "save_total_limit=1 rotated the last complete checkpoint away"
+    resolved, _ = resolve_resume_checkpoint(str(out), True, hf_lowprec.get_strategy("collage-plus", fused="reference"))
+    assert resolved == str(previous)
 
 
 # --- the fault matrix: every checkpoint file deleted, truncated, overwritten -------------------------

@@ -15,9 +15,11 @@ import math
 import os
 import runpy
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,6 +261,87 @@ def test_misspelt_strategy_stops_before_the_command_starts(tmp_path):
     assert "unknown precision strategy 'colage-plus'" in proc.stderr and "collage-plus" in proc.stderr
     assert "Valid names:" in proc.stderr and "bf16-pure" in proc.stderr
     assert not marker.exists()
+
+
+MALFORMED = '{"lost_arithmetic_metrics": tru}'
+
+
+def test_a_malformed_options_variable_stops_the_launched_process(tmp_path):
+    """The hook's failure must not become Python's "Error in sitecustomize" and an FP32 run."""
+    marker = tmp_path / "trained"
+    script = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    env = launch.launch_environment(STRATEGY, None, _env())
+    direct = subprocess.run(
+        script, cwd=tmp_path, env={**env, launch.ENV_OPTIONS: MALFORMED}, capture_output=True, text=True, timeout=120
+    )
+    # Through the launcher, the variable replaced by the command itself.
+    cmd = _launch("--precision_strategy", STRATEGY, "--", "env", f"{launch.ENV_OPTIONS}={MALFORMED}", *script)
+    launched = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    for proc in (direct, launched):
+        assert proc.returncode == 2, proc.stderr
+        assert "Error in sitecustomize" not in proc.stderr
+        assert (
+            f"${launch.ENV_OPTIONS} must be a JSON object, got '{MALFORMED}' (Expecting value: line 1 column 29"
+            in proc.stderr
+        )
+        assert "This process stops here: it would train without the precision strategy" in proc.stderr
+    assert not marker.exists(), "the script ran without its strategy"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["env", "PYTHONPATH=/elsewhere", sys.executable, "-c", "print('ran')"],
+        [sys.executable, "-I", "-c", "print('ran')"],
+    ],
+    ids=["replaced-PYTHONPATH", "isolated"],
+)
+def test_a_command_whose_processes_never_ran_the_hook_fails(tmp_path, command):
+    proc = subprocess.run(
+        _launch("--precision_strategy", STRATEGY, "--", *command),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.stdout.strip() == "ran"  # the command ran to its end ...
+    assert proc.returncode == launch.NO_HOOK_EXIT, proc.stderr  # ... and the launcher says it was without the hook
+    assert "installed the startup hook, so none trained with precision_strategy='collage-plus'" in proc.stderr
+    assert "replaced PYTHONPATH" in proc.stderr and "-I, -E or -S" in proc.stderr
+
+
+def test_the_launcher_passes_on_the_exit_code_and_termination(tmp_path):
+    code = subprocess.run(
+        _launch("--", sys.executable, "-c", "raise SystemExit(7)"), cwd=tmp_path, env=_env(), timeout=300
+    )
+    assert code.returncode == 7
+    # SIGTERM to the launcher reaches the command, which says so and stops; 128 + 15 as a shell reports it.
+    got = tmp_path / "got"
+    child = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(got)!r}, 'w').write('TERM'), sys.exit(143)))\n"
+        f"open({str(got) + '.ready'!r}, 'w')\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(_launch("--", sys.executable, "-c", child), cwd=tmp_path, env=_env())
+    deadline = time.monotonic() + 240
+    while not Path(f"{got}.ready").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    assert got.read_text() == "TERM"
+
+
+def test_a_path_that_is_not_executable_is_named(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    for name, match in [(script, "is not executable: chmod +x"), (tmp_path / "absent.py", "does not exist")]:
+        proc = subprocess.run(
+            _launch("--", str(name)), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 2 and f"'{name}' {match}" in proc.stderr, proc.stderr
+        assert "not found on PATH" not in proc.stderr
 
 
 PROBE = """

@@ -2,6 +2,8 @@
 
 Inert unless HF_LOWPREC_LAUNCH is set; then it installs hf_lowprec's import watcher
 (`hf_lowprec.integrations.launch.install`). The sitecustomize this file shadows, if any, runs next.
+Python reports an exception raised here as "Error in sitecustomize" and runs the script anyway,
+without the strategy: so a failing install ends the process here, with the reason and exit code 2.
 """
 
 import os
@@ -24,13 +26,24 @@ class _RefuseTransformers:
         return None
 
 
+HOOK_FAILED_EXIT = 2
+
+
 def _install():
     try:
         from hf_lowprec.integrations.launch import install
     except ImportError as err:
         sys.meta_path.insert(0, _RefuseTransformers(err))
         return
-    install()
+    try:
+        install()
+    except Exception as err:
+        sys.stderr.write(
+            f"hf-lowprec launch: the startup hook failed in {sys.executable} (pid {os.getpid()}): "
+            f"{type(err).__name__}: {err}\nThis process stops here: it would train without the precision strategy.\n"
+        )
+        sys.stderr.flush()
+        os._exit(HOOK_FAILED_EXIT)
 
 
 def _run_shadowed_sitecustomize():

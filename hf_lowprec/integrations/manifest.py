@@ -1,0 +1,225 @@
+"""A checkpoint's manifest: every file with its size and CRC-32, written last and atomically.
+
+The Trainer's checkpoints (`hf_lowprec.integrations.checkpoints`) and FSDP2's sharded ones
+(`hf_lowprec.integrations.sharded_checkpoints`) carry one `hf_lowprec_manifest.json`; this
+module writes it, reads it back with every field checked (a damaged entry is a `ManifestError`
+naming it, never an `AttributeError` deep in a check), and tells what is wrong with a listed
+file. Also the test-only stop point `crash_point`, which ends a rank at a named stage of a
+save, so the tests kill a rank inside a save window without relying on timing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "MANIFEST",
+    "ENV_CRASH_AT",
+    "ManifestError",
+    "checksum",
+    "crash_point",
+    "file_entry",
+    "file_problem",
+    "read_manifest",
+    "write_failure",
+    "write_manifest",
+]
+
+MANIFEST = "hf_lowprec_manifest.json"
+MANIFEST_FORMAT = "hf_lowprec checkpoint manifest 1"
+_CHUNK = 1 << 20  # bytes read at a time while checksumming
+_CRC_LIMIT = 1 << 32
+
+# Test-only: "stage" or "stage@rank" ends that rank at `crash_point(stage)` with os._exit.
+ENV_CRASH_AT = "HF_LOWPREC_TEST_CRASH_AT"
+CRASH_EXIT = 75
+
+
+class ManifestError(ValueError):
+    """`hf_lowprec_manifest.json` (or a file it lists) cannot be trusted; `problem` says why."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name}: {problem}")
+        self.name = name
+        self.problem = problem
+
+
+def checksum(file: str) -> int:
+    """CRC-32 of `file`, read in 1 MiB chunks (about 1 GB/s on one core; docs/checkpoints.md)."""
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_entry(file: str) -> dict[str, int]:
+    return {"bytes": os.path.getsize(file), "crc32": checksum(file)}
+
+
+def write_manifest(directory: str, files: Iterable[str] | Mapping[str, dict], **fields: Any) -> None:
+    """Write `directory`/hf_lowprec_manifest.json: `fields` and each file's size and CRC-32.
+
+    `files` are paths relative to `directory` (checksummed here), or entries already formed
+    (each rank's own files, checksummed by that rank). Written through a temporary file that
+    is synced and renamed, so a manifest always describes complete files.
+    """
+    if not isinstance(files, Mapping):
+        files = {rel: file_entry(os.path.join(directory, rel)) for rel in files}
+    manifest = {"format": MANIFEST_FORMAT, **fields, "files": dict(sorted(files.items()))}
+    temporary = os.path.join(directory, f"{MANIFEST}.tmp")
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, os.path.join(directory, MANIFEST))
+
+
+def read_manifest(directory: str) -> dict | None:
+    """The manifest of `directory` with every field checked; None when there is none."""
+    file = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ManifestError(MANIFEST, f"unreadable: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(MANIFEST, f"not a {MANIFEST_FORMAT!r} file")
+    problem = _field_problem(manifest)
+    if problem is not None:
+        raise ManifestError(MANIFEST, problem)
+    return manifest
+
+
+def _field_problem(manifest: dict) -> str | None:
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return f"its files are {_shown(files)}, not an object of entries"
+    for rel, entry in files.items():
+        problem = _entry_problem(rel, entry)
+        if problem is not None:
+            return f"entry {rel!r} {problem}"
+    strategy, options = manifest.get("strategy"), manifest.get("options")
+    if strategy is not None and not isinstance(strategy, str):
+        return f"its strategy is {_shown(strategy)}, not a name or null"
+    if options is not None and not isinstance(options, dict):
+        return f"its options are {_shown(options)}, not an object or null"
+    world = manifest.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        return f"its world_size is {_shown(world)}, not a positive integer"
+    return None
+
+
+def _entry_problem(rel: str, entry: Any) -> str | None:
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or ".." in parts or "\\" in rel:
+        return "is not a path inside the checkpoint"
+    if not isinstance(entry, dict):
+        return f'is {_shown(entry)}, not {{"bytes": <int>, "crc32": <int>}}'
+    for field, limit in (("bytes", None), ("crc32", _CRC_LIMIT)):
+        value = entry.get(field)
+        if type(value) is not int or value < 0 or (limit is not None and value >= limit):
+            bound = "an integer in [0, 2^32)" if limit is not None else "a non-negative integer"
+            return f"has {field} {_shown(value)}, not {bound}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def file_problem(directory: str, rel: str, entry: dict) -> str | None:
+    """What is wrong with listed file `rel` ("missing", a size or checksum mismatch), or None."""
+    file = os.path.join(directory, rel)
+    if not os.path.isfile(file):
+        return "missing"
+    size = os.path.getsize(file)
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest lists {entry['bytes']}"
+    if checksum(file) != entry["crc32"]:
+        return "its CRC-32 differs from the manifest's: overwritten since it was saved"
+    return None
+
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EFBIG: "the file exceeds the size this process may write",
+}
+
+
+def write_failure(directory: str, error: BaseException, files: list[str]) -> tuple[str | None, str]:
+    """(the file being written, the cause) of a save into `directory` that failed with `error`.
+
+    The file is the error's own, else the newest of `files` (relative to `directory`). The
+    cause is the error's errno, else that of writing one more byte to that file (torch's archive
+    writer reports a failed write as "unexpected pos", without errno), else the error and the
+    free space of the filesystem.
+    """
+    file = getattr(error, "filename", None) or max(
+        (os.path.join(directory, rel) for rel in files), key=lambda f: os.lstat(f).st_mtime_ns, default=None
+    )
+    code = getattr(error, "errno", None)
+    if code is None and isinstance(error, dist.DistError):
+        return file, f"another process stopped during the save ({type(error).__name__}: {error})"
+    if code is None and file is not None and os.path.isfile(file):
+        code = _write_probe(file)
+    if code is not None:
+        return file, f"{_CAUSES.get(code, os.strerror(code))} ({errno.errorcode.get(code, code)})"
+    cause = f"{type(error).__name__}: {error}"
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return file, cause
+    return file, f"{cause}; {stats.f_bavail * stats.f_frsize} bytes free on its filesystem"
+
+
+def _write_probe(file: str) -> int | None:
+    """The errno of appending one byte to `file` (cut off again), or None when it can be written."""
+    try:
+        with open(file, "r+b") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.write(b"\0")
+            f.flush()
+            os.fsync(f.fileno())
+            f.truncate(end)
+    except OSError as probe:
+        return probe.errno
+    return None
+
+
+def crash_point(stage: str) -> None:
+    """Test-only: end this process at `stage` of a save when $HF_LOWPREC_TEST_CRASH_AT names it.
+
+    The value is `stage` (every rank) or `stage@rank`. The process ends with os._exit, as a
+    SIGKILL would leave it: no cleanup, no flush of Python buffers.
+    """
+    wanted = os.environ.get(ENV_CRASH_AT)
+    if not wanted:
+        return
+    name, _, rank = wanted.partition("@")
+    if name != stage or (rank and int(rank) != _rank()):
+        return
+    sys.stderr.write(f"{ENV_CRASH_AT}: rank {_rank()} ends at {stage!r}\n")
+    sys.stderr.flush()
+    os._exit(CRASH_EXIT)
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
