@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_shards",
+    "before_sharding",
     "all_ranks_agree",
     "check_fsdp2_support",
     "configure_accelerator",
@@ -206,6 +207,7 @@ def shard_model(
     if not prepared:
         model = strategy.prepare_model(model)
     residuals = residuals_by_name(strategy, model)
+    before_sharding(strategy, model)
     policy = strategy.fsdp2_mixed_precision()
     block_list = list(_blocks(model) if blocks is None else blocks)
     for block in block_list:
@@ -213,6 +215,22 @@ def shard_model(
     fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     adopt_shards(strategy, model, residuals)
     return model
+
+
+def before_sharding(strategy: PrecisionStrategy, model: torch.nn.Module, optimizers: Iterable[Any] = ()) -> None:
+    """The strategy's own step before `fully_shard` (FP8-LM wraps its FP8 weights so that they
+    all-gather as FP8: `hf_lowprec.fp8.fsdp_weight`); nothing for the others. A parameter the
+    step replaces is replaced in `optimizers` too (built before sharding, no step taken yet)."""
+    hook = getattr(strategy, "before_sharding", None)
+    if hook is None:
+        return
+    old = dict(model.named_parameters(remove_duplicate=False))
+    hook(model)
+    new = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {id(old[n]): p for n, p in new.items() if old[n] is not p}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
 
 def residuals_by_name(strategy: PrecisionStrategy, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -273,10 +291,16 @@ def warn_if_fsdp_fell_back(accelerator: Any) -> str | None:
     return text
 
 
-def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -> None:
+def configure_accelerator(
+    strategy: PrecisionStrategy | str,
+    accelerator: Any,
+    model: torch.nn.Module | None = None,
+    optimizers: Iterable[Any] = (),
+) -> None:
     """Before `accelerator.prepare` under Accelerate's FSDP plugin: refuse what cannot work
-    (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's) and give
-    Accelerate's `fully_shard` calls the strategy's `MixedPrecisionPolicy`."""
+    (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's), give
+    Accelerate's `fully_shard` calls the strategy's `MixedPrecisionPolicy` and run the
+    strategy's step before sharding on `model` (`before_sharding`; FP8-LM's FP8 all-gather)."""
     strategy = _strategy(strategy)
     plugin = accelerator.state.fsdp_plugin
     check_fsdp2_support(strategy)
@@ -297,6 +321,8 @@ def configure_accelerator(strategy: PrecisionStrategy | str, accelerator: Any) -
             f"mixed_precision_policy ({theirs}) from the FSDP plugin"
         )
     plugin.mixed_precision_policy = ours
+    if model is not None:
+        before_sharding(strategy, model, optimizers)
 
 
 def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:

@@ -106,9 +106,12 @@ class PrecisionPlugin:
             warn_if_fsdp_fell_back(accelerator)
         before: dict[int, list[torch.Tensor]] = {}
         if fsdp:
+            from ..engines.fsdp2 import before_sharding
             from ..engines.fsdp2 import configure_accelerator as configure_fsdp
 
             configure_fsdp(self.strategy, accelerator)  # before prepare runs fully_shard
+            for model in (o for o in objects if isinstance(o, torch.nn.Module)):  # FP8-LM: FP8 all-gather
+                before_sharding(self.strategy, model, [o for o in objects if isinstance(o, StrategyOptimizer)])
             before = {
                 id(o): [p for g in o.param_groups for p in g["params"]]
                 for o in objects

@@ -267,7 +267,7 @@ class PrecisionTrainerMixin:
 
             # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
             # strategies FSDP2 does not support.
-            configure_accelerator(self.precision, self.accelerator)
+            configure_accelerator(self.precision, self.accelerator, self.model)
         from ..engines.fsdp2 import warn_if_fsdp_fell_back
 
         warn_if_fsdp_fell_back(self.accelerator)  # an FSDP config on a CPU-only machine

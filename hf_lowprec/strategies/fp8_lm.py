@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
 from ..fp8.grad_scaling import BackwardFP8Gradients, nonfinite, requantize_gradient
@@ -98,13 +99,17 @@ class FP8LM(PrecisionStrategy):
         "scale per tensor would not run, and it would cut O2's scaled FP16 masters (one scale per "
         "tensor) into flat partitions; use fp8-lm-o3 with ZeRO stage 1 or 2 (FP8-LM's own ZeRO), or DDP"
     )
-    fsdp2_refusal = (
-        "its per-tensor FP8 scales (weights, FP8AdamW's m, v and masters, FP8 gradients) would be taken "
-        "from each shard's amax instead of the whole tensor's, so sharded training would quantize "
-        "differently from one process, and the FP8 all-gather is not built; train it with DDP "
-        "(FP8 all-reduce), or with DeepSpeed ZeRO 1/2 as fp8-lm-o3"
-    )
     ddp_note = "FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)"
+    fsdp2_note = (
+        "FP8 all-gather of the FP8 GEMM weights (E4M3 payload + the whole weight's scale, agreed in one "
+        "all-reduce of amaxes per step), BF16 all-gather elsewhere; FP32 reduce-scatter, then FP8 gradients "
+        "with the global amax"
+    )
+    _fsdp2_o2_refusal = (
+        "O2's FP8AdamW takes per-tensor scales (E4M3 m, the scaled FP16 masters) from each tensor's amax, "
+        "which under FSDP2 would be each shard's instead of the whole tensor's; train fp8-lm-o1 under FSDP2 "
+        "(FP8 all-gather), fp8-lm-o2 with DDP (FP8 all-reduce), or fp8-lm-o3 with DeepSpeed ZeRO 1/2"
+    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
@@ -115,7 +120,40 @@ class FP8LM(PrecisionStrategy):
         self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
         self.backward_grads = BackwardFP8Gradients(self.scaler, self.grad_dtype, self.options.margin)
 
-    # The level decides the dtypes, so these are per instance (one class serves both names).
+    # The level decides FSDP2 support, the dtypes: per instance (one class serves both names).
+    @property
+    def fsdp2(self) -> bool:  # type: ignore[override]
+        return not self.o2
+
+    @property
+    def fsdp2_refusal(self) -> str:  # type: ignore[override]
+        return self._fsdp2_o2_refusal if self.o2 else ""
+
+    def fsdp2_mixed_precision(self) -> Any:
+        """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,
+        `hf_lowprec.fp8.fsdp_weight`), gradients reduced in FP32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def before_sharding(self, model: torch.nn.Module) -> None:
+        """Before `fully_shard`: FP8 weights all-gather as E4M3 (`fsdp_weight.wrap_fp8_weights`)."""
+        from ..fp8.fsdp_weight import wrap_fp8_weights
+
+        self.weight_scales = wrap_fp8_weights(model, FP8Linear)
+
+    def after_sharding(self, model: torch.nn.Module) -> None:
+        """The FP8 weights' scales are agreed over the mesh's ranks; a load makes them stale."""
+        from ..fp8.fsdp_weight import collect_shards
+
+        scales = getattr(self, "weight_scales", None)
+        if scales is None:
+            return
+        collect_shards(model, scales)
+        if scales.shards:
+            scales.group = next(p for p in model.parameters() if hasattr(p, "device_mesh")).device_mesh.get_group()
+        model.register_load_state_dict_post_hook(lambda *_: scales.mark_stale())
+
     @property
     def o2(self) -> bool:
         return self.options.level == "O2"
@@ -221,16 +259,22 @@ class FP8LM(PrecisionStrategy):
         params = [p for p in everything if p.grad is not None]
         device = everything[0].device
         comm_scales = self.comm_state.grad_scales
-        found_inf = nonfinite([p.grad for p in params], device)
+        found_inf = nonfinite([local_shard(p.grad) for p in params], device)
         stored = self.backward_grads.nonfinite(everything)
         if stored is not None:
             found_inf = torch.maximum(found_inf, stored.float())
+        # Each FSDP2 rank checked its shards: every rank takes the same decision (an all-reduce).
+        found_inf = any_rank(found_inf, [p.grad for p in params], self._data_parallel_group)
         recorded_before = self.scaler.pending
+        # Under FSDP2 the reduced gradient shards take the whole gradients' scales (one all-reduce).
+        sharded = self._quantize_sharded_gradients(params, found_inf)
         for p in params:
             if self.o2 and get_master_scale(p) is None:
                 continue
             scale = comm_scales.pop(id(p), None)
-            if scale is None:
+            if id(p) in sharded:
+                payload, scale = sharded[id(p)]
+            elif scale is None:
                 payload, scale, saturated = quantize_gradient(
                     p.grad, self.scaler.mu_for(p.grad), self.grad_dtype, self.options.margin
                 )
@@ -241,12 +285,24 @@ class FP8LM(PrecisionStrategy):
                 optimizer.set_fp8_grad(p, payload, scale)
                 p.grad = None
             else:
-                unscale_into(p.grad, payload, scale)
+                unscale_into(local_shard(p.grad), payload, scale)
         comm_scales.clear()
         if self.o2:
             self.backward_grads.discard_where(found_inf, everything)
         self.scaler.update(unless=None if recorded_before else found_inf)
         return found_inf
+
+    def _quantize_sharded_gradients(
+        self, params: list[torch.Tensor], found_inf: torch.Tensor
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if not any(isinstance(p.grad, DTensor) for p in params):
+            return {}
+        from ..fp8.fsdp_weight import quantize_sharded_gradients
+
+        mu = self.scaler.mu_for(local_shard(params[0].grad))
+        out, saturated = quantize_sharded_gradients(params, mu, self.grad_dtype, self.options.margin)
+        self.scaler.record(saturated, sum(p.numel() for p in params), unless=found_inf)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

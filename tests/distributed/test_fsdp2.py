@@ -27,13 +27,14 @@ ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
 
 
 LOSS_SCALED = ("fp16-mixed", "fp16-als")
+FP8 = ("fp8-lm-o1",)  # FP8 all-gather; its losses against one process: test_fsdp2_fp8.py (E4M3 bound)
 PER_SHARD = ("coat", "collage-8bit")  # state laid out per shard (groups, blocks), not like the parameter
 LONG_CASES = (*LOSS_SCALED, *PER_SHARD)
 KILLED_CASES = ("collage-plus", "fp16-als", *PER_SHARD)
 
 
 def test_declared_supported():
-    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", "collage-8bit", "coat", *LOSS_SCALED}
+    assert set(SUPPORTED) == BF16_FAMILY | {"bf16-mixed", "fp32", "collage-8bit", "coat", *LOSS_SCALED, *FP8}
     assert fsdp2_support(get_strategy("fp16-als", weights="sr")) is not None
 
 
@@ -280,7 +281,7 @@ def test_losses_match_one_process_within_the_data_parallel_bound(ranks):
                 finite(result["cases"]["fp32/train"]["losses"]), finite(result["references"]["fp32"]["losses"])
             )
         )
-        for name in SUPPORTED:
+        for name in (n for n in SUPPORTED if n not in FP8):
             sharded, ref = result["cases"][f"{name}/train"]["losses"], result["references"][name]
             sharded, one, accumulated = finite(sharded), finite(ref["losses"]), finite(ref["accumulated_losses"])
             effect = max(fp32_gap, *(abs(a - b) for a, b in zip(accumulated, one)))

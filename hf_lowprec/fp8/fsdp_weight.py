@@ -1,0 +1,295 @@
+"""FP8 all-gather of FP8 linear weights under FSDP2 (docs/distributed.md, "FP8-LM under FSDP2").
+
+FSDP2 lets the local tensor of a sharded parameter choose what is all-gathered: when it has
+`fsdp_pre_all_gather` / `fsdp_post_all_gather`, FSDP2 gathers the tensors the first returns and
+hands them to the second, which builds the unsharded parameter. An FP8 layer's weight shard
+is wrapped in `FP8WeightShard`:
+
+    pre-all-gather    payload = E4M3(shard · s)        one byte per element, s the weight's scale
+    all-gather        the payloads (as uint8: gloo has no float8), into FSDP2's buffer
+    post-all-gather   `FP8GatheredWeight(payload, s)`, which `FP8Linear` uses as its FP8 weight
+                      directly (no second quantization)
+
+The scale s = 2^(floor(log2(448 / amax)) − margin) must be that of the whole weight, as one
+process computes it, or each rank would quantize its shard differently. `WeightScales` takes
+every FP8 weight's amax over its local shard, all-reduces the vector of them once (MAX) and
+sets every weight's s: one all-reduce per optimizer step for all weights, run at the first
+all-gather after a step (every rank reaches it at the same point) or after a checkpoint load.
+The maximum is exact, so s and the payload equal one process's bit for bit. A scaled FP16
+master (O2) divides by its master scale as `FP8Linear` does.
+
+Gradients leave the FP8 layer in BF16 (its GEMM output) and FSDP2 reduce-scatters them in FP32
+(`MixedPrecisionPolicy(reduce_dtype=fp32)`); the strategy quantizes the reduced shard to FP8
+with the global amax of each gradient (`quantize_sharded_gradients`: one all-reduce for all).
+FSDP2's reduce-scatter takes one dtype and one sum for the whole bucket: FP8-LM's per-tensor
+scaled FP8 sum (`hf_lowprec.fp8.comm`) would need every tensor's scale agreed before backward
+ends, so the gradient reduction stays FP32 here (docs/distributed.md says what that costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from .cast import scale_to_fp8
+from .scaled import pow2_scale, tensor_amax
+
+__all__ = ["FP8GatheredWeight", "FP8WeightShard", "WeightScales", "quantize_sharded_gradients", "wrap_fp8_weights"]
+
+E4M3 = torch.float8_e4m3fn
+_aten = torch.ops.aten
+# Views of the gathered weight (FSDP2's as_strided, nn.Parameter's detach): the payload's views.
+_VIEWS = {
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.as_strided.default,
+    _aten.slice.Tensor,
+}
+# Ops FSDP2 applies to the shard while it shards, pads and copies it: their results stay
+# shards of the same weight (views, same-dtype copies, fresh buffers shaped like it).
+_KEEP_SHARD = _VIEWS | {
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.chunk.default,
+    _aten.narrow.default,
+    _aten.clone.default,
+    _aten.new_zeros.default,
+    _aten.new_empty.default,
+    _aten.empty_like.default,
+    _aten.zeros_like.default,
+    _aten._to_copy.default,
+}
+
+
+class WeightScales:
+    """The E4M3 scale of every FP8 weight of one sharded model, agreed over its ranks.
+
+    `refresh` runs one all-reduce (MAX) of the local amaxes; `ensure_fresh` runs it when an
+    optimizer step (the step counter of `hf_lowprec.fp8.linear`) or a load happened since.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.shards: list[FP8WeightShard] = []
+        self.generation: int | None = None
+        self.refreshes = 0  # all-reduces run (tests count them: one per step)
+
+    def mark_stale(self) -> None:
+        self.generation = None
+
+    def ensure_fresh(self) -> None:
+        from . import linear
+
+        if self.generation != linear._step_generation:
+            self.refresh()
+            self.generation = linear._step_generation
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        if not self.shards:
+            return
+        amax = torch.stack([s.real_amax() for s in self.shards])
+        if dist.is_initialized():
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        scales = [pow2_scale(a, E4M3, s.margin) for a, s in zip(amax.unbind(), self.shards)]
+        for shard, scale in zip(self.shards, scales):
+            shard.box["scale"] = scale
+        self.refreshes += 1
+
+
+class FP8WeightShard(torch.Tensor):
+    """A high-precision weight (shard) that FSDP2 all-gathers as E4M3 with its whole-tensor scale.
+
+    `box` is shared by every view of one weight: the layer (`module`, for its master scale and
+    margin), the scale (set by `WeightScales`) and the `WeightScales` of the model.
+    """
+
+    _data: torch.Tensor
+    box: dict[str, Any]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, box: dict[str, Any]) -> FP8WeightShard:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, box: dict[str, Any]) -> None:
+        self._data = data
+        self.box = box
+
+    def __repr__(self) -> str:
+        return f"FP8WeightShard({self._data!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        return ["_data"], {"box": self.box}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Checkpoints (torch.save, torch.distributed.checkpoint) hold the plain values: the wrapper
+        # is how this process all-gathers, not part of the state.
+        return self._data.detach().__reduce_ex__(protocol)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: dict, outer_size: Any, outer_stride: Any) -> FP8WeightShard:
+        return FP8WeightShard(inner["_data"], meta["box"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        box = next(a.box for a in (*args, *(kwargs or {}).values()) if isinstance(a, FP8WeightShard))
+
+        def unwrap(t: Any) -> Any:
+            return t._data if isinstance(t, FP8WeightShard) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func._schema.is_mutable or func not in _KEEP_SHARD:
+            # In-place ops wrote into the shard's data: the shard object itself is the result.
+            return args[0] if func._schema.is_mutable and isinstance(args[0], FP8WeightShard) else out
+        return tree_map(lambda t: FP8WeightShard(t, box) if isinstance(t, torch.Tensor) else t, out)
+
+    @property
+    def local_values(self) -> torch.Tensor:
+        """The plain tensor holding this shard's values (what the optimizer updates in place)."""
+        return self._data
+
+    @property
+    def margin(self) -> int:
+        return self.box["module"].margin
+
+    def real_amax(self) -> torch.Tensor:
+        """max |real weight| over this shard (a scaled master divided by its master scale)."""
+        amax = tensor_amax(self._data)
+        master = self.box["module"].master_scale
+        return amax if master is None else amax / master
+
+    # --- FSDP2's all-gather extension ---------------------------------------------------------
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        self.box["scales"].ensure_fresh()
+        scale = self.box["scale"]
+        master = self.box["module"].master_scale
+        factor = scale if master is None else scale / master
+        payload = scale_to_fp8(self._data, factor, E4M3)
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2 pads dim 0 to the same rows on every rank
+        if payload.shape[0] != rows:
+            padded = payload.new_zeros((rows, *payload.shape[1:]))  # zero bytes are +0.0 in E4M3
+            padded[: payload.shape[0]].copy_(payload)
+            payload = padded
+        return (payload.view(torch.uint8),), scale
+
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], scale: torch.Tensor, param_dtype: torch.dtype, *, out: Any = None
+    ) -> Any:
+        (data,) = outputs
+        if out is not None:  # later steps: same buffer (FSDP2 re-allocates it in place), new scale
+            out._scale = scale
+            return None
+        return FP8GatheredWeight(data.view(E4M3), scale, param_dtype), (data,)
+
+
+class FP8GatheredWeight(torch.Tensor):
+    """The all-gathered weight: its E4M3 payload and scale (real = payload / scale), dressed as a
+    tensor of the parameter's dtype. `FP8Linear` takes `fp8()`; any other use dequantizes."""
+
+    _payload: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> FP8GatheredWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            payload.shape,
+            strides=payload.stride(),
+            storage_offset=payload.storage_offset(),
+            dtype=dtype,
+            device=payload.device,
+            requires_grad=False,
+        )
+
+    def __init__(self, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self._payload = payload
+        self._scale = scale
+
+    def __repr__(self) -> str:
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E4M3 payload, scale) as `FP8Linear` uses them."""
+        return self._payload, self._scale
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._payload.float() / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _VIEWS and isinstance(args[0], FP8GatheredWeight):
+            this = args[0]
+            return FP8GatheredWeight(func(this._payload, *args[1:], **kwargs), this._scale, this.dtype)
+        unwrap = lambda t: t.dequantize() if isinstance(t, FP8GatheredWeight) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def wrap_fp8_weights(model: torch.nn.Module, layer_type: type) -> WeightScales:
+    """Before `fully_shard`: wrap the weight of every `layer_type` (FP8Linear) layer of `model`
+    in `FP8WeightShard`; the returned `WeightScales` agrees their scales once sharded
+    (`WeightScales.group` is set by the caller)."""
+    scales = WeightScales()
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, layer_type) or id(module.weight) in seen:
+            continue
+        weight = module.weight
+        seen.add(id(weight))
+        shard = FP8WeightShard(weight.data, {"module": module, "scale": None, "scales": scales})
+        module.weight = torch.nn.Parameter(shard, requires_grad=weight.requires_grad)
+    return scales
+
+
+def collect_shards(model: torch.nn.Module, scales: WeightScales) -> None:
+    """After `fully_shard`: the local shards of the wrapped weights, in module order."""
+    from ..distributed import DTensor
+
+    scales.shards = [
+        p.to_local() for p in model.parameters() if isinstance(p, DTensor) and isinstance(p.to_local(), FP8WeightShard)
+    ]
+
+
+def quantize_sharded_gradients(
+    params: Iterable[torch.Tensor], mu: torch.Tensor, dtype: torch.dtype, margin: int
+) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """FP8 gradients of DTensor-sharded `params` with the scale one process would use:
+    s = μ·pow2_scale(amax of the whole gradient), the amaxes of all gradients agreed in one
+    all-reduce (MAX). `mu` is the scaler's 0-dim device tensor (no host read). Returns
+    {id(param): (payload of the local shard, s)} and the number of saturated elements over all
+    ranks (an int64 tensor, summed in a second all-reduce; nonzero only when μ > 1)."""
+    from ..distributed import local_shard
+    from .scaled import quantize_counting
+
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return {}, torch.zeros((), dtype=torch.int64)
+    grads = [local_shard(p.grad) for p in params]
+    amax = torch.stack([tensor_amax(g) for g in grads])
+    group = params[0].grad.device_mesh.get_group()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scales = pow2_scale(amax, dtype, margin) * mu.to(amax.device)
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    saturated = torch.zeros((), dtype=torch.int64, device=amax.device)
+    for p, g, scale in zip(params, grads, scales.unbind()):
+        payload, count = quantize_counting(g, scale, dtype)
+        out[id(p)] = (payload, scale)
+        saturated += count
+    dist.all_reduce(saturated, group=group)
+    return out, saturated

@@ -1,0 +1,186 @@
+"""One rank of the FP8-LM FSDP2 tests (`test_fsdp2_fp8.py`): FP8 all-gather, counted at the collective.
+
+Started by `tests/deepspeed/_launch.py` (gloo, CPU). For fp8-lm-o1 it records, in one process on
+the whole batches and sharded with `shard_model` on this rank's half: the losses, the FP32
+first-order terms of the reference (`fp32_gradient_norms`), a digest of every FP8 weight each
+FP8 layer multiplied by (payload and scale), the bytes every all-gather moved and the all-reduces
+of each step. A 128-wide GPT-2 gives the bytes all-gathered per step under bf16-mixed and
+fp8-lm-o1. Results go to `<out>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch.distributed as dist  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.engines.fsdp2 import shard_model  # noqa: E402
+from hf_lowprec.fp8 import FP8Linear  # noqa: E402
+from hf_lowprec.fp8.linear import quantize_weight  # noqa: E402
+from tests.distributed._fsdp2_worker import LR, MICRO, clip, local  # noqa: E402
+from tests.helpers import VOCAB, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
+
+STEPS = 3
+
+
+class Collectives:
+    """Bytes each rank receives from every all-gather, and the all-reduces run, counted at
+    torch.distributed's functions (FSDP2's default all-gather calls `all_gather_single`)."""
+
+    def __init__(self) -> None:
+        self.gathered: list[int] = []
+        self.all_reduces = 0
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            self._wrap(name, self._count_gather)
+        self._wrap("all_reduce", self._count_reduce)
+
+    def _wrap(self, name: str, count) -> None:
+        original = getattr(dist, name)
+
+        def wrapped(*args, **kwargs):
+            count(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+    def _count_gather(self, output, *_args, **_kwargs) -> None:
+        self.gathered.append(output.numel() * output.element_size())
+
+    def _count_reduce(self, *_args, **_kwargs) -> None:
+        self.all_reduces += 1
+
+
+def fp8_weights_seen(model) -> list[str]:
+    # digest_fp8 copies: numpy() on the all-gather buffer itself would pin its storage (FSDP2 frees it).
+    """A forward pre-hook on every FP8 layer: digest of the (payload, scale) it multiplies by."""
+    seen: list[str] = []
+
+    def hook(module, _args):
+        weight = module.weight
+        payload, scale = weight.fp8() if hasattr(weight, "fp8") else module._fp8_weight()
+        seen.append(digest_fp8(payload, scale))
+
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            module.register_forward_pre_hook(hook)
+    return seen
+
+
+def digest_fp8(payload: torch.Tensor, scale: torch.Tensor) -> str:
+    h = hashlib.sha256(payload.view(torch.uint8).clone().numpy().tobytes())
+    h.update(scale.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fp8_of_whole_weights(model) -> list[str]:
+    """Sharded model, between steps: each FP8 layer's whole weight, gathered here in its own
+    dtype, quantized as one process's FP8Linear would (its own amax): the digests."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            shard = module.weight.to_local().local_values.contiguous()
+            parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, shard)
+            whole = torch.cat(parts)
+            out.append(digest_fp8(*quantize_weight(whole, module.margin, module.master_scale)))
+    return out
+
+
+def train(strategy, model, optimizer, data, sharded: bool, counter: Collectives | None = None) -> dict:
+    losses, norms, gathered, reduces, expected = [], [], [], [], []
+    seen = fp8_weights_seen(model)
+    for ids in data:
+        if not sharded:
+            norms.append(fp32_gradient_norms(strategy, model, optimizer, ids))
+        else:
+            expected += fp8_of_whole_weights(model)
+        start = (len(counter.gathered), counter.all_reduces) if counter else (0, 0)
+        part = local(ids) if sharded else ids
+        with strategy.forward_context():
+            loss = model(input_ids=part, labels=part).loss
+        strategy.scale_loss(loss).backward()
+        clip(strategy, model, optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if counter:
+            gathered.append(sum(counter.gathered[start[0] :]))
+            reduces.append(counter.all_reduces - start[1])
+        value = loss.detach().float().clone()
+        if sharded:
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(value.item())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "fp8_weights": seen,
+        "fp8_of_whole_weights": expected,
+        "gathered": gathered,
+        "all_reduces": reduces,
+    }
+
+
+def wide_gpt2() -> GPT2LMHeadModel:
+    """2 layers, 128 wide; the tied embeddings stay BF16 under FP8-LM."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=128, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)
+
+
+def gather_bytes(name: str, data, counter: Collectives) -> dict:
+    strategy = get_strategy(name)
+    model = shard_model(strategy, wide_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR)
+    out = train(strategy, model, optimizer, data, sharded=True, counter=counter)
+    fp8 = [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
+    out["fp8_elements"] = sum(p.numel() for p in fp8)
+    out["elements"] = sum(p.numel() for p in model.parameters())
+    out["scale_refreshes"] = getattr(getattr(strategy, "weight_scales", None), "refreshes", None)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result: dict = {"world_size": dist.get_world_size(), "cases": {}}
+    data = batches(STEPS, MICRO * dist.get_world_size())
+    counter = Collectives()
+    try:
+        strategy = get_strategy("fp8-lm-o1")
+        model = strategy.prepare_model(tiny_gpt2())
+        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+        result["cases"]["one"] = train(strategy, model, optimizer, data, sharded=False)
+        strategy = get_strategy("fp8-lm-o1")
+        model = shard_model(strategy, tiny_gpt2())
+        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+        result["cases"]["sharded"] = train(strategy, model, optimizer, data, sharded=True, counter=counter)
+        result["cases"]["sharded"]["scale_refreshes"] = strategy.weight_scales.refreshes
+        for name in ("bf16-mixed", "fp8-lm-o1"):
+            result["cases"][f"{name}/bytes"] = gather_bytes(name, data, counter)
+    except Exception:
+        result["error"] = traceback.format_exc()
+    result["complete"] = True
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
