@@ -28,7 +28,6 @@ parameters' device.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -105,8 +104,10 @@ class FP8ZeroAdamW(FP8AdamW):
         # Set by `attach_zero`: DeepSpeed's ZeRO optimizer and the full list of groups.
         self.zero_optimizer: Any = None
         self._all_groups: list[dict[str, Any]] | None = None
-        self.step_ok = True  # this step's finite decision, taken on its first call, kept for the other groups
-        self._dense_factor = 1.0
+        # This step's skip flag (a 0-dim device tensor, 1.0: skip), taken on its first call and kept
+        # for the other groups; the dense groups' clipping factor (a device tensor once clipping runs).
+        self.found_inf: torch.Tensor | None = None
+        self._dense_factor: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -214,27 +215,44 @@ class FP8ZeroAdamW(FP8AdamW):
             p.grad = None
         self._sunk.clear()
 
-    def reduce_fp8_gradients(self, scaler: Any, grad_dtype: torch.dtype) -> None:
-        """Average the FP8 weights' gradients over ranks in FP8; each owner keeps its FP8 gradients."""
+    def reduce_fp8_gradients(self, scaler: Any, grad_dtype: torch.dtype, unless: torch.Tensor | None = None) -> None:
+        """Average the FP8 weights' gradients over ranks in FP8; each owner keeps its FP8 gradients.
+
+        `unless`: the step's skip flag (0-dim device tensor); where set, the counts do not go into
+        μ and the kept FP8 gradients are zeroed (no NaN stays in the state), on the device."""
         grads = [self._local_grad(i) for i in range(len(self.fp8_params))]
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.fp8_params, strict=True)]
         if self.world == 1:
             for i in self.owned:
-                payload, scale, saturated = quantize_gradient(grads[i], scaler.mu, grad_dtype, self._margin)
-                scaler.record(saturated, grads[i].numel())
+                payload, scale, saturated = quantize_gradient(
+                    grads[i], scaler.mu_for(grads[i]), grad_dtype, self._margin
+                )
+                scaler.record(saturated, grads[i].numel(), unless=unless)
                 self.set_fp8_grad(self.fp8_params[i], payload, scale)
         elif self.fp8_params:
             numels = [g.numel() for g in grads]
             flat = torch.cat([g.float().reshape(-1) for g in grads])
             del grads
             result = fp8_allreduce(
-                flat, numels=numels, mu=scaler.mu, fp8_dtype=grad_dtype, margin=self._margin, group=self.process_group
+                flat,
+                numels=numels,
+                mu=scaler.mu_for(flat),
+                fp8_dtype=grad_dtype,
+                margin=self._margin,
+                group=self.process_group,
             )
-            scaler.record(result.stats.overflow, result.stats.numel)
+            scaler.record(result.stats.overflow, result.stats.numel, unless=unless)
             payloads = result.payload.split(numels)
             for i in self.owned:
                 p = self.fp8_params[i]
                 self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
+        if unless is not None:
+            skip = unless != 0
+            for i in self.owned:
+                pending = self.fp8_grad(self.fp8_params[i])
+                if pending is not None:
+                    pending[0].view(torch.uint8).masked_fill_(skip, 0)
+                    pending[1].masked_fill_(skip, 1.0)
         self.clear_fp8_grads()
 
     def clip_coefficient(self) -> torch.Tensor | None:
@@ -249,7 +267,7 @@ class FP8ZeroAdamW(FP8AdamW):
         multiplied by c/c_d in `clip_dense_groups`. DeepSpeed's reported norm becomes ‖g‖.
         """
         zero = self.zero_optimizer
-        self._dense_factor = 1.0
+        self._dense_factor = None
         if zero is None:
             return None
         dense = getattr(zero, "_global_grad_norm", None)
@@ -265,35 +283,43 @@ class FP8ZeroAdamW(FP8AdamW):
         total = (dense.square() + squares).sqrt()
         zero._global_grad_norm = total
         max_norm = float(getattr(zero, "clip_grad", 0.0) or 0.0)
-        if max_norm > 0 and math.isfinite(float(total)):
-            ours = torch.clamp((total + _CLIP_EPS) / max_norm, min=1.0)
-            theirs = torch.clamp((dense + _CLIP_EPS) / max_norm, min=1.0)
+        if max_norm > 0:
+            # A non-finite norm clips nothing (factors 1, exact): decided on the device.
+            finite = torch.isfinite(total)
+            ours = torch.where(finite, torch.clamp((total + _CLIP_EPS) / max_norm, min=1.0), 1.0)
+            theirs = torch.where(finite, torch.clamp((dense + _CLIP_EPS) / max_norm, min=1.0), 1.0)
             for i in self.owned:
                 pending = self.fp8_grad(self.fp8_params[i])
                 if pending is not None:
                     pending[1].mul_(ours)  # real = payload / scale: the gradient divided by `ours`
-            self._dense_factor = float(theirs / ours)
+            self._dense_factor = theirs / ours
         return total
 
     def clip_dense_groups(self) -> None:
         """Bring the current groups' gradients (DeepSpeed's partitions) to the global clipping."""
-        if self._dense_factor != 1.0:
+        factor = self._dense_factor
+        if factor is not None:  # a factor of 1 multiplies exactly
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        p.grad.mul_(self._dense_factor)
+                        p.grad.mul_(factor)
 
     # --- step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Any = None, *, found_inf: torch.Tensor | None = None) -> Any:
         """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight.
-        `found_inf` as `AdamW.step` (nonzero: nothing changes, the gathered weights included)."""
+
+        `found_inf` as `AdamW.step` (a 0-dim device flag, nonzero: nothing changes). The FP8 part
+        runs whatever it says: a skipped update leaves each master as it was, and the all-gather
+        then hands every rank the FP8 weights it already holds."""
         self.check_attached()
         if self.begins_step():
             self._step_owned_fp8_weights(found_inf)
             self._pending_grads.difference_update(id(self.fp8_params[i]) for i in self.owned)
             if self.world > 1 and self.fp8_params:
                 self.all_gather_fp8_weights()
+        if found_inf is None:
+            return super().step(closure)
         return super().step(closure, found_inf=found_inf)
 
     def _step_owned_fp8_weights(self, found_inf: torch.Tensor | None = None) -> None:
@@ -316,8 +342,10 @@ class FP8ZeroAdamW(FP8AdamW):
             key = (self._fp8_group[i], composition, local.device)
             buckets.setdefault(key, []).append((p, local, self._gradient(p), state))
         for (index, composition, device), items in buckets.items():
-            flag = None if found_inf is None else found_inf.reshape(()).to(device)
-            self._step_bucket(index, groups[index], composition, device, items, flag)
+            if found_inf is None:
+                self._step_bucket(index, groups[index], composition, device, items)
+            else:
+                self._step_bucket(index, groups[index], composition, device, items, found_inf.reshape(()).to(device))
 
     def fp8_weight(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(E4M3 payload, scale) of FP8 weight `index`, as the FP8 layer's forward quantizes it."""

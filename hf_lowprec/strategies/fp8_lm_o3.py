@@ -95,7 +95,7 @@ class FP8LMO3(FP8LM):
         optimizer.check_attached()
         if not optimizer.begins_step():  # a later group of the same DeepSpeed step
             optimizer.clip_dense_groups()
-            self.skipped_steps = self.skipped_steps - optimizer.found_inf  # counted once, on the first call
+            self.count_skip(-optimizer.found_inf)  # counted once, on the first call
             return optimizer.found_inf
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         found_inf = nonfinite(grads + optimizer.fp8_grads(), optimizer.device)

@@ -113,7 +113,10 @@ bool step_skipped(const char* fn, const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK(found_inf->device().is_cpu() && found_inf->numel() == 1 && at::isFloatingType(found_inf->scalar_type()),
               fn, ": found_inf must be a one-element floating CPU tensor (nonzero skips the step), got ",
               found_inf->scalar_type(), " ", found_inf->sizes(), " on ", found_inf->device());
-  return found_inf->item<double>() != 0.0;
+  // Read through the data pointer, not `item()`: the flag is a CPU tensor the kernel reads in
+  // place, and `item()` would dispatch `_local_scalar_dense` (what the host-sync checks count).
+  const at::Tensor flag = found_inf->to(at::kDouble).contiguous();
+  return *flag.data_ptr<double>() != 0.0;
 }
 
 struct Block {
