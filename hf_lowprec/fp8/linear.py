@@ -241,8 +241,9 @@ def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
             raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
         gemm = _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
         _chosen[key] = gemm
-        reason = "forced" if _forced_path else "default for this device"
-        logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
+        if not torch.compiler.is_compiling():  # a logger call would break the user's graph
+            reason = "forced" if _forced_path else "default for this device"
+            logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
     return gemm
 
 
