@@ -349,6 +349,9 @@ class AutomaticLossScaler:
 
         return hook
 
+    # Run eagerly in backward, not traced into a compiled graph: the tallies are written in place
+    # into buffers that a traced backward would save for autograd and then find modified.
+    @torch._dynamo.disable
     def _activation_grad(self, row: int, grad: torch.Tensor) -> torch.Tensor | None:
         self._record(row, grad, A_UPPER)
         if grad.dtype == torch.float16:
