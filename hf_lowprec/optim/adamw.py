@@ -274,8 +274,13 @@ class AdamW(LowPrecisionOptimizer):
         (torch.distributed.checkpoint) fills in."""
         for group in self.param_groups:
             for param in group["params"]:
-                if not self.state[param]:
-                    self.state[param] = self.plan_state(param, group)
+                state = self.state[param]
+                if not state:
+                    state.update(self.plan_state(param, group))
+                if not torch.is_tensor(state.get("step")) and state.get("step", 0) == 0:
+                    # No step yet: the count in the form a strategy's step leaves it (each step of a
+                    # strategy's optimizer takes a found-inf flag: `skipping.StepCounts`).
+                    state["step"] = torch.zeros((), dtype=torch.float64, device=_local(param).device)
                 if self.composition(param, group).rule.needs_seed and param.device.type != "meta":
                     self._generator(_local(param).device)
 
