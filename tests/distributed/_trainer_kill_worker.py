@@ -68,7 +68,7 @@ class CrashInNextSave(TrainerCallback):
 def digest(values) -> str:
     h = hashlib.sha256()
     for t in values:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
