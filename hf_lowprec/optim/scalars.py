@@ -64,11 +64,13 @@ def device_scalar_rows(
     torch._foreach_div_(step, c1)
     eps_row = torch._foreach_mul(sqrt_c2, eps)
     torch._foreach_maximum_(eps_row, _TINY)
-    table = torch.empty(len(steps), 6, dtype=torch.float64, device=steps[0].device)
-    table[:, W1].fill_(1.0 - beta1)
-    table[:, B2].fill_(beta2)
-    table[:, OMB2].fill_(1.0 - beta2)
-    table[:, STEP] = torch.stack(step)
-    table[:, EPS] = torch.stack(eps_row)
-    table[:, DECAY].fill_(-lr * weight_decay)
-    return list(table.float().unbind())
+    device = steps[0].device
+    constant = {
+        slot: torch.full((), value, dtype=torch.float64, device=device)
+        for slot, value in ((W1, 1.0 - beta1), (B2, beta2), (OMB2, 1.0 - beta2), (DECAY, -lr * weight_decay))
+    }
+    rows = []
+    for step_value, eps_value in zip(step, eps_row):
+        row = {**constant, STEP: step_value, EPS: eps_value}
+        rows.append(torch.stack([row[slot] for slot in range(6)]).float())
+    return rows
