@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..numerics import nonfinite_flag
 from .cast import nan_flag, saturate_to_fp8, widen
 from .scaled import dequantize, pow2_scale, quantize, tensor_amax
 
@@ -72,14 +73,9 @@ def requantize_gradient(
 
 
 def nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 flag on `device`: 1.0 when a tensor holds inf or NaN (no host sync).
-
-    As `numerics.all_finite`: an inf is a tensor's minimum or maximum, and both propagate NaN.
-    """
-    extremes = [t.float() for x in tensors if x.numel() for t in torch.aminmax(x.detach())]
-    if not extremes:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return (~torch.stack(extremes).isfinite().all()).float().to(device)
+    """A 0-dim float32 flag on `device`: 1.0 when a tensor holds inf or NaN (no host sync;
+    `numerics.nonfinite_flag`, moved to `device` where the tensors live elsewhere)."""
+    return nonfinite_flag(list(tensors), device).to(device)
 
 
 class GradientAutoScaler:

@@ -28,7 +28,10 @@ HOPPER, AMPERE = (9, 0), (8, 0)
 # found (an AssertionError) still fails. Listed so that the workaround in fake_cuda.py is added.
 CPU_ONLY_BUILD_LIMITS = {
     "bf16-sr": "stochastic rounding's bit operations set a CUDA device guard (optim/rules.py apply_)",
-    "fp8-lm-o3": "torch.tensor(float, device=cuda) of the finite flag reaches the CUDA backend under the fake mode",
+    "fp8-lm-o3": "an operator of the FP8 ZeRO step reaches the CUDA backend under the fake mode",
+    "fp16-als": "boolean & and ~ on the ALS flags (scaling/als.py update) reach the CUDA backend under the fake mode",
+    "fp8-lm-o1": "moving μ's 0-dim tensors onto the gradients' device (fp8/grad_scaling.py to) reaches the CUDA backend",
+    "fp8-lm-o2": "moving μ's 0-dim tensors onto the gradients' device (fp8/grad_scaling.py to) reaches the CUDA backend",
 }
 CASES = [
     pytest.param(
