@@ -51,7 +51,7 @@ from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .rules import Rule
 from .scalars import B2, DECAY, EPS, OMB2, STEP, W1, adamw_scalars
-from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_
+from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_, step_count_on_device
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
 
@@ -275,12 +275,8 @@ class AdamW(LowPrecisionOptimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 state = self.state[param]
-                if not state:
-                    state.update(self.plan_state(param, group))
-                if not torch.is_tensor(state.get("step")) and state.get("step", 0) == 0:
-                    # No step yet: the count in the form a strategy's step leaves it (each step of a
-                    # strategy's optimizer takes a found-inf flag: `skipping.StepCounts`).
-                    state["step"] = torch.zeros((), dtype=torch.float64, device=_local(param).device)
+                state.update({} if state else self.plan_state(param, group))
+                step_count_on_device(state, _local(param).device)
                 if self.composition(param, group).rule.needs_seed and param.device.type != "meta":
                     self._generator(_local(param).device)
 

@@ -27,7 +27,7 @@ import torch
 
 from .scalars import device_scalar_rows, scalar_rows
 
-__all__ = ["FlagPerDevice", "StepCounts", "check_found_inf", "select_"]
+__all__ = ["FlagPerDevice", "StepCounts", "check_found_inf", "select_", "step_count_on_device"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -45,6 +45,13 @@ def check_found_inf(owner: str, found_inf: object) -> None:
             f"{owner}.step: found_inf must be a 0-dim floating tensor on the parameters' device "
             f"(nonzero skips the step), got {described}; pass e.g. torch.zeros((), device=param.device)"
         )
+
+
+def step_count_on_device(state: dict[str, Any], device: torch.device) -> None:
+    """A state that has taken no step gets its count in the form a strategy's step leaves it (each
+    step of a strategy's optimizer takes a found-inf flag): what a sharded checkpoint loads into."""
+    if not torch.is_tensor(state.get("step")) and state.get("step", 0) == 0:
+        state["step"] = torch.zeros((), dtype=torch.float64, device=device)
 
 
 def select_(original: torch.Tensor, skip: torch.Tensor, stepped: torch.Tensor) -> None:
