@@ -287,7 +287,12 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_both(ranks):
         cases = [r["cases"][key] for r in ranks]
         for case in cases:
             assert "error" not in case, case["error"]
-            assert case["unchanged"], key
+            # fp8-lm-o3 with the inf in an FP8 weight's gradient: the skipped step zeroes the FP8
+            # gradient it was handed (so no NaN reaches a checkpoint), a state change that the next
+            # step overwrites; weights and the forward must not change, and steps 3 and 4 must equal
+            # the clean run bit for bit (below).
+            allowed = ["state"] if case_key[-1] == "fp8" else []
+            assert case["changed"] in ([], allowed), (key, case["changed"])
             assert sum(case["skipped"].values()) == 1, (key, case["skipped"])
             assert_same_losses(case["losses"], case["clean_losses"], key)
             assert case["digest"] == case["clean_digest"], key
