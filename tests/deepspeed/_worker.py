@@ -270,7 +270,13 @@ def run_nonfinite(name: str, stage: int, where: str, data) -> dict:
     losses += train(strategy, engine, data[2:])
     parts = ("weights", "forward", "state")
     changed = [part for part, b, a in zip(parts, before, after) if b != a]
-    result = {"unchanged": before == after, "changed": changed, "skipped": skipped, "losses": losses, "digest": digest(engine)}
+    result = {
+        "unchanged": before == after,
+        "changed": changed,
+        "skipped": skipped,
+        "losses": losses,
+        "digest": digest(engine),
+    }
     clean_strategy, clean, _, _ = build(name, stage)
     result["clean_losses"] = train(clean_strategy, clean, data[:1] + data[2:])
     result["clean_digest"] = digest(clean)
