@@ -108,9 +108,9 @@ def run_train(out: Path, data) -> dict:
     result["non_owned_bytes_after_steps"] = sum(
         inner.fp8_params[i].numel() * inner.fp8_params[i].element_size() for i in others
     )
-    result["fp8_steps"] = sorted({inner.state[inner.fp8_params[i]]["step"] for i in inner.owned})
+    result["fp8_steps"] = sorted({int(inner.state[inner.fp8_params[i]]["step"]) for i in inner.owned})
     result["group_steps"] = sorted(
-        {s["step"] for p, s in inner.state.items() if all(p is not q for q in inner.fp8_params)}
+        {int(s["step"]) for p, s in inner.state.items() if all(p is not q for q in inner.fp8_params)}
     )
 
     # Export: every rank takes part in the gather; rank 0 writes.
