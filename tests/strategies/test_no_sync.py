@@ -138,6 +138,9 @@ def test_non_finite_gradients_on_one_rank_skip_the_step_on_both():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    reason="fp16-als is not one graph yet (tests/gpu/test_graph_breaks.py NOT_YET_ONE_GRAPH)", strict=False
+)
 def test_fp16_als_breaks_the_compiled_graph_no_more_than_bf16_mixed():
     import torch._dynamo
     from torch._dynamo.utils import counters
