@@ -279,7 +279,7 @@ def quantize_sharded_gradients(
 
     params = [p for p in params if p.grad is not None]
     if not params:
-        return {}, torch.zeros((), dtype=torch.int64)
+        return {}, torch.zeros((), dtype=torch.int64, device=mu.device)
     grads = [local_shard(p.grad) for p in params]
     amax = torch.stack([tensor_amax(g) for g in grads])
     group = params[0].grad.device_mesh.get_group()

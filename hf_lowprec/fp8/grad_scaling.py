@@ -92,6 +92,7 @@ class GradientAutoScaler:
         interval: consecutive clean steps before μ doubles (paper: 1000).
         threshold: saturated share above which μ halves (paper: 0.001 % = 1e-5).
         min_mu, max_mu: bounds that keep μ finite when gradients vanish or explode for long.
+        device: where the state starts (it follows the gradients if they live elsewhere).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class GradientAutoScaler:
         threshold: float = 1e-5,
         min_mu: float = 2.0**-32,
         max_mu: float = 2.0**32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if not (math.isfinite(init_mu) and init_mu > 0):
             raise ValueError(f"init_mu must be a positive finite number, got {init_mu}")
@@ -115,9 +117,9 @@ class GradientAutoScaler:
         self.min_mu = min_mu
         self.max_mu = max_mu
         # FP32 like the scales μ multiplies; the share in FP64 like the Python division it replaces.
-        self._mu = torch.tensor(float(init_mu), dtype=torch.float32)
-        self._clean_steps = torch.zeros((), dtype=torch.int64)
-        self._last_share = torch.zeros((), dtype=torch.float64)
+        self._mu = torch.tensor(float(init_mu), dtype=torch.float32, device=device)
+        self._clean_steps = torch.zeros((), dtype=torch.int64, device=device)
+        self._last_share = torch.zeros((), dtype=torch.float64, device=device)
         self._saturated: torch.Tensor | int = 0
         self._total: torch.Tensor | int = 0
         self._recorded = False

@@ -70,6 +70,7 @@ class AutomaticLossScaler:
             keeps activation gradients of models that overflow at scale 1 in range.
         track_activations: count (and clip) activation gradients too, via tensor hooks on the
             outputs of the leaf modules of the model passed to `track`.
+        device: where the buffers start (they follow the loss to its device in `scale`).
 
     Under data parallelism (`process_group` set, as DDP's `prepare_ddp` does through the
     strategy) every rank must take the same decision from the same histogram: the activation
@@ -88,6 +89,7 @@ class AutomaticLossScaler:
         max_scale: float = 2.0**15,
         min_scale: float = 2.0**-16,
         track_activations: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         check_loss_scaler_settings(bin_edge, threshold, period, init_scale, max_scale, min_scale)
         self.bin_edge = float(bin_edge)
@@ -105,19 +107,19 @@ class AutomaticLossScaler:
         self._reduced = False
         # Device state. Across steps (checkpointed): the scale, the period's tallies, the last
         # decision's share and the clipped counts.
-        self._scale = torch.full((), float(init_scale), dtype=torch.float32)
-        self._period = torch.zeros(3, dtype=torch.int64)
-        self._last_share = torch.zeros((), dtype=torch.float64)
-        self._last_clipped = torch.zeros((), dtype=torch.int64)
-        self._total_clipped = torch.zeros((), dtype=torch.int64)
+        self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
+        self._period = torch.zeros(3, dtype=torch.int64, device=device)
+        self._last_share = torch.zeros((), dtype=torch.float64, device=device)
+        self._last_clipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._total_clipped = torch.zeros((), dtype=torch.int64, device=device)
         # This step's tallies, zeroed by `update`.
-        self._step = torch.zeros(4, dtype=torch.int64)
-        self._nan = torch.zeros((), dtype=torch.float32)
+        self._step = torch.zeros(4, dtype=torch.int64, device=device)
+        self._nan = torch.zeros((), dtype=torch.float32, device=device)
         # Per name: elements clipped this step, whether it clipped last step, and how many new
         # overflow episodes began since the last `log_overflows`.
-        self._clipped = torch.zeros(0, dtype=torch.int64)
-        self._overflowing = torch.zeros(0, dtype=torch.bool)
-        self._new_episodes = torch.zeros(0, dtype=torch.int64)
+        self._clipped = torch.zeros(0, dtype=torch.int64, device=device)
+        self._overflowing = torch.zeros(0, dtype=torch.bool, device=device)
+        self._new_episodes = torch.zeros(0, dtype=torch.int64, device=device)
 
     # --- GradScaler API ----------------------------------------------------------------
     def get_scale(self) -> float:

@@ -573,8 +573,11 @@ class StrategyOptimizer(torch.optim.Optimizer):
         strategy = self.strategy
         strategy.unscale_gradients(self.optimizer)
         found_inf = strategy.process_gradients(self.optimizer)
-        if isinstance(found_inf, bool):  # the former contract (True: step), while strategies move over
-            found_inf = torch.tensor(0.0 if found_inf else 1.0)
+        if not isinstance(found_inf, torch.Tensor):
+            raise TypeError(
+                f"{type(strategy).__name__}.process_gradients returned {type(found_inf).__name__}; it must return "
+                "a 0-dim FP32 tensor on the gradients' device (1.0: skip the step), as `numerics.nonfinite_flag` gives"
+            )
         strategy.count_skip(found_inf)
         self._found_inf = found_inf
         measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics
