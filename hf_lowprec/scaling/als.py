@@ -18,9 +18,16 @@ halved at once (whatever the period), as for a saturated step. This is the only 
 
 **On the device.** The scale, the histogram, the NaN flag, the clipped counts and the rule
 itself are tensors updated in place (`torch.where`, as `torch._amp_update_scale_` does for
-GradScaler): a step never waits for the device. The activation hooks only add into
-preallocated buffers, so `torch.compile` traces them. The host reads the tallies when asked
+GradScaler): a step never waits for the device. The host reads the tallies when asked
 (`get_scale`, the `last_*` properties, `state_dict`, `log_overflows`): at logging steps.
+
+**Activation gradients, eager and compiled.** Eagerly, a forward hook registers a tensor hook
+on each leaf module's output that adds its counts into the step's buffers and clamps it. Inside
+`torch.compile` a side effect in backward cannot be traced, so the forward hook instead passes
+the output through `_ActivationTally`, whose backward clamps the gradient and returns the
+counts as the gradient of a small FP64 leaf (`_probe`, one row per name): autograd accumulates
+them there like a parameter's gradient, and `_agree` folds them into the tallies. Same counts,
+one graph, no host sync.
 """
 
 from __future__ import annotations
@@ -105,6 +112,7 @@ class AutomaticLossScaler:
         self.process_group: Any = None  # DDP's group: activation tallies summed over it
         self._group: Any = None  # the FSDP2 process group, once sharded gradients were seen
         self._reduced = False
+        self._probe: torch.Tensor | None = None  # compiled activation tallies: see the module doc
         # Device state. Across steps (checkpointed): the scale, the period's tallies, the last
         # decision's share and the clipped counts.
         self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
@@ -287,11 +295,24 @@ class AutomaticLossScaler:
         if self._reduced:
             return
         self._reduced = True
+        self._fold_probe()
         if self._group is not None:
             self._sum_over(self._group, [self._step, self._nan, self._clipped])
         group = self.process_group
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             self._sum_over(group, [self._step[A_UPPER:], self._nan])
+
+    def _fold_probe(self) -> None:
+        """Add the counts the compiled backward left in `_probe.grad` (FP64 sums of integers
+        below 2^53: exact) to this step's tallies, and clear them."""
+        probe = self._probe
+        if probe is None or probe.grad is None:
+            return
+        counts = probe.grad.to(self._step.device, torch.int64)
+        probe.grad = None
+        self._step[A_UPPER].add_(counts[:, 0].sum())
+        self._step[A_TOTAL].add_(counts[:, 1].sum())
+        self._clipped[: counts.shape[0]].add_(counts[:, 2])
 
     @staticmethod
     def _sum_over(group: Any, tallies: list[torch.Tensor]) -> None:
@@ -319,6 +340,9 @@ class AutomaticLossScaler:
             setattr(self, key, getattr(self, key).to(device))
         for key in ("_clipped", "_overflowing", "_new_episodes"):
             setattr(self, key, getattr(self, key).to(device))
+        if self._probe is not None:
+            self._fold_probe()
+            self._probe = self._probe.detach().to(device).requires_grad_()
 
     # --- activation gradients ----------------------------------------------------------
     def track(self, model: torch.nn.Module) -> AutomaticLossScaler:
@@ -335,21 +359,40 @@ class AutomaticLossScaler:
             for name, module in model.named_modules():
                 if next(module.children(), None) is None:
                     self._handles.append(module.register_forward_hook(self._forward_hook(self._slot(name or "model"))))
+            rows = len(self._slots)
+            self._probe = torch.zeros(rows, 3, dtype=torch.float64, device=self._scale.device, requires_grad=True)
         return self
 
     def untrack(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._fold_probe()
+        self._probe = None
 
     def _forward_hook(self, row: int):
         def hook(module, inputs, output):
+            if torch.compiler.is_compiling():
+                return self._tally_compiled(row, output)
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for out in outputs:
                 if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
                     out.register_hook(lambda grad: self._activation_grad(row, grad))
 
         return hook
+
+    def _tally_compiled(self, row: int, output: Any) -> Any:
+        """`output` with each floating tensor that needs a gradient passed through
+        `_ActivationTally` (counts into `_probe`'s row `row`); None when nothing needs one."""
+
+        def tally(out: Any) -> Any:
+            if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
+                return _ActivationTally.apply(out, self._probe, row, self.bin_edge)
+            return out
+
+        if isinstance(output, (tuple, list)):
+            return type(output)(tally(out) for out in output)
+        return tally(output) if torch.is_tensor(output) else None
 
     # Run eagerly in backward, not traced into a compiled graph: the tallies are written in place
     # into buffers that a traced backward would save for autograd and then find modified.
@@ -366,6 +409,30 @@ class AutomaticLossScaler:
             f"AutomaticLossScaler(bin_edge={self.bin_edge}, threshold={self.threshold}, "
             f"period={self.period}, bounds=[{self.min_scale}, {self.max_scale}])"
         )
+
+
+class _ActivationTally(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond
+    ±65504) as the gradient of row `row` of the FP64 `probe`, and the gradient clamped to
+    ±65504 when FP16. The forward returns a copy, not a view: a later in-place op on a view of
+    a custom Function's output is refused by autograd (an in-place ReLU after a Linear);
+    Inductor fuses the copy into the kernels that produce or consume it."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, probe: torch.Tensor, row: int, bin_edge: float) -> torch.Tensor:
+        ctx.row, ctx.rows, ctx.bin_edge = row, probe.shape[0], bin_edge
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        magnitude = grad.detach().abs()
+        total = torch.full((), grad.numel(), dtype=torch.float64, device=grad.device)
+        clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else torch.zeros_like(total)
+        counts = torch.stack([(magnitude >= ctx.bin_edge).sum().double(), total, clipped.double()])
+        rows = torch.nn.functional.pad(counts[None], (0, 0, ctx.row, ctx.rows - ctx.row - 1))
+        if grad.dtype == torch.float16:
+            grad = grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN, ±inf becomes ±65504
+        return grad, rows, None, None
 
 
 def _clamp_fp16_(grads: list[torch.Tensor]) -> None:
