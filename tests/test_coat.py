@@ -11,7 +11,7 @@ from torch import nn
 from hf_lowprec.coat import FP8GroupState, dequantize_state, expansion_exponent, quantize_state
 from hf_lowprec.coat.activations import compress_activations, dequantize_groups, quantize_groups, saved_activation_bytes
 from hf_lowprec.fp8 import convert_to_fp8
-from tests.helpers import batches, bits_equal, tiny_gpt2
+from tests.helpers import batches, bits_equal, rounding_bound, tiny_gpt2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Unit roundoff of the formats (round to nearest, 3 and 2 mantissa bits).
@@ -302,3 +302,67 @@ def test_original_forward_under_no_grad_and_state_dict_unchanged():
         assert bits_equal(ln(x), nn.LayerNorm.forward(ln, x))
         assert bits_equal(reference.transformer.h[0].ln_1(x), ln(x))
     assert model(input_ids=ids).logits.shape == (4, 32, 256)
+
+
+def _layers():
+    from transformers.activations import GELUActivation, NewGELUActivation
+
+    return [
+        nn.LayerNorm(64),
+        nn.LayerNorm(64, bias=False),
+        nn.GELU(),
+        nn.GELU(approximate="tanh"),
+        NewGELUActivation(),
+        GELUActivation(),
+        nn.SiLU(),
+        nn.ReLU(),
+    ]
+
+
+@pytest.mark.parametrize("layer", _layers(), ids=lambda m: type(m).__name__ + getattr(m, "approximate", ""))
+def test_kernel_backward_is_the_layers_derivative(layer):
+    """The backward kernels COAT calls for known layers (no autograd graph at backward time, so
+    torch.compile traces it) against autograd through the layer's own forward, in FP64: the same
+    derivative, apart from the order of a few dozen roundings of 2^-53."""
+    from hf_lowprec.coat.activations import _kernel_backward
+
+    torch.manual_seed(0)
+    layer = layer.double()
+    if isinstance(layer, nn.LayerNorm):
+        with torch.no_grad():
+            layer.weight.normal_()
+    x = torch.randn(4, 8, 64, dtype=torch.float64) * 3
+    g = torch.randn_like(x)
+    grad_x, param_grads = _kernel_backward(layer, x, g, torch.float64)
+    xr = x.clone().requires_grad_(True)
+    params = list(layer.parameters())
+    expected = torch.autograd.grad(layer(xr), [xr, *params], g)
+    for got, want in zip([grad_x, *param_grads], expected):
+        bound = rounding_bound(torch.float64, 64, want.abs().max().item() + g.abs().max().item())
+        assert got.dtype == want.dtype and (got - want).abs().max().item() <= bound, type(layer).__name__
+
+
+def test_compiled_coat_is_one_graph_and_keeps_eager_gradients():
+    """COAT's model under torch.compile (AOT autograd traces the FP8-saving layers' backward):
+    no graph break of its own and gradients within FP8 rounding of the eager ones (the compiled
+    graph fuses and reorders the BF16 arithmetic around the FP8 casts)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    ids = batches(1, batch=4, seq=32)[0]
+    grads, breaks = {}, {}
+    for mode in ("eager", "compiled", "bf16 compiled"):
+        model = tiny_gpt2() if mode == "bf16 compiled" else compress_activations(convert_to_fp8(tiny_gpt2()))
+        torch._dynamo.reset()
+        counters.clear()
+        run = model if mode == "eager" else torch.compile(model, backend="aot_eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            run(input_ids=ids, labels=ids).loss.backward()
+        breaks[mode] = sum(counters["graph_break"].values())
+        grads[mode] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    torch._dynamo.reset()
+    assert breaks["compiled"] <= breaks["bf16 compiled"], breaks
+    # As in test_handled_layers_save_only_fp8_and_gradients_stay_close: FP8's roundings (u = 2^-3
+    # at worst) added in quadrature keep the norm-wise difference below u(E5M2).
+    error = ((grads["compiled"] - grads["eager"]).norm() / grads["eager"].norm()).item()
+    assert error < U[E5M2], error

@@ -5,9 +5,11 @@
 - Non-linear layers (LayerNorm/RMSNorm, GELU/NewGELU/SiLU/… modules): their forward runs
   without building a graph and only the input is saved, as E4M3 with one power-of-two scale
   per 1×16 group along the last dimension, the scale stored as its int8 exponent
-  (1 + 1/16 bytes per element). Backward decodes the input and re-runs the layer's own
-  forward (under the autocast state of the forward) to get the input and parameter
-  gradients. Per-tensor scaling across tokens would hurt LayerNorm (COAT), hence the groups.
+  (1 + 1/16 bytes per element). Backward decodes the input and differentiates the layer there:
+  LayerNorm and the GELU/SiLU/ReLU activations with torch's own backward kernels (aten calls
+  that torch.compile traces into the backward graph), any other layer by re-running its own
+  forward (under the autocast state of the forward) through autograd, eagerly. Per-tensor
+  scaling across tokens would hurt LayerNorm (COAT), hence the groups.
 - Element-wise multiply (gated MLPs: act(gate)·up) happens in the MLP module's forward, not in
   a layer: every floating tensor saved inside a module that holds an activation layer (the
   MLP) is packed the same 1×16 way by a `torch.autograd.graph.saved_tensors_hooks` scope
@@ -23,7 +25,6 @@ runs. Modules not handled are left alone and listed once in a log line.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import types
 from typing import Any
@@ -78,16 +79,21 @@ def _packable(t: torch.Tensor) -> bool:
     return t.dtype in _PACKABLE and t.dim() > 0 and t.shape[-1] % ACTIVATION_GROUP_SIZE == 0
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+def _autocast_state() -> tuple[tuple[bool, torch.dtype], tuple[bool, torch.dtype] | None]:
+    """(CPU autocast on, its dtype), and the same for CUDA where there is CUDA."""
+    cuda = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) if torch.cuda.is_available() else None
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")), cuda
 
 
-def _restore_autocast(state: list[tuple[str, bool, torch.dtype]]) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for device, enabled, dtype in state:
-        stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled))
-    return stack
+def _forward_under(state: tuple, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own forward under the autocast state `state` (`_autocast_state`) of its
+    forward pass. Plain `with` statements: dynamo traces them (an ExitStack it cannot)."""
+    (cpu_on, cpu_dtype), cuda = state
+    with torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_on):
+        if cuda is None:
+            return type(module).forward(module, x)
+        with torch.autocast("cuda", dtype=cuda[1], enabled=cuda[0]):
+            return type(module).forward(module, x)
 
 
 class _SavedInFP8(torch.autograd.Function):
@@ -100,19 +106,78 @@ class _SavedInFP8(torch.autograd.Function):
         ctx.module = module
         ctx.x_dtype = x.dtype
         ctx.autocast = _autocast_state()
+        ctx.out_dtype = out.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         payload, exponent = ctx.saved_tensors
-        x = dequantize_groups(payload, exponent, ctx.x_dtype).requires_grad_(True)
         needed = ctx.needs_input_grad[2:]
+        x = dequantize_groups(payload, exponent, ctx.x_dtype)
+        known = _kernel_backward(ctx.module, x, grad_out, ctx.out_dtype)
+        if known is not None:
+            grad_x, param_grads = known
+            return (None, grad_x, *(g if need else None for g, need in zip(param_grads, needed)))
+        # Any other layer: its own forward again, differentiated by autograd (eager only: dynamo
+        # cannot trace `torch.autograd.grad`, so under torch.compile such a layer breaks the graph).
+        x.requires_grad_(True)
         wanted = [p for p, need in zip(ctx.module.parameters(), needed) if need]
-        with torch.enable_grad(), _restore_autocast(ctx.autocast):
-            out = type(ctx.module).forward(ctx.module, x)
+        with torch.enable_grad():
+            out = _forward_under(ctx.autocast, ctx.module, x)
         grads = iter(torch.autograd.grad(out, [x, *wanted], grad_out, allow_unused=True))
         grad_x = next(grads)
         return (None, grad_x, *(next(grads) if need else None for need in needed))
+
+
+# Layers whose backward `_kernel_backward` computes with torch's own backward kernels (by class
+# name for transformers' activations, which this layer does not import): GELU approximation.
+_GELU_APPROXIMATION = {
+    "GELUActivation": "none",
+    "NewGELUActivation": "tanh",
+    "GELUTanh": "tanh",
+    "PytorchGELUTanh": "tanh",
+    "FastGELUActivation": "tanh",
+    "AccurateGELUActivation": "tanh",
+}
+
+
+def _kernel_backward(
+    module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+    """(grad of x, grads of the module's parameters in order) of a known layer at the decoded
+    input `x`, from torch's backward kernels (the ones autograd would call), computed in the
+    dtype the forward ran in (`out_dtype`, which autocast may have raised); None for any other
+    layer. Plain aten calls: traced by torch.compile into the backward graph, and no graph is
+    built at backward time.
+
+    transformers' tanh GELUs compute 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) in Python; their
+    derivative here is torch's tanh-GELU kernel: the same function, rounded once per element
+    instead of once per Python operation."""
+    g, xc = grad_out.to(out_dtype), x.to(out_dtype)
+    name = type(module).__name__
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        w = module.weight.to(out_dtype) if module.weight is not None else None
+        b = module.bias.to(out_dtype) if module.bias is not None else None
+        shape = list(module.normalized_shape)
+        _, mean, rstd = torch.native_layer_norm(xc, shape, w, b, module.eps)
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            g, xc, shape, mean, rstd, w, b, [True, w is not None, b is not None]
+        )
+        by_name = {"weight": grad_w, "bias": grad_b}
+        param_grads = [by_name[n].to(p.dtype) for n, p in module.named_parameters(recurse=False)]
+        return grad_x.to(x.dtype), param_grads
+    if list(module.parameters(recurse=False)):
+        return None
+    if type(module) is nn.GELU or name in _GELU_APPROXIMATION:
+        approximate = module.approximate if type(module) is nn.GELU else _GELU_APPROXIMATION[name]
+        grad_x = torch.ops.aten.gelu_backward(g, xc, approximate=approximate)
+    elif type(module) is nn.SiLU or name == "SiLUActivation":
+        grad_x = torch.ops.aten.silu_backward(g, xc)
+    elif type(module) is nn.ReLU:
+        grad_x = torch.ops.aten.threshold_backward(g, xc, 0)
+    else:
+        return None
+    return grad_x.to(x.dtype), []
 
 
 def _layer_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -129,14 +194,16 @@ def _run_in_scope(module: nn.Module, pack_activations: bool, args: tuple, kwargs
     and (2) if `pack_activations`, a pack hook packs the other activations 1×16 FP8."""
     if not torch.is_grad_enabled():
         return type(module).forward(module, *args, **kwargs)
-    if not pack_activations:
+    # Under torch.compile the saved-tensor hooks are not traced (dynamo breaks the graph on
+    # them) and the compiled graph chooses what it saves: the scope packs in eager mode only.
+    if not pack_activations or torch.compiler.is_compiling():
         with sharing_inputs():
             return type(module).forward(module, *args, **kwargs)
-    # Parameters saved by reference cost nothing; only activations are packed.
-    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
+    # Parameters (and views of them) saved by reference cost nothing; only activations are
+    # packed. A type check, not storage pointers: dynamo traces it.
     def pack(t: torch.Tensor) -> Any:
-        if t.dtype == _E4M3 or not _packable(t) or t.untyped_storage().data_ptr() in own:
+        if t.dtype == _E4M3 or not _packable(t) or isinstance(t._base if t._base is not None else t, nn.Parameter):
             return t
         return (*quantize_groups(t), t.dtype)
 
