@@ -44,10 +44,13 @@ lint: install
 # PPOTrainer), which test-ppo puts in front of it on PYTHONPATH (same other packages).
 PPO_SITE := $(BUILD)/ppo-site
 
-# The suite pins one intra-op thread (tests/conftest.py); the native kernels' tests run again at
-# two, where their blocks are split over threads (results must not change).
+# The suite pins one intra-op thread (tests/conftest.py) and runs on TEST_WORKERS processes
+# (pytest-xdist; one per core: the two cores of the machines here), tests handed out as workers
+# free up; the native kernels' tests run again at two threads, where their blocks are split
+# over threads (results must not change).
+TEST_WORKERS ?= 2
 test: install
-	@$(PYTHON) -m pytest -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
+	@$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing loudly" >&2; exit 1; fi; \
 	if [ -z "$(PYTEST_ARGS)" ]; then OMP_NUM_THREADS=2 $(PYTHON) -m pytest -q tests/optim/test_native.py || rc=1; fi; \
 	$(MAKE) --no-print-directory test-ppo; ppo=$$?; \

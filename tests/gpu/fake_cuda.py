@@ -8,6 +8,12 @@ What a CPU-only build refuses is worked around here, each for a stated reason:
 - `Tensor.copy_`, `Tensor.contiguous` and basic indexing (`t[:m, :n]`, `t[0]`, `t[:, None]`) go straight to
   their aten operations: their Python bindings set a CUDA device guard, which a CPU-only build
   cannot (the fake tensor never needed the device).
+- The bitwise operators `~`, `&`, `|` (`Tensor.__invert__`, `__and__`, `__or__` and their
+  in-place forms) go to their aten operations for the same reason: their bindings set the
+  guard.
+- The fake mode is told there is no device to initialise (`avoid_device_init`, which it derives
+  from the patched `torch.cuda.is_available`): otherwise it propagates small constants (a 0-dim
+  state made on the host) by running the real `.to("cuda")`, which a CPU-only build cannot.
 - `torch.tensor(values, device=cuda)` allocates its device tensor past the fake mode: it is
   made on the host and copied with `.to(device)`, the copy it is on a GPU (and counted as one).
 - `nn.Module._apply` (`.float()`, `.to(dtype)`) swaps fake parameters; where the swap is
@@ -61,6 +67,26 @@ def _contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.c
         return self
     return torch.ops.aten.clone.default(self, memory_format=memory_format)
 
+
+def _bitwise(op: Any, scalar_op: Any = None) -> Any:
+    """A `Tensor` dunder for a bitwise operator, straight to its aten operation."""
+
+    def method(self: torch.Tensor, *other: Any) -> torch.Tensor:
+        if not other:
+            return op(self)
+        (value,) = other
+        return op(self, value) if isinstance(value, torch.Tensor) or scalar_op is None else scalar_op(self, value)
+
+    return method
+
+
+_BITWISE = {
+    "__invert__": _bitwise(torch.ops.aten.bitwise_not.default),
+    "__and__": _bitwise(torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.bitwise_and.Scalar),
+    "__or__": _bitwise(torch.ops.aten.bitwise_or.Tensor, torch.ops.aten.bitwise_or.Scalar),
+    "__iand__": _bitwise(torch.ops.aten.bitwise_and_.Tensor, torch.ops.aten.bitwise_and_.Scalar),
+    "__ior__": _bitwise(torch.ops.aten.bitwise_or_.Tensor, torch.ops.aten.bitwise_or_.Scalar),
+}
 
 _getitem = torch.Tensor.__getitem__
 _tensor = torch.tensor
@@ -131,6 +157,11 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
         stack.enter_context(mock.patch("torch.Generator", _HostGenerator))
         stack.enter_context(mock.patch.object(torch.Tensor, "__getitem__", _basic_getitem))
         stack.enter_context(mock.patch("torch.utils.swap_tensors", _swap_or_set_data))
+        for name, method in _BITWISE.items():
+            stack.enter_context(mock.patch.object(torch.Tensor, name, method))
+        stack.enter_context(
+            mock.patch.object(FakeTensorMode, "avoid_device_init", new_callable=mock.PropertyMock, return_value=True)
+        )
         stack.callback(set_fp8_gemm_path, None)
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         # Setup reads values too (a seed drawn with `.item()`): answered, not counted.

@@ -23,25 +23,10 @@ FP8_STRATEGIES = [n for n in STRATEGIES if hf_lowprec.get_strategy(n).uses_fp8_g
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
-# Steps that stop on what a CPU-only torch cannot do with fake CUDA tensors (a device guard in
-# an operator's Python binding), not on the strategy: excused only for those errors, so a copy
-# found (an AssertionError) still fails. Listed so that the workaround in fake_cuda.py is added.
-CPU_ONLY_BUILD_LIMITS = {
-    "bf16-sr": "stochastic rounding's bit operations set a CUDA device guard (optim/rules.py apply_)",
-    "fp8-lm-o3": "an operator of the FP8 ZeRO step reaches the CUDA backend under the fake mode",
-    "fp16-als": "boolean & and ~ on the ALS flags (scaling/als.py update) reach the CUDA backend under the fake mode",
-    "fp8-lm-o1": "moving μ's 0-dim tensors onto the gradients' device (fp8/grad_scaling.py to) reaches the CUDA backend",
-    "fp8-lm-o2": "moving μ's 0-dim tensors onto the gradients' device (fp8/grad_scaling.py to) reaches the CUDA backend",
-}
-CASES = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(reason=CPU_ONLY_BUILD_LIMITS[name], raises=(RuntimeError, NotImplementedError)),
-    )
-    if name in CPU_ONLY_BUILD_LIMITS
-    else name
-    for name in STRATEGIES
-]
+# Every strategy runs here: what a CPU-only torch refuses on fake CUDA tensors (device guards in
+# operator bindings, constant propagation onto the device) is worked around in fake_cuda.py, each
+# for its stated reason, never by excusing a strategy.
+CASES = STRATEGIES
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -53,7 +38,7 @@ def test_a_steady_step_on_hopper_copies_nothing_from_the_host(name):
     assert not result["copies"], f"{name}: {len(result['copies'])} host->device copies in one steady step:\n{listed}"
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if (c.values[0] if hasattr(c, "values") else c) in FP8_STRATEGIES])
+@pytest.mark.parametrize("name", FP8_STRATEGIES)
 def test_fp8_layers_take_the_upcast_path_on_ampere(name):
     result = fake_cuda_step(name, AMPERE)
     assert result["fp8_layers"] > 0 and result["gemm_path"] == "upcast", result
