@@ -182,7 +182,7 @@ def run_children(names: list[str], args: argparse.Namespace, *, compiled: bool) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategies", default=DEFAULT)
+    parser.add_argument("--strategies", default=DEFAULT, help="rows of the eager table ('' for none)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
@@ -201,7 +201,9 @@ def main() -> int:
     if args.smoke:
         args.steps = args.compiled_steps = 2
         args.rounds, args.batch, args.compiled_batch, args.seq = 1, 2, 2, 32
-    names = args.strategies.split(",")
+    names = [n for n in args.strategies.split(",") if n]
+    if not names:  # `--strategies ''`: the compiled table only
+        return print_compiled(args) if args.compiled else 0
     load = os.getloadavg()
     runs = run_children(names, args, compiled=False)
     if runs is None:
