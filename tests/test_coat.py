@@ -342,26 +342,23 @@ def test_kernel_backward_is_the_layers_derivative(layer):
         assert got.dtype == want.dtype and (got - want).abs().max().item() <= bound, type(layer).__name__
 
 
-def test_compiled_coat_is_one_graph_and_keeps_eager_gradients():
-    """COAT's model under torch.compile (AOT autograd traces the FP8-saving layers' backward):
-    no graph break of its own and gradients within FP8 rounding of the eager ones (the compiled
-    graph fuses and reorders the BF16 arithmetic around the FP8 casts)."""
+def test_compiled_coat_keeps_eager_gradients():
+    """COAT's model under torch.compile (AOT autograd traces the FP8-saving layers' backward,
+    the aten kernels of `_kernel_backward`): gradients within FP8 rounding of the eager ones (the
+    compiled graph may fuse and reorder the BF16 arithmetic around the FP8 casts). Its graph
+    breaks are counted against bf16-mixed's in tests/gpu/test_graph_breaks.py."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     ids = batches(1, batch=4, seq=32)[0]
-    grads, breaks = {}, {}
-    for mode in ("eager", "compiled", "bf16 compiled"):
-        model = tiny_gpt2() if mode == "bf16 compiled" else compress_activations(convert_to_fp8(tiny_gpt2()))
+    grads = {}
+    for mode in ("eager", "compiled"):
+        model = compress_activations(convert_to_fp8(tiny_gpt2()))
         torch._dynamo.reset()
-        counters.clear()
         run = model if mode == "eager" else torch.compile(model, backend="aot_eager")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             run(input_ids=ids, labels=ids).loss.backward()
-        breaks[mode] = sum(counters["graph_break"].values())
         grads[mode] = torch.cat([p.grad.double().flatten() for p in model.parameters()])
     torch._dynamo.reset()
-    assert breaks["compiled"] <= breaks["bf16 compiled"], breaks
     # As in test_handled_layers_save_only_fp8_and_gradients_stay_close: FP8's roundings (u = 2^-3
     # at worst) added in quadrature keep the norm-wise difference below u(E5M2).
     error = ((grads["compiled"] - grads["eager"]).norm() / grads["eager"].norm()).item()

@@ -263,8 +263,19 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
 
 
 def _flag(row: ParamStep) -> dict[str, torch.Tensor]:
-    """The found-inf keyword of a row's call: absent without a flag (the graph as before)."""
-    return {} if row.found_inf is None else {"found_inf": row.found_inf}
+    """The found-inf keyword of a row's call. A step without a flag passes a zero flag (made
+    once per device): one compiled graph per composition serves both, a zero flag selects the
+    new values bit for bit, and the strategies, which always pass one, compile nothing more."""
+    if row.found_inf is not None:
+        return {"found_inf": row.found_inf}
+    device = row.tensors[0].device
+    zero = _ZERO_FLAGS.get(device)
+    if zero is None:
+        zero = _ZERO_FLAGS[device] = torch.zeros((), dtype=torch.float32, device=device)
+    return {"found_inf": zero}
+
+
+_ZERO_FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
 _graphs: dict[tuple[object, bool], Callable[..., object]] = {}

@@ -138,31 +138,25 @@ def test_non_finite_gradients_on_one_rank_skip_the_step_on_both():
 
 
 @pytest.mark.slow
-def test_fp16_als_compiled_is_one_graph_and_counts_what_eager_counts():
+def test_fp16_als_compiled_counts_what_eager_counts():
     """Under `torch.compile` the activation gradients are counted through `_ActivationTally`
     into the probe's gradient instead of tensor hooks: the same histogram, clipped counts and
-    scale decisions as eagerly, and no graph break beyond bf16-mixed's (transformers' logger)."""
+    scale decisions as eagerly. Its graph breaks are counted against bf16-mixed's in
+    tests/gpu/test_graph_breaks.py."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     data = batches(3)
     # A low bin edge puts activation and weight gradients in the upper bin: counts to compare.
     options = {"period": 1000, "bin_edge": 2.0**-12}
-    states, breaks = {}, {}
-    for mode in ("eager", "compiled", "bf16-mixed"):
-        strategy, model, optimizer = setup(
-            "bf16-mixed" if mode == "bf16-mixed" else "fp16-als", **({} if mode == "bf16-mixed" else options)
-        )
+    states = {}
+    for mode in ("eager", "compiled"):
+        strategy, model, optimizer = setup("fp16-als", **options)
         torch._dynamo.reset()
-        counters.clear()
         run = model if mode == "eager" else torch.compile(model, backend="aot_eager")
         for ids in data:
             step(strategy, run, optimizer, ids)
-        breaks[mode] = sum(counters["graph_break"].values())
-        if mode != "bf16-mixed":
-            states[mode] = strategy.scaler.state_dict()
+        states[mode] = strategy.scaler.state_dict()
     torch._dynamo.reset()
-    assert breaks["compiled"] <= breaks["bf16-mixed"], breaks
     eager, compiled = states["eager"], states["compiled"]
     assert eager["steps_in_period"] == compiled["steps_in_period"] == 3
     # Every weight and leaf-module output element, three times: exact, whatever the rounding.
