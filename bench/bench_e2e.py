@@ -126,7 +126,10 @@ def child(args: argparse.Namespace) -> None:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1024) if args.smoke else GPT2Config()
+    if args.smoke:
+        config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=1024)
+    else:
+        config = GPT2Config(n_layer=args.layers) if args.layers else GPT2Config()
     model = GPT2LMHeadModel(config)
     if args.compile:
         model = conv1d_to_linear(model)
@@ -161,7 +164,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def model_label(args: argparse.Namespace) -> str:
-    return "smoke model (2-layer GPT-2, n_embd 64): times mean nothing" if args.smoke else "GPT-2 124M"
+    if args.smoke:
+        return "smoke model (2-layer GPT-2, n_embd 64): times mean nothing"
+    return f"GPT-2 124M's shape with {args.layers} of its 12 layers" if args.layers else "GPT-2 124M"
 
 
 def run_children(names: list[str], args: argparse.Namespace, *, compiled: bool) -> dict[str, list[dict]] | None:
@@ -171,7 +176,8 @@ def run_children(names: list[str], args: argparse.Namespace, *, compiled: bool) 
     for _ in range(args.rounds):
         for name in names:
             cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps), "--threads", str(args.threads)]
-            cmd += ["--batch", str(batch), "--seq", str(args.seq)] + ["--compile"] * compiled + ["--smoke"] * args.smoke
+            cmd += ["--batch", str(batch), "--seq", str(args.seq), "--layers", str(args.layers)]
+            cmd += ["--compile"] * compiled + ["--smoke"] * args.smoke
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -191,6 +197,12 @@ def main() -> int:
     parser.add_argument("--compiled", default=COMPILED, help="rows of the compiled table ('' for none)")
     parser.add_argument("--compiled-batch", type=int, default=4)
     parser.add_argument("--compiled-steps", type=int, default=5)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="blocks of the GPT-2 124M model (0: all 12); compiling all 12 took over 15 min per process on 2 cores",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, two steps, one round: runs, measures nothing")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
