@@ -50,7 +50,7 @@ PPO_SITE := $(BUILD)/ppo-site
 # over threads (results must not change).
 TEST_WORKERS ?= 2
 test: install
-	@$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
+	@$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=25 -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing loudly" >&2; exit 1; fi; \
 	if [ -z "$(PYTEST_ARGS)" ]; then OMP_NUM_THREADS=2 $(PYTHON) -m pytest -q tests/optim/test_native.py || rc=1; fi; \
 	$(MAKE) --no-print-directory test-ppo; ppo=$$?; \

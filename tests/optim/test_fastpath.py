@@ -337,7 +337,7 @@ def test_compiled_raises_and_auto_falls_back_with_one_log_line_when_the_compiler
 
 def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplog, fresh_dispatch):
     def broken(key, discard, parallel):
-        def fail(*args):
+        def fail(*args, **kwargs):
             raise RuntimeError("the backend broke")
 
         return fail
