@@ -279,11 +279,11 @@ class AutomaticLossScaler:
         elements beyond ±65504 to row `row` of the clipped counts: in-place adds, traceable."""
         if self._step.device != grad.device:
             self._to(grad.device)
-        magnitude = grad.detach().abs()
-        self._step[upper_index].add_((magnitude >= self.bin_edge).sum())
+        upper, clipped = _counts(grad, self.bin_edge)
+        self._step[upper_index].add_(upper)
         self._step[upper_index + 1].add_(grad.numel())
-        if grad.dtype == torch.float16:
-            self._clipped[row].add_((magnitude > FP16_MAX).sum())
+        if clipped is not None:
+            self._clipped[row].add_(clipped)
 
     def _agree(self) -> None:
         """Sum this step's tallies over the ranks, once per step (one all-reduce per group).
@@ -391,7 +391,8 @@ class AutomaticLossScaler:
             return out
 
         if isinstance(output, (tuple, list)):
-            return type(output)(tally(out) for out in output)
+            outputs = [tally(out) for out in output]
+            return output._make(outputs) if hasattr(output, "_make") else type(output)(outputs)
         return tally(output) if torch.is_tensor(output) else None
 
     # Run eagerly in backward, not traced into a compiled graph: the tallies are written in place
@@ -411,6 +412,15 @@ class AutomaticLossScaler:
         )
 
 
+def _counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16
+    else None), int64 tensors on the gradient's device: the tallies of the eager hooks and of
+    `_ActivationTally` alike."""
+    magnitude = grad.detach().abs()
+    clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else None
+    return (magnitude >= bin_edge).sum(), clipped
+
+
 class _ActivationTally(torch.autograd.Function):
     """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond
     ±65504) as the gradient of row `row` of the FP64 `probe`, and the gradient clamped to
@@ -425,10 +435,9 @@ class _ActivationTally(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        magnitude = grad.detach().abs()
+        upper, clipped = _counts(grad, ctx.bin_edge)
         total = torch.full((), grad.numel(), dtype=torch.float64, device=grad.device)
-        clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else torch.zeros_like(total)
-        counts = torch.stack([(magnitude >= ctx.bin_edge).sum().double(), total, clipped.double()])
+        counts = torch.stack([upper.double(), total, total.new_zeros(()) if clipped is None else clipped.double()])
         rows = torch.nn.functional.pad(counts[None], (0, 0, ctx.row, ctx.rows - ctx.row - 1))
         if grad.dtype == torch.float16:
             grad = grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN, ±inf becomes ±65504

@@ -132,6 +132,7 @@ def main() -> None:
         resumed.train(resume_from_checkpoint=True)
         result["resumed"] = summary(resumed)
         result["warnings"] = warnings.messages
+        result["complete"] = True  # written only after everything above (see exit_is_tolerated)
     (out / f"{args.phase}-rank{rank}.json").write_text(json.dumps(result, indent=1))
 
 
