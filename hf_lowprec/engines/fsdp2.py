@@ -394,8 +394,8 @@ def _sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> tuple[dict[st
 
 
 def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tensor]) -> list[tuple]:
-    """Replace, in `states`, each state tensor of a DTensor parameter that is not shaped like
-    its shard (groups or blocks padded per shard) by a DTensor of shape (world, longest): row r
+    """Replace, in `states`, each state tensor of a DTensor parameter not shaped like its shard
+    (groups or blocks padded per shard, a shard's own scale) by a DTensor (world, longest): row r
     is rank r's flattened tensor, zero-padded to the longest over the ranks (one all-reduce of
     the lengths). The checkpoint then holds every rank's tensor once, where a plain tensor would
     be written once for all ranks. Such state resumes at the same world size only (its layout
@@ -409,7 +409,7 @@ def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tenso
         if isinstance(params[int(index)], DTensor)
         and torch.is_tensor(value)
         and not isinstance(value, DTensor)
-        and value.dim() > 0
+        and key != "step"  # the step count: the same on every rank
     ]
     if not found:
         return []

@@ -36,9 +36,16 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from .cast import scale_to_fp8
-from .scaled import pow2_scale, tensor_amax
+from .scaled import get_master_scale, pow2_scale, set_master_scale, tensor_amax
 
-__all__ = ["FP8GatheredWeight", "FP8WeightShard", "WeightScales", "quantize_sharded_gradients", "wrap_fp8_weights"]
+__all__ = [
+    "FP8GatheredWeight",
+    "FP8WeightShard",
+    "WeightScales",
+    "link_master_scales",
+    "quantize_sharded_gradients",
+    "wrap_fp8_weights",
+]
 
 E4M3 = torch.float8_e4m3fn
 _aten = torch.ops.aten
@@ -120,7 +127,7 @@ class FP8WeightShard(torch.Tensor):
             data.shape,
             strides=data.stride(),
             storage_offset=data.storage_offset(),
-            dtype=data.dtype,
+            dtype=box.get("dtype") or data.dtype,
             device=data.device,
             requires_grad=data.requires_grad,
         )
@@ -157,9 +164,21 @@ class FP8WeightShard(torch.Tensor):
             return args[0] if func._schema.is_mutable and isinstance(args[0], FP8WeightShard) else out
         return tree_map(lambda t: FP8WeightShard(t, box) if isinstance(t, torch.Tensor) else t, out)
 
+    def data_ptr(self) -> int:
+        # A wrapper has no storage of its own (its data_ptr is 0 for every weight): give the
+        # values' address, by which Accelerate's FSDP2 path matches the optimizer's parameters
+        # to the sharded ones (the Trainer's --fsdp builds the optimizer before sharding).
+        return self._data.data_ptr()
+
     @property
     def local_values(self) -> torch.Tensor:
-        """The plain tensor holding this shard's values (what the optimizer updates in place)."""
+        """The plain tensor holding this shard's values (what the optimizer updates in place).
+
+        A scaled FP16 master (O2) carries its layer's master scale (`get_master_scale`), also
+        after FSDP2 re-made the shard's tensors at its lazy initialisation."""
+        master = self.box["module"].master_scale
+        if master is not None and get_master_scale(self._data) is not master:
+            set_master_scale(self._data, master)
         return self._data
 
     @property
@@ -252,9 +271,37 @@ def wrap_fp8_weights(model: torch.nn.Module, layer_type: type) -> WeightScales:
             continue
         weight = module.weight
         seen.add(id(weight))
-        shard = FP8WeightShard(weight.data, {"module": module, "scale": None, "scales": scales})
+        # A scaled FP16 master (O2) stands for FP32 real values (payload / master scale): FSDP2
+        # sees FP32, the dtype of the block's other parameters (it wants one per group), and
+        # reduces the gradient into FP32; the shard's storage stays the FP16 payload.
+        real_dtype = torch.float32 if module.master_scale is not None else None
+        box = {"module": module, "scale": None, "scales": scales, "dtype": real_dtype}
+        shard = FP8WeightShard(weight.data, box)
         module.weight = torch.nn.Parameter(shard, requires_grad=weight.requires_grad)
+        if module.master_scale is not None:  # an optimizer built from here on sees a scaled master
+            set_master_scale(module.weight, module.master_scale)
     return scales
+
+
+def link_master_scales(model: torch.nn.Module, layer_type: type) -> None:
+    """After `fully_shard`: a scaled FP16 master (O2) becomes this rank's shard with its own
+    scale, s = the FP16 power of two of the shard's amax (what FP8AdamW chooses at each step;
+    the payload is multiplied by a power of two, exact), and the sharded parameter carries it
+    where the optimizer reads it (`get_master_scale`; the local values carry it through
+    `FP8WeightShard.local_values`). A load (`_import_real_weight`) scales the same way, so a
+    model sharded here and one sharded then loaded hold the same bits."""
+    from ..distributed import DTensor, local_shard
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, layer_type) and module.master_scale is not None and isinstance(weight, DTensor):
+            payload, master = local_shard(weight), module.master_scale
+            with torch.no_grad():
+                real = payload.float() / master
+                scale = pow2_scale(tensor_amax(real), payload.dtype, module.master_margin)
+                payload.copy_((real * scale).to(payload.dtype))  # |real·s| ≤ max(FP16): no saturation
+                master.copy_(scale)
+            set_master_scale(weight, master)
 
 
 def collect_shards(model: torch.nn.Module, scales: WeightScales) -> None:

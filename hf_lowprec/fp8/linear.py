@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..distributed import local_shard, sharded_like
 from .cast import scale_to_fp8, widen
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
@@ -595,19 +596,23 @@ class FP8Linear(nn.Module):
 
 def _export_real_weight(module: FP8Linear, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     # Real values of a scaled FP16 master can lie below FP16's normal range: export them in FP32.
+    # FSDP2: this rank's shard with its own master scale, returned sharded like the weight.
     if module.master_scale is not None and prefix + "weight" in state_dict:
-        state_dict[prefix + "weight"] = dequantize(module.weight.detach(), module.master_scale, torch.float32)
+        weight = module.weight.detach()
+        real = dequantize(local_shard(weight), module.master_scale, torch.float32)
+        state_dict[prefix + "weight"] = sharded_like(real, weight)
 
 
 def _import_real_weight(module: FP8Linear, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     key = prefix + "weight"
     if module.master_scale is None or key not in state_dict:
         return
-    real = state_dict[key]
+    loaded = state_dict[key]
+    real = local_shard(loaded)  # FSDP2: this rank's shard, scaled by its own amax
     # An FP8-stored weight takes the values as its forward would quantize them, a master as FP16.
     dtype, margin = (E4M3, module.margin) if module.weight.dtype == E4M3 else (torch.float16, module.master_margin)
     scale = pow2_scale(tensor_amax(real), dtype, margin).to(module.master_scale.device)
-    state_dict[key] = quantize(real, scale, dtype)
+    state_dict[key] = sharded_like(quantize(real, scale, dtype), loaded)
     module.master_scale.copy_(scale)
 
 

@@ -265,14 +265,6 @@ class PrecisionTrainerMixin:
         if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
             from ..engines.fsdp2 import configure_accelerator
 
-            if self.precision is not None and self.precision.uses_fp8_gemm:
-                # FP8 all-gather under the Trainer's own FSDP2 path has not been verified (its
-                # optimizer does not adopt the FP8 weight shards yet); shard_model and Accelerate do.
-                raise ValueError(
-                    f"precision strategy {self.precision.name!r} trains under FSDP2 through "
-                    "hf_lowprec.engines.fsdp2.shard_model or Accelerate (PrecisionPlugin.shard), not yet through "
-                    "the Trainer's --fsdp; use one of those, or DDP (no --fsdp) with the Trainer"
-                )
             # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
             # strategies FSDP2 does not support.
             configure_accelerator(self.precision, self.accelerator, self.model)

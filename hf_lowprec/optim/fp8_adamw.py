@@ -37,6 +37,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..distributed import local_shard as _local
+from ..distributed import sharded_like as _sharded_like
 from ..formats import Scaled
 from ..fp8.scaled import FORMATS, format_dtype, get_master_scale
 from .adamw import AdamW, Composition, adamw_scalars
@@ -172,15 +174,16 @@ class FP8AdamW(AdamW):
         The payload is copied into a buffer kept in the optimizer state (role "gradient"), so
         the caller can free `p.grad`. It is used by the next `step()` and then discarded.
         """
-        if payload.shape != param.shape:
-            raise ValueError(f"FP8 gradient shape {tuple(payload.shape)} != parameter shape {tuple(param.shape)}")
+        shard = _local(param)  # FSDP2: the gradient of this rank's shard
+        if payload.shape != shard.shape:
+            raise ValueError(f"FP8 gradient shape {tuple(payload.shape)} != parameter shape {tuple(shard.shape)}")
         state = self.state[param]
         buffer = state.get("grad")
         if buffer is None or buffer.dtype != payload.dtype:
-            state["grad"] = payload.detach().clone()
+            state["grad"] = _sharded_like(payload.detach().clone(), param)
             state["grad_scale"] = scale.detach().float().clone()
         else:
-            buffer.copy_(payload)
+            _local(buffer).copy_(payload)
             state["grad_scale"].copy_(scale)
         self._pending_grads.add(id(param))
 
@@ -193,12 +196,12 @@ class FP8AdamW(AdamW):
         if id(param) not in self._pending_grads:
             return None
         state = self.state[param]
-        return state["grad"], state["grad_scale"]
+        return _local(state["grad"]), state["grad_scale"]
 
     def _gradient(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if id(param) in self._pending_grads:
             state = self.state[param]
-            return state["grad"], state["grad_scale"]
+            return _local(state["grad"]), state["grad_scale"]
         return super()._gradient(param)
 
     def _after_step(self) -> None:
@@ -213,7 +216,7 @@ class FP8AdamW(AdamW):
         inf/NaN handed over in backward stays in the state or reaches a checkpoint."""
         for state in self.state.values():
             if "grad" in state:
-                state["grad"].zero_()
+                _local(state["grad"]).zero_()
                 state["grad_scale"].fill_(1.0)
         self._pending_grads.clear()
 

@@ -100,15 +100,11 @@ class FP8LM(PrecisionStrategy):
         "tensor) into flat partitions; use fp8-lm-o3 with ZeRO stage 1 or 2 (FP8-LM's own ZeRO), or DDP"
     )
     ddp_note = "FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)"
-    fsdp2_note = (
+    fsdp2 = True
+    _fsdp2_common = (
         "FP8 all-gather of the FP8 GEMM weights (E4M3 payload + the whole weight's scale, agreed in one "
         "all-reduce of amaxes per step), BF16 all-gather elsewhere; FP32 reduce-scatter, then FP8 gradients "
         "with the global amax"
-    )
-    _fsdp2_o2_refusal = (
-        "O2's FP8AdamW takes per-tensor scales (E4M3 m, the scaled FP16 masters) from each tensor's amax, "
-        "which under FSDP2 would be each shard's instead of the whole tensor's; train fp8-lm-o1 under FSDP2 "
-        "(FP8 all-gather), fp8-lm-o2 with DDP (FP8 all-reduce), or fp8-lm-o3 with DeepSpeed ZeRO 1/2"
     )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
@@ -120,14 +116,14 @@ class FP8LM(PrecisionStrategy):
         self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
         self.backward_grads = BackwardFP8Gradients(self.scaler, self.grad_dtype, self.options.margin)
 
-    # The level decides FSDP2 support, the dtypes: per instance (one class serves both names).
     @property
-    def fsdp2(self) -> bool:  # type: ignore[override]
-        return not self.o2
-
-    @property
-    def fsdp2_refusal(self) -> str:  # type: ignore[override]
-        return self._fsdp2_o2_refusal if self.o2 else ""
+    def fsdp2_note(self) -> str:  # type: ignore[override]
+        if not self.o2:
+            return self._fsdp2_common
+        return (
+            f"{self._fsdp2_common}; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like "
+            "the weights, each shard with its own power-of-two scales"
+        )
 
     def fsdp2_mixed_precision(self) -> Any:
         """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,
@@ -143,9 +139,15 @@ class FP8LM(PrecisionStrategy):
         self.weight_scales = wrap_fp8_weights(model, FP8Linear)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
-        """The FP8 weights' scales are agreed over the mesh's ranks; a load makes them stale."""
-        from ..fp8.fsdp_weight import collect_shards
+        """The FP8 weights' scales are agreed over the mesh's ranks; a load makes them stale.
 
+        O2: each sharded FP8 weight keeps its layer's master scale (the optimizer reads it from
+        the parameter, `get_master_scale`), now the scale of this rank's shard: FP8AdamW chooses
+        it afresh from the shard's amax at every step, as it chooses the moments' scales.
+        """
+        from ..fp8.fsdp_weight import collect_shards, link_master_scales
+
+        link_master_scales(model, FP8Linear)
         scales = getattr(self, "weight_scales", None)
         if scales is None:
             return

@@ -50,6 +50,12 @@ class FP8LMO3(FP8LM):
         "processes under DeepSpeed ZeRO stage 1 or 2. Under DDP use fp8-lm-o2 (the same numerics, FP8 "
         "all-reduce as a DDP hook, no distribution of masters and states)"
     )
+    fsdp2 = False
+    fsdp2_refusal = (
+        "FP8 ZeRO keeps whole FP8 weights per owning rank, which FSDP2's per-row shards replace; under FSDP2 "
+        "train fp8-lm-o2, whose shards hold O3's masters, FP8 moments and FP8 gradients divided by the world "
+        "size and all-gather the FP8 weights as E4M3 (fewer bytes per rank than FP8 ZeRO, docs/distributed.md)"
+    )
     zero_note = "FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions"
     # The ranks the FP8 weights are distributed over (None: the world); set it before building
     # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).

@@ -1,11 +1,11 @@
 """One rank of the FP8-LM FSDP2 tests (`test_fsdp2_fp8.py`): FP8 all-gather, counted at the collective.
 
-Started by `tests/deepspeed/_launch.py` (gloo, CPU). For fp8-lm-o1 it records, in one process on
+Started by `tests/deepspeed/_launch.py` (gloo, CPU). For fp8-lm-o1 and fp8-lm-o2 it records, in one process on
 the whole batches and sharded with `shard_model` on this rank's half: the losses, the FP32
 first-order terms of the reference (`fp32_gradient_norms`), a digest of every FP8 weight each
 FP8 layer multiplied by (payload and scale), the bytes every all-gather moved and the all-reduces
-of each step. A 128-wide GPT-2 gives the bytes all-gathered per step under bf16-mixed and
-fp8-lm-o1. Results go to `<out>/rank<r>.json`.
+of each step; for O2 also whether each shard's master scale is its own. A 128-wide GPT-2
+gives the bytes all-gathered per step under bf16-mixed and both levels. Results go to `<out>/rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tests.distributed._fsdp2_worker import LR, MICRO, clip, local  # noqa: E402
 from tests.helpers import VOCAB, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 STEPS = 3
+LEVELS = ("fp8-lm-o1", "fp8-lm-o2")
 
 
 class Collectives:
@@ -85,18 +86,41 @@ def digest_fp8(payload: torch.Tensor, scale: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def real_shard(module) -> torch.Tensor:
+    """This rank's shard of an FP8 layer's weight in real units (O2: the FP16 payload divided by
+    the shard's own master scale, exact for a power of two), FP32."""
+    shard = module.weight.to_local().local_values.contiguous().float()
+    return shard if module.master_scale is None else shard / module.master_scale
+
+
 def fp8_of_whole_weights(model) -> list[str]:
-    """Sharded model, between steps: each FP8 layer's whole weight, gathered here in its own
-    dtype, quantized as one process's FP8Linear would (its own amax): the digests."""
+    """Sharded model, between steps: each FP8 layer's whole weight, gathered here in real units,
+    quantized as one process's FP8Linear would (its own amax): the digests."""
     out = []
     for module in model.modules():
         if isinstance(module, FP8Linear):
-            shard = module.weight.to_local().local_values.contiguous()
+            shard = real_shard(module)
             parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, shard)
             whole = torch.cat(parts)
-            out.append(digest_fp8(*quantize_weight(whole, module.margin, module.master_scale)))
+            out.append(digest_fp8(*quantize_weight(whole, module.margin)))
     return out
+
+
+def master_scales_per_shard(model) -> dict:
+    """O2, sharded: each FP8 layer's master scale against the FP16 scale of its shard's own amax
+    (what FP8AdamW chooses at each step), and the optimizer reading that same tensor."""
+    from hf_lowprec.fp8.scaled import get_master_scale, pow2_scale, tensor_amax
+
+    own, linked, scales = [], [], []
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            payload = module.weight.to_local().local_values
+            real = payload.float() / module.master_scale
+            own.append(bool(module.master_scale == pow2_scale(tensor_amax(real), torch.float16, module.master_margin)))
+            linked.append(get_master_scale(module.weight) is module.master_scale)
+            scales.append(module.master_scale.item())
+    return {"own_amax": own, "linked": linked, "scales": scales}
 
 
 def train(strategy, model, optimizer, data, sharded: bool, counter: Collectives | None = None) -> dict:
@@ -162,16 +186,20 @@ def main() -> None:
     data = batches(STEPS, MICRO * dist.get_world_size())
     counter = Collectives()
     try:
-        strategy = get_strategy("fp8-lm-o1")
-        model = strategy.prepare_model(tiny_gpt2())
-        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-        result["cases"]["one"] = train(strategy, model, optimizer, data, sharded=False)
-        strategy = get_strategy("fp8-lm-o1")
-        model = shard_model(strategy, tiny_gpt2())
-        optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-        result["cases"]["sharded"] = train(strategy, model, optimizer, data, sharded=True, counter=counter)
-        result["cases"]["sharded"]["scale_refreshes"] = strategy.weight_scales.refreshes
-        for name in ("bf16-mixed", "fp8-lm-o1"):
+        for name in LEVELS:
+            strategy = get_strategy(name)
+            model = strategy.prepare_model(tiny_gpt2())
+            optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+            result["cases"][f"{name}/one"] = train(strategy, model, optimizer, data, sharded=False)
+            strategy = get_strategy(name)
+            model = shard_model(strategy, tiny_gpt2())
+            optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+            case = train(strategy, model, optimizer, data, sharded=True, counter=counter)
+            case["scale_refreshes"] = strategy.weight_scales.refreshes
+            if strategy.o2:
+                case["master_scales"] = master_scales_per_shard(model)
+            result["cases"][f"{name}/sharded"] = case
+        for name in ("bf16-mixed", *LEVELS):
             result["cases"][f"{name}/bytes"] = gather_bytes(name, data, counter)
     except Exception:
         result["error"] = traceback.format_exc()

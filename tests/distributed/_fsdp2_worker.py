@@ -30,7 +30,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.distributed import local_shard  # noqa: E402
 from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # noqa: E402
+from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
@@ -73,7 +75,9 @@ def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float],
 
 
 def plain(t):
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The tensor holding this rank's values (an FP8-LM weight shard: its storage, e.g. O2's FP16
+    payload, which FSDP2 sees as FP32 real values)."""
+    return local_shard(t)
 
 
 def state_tensors(optimizer):
@@ -171,6 +175,8 @@ def export_check(strategy, model, optimizer) -> dict:
     checks = []
     for name, param in model.named_parameters():
         theta = param.full_tensor()
+        master_scale = get_master_scale(plain(param))  # O2: an FP16 payload, a scale per shard
+        held = inner.held_value(param).full_tensor() if master_scale is not None else None
         state = inner.state.get(param, {})
         group = next(g for g in inner.param_groups if any(p is param for p in g["params"]))
         rule = inner.composition(param, group).rule
@@ -185,11 +191,13 @@ def export_check(strategy, model, optimizer) -> dict:
             if extra is None
             else (extra.double() if key == rule.master_key else theta.double() + extra.double())
         )
+        if held is not None:  # the real values: each shard's payload over its own scale
+            expected = held
         ulp = 2 * torch.finfo(torch.float32).eps * expected.abs().float().clamp_min(2**-126)
         checks.append(
             bool(
                 value.dtype == torch.float32
-                and torch.equal(value.to(theta.dtype), theta)
+                and (held is not None or torch.equal(value.to(theta.dtype), theta))
                 and ((value.double() - expected).abs() <= ulp.double()).all()
             )
         )
@@ -237,7 +245,7 @@ def reference(name: str, data) -> dict:
         "initial_state_l1": initial,
         "export_digest_before": export0,
         "state_dtypes": state_dtypes(optimizer),
-        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "param_dtypes": sorted({str(plain(p).dtype) for p in model.parameters()}),
         "bytes": model_state_bytes(model, optimizer, max(grads)),
     }
 
@@ -272,7 +280,7 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
         "export_digest_before": dict_digest(export_before) if export_before else None,
         "export_keys_before": len(export_before),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
-        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "param_dtypes": sorted({str(plain(p).dtype) for p in model.parameters()}),
         "state_dtypes": state_dtypes(optimizer),
         "state_layout": shards_like_params(optimizer.optimizer),
         "bytes": model_state_bytes(model, optimizer, max(grads)),
@@ -453,6 +461,8 @@ def run_trainer(name: str, data, out: Path) -> dict:
         "digest": digest(trainer.model),
         "param_types": sorted({type(p).__name__ for p in trainer.model.parameters()}),
         "state_layout": shards_like_params(inner),
+        "state_dtypes": state_dtypes(inner),
+        "loop_state_dtypes": state_dtypes(optimizer.optimizer),
         "policy": str(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy),
         "strategy_policy": str(get_strategy(name).fsdp2_mixed_precision()),
     }
@@ -500,12 +510,15 @@ def gpt2_small_bytes(name: str) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     def measure(model, optimizer) -> dict:
-        optimizer.optimizer.init_states()
+        inner = optimizer.optimizer
+        inner.init_states()
         params = [plain(p) for p in model.parameters()]
-        states = [plain(v) for _, v in state_tensors(optimizer.optimizer)]
+        states = [plain(v) for _, v in state_tensors(inner)]
+        planned = getattr(inner, "planned_grad_dtype", lambda p: plain(p).dtype)  # O2: FP8 gradients
         return {
             "params": nbytes(params),
-            "grads": nbytes(params),
+            "grads": sum(plain(p).numel() * planned(p).itemsize for p in model.parameters()),
+            "bytes_per_param": strategy.bytes_per_param,
             "states": nbytes(s for s in states if s.dim() > 0),
             "unshardable": nbytes(s for s in states if s.dim() == 0),
             "num_params": sum(p.numel() for p in model.parameters()),
