@@ -213,12 +213,14 @@ def strategy_step(strategy: Any, model: torch.nn.Module, optimizer: Any, ids: to
     optimizer.zero_grad(set_to_none=True)
 
 
-def strategy_syncs(name: str, n_layer: int, warmup: int = 2) -> tuple[list[Event], list[Event]]:
-    """(host syncs of the first step, of one steady step after `warmup` steps) of `name` on CPU."""
+def strategy_syncs(name: str, n_layer: int, warmup: int = 2, sharded: bool = False) -> tuple[list[Event], list[Event]]:
+    """(host syncs of the first step, of one steady step after `warmup` steps) of `name` on CPU;
+    `sharded`: the model sharded with FSDP2 (`shard_model`; a process group must exist)."""
     import hf_lowprec
+    from hf_lowprec.engines.fsdp2 import shard_model
 
     strategy = hf_lowprec.get_strategy(name)
-    model = strategy.prepare_model(gpt2(n_layer))
+    model = shard_model(strategy, gpt2(n_layer)) if sharded else strategy.prepare_model(gpt2(n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     ids = token_batch()
     with DeviceTraffic() as first:

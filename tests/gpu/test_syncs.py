@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hf_lowprec
+from hf_lowprec.engines.fsdp2 import fsdp2_support
 from tests.gpu.rules import DeviceTraffic, anchor_syncs, strategy_syncs
 
 STRATEGIES = hf_lowprec.available_strategies()
@@ -29,6 +30,27 @@ def test_a_steady_step_never_waits_on_the_device(name, n_layer):
     _, syncs = strategy_syncs(name, n_layer)
     listed = "\n".join(f"  {s}" for s in syncs)
     assert not syncs, f"{name}, {n_layer} layers: {len(syncs)} host syncs in one steady step (goal 0):\n{listed}"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone: FSDP2 shards (one per parameter), its
+    collectives and the strategies' agreements over ranks run as on many ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if fsdp2_support(n) is None])
+def test_fsdp2_adds_no_host_sync(name, one_rank_group):
+    """Under FSDP2 (`shard_model`) a steady step still never waits on the device: the skip flag
+    and loss-scaler decisions are all-reduced as device tensors, FP8-LM's weight and gradient
+    scales agreed in one all-reduce of a device vector, nothing read back on the host."""
+    _, syncs = strategy_syncs(name, 2, sharded=True)
+    listed = "\n".join(f"  {s}" for s in syncs)
+    assert not syncs, f"{name} under FSDP2: {len(syncs)} host syncs in one steady step (goal 0):\n{listed}"
 
 
 def test_the_anchor_torch_amp_with_fused_adamw_has_no_sync():
