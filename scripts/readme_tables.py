@@ -25,6 +25,7 @@ _BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- 
 def blocks() -> dict[str, str]:
     """Generated block name → its markdown, from the code."""
     from hf_lowprec.cli import memory_plan, strategy_rows
+    from hf_lowprec.engines.traffic import collectives_markdown
     from hf_lowprec.engines.zero import support_matrix_markdown
     from hf_lowprec.integrations.stock import differences_markdown
 
@@ -39,6 +40,7 @@ def blocks() -> dict[str, str]:
         "ddp-matrix": ddp_matrix(),
         "zero-matrix": support_matrix_markdown(),
         "fsdp2-matrix": fsdp2_matrix(),
+        "collectives": collectives_markdown(),
         "trainer-differences": differences_markdown(),
     }
     for page, prefixes in STRATEGY_PAGES.items():

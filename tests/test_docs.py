@@ -179,6 +179,7 @@ def test_generated_tables_match_the_code():
         "ddp-matrix": "docs/distributed.md",
         "zero-matrix": "docs/distributed.md",
         "fsdp2-matrix": "docs/distributed.md",
+        "collectives": "docs/distributed.md",
         "trainer-differences": "README.md",
         **{f"engines-{page}": f"docs/strategies/{page}.md" for page in tables.STRATEGY_PAGES},
     }

@@ -43,6 +43,7 @@ LAYERS = {
     "hf_lowprec.engines.ddp": 5,
     "hf_lowprec.engines.fsdp2": 5,
     "hf_lowprec.engines.zero": 5,
+    "hf_lowprec.engines.traffic": 5,
     "hf_lowprec.trl": 5,  # the short import path of integrations.trl
     "hf_lowprec.compare": 6,
     "hf_lowprec.demo": 6,

@@ -133,6 +133,8 @@ class PrecisionStrategy:
             `hf_lowprec.engines.fsdp2` refuses the others before any work.
         fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
         fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
+        fsdp2_gathers_fp8: FSDP2 all-gathers the FP8 GEMM weights as FP8 (one byte per element;
+            `hf_lowprec.engines.traffic` reads it for the table of what each collective moves).
         ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
             `hf_lowprec.engines.ddp.check_ddp_support` refuses the others before training.
         ddp_refusal: why it is refused under DDP, naming what works instead.
@@ -155,6 +157,7 @@ class PrecisionStrategy:
     fsdp2: ClassVar[bool] = False
     fsdp2_refusal: ClassVar[str] = "it has not been verified under FSDP2; train it with DDP"
     fsdp2_note: ClassVar[str] = ""
+    fsdp2_gathers_fp8: ClassVar[bool] = False
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused.
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(

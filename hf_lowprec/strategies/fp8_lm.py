@@ -101,6 +101,7 @@ class FP8LM(PrecisionStrategy):
     )
     ddp_note = "FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)"
     fsdp2 = True
+    fsdp2_gathers_fp8 = True
     _fsdp2_common = (
         "FP8 all-gather of the FP8 GEMM weights (E4M3 payload + the whole weight's scale, agreed in one "
         "all-reduce of amaxes per step), BF16 all-gather elsewhere; FP32 reduce-scatter, then FP8 gradients "

@@ -30,38 +30,11 @@ from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.fsdp2 import shard_model  # noqa: E402
 from hf_lowprec.fp8 import FP8Linear  # noqa: E402
 from hf_lowprec.fp8.linear import quantize_weight  # noqa: E402
-from tests.distributed._fsdp2_worker import LR, MICRO, clip, local  # noqa: E402
+from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip, local  # noqa: E402
 from tests.helpers import VOCAB, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 STEPS = 3
 LEVELS = ("fp8-lm-o1", "fp8-lm-o2")
-
-
-class Collectives:
-    """Bytes each rank receives from every all-gather, and the all-reduces run, counted at
-    torch.distributed's functions (FSDP2's default all-gather calls `all_gather_single`)."""
-
-    def __init__(self) -> None:
-        self.gathered: list[int] = []
-        self.all_reduces = 0
-        for name in ("all_gather_single", "all_gather_into_tensor"):
-            self._wrap(name, self._count_gather)
-        self._wrap("all_reduce", self._count_reduce)
-
-    def _wrap(self, name: str, count) -> None:
-        original = getattr(dist, name)
-
-        def wrapped(*args, **kwargs):
-            count(*args, **kwargs)
-            return original(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
-
-    def _count_gather(self, output, *_args, **_kwargs) -> None:
-        self.gathered.append(output.numel() * output.element_size())
-
-    def _count_reduce(self, *_args, **_kwargs) -> None:
-        self.all_reduces += 1
 
 
 def fp8_weights_seen(model) -> list[str]:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.distributed import local_shard  # noqa: E402
 from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # noqa: E402
+from hf_lowprec.engines.traffic import fsdp2_step_bytes  # noqa: E402
 from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
@@ -72,6 +73,49 @@ def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float],
             value /= dist.get_world_size()
         losses.append(value.item())
     return losses, norms
+
+
+class Collectives:
+    """Bytes each rank receives from every all-gather and sends into every reduce-scatter, and
+    the all-reduces run, counted at torch.distributed's functions (FSDP2 calls
+    `all_gather_single` and `reduce_scatter_single`). Installed once per process."""
+
+    def __init__(self) -> None:
+        self.gathered: list[int] = []
+        self.reduce_scattered: list[int] = []
+        self.all_reduces = 0
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            self._wrap(name, lambda output, *_a, **_k: self.gathered.append(output.numel() * output.element_size()))
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            self._wrap(name, self._count_reduce_scatter)
+        self._wrap("all_reduce", self._count_reduce)
+
+    def _wrap(self, name: str, count) -> None:
+        original = getattr(dist, name, None)
+        if original is None:
+            return
+
+        def wrapped(*args, **kwargs):
+            count(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+    def _count_reduce_scatter(self, *args, **kwargs) -> None:
+        source = kwargs.get("input", args[1] if len(args) > 1 else None)
+        self.reduce_scattered.append(source.numel() * source.element_size())
+
+    def _count_reduce(self, *_args, **_kwargs) -> None:
+        self.all_reduces += 1
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.gathered), len(self.reduce_scattered)
+
+    def since(self, mark: tuple[int, int]) -> dict[str, int]:
+        return {"all_gather": sum(self.gathered[mark[0] :]), "reduce_scatter": sum(self.reduce_scattered[mark[1] :])}
+
+
+COLLECTIVES: Collectives | None = None  # set in main
 
 
 def plain(t):
@@ -270,7 +314,9 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
     grads: list = []
     grad_bytes_hook(optimizer.optimizer, grads)
     optimizer.optimizer.paths_taken.clear()
+    mark = COLLECTIVES.mark()
     losses, norms = train(strategy, model, optimizer, data[:2], sharded=True)
+    moved = COLLECTIVES.since(mark)  # 2 steps
     paths = optimizer.optimizer.paths_taken  # one count per parameter and step, by the path that ran
     result = {
         "compiled_runs": paths["compiled"] + paths["native"],
@@ -284,6 +330,8 @@ def run_sharded(name: str, ckpt: Path, data) -> dict:
         "state_dtypes": state_dtypes(optimizer),
         "state_layout": shards_like_params(optimizer.optimizer),
         "bytes": model_state_bytes(model, optimizer, max(grads)),
+        "moved_two_steps": moved,
+        "declared_per_step": fsdp2_step_bytes(strategy, model, dist.get_world_size()),
     }
     result["digest_step2"] = digest(model)
     save_sharded(ckpt, model, optimizer)
@@ -543,6 +591,8 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None, help="checkpoint root (default: <out>/ckpt)")
     args = parser.parse_args()
     out = Path(args.out)
+    global COLLECTIVES
+    COLLECTIVES = Collectives()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(4, batch=MICRO * world)
