@@ -45,6 +45,15 @@ def ranks(tmp_path_factory):
     return results
 
 
+# Strategies whose ZeRO run cannot equal one process bit for bit after step 1, and why.
+LAYOUT_DEPENDENT = {
+    "bf16-sr": "its rounding draws one random stream per flat partition, not per parameter",
+    "coat": "its FP8 moments' groups of 128 are cut from DeepSpeed's flat partitions",
+    "collage-8bit": "its 8-bit blocks of 256 are cut from DeepSpeed's flat partitions",
+    "fp8-lm-o3": "its FP8 gradients are all-reduced with a shared scale, not quantized once",
+}
+
+
 def supported():
     return [(n, s) for n in available_strategies() for s in STAGES if zero_support(n, s) is None]
 
@@ -260,8 +269,12 @@ def test_every_supported_combination_against_one_process(ranks):
     Step 1 sees the same weights and data: bit for bit the loss of one process on the ranks' two
     halves (both combine the halves' FP32 means as fl(l₀ + l₁)/2), and within summation rounding
     of one process on the whole batch (124 positive per-token FP32 losses in one sum or in two
-    sums of 62: each within n·2⁻²⁴ relative, |Δ| ≤ 2·124·2⁻²⁴·L). Later steps: within
-    `first_order_bound` of both, from the whole-batch run's gradient norms."""
+    sums of 62: each within n·2⁻²⁴ relative, |Δ| ≤ 2·124·2⁻²⁴·L). Later steps: bit for bit the
+    halves' run for every strategy whose update is element-wise and deterministic (the reduced
+    gradient fl(g₀ + g₁)/2 is the accumulated one, and an element-wise update does not care that
+    DeepSpeed flattens the partitions; neither run clips, see the worker); for the strategies in
+    `LAYOUT_DEPENDENT` and against the whole batch, within `first_order_bound` of the whole-batch
+    run's gradient norms."""
     assert supported()
     for result in ranks:
         for name, stage in supported():
@@ -270,6 +283,8 @@ def test_every_supported_combination_against_one_process(ranks):
             whole, halves = finite(ref["losses"]), finite(ref["halves_losses"])
             assert zero[0] == halves[0], (name, stage, zero, halves)
             assert math.isclose(zero[0], whole[0], rel_tol=2 * TOKENS * 2.0**-24, abs_tol=0.0), (name, stage)
+            if name not in LAYOUT_DEPENDENT:  # the same arithmetic on the same values: every step
+                assert zero == halves, (name, stage, zero, halves)
             for step in range(1, len(zero)):
                 bound = first_order_bound(ref["norms"], step)
                 assert abs(zero[step] - halves[step]) <= bound, (name, stage, step, zero, halves, bound)

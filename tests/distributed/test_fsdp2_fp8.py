@@ -1,4 +1,4 @@
-"""FP8-LM O1 and O2 under FSDP2 on 2 gloo ranks: FP8 all-gather (`hf_lowprec.fp8.fsdp_weight`).
+"""FP8-LM O1 and O2 under FSDP2 on 2 gloo ranks: FP8 all-gather (`hf_lowprec.engines.fsdp2_fp8`).
 
 One launch (`_fsdp2_fp8_worker.py`) trains each level in one process and sharded with
 `shard_model`, and counts what every all-gather moved at torch.distributed's functions.

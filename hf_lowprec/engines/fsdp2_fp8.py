@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from .cast import scale_to_fp8
-from .scaled import get_master_scale, pow2_scale, set_master_scale, tensor_amax
+from ..fp8.cast import scale_to_fp8
+from ..fp8.scaled import get_master_scale, pow2_scale, set_master_scale, tensor_amax
 
 __all__ = [
     "FP8GatheredWeight",
@@ -91,7 +91,7 @@ class WeightScales:
         self.generation = None
 
     def ensure_fresh(self) -> None:
-        from . import linear
+        from ..fp8 import linear
 
         if self.generation != linear._step_generation:
             self.refresh()
@@ -322,7 +322,7 @@ def quantize_sharded_gradients(
     {id(param): (payload of the local shard, s)} and the number of saturated elements over all
     ranks (an int64 tensor, summed in a second all-reduce; nonzero only when μ > 1)."""
     from ..distributed import local_shard
-    from .scaled import quantize_counting
+    from ..fp8.scaled import quantize_counting
 
     params = [p for p in params if p.grad is not None]
     if not params:
