@@ -92,7 +92,7 @@ class Format:
     suffixes = ("",)
     #: Per stored tensor: whether it has the parameter's elements (flattened or padded with it)
     #: or is stored as it is (scales, block metadata, payloads already padded to whole blocks).
-    shaped = (True,)
+    like_param = (True,)
 
     def keys(self, prefix: str) -> tuple[str, ...]:
         return tuple(prefix + s for s in self.suffixes)
@@ -163,7 +163,7 @@ class Scaled(Format):
     margin: int = 0
 
     suffixes = ("", "_scale")
-    shaped = (True, False)
+    like_param = (True, False)
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
         return _dtype_or_param(self.dtype, param)
@@ -207,8 +207,8 @@ class Pair(Format):
         return ("", "_error", *self.base.suffixes[1:])
 
     @property
-    def shaped(self) -> tuple[bool, ...]:  # type: ignore[override]
-        return (True, True, *self.base.shaped[1:])
+    def like_param(self) -> tuple[bool, ...]:  # type: ignore[override]
+        return (True, True, *self.base.like_param[1:])
 
     def register_max(self, payload_dtype: torch.dtype) -> float:
         return self.base.register_max(payload_dtype)
@@ -267,7 +267,7 @@ class GroupFP8(Format):
     expand: bool = True
 
     suffixes = ("", "_scale", "_exponent", "_center")
-    shaped = (False, False, False, False)
+    like_param = (False, False, False, False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
@@ -422,7 +422,7 @@ class Blockwise8bit(Format):
     block_size: int = 256
 
     suffixes = ("", "_absmax")
-    shaped = (False, False)
+    like_param = (False, False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:

@@ -303,7 +303,7 @@ def test_blockwise_8bit_edge_blocks():
 def test_zeros_state_decodes_to_zero_and_counts_its_bytes(fmt, dtype):
     param = torch.zeros(300, dtype=dtype)
     stored = fmt.zeros(param)
-    assert len(stored) == len(fmt.keys("exp_avg")) == len(fmt.shaped)
+    assert len(stored) == len(fmt.keys("exp_avg")) == len(fmt.like_param)
     assert bits_equal(fmt.decode(*stored).reshape(-1)[:300], torch.zeros(300))
     per_element = sum(t.numel() * t.element_size() for t in stored) / param.numel()
     # Stored bytes per element: the format's count, up to the padding to whole blocks and one

@@ -323,8 +323,8 @@ def _elementwise_keys(client: Any, param: torch.Tensor) -> set[str] | None:
     if composition is None or options is None:
         return None
     chosen = composition(param, options(param))
-    flags = (*chosen.m.shaped, *chosen.v.shaped, *chosen.rule.shaped)
-    return {key for key, shaped in zip(chosen.keys(), flags) if shaped}
+    flags = (*chosen.m.like_param, *chosen.v.like_param, *chosen.rule.like_param)
+    return {key for key, like_param in zip(chosen.keys(), flags) if like_param}
 
 
 @torch.no_grad()

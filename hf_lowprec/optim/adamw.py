@@ -50,7 +50,7 @@ from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .rules import Rule
-from .scalars import B2, DECAY, EPS, OMB2, STEP, W1, adamw_scalars
+from .scalars import BETA2, DECAY, EPS, ONE_MINUS_BETA1, ONE_MINUS_BETA2, STEP, adamw_scalars
 from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_, step_count_on_device
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
@@ -86,11 +86,11 @@ def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], ep
 
 
 def adamw_math(
-    theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, h: torch.Tensor, max_v: float
+    theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, scalars: torch.Tensor, max_v: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `h` (see the module docstring)."""
+    """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `scalars` (see the module docstring)."""
     one_minus_beta1, beta2, one_minus_beta2, step_size, eps, decay = (
-        h.select(0, i) for i in (W1, B2, OMB2, STEP, EPS, DECAY)
+        scalars.select(0, i) for i in (ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY)
     )
     m = m_old + one_minus_beta1 * (g - m_old)
     v = torch.clamp(v_old * beta2 + one_minus_beta2 * g * g, max=max_v)
@@ -112,9 +112,9 @@ class Composition:
     def keys(self) -> tuple[str, ...]:
         return (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"), *self.rule.keys())
 
-    def shaped(self) -> tuple[bool, ...]:
+    def like_param(self) -> tuple[bool, ...]:
         """For param, grad, grad_scale and every stored tensor: has it the parameter's elements?"""
-        return (True, True, False, *self.m.shaped, *self.v.shaped, *self.rule.shaped)
+        return (True, True, False, *self.m.like_param, *self.v.like_param, *self.rule.like_param)
 
     def zeros(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = (*self.m.zeros(param), *self.v.zeros(param), *self.rule.zeros(param))
@@ -138,7 +138,7 @@ class Composition:
         `found_inf`: None, or a 0-dim tensor; nonzero leaves every tensor untouched (the step runs
         into copies, selected away with `torch.where`: fused by the compiled path) and Δθ = 0.
         """
-        *stored, h, seed = rest
+        *stored, scalars, seed = rest
         written = (param, *stored)
         if found_inf is not None:  # step into copies, then keep the old bits where it is set
             param, *stored = (tensor.clone() for tensor in written)
@@ -147,7 +147,7 @@ class Composition:
         g = grad.float() if grad_scale is None else grad.float() / grad_scale
         theta = self.rule.read(param, *rule_stored)
         m_old, v_old = self.m.decode(*m_stored), self.v.decode(*v_stored)
-        m, v, delta = adamw_math(theta, g, m_old, v_old, h, self.v.register_max(v_stored[0].dtype))
+        m, v, delta = adamw_math(theta, g, m_old, v_old, scalars, self.v.register_max(v_stored[0].dtype))
         self.m.encode_(m, *m_stored)
         self.v.encode_(v, *v_stored)
         self.rule.apply_(delta, theta, param, *rule_stored, seed=seed)
@@ -409,7 +409,7 @@ class AdamW(LowPrecisionOptimizer):
         rows = []
         for (param, local, (grad, grad_scale), state), scalars, seed in zip(items, rows_scalars, seeds):
             tensors = [local, grad, grad_scale, *(_local(t) for t in composition.stored(param, state))]
-            rows.append(ParamStep(tensors, composition.shaped(), scalars, seed, found_inf))
+            rows.append(ParamStep(tensors, composition.like_param(), scalars, seed, found_inf))
         track = self.track_updates
         befores = [_local(self.held_value(item[0])) for item in items] if track else None
         updates = run_bucket(

@@ -103,13 +103,13 @@ def _log_once(level: int, message: str) -> None:
 class ParamStep:
     """One parameter's share of a step: its tensors in the order the step function takes them.
 
-    `shaped[i]` says whether `tensors[i]` has the parameter's elements (it is flattened, padded
+    `like_param[i]` says whether `tensors[i]` has the parameter's elements (it is flattened, padded
     to whole blocks or staged like the parameter) or is stored as it is (scales, block metadata,
     payloads already padded).
     """
 
     tensors: list[torch.Tensor | None]
-    shaped: Sequence[bool]
+    like_param: Sequence[bool]
     scalars: torch.Tensor
     seed: torch.Tensor | None
     #: The step's found-inf flag (0-dim, the parameter's device; nonzero: leave every tensor as it was).
@@ -123,8 +123,8 @@ def _stage(row: ParamStep, block: int) -> tuple[list[torch.Tensor | None], list[
     padded = -(-numel // block) * block
     staged: list[torch.Tensor | None] = []
     write_back = []
-    for tensor, shaped in zip(row.tensors, row.shaped):
-        if tensor is None or not shaped:
+    for tensor, like_param in zip(row.tensors, row.like_param):
+        if tensor is None or not like_param:
             staged.append(tensor)
             continue
         tensor = tensor.detach()
@@ -220,7 +220,8 @@ def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: coll
         return False
     staged = [_stage(row, 1) for row in rows]
     flat_rows = [
-        ParamStep(tensors, row.shaped, row.scalars, row.seed, row.found_inf) for (tensors, _), row in zip(staged, rows)
+        ParamStep(tensors, row.like_param, row.scalars, row.seed, row.found_inf)
+        for (tensors, _), row in zip(staged, rows)
     ]
     _log_once(logging.INFO, f"optimizer step: native {key}")
     native_call(key, flat_rows)()

@@ -89,7 +89,7 @@ def fp8_adamw_param_step(
     )
     composition = _composition(param, group)
     state["step"] += 1
-    h = torch.tensor(
+    scalars = torch.tensor(
         adamw_scalars(state["step"], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
         dtype=torch.float32,
         device=param.device,
@@ -97,7 +97,7 @@ def fp8_adamw_param_step(
     stored = composition.stored(param, state)
     flat = [param.detach().view(-1), grad.detach().reshape(-1), None]
     flat += [t.view(-1) if t.dim() else t for t in stored]
-    return composition.step(*flat, h, None).view(param.shape)
+    return composition.step(*flat, scalars, None).view(param.shape)
 
 
 class FP8AdamW(AdamW):

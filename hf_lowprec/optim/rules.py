@@ -92,8 +92,8 @@ class Rule:
     """Base: no state; θ read from the parameter."""
 
     suffixes = ()
-    #: Per stored tensor: whether it has the parameter's elements (see `formats.Format.shaped`).
-    shaped = ()
+    #: Per stored tensor: whether it has the parameter's elements (see `formats.Format.like_param`).
+    like_param = ()
     #: State key of a compensation that completes the parameter (θ + δθ), if any.
     compensation_key: str | None = dataclasses.field(default=None, init=False)
     #: State key of a master copy holding the parameter's real value, if any.
@@ -141,7 +141,7 @@ class Kahan(Rule):
     """
 
     suffixes = ("compensation",)
-    shaped = (True,)
+    like_param = (True,)
     compensation_key: str | None = dataclasses.field(default="compensation", init=False)
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -164,7 +164,7 @@ class Grow(Rule):
     """
 
     suffixes = ("param_error",)
-    shaped = (True,)
+    like_param = (True,)
     compensation_key: str | None = dataclasses.field(default="param_error", init=False)
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -219,7 +219,7 @@ class Master(Rule):
     """Classic mixed precision: an FP32 master θ₃₂ takes the update; the weight is r(θ₃₂)."""
 
     suffixes = ("master",)
-    shaped = (True,)
+    like_param = (True,)
     master_key: str | None = dataclasses.field(default="master", init=False)
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -247,7 +247,7 @@ class ScaledMaster(Rule):
     """
 
     margin: int = 0
-    shaped = (False,)
+    like_param = (False,)
 
     def stored(self, param: torch.Tensor, state: dict) -> tuple[torch.Tensor, ...]:
         return (get_master_scale(param),)

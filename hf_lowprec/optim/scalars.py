@@ -1,6 +1,6 @@
 """The per-step scalars of AdamW, one definition for every path (reference, compiled, native).
 
-Slots: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2, tiny),
+Slots: ONE_MINUS_BETA1 = 1 − β1, BETA2 = β2, ONE_MINUS_BETA2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2, tiny),
 DECAY = −α·λ, with c1 = 1 − β1^t and c2 = 1 − β2^t, computed in FP64 and rounded once to FP32.
 
 Two places compute them, with the same bits on CPU: the host (`adamw_scalars`, Python floats,
@@ -17,18 +17,28 @@ import math
 
 import torch
 
-__all__ = ["B2", "DECAY", "EPS", "OMB2", "STEP", "W1", "adamw_scalars", "device_scalar_rows", "scalar_rows"]
+__all__ = [
+    "BETA2",
+    "DECAY",
+    "EPS",
+    "ONE_MINUS_BETA2",
+    "STEP",
+    "ONE_MINUS_BETA1",
+    "adamw_scalars",
+    "device_scalar_rows",
+    "scalar_rows",
+]
 
 # Slots of the per-step scalar vector.
-W1, B2, OMB2, STEP, EPS, DECAY = range(6)
+ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY = range(6)
 _TINY = torch.finfo(torch.float32).smallest_normal
 
 
 def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
-    """The per-step scalars (slots W1 … DECAY), computed in FP64 on the host."""
+    """The per-step scalars (slots ONE_MINUS_BETA1 … DECAY), computed in FP64 on the host."""
     sqrt_c2 = math.sqrt(1.0 - beta2**step)
     values = [0.0] * 6
-    values[W1], values[B2], values[OMB2] = 1.0 - beta1, beta2, 1.0 - beta2
+    values[ONE_MINUS_BETA1], values[BETA2], values[ONE_MINUS_BETA2] = 1.0 - beta1, beta2, 1.0 - beta2
     values[STEP] = -lr * sqrt_c2 / (1.0 - beta1**step)
     values[EPS] = max(eps * sqrt_c2, _TINY)
     values[DECAY] = -lr * weight_decay
@@ -67,7 +77,12 @@ def device_scalar_rows(
     device = steps[0].device
     constant = {
         slot: torch.full((), value, dtype=torch.float64, device=device)
-        for slot, value in ((W1, 1.0 - beta1), (B2, beta2), (OMB2, 1.0 - beta2), (DECAY, -lr * weight_decay))
+        for slot, value in (
+            (ONE_MINUS_BETA1, 1.0 - beta1),
+            (BETA2, beta2),
+            (ONE_MINUS_BETA2, 1.0 - beta2),
+            (DECAY, -lr * weight_decay),
+        )
     }
     rows = []
     for step_value, eps_value in zip(step, eps_row):

@@ -57,7 +57,7 @@ def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
     adam, decay = -scale * m1, -HYPER["lr"] * HYPER["weight_decay"] * theta
     update = adam + decay
     # The step is FP32 arithmetic on the decoded moments (`adamw_math`), each operation rounded
-    # once (u = 2^-24, first order): m₃₂ = m + W1·(g − m) errs by u·|m₃₂| + 3u·0.1·|g − m|;
+    # once (u = 2^-24, first order): m₃₂ = m + ONE_MINUS_BETA1·(g − m) errs by u·|m₃₂| + 3u·0.1·|g − m|;
     # v₃₂ (positive terms, 4 roundings with its scalars) by 4u relative, √ and + ε' bring the
     # denominator to 4u, s·m₃₂/den adds s, the product and the quotient: 7u·|A| + |s/den|·err(m);
     # decay θ·fl(−αλ) 2u·|D|; the sum u·|Δθ|; the rule's θ + Δθ u·|θ'|. The factor 2 is slack

@@ -163,7 +163,7 @@ def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, 
     # One step of Collage-plus's composition (`CollageAdamW.composition`: v stored as the pair
     # (v, δv), scaled for FP16) from a given (v, δv) and g; the reference is the FP64 update of
     # the decoded v (decoding is bounded in tests/test_formats.py). In FP32 registers
-    # v₃₂ = B2·(v + δv) + (OMB2·g)·g with B2 = fl(β2), OMB2 = fl(1 − β2): the first term carries
+    # v₃₂ = BETA2·(v + δv) + (ONE_MINUS_BETA2·g)·g with BETA2 = fl(β2), ONE_MINUS_BETA2 = fl(1 − β2): the first term carries
     # two roundings (≤ 2^-25 + 2^-24 relative, β2 ∈ [0.5, 1)), the second three (≤ 3·2^-24), the
     # sum one more: ≤ 4·2^-24·|v₃₂| against the exact FP64 value (both terms are ≥ 0). The split
     # (r(v₃₂·s), r(v₃₂·s − r(v₃₂·s)))/s then loses at most ulp(lo)/2 ≤ 2^-2p·|v₃₂| (p = 8 for

@@ -148,9 +148,9 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _adamw_reference(theta, grad, m, v, h, v_error=None):
     """The AdamW core on one tensor, eager, each FP32 operation rounded on its own; stores m, v
-    (and δv) and returns Δθ₃₂. `h`: the six FP32 scalars (W1, B2, OMB2, STEP, EPS, DECAY).
+    (and δv) and returns Δθ₃₂. `h`: the six FP32 scalars (ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY).
 
-    m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g, max of v's dtype), v read as v + δv
+    m₃₂ = m + ONE_MINUS_BETA1·(g − m); v₃₂ = min(v·BETA2 + (ONE_MINUS_BETA2·g)·g, max of v's dtype), v read as v + δv
     when δv is kept; Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS)."""
     w1, b2, omb2, step, eps, decay = h
     g = grad.float()

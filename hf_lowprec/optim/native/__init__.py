@@ -37,7 +37,7 @@ the kernel checks its arguments, reads the flag once and, when it is nonzero (Na
 returns without writing anything.
 
 Per-parameter scalars: an (n, 6) FP32 CPU tensor, one row per parameter, the optimizers'
-per-step scalars: W1 = 1 − β1, B2 = β2, OMB2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2,
+per-step scalars: ONE_MINUS_BETA1 = 1 − β1, BETA2 = β2, ONE_MINUS_BETA2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2,
 tiny), DECAY = −α·λ with c1 = 1 − β1^t, c2 = 1 − β2^t, computed in FP64 and rounded once
 (`adamw_scalars` builds it).
 """
@@ -175,7 +175,7 @@ def adamw_step(
     """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
     moments: bf16-mixed's masters) and `FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
 
-    Per element: m₃₂ = m + W1·(g − m); v₃₂ = min(v·B2 + (OMB2·g)·g,
+    Per element: m₃₂ = m + ONE_MINUS_BETA1·(g − m); v₃₂ = min(v·BETA2 + (ONE_MINUS_BETA2·g)·g,
     max of v's dtype); Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS); θ ← r(θ + Δθ); m, v rounded once.
 
     Dtypes: θ FP32, BF16 or FP16; g FP32, BF16 or FP16; m and v one dtype, FP32 (any θ) or BF16
@@ -311,8 +311,8 @@ def fp8_adamw_step(
     need double-buffered states (5 more bytes per parameter) — not done here.
 
     Per element: θ = θ_payload·(1/s_θ) (scaled FP16 master) or θ; g = g_payload/s_g (FP8) or g;
-    m₃₂ = m_old + W1·(g − m_old), m_old = m_payload·(1/s_m); v₃₂ = (v_payload·(1/s_v))·B2 +
-    (OMB2·g)·g; u = (STEP·m₃₂)/(√v₃₂ + EPS), u ← u + DECAY·θ when DECAY ≠ 0; θ' = θ + u.
+    m₃₂ = m_old + ONE_MINUS_BETA1·(g − m_old), m_old = m_payload·(1/s_m); v₃₂ = (v_payload·(1/s_v))·BETA2 +
+    (ONE_MINUS_BETA2·g)·g; u = (STEP·m₃₂)/(√v₃₂ + EPS), u ← u + DECAY·θ when DECAY ≠ 0; θ' = θ + u.
 
     Dtypes: θ an FP16 payload with its 0-dim FP32 scale in `master_scales`, or FP32/BF16 with None;
     g FP8 (E4M3/E5M2) with its scale in `grad_scales`, or FP32/BF16/FP16 with None; (m, v) E4M3 and

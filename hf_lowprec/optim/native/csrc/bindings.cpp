@@ -103,7 +103,7 @@ void fill_scalars(const char* fn, const at::Tensor& scalars, std::vector<Row>& r
               scalars.device());
   auto s = scalars.contiguous();
   const float* data = s.data_ptr<float>();
-  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(rows[i].h, data + 6 * i, 6 * sizeof(float));
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(rows[i].scalars, data + 6 * i, 6 * sizeof(float));
 }
 
 // The found-inf flag: read once, after the arguments are checked and before anything is
@@ -204,13 +204,13 @@ void collage_step(const TensorList& params, const TensorList& param_errors, cons
     check_tensor(fn, "param_errors", i, param_errors[i], r.numel);
     TORCH_CHECK(param_errors[i].scalar_type() == params[i].scalar_type(), fn, ": param_errors[", i,
                 "] must have the parameter's dtype ", params[i].scalar_type());
-    r.extra = param_errors[i].data_ptr();
+    r.theta_state = param_errors[i].data_ptr();
     if (exp_avg_sq_errors) {
       const auto& e = (*exp_avg_sq_errors)[i];
       check_tensor(fn, "exp_avg_sq_errors", i, e, r.numel);
       TORCH_CHECK(e.scalar_type() == exp_avg_sqs[i].scalar_type(), fn, ": exp_avg_sq_errors[", i,
                   "] must have the second moment's dtype ", exp_avg_sqs[i].scalar_type());
-      r.extra2 = e.data_ptr();
+      r.v_error = e.data_ptr();
     }
     rows.push_back(r);
   }
@@ -231,7 +231,7 @@ void kahan_step(const TensorList& params, const TensorList& compensations, const
     check_tensor(fn, "compensations", i, compensations[i], r.numel);
     TORCH_CHECK(compensations[i].scalar_type() == params[i].scalar_type(), fn, ": compensations[", i,
                 "] must have the parameter's dtype ", params[i].scalar_type());
-    r.extra = compensations[i].data_ptr();
+    r.theta_state = compensations[i].data_ptr();
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
@@ -273,7 +273,7 @@ void master_step(const TensorList& params, const TensorList& masters, const Tens
     TORCH_CHECK(masters[i].scalar_type() == at::kFloat && exp_avgs[i].scalar_type() == at::kFloat, fn,
                 ": masters and moments must be FP32 (MasterWeightAdamW), got ", masters[i].scalar_type(), " and ",
                 exp_avgs[i].scalar_type());
-    r.extra = masters[i].data_ptr();
+    r.theta_state = masters[i].data_ptr();
     rows.push_back(r);
   }
   fill_scalars(fn, scalars, rows);
@@ -444,7 +444,7 @@ void coat_step(const TensorList& params, const std::optional<TensorList>& param_
       check_tensor(fn, "param_errors", i, (*param_errors)[i], numel);
       TORCH_CHECK((*param_errors)[i].scalar_type() == params[i].scalar_type(), fn, ": param_errors[", i,
                   "] must have the parameter's dtype");
-      r.extra = (*param_errors)[i].data_ptr();
+      r.theta_state = (*param_errors)[i].data_ptr();
     }
     r.m_meta[0] = m_scales[i].data_ptr<float>();
     r.m_meta[1] = m_exponents[i].data_ptr<float>();
@@ -506,7 +506,7 @@ void eightbit_step(const TensorList& params, const TensorList& param_errors, con
     Row r;
     r.numel = numel;
     r.param = params[i].data_ptr();
-    r.extra = param_errors[i].data_ptr();
+    r.theta_state = param_errors[i].data_ptr();
     r.grad = grads[i].data_ptr();
     r.exp_avg = m_codes[i].data_ptr();
     r.exp_avg_sq = v_codes[i].data_ptr();

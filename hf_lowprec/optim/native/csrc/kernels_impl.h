@@ -141,10 +141,12 @@ constexpr float format_max(int d) {
 template <class V>
 struct Consts {
   using F = typename V::F;
-  F w1, b2, omb2, step, eps, decay;
+  F one_minus_beta1, beta2, one_minus_beta2, step, eps, decay;
   explicit Consts(const Row& r)
-      : w1(V::set1(r.h[W1])), b2(V::set1(r.h[B2])), omb2(V::set1(r.h[OMB2])),
-        step(V::set1(r.h[STEP])), eps(V::set1(r.h[EPS])), decay(V::set1(r.h[DECAY])) {}
+      : one_minus_beta1(V::set1(r.scalars[ONE_MINUS_BETA1])),
+        beta2(V::set1(r.scalars[BETA2])),
+        one_minus_beta2(V::set1(r.scalars[ONE_MINUS_BETA2])),
+        step(V::set1(r.scalars[STEP])), eps(V::set1(r.scalars[EPS])), decay(V::set1(r.scalars[DECAY])) {}
 };
 
 // m₃₂ = m + (1 − β1)·(g − m); v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v);
@@ -153,8 +155,8 @@ template <class V>
 inline void adamw_math(const Consts<V>& c, typename V::F theta, typename V::F g, typename V::F m_old,
                        typename V::F v_old, typename V::F max_v, typename V::F& m, typename V::F& v,
                        typename V::F& delta) {
-  m = m_old + c.w1 * (g - m_old);
-  v = v_old * c.b2 + (c.omb2 * g) * g;
+  m = m_old + c.one_minus_beta1 * (g - m_old);
+  v = v_old * c.beta2 + (c.one_minus_beta2 * g) * g;
   v = V::min(max_v, v);  // clamp(max=): NaN is the second operand, so it stays NaN
   auto denominator = V::sqrt(v) + c.eps;
   delta = theta * c.decay + (c.step * m) / denominator;
@@ -168,15 +170,15 @@ inline void two_sum(typename V::F a, typename V::F b, typename V::F& s, typename
   e = (b - bb) + (a - (s - bb));
 }
 
-// (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, r(δθ + e), Fast2Sum (|s| >= |b|), δθ in `extra`.
+// (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, r(δθ + e), Fast2Sum (|s| >= |b|), δθ in `theta_state`.
 template <class V, int P>
 inline void grow_store(const Row& r, int64_t i, typename V::F theta, typename V::F delta) {
   typename V::F s, e;
   two_sum<V, P>(theta, round_to<V, P>(delta), s, e);
-  auto b = round_to<V, P>(load<V, P>(r.extra, i) + e);
+  auto b = round_to<V, P>(load<V, P>(r.theta_state, i) + e);
   auto sum = round_to<V, P>(s + b);
   store<V, P>(r.param, i, sum);
-  store<V, P>(r.extra, i, b + (s - sum));
+  store<V, P>(r.theta_state, i, b + (s - sum));
 }
 
 // ---- families --------------------------------------------------------------------------
@@ -205,12 +207,12 @@ struct CollageKernel {
     typename V::F m, v, delta;
     auto theta = load<V, P>(r.param, i);
     auto v_old = load<V, M>(r.exp_avg_sq, i);
-    if constexpr (PLUS) v_old = v_old + load<V, M>(r.extra2, i);
+    if constexpr (PLUS) v_old = v_old + load<V, M>(r.v_error, i);
     adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, M>(r.exp_avg, i), v_old, V::set1(format_max(M)), m, v,
                   delta);
     store<V, M>(r.exp_avg, i, m);
     store<V, M>(r.exp_avg_sq, i, v);
-    if constexpr (PLUS) store<V, M>(r.extra2, i, v - round_to<V, M>(v));
+    if constexpr (PLUS) store<V, M>(r.v_error, i, v - round_to<V, M>(v));
     grow_store<V, P>(r, i, theta, delta);
   }
 };
@@ -226,11 +228,11 @@ struct KahanKernel {
                   V::set1(format_max(M)), m, v, delta);
     store<V, M>(r.exp_avg, i, m);
     store<V, M>(r.exp_avg_sq, i, v);
-    auto y = round_to<V, P>(load<V, P>(r.extra, i) + delta);
+    auto y = round_to<V, P>(load<V, P>(r.theta_state, i) + delta);
     typename V::F s, e;
     two_sum<V, P>(theta, y, s, e);
     store<V, P>(r.param, i, s);
-    store<V, P>(r.extra, i, e);
+    store<V, P>(r.theta_state, i, e);
   }
 };
 
@@ -272,13 +274,13 @@ struct MasterKernel {
   template <class V>
   static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
     typename V::F m, v, delta;
-    auto theta = load<V, F32>(r.extra, i);
+    auto theta = load<V, F32>(r.theta_state, i);
     adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, F32>(r.exp_avg, i), load<V, F32>(r.exp_avg_sq, i),
                   V::set1(format_max(F32)), m, v, delta);
     store<V, F32>(r.exp_avg, i, m);
     store<V, F32>(r.exp_avg_sq, i, v);
     auto updated = theta + delta;
-    store<V, F32>(r.extra, i, updated);
+    store<V, F32>(r.theta_state, i, updated);
     store<V, P>(r.param, i, updated);
   }
 };
@@ -294,7 +296,7 @@ struct FP8Consts : Consts<V> {
       : Consts<V>(r), inv_p(V::set1(r.inv_param_scale)), g_scale(V::set1(r.grad_scale)),
         inv_g(V::set1(r.inv_grad_scale)),
         inv_m(V::set1(r.inv_m_scale)), inv_v(V::set1(r.inv_v_scale)), new_p(V::set1(r.new_param_scale)),
-        new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.h[DECAY] != 0.0f),
+        new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.scalars[DECAY] != 0.0f),
         g_pow2(r.grad_scale_pow2) {}
 };
 
@@ -305,8 +307,8 @@ inline void fp8_moments(const Row& r, const FP8Consts<V>& c, int64_t i, typename
   // g = q/s: a clipping factor makes s a non-power of two, where only the division is exact.
   if constexpr (G == E4M3 || G == E5M2) g = c.g_pow2 ? g * c.inv_g : g / c.g_scale;
   auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;  // power-of-two scales: exact
-  m = m_old + c.w1 * (g - m_old);
-  v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.b2 + (c.omb2 * g) * g;
+  m = m_old + c.one_minus_beta1 * (g - m_old);
+  v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.beta2 + (c.one_minus_beta2 * g) * g;
 }
 
 // (θ', m, v) in real units: m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp);

@@ -16,7 +16,7 @@ namespace hfl {
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5, U8 = 6 };
 
 // Slots of the per-parameter scalar vector (hf_lowprec.optim.native.adamw_scalars).
-enum Slot : int { W1 = 0, B2 = 1, OMB2 = 2, STEP = 3, EPS = 4, DECAY = 5 };
+enum Slot : int { ONE_MINUS_BETA1 = 0, BETA2 = 1, ONE_MINUS_BETA2 = 2, STEP = 3, EPS = 4, DECAY = 5 };
 
 // One contiguous flat tensor of a bucket, and everything its step reads besides the elements.
 struct Row {
@@ -24,11 +24,11 @@ struct Row {
   const void* grad = nullptr;    // g
   void* exp_avg = nullptr;       // m
   void* exp_avg_sq = nullptr;    // v
-  void* extra = nullptr;         // δθ (Collage), k (Kahan), FP32 master (master-weight)
-  void* extra2 = nullptr;        // δv (Collage-plus)
-  int param_dtype = F32, grad_dtype = F32, moment_dtype = F32, extra_dtype = F32;
+  void* theta_state = nullptr;   // δθ (Collage), k (Kahan), FP32 master (master-weight)
+  void* v_error = nullptr;       // δv (Collage-plus)
+  int param_dtype = F32, grad_dtype = F32, moment_dtype = F32, theta_state_dtype = F32;
   int exp_avg_sq_dtype = F32;    // FP8AdamW only (m and v differ there)
-  float h[6] = {0, 0, 0, 0, 0, 0};
+  float scalars[6] = {0, 0, 0, 0, 0, 0};
   uint32_t seed_mix = 0;         // stochastic rounding: seed·0x9E3779B9 mod 2^32
   // FP8AdamW: reciprocal scales of the stored values (real = payload·(1/s)), the gradient's
   // scale (real = payload / s), and the new scales of pass 2.
