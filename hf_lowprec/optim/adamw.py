@@ -124,6 +124,10 @@ class Composition:
         keys = (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"))
         return [state[k] for k in keys] + list(self.rule.stored(param, state))
 
+    def stored_names(self) -> tuple[str, ...]:
+        """The name of each tensor `stored` returns (the one order of a family's slots)."""
+        return (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"), *self.rule.stored_names())
+
     def step(
         self,
         param: torch.Tensor,

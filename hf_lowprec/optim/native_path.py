@@ -40,7 +40,8 @@ def unsupported(composition, sample) -> str | None:
     rule, m_format, v_format = composition.rule, composition.m, composition.v
     if grad_scale is not None and not isinstance(rule, (ScaledMaster, Nearest)):
         return "FP8 gradients go through FP8AdamW's kernel only"
-    m, v = stored[0], stored[len(m_format.suffixes)]
+    named = dict(zip(composition.stored_names(), stored, strict=True))
+    m, v = named["exp_avg"], named["exp_avg_sq"]
     if isinstance(m_format, Blockwise8bit) and isinstance(v_format, Blockwise8bit) and isinstance(rule, Grow):
         if not (m_format.signed and not v_format.signed and m_format.block_size == v_format.block_size):
             return "8-bit states other than (signed m, unsigned v) in blocks of one size"
@@ -85,34 +86,40 @@ def unsupported(composition, sample) -> str | None:
 
 
 def native_call(composition, rows: Sequence) -> Callable[[], None]:
-    """The native call that steps every row of a bucket (rows already checked by `unsupported`)."""
+    """The native call that steps every row of a bucket (rows already checked by `unsupported`).
+
+    Each row's stored tensors are taken by name (`Composition.stored_names`: "exp_avg",
+    "exp_avg_sq_scale", "param_error", …), the one order of a family's slots."""
     params = [r.tensors[0] for r in rows]
     grads = [r.tensors[1] for r in rows]
-    stored = [r.tensors[3:] for r in rows]
+    names = composition.stored_names()
+    stored = [dict(zip(names, r.tensors[3:], strict=True)) for r in rows]
+
+    def each(name: str) -> list:
+        return [s[name] for s in stored]
+
     scalars = torch.stack([r.scalars for r in rows]).cpu()
     rule, m_format = composition.rule, composition.m
     flag = rows[0].found_inf
-    split = len(m_format.suffixes)
-    m = [s[0] for s in stored]
-    v = [s[split] for s in stored]
+    m, v = each("exp_avg"), each("exp_avg_sq")
     if isinstance(m_format, Blockwise8bit):
         return lambda: native.eightbit_step(
             params,
-            [s[-1] for s in stored],
+            each("param_error"),
             grads,
             m,
-            [s[1] for s in stored],
+            each("exp_avg_absmax"),
             v,
-            [s[split + 1] for s in stored],
+            each("exp_avg_sq_absmax"),
             scalars,
             block_size=m_format.block_size,
             found_inf=flag,
         )
     if isinstance(m_format, GroupFP8):
         groups = m_format.group_size
-        errors = [s[-1] for s in stored] if isinstance(rule, Grow) else None
-        m_fields = [tuple(s[:split]) for s in stored]
-        v_fields = [tuple(s[split : 2 * split]) for s in stored]
+        errors = each("param_error") if isinstance(rule, Grow) else None
+        m_fields = [tuple(s[k] for k in m_format.keys("exp_avg")) for s in stored]
+        v_fields = [tuple(s[k] for k in composition.v.keys("exp_avg_sq")) for s in stored]
         return lambda: native.coat_step(
             params,
             errors,
@@ -125,31 +132,28 @@ def native_call(composition, rows: Sequence) -> Callable[[], None]:
             found_inf=flag,
         )
     if isinstance(m_format, Scaled):
-        masters = [s[-1] if isinstance(rule, ScaledMaster) else None for s in stored]
+        masters = each("master_scale") if isinstance(rule, ScaledMaster) else [None] * len(rows)
         return lambda: native.fp8_adamw_step(
             params,
             masters,
             grads,
             [r.tensors[2] for r in rows],
             m,
-            [s[1] for s in stored],
+            each("exp_avg_scale"),
             v,
-            [s[split + 1] for s in stored],
+            each("exp_avg_sq_scale"),
             scalars,
             margin=m_format.margin,
             found_inf=flag,
         )
     if isinstance(rule, Grow):
-        plus = isinstance(composition.v, Pair)
-        errors = [s[split + 1] for s in stored] if plus else None
-        return lambda: native.collage_step(
-            params, [s[-1] for s in stored], grads, m, v, errors, scalars, found_inf=flag
-        )
+        errors = each("exp_avg_sq_error") if isinstance(composition.v, Pair) else None
+        return lambda: native.collage_step(params, each("param_error"), grads, m, v, errors, scalars, found_inf=flag)
     if isinstance(rule, Kahan):
-        return lambda: native.kahan_step(params, [s[-1] for s in stored], grads, m, v, scalars, found_inf=flag)
+        return lambda: native.kahan_step(params, each("compensation"), grads, m, v, scalars, found_inf=flag)
     if isinstance(rule, StochasticRounding):
         seeds = torch.stack([r.seed for r in rows]).cpu()
         return lambda: native.sr_step(params, grads, m, v, scalars, seeds, found_inf=flag)
     if isinstance(rule, Master):
-        return lambda: native.master_step(params, [s[-1] for s in stored], grads, m, v, scalars, found_inf=flag)
+        return lambda: native.master_step(params, each("master"), grads, m, v, scalars, found_inf=flag)
     return lambda: native.adamw_step(params, grads, m, v, scalars, found_inf=flag)

@@ -103,6 +103,11 @@ class Rule:
     def keys(self) -> tuple[str, ...]:
         return self.suffixes
 
+    def stored_names(self) -> tuple[str, ...]:
+        """The names of what `stored` returns, in order: the state keys, unless the rule reads
+        a tensor kept elsewhere (`ScaledMaster`'s scale, on the parameter)."""
+        return self.keys()
+
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return ()
 
@@ -251,6 +256,9 @@ class ScaledMaster(Rule):
 
     def stored(self, param: torch.Tensor, state: dict) -> tuple[torch.Tensor, ...]:
         return (get_master_scale(param),)
+
+    def stored_names(self) -> tuple[str, ...]:
+        return ("master_scale",)
 
     def read(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return param.float() * (1.0 / scale)
