@@ -516,6 +516,40 @@ def run_trainer(name: str, data, out: Path) -> dict:
     }
 
 
+def run_unclipped(name: str, data) -> dict:
+    """Sharded and in one process accumulating the ranks' halves (each loss divided by the world
+    size, as the sharded mean is formed), neither clipping: the weights' digest after every step.
+    With clipping the two global norms are summed in different orders (per shard, then over the
+    ranks), so the clip coefficients, and then the runs, may differ in the last bit."""
+    world = dist.get_world_size()
+    strategy, model, optimizer = build(name)
+    sharded = []
+    for ids in data:
+        part = local(ids)
+        with strategy.forward_context():
+            loss = model(input_ids=part, labels=part).loss
+        strategy.scale_loss(loss).backward()
+        strategy.unscale_gradients(optimizer.optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sharded.append(digest(model))
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
+    strategy.set_gradient_accumulation(world)
+    one = []
+    for ids in data:
+        for part in ids.split(MICRO):
+            with strategy.forward_context():
+                loss = model(input_ids=part, labels=part).loss
+            strategy.scale_loss(loss / world).backward()
+        strategy.unscale_gradients(optimizer.optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        one.append(digest(model))
+    return {"sharded_digests": sharded, "one_digests": one}
+
+
 def run_skip(name: str, data) -> dict:
     """A non-finite gradient on rank 1's shard only: every rank must skip the step."""
     strategy, model, optimizer = build(name)
@@ -624,6 +658,8 @@ def main() -> None:
                 case = gpt2_small_bytes(name)
             elif mode == "trainer":
                 case = run_trainer(name, data[:2], out)
+            elif mode == "unclipped":
+                case = run_unclipped(name, data)
             elif mode == "long":
                 case = run_long(name, batches(LONG_STEPS, batch=MICRO * world, seed=7))
             elif mode == "skip":

@@ -30,6 +30,10 @@ LOSS_SCALED = ("fp16-mixed", "fp16-als")
 FP8 = ("fp8-lm-o1", "fp8-lm-o2")  # FP8 all-gather; their losses against one process: test_fsdp2_fp8.py (E4M3 bound)
 PER_SHARD = ("coat", "collage-8bit")  # state laid out per shard (groups, blocks), not like the parameter
 LONG_CASES = (*LOSS_SCALED, *PER_SHARD)
+# Element-wise, deterministic, one dtype per parameter in both runs: FSDP2 forms one process's
+# arithmetic exactly (bf16-mixed gathers every weight in BF16 where autocast keeps LayerNorm and
+# embeddings FP32; the loss-scaled, stochastic, per-shard and FP8 strategies round differently).
+EXACT_CASES = ("fp32", "bf16-pure", "bf16-kahan", "bf16-fp32states", "collage-light", "collage-plus")
 KILLED_CASES = ("collage-plus", "fp16-als", "fp8-lm-o2", *PER_SHARD)
 
 
@@ -199,6 +203,7 @@ def ranks(tmp_path_factory):
     cases += [[name, "skip"] for name in LOSS_SCALED] + [[name, "long"] for name in LONG_CASES]
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
     cases += [[name, "accelerate"] for name in ACCELERATE_CASES] + [[name, "trainer"] for name in TRAINER_CASES]
+    cases += [[name, "unclipped"] for name in EXACT_CASES]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
     for result in results:
@@ -391,6 +396,21 @@ def test_model_state_bytes_per_rank_are_one_process_split_by_world(ranks):
             if name not in PER_SHARD:  # else each shard pads its last group or block
                 assert b["states"] * world == one["states"], name
             assert b["states"] <= 1.05 * one["states"] / world, (name, b, one)  # the optimizer's own bytes
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_unclipped_shards_equal_one_process_bit_for_bit(ranks):
+    """Without clipping, FSDP2 on 2 ranks is one process accumulating the ranks' two halves, bit
+    for bit, after every one of 4 steps, for every element-wise deterministic strategy: the FP32
+    reduce-scatter forms fl(g₀ + g₁)/2 exactly as the accumulation (halving is exact), and an
+    element-wise update does not care where a shard ends. The clipped runs above differ only
+    through the order in which the two global norms are summed."""
+    for result in ranks:
+        for name in EXACT_CASES:
+            case = result["cases"][f"{name}/unclipped"]
+            assert len(case["sharded_digests"]) == 4, name
+            assert case["sharded_digests"] == case["one_digests"], name
 
 
 @pytest.mark.slow
