@@ -117,8 +117,7 @@ class Composition:
         return (True, True, False, *self.m.like_param, *self.v.like_param, *self.rule.like_param)
 
     def zeros(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        tensors = (*self.m.zeros(param), *self.v.zeros(param), *self.rule.zeros(param))
-        return dict(zip(self.keys(), tensors))
+        return dict(zip(self.keys(), (*self.m.zeros(param), *self.v.zeros(param), *self.rule.zeros(param))))
 
     def stored(self, param: torch.Tensor, state: dict[str, Any]) -> list[torch.Tensor]:
         keys = (*self.m.keys("exp_avg"), *self.v.keys("exp_avg_sq"))
@@ -162,11 +161,6 @@ class Composition:
         return delta
 
 
-# FSDP2: a DTensor parameter steps on its local shard with the same code as one process (the
-# update is element-wise); its parameter-shaped states are DTensors sharded like it, so that
-# torch.distributed.checkpoint saves and reshards them like the parameter (`distributed`).
-
-
 class AdamW(LowPrecisionOptimizer):
     """AdamW over a composition (m format × v format × update rule) chosen per parameter.
 
@@ -182,8 +176,9 @@ class AdamW(LowPrecisionOptimizer):
 
     Subclasses implement `composition(param, group)`. State per parameter: `step` (int) and
     the tensors of the composition's `keys()`, created at the first step (or by `plan_state`).
-    `paths_taken` counts, per parameter step, which implementation ran ("compiled",
-    "reference").
+    FSDP2: a DTensor parameter steps on its local shard with the same code (the update is
+    element-wise); its parameter-shaped states are DTensors sharded like it (`distributed`).
+    `paths_taken` counts, per parameter step, which implementation ran ("compiled", "reference").
     """
 
     #: Parameter dtypes accepted (None: any floating dtype).
