@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from ..fp8.cast import scale_to_fp8
-from ..fp8.scaled import get_master_scale, pow2_scale, set_master_scale, tensor_amax
+from ..fp8.scaled import get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
 __all__ = [
     "FP8GatheredWeight",
@@ -299,7 +299,7 @@ def link_master_scales(model: torch.nn.Module, layer_type: type) -> None:
             with torch.no_grad():
                 real = payload.float() / master
                 scale = pow2_scale(tensor_amax(real), payload.dtype, module.master_margin)
-                payload.copy_((real * scale).to(payload.dtype))  # |real·s| ≤ max(FP16): no saturation
+                payload.copy_(quantize(real, scale, payload.dtype))  # a power of two: exact
                 master.copy_(scale)
             set_master_scale(weight, master)
 

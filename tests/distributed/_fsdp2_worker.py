@@ -55,18 +55,26 @@ def clip(strategy, model, optimizer):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) if norm is None else norm
 
 
-def train(strategy, model, optimizer, data, sharded: bool) -> tuple[list[float], list[float]]:
-    """Losses of the whole global batch and pre-clip gradient norms, per step."""
+def train(
+    strategy, model, optimizer, data, sharded: bool, clipping: bool = True, digests: list | None = None
+) -> tuple[list[float], list[float]]:
+    """Losses of the whole global batch and pre-clip gradient norms (none unclipped), per step;
+    `digests` collects the weights' digest after every step."""
     losses, norms = [], []
     for ids in data:
         ids = local(ids) if sharded else ids
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
         strategy.scale_loss(loss).backward()
-        norm = clip(strategy, model, optimizer)
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        if clipping:
+            norm = clip(strategy, model, optimizer)
+            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        else:
+            strategy.unscale_gradients(optimizer.optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if digests is not None:
+            digests.append(digest(model))
         value = loss.detach().float().clone()
         if sharded:
             dist.all_reduce(value)
@@ -249,10 +257,11 @@ def export_check(strategy, model, optimizer) -> dict:
     return out
 
 
-def accumulated(name: str, data) -> list[float]:
+def accumulated(name: str, data, clipping: bool = True, digests: list | None = None) -> list[float]:
     """One process, each batch as the ranks' micro-batches with gradient accumulation: the same
     half-batch backward passes and a rounded combination of their gradients as data parallelism,
-    without FSDP. Its gap to `reference` is the data-parallel effect of the strategy's rounding."""
+    without FSDP. Its gap to `reference` is the data-parallel effect of the strategy's rounding.
+    `digests` collects the weights' digest after every step."""
     strategy = get_strategy(name)
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
@@ -265,10 +274,12 @@ def accumulated(name: str, data) -> list[float]:
                 loss = model(input_ids=part, labels=part).loss
             strategy.scale_loss(loss / dist.get_world_size()).backward()
             total += loss.item() / dist.get_world_size()
-        clip(strategy, model, optimizer)
+        clip(strategy, model, optimizer) if clipping else strategy.unscale_gradients(optimizer.optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
+        if digests is not None:
+            digests.append(digest(model))
     return losses
 
 
@@ -517,36 +528,13 @@ def run_trainer(name: str, data, out: Path) -> dict:
 
 
 def run_unclipped(name: str, data) -> dict:
-    """Sharded and in one process accumulating the ranks' halves (each loss divided by the world
-    size, as the sharded mean is formed), neither clipping: the weights' digest after every step.
-    With clipping the two global norms are summed in different orders (per shard, then over the
-    ranks), so the clip coefficients, and then the runs, may differ in the last bit."""
-    world = dist.get_world_size()
-    strategy, model, optimizer = build(name)
-    sharded = []
-    for ids in data:
-        part = local(ids)
-        with strategy.forward_context():
-            loss = model(input_ids=part, labels=part).loss
-        strategy.scale_loss(loss).backward()
-        strategy.unscale_gradients(optimizer.optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sharded.append(digest(model))
-    strategy = get_strategy(name)
-    model = strategy.prepare_model(tiny_gpt2())
-    optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-    strategy.set_gradient_accumulation(world)
-    one = []
-    for ids in data:
-        for part in ids.split(MICRO):
-            with strategy.forward_context():
-                loss = model(input_ids=part, labels=part).loss
-            strategy.scale_loss(loss / world).backward()
-        strategy.unscale_gradients(optimizer.optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        one.append(digest(model))
+    """Sharded and in one process accumulating the ranks' halves, neither clipping: the weights'
+    digest after every step. With clipping the two global norms are summed in different orders
+    (per shard, then over the ranks), so the clip coefficients, and then the runs, may differ in
+    the last bit."""
+    sharded, one = [], []
+    train(*build(name), data, sharded=True, clipping=False, digests=sharded)
+    accumulated(name, data, clipping=False, digests=one)
     return {"sharded_digests": sharded, "one_digests": one}
 
 
