@@ -18,6 +18,7 @@ GB/s over the ideal bytes (each stored tensor read once and written once):
 | bf16-pure, bf16-sr; DeepSpeedCPUAdam BF16/BF16; torch fused BF16 | g, m, v, θ: 8 | m, v, θ: 6 | 14 |
 | FP8AdamW (FP16 θ·s, E4M3 g·s, E4M3 m, FP16 v) | g 1, m 1, v 2, θ 2: 6 | m 1, v 2, θ 2: 5 | 11 |
 | COAT (FP32 θ and g, E4M3 m and v, groups of 128) | g 4, θ 4, m 1, v 1 (+ metadata): 10 | θ 4, m 1, v 1: 6 | 16 |
+| collage-8bit (BF16 θ, δθ; 8-bit m, v in blocks of 256) | g 2, θ 2, δθ 2, m 1, v 1: 8 | θ 2, δθ 2, m 1, v 1: 6 | 14 |
 
 FP8AdamW's two passes (amax, then recompute and store) read g, m, v, θ twice: 17 bytes move;
 the table's GB/s uses the ideal 11.
@@ -106,6 +107,14 @@ class Native:
             self.params, self.grads = t(fp32), t(fp32, seed=1)
             self.states = [[FP8GroupState.zeros(p.shape, device="cpu") for _ in range(2)] for p in self.params]
             return
+        if family == "collage-8bit":
+            from hf_lowprec.formats import Blockwise8bit
+
+            self.params, self.grads = t(bf16), t(bf16, seed=1)
+            self.errors = [(p.float() * 1e-3).to(bf16) for p in self.params]
+            self.m = [Blockwise8bit(True).zeros(p) for p in self.params]
+            self.v = [Blockwise8bit(False).zeros(p) for p in self.params]
+            return
         param_dtype = bf16
         moment_dtype = fp32 if family in ("bf16-fp32states", "master") else bf16
         self.params = t(param_dtype)
@@ -154,6 +163,17 @@ class Native:
             elif f == "coat":
                 native.coat_step(
                     self.params, None, self.grads, [s[0] for s in self.states], [s[1] for s in self.states], scalars
+                )
+            elif f == "collage-8bit":
+                native.eightbit_step(
+                    self.params,
+                    self.errors,
+                    self.grads,
+                    [c for c, _ in self.m],
+                    [a for _, a in self.m],
+                    [c for c, _ in self.v],
+                    [a for _, a in self.v],
+                    scalars,
                 )
             else:
                 raise ValueError(f)
@@ -247,6 +267,7 @@ def main() -> None:
         ("master", 28),
         ("fp8adamw", 11),
         ("coat", 16),
+        ("collage-8bit", 14),
     ]
     rows: list[tuple[str, Callable[[], Callable[[], None]], int, str | None]] = []
     if reason is None:

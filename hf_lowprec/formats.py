@@ -30,13 +30,13 @@ The rules are in docs/algorithms.md §0 (formats), §2 (MCF pairs), §3 (scaled 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import math
-import weakref
+from typing import ClassVar
 
 import torch
 
+from .dynamic_maps import MAPS as _MAPS
+from .dynamic_maps import dynamic_map, dynamic_map_lookup, map_tensors
 from .fp8.scaled import format_max, pow2_scale
 from .numerics import pow_nonnegative, sqrt_rn
 
@@ -93,9 +93,19 @@ class Format:
     #: Per stored tensor: whether it has the parameter's elements (flattened or padded with it)
     #: or is stored as it is (scales, block metadata, payloads already padded to whole blocks).
     like_param = (True,)
+    #: The format's tag in the native kernels (`optim.native.Declaration`), None: none there.
+    native_name: ClassVar[str | None] = None
 
     def keys(self, prefix: str) -> tuple[str, ...]:
         return tuple(prefix + s for s in self.suffixes)
+
+    def native_options(self, prefix: str) -> dict[str, int]:
+        """The native kernels' options of this format stored under `prefix` (named prefix_option)."""
+        return {}
+
+    def native_shared(self, prefix: str) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Tensors the native kernels read for the whole call (not per parameter)."""
+        return {}
 
     def register_max(self, payload_dtype: torch.dtype) -> float:
         """Largest value the update may hold in registers before `encode_` (v is clamped to it,
@@ -129,6 +139,8 @@ class Plain(Format):
     """The value rounded once to `dtype` (None: the parameter's dtype)."""
 
     dtype: torch.dtype | None = None
+
+    native_name = "plain"
 
     def register_max(self, payload_dtype: torch.dtype) -> float:
         return torch.finfo(payload_dtype).max
@@ -164,6 +176,10 @@ class Scaled(Format):
 
     suffixes = ("", "_scale")
     like_param = (True, False)
+    native_name = "scaled"
+
+    def native_options(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_margin": self.margin}
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
         return _dtype_or_param(self.dtype, param)
@@ -209,6 +225,10 @@ class Pair(Format):
     @property
     def like_param(self) -> tuple[bool, ...]:  # type: ignore[override]
         return (True, True, *self.base.like_param[1:])
+
+    @property
+    def native_name(self) -> str | None:  # type: ignore[override]
+        return "pair" if isinstance(self.base, Plain) else None  # the kernels pair plain values
 
     def register_max(self, payload_dtype: torch.dtype) -> float:
         return self.base.register_max(payload_dtype)
@@ -268,6 +288,10 @@ class GroupFP8(Format):
 
     suffixes = ("", "_scale", "_exponent", "_center")
     like_param = (False, False, False, False)
+    native_name = "group_fp8"
+
+    def native_options(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_group_size": self.group_size, f"{prefix}_expand": int(self.expand)}
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
@@ -321,91 +345,6 @@ class GroupFP8(Format):
         return 1 + 12 / self.group_size
 
 
-@functools.cache
-def dynamic_map(signed: bool) -> tuple[float, ...]:
-    """The 256 values of the 8-bit dynamic (tree) quantization map, ascending.
-
-    A code spends its leading bits on a decimal exponent and the rest on a linear fraction:
-    level e (0 … 6) covers magnitudes 10^(e−6)·[0.1, 1] with 2^e (signed) or 2^(e+1)
-    (unsigned) values at the midpoints of an even split of [0.1, 1], so small magnitudes get
-    few, widely spaced codes and the top decade most of them. With 0 and 1 that is 2·127 + 2
-    codes signed, 254 + 2 unsigned (the signed map has +1 but not −1: a block's most negative
-    element, when it holds the absmax, lands on the top midpoint, 0.7% short). Relative spacing in the top decade: 1/128 (signed) and
-    1/256 (unsigned) of the block maximum.
-    """
-    values = {0.0, 1.0}
-    for level in range(7):
-        count = 2**level if signed else 2 ** (level + 1)
-        edges = [0.1 + 0.9 * i / count for i in range(count + 1)]
-        for low, high in itertools.pairwise(edges):
-            magnitude = 10.0 ** (level - 6) * (low + high) / 2
-            values.add(magnitude)
-            if signed:
-                values.add(-magnitude)
-    ordered = sorted(values)
-    if len(ordered) != 256:
-        raise AssertionError(f"dynamic map has {len(ordered)} codes, expected 256")
-    return tuple(ordered)
-
-
-# Both maps, as plain tuples read at import: a compiled step builds its map tensor from them
-# as a constant (a cached builder would be traced through its cache).
-_MAPS = {signed: dynamic_map(signed) for signed in (True, False)}
-
-
-def _build_map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    values = torch.tensor(_MAPS[signed], dtype=F32, device=device)
-    return values, (values[1:] + values[:-1]) / 2
-
-
-# Eagerly, the map tensors are built once per (map, device) — once per fake mode for tensors of a
-# FakeTensorMode — so that a step makes no copy from the host; a compiled step builds them from
-# the tuples instead, as graph constants.
-_map_cache: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-_fake_map_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map's values and the midpoints between neighbours (the rounding boundaries)."""
-    if torch.compiler.is_compiling():
-        return _build_map_tensors(signed, device)
-    fake_mode = torch._guards.detect_fake_mode()
-    cache = _map_cache if fake_mode is None else _fake_map_cache.setdefault(fake_mode, {})
-    key = (signed, torch.device(device))
-    if key not in cache:
-        cache[key] = _build_map_tensors(signed, device)
-    return cache[key]
-
-
-@functools.cache
-def dynamic_map_lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Tables that encode into the dynamic map without a search (the native kernels use them).
-
-    Returns (values, midpoints, lookup, nan_code): the 256 FP32 values; the 255 FP32 midpoints
-    and a +inf sentinel; for each 16-bit key (the top half of an FP32's bits) the number of
-    midpoints below every float with that key (uint8, 65536 entries and 3 bytes of padding for
-    4-byte gathers); the code of NaN. The code of x is lookup[key] + (x > midpoints[lookup[key]]),
-    `torch.bucketize(x, midpoints)` exactly: at most one midpoint lies among the floats of a key
-    (checked here) and it is the next one above the counted ones.
-    """
-    values, midpoints = _map_tensors(signed, torch.device("cpu"))
-    keys = torch.arange(1 << 16, dtype=torch.int64)
-    first = (keys << 16).to(torch.int32).view(F32)  # the key's floats with the low half 0 ...
-    last = ((keys << 16) | 0xFFFF).to(torch.int32).view(F32)  # ... and 0xFFFF
-    negative = keys >= 0x8000
-    low, high = torch.where(negative, last, first), torch.where(negative, first, last)
-    lookup = torch.searchsorted(midpoints, low.nan_to_num(nan=math.inf, posinf=math.inf))
-    inside = torch.searchsorted(midpoints, high) - lookup
-    valid = ~(low.isnan() | high.isnan())
-    if bool((inside[valid] > 1).any()):
-        raise AssertionError("dynamic map: two midpoints share a 16-bit key; the lookup cannot encode it")
-    lookup = torch.where(low.isnan(), 0, lookup)  # NaN keys: the kernels take nan_code instead
-    nan_code = int(torch.bucketize(torch.tensor([math.nan]), midpoints))
-    padded = torch.cat([lookup.to(torch.uint8), torch.zeros(3, dtype=torch.uint8)])
-    mids = torch.cat([midpoints, torch.tensor([math.inf])])
-    return values, mids, padded, nan_code
-
-
 @dataclasses.dataclass(frozen=True)
 class Blockwise8bit(Format):
     """8-bit codes into the `dynamic_map` with one FP32 absmax per block of `block_size`.
@@ -423,6 +362,18 @@ class Blockwise8bit(Format):
 
     suffixes = ("", "_absmax")
     like_param = (False, False)
+    native_name = "blockwise_8bit"
+
+    def native_options(self, prefix: str) -> dict[str, int]:
+        nan_code = dynamic_map_lookup(self.signed)[3]
+        return {
+            f"{prefix}_group_size": self.block_size,
+            f"{prefix}_map_nan": nan_code,
+            f"{prefix}_nonnegative": int(not self.signed),
+        }
+
+    def native_shared(self, prefix: str) -> dict[str, tuple[torch.Tensor, ...]]:
+        return {f"{prefix}_map": dynamic_map_lookup(self.signed)[:3]}
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -439,11 +390,11 @@ class Blockwise8bit(Format):
         return codes, torch.zeros(blocks, dtype=F32, device=param.device)
 
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-        values, _ = _map_tensors(self.signed, codes.device)
+        values, _ = map_tensors(self.signed, codes.device)
         return values[codes.view(-1, self.block_size).long()] * absmax[:, None]
 
     def encode_(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
-        _, midpoints = _map_tensors(self.signed, codes.device)
+        _, midpoints = map_tensors(self.signed, codes.device)
         grouped = x.view(-1, self.block_size)
         amax = grouped.abs().amax(dim=1)
         normalized = grouped / torch.where(amax > 0, amax, 1.0)[:, None]

@@ -486,9 +486,9 @@ def test_dynamic_map_lookup_encodes_as_bucketize(signed):
     that decide it: the first and last float of every 16-bit key (both signs), every midpoint
     and its neighbours 1 and 2 ulps away, ±0, ±inf, NaN, and random values over the map's
     decades and beyond."""
-    from hf_lowprec.formats import _map_tensors, dynamic_map_lookup
+    from hf_lowprec.dynamic_maps import dynamic_map_lookup, map_tensors
 
-    _, midpoints = _map_tensors(signed, torch.device("cpu"))
+    _, midpoints = map_tensors(signed, torch.device("cpu"))
     values, mids, lookup, nan_code = dynamic_map_lookup(signed)
     keys = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = torch.cat([keys, keys | 0xFFFF]).to(torch.int32).view(torch.float32)
@@ -506,4 +506,4 @@ def test_dynamic_map_lookup_encodes_as_bucketize(signed):
     expected = torch.bucketize(x, midpoints)
     differ = code != expected
     assert not bool(differ.any()), (x[differ][:5].tolist(), code[differ][:5].tolist(), expected[differ][:5].tolist())
-    assert torch.equal(values.view(torch.int32), _map_tensors(signed, torch.device("cpu"))[0].view(torch.int32))
+    assert torch.equal(values.view(torch.int32), map_tensors(signed, torch.device("cpu"))[0].view(torch.int32))

@@ -30,6 +30,7 @@ LAYERS = {
     "hf_lowprec.hardware": 0,
     "hf_lowprec.fp8": 1,
     "hf_lowprec.formats": 1,
+    "hf_lowprec.dynamic_maps": 1,
     "hf_lowprec.coat": 1,
     "hf_lowprec.optim": 2,
     "hf_lowprec.report": 3,

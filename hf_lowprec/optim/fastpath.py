@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -288,5 +289,11 @@ def _compiled_for(key: object, discard: Callable[..., None], parallel: bool) -> 
     graph = _graphs.get((key, parallel))
     if graph is None:
         options = COMPILE_OPTIONS if parallel else {**COMPILE_OPTIONS, "cpp.dynamic_threads": False, "cpp.threads": 1}
-        graph = _graphs[(key, parallel)] = torch.compile(discard, dynamic=True, fullgraph=True, options=options)
+        # A code object of its own per graph: dynamo caches graphs (and counts its recompile limit)
+        # per code object, and every composition's `discard` shares one, so a process stepping
+        # many compositions and dtypes would hit the limit across them.
+        code = discard.__code__.replace(co_name=f"{discard.__name__}_{int(parallel)}")
+        own = types.FunctionType(code, discard.__globals__, code.co_name, discard.__defaults__, discard.__closure__)
+        own.__kwdefaults__ = discard.__kwdefaults__
+        graph = _graphs[(key, parallel)] = torch.compile(own, dynamic=True, fullgraph=True, options=options)
     return graph

@@ -24,6 +24,7 @@ operation that can round rounded by `round_to` (docs/algorithms.md §2).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -99,9 +100,15 @@ class Rule:
     #: State key of a master copy holding the parameter's real value, if any.
     master_key: str | None = dataclasses.field(default=None, init=False)
     needs_seed = False
+    #: The rule's tag in the native kernels (`optim.native.Declaration`), None: none there.
+    native_name: ClassVar[str | None] = None
 
     def keys(self) -> tuple[str, ...]:
         return self.suffixes
+
+    def native_options(self) -> dict[str, int]:
+        """The native kernels' options of this rule."""
+        return {}
 
     def stored_names(self) -> tuple[str, ...]:
         """The names of what `stored` returns, in order: the state keys, unless the rule reads
@@ -132,6 +139,8 @@ class Rule:
 class Nearest(Rule):
     """θ ← r(θ + Δθ): the sum formed in FP32 and rounded once (exact FP32 AdamW for FP32 θ)."""
 
+    native_name = "nearest"
+
     def apply_(self, delta, theta, param, *stored, seed=None) -> None:
         param.copy_(theta + delta)
 
@@ -144,6 +153,8 @@ class Kahan(Rule):
     classic compensation with the opposite sign). TwoSum, not Fast2Sum: near-zero parameters
     have |y| > |θ|. A special case of Collage-light.
     """
+
+    native_name = "kahan"
 
     suffixes = ("compensation",)
     like_param = (True,)
@@ -167,6 +178,8 @@ class Grow(Rule):
     s, e = TwoSum(θ, r(Δθ)); t = r(δθ + e); (θ, δθ) ← Fast2Sum(s, t), every operation in the
     parameter's dtype. θ + δθ holds ~2p bits, so updates far below ulp(θ)/2 accumulate.
     """
+
+    native_name = "grow"
 
     suffixes = ("param_error",)
     like_param = (True,)
@@ -194,6 +207,8 @@ class StochasticRounding(Rule):
     reference and the compiled step make the same bits. ±inf, NaN and finite values beyond
     the dtype's largest round to nearest, as a plain cast does.
     """
+
+    native_name = "stochastic_rounding"
 
     needs_seed = True
 
@@ -223,6 +238,8 @@ class StochasticRounding(Rule):
 class Master(Rule):
     """Classic mixed precision: an FP32 master θ₃₂ takes the update; the weight is r(θ₃₂)."""
 
+    native_name = "master"
+
     suffixes = ("master",)
     like_param = (True,)
     master_key: str | None = dataclasses.field(default="master", init=False)
@@ -251,6 +268,8 @@ class ScaledMaster(Rule):
     scaled its master); θ + Δθ is stored with a fresh scale from its amax, as `Scaled` does.
     """
 
+    native_name = "scaled_master"
+
     margin: int = 0
     like_param = (False,)
 
@@ -259,6 +278,9 @@ class ScaledMaster(Rule):
 
     def stored_names(self) -> tuple[str, ...]:
         return ("master_scale",)
+
+    def native_options(self) -> dict[str, int]:
+        return {"master_scale_margin": self.margin}
 
     def read(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return param.float() * (1.0 / scale)

@@ -528,16 +528,16 @@ def test_bad_arguments_are_refused_before_any_work():
     ms = [torch.zeros(10, dtype=BF16), torch.zeros(12, dtype=BF16)]
     vs = [torch.zeros(10, dtype=BF16), torch.zeros(12, dtype=BF16)]
     scalars = _scalars([1, 1])
-    with pytest.raises(RuntimeError, match=r"grads\[1\] has 11 elements"):
+    with pytest.raises(RuntimeError, match=r"grad\[1\] has 11 elements"):
         native.adamw_step(params, grads, ms, vs, scalars)
     grads[1] = torch.ones(12, dtype=BF16)
     with pytest.raises(RuntimeError, match="shape \\(2, 6\\)"):
         native.adamw_step(params, grads, ms, vs, scalars[:1])
     with pytest.raises(RuntimeError, match="not contiguous"):
         native.adamw_step(params, [grads[0], torch.ones(24, dtype=BF16)[::2]], ms, vs, scalars)
-    with pytest.raises(RuntimeError, match="unsupported dtype combination"):
+    with pytest.raises(RuntimeError, match="no native kernel for \\(plain, plain, nearest\\) with θ float16"):
         native.adamw_step([p.half() for p in params], grads, [m.half() for m in ms], [v.half() for v in vs], scalars)
-    with pytest.raises(RuntimeError, match="share one dtype"):
+    with pytest.raises(RuntimeError, match="m bfloat16, v float32"):
         native.adamw_step(params, grads, ms, [v.float() for v in vs], scalars)
     for p, b in zip(params, before):
         assert torch.equal(p, b)

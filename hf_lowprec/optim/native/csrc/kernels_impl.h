@@ -136,31 +136,51 @@ constexpr float format_max(int d) {
        : 3.4028234663852886e38f;
 }
 
-// ---- the AdamW core --------------------------------------------------------------------
 
+// ---- the AdamW core (optim.adamw.adamw_math) --------------------------------------------
+
+// Everything a step broadcasts: the scalar vector, a gradient's scale, a scaled master's scales.
 template <class V>
 struct Consts {
   using F = typename V::F;
   F one_minus_beta1, beta2, one_minus_beta2, step, eps, decay;
+  F grad_scale, inv_grad_scale, inv_param_scale, new_param_scale;
+  bool grad_scale_pow2;
   explicit Consts(const Row& r)
       : one_minus_beta1(V::set1(r.scalars[ONE_MINUS_BETA1])),
         beta2(V::set1(r.scalars[BETA2])),
         one_minus_beta2(V::set1(r.scalars[ONE_MINUS_BETA2])),
-        step(V::set1(r.scalars[STEP])), eps(V::set1(r.scalars[EPS])), decay(V::set1(r.scalars[DECAY])) {}
+        step(V::set1(r.scalars[STEP])), eps(V::set1(r.scalars[EPS])), decay(V::set1(r.scalars[DECAY])),
+        grad_scale(V::set1(r.grad_scale)), inv_grad_scale(V::set1(r.inv_grad_scale)),
+        inv_param_scale(V::set1(r.inv_param_scale)), new_param_scale(V::set1(r.new_param_scale)),
+        grad_scale_pow2(r.grad_scale_pow2) {}
 };
 
-// m₃₂ = m + (1 − β1)·(g − m); v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v);
-// Δθ₃₂ = θ·(−α·λ) + (s·m₃₂)/(√v₃₂ + ε')  (the reference's sequence, operation for operation).
+// g in FP32 registers; an FP8 gradient is q/s (a clipping factor makes s a non-power of two,
+// where only the division is exact).
+template <class V, int G>
+inline typename V::F gradient(const Row& r, const Consts<V>& c, int64_t i) {
+  auto g = load<V, G>(r.grad, i);
+  if constexpr (G == E4M3 || G == E5M2) g = c.grad_scale_pow2 ? g * c.inv_grad_scale : g / c.grad_scale;
+  return g;
+}
+
+// m₃₂ = m + (1 − β1)·(g − m); v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v).
 template <class V>
-inline void adamw_math(const Consts<V>& c, typename V::F theta, typename V::F g, typename V::F m_old,
-                       typename V::F v_old, typename V::F max_v, typename V::F& m, typename V::F& v,
-                       typename V::F& delta) {
+inline void moments(const Consts<V>& c, typename V::F g, typename V::F m_old, typename V::F v_old,
+                    typename V::F max_v, typename V::F& m, typename V::F& v) {
   m = m_old + c.one_minus_beta1 * (g - m_old);
   v = v_old * c.beta2 + (c.one_minus_beta2 * g) * g;
   v = V::min(max_v, v);  // clamp(max=): NaN is the second operand, so it stays NaN
-  auto denominator = V::sqrt(v) + c.eps;
-  delta = theta * c.decay + (c.step * m) / denominator;
 }
+
+// Δθ₃₂ = θ·(−α·λ) + (s·m₃₂)/(√v₃₂ + ε')  (the reference's sequence, operation for operation).
+template <class V>
+inline typename V::F update(const Consts<V>& c, typename V::F theta, typename V::F m, typename V::F v) {
+  auto denominator = V::sqrt(v) + c.eps;
+  return theta * c.decay + (c.step * m) / denominator;
+}
+
 
 // TwoSum in `P` arithmetic: s = r(a + b), bb = r(s − a), e = (b − bb) + (a − (s − bb)).
 template <class V, int P>
@@ -181,61 +201,6 @@ inline void grow_store(const Row& r, int64_t i, typename V::F theta, typename V:
   store<V, P>(r.theta_state, i, b + (s - sum));
 }
 
-// ---- families --------------------------------------------------------------------------
-
-// bf16-pure / FP32-states / FP32 AdamW: θ ← r(θ + Δθ₃₂); m, v stored once each.
-template <int P, int G, int M>
-struct AdamWKernel {
-  template <class V>
-  static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
-    typename V::F m, v, delta;
-    auto theta = load<V, P>(r.param, i);
-    adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, M>(r.exp_avg, i), load<V, M>(r.exp_avg_sq, i),
-                  V::set1(format_max(M)), m, v, delta);
-    store<V, M>(r.exp_avg, i, m);
-    store<V, M>(r.exp_avg_sq, i, v);
-    store<V, P>(r.param, i, theta + delta);
-  }
-};
-
-// Collage (light: δθ; plus: also δv): moments as AdamW (plus: v = v + δv first, then
-// δv ← r(v₃₂ − r(v₃₂))), then (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, add, Fast2Sum.
-template <int P, int G, int M, bool PLUS>
-struct CollageKernel {
-  template <class V>
-  static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
-    typename V::F m, v, delta;
-    auto theta = load<V, P>(r.param, i);
-    auto v_old = load<V, M>(r.exp_avg_sq, i);
-    if constexpr (PLUS) v_old = v_old + load<V, M>(r.v_error, i);
-    adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, M>(r.exp_avg, i), v_old, V::set1(format_max(M)), m, v,
-                  delta);
-    store<V, M>(r.exp_avg, i, m);
-    store<V, M>(r.exp_avg_sq, i, v);
-    if constexpr (PLUS) store<V, M>(r.v_error, i, v - round_to<V, M>(v));
-    grow_store<V, P>(r, i, theta, delta);
-  }
-};
-
-// Kahan: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
-template <int P, int G, int M>
-struct KahanKernel {
-  template <class V>
-  static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
-    typename V::F m, v, delta;
-    auto theta = load<V, P>(r.param, i);
-    adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, M>(r.exp_avg, i), load<V, M>(r.exp_avg_sq, i),
-                  V::set1(format_max(M)), m, v, delta);
-    store<V, M>(r.exp_avg, i, m);
-    store<V, M>(r.exp_avg_sq, i, v);
-    auto y = round_to<V, P>(load<V, P>(r.theta_state, i) + delta);
-    typename V::F s, e;
-    two_sum<V, P>(theta, y, s, e);
-    store<V, P>(r.param, i, s);
-    store<V, P>(r.theta_state, i, e);
-  }
-};
-
 // 16 uniform bits per element from a counter-based hash of (seed, index): the stream of
 // optimizers' stream (two multiply-xorshift rounds over index + seed·golden ratio, top 16 bits).
 template <class V>
@@ -248,81 +213,6 @@ inline typename V::I uniform_bits16(uint32_t seed_mix, int64_t i) {
   return V::template srl<16>(x);
 }
 
-// Stochastic rounding to BF16: θ ← SR(θ + Δθ₃₂); values that are not finite or beyond BF16's
-// largest finite value are rounded to nearest, as numerics.stochastic_round.
-template <int G, int M>
-struct SRKernel {
-  template <class V>
-  static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
-    typename V::F m, v, delta;
-    auto theta = load<V, BF16>(r.param, i);
-    adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, M>(r.exp_avg, i), load<V, M>(r.exp_avg_sq, i),
-                  V::set1(format_max(M)), m, v, delta);
-    store<V, M>(r.exp_avg, i, m);
-    store<V, M>(r.exp_avg_sq, i, v);
-    auto target = delta + theta;
-    auto random = V::template srl<16>(V::add(V::bits(target), uniform_bits16<V>(r.seed_mix, i)));
-    auto magnitude = V::from_bits(V::and_(V::bits(target), V::iset1(0x7FFFFFFF)));
-    auto plain = V::not_le(magnitude, V::set1(format_max(BF16)));
-    V::store_u16(static_cast<uint16_t*>(r.param) + i, V::iselect(plain, bf16_bits<V>(target), random));
-  }
-};
-
-// Master weights: FP32 master θ₃₂ ← θ₃₂ + Δθ₃₂ with FP32 moments, the visible weight r(θ₃₂).
-template <int P, int G>
-struct MasterKernel {
-  template <class V>
-  static inline void step(const Row& r, const Consts<V>& c, int64_t i) {
-    typename V::F m, v, delta;
-    auto theta = load<V, F32>(r.theta_state, i);
-    adamw_math<V>(c, theta, load<V, G>(r.grad, i), load<V, F32>(r.exp_avg, i), load<V, F32>(r.exp_avg_sq, i),
-                  V::set1(format_max(F32)), m, v, delta);
-    store<V, F32>(r.exp_avg, i, m);
-    store<V, F32>(r.exp_avg_sq, i, v);
-    auto updated = theta + delta;
-    store<V, F32>(r.theta_state, i, updated);
-    store<V, P>(r.param, i, updated);
-  }
-};
-
-// ---- FP8AdamW (fp8_adamw.fp8_adamw_param_step on dequantized values; two passes) --------
-
-template <class V>
-struct FP8Consts : Consts<V> {
-  using F = typename V::F;
-  F inv_p, g_scale, inv_g, inv_m, inv_v, new_p, new_m, new_v;
-  bool has_decay, g_pow2;
-  explicit FP8Consts(const Row& r)
-      : Consts<V>(r), inv_p(V::set1(r.inv_param_scale)), g_scale(V::set1(r.grad_scale)),
-        inv_g(V::set1(r.inv_grad_scale)),
-        inv_m(V::set1(r.inv_m_scale)), inv_v(V::set1(r.inv_v_scale)), new_p(V::set1(r.new_param_scale)),
-        new_m(V::set1(r.new_m_scale)), new_v(V::set1(r.new_v_scale)), has_decay(r.scalars[DECAY] != 0.0f),
-        g_pow2(r.grad_scale_pow2) {}
-};
-
-// m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp), from the dequantized values.
-template <class V, int G, int M, int VD>
-inline void fp8_moments(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::F& m, typename V::F& v) {
-  auto g = load<V, G>(r.grad, i);
-  // g = q/s: a clipping factor makes s a non-power of two, where only the division is exact.
-  if constexpr (G == E4M3 || G == E5M2) g = c.g_pow2 ? g * c.inv_g : g / c.g_scale;
-  auto m_old = load<V, M>(r.exp_avg, i) * c.inv_m;  // power-of-two scales: exact
-  m = m_old + c.one_minus_beta1 * (g - m_old);
-  v = (load<V, VD>(r.exp_avg_sq, i) * c.inv_v) * c.beta2 + (c.one_minus_beta2 * g) * g;
-}
-
-// (θ', m, v) in real units: m = m + (1 − β1)(g − m); v = β2·v + ((1 − β2)·g)·g (no clamp);
-// u = (s·m)/(√v + ε'); u = u + (−α·λ)·θ when λ ≠ 0; θ' = θ + u.
-template <class V, int P, int G, int M, int VD>
-inline void fp8_adamw_math(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::F& updated,
-                           typename V::F& m, typename V::F& v) {
-  auto real = load<V, P>(r.param, i);
-  if constexpr (P == F16S) real = real * c.inv_p;
-  fp8_moments<V, G, M, VD>(r, c, i, m, v);
-  auto update = (c.step * m) / (V::sqrt(v) + c.eps);
-  if (c.has_decay) update = update + c.decay * real;
-  updated = real + update;
-}
 
 // payload = cast(clamp(y, −L, L) + (y − y)), y = x·s: ±inf and NaN become NaN (fp8.scaled.quantize).
 template <class V, int D>
@@ -337,211 +227,7 @@ inline void store_scaled(void* base, int64_t i, typename V::F x, typename V::F s
   }
 }
 
-template <int P, int G, int M, int VD>
-struct FP8AmaxKernel {
-  template <class V>
-  static inline void step(const Row& r, const FP8Consts<V>& c, int64_t i, typename V::I* amax) {
-    typename V::F updated, m, v;
-    auto magnitude = V::iset1(0x7FFFFFFF);
-    if constexpr (P == F16S) {
-      fp8_adamw_math<V, P, G, M, VD>(r, c, i, updated, m, v);
-      // |x| as bits orders like |x| (NaN above +inf), so an integer max is the amax.
-      amax[2] = V::imax(amax[2], V::and_(V::bits(updated), magnitude));
-    } else {  // an unscaled master needs no amax: the moments only, no root or division
-      fp8_moments<V, G, M, VD>(r, c, i, m, v);
-    }
-    amax[0] = V::imax(amax[0], V::and_(V::bits(m), magnitude));
-    amax[1] = V::imax(amax[1], V::and_(V::bits(v), magnitude));
-  }
-};
-
-template <int P, int G, int M, int VD>
-struct FP8StoreKernel {
-  template <class V>
-  static inline void step(const Row& r, const FP8Consts<V>& c, int64_t i) {
-    typename V::F updated, m, v;
-    fp8_adamw_math<V, P, G, M, VD>(r, c, i, updated, m, v);
-    store_scaled<V, M>(r.exp_avg, i, m, c.new_m);
-    store_scaled<V, VD>(r.exp_avg_sq, i, v, c.new_v);
-    if constexpr (P == F16S) {
-      store_scaled<V, F16>(r.param, i, updated, c.new_p);
-    } else {
-      store<V, P>(r.param, i, updated);
-    }
-  }
-};
-
-// ---- loops and dtype dispatch ----------------------------------------------------------
-
-template <class K>
-inline void run(const Row& r, int64_t begin, int64_t end) {
-  const Consts<V> c(r);
-  int64_t i = begin;
-  for (; i + V::W <= end; i += V::W) K::template step<V>(r, c, i);
-  if (i < end) {
-    const Consts<VS> cs(r);
-    for (; i < end; ++i) K::template step<VS>(r, cs, i);
-  }
-}
-
-template <class K>
-inline void run_amax(const Row& r, int64_t begin, int64_t end, uint32_t* out) {
-  const FP8Consts<V> c(r);
-  typename V::I acc[3] = {V::iset1(0), V::iset1(0), V::iset1(0)};
-  int64_t i = begin;
-  for (; i + V::W <= end; i += V::W) K::template step<V>(r, c, i, acc);
-  uint32_t lanes[3][V::W > 0 ? V::W : 1];
-  for (int k = 0; k < 3; ++k) V::store_i(lanes[k], acc[k]);
-  uint32_t result[3] = {0, 0, 0};
-  for (int k = 0; k < 3; ++k)
-    for (int l = 0; l < V::W; ++l) result[k] = lanes[k][l] > result[k] ? lanes[k][l] : result[k];
-  if (i < end) {
-    const FP8Consts<VS> cs(r);
-    VS::I tail[3] = {result[0], result[1], result[2]};
-    for (; i < end; ++i) K::template step<VS>(r, cs, i, tail);
-    for (int k = 0; k < 3; ++k) result[k] = tail[k];
-  }
-  for (int k = 0; k < 3; ++k) out[k] = result[k];
-}
-
-template <class K>
-inline void run_fp8(const Row& r, int64_t begin, int64_t end) {
-  const FP8Consts<V> c(r);
-  int64_t i = begin;
-  for (; i + V::W <= end; i += V::W) K::template step<V>(r, c, i);
-  if (i < end) {
-    const FP8Consts<VS> cs(r);
-    for (; i < end; ++i) K::template step<VS>(r, cs, i);
-  }
-}
-
-// Gradient dtype dispatch: FP32, BF16, FP16 for the AdamW families.
-#define HFL_GRAD_SWITCH(G_VAR, CALL)            \
-  switch (G_VAR) {                              \
-    case F32: { constexpr int G = F32; CALL; return true; }   \
-    case BF16: { constexpr int G = BF16; CALL; return true; } \
-    case F16: { constexpr int G = F16; CALL; return true; }   \
-    default: return false;                      \
-  }
-
-inline bool adamw_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.moment_dtype == F32) {
-    constexpr int M = F32;
-    switch (r.param_dtype) {
-      case F32: { constexpr int P = F32; HFL_GRAD_SWITCH(r.grad_dtype, (run<AdamWKernel<P, G, M>>(r, b, e))) }
-      case BF16: { constexpr int P = BF16; HFL_GRAD_SWITCH(r.grad_dtype, (run<AdamWKernel<P, G, M>>(r, b, e))) }
-      case F16: { constexpr int P = F16; HFL_GRAD_SWITCH(r.grad_dtype, (run<AdamWKernel<P, G, M>>(r, b, e))) }
-      default: return false;
-    }
-  }
-  if (r.moment_dtype == BF16 && r.param_dtype == BF16) {
-    constexpr int M = BF16, P = BF16;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<AdamWKernel<P, G, M>>(r, b, e)))
-  }
-  return false;
-}
-
-template <bool PLUS>
-inline bool collage_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.param_dtype == BF16 && r.moment_dtype == BF16) {
-    constexpr int P = BF16, M = BF16;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<CollageKernel<P, G, M, PLUS>>(r, b, e)))
-  }
-  if (r.param_dtype == BF16 && r.moment_dtype == F32) {
-    constexpr int P = BF16, M = F32;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<CollageKernel<P, G, M, PLUS>>(r, b, e)))
-  }
-  if (r.param_dtype == F32 && r.moment_dtype == F32) {
-    constexpr int P = F32, M = F32;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<CollageKernel<P, G, M, PLUS>>(r, b, e)))
-  }
-  return false;
-}
-
-inline bool collage_light_range(const Row& r, int64_t b, int64_t e, uint32_t* a) { return collage_range<false>(r, b, e, a); }
-inline bool collage_plus_range(const Row& r, int64_t b, int64_t e, uint32_t* a) { return collage_range<true>(r, b, e, a); }
-
-inline bool kahan_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.param_dtype == BF16 && r.moment_dtype == BF16) {
-    constexpr int P = BF16, M = BF16;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<KahanKernel<P, G, M>>(r, b, e)))
-  }
-  if (r.param_dtype == F16 && r.moment_dtype == F32) {
-    constexpr int P = F16, M = F32;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<KahanKernel<P, G, M>>(r, b, e)))
-  }
-  if (r.param_dtype == BF16 && r.moment_dtype == F32) {
-    constexpr int P = BF16, M = F32;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<KahanKernel<P, G, M>>(r, b, e)))
-  }
-  return false;
-}
-
-inline bool sr_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.param_dtype != BF16) return false;
-  if (r.moment_dtype == BF16) {
-    constexpr int M = BF16;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<SRKernel<G, M>>(r, b, e)))
-  }
-  if (r.moment_dtype == F32) {
-    constexpr int M = F32;
-    HFL_GRAD_SWITCH(r.grad_dtype, (run<SRKernel<G, M>>(r, b, e)))
-  }
-  return false;
-}
-
-inline bool master_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  switch (r.param_dtype) {
-    case BF16: { constexpr int P = BF16; HFL_GRAD_SWITCH(r.grad_dtype, (run<MasterKernel<P, G>>(r, b, e))) }
-    case F16: { constexpr int P = F16; HFL_GRAD_SWITCH(r.grad_dtype, (run<MasterKernel<P, G>>(r, b, e))) }
-    case F32: { constexpr int P = F32; HFL_GRAD_SWITCH(r.grad_dtype, (run<MasterKernel<P, G>>(r, b, e))) }
-    default: return false;
-  }
-}
-
-// FP8AdamW: (m, v) formats (E4M3, FP16) as FP8-LM, or (FP32, FP32) for the parameters kept in
-// high precision; masters scaled FP16 (F16S), FP32 or BF16; gradients FP8 with a scale, or FP32/BF16/FP16.
-#define HFL_FP8_GRAD_SWITCH(CALL)                                \
-  switch (r.grad_dtype) {                                        \
-    case E4M3: { constexpr int G = E4M3; CALL; return true; }    \
-    case E5M2: { constexpr int G = E5M2; CALL; return true; }    \
-    case F32: { constexpr int G = F32; CALL; return true; }      \
-    case BF16: { constexpr int G = BF16; CALL; return true; }    \
-    case F16: { constexpr int G = F16; CALL; return true; }      \
-    default: return false;                                       \
-  }
-
-#define HFL_FP8_DISPATCH(RUNNER, KERNEL, ...)                                                                   \
-  if (r.moment_dtype == E4M3 && r.exp_avg_sq_dtype == F16) {                                                    \
-    constexpr int M = E4M3, VD = F16;                                                                           \
-    switch (r.param_dtype) {                                                                                    \
-      case F16S: { constexpr int P = F16S; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }    \
-      case F32: { constexpr int P = F32; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }      \
-      case BF16: { constexpr int P = BF16; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }    \
-      default: return false;                                                                                    \
-    }                                                                                                           \
-  }                                                                                                             \
-  if (r.moment_dtype == F32 && r.exp_avg_sq_dtype == F32) {                                                     \
-    constexpr int M = F32, VD = F32;                                                                            \
-    switch (r.param_dtype) {                                                                                    \
-      case F16S: { constexpr int P = F16S; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }    \
-      case F32: { constexpr int P = F32; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }      \
-      case BF16: { constexpr int P = BF16; HFL_FP8_GRAD_SWITCH((RUNNER<KERNEL<P, G, M, VD>>(__VA_ARGS__))) }    \
-      default: return false;                                                                                    \
-    }                                                                                                           \
-  }                                                                                                             \
-  return false;
-
-inline bool fp8_amax_range(const Row& r, int64_t b, int64_t e, uint32_t* amax) {
-  HFL_FP8_DISPATCH(run_amax, FP8AmaxKernel, r, b, e, amax)
-}
-
-inline bool fp8_store_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  HFL_FP8_DISPATCH(run_fp8, FP8StoreKernel, r, b, e)
-}
-
-
-// ---- COAT: per-group FP8 moments with dynamic range expansion (coat.state) -------------
+// ---- GroupFP8 (COAT): per-group FP8 moments with dynamic range expansion ---------------
 
 // log2(x) for x > 0 (normal or subnormal): x = 2^e·m with m in [√½, √2), ln m = ln(1 + f) by
 // Cephes' single-precision polynomial (f − f²/2 + f³·P(f), peak relative error below 1e-7),
@@ -621,7 +307,7 @@ struct GroupCode {
 // y = q/s, then sign(y)·|y|^(1/k)·c: the reference's sequence (formats.GroupFP8.decode), with
 // its power `numerics.pow_nonnegative`, operation for operation.
 template <class V, int D, bool EXPAND>
-inline typename V::F decode(const void* payload, int64_t i, const GroupCode<V>& code) {
+inline typename V::F decode_group(const void* payload, int64_t i, const GroupCode<V>& code) {
   auto y = load<V, D>(payload, i) / code.scale;
   if constexpr (!EXPAND) {
     return y;
@@ -654,7 +340,7 @@ inline uint32_t reduce_min(typename V::I x) {
 // amax, amin (smallest non-zero |x|), k and c (expansion), |x| ← (|x|/c)^k, s = F/amax (NaN if
 // amax is not finite, 1 if 0), payload = cast(clamp(x·s) + (x·s − x·s)).
 template <int D, bool EXPAND>
-inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, float* const* meta, int64_t g) {
+inline void encode_fp8_group(float* buf, int64_t size, void* payload, int64_t base, float* const* meta, int64_t g) {
   const float limit = format_max(D);
   auto magnitude_mask = V::iset1(0x7FFFFFFF);
   auto infinity = V::iset1(0x7F800000);
@@ -702,86 +388,6 @@ inline void encode_group(float* buf, int64_t size, void* payload, int64_t base, 
   meta[2][g] = c;
 }
 
-template <class V, int P, int G, int VM, bool EXPAND>
-inline void coat_element(const Row& r, const Consts<V>& c, const GroupCode<V>& mc, const GroupCode<V>& vc,
-                         int64_t i, float* mbuf, float* vbuf) {
-  typename V::F m, v, delta;
-  auto theta = load<V, P>(r.param, i);
-  auto m_old = decode<V, E4M3, EXPAND>(r.exp_avg, i, mc);
-  auto v_old = decode<V, VM, EXPAND>(r.exp_avg_sq, i, vc);
-  adamw_math<V>(c, theta, load<V, G>(r.grad, i), m_old, v_old, V::set1(format_max(F32)), m, v, delta);
-  if constexpr (P == F32) {
-    store<V, F32>(r.param, i, theta + delta);
-  } else {
-    grow_store<V, P>(r, i, theta, delta);
-  }
-  V::store_f32(mbuf, m);
-  V::store_f32(vbuf, v);
-}
-
-// Groups [begin, end) of one row (begin a multiple of the group size): decode, AdamW, the
-// parameter update, encode m and v with fresh per-group (s, k, c). A last partial group is
-// padded with zeros for the encoding, as coat.quantize_state pads.
-template <int P, int G, int VM, bool EXPAND>
-inline void coat_run(const Row& r, int64_t begin, int64_t end) {
-  const int64_t size = r.group_size;
-  alignas(64) float mbuf[kMaxGroup];
-  alignas(64) float vbuf[kMaxGroup];
-  const Consts<V> c(r);
-  const Consts<VS> cs(r);
-  for (int64_t base = begin; base < end; base += size) {
-    const int64_t g = base / size;
-    const int64_t count = size < r.numel - base ? size : r.numel - base;
-    {
-      const GroupCode<V> mc(r.m_meta, g), vc(r.v_meta, g);
-      int64_t j = 0;
-      for (; j + V::W <= count; j += V::W) coat_element<V, P, G, VM, EXPAND>(r, c, mc, vc, base + j, mbuf + j, vbuf + j);
-      if (j < count) {
-        const GroupCode<VS> mcs(r.m_meta, g), vcs(r.v_meta, g);
-        for (; j < count; ++j) coat_element<VS, P, G, VM, EXPAND>(r, cs, mcs, vcs, base + j, mbuf + j, vbuf + j);
-      }
-      for (; j < size; ++j) mbuf[j] = vbuf[j] = 0.0f;
-    }
-    encode_group<E4M3, EXPAND>(mbuf, size, r.exp_avg, base, r.m_meta, g);
-    encode_group<VM, EXPAND>(vbuf, size, r.exp_avg_sq, base, r.v_meta, g);
-  }
-}
-
-#define HFL_COAT_GRAD(P_, VM_, EXPAND_)                                                           \
-  switch (r.grad_dtype) {                                                                         \
-    case F32: coat_run<P_, F32, VM_, EXPAND_>(r, b, e); return true;                              \
-    case BF16: coat_run<P_, BF16, VM_, EXPAND_>(r, b, e); return true;                            \
-    case F16: coat_run<P_, F16, VM_, EXPAND_>(r, b, e); return true;                              \
-    default: return false;                                                                        \
-  }
-
-template <int P, int VM>
-inline bool coat_dispatch_expand(const Row& r, int64_t b, int64_t e) {
-  if (r.expand) {
-    HFL_COAT_GRAD(P, VM, true)
-  } else {
-    HFL_COAT_GRAD(P, VM, false)
-  }
-}
-
-template <int P>
-inline bool coat_dispatch_v(const Row& r, int64_t b, int64_t e) {
-  if (r.moment_dtype != E4M3) return false;
-  if (r.exp_avg_sq_dtype == E4M3) return coat_dispatch_expand<P, E4M3>(r, b, e);
-  if (r.exp_avg_sq_dtype == E5M2) return coat_dispatch_expand<P, E5M2>(r, b, e);
-  return false;
-}
-
-inline bool coat_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.group_size <= 0 || r.group_size > kMaxGroup || r.group_size % V::W) return false;
-  switch (r.param_dtype) {
-    case F32: return coat_dispatch_v<F32>(r, b, e);
-    case BF16: return coat_dispatch_v<BF16>(r, b, e);
-    case F16: return coat_dispatch_v<F16>(r, b, e);
-    default: return false;
-  }
-}
-
 // ---- blockwise 8-bit states (formats.Blockwise8bit): dynamic-map codes, absmax per block ----
 
 // The index of the nearest map value, ties to the lower one (torch.bucketize over the
@@ -789,30 +395,17 @@ inline bool coat_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
 // float with those bits; at most one midpoint lies among them (checked where the table is
 // built), the next one, so one comparison finishes the count. NaN takes bucketize's code.
 template <class V>
-inline typename V::I map_encode(const Row& r, int map, typename V::F x) {
-  auto base = V::gather_u8(r.map_base[map], V::template srl<16>(V::bits(x)));
-  auto above = V::lt(V::gather(r.map_mids[map], base), x);
+inline typename V::I map_encode(const Moment& mo, typename V::F x) {
+  auto base = V::gather_u8(mo.map_lookup, V::template srl<16>(V::bits(x)));
+  auto above = V::lt(V::gather(mo.map_mids, base), x);
   auto code = V::iselect(above, V::add(base, V::iset1(1)), base);
-  return V::iselect(V::isnan(x), V::iset1(r.map_nan[map]), code);
-}
-
-template <class V, int P, int G>
-inline void eightbit_element(const Row& r, const Consts<V>& c, typename V::F m_absmax, typename V::F v_absmax,
-                             int64_t i, float* mbuf, float* vbuf) {
-  typename V::F m, v, delta;
-  auto theta = load<V, P>(r.param, i);
-  auto m_old = V::gather(r.map_values[0], V::load_u8(static_cast<const uint8_t*>(r.exp_avg) + i)) * m_absmax;
-  auto v_old = V::gather(r.map_values[1], V::load_u8(static_cast<const uint8_t*>(r.exp_avg_sq) + i)) * v_absmax;
-  adamw_math<V>(c, theta, load<V, G>(r.grad, i), m_old, v_old, V::set1(format_max(F32)), m, v, delta);
-  grow_store<V, P>(r, i, theta, delta);
-  V::store_f32(mbuf, m);
-  V::store_f32(vbuf, v);
+  return V::iselect(V::isnan(x), V::iset1(mo.map_nan), code);
 }
 
 // Encode one block held in `buf` (FP32, `size` elements, a multiple of V::W): a = max|x| (NaN
 // above inf), x / (a > 0 ? a : 1), clamped at 0 for the unsigned map, then the codes; absmax = a.
-template <int MAP>
-inline void encode_block(const Row& r, float* buf, int64_t size, uint8_t* codes, float* absmax) {
+template <bool NONNEGATIVE>
+inline void encode_block(const Moment& mo, float* buf, int64_t size, uint8_t* codes, float* absmax) {
   typename V::I amax_v = V::iset1(0);
   for (int64_t j = 0; j < size; j += V::W) {
     amax_v = V::imax(amax_v, V::and_(V::bits(V::load_f32(buf + j)), V::iset1(0x7FFFFFFF)));
@@ -821,54 +414,432 @@ inline void encode_block(const Row& r, float* buf, int64_t size, uint8_t* codes,
   const auto divisor = V::set1(amax > 0.0f ? amax : 1.0f);
   for (int64_t j = 0; j < size; j += V::W) {
     auto x = V::load_f32(buf + j) / divisor;
-    if constexpr (MAP == 1) x = V::max(V::set1(0.0f), x);  // clamp(min=0): NaN stays NaN
-    V::store_u8(codes + j, map_encode<V>(r, MAP, x));
+    if constexpr (NONNEGATIVE) x = V::max(V::set1(0.0f), x);  // clamp(min=0): NaN stays NaN
+    V::store_u8(codes + j, map_encode<V>(mo, x));
   }
   *absmax = amax;
 }
 
-// Blocks [begin, end) of one row (begin a multiple of the block): decode, AdamW, Grow, encode.
-// A last partial block runs its padding as the reference pads it (θ = g = 0, the stored codes
-// of the padding decoded), so the block's absmax and codes match.
-template <int P, int G>
-inline void eightbit_run(const Row& r, int64_t begin, int64_t end) {
-  const int64_t size = r.group_size;
-  alignas(64) float mbuf[kMaxGroup];
-  alignas(64) float vbuf[kMaxGroup];
-  const Consts<V> c(r);
-  const Consts<VS> cs(r);
-  auto* m_codes = static_cast<uint8_t*>(r.exp_avg);
-  auto* v_codes = static_cast<uint8_t*>(r.exp_avg_sq);
-  for (int64_t base = begin; base < end; base += size) {
-    const int64_t g = base / size;
-    const int64_t count = size < r.numel - base ? size : r.numel - base;
-    const float ma = r.m_meta[0][g], va = r.v_meta[0][g];
-    int64_t j = 0;
-    for (; j + V::W <= count; j += V::W) {
-      eightbit_element<V, P, G>(r, c, V::set1(ma), V::set1(va), base + j, mbuf + j, vbuf + j);
-    }
-    for (; j < count; ++j) eightbit_element<VS, P, G>(r, cs, ma, va, base + j, mbuf + j, vbuf + j);
-    for (; j < size; ++j) {
-      float delta;
-      adamw_math<VS>(cs, 0.0f, 0.0f, r.map_values[0][m_codes[base + j]] * ma, r.map_values[1][v_codes[base + j]] * va,
-                     format_max(F32), mbuf[j], vbuf[j], delta);
-    }
-    encode_block<0>(r, mbuf, size, m_codes + base, r.m_meta[0] + g);
-    encode_block<1>(r, vbuf, size, v_codes + base, r.v_meta[0] + g);
+
+// ---- formats: how a moment is stored (hf_lowprec.formats) ------------------------------
+//
+// A format has a layout, the largest value v may hold in registers before it is stored
+// (`kRegisterMax`, formats.Format.register_max), a `Code<V>` of per-tensor or per-group
+// constants, `decode` of one vector, and `encode` of one vector (element-wise and per-tensor
+// layouts) or `encode_group` of a group gathered in FP32 (per-group layouts).
+
+enum Layout : int { ELEMENTWISE = 0, PER_TENSOR = 1, PER_GROUP = 2 };
+
+struct NoCode {
+  NoCode(const Moment&, int64_t) {}
+};
+
+// formats.Plain: the value rounded once to D.
+template <int D>
+struct PlainFormat {
+  static constexpr int kLayout = ELEMENTWISE;
+  static constexpr float kRegisterMax = format_max(D);
+  template <class V> using Code = NoCode;
+  template <class V>
+  static typename V::F decode(const Moment& mo, const NoCode&, int64_t i) { return load<V, D>(mo.payload, i); }
+  template <class V>
+  static void encode(const Moment& mo, const NoCode&, int64_t i, typename V::F x) { store<V, D>(mo.payload, i, x); }
+};
+
+// formats.Pair over Plain: x = value + error; stores r(x) and r(x − r(x)) (Collage-plus's δv).
+template <int D>
+struct PairFormat : PlainFormat<D> {
+  template <class V>
+  static typename V::F decode(const Moment& mo, const NoCode&, int64_t i) {
+    return load<V, D>(mo.payload, i) + load<V, D>(mo.error, i);
   }
+  template <class V>
+  static void encode(const Moment& mo, const NoCode&, int64_t i, typename V::F x) {
+    store<V, D>(mo.payload, i, x);
+    store<V, D>(mo.error, i, x - round_to<V, D>(x));
+  }
+};
+
+// formats.Scaled: payload = saturate(x·s), s a power of two per tensor, re-chosen from the new
+// values' amax (pass AMAX) before they are stored (pass STORE); FP32 storage keeps s = 1.
+template <int D>
+struct ScaledFormat {
+  static constexpr int kLayout = PER_TENSOR;
+  static constexpr float kRegisterMax = format_max(F32);
+  template <class V>
+  struct Code {
+    typename V::F inv, next;
+    Code(const Moment& mo, int64_t) : inv(V::set1(mo.inv_scale)), next(V::set1(mo.new_scale)) {}
+  };
+  template <class V>
+  static typename V::F decode(const Moment& mo, const Code<V>& code, int64_t i) {
+    return load<V, D>(mo.payload, i) * code.inv;  // power-of-two scales: exact
+  }
+  template <class V>
+  static void encode(const Moment& mo, const Code<V>& code, int64_t i, typename V::F x) {
+    store_scaled<V, D>(mo.payload, i, x, code.next);
+  }
+};
+
+// formats.GroupFP8 (COAT): per group (s, k, c), dynamic range expansion when EXPAND. A last
+// partial group is padded with zeros for the encoding, as coat.quantize_state pads.
+template <int D, bool EXPAND>
+struct GroupFP8Format {
+  static constexpr int kLayout = PER_GROUP;
+  static constexpr float kRegisterMax = format_max(F32);
+  static constexpr bool kPadDecoded = false;
+  template <class V>
+  struct Code : GroupCode<V> {
+    Code(const Moment& mo, int64_t g) : GroupCode<V>(mo.meta, g) {}
+  };
+  template <class V>
+  static typename V::F decode(const Moment& mo, const Code<V>& code, int64_t i) {
+    return decode_group<V, D, EXPAND>(mo.payload, i, code);
+  }
+  static void encode_group(const Moment& mo, float* buf, int64_t size, int64_t base, int64_t g) {
+    encode_fp8_group<D, EXPAND>(buf, size, mo.payload, base, mo.meta, g);
+  }
+};
+
+// formats.Blockwise8bit: dynamic-map codes, absmax per block. A last partial block runs its
+// padding as the reference pads it (θ = g = 0, the stored codes of the padding decoded), so the
+// block's absmax and codes match.
+struct Blockwise8bitFormat {
+  static constexpr int kLayout = PER_GROUP;
+  static constexpr float kRegisterMax = format_max(F32);
+  static constexpr bool kPadDecoded = true;
+  template <class V>
+  struct Code {
+    typename V::F absmax;
+    Code(const Moment& mo, int64_t g) : absmax(V::set1(mo.meta[0][g])) {}
+  };
+  template <class V>
+  static typename V::F decode(const Moment& mo, const Code<V>& code, int64_t i) {
+    return V::gather(mo.map_values, V::load_u8(static_cast<const uint8_t*>(mo.payload) + i)) * code.absmax;
+  }
+  static void encode_group(const Moment& mo, float* buf, int64_t size, int64_t base, int64_t g) {
+    auto* codes = static_cast<uint8_t*>(mo.payload) + base;
+    if (mo.nonnegative) {
+      encode_block<true>(mo, buf, size, codes, mo.meta[0] + g);
+    } else {
+      encode_block<false>(mo, buf, size, codes, mo.meta[0] + g);
+    }
+  }
+};
+
+// ---- rules: how Δθ₃₂ reaches θ (hf_lowprec.optim.rules) ---------------------------------
+//
+// A rule reads θ into FP32 registers and applies θ + Δθ₃₂ as it rounds; `kScaled`: θ is stored
+// with a per-tensor scale (its amax is needed first, as a Scaled format's).
+
+// rules.Nearest: θ ← r(θ + Δθ₃₂).
+template <int P>
+struct NearestRule {
+  static constexpr bool kScaled = false;
+  template <class V>
+  static typename V::F read(const Row& r, const Consts<V>&, int64_t i) { return load<V, P>(r.param, i); }
+  template <class V>
+  static void apply(const Row& r, const Consts<V>&, int64_t i, typename V::F theta, typename V::F delta) {
+    store<V, P>(r.param, i, theta + delta);
+  }
+};
+
+// rules.Grow (Collage): (θ, δθ) ← Grow((θ, δθ), r(Δθ₃₂)) = TwoSum, add, Fast2Sum.
+template <int P>
+struct GrowRule : NearestRule<P> {
+  template <class V>
+  static void apply(const Row& r, const Consts<V>&, int64_t i, typename V::F theta, typename V::F delta) {
+    grow_store<V, P>(r, i, theta, delta);
+  }
+};
+
+// rules.Kahan: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
+template <int P>
+struct KahanRule : NearestRule<P> {
+  template <class V>
+  static void apply(const Row& r, const Consts<V>&, int64_t i, typename V::F theta, typename V::F delta) {
+    auto y = round_to<V, P>(load<V, P>(r.theta_state, i) + delta);
+    typename V::F s, e;
+    two_sum<V, P>(theta, y, s, e);
+    store<V, P>(r.param, i, s);
+    store<V, P>(r.theta_state, i, e);
+  }
+};
+
+// rules.StochasticRounding into BF16: θ ← SR(θ + Δθ₃₂); values that are not finite or beyond
+// BF16's largest finite value are rounded to nearest, as numerics.stochastic_round.
+template <int P>
+struct StochasticRoundingRule : NearestRule<P> {
+  static_assert(P == BF16, "stochastic rounding: BF16 θ only");
+  template <class V>
+  static void apply(const Row& r, const Consts<V>&, int64_t i, typename V::F theta, typename V::F delta) {
+    auto target = delta + theta;
+    auto random = V::template srl<16>(V::add(V::bits(target), uniform_bits16<V>(r.seed_mix, i)));
+    auto magnitude = V::from_bits(V::and_(V::bits(target), V::iset1(0x7FFFFFFF)));
+    auto plain = V::not_le(magnitude, V::set1(format_max(BF16)));
+    V::store_u16(static_cast<uint16_t*>(r.param) + i, V::iselect(plain, bf16_bits<V>(target), random));
+  }
+};
+
+// rules.Master: the FP32 master θ₃₂ ← θ₃₂ + Δθ₃₂, the visible weight r(θ₃₂).
+template <int P>
+struct MasterRule {
+  static constexpr bool kScaled = false;
+  template <class V>
+  static typename V::F read(const Row& r, const Consts<V>&, int64_t i) { return load<V, F32>(r.theta_state, i); }
+  template <class V>
+  static void apply(const Row& r, const Consts<V>&, int64_t i, typename V::F theta, typename V::F delta) {
+    auto updated = theta + delta;
+    store<V, F32>(r.theta_state, i, updated);
+    store<V, P>(r.param, i, updated);
+  }
+};
+
+// rules.ScaledMaster (FP8-LM): an FP16 payload θ·s, s re-chosen from the new θ's amax.
+template <int P>
+struct ScaledMasterRule {
+  static_assert(P == F16S, "a scaled master is an FP16 payload");
+  static constexpr bool kScaled = true;
+  template <class V>
+  static typename V::F read(const Row& r, const Consts<V>& c, int64_t i) {
+    return load<V, F16S>(r.param, i) * c.inv_param_scale;
+  }
+  template <class V>
+  static void apply(const Row& r, const Consts<V>& c, int64_t i, typename V::F theta, typename V::F delta) {
+    store_scaled<V, F16>(r.param, i, theta + delta, c.new_param_scale);
+  }
+};
+
+// ---- the step: one template over (m format, v format, rule, gradient dtype) ------------
+//
+// Three drivers, chosen by the formats' layouts: element-wise formats store in one pass;
+// per-tensor scales take two (AMAX, then STORE recomputing the same values: re-reading g, m,
+// v, θ moves fewer bytes than writing and re-reading FP32 values, and a payload stored with a
+// predicted scale could not be corrected exactly once the inputs are overwritten); per-group
+// formats gather a group's new m and v in FP32 and encode it whole.
+template <class MF, class VF, class R, int G>
+struct Step {
+  static constexpr bool kGroups = MF::kLayout == PER_GROUP;
+  static_assert(kGroups == (VF::kLayout == PER_GROUP), "m and v: both grouped or neither");
+  static constexpr bool kTwoPasses = MF::kLayout == PER_TENSOR || VF::kLayout == PER_TENSOR || R::kScaled;
+  template <class W> using MCode = typename MF::template Code<W>;
+  template <class W> using VCode = typename VF::template Code<W>;
+
+  template <class W>
+  static inline void compute(const Row& r, const Consts<W>& c, const MCode<W>& mc, const VCode<W>& vc, int64_t i,
+                             typename W::F& theta, typename W::F& m, typename W::F& v) {
+    theta = R::template read<W>(r, c, i);
+    moments<W>(c, gradient<W, G>(r, c, i), MF::template decode<W>(r.moment[0], mc, i),
+               VF::template decode<W>(r.moment[1], vc, i), W::set1(VF::kRegisterMax), m, v);
+  }
+
+  template <class W>
+  static inline void element(const Row& r, const Consts<W>& c, const MCode<W>& mc, const VCode<W>& vc, int64_t i) {
+    typename W::F theta, m, v;
+    compute<W>(r, c, mc, vc, i, theta, m, v);
+    auto delta = update<W>(c, theta, m, v);
+    MF::template encode<W>(r.moment[0], mc, i, m);
+    VF::template encode<W>(r.moment[1], vc, i, v);
+    R::template apply<W>(r, c, i, theta, delta);
+  }
+
+  // |x| as bits orders like |x| (NaN above +inf), so an integer max is the amax.
+  template <class W>
+  static inline void amax_element(const Row& r, const Consts<W>& c, const MCode<W>& mc, const VCode<W>& vc, int64_t i,
+                                  typename W::I* acc) {
+    typename W::F theta, m, v;
+    compute<W>(r, c, mc, vc, i, theta, m, v);
+    auto magnitude = W::iset1(0x7FFFFFFF);
+    if constexpr (R::kScaled) {  // an unscaled θ needs no amax: no root or division here
+      acc[2] = W::imax(acc[2], W::and_(W::bits(theta + update<W>(c, theta, m, v)), magnitude));
+    }
+    acc[0] = W::imax(acc[0], W::and_(W::bits(m), magnitude));
+    acc[1] = W::imax(acc[1], W::and_(W::bits(v), magnitude));
+  }
+
+  static void run_elements(const Row& r, int64_t begin, int64_t end) {
+    const Consts<V> c(r);
+    const MCode<V> mc(r.moment[0], 0);
+    const VCode<V> vc(r.moment[1], 0);
+    int64_t i = begin;
+    for (; i + V::W <= end; i += V::W) element<V>(r, c, mc, vc, i);
+    if (i < end) {
+      const Consts<VS> cs(r);
+      const MCode<VS> mcs(r.moment[0], 0);
+      const VCode<VS> vcs(r.moment[1], 0);
+      for (; i < end; ++i) element<VS>(r, cs, mcs, vcs, i);
+    }
+  }
+
+  static void run_amax(const Row& r, int64_t begin, int64_t end, uint32_t* out) {
+    const Consts<V> c(r);
+    const MCode<V> mc(r.moment[0], 0);
+    const VCode<V> vc(r.moment[1], 0);
+    typename V::I acc[3] = {V::iset1(0), V::iset1(0), V::iset1(0)};
+    int64_t i = begin;
+    for (; i + V::W <= end; i += V::W) amax_element<V>(r, c, mc, vc, i, acc);
+    VS::I result[3];
+    for (int k = 0; k < 3; ++k) result[k] = reduce_max<V>(acc[k]);
+    if (i < end) {
+      const Consts<VS> cs(r);
+      const MCode<VS> mcs(r.moment[0], 0);
+      const VCode<VS> vcs(r.moment[1], 0);
+      for (; i < end; ++i) amax_element<VS>(r, cs, mcs, vcs, i, result);
+    }
+    for (int k = 0; k < 3; ++k) out[k] = result[k];
+  }
+
+  // Groups [begin, end) of one row (begin a multiple of the group size): decode, AdamW, the
+  // rule, then encode the group's new m and v whole.
+  static void run_groups(const Row& r, int64_t begin, int64_t end) {
+    const int64_t size = r.group_size;
+    alignas(64) float mbuf[kMaxGroup];
+    alignas(64) float vbuf[kMaxGroup];
+    const Consts<V> c(r);
+    const Consts<VS> cs(r);
+    for (int64_t base = begin; base < end; base += size) {
+      const int64_t g = base / size;
+      const int64_t count = size < r.numel - base ? size : r.numel - base;
+      {
+        const MCode<V> mc(r.moment[0], g);
+        const VCode<V> vc(r.moment[1], g);
+        int64_t j = 0;
+        for (; j + V::W <= count; j += V::W) group_element<V>(r, c, mc, vc, base + j, mbuf + j, vbuf + j);
+        if (j < size) {
+          const MCode<VS> mcs(r.moment[0], g);
+          const VCode<VS> vcs(r.moment[1], g);
+          for (; j < count; ++j) group_element<VS>(r, cs, mcs, vcs, base + j, mbuf + j, vbuf + j);
+          for (; j < size; ++j) {  // padding: θ = g = 0, the format's stored padding or zeros
+            float m_old = MF::kPadDecoded ? MF::template decode<VS>(r.moment[0], mcs, base + j) : 0.0f;
+            float v_old = VF::kPadDecoded ? VF::template decode<VS>(r.moment[1], vcs, base + j) : 0.0f;
+            moments<VS>(cs, 0.0f, m_old, v_old, VF::kRegisterMax, mbuf[j], vbuf[j]);
+          }
+        }
+      }
+      MF::encode_group(r.moment[0], mbuf, size, base, g);
+      VF::encode_group(r.moment[1], vbuf, size, base, g);
+    }
+  }
+
+  template <class W>
+  static inline void group_element(const Row& r, const Consts<W>& c, const MCode<W>& mc, const VCode<W>& vc,
+                                   int64_t i, float* mbuf, float* vbuf) {
+    typename W::F theta, m, v;
+    compute<W>(r, c, mc, vc, i, theta, m, v);
+    R::template apply<W>(r, c, i, theta, update<W>(c, theta, m, v));
+    W::store_f32(mbuf, m);
+    W::store_f32(vbuf, v);
+  }
+
+  static bool run(int pass, const Row& r, int64_t begin, int64_t end, uint32_t* amax) {
+    if constexpr (kGroups) {
+      if (pass != STORE || r.group_size <= 0 || r.group_size > kMaxGroup || r.group_size % V::W) return false;
+      run_groups(r, begin, end);
+    } else if constexpr (kTwoPasses) {
+      if (pass == AMAX) {
+        run_amax(r, begin, end, amax);
+      } else {
+        run_elements(r, begin, end);
+      }
+    } else {
+      if (pass != STORE) return false;
+      run_elements(r, begin, end);
+    }
+    return true;
+  }
+};
+
+// ---- the families ----------------------------------------------------------------------
+
+template <int P, int M, int VD>
+struct Dtypes {};  // (θ, m, v) storage dtypes a family runs
+template <int... G>
+struct Grads {};  // gradient dtypes it takes
+template <int MF, int VF, int R, class GradDtypes, class... Storage>
+struct Family {};
+
+using Grads16 = Grads<F32, BF16, F16>;
+using GradsFP8 = Grads<E4M3, E5M2, F32, BF16, F16>;
+
+// Every native family: its (m format, v format, rule) tags, the gradients it takes, the storage
+// dtypes it runs. Adding a family is one line here (and its composition in Python).
+using Families = std::tuple<
+    // PlainAdamW (fp32; bf16-mixed's FP32 masters; bf16-pure), FP32StatesAdamW
+    Family<PLAIN, PLAIN, NEAREST, Grads16, Dtypes<F32, F32, F32>, Dtypes<BF16, F32, F32>, Dtypes<F16, F32, F32>,
+           Dtypes<BF16, BF16, BF16>>,
+    Family<PLAIN, PLAIN, KAHAN, Grads16, Dtypes<BF16, BF16, BF16>, Dtypes<BF16, F32, F32>, Dtypes<F16, F32, F32>>,
+    Family<PLAIN, PLAIN, STOCHASTIC_ROUNDING, Grads16, Dtypes<BF16, BF16, BF16>, Dtypes<BF16, F32, F32>>,
+    Family<PLAIN, PLAIN, MASTER, Grads16, Dtypes<F32, F32, F32>, Dtypes<BF16, F32, F32>, Dtypes<F16, F32, F32>>,
+    // CollageAdamW light and plus
+    Family<PLAIN, PLAIN, GROW, Grads16, Dtypes<BF16, BF16, BF16>, Dtypes<BF16, F32, F32>, Dtypes<F32, F32, F32>>,
+    Family<PLAIN, PAIR, GROW, Grads16, Dtypes<BF16, BF16, BF16>, Dtypes<BF16, F32, F32>, Dtypes<F32, F32, F32>>,
+    // FP8AdamW: a scaled FP16 master, or a plain FP32/BF16 one; (E4M3, FP16) or (FP32, FP32) moments
+    Family<SCALED, SCALED, SCALED_MASTER, GradsFP8, Dtypes<F16S, E4M3, F16>, Dtypes<F16S, F32, F32>>,
+    Family<SCALED, SCALED, NEAREST, GradsFP8, Dtypes<F32, E4M3, F16>, Dtypes<BF16, E4M3, F16>, Dtypes<F32, F32, F32>,
+           Dtypes<BF16, F32, F32>>,
+    // COATAdamW: FP32 θ, or BF16/FP16 θ with δθ
+    Family<GROUP_FP8, GROUP_FP8, NEAREST, Grads16, Dtypes<F32, E4M3, E4M3>, Dtypes<F32, E4M3, E5M2>>,
+    Family<GROUP_FP8, GROUP_FP8, GROW, Grads16, Dtypes<BF16, E4M3, E4M3>, Dtypes<BF16, E4M3, E5M2>,
+           Dtypes<F16, E4M3, E4M3>, Dtypes<F16, E4M3, E5M2>>,
+    // Collage8bitAdamW
+    Family<BLOCKWISE_8BIT, BLOCKWISE_8BIT, GROW, Grads16, Dtypes<BF16, U8, U8>, Dtypes<F16, U8, U8>>>;
+
+// ---- from the declaration and the row's dtypes to the instantiation ---------------------
+
+template <int TAG, int D, bool EXPAND>
+struct FormatOf;
+template <int D, bool X> struct FormatOf<PLAIN, D, X> { using type = PlainFormat<D>; };
+template <int D, bool X> struct FormatOf<PAIR, D, X> { using type = PairFormat<D>; };
+template <int D, bool X> struct FormatOf<SCALED, D, X> { using type = ScaledFormat<D>; };
+template <int D, bool X> struct FormatOf<GROUP_FP8, D, X> { using type = GroupFP8Format<D, X>; };
+template <bool X> struct FormatOf<BLOCKWISE_8BIT, U8, X> { using type = Blockwise8bitFormat; };
+
+template <int TAG, int P>
+struct RuleOf;
+template <int P> struct RuleOf<NEAREST, P> { using type = NearestRule<P>; };
+template <int P> struct RuleOf<GROW, P> { using type = GrowRule<P>; };
+template <int P> struct RuleOf<KAHAN, P> { using type = KahanRule<P>; };
+template <int P> struct RuleOf<STOCHASTIC_ROUNDING, P> { using type = StochasticRoundingRule<P>; };
+template <int P> struct RuleOf<MASTER, P> { using type = MasterRule<P>; };
+template <int P> struct RuleOf<SCALED_MASTER, P> { using type = ScaledMasterRule<P>; };
+
+template <int MF, int VF, int R, int P, int M, int VD, int G, bool X>
+inline bool run_typed(int pass, const Row& r, int64_t b, int64_t e, uint32_t* amax) {
+  using S = Step<typename FormatOf<MF, M, X>::type, typename FormatOf<VF, VD, X>::type, typename RuleOf<R, P>::type, G>;
+  return S::run(pass, r, b, e, amax);
 }
 
-inline bool eightbit_range(const Row& r, int64_t b, int64_t e, uint32_t*) {
-  if (r.group_size <= 0 || r.group_size > kMaxGroup || r.group_size % V::W) return false;
-  if (r.moment_dtype != U8 || r.exp_avg_sq_dtype != U8) return false;
-  switch (r.param_dtype) {
-    case BF16: { constexpr int P = BF16; HFL_GRAD_SWITCH(r.grad_dtype, (eightbit_run<P, G>(r, b, e))) }
-    case F16: { constexpr int P = F16; HFL_GRAD_SWITCH(r.grad_dtype, (eightbit_run<P, G>(r, b, e))) }
-    default: return false;
+template <int MF, int VF, int R, int P, int M, int VD, int G>
+inline bool run_expand(int pass, const Row& r, int64_t b, int64_t e, uint32_t* amax) {
+  if constexpr (MF == GROUP_FP8 || VF == GROUP_FP8) {
+    if (r.expand) return run_typed<MF, VF, R, P, M, VD, G, true>(pass, r, b, e, amax);
   }
+  return run_typed<MF, VF, R, P, M, VD, G, false>(pass, r, b, e, amax);
 }
 
-inline Table make_table(const char* name) {
-  return Table{name, adamw_range, collage_light_range, collage_plus_range, kahan_range,
-               sr_range, master_range, fp8_amax_range, fp8_store_range, coat_range, eightbit_range};
+template <int MF, int VF, int R, int... G, int P, int M, int VD>
+inline bool run_storage(Grads<G...>, Dtypes<P, M, VD>, int pass, const Row& r, int64_t b, int64_t e, uint32_t* amax) {
+  if (r.param_dtype != P || r.moment[0].dtype != M || r.moment[1].dtype != VD) return false;
+  bool ran = false;
+  const bool matched = ((r.grad_dtype == G && ((ran = run_expand<MF, VF, R, P, M, VD, G>(pass, r, b, e, amax)), true)) || ...);
+  return matched && ran;
 }
+
+template <int MF, int VF, int R, class GL, class... S>
+inline bool run_family(Family<MF, VF, R, GL, S...>, const Declaration& d, int pass, const Row& r, int64_t b, int64_t e,
+                       uint32_t* amax) {
+  if (d.m_format != MF || d.v_format != VF || d.rule != R) return false;
+  return (run_storage<MF, VF, R>(GL{}, S{}, pass, r, b, e, amax) || ...);
+}
+
+template <class... Fs>
+inline bool run_declared(std::tuple<Fs...>*, const Declaration& d, int pass, const Row& r, int64_t b, int64_t e,
+                         uint32_t* amax) {
+  return (run_family(Fs{}, d, pass, r, b, e, amax) || ...);
+}
+
+inline bool step(const Declaration& d, int pass, const Row& r, int64_t b, int64_t e, uint32_t* amax) {
+  return run_declared(static_cast<Families*>(nullptr), d, pass, r, b, e, amax);
+}
+
+inline Table make_table(const char* name) { return Table{name, step}; }
