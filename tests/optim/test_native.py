@@ -490,6 +490,40 @@ def test_fp8_adamw_is_bit_identical(isa, kind, clip):
                 _same(st[key], rst[key], f"{what} {key}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_adamw_edges_follow_the_reference(isa):
+    """FP8AdamW's kernel runs the composition core's arithmetic (`adamw_math`) at its edges too:
+    a finite gradient whose square overflows FP32 leaves v at FP32's largest value (the
+    reference's clamp, `Scaled.register_max`), not inf, and without weight decay θ·0 is still
+    added (−0 + (+0) = +0 where θ = −0 and the step is −0). One step, FP32 master and moments,
+    λ = 0, against `fp8_adamw_param_step` bit for bit."""
+    param = torch.tensor([0.5, -0.0, 0.25, -1.0] * 4)
+    grad = torch.tensor([1e30, -0.0, -3e25, 2e-3] * 4)
+    state = {
+        "step": 1,
+        "exp_avg": torch.zeros(16),
+        "exp_avg_scale": torch.ones(()),
+        "exp_avg_sq": torch.zeros(16),
+        "exp_avg_sq_scale": torch.ones(()),
+    }
+    ref_param, ref_state = param.clone(), {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    hyper = {**HYPER, "weight_decay": 0.0}
+    scalars = native.adamw_scalars([1], **hyper)
+    native.fp8_adamw_step(
+        [param], [None], [grad], [None], [state["exp_avg"]], [state["exp_avg_scale"]],
+        [state["exp_avg_sq"]], [state["exp_avg_sq_scale"]], scalars, isa=isa,
+    )  # fmt: skip
+    ref_state["step"] = 0
+    fp8_adamw_param_step(
+        ref_param, grad, ref_state, lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+        weight_decay=0.0, margin=0,
+    )  # fmt: skip
+    assert ref_state["exp_avg_sq"][0] == torch.finfo(FP32).max  # the edge is reached
+    _same(param, ref_param, "param")
+    _same(state["exp_avg_sq"], ref_state["exp_avg_sq"], "exp_avg_sq")
+    _same(state["exp_avg"], ref_state["exp_avg"], "exp_avg")
+
+
 # --- the ISA switch, errors ----------------------------------------------------------------
 
 
