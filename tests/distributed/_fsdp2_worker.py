@@ -35,7 +35,7 @@ from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # 
 from hf_lowprec.engines.traffic import fsdp2_step_bytes  # noqa: E402
 from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
-from tests.helpers import batches, tiny_gpt2  # noqa: E402
+from tests.helpers import batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
 
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
@@ -56,12 +56,22 @@ def clip(strategy, model, optimizer):
 
 
 def train(
-    strategy, model, optimizer, data, sharded: bool, clipping: bool = True, digests: list | None = None
+    strategy,
+    model,
+    optimizer,
+    data,
+    sharded: bool,
+    clipping: bool = True,
+    digests: list | None = None,
+    grad_norms: list | None = None,
 ) -> tuple[list[float], list[float]]:
     """Losses of the whole global batch and pre-clip gradient norms (none unclipped), per step;
-    `digests` collects the weights' digest after every step."""
+    `digests` collects the weights' digest after every step, `grad_norms` the first-order terms
+    of `first_order_bound` at the weights each step starts from (one process only)."""
     losses, norms = [], []
     for ids in data:
+        if grad_norms is not None:
+            grad_norms.append(fp32_gradient_norms(strategy, model, optimizer, ids))
         ids = local(ids) if sharded else ids
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
@@ -292,11 +302,13 @@ def reference(name: str, data) -> dict:
     export0 = dict_digest(strategy.full_precision_state_dict(model, optimizer))
     grads: list = []
     grad_bytes_hook(optimizer.optimizer, grads)
-    losses, norms = train(strategy, model, optimizer, data, sharded=False)
+    grad_norms: list = []
+    losses, norms = train(strategy, model, optimizer, data, sharded=False, grad_norms=grad_norms)
     return {
         "losses": losses,
         "accumulated_losses": accumulated(name, data),
         "norms": norms,
+        "grad_norms": grad_norms,
         "initial_state_l1": initial,
         "export_digest_before": export0,
         "state_dtypes": state_dtypes(optimizer),
@@ -567,8 +579,9 @@ def run_long(name: str, data) -> dict:
     strategy = get_strategy(name)
     model = strategy.prepare_model(tiny_gpt2())
     optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-    one, _ = train(strategy, model, optimizer, data, sharded=False)
-    return {"sharded": sharded, "one": one, "accumulated": accumulated(name, data)}
+    grad_norms: list = []
+    one, _ = train(strategy, model, optimizer, data, sharded=False, grad_norms=grad_norms)
+    return {"sharded": sharded, "one": one, "accumulated": accumulated(name, data), "grad_norms": grad_norms}
 
 
 def gpt2_small_bytes(name: str) -> dict:
