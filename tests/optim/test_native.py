@@ -999,3 +999,35 @@ def test_eightbit_is_bit_identical(isa, dtype, block_size):
             _same(v[index][1], state["exp_avg_sq_absmax"], f"{what} exp_avg_sq absmax")
     finite = [bool(a.isfinite().all()) for _, a in m]
     assert not all(finite) and any(finite), "the data must hold both NaN blocks and finite ones"
+
+
+def test_a_family_runs_natively_only_where_both_sides_declare_it():
+    """A composition reaches the kernels through its declaration (`native.declaration`: the
+    formats' and rule's `native_name`); the C++ side runs the declarations listed in its
+    `Families`. A format without a kernel is named in Python; a declarable composition the C++
+    list lacks (Kahan over a Collage-plus pair) is refused by `native.check` before any work,
+    naming where families are listed; a declared one is accepted."""
+    from hf_lowprec.formats import Pair, Plain, Scaled
+    from hf_lowprec.optim.rules import Grow, Kahan
+
+    assert "Pair(" in native.declaration(Plain(), Pair(Scaled()), Grow())
+    n = 40
+    named = {
+        "param": [torch.zeros(n, dtype=BF16)],
+        "grad": [torch.ones(n, dtype=BF16)],
+        "exp_avg": [torch.zeros(n, dtype=BF16)],
+        "exp_avg_sq": [torch.zeros(n, dtype=BF16)],
+        "exp_avg_sq_error": [torch.zeros(n, dtype=BF16)],
+        "compensation": [torch.zeros(n, dtype=BF16)],
+    }
+    scalars = _scalars([1])
+    reason = native.check(native.declaration(Plain(), Pair(), Kahan()), named, scalars)
+    assert reason is not None and "no native kernel for (plain, pair, kahan)" in reason and "Families" in reason
+    before = named["param"][0].clone()
+    with pytest.raises(RuntimeError, match="no native kernel"):
+        native.step(native.declaration(Plain(), Pair(), Kahan()), named, scalars)
+    assert torch.equal(named["param"][0], before)
+    named["param_error"] = named.pop("compensation")
+    assert native.check(native.declaration(Plain(), Pair(), Grow()), named, scalars) is None
+    named["stray"] = [torch.zeros(n)]
+    assert "does not read 'stray'" in native.check(native.declaration(Plain(), Pair(), Grow()), named, scalars)
