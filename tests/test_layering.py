@@ -45,6 +45,7 @@ LAYERS = {
     "hf_lowprec.engines.fsdp2_fp8": 2,
     "hf_lowprec.engines.ddp": 5,
     "hf_lowprec.engines.fsdp2": 5,
+    "hf_lowprec.engines.fsdp2_checkpoints": 5,
     "hf_lowprec.engines.zero": 5,
     "hf_lowprec.engines.traffic": 5,
     "hf_lowprec.trl": 5,  # the short import path of integrations.trl
@@ -57,8 +58,8 @@ LAYERS = {
 }
 
 # Modules allowed over ~450 lines, each with the reason stated at its top.
-LONG_MODULES = {"hf_lowprec.fp8.linear", "hf_lowprec.strategies.base"}
-MAX_LINES = 460
+LONG_MODULES = {"hf_lowprec.fp8.linear", "hf_lowprec.strategies.base", "hf_lowprec.integrations.launch"}
+MAX_LINES = 450
 
 
 def _name(path: pathlib.Path) -> str:

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
 from ..registry import available_strategies, get_strategy
+from .fsdp2_checkpoints import load_sharded, save_sharded, sharded_state_dict
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -366,95 +367,3 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
-def sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """{"model": ..., "optimizer": ...} of live references: DTensor shards, the optimizer's
-    state (every parameter's, created at zero where no step ran yet, so that a load has
-    somewhere to write) and the strategy's counters under "hf_lowprec". State laid out per
-    shard (COAT's per-group FP8 moments, collage-8bit's blocks) appears as copies; see
-    `_per_shard_state`."""
-    return _sharded_state_dict(model, optimizer)[0]
-
-
-def _sharded_state_dict(model: torch.nn.Module, optimizer: Any) -> tuple[dict[str, Any], list[tuple]]:
-    from ..memory import unwrap_optimizer
-
-    inner = unwrap_optimizer(optimizer)
-    init_states = getattr(inner, "init_states", None)
-    if init_states is None:
-        raise TypeError(f"{type(inner).__name__} cannot create its state before a step; sharded checkpoints need it")
-    init_states()
-    optimizer_state = dict(optimizer.state_dict())
-    params = [p for group in inner.param_groups for p in group["params"]]
-    # String keys: the checkpoint's loader writes a non-tensor value (a step number) back under
-    # str(key), so an int-keyed entry would come back as a second, string-keyed one.
-    states = {str(index): dict(state) for index, state in optimizer_state["state"].items()}
-    optimizer_state["state"] = states
-    restore = _per_shard_state(states, params)
-    return {"model": model.state_dict(), "optimizer": optimizer_state}, restore
-
-
-def _per_shard_state(states: dict[str, dict[str, Any]], params: list[torch.Tensor]) -> list[tuple]:
-    """Replace, in `states`, each state tensor of a DTensor parameter not shaped like its shard
-    (groups or blocks padded per shard, a shard's own scale) by a DTensor (world, longest): row r
-    is rank r's flattened tensor, zero-padded to the longest over the ranks (one all-reduce of
-    the lengths). The checkpoint then holds every rank's tensor once, where a plain tensor would
-    be written once for all ranks. Such state resumes at the same world size only (its layout
-    follows the shards). Returns (state, key, original) to copy loaded rows back."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    found = [
-        (state, key, value, params[int(index)])
-        for index, state in states.items()
-        for key, value in state.items()
-        if isinstance(params[int(index)], DTensor)
-        and torch.is_tensor(value)
-        and not isinstance(value, DTensor)
-        and key != "step"  # the step count: the same on every rank
-    ]
-    if not found:
-        return []
-    mesh = found[0][3].device_mesh
-    lengths = torch.tensor([value.numel() for _, _, value, _ in found], dtype=torch.int64, device=found[0][2].device)
-    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    restore = []
-    for (state, key, value, _), longest in zip(found, lengths.tolist()):
-        row = torch.zeros(1, longest, dtype=value.dtype, device=value.device)
-        row[0, : value.numel()] = value.reshape(-1)
-        state[key] = DTensor.from_local(
-            row, mesh, [Shard(0)], run_check=False, shape=(mesh.size(), longest), stride=(longest, 1)
-        )
-        restore.append((state, key, value))
-    return restore
-
-
-def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
-    """Write model and optimizer shards to the directory `path` (torch.distributed.checkpoint;
-    every rank calls it). A DTensor is written once, split by its shards; a plain value (the
-    strategy's counters, step numbers, a random generator's state: equal on every rank) once.
-    Atomic, with every rank's shards checksummed (`hf_lowprec.integrations.sharded_checkpoints`)."""
-    import torch.distributed.checkpoint as dcp
-
-    from ..integrations.sharded_checkpoints import save_checked
-
-    state, restore = _sharded_state_dict(model, optimizer)
-    save_checked(os.fspath(path), lambda directory: dcp.save(state, checkpoint_id=directory), bool(restore))
-
-
-def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
-    """Read what `save_sharded` wrote into a freshly sharded `model` and its new `optimizer`
-    (same strategy; any world size, DTensors are resharded, except state laid out per shard,
-    which needs the world size it was saved at), then continue bit for bit."""
-    import torch.distributed.checkpoint as dcp
-
-    from ..integrations.sharded_checkpoints import check_saved
-
-    target, restore = _sharded_state_dict(model, optimizer)
-    check_saved(os.fspath(path), bool(restore))  # damaged, torn or another world size: refused here
-    dcp.load(target, checkpoint_id=os.fspath(path))
-    for state, key, original in restore:
-        original.reshape(-1).copy_(state[key].to_local()[0, : original.numel()])
-        state[key] = original
-    model.load_state_dict(target["model"])
-    optimizer_state = dict(target["optimizer"])
-    optimizer_state["state"] = {int(index): state for index, state in optimizer_state["state"].items()}
-    optimizer.load_state_dict(optimizer_state)

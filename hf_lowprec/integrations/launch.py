@@ -29,6 +29,11 @@ whose processes did (a replaced `PYTHONPATH`, `python -I`) ends the launcher non
 Without `HF_LOWPREC_LAUNCH` nothing here runs and importing transformers is untouched. This
 module imports only the standard library at the top: it is imported at every launched
 process's start.
+
+This module is long (about 460 lines) because it holds both sides of the launcher, the command's
+parent and the hook in every process it starts: they share the environment variables, the
+patch points and their error texts, and keeping them in one module, standard library only,
+keeps them in step.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -50,39 +50,24 @@ from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .rules import Rule
-from .scalars import BETA2, DECAY, EPS, ONE_MINUS_BETA1, ONE_MINUS_BETA2, STEP, adamw_scalars
+from .scalars import (
+    BETA2,
+    DECAY,
+    EPS,
+    ONE_MINUS_BETA1,
+    ONE_MINUS_BETA2,
+    STEP,
+    adamw_scalars,
+    check_adamw_hyperparameters,
+)
 from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_, step_count_on_device
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
 
-#: Where each state key's bytes go ("optimizer" moments, "extra" components, scales and
-#: masters, "gradient" kept in the optimizer), for `hf_lowprec.memory` and the reports.
-STATE_ROLES: dict[str, str] = {
-    "exp_avg": "optimizer",
-    "exp_avg_sq": "optimizer",
-    "grad": "gradient",
-    **{
-        f"{prefix}{suffix}": "extra"
-        for prefix in ("exp_avg", "exp_avg_sq")
-        for suffix in ("_error", "_scale", "_exponent", "_center", "_absmax")
-    },
-    "grad_scale": "extra",
-    "param_error": "extra",
-    "compensation": "extra",
-    "master": "extra",
-}
-
-
-def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
-    """Raise ValueError naming the bad value and what to pass instead."""
-    if not lr >= 0.0:
-        raise ValueError(f"{name}: invalid lr={lr!r}; the learning rate must be >= 0 (e.g. lr=1e-3)")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{name}: invalid betas={tuple(betas)!r}; pass two values in [0, 1), e.g. betas=(0.9, 0.999)")
-    if not eps >= 0.0:
-        raise ValueError(f"{name}: invalid eps={eps!r}; eps must be >= 0 (e.g. eps=1e-8)")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)")
+#: Where each state key's bytes go, for `hf_lowprec.memory` and the reports: the moments are
+#: "optimizer", a gradient kept by the optimizer "gradient"; every other key (errors, scales,
+#: block metadata, masters, compensations) is "extra", the readers' default.
+STATE_ROLES: dict[str, str] = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "grad": "gradient"}
 
 
 def adamw_math(

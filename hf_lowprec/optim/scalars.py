@@ -14,6 +14,7 @@ the host to the device: `scalar_rows` fills host values in (a kernel argument, n
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "STEP",
     "ONE_MINUS_BETA1",
     "adamw_scalars",
+    "check_adamw_hyperparameters",
     "device_scalar_rows",
     "scalar_rows",
 ]
@@ -32,6 +34,18 @@ __all__ = [
 # Slots of the per-step scalar vector.
 ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY = range(6)
 _TINY = torch.finfo(torch.float32).smallest_normal
+
+
+def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
+    """Raise ValueError naming the bad value and what to pass instead."""
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: invalid lr={lr!r}; the learning rate must be >= 0 (e.g. lr=1e-3)")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: invalid betas={tuple(betas)!r}; pass two values in [0, 1), e.g. betas=(0.9, 0.999)")
+    if not eps >= 0.0:
+        raise ValueError(f"{name}: invalid eps={eps!r}; eps must be >= 0 (e.g. eps=1e-8)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: invalid weight_decay={weight_decay!r}; it must be >= 0 (0.0 disables decay)")
 
 
 def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
