@@ -11,6 +11,7 @@ path).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from . import native
 __all__ = ["native_call", "unsupported"]
 
 _DECLARED: dict = {}
+_CHECKED: dict = {}
 
 
 def _declaration(composition) -> native.Declaration | str:
@@ -53,7 +55,13 @@ def unsupported(composition, sample) -> str | None:
     declared = _declaration(composition)
     if isinstance(declared, str):
         return declared
-    return native.check(declared, _named(composition, [sample]), _scalars([sample]))
+    # The answer depends on the composition and the dtypes only (the rows are staged contiguous
+    # before the call): asked once per pair, not at every step.
+    key = (composition, tuple(None if t is None else t.dtype for t in sample.tensors))
+    if key not in _CHECKED:
+        staged = dataclasses.replace(sample, tensors=[None if t is None else t.contiguous() for t in sample.tensors])
+        _CHECKED[key] = native.check(declared, _named(composition, [staged]), _scalars([staged]))
+    return _CHECKED[key]
 
 
 def native_call(composition, rows: Sequence) -> Callable[[], None]:
