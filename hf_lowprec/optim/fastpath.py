@@ -39,6 +39,7 @@ single-threaded build. Compiled graphs are cached on disk by Inductor
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import types
@@ -238,7 +239,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
         function(*args, found_inf=found_inf)
 
     discard.__name__ = discard.__qualname__ = f"step_{abs(hash(key))}"
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _size_oblivious():
         for index, row in enumerate(rows):
             staged, write_back = _stage(row, block)
             if block > 1:
@@ -262,6 +263,19 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
             if counter is not None:
                 counter["compiled"] += 1
     return True
+
+
+def _size_oblivious() -> contextlib.AbstractContextManager:
+    """Dynamo specialises a dimension of size 1 even under `dynamic=True`: a group format's first
+    parameter of one block (a bias, a LayerNorm weight) or a one-element parameter would compile
+    a graph of its own, and the next size a second one (doubling the compile time, ~70 s for a
+    grouped format on CPU). Size-oblivious reasoning keeps the one general graph for every size;
+    the step broadcasts no size-1 dimension, so its values are the same."""
+    import torch.fx.experimental._config as config
+
+    if not hasattr(config, "backed_size_oblivious"):  # torch releases before the option
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)
 
 
 def _flag(row: ParamStep) -> dict[str, torch.Tensor]:
