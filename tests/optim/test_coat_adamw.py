@@ -177,6 +177,7 @@ def test_zero_gradient_groups_and_all_zero_state():
     assert math.isclose(param.detach()[200].item(), 1 - 1e-3, rel_tol=1e-6)
 
 
+@pytest.mark.compiles_step
 @pytest.mark.parametrize("fused", ["reference", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused):

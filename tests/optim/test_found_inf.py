@@ -100,6 +100,7 @@ def _assert_same(actual: list, expected: list) -> None:
             assert torch.equal(a.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8)), f"{key} differs"
 
 
+@pytest.mark.compiles_step
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_flagged_step_changes_nothing_and_a_clear_flag_steps_as_none(family, path):
@@ -118,6 +119,7 @@ def test_a_flagged_step_changes_nothing_and_a_clear_flag_steps_as_none(family, p
     assert set(optimizer.paths_taken) == {path}
 
 
+@pytest.mark.compiles_step
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_skipped_step_then_resume_continues_bit_for_bit(family, path):

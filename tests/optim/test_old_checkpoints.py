@@ -41,6 +41,7 @@ def saved() -> dict:
     return torch.load(DATA, weights_only=True)
 
 
+@pytest.mark.compiles_step
 @pytest.mark.parametrize("fused", ["reference", "compiled"])
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_old_checkpoint_loads_and_continues_bit_for_bit(saved: dict, name: str, fused: str) -> None:
