@@ -239,7 +239,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
         function(*args, found_inf=found_inf)
 
     discard.__name__ = discard.__qualname__ = f"step_{abs(hash(key))}"
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _size_oblivious():
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _one_graph_for_every_size():
         for index, row in enumerate(rows):
             staged, write_back = _stage(row, block)
             if block > 1:
@@ -265,17 +265,22 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
     return True
 
 
-def _size_oblivious() -> contextlib.AbstractContextManager:
-    """Dynamo specialises a dimension of size 1 even under `dynamic=True`: a group format's first
-    parameter of one block (a bias, a LayerNorm weight) or a one-element parameter would compile
-    a graph of its own, and the next size a second one (doubling the compile time, ~70 s for a
-    grouped format on CPU). Size-oblivious reasoning keeps the one general graph for every size;
-    the step broadcasts no size-1 dimension, so its values are the same."""
+def _one_graph_for_every_size() -> contextlib.AbstractContextManager:
+    """Two habits of dynamic shapes would compile a composition more than once (each graph of a
+    grouped format costs about a minute on two CPU cores):
+
+    - a dimension of size 1 is specialised even under `dynamic=True`: a group format's first
+      parameter of one block (a bias, a LayerNorm weight) or a one-element parameter would get a
+      graph of its own. Size-oblivious reasoning keeps the general graph; the step broadcasts no
+      size-1 dimension, so its values are the same;
+    - duck sizing gives two dimensions one symbol when their first sizes happen to be equal (a
+      staged parameter and a stored payload of another layout), and the first parameter where
+      they differ recompiles. Dimensions the step really combines are still unified, by guards."""
     import torch.fx.experimental._config as config
 
-    if not hasattr(config, "backed_size_oblivious"):  # torch releases before the option
-        return contextlib.nullcontext()
-    return config.patch(backed_size_oblivious=True)
+    options = {"backed_size_oblivious": True, "use_duck_shape": False}
+    options = {name: value for name, value in options.items() if hasattr(config, name)}  # older torch
+    return config.patch(**options) if options else contextlib.nullcontext()
 
 
 def _flag(row: ParamStep) -> dict[str, torch.Tensor]:

@@ -251,28 +251,34 @@ def test_new_shapes_do_not_recompile():
     assert counters["stats"]["unique_graphs"] == before
 
 
-@pytest.mark.parametrize("block", [1, 4], ids=["one-element-first", "one-block-first"])
-def test_a_size_one_first_parameter_compiles_one_graph_for_every_size(block):
-    """Dynamo specialises size-1 dimensions even with dynamic shapes: a first parameter of one
-    element (or, in a group format, of one block: a bias) used to compile a graph for size 1 and
-    a second one for the next size. One graph now serves both, with the eager values."""
+@pytest.mark.parametrize(
+    ("block", "numels"),
+    [(1, (1, 5, 3)), (4, (4, 20, 3)), (1, (4, 9, 3))],
+    ids=["one-element-first", "one-block-first", "sizes-equal-by-chance-first"],
+)
+def test_one_graph_serves_every_size_whatever_the_first_parameter(block, numels):
+    """Two habits of dynamic shapes used to compile a second graph at the second parameter:
+    dynamo specialises size-1 dimensions (a first parameter of one element or, in a group
+    format, of one block: a bias), and duck sizing gives two dimensions one symbol when their
+    first sizes are equal (here the parameter and a 4-element tensor stored as it is). One graph
+    now serves every row, with the eager values."""
     from torch._dynamo.utils import counters
 
-    def step(param, grad, scalars, seed, found_inf=None):
-        param.add_(grad * scalars[0] + scalars[1] * param.sum(dim=-1, keepdim=True))
+    def step(param, grad, table, scalars, seed, found_inf=None):
+        param.add_(grad * scalars[0] + scalars[1] * param.sum(dim=-1, keepdim=True) + table.sum())
         return param
 
     def row(numel):
-        param = torch.linspace(-1.0, 1.0, numel)
-        return fastpath.ParamStep([param, torch.full((numel,), 0.5)], [True, True], torch.tensor([2.0, 0.25]), None)
+        tensors = [torch.linspace(-1.0, 1.0, numel), torch.full((numel,), 0.5), torch.arange(4.0)]
+        return fastpath.ParamStep(tensors, [True, True, False], torch.tensor([2.0, 0.25]), None)
 
-    rows = [row(block), row(5 * block), row(3)]
+    rows = [row(n) for n in numels]
     expected = []
     for r in rows:
         staged, _ = fastpath._stage(r, block)
         expected.append(step(*[t.clone() for t in staged], r.scalars, None).reshape(-1)[: r.tensors[0].numel()])
     before = counters["stats"]["unique_graphs"]
-    fastpath.run_bucket(("size-one-first", block), step, block, rows, "compiled", want_updates=False)
+    fastpath.run_bucket(("one-graph", block, numels), step, block, rows, "compiled", want_updates=False)
     assert counters["stats"]["unique_graphs"] == before + 1
     for r, e in zip(rows, expected):
         assert torch.equal(r.tensors[0], e)
