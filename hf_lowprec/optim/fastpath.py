@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+import torch.fx.experimental._config as _SHAPE_CONFIG
 
 from ..compiling import compiler_missing
 
@@ -276,11 +277,15 @@ def _one_graph_for_every_size() -> contextlib.AbstractContextManager:
     - duck sizing gives two dimensions one symbol when their first sizes happen to be equal (a
       staged parameter and a stored payload of another layout), and the first parameter where
       they differ recompiles. Dimensions the step really combines are still unified, by guards."""
-    import torch.fx.experimental._config as config
+    return _SHAPE_CONFIG.patch(**_ONE_GRAPH_OPTIONS) if _ONE_GRAPH_OPTIONS else contextlib.nullcontext()
 
-    options = {"backed_size_oblivious": True, "use_duck_shape": False}
-    options = {name: value for name, value in options.items() if hasattr(config, name)}  # older torch
-    return config.patch(**options) if options else contextlib.nullcontext()
+
+# Decided once at import, not at every step (older torch releases lack one or both options).
+_ONE_GRAPH_OPTIONS = {
+    name: value
+    for name, value in {"backed_size_oblivious": True, "use_duck_shape": False}.items()
+    if hasattr(_SHAPE_CONFIG, name)
+}
 
 
 def _flag(row: ParamStep) -> dict[str, torch.Tensor]:
