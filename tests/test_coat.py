@@ -346,7 +346,7 @@ def test_compiled_coat_keeps_eager_gradients():
     """COAT's model under torch.compile (AOT autograd traces the FP8-saving layers' backward,
     the aten kernels of `_kernel_backward`): gradients within FP8 rounding of the eager ones (the
     compiled graph may fuse and reorder the BF16 arithmetic around the FP8 casts). Its graph
-    breaks are counted against bf16-mixed's in tests/gpu/test_graph_breaks.py."""
+    breaks are counted against bf16-mixed's in tests/gpu/test_compiled.py."""
     import torch._dynamo
 
     ids = batches(1, batch=4, seq=32)[0]

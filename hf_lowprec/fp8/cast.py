@@ -58,7 +58,8 @@ def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Other devices convert natively (fast there), and non-FP8 tensors are converted by `.to`.
     """
-    if payload.dtype not in FP8_DTYPES or payload.device.type != "cpu":
+    if payload.dtype not in FP8_DTYPES or payload.device.type != "cpu" or torch.compiler.is_compiling():
+        # Inductor's own conversion is exact and vectorised; the tables would be graph constants.
         return payload.to(dtype)
     if payload.dim() == 2 and not payload.is_contiguous() and payload.t().is_contiguous():
         return widen(payload.t(), dtype).t()  # a transposed operand keeps its layout, no copy

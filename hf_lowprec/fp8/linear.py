@@ -234,13 +234,15 @@ def set_fp8_gemm_path(path: GemmPath | None) -> None:
 
 
 def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph the choice is recomputed while tracing, never looked up:
+        # reading `_chosen` would make its contents a guard of the graph, and the first eager
+        # call that fills it would recompile the model.
+        return _new_gemm(_forced_path or _default_path(device), device)
     key = (device.type, device.index)
     gemm = _chosen.get(key)
     if gemm is None:
-        path = _forced_path or _default_path(device)
-        if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
-            raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
-        gemm = _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
+        gemm = _new_gemm(_forced_path or _default_path(device), device)
         _chosen[key] = gemm
         if not torch.compiler.is_compiling():  # a logger call would break the user's graph
             reason = "forced" if _forced_path else "default for this device"
@@ -248,7 +250,15 @@ def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
     return gemm
 
 
+def _new_gemm(path: GemmPath, device: torch.device) -> _Upcast | _ScaledMM:
+    if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
+        raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
+    return _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
+
+
+@torch.compiler.assume_constant_result
 def _default_path(device: torch.device) -> GemmPath:
+    # A constant of the compiled graph (a device's capability does not change): no guard.
     if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
         if torch.cuda.get_device_capability(device) >= _FP8_TENSOR_CORE_CAPABILITY:
             return "scaled_mm"
@@ -566,6 +576,11 @@ class FP8Linear(nn.Module):
             if scale is None:
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
+        if torch.compiler.is_compiling():
+            # In a compiled graph the cast is fused into the graph and runs at every forward (as
+            # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
+            # value that changes per step, hence a guard, hence a new graph at every step.
+            return _quantize_per_tensor(weight, E4M3, self.margin, scale)
         key = (
             _step_generation,
             weight.data_ptr(),

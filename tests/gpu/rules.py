@@ -16,6 +16,8 @@ show the syncs a GPU run would make:
   `aten.lift_fresh` of a CPU tensor followed by `aten._to_copy` to CUDA, so it is counted here.
   A 0-dim CPU tensor handed straight to a CUDA operation is a kernel argument, not a copy.
 - graph breaks (`graph_breaks`): dynamo's own counter, after `torch._dynamo.reset()`.
+- recompilations (`compiled_run`): graphs dynamo builds after the warm-up steps, with the
+  guards that failed (a Python value read while tracing that changed between steps).
 
 Each recorded event names where it came from: the innermost frames of this repository's code
 (`hf_lowprec/`, `tests/`, `bench/`), so a failing test points at a file and line.
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeviceTraffic", "Event", "graph_breaks", "count_graph_breaks"]
+__all__ = ["CompiledRun", "DeviceTraffic", "Event", "compiled_run", "count_graph_breaks", "graph_breaks"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _OWN_CODE = tuple(str(ROOT / d) + "/" for d in ("hf_lowprec", "tests", "bench"))
@@ -230,6 +232,63 @@ def strategy_syncs(name: str, n_layer: int, warmup: int = 2, sharded: bool = Fal
     with DeviceTraffic() as steady:
         strategy_step(strategy, model, optimizer, ids)
     return first.syncs, steady.syncs
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledRun:
+    """What dynamo did while a compiled model trained: graph breaks in the warm-up steps, and
+    the graphs it built (recompilations) in the steady steps after them, with dynamo's reasons
+    (the guards that failed, one line each)."""
+
+    breaks: int
+    break_reasons: Counter
+    new_graphs: int
+    recompile_reasons: tuple[str, ...]
+
+    def recompiles_summary(self) -> str:
+        return "\n".join(f"  {r}" for r in self.recompile_reasons) or "  (no reason recorded)"
+
+
+def compiled_run(step: Callable[[], Any], warmup: int = 2, steady: int = 4) -> CompiledRun:
+    """Run `step()` `warmup` + `steady` times from a clean dynamo state, with dynamo's settings
+    as they are (a recompile limit raised to hide a per-step graph would hide the defect).
+
+    The first steps may build graphs (the forward, then the backward, a graph for a shape met
+    once); from step `warmup + 1` on, every graph dynamo makes is a recompilation: a guard
+    failed because some value read while tracing changed between steps.
+    """
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    for _ in range(warmup):
+        step()
+    breaks = Counter(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    guard_failures.clear()
+    for _ in range(steady):
+        step()
+    reasons = tuple(
+        f"{getattr(code, 'co_name', code)}: {str(reason).splitlines()[0][:300]}"
+        for code, failures in guard_failures.items()
+        for reason in failures
+    )
+    return CompiledRun(sum(breaks.values()), breaks, counters["stats"]["unique_graphs"] - graphs, reasons)
+
+
+def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: int = 4) -> CompiledRun:
+    """`compiled_run` of `name`'s training step with the prepared model wrapped in
+    `torch.compile`, as `TrainingArguments(torch_compile=True)` wraps it (backend "eager": see
+    `strategy_graph_breaks`; guards are dynamo's, decided before any backend runs)."""
+    import hf_lowprec
+
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(gpt2(n_layer))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+    compiled = torch.compile(model, backend="eager")
+    ids = token_batch()
+    return compiled_run(lambda: strategy_step(strategy, compiled, optimizer, ids), warmup, steady)
 
 
 def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2) -> tuple[int, Counter]:

@@ -142,7 +142,7 @@ def test_fp16_als_compiled_counts_what_eager_counts():
     """Under `torch.compile` the activation gradients are counted through `_ActivationTally`
     into the probe's gradient instead of tensor hooks: the same histogram, clipped counts and
     scale decisions as eagerly. Its graph breaks are counted against bf16-mixed's in
-    tests/gpu/test_graph_breaks.py."""
+    tests/gpu/test_compiled.py."""
     import torch._dynamo
 
     data = batches(3)
