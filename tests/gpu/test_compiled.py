@@ -88,3 +88,35 @@ def test_the_counter_sees_a_per_step_global_read_in_the_forward():
     result = compiled_run(step, warmup=2, steady=4)
     assert result.new_graphs == 4, result
     assert any("_planted_step" in r for r in result.recompile_reasons), result.recompile_reasons
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "coat"])
+def test_the_trainer_with_torch_compile_builds_its_graphs_once(tmp_path, name):
+    """`TrainingArguments(torch_compile=True)` through `hf_lowprec.Trainer` (which compiles the
+    model through Accelerate): no graph is built after the second optimizer step."""
+    from torch._dynamo.utils import counters, guard_failures
+    from transformers import TrainerCallback
+
+    from hf_lowprec import Trainer, TrainingArguments
+    from tests.helpers import TokenBlocks, tiny_gpt2, trainer_arguments
+
+    graphs_after_step: list[int] = []
+
+    class CountGraphs(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            graphs_after_step.append(counters["stats"]["unique_graphs"])
+
+    args = TrainingArguments(
+        **trainer_arguments(
+            tmp_path, precision_strategy=name, torch_compile=True, torch_compile_backend="eager", max_steps=6
+        )
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[CountGraphs()])
+    trainer.train()
+    assert len(graphs_after_step) == 6
+    assert graphs_after_step[0] > 0, "the model was not compiled"
+    reasons = [str(r).splitlines()[0] for failures in guard_failures.values() for r in failures]
+    assert graphs_after_step[-1] == graphs_after_step[1], (graphs_after_step, reasons)
