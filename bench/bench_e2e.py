@@ -9,10 +9,11 @@ strategy, as ratios to bf16-mixed measured in the same run; then the same model 
 
 Compiled table (issue #36): `torch.compile(model)` (inductor) around the prepared model, batch
 4×256, the median of `--compiled-steps` (≥ 5) steps after two warm-up steps (compilation), with
-the fastest and slowest step so that a swing shows. torchao's float8 training
-(`convert_to_float8_training`: dynamic per-tensor E4M3/E5M2 scaling, FP32 weights under BF16
-autocast, torch's AdamW(fused=True)) converts `nn.Linear` only and GPT-2's blocks are
-`Conv1D`: for every compiled row the blocks' `Conv1D` layers are converted to `nn.Linear`
+the fastest and slowest step so that a swing shows, the first step (where the compilation
+happens) and the graphs dynamo built after the warm-up steps (recompilations: 0 expected).
+torchao's float8 training (`convert_to_float8_training`: dynamic per-tensor E4M3/E5M2
+scaling, FP32 weights under BF16 autocast, torch's AdamW(fused=True)) converts `nn.Linear`
+only and GPT-2's blocks are `Conv1D`: for every compiled row the blocks' `Conv1D` layers are converted to `nn.Linear`
 (same values, weight transposed) before the strategy or torchao sees the model, so all rows
 train the same model. torchao 0.18 is installed with `pip install --no-deps --target
 build/bench-site` on first use (a row that cannot install or run says so).
@@ -142,6 +143,7 @@ def child(args: argparse.Namespace) -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     warmup = COMPILED_WARMUP if args.compile else 1
     times, passes, losses = [], [], []
+    graphs = []  # dynamo's graphs built so far, after each step (compiled rows)
     for _ in range(args.steps + warmup):
         start = time.perf_counter()
         with context():
@@ -152,6 +154,8 @@ def child(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
+        if args.compile:
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = {
         "step_s": statistics.median(times[warmup:]),
@@ -159,7 +163,10 @@ def child(args: argparse.Namespace) -> None:
         "peak_mib": peak_mib,
         "fastest_s": min(times[warmup:]),
         "slowest_s": max(times[warmup:]),
+        "first_s": times[0],
     }
+    if args.compile:  # graphs built after the warm-up steps: recompilations (goal 0)
+        out["recompiles"] = graphs[-1] - graphs[warmup - 1]
     print(json.dumps({**out, "loss": losses[-1]}))
 
 
@@ -269,19 +276,22 @@ def print_compiled(args: argparse.Namespace) -> int:
         f"{args.threads} threads, median of {args.compiled_steps} steps after {COMPILED_WARMUP} warm-up steps, "
         f"fastest of {args.rounds} rounds; load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}"
     )
-    print("| compiled | step (median) | ratio | fastest | slowest | peak RSS | loss |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| compiled | step (median) | ratio | fastest | slowest | first step (compiles) | graphs after warm-up | peak RSS | loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     base = None
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         if not ok:
-            print(f"| {name} | {rs[0]['error']} | | | | | |")
+            print(f"| {name} | {rs[0]['error']} | | | | | | | |")
             continue
         best = min(ok, key=lambda r: r["step_s"])
         base = base or best
         print(
             f"| {name} | {best['step_s']:.2f} s | {best['step_s'] / base['step_s']:.2f} | {best['fastest_s']:.2f} s | "
-            f"{best['slowest_s']:.2f} s | {best['peak_mib']:.0f} MiB | {best['loss']:.3f} |"
+            f"{best['slowest_s']:.2f} s | {best['first_s']:.0f} s | {best['recompiles']} | {best['peak_mib']:.0f} MiB | "
+            f"{best['loss']:.3f} |"
         )
     return 0
 
