@@ -10,7 +10,9 @@ strategy, as ratios to bf16-mixed measured in the same run; then the same model 
 Compiled table (issue #36): `torch.compile(model)` (inductor) around the prepared model, batch
 4×256, the median of `--compiled-steps` (≥ 5) steps after two warm-up steps (compilation), with
 the fastest and slowest step so that a swing shows, the first step (where the compilation
-happens) and the graphs dynamo built after the warm-up steps (recompilations: 0 expected).
+happens) and the graphs dynamo built after the warm-up steps (recompilations: 0 expected);
+beside each, the same row run eagerly on the same model, batch and steps (the eager table
+above uses its own batch, `--batch`).
 torchao's float8 training (`convert_to_float8_training`: dynamic per-tensor E4M3/E5M2
 scaling, FP32 weights under BF16 autocast, torch's AdamW(fused=True)) converts `nn.Linear`
 only and GPT-2's blocks are `Conv1D`: for every compiled row the blocks' `Conv1D` layers are converted to `nn.Linear`
@@ -132,7 +134,7 @@ def child(args: argparse.Namespace) -> None:
     else:
         config = GPT2Config(n_layer=args.layers) if args.layers else GPT2Config()
     model = GPT2LMHeadModel(config)
-    if args.compile:
+    if args.compile or args.linear:
         model = conv1d_to_linear(model)
     if args.child == TORCHAO:
         problem = ensure_torchao()
@@ -176,15 +178,20 @@ def model_label(args: argparse.Namespace) -> str:
     return f"GPT-2 124M's shape with {args.layers} of its 12 layers" if args.layers else "GPT-2 124M"
 
 
-def run_children(names: list[str], args: argparse.Namespace, *, compiled: bool) -> dict[str, list[dict]] | None:
-    """Each strategy's child process `args.rounds` times, interleaved; None if one failed."""
+def run_children(
+    names: list[str], args: argparse.Namespace, *, compiled: bool, same_as_compiled: bool = False
+) -> dict[str, list[dict]] | None:
+    """Each strategy's child process `args.rounds` times, interleaved; None if one failed.
+    `same_as_compiled`: an eager run with the compiled table's batch, steps and model."""
     batch, steps = (args.compiled_batch, args.compiled_steps) if compiled else (args.batch, args.steps)
+    if same_as_compiled:
+        batch, steps = args.compiled_batch, args.compiled_steps
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
             cmd = [sys.executable, __file__, "--child", name, "--steps", str(steps), "--threads", str(args.threads)]
             cmd += ["--batch", str(batch), "--seq", str(args.seq), "--layers", str(args.layers)]
-            cmd += ["--compile"] * compiled + ["--smoke"] * args.smoke
+            cmd += ["--compile"] * compiled + ["--linear"] * same_as_compiled + ["--smoke"] * args.smoke
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -212,6 +219,7 @@ def main() -> int:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, two steps, one round: runs, measures nothing")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--linear", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -264,11 +272,13 @@ def main() -> int:
 
 
 def print_compiled(args: argparse.Namespace) -> int:
-    """The compiled table: median, fastest and slowest step per row, ratios to the first row."""
+    """The compiled table: median, fastest and slowest step per row, ratios to the first row,
+    and each row's eager step on the same model and batch."""
     names = args.compiled.split(",")
     load = os.getloadavg()
     runs = run_children(names, args, compiled=True)
-    if runs is None:
+    eager = run_children(names, args, compiled=False, same_as_compiled=True)
+    if runs is None or eager is None:
         return 1
     print()
     print(
@@ -277,21 +287,23 @@ def print_compiled(args: argparse.Namespace) -> int:
         f"fastest of {args.rounds} rounds; load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| compiled | step (median) | ratio | fastest | slowest | first step (compiles) | graphs after warm-up | peak RSS | loss |"
+        "| compiled | step (median) | ratio | fastest | slowest | eager step, same batch | compiled ÷ eager "
+        "| first step (compiles) | graphs after warm-up | peak RSS | loss |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = None
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         if not ok:
-            print(f"| {name} | {rs[0]['error']} | | | | | | | |")
+            print(f"| {name} | {rs[0]['error']} | | | | | | | | | |")
             continue
         best = min(ok, key=lambda r: r["step_s"])
+        plain = min((r["step_s"] for r in eager[name] if "error" not in r), default=float("nan"))
         base = base or best
         print(
             f"| {name} | {best['step_s']:.2f} s | {best['step_s'] / base['step_s']:.2f} | {best['fastest_s']:.2f} s | "
-            f"{best['slowest_s']:.2f} s | {best['first_s']:.0f} s | {best['recompiles']} | {best['peak_mib']:.0f} MiB | "
-            f"{best['loss']:.3f} |"
+            f"{best['slowest_s']:.2f} s | {plain:.2f} s | {best['step_s'] / plain:.2f} | {best['first_s']:.0f} s | "
+            f"{best['recompiles']} | {best['peak_mib']:.0f} MiB | {best['loss']:.3f} |"
         )
     return 0
 
