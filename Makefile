@@ -12,7 +12,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-ppo bench gpu-check fidelity readme lint clean
+.PHONY: install demo test test-ppo bench gpu-check device-bundle fidelity readme lint clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
@@ -75,6 +75,21 @@ gpu-check:
 	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
 		$(MAKE) --no-print-directory install && TORCHINDUCTOR_CACHE_DIR=$(BUILD)/inductor $(PYTHON) bench/gpu_check.py; \
 	else echo "gpu-check: no CUDA GPU here (torch.cuda.is_available() is False, or torch is missing): nothing run."; fi
+
+# What the device check (scripts/device_check.sh, docs/gpu.md) installs on a GPU machine that
+# reaches no package index: the wheels it lacks there (cp312, manylinux_2_28 x86_64) and this
+# package's own, with bundle.json (the commit and a hash of every file that travels); prints the
+# sizes (tree and bundle must stay under the device tool's 64 MiB). The machine already has
+# torch 2.11, transformers, accelerate, peft, safetensors, tokenizers, numpy and pytest, within
+# pyproject.toml's ranges; torchao (the float8 peer row) is the one missing wheel the check uses.
+DEVICE_BUNDLE := $(BUILD)/device-bundle
+TORCHAO_VERSION ?= 0.18.0
+device-bundle:
+	rm -rf $(DEVICE_BUNDLE) && mkdir -p $(DEVICE_BUNDLE)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d $(DEVICE_BUNDLE) "torchao==$(TORCHAO_VERSION)"
+	$(PYTHON) -m pip wheel --quiet --no-deps -w $(DEVICE_BUNDLE) .
+	$(PYTHON) bench/device_check.py bundle $(DEVICE_BUNDLE)
 
 # Collage training-fidelity comparison (docs/algorithms.md §2): beta2 = 0.999, cosine decay, thousands of steps.
 fidelity: install

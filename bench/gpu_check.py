@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 import hf_lowprec  # noqa: E402
 from hf_lowprec.fp8 import fp8_gemm_path  # noqa: E402
-from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor  # noqa: E402
 
 E2E_STRATEGIES = ("bf16-mixed", "collage-plus", "fp8-lm-o1", "fp8-lm-o2")
 TIME_BUDGET_S = 480  # the bench part; the tests come before it (whole command within ten minutes)
@@ -74,7 +73,12 @@ def run_tests() -> int:
     return proc.returncode
 
 
-def bench_optimizers(device: torch.device, numel: int, deadline: float) -> list[str]:
+def optimizer_times(
+    device: torch.device, numel: int, deadline: float, names: list[str] | None = None
+) -> tuple[float, dict[str, float | str]]:
+    """Median step seconds of torch's AdamW (fused where the device has it) and of each strategy's
+    optimizer (`names`, default all) on the same layers (8 Linear layers of `numel` parameters in
+    all); a strategy that cannot run here, or that the deadline stopped, gets the reason instead."""
     rows = 8
     cols = numel // rows // 1024 * 1024 // 1024  # square-ish Linear layers, multiples of 16
 
@@ -102,30 +106,37 @@ def bench_optimizers(device: torch.device, numel: int, deadline: float) -> list[
         stepper(reference, torch.optim.AdamW(reference.parameters(), lr=1e-4, fused=fused)), device, 2, 5
     )
     del reference
-    out = [
-        f"optimizer step, {rows * 1024 * cols / 1e6:.0f}M params: torch AdamW(fused={fused}) {base * 1e3:.1f} ms = 1.00"
-    ]
-    cells = []
-    for name in hf_lowprec.available_strategies():
+    times: dict[str, float | str] = {}
+    for name in names or hf_lowprec.available_strategies():
         if time.monotonic() > deadline:
-            cells.append(f"{name} (time)")
+            times[name] = "not run: time budget spent"
             continue
         try:
             strategy = hf_lowprec.get_strategy(name)
             module = strategy.prepare_model(model())
             optimizer = strategy.create_optimizer(module.parameters(), lr=1e-4)
-            t = median_time(stepper(module, optimizer, strategy), device, 3, 5)
-            cells.append(f"{name} {t / base:.2f}")
+            times[name] = median_time(stepper(module, optimizer, strategy), device, 3, 5)
         except Exception as exc:  # a strategy that cannot run here is reported, not fatal
-            cells.append(f"{name} error: {type(exc).__name__}")
+            times[name] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out.append("  time / AdamW: " + ", ".join(cells))
-    return out
+    return base, times
+
+
+def bench_optimizers(device: torch.device, numel: int, deadline: float) -> list[str]:
+    base, times = optimizer_times(device, numel, deadline)
+    rows = [f"{name} {t / base:.2f}" if isinstance(t, float) else f"{name} ({t})" for name, t in times.items()]
+    fused = device.type == "cuda"
+    return [
+        f"optimizer step, {numel / 1e6:.0f}M params: torch AdamW(fused={fused}) {base * 1e3:.1f} ms = 1.00",
+        "  time / AdamW: " + ", ".join(rows),
+    ]
 
 
 def bench_gemm(device: torch.device, size: int) -> list[str]:
+    from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor
+
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=g)
     b = torch.randn(size, size, device=device, generator=g)

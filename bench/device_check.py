@@ -1,0 +1,390 @@
+"""The device check: what one short, offline GPU session runs (scripts/device_check.sh), in parts.
+
+    python bench/device_check.py plan part1            # sections of a part and their budgets (seconds)
+    python bench/device_check.py run SECTION --out DIR --budget S [--device cuda|cpu] [--smoke]
+    python bench/device_check.py versions              # what the machine has, and which tree runs
+    python bench/device_check.py bundle DIR            # (make device-bundle) the manifest, the sizes
+
+Each section writes DIR/<section>.json and DIR/<section>.md, rewritten after every row, so a
+section stopped at its budget keeps the rows it finished. Sections that need a CUDA device say
+"no CUDA device" without one and write that as their status; `--device cpu --smoke` runs them
+on CPU at toy sizes instead, which checks their code and measures nothing. The sections:
+
+- `tests`: `pytest -m cuda tests/cuda`, then as much of the rest of the suite as the budget
+  leaves (one outcome per test, recorded as it comes: bench/device_check_pytest.py);
+- `steps`: every strategy's steady steps under `torch.cuda.set_sync_debug_mode` (2 and 8
+  layers, eager and compiled), and the `_scaled_mm` calls of the FP8 strategies per step
+  (bench/device_check_steps.py): writes `syncs` and `fp8_gemms`;
+- `e2e`: one Llama-style model, tokens/s and peak memory per strategy and for torchao's float8
+  (bench/device_check_e2e.py);
+- `optim`: every strategy's optimizer step against `torch.optim.AdamW(fused=True)`;
+- `fidelity`: a tiny GPT-2 trained a few hundred steps on CUDA and on CPU, losses compared.
+
+The tree on the device is identified by the manifest `make device-bundle` writes beside the
+wheels (bundle.json: the commit, and a hash of every file that travels), since no .git
+travels with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLE = Path(os.environ.get("DEVICE_BUNDLE", ROOT / "build" / "device-bundle"))
+MANIFEST = "bundle.json"
+# Files a section reads back before writing its report (kept out of $OUT, whose files come back).
+SCRATCH = Path(tempfile.gettempdir()) / f"hf_lowprec-device-check-{os.getpid()}"
+# The device tool sends at most this much: the working tree and the carried bundle together.
+TRAVEL_LIMIT = 64 << 20
+# Two commands of at most six minutes each cover every section; each budget bounds one section
+# (the shell script also stops a part at DEVICE_CHECK_SECONDS, whatever the budgets say).
+PARTS: dict[str, list[tuple[str, int]]] = {
+    "part1": [("tests", 140), ("steps", 170)],
+    "part2": [("e2e", 190), ("optim", 60), ("fidelity", 60)],
+}
+PACKAGES = ("triton", "transformers", "accelerate", "peft", "torchao", "safetensors", "tokenizers", "numpy")
+# Collected and run first in the suite section: what the issue calls the suite's core.
+CORE_TESTS = ("tests/fp8", "tests/optim", "tests/strategies", "tests/gpu")
+
+
+# --- results -------------------------------------------------------------------------------
+class Report:
+    """One section's results as DIR/<name>.json and DIR/<name>.md, rewritten after every change."""
+
+    def __init__(self, out: Path, name: str, title: str, columns: list[str], context: dict[str, Any]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.paths = out / f"{name}.json", out / f"{name}.md"
+        self.columns = columns
+        self.data: dict[str, Any] = {
+            "section": name,
+            "title": title,
+            "status": "running",
+            "started": _now(),
+            "finished": None,
+            "context": context,
+            "notes": [],
+            "columns": columns,
+            "rows": [],
+        }
+        self._write()
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.data["rows"].append(row)
+        self._write()
+
+    def note(self, text: str) -> None:
+        print(text, flush=True)
+        self.data["notes"].append(text)
+        self._write()
+
+    def finish(self, status: str = "done") -> None:
+        self.data["status"], self.data["finished"] = status, _now()
+        self._write()
+
+    def markdown(self) -> str:
+        context = self.data["context"]
+        lines = [
+            f"## {self.data['title']}",
+            "",
+            f"{context.get('device', '?')}; ran on {context.get('section_device', '?')}; torch {context.get('torch', '?')}; "
+            f"tree {context.get('tree', '?')}; "
+            f"{self.data['started']} – {self.data['finished'] or 'not finished'}; status: {self.data['status']}",
+            "",
+        ]
+        lines += [f"- {n}" for n in self.data["notes"]]
+        if self.columns and self.data["rows"]:
+            lines += ["", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+            lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in self.columns) + " |" for r in self.data["rows"]]
+        return "\n".join(lines) + "\n"
+
+    def _write(self) -> None:
+        # Replace, never truncate: a section killed while writing keeps its previous file.
+        for path, text in zip(self.paths, (json.dumps(self.data, indent=1, default=str), self.markdown())):
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def mark_cut(out: Path, name: str, budget: float) -> None:
+    """A section the shell's `timeout` stopped: say so in its files (their rows stay)."""
+    path = out / f"{name}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"section": name, "title": name, "rows": []}
+    if data.get("status") == "running" or not path.exists():
+        report = Report.__new__(Report)
+        report.paths, report.columns = (path, out / f"{name}.md"), data.get("columns", [])
+        report.data = {"context": {}, "notes": [], "started": "?", **data}
+        report.data["notes"].append(
+            f"stopped by the part's timeout after {budget:.0f} s: the rows above are all it ran"
+        )
+        report.finish("cut short")
+
+
+# --- what runs where -------------------------------------------------------------------------
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def travelling_files() -> list[str]:
+    """What the device tool sends of the tree: tracked files and untracked ones git does not ignore."""
+    listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
+    return sorted(f for f in set(listed) if f and (ROOT / f).is_file())
+
+
+def write_manifest(bundle: Path) -> int:
+    """bundle.json beside the wheels (commit, file hashes); prints the sizes; 1 if over the limit."""
+    files = travelling_files()
+    modified = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    manifest = {
+        "commit": _git("rev-parse", "HEAD").strip(),
+        "modified": modified,
+        "made": _now(),
+        "wheels": {p.name: p.stat().st_size for p in sorted(bundle.glob("*.whl"))},
+        "files": {f: _sha(ROOT / f) for f in files},
+    }
+    (bundle / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    tree = sum((ROOT / f).stat().st_size for f in files)
+    size = sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
+    for name, n in manifest["wheels"].items():
+        print(f"  {name}: {n / 2**20:.1f} MiB")
+    print(
+        f"device bundle {size / 2**20:.1f} MiB in {bundle}; tree {tree / 2**20:.1f} MiB "
+        f"({len(files)} files); together {(tree + size) / 2**20:.1f} MiB of {TRAVEL_LIMIT >> 20} MiB"
+    )
+    print(f"commit {manifest['commit'][:10]}" + (f" with {len(modified)} files modified" if modified else ""))
+    if tree + size > TRAVEL_LIMIT:
+        print("over the device tool's limit: it would refuse to send the tree", file=sys.stderr)
+        return 1
+    return 0
+
+
+def tree_state(bundle: Path = BUNDLE) -> str:
+    """Which tree runs: the bundle's commit, and whether the files here are the ones it hashed."""
+    path = bundle / MANIFEST
+    if not path.exists():
+        return "unknown (no bundle manifest: make device-bundle)"
+    manifest = json.loads(path.read_text())
+    label = manifest["commit"][:10] + (f" + {len(manifest['modified'])} modified" if manifest["modified"] else "")
+    differ = [f for f, h in manifest["files"].items() if not (ROOT / f).is_file() or _sha(ROOT / f) != h]
+    if differ:
+        shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+        return f"{label}, but {len(differ)} files differ from the bundle's: {shown}"
+    return f"{label} (the files are the ones bundled {manifest['made']})"
+
+
+def versions() -> dict[str, Any]:
+    import torch
+
+    import hf_lowprec
+
+    found: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    found["cuda"] = torch.version.cuda or "none"
+    if torch.cuda.is_available():
+        found["device"] = f"{torch.cuda.get_device_name()} ×{torch.cuda.device_count()}"
+        found["capability"] = "{}.{}".format(*torch.cuda.get_device_capability())
+    else:
+        found["device"] = "no CUDA device"
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "absent"
+    where = Path(hf_lowprec.__file__).resolve().parent.parent
+    found["hf_lowprec"] = f"from {'the tree' if where == ROOT else where}"
+    found["tree"] = tree_state()
+    found["cpus"] = os.cpu_count()
+    return found
+
+
+# --- sections --------------------------------------------------------------------------------
+def cuda_or_say(args: argparse.Namespace, report: Report) -> bool:
+    """True if the section can run on `args.device`; else notes "no CUDA device" and finishes."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        report.note("no CUDA device: nothing run (torch.cuda.is_available() is False)")
+        report.finish("no CUDA device")
+        return False
+    return True
+
+
+def section_tests(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    columns = ["phase", "passed", "failed", "errors", "skipped", "seconds", "command"]
+    report = Report(args.out, "tests", "Tests on the device", columns, context)
+    deadline = time.monotonic() + args.budget
+    cpus = os.cpu_count() or 1
+    phases = [
+        ("cuda", ["-m", "cuda", "tests/cuda"], min(4, cpus)),
+        # The rest of the suite on this machine's CPUs (markers of multi-process and slow runs
+        # left out: they would not fit), the core first.
+        (
+            "suite",
+            ["-m", "not cuda and not slow and not multiproc and not ppo", *CORE_TESTS, "tests"],
+            max(1, cpus // 2),
+        ),
+    ]
+    import torch
+
+    failures: list[dict[str, Any]] = []
+    for phase, selection, workers in phases:
+        if phase == "cuda" and args.device == "cuda" and not torch.cuda.is_available():
+            report.note("no CUDA device: the tests marked cuda would all skip; not run")
+            continue
+        left = deadline - time.monotonic()
+        if left < 20:
+            report.note(f"{phase}: no time left in the budget")
+            continue
+        outcomes, seconds, command = run_pytest(selection, workers, left - 5, SCRATCH / f"{phase}.jsonl")
+        counts = Counter(o["outcome"] for o in outcomes)
+        report.add(
+            {
+                "phase": phase,
+                "passed": counts["passed"],
+                "failed": counts["failed"],
+                "errors": counts["error"],
+                "skipped": counts["skipped"],
+                "seconds": round(seconds),
+                "command": command,
+            }
+        )
+        failures += [o for o in outcomes if o["outcome"] in ("failed", "error")]
+        report.data.setdefault("outcomes", {})[phase] = outcomes
+    for failure in failures:
+        report.note(f"{failure['outcome']}: {failure['test']}: {failure.get('reason', '')}")
+    report.finish("done" if not failures else "failures")
+
+
+def run_pytest(selection: list[str], workers: int, seconds: float, log: Path) -> tuple[list[dict], float, str]:
+    """pytest on `selection`, stopped after `seconds`; each outcome as recorded while it ran."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "device_check_pytest", "-q", "-p", "no:cacheprovider"]
+    cmd += ["--continue-on-collection-errors", *selection]
+    if workers > 1:
+        cmd += ["-n", str(workers), "--dist", "worksteal"]
+    env = dict(os.environ, DEVICE_CHECK_PYTEST_LOG=str(log))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 15)
+        proc.wait()
+    shown = " ".join(cmd[3:]).replace(" -p device_check_pytest", "")
+    outcomes = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    log.unlink(missing_ok=True)
+    return outcomes, time.monotonic() - start, shown
+
+
+def section_steps(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_steps import run_steps
+
+    run_steps(args, context)
+
+
+def section_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_e2e import run_e2e
+
+    run_e2e(args, context)
+
+
+def section_optim(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_steps import run_optim
+
+    run_optim(args, context)
+
+
+def section_fidelity(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_steps import run_fidelity
+
+    run_fidelity(args, context)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
+    "tests": section_tests,
+    "steps": section_steps,
+    "e2e": section_e2e,
+    "optim": section_optim,
+    "fidelity": section_fidelity,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="the sections of a part, one 'name budget' line each")
+    plan.add_argument("part", choices=[*PARTS, "all"])
+    sub.add_parser("versions", help="print what runs here")
+    bundle = sub.add_parser("bundle", help="write the bundle's manifest and print the sizes")
+    bundle.add_argument("dir", type=Path)
+    cut = sub.add_parser("cut", help="mark a section's files as stopped by the timeout")
+    cut.add_argument("section")
+    cut.add_argument("--out", type=Path, required=True)
+    cut.add_argument("--budget", type=float, required=True)
+    run = sub.add_parser("run", help="run one section")
+    run.add_argument("section", choices=SECTIONS)
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--budget", type=float, default=300.0, help="seconds this section may take")
+    run.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    run.add_argument("--smoke", action="store_true", help="toy sizes: checks the section's code, measures nothing")
+    worker = sub.add_parser("worker", help=argparse.SUPPRESS)
+    worker.add_argument("job")
+    worker.add_argument("spec")
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        for name, budget in PARTS[args.part] if args.part != "all" else [s for p in PARTS.values() for s in p]:
+            print(name, budget)
+        return 0
+    if args.command == "bundle":
+        return write_manifest(args.dir.resolve())
+    if args.command == "cut":
+        mark_cut(args.out, args.section, args.budget)
+        return 0
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(1, str(ROOT / "bench"))
+    if args.command == "worker":
+        from device_check_steps import worker
+
+        for result in worker(args.job, json.loads(args.spec)):
+            print(json.dumps(result, default=str), flush=True)
+        return 0
+    context = versions()
+    if args.command == "versions":
+        for key, value in context.items():
+            print(f"{key:>12}: {value}")
+        return 0
+    context["section_device"] = args.device + (" (smoke: toy sizes, nothing measured)" if args.smoke else "")
+    SECTIONS[args.section](args, context)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Section `e2e` of the device check (bench/device_check.py): one model, trained end to end per row.
+
+The model is Llama-style, from config, large enough for FP8 GEMMs to matter on one GPU: hidden
+2048, intermediate 8192, 8 layers, 16 heads (8 key/value heads), vocabulary 32000, untied head:
+0.63 B parameters; batch 4 × 2048 tokens. Each decoder layer is `torch.compile`d (inductor):
+regional compilation, as torchtitan compiles, one graph serving the eight layers, so a row
+costs the compile of one layer. Per row: the model built on the device from seed 0, prepared
+(by the strategy, or by torchao), three warm-up steps (compilation), then ten steps with no host
+sync between them; tokens/s over those ten, and `torch.cuda.max_memory_allocated` since the
+model was built (weights, gradients, optimizer states, activations). Ratios are to bf16-mixed,
+measured first in the same process.
+
+The torchao row is the peer a user would pick: `convert_to_float8_training` with the
+"tensorwise" recipe (dynamic per-tensor scales) on every Linear but the LM head (the package's
+FP8 strategies keep the head too), FP32 weights under BF16 autocast, `AdamW(fused=True)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from device_check import Report, cuda_or_say
+
+TORCHAO = "torchao float8"
+ROWS = ("bf16-mixed", TORCHAO, "fp8-lm-o2", "coat", "collage-plus", "fp8-lm-o1")
+# (tokens/s at least, peak memory at most), as ratios to bf16-mixed: the issue's goals.
+GOALS = {"fp8-lm-o2": (1.2, 0.75), "coat": (1.0, 0.65), "collage-plus": (1.0, 0.85)}
+BATCH, SEQ, WARMUP, TIMED = 4, 2048, 3, 10
+
+
+def llama_config(smoke: bool) -> Any:
+    from transformers import LlamaConfig
+
+    if smoke:
+        return LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+
+
+def prepare(name: str, model: Any, device: str) -> tuple[Any, Any, Callable[[], Any], Callable[[Any], Any]]:
+    """(model, optimizer, forward context, loss scaling) of a row."""
+    import torch
+
+    if name != TORCHAO:
+        import hf_lowprec
+
+        strategy = hf_lowprec.get_strategy(name)
+        model = strategy.prepare_model(model)
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
+        return model, optimizer, strategy.forward_context, strategy.scale_loss
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    return model, optimizer, lambda: torch.autocast(device, dtype=torch.bfloat16), lambda loss: loss
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cuda = args.device == "cuda"
+    batch, seq = (2, 32) if args.smoke else (BATCH, SEQ)
+    warmup, timed = (1, 2) if args.smoke else (WARMUP, TIMED)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = llama_config(args.smoke)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    model, optimizer, context, scale_loss = prepare(name, model, args.device)
+    for layer in model.model.layers:
+        layer.compile(backend="eager" if args.smoke else "inductor")
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+
+    def step() -> Any:
+        with context():
+            loss = model(input_ids=ids, labels=ids).loss
+        scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(timed):
+        loss = step()
+    sync()
+    seconds = time.perf_counter() - start
+    return {
+        "row": name,
+        "parameters": params,
+        "tokens/s": batch * seq * timed / seconds,
+        "step ms": 1e3 * seconds / timed,
+        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        "warm-up s": compile_s,
+        "loss": loss.float().item(),
+        "steps": (warmup, timed),
+    }
+
+
+def goal(name: str, speed: float, memory: float, torchao_speed: float | None) -> str:
+    if name not in GOALS:
+        return ""
+    fast, small = GOALS[name]
+    parts = [f"≥{fast}× tokens/s {'met' if speed >= fast else 'missed'}"]
+    parts.append(f"≤{small}× memory {'met' if memory <= small else 'missed'}")
+    if name == "fp8-lm-o2" and torchao_speed is not None:
+        parts.append(f"≥ torchao's tokens/s {'met' if speed >= torchao_speed else 'missed'}")
+    return "; ".join(parts)
+
+
+def run_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    import torch
+
+    columns = ["row", "tokens/s", "× bf16-mixed", "peak GiB", "memory × bf16-mixed", "step ms", "warm-up s"]
+    columns += ["loss", "goal"]
+    title = "End to end: Llama-style 0.63 B, batch 4×2048, decoder layers torch.compile'd"
+    report = Report(args.out, "e2e", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
+    if not cuda_or_say(args, report):
+        return
+    deadline = time.monotonic() + args.budget - 5
+    results: dict[str, dict[str, Any]] = {}
+    for name in ROWS:
+        if time.monotonic() >= deadline - 20:
+            report.add({"row": name, "goal": "not run: time budget spent"})
+            continue
+        try:
+            result = measure(name, args)
+        except Exception as error:  # a row that fails is a finding: its cell says how
+            traceback.print_exc()
+            report.add({"row": name, "goal": f"error: {type(error).__name__}: {str(error)[:300]}"})
+            continue
+        finally:
+            gc.collect()
+            torch._dynamo.reset()
+            if args.device == "cuda":
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.empty_cache()
+        if not results:
+            warmup, timed = result.pop("steps")
+            report.note(f"{result['parameters'] / 1e9:.2f} B parameters; {timed} timed steps after {warmup} warm-up")
+        result.pop("steps", None)
+        results[name] = result
+        base = results.get("bf16-mixed", result)
+        speed = result["tokens/s"] / base["tokens/s"]
+        memory = result["peak GiB"] / base["peak GiB"]
+        torchao = results.get(TORCHAO)
+        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+        row |= {"× bf16-mixed": round(speed, 3), "memory × bf16-mixed": round(memory, 3)}
+        row["goal"] = goal(name, speed, memory, torchao and torchao["tokens/s"] / base["tokens/s"])
+        report.add(row)
+    report.finish()

@@ -1,0 +1,123 @@
+"""The device check's own logic, on CPU (bench/device_check*.py, scripts/device_check.sh).
+
+What runs on the GPU machine cannot be rehearsed in the suite (a CUDA device, minutes); what
+decides whether its results come back can: the parts cover every section within their time,
+a report keeps its rows when its section is cut short, the manifest tells which tree ran, the
+pytest plugin records each outcome as it comes, and a GPU section without a device says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import device_check  # noqa: E402
+from device_check_steps import gemm_calls, gemm_row  # noqa: E402
+
+SCRIPT = ROOT / "scripts" / "device_check.sh"
+# The device tool runs a command for at most what its caller allows; the issue gives each part
+# six minutes. The script stops starting sections at its limit and gives the last one its
+# budget plus 15 s of grace and 10 s to die: that must end inside the six minutes.
+PART_SECONDS = 360
+GRACE = 15 + 10
+
+
+def test_the_parts_run_every_section_once_within_their_time():
+    planned = [name for part in device_check.PARTS.values() for name, _ in part]
+    assert sorted(planned) == sorted(device_check.SECTIONS)
+    limit = int(re.search(r"DEVICE_CHECK_SECONDS:-(\d+)", SCRIPT.read_text()).group(1))
+    assert limit + GRACE <= PART_SECONDS
+    for part, sections in device_check.PARTS.items():
+        assert sum(budget for _, budget in sections) <= limit, part
+
+
+def test_the_script_parses_and_names_its_parts():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    usage = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "part1|part2|all" in usage.stderr
+
+
+def test_a_report_keeps_its_rows_when_its_section_is_cut(tmp_path):
+    report = device_check.Report(tmp_path, "demo", "Demo", ["name", "value"], {"device": "x", "torch": "y"})
+    report.add({"name": "a|b", "value": 0.5})
+    device_check.mark_cut(tmp_path, "demo", 12)
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["status"] == "cut short" and data["rows"] == [{"name": "a|b", "value": 0.5}]
+    markdown = (tmp_path / "demo.md").read_text()
+    assert "| a/b | 0.5 |" in markdown and "stopped by the part's timeout after 12 s" in markdown
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_section_never_started_still_says_so(tmp_path):
+    device_check.mark_cut(tmp_path, "e2e", 0)
+    assert json.loads((tmp_path / "e2e.json").read_text())["status"] == "cut short"
+
+
+def test_the_manifest_names_the_tree_and_what_differs_from_it(tmp_path, capsys):
+    assert device_check.write_manifest(tmp_path) == 0
+    assert "of 64 MiB" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / device_check.MANIFEST).read_text())
+    assert "scripts/device_check.sh" in manifest["files"] and len(manifest["commit"]) == 40
+    manifest["files"]["pyproject.toml"] = "0" * 16
+    (tmp_path / device_check.MANIFEST).write_text(json.dumps(manifest))
+    state = device_check.tree_state(tmp_path)
+    assert state.startswith(manifest["commit"][:10]) and "1 files differ" in state and "pyproject.toml" in state
+
+
+def test_the_pytest_plugin_records_every_outcome(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_pass(): pass\n"
+        "def test_fail(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skip(): pass\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('setup broke')\n"
+        "def test_error(broken): pass\n"
+    )
+    outcomes, _, _ = device_check.run_pytest([str(tmp_path)], 1, 60, tmp_path / "log.jsonl")
+    found = {o["test"].rsplit("::", 1)[1]: o for o in outcomes}
+    assert {k: o["outcome"] for k, o in found.items()} == {
+        "test_pass": "passed",
+        "test_fail": "failed",
+        "test_skip": "skipped",
+        "test_error": "error",
+    }
+    assert "assert 1 == 2" in found["test_fail"]["reason"] and found["test_skip"]["reason"] == "not here"
+    assert "setup broke" in found["test_error"]["reason"]
+
+
+def test_a_gpu_section_without_a_device_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device_check.main(["run", "optim", "--out", str(tmp_path), "--budget", "10"])
+    data = json.loads((tmp_path / "optim.json").read_text())
+    assert data["status"] == "no CUDA device" and data["rows"] == []
+    assert data["context"]["torch"] == torch.__version__
+
+
+def test_the_gemm_counter_sees_forward_and_both_backward_gemms():
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    # Forward addmm (with the bias), backward: the input's gradient and the weight's.
+    assert gemm_calls(lambda: layer(x).sum().backward()) == {"addmm→float32": 1, "mm→float32": 2}
+
+
+@pytest.mark.parametrize(
+    "eager, verdict",
+    [
+        ({"_scaled_mm e4m3fn×e4m3fn→bfloat16": 16, "_scaled_mm e5m2×e4m3fn→bfloat16": 8}, "every FP8"),
+        ({"_scaled_mm e4m3fn×e4m3fn→bfloat16": 8, "mm→bfloat16": 16}, "NOT all FP8"),
+    ],
+)
+def test_three_scaled_mm_per_fp8_layer_is_the_verdict(eager, verdict):
+    row = gemm_row("fp8-lm-o2", {"fp8_layers": 8, "eager": eager, "compiled": {"_scaled_mm": 24, "mm": 3}})
+    assert row["expected _scaled_mm"] == 24 and row["verdict"].startswith(verdict)
