@@ -43,13 +43,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Where a state key's bytes go when the optimizer does not declare `state_roles` (torch's AdamW).
-_DEFAULT_ROLES = {
-    "exp_avg": "optimizer",
-    "exp_avg_sq": "optimizer",
-    "max_exp_avg_sq": "optimizer",
-    "momentum_buffer": "optimizer",
-    "step": "extra",
-}
+_DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_avg_sq": "optimizer"}
+_DEFAULT_ROLES.update(momentum_buffer="optimizer", step="extra")
 _BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
 # Strategies that fix the silent loss of BF16/FP16 updates under a plain AdamW.
 FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
@@ -256,6 +251,7 @@ def describe(
         },
         "modules": module_rows,
         "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
+        "adopted": dict(model.__dict__.get("hf_lowprec_adopted_dtypes", {})),  # strategies/adopt.py
         "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
     }
     if optimizer is not None:
@@ -346,8 +342,9 @@ def check_promises(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
         raise PrecisionPromiseError(
             f"precision strategy {strategy.name!r} is not what is active; training stopped before the first step:\n  - "
             + "\n  - ".join(problems)
-            + "\nPrepare the model with the strategy (strategy.prepare_model / hf_lowprec.Trainer) and do not "
-            "cast it afterwards."
+            + "\nprepare_model (run by hf_lowprec.Trainer and the Accelerate plugin) adopts FP32, BF16 and FP16 "
+            "parameters as loaded: these were cast after it (e.g. model.half() after prepare_model: remove it), or "
+            "are a dtype no strategy trains (float64, float8: load the model in FP32, BF16 or FP16)."
         )
 
 
@@ -426,6 +423,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
         for name, reason in fp8["skipped"].items():
             lines.append(f"    kept {name}: {reason}")
+    for dtype, n in report.get("adopted", {}).items():  # +2 bytes per element over the 16-bit load
+        lines.append(
+            f"  parameters loaded as {dtype}: FP32 made of {n} trainable elements (exact), +{2 * n / 1e6:.1f} MB"
+        )
     if "optimizer" in report:
         states = ", ".join(f"{k} {v['dtype']} ({v['role']})" for k, v in report["optimizer"]["states"].items())
         lines.append(f"  optimizer: {report['optimizer']['class']}: {states}")

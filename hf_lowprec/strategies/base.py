@@ -46,6 +46,7 @@ from ..metrics import edq, imprecision_percentage
 from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
+from .adopt import adopt_loaded_dtypes
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
@@ -192,7 +193,13 @@ class PrecisionStrategy:
 
     # --- model -------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Convert the model (dtypes, module swaps). Returns the model to train."""
+        """The model to train: its 16-bit parameters adopted where the strategy promises FP32
+        (`adopt.adopt_loaded_dtypes`: a BF16 Hub checkpoint as loaded), then `convert_model`."""
+        adopt_loaded_dtypes(self, model)
+        return self.convert_model(model)
+
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The strategy's own conversion (dtypes, module swaps); what a subclass overrides."""
         return model
 
     def discard_prepared_state(self) -> None:

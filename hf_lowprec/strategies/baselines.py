@@ -88,7 +88,7 @@ class BF16Pure(PrecisionStrategy):
         "parameter in its one-process dtype; BF16 all-gather, gradients averaged in FP32"
     )
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(torch.bfloat16)
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:

@@ -109,7 +109,7 @@ class COAT(PrecisionStrategy):
         states = 2.0 + _METADATA_BYTES / self.options.group_size if self.options.states else 2.0 * weight
         return 2.0 * weight + compensation + states
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.bf16_master:
             model = model.to(torch.bfloat16)
         if self.options.activations:

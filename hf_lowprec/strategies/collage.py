@@ -54,7 +54,7 @@ class BF16UpdateOptions(StrategyOptions):
     Args:
         update: the update rule; fixed by the registered name.
         seed: seed of the stochastic-rounding generator (bf16-sr only; its state is checkpointed).
-        seed_compensation: when `prepare_model` converts FP32 (or FP64) parameters, keep the
+        seed_compensation: when `prepare_model` converts FP32, FP64 or FP16 parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
             collage-plus, collage-8bit, bf16-kahan; ignored by the others).
@@ -140,14 +140,15 @@ class BF16Update(BF16Pure):
             )
         return super().zero_note
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""
         residuals = {}
         if self.options.update in _COMPENSATED and self.options.seed_compensation:
             for param in model.parameters():
-                if param.requires_grad and param.is_floating_point() and param.element_size() > 2:
+                # Any other float dtype (FP32, FP64, an FP16 checkpoint as loaded) leaves a residual.
+                if param.requires_grad and param.is_floating_point() and param.dtype != self.param_dtype:
                     residuals[id(param)] = (param, split(param, self.param_dtype)[1])
-        model = super().prepare_model(model)
+        model = super().convert_model(model)
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
         self._residuals.update({key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype})
         return model

@@ -113,7 +113,7 @@ class FP16ALS(LossScaledStrategy):
         "seeded stream (not one process's draws); use weights='master' under FSDP2"
     )
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(torch.float16)
         self.scaler.track(model)
         if self.accumulator is not None:

@@ -193,7 +193,7 @@ class FP8LM(PrecisionStrategy):
     def grad_dtype(self) -> torch.dtype:
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         convert_to_fp8(model, margin=self.options.margin)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8

@@ -1,0 +1,100 @@
+"""A checkpoint stored in 16 bits, loaded as users load it, trains under every strategy (issue #48).
+
+transformers 5's `from_pretrained(path)` keeps the stored dtype, and Hub checkpoints are
+nearly all BF16. Each strategy must train such a model as it trains an FP32 load of the same
+checkpoint: the strategies that promise FP32 parameters make them from the loaded values
+(exact), the others convert as they always do. So the two runs are the same computation:
+same parameter and optimizer-state dtypes, and bit-identical losses, checked here through
+`hf_lowprec.Trainer` for all strategies, from BF16 and from FP16 checkpoints.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import hf_lowprec
+from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.memory import unwrap_optimizer
+from hf_lowprec.report import PrecisionPromiseError, check_promises, describe, format_report
+from tests.helpers import VOCAB, TokenBlocks, assert_same_losses, trainer_arguments
+
+STRATEGIES = hf_lowprec.available_strategies()
+
+
+def _checkpoint(path, dtype: torch.dtype) -> str:
+    torch.manual_seed(0)
+    # Widths are multiples of 16: the FP8 strategies convert every projection.
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).to(dtype).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {dtype: _checkpoint(root / str(dtype), dtype) for dtype in (torch.bfloat16, torch.float16)}
+
+
+def _train(path: str, name: str, out, **load) -> tuple[list[float], Trainer]:
+    model = AutoModelForCausalLM.from_pretrained(path, **load)
+    args = TrainingArguments(**trainer_arguments(out, precision_strategy=name, max_steps=3, save_strategy="no"))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks())
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def _dtypes(trainer: Trainer) -> dict[str, object]:
+    optimizer = unwrap_optimizer(trainer.optimizer)
+    return {
+        name: (
+            p.dtype,
+            sorted((k, v.dtype) for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)),
+        )
+        for name, p in trainer.model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_16_bit_checkpoint_as_loaded_trains_as_its_fp32_load(checkpoints, tmp_path, name, stored):
+    path = checkpoints[stored]
+    assert next(AutoModelForCausalLM.from_pretrained(path).parameters()).dtype == stored  # the default keeps it
+    as_loaded, trainer = _train(path, name, tmp_path / "loaded")
+    reference, fp32_trainer = _train(path, name, tmp_path / "fp32", dtype=torch.float32)
+    assert_same_losses(as_loaded, reference, name)
+    assert _dtypes(trainer) == _dtypes(fp32_trainer)
+
+
+def test_the_report_says_what_was_made(checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[torch.bfloat16])
+    trainable = sum(p.numel() for p in model.parameters())
+    strategy = hf_lowprec.get_strategy("bf16-mixed")
+    model = strategy.prepare_model(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    report = describe(strategy, model)
+    assert report["adopted"] == {"bfloat16": trainable}
+    assert f"parameters loaded as bfloat16: FP32 made of {trainable} trainable elements" in format_report(report)
+
+
+def test_frozen_parameters_stay_as_loaded(checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[torch.bfloat16])
+    for p in model.model.parameters():
+        p.requires_grad_(False)
+    model = hf_lowprec.get_strategy("fp32").prepare_model(model)
+    assert {p.dtype for p in model.model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_a_cast_after_preparation_is_still_refused_and_named(checkpoints):
+    strategy = hf_lowprec.get_strategy("bf16-mixed")
+    model = strategy.prepare_model(AutoModelForCausalLM.from_pretrained(checkpoints[torch.bfloat16])).half()
+    with pytest.raises(PrecisionPromiseError, match=r"(?s)float16.*model.half\(\) after prepare_model: remove it"):
+        check_promises(strategy, model)
