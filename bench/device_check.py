@@ -28,12 +28,14 @@ travels with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -100,7 +102,7 @@ class Report:
         lines = [
             f"## {self.data['title']}",
             "",
-            f"{context.get('device', '?')}; ran on {context.get('section_device', '?')}; torch {context.get('torch', '?')}; "
+            f"{context.get('device', '?')}; section on {context.get('section_device', '?')}; torch {context.get('torch', '?')}; "
             f"tree {context.get('tree', '?')}; "
             f"{self.data['started']} – {self.data['finished'] or 'not finished'}; status: {self.data['status']}",
             "",
@@ -292,12 +294,24 @@ def run_pytest(selection: list[str], workers: int, seconds: float, log: Path) ->
     env = dict(os.environ, DEVICE_CHECK_PYTEST_LOG=str(log))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     start = time.monotonic()
+    # Its own process group, so that stopping it stops its xdist workers too; the part's
+    # `timeout` signals only this process's group, hence the handler.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+
+    def stop(signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if frame is not None:  # called as the handler: this process goes too
+            os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 15)
+        stop()
         proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     shown = " ".join(cmd[3:]).replace(" -p device_check_pytest", "")
     outcomes = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     log.unlink(missing_ok=True)

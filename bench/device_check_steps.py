@@ -208,12 +208,15 @@ def steps_worker(spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield row
 
 
-def start_worker(job: str, spec: dict[str, Any], out: Path) -> subprocess.Popen:
+def start_worker(job: str, spec: dict[str, Any], out: Path, compile_threads: int | None = None) -> subprocess.Popen:
     """`device_check.py worker JOB SPEC` in its own process, its JSON lines into `out`."""
     cmd = [sys.executable, str(ROOT / "bench" / "device_check.py"), "worker", job, json.dumps(spec)]
+    env = dict(os.environ)
+    if compile_threads:  # workers side by side share the CPUs Inductor compiles with
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as lines:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=lines, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=lines, text=True, env=env)
 
 
 def worker_lines(out: Path) -> list[dict[str, Any]]:
@@ -230,7 +233,7 @@ def run_pool(jobs: list[tuple[str, dict[str, Any]]], parallel: int, deadline: fl
         while waiting and len(running) < parallel and time.monotonic() < deadline:
             index, (job, spec) = waiting.pop(0)
             out = SCRATCH / f"worker-{index}.jsonl"
-            running.append((spec, out, start_worker(job, spec, out)))
+            running.append((spec, out, start_worker(job, spec, out, max(1, (os.cpu_count() or 1) // parallel))))
         if time.monotonic() >= deadline:
             for spec, out, proc in running:
                 proc.kill()
