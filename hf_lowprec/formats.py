@@ -38,7 +38,7 @@ import torch
 from .dynamic_maps import MAPS as _MAPS
 from .dynamic_maps import dynamic_map, dynamic_map_lookup, map_tensors
 from .fp8.scaled import format_max, pow2_scale
-from .numerics import pow_nonnegative, sqrt_rn
+from .numerics import pow_nonnegative, round_by_bits, sqrt_rn
 
 __all__ = [
     "Blockwise8bit",
@@ -70,7 +70,17 @@ def root(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x rounded to `dtype` (to nearest even) and widened back to FP32."""
+    """x rounded to `dtype` (to nearest even) and widened back to FP32.
+
+    Eagerly a cast there and back. Compiled, for BF16 and FP16, the same bits from integer
+    operations (`numerics.round_by_bits`): Inductor in torch 2.11 drops an FP32 → BF16/FP16 →
+    FP32 round trip inside a fused kernel, `emulate_precision_casts` or not (its
+    `pointless_convert` pattern rewrites the pair into nothing, and on CPU the C++ backend
+    answers the widening from a cache of the unrounded value), which would silently remove
+    every rounding of TwoSum, Fast2Sum and Kahan's sum; 2.13 keeps the round trip.
+    """
+    if dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        return round_by_bits(x, dtype)
     return x.to(dtype).to(F32)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "mul_expansion",
     "nonfinite_flag",
     "pow_nonnegative",
+    "round_by_bits",
     "round_to_dtype",
     "sqrt_rn",
     "split",
@@ -206,6 +207,34 @@ def round_to_dtype(value: float, dtype: torch.dtype) -> float:
     if abs(rounded) > finfo.max:
         return math.copysign(math.inf, value)
     return float(rounded)
+
+
+# FP32 significand bits below the last one kept by BF16 (7 kept) and FP16 (10 kept).
+_DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
+
+
+def round_by_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 `x` rounded to BF16 or FP16 and widened back: `x.to(dtype).float()` bit for bit,
+    from integer operations on |x|'s FP32 pattern (a compiler cannot fold them away as it can
+    a cast there and back: `formats.round_to`).
+
+    Round half to even at the last kept bit: add half an ulp less one, plus the kept bit, and
+    clear the dropped bits; a carry into the exponent is the right result, up to infinity. NaN
+    lanes round a zero and get x back. FP16 has a narrower exponent: below its smallest normal
+    2^-14 the spacing is a fixed 2^-24, FP32's spacing at 0.5, so adding and removing 0.5
+    rounds there (to even, exactly); from 65520 on (halfway above 65504, the tie going to the
+    even 2^16) the value is infinite. The sign is put back last, −0 included.
+    """
+    dropped = _DROPPED_BITS[dtype]
+    nan = torch.isnan(x)
+    magnitude = torch.where(nan, 0.0, x.abs())
+    bits = magnitude.view(torch.int32)  # at most 0x7F800000: the sums below stay in int32
+    bits = (bits + ((1 << (dropped - 1)) - 1) + ((bits >> dropped) & 1)) & -(1 << dropped)
+    rounded = bits.view(torch.float32)
+    if dtype == torch.float16:
+        rounded = torch.where(magnitude < 2.0**-14, (magnitude + 0.5) - 0.5, rounded)
+        rounded = torch.where(rounded >= 2.0**16, math.inf, rounded)
+    return torch.where(nan, x, torch.copysign(rounded, x))
 
 
 def expansion(value: float, dtype: torch.dtype) -> tuple[float, float]:

@@ -4,7 +4,9 @@ The step of a family is one pure function of one parameter's tensors (`adamw.ada
 built from its formats and update rule). Run eagerly it is the reference; the fast path is
 the same function compiled by `torch.compile` (vectorised C++/OpenMP on CPU, Triton on CUDA).
 On CPU the two are bit-identical: Inductor keeps the explicit casts
-(`emulate_precision_casts`), does not contract a·b + c into an FMA (its C++ is built with
+(`emulate_precision_casts`; the roundings to the parameter's dtype inside a step,
+`formats.round_to`, are integer operations when compiled, since torch 2.11's Inductor drops an
+FP32 → BF16 → FP32 round trip), does not contract a·b + c into an FMA (its C++ is built with
 -ffp-contract=off), and roots are correctly rounded on both sides (`formats.root`). On CUDA,
 Triton may contract: the results then agree within one rounding of each FP32 intermediate.
 

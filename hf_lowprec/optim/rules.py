@@ -223,7 +223,7 @@ class StochasticRounding(Rule):
             rounded = (summed & -65536).view(F32)
         else:
             nearest = target.to(dtype)
-            nearest32 = nearest.float()
+            nearest32 = round_to(target, dtype)  # not nearest.float(): see `formats.round_to`
             below = torch.where(nearest32 > target, _next_fp16(nearest, up=False), nearest32)
             above = torch.where(nearest32 < target, _next_fp16(nearest, up=True), nearest32)
             gap = above - below
@@ -286,7 +286,8 @@ class ScaledMaster(Rule):
         return param.float() * (1.0 / scale)
 
     def apply_(self, delta, theta, param, scale, seed=None) -> None:
-        Scaled(param.dtype, self.margin).encode_(theta + delta, param, scale)
+        # Keywords: dynamo in torch 2.11 cannot bind a frozen dataclass built positionally in a graph.
+        Scaled(dtype=param.dtype, margin=self.margin).encode_(theta + delta, param, scale)
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         scale = get_master_scale(param)
