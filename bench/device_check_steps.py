@@ -281,7 +281,7 @@ def run_steps(args: argparse.Namespace, context: dict[str, Any]) -> None:
     deadline = time.monotonic() + args.budget - 5
     names = ["bf16-mixed", "fp8-lm-o2"] if args.smoke else [ANCHOR, *ordered(hf_lowprec.available_strategies())]
     jobs = [("steps", {"strategy": n, "device": args.device, "smoke": args.smoke}) for n in names]
-    parallel = max(1, min(4, (os.cpu_count() or 1) // 4)) if args.device == "cuda" else 1
+    parallel = max(1, min(6, (os.cpu_count() or 1) // 2)) if args.device == "cuda" else 1
     syncs.note(
         f"{len(names)} rows, {parallel} processes at once; compiled: each GPT-2 block torch.compile'd "
         f"({'eager backend (smoke)' if args.smoke else 'inductor'}); CPU rows count dispatcher syncs, eager only"
