@@ -21,5 +21,9 @@ def compiler_missing(device_type: str) -> str | None:
     if device_type == "cuda":
         from torch.utils._triton import has_triton
 
-        return None if has_triton() else "Triton is not installed"
+        try:
+            usable = has_triton()
+        except RuntimeError as error:  # a CUDA build of torch asked about a device it cannot reach
+            return f"Triton cannot inspect the CUDA device ({error})"
+        return None if usable else "Triton is not installed"
     return f"device type {device_type!r} has no Inductor backend here"
