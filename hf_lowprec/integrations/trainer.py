@@ -114,8 +114,10 @@ class PrecisionArgumentsMixin:
             if getattr(self, "deepspeed", None):
                 from ..engines.zero import precision_config, require_deepspeed
 
-                require_deepspeed()  # missing: an error naming the extra, before any work
-                precision_config(strategy, self.deepspeed)  # refuses a contradicting DeepSpeed config
+                # A refused combination first (it would not run with DeepSpeed installed either),
+                # then a missing DeepSpeed: each an error naming what to do, before any work.
+                precision_config(strategy, self.deepspeed)
+                require_deepspeed()
             if getattr(self, "fsdp", None):
                 _check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
         elif self.precision_options:
