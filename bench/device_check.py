@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -312,7 +313,7 @@ def run_pytest(selection: list[str], workers: int, seconds: float, log: Path) ->
         proc.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    shown = " ".join(cmd[3:]).replace(" -p device_check_pytest", "")
+    shown = shlex.join(["pytest", *cmd[5:]])  # without the interpreter and the recording plugin
     outcomes = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     log.unlink(missing_ok=True)
     return outcomes, time.monotonic() - start, shown
