@@ -82,6 +82,7 @@ gpu-check:
 # sizes (tree and bundle must stay under the device tool's 64 MiB). The machine already has
 # torch 2.11, transformers, accelerate, peft, safetensors, tokenizers, numpy and pytest, within
 # pyproject.toml's ranges; torchao (the float8 peer row) is the one missing wheel the check uses.
+# Another one goes on the same pip download line (pure-Python py3-none-any wheels match it too).
 DEVICE_BUNDLE := $(BUILD)/device-bundle
 TORCHAO_VERSION ?= 0.18.0
 device-bundle:
