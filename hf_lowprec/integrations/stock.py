@@ -194,7 +194,7 @@ def _own_differences(name: str) -> list[str]:
     if strategy.param_dtype != PrecisionStrategy.param_dtype:
         dtype = str(strategy.param_dtype).removeprefix("torch.")
         found.append(f"weights trained and saved in {dtype} (`save_full_precision` saves FP32)")
-    converts = type(strategy).prepare_model is not PrecisionStrategy.prepare_model
+    converts = type(strategy).convert_model is not PrecisionStrategy.convert_model
     if strategy.uses_fp8_gemm or (converts and strategy.param_dtype == PrecisionStrategy.param_dtype):
         found.append("linear layers swapped for FP8 ones")
     return found

@@ -151,6 +151,9 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
         stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
         stack.enter_context(mock.patch("torch.cuda.device_count", return_value=1))
         stack.enter_context(mock.patch("torch.cuda.is_bf16_supported", return_value=capability >= (8, 0)))
+        # torch 2.11's FakeTensor makes a real tensor on the device the first time it fakes one
+        # there when torch.cuda.is_available() says True (later releases ask the accelerator).
+        stack.enter_context(mock.patch("torch._subclasses.fake_tensor.init_gpu_context", lambda device: None))
         stack.enter_context(mock.patch.object(torch.Tensor, "copy_", _copy_))
         stack.enter_context(mock.patch.object(torch.Tensor, "contiguous", _contiguous))
         stack.enter_context(mock.patch("torch.tensor", _tensor_via_host))
