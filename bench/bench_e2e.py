@@ -197,6 +197,8 @@ def run_children(
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
                 return None
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            # Each row as it finishes (stderr): a long run cut short keeps what it measured.
+            print(f"{name}{' compiled' * compiled}: {runs[name][-1]}", file=sys.stderr, flush=True)
     return runs
 
 
