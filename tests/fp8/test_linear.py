@@ -351,3 +351,27 @@ def test_moving_the_layer_keeps_the_master_scale_linked():
     layer, _ = _fp8_stored_pair(False)
     layer.to("meta")  # a device move replaces the buffer (as .cuda() does)
     assert layer.master_scale.device.type == "meta" and get_master_scale(layer.weight) is layer.master_scale
+
+
+def test_compiled_fp8_training_is_the_eager_training_bit_for_bit(name="fp8-lm-o2"):
+    """Under torch.compile the FP8 weight is quantized in the graph at every forward and FP8
+    payloads widen by the compiler's conversion (no weight cache, no lookup tables: issue #47);
+    with the same aten operations ("aot_eager") three training steps give the eager run's losses
+    and weights bit for bit: the compiled path changes when the work is done, not its values.
+    fp8-lm-o2: scaled FP16 masters, the layer's most involved weight path."""
+    import hf_lowprec
+    from tests.helpers import batches, tiny_gpt2
+
+    data = batches(3)
+    runs = {}
+    for mode in ("eager", "compiled"):
+        strategy = hf_lowprec.get_strategy(name)
+        model = strategy.prepare_model(tiny_gpt2())
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+        torch._dynamo.reset()
+        run = model if mode == "eager" else torch.compile(model, backend="aot_eager")
+        losses = [strategy.train_step(run, ids, optimizer).detach() for ids in data]
+        runs[mode] = (losses, [p.detach().clone() for p in model.parameters()])
+    torch._dynamo.reset()
+    for got, want in zip(runs["compiled"][0] + runs["compiled"][1], runs["eager"][0] + runs["eager"][1]):
+        assert bits_equal(got, want), (name, got.flatten()[:4], want.flatten()[:4])
