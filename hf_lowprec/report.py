@@ -51,6 +51,7 @@ FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
 # What to use instead of FP16 where FP16 GEMMs are slow: the FP32-master and the 12-byte BF16 answers.
 BF16_INSTEAD_OF_FP16 = ("bf16-mixed", "collage-plus")
 _SLOW_FP16_WARNED: set[str] = set()  # strategy names already warned about in this process
+ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"  # {dtype: elements} a strategy made FP32 (strategies/adopt.py)
 
 
 class SilentPrecisionWarning(UserWarning):
@@ -251,7 +252,7 @@ def describe(
         },
         "modules": module_rows,
         "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
-        "adopted": dict(model.__dict__.get("hf_lowprec_adopted_dtypes", {})),  # strategies/adopt.py
+        "adopted": dict(model.__dict__.get(ADOPTED_ATTR, {})),
         "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
     }
     if optimizer is not None:

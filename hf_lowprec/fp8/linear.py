@@ -244,9 +244,8 @@ def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
     if gemm is None:
         gemm = _new_gemm(_forced_path or _default_path(device), device)
         _chosen[key] = gemm
-        if not torch.compiler.is_compiling():  # a logger call would break the user's graph
-            reason = "forced" if _forced_path else "default for this device"
-            logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
+        reason = "forced" if _forced_path else "default for this device"
+        logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
     return gemm
 
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..report import ADOPTED_ATTR
+
 if TYPE_CHECKING:
     from .base import PrecisionStrategy
 
-__all__ = ["ADOPTED_ATTR", "adopt_loaded_dtypes"]
+__all__ = ["adopt_loaded_dtypes"]
 
-# The model's record of what was made, read by the startup report: {dtype name: elements}.
-ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"
 _WIDENED = (torch.bfloat16, torch.float16)
 
 
@@ -36,11 +36,9 @@ def adopt_loaded_dtypes(strategy: PrecisionStrategy, model: torch.nn.Module) -> 
     promised = strategy.promised_param_dtypes()
     made: collections.Counter[str] = collections.Counter()
     if torch.float32 in promised:
-        seen: set[int] = set()
-        for p in model.parameters():
-            if id(p) in seen or not p.requires_grad or p.dtype not in _WIDENED or p.dtype in promised:
+        for p in model.parameters():  # each shared (tied) parameter once
+            if not p.requires_grad or p.dtype not in _WIDENED or p.dtype in promised:
                 continue
-            seen.add(id(p))
             made[str(p.dtype).removeprefix("torch.")] += p.numel()
             p.data = p.data.float()
     if made:
