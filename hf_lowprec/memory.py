@@ -1,4 +1,6 @@
-"""Model-state memory, counted from live tensor storage."""
+"""Model-state memory: counted from live tensor storage (`model_state_bytes`), or planned from the
+optimizer's own state initialisers (`plan_model_state`), which also works on the meta device (the
+`hf-lowprec memory` command plans a 7B model that way)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_state_bytes", "unwrap_optimizer"]
+__all__ = ["model_state_bytes", "plan_model_state", "trainable_parameters", "unwrap_optimizer", "zero_per_rank"]
 
 # State keys of optimizers that do not declare `state_roles` (e.g. torch.optim.AdamW).
-_DEFAULT_ROLES = {
+DEFAULT_STATE_ROLES = {
     "exp_avg": "optimizer",
     "exp_avg_sq": "optimizer",
     "momentum_buffer": "optimizer",
     "max_exp_avg_sq": "optimizer",
     "step": "extra",
 }
+# Where each role's bytes are counted by `plan_model_state`.
+_BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -91,7 +95,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any | None = None) -> d
         raise ValueError("the model has no trainable parameters")
 
     inner = unwrap_optimizer(optimizer) if optimizer is not None else None
-    roles = dict(_DEFAULT_ROLES)
+    roles = dict(DEFAULT_STATE_ROLES)
     roles.update(getattr(inner, "state_roles", {}) or {})
     grad_in_state: set[int] = set()
     if inner is not None:
@@ -112,4 +116,85 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any | None = None) -> d
     out = {k: v / num_params for k, v in totals.items()}
     out["total"] = sum(out.values())
     out["num_params"] = float(num_params)
+    return out
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    unique: dict[int, torch.nn.Parameter] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
+    """Model-state bytes per trainable parameter, from the optimizer's state as it is or will be.
+
+    Parameters without state yet get the state the optimizer's `plan_state` would create
+    (torch optimizers without one: two moments in the parameter dtype). A gradient counts in
+    the dtype the optimizer's `planned_grad_dtype(param)` names (an optimizer that keeps FP8
+    gradients in its state), else in the parameter dtype. Every tensor is counted by numel ×
+    element size, so this works on the meta device; tied parameters count once.
+
+    Returns:
+        dict with "params", "grads", "optimizer_states", "extra", "total" (bytes/param) and
+        "num_params".
+    """
+    inner = unwrap_optimizer(optimizer)
+    roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+    planned_grad_dtype = getattr(inner, "planned_grad_dtype", None)
+    params = trainable_parameters(model)
+    num_params = sum(p.numel() for p in params)
+    if num_params == 0:
+        raise ValueError("the model has no trainable parameters")
+    owned = {id(p) for p in params}
+    totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
+    init_state = getattr(inner, "plan_state", None)
+    grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
+    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
+    # are planned by its `plan_state(param)`.
+    seen = {id(p) for p, _ in grouped}
+    grouped += [(p, None) for p in params if id(p) not in seen and hasattr(inner, "plan_state")]
+    for p, group in grouped:
+        state = inner.state.get(p) or None
+        if state is None:
+            if group is None:
+                state = inner.plan_state(p)
+            elif init_state is not None:
+                state = init_state(p, group)
+            else:
+                state = {
+                    "exp_avg": torch.empty_like(p, device="meta"),
+                    "exp_avg_sq": torch.empty_like(p, device="meta"),
+                }
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
+                totals[bucket] += value.numel() * value.element_size()
+        has_grad_state = any(roles.get(k) == "gradient" for k in state)
+        if not has_grad_state:
+            dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
+            totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    for p in params:
+        totals["params"] += p.numel() * p.element_size()
+    out = {k: v / num_params for k, v in totals.items()}
+    out["total"] = sum(out.values())
+    out["num_params"] = float(num_params)
+    return out
+
+
+def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[str, float]:
+    """Per-rank bytes/param (of the whole model's parameter count) under ZeRO `stage` on `world_size` ranks.
+
+    Stage 1 partitions optimizer states and extra components (masters, MCF components),
+    stage 2 also gradients, stage 3 also parameters.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    split = {"optimizer_states": stage >= 1, "extra": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
+    out = {k: plan[k] / (world_size if split[k] else 1) for k in split}
+    out["total"] = sum(out.values())
+    out["num_params"] = plan["num_params"]
     return out

@@ -6,8 +6,7 @@ below half an ulp, parameters left in FP32 under a pure-BF16 strategy. `describe
 model and optimizer as they are (not as the strategy says they should be), `format_report`
 prints it as a compact table, and `promise_violations` lists where the two disagree.
 
-`plan_model_state` counts model-state bytes from the optimizer's own state initialisers, so it
-also works on the meta device (the `hf-lowprec memory` command plans a 7B model that way).
+`plan_model_state` and `zero_per_rank` (model-state bytes per parameter) live in `memory`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import hardware
-from .memory import unwrap_optimizer
+from .memory import DEFAULT_STATE_ROLES, plan_model_state, trainable_parameters, unwrap_optimizer, zero_per_rank
 
 if TYPE_CHECKING:
     from .strategies.base import PrecisionStrategy
@@ -42,16 +41,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Where a state key's bytes go when the optimizer does not declare `state_roles` (torch's AdamW).
-_DEFAULT_ROLES = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer", "max_exp_avg_sq": "optimizer"}
-_DEFAULT_ROLES.update(momentum_buffer="optimizer", step="extra")
-_BUCKETS = {"optimizer": "optimizer_states", "gradient": "grads"}
 # Strategies that fix the silent loss of BF16/FP16 updates under a plain AdamW.
 FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
 # What to use instead of FP16 where FP16 GEMMs are slow: the FP32-master and the 12-byte BF16 answers.
 BF16_INSTEAD_OF_FP16 = ("bf16-mixed", "collage-plus")
 _SLOW_FP16_WARNED: set[str] = set()  # strategy names already warned about in this process
 ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"  # {dtype: elements} a strategy made FP32 (strategies/adopt.py)
+# What was restored of a published FP8 checkpoint (integrations/fp8_checkpoints.py): {"layers": {name: kind}}.
+PUBLISHED_ATTR = "hf_lowprec_fp8_published"
 
 
 class SilentPrecisionWarning(UserWarning):
@@ -66,87 +63,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    unique: dict[int, torch.nn.Parameter] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            unique.setdefault(id(p), p)
-    return list(unique.values())
-
-
-def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]:
-    """Model-state bytes per trainable parameter, from the optimizer's state as it is or will be.
-
-    Parameters without state yet get the state the optimizer's `plan_state` would create
-    (torch optimizers without one: two moments in the parameter dtype). A gradient counts in
-    the dtype the optimizer's `planned_grad_dtype(param)` names (an optimizer that keeps FP8
-    gradients in its state), else in the parameter dtype. Every tensor is counted by numel ×
-    element size, so this works on the meta device; tied parameters count once.
-
-    Returns:
-        dict with "params", "grads", "optimizer_states", "extra", "total" (bytes/param) and
-        "num_params".
-    """
-    inner = unwrap_optimizer(optimizer)
-    roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
-    planned_grad_dtype = getattr(inner, "planned_grad_dtype", None)
-    params = _trainable(model)
-    num_params = sum(p.numel() for p in params)
-    if num_params == 0:
-        raise ValueError("the model has no trainable parameters")
-    owned = {id(p) for p in params}
-    totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
-    init_state = getattr(inner, "plan_state", None)
-    grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
-    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
-    # are planned by its `plan_state(param)`.
-    seen = {id(p) for p, _ in grouped}
-    grouped += [(p, None) for p in params if id(p) not in seen and hasattr(inner, "plan_state")]
-    for p, group in grouped:
-        state = inner.state.get(p) or None
-        if state is None:
-            if group is None:
-                state = inner.plan_state(p)
-            elif init_state is not None:
-                state = init_state(p, group)
-            else:
-                state = {
-                    "exp_avg": torch.empty_like(p, device="meta"),
-                    "exp_avg_sq": torch.empty_like(p, device="meta"),
-                }
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
-                totals[bucket] += value.numel() * value.element_size()
-        has_grad_state = any(roles.get(k) == "gradient" for k in state)
-        if not has_grad_state:
-            dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
-            totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
-    for p in params:
-        totals["params"] += p.numel() * p.element_size()
-    out = {k: v / num_params for k, v in totals.items()}
-    out["total"] = sum(out.values())
-    out["num_params"] = float(num_params)
-    return out
-
-
-def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[str, float]:
-    """Per-rank bytes/param (of the whole model's parameter count) under ZeRO `stage` on `world_size` ranks.
-
-    Stage 1 partitions optimizer states and extra components (masters, MCF components),
-    stage 2 also gradients, stage 3 also parameters.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    split = {"optimizer_states": stage >= 1, "extra": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
-    out = {k: plan[k] / (world_size if split[k] else 1) for k in split}
-    out["total"] = sum(out.values())
-    out["num_params"] = plan["num_params"]
-    return out
-
-
 def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
     from .fp8 import FP8Linear
 
@@ -156,7 +72,7 @@ def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
 
 
 def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.Tensor]) -> str:
-    roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+    roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
     sample = next((p for p in params if inner.state.get(p)), None)
     state = inner.state.get(sample) if sample is not None else None
     if state is None and sample is None and params and hasattr(inner, "plan_state"):
@@ -214,7 +130,7 @@ def describe(
     """
     from .fp8 import FP8Linear
 
-    params = _trainable(model)
+    params = trainable_parameters(model)
     modules: dict[str, dict[str, Any]] = collections.OrderedDict()
     for module in model.modules():
         own = list(module.parameters(recurse=False))
@@ -253,11 +169,12 @@ def describe(
         "modules": module_rows,
         "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
         "adopted": dict(model.__dict__.get(ADOPTED_ATTR, {})),
+        "fp8_checkpoint": dict(collections.Counter(model.__dict__.get(PUBLISHED_ATTR, {}).get("layers", {}).values())),
         "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
     }
     if optimizer is not None:
         inner = unwrap_optimizer(optimizer)
-        roles = {**_DEFAULT_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+        roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
         sample_state: dict[str, Any] = {}
         for p in params:
             if inner.state.get(p):
@@ -314,6 +231,7 @@ def describe(
 def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> list[str]:
     """Where the prepared `model` breaks what `strategy` promises (empty list: all kept)."""
     from .fp8 import FP8Linear
+    from .fp8.blocks import FrozenBlockFP8Linear
 
     out: list[str] = []
     promised = set(strategy.promised_param_dtypes())
@@ -328,7 +246,9 @@ def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> l
             f"{count} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
             f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}"
         )
-    if strategy.uses_fp8_gemm and not any(isinstance(m, FP8Linear) for m in model.modules()):
+    # A published FP8 layer kept frozen in FP8 (fp8.blocks) counts: the base of a LoRA run.
+    fp8_kinds = (FP8Linear, FrozenBlockFP8Linear)
+    if strategy.uses_fp8_gemm and not any(isinstance(m, fp8_kinds) for m in model.modules()):
         out.append(
             f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
             "(none converted: check the skipped layers and their dimensions)"
@@ -354,7 +274,9 @@ def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | No
     inner = unwrap_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
         return None
-    low = collections.Counter(p.dtype for p in _trainable(model) if p.dtype in (torch.bfloat16, torch.float16))
+    low = collections.Counter(
+        p.dtype for p in trainable_parameters(model) if p.dtype in (torch.bfloat16, torch.float16)
+    )
     if not low:
         return None
     dtype, count = low.most_common(1)[0]
@@ -428,6 +350,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"  parameters loaded as {dtype}: FP32 made of {n} trainable elements (exact), +{2 * n / 1e6:.1f} MB"
         )
+    published = report.get("fp8_checkpoint", {})
+    if published:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in published.items())
+        lines.append(f"  FP8 checkpoint: {sum(published.values())} layers from their stored values: {kinds}")
     if "optimizer" in report:
         states = ", ".join(f"{k} {v['dtype']} ({v['role']})" for k, v in report["optimizer"]["states"].items())
         lines.append(f"  optimizer: {report['optimizer']['class']}: {states}")

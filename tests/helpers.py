@@ -3,7 +3,7 @@
 import math
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 VOCAB = 256
 
@@ -55,6 +55,21 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
         attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)
+
+
+def tiny_llama_config(hidden_size: int = 32, vocab_size: int = VOCAB) -> LlamaConfig:
+    """A one-layer Llama, MLP twice as wide, one head per 32 features; widths multiples of 16 (FP8
+    converts every projection) or, at 128, of the published FP8 format's 128×128 blocks."""
+    heads = hidden_size // 32 if hidden_size >= 64 else 2
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=64,
+    )
 
 
 def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 1) -> list[torch.Tensor]:

@@ -55,6 +55,7 @@ onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -77,6 +78,7 @@ __all__ = [
     "before_sharding",
     "all_ranks_agree",
     "check_fsdp2_support",
+    "check_trainer_fsdp",
     "configure_accelerator",
     "default_mesh",
     "fsdp2_support",
@@ -367,3 +369,17 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
+
+
+def check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
+    """Before any work (TrainingArguments): the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
+    check_fsdp2_support(strategy)
+    if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
+        with open(fsdp_config, encoding="utf-8") as f:
+            fsdp_config = json.load(f)
+    version = (fsdp_config or {}).get("fsdp_version", (fsdp_config or {}).get("version", 1))
+    if int(version) != 2:
+        raise ValueError(
+            f"precision_strategy={strategy.name!r} runs under FSDP2 only; pass "
+            "fsdp_config={'fsdp_version': 2} (or set fsdp_version: 2 in the Accelerate config)"
+        )

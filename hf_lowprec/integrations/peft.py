@@ -17,7 +17,9 @@ import sys
 
 import torch
 
+from ..fp8.blocks import FrozenBlockFP8Linear
 from ..strategies.base import PrecisionStrategy
+from .fp8_checkpoints import restore_published_fp8
 
 __all__ = ["is_peft_model", "prepare_model"]
 
@@ -35,14 +37,23 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 
 def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
-    """`strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype."""
+    """A published FP8 checkpoint's layers from their stored values (`fp8_checkpoints`), then
+    `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype."""
+    restore_published_fp8(model, keep_frozen_fp8=strategy.uses_fp8_gemm)
     model = strategy.prepare_model(model)
     compute = strategy.compute_dtype
     if not is_peft_model(model) or compute not in _STORAGE_COMPUTE_DTYPES:
         return model
     cast = 0
+    # A frozen layer kept as its FP8 checkpoint published it stays so (integrations/fp8_checkpoints.py).
+    published = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
     for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point() and param.dtype != compute:
+        if (
+            not param.requires_grad
+            and param.is_floating_point()
+            and param.dtype != compute
+            and id(param) not in published
+        ):
             param.data = param.data.to(compute)
             cast += 1
     if cast:

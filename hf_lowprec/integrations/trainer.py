@@ -35,10 +35,12 @@ from ..report import (
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
+from .fp8_checkpoints import release_for_training, write_published_fp8
 from .manifest import crash_point
 from .peft import prepare_model
 from .stock import (
     accept_optimizer,
+    bind_stock_arguments,
     forwarding_init,
     reconcile_mixed_precision_flags,
     refuse_strategy_checkpoint,
@@ -119,7 +121,9 @@ class PrecisionArgumentsMixin:
                 precision_config(strategy, self.deepspeed)
                 require_deepspeed()
             if getattr(self, "fsdp", None):
-                _check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
+                from ..engines.fsdp2 import check_trainer_fsdp
+
+                check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         elif self.resume_reset:
@@ -132,22 +136,6 @@ class PrecisionArgumentsMixin:
         if self.precision_strategy is None:
             return None
         return get_strategy(self.precision_strategy, **(self.precision_options or {}))
-
-
-def _check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
-    """Before any work: the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
-    from ..engines.fsdp2 import check_fsdp2_support
-
-    check_fsdp2_support(strategy)
-    if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
-        with open(fsdp_config, encoding="utf-8") as f:
-            fsdp_config = json.load(f)
-    version = (fsdp_config or {}).get("fsdp_version", (fsdp_config or {}).get("version", 1))
-    if int(version) != 2:
-        raise ValueError(
-            f"precision_strategy={strategy.name!r} runs under FSDP2 only; pass "
-            "fsdp_config={'fsdp_version': 2} (or set fsdp_version: 2 in the Accelerate config)"
-        )
 
 
 @dataclasses.dataclass
@@ -249,6 +237,8 @@ class PrecisionTrainerMixin:
             cls.__init__ = forwarding_init(cls)  # the stock class's signature, not (*args, **kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # A published FP8 checkpoint as transformers' inference layers: trainable before the stock checks.
+        release_for_training(bind_stock_arguments(self, PrecisionTrainerMixin, args, kwargs).arguments)
         super().__init__(*args, **kwargs)
         build = getattr(self.args, "build_precision_strategy", None)
         self.precision = build() if build is not None else None
@@ -386,6 +376,14 @@ class PrecisionTrainerMixin:
         if problem is not None:
             self._hf_lowprec_warned = True
             warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        # The model a user saves goes back in the FP8 format it was loaded from (a checkpoint to
+        # resume from keeps every bit; `save_full_precision` asks for full precision).
+        if self.precision is not None and not (_internal_call or self.precision.options.save_full_precision):
+            if self.args.should_save:
+                write_published_fp8(output_dir if output_dir is not None else self.args.output_dir, self.model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         full = self.precision is not None and self.precision.options.save_full_precision

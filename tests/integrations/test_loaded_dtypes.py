@@ -10,29 +10,20 @@ same parameter and optimizer-state dtypes, and bit-identical losses, checked her
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.memory import unwrap_optimizer
 from hf_lowprec.report import PrecisionPromiseError, check_promises, describe, format_report
-from tests.helpers import VOCAB, TokenBlocks, assert_same_losses, trainer_arguments
+from tests.helpers import TokenBlocks, assert_same_losses, tiny_llama_config, trainer_arguments
 
 STRATEGIES = hf_lowprec.available_strategies()
 
 
 def _checkpoint(path, dtype: torch.dtype) -> str:
     torch.manual_seed(0)
-    # Widths are multiples of 16: the FP8 strategies convert every projection.
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config(32)  # widths multiples of 16: the FP8 strategies convert every projection
     LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     return str(path)
 

@@ -27,6 +27,9 @@ RECIPES = ROOT / "recipes"
 MARKER = "hf_lowprec-recipe-result:"
 QUICK = ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
 SUBPROCESS_STRATEGIES = ("collage-plus", "bf16-mixed")
+# Two GLUE training steps on the CPU, evaluation left out.
+GLUE_TWO_STEPS = ["--max_steps", "2", "--eval_strategy", "no", "--per_device_train_batch_size", "8"]
+GLUE_TWO_STEPS += ["--max_eval_samples", "16", "--use_cpu", "true"]
 
 
 def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, via_env: bool = False) -> dict:
@@ -302,16 +305,7 @@ def test_finetune_glue_from_csv_files(tmp_path):
             str(tmp_path / "train.csv"),
             "--validation_file",
             str(tmp_path / "validation.csv"),
-            "--max_steps",
-            "2",
-            "--eval_strategy",
-            "no",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_eval_samples",
-            "16",
-            "--use_cpu",
-            "true",
+            *GLUE_TWO_STEPS,
         ]
     )
     check_trained(result, "bf16-pure", 2)
