@@ -224,6 +224,14 @@ def before_sharding(strategy: PrecisionStrategy, model: torch.nn.Module, optimiz
     """The strategy's own step before `fully_shard` (FP8-LM wraps its FP8 weights so that they
     all-gather as FP8: `hf_lowprec.engines.fsdp2_fp8`); nothing for the others. A parameter the
     step replaces is replaced in `optimizers` too (built before sharding, no step taken yet)."""
+    from ..fp8.blocks import FrozenBlockFP8Linear
+
+    if any(isinstance(m, FrozenBlockFP8Linear) for m in model.modules()):
+        raise ValueError(
+            "FSDP2 does not shard a frozen FP8 base kept as published (E4M3 payload + block scales) yet: "
+            "its mixed-precision all-gather would cast the scales; train this LoRA run under DDP, or with a "
+            "strategy that dequantizes the base (any but fp8-lm-o1/o2/o3)"
+        )
     hook = getattr(strategy, "before_sharding", None)
     if hook is None:
         return

@@ -257,6 +257,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
             ", ".join(changed[:5]) + (" …" if len(changed) > 5 else ""),
         )
     _forget_quantization(base)
+    _not_broadcast_by_ddp(model)
     record = {
         "quantization_config": config,
         "block": block,
@@ -268,6 +269,23 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
     base.__dict__[PUBLISHED_ATTR] = model.__dict__[PUBLISHED_ATTR] = record  # read by the startup report
     logger.info("FP8 checkpoint: %d published layers restored from their stored values", len(layers))
     return record
+
+
+def _not_broadcast_by_ddp(model: nn.Module) -> None:
+    """DDP broadcasts every parameter from rank 0 when it wraps the model; a frozen published layer
+    is the same bytes on every rank (each loaded the checkpoint) and gloo cannot send FP8: skip it."""
+    frozen = [
+        f"{fqn}.{name}".lstrip(".")
+        for fqn, module in model.named_modules()
+        if isinstance(module, FrozenBlockFP8Linear)
+        for name, p in module.named_parameters(recurse=False)
+        if not p.requires_grad
+    ]
+    if frozen:
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(ignored | set(frozen))
+        )
 
 
 def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:

@@ -47,7 +47,7 @@ def published(tmp_path_factory):
     return root
 
 
-def _sft(path: Path, name: str, out: Path, **load):
+def _sft(path: Path, name: str, out: Path, peft_config=None, **load):
     from datasets import Dataset
 
     texts = [json.loads(line)["text"] for line in (path.parent / "sft.jsonl").read_text().splitlines()]
@@ -66,7 +66,11 @@ def _sft(path: Path, name: str, out: Path, **load):
     )
     model = AutoModelForCausalLM.from_pretrained(str(path), **load)
     trainer = hl_trl.SFTTrainer(
-        model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}), processing_class=build_tokenizer()
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=build_tokenizer(),
+        peft_config=peft_config,
     )
     trainer.train()
     return trainer
@@ -89,6 +93,18 @@ def test_trl_sft_trains_a_bf16_checkpoint_as_loaded(published, tmp_path, name):
         reference = _sft(published / "gpt2-bf16", name, tmp_path / "fp32", dtype=torch.float32)
         assert _state_dtypes(trainer) == _state_dtypes(reference)
         assert_same_losses(losses, [h["loss"] for h in reference.state.log_history if "loss" in h], name)
+
+
+def test_trl_sft_with_lora_keeps_an_fp8_base_as_published(published, tmp_path):
+    from peft import LoraConfig
+
+    from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear
+
+    lora = LoraConfig(r=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = _sft(published / "llama-fp8", "fp8-lm-o2", tmp_path, peft_config=lora)
+    frozen = [m for m in trainer.model.modules() if isinstance(m, FrozenBlockFP8Linear)]
+    assert len(frozen) == 7 and all(m.weight.dtype == torch.float8_e4m3fn for m in frozen)
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 2
 
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o1"])
@@ -167,3 +183,42 @@ def test_launch_fine_tunes_a_published_checkpoint_with_an_unchanged_script(publi
                 p.numel() for p in GPT2LMHeadModel.from_pretrained(str(published / checkpoint)).parameters()
             )
         }
+
+
+DDP_LORA = """
+import sys
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from hf_lowprec import Trainer, TrainingArguments
+
+path, out = sys.argv[1:3]
+ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(0))
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+args = TrainingArguments(
+    out, precision_strategy="fp8-lm-o2", max_steps=2, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+    save_strategy="no", ddp_backend="gloo", disable_tqdm=True,
+)
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+trainer.train()
+rank = trainer.args.process_index
+torch.save({n: p.detach().float() for n, p in trainer.model.named_parameters() if p.requires_grad}, f"{out}/lora{rank}.pt")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_on_an_fp8_base_trains_under_ddp(published, tmp_path):
+    # DDP broadcasts parameters when it wraps the model; the frozen FP8 base is left out of that
+    # (same bytes on every rank; gloo cannot send FP8), and the adapters stay equal on both ranks.
+    script = tmp_path / "ddp_lora.py"
+    script.write_text(DDP_LORA)
+    (tmp_path / "out").mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    _run([*torchrun, str(published / "llama-fp8"), str(tmp_path / "out")], tmp_path)
+    rank0, rank1 = (torch.load(tmp_path / "out" / f"lora{r}.pt") for r in (0, 1))
+    assert rank0.keys() == rank1.keys() and len(rank0) == 4
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert any(k.endswith("lora_B.default.weight") and rank0[k].abs().sum() > 0 for k in rank0)  # trained
