@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import hardware
+from .checkpoints.fp8_published import PUBLISHED_ATTR
 from .memory import DEFAULT_STATE_ROLES, plan_model_state, trainable_parameters, unwrap_optimizer, zero_per_rank
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
 BF16_INSTEAD_OF_FP16 = ("bf16-mixed", "collage-plus")
 _SLOW_FP16_WARNED: set[str] = set()  # strategy names already warned about in this process
 ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"  # {dtype: elements} a strategy made FP32 (strategies/adopt.py)
-# What was restored of a published FP8 checkpoint (integrations/fp8_checkpoints.py): {"layers": {name: kind}}.
-PUBLISHED_ATTR = "hf_lowprec_fp8_published"
 
 
 class SilentPrecisionWarning(UserWarning):

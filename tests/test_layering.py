@@ -29,6 +29,7 @@ LAYERS = {
     "hf_lowprec.distributed": 0,
     "hf_lowprec.hardware": 0,
     "hf_lowprec.fp8": 1,
+    "hf_lowprec.checkpoints": 2,  # over memory and fp8: what is written, checked and read back
     "hf_lowprec.formats": 1,
     "hf_lowprec.dynamic_maps": 1,
     "hf_lowprec.coat": 1,
@@ -45,7 +46,6 @@ LAYERS = {
     "hf_lowprec.engines.fsdp2_fp8": 2,
     "hf_lowprec.engines.ddp": 5,
     "hf_lowprec.engines.fsdp2": 5,
-    "hf_lowprec.engines.fsdp2_checkpoints": 5,
     "hf_lowprec.engines.zero": 5,
     "hf_lowprec.engines.traffic": 5,
     "hf_lowprec.trl": 5,  # the short import path of integrations.trl

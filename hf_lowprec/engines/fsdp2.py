@@ -64,9 +64,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoints.fsdp2 import load_sharded, save_sharded, sharded_state_dict
 from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
 from ..registry import available_strategies, get_strategy
-from .fsdp2_checkpoints import load_sharded, save_sharded, sharded_state_dict
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -17,9 +17,9 @@ import sys
 
 import torch
 
+from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import FrozenBlockFP8Linear
 from ..strategies.base import PrecisionStrategy
-from .fp8_checkpoints import restore_published_fp8
 
 __all__ = ["is_peft_model", "prepare_model"]
 
@@ -37,7 +37,7 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 
 def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
-    """A published FP8 checkpoint's layers from their stored values (`fp8_checkpoints`), then
+    """A published FP8 checkpoint's layers from their stored values (`checkpoints.fp8_published`), then
     `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype."""
     restore_published_fp8(model, keep_frozen_fp8=strategy.uses_fp8_gemm)
     model = strategy.prepare_model(model)
@@ -45,7 +45,7 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
     if not is_peft_model(model) or compute not in _STORAGE_COMPUTE_DTYPES:
         return model
     cast = 0
-    # A frozen layer kept as its FP8 checkpoint published it stays so (integrations/fp8_checkpoints.py).
+    # A frozen layer kept as its FP8 checkpoint published it stays so (checkpoints/fp8_published.py).
     published = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
     for param in model.parameters():
         if (

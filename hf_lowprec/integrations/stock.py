@@ -130,7 +130,7 @@ def refuse_strategy_checkpoint(output_dir: str, resume: Any) -> None:
     a stock checkpoint (no manifest) goes untouched to the stock resume, its checks and errors."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .checkpoints import MANIFEST
+    from ..checkpoints.manifest import MANIFEST
 
     if resume is True:
         resume = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None

@@ -23,6 +23,9 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
+from ..checkpoints.fp8_published import release_for_training, write_published_fp8
+from ..checkpoints.manifest import crash_point
+from ..checkpoints.resume import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
 from ..engines.ddp import prepare_ddp
 from ..registry import get_strategy
 from ..report import (
@@ -34,9 +37,6 @@ from ..report import (
     warn_slow_fp16_once,
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
-from .checkpoints import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
-from .fp8_checkpoints import release_for_training, write_published_fp8
-from .manifest import crash_point
 from .peft import prepare_model
 from .stock import (
     accept_optimizer,

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
+from hf_lowprec.checkpoints.manifest import ENV_CRASH_AT  # noqa: E402
 from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # noqa: E402
-from hf_lowprec.integrations.manifest import ENV_CRASH_AT  # noqa: E402
 from tests.helpers import batches, tiny_gpt2  # noqa: E402
 
 STRATEGY = "coat"

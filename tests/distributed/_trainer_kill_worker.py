@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_lowprec import Trainer, TrainingArguments  # noqa: E402
-from hf_lowprec.integrations.manifest import ENV_CRASH_AT  # noqa: E402
+from hf_lowprec.checkpoints.manifest import ENV_CRASH_AT  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import TokenBlocks, tiny_gpt2  # noqa: E402
 
@@ -127,7 +127,7 @@ def main() -> None:
         reference.train()
         result["reference"] = summary(reference)
         warnings = Warnings()
-        logging.getLogger("hf_lowprec.integrations.checkpoints").addHandler(warnings)
+        logging.getLogger("hf_lowprec.checkpoints.resume").addHandler(warnings)
         resumed = trainer(out / "run", args.engine, seed=7)
         resumed.train(resume_from_checkpoint=True)
         result["resumed"] = summary(resumed)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_lowprec.integrations.checkpoints import SAVE_MARKER
-from hf_lowprec.integrations.manifest import CRASH_EXIT, MANIFEST
+from hf_lowprec.checkpoints.manifest import CRASH_EXIT, MANIFEST
+from hf_lowprec.checkpoints.resume import SAVE_MARKER
 from tests.deepspeed._launch import exit_is_tolerated, ranks_environment
 
 HERE = Path(__file__).resolve().parent

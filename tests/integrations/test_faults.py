@@ -33,7 +33,7 @@ from transformers import HfArgumentParser, TrainerCallback
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
-from hf_lowprec.integrations.checkpoints import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
+from hf_lowprec.checkpoints.resume import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
 from tests.helpers import TokenBlocks, batches, tiny_gpt2
 from tests.integrations.test_resume import assert_same
 
@@ -413,7 +413,7 @@ def test_a_damaged_manifest_is_refused(saved_runs, tmp_path, damage):
 
 def resumed(copy: Path, strategy: str, caplog, **kw) -> Trainer:
     trainer = matrix_trainer(copy.parent, strategy, seed=7, **kw)  # other weights: all must come from the copy
-    with caplog.at_level(logging.WARNING, logger="hf_lowprec.integrations.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.checkpoints.resume"):
         trainer.train(resume_from_checkpoint=str(copy))
     assert trainer.state.global_step == MATRIX_STEPS
     return trainer

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.checkpoints.fp8_published import restore_published_fp8
 from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear, dequantize_blocks, quantize_blocks
-from hf_lowprec.integrations.fp8_checkpoints import restore_published_fp8
 from hf_lowprec.report import describe, format_report
 from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, tiny_llama_config, trainer_arguments
 

@@ -175,7 +175,7 @@ def assert_resumed_equals_uninterrupted(resumed: Trainer, reference: Trainer, st
 def resume(output_dir: Path, strategy: str, caplog) -> Trainer:
     # A different initialisation: everything must come from the checkpoint.
     trainer = make_trainer(output_dir, strategy, seed=7)
-    with caplog.at_level(logging.WARNING, logger="hf_lowprec.integrations.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.checkpoints.resume"):
         trainer.train(resume_from_checkpoint=True)
     return trainer
 

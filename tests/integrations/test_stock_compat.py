@@ -30,7 +30,7 @@ import transformers
 from transformers.training_args import OptimizerNames
 
 from hf_lowprec import Trainer, TrainingArguments
-from hf_lowprec.integrations.checkpoints import MANIFEST
+from hf_lowprec.checkpoints.resume import MANIFEST
 from hf_lowprec.integrations.stock import ADAMW_OPTIMS
 from hf_lowprec.integrations.trainer import REPORT_FILE
 from hf_lowprec.registry import available_strategies, get_strategy

@@ -33,12 +33,14 @@ import torch
 from torch import nn
 
 from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, dequantize_blocks, quantize_blocks
-from ..report import PUBLISHED_ATTR
 
 __all__ = ["PUBLISHED_ATTR", "published_fp8_config", "release_quantized_fp8", "restore_published_fp8"]
 __all__ += ["release_for_training", "write_published_fp8"]
 
 logger = logging.getLogger(__name__)
+
+# On the model: what was restored ({"layers": {name: kind}, ...}), for the startup report and the FP8 save.
+PUBLISHED_ATTR = "hf_lowprec_fp8_published"
 
 _QUANT_METHOD = "fp8"
 _SCALE = ".weight_scale_inv"

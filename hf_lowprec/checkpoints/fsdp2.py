@@ -3,7 +3,7 @@
 torch.distributed.checkpoint writes each DTensor once, split by its shards, and plain values
 once; state laid out per shard (COAT's groups, collage-8bit's blocks, FP8-LM's per-shard scales)
 is written as one row per rank. Saves are atomic and checksummed
-(`hf_lowprec.integrations.sharded_checkpoints`).
+(`hf_lowprec.checkpoints.sharded`).
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
     """Write model and optimizer shards to the directory `path` (torch.distributed.checkpoint;
     every rank calls it). A DTensor is written once, split by its shards; a plain value (the
     strategy's counters, step numbers, a random generator's state: equal on every rank) once.
-    Atomic, with every rank's shards checksummed (`hf_lowprec.integrations.sharded_checkpoints`)."""
+    Atomic, with every rank's shards checksummed (`hf_lowprec.checkpoints.sharded`)."""
     import torch.distributed.checkpoint as dcp
 
-    from ..integrations.sharded_checkpoints import save_checked
+    from .sharded import save_checked
 
     state, restore = _sharded_state_dict(model, optimizer)
     save_checked(os.fspath(path), lambda directory: dcp.save(state, checkpoint_id=directory), bool(restore))
@@ -97,7 +97,7 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
     which needs the world size it was saved at), then continue bit for bit."""
     import torch.distributed.checkpoint as dcp
 
-    from ..integrations.sharded_checkpoints import check_saved
+    from .sharded import check_saved
 
     target, restore = _sharded_state_dict(model, optimizer)
     check_saved(os.fspath(path), bool(restore))  # damaged, torn or another world size: refused here

@@ -4,7 +4,7 @@ torch's checkpoint writer writes each rank's shards (`__<rank>_<n>.distcp`) in p
 only `.metadata`: a rank that dies after rank 0 wrote leaves rank 0's new shard beside rank 1's
 old one, which loads as a mix of two steps, and bytes overwritten in a shard load as NaN weights.
 `save_checked` writes the whole save into `<path>.saving`, has every rank checksum its own shards,
-writes the manifest (`hf_lowprec.integrations.manifest`: each file's size and CRC-32, the world
+writes the manifest (`hf_lowprec.checkpoints.manifest`: each file's size and CRC-32, the world
 size, whether state is laid out per shard) and only then renames the directory into place, so
 `<path>` always holds one complete save. `check_saved` verifies a save before anything loads:
 every rank checks a share of the files and all ranks refuse together, naming the file; state

@@ -10,7 +10,7 @@ with a warning. A finished checkpoint whose files are damaged, or that another p
 strategy saved, is refused with an error that names the file and what to do.
 
 Every checkpoint the package's Trainer saves under a strategy carries a manifest
-(`hf_lowprec_manifest.json`, `hf_lowprec.integrations.manifest`): each file with its size and
+(`hf_lowprec_manifest.json`, `hf_lowprec.checkpoints.manifest`): each file with its size and
 CRC-32, the precision strategy, its options and the number of processes that saved it. The save
 is bracketed: `begin_save` writes a marker (`hf_lowprec_save_in_progress`) before any file, and
 `finish_save` writes the manifest once every rank's files exist, then removes the marker. So a

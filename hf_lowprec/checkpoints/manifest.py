@@ -1,7 +1,7 @@
 """A checkpoint's manifest: every file with its size and CRC-32, written last and atomically.
 
-The Trainer's checkpoints (`hf_lowprec.integrations.checkpoints`) and FSDP2's sharded ones
-(`hf_lowprec.integrations.sharded_checkpoints`) carry one `hf_lowprec_manifest.json`; this
+The Trainer's checkpoints (`hf_lowprec.checkpoints.resume`) and FSDP2's sharded ones
+(`hf_lowprec.checkpoints.sharded`) carry one `hf_lowprec_manifest.json`; this
 module writes it, reads it back with every field checked (a damaged entry is a `ManifestError`
 naming it, never an `AttributeError` deep in a check), and tells what is wrong with a listed
 file. Also the test-only stop point `crash_point`, which ends a rank at a named stage of a
