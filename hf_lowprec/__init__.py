@@ -25,9 +25,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "available_strategies": "hf_lowprec.registry",
-    "get_strategy": "hf_lowprec.registry",
-    "register": "hf_lowprec.registry",
+    "available_strategies": "hf_lowprec.strategies.registry",
+    "get_strategy": "hf_lowprec.strategies.registry",
+    "register": "hf_lowprec.strategies.registry",
     "Trainer": "hf_lowprec.integrations.trainer",
     "TrainingArguments": "hf_lowprec.integrations.trainer",
     "PrecisionCallback": "hf_lowprec.integrations.trainer",

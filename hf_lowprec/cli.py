@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .registry import available_strategies, get_strategy, strategy_class, strategy_summary
+from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
 __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
 

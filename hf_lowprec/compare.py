@@ -131,7 +131,7 @@ def run_compare(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows."""
-    from .registry import strategy_class
+    from .strategies.registry import strategy_class
 
     command, cwd, metric = resolve_recipe(recipe)
     for name in strategies:

@@ -22,7 +22,7 @@ from transformers import GPT2LMHeadModel, PrinterCallback, TrainerCallback
 from .data import build_tokenizer, clm_datasets, tiny_gpt2_config
 from .integrations.trainer import Trainer, TrainingArguments
 from .memory import model_state_bytes
-from .registry import available_strategies, strategy_class
+from .strategies.registry import available_strategies, strategy_class
 
 __all__ = ["run_strategy", "main"]
 

@@ -68,7 +68,7 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
     from hf_lowprec.engines.ddp import ddp_support
     from hf_lowprec.engines.fsdp2 import fsdp2_support
     from hf_lowprec.engines.zero import zero_support
-    from hf_lowprec.registry import available_strategies, get_strategy
+    from hf_lowprec.strategies.registry import available_strategies, get_strategy
 
     head = "| strategy | one process | DDP | ZeRO-1 | ZeRO-2 | ZeRO-3 | FSDP2 |"
     lines = [head + (" why not |" if reasons else ""), "|---|---|---|---|---|---|---|" + ("---|" if reasons else "")]

@@ -36,13 +36,11 @@ LAYERS = {
     "hf_lowprec.optim": 2,
     "hf_lowprec.report": 3,
     "hf_lowprec.strategies": 4,
-    "hf_lowprec.registry": 4,
     "hf_lowprec.integrations": 5,
     # The engines package imports nothing itself: its modules sit in their own layers. FP8-LM's
     # own ZeRO stage is an optimizer the strategies build (fp8-lm-o3), its FSDP2 weights a tensor
     # subclass they wrap before sharding: the optimizer layer.
     "hf_lowprec.engines": 2,
-    "hf_lowprec.engines.zero_fp8": 2,
     "hf_lowprec.engines.fsdp2_fp8": 2,
     "hf_lowprec.engines.ddp": 5,
     "hf_lowprec.engines.fsdp2": 5,

@@ -3,7 +3,7 @@ import re
 import pytest
 
 import hf_lowprec
-from hf_lowprec.registry import register
+from hf_lowprec.strategies.registry import register
 
 
 def test_available_strategies_lists_names_sorted():

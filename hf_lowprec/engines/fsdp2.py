@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from ..checkpoints.fsdp2 import load_sharded, save_sharded, sharded_state_dict
 from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
-from ..registry import available_strategies, get_strategy
+from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..registry import available_strategies, get_strategy
+from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
     from ..strategies.base import PrecisionStrategy

@@ -126,7 +126,7 @@ def launch_environment(
     opts = _parse_options(options)
     env = dict(environ)
     if strategy:
-        from ..registry import get_strategy
+        from ..strategies.registry import get_strategy
 
         get_strategy(strategy, **opts)
         env[ENV_STRATEGY] = strategy

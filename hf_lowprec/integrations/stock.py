@@ -169,7 +169,7 @@ def stock_differences(name: str | None) -> list[str]:
 
 
 def _optimizer_difference(name: str) -> str:
-    from ..registry import get_strategy
+    from ..strategies.registry import get_strategy
 
     if get_strategy(name).takes_user_optimizer:
         return (
@@ -183,7 +183,7 @@ def _optimizer_difference(name: str) -> str:
 
 
 def _own_differences(name: str) -> list[str]:
-    from ..registry import get_strategy
+    from ..strategies.registry import get_strategy
 
     strategy = get_strategy(name)
     found = []
@@ -202,7 +202,7 @@ def _own_differences(name: str) -> list[str]:
 
 def differences_markdown() -> str:
     """The README table: strategies with the same differences from the stock Trainer on one row."""
-    from ..registry import available_strategies
+    from ..strategies.registry import available_strategies
 
     rows: dict[tuple[str, ...], list[str]] = {}
     for name in available_strategies():

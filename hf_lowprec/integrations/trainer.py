@@ -27,7 +27,6 @@ from ..checkpoints.fp8_published import release_for_training, write_published_fp
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
 from ..engines.ddp import prepare_ddp
-from ..registry import get_strategy
 from ..report import (
     SilentPrecisionWarning,
     check_promises,
@@ -37,6 +36,7 @@ from ..report import (
     warn_slow_fp16_once,
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from ..strategies.registry import get_strategy
 from .peft import prepare_model
 from .stock import (
     accept_optimizer,

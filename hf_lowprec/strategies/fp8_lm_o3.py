@@ -1,6 +1,6 @@
 """FP8-LM O3: O2 with the FP8 ZeRO distribution of masters and optimizer states (docs/algorithms.md §3).
 
-The optimizer is `hf_lowprec.engines.zero_fp8.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
+The optimizer is `hf_lowprec.optim.zero_fp8.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
 gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on
 every rank together, and gathers the owners' masters for export. Memory per rank: the masters
 (2 bytes), FP8AdamW states (3 bytes) and FP8 gradients (1 byte) of the weights it owns, and
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engines.zero_fp8 import FP8ZeroAdamW
 from ..fp8.grad_scaling import nonfinite
 from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
+from ..optim.zero_fp8 import FP8ZeroAdamW
 from .fp8_lm import FP8LM
 from .registry import register
 

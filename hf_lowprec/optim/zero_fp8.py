@@ -37,8 +37,8 @@ from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
 from ..fp8.cast import widen
 from ..fp8.linear import E4M3, quantize_weight, set_grad_sink
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale
-from ..optim.fp8_adamw import FP8AdamW
 from ..partition import assign_whole_tensors
+from .fp8_adamw import FP8AdamW
 
 __all__ = ["FP8ZeroAdamW"]
 
