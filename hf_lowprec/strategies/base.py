@@ -25,8 +25,9 @@ reads a counter: `metrics()` (logging steps), `state_dict()` (checkpoints), and
 loops do to skip their LR scheduler step). `lost_arithmetic_metrics` reads the device on its
 measured steps only.
 
-This module is long because the hooks and `StrategyOptimizer`, the wrapper that runs them
-around any optimizer, are one contract that every strategy and integration reads together.
+This module is long because the hooks are one contract that every strategy and integration
+reads together; `StrategyOptimizer`, the wrapper that runs them around any optimizer, is in
+`strategies.optimizer`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
+from .optimizer import StrategyOptimizer
 
 __all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
@@ -513,133 +515,6 @@ class PrecisionStrategy:
             out[f"precision/edq{name}"] = quality
             out[f"precision/edq_ratio{name}"] = ratio
         self._lost_arithmetic = out
-
-
-class StrategyOptimizer(torch.optim.Optimizer):
-    """The optimizer a strategy hands out: its inner optimizer plus the strategy's step logic.
-
-    It is a `torch.optim.Optimizer` whose `param_groups` and `state` are the inner optimizer's,
-    so LR schedulers, gradient clipping and Accelerate's wrapper see an ordinary optimizer.
-    `step()` runs the strategy's hooks without a host sync: the inner optimizer takes the
-    strategy's `found_inf` tensor and skips on the device where it is set; the strategy counts
-    the skip on the device. `step_was_skipped` reads this step's flag (a sync, when read).
-    `state_dict()` is the inner state dict plus the strategy's state under the key
-    "hf_lowprec", so a Trainer checkpoint carries both.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: PrecisionStrategy) -> None:
-        # The base __init__ would re-register parameters; this wrapper only delegates.
-        self.optimizer = optimizer
-        self.strategy = strategy
-        self._found_inf: torch.Tensor | None = None  # the last step's flag, on the device
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last `step()` was skipped. Reading it waits for the device (one sync),
-        as reading torch's GradScaler scale does; the step itself never does."""
-        return self._found_inf is not None and bool(self._found_inf)
-
-    def step(self, closure: Callable | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        strategy = self.strategy
-        strategy.unscale_gradients(self.optimizer)
-        found_inf = strategy.process_gradients(self.optimizer)
-        if not isinstance(found_inf, torch.Tensor):
-            raise TypeError(
-                f"{type(strategy).__name__}.process_gradients returned {type(found_inf).__name__}; it must return "
-                "a 0-dim FP32 tensor on the gradients' device (1.0: skip the step), as `numerics.nonfinite_flag` gives"
-            )
-        strategy.count_skip(found_inf)
-        self._found_inf = found_inf
-        measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics
-        strategy.measure_next_step = False
-        # A measured step reads the flag on the host (its measurement syncs anyway).
-        if measure and hasattr(self.optimizer, "track_updates") and not bool(found_inf):
-            self.optimizer.track_updates = True
-            try:
-                strategy.optimizer_step(self.optimizer, found_inf)
-            finally:
-                self.optimizer.track_updates = False
-            strategy._measure_lost_arithmetic(self.optimizer.tracked, len(self.param_groups))
-            self.optimizer.tracked = []
-        else:
-            strategy.optimizer_step(self.optimizer, found_inf)
-        return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        state = dict(self.optimizer.state_dict())
-        state["hf_lowprec"] = {
-            "strategy": self.strategy.name,
-            "options": dataclasses.asdict(self.strategy.options),
-            **self.strategy.state_dict(),
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("hf_lowprec", None)
-        if ours is not None:
-            saved = ours.get("strategy")
-            if saved is not None and saved != self.strategy.name:
-                raise ValueError(
-                    f"this optimizer state was saved by precision strategy {saved!r}, "
-                    f"not {self.strategy.name!r}; resume with --precision_strategy {saved}"
-                )
-            options = ours.get("options")
-            changed = self.strategy.check_resume_options(options, "this optimizer state") if options else []
-            if "seed" in changed:
-                # A new stochastic-rounding seed applies for real: the generators start from it.
-                state_dict.pop("generator_states", None)
-            self.strategy.load_state_dict({k: v for k, v in ours.items() if k not in ("strategy", "options")})
-        self.optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"StrategyOptimizer({self.strategy.name!r}, {self.optimizer!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
