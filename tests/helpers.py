@@ -105,6 +105,14 @@ def trainer_arguments(output_dir, **overrides) -> dict:
     }
 
 
+def make_args(output_dir, strategy: str | None, **overrides):
+    """`hf_lowprec.TrainingArguments` of `trainer_arguments` under `strategy`; test modules fix
+    their own overrides with `functools.partial`."""
+    from hf_lowprec import TrainingArguments
+
+    return TrainingArguments(**trainer_arguments(output_dir, precision_strategy=strategy, **overrides))
+
+
 class TokenBlocks(torch.utils.data.Dataset):
     """`n` random token blocks as causal-LM examples (labels = input_ids) for Trainer tests."""
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from transformers import HfArgumentParser, TrainerCallback
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.resume import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
+from tests import helpers
 from tests.helpers import TokenBlocks, batches, tiny_gpt2
 from tests.integrations.test_resume import assert_same
 
@@ -42,24 +44,10 @@ STEPS = 12
 FAULTS = {3: "gradient", 6: "activation", 9: "loss"}  # 1-based step -> where the fault goes
 
 
-def make_args(output_dir: Path, strategy: str | None, **kw) -> TrainingArguments:
-    base = dict(
-        output_dir=str(output_dir),
-        precision_strategy=strategy,
-        max_steps=STEPS,
-        save_strategy="no",
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    base.update(kw)
-    return TrainingArguments(**base)
+# Twelve steps at a constant rate, nothing saved unless a test asks.
+make_args = functools.partial(
+    helpers.make_args, max_steps=STEPS, save_strategy="no", lr_scheduler_type="constant", dataloader_num_workers=0
+)
 
 
 def nonfinite_tensors(obj, where: str) -> list[str]:

@@ -16,6 +16,7 @@ stochastic-rounding seed) is applied, and the startup report shows it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import multiprocessing
@@ -31,6 +32,7 @@ import transformers
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
+from tests import helpers
 from tests.helpers import TokenBlocks, batches, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
@@ -38,25 +40,17 @@ MAX_STEPS, SAVE_STEPS, KILLED_AT = 6, 2, 4  # checkpoints at 2, 4, 6; killed whi
 CHILD_TIMEOUT = 300.0
 
 
-def make_args(output_dir: Path, strategy: str) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(output_dir),
-        precision_strategy=strategy,
-        max_steps=MAX_STEPS,
-        save_steps=SAVE_STEPS,
-        save_strategy="steps",
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        weight_decay=0.01,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+# Saves every SAVE_STEPS under a cosine schedule with warm-up and weight decay: all state that resumes.
+make_args = functools.partial(
+    helpers.make_args,
+    max_steps=MAX_STEPS,
+    save_steps=SAVE_STEPS,
+    save_strategy="steps",
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    weight_decay=0.01,
+    dataloader_num_workers=0,
+)
 
 
 def make_trainer(output_dir: Path, strategy: str, seed: int = 0) -> Trainer:

@@ -1,5 +1,6 @@
 """hf_lowprec.Trainer end to end: precision_strategy, logs, save and bit-for-bit resume, bad input."""
 
+import functools
 import json
 
 import pytest
@@ -8,7 +9,8 @@ from transformers import HfArgumentParser
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.strategies.base import StrategyOptimizer
-from tests.helpers import batches, tiny_gpt2, trainer_arguments
+from tests import helpers
+from tests.helpers import batches, tiny_gpt2
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -22,17 +24,14 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def make_args(tmp_path, strategy, **kw):
-    base = dict(
-        precision_strategy=strategy,
-        save_steps=3,
-        save_strategy="steps",
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        weight_decay=0.01,
-    )
-    base.update(kw)
-    return TrainingArguments(**trainer_arguments(tmp_path, **base))
+make_args = functools.partial(
+    helpers.make_args,
+    save_steps=3,
+    save_strategy="steps",
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    weight_decay=0.01,
+)
 
 
 def losses(trainer):
