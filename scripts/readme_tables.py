@@ -75,9 +75,10 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
     for name in available_strategies():
         if not name.startswith(prefixes):
             continue
-        ddp = ddp_support(name) is None
-        zero = [zero_support(name, stage) is None for stage in (1, 2, 3)]
-        fsdp2 = fsdp2_support(name) is None
+        strategy = get_strategy(name)
+        ddp = ddp_support(strategy) is None
+        zero = [zero_support(strategy, stage) is None for stage in (1, 2, 3)]
+        fsdp2 = fsdp2_support(strategy) is None
         row = f"| `{name}` | yes | {' | '.join('yes' if ok else 'no' for ok in [ddp, *zero, fsdp2])} |"
         if reasons:
             strategy = get_strategy(name)

@@ -23,20 +23,15 @@ if TYPE_CHECKING:
 __all__ = ["check_ddp_support", "ddp_support", "prepare_ddp", "support_matrix_markdown"]
 
 
-def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
-    return get_strategy(strategy) if isinstance(strategy, str) else strategy
-
-
-def ddp_support(strategy: PrecisionStrategy | str) -> str | None:
+def ddp_support(strategy: PrecisionStrategy) -> str | None:
     """None when `strategy` trains under torch DDP with its numerics, else the refusal message
     (why, and what works instead)."""
-    strategy = _strategy(strategy)
     if strategy.ddp:
         return None
     return f"precision strategy {strategy.name!r} is not supported under torch DDP: {strategy.ddp_refusal}"
 
 
-def check_ddp_support(strategy: PrecisionStrategy | str) -> None:
+def check_ddp_support(strategy: PrecisionStrategy) -> None:
     """Raise ValueError with `ddp_support`'s message when the strategy is refused."""
     message = ddp_support(strategy)
     if message is not None:

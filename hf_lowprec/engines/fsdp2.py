@@ -97,15 +97,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
-    return get_strategy(strategy) if isinstance(strategy, str) else strategy
-
-
 # --- what runs under FSDP2 ------------------------------------------------------------------------
-def fsdp2_support(strategy: PrecisionStrategy | str) -> str | None:
+def fsdp2_support(strategy: PrecisionStrategy) -> str | None:
     """None when `strategy` trains under FSDP2 with its numerics, else the refusal message
     (why, and what works instead)."""
-    strategy = _strategy(strategy)
     if strategy.fsdp2:
         return None
     working = ", ".join(n for n in available_strategies() if get_strategy(n).fsdp2)
@@ -115,7 +110,7 @@ def fsdp2_support(strategy: PrecisionStrategy | str) -> str | None:
     )
 
 
-def check_fsdp2_support(strategy: PrecisionStrategy | str) -> None:
+def check_fsdp2_support(strategy: PrecisionStrategy) -> None:
     """Raise ValueError with `fsdp2_support`'s message when the strategy is refused."""
     message = fsdp2_support(strategy)
     if message is not None:
@@ -164,7 +159,7 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(
-    strategy: PrecisionStrategy | str,
+    strategy: PrecisionStrategy,
     model: torch.nn.Module,
     mesh: DeviceMesh | None = None,
     *,
@@ -190,7 +185,6 @@ def shard_model(
     """
     from torch.distributed.fsdp import fully_shard
 
-    strategy = _strategy(strategy)
     check_fsdp2_support(strategy)
     if "mp_policy" in fully_shard_kwargs:
         raise ValueError(
@@ -303,7 +297,7 @@ def warn_if_fsdp_fell_back(accelerator: Any) -> str | None:
 
 
 def configure_accelerator(
-    strategy: PrecisionStrategy | str,
+    strategy: PrecisionStrategy,
     accelerator: Any,
     model: torch.nn.Module | None = None,
     optimizers: Iterable[Any] = (),
@@ -312,7 +306,6 @@ def configure_accelerator(
     (a refused strategy, FSDP1, CPU offload, a mixed-precision policy of the user's), give
     Accelerate's `fully_shard` calls the strategy's `MixedPrecisionPolicy` and run the
     strategy's step before sharding on `model` (`before_sharding`; FP8-LM's FP8 all-gather)."""
-    strategy = _strategy(strategy)
     plugin = accelerator.state.fsdp_plugin
     check_fsdp2_support(strategy)
     if getattr(plugin, "fsdp_version", 1) != 2:

@@ -48,9 +48,8 @@ def _itemsize(dtype: torch.dtype | None) -> float | None:
     return None if dtype is None else float(dtype.itemsize)
 
 
-def traffic(strategy: PrecisionStrategy | str) -> Traffic:
+def traffic(strategy: PrecisionStrategy) -> Traffic:
     """The bytes per element `strategy` moves in each collective of DDP and FSDP2."""
-    strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     own = strategy.param_dtype
     ddp_bytes, how = None, ""
     if strategy.ddp:
@@ -116,7 +115,7 @@ def collectives_markdown() -> str:
         "|---|---|---|---|---|",
     ]
     for name in available_strategies():
-        t = traffic(name)
+        t = traffic(get_strategy(name))
         ddp = "refused" if t.ddp_all_reduce is None else f"{t.ddp_all_reduce:g} ({t.ddp_how})"
         gather_fp8 = cell(t.fsdp2_gather_fp8_weights)
         if t.fsdp2_gather_fp8_weights is not None and t.fsdp2_gather_fp8_weights != t.fsdp2_gather_other:

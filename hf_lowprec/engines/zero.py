@@ -70,16 +70,11 @@ def require_deepspeed() -> Any:
 
 
 # --- the support matrix -------------------------------------------------------------------------
-def _strategy(strategy: PrecisionStrategy | str) -> PrecisionStrategy:
-    return get_strategy(strategy) if isinstance(strategy, str) else strategy
-
-
-def zero_support(strategy: PrecisionStrategy | str, stage: int) -> str | None:
+def zero_support(strategy: PrecisionStrategy, stage: int) -> str | None:
     """None when `strategy` keeps its numerics under ZeRO `stage`, else the refusal message.
 
     The message says why and names a combination that works.
     """
-    strategy = _strategy(strategy)
     if stage in strategy.zero_stages:
         return None
     hint = ""
@@ -91,7 +86,7 @@ def zero_support(strategy: PrecisionStrategy | str, stage: int) -> str | None:
     )
 
 
-def check_zero_support(strategy: PrecisionStrategy | str, stage: int) -> None:
+def check_zero_support(strategy: PrecisionStrategy, stage: int) -> None:
     """Raise ValueError with `zero_support`'s message when the combination is refused."""
     message = zero_support(strategy, stage)
     if message is not None:
@@ -101,7 +96,8 @@ def check_zero_support(strategy: PrecisionStrategy | str, stage: int) -> None:
 def support_matrix(names: Iterable[str] | None = None) -> dict[str, dict[int, str | None]]:
     """{strategy name: {stage: None (supported) or refusal message}} for ZeRO stages 1, 2, 3."""
     names = available_strategies() if names is None else list(names)
-    return {name: {stage: zero_support(name, stage) for stage in STAGES} for name in names}
+    strategies = {name: get_strategy(name) for name in names}  # names resolved here, at the edge
+    return {name: {stage: zero_support(s, stage) for stage in STAGES} for name, s in strategies.items()}
 
 
 def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
@@ -119,9 +115,9 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
 
 
 # --- the precision entries of a DeepSpeed config --------------------------------------------------
-def owned_entries(strategy: PrecisionStrategy | str) -> dict[str, Any]:
+def owned_entries(strategy: PrecisionStrategy) -> dict[str, Any]:
     """The DeepSpeed config entries (dotted keys) the strategy decides, with its values."""
-    bf16 = _partition_dtype(_strategy(strategy)) == torch.bfloat16
+    bf16 = _partition_dtype(strategy) == torch.bfloat16
     return {
         "bf16.enabled": bf16,
         "bf16.bf16_master_weights_and_grads": bf16,
@@ -220,7 +216,7 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
             )
 
 
-def precision_config(strategy: PrecisionStrategy | str, config: Mapping[str, Any]) -> dict[str, Any]:
+def precision_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of `config` with the strategy's precision entries filled; ValueError on a contradiction.
 
     Raises before any work when: the ZeRO stage is refused for the strategy; an owned entry is
@@ -228,7 +224,6 @@ def precision_config(strategy: PrecisionStrategy | str, config: Mapping[str, Any
     the config has its own `optimizer`; `data_types.grad_accum_dtype` differs from the
     strategy's partitions; optimizer or parameter offload is on.
     """
-    strategy = _strategy(strategy)
     out = load_config(config)
     _check_config(strategy, out)
     for key, value in owned_entries(strategy).items():
@@ -237,11 +232,10 @@ def precision_config(strategy: PrecisionStrategy | str, config: Mapping[str, Any
 
 
 def apply_precision_config(
-    strategy: PrecisionStrategy | str, target: dict[str, Any], original: Mapping[str, Any] | None = None
+    strategy: PrecisionStrategy, target: dict[str, Any], original: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Check `original` (the user's config, before any "auto" was filled) and write the strategy's
     entries into `target` in place (a config a framework is already filling). Returns `target`."""
-    strategy = _strategy(strategy)
     _check_config(strategy, target if original is None else original)
     for key, value in owned_entries(strategy).items():
         _set(target, key, value)

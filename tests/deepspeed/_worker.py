@@ -379,7 +379,7 @@ def main() -> None:
     for name, stage, *mode in json.loads(args.cases):
         key = f"{name}/{stage}" + "".join(f"/{m}" for m in mode)
         start = time.time()
-        refusal = zero_support(name, stage)
+        refusal = zero_support(get_strategy(name), stage)
         try:
             if mode == ["trainer"]:
                 case = run_trainer(name, stage, out / "trainer" / key.replace("/", "_"), data)
@@ -387,7 +387,7 @@ def main() -> None:
                 case = run_nonfinite(name, stage, mode[1], data)
             elif refusal is not None:
                 try:
-                    precision_config(name, ds_config(stage))
+                    precision_config(get_strategy(name), ds_config(stage))
                     case = {"refused": False, "error": "precision_config accepted a refused combination"}
                 except ValueError as err:
                     case = {"refused": True, "message": str(err)}

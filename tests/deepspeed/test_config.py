@@ -33,7 +33,7 @@ AUTO = {
 
 @pytest.mark.parametrize("name", BF16_WEIGHTS)
 def test_bf16_weight_strategies_get_bf16_partitions(name):
-    config = precision_config(name, AUTO)
+    config = precision_config(get_strategy(name), AUTO)
     assert config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     assert config["fp16"]["enabled"] is False
     assert config["zero_allow_untested_optimizer"] is True
@@ -43,14 +43,14 @@ def test_bf16_weight_strategies_get_bf16_partitions(name):
 
 @pytest.mark.parametrize("name", ["fp32", "bf16-mixed"])
 def test_fp32_partition_strategies_keep_deepspeed_in_fp32(name):
-    config = precision_config(name, {"zero_optimization": {"stage": 3}})
+    config = precision_config(get_strategy(name), {"zero_optimization": {"stage": 3}})
     assert config["bf16"] == {"enabled": False, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     assert config["fp16"]["enabled"] is False
 
 
 def test_explicit_agreeing_values_pass():
     config = {**AUTO, "bf16": {"enabled": "true", "bf16_master_weights_and_grads": True}}
-    assert precision_config("collage-plus", config)["bf16"]["enabled"] is True
+    assert precision_config(get_strategy("collage-plus"), config)["bf16"]["enabled"] is True
 
 
 @pytest.mark.parametrize(
@@ -77,17 +77,17 @@ def test_explicit_agreeing_values_pass():
 )
 def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
     with pytest.raises(ValueError) as err:
-        precision_config(name, {**AUTO, **patch})
+        precision_config(get_strategy(name), {**AUTO, **patch})
     assert key in str(err.value) and repr(name) in str(err.value)
 
 
 def test_refused_stages_name_a_combination_that_works():
     with pytest.raises(ValueError, match=r"fp8-lm-o3 with ZeRO stage 1 or 2"):
-        precision_config("fp8-lm-o2", AUTO)
+        precision_config(get_strategy("fp8-lm-o2"), AUTO)
     with pytest.raises(ValueError, match=r"stage 0.*runs under ZeRO stage 1 or 2 or 3"):
-        precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 0}})
+        precision_config(get_strategy("collage-plus"), {**AUTO, "zero_optimization": {"stage": 0}})
     with pytest.raises(ValueError, match=r"zero_optimization.stage must be"):
-        precision_config("collage-plus", {**AUTO, "zero_optimization": {"stage": 4}})
+        precision_config(get_strategy("collage-plus"), {**AUTO, "zero_optimization": {"stage": 4}})
 
 
 def test_training_arguments_refuse_a_contradicting_deepspeed_config_before_any_work(tmp_path):
@@ -126,7 +126,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
 def test_module_imports_without_deepspeed():
     code = (
         "import sys; sys.modules['deepspeed'] = None; import hf_lowprec.engines.zero as d; "
-        "print(len(d.support_matrix()), d.precision_config('collage-plus', {'zero_optimization': {'stage': 2}})['bf16']['enabled'])"
+        "print(len(d.support_matrix()), d.precision_config(d.get_strategy('collage-plus'), {'zero_optimization': {'stage': 2}})['bf16']['enabled'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split()[-1] == "True"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hf_lowprec
+from hf_lowprec import get_strategy
 from hf_lowprec.engines.zero import zero_support
 from hf_lowprec.fp8.scaled import dequantize
 from tests.helpers import batches, tiny_gpt2, train_steps
@@ -72,8 +73,8 @@ def test_o3_state_carries_masters_and_refuses_another_world_size():
 
 
 def test_o3_zero_stages():
-    assert zero_support("fp8-lm-o3", 1) is None and zero_support("fp8-lm-o3", 2) is None
-    assert "use ZeRO stage 1 or 2" in zero_support("fp8-lm-o3", 3)
+    assert zero_support(get_strategy("fp8-lm-o3"), 1) is None and zero_support(get_strategy("fp8-lm-o3"), 2) is None
+    assert "use ZeRO stage 1 or 2" in zero_support(get_strategy("fp8-lm-o3"), 3)
 
 
 class FakeZero:

@@ -55,7 +55,7 @@ LAYOUT_DEPENDENT = {
 
 
 def supported():
-    return [(n, s) for n in available_strategies() for s in STAGES if zero_support(n, s) is None]
+    return [(n, s) for n in available_strategies() for s in STAGES if zero_support(get_strategy(n), s) is None]
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -67,7 +67,7 @@ def test_every_combination_trains_or_is_refused_before_training(ranks):
             for stage in STAGES:
                 case = result["cases"][f"{name}/{stage}"]
                 assert "error" not in case, f"{name} ZeRO-{stage}:\n{case['error']}"
-                if zero_support(name, stage) is None:
+                if zero_support(get_strategy(name), stage) is None:
                     assert len(finite(case["losses"])) == 4, (name, stage)
                 else:
                     assert case["refused"] and f"{name!r}" in case["message"] and f"stage {stage}" in case["message"]
@@ -130,7 +130,7 @@ def test_zero_1_and_2_agree_bit_for_bit(ranks):
     # exactly. (ZeRO-3 shards every parameter separately: its FP32 reductions and the
     # stochastic-rounding stream over the partition differ, so it is held to the checks above.)
     for name in available_strategies():
-        if zero_support(name, 1) is None and zero_support(name, 2) is None:
+        if zero_support(get_strategy(name), 1) is None and zero_support(get_strategy(name), 2) is None:
             assert ranks[0]["cases"][f"{name}/1"]["digest"] == ranks[0]["cases"][f"{name}/2"]["digest"], name
 
 

@@ -184,7 +184,7 @@ def main() -> None:
     for name in available_strategies():
         start = time.time()
         try:
-            if ddp_support(name) is not None:
+            if ddp_support(get_strategy(name)) is not None:
                 case = refused(name)
             else:
                 case = distributed(name, data)

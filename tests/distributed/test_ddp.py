@@ -38,7 +38,7 @@ def ranks(tmp_path_factory):
 
 
 def supported() -> list[str]:
-    return [n for n in available_strategies() if ddp_support(n) is None]
+    return [n for n in available_strategies() if ddp_support(get_strategy(n)) is None]
 
 
 def fp8_hooked() -> list[str]:
@@ -59,11 +59,11 @@ def test_every_strategy_trains_under_ddp_or_is_refused_before_training(ranks):
         for name in available_strategies():
             case = result["cases"][name]
             assert "error" not in case, f"{name}:\n{case['error']}"
-            if ddp_support(name) is None:
+            if ddp_support(get_strategy(name)) is None:
                 assert len(floats(case["losses"])) == STEPS, name
                 assert case["hooked"] == (name in fp8_hooked()), name
             else:
-                assert case["refused"] and case["message"] == ddp_support(name), name
+                assert case["refused"] and case["message"] == ddp_support(get_strategy(name)), name
 
 
 def test_ddp_equals_one_process_on_the_same_halves_bit_for_bit(ranks):

@@ -19,8 +19,8 @@ from tests.deepspeed._launch import launch
 from tests.helpers import assert_same_losses, finite, first_order_bound, tiny_gpt2
 
 HERE = Path(__file__).resolve().parent
-SUPPORTED = [n for n in available_strategies() if fsdp2_support(n) is None]
-REFUSED = [n for n in available_strategies() if fsdp2_support(n) is not None]
+SUPPORTED = [n for n in available_strategies() if fsdp2_support(get_strategy(n)) is None]
+REFUSED = [n for n in available_strategies() if fsdp2_support(get_strategy(n)) is not None]
 BF16_FAMILY = {"collage-light", "collage-plus", "bf16-kahan", "bf16-sr", "bf16-pure", "bf16-fp32states"}
 PLUGIN_CASE = "collage-plus"
 ACCELERATE_CASES = ("collage-plus", "bf16-mixed")
@@ -49,7 +49,7 @@ def test_refused_strategy_raises_before_touching_the_model(name):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     with pytest.raises(ValueError) as err:
-        shard_model(name, model)
+        shard_model(get_strategy(name), model)
     message = str(err.value)
     assert f"{name!r}" in message and "FSDP2" in message
     assert all(s in message for s in SUPPORTED)  # names what works instead
@@ -118,7 +118,7 @@ def test_mixed_precision_policy_belongs_to_the_strategy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):
-        shard_model("collage-plus", tiny_gpt2(), mp_policy=MixedPrecisionPolicy())
+        shard_model(get_strategy("collage-plus"), tiny_gpt2(), mp_policy=MixedPrecisionPolicy())
     assert get_strategy("bf16-mixed").fsdp2_mixed_precision() == MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
@@ -129,7 +129,7 @@ def test_mixed_precision_policy_belongs_to_the_strategy():
 def test_sharding_without_a_process_group_says_how_to_start_one(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="init_process_group"):
-        shard_model("collage-plus", tiny_gpt2())
+        shard_model(get_strategy("collage-plus"), tiny_gpt2())
 
 
 def test_support_table_has_every_strategy_from_the_declarations():
@@ -157,15 +157,15 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
         monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.mixed_precision_policy is None
-    configure_accelerator("bf16-mixed", _Accelerator(plugin))
+    configure_accelerator(get_strategy("bf16-mixed"), _Accelerator(plugin))
     assert plugin.mixed_precision_policy == get_strategy("bf16-mixed").fsdp2_mixed_precision()
     with pytest.raises(ValueError, match="owns FSDP2's mixed precision"):  # the user's policy differs
-        configure_accelerator("collage-plus", _Accelerator(plugin))
+        configure_accelerator(get_strategy("collage-plus"), _Accelerator(plugin))
     with pytest.raises(ValueError, match="'fp8-lm-o3' is not supported under FSDP2"):
-        configure_accelerator("fp8-lm-o3", _Accelerator(FullyShardedDataParallelPlugin()))
+        configure_accelerator(get_strategy("fp8-lm-o3"), _Accelerator(FullyShardedDataParallelPlugin()))
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version: 2"):
-        configure_accelerator("collage-plus", _Accelerator(FullyShardedDataParallelPlugin()))
+        configure_accelerator(get_strategy("collage-plus"), _Accelerator(FullyShardedDataParallelPlugin()))
 
 
 def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import hf_lowprec
-from hf_lowprec import Trainer
+from hf_lowprec import Trainer, get_strategy
 from hf_lowprec.optim import FP32StatesSRAdamW, MasterWeightAdamW
 from hf_lowprec.scaling import running_mean_
 from tests.helpers import batches, tiny_gpt2, train_steps
@@ -156,7 +156,7 @@ def test_refused_under_deepspeed_with_a_reason(name, tmp_path):
     from hf_lowprec.engines.zero import zero_support
 
     for stage in (1, 2, 3):
-        message = zero_support(name, stage)
+        message = zero_support(get_strategy(name), stage)
         assert message is not None and "no FP16" in message and "bf16-mixed" in message
     # Refused when the arguments are built, before any model or process group exists.
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
