@@ -146,18 +146,12 @@ def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_sta
 
 
 def _zero_refusal(name: str, stage: int) -> str | None:
-    """The support matrix's refusal for `name` under ZeRO `stage`, when the DeepSpeed module has one."""
+    """The support matrix's refusal for `name` under ZeRO `stage` (None where it runs)."""
     if stage == 0:
         return None
-    try:
-        from .engines import zero as ds
-    except ImportError:
-        return None
-    check = getattr(ds, "zero_support", None)
-    if check is None:
-        return None
-    verdict = check(name, stage)
-    return None if verdict in (None, True, "ok") else str(verdict)
+    from .engines.zero import zero_support  # imports without DeepSpeed
+
+    return zero_support(get_strategy(name), stage)
 
 
 def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_stage: int) -> None:
