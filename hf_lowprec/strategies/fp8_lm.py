@@ -48,6 +48,11 @@ class FP8LMOptions(StrategyOptions):
         auto_scale_interval: clean steps before μ doubles (paper: 1000).
         auto_scale_threshold: saturated share above which μ halves (paper: 1e-5 = 0.001 %).
         exp_avg_sq_format: O2 second-moment storage; "e4m3" reproduces the FP8-LM Fig. 8 #4 ablation.
+        recipe: FP8 scaling of the GEMM operands (`hf_lowprec.fp8.recipes`): "tensorwise" (FP8-LM's,
+            one scale per tensor), "rowwise" (per row / output channel), "blockwise" (1×128
+            activations, 128×128 weights) or "mxfp8" (1×32 blocks, E8M0 scales).
+        min_gemm_features: layers whose two dimensions are both below this stay in high
+            precision (GEMMs too small to gain from FP8); 0 converts every eligible layer.
     """
 
     level: Literal["O1", "O2"] = "O2"
@@ -56,17 +61,21 @@ class FP8LMOptions(StrategyOptions):
     auto_scale_interval: int = 1000
     auto_scale_threshold: float = 1e-5
     exp_avg_sq_format: Literal["fp16", "fp32", "bf16", "e4m3", "e5m2"] = "fp16"
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
+    min_gemm_features: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.level not in ("O1", "O2"):
             raise ValueError(f"level must be 'O1' or 'O2', got {self.level!r}")
-        for name in ("margin", "auto_scale_interval"):
+        for name in ("margin", "auto_scale_interval", "min_gemm_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 0 <= self.margin <= 8:
             raise ValueError(f"margin must lie in [0, 8] binades, got {self.margin}")
+        if self.min_gemm_features < 0:
+            raise ValueError(f"min_gemm_features must be >= 0, got {self.min_gemm_features}")
         if self.auto_scale_interval < 1:
             raise ValueError(f"auto_scale_interval must be >= 1, got {self.auto_scale_interval}")
         if not 0.0 <= self.auto_scale_threshold < 1.0:
@@ -194,7 +203,8 @@ class FP8LM(PrecisionStrategy):
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        convert_to_fp8(model, margin=self.options.margin)
+        options = self.options
+        convert_to_fp8(model, margin=options.margin, recipe=options.recipe, min_gemm_features=options.min_gemm_features)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
             # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.
