@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -34,6 +35,15 @@ from .registry import register
 __all__ = ["FP8LM", "FP8LMOptions"]
 
 _FP8_GRAD_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+logger = logging.getLogger(__name__)
+# Why a finer recipe's weights gather with one scale per tensor: a shard cannot choose per-channel
+# or per-block scales alone (GPT-2's Conv1D shards split every output channel; 128×128 blocks
+# straddle shard edges), and agreeing them would take an all-reduce of one amax per channel or
+# block per step; the tensorwise scale is agreed in the one all-reduce FP8-LM already makes.
+_FSDP2_RECIPE_NOTE = (
+    "recipe {recipe}: the weights all-gather as tensorwise E4M3 (one scale per weight, agreed over the "
+    "ranks) and the layers use that FP8 weight; activations and gradients keep {recipe}'s scales"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +138,15 @@ class FP8LM(PrecisionStrategy):
 
     @property
     def fsdp2_note(self) -> str:  # type: ignore[override]
-        if not self.o2:
-            return self._fsdp2_common
-        return (
-            f"{self._fsdp2_common}; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like "
-            "the weights, each shard with its own power-of-two scales"
-        )
+        note = self._fsdp2_common
+        if self.o2:
+            note += (
+                "; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like the weights, each shard "
+                "with its own power-of-two scales"
+            )
+        if self.options.recipe != "tensorwise":
+            note += f"; {_FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe)}"
+        return note
 
     def fsdp2_mixed_precision(self) -> Any:
         """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,
@@ -146,6 +159,8 @@ class FP8LM(PrecisionStrategy):
         """Before `fully_shard`: FP8 weights all-gather as E4M3 (`engines.fsdp2_fp8.wrap_fp8_weights`)."""
         from ..engines.fsdp2_fp8 import wrap_fp8_weights
 
+        if self.options.recipe != "tensorwise":
+            logger.warning("FSDP2 FP8 all-gather: %s", _FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe))
         self.weight_scales = wrap_fp8_weights(model, FP8Linear)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
