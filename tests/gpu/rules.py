@@ -302,7 +302,7 @@ def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2) -> tuple[
     """
     import hf_lowprec
 
-    strategy = hf_lowprec.get_strategy(name, **options)
+    strategy = hf_lowprec.get_strategy(name)
     model = strategy.prepare_model(gpt2(n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     compiled = torch.compile(model, backend="eager")
