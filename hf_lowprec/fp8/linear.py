@@ -28,6 +28,13 @@ it lets every device use its fast GEMM. Two implementations compute that:
 The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
 choice is made once per device and logged; `set_fp8_gemm_path` forces one.
 
+Recipes. The above is the "tensorwise" recipe (the default, FP8-LM's). A layer built with
+`recipe="rowwise"`, `"blockwise"` or `"mxfp8"` scales per row, per block or per MX block
+instead; its scales, re-quantization for the backward GEMMs and GEMM paths (native
+`_scaled_mm` where the device has the kernel, exact emulation elsewhere) are written once in
+`hf_lowprec.fp8.recipes`, and this autograd function only routes to them. A tensorwise FP8
+weight (FP8-stored, or FSDP2's FP8 all-gather) is a valid operand of every recipe.
+
 Quantization. Activations and output gradients are quantized on every call (amax, then scale
 and cast in one compiled pass; see `_quantize_per_tensor`); the upcast path widens FP8
 payloads by table lookup (`cast.widen`): PyTorch's own CPU casts to and from FP8 cost more

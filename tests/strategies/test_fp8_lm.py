@@ -84,6 +84,21 @@ def test_o2_model_state_is_6_bytes_on_fp8_weights_and_16_on_the_rest():
     assert all(p.grad is None for p in model.parameters() if p.dtype == torch.float16), "FP8 gradients only"
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_recipe_changes_no_model_state_byte(recipe):
+    # The recipe scales the GEMM operands, which live only inside a step: the masters, FP8
+    # gradients and FP8AdamW states (and their bytes) are tensorwise's, tensor for tensor.
+    states = {}
+    for r in ("tensorwise", recipe):
+        strategy, model, optimizer = setup("fp8-lm-o2", recipe=r)
+        train(strategy, model, optimizer, batches(1))
+        layout = [
+            (k, v.dtype, tuple(v.shape)) for k, v in optimizer.state_dict()["state"][0].items() if torch.is_tensor(v)
+        ]
+        states[r] = (model_state_bytes(model, optimizer), layout)
+    assert states[recipe] == states["tensorwise"]
+
+
 def test_o2_trains_layernorm_gains_at_lr_1e_4():
     """FP32 masters for non-FP8 parameters: a LayerNorm gain at 1.0 takes an update of 1e-4.
 
