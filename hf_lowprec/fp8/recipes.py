@@ -127,15 +127,15 @@ def mx_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> 
     return torch.where(usable, torch.exp2(exponent), torch.ones_like(amax))
 
 
-def _blocked(t: torch.Tensor, block: Block) -> tuple[torch.Tensor, int, int]:
-    """t (R×C) zero-padded to whole blocks and viewed as (R/br, br, C/bc, bc); with br, bc."""
+def _blocked(t: torch.Tensor, block: Block) -> torch.Tensor:
+    """t (R×C) zero-padded to whole blocks and viewed as (R/br, br, C/bc, bc)."""
     rows, cols = t.shape
     br = max(rows, 1) if block[0] is None else block[0]
     bc = max(cols, 1) if block[1] is None else block[1]
     pad_r, pad_c = -rows % br, -cols % bc
     if pad_r or pad_c:
         t = F.pad(t, (0, pad_c, 0, pad_r))
-    return t.reshape(t.shape[0] // br, br, t.shape[1] // bc, bc), br, bc
+    return t.reshape(t.shape[0] // br, br, t.shape[1] // bc, bc)
 
 
 def quantize_blocks(
@@ -154,7 +154,7 @@ def quantize_blocks(
     overflow stays visible), as the tensorwise quantization does.
     """
     rows, cols = t.shape
-    blocks, _, _ = _blocked(t.detach().float(), block)
+    blocks = _blocked(t.detach().float(), block)
     amax = blocks.abs().amax(dim=(1, 3))
     if master_scale is not None:
         amax = amax / master_scale
@@ -176,7 +176,7 @@ def dequantize_blocks(payload: torch.Tensor, scale: torch.Tensor, block: Block) 
     if scale.dim() == 0:
         return wide / scale
     rows, cols = payload.shape
-    blocks, _, _ = _blocked(wide, block)
+    blocks = _blocked(wide, block)
     real = blocks / scale[:, None, :, None]
     return real.reshape(real.shape[0] * real.shape[1], -1)[:rows, :cols]
 
