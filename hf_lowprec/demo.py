@@ -51,10 +51,12 @@ def run_strategy(
     eval_ds,
     output_dir: str,
     options: dict | None = None,
+    config: dict | None = None,
 ) -> dict[str, float]:
-    """Train the tiny GPT-2 under `strategy` (with `options`, its `precision_options`) and return its row."""
+    """Train the tiny GPT-2 under `strategy` (with `options`, its `precision_options`; `config`:
+    overrides of `tiny_gpt2_config`) and return its row."""
     transformers.set_seed(seed)
-    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer)))
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), **(config or {})))
     args = TrainingArguments(
         output_dir=output_dir,
         precision_strategy=strategy,

@@ -63,10 +63,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
-    from .fp8 import FP8Linear
+    from .fp8 import FP8Linear, recipes
 
-    if isinstance(module, FP8Linear):
-        return "fp8 GEMM (e4m3 fwd, e5m2 grad)"
+    if isinstance(module, FP8Linear):  # output gradients: E5M2 under tensorwise, E4M3 under the finer recipes
+        grad = "e5m2" if recipes.get_recipe(module.recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
+        return f"fp8 GEMM {module.recipe} (e4m3 fwd, {grad} grad)"
     return _dtype_name(strategy.compute_dtype)
 
 

@@ -41,13 +41,13 @@ def snr_floor_db(*dtypes: torch.dtype) -> float:
     return 10 * math.log10(3 / sum(unit_roundoff(d) ** 2 for d in dtypes))
 
 
-def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+def tiny_gpt2(seed: int = 0, n_embd: int = 64) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     # Dims are multiples of 16 so FP8 strategies can convert every block layer.
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=32,
-        n_embd=64,
+        n_embd=n_embd,
         n_layer=2,
         n_head=2,
         resid_pdrop=0.0,

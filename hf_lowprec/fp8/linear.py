@@ -28,6 +28,13 @@ it lets every device use its fast GEMM. Two implementations compute that:
 The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
 choice is made once per device and logged; `set_fp8_gemm_path` forces one.
 
+Recipes. The above is the "tensorwise" recipe (the default, FP8-LM's). A layer built with
+`recipe="rowwise"`, `"blockwise"` or `"mxfp8"` scales per row, per block or per MX block
+instead; its scales, re-quantization for the backward GEMMs and GEMM paths (native
+`_scaled_mm` where the device has the kernel, exact emulation elsewhere) are written once in
+`hf_lowprec.fp8.recipes`, and this autograd function only routes to them. A tensorwise FP8
+weight (FP8-stored, or FSDP2's FP8 all-gather) is a valid operand of every recipe.
+
 Quantization. Activations and output gradients are quantized on every call (amax, then scale
 and cast in one compiled pass; see `_quantize_per_tensor`); the upcast path widens FP8
 payloads by table lookup (`cast.widen`): PyTorch's own CPU casts to and from FP8 cost more
@@ -71,6 +78,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
 from .cast import scale_to_fp8, widen
+from .recipes import get_recipe, native_kernel, recipe_backward, recipe_forward, recipe_weight
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
 __all__ = [
@@ -360,14 +368,20 @@ class _FP8LinearFunction(torch.autograd.Function):
         grad_sink: GradSink | None = None,
         x8: torch.Tensor | None = None,
         sx: torch.Tensor | None = None,
+        recipe: str = "tensorwise",
     ) -> torch.Tensor:
         gemm = _gemm_for(x.device)
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
-            if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
-                x8, sx = _quantize_input(x, margin)
-            # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
-            out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
+            if recipe != "tensorwise":  # the finer recipes' scales and GEMMs (`recipes`)
+                native = isinstance(gemm, _ScaledMM) and native_kernel(recipe, x.device)
+                x2 = x.detach().reshape(-1, x.shape[-1])
+                out, x8, sx = recipe_forward(get_recipe(recipe), x2, w8, sw, transposed, margin, native)
+            else:
+                if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
+                    x8, sx = _quantize_input(x, margin)
+                # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
+                out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
             # is rounded once to the output dtype.
             out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
@@ -378,6 +392,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.grad_sink = grad_sink
+        ctx.recipe = recipe
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -386,20 +401,31 @@ class _FP8LinearFunction(torch.autograd.Function):
         x8, sx, w8, sw = ctx.saved_tensors
         gemm = _gemm_for(grad_out.device)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g8, sg = _quantize_per_tensor(g2, E5M2, ctx.margin)
-        g_op = gemm.operand(g8)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
-            w_op = gemm.operand(w8.t() if ctx.transposed else w8)
-            grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
         sink = ctx.grad_sink
-        if ctx.needs_input_grad[1] or sink is not None:
-            x_op = gemm.operand(x8)
-            if ctx.transposed:  # dW (K×N) = xᵀ·dy
-                grad_w = gemm.mm(x_op.t(), sx, g_op, sg)
-            else:  # dW (N×K) = dyᵀ·x
-                grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
+        need_dw = ctx.needs_input_grad[1] or sink is not None
+        if ctx.recipe != "tensorwise":
+            native = isinstance(gemm, _ScaledMM) and native_kernel(ctx.recipe, grad_out.device)
+            recipe = get_recipe(ctx.recipe)
+            with torch.autocast(grad_out.device.type, enabled=False):
+                args = (ctx.transposed, ctx.margin, native, ctx.needs_input_grad[0], need_dw)
+                grad_x, grad_w = recipe_backward(recipe, g2, x8, sx, w8, sw, *args)
+            if grad_x is not None:
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+        else:
+            g8, sg = _quantize_per_tensor(g2, E5M2, ctx.margin)
+            g_op = gemm.operand(g8)
+            if ctx.needs_input_grad[0]:
+                # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
+                w_op = gemm.operand(w8.t() if ctx.transposed else w8)
+                grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if need_dw:
+                x_op = gemm.operand(x8)
+                if ctx.transposed:  # dW (K×N) = xᵀ·dy
+                    grad_w = gemm.mm(x_op.t(), sx, g_op, sg)
+                else:  # dW (N×K) = dyᵀ·x
+                    grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
+        if need_dw:
             if sink is not None:
                 sink(grad_w)
                 grad_w = None
@@ -410,7 +436,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
@@ -441,6 +467,7 @@ def fp8_linear(
     weight_transposed: bool = False,
     margin: int = 0,
     master_scale: torch.Tensor | None = None,
+    recipe: str = "tensorwise",
 ) -> torch.Tensor:
     """Functional FP8 linear: x·Wᵀ + b (x·W + b when `weight_transposed`, GPT-2 Conv1D layout).
 
@@ -450,13 +477,25 @@ def fp8_linear(
         weight: N×K (or K×N when `weight_transposed`).
         margin: scale margin in binades for every FP8 cast.
         master_scale: when the weight is a scaled master (payload = real·s_m), its scale.
+        recipe: FP8 scaling recipe (`hf_lowprec.fp8.recipes`): "tensorwise", "rowwise",
+            "blockwise" or "mxfp8".
     """
     k = weight.shape[0] if weight_transposed else weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
-    w8, sw = _quantize_per_tensor(weight, E4M3, margin, master_scale)
-    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, weight_transposed, margin, _output_dtype(x))
+    w8, sw = _quantize_weight_for(recipe, weight, weight_transposed, margin, master_scale)
+    args = (weight_transposed, margin, _output_dtype(x), None, None, None, recipe)
+    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, *args)
+
+
+def _quantize_weight_for(
+    recipe: str, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's FP8 weight (payload in the storage layout, scales) under `recipe`."""
+    if recipe == "tensorwise":
+        return _quantize_per_tensor(weight, E4M3, margin, master_scale)
+    return recipe_weight(get_recipe(recipe), weight, transposed, margin, master_scale)
 
 
 class FP8Linear(nn.Module):
@@ -470,6 +509,8 @@ class FP8Linear(nn.Module):
         bias: whether the layer has a bias.
         weight_transposed: weight stored as in_features × out_features (Conv1D layout).
         margin: scale margin in binades for the FP8 casts.
+        recipe: FP8 scaling recipe, "tensorwise" (default), "rowwise", "blockwise" or "mxfp8"
+            (`hf_lowprec.fp8.recipes`).
     """
 
     def __init__(
@@ -480,12 +521,14 @@ class FP8Linear(nn.Module):
         *,
         weight_transposed: bool = False,
         margin: int = 0,
+        recipe: str = "tensorwise",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if margin < 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
+        self.recipe = get_recipe(recipe).name
         self.in_features = in_features
         self.out_features = out_features
         self.weight_transposed = weight_transposed
@@ -501,7 +544,7 @@ class FP8Linear(nn.Module):
         self.register_load_state_dict_pre_hook(_import_real_weight)
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, margin: int = 0) -> FP8Linear:
+    def from_float(cls, module: nn.Module, *, margin: int = 0, recipe: str = "tensorwise") -> FP8Linear:
         """An FP8Linear that shares `module`'s parameters (no copy): `nn.Linear` or `Conv1D`."""
         transposed = not isinstance(module, nn.Linear)
         in_features, out_features = module.weight.shape if transposed else module.weight.shape[::-1]
@@ -511,6 +554,7 @@ class FP8Linear(nn.Module):
             bias=module.bias is not None,
             weight_transposed=transposed,
             margin=margin,
+            recipe=recipe,
             device="meta",
         )
         new.weight = module.weight
@@ -552,6 +596,9 @@ class FP8Linear(nn.Module):
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
         w8, sw = self._fp8_weight()
+        # Inputs are shared in their tensorwise quantization only: the finer recipes quantize
+        # x with the layer's own blocks in the autograd function.
+        shared = _shared_input(x, self.margin) if self.recipe == "tensorwise" else ()
         return _FP8LinearFunction.apply(
             x,
             self.weight,
@@ -562,7 +609,8 @@ class FP8Linear(nn.Module):
             self.margin,
             _output_dtype(x),
             get_grad_sink(self.weight),
-            *_shared_input(x, self.margin),
+            *(shared or (None, None)),
+            self.recipe,
         )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -579,7 +627,7 @@ class FP8Linear(nn.Module):
             # In a compiled graph the cast is fused into the graph and runs at every forward (as
             # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
             # value that changes per step, hence a guard, hence a new graph at every step.
-            return _quantize_per_tensor(weight, E4M3, self.margin, scale)
+            return _quantize_weight_for(self.recipe, weight, self.weight_transposed, self.margin, scale)
         key = (
             _step_generation,
             weight.data_ptr(),
@@ -592,7 +640,7 @@ class FP8Linear(nn.Module):
         cached = self._weight_cache
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
-        w8, sw = _quantize_per_tensor(weight, E4M3, self.margin, scale)
+        w8, sw = _quantize_weight_for(self.recipe, weight, self.weight_transposed, self.margin, scale)
         self._weight_cache = (key, w8, sw)
         _caching_layers.add(self)
         return w8, sw
@@ -602,9 +650,10 @@ class FP8Linear(nn.Module):
         master = ", scaled_fp16_master" if self.master_scale is not None else ""
         if self.weight.dtype == E4M3:
             master = ", fp8_storage"
+        recipe = "" if self.recipe == "tensorwise" else f", recipe={self.recipe}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, margin={self.margin}{layout}{master}"
+            f"bias={self.bias is not None}, margin={self.margin}{recipe}{layout}{master}"
         )
 
 
@@ -637,9 +686,20 @@ def _conv1d_class() -> type | None:
     return getattr(module, "Conv1D", None)
 
 
-def _default_skips(model: nn.Module) -> dict[int, str]:
-    """id(module) → reason, for the LM head and layers whose weight is an embedding's."""
+def _default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
+    """id(module) → reason, for the LM head, layers whose weight is an embedding's and GEMMs
+    with both dimensions below `min_gemm_features`."""
     skips: dict[int, str] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) or weight is None or weight.dim() != 2:
+            continue
+        if max(weight.shape) < min_gemm_features:
+            rows, cols = weight.shape
+            skips[id(module)] = (
+                f"its GEMM is too small to gain from FP8 ({rows}×{cols} weight, both dimensions "
+                f"below min_gemm_features={min_gemm_features})"
+            )
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -652,25 +712,42 @@ def _default_skips(model: nn.Module) -> dict[int, str]:
     return skips
 
 
-def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = None, margin: int = 0) -> nn.Module:
+def convert_to_fp8(
+    model: nn.Module,
+    *,
+    module_filter: ModuleFilter | None = None,
+    margin: int = 0,
+    recipe: str = "tensorwise",
+    min_gemm_features: int = 0,
+) -> nn.Module:
     """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, in place; returns `model`.
 
     Args:
         model: any module tree.
         module_filter: `filter(module, fqn) -> bool`, True to convert. It replaces the default
-            filter, which skips the LM head and layers tied to embeddings.
+            filter, which skips the LM head, layers tied to embeddings and (with
+            `min_gemm_features`) small GEMMs.
         margin: scale margin for the FP8 casts of the new layers.
+        recipe: FP8 scaling recipe of the new layers (`hf_lowprec.fp8.recipes`).
+        min_gemm_features: default filter: a layer whose in_features and out_features are both
+            below this keeps high precision (its GEMM is too small for FP8 to gain: the casts
+            cost more than the faster GEMM saves, as torchtitan's auto filter reasons). 0: off.
 
-    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA),
-    layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a swap would drop) are always skipped.
-    Each skip is logged as a warning naming the layer and the reason.
+    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA) and of
+    the recipe's blocks (128 for blockwise, 32 for mxfp8: no partial block along a weight's
+    dimensions), layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a
+    swap would drop) are always skipped. Each skip is logged as a warning naming the layer and
+    the reason, and listed in the startup report (`model.fp8_skipped_layers`).
     """
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
+    multiple = get_recipe(recipe).dim_multiple
+    if not isinstance(min_gemm_features, int) or min_gemm_features < 0:
+        raise ValueError(f"min_gemm_features must be an integer >= 0, got {min_gemm_features!r}")
     if module_filter is not None and not callable(module_filter):
         raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
     conv1d = _conv1d_class()
-    default_skips = _default_skips(model) if module_filter is None else {}
+    default_skips = _default_skips(model, min_gemm_features) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
     skipped: dict[str, str] = {}
     for fqn, module in model.named_modules():
@@ -688,11 +765,12 @@ def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = Non
             reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
         if reason is None:
             k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
-            bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % GEMM_MULTIPLE]
+            bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % multiple]
             if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
                 reason = f"it has no elements (in_features={k}, out_features={n})"
             elif bad:
-                reason = f"{', '.join(bad)} not a multiple of {GEMM_MULTIPLE} (FP8 GEMM requirement)"
+                need = "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {recipe} blocks"
+                reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
         if reason is not None:
             logger.warning("FP8: skipped layer %s: %s", name, reason)
             skipped[name] = reason
@@ -703,7 +781,7 @@ def convert_to_fp8(model: nn.Module, *, module_filter: ModuleFilter | None = Non
     for fqn, module in swaps:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_float(module, margin=margin))
+        setattr(parent, child, FP8Linear.from_float(module, margin=margin, recipe=recipe))
     logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
     # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
     model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -34,6 +35,15 @@ from .registry import register
 __all__ = ["FP8LM", "FP8LMOptions"]
 
 _FP8_GRAD_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+logger = logging.getLogger(__name__)
+# Why a finer recipe's weights gather with one scale per tensor: a shard cannot choose per-channel
+# or per-block scales alone (GPT-2's Conv1D shards split every output channel; 128×128 blocks
+# straddle shard edges), and agreeing them would take an all-reduce of one amax per channel or
+# block per step; the tensorwise scale is agreed in the one all-reduce FP8-LM already makes.
+_FSDP2_RECIPE_NOTE = (
+    "recipe {recipe}: the weights all-gather as tensorwise E4M3 (one scale per weight, agreed over the "
+    "ranks) and the layers use that FP8 weight; activations and gradients keep {recipe}'s scales"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +58,11 @@ class FP8LMOptions(StrategyOptions):
         auto_scale_interval: clean steps before μ doubles (paper: 1000).
         auto_scale_threshold: saturated share above which μ halves (paper: 1e-5 = 0.001 %).
         exp_avg_sq_format: O2 second-moment storage; "e4m3" reproduces the FP8-LM Fig. 8 #4 ablation.
+        recipe: FP8 scaling of the GEMM operands (`hf_lowprec.fp8.recipes`): "tensorwise" (FP8-LM's,
+            one scale per tensor), "rowwise" (per row / output channel), "blockwise" (1×128
+            activations, 128×128 weights) or "mxfp8" (1×32 blocks, E8M0 scales).
+        min_gemm_features: layers whose two dimensions are both below this stay in high
+            precision (GEMMs too small to gain from FP8); 0 converts every eligible layer.
     """
 
     level: Literal["O1", "O2"] = "O2"
@@ -56,17 +71,21 @@ class FP8LMOptions(StrategyOptions):
     auto_scale_interval: int = 1000
     auto_scale_threshold: float = 1e-5
     exp_avg_sq_format: Literal["fp16", "fp32", "bf16", "e4m3", "e5m2"] = "fp16"
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
+    min_gemm_features: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.level not in ("O1", "O2"):
             raise ValueError(f"level must be 'O1' or 'O2', got {self.level!r}")
-        for name in ("margin", "auto_scale_interval"):
+        for name in ("margin", "auto_scale_interval", "min_gemm_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 0 <= self.margin <= 8:
             raise ValueError(f"margin must lie in [0, 8] binades, got {self.margin}")
+        if self.min_gemm_features < 0:
+            raise ValueError(f"min_gemm_features must be >= 0, got {self.min_gemm_features}")
         if self.auto_scale_interval < 1:
             raise ValueError(f"auto_scale_interval must be >= 1, got {self.auto_scale_interval}")
         if not 0.0 <= self.auto_scale_threshold < 1.0:
@@ -119,12 +138,15 @@ class FP8LM(PrecisionStrategy):
 
     @property
     def fsdp2_note(self) -> str:  # type: ignore[override]
-        if not self.o2:
-            return self._fsdp2_common
-        return (
-            f"{self._fsdp2_common}; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like "
-            "the weights, each shard with its own power-of-two scales"
-        )
+        note = self._fsdp2_common
+        if self.o2:
+            note += (
+                "; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like the weights, each shard "
+                "with its own power-of-two scales"
+            )
+        if self.options.recipe != "tensorwise":
+            note += f"; {_FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe)}"
+        return note
 
     def fsdp2_mixed_precision(self) -> Any:
         """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,
@@ -137,6 +159,8 @@ class FP8LM(PrecisionStrategy):
         """Before `fully_shard`: FP8 weights all-gather as E4M3 (`engines.fsdp2_fp8.wrap_fp8_weights`)."""
         from ..engines.fsdp2_fp8 import wrap_fp8_weights
 
+        if self.options.recipe != "tensorwise":
+            logger.warning("FSDP2 FP8 all-gather: %s", _FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe))
         self.weight_scales = wrap_fp8_weights(model, FP8Linear)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
@@ -194,7 +218,8 @@ class FP8LM(PrecisionStrategy):
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        convert_to_fp8(model, margin=self.options.margin)
+        options = self.options
+        convert_to_fp8(model, margin=options.margin, recipe=options.recipe, min_gemm_features=options.min_gemm_features)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
             # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.

@@ -55,10 +55,15 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+# Cases beyond the registered names: "strategy+recipe", an FP8-LM strategy with an FP8 recipe.
+RECIPE_CASES = ("fp8-lm-o2+rowwise",)
+
+
 def build(name: str):
     # The eager optimizer step: the same arithmetic as the compiled one on CPU (tests/optim),
     # without compiling a step per strategy and run (minutes on two cores).
-    strategy = get_strategy(name, fused="reference")
+    name, _, recipe = name.partition("+")
+    strategy = get_strategy(name, fused="reference", **({"recipe": recipe} if recipe else {}))
     model = strategy.prepare_model(tiny_gpt2())
     return strategy, model
 
@@ -181,10 +186,10 @@ def main() -> None:
     results: dict = {"world_size": world, "cases": {}}
     tensors: dict = {}
     path = out / f"rank{rank}.json"
-    for name in available_strategies():
+    for name in [*available_strategies(), *RECIPE_CASES]:
         start = time.time()
         try:
-            if ddp_support(get_strategy(name)) is not None:
+            if ddp_support(get_strategy(name.partition("+")[0])) is not None:
                 case = refused(name)
             else:
                 case = distributed(name, data)

@@ -35,6 +35,8 @@ from tests.helpers import VOCAB, batches, fp32_gradient_norms, tiny_gpt2  # noqa
 
 STEPS = 3
 LEVELS = ("fp8-lm-o1", "fp8-lm-o2")
+# fp8-lm-o2 with the finer recipes tiny_gpt2's 64-wide layers fit (blockwise needs 128).
+RECIPES = ("rowwise", "mxfp8")
 
 
 def fp8_weights_seen(model) -> list[str]:
@@ -159,19 +161,21 @@ def main() -> None:
     data = batches(STEPS, MICRO * dist.get_world_size())
     counter = Collectives()
     try:
-        for name in LEVELS:
-            strategy = get_strategy(name)
+        runs = [(name, name, {}) for name in LEVELS] + [(f"fp8-lm-o2+{r}", "fp8-lm-o2", {"recipe": r}) for r in RECIPES]
+        for label, name, options in runs:
+            strategy = get_strategy(name, **options)
             model = strategy.prepare_model(tiny_gpt2())
             optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
-            result["cases"][f"{name}/one"] = train(strategy, model, optimizer, data, sharded=False)
-            strategy = get_strategy(name)
+            result["cases"][f"{label}/one"] = train(strategy, model, optimizer, data, sharded=False)
+            strategy = get_strategy(name, **options)
             model = shard_model(strategy, tiny_gpt2())
             optimizer = strategy.create_optimizer(model.parameters(), lr=LR, weight_decay=0.01)
             case = train(strategy, model, optimizer, data, sharded=True, counter=counter)
             case["scale_refreshes"] = strategy.weight_scales.refreshes
+            case["recipes"] = sorted({m.recipe for m in model.modules() if isinstance(m, FP8Linear)})
             if strategy.o2:
                 case["master_scales"] = master_scales_per_shard(model)
-            result["cases"][f"{name}/sharded"] = case
+            result["cases"][f"{label}/sharded"] = case
         for name in ("bf16-mixed", *LEVELS):
             result["cases"][f"{name}/bytes"] = gather_bytes(name, data, counter)
     except Exception:

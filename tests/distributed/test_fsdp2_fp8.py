@@ -104,3 +104,23 @@ def test_o2_master_scales_are_each_shards_own(ranks):
     for case in cases:
         assert len(case["own_amax"]) == FP8_LAYERS
         assert all(case["own_amax"]) and all(case["linked"]), case
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_finer_recipe_trains_sharded_with_tensorwise_weight_gathers(ranks, recipe):
+    """fp8-lm-o2 with `recipe` under FSDP2: the weights gather as tensorwise E4M3 (one scale per
+    weight, as above) while activations and gradients keep the recipe's scales, which are per
+    token row or per 1×32 block, hence the same on a rank's half batch as in one process. Step
+    1: the two runs differ by the weights' rounding (the recipe's scales in one process,
+    tensorwise when sharded: each E4M3, 2⁻⁴ relative, so at most 2⁻³·|w| apart; times 2 for the
+    curvature term, as `first_order_bound`) and FSDP2's BF16 gathers of the other parameters
+    (2⁻⁸ of the loss, as above); later steps add `first_order_bound`."""
+    for result in ranks:
+        sharded = result["cases"][f"fp8-lm-o2+{recipe}/sharded"]
+        one = result["cases"][f"fp8-lm-o2+{recipe}/one"]
+        assert sharded["recipes"] == [recipe] and len(sharded["fp8_weights"]) == STEPS * FP8_LAYERS
+        assert sharded["scale_refreshes"] == STEPS
+        for step in range(STEPS):
+            rounding = 2 * one["norms"][step]["grad_w_l1"] * 2.0**-3 + 2**-8 * one["losses"][step]
+            bound = rounding + first_order_bound(one["norms"], step)
+            assert abs(sharded["losses"][step] - one["losses"][step]) <= bound, (step, sharded["losses"], one)

@@ -202,18 +202,19 @@ class _Context:
 def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(y, dx, dW, db) of an `FP8Linear` on `x`: its autograd function's forward and backward
     called directly, as the engine would (the forward GEMM and both backward GEMMs)."""
-    from hf_lowprec.fp8.linear import E4M3, _FP8LinearFunction, _output_dtype, _quantize_per_tensor
+    from hf_lowprec.fp8.linear import _FP8LinearFunction, _output_dtype, _quantize_weight_for
 
-    w8, sw = _quantize_per_tensor(layer.weight, E4M3, layer.margin, getattr(layer, "master_scale", None))
+    recipe = getattr(layer, "recipe", "tensorwise")
+    master = getattr(layer, "master_scale", None)
+    w8, sw = _quantize_weight_for(recipe, layer.weight, layer.weight_transposed, layer.margin, master)
     ctx = _Context((True, True, layer.bias is not None))
-    y = _FP8LinearFunction.forward(
-        ctx, x, layer.weight, layer.bias, w8, sw, layer.weight_transposed, layer.margin, _output_dtype(x)
-    )
+    args = (layer.weight_transposed, layer.margin, _output_dtype(x), None, None, None, recipe)
+    y = _FP8LinearFunction.forward(ctx, x, layer.weight, layer.bias, w8, sw, *args)
     dx, dw, db, *_ = _FP8LinearFunction.backward(ctx, torch.randn_like(y))
     return y, dx, dw, db
 
 
-def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2) -> dict[str, Any]:
+def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2, **options: Any) -> dict[str, Any]:
     """One steady training step of strategy `name` on a fake CUDA device of `capability`.
 
     The pieces a CPU-only build can run (module docstring): under the strategy's forward
@@ -232,7 +233,7 @@ def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2) -> 
     from tests.gpu.rules import BATCH, SEQ, gpt2
 
     with fake_cuda(capability):
-        strategy = hf_lowprec.get_strategy(name)
+        strategy = hf_lowprec.get_strategy(name, **options)
         model = strategy.prepare_model(to_fake_cuda(gpt2(n_layer)))
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
         rows = BATCH * SEQ

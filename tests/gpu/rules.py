@@ -277,13 +277,13 @@ def compiled_run(step: Callable[[], Any], warmup: int = 2, steady: int = 4) -> C
     return CompiledRun(sum(breaks.values()), breaks, counters["stats"]["unique_graphs"] - graphs, reasons)
 
 
-def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: int = 4) -> CompiledRun:
+def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: int = 4, **options: Any) -> CompiledRun:
     """`compiled_run` of `name`'s training step with the prepared model wrapped in
     `torch.compile`, as `TrainingArguments(torch_compile=True)` wraps it (backend "eager": see
     `strategy_graph_breaks`; guards are dynamo's, decided before any backend runs)."""
     import hf_lowprec
 
-    strategy = hf_lowprec.get_strategy(name)
+    strategy = hf_lowprec.get_strategy(name, **options)
     model = strategy.prepare_model(gpt2(n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     compiled = torch.compile(model, backend="eager")

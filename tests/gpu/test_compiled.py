@@ -44,6 +44,17 @@ def test_compiled_once_with_no_more_graph_breaks_than_bf16_mixed(name, n_layer):
     assert result.breaks <= baseline, f"{name}: {result.breaks} graph breaks, bf16-mixed {baseline}:\n{listed}"
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+def test_each_recipe_compiles_once_with_no_more_graph_breaks_than_tensorwise(recipe):
+    result = strategy_compiled_run("fp8-lm-o2", 2, recipe=recipe)
+    assert result.new_graphs == 0, (
+        f"{recipe}: {result.new_graphs} graphs in steady steps:\n{result.recompiles_summary()}"
+    )
+    baseline = run("fp8-lm-o2", 2).breaks
+    listed = "\n".join(f"  {n}x {reason.splitlines()[0][:200]}" for reason, n in result.break_reasons.most_common())
+    assert result.breaks <= baseline, f"{recipe}: {result.breaks} graph breaks, tensorwise {baseline}:\n{listed}"
+
+
 def test_the_counter_sees_a_planted_break():
     def step(x):
         y = x * 2

@@ -75,3 +75,62 @@ def test_the_copy_counter_sees_a_host_tensor_sent_to_the_device():
             torch.ones(4).to(DEVICE)
         assert len(traffic.copies) == 2, traffic.summary(traffic.copies)
         assert traffic.copies[0].where[0].startswith("tests/gpu/test_fake_cuda.py:")
+
+
+# The recipes' kernels, each on the first capability that has it. torch's CUDA build checks the
+# scale layouts at run time (its argument error names them): rowwise (M, 1) and (1, N) FP32
+# contiguous; blockwise 1×128 scales outer-dim-major (stride 1 along M or N) and 128×128 scales
+# K-major with 16-byte aligned columns; MX scales E8M0 in the blocked layout (the fake kernel
+# checks their count). A CPU-only torch reports no CUDA version: blockwise needs CUDA ≥ 12.9.
+RECIPE_DEVICES = [("rowwise", (8, 9)), ("rowwise", HOPPER), ("blockwise", HOPPER), ("mxfp8", (10, 0))]
+
+
+def _recording_scaled_mm(calls):
+    original = torch._scaled_mm
+
+    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype):
+        # A 128×128 B scale has one column per 128 of B's N columns; a 1×128 one, one per column.
+        square_b = scale_b.dim() == 2 and scale_b.shape[1] != b.shape[1]
+        calls.append((scale_a, scale_b, square_b))
+        return original(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    return scaled_mm
+
+
+def _major_along(scale, dim):
+    """Unit stride along `dim` (a size-1 tensor has every layout)."""
+    return scale.stride(dim) == 1 or scale.numel() == scale.shape[dim]
+
+
+@pytest.mark.parametrize("recipe, capability", RECIPE_DEVICES)
+def test_each_recipe_runs_its_native_kernel_with_no_host_traffic(recipe, capability, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _recording_scaled_mm(calls))
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    result = fake_cuda_step("fp8-lm-o2", capability, recipe=recipe)
+    assert result["fp8_layers"] == 8 and result["gemm_path"] == "scaled_mm", result
+    assert result["copies"] == [] and result["syncs"] == [], result
+    # 8 layers × 3 GEMMs × 2 steps, every one through the kernel with the recipe's scales.
+    assert len(calls) == 48
+    for scale_a, scale_b, square_b in calls:
+        if recipe == "mxfp8":
+            assert scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu and scale_a.dim() == 1
+        elif recipe == "rowwise":
+            assert scale_a.shape[1] == 1 and scale_b.shape[0] == 1 and scale_a.dtype == torch.float32
+        else:
+            assert _major_along(scale_a, 0), f"1×128 scales of A must be outer-dim-major: {scale_a.stride()}"
+            if square_b:
+                assert _major_along(scale_b, 0) and scale_b.stride(1) % 4 == 0, scale_b.stride()
+            else:
+                assert scale_b.is_contiguous(), f"1×128 scales of B must be outer-dim-major: {scale_b.stride()}"
+    if recipe == "blockwise":
+        assert {square for *_, square in calls} == {True, False}, "forward and dx 128×128, dW 1×128"
+
+
+@pytest.mark.parametrize("recipe, capability", [("blockwise", (8, 9)), ("mxfp8", HOPPER), ("rowwise", AMPERE)])
+def test_a_recipe_without_its_kernel_is_emulated(recipe, capability, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _recording_scaled_mm(calls))
+    result = fake_cuda_step("fp8-lm-o2", capability, recipe=recipe)
+    assert result["fp8_layers"] == 8 and result["copies"] == [] and result["syncs"] == [], result
+    assert calls == []

@@ -10,7 +10,7 @@ from transformers import HfArgumentParser
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.strategies.base import StrategyOptimizer
 from tests import helpers
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import assert_bits_equal, batches, tiny_gpt2
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -59,6 +59,25 @@ def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     assert losses(resumed) == full
     for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_fp8_blockwise_recipe_trains_and_resumes_bit_for_bit_through_the_trainer(tmp_path):
+    # Issue #49's "done when": the recipe chosen in TrainingArguments; a 128-wide GPT-2 puts
+    # every block layer on blockwise's 128-blocks.
+    def run(seed, **kw):
+        args = make_args(tmp_path, "fp8-lm-o2", precision_options={"recipe": "blockwise"})
+        trainer = Trainer(model=tiny_gpt2(seed, n_embd=128), args=args, train_dataset=Blocks())
+        trainer.train(**kw)
+        return trainer
+
+    trainer = run(0)
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "FP8Linear"]
+    assert len(layers) == 8 and {m.recipe for m in layers} == {"blockwise"}
+    resumed = run(7, resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert losses(resumed) == losses(trainer) and len(losses(trainer)) == 6
+    for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert_bits_equal(a, b)
 
 
 def test_precision_strategy_parses_from_the_command_line(tmp_path):

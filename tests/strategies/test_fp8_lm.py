@@ -9,15 +9,15 @@ import hf_lowprec
 from hf_lowprec.fp8 import FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, PlainAdamW
-from tests.helpers import batches, tiny_gpt2
+from tests.helpers import assert_bits_equal, batches, tiny_gpt2
 from tests.helpers import train_steps as train
 
 NAMES = ["fp8-lm-o1", "fp8-lm-o2"]
 
 
-def setup(name, seed=0, lr=3e-3, **options):
+def setup(name, seed=0, lr=3e-3, n_embd=64, **options):
     strategy = hf_lowprec.get_strategy(name, **options)
-    model = strategy.prepare_model(tiny_gpt2(seed))
+    model = strategy.prepare_model(tiny_gpt2(seed, n_embd))
     optimizer = strategy.create_optimizer(model.parameters(), lr=lr, weight_decay=0.01)
     return strategy, model, optimizer
 
@@ -84,6 +84,21 @@ def test_o2_model_state_is_6_bytes_on_fp8_weights_and_16_on_the_rest():
     assert all(p.grad is None for p in model.parameters() if p.dtype == torch.float16), "FP8 gradients only"
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_recipe_changes_no_model_state_byte(recipe):
+    # The recipe scales the GEMM operands, which live only inside a step: the masters, FP8
+    # gradients and FP8AdamW states (and their bytes) are tensorwise's, tensor for tensor.
+    states = {}
+    for r in ("tensorwise", recipe):
+        strategy, model, optimizer = setup("fp8-lm-o2", recipe=r)
+        train(strategy, model, optimizer, batches(1))
+        layout = [
+            (k, v.dtype, tuple(v.shape)) for k, v in optimizer.state_dict()["state"][0].items() if torch.is_tensor(v)
+        ]
+        states[r] = (model_state_bytes(model, optimizer), layout)
+    assert states[recipe] == states["tensorwise"]
+
+
 def test_o2_trains_layernorm_gains_at_lr_1e_4():
     """FP32 masters for non-FP8 parameters: a LayerNorm gain at 1.0 takes an update of 1e-4.
 
@@ -133,10 +148,16 @@ def test_tiny_gpt2_trains_under_o1_and_o2_close_to_fp32():
         assert final[name] <= final["fp32"] + 0.15, final
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_checkpoint_carries_mu_and_resumes_bit_for_bit(name):
+@pytest.mark.parametrize(
+    "name, recipe",
+    [(name, "tensorwise") for name in NAMES] + [("fp8-lm-o2", r) for r in ("rowwise", "blockwise", "mxfp8")],
+)
+def test_checkpoint_carries_mu_and_resumes_bit_for_bit(name, recipe):
     data = batches(5)
-    strategy, model, optimizer = setup(name, auto_scale_interval=4)
+    n_embd = 128 if recipe == "blockwise" else 64  # every block layer on 128-blocks
+    strategy, model, optimizer = setup(name, auto_scale_interval=4, recipe=recipe, n_embd=n_embd)
+    fp8_layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8_layers) == 8 and all(m.recipe == recipe for m in fp8_layers)
     train(strategy, model, optimizer, data[:2])
     # A state the run could be in: μ halved once, some clean steps since.
     strategy.scaler.mu, strategy.scaler.clean_steps = 0.5, 3
@@ -146,14 +167,14 @@ def test_checkpoint_carries_mu_and_resumes_bit_for_bit(name):
     saved = torch.load(buffer, weights_only=True)
     assert saved["optimizer"]["hf_lowprec"]["grad_mu"] == 0.5
 
-    strategy2, model2, optimizer2 = setup(name, seed=7, auto_scale_interval=4)
+    strategy2, model2, optimizer2 = setup(name, seed=7, auto_scale_interval=4, recipe=recipe, n_embd=n_embd)
     model2.load_state_dict(saved["model"])
     optimizer2.load_state_dict(saved["optimizer"])
     assert (strategy2.scaler.mu, strategy2.scaler.clean_steps) == (0.5, 3)
     assert train(strategy, model, optimizer, data[2:]) == train(strategy2, model2, optimizer2, data[2:])
     assert strategy.scaler.mu == strategy2.scaler.mu == 1.0, "the 4th clean step doubles μ"
     for (key, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
-        assert torch.equal(a, b), key
+        assert_bits_equal(a, b, key)
 
 
 def test_metrics_report_mu_and_saturation():
