@@ -216,7 +216,7 @@ def shard_model(
 
 def before_sharding(strategy: PrecisionStrategy, model: torch.nn.Module, optimizers: Iterable[Any] = ()) -> None:
     """The strategy's own step before `fully_shard` (FP8-LM wraps its FP8 weights so that they
-    all-gather as FP8: `hf_lowprec.engines.fsdp2_fp8`); nothing for the others. A parameter the
+    all-gather as FP8: `hf_lowprec.fp8.fsdp2`); nothing for the others. A parameter the
     step replaces is replaced in `optimizers` too (built before sharding, no step taken yet)."""
     from ..fp8.blocks import FrozenBlockFP8Linear
 

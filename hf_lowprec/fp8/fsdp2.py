@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from ..fp8.cast import scale_to_fp8
-from ..fp8.scaled import get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
+from .cast import scale_to_fp8
+from .scaled import get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
 __all__ = [
     "FP8GatheredWeight",
@@ -322,7 +322,7 @@ def quantize_sharded_gradients(
     {id(param): (payload of the local shard, s)} and the number of saturated elements over all
     ranks (an int64 tensor, summed in a second all-reduce; nonzero only when μ > 1)."""
     from ..distributed import local_shard
-    from ..fp8.scaled import quantize_counting
+    from .scaled import quantize_counting
 
     params = [p for p in params if p.grad is not None]
     if not params:
