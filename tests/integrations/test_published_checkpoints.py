@@ -157,15 +157,26 @@ trainer.save_model()
 """
 
 
-@pytest.mark.parametrize("checkpoint,name", [("gpt2-bf16", "bf16-mixed"), ("llama-fp8", "fp8-lm-o2")])
-def test_launch_fine_tunes_a_published_checkpoint_with_an_unchanged_script(published, tmp_path, checkpoint, name):
+@pytest.mark.parametrize(
+    "checkpoint,name,options",
+    [
+        ("gpt2-bf16", "bf16-mixed", {}),
+        ("llama-fp8", "fp8-lm-o2", {}),
+        ("llama-fp8", "fp8-lm-o2", {"recipe": "rowwise"}),
+    ],
+)
+def test_launch_fine_tunes_a_published_checkpoint_with_an_unchanged_script(
+    published, tmp_path, checkpoint, name, options
+):
     script = tmp_path / "finetune.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out"
-    cmd = _launch("--precision_strategy", name, "--", sys.executable, str(script))
+    given = ["--precision_options", json.dumps(options)] if options else []
+    cmd = _launch("--precision_strategy", name, *given, "--", sys.executable, str(script))
     _run([*cmd, str(published / checkpoint), str(published / "sft.jsonl"), str(out)], tmp_path)
     report = json.loads((out / "precision_report.json").read_text())
     assert report["strategy"] == name
+    assert all(report["options"][key] == value for key, value in options.items())
     config = json.loads((out / "config.json").read_text())
     if checkpoint == "llama-fp8":  # back in the published format, loadable by plain transformers
         assert config["quantization_config"]["quant_method"] == "fp8"
