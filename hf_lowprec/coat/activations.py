@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.linear import FP8Linear, _conv1d_class, sharing_inputs
+from ..fp8.convert import _conv1d_class
+from ..fp8.linear import FP8Linear, sharing_inputs
 from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
 
 __all__ = [

@@ -11,8 +11,9 @@ from .comm import (
     postscale_allreduce,
     prescale_allreduce,
 )
+from .convert import convert_to_fp8
 from .grad_scaling import GradientAutoScaler, quantize_gradient
-from .linear import FP8Linear, convert_to_fp8, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
+from .linear import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
 from .scaled import (
     FORMATS,
     ScaledTensor,

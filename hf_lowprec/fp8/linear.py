@@ -1,7 +1,9 @@
 """FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; docs/algorithms.md §3).
 
-This module is long because one autograd function, its two GEMM paths and the module swap
-share one quantization contract; split, each half would restate it.
+This module is long because the autograd function and the module share one quantization
+contract (the weight cache, shared inputs, FP8-stored weights, gradient sinks, state-dict
+hooks); split, each half would restate it. The GEMM paths are in `fp8/gemm.py`, the model
+conversion in `fp8/convert.py`, the scaling recipes in `fp8/recipes.py`.
 
 The three GEMMs of a linear layer take FP8 operands with per-tensor power-of-two scales
 (real = payload / s) and accumulate in FP32:
@@ -10,30 +12,8 @@ The three GEMMs of a linear layer take FP8 operands with per-tensor power-of-two
     input grad    dx = dy·W          dy in E5M2 (wider range for gradients), W in E4M3
     weight grad   dW = dyᵀ·x         dy in E5M2, x in E4M3
 
-GEMM paths. The numerics are one definition on every device: the exact products of the FP8
-payloads summed in FP32, multiplied by the exact power-of-two 1/(s_a·s_b), rounded once to
-BF16 and then cast to the activation dtype. BF16's relative rounding (2^-9) is 16 times
-finer than the E4M3 operands' own (2^-4), so the output dtype costs nothing measurable, and
-it lets every device use its fast GEMM. Two implementations compute that:
-
-- "scaled_mm": `torch._scaled_mm` (cuBLASLt FP8 tensor cores). Chosen on CUDA devices with
-  compute capability ≥ 8.9. cuBLASLt needs the first operand row-major, the second
-  column-major and every dimension a multiple of 16; `_ScaledMM` makes that layout explicit
-  (copies, zero padding) whatever layout it is handed.
-- "upcast": both payloads converted to BF16, which represents every E4M3 and E5M2 value
-  exactly, then an ordinary BF16 matmul (oneDNN/AMX, cuBLAS), which accumulates in FP32.
-  Chosen everywhere else: on CPU, `_scaled_mm` runs a reference loop (GPT-2's 512×768×3072
-  GEMM measured here at ~1000× a BF16 matmul).
-
-The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
-choice is made once per device and logged; `set_fp8_gemm_path` forces one.
-
-Recipes. The above is the "tensorwise" recipe (the default, FP8-LM's). A layer built with
-`recipe="rowwise"`, `"blockwise"` or `"mxfp8"` scales per row, per block or per MX block
-instead; its scales, re-quantization for the backward GEMMs and GEMM paths (native
-`_scaled_mm` where the device has the kernel, exact emulation elsewhere) are written once in
-`hf_lowprec.fp8.recipes`, and this autograd function only routes to them. A tensorwise FP8
-weight (FP8-stored, or FSDP2's FP8 all-gather) is a valid operand of every recipe.
+GEMM paths ("scaled_mm" on FP8 tensor cores, "upcast" elsewhere, one numerics on both) live in
+`fp8/gemm.py`; the layer conversion (`convert_to_fp8`) in `fp8/convert.py`.
 
 Quantization. Activations and output gradients are quantized on every call (amax, then scale
 and cast in one compiled pass; see `_quantize_per_tensor`); the upcast path widens FP8
@@ -66,18 +46,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import sys
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
-from .cast import scale_to_fp8, widen
+from .cast import scale_to_fp8
+from .gemm import (  # noqa: F401  (the GEMM paths' names, where callers have imported them)
+    GEMM_MULTIPLE,
+    GEMM_OUT_DTYPE,
+    GemmPath,
+    _chosen,
+    _fp8_mm,
+    _gemm_for,
+    _ScaledMM,
+    _Upcast,
+    fp8_gemm_path,
+    set_fp8_gemm_path,
+)
 from .recipes import get_recipe, native_kernel, recipe_backward, recipe_forward, recipe_weight
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
@@ -85,7 +75,6 @@ __all__ = [
     "FP8Linear",
     "GemmPath",
     "GradSink",
-    "convert_to_fp8",
     "fp8_gemm_path",
     "fp8_linear",
     "get_grad_sink",
@@ -99,15 +88,7 @@ logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-# Dimensions _scaled_mm's CUDA kernels need to be multiples of.
-GEMM_MULTIPLE = 16
-# The dtype every FP8 GEMM's FP32 accumulator is rounded to (module docstring).
-GEMM_OUT_DTYPE = torch.bfloat16
-# First CUDA compute capability with FP8 tensor cores (Ada, Hopper and later).
-_FP8_TENSOR_CORE_CAPABILITY = (8, 9)
 
-ModuleFilter = Callable[[nn.Module, str], bool]
-GemmPath = Literal["scaled_mm", "upcast"]
 GradSink = Callable[[torch.Tensor], None]
 _GRAD_SINK_ATTR = "_hf_lowprec_grad_sink"
 
@@ -162,133 +143,6 @@ def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
 def get_grad_sink(param: torch.Tensor) -> GradSink | None:
     """The gradient sink set on `param` by `set_grad_sink`, or None."""
     return getattr(param, _GRAD_SINK_ATTR, None)
-
-
-def _pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    if rows == t.shape[0] and cols == t.shape[1]:
-        return t
-    # F.pad has no FP8 kernel; zero bytes are +0.0 in both FP8 formats.
-    padded = F.pad(t.contiguous().view(torch.uint8), (0, cols - t.shape[1], 0, rows - t.shape[0]))
-    return padded.view(t.dtype)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-def _inverse_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    # Each reciprocal of a power of two in [2^-126, 2^126] is exact.
-    return scale_a.reciprocal() * scale_b.reciprocal()
-
-
-class _Upcast:
-    """FP8 payloads → BF16 (exact) → BF16 matmul with FP32 accumulation; any operand layout."""
-
-    name: GemmPath = "upcast"
-
-    def operand(self, t: torch.Tensor) -> torch.Tensor:
-        return widen(t, GEMM_OUT_DTYPE)
-
-    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-        """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16."""
-        return torch.mm(a, b).mul_(_inverse_scale(scale_a, scale_b).to(GEMM_OUT_DTYPE))
-
-
-class _ScaledMM:
-    """`torch._scaled_mm`, handed cuBLASLt's layout: a row-major, b column-major, dims padded to 16.
-
-    Args:
-        pad: zero-pad M, K, N to multiples of 16 (what the CUDA kernels need).
-    """
-
-    name: GemmPath = "scaled_mm"
-
-    def __init__(self, pad: bool) -> None:
-        self.pad = pad
-
-    def operand(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def layout(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a row-major M'×K', b column-major K'×N'): what `torch._scaled_mm` receives."""
-        m, k = a.shape
-        n = b.shape[1]
-        mp, kp, np_ = (_round_up(d, GEMM_MULTIPLE) for d in (m, k, n)) if self.pad else (m, k, n)
-        a_rows = _pad_2d(a.contiguous(), mp, kp)
-        b_cols = _pad_2d(b.t().contiguous(), np_, kp).t()
-        return a_rows, b_cols
-
-    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-        m, n = a.shape[0], b.shape[1]
-        a_rows, b_cols = self.layout(a, b)
-        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two.
-        out = torch._scaled_mm(
-            a_rows, b_cols, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=GEMM_OUT_DTYPE
-        )
-        return out[:m, :n]
-
-
-_forced_path: GemmPath | None = None
-_chosen: dict[tuple[str, int | None], _Upcast | _ScaledMM] = {}
-
-
-def set_fp8_gemm_path(path: GemmPath | None) -> None:
-    """Force the FP8 GEMM path on every device ("scaled_mm" or "upcast"), or None for the default."""
-    global _forced_path
-    if path not in ("scaled_mm", "upcast", None):
-        raise ValueError(f"FP8 GEMM path must be 'scaled_mm', 'upcast' or None, got {path!r}")
-    _forced_path = path
-    _chosen.clear()
-
-
-def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
-    if torch.compiler.is_compiling():
-        # Inside a compiled graph the choice is recomputed while tracing, never looked up:
-        # reading `_chosen` would make its contents a guard of the graph, and the first eager
-        # call that fills it would recompile the model.
-        return _new_gemm(_forced_path or _default_path(device), device)
-    key = (device.type, device.index)
-    gemm = _chosen.get(key)
-    if gemm is None:
-        gemm = _new_gemm(_forced_path or _default_path(device), device)
-        _chosen[key] = gemm
-        reason = "forced" if _forced_path else "default for this device"
-        logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
-    return gemm
-
-
-def _new_gemm(path: GemmPath, device: torch.device) -> _Upcast | _ScaledMM:
-    if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
-        raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
-    return _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
-
-
-@torch.compiler.assume_constant_result
-def _default_path(device: torch.device) -> GemmPath:
-    # A constant of the compiled graph (a device's capability does not change): no guard.
-    if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
-        if torch.cuda.get_device_capability(device) >= _FP8_TENSOR_CORE_CAPABILITY:
-            return "scaled_mm"
-    return "upcast"
-
-
-def fp8_gemm_path(device: torch.device | str) -> GemmPath:
-    """The FP8 GEMM path used on `device`: "scaled_mm" or "upcast" (module docstring)."""
-    return _gemm_for(torch.device(device)).name
-
-
-def _fp8_mm(
-    a: torch.Tensor,
-    scale_a: torch.Tensor,
-    b: torch.Tensor,
-    scale_b: torch.Tensor,
-    out_dtype: torch.dtype,
-    gemm: _Upcast | _ScaledMM | None = None,
-) -> torch.Tensor:
-    """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
-    gemm = gemm or _gemm_for(a.device)
-    out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
-    return out.to(out_dtype)
 
 
 # --- weight cache: one quantization per optimizer step ------------------------------------
@@ -677,112 +531,3 @@ def _import_real_weight(module: FP8Linear, state_dict: dict[str, Any], prefix: s
     scale = pow2_scale(tensor_amax(real), dtype, margin).to(module.master_scale.device)
     state_dict[key] = sharded_like(quantize(real, scale, dtype), loaded)
     module.master_scale.copy_(scale)
-
-
-def _conv1d_class() -> type | None:
-    # A model built from GPT-2's Conv1D has imported its module already; looking it up instead
-    # of importing keeps conversion of plain torch models free of the transformers import.
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
-
-
-def _default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
-    """id(module) → reason, for the LM head, layers whose weight is an embedding's and GEMMs
-    with both dimensions below `min_gemm_features`."""
-    skips: dict[int, str] = {}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) or weight is None or weight.dim() != 2:
-            continue
-        if max(weight.shape) < min_gemm_features:
-            rows, cols = weight.shape
-            skips[id(module)] = (
-                f"its GEMM is too small to gain from FP8 ({rows}×{cols} weight, both dimensions "
-                f"below min_gemm_features={min_gemm_features})"
-            )
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if weight is not None and id(weight) in embedding_weights and not isinstance(module, nn.Embedding):
-            skips[id(module)] = "its weight is tied to an embedding"
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if isinstance(head, nn.Module):
-        skips[id(head)] = "it is the LM head (output embeddings), which FP8 degrades most"
-    return skips
-
-
-def convert_to_fp8(
-    model: nn.Module,
-    *,
-    module_filter: ModuleFilter | None = None,
-    margin: int = 0,
-    recipe: str = "tensorwise",
-    min_gemm_features: int = 0,
-) -> nn.Module:
-    """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, in place; returns `model`.
-
-    Args:
-        model: any module tree.
-        module_filter: `filter(module, fqn) -> bool`, True to convert. It replaces the default
-            filter, which skips the LM head, layers tied to embeddings and (with
-            `min_gemm_features`) small GEMMs.
-        margin: scale margin for the FP8 casts of the new layers.
-        recipe: FP8 scaling recipe of the new layers (`hf_lowprec.fp8.recipes`).
-        min_gemm_features: default filter: a layer whose in_features and out_features are both
-            below this keeps high precision (its GEMM is too small for FP8 to gain: the casts
-            cost more than the faster GEMM saves, as torchtitan's auto filter reasons). 0: off.
-
-    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA) and of
-    the recipe's blocks (128 for blockwise, 32 for mxfp8: no partial block along a weight's
-    dimensions), layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a
-    swap would drop) are always skipped. Each skip is logged as a warning naming the layer and
-    the reason, and listed in the startup report (`model.fp8_skipped_layers`).
-    """
-    if margin < 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
-    multiple = get_recipe(recipe).dim_multiple
-    if not isinstance(min_gemm_features, int) or min_gemm_features < 0:
-        raise ValueError(f"min_gemm_features must be an integer >= 0, got {min_gemm_features!r}")
-    if module_filter is not None and not callable(module_filter):
-        raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
-    conv1d = _conv1d_class()
-    default_skips = _default_skips(model, min_gemm_features) if module_filter is None else {}
-    swaps: list[tuple[str, nn.Module]] = []
-    skipped: dict[str, str] = {}
-    for fqn, module in model.named_modules():
-        is_linear = isinstance(module, nn.Linear)
-        is_conv1d = conv1d is not None and type(module) is conv1d
-        if not (is_linear or is_conv1d):
-            continue
-        name = fqn or "<root>"
-        if module_filter is not None and not module_filter(module, fqn):
-            logger.info("FP8: kept %s in high precision (rejected by module_filter)", name)
-            skipped[name] = "rejected by module_filter"
-            continue
-        reason = default_skips.get(id(module))
-        if reason is None and is_linear and type(module) is not nn.Linear:
-            reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
-        if reason is None:
-            k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
-            bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % multiple]
-            if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
-                reason = f"it has no elements (in_features={k}, out_features={n})"
-            elif bad:
-                need = "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {recipe} blocks"
-                reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
-        if reason is not None:
-            logger.warning("FP8: skipped layer %s: %s", name, reason)
-            skipped[name] = reason
-            continue
-        swaps.append((fqn, module))
-    if any(fqn == "" for fqn, _ in swaps):
-        raise ValueError("convert_to_fp8 converts layers inside a model; wrap a bare layer with FP8Linear.from_float")
-    for fqn, module in swaps:
-        parent_name, _, child = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_float(module, margin=margin, recipe=recipe))
-    logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
-    # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
-    model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)
-    return model

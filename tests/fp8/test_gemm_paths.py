@@ -157,7 +157,7 @@ def test_fp8_linear_hands_scaled_mm_the_cuda_layout_on_every_gemm(monkeypatch):
 
 def test_path_choice_is_made_once_per_device_and_logged(caplog):
     set_fp8_gemm_path(None)
-    with caplog.at_level(logging.INFO, logger="hf_lowprec.fp8.linear"):
+    with caplog.at_level(logging.INFO, logger="hf_lowprec.fp8.gemm"):
         assert fp8_gemm_path("cpu") == "upcast"
         assert fp8_gemm_path("cpu") == "upcast"
     assert caplog.text.count("FP8 GEMM path on cpu: upcast") == 1

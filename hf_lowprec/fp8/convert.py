@@ -1,0 +1,132 @@
+"""The FP8 conversion of a model: `convert_to_fp8` swaps linear layers for `FP8Linear`.
+
+One generic swap with keyword-only options and a `module_filter(module, fqn) -> bool`; the layers
+FP8 cannot help or cannot run are kept in high precision, each logged with the reason and listed
+for the startup report (`model.fp8_skipped_layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from torch import nn
+
+from .linear import GEMM_MULTIPLE, FP8Linear
+from .recipes import get_recipe
+
+__all__ = ["ModuleFilter", "convert_to_fp8"]
+
+logger = logging.getLogger(__name__)
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _conv1d_class() -> type | None:
+    # A model built from GPT-2's Conv1D has imported its module already; looking it up instead
+    # of importing keeps conversion of plain torch models free of the transformers import.
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
+    """id(module) → reason, for the LM head, layers whose weight is an embedding's and GEMMs
+    with both dimensions below `min_gemm_features`."""
+    skips: dict[int, str] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) or weight is None or weight.dim() != 2:
+            continue
+        if max(weight.shape) < min_gemm_features:
+            rows, cols = weight.shape
+            skips[id(module)] = (
+                f"its GEMM is too small to gain from FP8 ({rows}×{cols} weight, both dimensions "
+                f"below min_gemm_features={min_gemm_features})"
+            )
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and id(weight) in embedding_weights and not isinstance(module, nn.Embedding):
+            skips[id(module)] = "its weight is tied to an embedding"
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(head, nn.Module):
+        skips[id(head)] = "it is the LM head (output embeddings), which FP8 degrades most"
+    return skips
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    *,
+    module_filter: ModuleFilter | None = None,
+    margin: int = 0,
+    recipe: str = "tensorwise",
+    min_gemm_features: int = 0,
+) -> nn.Module:
+    """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, in place; returns `model`.
+
+    Args:
+        model: any module tree.
+        module_filter: `filter(module, fqn) -> bool`, True to convert. It replaces the default
+            filter, which skips the LM head, layers tied to embeddings and (with
+            `min_gemm_features`) small GEMMs.
+        margin: scale margin for the FP8 casts of the new layers.
+        recipe: FP8 scaling recipe of the new layers (`hf_lowprec.fp8.recipes`).
+        min_gemm_features: default filter: a layer whose in_features and out_features are both
+            below this keeps high precision (its GEMM is too small for FP8 to gain: the casts
+            cost more than the faster GEMM saves, as torchtitan's auto filter reasons). 0: off.
+
+    Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA) and of
+    the recipe's blocks (128 for blockwise, 32 for mxfp8: no partial block along a weight's
+    dimensions), layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a
+    swap would drop) are always skipped. Each skip is logged as a warning naming the layer and
+    the reason, and listed in the startup report (`model.fp8_skipped_layers`).
+    """
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    multiple = get_recipe(recipe).dim_multiple
+    if not isinstance(min_gemm_features, int) or min_gemm_features < 0:
+        raise ValueError(f"min_gemm_features must be an integer >= 0, got {min_gemm_features!r}")
+    if module_filter is not None and not callable(module_filter):
+        raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
+    conv1d = _conv1d_class()
+    default_skips = _default_skips(model, min_gemm_features) if module_filter is None else {}
+    swaps: list[tuple[str, nn.Module]] = []
+    skipped: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        is_linear = isinstance(module, nn.Linear)
+        is_conv1d = conv1d is not None and type(module) is conv1d
+        if not (is_linear or is_conv1d):
+            continue
+        name = fqn or "<root>"
+        if module_filter is not None and not module_filter(module, fqn):
+            logger.info("FP8: kept %s in high precision (rejected by module_filter)", name)
+            skipped[name] = "rejected by module_filter"
+            continue
+        reason = default_skips.get(id(module))
+        if reason is None and is_linear and type(module) is not nn.Linear:
+            reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
+        if reason is None:
+            k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
+            bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % multiple]
+            if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
+                reason = f"it has no elements (in_features={k}, out_features={n})"
+            elif bad:
+                need = "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {recipe} blocks"
+                reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
+        if reason is not None:
+            logger.warning("FP8: skipped layer %s: %s", name, reason)
+            skipped[name] = reason
+            continue
+        swaps.append((fqn, module))
+    if any(fqn == "" for fqn, _ in swaps):
+        raise ValueError("convert_to_fp8 converts layers inside a model; wrap a bare layer with FP8Linear.from_float")
+    for fqn, module in swaps:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FP8Linear.from_float(module, margin=margin, recipe=recipe))
+    logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
+    # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
+    model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)
+    return model

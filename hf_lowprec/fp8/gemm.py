@@ -1,0 +1,177 @@
+"""FP8 GEMM paths: `(a / s_a) @ (b / s_b)` for FP8 operands, one numerics on every device.
+
+GEMM paths. The numerics are one definition on every device: the exact products of the FP8
+payloads summed in FP32, multiplied by the exact power-of-two 1/(s_a·s_b), rounded once to
+BF16 and then cast to the activation dtype. BF16's relative rounding (2^-9) is 16 times
+finer than the E4M3 operands' own (2^-4), so the output dtype costs nothing measurable, and
+it lets every device use its fast GEMM. Two implementations compute that:
+
+- "scaled_mm": `torch._scaled_mm` (cuBLASLt FP8 tensor cores). Chosen on CUDA devices with
+  compute capability ≥ 8.9. cuBLASLt needs the first operand row-major, the second
+  column-major and every dimension a multiple of 16; `_ScaledMM` makes that layout explicit
+  (copies, zero padding) whatever layout it is handed.
+- "upcast": both payloads converted to BF16, which represents every E4M3 and E5M2 value
+  exactly, then an ordinary BF16 matmul (oneDNN/AMX, cuBLAS), which accumulates in FP32.
+  Chosen everywhere else: on CPU, `_scaled_mm` runs a reference loop (GPT-2's 512×768×3072
+  GEMM measured here at ~1000× a BF16 matmul).
+
+The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
+choice is made once per device and logged; `set_fp8_gemm_path` forces one.
+
+Recipes. The above is the "tensorwise" recipe (the default, FP8-LM's). A layer built with
+`recipe="rowwise"`, `"blockwise"` or `"mxfp8"` scales per row, per block or per MX block
+instead; its scales, re-quantization for the backward GEMMs and GEMM paths (native
+`_scaled_mm` where the device has the kernel, exact emulation elsewhere) are written once in
+`hf_lowprec.fp8.recipes`, and this autograd function only routes to them. A tensorwise FP8
+weight (FP8-stored, or FSDP2's FP8 all-gather) is a valid operand of every recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .cast import widen
+
+__all__ = ["GEMM_MULTIPLE", "GEMM_OUT_DTYPE", "GemmPath", "fp8_gemm_path", "set_fp8_gemm_path"]
+
+logger = logging.getLogger(__name__)
+
+# Dimensions _scaled_mm's CUDA kernels need to be multiples of.
+GEMM_MULTIPLE = 16
+# The dtype every FP8 GEMM's FP32 accumulator is rounded to (module docstring).
+GEMM_OUT_DTYPE = torch.bfloat16
+# First CUDA compute capability with FP8 tensor cores (Ada, Hopper and later).
+_FP8_TENSOR_CORE_CAPABILITY = (8, 9)
+
+GemmPath = Literal["scaled_mm", "upcast"]
+
+
+def _pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if rows == t.shape[0] and cols == t.shape[1]:
+        return t
+    # F.pad has no FP8 kernel; zero bytes are +0.0 in both FP8 formats.
+    padded = F.pad(t.contiguous().view(torch.uint8), (0, cols - t.shape[1], 0, rows - t.shape[0]))
+    return padded.view(t.dtype)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _inverse_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    # Each reciprocal of a power of two in [2^-126, 2^126] is exact.
+    return scale_a.reciprocal() * scale_b.reciprocal()
+
+
+class _Upcast:
+    """FP8 payloads → BF16 (exact) → BF16 matmul with FP32 accumulation; any operand layout."""
+
+    name: GemmPath = "upcast"
+
+    def operand(self, t: torch.Tensor) -> torch.Tensor:
+        return widen(t, GEMM_OUT_DTYPE)
+
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+        """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16."""
+        return torch.mm(a, b).mul_(_inverse_scale(scale_a, scale_b).to(GEMM_OUT_DTYPE))
+
+
+class _ScaledMM:
+    """`torch._scaled_mm`, handed cuBLASLt's layout: a row-major, b column-major, dims padded to 16.
+
+    Args:
+        pad: zero-pad M, K, N to multiples of 16 (what the CUDA kernels need).
+    """
+
+    name: GemmPath = "scaled_mm"
+
+    def __init__(self, pad: bool) -> None:
+        self.pad = pad
+
+    def operand(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def layout(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a row-major M'×K', b column-major K'×N'): what `torch._scaled_mm` receives."""
+        m, k = a.shape
+        n = b.shape[1]
+        mp, kp, np_ = (_round_up(d, GEMM_MULTIPLE) for d in (m, k, n)) if self.pad else (m, k, n)
+        a_rows = _pad_2d(a.contiguous(), mp, kp)
+        b_cols = _pad_2d(b.t().contiguous(), np_, kp).t()
+        return a_rows, b_cols
+
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+        m, n = a.shape[0], b.shape[1]
+        a_rows, b_cols = self.layout(a, b)
+        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two.
+        out = torch._scaled_mm(
+            a_rows, b_cols, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=GEMM_OUT_DTYPE
+        )
+        return out[:m, :n]
+
+
+_forced_path: GemmPath | None = None
+_chosen: dict[tuple[str, int | None], _Upcast | _ScaledMM] = {}
+
+
+def set_fp8_gemm_path(path: GemmPath | None) -> None:
+    """Force the FP8 GEMM path on every device ("scaled_mm" or "upcast"), or None for the default."""
+    global _forced_path
+    if path not in ("scaled_mm", "upcast", None):
+        raise ValueError(f"FP8 GEMM path must be 'scaled_mm', 'upcast' or None, got {path!r}")
+    _forced_path = path
+    _chosen.clear()
+
+
+def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph the choice is recomputed while tracing, never looked up:
+        # reading `_chosen` would make its contents a guard of the graph, and the first eager
+        # call that fills it would recompile the model.
+        return _new_gemm(_forced_path or _default_path(device), device)
+    key = (device.type, device.index)
+    gemm = _chosen.get(key)
+    if gemm is None:
+        gemm = _new_gemm(_forced_path or _default_path(device), device)
+        _chosen[key] = gemm
+        reason = "forced" if _forced_path else "default for this device"
+        logger.info("FP8 GEMM path on %s: %s (%s)", device, gemm.name, reason)
+    return gemm
+
+
+def _new_gemm(path: GemmPath, device: torch.device) -> _Upcast | _ScaledMM:
+    if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
+        raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
+    return _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
+
+
+@torch.compiler.assume_constant_result
+def _default_path(device: torch.device) -> GemmPath:
+    # A constant of the compiled graph (a device's capability does not change): no guard.
+    if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+        if torch.cuda.get_device_capability(device) >= _FP8_TENSOR_CORE_CAPABILITY:
+            return "scaled_mm"
+    return "upcast"
+
+
+def fp8_gemm_path(device: torch.device | str) -> GemmPath:
+    """The FP8 GEMM path used on `device`: "scaled_mm" or "upcast" (module docstring)."""
+    return _gemm_for(torch.device(device)).name
+
+
+def _fp8_mm(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    gemm: _Upcast | _ScaledMM | None = None,
+) -> torch.Tensor:
+    """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
+    gemm = gemm or _gemm_for(a.device)
+    out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
+    return out.to(out_dtype)
