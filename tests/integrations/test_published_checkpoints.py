@@ -20,7 +20,7 @@ from hf_lowprec.fp8.blocks import dequantize_blocks
 from hf_lowprec.memory import unwrap_optimizer
 from tests.helpers import assert_same_losses, tiny_llama_config
 from tests.integrations.test_fp8_checkpoints import _publish
-from tests.integrations.test_launch import _launch, _run
+from tests.integrations.test_launch import _launch, _run, _run_ranks
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -228,7 +228,12 @@ def test_lora_on_an_fp8_base_trains_under_ddp(published, tmp_path):
     script.write_text(DDP_LORA)
     (tmp_path / "out").mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    _run([*torchrun, str(published / "llama-fp8"), str(tmp_path / "out")], tmp_path)
+    written = [tmp_path / "out" / f"lora{r}.pt" for r in (0, 1)]
+    _run_ranks(
+        [*torchrun, str(published / "llama-fp8"), str(tmp_path / "out")],
+        tmp_path,
+        lambda: all(map(Path.is_file, written)),
+    )
     rank0, rank1 = (torch.load(tmp_path / "out" / f"lora{r}.pt") for r in (0, 1))
     assert rank0.keys() == rank1.keys() and len(rank0) == 4
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
