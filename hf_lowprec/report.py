@@ -260,12 +260,17 @@ def check_promises(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
     """Raise PrecisionPromiseError naming every broken promise (before training starts)."""
     problems = promise_violations(strategy, model)
     if problems:
+        dtypes = any("trainable parameter elements" in p for p in problems)  # the advice is about dtypes
         raise PrecisionPromiseError(
             f"precision strategy {strategy.name!r} is not what is active; training stopped before the first step:\n  - "
             + "\n  - ".join(problems)
-            + "\nprepare_model (run by hf_lowprec.Trainer and the Accelerate plugin) adopts FP32, BF16 and FP16 "
-            "parameters as loaded: these were cast after it (e.g. model.half() after prepare_model: remove it), or "
-            "are a dtype no strategy trains (float64, float8: load the model in FP32, BF16 or FP16)."
+            + (
+                "\nprepare_model (run by hf_lowprec.Trainer and the Accelerate plugin) adopts FP32, BF16 and FP16 "
+                "parameters as loaded: these were cast after it (e.g. model.half() after prepare_model: remove it), "
+                "or are a dtype no strategy trains (float64, float8: load the model in FP32, BF16 or FP16)."
+                if dtypes
+                else ""
+            )
         )
 
 

@@ -94,7 +94,7 @@ class PrecisionPlugin:
         for obj in objects:
             old = getattr(obj, "optimizer", None)
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
-                _rebind_scheduler(obj, replaced[id(old)])
+                _rebind_scheduler(obj, replaced[id(old)], old)
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             from ..engines.zero import configure_accelerator
 
@@ -246,12 +246,28 @@ class PrecisionPlugin:
         )
 
 
-def _rebind_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: StrategyOptimizer) -> None:
+def _follow_split_groups(scheduler: Any, optimizer: StrategyOptimizer, old: torch.optim.Optimizer) -> None:
+    """A strategy may split a group in two (fp8-lm-o2: FP8 GEMM weights and the rest, same
+    settings): each per-group list the scheduler keeps (`base_lrs`, `_last_lr`, `lr_lambdas`, …,
+    one entry per old group) gets one entry per new group, that of the group it came from."""
+    if len(optimizer.param_groups) == len(old.param_groups):
+        return
+    source = {id(p): i for i, group in enumerate(old.param_groups) for p in group["params"]}
+    origin = [source[id(group["params"][0])] for group in optimizer.param_groups]
+    for name, value in list(vars(scheduler).items()):
+        if isinstance(value, list) and len(value) == len(old.param_groups) and name != "optimizer":
+            setattr(scheduler, name, [value[i] for i in origin])
+
+
+def _rebind_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: StrategyOptimizer, old: torch.optim.Optimizer
+) -> None:
     # The copied groups carry the scheduler's `initial_lr` and current `lr`, so the schedule
     # continues on the new optimizer. torch checks at the first `scheduler.step()` that
     # `optimizer.step()` ran before it, through a marked wrapper its __init__ puts on
     # `optimizer.step`; give the new optimizer the same marker so that check still holds.
     scheduler.optimizer = optimizer
+    _follow_split_groups(scheduler, optimizer, old)
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return
     step = optimizer.step
