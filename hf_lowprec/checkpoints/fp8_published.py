@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, dequantize_blocks, quantize_blocks
+from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, dequantize_published, quantize_published
 
 __all__ = ["PUBLISHED_ATTR", "published_fp8_config", "release_quantized_fp8", "restore_published_fp8"]
 __all__ += ["release_for_training", "write_published_fp8"]
@@ -186,7 +186,7 @@ def _linear(
 ) -> nn.Linear:
     out_features, in_features = payload.shape
     layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(dequantize_blocks(payload, scale, dtype, block), requires_grad=grad)
+    layer.weight = nn.Parameter(dequantize_published(payload, scale, dtype, block), requires_grad=grad)
     if bias is not None:
         layer.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias)
     return layer
@@ -220,7 +220,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
                 continue
             payload, scale = stored.get(name + ".weight"), stored.get(name + _SCALE)
             weight = module.weight
-            as_loaded = dequantize_blocks(payload, scale, weight.dtype, block).to(weight.device)
+            as_loaded = dequantize_published(payload, scale, weight.dtype, block).to(weight.device)
             if not torch.equal(as_loaded, weight.detach()):  # once, at preparation
                 changed.append(name)
                 continue
@@ -231,7 +231,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
         if trainable:
             layers[name] = "trained from FP32 values"
             if type(module) is nn.Linear:  # in place: the parameter others hold stays the same object
-                module.weight.data = dequantize_blocks(payload, scale, torch.float32, block)
+                module.weight.data = dequantize_published(payload, scale, torch.float32, block)
                 continue
             new: nn.Module = _linear(payload, scale, module.bias, block, torch.float32, True)
         elif keep_frozen_fp8:
@@ -330,7 +330,7 @@ def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:
             if kind == "frozen, dequantized" and name + _SCALE in stored:  # never trained: the published bytes
                 tensors[key], tensors[name + _SCALE] = stored.get(key), stored.get(name + _SCALE)
             else:
-                tensors[key], tensors[name + _SCALE] = quantize_blocks(tensors[key], block, scale_fmt=scale_fmt)
+                tensors[key], tensors[name + _SCALE] = quantize_published(tensors[key], block, scale_fmt=scale_fmt)
             if index:
                 index["weight_map"][name + _SCALE] = file
             rewrite, written = True, written + 1

@@ -8,8 +8,8 @@ use stores each linear weight W (out × in) as
 
 with real = payload · weight_scale_inv of its block (some releases store the scales as E8M0
 powers of two: `scale_fmt: "ue8m0"`). The published value of an element is that product in FP32,
-the precision transformers dequantizes in before it rounds to the model's dtype; `dequantize_blocks`
-computes it the same way, so `dequantize_blocks(q, s, torch.bfloat16)` is bit for bit the BF16
+the precision transformers dequantizes in before it rounds to the model's dtype; `dequantize_published`
+computes it the same way, so `dequantize_published(q, s, torch.bfloat16)` is bit for bit the BF16
 weight `from_pretrained` makes of the checkpoint on a machine without FP8 GEMMs.
 
 `FrozenBlockFP8Linear` holds such a weight as published (payload and scales, about 1 byte per
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cast import widen
+from .recipes import _blocked  # the block view the scaling recipes use
 
-__all__ = ["BLOCK", "FrozenBlockFP8Linear", "block_scales_fp32", "dequantize_blocks", "quantize_blocks"]
+__all__ = ["BLOCK", "FrozenBlockFP8Linear", "block_scales_fp32", "dequantize_published", "quantize_published"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -47,14 +48,6 @@ def block_scales_fp32(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv.float()
 
 
-def _expand(scales: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
-    """One scale per element: each block's scale repeated over its rows and columns (the last
-    blocks may be partial: DeepSeek's format rounds the grid up)."""
-    rows, cols = shape
-    full = scales.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return full[:rows, :cols]
-
-
 def _check_grid(payload: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
     if payload.dim() != 2:
         raise ValueError(f"a block-scaled weight is 2-D (out × in), got shape {tuple(payload.shape)}")
@@ -66,16 +59,17 @@ def _check_grid(payload: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
         )
 
 
-def dequantize_blocks(
+def dequantize_published(
     payload: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] = BLOCK
 ) -> torch.Tensor:
     """The published weight in `dtype`: payload · its block's scale in FP32, rounded once to `dtype`."""
     _check_grid(payload, scale_inv, block)
-    real = widen(payload, torch.float32) * _expand(block_scales_fp32(scale_inv), payload.shape, block)
-    return real.to(dtype)
+    rows, cols = payload.shape
+    real = _blocked(widen(payload, torch.float32), block) * block_scales_fp32(scale_inv)[:, None, :, None]
+    return real.reshape(real.shape[0] * block[0], -1)[:rows, :cols].to(dtype)
 
 
-def quantize_blocks(
+def quantize_published(
     weight: torch.Tensor, block: tuple[int, int] = BLOCK, *, scale_fmt: str = "float"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 payload, weight_scale_inv) of `weight` in the published format.
@@ -89,15 +83,14 @@ def quantize_blocks(
         raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', got {scale_fmt!r}")
     if weight.dim() != 2:
         raise ValueError(f"a block-scaled weight is 2-D (out × in), got shape {tuple(weight.shape)}")
-    real = weight.detach().float()
-    rows, cols = real.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    padded = F.pad(real, (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
-    amax = padded.reshape(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3))
+    rows, cols = weight.shape
+    blocks = _blocked(weight.detach().float(), block)
+    amax = blocks.abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     if scale_fmt == "ue8m0":
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-    payload = (real / _expand(scale_inv, real.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    payload = scaled.reshape(scaled.shape[0] * block[0], -1)[:rows, :cols].to(E4M3)
     if scale_fmt == "ue8m0":
         if _E8M0 is None:
             raise RuntimeError("scale_fmt='ue8m0' needs torch.float8_e8m0fnu (torch >= 2.7)")
@@ -118,7 +111,7 @@ class _FrozenBlockFP8Function(torch.autograd.Function):
         bias: torch.Tensor | None,
         block: tuple[int, int],
     ) -> torch.Tensor:
-        weight = dequantize_blocks(payload, scale_inv, x.dtype, block)
+        weight = dequantize_published(payload, scale_inv, x.dtype, block)
         ctx.save_for_backward(payload, scale_inv)
         ctx.block = block
         ctx.bias_grad = bias is not None and bias.requires_grad
@@ -129,7 +122,7 @@ class _FrozenBlockFP8Function(torch.autograd.Function):
         payload, scale_inv = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ dequantize_blocks(payload, scale_inv, grad_out.dtype, ctx.block)
+            grad_x = grad_out @ dequantize_published(payload, scale_inv, grad_out.dtype, ctx.block)
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.bias_grad else None
         return grad_x, None, None, grad_bias, None
 
@@ -178,7 +171,7 @@ class FrozenBlockFP8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as the checkpoint's dequantized load holds it in `dtype`."""
-        return dequantize_blocks(self.weight, self.weight_scale_inv, dtype, self.block)
+        return dequantize_published(self.weight, self.weight_scale_inv, dtype, self.block)
 
     def extra_repr(self) -> str:
         return (

@@ -2,7 +2,7 @@
 
 The checkpoints here are written as DeepSeek-V3 / Qwen3-FP8 releases are (E4M3 `weight`,
 FP32 `weight_scale_inv` per 128×128 block, `quantization_config.quant_method: "fp8"`), by a
-writer in this file independent of the package's own `quantize_blocks`. They are loaded as users
+writer in this file independent of the package's own `quantize_published`. They are loaded as users
 load them: `from_pretrained(path)`, which on this CPU dequantizes into BF16 layers, or, with CUDA
 faked for the load, into transformers' FP8 inference layers as on a GPU.
 """
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.fp8_published import restore_published_fp8
-from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear, dequantize_blocks, quantize_blocks
+from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear, dequantize_published, quantize_published
 from hf_lowprec.report import describe, format_report
 from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, tiny_llama_config, trainer_arguments
 
@@ -93,10 +93,10 @@ def test_dequantized_blocks_are_the_exact_products_rounded_once():
     reference = (
         payload.double() * scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
     ).float()
-    assert_bits_equal(dequantize_blocks(payload, scale, torch.float32), reference)
-    assert_bits_equal(dequantize_blocks(payload, scale, torch.bfloat16), reference.bfloat16())
+    assert_bits_equal(dequantize_published(payload, scale, torch.float32), reference)
+    assert_bits_equal(dequantize_published(payload, scale, torch.bfloat16), reference.bfloat16())
     with pytest.raises(ValueError, match=r"needs \(2, 3\)"):
-        dequantize_blocks(payload, scale[:, :2], torch.float32)
+        dequantize_published(payload, scale[:, :2], torch.float32)
 
 
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
@@ -107,28 +107,28 @@ def test_quantized_blocks_are_within_e4m3_rounding_of_fp64(scale_fmt):
     torch.manual_seed(2)
     weight = torch.randn(256, 384, dtype=torch.float64) * torch.logspace(-3, 2, 384, dtype=torch.float64)
     weight[:128, :128] = 0  # an all-zero block
-    payload, scale_inv = quantize_blocks(weight.float(), scale_fmt=scale_fmt)
+    payload, scale_inv = quantize_published(weight.float(), scale_fmt=scale_fmt)
     assert payload.dtype == E4M3 and scale_inv.shape == (2, 3)
-    scales = dequantize_blocks(torch.ones(256, 384).to(E4M3), scale_inv, torch.float64)
+    scales = dequantize_published(torch.ones(256, 384).to(E4M3), scale_inv, torch.float64)
     if scale_fmt == "ue8m0":
         assert torch.equal(torch.log2(scales), torch.round(torch.log2(scales)))  # powers of two
-    error = (dequantize_blocks(payload, scale_inv, torch.float64) - weight).abs()
+    error = (dequantize_published(payload, scale_inv, torch.float64) - weight).abs()
     bound = torch.maximum(weight.abs() * 2**-4, scales * 2**-10) * (1 + 2**-20) + weight.abs() * 2**-23
     assert (error <= bound).all(), (error / bound).max()
-    assert (dequantize_blocks(payload, scale_inv, torch.float64)[:128, :128] == 0).all()
+    assert (dequantize_published(payload, scale_inv, torch.float64)[:128, :128] == 0).all()
     assert error.max() > 0  # the bound is met by rounding, not by a copy
     bad = weight.float().clone()
     bad[5, 200] = float("inf")
-    payload, scale_inv = quantize_blocks(bad)
-    assert not torch.isfinite(dequantize_blocks(payload, scale_inv, torch.float32)[:128, 128:256]).any()
+    payload, scale_inv = quantize_published(bad)
+    assert not torch.isfinite(dequantize_published(payload, scale_inv, torch.float32)[:128, 128:256]).any()
 
 
 def test_the_frozen_layer_computes_the_dequantized_linear_and_saves_no_widened_weight():
     torch.manual_seed(3)
-    payload, scale = quantize_blocks(torch.randn(256, 128))
+    payload, scale = quantize_published(torch.randn(256, 128))
     layer = FrozenBlockFP8Linear(payload, scale, torch.randn(256))
     x = torch.randn(4, 7, 128, dtype=torch.bfloat16, requires_grad=True)
-    weight = dequantize_blocks(payload, scale, torch.bfloat16)
+    weight = dequantize_published(payload, scale, torch.bfloat16)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = layer(x)
@@ -163,7 +163,7 @@ def test_trained_layers_start_from_the_stored_values_not_a_bf16_round_trip(fp8_c
     for name, module in trainer.model.named_modules():
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
             continue
-        exact = dequantize_blocks(stored[name + ".weight"], stored[name + ".weight_scale_inv"], torch.float32)
+        exact = dequantize_published(stored[name + ".weight"], stored[name + ".weight_scale_inv"], torch.float32)
         assert module.weight.dtype == torch.float32 and module.weight.requires_grad
         assert_bits_equal(module.weight, exact, name)
         rounded_twice += (exact.bfloat16().float() != exact).sum().item()
@@ -243,7 +243,7 @@ def test_every_strategy_trains_an_fp8_checkpoint_and_saves_it_in_the_same_format
         assert saved[key].dtype == stored[key].dtype, key
         module = reloaded.get_submodule(key.removesuffix(".weight"))
         if saved[key].dtype == E4M3:
-            as_loaded = dequantize_blocks(
+            as_loaded = dequantize_published(
                 saved[key], saved[key.removesuffix("weight") + "weight_scale_inv"], torch.bfloat16
             )
             assert_bits_equal(module.weight, as_loaded, key)
@@ -268,8 +268,8 @@ def test_the_saved_fp8_weights_are_the_trained_weights_within_e4m3_rounding(fp8_
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, weight in trained.items():
         scale = saved[name + ".weight_scale_inv"]
-        error = (dequantize_blocks(saved[name + ".weight"], scale, torch.float64) - weight).abs()
-        unit = dequantize_blocks(
+        error = (dequantize_published(saved[name + ".weight"], scale, torch.float64) - weight).abs()
+        unit = dequantize_published(
             torch.ones_like(saved[name + ".weight"]), scale, torch.float64
         )  # block scale per element
         assert (

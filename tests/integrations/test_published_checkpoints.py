@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 import hf_lowprec
 from hf_lowprec import trl as hl_trl
 from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_bert_config, tiny_gpt2_config
-from hf_lowprec.fp8.blocks import dequantize_blocks
+from hf_lowprec.fp8.blocks import dequantize_published
 from hf_lowprec.memory import unwrap_optimizer
 from tests.helpers import assert_same_losses, tiny_llama_config
 from tests.integrations.test_fp8_checkpoints import _publish
@@ -186,7 +186,7 @@ def test_launch_fine_tunes_a_published_checkpoint_with_an_unchanged_script(
         saved = load_file(str(out / "model.safetensors"))
         key = "model.layers.0.mlp.down_proj"
         reloaded = AutoModelForCausalLM.from_pretrained(str(out))
-        expected = dequantize_blocks(saved[key + ".weight"], saved[key + ".weight_scale_inv"], torch.bfloat16)
+        expected = dequantize_published(saved[key + ".weight"], saved[key + ".weight_scale_inv"], torch.bfloat16)
         assert torch.equal(reloaded.get_submodule(key).weight, expected)
     else:
         assert report["adopted"] == {
