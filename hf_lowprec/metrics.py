@@ -11,10 +11,11 @@ aggregated over all its elements (a parameter group or a whole model).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["edq", "imprecision_percentage"]
+__all__ = ["edq", "imprecision_percentage", "step_metrics"]
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -76,3 +77,27 @@ def edq(before: Tensors, after: Tensors, update: Tensors) -> tuple[float, float]
         return 0.0, 1.0
     value = torch.dot(u, a - b).item() / norm
     return value, value / norm
+
+
+def step_metrics(records: Sequence[Any], group_count: int) -> dict[str, float]:
+    """The logged metrics of one measured step, under `precision/...` keys.
+
+    `records` hold, per parameter, `group` (its parameter-group index) and `before`, `after`
+    and `update`: the values the optimizer holds (θ + δθ, masters), not the visible
+    parameters. Imprecision % and EDQ over all of them, and per group where there are several.
+    """
+    per_group: dict[int, list] = {}
+    for r in records:
+        per_group.setdefault(r.group, []).append(r)
+    out: dict[str, float] = {}
+    for name, recs in [("", list(records))] + [(f"/group{g}", per_group[g]) for g in sorted(per_group)]:
+        if group_count == 1 and name:
+            continue
+        before = [r.before for r in recs]
+        after = [r.after for r in recs]
+        update = [r.update for r in recs]
+        out[f"precision/imprecision_pct{name}"] = imprecision_percentage(before, after, update)
+        quality, ratio = edq(before, after, update)
+        out[f"precision/edq{name}"] = quality
+        out[f"precision/edq_ratio{name}"] = ratio
+    return out

@@ -81,10 +81,10 @@ def engines_markdown(prefixes: tuple[str, ...] = ("",), reasons: bool = False) -
         fsdp2 = fsdp2_support(strategy) is None
         row = f"| `{name}` | yes | {' | '.join('yes' if ok else 'no' for ok in [ddp, *zero, fsdp2])} |"
         if reasons:
-            strategy = get_strategy(name)
-            why = [f"DDP: {strategy.ddp_refusal}"] if not ddp else []
-            why += [f"ZeRO: {strategy.zero_refusal}"] if not all(zero) else []
-            why += [f"FSDP2: {strategy.fsdp2_refusal}"] if not fsdp2 else []
+            support = strategy.engine_support()
+            why = [f"DDP: {support.ddp_refusal}"] if not ddp else []
+            why += [f"ZeRO: {support.zero_refusal}"] if not all(zero) else []
+            why += [f"FSDP2: {support.fsdp2_refusal}"] if not fsdp2 else []
             row += f" {'; '.join(why) or '—'} |"
         lines.append(row)
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@
 What the strategies themselves bring to an engine lives with their numerics, a floor below:
 FP8-LM's weights under FSDP2 (the FP8 all-gather) in `hf_lowprec.fp8.fsdp2`, its own ZeRO stage
 in `hf_lowprec.optim.zero_fp8`. What an engine may do with a strategy is declared on the
-strategy class (`ddp`, `ddp_refusal`, `fsdp2`, `fsdp2_refusal`, `zero_stages`, `zero_refusal`):
-the engines and every engines table in the docs read those declarations. Every engine takes a
+strategy class, one frozen `EngineSupport` (`hf_lowprec.strategies.support`: `ddp`, `fsdp2`,
+`zero_stages`, each with its note and refusal): the engines and every engines table in the docs read those declarations. Every engine takes a
 strategy object; a name is resolved where it enters (`get_strategy`).
 """

@@ -1,7 +1,7 @@
 """torch DDP for precision strategies: which strategies it carries, and the one call a loop makes.
 
 Whether a strategy keeps its numerics under `DistributedDataParallel` is declared on its class
-(`ddp`, `ddp_refusal`, `ddp_note`); `ddp_support`, `check_ddp_support` and the support matrix
+(`support`, an `EngineSupport`: `ddp`, `ddp_refusal`, `ddp_note`); `ddp_support`, `check_ddp_support` and the support matrix
 read that one source. `prepare_ddp(strategy, wrapped)` is what the Trainer and Accelerate's
 `PrecisionPlugin` call on a DDP-wrapped model before the first backward: it refuses a strategy
 DDP does not carry, tells the strategy DDP's process group (fp16-als sums its loss-scale histogram
@@ -26,9 +26,10 @@ __all__ = ["check_ddp_support", "ddp_support", "prepare_ddp", "support_matrix_ma
 def ddp_support(strategy: PrecisionStrategy) -> str | None:
     """None when `strategy` trains under torch DDP with its numerics, else the refusal message
     (why, and what works instead)."""
-    if strategy.ddp:
+    support = strategy.engine_support()
+    if support.ddp:
         return None
-    return f"precision strategy {strategy.name!r} is not supported under torch DDP: {strategy.ddp_refusal}"
+    return f"precision strategy {strategy.name!r} is not supported under torch DDP: {support.ddp_refusal}"
 
 
 def check_ddp_support(strategy: PrecisionStrategy) -> None:
@@ -57,7 +58,8 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
     names = available_strategies() if names is None else list(names)
     lines = ["| strategy | DDP | under DDP |", "|---|---|---|"]
     for name in names:
-        strategy = get_strategy(name)
-        ok = ddp_support(strategy) is None
-        lines.append(f"| `{name}` | {'yes' if ok else 'no'} | {strategy.ddp_note if ok else strategy.ddp_refusal} |")
+        support = get_strategy(name).engine_support()
+        lines.append(
+            f"| `{name}` | {'yes' if support.ddp else 'no'} | {support.ddp_note if support.ddp else support.ddp_refusal} |"
+        )
     return "\n".join(lines) + "\n"

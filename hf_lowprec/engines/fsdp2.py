@@ -101,12 +101,13 @@ logger = logging.getLogger(__name__)
 def fsdp2_support(strategy: PrecisionStrategy) -> str | None:
     """None when `strategy` trains under FSDP2 with its numerics, else the refusal message
     (why, and what works instead)."""
-    if strategy.fsdp2:
+    support = strategy.engine_support()
+    if support.fsdp2:
         return None
-    working = ", ".join(n for n in available_strategies() if get_strategy(n).fsdp2)
+    working = ", ".join(n for n in available_strategies() if get_strategy(n).engine_support().fsdp2)
     return (
         f"precision strategy {strategy.name!r} is not supported under FSDP2 (fully_shard): "
-        f"{strategy.fsdp2_refusal}. Strategies that train under FSDP2: {working}"
+        f"{support.fsdp2_refusal}. Strategies that train under FSDP2: {working}"
     )
 
 
@@ -122,11 +123,9 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
     names = available_strategies() if names is None else list(names)
     lines = ["| strategy | FSDP2 | under FSDP2 |", "|---|---|---|"]
     for name in names:
-        strategy = get_strategy(name)
-        ok = fsdp2_support(strategy) is None
-        lines.append(
-            f"| `{name}` | {'yes' if ok else 'no'} | {strategy.fsdp2_note if ok else strategy.fsdp2_refusal} |"
-        )
+        support = get_strategy(name).engine_support()
+        ok = support.fsdp2
+        lines.append(f"| `{name}` | {'yes' if ok else 'no'} | {support.fsdp2_note if ok else support.fsdp2_refusal} |")
     return "\n".join(lines) + "\n"
 
 

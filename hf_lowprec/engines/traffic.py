@@ -6,7 +6,7 @@ One row per strategy (docs/distributed.md, "What moves per collective", generate
   parameters' under the strategy), or what the strategy's communication hook sends instead
   (`ddp_comm_hook`: FP8-LM's FP8 payload, one byte per element plus one scale per tensor).
 - FSDP2, the all-gather: the policy's `param_dtype` where it casts, else the parameters' own
-  dtype; weights a strategy gathers in FP8 (`fsdp2_gathers_fp8`, FP8-LM's E4M3 payload) one byte.
+  dtype; weights a strategy gathers in FP8 (`EngineSupport.fsdp2_gathers_fp8`, FP8-LM's E4M3 payload) one byte.
 - FSDP2, the reduce-scatter: the policy's `reduce_dtype`, else the dtype the gradients are
   computed in.
 
@@ -52,18 +52,19 @@ def traffic(strategy: PrecisionStrategy) -> Traffic:
     """The bytes per element `strategy` moves in each collective of DDP and FSDP2."""
     own = strategy.param_dtype
     ddp_bytes, how = None, ""
-    if strategy.ddp:
+    support = strategy.engine_support()
+    if support.ddp:
         hook = strategy.ddp_comm_hook()
         if hook is not None and getattr(strategy, "grad_dtype", None) is not None:
             ddp_bytes, how = _itemsize(strategy.grad_dtype), "FP8 payload + 1 FP32 scale per tensor"
         else:
             ddp_bytes, how = _itemsize(own), f"{_name(own)} gradients"
     gather_fp8 = gather_other = reduce = None
-    if strategy.fsdp2:
+    if support.fsdp2:
         policy = strategy.fsdp2_mixed_precision()
         param_dtype = getattr(policy, "param_dtype", None) or own
         gather_other = _itemsize(param_dtype)
-        gather_fp8 = 1.0 if strategy.fsdp2_gathers_fp8 else gather_other
+        gather_fp8 = 1.0 if support.fsdp2_gathers_fp8 else gather_other
         reduce = _itemsize(getattr(policy, "reduce_dtype", None) or param_dtype)
     return Traffic(ddp_bytes, how, gather_fp8, gather_other, reduce)
 
@@ -81,7 +82,7 @@ def fsdp2_step_bytes(strategy: PrecisionStrategy, model: torch.nn.Module, world_
     rates = traffic(strategy)
     if rates.fsdp2_gather_other is None:
         raise ValueError(f"precision strategy {strategy.name!r} does not train under FSDP2")
-    fp8 = {id(p) for p in _fp8_weights(model)} if strategy.fsdp2_gathers_fp8 else set()
+    fp8 = {id(p) for p in _fp8_weights(model)} if strategy.engine_support().fsdp2_gathers_fp8 else set()
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     nested = {id(p) for m in groups if m is not model for p in m.parameters()}
     gathered = reduced = 0.0

@@ -14,7 +14,7 @@ BF16 weight itself (no FP32 master), so Collage's δθ and δv, Kahan's compensa
 stochastic-rounding state live in the partitioned optimizer state as they do in one process.
 
 Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
-(`zero_stages`, `zero_refusal`); `zero_support`, the check and `support_matrix_markdown` all read
+(`support`, an `EngineSupport`: `zero_stages`, `zero_refusal`, `zero_note`); `zero_support`, the check and `support_matrix_markdown` all read
 that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
 `hf_lowprec.partition`.
 
@@ -75,14 +75,15 @@ def zero_support(strategy: PrecisionStrategy, stage: int) -> str | None:
 
     The message says why and names a combination that works.
     """
-    if stage in strategy.zero_stages:
+    support = strategy.engine_support()
+    if stage in support.zero_stages:
         return None
     hint = ""
-    if strategy.zero_stages:
-        hint = f"; it runs under ZeRO stage {' or '.join(str(s) for s in strategy.zero_stages if s)}"
+    if support.zero_stages:
+        hint = f"; it runs under ZeRO stage {' or '.join(str(s) for s in support.zero_stages if s)}"
     return (
         f"precision strategy {strategy.name!r} is not supported under DeepSpeed ZeRO stage {stage}: "
-        f"{strategy.zero_refusal}{hint}"
+        f"{support.zero_refusal}{hint}"
     )
 
 
@@ -107,9 +108,9 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
         "|---|---|---|---|---|",
     ]
     for name, row in support_matrix(names).items():
-        strategy = get_strategy(name)
+        support = get_strategy(name).engine_support()
         cells = ["yes" if row[s] is None else "no" for s in STAGES]
-        note = strategy.zero_note if any(row[s] is None for s in STAGES) else strategy.zero_refusal
+        note = support.zero_note if any(row[s] is None for s in STAGES) else support.zero_refusal
         lines.append(f"| `{name}` | {' | '.join(cells)} | {note} |")
     return "\n".join(lines) + "\n"
 

@@ -25,9 +25,10 @@ reads a counter: `metrics()` (logging steps), `state_dict()` (checkpoints), and
 loops do to skip their LR scheduler step). `lost_arithmetic_metrics` reads the device on its
 measured steps only.
 
-This module is long because the hooks are one contract that every strategy and integration
-reads together; `StrategyOptimizer`, the wrapper that runs them around any optimizer, is in
-`strategies.optimizer`.
+This module is the interface only. Beside it: `StrategyOptimizer`, the wrapper that runs the
+hooks around any optimizer (`strategies.optimizer`); the options and their type check
+(`strategies.options`); where a strategy trains, one frozen `EngineSupport` per class
+(`strategies.support`).
 """
 
 from __future__ import annotations
@@ -36,85 +37,24 @@ import contextlib
 import dataclasses
 import json
 import logging
-import typing
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
 from ..distributed import any_rank, local_shard
-from ..metrics import edq, imprecision_percentage
+from ..metrics import step_metrics
 from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer
+from .options import StrategyOptions
+from .support import EngineSupport, check_sharded_parameters
 
-__all__ = ["PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
+__all__ = ["EngineSupport", "PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StrategyOptions:
-    """Options every strategy accepts.
-
-    Args:
-        lost_arithmetic_metrics: compute imprecision % and EDQ on measured steps (costly: a
-            copy of every parameter and its update in FP32 on those steps).
-        save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
-            weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
-        fused: how the optimizer step runs: "auto" (on CPU the native kernel where it is
-            bit-identical, else the compiled step where torch.compile can build it, else the eager
-            reference), "native" or "compiled" (require that path: an error names why it cannot
-            run) or "reference" ("foreach" is its old name). Same results on CPU; see
-            `optim.fastpath`.
-    """
-
-    lost_arithmetic_metrics: bool = False
-    save_full_precision: bool = False
-    fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
-
-    def __post_init__(self) -> None:
-        # Options often come from a JSON string on the command line: check every value against
-        # its declared type here, so a wrong one fails before any work with the option's name.
-        hints = typing.get_type_hints(type(self))
-        for field in dataclasses.fields(self):
-            problem = _option_type_problem(getattr(self, field.name), hints.get(field.name))
-            if problem is not None:
-                got = repr(getattr(self, field.name))
-                got = got if len(got) <= 60 else got[:57] + "..."
-                raise ValueError(f"option {field.name!r} must be {problem}, got {got}")
-
-
-# Integer options end up in torch (seeds, counters, intervals): they must fit an int64.
-_INT64_MAX = 2**63 - 1
-# Number options become scales and thresholds in FP32 tensors: beyond this they overflow.
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
-def _option_type_problem(value: Any, expected: Any) -> str | None:
-    """What `value` should have been to match the annotation `expected`, or None when it matches."""
-    if expected is bool:
-        return None if isinstance(value, bool) else "true or false"
-    if expected is int:
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT64_MAX:
-            return None
-        return "an integer that fits in 64 bits"
-    if expected is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                if abs(float(value)) <= _FP32_MAX:
-                    return None
-            except OverflowError:
-                pass
-        return f"a finite number within the FP32 range (|x| <= {_FP32_MAX:.4g})"
-    if expected is str:
-        return None if isinstance(value, str) else "a string"
-    if typing.get_origin(expected) is typing.Literal:
-        choices = typing.get_args(expected)
-        return None if isinstance(value, str) and value in choices else f"one of {list(choices)}"
-    return None  # other annotations (unions, containers) are the subclass's to check
 
 
 class PrecisionStrategy:
@@ -128,20 +68,8 @@ class PrecisionStrategy:
             optimizer states + extra components), checked by the contract test.
         skips_nonfinite: skip an optimizer step whose gradients hold inf/NaN.
         uses_fp8_gemm: linear layers compute in FP8 (the startup check requires an FP8 layer).
-        zero_stages: DeepSpeed ZeRO stages under which the strategy keeps its numerics (tested
-            by tests/deepspeed); `hf_lowprec.engines.zero` refuses the others before training.
-        zero_refusal: why the other stages are refused, naming what works instead.
-        zero_note: one line for the README support matrix: what the ZeRO partitions hold.
-        fsdp2: the strategy trains under FSDP2 (`shard`, tested by tests/distributed);
-            `hf_lowprec.engines.fsdp2` refuses the others before any work.
-        fsdp2_refusal: why it is refused under FSDP2, naming what works instead.
-        fsdp2_note: one line for the README support matrix: what the FSDP2 shards hold.
-        fsdp2_gathers_fp8: FSDP2 all-gathers the FP8 GEMM weights as FP8 (one byte per element;
-            `hf_lowprec.engines.traffic` reads it for the table of what each collective moves).
-        ddp: the strategy trains under torch DDP with its numerics (tested by tests/distributed);
-            `hf_lowprec.engines.ddp.check_ddp_support` refuses the others before training.
-        ddp_refusal: why it is refused under DDP, naming what works instead.
-        ddp_note: one line for the support matrix: how the gradients are averaged over ranks.
+        support: the engines it trains under with its numerics, one frozen declaration
+            (`strategies.support.EngineSupport`); `engine_support()` is what the engines read.
         takes_user_optimizer: the strategy's numerics are any optimizer under its forward
             context and loss scaling (what `bf16=True` / `fp16=True` do), so the Trainer accepts
             the user's optimizer and scheduler; the others define their own optimizer.
@@ -154,24 +82,13 @@ class PrecisionStrategy:
     skips_nonfinite: ClassVar[bool] = True
     uses_fp8_gemm: ClassVar[bool] = False
     needs: ClassVar[str] = ""  # what the strategy requires beyond this package (shown by `hf-lowprec list`)
-    zero_stages: ClassVar[tuple[int, ...]] = ()
-    zero_refusal: ClassVar[str] = "it has not been verified under DeepSpeed ZeRO; train it with DDP (no DeepSpeed)"
-    zero_note: ClassVar[str] = ""
-    fsdp2: ClassVar[bool] = False
-    fsdp2_refusal: ClassVar[str] = "it has not been verified under FSDP2; train it with DDP"
-    fsdp2_note: ClassVar[str] = ""
-    fsdp2_gathers_fp8: ClassVar[bool] = False
+    support: ClassVar[EngineSupport] = EngineSupport()
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused.
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
         {"lost_arithmetic_metrics", "save_full_precision", "fused"}
     )
     takes_user_optimizer: ClassVar[bool] = False
-    ddp: ClassVar[bool] = True
-    ddp_refusal: ClassVar[str] = ""
-    ddp_note: ClassVar[str] = (
-        "DDP's all-reduce: each rank's gradient divided by the world size, summed in its own dtype"
-    )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -189,6 +106,11 @@ class PrecisionStrategy:
         self.measure_next_step = False
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
+
+    def engine_support(self) -> EngineSupport:
+        """Where this strategy, with its options, trains: the class's `support` unless an
+        option changes it (the engines, the support matrix and the refusals read this)."""
+        return self.support
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, options={self.options})"
@@ -256,7 +178,7 @@ class PrecisionStrategy:
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
         check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
-        _check_sharding(self, [p for g in groups for p in g["params"]])
+        check_sharded_parameters(self, [p for g in groups for p in g["params"]])
         inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         return StrategyOptimizer(inner, self)
 
@@ -499,50 +421,7 @@ class PrecisionStrategy:
         return {"precision/skipped_steps": float(skipped), **self._lost_arithmetic}
 
     def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
-        per_group: dict[int, list] = {}
-        for r in records:
-            per_group.setdefault(r.group, []).append(r)
-        out: dict[str, float] = {}
-        for name, recs in [("", records)] + [(f"/group{g}", per_group[g]) for g in sorted(per_group)]:
-            if group_count == 1 and name:
-                continue
-            # The values the optimizer holds (θ + δθ, masters), not the visible parameters.
-            before = [r.before for r in recs]
-            after = [r.after for r in recs]
-            update = [r.update for r in recs]
-            out[f"precision/imprecision_pct{name}"] = imprecision_percentage(before, after, update)
-            quality, ratio = edq(before, after, update)
-            out[f"precision/edq{name}"] = quality
-            out[f"precision/edq_ratio{name}"] = ratio
-        self._lost_arithmetic = out
-
-
-def _check_sharding(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
-    """Refuse FSDP2 parameters that `hf_lowprec.engines.fsdp2` did not shard for this strategy.
-
-    Sharding by hand (`fully_shard` on the prepared model) skips what `shard_model` does: the
-    refusal of a strategy whose numerics would differ on shards, the strategy's
-    `MixedPrecisionPolicy` and the move of seeded state onto the shards. Training would fail
-    inside the library or silently differ from one process, so it stops here, before any work."""
-    from ..distributed import DTensor, sharded_by
-
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    if not sharded:
-        return
-    if not strategy.fsdp2:
-        raise ValueError(
-            f"create_optimizer got FSDP2 (DTensor) parameters, and precision strategy {strategy.name!r} is not "
-            f"supported under FSDP2 (fully_shard): {strategy.fsdp2_refusal}. "
-            "hf_lowprec.engines.fsdp2.shard_model(strategy, model) refuses it the same way before sharding"
-        )
-    by_hand = [p for p in sharded if sharded_by(p) != strategy.name]
-    if by_hand:
-        raise ValueError(
-            f"create_optimizer got {len(by_hand)} FSDP2 (DTensor) parameters that were not sharded for "
-            f"precision strategy {strategy.name!r} (fully_shard called by hand, or for another strategy). "
-            "Shard with hf_lowprec.engines.fsdp2.shard_model(strategy, model), which converts the model, applies the "
-            "strategy's MixedPrecisionPolicy and moves its seeded state onto the shards; pass the unsharded model"
-        )
+        self._lost_arithmetic = step_metrics(records, group_count)
 
 
 def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:

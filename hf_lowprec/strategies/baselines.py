@@ -9,6 +9,7 @@ import torch
 
 from .base import PrecisionStrategy
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast", "device_autocast"]
 
@@ -32,10 +33,12 @@ class FP32(PrecisionStrategy):
     """Everything in FP32: parameters, gradients, AdamW states (16 bytes/param)."""
 
     takes_user_optimizer = True
-    zero_stages = (0, 1, 2, 3)
-    zero_note = "FP32 partitions and AdamW states"
-    fsdp2 = True
-    fsdp2_note = "FP32 shards and AdamW states; FP32 all-gather and reduce-scatter"
+    support = EngineSupport(
+        zero_stages=(0, 1, 2, 3),
+        zero_note="FP32 partitions and AdamW states",
+        fsdp2=True,
+        fsdp2_note="FP32 shards and AdamW states; FP32 all-gather and reduce-scatter",
+    )
 
     def fsdp2_mixed_precision(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -54,10 +57,12 @@ class BF16Mixed(PrecisionStrategy):
 
     compute_dtype = torch.bfloat16
     takes_user_optimizer = True
-    zero_stages = (0, 1, 2, 3)
-    zero_note = "FP32 partitions (the masters) and AdamW states; BF16 autocast compute"
-    fsdp2 = True
-    fsdp2_note = "FP32 shards (the masters) and AdamW states; BF16 all-gather, FP32 reduce-scatter"
+    support = EngineSupport(
+        zero_stages=(0, 1, 2, 3),
+        zero_note="FP32 partitions (the masters) and AdamW states; BF16 autocast compute",
+        fsdp2=True,
+        fsdp2_note="FP32 shards (the masters) and AdamW states; BF16 all-gather, FP32 reduce-scatter",
+    )
 
     def fsdp2_mixed_precision(self) -> Any:
         """FSDP2's own mixed precision: BF16 copies of the FP32 shards are all-gathered and
@@ -79,13 +84,15 @@ class BF16Pure(PrecisionStrategy):
     bytes_per_param = 8.0
     # With bf16_master_weights_and_grads the ZeRO partition is the BF16 weight, no FP32 master;
     # DeepSpeed without ZeRO would wrap a BF16 model in FP32 masters.
-    zero_stages = (1, 2, 3)
-    zero_refusal = "DeepSpeed without ZeRO keeps FP32 master weights of a BF16 model"
-    zero_note = "BF16 partitions (bf16_master_weights_and_grads), the optimizer's own state dtypes"
-    fsdp2 = True
-    fsdp2_note = (
-        "BF16 DTensor shards; every state component (m, v, δθ, δv, Kahan's k) sharded like its "
-        "parameter in its one-process dtype; BF16 all-gather, gradients averaged in FP32"
+    support = EngineSupport(
+        zero_stages=(1, 2, 3),
+        zero_refusal="DeepSpeed without ZeRO keeps FP32 master weights of a BF16 model",
+        zero_note="BF16 partitions (bf16_master_weights_and_grads), the optimizer's own state dtypes",
+        fsdp2=True,
+        fsdp2_note=(
+            "BF16 DTensor shards; every state component (m, v, δθ, δv, Kahan's k) sharded like its "
+            "parameter in its one-process dtype; BF16 all-gather, gradients averaged in FP32"
+        ),
     )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -31,6 +31,7 @@ from ..optim import COATAdamW, CollageAdamW, PlainAdamW
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["COAT", "COATOptions"]
 
@@ -78,16 +79,18 @@ class COAT(PrecisionStrategy):
     """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
 
     Options = COATOptions
-    fsdp2 = True
-    fsdp2_note = (
-        "FP32 (or BF16 + δθ) shards; per-group FP8 moments laid out per shard (groups padded per "
-        "shard: the one-process groups wherever a shard ends on a group boundary); FP8 weight "
-        "scales from the gathered weight; FP32 (BF16) all-gather, FP32 reduce-scatter"
-    )
-    zero_stages = (1, 2, 3)
-    zero_note = (
-        "per-group (128) FP8 moments over each rank's flat partition (FP32, or BF16 + δθ): groups follow "
-        "the partition, so a group may span two parameters' elements"
+    support = EngineSupport(
+        fsdp2=True,
+        fsdp2_note=(
+            "FP32 (or BF16 + δθ) shards; per-group FP8 moments laid out per shard (groups padded per "
+            "shard: the one-process groups wherever a shard ends on a group boundary); FP8 weight "
+            "scales from the gathered weight; FP32 (BF16) all-gather, FP32 reduce-scatter"
+        ),
+        zero_stages=(1, 2, 3),
+        zero_note=(
+            "per-group (128) FP8 moments over each rank's flat partition (FP32, or BF16 + δθ): groups follow "
+            "the partition, so a group may span two parameters' elements"
+        ),
     )
 
     @property

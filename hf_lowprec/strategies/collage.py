@@ -26,6 +26,7 @@ from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW,
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import BF16Pure
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["BF16Update", "BF16UpdateOptions"]
 
@@ -109,36 +110,26 @@ class BF16Update(BF16Pure):
     def bytes_per_param(self) -> float:  # type: ignore[override]
         return _UPDATES[self.options.update][1]
 
-    @property
-    def fsdp2_note(self) -> str:  # type: ignore[override]
-        if self.options.update == "collage-8bit":
-            return (
+    def engine_support(self) -> EngineSupport:
+        """collage-8bit's blocks follow the shards under FSDP2 and the partitions under ZeRO 1/2."""
+        if self.options.update != "collage-8bit":
+            return self.support
+        return dataclasses.replace(
+            self.support,
+            fsdp2_note=(
                 "BF16 DTensor shards and δθ sharded like them; 8-bit m, v blocks (256) laid out per "
                 "shard, written per rank by the sharded checkpoint; BF16 all-gather, gradients averaged in FP32"
-            )
-        return super().fsdp2_note
-
-    @property
-    def zero_stages(self) -> tuple[int, ...]:  # type: ignore[override]
-        return (1, 2) if self.options.update == "collage-8bit" else (1, 2, 3)
-
-    @property
-    def zero_refusal(self) -> str:  # type: ignore[override]
-        if self.options.update == "collage-8bit":
-            return (
+            ),
+            zero_stages=(1, 2),
+            zero_refusal=(
                 "ZeRO-3 keeps a padded shard of every parameter, and 8-bit blocks over those shards are not "
                 "verified; use ZeRO stage 1 or 2 (blocks over each rank's flat partition), or collage-light"
-            )
-        return super().zero_refusal
-
-    @property
-    def zero_note(self) -> str:  # type: ignore[override]
-        if self.options.update == "collage-8bit":
-            return (
+            ),
+            zero_note=(
                 "BF16 partitions; 8-bit blocks of 256 (m, v) laid over each rank's flat partition, padded per "
                 "partition, so a block may span two parameters' elements; δθ in BF16"
-            )
-        return super().zero_note
+            ),
+        )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""

@@ -22,6 +22,7 @@ from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scal
 from .base import PrecisionStrategy, StrategyOptions
 from .loss_scaling import LossScaledStrategy
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["FP16ALS", "FP16ALSOptions"]
 
@@ -70,18 +71,21 @@ class FP16ALS(LossScaledStrategy):
     # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
     resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
     param_dtype = torch.float16
-    ddp_note = "DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)"
-    zero_refusal = (
-        "DeepSpeed's FP16 engine owns the loss scale: its optimizer checks the partitions for overflow, "
-        "skips the step and moves the scale by its own dynamic rule, while ALS sets the scale from a "
-        "histogram of activation and weight gradients taken during backward and clips overflows instead of "
-        "skipping; riding on DeepSpeed would mean replacing the scaler inside DeepSpeed's optimizer, which "
-        "is not built, and DeepSpeed's CPU accelerator has no FP16; for ZeRO pick a BF16 strategy "
-        "(bf16-mixed, collage-plus), or train fp16-als with DDP"
-    )
-    fsdp2_note = (
-        "FP16 shards, FP32 masters and AdamW states; FP16 all-gather, FP32 reduce-scatter; the "
-        "scaler's histogram and NaN counts summed by one all-reduce"
+    support = EngineSupport(
+        ddp_note="DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)",
+        zero_refusal=(
+            "DeepSpeed's FP16 engine owns the loss scale: its optimizer checks the partitions for overflow, "
+            "skips the step and moves the scale by its own dynamic rule, while ALS sets the scale from a "
+            "histogram of activation and weight gradients taken during backward and clips overflows instead of "
+            "skipping; riding on DeepSpeed would mean replacing the scaler inside DeepSpeed's optimizer, which "
+            "is not built, and DeepSpeed's CPU accelerator has no FP16; for ZeRO pick a BF16 strategy "
+            "(bf16-mixed, collage-plus), or train fp16-als with DDP"
+        ),
+        fsdp2=True,
+        fsdp2_note=(
+            "FP16 shards, FP32 masters and AdamW states; FP16 all-gather, FP32 reduce-scatter; the "
+            "scaler's histogram and NaN counts summed by one all-reduce"
+        ),
     )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
@@ -104,14 +108,18 @@ class FP16ALS(LossScaledStrategy):
     def bytes_per_param(self) -> float:  # type: ignore[override]
         return 16.0 if self.options.weights == "master" else 12.0
 
-    @property
-    def fsdp2(self) -> bool:  # type: ignore[override]
-        return self.options.weights == "master"
-
-    fsdp2_refusal = (
-        "with weights='sr' every rank would draw the stochastic rounding of its shard from the same "
-        "seeded stream (not one process's draws); use weights='master' under FSDP2"
-    )
+    def engine_support(self) -> EngineSupport:
+        """FSDP2 with weights="master" only."""
+        if self.options.weights == "master":
+            return self.support
+        return dataclasses.replace(
+            self.support,
+            fsdp2=False,
+            fsdp2_refusal=(
+                "with weights='sr' every rank would draw the stochastic rounding of its shard from the same "
+                "seeded stream (not one process's draws); use weights='master' under FSDP2"
+            ),
+        )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(torch.float16)

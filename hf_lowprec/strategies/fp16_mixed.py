@@ -52,10 +52,13 @@ class FP16Mixed(LossScaledStrategy):
 
     Options = FP16MixedOptions
     takes_user_optimizer = True
-    fsdp2 = True
-    fsdp2_note = (
-        "FP32 shards (the masters) and AdamW states; FP32 all-gather and reduce-scatter; the "
-        "scaler's found-inf agreed by one all-reduce"
+    support = dataclasses.replace(
+        LossScaledStrategy.support,
+        fsdp2=True,
+        fsdp2_note=(
+            "FP32 shards (the masters) and AdamW states; FP32 all-gather and reduce-scatter; the "
+            "scaler's found-inf agreed by one all-reduce"
+        ),
     )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:

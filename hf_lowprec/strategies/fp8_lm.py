@@ -31,6 +31,7 @@ from ..optim import FP8AdamW, PlainAdamW
 from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["FP8LM", "FP8LMOptions"]
 
@@ -113,18 +114,20 @@ class FP8LM(PrecisionStrategy):
 
     Options = FP8LMOptions
     uses_fp8_gemm = True
-    zero_refusal = (
-        "ZeRO reduces the gradients itself, in FP32 flat buckets, so the FP8 all-reduce with one shared "
-        "scale per tensor would not run, and it would cut O2's scaled FP16 masters (one scale per "
-        "tensor) into flat partitions; use fp8-lm-o3 with ZeRO stage 1 or 2 (FP8-LM's own ZeRO), or DDP"
-    )
-    ddp_note = "FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)"
-    fsdp2 = True
-    fsdp2_gathers_fp8 = True
-    _fsdp2_common = (
-        "FP8 all-gather of the FP8 GEMM weights (E4M3 payload + the whole weight's scale, agreed in one "
-        "all-reduce of amaxes per step), BF16 all-gather elsewhere; FP32 reduce-scatter, then FP8 gradients "
-        "with the global amax"
+    support = EngineSupport(
+        zero_refusal=(
+            "ZeRO reduces the gradients itself, in FP32 flat buckets, so the FP8 all-reduce with one shared "
+            "scale per tensor would not run, and it would cut O2's scaled FP16 masters (one scale per "
+            "tensor) into flat partitions; use fp8-lm-o3 with ZeRO stage 1 or 2 (FP8-LM's own ZeRO), or DDP"
+        ),
+        ddp_note="FP8 all-reduce with one shared power-of-two scale per tensor (the strategy's DDP communication hook)",
+        fsdp2=True,
+        fsdp2_note=(
+            "FP8 all-gather of the FP8 GEMM weights (E4M3 payload + the whole weight's scale, agreed in one "
+            "all-reduce of amaxes per step), BF16 all-gather elsewhere; FP32 reduce-scatter, then FP8 gradients "
+            "with the global amax"
+        ),
+        fsdp2_gathers_fp8=True,
     )
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
@@ -136,9 +139,12 @@ class FP8LM(PrecisionStrategy):
         self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
         self.backward_grads = BackwardFP8Gradients(self.scaler, self.grad_dtype, self.options.margin)
 
-    @property
-    def fsdp2_note(self) -> str:  # type: ignore[override]
-        note = self._fsdp2_common
+    def engine_support(self) -> EngineSupport:
+        """The FSDP2 note says what O2's shards hold and how a finer recipe gathers."""
+        support = self.support
+        if not support.fsdp2:
+            return support
+        note = support.fsdp2_note
         if self.o2:
             note += (
                 "; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like the weights, each shard "
@@ -146,7 +152,7 @@ class FP8LM(PrecisionStrategy):
             )
         if self.options.recipe != "tensorwise":
             note += f"; {_FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe)}"
-        return note
+        return dataclasses.replace(support, fsdp2_note=note)
 
     def fsdp2_mixed_precision(self) -> Any:
         """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,

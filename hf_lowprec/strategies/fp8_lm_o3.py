@@ -22,6 +22,7 @@ from ..fp8.scaled import get_master_scale
 from ..optim.zero_fp8 import FP8ZeroAdamW
 from .fp8_lm import FP8LM
 from .registry import register
+from .support import EngineSupport
 
 __all__ = ["FP8LMO3"]
 
@@ -37,26 +38,28 @@ def _fp8_zero(optimizer: Any) -> FP8ZeroAdamW | None:
 class FP8LMO3(FP8LM):
     """FP8-LM O3: O2 plus the FP8 ZeRO distribution — masters and FP8 optimizer states as whole tensors per rank."""
 
-    zero_stages = (1, 2)
     needs = "DeepSpeed ZeRO stage 1 or 2 across processes"
-    zero_refusal = (
-        "ZeRO-3 would partition the FP8 layers' weights, which FP8 ZeRO keeps whole per rank with their "
-        "scales; use ZeRO stage 1 or 2"
+    support = EngineSupport(
+        zero_stages=(1, 2),
+        zero_refusal=(
+            "ZeRO-3 would partition the FP8 layers' weights, which FP8 ZeRO keeps whole per rank with their "
+            "scales; use ZeRO stage 1 or 2"
+        ),
+        zero_note="FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions",
+        ddp=False,
+        ddp_refusal=(
+            "FP8 ZeRO reduces and gathers the FP8 weights itself and keeps the weights another rank owns as FP8, "
+            "while DDP all-reduces every parameter's gradient and needs them all in one dtype; it runs across "
+            "processes under DeepSpeed ZeRO stage 1 or 2. Under DDP use fp8-lm-o2 (the same numerics, FP8 "
+            "all-reduce as a DDP hook, no distribution of masters and states)"
+        ),
+        fsdp2=False,
+        fsdp2_refusal=(
+            "FP8 ZeRO keeps whole FP8 weights per owning rank, which FSDP2's per-row shards replace; under FSDP2 "
+            "train fp8-lm-o2, whose shards hold O3's masters, FP8 moments and FP8 gradients divided by the world "
+            "size and all-gather the FP8 weights as E4M3 (fewer bytes per rank than FP8 ZeRO, docs/distributed.md)"
+        ),
     )
-    ddp = False
-    ddp_refusal = (
-        "FP8 ZeRO reduces and gathers the FP8 weights itself and keeps the weights another rank owns as FP8, "
-        "while DDP all-reduces every parameter's gradient and needs them all in one dtype; it runs across "
-        "processes under DeepSpeed ZeRO stage 1 or 2. Under DDP use fp8-lm-o2 (the same numerics, FP8 "
-        "all-reduce as a DDP hook, no distribution of masters and states)"
-    )
-    fsdp2 = False
-    fsdp2_refusal = (
-        "FP8 ZeRO keeps whole FP8 weights per owning rank, which FSDP2's per-row shards replace; under FSDP2 "
-        "train fp8-lm-o2, whose shards hold O3's masters, FP8 moments and FP8 gradients divided by the world "
-        "size and all-gather the FP8 weights as E4M3 (fewer bytes per rank than FP8 ZeRO, docs/distributed.md)"
-    )
-    zero_note = "FP8 weights' masters and FP8AdamW states whole per rank (greedy); other parameters in FP32 partitions"
     # The ranks the FP8 weights are distributed over (None: the world); set it before building
     # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).
     process_group: dist.ProcessGroup | None = None

@@ -14,6 +14,7 @@ import torch
 from ..memory import unwrap_optimizer
 from ..scaling import clip_grad_norm_, step_unless
 from .base import PrecisionStrategy
+from .support import EngineSupport
 
 __all__ = ["LossScaledStrategy"]
 
@@ -22,9 +23,11 @@ class LossScaledStrategy(PrecisionStrategy):
     """FP16 compute with a loss scaler; its state rides in the checkpoint under "loss_scaler"."""
 
     compute_dtype = torch.float16
-    zero_refusal = (
-        "DeepSpeed's FP16 engine brings its own loss scaler and FP32 masters, and its CPU accelerator "
-        "has no FP16 at all; for ZeRO pick a BF16 strategy (bf16-mixed, collage-plus)"
+    support = EngineSupport(
+        zero_refusal=(
+            "DeepSpeed's FP16 engine brings its own loss scaler and FP32 masters, and its CPU accelerator "
+            "has no FP16 at all; for ZeRO pick a BF16 strategy (bf16-mixed, collage-plus)"
+        )
     )
     scaler: Any
 

@@ -132,3 +132,52 @@ def test_clip_grad_norm_returns_the_total_norm_like_torch(name):
     expected = norm.item() / 4 * norm.item() / (norm.item() + 1e-6)
     after = strategy.clip_grad_norm(params, float("inf")).item()
     assert abs(after - expected) <= 2 * rel * expected, f"{name}: {after} after clipping to 1/4, not {expected}"
+
+
+@pytest.mark.parametrize("name", hf_lowprec.available_strategies())
+def test_engine_support_is_one_frozen_declaration(name):
+    # Every engine reads one declaration per strategy (with its options applied); it cannot be
+    # changed after the class is defined, and each refused engine says why.
+    import dataclasses
+
+    from hf_lowprec.strategies.support import EngineSupport
+
+    support = hf_lowprec.get_strategy(name).engine_support()
+    assert isinstance(support, EngineSupport)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        support.ddp = not support.ddp
+    assert support.ddp_note if support.ddp else support.ddp_refusal
+    assert support.fsdp2_note if support.fsdp2 else support.fsdp2_refusal
+    assert set(support.zero_stages) <= {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    ("plain", "changed", "field"),
+    [
+        (("collage-plus", {}), ("collage-8bit", {}), "zero_stages"),
+        (("fp16-als", {}), ("fp16-als", {"weights": "sr"}), "fsdp2"),
+        (("fp8-lm-o1", {}), ("fp8-lm-o2", {"recipe": "rowwise"}), "fsdp2_note"),
+    ],
+)
+def test_engine_support_follows_the_options_that_change_it(plain, changed, field):
+    # collage-8bit: ZeRO 1/2 only; fp16-als weights="sr": no FSDP2; O2 and finer recipes: a longer note.
+    before = getattr(hf_lowprec.get_strategy(plain[0], **plain[1]).engine_support(), field)
+    after = getattr(hf_lowprec.get_strategy(changed[0], **changed[1]).engine_support(), field)
+    assert before != after
+
+
+@pytest.mark.parametrize(
+    ("declared", "missing"),
+    [
+        ({"ddp": False}, "ddp_refusal"),
+        ({"fsdp2": True}, "fsdp2_note"),
+        ({"zero_stages": (1,)}, "zero_note"),
+        ({"zero_stages": (4,)}, "stages are"),
+        ({"fsdp2_gathers_fp8": True}, "fsdp2 must be True"),
+    ],
+)
+def test_an_engine_support_declaration_that_cannot_be_printed_fails_at_once(declared, missing):
+    from hf_lowprec.strategies.support import EngineSupport
+
+    with pytest.raises(ValueError, match=missing):
+        EngineSupport(**declared)

@@ -1,0 +1,79 @@
+"""The options every strategy accepts, and the check of their types.
+
+A strategy's options are a frozen dataclass (`StrategyOptions` or a subclass). They often come
+from a JSON string on the command line (`precision_options`), so each value is checked against
+its declared type when the options are built: a wrong one fails before any work, naming the
+option and what it should have been.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["StrategyOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOptions:
+    """Options every strategy accepts.
+
+    Args:
+        lost_arithmetic_metrics: compute imprecision % and EDQ on measured steps (costly: a
+            copy of every parameter and its update in FP32 on those steps).
+        save_full_precision: the Trainer saves the model as `full_precision_state_dict`, FP32
+            weights holding what the optimizer holds (θ + δθ, masters), not the BF16 parameters.
+        fused: how the optimizer step runs: "auto" (on CPU the native kernel where it is
+            bit-identical, else the compiled step where torch.compile can build it, else the eager
+            reference), "native" or "compiled" (require that path: an error names why it cannot
+            run) or "reference" ("foreach" is its old name). Same results on CPU; see
+            `optim.fastpath`.
+    """
+
+    lost_arithmetic_metrics: bool = False
+    save_full_precision: bool = False
+    fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
+
+    def __post_init__(self) -> None:
+        # Options often come from a JSON string on the command line: check every value against
+        # its declared type here, so a wrong one fails before any work with the option's name.
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            problem = _option_type_problem(getattr(self, field.name), hints.get(field.name))
+            if problem is not None:
+                got = repr(getattr(self, field.name))
+                got = got if len(got) <= 60 else got[:57] + "..."
+                raise ValueError(f"option {field.name!r} must be {problem}, got {got}")
+
+
+# Integer options end up in torch (seeds, counters, intervals): they must fit an int64.
+_INT64_MAX = 2**63 - 1
+# Number options become scales and thresholds in FP32 tensors: beyond this they overflow.
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _option_type_problem(value: Any, expected: Any) -> str | None:
+    """What `value` should have been to match the annotation `expected`, or None when it matches."""
+    if expected is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if expected is int:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT64_MAX:
+            return None
+        return "an integer that fits in 64 bits"
+    if expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                if abs(float(value)) <= _FP32_MAX:
+                    return None
+            except OverflowError:
+                pass
+        return f"a finite number within the FP32 range (|x| <= {_FP32_MAX:.4g})"
+    if expected is str:
+        return None if isinstance(value, str) else "a string"
+    if typing.get_origin(expected) is typing.Literal:
+        choices = typing.get_args(expected)
+        return None if isinstance(value, str) and value in choices else f"one of {list(choices)}"
+    return None  # other annotations (unions, containers) are the subclass's to check
