@@ -102,13 +102,13 @@ class Native:
             self.v_scales = [torch.ones(()) for _ in range(count)]
             return
         if family == "coat":
-            from hf_lowprec.coat.state import FP8GroupState
+            from hf_lowprec.optim.coat import FP8GroupState
 
             self.params, self.grads = t(fp32), t(fp32, seed=1)
             self.states = [[FP8GroupState.zeros(p.shape, device="cpu") for _ in range(2)] for p in self.params]
             return
         if family == "collage-8bit":
-            from hf_lowprec.formats import Blockwise8bit
+            from hf_lowprec.optim.formats import Blockwise8bit
 
             self.params, self.grads = t(bf16), t(bf16, seed=1)
             self.errors = [(p.float() * 1e-3).to(bf16) for p in self.params]

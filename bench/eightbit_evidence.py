@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_lowprec.formats import Blockwise8bit, GroupFP8, Plain, Scaled
+from hf_lowprec.optim.formats import Blockwise8bit, GroupFP8, Plain, Scaled
 
 EPS = 1e-8
 

@@ -1,4 +1,4 @@
-"""The 8-bit dynamic (tree) quantization maps of `formats.Blockwise8bit`, as tuples and tensors.
+"""The 8-bit dynamic (tree) quantization maps of `optim.formats.Blockwise8bit`, as tuples and tensors.
 
 The 256 values of each map (signed for m, unsigned for v), the tensors a step decodes and encodes
 with (built once per device, or as graph constants when compiled), and the lookup tables that

@@ -216,7 +216,7 @@ _DROPPED_BITS = {torch.bfloat16: 16, torch.float16: 13}
 def round_by_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP32 `x` rounded to BF16 or FP16 and widened back: `x.to(dtype).float()` bit for bit,
     from integer operations on |x|'s FP32 pattern (a compiler cannot fold them away as it can
-    a cast there and back: `formats.round_to`).
+    a cast there and back: `optim.formats.round_to`).
 
     Round half to even at the last kept bit: add half an ulp less one, plus the kept bit, and
     clear the dropped bits; a carry into the exponent is the right result, up to infinity. NaN

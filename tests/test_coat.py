@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_lowprec.coat import FP8GroupState, dequantize_state, expansion_exponent, quantize_state
 from hf_lowprec.coat.activations import compress_activations, dequantize_groups, quantize_groups, saved_activation_bytes
 from hf_lowprec.fp8 import convert_to_fp8
+from hf_lowprec.optim.coat import FP8GroupState, dequantize_state, quantize_state
+from hf_lowprec.optim.formats import expansion_exponent
 from tests.helpers import batches, bits_equal, rounding_bound, tiny_gpt2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

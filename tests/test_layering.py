@@ -1,6 +1,6 @@
 """The package's import graph: no cycles, and every import goes down the layers.
 
-numerics → formats / fp8 / coat → optim → report → strategies → integrations → command line.
+numerics → fp8 / coat → optim → report → strategies → integrations → command line.
 The startup report reads a strategy's attributes without importing the strategies (it names
 them for type checkers only), so the strategies may call it. The graph
 is read from the source (every `import` and `from … import`, at module level or inside a
@@ -29,7 +29,6 @@ LAYERS = {
     "hf_lowprec.distributed": 0,
     "hf_lowprec.hardware": 0,
     "hf_lowprec.fp8": 1,
-    "hf_lowprec.formats": 1,
     "hf_lowprec.dynamic_maps": 1,
     "hf_lowprec.coat": 1,
     "hf_lowprec.optim": 2,

@@ -1,13 +1,19 @@
-"""COAT: FP8 optimizer states with dynamic range expansion and mixed-granularity FP8 activations
-(COAT, Xi et al. 2024; docs/algorithms.md §4). The optimizer is `hf_lowprec.optim.COATAdamW`, the
-strategy `coat`."""
+"""COAT's mixed-granularity FP8 activations (COAT, Xi et al. 2024, Part 2; docs/algorithms.md §4).
+COAT's FP8 optimizer states are `hf_lowprec.optim.COATAdamW` (their format `optim.formats.GroupFP8`,
+one tensor on its own `optim.coat.quantize_state`); the strategy is `coat`."""
 
-from .state import FP8_STATE_DTYPES, FP8GroupState, dequantize_state, expansion_exponent, quantize_state
+from .activations import (
+    ACTIVATION_GROUP_SIZE,
+    compress_activations,
+    dequantize_groups,
+    quantize_groups,
+    saved_activation_bytes,
+)
 
 __all__ = [
-    "FP8_STATE_DTYPES",
-    "FP8GroupState",
-    "dequantize_state",
-    "expansion_exponent",
-    "quantize_state",
+    "ACTIVATION_GROUP_SIZE",
+    "compress_activations",
+    "dequantize_groups",
+    "quantize_groups",
+    "saved_activation_bytes",
 ]

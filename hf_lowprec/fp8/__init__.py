@@ -12,7 +12,7 @@ from .comm import (
     prescale_allreduce,
 )
 from .convert import convert_to_fp8
-from .grad_scaling import GradientAutoScaler, quantize_gradient
+from .gradients import GradientAutoScaler, quantize_gradient
 from .linear import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
 from .scaled import (
     FORMATS,

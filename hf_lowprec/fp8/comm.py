@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .grad_scaling import GradientAutoScaler
+from .gradients import GradientAutoScaler
 from .scaled import _saturated, _saturating_cast, pow2_scale
 
 __all__ = [

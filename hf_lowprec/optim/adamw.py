@@ -2,7 +2,7 @@
 
 Every optimizer of `hf_lowprec.optim` is AdamW with a choice of three pieces (a composition):
 
-    m format × v format × update rule          (`hf_lowprec.formats`, `rules`)
+    m format × v format × update rule          (`formats`, `rules`)
 
 and its step for one parameter is one pure function of tensors, `Composition.step`:
 
@@ -45,10 +45,10 @@ import torch
 from ..distributed import DTensor
 from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
-from ..formats import Format, root
 from ..numerics import LOW_PRECISION_DTYPES
 from .base import LowPrecisionOptimizer
 from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
+from .formats import Format, root
 from .rules import Rule
 from .scalars import (
     BETA2,

@@ -8,23 +8,28 @@ as the Collage-light pair (θ, δθ) and take Grow (`rules.Grow`), which COAT do
 Model-state bytes per parameter (+ 0.19 for the FP32 (s, k, c) of two states, + padding of
 tensors whose size is not a multiple of 128):
 FP32 master: 4 (θ) + 4 (g) + 1 (m) + 1 (v) = 10; BF16 + δθ: 2 + 2 + 2 (δθ) + 1 + 1 = 8.
+
+One moment on its own, outside the optimizer (the format's tests and evidence, the native
+`coat_step`): `quantize_state` stores any tensor as an `FP8GroupState`, which decodes it back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from ..formats import GroupFP8
 from ..fp8.scaled import format_dtype
 from ..numerics import LOW_PRECISION_DTYPES
 from .adamw import AdamW, Composition
 from .fastpath import FusedMode
+from .formats import GroupFP8
 from .rules import Grow, Nearest
 
-__all__ = ["COATAdamW"]
+__all__ = ["COATAdamW", "FP8GroupState", "dequantize_state", "quantize_state"]
 
 _FP8_FORMATS = ("e4m3", "e5m2")
 
@@ -90,3 +95,85 @@ class COATAdamW(AdamW):
         m = GroupFP8(torch.float8_e4m3fn, size, expand)
         v = GroupFP8(format_dtype(group["exp_avg_sq_format"]), size, expand)
         return Composition(m, v, Grow() if param.dtype in LOW_PRECISION_DTYPES else Nearest())
+
+
+@dataclasses.dataclass
+class FP8GroupState:
+    """One tensor stored in `GroupFP8`, with what decodes it: real = sign(q)·|q / scale|^(1/k)·c.
+
+    Attributes:
+        payload: FP8 codes, flat, padded to a multiple of `group_size`.
+        scale: FP32 per group, payload = y·scale (y the expanded value).
+        exponent: FP32 k per group (1 when not expanded).
+        center: FP32 c per group (1 when not expanded).
+        shape: shape of the original tensor.
+        group_size: elements per group.
+        expand: whether the dynamic range expansion was applied.
+    """
+
+    payload: torch.Tensor
+    scale: torch.Tensor
+    exponent: torch.Tensor
+    center: torch.Tensor
+    shape: tuple[int, ...]
+    group_size: int = 128
+    expand: bool = True
+
+    @classmethod
+    def zeros(
+        cls,
+        shape: torch.Size | tuple[int, ...],
+        *,
+        group_size: int = 128,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        expand: bool = True,
+        device: torch.device | str | None = None,
+    ) -> FP8GroupState:
+        """The state of an all-zero tensor: zero codes, (s, k, c) = (1, 1, 1)."""
+        codec = GroupFP8(fp8_dtype, group_size, expand)
+        payload, scale, exponent, center = codec.zeros(torch.empty(math.prod(shape), device=device))
+        return cls(payload, scale, exponent, center, tuple(shape), group_size, expand)
+
+    def dequantize(self) -> torch.Tensor:
+        """The decoded values, FP32, in the original shape."""
+        codec = GroupFP8(self.payload.dtype, self.group_size, self.expand)
+        y = codec.decode(self.payload, self.scale, self.exponent, self.center).reshape(-1)
+        return y[: math.prod(self.shape)].view(self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes held by the codes and the per-group metadata."""
+        return sum(t.numel() * t.element_size() for t in (self.payload, self.scale, self.exponent, self.center))
+
+
+torch.serialization.add_safe_globals([FP8GroupState])
+
+
+def quantize_state(
+    x: torch.Tensor,
+    group_size: int = 128,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    expand: bool = True,
+) -> FP8GroupState:
+    """`x` stored in `GroupFP8(fp8_dtype, group_size, expand)`: flattened, zero-padded to whole groups.
+
+    Args:
+        x: any floating tensor (the arithmetic is FP32; FP64 inputs are rounded to FP32 first).
+        group_size: G, consecutive elements sharing (s, k, c).
+        fp8_dtype: torch.float8_e4m3fn (COAT's choice for both moments) or torch.float8_e5m2.
+        expand: apply f(x) = sign(x)·(|x|/c)^k before scaling; False is plain per-group scaling.
+    """
+    codec = GroupFP8(fp8_dtype, group_size, expand)
+    if not x.is_floating_point():
+        raise ValueError(f"quantize_state takes a floating-point tensor, got {x.dtype}")
+    state = FP8GroupState.zeros(
+        tuple(x.shape), group_size=group_size, fp8_dtype=fp8_dtype, expand=expand, device=x.device
+    )
+    flat = torch.zeros(state.payload.numel(), dtype=torch.float32, device=x.device)
+    flat[: x.numel()] = x.detach().reshape(-1)
+    codec.encode_(flat, state.payload, state.scale, state.exponent, state.center)
+    return state
+
+
+def dequantize_state(state: FP8GroupState) -> torch.Tensor:
+    """The FP32 values of `state`, in the shape of the tensor it was made from."""
+    return state.dequantize()

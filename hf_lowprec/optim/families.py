@@ -1,4 +1,4 @@
-"""The AdamW families, each a composition of `hf_lowprec.formats` and `rules` (docs/algorithms.md §2, §5).
+"""The AdamW families, each a composition of `formats` and `rules` (docs/algorithms.md §2, §5).
 
 | optimizer                   | m           | v                 | rule                 | bytes/param (BF16) |
 |-----------------------------|-------------|-------------------|----------------------|--------------------|
@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..formats import Blockwise8bit, Format, Pair, Plain, Scaled
 from .adamw import AdamW, Composition
 from .fastpath import FusedMode
+from .formats import Blockwise8bit, Format, Pair, Plain, Scaled
 from .rules import Grow, Kahan, Master, Nearest, StochasticRounding
 
 __all__ = [

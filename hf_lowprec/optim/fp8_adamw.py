@@ -39,10 +39,10 @@ import torch
 
 from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
-from ..formats import Scaled
 from ..fp8.scaled import FORMATS, format_dtype, get_master_scale
 from .adamw import AdamW, Composition, adamw_scalars
 from .fastpath import FusedMode
+from .formats import Scaled
 from .rules import Nearest, ScaledMaster
 
 __all__ = ["FP8AdamW", "fp8_adamw_param_step"]

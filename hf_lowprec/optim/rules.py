@@ -1,7 +1,7 @@
 """Update rules: how the AdamW update Δθ (FP32 registers) is applied to the stored parameter.
 
 A rule owns the state that completes the parameter (a compensation, a master copy) and four
-operations, pure functions of tensors like the formats' (`hf_lowprec.formats`):
+operations, pure functions of tensors like the formats' (`formats`):
 
     read(param, *stored)                    θ in FP32 registers (the value the update starts from)
     apply_(delta, theta, param, *stored)    write θ + Δθ back, rounding as the rule says
@@ -28,8 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from ..formats import Scaled, round_to
 from ..fp8.scaled import get_master_scale
+from .formats import Scaled, round_to
 
 __all__ = ["Grow", "Kahan", "Master", "Nearest", "Rule", "ScaledMaster", "StochasticRounding", "uniform_bits"]
 

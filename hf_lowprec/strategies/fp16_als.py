@@ -20,7 +20,7 @@ from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
 from .base import PrecisionStrategy, StrategyOptions
-from .loss_scaling import LossScaledStrategy
+from .fp16_base import LossScaledStrategy
 from .registry import register
 from .support import EngineSupport
 

@@ -17,7 +17,7 @@ from ..memory import unwrap_optimizer
 from ..scaling import AgreeingGradScaler, check_loss_scale
 from .base import StrategyOptions
 from .baselines import device_autocast
-from .loss_scaling import LossScaledStrategy
+from .fp16_base import LossScaledStrategy
 from .registry import register
 
 __all__ = ["FP16Mixed", "FP16MixedOptions"]

@@ -25,7 +25,7 @@ import torch
 from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
-from ..fp8.grad_scaling import BackwardFP8Gradients, nonfinite, requantize_gradient
+from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
 from .base import PrecisionStrategy, StrategyOptions

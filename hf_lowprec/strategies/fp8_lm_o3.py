@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..fp8.grad_scaling import nonfinite
+from ..fp8.gradients import nonfinite
 from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
 from ..optim.zero_fp8 import FP8ZeroAdamW

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_lowprec
-from hf_lowprec.fp8.grad_scaling import nonfinite
+from hf_lowprec.fp8.gradients import nonfinite
 from tests.helpers import batches, tiny_gpt2
 
 # The ATen ops through which a tensor's value reaches the host.

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hf_lowprec.formats import Pair
 from hf_lowprec.metrics import edq, imprecision_percentage
 from hf_lowprec.optim import (
     CollageAdamW,
@@ -18,6 +17,7 @@ from hf_lowprec.optim import (
     PlainAdamW,
 )
 from hf_lowprec.optim.adamw import adamw_math, adamw_scalars
+from hf_lowprec.optim.formats import Pair
 from tests.helpers import bits_equal
 
 Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
@@ -162,7 +162,7 @@ def test_plus_second_moment_decays_light_does_not() -> None:
 def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, beta2: float) -> None:
     # One step of Collage-plus's composition (`CollageAdamW.composition`: v stored as the pair
     # (v, δv), scaled for FP16) from a given (v, δv) and g; the reference is the FP64 update of
-    # the decoded v (decoding is bounded in tests/test_formats.py). In FP32 registers
+    # the decoded v (decoding is bounded in tests/optim/test_formats.py). In FP32 registers
     # v₃₂ = BETA2·(v + δv) + (ONE_MINUS_BETA2·g)·g with BETA2 = fl(β2), ONE_MINUS_BETA2 = fl(1 − β2): the first term carries
     # two roundings (≤ 2^-25 + 2^-24 relative, β2 ∈ [0.5, 1)), the second three (≤ 3·2^-24), the
     # sum one more: ≤ 4·2^-24·|v₃₂| against the exact FP64 value (both terms are ≥ 0). The split

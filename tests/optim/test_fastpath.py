@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
-from hf_lowprec.formats import Plain
 from hf_lowprec.optim import (
     COATAdamW,
     Collage8bitAdamW,
@@ -43,6 +42,7 @@ from hf_lowprec.optim import (
     StochasticRoundingAdamW,
     fastpath,
 )
+from hf_lowprec.optim.formats import Plain
 from hf_lowprec.optim.rules import Nearest
 
 pytestmark = pytest.mark.compiles_step

@@ -594,8 +594,8 @@ def _coat_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def _coat_pair(dtype: torch.dtype, v_format: str, expand: bool):
     """A reference COATAdamW (foreach) and native state for the same parameters."""
-    from hf_lowprec.coat.state import FP8GroupState
     from hf_lowprec.optim import COATAdamW
+    from hf_lowprec.optim.coat import FP8GroupState
 
     generator = torch.Generator().manual_seed(9)
     params = [_values(n, generator, 1.0).to(dtype) for n in COAT_SIZES]
@@ -853,7 +853,7 @@ def _thread_bucket(family: str) -> dict:
             exp_avg_sq_scales=[torch.ones(()) for _ in _THREAD_SIZES],
         )
     if family == "eightbit":
-        from hf_lowprec.formats import Blockwise8bit
+        from hf_lowprec.optim.formats import Blockwise8bit
 
         params = rand(1.0, BF16)
         return dict(
@@ -864,7 +864,7 @@ def _thread_bucket(family: str) -> dict:
             v=[Blockwise8bit(False).zeros(p) for p in params],
         )
     if family == "coat":
-        from hf_lowprec.coat.state import FP8GroupState
+        from hf_lowprec.optim.coat import FP8GroupState
 
         return dict(
             params=rand(1.0, FP32),
@@ -942,8 +942,8 @@ EIGHTBIT_SIZES = [1, 7, 256, 300, 4113, 70001]
 
 def _eightbit_pair(dtype: torch.dtype, block_size: int):
     """A reference Collage8bitAdamW and native state for the same parameters."""
-    from hf_lowprec.formats import Blockwise8bit
     from hf_lowprec.optim import Collage8bitAdamW
+    from hf_lowprec.optim.formats import Blockwise8bit
 
     generator = torch.Generator().manual_seed(5)
     params = [_values(n, generator, 1.0).to(dtype) for n in EIGHTBIT_SIZES]
@@ -1007,7 +1007,7 @@ def test_a_family_runs_natively_only_where_both_sides_declare_it():
     `Families`. A format without a kernel is named in Python; a declarable composition the C++
     list lacks (Kahan over a Collage-plus pair) is refused by `native.check` before any work,
     naming where families are listed; a declared one is accepted."""
-    from hf_lowprec.formats import Pair, Plain, Scaled
+    from hf_lowprec.optim.formats import Pair, Plain, Scaled
     from hf_lowprec.optim.rules import Grow, Kahan
 
     assert "Pair(" in native.declaration(Plain(), Pair(Scaled()), Grow())

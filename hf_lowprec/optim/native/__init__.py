@@ -9,7 +9,7 @@ state tensors by name (`Composition.stored_names`: "exp_avg", "exp_avg_sq_error"
 "param_error", …). **Adding a family takes 2 places**: its composition in Python, and one line
 in `csrc/kernels_impl.h`'s `Families` (its tags, and the storage dtypes it runs); a new format
 or rule adds its struct there and its tensors' names in `csrc/bindings.cpp`. The per-family
-functions (`adamw_step`, `collage_step`, …, in `families`) only name a declaration and call `step`.
+functions (`adamw_step`, `collage_step`, …, in `steps`) only name a declaration and call `step`.
 
 The update rules of the optimizers' reference path, operation for operation, written in C++
 over a small vector-traits layer and compiled four times: AVX-512 with AVX512-BF16 (its
@@ -66,7 +66,7 @@ from .core import (
     native_unavailable,
     step,
 )
-from .families import (
+from .steps import (
     adamw_step,
     coat_step,
     collage_step,

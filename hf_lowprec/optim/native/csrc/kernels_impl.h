@@ -336,7 +336,7 @@ inline uint32_t reduce_min(typename V::I x) {
   return r;
 }
 
-// coat.quantize_state of one group held in `buf` (FP32, `size` elements, a multiple of V::W):
+// optim.coat.quantize_state of one group held in `buf` (FP32, `size` elements, a multiple of V::W):
 // amax, amin (smallest non-zero |x|), k and c (expansion), |x| ← (|x|/c)^k, s = F/amax (NaN if
 // amax is not finite, 1 if 0), payload = cast(clamp(x·s) + (x·s − x·s)).
 template <int D, bool EXPAND>
@@ -421,7 +421,7 @@ inline void encode_block(const Moment& mo, float* buf, int64_t size, uint8_t* co
 }
 
 
-// ---- formats: how a moment is stored (hf_lowprec.formats) ------------------------------
+// ---- formats: how a moment is stored (hf_lowprec.optim.formats) ------------------------
 //
 // A format has a layout, the largest value v may hold in registers before it is stored
 // (`kRegisterMax`, formats.Format.register_max), a `Code<V>` of per-tensor or per-group
@@ -482,7 +482,7 @@ struct ScaledFormat {
 };
 
 // formats.GroupFP8 (COAT): per group (s, k, c), dynamic range expansion when EXPAND. A last
-// partial group is padded with zeros for the encoding, as coat.quantize_state pads.
+// partial group is padded with zeros for the encoding, as optim.coat.quantize_state pads.
 template <int D, bool EXPAND>
 struct GroupFP8Format {
   static constexpr int kLayout = PER_GROUP;

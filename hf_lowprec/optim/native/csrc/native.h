@@ -22,7 +22,7 @@ namespace hfl {
 // U8 the codes of the blockwise 8-bit states.
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, F16S = 5, U8 = 6 };
 
-// How a moment is stored (hf_lowprec.formats): Plain, Pair (value + error), Scaled (one
+// How a moment is stored (hf_lowprec.optim.formats): Plain, Pair (value + error), Scaled (one
 // power-of-two scale per tensor), GroupFP8 (COAT: per-group scale, exponent, centre) and
 // Blockwise8bit (dynamic-map codes, absmax per block).
 enum FormatTag : int { PLAIN = 0, PAIR = 1, SCALED = 2, GROUP_FP8 = 3, BLOCKWISE_8BIT = 4 };

@@ -1,4 +1,4 @@
-"""Storage formats (`hf_lowprec.formats`) and update rules (`hf_lowprec.optim.rules`) against FP64.
+"""Storage formats (`hf_lowprec.optim.formats`) and update rules (`hf_lowprec.optim.rules`) against FP64.
 
 Each format stores FP32 register values and decodes them back; the tests bound the round trip
 element by element with the error the format's rounding allows (derived in each test), check
@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from hf_lowprec.formats import Blockwise8bit, GroupFP8, Pair, Plain, Scaled, dynamic_map, root
 from hf_lowprec.fp8.scaled import format_max
 from hf_lowprec.numerics import sqrt_rn
+from hf_lowprec.optim.formats import Blockwise8bit, GroupFP8, Pair, Plain, Scaled, dynamic_map, root
 from hf_lowprec.optim.rules import Grow, Kahan, Master, Nearest, StochasticRounding, uniform_bits
 from tests.helpers import bits_equal
 
