@@ -18,7 +18,8 @@ is set. `install()` adds an import watcher; when `transformers` is imported, the
   classes of `hf_lowprec.trl`. TRL's own modules are executed with transformers' original
   names in place, so that TRL's classes are the stock ones which `hf_lowprec.trl` wraps.
 - The launcher's strategy and options become the defaults of `precision_strategy` and
-  `precision_options` (`PRECISION_DEFAULTS`): a value on the script's command line wins.
+  `precision_options` (`launched_precision()`, read by the arguments' default factories): a value
+  on the script's command line wins.
 - A `transformers.Trainer` that would train without the strategy (another TRL trainer, a class
   defined before the patch) stops with an error instead.
 
@@ -30,7 +31,7 @@ Without `HF_LOWPREC_LAUNCH` nothing here runs and importing transformers is unto
 module imports only the standard library at the top: it is imported at every launched
 process's start.
 
-This module is long (about 460 lines) because it holds both sides of the launcher, the command's
+This module is long (about 470 lines) because it holds both sides of the launcher, the command's
 parent and the hook in every process it starts: they share the environment variables, the
 patch points and their error texts, and keeping them in one module, standard library only,
 keeps them in step.
@@ -64,6 +65,7 @@ __all__ = [
     "launch_environment",
     "run",
     "install",
+    "launched_precision",
     "LaunchPatchError",
 ]
 
@@ -327,6 +329,15 @@ class _Watcher(importlib.abc.MetaPathFinder):
         return None
 
 
+def launched_precision() -> tuple[str | None, dict[str, Any] | None]:
+    """The strategy and options `hf-lowprec launch` gave this process, read from its environment
+    by `install()`: the defaults of `precision_strategy` and `precision_options` once transformers
+    is patched; (None, None) in any other process."""
+    if not _PATCH.applied:
+        return None, None
+    return _PATCH.strategy, None if _PATCH.options is None else dict(_PATCH.options)
+
+
 def install(environ: Mapping[str, str] | None = None) -> None:
     """Watch imports in this process (called by the startup hook when the launcher started it)."""
     environ = os.environ if environ is None else environ
@@ -384,8 +395,6 @@ def _transformers_swaps(strategy: str | None, options: dict[str, Any] | None) ->
 
     from . import trainer as glue
 
-    glue.PRECISION_DEFAULTS["precision_strategy"] = strategy
-    glue.PRECISION_DEFAULTS["precision_options"] = options
     _refuse_trainers_without_strategy(original_trainer, glue.PrecisionTrainerMixin, strategy)
     version = getattr(transformers, "__version__", "")
     if not version.startswith(TESTED_VERSIONS["transformers"] + "."):

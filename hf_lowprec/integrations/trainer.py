@@ -53,7 +53,6 @@ __all__ = [
     "PrecisionCallback",
     "TrainingArguments",
     "Trainer",
-    "PRECISION_DEFAULTS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,14 +60,14 @@ logger = logging.getLogger(__name__)
 # The startup report's JSON, written to the output directory when training starts.
 REPORT_FILE = "precision_report.json"
 
-# The defaults of `precision_strategy` / `precision_options` when an argument is left unset.
-# `hf-lowprec launch` sets them in the processes it starts; elsewhere they stay None.
-PRECISION_DEFAULTS: dict[str, Any] = {"precision_strategy": None, "precision_options": None}
-
 
 def _default(name: str) -> Any:
-    value = PRECISION_DEFAULTS[name]
-    return dict(value) if isinstance(value, dict) else value
+    """The default of `precision_strategy` / `precision_options` left unset: what `hf-lowprec
+    launch` gave this process (`launch.launched_precision`), None elsewhere."""
+    from .launch import launched_precision
+
+    strategy, options = launched_precision()
+    return strategy if name == "precision_strategy" else options
 
 
 @dataclasses.dataclass
