@@ -18,8 +18,8 @@ is set. `install()` adds an import watcher; when `transformers` is imported, the
   classes of `hf_lowprec.trl`. TRL's own modules are executed with transformers' original
   names in place, so that TRL's classes are the stock ones which `hf_lowprec.trl` wraps.
 - The launcher's strategy and options become the defaults of `precision_strategy` and
-  `precision_options` (`launched_precision()`, read by the arguments' default factories): a value
-  on the script's command line wins.
+  `precision_options` (`launch_env.launched_precision`, read by the arguments' default
+  factories): a value on the script's command line wins.
 - A `transformers.Trainer` that would train without the strategy (another TRL trainer, a class
   defined before the patch) stops with an error instead.
 
@@ -28,13 +28,12 @@ process whose hook installed records itself in `HF_LOWPREC_LAUNCH_HOOKS`, and a 
 whose processes did (a replaced `PYTHONPATH`, `python -I`) ends the launcher non-zero.
 
 Without `HF_LOWPREC_LAUNCH` nothing here runs and importing transformers is untouched. This
-module imports only the standard library at the top: it is imported at every launched
-process's start.
+module imports only the standard library at the top (and `launch_env`, which does the same): it
+is imported at every launched process's start.
 
-This module is long (about 470 lines) because it holds both sides of the launcher, the command's
-parent and the hook in every process it starts: they share the environment variables, the
-patch points and their error texts, and keeping them in one module, standard library only,
-keeps them in step.
+It holds both sides of the launcher, the command's parent and the hook in every process it
+starts, so that they share the patch points and their error texts; the environment variables
+they share, and their reading, are in `launch_env`.
 """
 
 from __future__ import annotations
@@ -54,6 +53,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .launch_env import ENV_HOOKS, ENV_LAUNCH, ENV_OPTIONS, ENV_STRATEGY, json_object, launched_precision
+
 __all__ = [
     "ENV_LAUNCH",
     "ENV_STRATEGY",
@@ -65,17 +66,11 @@ __all__ = [
     "launch_environment",
     "run",
     "install",
-    "launched_precision",
     "LaunchPatchError",
 ]
 
 logger = logging.getLogger(__name__)
 
-ENV_LAUNCH = "HF_LOWPREC_LAUNCH"
-# The same variables the repository's recipes read at their edge.
-ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
-ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
-ENV_HOOKS = "HF_LOWPREC_LAUNCH_HOOKS"  # a directory where each hooked process leaves a file
 NO_HOOK_EXIT = 3  # the launcher's exit code when the command succeeded but no process was hooked
 # Signals the launcher passes on to the command (Ctrl-C reaches it directly: same process group).
 _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
@@ -103,18 +98,7 @@ class LaunchPatchError(RuntimeError):
 def _parse_options(options: str | Mapping[str, Any] | None) -> dict[str, Any]:
     if isinstance(options, Mapping) or not options:
         return dict(options or {})
-    return _json_object(options, f"--precision_options (or ${ENV_OPTIONS})")
-
-
-def _json_object(text: str, what: str) -> dict[str, Any]:
-    """`text` parsed as a JSON object; ValueError naming `what` and the JSON error."""
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{what} must be a JSON object, got {text!r} ({err})") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{what} must be a JSON object, got {text!r}")
-    return parsed
+    return json_object(options, f"--precision_options (or ${ENV_OPTIONS})")
 
 
 def launch_environment(
@@ -329,22 +313,12 @@ class _Watcher(importlib.abc.MetaPathFinder):
         return None
 
 
-def launched_precision() -> tuple[str | None, dict[str, Any] | None]:
-    """The strategy and options `hf-lowprec launch` gave this process, read from its environment
-    by `install()`: the defaults of `precision_strategy` and `precision_options` once transformers
-    is patched; (None, None) in any other process."""
-    if not _PATCH.applied:
-        return None, None
-    return _PATCH.strategy, None if _PATCH.options is None else dict(_PATCH.options)
-
-
 def install(environ: Mapping[str, str] | None = None) -> None:
     """Watch imports in this process (called by the startup hook when the launcher started it)."""
     environ = os.environ if environ is None else environ
     if any(isinstance(finder, _Watcher) for finder in sys.meta_path):
         return
-    _PATCH.strategy = environ.get(ENV_STRATEGY) or None
-    _PATCH.options = _json_object(environ[ENV_OPTIONS], f"${ENV_OPTIONS}") if environ.get(ENV_OPTIONS) else None
+    _PATCH.strategy, _PATCH.options = launched_precision({**environ, ENV_LAUNCH: "1"})
     sys.meta_path.insert(0, _Watcher())
     if "transformers" in sys.modules:
         _PATCH.patch_transformers()

@@ -37,6 +37,7 @@ from ..report import (
 )
 from ..strategies.base import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
+from .launch_env import launched_precision
 from .peft import prepare_model
 from .stock import (
     accept_optimizer,
@@ -63,9 +64,7 @@ REPORT_FILE = "precision_report.json"
 
 def _default(name: str) -> Any:
     """The default of `precision_strategy` / `precision_options` left unset: what `hf-lowprec
-    launch` gave this process (`launch.launched_precision`), None elsewhere."""
-    from .launch import launched_precision
-
+    launch` gave this process (`launch_env.launched_precision`), None elsewhere."""
     strategy, options = launched_precision()
     return strategy if name == "precision_strategy" else options
 

@@ -523,3 +523,14 @@ def test_torchrun_ranks_train_with_the_strategy(tmp_path, assets):
     assert launched.report["gradients"]["communication"] == "DDP all-reduce in the gradient dtype"
     assert torch.load(tmp_path / "a" / "training_args.bin", weights_only=False).world_size == 2
     assert_same_training(launched, reference, STEPS)
+
+
+def test_launched_precision_is_read_from_the_launchers_environment_only():
+    from hf_lowprec.integrations.launch_env import launched_precision
+
+    env = launch.launch_environment(STRATEGY, '{"fused": "reference"}', {})
+    first, options = launched_precision(env)
+    assert (first, options) == (STRATEGY, {"fused": "reference"})
+    options["fused"] = "native"  # each caller gets its own dict: nothing shared to mutate
+    assert launched_precision(env)[1] == {"fused": "reference"}
+    assert launched_precision({k: v for k, v in env.items() if k != launch.ENV_LAUNCH}) == (None, None)

@@ -1,0 +1,48 @@
+"""The environment `hf-lowprec launch` hands every process of its command, and its one reading.
+
+The launcher (`integrations.launch`) writes these variables; in each process it starts, the
+startup hook reads them through `launched_precision`, and so do the default factories of
+`precision_strategy` and `precision_options` (`integrations.trainer`): a process launched with
+a strategy takes it as the default of every TrainingArguments and TRL config it builds, and a
+value on the script's command line wins. Standard library only: it is imported at every
+launched process's start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ENV_HOOKS", "ENV_LAUNCH", "ENV_OPTIONS", "ENV_STRATEGY", "json_object", "launched_precision"]
+
+ENV_LAUNCH = "HF_LOWPREC_LAUNCH"
+# The same variables the repository's recipes read at their edge.
+ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
+ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
+ENV_HOOKS = "HF_LOWPREC_LAUNCH_HOOKS"  # a directory where each hooked process leaves a file
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; ValueError naming `what` and the JSON error."""
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} must be a JSON object, got {text!r} ({err})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{what} must be a JSON object, got {text!r}")
+    return parsed
+
+
+def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """(strategy, options) that `hf-lowprec launch` gave this process; (None, None) in any other.
+
+    The launcher checked both before its command started (`launch_environment`); a process
+    reads them afresh, so each caller gets its own options dict."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_LAUNCH) != "1":
+        return None, None
+    strategy = environ.get(ENV_STRATEGY) or None
+    options = json_object(environ[ENV_OPTIONS], f"${ENV_OPTIONS}") if environ.get(ENV_OPTIONS) else None
+    return strategy, options
