@@ -29,7 +29,6 @@ LAYERS = {
     "hf_lowprec.distributed": 0,
     "hf_lowprec.hardware": 0,
     "hf_lowprec.fp8": 1,
-    "hf_lowprec.dynamic_maps": 1,
     "hf_lowprec.coat": 1,
     "hf_lowprec.optim": 2,
     "hf_lowprec.checkpoints": 2,  # over memory and fp8: what is written, checked and read back

@@ -35,10 +35,10 @@ from typing import ClassVar
 
 import torch
 
-from ..dynamic_maps import MAPS as _MAPS
-from ..dynamic_maps import dynamic_map, dynamic_map_lookup, map_tensors
 from ..fp8.scaled import format_max, pow2_scale
 from ..numerics import pow_nonnegative, round_by_bits, sqrt_rn
+from .dynamic_maps import MAPS as _MAPS
+from .dynamic_maps import dynamic_map, dynamic_map_lookup, map_tensors
 
 __all__ = [
     "Blockwise8bit",

@@ -486,7 +486,7 @@ def test_dynamic_map_lookup_encodes_as_bucketize(signed):
     that decide it: the first and last float of every 16-bit key (both signs), every midpoint
     and its neighbours 1 and 2 ulps away, ±0, ±inf, NaN, and random values over the map's
     decades and beyond."""
-    from hf_lowprec.dynamic_maps import dynamic_map_lookup, map_tensors
+    from hf_lowprec.optim.dynamic_maps import dynamic_map_lookup, map_tensors
 
     _, midpoints = map_tensors(signed, torch.device("cpu"))
     values, mids, lookup, nan_code = dynamic_map_lookup(signed)
