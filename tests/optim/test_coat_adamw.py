@@ -69,7 +69,7 @@ def test_one_step_is_adamw_on_the_decoded_moments_fp64_reference():
     error = (param.detach().double() - theta - update).abs()
     assert bool((error <= 2 * bound).all()), (error / bound).max().item()
     # What is stored is the encoding of the new FP32 moment, m + (1 − β1)·(g − m) in FP32 as
-    # the step computes it (the format's error is bounded in tests/test_coat.py).
+    # the step computes it (the format's error is bounded in tests/optim/test_coat_state.py).
     m32 = m.float() + (1 - b1) * (grads[3] - m.float())
     stored = quantize_state(m32, 128, E4M3, True).dequantize()
     assert bits_equal(decoded(optimizer, param, "exp_avg"), stored)
