@@ -3,14 +3,14 @@
 
     python bench/bench_gpu_ready.py [--strategies a,b] [--layers 2,8] [--smoke]
 
-Nothing here is timed: every figure is a count (tests/gpu/rules.py), the same on a loaded
+Nothing here is timed: every figure is a count (`hf_lowprec.testing`), the same on a loaded
 machine as on an idle one. Columns:
 
 - syncs/step (L layers): host syncs in one steady step of GPT-2 (n_embd 128, batch 4×32) on
   CPU after two warm-up steps; "first step": those of the first step (state being built).
 - graph breaks: two steps of the prepared model under `torch.compile` (2 layers).
 - H2D copies/step: host→device copies in one steady step on a fake CUDA device of compute
-  capability 9.0 (what runs there: tests/gpu/fake_cuda.py), and its FP8 GEMM path.
+  capability 9.0 (what runs there: `hf_lowprec.testing.fake_cuda`), and its FP8 GEMM path.
 
 The goal (issue #36): 0 syncs, breaks ≤ bf16-mixed's, 0 copies. The anchor row is torch's AMP
 recipe (autocast, GradScaler, AdamW(fused=True)) on the same model.
@@ -23,17 +23,19 @@ import argparse
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-import hf_lowprec  # noqa: E402
-from tests.gpu.fake_cuda import fake_cuda_step  # noqa: E402
-from tests.gpu.rules import anchor_syncs, count_graph_breaks, gpt2, strategy_graph_breaks, strategy_syncs  # noqa: E402
+import hf_lowprec
+from hf_lowprec.testing import (
+    anchor_syncs,
+    count_graph_breaks,
+    fake_cuda_step,
+    gpt2,
+    strategy_graph_breaks,
+    strategy_syncs,
+)
 
 GOAL = "0 syncs per step, graph breaks <= bf16-mixed's, 0 host->device copies per step"
 

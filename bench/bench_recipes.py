@@ -26,12 +26,7 @@ import torch
 
 from hf_lowprec.fp8 import fp8_linear
 from hf_lowprec.fp8.recipes import RECIPES
-
-
-def row_snr_db(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """10·log10(Σ ref² / Σ (ref − value)²) per row, in FP64."""
-    err = (reference - value.double()).pow(2).sum(1)
-    return 10 * torch.log10(reference.pow(2).sum(1) / err)
+from hf_lowprec.testing import row_snr_db
 
 
 def snr_table(rows: int, features: int, outliers: int, factor: float, seed: int = 0) -> list[dict]:

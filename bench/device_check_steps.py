@@ -1,13 +1,13 @@
 """Sections `steps`, `optim` and `fidelity` of the device check (bench/device_check.py).
 
-`steps`, per strategy, on GPT-2 from config (tests/gpu/rules.py: n_embd 128, batch 4×32):
+`steps`, per strategy, on GPT-2 from config (`hf_lowprec.testing.steps`: n_embd 128, batch 4×32):
 
 - syncs: steady steps after warm-up under `torch.cuda.set_sync_debug_mode("warn")`, each
   warning counted with the innermost frame of this repository that led to it; then one more
   steady step under "error" (the literal check: 0 allowed). At 2 and 8 layers, eager and
   compiled. Compiled is regional, as torchtitan compiles: each transformer block
   `torch.compile`d (inductor), one graph serving every block, so 8 layers cost the compile of
-  2. On CPU (`--smoke`) the eager count is tests/gpu/rules.py's dispatcher count instead.
+  2. On CPU (`--smoke`) the eager count is `hf_lowprec.testing`'s dispatcher count instead.
 - FP8 GEMMs (fp8-lm-o1/o2/o3, coat): the GEMMs of one steady step, eager through a dispatch
   mode that records `aten._scaled_mm` with its operand and output dtypes and every other
   GEMM with its output dtype; compiled through the profiler's operator names. Expected:
@@ -42,6 +42,8 @@ HEADLINE = ("bf16-mixed", "fp8-lm-o2", "coat", "collage-plus", "fp8-lm-o1", "fp8
 FIDELITY_STRATEGIES = ("fp32", "bf16-mixed", "collage-plus", "fp8-lm-o2", "coat", "bf16-pure", "fp8-lm-o1", "fp16-als")
 FIDELITY_STEPS = 300
 _OWN = str(ROOT / "hf_lowprec")
+# The step every row runs (hf_lowprec.testing) drives the package; a sync is never its own.
+_SHARED_STEP = str(ROOT / "hf_lowprec" / "testing")
 _HARNESS = (str(ROOT / "bench"), str(Path(warnings.__file__)))
 
 
@@ -53,7 +55,7 @@ def ordered(names: list[str]) -> list[str]:
 def _origin(frames: list[traceback.FrameSummary]) -> str:
     """The innermost frame of the package, else the innermost one outside torch and this harness."""
     frames = [f for f in frames if not f.filename.startswith(_HARNESS)]
-    own = [f for f in frames if f.filename.startswith(_OWN)]
+    own = [f for f in frames if f.filename.startswith(_OWN) and not f.filename.startswith(_SHARED_STEP)]
     outside = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
     frame = (own or outside or frames)[-1]
     path = Path(frame.filename)
@@ -93,8 +95,8 @@ def cuda_syncs(step: Callable[[], None], steps: int) -> dict[str, Any]:
 
 
 def cpu_syncs(step: Callable[[], None]) -> dict[str, Any]:
-    """One steady step counted at the dispatcher (tests/gpu/rules.py), as the CPU suite counts."""
-    from tests.gpu.rules import DeviceTraffic
+    """One steady step counted at the dispatcher (`hf_lowprec.testing`), as the CPU suite counts."""
+    from hf_lowprec.testing import DeviceTraffic
 
     with DeviceTraffic() as traffic:
         step()
@@ -102,31 +104,18 @@ def cpu_syncs(step: Callable[[], None]) -> dict[str, Any]:
 
 
 def build(name: str, n_layer: int, device: str) -> tuple[Callable[[], None], Any]:
-    """(one training step, the model) of a strategy, or of the anchor, on tests/gpu's GPT-2."""
-    import torch
-
+    """(one training step, the model) of a strategy, or of the anchor, on the CPU suite's GPT-2."""
     import hf_lowprec
-    from tests.gpu.rules import gpt2, strategy_step, token_batch
+    from hf_lowprec.testing import anchor_step, gpt2, strategy_step, token_batch
 
     ids = token_batch(device)
     model = gpt2(n_layer).to(device)
-    if name != ANCHOR:
-        strategy = hf_lowprec.get_strategy(name)
-        model = strategy.prepare_model(model)
-        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
-        return (lambda: strategy_step(strategy, model, optimizer, ids)), model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler(device)
-
-    def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step, model
+    if name == ANCHOR:
+        return anchor_step(model, ids), model
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(model)
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return (lambda: strategy_step(strategy, model, optimizer, ids)), model
 
 
 def compile_blocks(model: Any, backend: str) -> None:

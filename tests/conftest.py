@@ -21,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # processes (the subprocess tests, a busy CI core) slow a step down by 10x or more.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -31,6 +32,18 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone: `fully_shard` makes DTensor parameters (one
+    shard each) without launching ranks, and FSDP2's collectives and the strategies' agreements
+    over ranks run as on many ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,16 @@
-"""Small shared builders for tests: a tiny GPT-2, fixed random batches, bit-pattern equality."""
+"""The tests' shared helpers, each defined once here: a tiny GPT-2, fixed random batches, bit
+patterns and rounding bounds, Trainer arguments and callbacks, what several ranks share.
+
+What the benchmarks use too (host-sync counters, the GPU checks' GPT-2 step, SNR) is in
+`hf_lowprec.testing`.
+"""
 
 import math
+import socket
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, TrainerCallback
 
 VOCAB = 256
 
@@ -24,13 +31,24 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return UNIT_ROUNDOFF[dtype]
 
 
+def gamma(n: int, u: float = UNIT_ROUNDOFF[torch.float32]) -> float:
+    """Higham's γₙ = n·u / (1 − n·u): the relative error bound of n roundings of unit roundoff
+    `u` (an n-term sum in any order; FP32's u by default)."""
+    return n * u / (1 - n * u)
+
+
 def rounding_bound(dtype: torch.dtype, n_roundings: int, magnitude: float = 1.0) -> float:
-    """γₙ·magnitude, γₙ = n·u/(1 − n·u) (Higham): the error of a result after `n_roundings`
-    roundings to `dtype` of quantities of at most `magnitude`, none of them cancelling."""
+    """γₙ·magnitude (`gamma`): the error of a result after `n_roundings` roundings to `dtype` of
+    quantities of at most `magnitude`, none of them cancelling."""
     nu = n_roundings * unit_roundoff(dtype)
     if nu >= 1:
         raise ValueError(f"{n_roundings} roundings of {dtype} bound nothing (n·u = {nu} ≥ 1)")
-    return nu / (1 - nu) * magnitude
+    return gamma(n_roundings, unit_roundoff(dtype)) * magnitude
+
+
+def e4m3_half_ulp(y: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest E4M3 error bound: max(2⁻⁴·|y|, 2⁻¹⁰) (2⁻¹⁰ is half the smallest subnormal)."""
+    return torch.maximum(y.abs() * 2.0**-4, torch.full_like(y, 2.0**-10))
 
 
 def snr_floor_db(*dtypes: torch.dtype) -> float:
@@ -41,20 +59,28 @@ def snr_floor_db(*dtypes: torch.dtype) -> float:
     return 10 * math.log10(3 / sum(unit_roundoff(d) ** 2 for d in dtypes))
 
 
-def tiny_gpt2(seed: int = 0, n_embd: int = 64) -> GPT2LMHeadModel:
+def tiny_gpt2(
+    seed: int = 0, n_embd: int = 64, n_positions: int = 32, dropout: float = 0.0, **config
+) -> GPT2LMHeadModel:
+    """The tests' GPT-2 from config: VOCAB tokens, 2 layers of 2 heads, initialised from `seed`.
+
+    Widths are multiples of 16 so FP8 strategies can convert every block layer. `dropout` is
+    each of GPT-2's three dropouts (0: a run's losses are its weights'); `config` adds to the
+    `GPT2Config` (`initializer_range`, ...)."""
     torch.manual_seed(seed)
-    # Dims are multiples of 16 so FP8 strategies can convert every block layer.
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=n_embd,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=n_positions,
+            n_embd=n_embd,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **config,
+        )
     )
-    return GPT2LMHeadModel(config)
 
 
 def tiny_llama_config(hidden_size: int = 32, vocab_size: int = VOCAB) -> LlamaConfig:
@@ -75,6 +101,32 @@ def tiny_llama_config(hidden_size: int = 32, vocab_size: int = VOCAB) -> LlamaCo
 def batches(n: int, batch: int = 4, seq: int = 32, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def rank_rows(ids: torch.Tensor, per_rank: int) -> torch.Tensor:
+    """This rank's `per_rank` rows of a global batch (rank r takes rows r·per_rank onwards)."""
+    rank = dist.get_rank()
+    return ids[rank * per_rank : (rank + 1) * per_rank]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a launch's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nbytes(tensors) -> int:
+    """The bytes the elements of `tensors` take."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `params`, then of every tensor state the optimizer holds for each of them."""
+    tensors = [p.detach().clone() for p in params]
+    for p in params:
+        tensors += [v.clone() for v in optimizer.state[p].values() if torch.is_tensor(v)]
+    return tensors
 
 
 def train_steps(strategy, model, optimizer, data: list[torch.Tensor], scheduler=None) -> list[float]:
@@ -105,6 +157,21 @@ def trainer_arguments(output_dir, **overrides) -> dict:
     }
 
 
+def logged_losses(trainer) -> list[tuple[int, float]]:
+    """(step, loss) of every log entry of `trainer` that has a loss."""
+    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+class ParameterSnapshots(TrainerCallback):
+    """Copies of the model's parameters at the end of every optimizer step, in `taken`."""
+
+    def __init__(self) -> None:
+        self.taken: list[list[torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.taken.append([p.detach().clone() for p in model.parameters()])
+
+
 def make_args(output_dir, strategy: str | None, **overrides):
     """`hf_lowprec.TrainingArguments` of `trainer_arguments` under `strategy`; test modules fix
     their own overrides with `functools.partial`."""
@@ -127,6 +194,11 @@ class TokenBlocks(torch.utils.data.Dataset):
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of `t` as integers of its width (so NaN == NaN and −0 ≠ +0 in comparisons)."""
+    return t.contiguous().view(_BITS[t.element_size()])
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

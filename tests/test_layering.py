@@ -1,6 +1,7 @@
 """The package's import graph: no cycles, and every import goes down the layers.
 
-numerics → fp8 / coat → optim → report → strategies → integrations → command line.
+numerics → fp8 / coat → optim → report → strategies → integrations → command line
+→ testing (what the tests and benchmarks share: on a floor of its own, so nothing else imports it).
 The startup report reads a strategy's attributes without importing the strategies (it names
 them for type checkers only), so the strategies may call it. The graph
 is read from the source (every `import` and `from … import`, at module level or inside a
@@ -43,6 +44,7 @@ LAYERS = {
     "hf_lowprec.cli": 6,
     "hf_lowprec.__main__": 6,
     "hf_lowprec": 6,
+    "hf_lowprec.testing": 7,  # the GPU rules checked on CPU, for tests and benchmarks only
 }
 
 # Modules allowed over ~450 lines, each with the reason stated at its top.

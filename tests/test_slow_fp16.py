@@ -9,8 +9,8 @@ import pytest
 
 import hf_lowprec
 from hf_lowprec import Trainer, hardware, report
-from tests.helpers import tiny_gpt2
-from tests.integrations.test_trainer import Blocks, make_args
+from tests.helpers import TokenBlocks, tiny_gpt2
+from tests.integrations.test_trainer import make_args
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_the_trainer_startup_report_says_it(probe, caplog, tmp_path, ratio, warn
     probe(ratio)
     args = make_args(tmp_path, "fp16-mixed", max_steps=1, save_strategy="no")
     with caplog.at_level(logging.WARNING, logger="hf_lowprec.report"):
-        Trainer(model=tiny_gpt2(), args=args, train_dataset=Blocks(n=8)).train()
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(n=8)).train()
     said = [r for r in caplog.records if "computes in FP16" in r.getMessage()]
     assert len(said) == int(warned)
 

@@ -6,13 +6,13 @@ padding of dimensions that are not multiples of 16, E4M3 and E5M2 operands. Else
 older GPUs) the exact BF16 upcast runs. Both are checked with the same references.
 """
 
-import math
-
 import pytest
 import torch
 
 from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear
 from hf_lowprec.fp8.linear import _fp8_mm, _gemm_for, _quantize_per_tensor, _Upcast
+from hf_lowprec.testing import snr_db
+from tests.helpers import gamma
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U32, U_BF16 = 2.0**-24, 2.0**-8
@@ -21,10 +21,6 @@ U32, U_BF16 = 2.0**-24, 2.0**-8
 # bound for that path uses u = 2^-13 instead of FP32's 2^-24: still far below anything a wrong
 # layout, a wrong scale or a lost padding row would produce (errors of order |S| itself).
 U_TENSOR_CORE = 2.0**-13
-
-
-def gamma(n: int, u: float) -> float:
-    return n * u / (1 - n * u)
 
 
 def accumulation_unit(device: torch.device) -> float:
@@ -98,13 +94,8 @@ def test_fp8_linear_forward_and_gradients_on_device(device, transposed, dtype):
     y = fp8_linear(xd, wd, weight_transposed=transposed)
     y.backward(dy.to(device, dtype))
     assert y.dtype == dtype and xd.grad.dtype == dtype and wd.grad.dtype == dtype
-
-    def snr(ref, val):
-        ref, val = ref.double(), val.detach().cpu().double()
-        return 10 * math.log10(ref.pow(2).sum().item() / (ref - val).pow(2).sum().item())
-
-    assert snr(x @ w if transposed else x @ w.t(), y) >= 25.0
-    assert snr(xr.grad, xd.grad) >= 22.0 and snr(wr.grad, wd.grad) >= 22.0
+    assert snr_db(x @ w if transposed else x @ w.t(), y) >= 25.0
+    assert snr_db(xr.grad, xd.grad) >= 22.0 and snr_db(wr.grad, wd.grad) >= 22.0
 
 
 def test_fp8_linear_module_matches_the_functional_form_on_device(device):

@@ -1,13 +1,14 @@
 """The FP8 all-reduce DDP hook over NCCL on two GPUs (the gloo version is tests/fp8/test_comm.py)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import free_port
 
 WORKER = Path(__file__).with_name("_nccl_worker.py")
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -17,12 +18,6 @@ pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fp8_allreduce_hook_over_nccl_matches_the_fp64_mean(tmp_path):

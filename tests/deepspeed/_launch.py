@@ -12,19 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_ABORT = "terminate called without an active exception"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exit_is_tolerated(returncode: int, stderr: str, result: dict | None) -> bool:

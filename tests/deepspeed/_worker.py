@@ -31,7 +31,14 @@ from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config, zer
 from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
-from tests.helpers import accumulated_halves, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    accumulated_halves,
+    batches,
+    fp32_gradient_norms,
+    nbytes,
+    rank_rows,
+    tiny_gpt2,
+)
 
 SOLO: list = []  # one single-rank process group per rank, for the one-process references
 MICRO = 2  # samples per rank per step; the single-process reference takes all ranks' samples
@@ -68,17 +75,12 @@ def build(name: str, stage: int):
     return strategy, engine, zero_opt, optimizer
 
 
-def local(ids: torch.Tensor) -> torch.Tensor:
-    rank = dist.get_rank()
-    return ids[rank * MICRO : (rank + 1) * MICRO]
-
-
 def train(strategy, engine, data, digests: list | None = None) -> list[float]:
     """Per step, the loss of the whole global batch (mean of the ranks' local losses);
     `digests` collects the forward weights' digest after every step."""
     losses = []
     for ids in data:
-        ids = local(ids)
+        ids = rank_rows(ids, MICRO)
         with strategy.forward_context():
             loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -96,10 +98,6 @@ def partitions(zero_opt) -> list[torch.Tensor]:
     if hasattr(zero_opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
         return list(zero_opt.single_partition_of_fp32_groups)
     return list(zero_opt.fp32_partitioned_groups_flat)  # ZeRO 3
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def state_dtypes(optimizer) -> dict[str, list[str]]:

@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch.distributed as dist  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.fsdp2 import shard_model  # noqa: E402
 from hf_lowprec.fp8 import FP8Linear  # noqa: E402
 from hf_lowprec.fp8.linear import quantize_weight  # noqa: E402
-from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip, local  # noqa: E402
-from tests.helpers import VOCAB, batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
+from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip  # noqa: E402
+from tests.helpers import batches, fp32_gradient_norms, rank_rows, tiny_gpt2  # noqa: E402
 
 STEPS = 3
 LEVELS = ("fp8-lm-o1", "fp8-lm-o2")
@@ -107,7 +107,7 @@ def train(strategy, model, optimizer, data, sharded: bool, counter: Collectives 
         else:
             expected += fp8_of_whole_weights(model)
         start = (len(counter.gathered), counter.all_reduces) if counter else (0, 0)
-        part = local(ids) if sharded else ids
+        part = rank_rows(ids, MICRO) if sharded else ids
         with strategy.forward_context():
             loss = model(input_ids=part, labels=part).loss
         strategy.scale_loss(loss).backward()
@@ -133,10 +133,8 @@ def train(strategy, model, optimizer, data, sharded: bool, counter: Collectives 
 
 
 def wide_gpt2() -> GPT2LMHeadModel:
-    """2 layers, 128 wide; the tied embeddings stay BF16 under FP8-LM."""
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=128, n_layer=2, n_head=2)
-    return GPT2LMHeadModel(config)
+    """2 layers, 128 wide, GPT-2's own dropout (0.1); the tied embeddings stay BF16 under FP8-LM."""
+    return tiny_gpt2(n_embd=128, dropout=0.1)
 
 
 def gather_bytes(name: str, data, counter: Collectives) -> dict:

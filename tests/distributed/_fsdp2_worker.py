@@ -35,17 +35,12 @@ from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model  # 
 from hf_lowprec.engines.traffic import fsdp2_step_bytes  # noqa: E402
 from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
-from tests.helpers import batches, fp32_gradient_norms, tiny_gpt2  # noqa: E402
+from tests.helpers import batches, fp32_gradient_norms, nbytes, rank_rows, tiny_gpt2  # noqa: E402
 
 MICRO = 2  # samples per rank per step; the one-process reference takes all ranks' samples
 LR = 1e-3
 LONG_STEPS = 20  # the strategies enabled for FSDP2 with their loss scaler or scales: losses over 20 steps
 MAX_NORM = 1.0  # below the tiny model's first gradient norms (≈1.6): clipping is active
-
-
-def local(ids: torch.Tensor) -> torch.Tensor:
-    rank = dist.get_rank()
-    return ids[rank * MICRO : (rank + 1) * MICRO]
 
 
 def clip(strategy, model, optimizer):
@@ -72,7 +67,7 @@ def train(
     for ids in data:
         if grad_norms is not None:
             grad_norms.append(fp32_gradient_norms(strategy, model, optimizer, ids))
-        ids = local(ids) if sharded else ids
+        ids = rank_rows(ids, MICRO) if sharded else ids
         with strategy.forward_context():
             loss = model(input_ids=ids, labels=ids).loss
         strategy.scale_loss(loss).backward()
@@ -152,10 +147,6 @@ def state_dtypes(optimizer) -> dict[str, list[str]]:
         if value.dim() > 0:
             out.setdefault(key, set()).add(str(value.dtype))
     return {k: sorted(v) for k, v in out.items()}
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def model_state_bytes(model, optimizer, grads_bytes: int) -> dict[str, int]:
@@ -445,7 +436,7 @@ def run_accelerate(name: str, data) -> dict:
     dist.all_reduce(initial)
     losses = []
     for ids in data[:2]:
-        ids = local(ids)
+        ids = rank_rows(ids, MICRO)
         loss = model(input_ids=ids, labels=ids).loss  # the plugin's hook enters the forward context
         wrapper.backward(accelerator, loss)
         wrapper.clip_grad_norm_(accelerator, model.parameters(), MAX_NORM)
@@ -554,7 +545,7 @@ def run_skip(name: str, data) -> dict:
     """A non-finite gradient on rank 1's shard only: every rank must skip the step."""
     strategy, model, optimizer = build(name)
     before = digest(model)
-    ids = local(data[0])
+    ids = rank_rows(data[0], MICRO)
     with strategy.forward_context():
         loss = model(input_ids=ids, labels=ids).loss
     strategy.scale_loss(loss).backward()

@@ -18,7 +18,7 @@ import torch
 from hf_lowprec import available_strategies, get_strategy
 from hf_lowprec.engines.ddp import ddp_support
 from tests.deepspeed._launch import launch
-from tests.helpers import first_order_bound
+from tests.helpers import e4m3_half_ulp, first_order_bound
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -106,11 +106,6 @@ def test_ddp_later_losses_within_the_first_order_bound_of_the_whole_batch(ranks)
             assert abs(ddp[step] - whole[step]) <= bound, (name, step, ddp, whole, bound)
 
 
-def half_ulp(y: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest E4M3 error bound: max(2⁻⁴·|y|, 2⁻¹⁰) (2⁻¹⁰ is half the smallest subnormal)."""
-    return torch.maximum(y.abs() * 2.0**-4, torch.full_like(y, 2.0**-10))
-
-
 def test_fp8_all_reduce_inside_ddp_is_the_shared_scale_mean(ranks):
     """FP8-LM's hook on DDP's buckets, step 1: every rank receives the same FP8 mean, within one E4M3
     rounding per rank's cast plus one for the sum of the exact mean of the ranks' local
@@ -135,7 +130,7 @@ def test_fp8_all_reduce_inside_ddp_is_the_shared_scale_mean(ranks):
             s = torch.repeat_interleave(b0["scales"].double(), torch.tensor(b0["numels"]))
             local = b0["local"].double()  # (ranks, elements)
             sent = local * s / local.shape[0]
-            bound = (half_ulp(sent).sum(0) + half_ulp(sent.sum(0))) / s
+            bound = (e4m3_half_ulp(sent).sum(0) + e4m3_half_ulp(sent.sum(0))) / s
             exact = torch.minimum(torch.maximum(local.mean(0), -E4M3_MAX / s), E4M3_MAX / s)
             error = (b0["reduced"].double() - exact).abs()
             assert bool((error <= bound * (1 + 1e-6)).all()), (name, float((error / bound).max()))

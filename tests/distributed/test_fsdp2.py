@@ -60,17 +60,6 @@ def test_refused_strategy_raises_before_touching_the_model(name):
         PrecisionPlugin(name).shard(tiny_gpt2())
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo process group of this process alone: `fully_shard` makes DTensor parameters (one
-    shard each) without launching ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _shard_by_hand(model):
     """What the PyTorch FSDP2 tutorial teaches: `fully_shard` on each block, then on the root."""
     from torch.distributed.fsdp import fully_shard

@@ -5,15 +5,10 @@ import torch
 
 from hf_lowprec.fp8 import cast, quantize_counting, quantize_gradient
 from hf_lowprec.fp8.scaled import format_max, pow2_scale, tensor_amax
-from tests.helpers import bits_equal
+from tests.helpers import bits, bits_equal
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 WIDE = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit patterns (so NaN == NaN and -0 != +0 in comparisons)."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 @pytest.mark.parametrize("fp8", FP8)

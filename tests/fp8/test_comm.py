@@ -6,7 +6,6 @@ most of the cost); the tests below check its saved results.
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,11 @@ WORKER = Path(__file__).with_name("_comm_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import _comm_worker as worker  # noqa: E402  (the worker's gradient generators, for the reference)
 
+from tests.helpers import e4m3_half_ulp, free_port  # noqa: E402
+
 pytestmark = pytest.mark.multiproc
 
 E4M3_MAX = 448.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -59,18 +54,13 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def half_ulp(y: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest E4M3 error bound: max(2^-4·|y|, 2^-10) (2^-10 is half the smallest subnormal)."""
-    return torch.maximum(y.abs() * 2.0**-4, torch.full_like(y, 2.0**-10))
-
-
 def assert_within_rounding_bound(mean: torch.Tensor, grads: torch.Tensor, s: torch.Tensor) -> None:
     """The FP8 mean is off by at most one rounding per rank's cast plus one for the sum.
 
     Scale per element s = N·μ·s_g, so rank i sent y_i = g_i·s/N; the bound is in those units.
     """
     sent = grads.double() * s / grads.shape[0]
-    bound = (half_ulp(sent).sum(0) + half_ulp(sent.sum(0))) / s
+    bound = (e4m3_half_ulp(sent).sum(0) + e4m3_half_ulp(sent.sum(0))) / s
     error = (mean.double() - grads.double().mean(0)).abs()
     assert (error <= bound * (1 + 1e-6)).all(), f"worst error/bound = {(error / bound).max():.3f}"
 

@@ -12,16 +12,10 @@ from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_pa
 from hf_lowprec.fp8 import linear as fp8_linear_module
 from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor, _ScaledMM, _Upcast
 from hf_lowprec.fp8.scaled import pow2_scale, quantize, tensor_amax
-from tests.helpers import bits_equal
+from tests.helpers import bits_equal, gamma
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-U32 = 2.0**-24  # unit roundoff of FP32 (the accumulator)
 U_BF16 = 2.0**-8  # unit roundoff of BF16 (the GEMM output)
-
-
-def gamma(n: int, u: float = U32) -> float:
-    """Higham's γ_n = n·u / (1 − n·u): bound on the relative error of an n-term FP32 sum in any order."""
-    return n * u / (1 - n * u)
 
 
 def operands(m, k, n, fmt_a, fmt_b, seed=0, positive=False):

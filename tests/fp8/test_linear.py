@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
-from tests.helpers import bits_equal, snr_floor_db
+from hf_lowprec.testing import snr_db
+from tests.helpers import bits, bits_equal, snr_floor_db, tiny_gpt2
 
 # SNR floors from the formats' unit roundoff (`snr_floor_db`): each GEMM operand is rounded
 # once (per-tensor scale: Gaussian data lands in the normal range), E[δ²] ≤ u²/3 per operand,
@@ -21,11 +22,6 @@ from tests.helpers import bits_equal, snr_floor_db
 # (one) or 22.5 dB (both) and fail the forward floor.
 SNR_FORWARD_DB = snr_floor_db(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
 SNR_GRAD_DB = snr_floor_db(torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16)
-
-
-def snr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
-    reference, value = reference.double(), value.double()
-    return 10 * math.log10(reference.pow(2).sum().item() / (reference - value).pow(2).sum().item())
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
@@ -129,9 +125,8 @@ def test_scaled_fp16_master_weight_is_invisible_to_forward_and_checkpoints():
 
 
 def _gpt2(init_range: float = 0.1) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64, initializer_range=init_range)
-    return GPT2LMHeadModel(config).eval()
+    # Evaluated: the helper's dropout 0 and GPT-2's 0.1 give the same model.
+    return tiny_gpt2(n_positions=64, initializer_range=init_range).eval()
 
 
 def _bert(init_range: float = 0.1) -> BertForMaskedLM:
@@ -248,10 +243,6 @@ def _saved_during(fn):
     return out, saved
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 def test_bf16_autocast_only_rounds_the_output(transposed):
     """Under BF16 autocast an FP8 layer computes what it computes without (same FP8 operands,
@@ -275,11 +266,11 @@ def test_bf16_autocast_only_rounds_the_output(transposed):
         runs.append((y, saved, xi.grad, layer.weight.grad, layer.bias.grad))
     (y32, saved32, gx32, gw32, gb32), (y16, saved16, gx16, gw16, gb16) = runs
     assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
-    assert bits_equal(_bits(y16), _bits(y32.to(torch.bfloat16)))
+    assert bits_equal(bits(y16), bits(y32.to(torch.bfloat16)))
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     assert all(t.dtype in fp8 or t.dim() == 0 for t in saved16), [(t.dtype, t.shape) for t in saved16]
     assert len(saved16) == len(saved32) == 4  # x and W payloads, their scales
-    assert all(bits_equal(_bits(a), _bits(b)) for a, b in zip(saved32, saved16))
+    assert all(bits_equal(bits(a), bits(b)) for a, b in zip(saved32, saved16))
     assert bits_equal(gx32, gx16) and bits_equal(gw32, gw16)
     # The bias gradient sums the same 35 values per column in FP32 from FP32 or BF16 storage;
     # only the summation order may differ: |error| ≤ 34·2^-24·Σ|g|.
@@ -360,7 +351,7 @@ def test_compiled_fp8_training_is_the_eager_training_bit_for_bit(name="fp8-lm-o2
     and weights bit for bit: the compiled path changes when the work is done, not its values.
     fp8-lm-o2: scaled FP16 masters, the layer's most involved weight path."""
     import hf_lowprec
-    from tests.helpers import batches, tiny_gpt2
+    from tests.helpers import batches
 
     data = batches(3)
     runs = {}

@@ -1,32 +1,15 @@
 """A training step of the FP8 strategies never waits for the host (no `.item()`, `bool(tensor)`,
 `torch.equal`, `nonzero`): every data-dependent decision (μ, skipping, saturation) stays a
-device tensor. Counted with a dispatch mode over one whole step; the suite-wide counter is in
-tests/gpu."""
-
-import collections
+device tensor. Counted over one whole step by `hf_lowprec.testing.DeviceTraffic`, the counter
+tests/gpu runs over every strategy."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_lowprec
 from hf_lowprec.fp8.gradients import nonfinite
+from hf_lowprec.testing import DeviceTraffic
 from tests.helpers import batches, tiny_gpt2
-
-# The ATen ops through which a tensor's value reaches the host.
-SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
-
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNCS:
-            self.seen[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def device_finite_check(optimizer) -> torch.Tensor:
@@ -46,6 +29,6 @@ def test_a_training_step_has_no_host_sync(name):
     data = batches(3)
     for ids in data[:2]:  # state created, caches warm
         strategy.train_step(model, ids, optimizer)
-    with CountSyncs() as counter:
+    with DeviceTraffic() as traffic:
         strategy.train_step(model, data[2], optimizer)
-    assert not counter.seen, f"{name}: host syncs in one step: {dict(counter.seen)}"
+    assert not traffic.syncs, f"{name}: host syncs in one step:\n{traffic.summary()}"

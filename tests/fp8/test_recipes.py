@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
 from hf_lowprec.fp8.recipes import RECIPES, dequantize_blocks, get_recipe, mx_scale, quantize_blocks, recipe_mm
-from tests.fp8.test_linear import SNR_FORWARD_DB, snr_db
+from hf_lowprec.testing import row_snr_db, snr_db
 from tests.helpers import assert_bits_equal, bits_equal, snr_floor_db
 
 E4M3 = torch.float8_e4m3fn
@@ -103,7 +103,7 @@ def test_forward_and_gradients_against_fp64(name, transposed):
     x8, w8 = x.float().requires_grad_(), w.float().requires_grad_()
     y = fp8_linear(x8, w8, weight_transposed=transposed, recipe=name)
     y.backward(grad_out.float())
-    assert snr_db(x.detach() @ (w if transposed else w.t()), y.detach()) >= SNR_FORWARD_DB
+    assert snr_db(x.detach() @ (w if transposed else w.t()), y.detach()) >= SNR_FINE_DB
     assert snr_db(x_ref.grad, x8.grad) >= SNR_FINE_DB
     assert snr_db(w_ref.grad, w8.grad) >= SNR_FINE_DB
 
@@ -114,11 +114,6 @@ def outlier_activations(rows=256, k=512, outliers=(3, 77, 190), factor=1e5, seed
     x = torch.randn(rows, k, generator=g, dtype=torch.float64)
     x[list(outliers)] *= factor
     return x
-
-
-def row_snr_db(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    err = (reference - value.double()).pow(2).sum(1)
-    return 10 * torch.log10(reference.pow(2).sum(1) / err)
 
 
 @pytest.mark.parametrize("name", FINE)

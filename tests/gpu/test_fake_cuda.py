@@ -1,4 +1,4 @@
-"""Every strategy's step on a fake CUDA device (tests/gpu/fake_cuda.py): it runs, the FP8
+"""Every strategy's step on a fake CUDA device (`hf_lowprec.testing.fake_cuda`): it runs, the FP8
 layers take the GEMM path of the device's compute capability, and a steady step copies
 nothing from the host (issue #36).
 
@@ -6,7 +6,7 @@ With capability (9, 0) (Hopper) FP8 layers choose `torch._scaled_mm`, whose fake
 checks what cuBLASLt needs (FP8 operands, a row-major × column-major layout, dimensions that
 are multiples of 16, scale shapes) for the forward GEMM and both backward GEMMs; with (8, 0)
 (Ampere, no FP8 tensor cores) the BF16 upcast path. A CPU-only torch cannot run the autograd
-engine or the whole model on CUDA tensors, fake or not: what runs is listed in fake_cuda.py's
+engine or the whole model on CUDA tensors, fake or not: what runs is listed in that module's
 docstring. Real-GPU tests are in tests/cuda (`make gpu-check`).
 """
 
@@ -15,8 +15,7 @@ import torch
 
 import hf_lowprec
 from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path
-from tests.gpu.fake_cuda import DEVICE, fake_cuda, fake_cuda_step, fp8_layer_forward_backward
-from tests.gpu.rules import DeviceTraffic
+from hf_lowprec.testing import DEVICE, DeviceTraffic, fake_cuda, fake_cuda_step, fp8_layer_forward_backward
 
 STRATEGIES = hf_lowprec.available_strategies()
 FP8_STRATEGIES = [n for n in STRATEGIES if hf_lowprec.get_strategy(n).uses_fp8_gemm]
@@ -24,8 +23,8 @@ HOPPER, AMPERE = (9, 0), (8, 0)
 
 
 # Every strategy runs here: what a CPU-only torch refuses on fake CUDA tensors (device guards in
-# operator bindings, constant propagation onto the device) is worked around in fake_cuda.py, each
-# for its stated reason, never by excusing a strategy.
+# operator bindings, constant propagation onto the device) is worked around in
+# hf_lowprec/testing/fake_cuda.py, each for its stated reason, never by excusing a strategy.
 CASES = STRATEGIES
 
 
@@ -54,7 +53,7 @@ def test_the_fake_scaled_mm_checks_what_cublaslt_needs():
         with pytest.raises(RuntimeError):
             torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         layer = FP8Linear(40, 24).to(torch.float32)  # 40 and 24 are padded to 48 and 32 inside
-        # Parameters that do not record autograd (fake_cuda.py: recording needs the device).
+        # Parameters that do not record autograd (fake_cuda: recording needs the device).
         layer.weight = torch.nn.Parameter(torch.empty(24, 40, device=DEVICE), requires_grad=False)
         layer.bias = torch.nn.Parameter(torch.empty(24, device=DEVICE), requires_grad=False)
         y, dx, dw, db = fp8_layer_forward_backward(layer, torch.empty(100, 40, device=DEVICE))

@@ -1,4 +1,4 @@
-"""Host syncs per training step: 0 for every strategy (issue #36), counted by `tests.gpu.rules`.
+"""Host syncs per training step: 0 for every strategy (issue #36), counted by `hf_lowprec.testing.syncs`.
 
 A host sync (`.item()`, `bool(t)`, a data-dependent output size, a copy to the CPU) makes the
 host wait for the GPU to drain its queue; one per step is enough to leave the GPU idle while
@@ -20,7 +20,7 @@ import torch
 import hf_lowprec
 from hf_lowprec import get_strategy
 from hf_lowprec.engines.fsdp2 import fsdp2_support
-from tests.gpu.rules import DeviceTraffic, anchor_syncs, strategy_syncs
+from hf_lowprec.testing import DeviceTraffic, anchor_syncs, strategy_syncs
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -31,17 +31,6 @@ def test_a_steady_step_never_waits_on_the_device(name, n_layer):
     _, syncs = strategy_syncs(name, n_layer)
     listed = "\n".join(f"  {s}" for s in syncs)
     assert not syncs, f"{name}, {n_layer} layers: {len(syncs)} host syncs in one steady step (goal 0):\n{listed}"
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A gloo process group of this process alone: FSDP2 shards (one per parameter), its
-    collectives and the strategies' agreements over ranks run as on many ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if fsdp2_support(get_strategy(n)) is None])

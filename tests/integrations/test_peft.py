@@ -12,7 +12,7 @@ from accelerate import Accelerator  # noqa: E402
 from hf_lowprec import Trainer, TrainingArguments, available_strategies, get_strategy  # noqa: E402
 from hf_lowprec.integrations.accelerate import PrecisionPlugin  # noqa: E402
 from hf_lowprec.integrations.peft import prepare_model  # noqa: E402
-from tests.helpers import batches, tiny_gpt2  # noqa: E402
+from tests.helpers import TokenBlocks, batches, tiny_gpt2  # noqa: E402
 
 STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -22,17 +22,6 @@ def lora_model(seed=0):
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj"], task_type="CAUSAL_LM"
     )
     return peft.get_peft_model(tiny_gpt2(seed), config)
-
-
-class Blocks(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.cat(batches(4, batch=4, seq=32))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def check_dtypes(model, strategy):
@@ -63,7 +52,7 @@ def test_lora_with_trainer(tmp_path, name):
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks())
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(16))
     # Snapshots after the strategy converted the model (FP8 layers may store scaled weights).
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     adapter_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}

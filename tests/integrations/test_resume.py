@@ -33,7 +33,7 @@ import transformers
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from tests import helpers
-from tests.helpers import TokenBlocks, batches, tiny_gpt2, train_steps
+from tests.helpers import TokenBlocks, batches, logged_losses, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 MAX_STEPS, SAVE_STEPS, KILLED_AT = 6, 2, 4  # checkpoints at 2, 4, 6; killed while writing checkpoint-4
@@ -136,10 +136,6 @@ def reference_while_the_victim_runs(tmp_path: Path, strategy: str, where: str) -
 
 
 # --- comparisons ----------------------------------------------------------------------------------
-def losses(trainer: Trainer) -> list[tuple[int, float]]:
-    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-
-
 def assert_same(a, b, where: str) -> None:
     """Equal structure, and tensors equal bit for bit (compared as bytes: FP8 has no ==)."""
     if torch.is_tensor(a):
@@ -159,8 +155,8 @@ def assert_same(a, b, where: str) -> None:
 
 def assert_resumed_equals_uninterrupted(resumed: Trainer, reference: Trainer, strategy: str) -> None:
     assert resumed.state.global_step == reference.state.global_step == MAX_STEPS
-    assert losses(resumed) == losses(reference), strategy
-    assert len(losses(reference)) == MAX_STEPS
+    assert logged_losses(resumed) == logged_losses(reference), strategy
+    assert len(logged_losses(reference)) == MAX_STEPS
     assert_same(resumed.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
     assert_same(resumed.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
     assert_same(resumed.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")

@@ -10,19 +10,7 @@ from transformers import HfArgumentParser
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.strategies.base import StrategyOptimizer
 from tests import helpers
-from tests.helpers import assert_bits_equal, batches, tiny_gpt2
-
-
-class Blocks(torch.utils.data.Dataset):
-    def __init__(self, n=48, seed=1):
-        self.ids = torch.cat(batches(n // 4, batch=4, seq=32, seed=seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
+from tests.helpers import ParameterSnapshots, TokenBlocks, assert_bits_equal, logged_losses, tiny_gpt2
 
 make_args = functools.partial(
     helpers.make_args,
@@ -34,17 +22,13 @@ make_args = functools.partial(
 )
 
 
-def losses(trainer):
-    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["bf16-pure", "bf16-mixed", "collage-plus", "bf16-sr"])
 def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     torch.manual_seed(0)
-    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=Blocks())
+    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=TokenBlocks())
     trainer.train()
-    full = losses(trainer)
+    full = logged_losses(trainer)
     assert len(full) == 6
     assert isinstance(trainer.optimizer.optimizer, StrategyOptimizer)
     logged = trainer.state.log_history[0]
@@ -53,10 +37,10 @@ def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     if strategy == "bf16-pure":
         assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
 
-    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, strategy), train_dataset=Blocks())
+    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, strategy), train_dataset=TokenBlocks())
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     # The resumed state starts from the checkpoint's log history (steps 1-3).
-    assert losses(resumed) == full
+    assert logged_losses(resumed) == full
     for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -67,7 +51,7 @@ def test_fp8_blockwise_recipe_trains_and_resumes_bit_for_bit_through_the_trainer
     # every block layer on blockwise's 128-blocks.
     def run(seed, **kw):
         args = make_args(tmp_path, "fp8-lm-o2", precision_options={"recipe": "blockwise"})
-        trainer = Trainer(model=tiny_gpt2(seed, n_embd=128), args=args, train_dataset=Blocks())
+        trainer = Trainer(model=tiny_gpt2(seed, n_embd=128), args=args, train_dataset=TokenBlocks())
         trainer.train(**kw)
         return trainer
 
@@ -75,7 +59,7 @@ def test_fp8_blockwise_recipe_trains_and_resumes_bit_for_bit_through_the_trainer
     layers = [m for m in trainer.model.modules() if type(m).__name__ == "FP8Linear"]
     assert len(layers) == 8 and {m.recipe for m in layers} == {"blockwise"}
     resumed = run(7, resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
-    assert losses(resumed) == losses(trainer) and len(losses(trainer)) == 6
+    assert logged_losses(resumed) == logged_losses(trainer) and len(logged_losses(trainer)) == 6
     for a, b in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()):
         assert_bits_equal(a, b)
 
@@ -132,7 +116,7 @@ def test_foreign_optimizer_refused(tmp_path):
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="drop `optimizers=`"):
-        Trainer(model=model, args=make_args(tmp_path, "bf16-pure"), train_dataset=Blocks(), optimizers=(opt, None))
+        Trainer(model=model, args=make_args(tmp_path, "bf16-pure"), train_dataset=TokenBlocks(), optimizers=(opt, None))
 
 
 class NaNOnceTrainer(Trainer):
@@ -147,15 +131,11 @@ class NaNOnceTrainer(Trainer):
 
 def test_nonfinite_step_is_skipped_and_logged(tmp_path):
     args = make_args(tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear", warmup_steps=0)
-    trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
-    snapshots = []
-
-    class Snap(__import__("transformers").TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kw):
-            snapshots.append([p.detach().clone() for p in model.parameters()])
-
-    trainer.add_callback(Snap())
+    trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
+    snap = ParameterSnapshots()
+    trainer.add_callback(snap)
     trainer.train()
+    snapshots = snap.taken
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     # Step 2 (global_step 1 -> 2) was skipped: the weights after it equal the weights before it.
     assert all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1]))
@@ -192,12 +172,12 @@ def test_lost_arithmetic_metrics_are_logged_and_do_not_change_training(tmp_path)
             logging_steps=2,
             precision_options={"lost_arithmetic_metrics": enabled},
         )
-        trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Blocks())
+        trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
         if enabled:
             trainer.precision._measure_lost_arithmetic = capture_bounds(trainer.precision, bounds)
         trainer.train()
         runs[enabled] = trainer
-    assert losses(runs[True]) == losses(runs[False])
+    assert logged_losses(runs[True]) == logged_losses(runs[False])
     for a, b in zip(runs[True].model.parameters(), runs[False].model.parameters()):
         assert torch.equal(a, b)
     logs = [h for h in runs[True].state.log_history if "loss" in h]

@@ -16,7 +16,7 @@ from hf_lowprec.optim import (
     PlainAdamW,
     StochasticRoundingAdamW,
 )
-from tests.helpers import bits_equal
+from tests.helpers import bits_equal, snapshot
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -46,13 +46,6 @@ def step_all(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
         optimizer.step()
-
-
-def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    tensors = [p.detach().clone() for p in params]
-    for p in params:
-        tensors += [v.clone() for v in optimizer.state[p].values() if torch.is_tensor(v)]
-    return tensors
 
 
 def test_plain_adamw_matches_torch_adamw_in_fp32() -> None:

@@ -18,7 +18,7 @@ from hf_lowprec.optim import (
 )
 from hf_lowprec.optim.adamw import adamw_math, adamw_scalars
 from hf_lowprec.optim.formats import Pair
-from tests.helpers import bits_equal
+from tests.helpers import bits_equal, snapshot
 
 Problem = tuple[list[torch.Tensor], list[list[torch.Tensor]]]
 
@@ -206,13 +206,6 @@ def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, 
         assert bool(((decoded - reference).abs() <= bound).all())
         # The pair is worth keeping: its first component alone is off by up to 2^-p.
         assert (new_hi.double() / s - reference).abs().max() > 2.0**4 * (decoded - reference).abs().max()
-
-
-def snapshot(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    tensors = [p.detach().clone() for p in params]
-    for p in params:
-        tensors += [v.clone() for v in optimizer.state[p].values() if torch.is_tensor(v)]
-    return tensors
 
 
 @pytest.mark.parametrize("variant", ["light", "plus"])

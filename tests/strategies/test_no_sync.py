@@ -1,43 +1,28 @@
 """Issue #36 for the strategy layer: a training step never waits for the device.
 
-Syncs are counted as the ATen ops that read device data on the host (`.item()`, `bool()`,
-`torch.equal`, `nonzero`), over one full step (forward, backward, `optimizer.step()`) of GPT-2.
+Syncs are counted by `hf_lowprec.testing.DeviceTraffic` (the ATen ops that read device data
+on the host: `.item()`, `bool()`, `torch.equal`, `nonzero`, ...), over one full step (forward,
+backward, `optimizer.step()`) of GPT-2.
 The model is built without a pad token: transformers' own padding check would read `input_ids`
 on the host (a model-side sync, not the strategy's). Then: the skip decision is a device
 tensor agreed over the ranks, a skipped step leaves θ and every state tensor as they were, the
 counters a user reads sync only when read, and fp16-als's hooks do not break the compiled graph.
 """
 
-import collections
 import io
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2LMHeadModel
 
 import hf_lowprec
 from hf_lowprec.data import tiny_gpt2_config
+from hf_lowprec.testing import DeviceTraffic
 from tests.helpers import assert_bits_equal, batches
 
 # Everything but FP8-LM and COAT, whose internals another change moves to the device.
 STRATEGIES = [n for n in hf_lowprec.available_strategies() if not n.startswith("fp8-lm") and n != "coat"]
-SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the ops that make the host wait for a device tensor's value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def setup(name: str, layers: int = 2, **options):
@@ -65,10 +50,10 @@ def test_a_training_step_never_syncs(name, layers):
     strategy, model, optimizer = setup(name, layers)
     ids = batches(1)[0]  # 4 × 32
     step(strategy, model, optimizer, ids)  # the first step makes the optimizer state
-    with SyncCounter() as counter:
+    with DeviceTraffic() as traffic:
         step(strategy, model, optimizer, ids)
         step(strategy, model, optimizer, ids, poison=True)  # a skipped step does not sync either
-    assert dict(counter.counts) == {}, f"{name}, {layers} layers: {dict(counter.counts)}"
+    assert not traffic.syncs, f"{name}, {layers} layers:\n{traffic.summary()}"
     assert strategy.skipped_steps == 1 and optimizer.step_was_skipped  # read afterwards: synced then
 
 

@@ -1,5 +1,7 @@
 """A CUDA device made of `FakeTensorMode` tensors, for a CPU-only torch: shapes, dtypes, devices
-and the dispatcher operations of a GPU run, with no GPU and no data.
+and the dispatcher operations of a GPU run, with no GPU and no data. On it, `fake_cuda_step`
+counts a strategy's host→device copies per step and checks the FP8 GEMM path of a compute
+capability.
 
 What a CPU-only build refuses is worked around here, each for a stated reason:
 
@@ -39,9 +41,10 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.gpu.rules import DeviceTraffic
+from .steps import BATCH, SEQ, gpt2
+from .syncs import DeviceTraffic
 
-__all__ = ["fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]
+__all__ = ["DEVICE", "fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]
 
 DEVICE = torch.device("cuda", 0)
 
@@ -230,7 +233,6 @@ def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2, **o
     """
     import hf_lowprec
     from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path
-    from tests.gpu.rules import BATCH, SEQ, gpt2
 
     with fake_cuda(capability):
         strategy = hf_lowprec.get_strategy(name, **options)
