@@ -318,7 +318,7 @@ def install(environ: Mapping[str, str] | None = None) -> None:
     environ = os.environ if environ is None else environ
     if any(isinstance(finder, _Watcher) for finder in sys.meta_path):
         return
-    _PATCH.strategy, _PATCH.options = launched_precision({**environ, ENV_LAUNCH: "1"})
+    _PATCH.strategy, _PATCH.options = launched_precision(environ)
     sys.meta_path.insert(0, _Watcher())
     if "transformers" in sys.modules:
         _PATCH.patch_transformers()
