@@ -87,6 +87,8 @@ gpu-check:
 DEVICE_BUNDLE := $(BUILD)/device-bundle
 TORCHAO_VERSION ?= 0.18.0
 device-bundle:
+	@# Refuse first, naming what is heavy, when the tree alone could not travel (a venv not ignored, data).
+	$(PYTHON) bench/device_check.py travel
 	rm -rf $(DEVICE_BUNDLE) && mkdir -p $(DEVICE_BUNDLE)
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d $(DEVICE_BUNDLE) "torchao==$(TORCHAO_VERSION)"

@@ -151,29 +151,64 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+def _git(*args: str, root: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 
 
-def travelling_files() -> list[str]:
+def travelling_files(root: Path = ROOT) -> list[str]:
     """What the device tool sends of the tree: tracked files and untracked ones git does not ignore."""
-    listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
-    return sorted(f for f in set(listed) if f and (ROOT / f).is_file())
+    listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard", root=root).split("\0")
+    return sorted(f for f in set(listed) if f and (root / f).is_file())
 
 
-def write_manifest(bundle: Path) -> int:
+def largest_untracked(root: Path = ROOT, count: int = 5) -> list[tuple[str, int]]:
+    """The untracked, not ignored top-level folders (or files) that travel, largest first, in bytes."""
+    untracked = _git("ls-files", "-z", "--others", "--exclude-standard", root=root).split("\0")
+    sizes: dict[str, int] = {}
+    for f in untracked:
+        if f and (root / f).is_file():
+            top = f.split("/", 1)[0] + ("/" if "/" in f else "")
+            sizes[top] = sizes.get(top, 0) + (root / f).stat().st_size
+    return sorted(sizes.items(), key=lambda kv: -kv[1])[:count]
+
+
+def over_limit_advice(root: Path, tree: int, bundle: int) -> str:
+    """Why the device tool would refuse the tree, what is heaviest, and the fix."""
+    lines = [
+        f"over the device tool's limit: tree {tree / 2**20:.1f} MiB + bundle {bundle / 2**20:.1f} MiB "
+        f"> {TRAVEL_LIMIT >> 20} MiB, so it would refuse to send the tree.",
+    ]
+    heavy = largest_untracked(root)
+    if heavy:
+        lines.append("largest untracked paths that git does not ignore (they travel with the tree):")
+        lines += [f"  {name}  {size / 2**20:.1f} MiB" for name, size in heavy]
+        lines.append(
+            "fix: move them out of the checkout, delete them, or add them to .gitignore "
+            "(a virtual environment belongs in .venv/, which is ignored)."
+        )
+    else:
+        lines.append("fix: the tracked files alone are too large; keep large data out of git.")
+    return "\n".join(lines)
+
+
+def write_manifest(bundle: Path, root: Path = ROOT) -> int:
     """bundle.json beside the wheels (commit, file hashes); prints the sizes; 1 if over the limit."""
-    files = travelling_files()
-    modified = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    files = travelling_files(root)
+    tree = sum((root / f).stat().st_size for f in files)
+    size = sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
+    if tree + size > TRAVEL_LIMIT:
+        # Refused before any hashing: the manifest of a tree that cannot travel is of no use.
+        print(over_limit_advice(root, tree, size), file=sys.stderr)
+        return 1
+    modified = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no", root=root).splitlines()]
     manifest = {
-        "commit": _git("rev-parse", "HEAD").strip(),
+        "commit": _git("rev-parse", "HEAD", root=root).strip(),
         "modified": modified,
         "made": _now(),
         "wheels": {p.name: p.stat().st_size for p in sorted(bundle.glob("*.whl"))},
-        "files": {f: _sha(ROOT / f) for f in files},
+        "files": {f: _sha(root / f) for f in files},
     }
     (bundle / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    tree = sum((ROOT / f).stat().st_size for f in files)
     size = sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
     for name, n in manifest["wheels"].items():
         print(f"  {name}: {n / 2**20:.1f} MiB")
@@ -183,7 +218,7 @@ def write_manifest(bundle: Path) -> int:
     )
     print(f"commit {manifest['commit'][:10]}" + (f" with {len(modified)} files modified" if modified else ""))
     if tree + size > TRAVEL_LIMIT:
-        print("over the device tool's limit: it would refuse to send the tree", file=sys.stderr)
+        print(over_limit_advice(root, tree, size), file=sys.stderr)
         return 1
     return 0
 
@@ -360,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("versions", help="print what runs here")
     bundle = sub.add_parser("bundle", help="write the bundle's manifest and print the sizes")
     bundle.add_argument("dir", type=Path)
+    sub.add_parser("travel", help="check that the tree (without the bundle) fits what the device tool sends")
     cut = sub.add_parser("cut", help="mark a section's files as stopped by the timeout")
     cut.add_argument("section")
     cut.add_argument("--out", type=Path, required=True)
@@ -380,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bundle":
         return write_manifest(args.dir.resolve())
+    if args.command == "travel":
+        files = travelling_files()
+        tree = sum((ROOT / f).stat().st_size for f in files)
+        if tree > TRAVEL_LIMIT:
+            print(over_limit_advice(ROOT, tree, 0), file=sys.stderr)
+            return 1
+        print(f"tree {tree / 2**20:.1f} MiB ({len(files)} files) of {TRAVEL_LIMIT >> 20} MiB")
+        return 0
     if args.command == "cut":
         mark_cut(args.out, args.section, args.budget)
         return 0

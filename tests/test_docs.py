@@ -205,6 +205,19 @@ def test_readme_is_a_five_minute_read():
     assert lines <= 250, f"README.md has {lines} lines; move detail to docs/"
 
 
+def test_ci_runs_the_readme_commands_as_printed():
+    """.ci/run takes the README's set-up block itself; what it finds is the venv and the two commands."""
+    script = _text(ROOT / ".ci" / "run")
+    awk = re.search(r"block=\$\(awk '([^']+)' README.md\)", script)
+    assert awk, ".ci/run no longer reads its commands from README.md"
+    block = subprocess.run(["awk", awk.group(1), str(ROOT / "README.md")], capture_output=True, text=True).stdout
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["python3 -m venv .venv && . .venv/bin/activate", "make demo", "make test"]
+    assert 'bash -euo pipefail -c "$block"' in script
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=ROOT)
+    assert ignored.returncode == 0, "the README's .venv must be ignored by git (it would travel to the GPU machine)"
+
+
 def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", _text(ROOT / "README.md"), re.S)
 

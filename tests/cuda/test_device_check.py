@@ -76,6 +76,51 @@ def test_the_manifest_names_the_tree_and_what_differs_from_it(tmp_path, capsys):
     assert state.startswith(manifest["commit"][:10]) and "1 files differ" in state and "pyproject.toml" in state
 
 
+def _checkout_with_venv(tmp_path: Path) -> Path:
+    """A checkout with this repository's .gitignore, a tracked file and a README-style .venv in it."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    (root / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    (root / "README.md").write_text("readme\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=root, check=True)
+    site = root / ".venv" / "lib" / "python3.11" / "site-packages" / "torch"
+    site.mkdir(parents=True)
+    with open(site / "libtorch_cpu.so", "wb") as f:  # sparse: its size counts, no disk is used
+        f.truncate(device_check.TRAVEL_LIMIT * 3)
+    (root / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    return root
+
+
+def test_a_venv_in_the_checkout_does_not_travel(tmp_path):
+    root = _checkout_with_venv(tmp_path)
+    files = device_check.travelling_files(root)
+    assert files == [".gitignore", "README.md"]
+    assert sum((root / f).stat().st_size for f in files) < device_check.TRAVEL_LIMIT
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    assert device_check.write_manifest(bundle, root) == 0
+
+
+def test_a_tree_over_the_limit_is_refused_naming_the_heaviest_folder_and_the_fix(tmp_path, capsys):
+    root = _checkout_with_venv(tmp_path)
+    data = root / "mydata"
+    data.mkdir()
+    with open(data / "shard0.bin", "wb") as f:
+        f.truncate(device_check.TRAVEL_LIMIT + 1)
+    (root / "notes.txt").write_text("small\n")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    assert device_check.write_manifest(bundle, root) == 1
+    err = capsys.readouterr().err
+    assert "over the device tool's limit" in err and "mydata/" in err and ".gitignore" in err
+    assert ".venv" not in err.split("fix:")[0]  # the ignored venv is not blamed
+    assert err.index("mydata/") < err.index("notes.txt")  # largest first
+    assert not (bundle / device_check.MANIFEST).exists()
+
+
 def test_the_pytest_plugin_records_every_outcome(tmp_path):
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
