@@ -47,6 +47,25 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "LlamaForCausalLM",
     ),
+    # A Mixture-of-Experts model: 128 experts, top-8, expert width 768 (its published config).
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        {
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "tie_word_embeddings": False,
+        },
+        "Qwen3MoeForCausalLM",
+    ),
 }
 
 

@@ -64,10 +64,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
     from .fp8 import FP8Linear, recipes
+    from .fp8.experts import FP8Experts
 
     if isinstance(module, FP8Linear):  # output gradients: E5M2 under tensorwise, E4M3 under the finer recipes
         grad = "e5m2" if recipes.get_recipe(module.recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
         return f"fp8 GEMM {module.recipe} (e4m3 fwd, {grad} grad)"
+    if isinstance(module, FP8Experts):
+        grad = "e5m2" if recipes.get_recipe(module.fp8_recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
+        return f"fp8 grouped GEMM {module.fp8_recipe} per expert (e4m3 fwd, {grad} grad)"
     return _dtype_name(strategy.compute_dtype)
 
 
@@ -154,8 +158,12 @@ def describe(
         for t, e in modules.items()
     ]
 
+    from .fp8.experts import FP8Experts, weight_gemm_share
+
     fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    fp8_experts = [n for n, m in model.named_modules() if isinstance(m, FP8Experts)]
     skipped = dict(model.__dict__.get("fp8_skipped_layers", {}))
+    share = weight_gemm_share(model)
 
     grad_dtype = getattr(strategy, "grad_dtype", None)
     report: dict[str, Any] = {
@@ -167,7 +175,15 @@ def describe(
             "bytes_per_param": float(strategy.bytes_per_param),
         },
         "modules": module_rows,
-        "fp8": {"converted": len(fp8_layers), "converted_layers": fp8_layers, "skipped": skipped},
+        "fp8": {
+            "converted": len(fp8_layers),
+            "converted_layers": fp8_layers,
+            "experts": fp8_experts,
+            "skipped": skipped,
+            # Per token, LM head and routers left out (`fp8.experts.weight_gemm_share`).
+            "weight_gemm_share": round(share["share"], 4),
+            "experts_gemm_share": round(share["experts_share"], 4),
+        },
         "adopted": dict(model.__dict__.get(ADOPTED_ATTR, {})),
         "fp8_checkpoint": dict(collections.Counter(model.__dict__.get(PUBLISHED_ATTR, {}).get("layers", {}).values())),
         "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
@@ -247,7 +263,9 @@ def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> l
             f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}"
         )
     # A published FP8 layer kept frozen in FP8 (fp8.blocks) counts: the base of a LoRA run.
-    fp8_kinds = (FP8Linear, FrozenBlockFP8Linear)
+    from .fp8.experts import FP8Experts
+
+    fp8_kinds = (FP8Linear, FrozenBlockFP8Linear, FP8Experts)
     if strategy.uses_fp8_gemm and not any(isinstance(m, fp8_kinds) for m in model.modules()):
         out.append(
             f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
@@ -351,6 +369,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
         for name, reason in fp8["skipped"].items():
             lines.append(f"    kept {name}: {reason}")
+    if fp8.get("experts") or fp8.get("experts_gemm_share"):
+        lines.append(
+            f"  MoE: {len(fp8.get('experts', []))} experts modules with FP8 grouped GEMMs; experts are "
+            f"{fp8['experts_gemm_share']:.0%} of the weight GEMMs; routers kept in high precision"
+        )
+    if fp8["converted"] or fp8.get("experts"):
+        lines.append(
+            f"  FP8 share of weight-GEMM multiply-adds per token (LM head and routers left out): "
+            f"{fp8['weight_gemm_share']:.1%}"
+        )
     for dtype, n in report.get("adopted", {}).items():  # +2 bytes per element over the 16-bit load
         lines.append(
             f"  parameters loaded as {dtype}: FP32 made of {n} trainable elements (exact), +{2 * n / 1e6:.1f} MB"

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..fp8.convert import _conv1d_class
+from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear, sharing_inputs
 from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
 
@@ -267,7 +268,10 @@ def compress_activations(model: nn.Module) -> nn.Module:
         elif _is_activation(module) or _is_norm(module):
             module.forward = types.MethodType(_layer_forward, module)
             handled[name] += 1
-        elif _is_fp8_mlp(module):
+        elif _is_fp8_mlp(module) or isinstance(module, FP8Experts):
+            # FP8 experts (fp8/experts.py): their gate products and routing weights are packed
+            # the same way; their grouped GEMMs save E4M3 inputs and keep their scales (COAT's
+            # tensorwise recipe: one per expert, last dimension 1, never packed).
             module.forward = types.MethodType(_mlp_forward, module)
             handled[f"{name} (element-wise ops)"] += 1
         elif _is_fp8_attention(module):

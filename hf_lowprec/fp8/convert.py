@@ -1,4 +1,5 @@
-"""The FP8 conversion of a model: `convert_to_fp8` swaps linear layers for `FP8Linear`.
+"""The FP8 conversion of a model: `convert_to_fp8` swaps linear layers for `FP8Linear` and gives
+transformers' fused Mixture-of-Experts modules FP8 grouped GEMMs (`fp8/experts.py`).
 
 One generic swap with keyword-only options and a `module_filter(module, fqn) -> bool`; the layers
 FP8 cannot help or cannot run are kept in high precision, each logged with the reason and listed
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .experts import convert_experts
 from .linear import GEMM_MULTIPLE, FP8Linear
 from .recipes import get_recipe
 
@@ -64,7 +66,8 @@ def convert_to_fp8(
     recipe: str = "tensorwise",
     min_gemm_features: int = 0,
 ) -> nn.Module:
-    """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, in place; returns `model`.
+    """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, and give every fused experts
+    module (transformers' MoE blocks) FP8 grouped GEMMs, in place; returns `model`.
 
     Args:
         model: any module tree.
@@ -127,6 +130,11 @@ def convert_to_fp8(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, FP8Linear.from_float(module, margin=margin, recipe=recipe))
     logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
+    # The experts' fused 3-D weights: the same filter, recipe and margin (the router is no
+    # experts module and keeps high precision).
+    experts, experts_skipped = convert_experts(model, recipe=recipe, margin=margin, module_filter=module_filter)
+    skipped.update(experts_skipped)
     # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
     model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)
+    model.__dict__.setdefault("fp8_experts", []).extend(experts)
     return model

@@ -25,6 +25,7 @@ import torch
 from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
+from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
@@ -234,6 +235,11 @@ class FP8LM(PrecisionStrategy):
                 if isinstance(module, FP8Linear):
                     module.weight.data = module.weight.data.to(torch.float16)
                     module.scale_master_weight(self.options.margin)
+                elif isinstance(module, FP8Experts):  # the experts' 3-D weights: one master scale each
+                    for name in expert_weight_names(module):
+                        weight = getattr(module, name)
+                        weight.data = weight.data.to(torch.float16)
+                    module.scale_master_weights(self.options.margin)
             fp8 = {id(p): p.numel() for p in model.parameters() if get_master_scale(p) is not None}
             self.backward_grads.attach(p for p in model.parameters() if id(p) in fp8)
             other = {id(p): p.numel() for p in model.parameters() if p.requires_grad and id(p) not in fp8}
