@@ -1,0 +1,293 @@
+"""FP8 grouped GEMMs: per-expert x·W[e]ᵀ over token rows sorted by expert, with the scaling
+recipes of the dense layers applied per expert (the scales, the GEMMs and their hand-written
+backward). What the recipes mean for experts, and why, is in `fp8/experts.py`'s docstring;
+docs/algorithms.md §3.6 gives the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .cast import widen
+from .linear import get_grad_sink
+from .recipes import GEMM_OUT_DTYPE, Recipe, get_recipe, mx_scale
+from .scaled import format_max, pow2_scale
+
+__all__ = [
+    "dequantize_expert_weight",
+    "dequantize_rows",
+    "fp8_grouped_linear",
+    "quantize_expert_weight",
+    "quantize_rows",
+    "token_groups",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+# The dtypes the FP8 grouped GEMM accepts as activations (its output keeps the input's, or autocast's).
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- quantization ------------------------------------------------------------------------------
+
+
+def _scale(recipe: Recipe, amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    return mx_scale(amax, dtype, margin) if recipe.e8m0 else pow2_scale(amax, dtype, margin)
+
+
+def quantize_rows(
+    recipe: Recipe,
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    col_block: int | None,
+    groups: torch.Tensor | None = None,
+    n_groups: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, scale) of a 2-D R × C tensor with one scale per (row group, block of columns).
+
+    `groups`: the group of each row (int64, R), `n_groups` their number (a static bound; groups
+    without rows get scale 1); None: every row is its own group. `col_block`: columns per block
+    (None: the whole row). The scale tensor is (groups or R) × ⌈C / col_block⌉.
+    """
+    rows, cols = t.shape
+    bc = max(cols, 1) if col_block is None else col_block
+    wide = t.detach().float()
+    if cols % bc:
+        wide = F.pad(wide, (0, -cols % bc))
+    blocks = wide.reshape(rows, -1, bc)
+    amax = blocks.abs().amax(dim=-1)  # (R, Cb); NaN propagates
+    if groups is not None:
+        index = groups[:, None].expand_as(amax)
+        amax = amax.new_zeros(n_groups, amax.shape[1]).scatter_reduce_(0, index, amax, "amax")
+    scale = _scale(recipe, amax, dtype, margin)
+    factor = scale + (amax - amax)  # NaN where the group's amax is inf or NaN
+    per_row = factor if groups is None else factor[groups]
+    limit = format_max(dtype)
+    y = (blocks * per_row[..., None]).clamp_(-limit, limit).reshape(rows, -1)[:, :cols]
+    return y.to(dtype), scale
+
+
+def dequantize_rows(
+    payload: torch.Tensor, scale: torch.Tensor, col_block: int | None, groups: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The real values of a `quantize_rows` payload, in FP32 (exact: power-of-two scales)."""
+    rows, cols = payload.shape
+    bc = max(cols, 1) if col_block is None else col_block
+    wide = widen(payload, torch.float32)
+    if cols % bc:
+        wide = F.pad(wide, (0, -cols % bc))
+    per_row = scale if groups is None else scale[groups]
+    return (wide.reshape(rows, -1, bc) / per_row[..., None]).reshape(rows, -1)[:, :cols]
+
+
+def _weight_blocks(recipe: Recipe, n: int, k: int) -> tuple[int, int]:
+    br, bc = recipe.weight_block
+    return (n if br is None else br), (k if bc is None else bc)
+
+
+def quantize_expert_weight(
+    recipe: Recipe, w: torch.Tensor, margin: int, master_scale: torch.Tensor | None = None, block=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 payload E × N × K, scales E × N/br × K/bc) of a logical expert weight, per expert.
+
+    `master_scale`: w holds real·s_m (a scaled FP16 master). The dimensions are multiples of the
+    recipe's blocks (`convert_experts` keeps the others in high precision).
+    """
+    e, n, k = w.shape
+    br, bc = block or _weight_blocks(recipe, n, k)
+    blocks = w.detach().float().reshape(e, n // br, br, k // bc, bc)
+    amax = blocks.abs().amax(dim=(2, 4))
+    if master_scale is not None:
+        amax = amax / master_scale
+    scale = _scale(recipe, amax, E4M3, margin)
+    factor = scale + (amax - amax)
+    if master_scale is not None:
+        factor = factor / master_scale
+    y = (blocks * factor[:, :, None, :, None]).clamp_(-format_max(E4M3), format_max(E4M3))
+    return y.reshape(e, n, k).to(E4M3), scale
+
+
+def dequantize_expert_weight(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Real values (FP32) of an E × N × K payload with E × Nb × Kb block scales."""
+    e, n, k = payload.shape
+    nb, kb = scale.shape[1], scale.shape[2]
+    wide = widen(payload, torch.float32).reshape(e, nb, n // nb, kb, k // kb)
+    return (wide / scale[:, :, None, :, None]).reshape(e, n, k)
+
+
+def _transposed_weight(
+    recipe: Recipe, w8: torch.Tensor, sw: torch.Tensor, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wᵀ (E × K × N) in FP8 with the recipe's blocks along its own rows: the same payload where
+    the blocks are whole or square (tensorwise, blockwise), else re-quantized from the exact
+    real values (rowwise, mxfp8), as the dense recipes do."""
+    br, bc = recipe.weight_block
+    whole = sw.shape[1] == 1 and sw.shape[2] == 1
+    if whole or (br is not None and br == bc):
+        return w8.transpose(1, 2), sw.transpose(1, 2)
+    real = dequantize_expert_weight(w8, sw).transpose(1, 2)
+    return quantize_expert_weight(recipe, real, margin)
+
+
+# --- routing groups ----------------------------------------------------------------------------
+
+
+def token_groups(offsets: torch.Tensor, rows: torch.Tensor, block: int | None) -> tuple[torch.Tensor, int]:
+    """(group of each token row, number of groups) for scales along the tokens of each expert:
+    blocks of `block` tokens that start at each expert's first token (None: the whole expert).
+
+    `rows`: the expert of each row (sorted). The count is a static bound (⌊S/block⌋ + E), so
+    shapes do not depend on the routing.
+    """
+    experts = offsets.shape[0]
+    if block is None:
+        return rows, experts
+    total = rows.shape[0]
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    starts = ends - counts
+    per_expert = (counts + block - 1) // block
+    base = torch.cumsum(per_expert, 0) - per_expert
+    position = torch.arange(total, device=rows.device) - starts[rows]
+    return base[rows] + position // block, total // block + experts
+
+
+# --- the grouped GEMM --------------------------------------------------------------------------
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """BF16 `torch._grouped_mm` (FP32 accumulation, one rounding) of exact real operands."""
+    return torch._grouped_mm(a.to(GEMM_OUT_DTYPE), b.to(GEMM_OUT_DTYPE), offs=offsets)
+
+
+def _act_grouping(recipe: Recipe, rows: torch.Tensor, experts: int) -> tuple[torch.Tensor | None, int]:
+    # Tensorwise: one scale per expert's tokens; the finer recipes scale along each token row.
+    return (rows, experts) if recipe.name == "tensorwise" else (None, 0)
+
+
+class _FP8GroupedLinear(torch.autograd.Function):
+    """y = x·W[e]ᵀ per expert segment with FP8 GEMMs (module docstring); backward by hand."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        w8: torch.Tensor,
+        sw: torch.Tensor,
+        offsets: torch.Tensor,
+        rows: torch.Tensor,
+        recipe_name: str,
+        transposed: bool,
+        margin: int,
+        out_dtype: torch.dtype,
+        grad_sink: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        recipe = get_recipe(recipe_name)
+        experts = w8.shape[0]
+        groups, n_groups = _act_grouping(recipe, rows, experts)
+        col = recipe.activation_block[1]
+        with torch.autocast(x.device.type, enabled=False):
+            x8, sx = quantize_rows(recipe, x, E4M3, margin, col, groups, n_groups)
+            w_real = dequantize_expert_weight(w8, sw)  # logical E × N × K
+            out = _grouped_mm(dequantize_rows(x8, sx, col, groups), w_real.transpose(1, 2), offsets)
+        ctx.save_for_backward(x8, sx, w8, sw, offsets, rows)
+        ctx.recipe, ctx.transposed, ctx.margin = recipe_name, transposed, margin
+        ctx.x_dtype, ctx.weight_dtype, ctx.grad_sink = x.dtype, weight.dtype, grad_sink
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x8, sx, w8, sw, offsets, rows = ctx.saved_tensors
+        recipe = get_recipe(ctx.recipe)
+        margin, experts = ctx.margin, w8.shape[0]
+        groups, n_groups = _act_grouping(recipe, rows, experts)
+        col = recipe.activation_block[1]
+        sink = ctx.grad_sink
+        need_dw = ctx.needs_input_grad[1] or sink is not None
+        grad_x = grad_w = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.detach()
+            g8 = sg = None
+            if ctx.needs_input_grad[0] or (need_dw and recipe.name == "tensorwise"):
+                g8, sg = quantize_rows(recipe, g, recipe.grad_dtype, margin, col, groups, n_groups)
+            if ctx.needs_input_grad[0]:
+                wt8, swt = _transposed_weight(recipe, w8, sw, margin)  # E × K × N
+                g_real = dequantize_rows(g8, sg, col, groups)
+                grad_x = _grouped_mm(g_real, dequantize_expert_weight(wt8, swt).transpose(1, 2), offsets)
+                grad_x = grad_x.to(ctx.x_dtype)
+            if need_dw:
+                if recipe.name == "tensorwise":  # the per-expert scales hold along the tokens too
+                    g_real, x_real = dequantize_rows(g8, sg, None, rows), dequantize_rows(x8, sx, None, rows)
+                else:  # scales along each expert's tokens, one per column (module docstring)
+                    tg, n_tg = token_groups(offsets, rows, recipe.activation_block[1])
+                    gt8, sgt = quantize_rows(recipe, g, recipe.grad_dtype, margin, 1, tg, n_tg)
+                    x_exact = dequantize_rows(x8, sx, col, groups)
+                    xt8, sxt = quantize_rows(recipe, x_exact, E4M3, margin, 1, tg, n_tg)
+                    g_real, x_real = dequantize_rows(gt8, sgt, 1, tg), dequantize_rows(xt8, sxt, 1, tg)
+                grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
+                if ctx.transposed:
+                    grad_w = grad_w.transpose(1, 2)
+                if sink is not None:
+                    sink(grad_w)
+                    grad_w = None
+                elif ctx.weight_dtype in (E4M3, E5M2):
+                    grad_w = None  # an FP8-stored weight's gradient exists only through a sink
+                else:
+                    grad_w = grad_w.to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in _ACTIVATION_DTYPES:
+            return dtype
+    return x.dtype
+
+
+def _fp8_weight(
+    recipe: Recipe, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, scales) of the logical E × N × K weight for the forward."""
+    if weight.dtype == E4M3:  # FP8-stored (O3): its one scale serves every expert
+        if master_scale is None:
+            raise ValueError("an FP8-stored expert weight needs its scale in master_scale (real = payload / scale)")
+        payload = weight.detach().transpose(1, 2) if transposed else weight.detach()
+        return payload, master_scale.float().reshape(1, 1, 1).expand(payload.shape[0], 1, 1)
+    logical = weight.transpose(1, 2) if transposed else weight
+    return quantize_expert_weight(recipe, logical, margin, master_scale)
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    transposed: bool = False,
+    margin: int = 0,
+    recipe: str = "tensorwise",
+    master_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-expert x·W[e]ᵀ in FP8 for token rows sorted by expert (module docstring).
+
+    Args:
+        x: S × K activations, sorted by expert.
+        weight: E × N × K (E × K × N when `transposed`).
+        offsets: int32 (E,), cumulative token counts (the end of each expert's rows).
+        rows: int64 (S,), the expert of each row.
+        recipe: FP8 scaling recipe (`hf_lowprec.fp8.recipes`).
+        master_scale: the weight is a scaled master (payload = real·s_m), or FP8-stored.
+    """
+    spec = get_recipe(recipe)
+    w8, sw = _fp8_weight(spec, weight, transposed, margin, master_scale)
+    sink = get_grad_sink(weight)
+    args = (offsets, rows, spec.name, transposed, margin, _output_dtype(x), sink)
+    return _FP8GroupedLinear.apply(x, weight, w8, sw, *args)
