@@ -1,4 +1,6 @@
-"""FP8 expert GEMMs for the fused Mixture-of-Experts modules of transformers 5 (docs/algorithms.md §3.6).
+"""FP8 expert GEMMs for the fused Mixture-of-Experts modules of transformers 5.
+
+The rules are docs/algorithms.md §3 ("FP8 for Mixture-of-Experts").
 
 transformers keeps a MoE block's experts as fused 3-D parameters in one `...Experts` module
 (`gate_up_proj` or `up_proj`, `down_proj`, biases for gpt-oss; stored `[experts, out, in]`, or

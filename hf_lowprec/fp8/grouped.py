@@ -1,7 +1,7 @@
 """FP8 grouped GEMMs: per-expert x·W[e]ᵀ over token rows sorted by expert, with the scaling
 recipes of the dense layers applied per expert (the scales, the GEMMs and their hand-written
 backward). What the recipes mean for experts, and why, is in `fp8/experts.py`'s docstring;
-docs/algorithms.md §3.6 gives the rules.
+docs/algorithms.md §3, "FP8 for Mixture-of-Experts" gives the rules.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .cast import widen
+from .gemm import _gemm_for, _ScaledMM
 from .linear import get_grad_sink
 from .recipes import GEMM_OUT_DTYPE, Recipe, get_recipe, mx_scale
 from .scaled import format_max, pow2_scale
@@ -21,6 +22,8 @@ __all__ = [
     "dequantize_expert_weight",
     "dequantize_rows",
     "fp8_grouped_linear",
+    "native_grouped",
+    "padded_layout",
     "quantize_expert_weight",
     "quantize_rows",
     "token_groups",
@@ -170,8 +173,105 @@ def _act_grouping(recipe: Recipe, rows: torch.Tensor, experts: int) -> tuple[tor
     return (rows, experts) if recipe.name == "tensorwise" else (None, 0)
 
 
+# --- the native kernel: torch._scaled_grouped_mm (SM90) ------------------------------------------
+# Its FP8 grouped GEMM takes E4M3 operands with one FP32 scale per row of the left operand and
+# per output column of each expert (rowwise; a tensorwise scale is such a vector, repeated), A
+# row-major, B column-major, and groups whose token counts are multiples of 16: each expert's
+# rows are copied into a padded layout (zero payloads, unit scales), of a static size.
+_NATIVE_RECIPES = ("tensorwise", "rowwise")
+_NATIVE_CAPABILITY = ((9, 0), (10, 0))  # Hopper; Blackwell's kernel takes MX-blocked scales
+_ALIGN = 16
+
+
+@torch.compiler.assume_constant_result
+def native_grouped(recipe_name: str, device: torch.device) -> bool:
+    """Whether `torch._scaled_grouped_mm` on `device` takes `recipe_name`'s scales (a constant
+    of a compiled graph: a device's capability does not change)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or recipe_name not in _NATIVE_RECIPES:
+        return False
+    low, high = _NATIVE_CAPABILITY
+    return low <= torch.cuda.get_device_capability(device) < high
+
+
+def _use_native(recipe_name: str, device: torch.device) -> bool:
+    # The dense layers' path choice decides (`set_fp8_gemm_path("upcast")` forces the emulation).
+    return isinstance(_gemm_for(device), _ScaledMM) and native_grouped(recipe_name, device)
+
+
+def padded_layout(offsets: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(destination row of each token, padded offsets, padded row count) with every expert's
+    rows starting at a multiple of 16; the count is a static bound (S + 15·E, rounded up)."""
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + _ALIGN - 1) // _ALIGN * _ALIGN
+    padded_ends = torch.cumsum(padded, 0)
+    position = torch.arange(rows.shape[0], device=rows.device) - (ends - counts)[rows]
+    total = -(-(rows.shape[0] + offsets.shape[0] * (_ALIGN - 1)) // _ALIGN) * _ALIGN
+    return (padded_ends - padded)[rows] + position, padded_ends.to(torch.int32), total
+
+
+def _pad_payload(t8: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
+    # index_copy has no FP8 kernel; zero bytes are +0.0.
+    out = torch.zeros(total, t8.shape[1], dtype=torch.uint8, device=t8.device)
+    return out.index_copy_(0, dest, t8.contiguous().view(torch.uint8)).view(t8.dtype)
+
+
+def _pad_scale(inv: torch.Tensor, dest: torch.Tensor, total: int) -> torch.Tensor:
+    return torch.ones(total, dtype=torch.float32, device=inv.device).index_copy_(0, dest, inv.float())
+
+
+def _row_inverse(scale: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """1/s per row (S,) of a row-scaled operand (one column block: tensorwise or rowwise)."""
+    per_row = scale if groups is None else scale[groups]
+    return per_row.reshape(-1).reciprocal()
+
+
+def _column_inverse(scale: torch.Tensor, columns: int) -> torch.Tensor:
+    """1/s per (expert, output column), E × N, of an expert weight's E × Nb × 1 scales."""
+    return scale[:, :, 0].expand(-1, columns).reciprocal().contiguous()
+
+
+def _native_forward(
+    a8: torch.Tensor, inv_a: torch.Tensor, w8: torch.Tensor, inv_w: torch.Tensor, offsets: torch.Tensor, rows
+) -> torch.Tensor:
+    """Σ_k a[s,k]·W[e(s)][n,k] for a (S × K, row scales) and W (E × N × K, per-column scales)."""
+    dest, padded_offsets, total = padded_layout(offsets, rows)
+    b = w8.contiguous().transpose(1, 2)  # E × K × N, column-major
+    out = torch._scaled_grouped_mm(
+        _pad_payload(a8, dest, total),
+        b,
+        _pad_scale(inv_a, dest, total),
+        inv_w,
+        offs=padded_offsets,
+        out_dtype=GEMM_OUT_DTYPE,
+    )
+    return out[dest]
+
+
+def _native_weight_grad(
+    g8: torch.Tensor, inv_g: torch.Tensor, x8: torch.Tensor, inv_x: torch.Tensor, offsets: torch.Tensor, rows
+) -> torch.Tensor:
+    """dW[e] = Σ_{s in e} g[s,:]ᵀ·x[s,:] (E × N × K) with scales per (expert, column) of g and x."""
+    dest, padded_offsets, total = padded_layout(offsets, rows)
+    a = _pad_payload(g8, dest, total).t().contiguous()  # N × S', row-major
+    b = _pad_payload(x8, dest, total).t().contiguous().t()  # S' × K, column-major
+    return torch._scaled_grouped_mm(
+        a,
+        b,
+        inv_g.reshape(-1).contiguous(),
+        inv_x.reshape(-1).contiguous(),
+        offs=padded_offsets,
+        out_dtype=GEMM_OUT_DTYPE,
+    )
+
+
 class _FP8GroupedLinear(torch.autograd.Function):
-    """y = x·W[e]ᵀ per expert segment with FP8 GEMMs (module docstring); backward by hand."""
+    """y = x·W[e]ᵀ per expert segment with FP8 GEMMs (module docstring); backward by hand.
+
+    Native (`torch._scaled_grouped_mm`, `native_grouped`): the forward under tensorwise and
+    rowwise, the backward under rowwise (the kernel takes E4M3 operands only, and tensorwise's
+    output gradients are E5M2). Elsewhere the exact emulation; both compute the same products.
+    """
 
     @staticmethod
     def forward(
@@ -192,12 +292,17 @@ class _FP8GroupedLinear(torch.autograd.Function):
         experts = w8.shape[0]
         groups, n_groups = _act_grouping(recipe, rows, experts)
         col = recipe.activation_block[1]
+        native = _use_native(recipe_name, x.device)
         with torch.autocast(x.device.type, enabled=False):
             x8, sx = quantize_rows(recipe, x, E4M3, margin, col, groups, n_groups)
-            w_real = dequantize_expert_weight(w8, sw)  # logical E × N × K
-            out = _grouped_mm(dequantize_rows(x8, sx, col, groups), w_real.transpose(1, 2), offsets)
+            if native:
+                inv_w = _column_inverse(sw, w8.shape[1])
+                out = _native_forward(x8, _row_inverse(sx, groups), w8, inv_w, offsets, rows)
+            else:
+                w_real = dequantize_expert_weight(w8, sw)  # logical E × N × K
+                out = _grouped_mm(dequantize_rows(x8, sx, col, groups), w_real.transpose(1, 2), offsets)
         ctx.save_for_backward(x8, sx, w8, sw, offsets, rows)
-        ctx.recipe, ctx.transposed, ctx.margin = recipe_name, transposed, margin
+        ctx.recipe, ctx.transposed, ctx.margin, ctx.native = recipe_name, transposed, margin, native
         ctx.x_dtype, ctx.weight_dtype, ctx.grad_sink = x.dtype, weight.dtype, grad_sink
         return out.to(out_dtype)
 
@@ -208,6 +313,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         margin, experts = ctx.margin, w8.shape[0]
         groups, n_groups = _act_grouping(recipe, rows, experts)
         col = recipe.activation_block[1]
+        native = ctx.native and recipe.grad_dtype == E4M3
         sink = ctx.grad_sink
         need_dw = ctx.needs_input_grad[1] or sink is not None
         grad_x = grad_w = None
@@ -218,19 +324,27 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 g8, sg = quantize_rows(recipe, g, recipe.grad_dtype, margin, col, groups, n_groups)
             if ctx.needs_input_grad[0]:
                 wt8, swt = _transposed_weight(recipe, w8, sw, margin)  # E × K × N
-                g_real = dequantize_rows(g8, sg, col, groups)
-                grad_x = _grouped_mm(g_real, dequantize_expert_weight(wt8, swt).transpose(1, 2), offsets)
+                if native:
+                    inv_wt = _column_inverse(swt, wt8.shape[1])
+                    grad_x = _native_forward(g8, _row_inverse(sg, groups), wt8, inv_wt, offsets, rows)
+                else:
+                    g_real = dequantize_rows(g8, sg, col, groups)
+                    grad_x = _grouped_mm(g_real, dequantize_expert_weight(wt8, swt).transpose(1, 2), offsets)
                 grad_x = grad_x.to(ctx.x_dtype)
             if need_dw:
                 if recipe.name == "tensorwise":  # the per-expert scales hold along the tokens too
                     g_real, x_real = dequantize_rows(g8, sg, None, rows), dequantize_rows(x8, sx, None, rows)
+                    grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
                 else:  # scales along each expert's tokens, one per column (module docstring)
                     tg, n_tg = token_groups(offsets, rows, recipe.activation_block[1])
                     gt8, sgt = quantize_rows(recipe, g, recipe.grad_dtype, margin, 1, tg, n_tg)
                     x_exact = dequantize_rows(x8, sx, col, groups)
                     xt8, sxt = quantize_rows(recipe, x_exact, E4M3, margin, 1, tg, n_tg)
-                    g_real, x_real = dequantize_rows(gt8, sgt, 1, tg), dequantize_rows(xt8, sxt, 1, tg)
-                grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
+                    if native:  # rowwise: token groups are the experts, scales E × N and E × K
+                        grad_w = _native_weight_grad(gt8, sgt.reciprocal(), xt8, sxt.reciprocal(), offsets, rows)
+                    else:
+                        g_real, x_real = dequantize_rows(gt8, sgt, 1, tg), dequantize_rows(xt8, sxt, 1, tg)
+                        grad_w = _grouped_mm(g_real.t(), x_real, offsets)
                 if ctx.transposed:
                     grad_w = grad_w.transpose(1, 2)
                 if sink is not None:
