@@ -142,7 +142,7 @@ def fidelity(steps: int, seeds: list[int], strategies: list[str], batch: int = 8
             warmup = max(steps // 20, 1)
             schedule = torch.optim.lr_scheduler.LambdaLR(
                 optimizer,
-                lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))),
+                lambda s, w=warmup: min((s + 1) / w, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))),
             )
             order = torch.Generator().manual_seed(1000 + seed)
             model.train()
@@ -191,7 +191,9 @@ def main() -> None:
             print(f"| {r['architecture']} | {r['experts_share']:.2f} | {r['bf16-mixed']:.3f} | {cells} |")
     elif args.what == "snr":
         print(f"SNR in dB against FP64; {args.outliers} outlier token rows ×{args.factor:g}")
-        print("| recipe | y clean | y outliers | dx clean | dx outliers | dW clean | dW outliers | empty expert dW = 0 |")
+        print(
+            "| recipe | y clean | y outliers | dx clean | dx outliers | dW clean | dW outliers | empty expert dW = 0 |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in snr_table(args.outliers, args.factor):
             print(

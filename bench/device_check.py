@@ -57,7 +57,7 @@ TRAVEL_LIMIT = 64 << 20
 # (the shell script also stops a part at DEVICE_CHECK_SECONDS, whatever the budgets say).
 PARTS: dict[str, list[tuple[str, int]]] = {
     "part1": [("tests", 140), ("steps", 170)],
-    "part2": [("e2e", 190), ("optim", 60), ("fidelity", 60)],
+    "part2": [("e2e", 175), ("moe", 50), ("optim", 50), ("fidelity", 55)],
 }
 PACKAGES = ("triton", "transformers", "accelerate", "peft", "torchao", "safetensors", "tokenizers", "numpy")
 # Collected and run first in the suite section: what the issue calls the suite's core.
@@ -366,6 +366,12 @@ def section_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
     run_e2e(args, context)
 
 
+def section_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_moe import run_moe
+
+    run_moe(args, context)
+
+
 def section_optim(args: argparse.Namespace, context: dict[str, Any]) -> None:
     from device_check_steps import run_optim
 
@@ -382,6 +388,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
     "tests": section_tests,
     "steps": section_steps,
     "e2e": section_e2e,
+    "moe": section_moe,
     "optim": section_optim,
     "fidelity": section_fidelity,
 }

@@ -1,0 +1,153 @@
+"""Section `moe` of the device check (bench/device_check.py): a Mixture-of-Experts model end to end.
+
+The model is Qwen3-MoE-shaped, from config: hidden 1024, 8 layers, 16 heads (4 key/value heads),
+64 experts of width 512 with top-4 routing, vocabulary 32000, untied head: 0.89 B parameters,
+of which 0.80 B are expert weights; batch 4 × 2048 tokens. Eager (no compile: the rows compare
+the GEMMs, and a compile of each row would not fit the section's budget). Per row: the model
+built on the device from seed 0, prepared by the strategy, two warm-up steps, then five steps
+with no host sync between them; tokens/s over those five, `torch.cuda.max_memory_allocated`
+since the model was built, and the share of weight-GEMM multiply-adds in FP8 (the startup
+report's). Ratios are to the first row that ran, bf16-mixed.
+
+Rows: bf16-mixed (FP32 masters, transformers' own experts implementation), bf16-pure (BF16
+weights: the experts run BF16 `grouped_mm`, the peer the FP8 grouped GEMM must beat),
+fp8-lm-o2 (tensorwise: native forward, emulated backward on Hopper) and fp8-lm-o2 with the
+rowwise recipe (native forward and backward on Hopper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+import traceback
+from typing import Any
+
+from device_check import Report, cuda_or_say
+
+ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("bf16-mixed", "bf16-mixed", {}),
+    ("bf16-pure", "bf16-pure", {}),
+    ("fp8-lm-o2", "fp8-lm-o2", {}),
+    ("fp8-lm-o2 rowwise", "fp8-lm-o2", {"recipe": "rowwise"}),
+)
+BATCH, SEQ, WARMUP, TIMED = 4, 2048, 2, 5
+
+
+def moe_config(smoke: bool) -> Any:
+    from hf_lowprec.testing.moe import moe_config as tiny
+
+    if smoke:
+        return tiny("qwen3_moe", vocab=512, hidden=64, intermediate=32, experts=8, top_k=2, layers=2)
+    return tiny(
+        "qwen3_moe",
+        vocab=32000,
+        hidden=1024,
+        intermediate=512,
+        experts=64,
+        top_k=4,
+        layers=8,
+        heads=16,
+        max_position_embeddings=SEQ,
+    )
+
+
+def measure(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_lowprec
+    from hf_lowprec.report import describe
+
+    cuda = args.device == "cuda"
+    batch, seq = (2, 32) if args.smoke else (BATCH, SEQ)
+    warmup, timed = (1, 2) if args.smoke else (WARMUP, TIMED)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = moe_config(args.smoke)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    strategy = hf_lowprec.get_strategy(name, **options)
+    model = strategy.prepare_model(model)
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-4, weight_decay=0.01)
+    share = describe(strategy, model)["fp8"]["weight_gemm_share"]
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+
+    def step() -> Any:
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync()
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(timed):
+        loss = step()
+    sync()
+    seconds = time.perf_counter() - start
+    return {
+        "row": label,
+        "parameters": params,
+        "fp8 share": share,
+        "tokens/s": batch * seq * timed / seconds,
+        "step ms": 1e3 * seconds / timed,
+        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        "warm-up s": warm,
+        "loss": loss.float().item(),
+    }
+
+
+def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    import torch
+
+    columns = ["row", "tokens/s", "× bf16-mixed", "× bf16-pure", "peak GiB", "memory × bf16-mixed", "fp8 share"]
+    columns += ["step ms", "warm-up s", "loss", "note"]
+    title = "MoE end to end: Qwen3-MoE-shaped 0.89 B (64 experts, top-4), batch 4×2048, eager"
+    report = Report(args.out, "moe", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
+    if not cuda_or_say(args, report):
+        return
+    deadline = time.monotonic() + args.budget - 5
+    results: dict[str, dict[str, Any]] = {}
+    for label, name, options in ROWS:
+        if time.monotonic() >= deadline - 15:
+            report.add({"row": label, "note": "not run: time budget spent"})
+            continue
+        try:
+            result = measure(label, name, options, args)
+        except Exception as error:  # a row that fails is a finding: its cell says how
+            traceback.print_exc()
+            report.add({"row": label, "note": f"error: {type(error).__name__}: {str(error)[:300]}"})
+            continue
+        finally:
+            gc.collect()
+            if args.device == "cuda":
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.empty_cache()
+        if not results:
+            report.note(f"{result['parameters'] / 1e9:.2f} B parameters")
+        results[label] = result
+        base = results.get("bf16-mixed", result)
+        peer = results.get("bf16-pure")
+        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+        row["× bf16-mixed"] = round(result["tokens/s"] / base["tokens/s"], 3)
+        row["× bf16-pure"] = round(result["tokens/s"] / peer["tokens/s"], 3) if peer else ""
+        row["memory × bf16-mixed"] = round(result["peak GiB"] / base["peak GiB"], 3)
+        if label.startswith("fp8") and peer:
+            row["note"] = (
+                "faster than BF16 grouped_mm"
+                if result["tokens/s"] > peer["tokens/s"]
+                else "slower than BF16 grouped_mm"
+            )
+        report.add(row)
+    report.finish()
