@@ -251,6 +251,8 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
         if new is not module:
             new.train(module.training)
             _set_child(base, fqn, new)
+    stored = stored if stored is not None else _StoredTensors(source)
+    _restore_experts(base, stored, block, layers, changed)
     if changed:
         logger.warning(
             "FP8 checkpoint: %d layers differ from the checkpoint's stored values (changed after loading?) and "
@@ -271,6 +273,48 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
     base.__dict__[PUBLISHED_ATTR] = model.__dict__[PUBLISHED_ATTR] = record  # read by the startup report
     logger.info("FP8 checkpoint: %d published layers restored from their stored values", len(layers))
     return record
+
+
+# Per-expert projections as FP8 MoE releases store them, and the fused weight transformers builds.
+_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+
+
+def _restore_experts(
+    base: nn.Module, stored: _StoredTensors, block: Any, layers: dict[str, str], changed: list[str]
+) -> None:
+    """The fused experts of an FP8 MoE release, loaded dequantized (on a CPU): each 3-D weight made
+    from the per-expert stored values (`experts.N.gate_proj.weight` with its `weight_scale_inv`,
+    concatenated [gate; up] as transformers fuses them), in FP32 where it trains; a frozen one keeps
+    the loaded values. Each per-expert projection is recorded as a layer, so the FP8 save writes it
+    back in the release's per-expert layout."""
+    from ..fp8.experts import expert_weight_names, is_experts_module
+
+    for fqn, module in base.named_modules():
+        if not is_experts_module(module) or module.is_transposed or not getattr(module, "is_concatenated", True):
+            continue  # (gpt-oss's interleaved, transposed experts are published in MXFP4, not here)
+        for param_name in expert_weight_names(module):
+            weight = getattr(module, param_name)
+            parts = _EXPERT_PROJECTIONS[param_name if module.has_gate or param_name != "up_proj" else "up_proj"]
+            names = [f"{fqn}.{e}.{part}" for e in range(weight.shape[0]) for part in parts]
+            if not all(n + ".weight" in stored and n + _SCALE in stored for n in names):
+                continue
+            values = [
+                torch.cat([_stored_values(stored, f"{fqn}.{e}.{part}", block) for part in parts])
+                for e in range(weight.shape[0])
+            ]
+            real = torch.stack(values).to(weight.device)
+            if tuple(real.shape) != tuple(weight.shape) or not torch.equal(real.to(weight.dtype), weight.detach()):
+                changed.append(f"{fqn}.{param_name}")
+                continue
+            if weight.requires_grad:
+                weight.data = real  # in place: the parameter others hold stays the same object
+                layers.update(dict.fromkeys(names, "trained from FP32 values"))
+            else:
+                layers.update(dict.fromkeys(names, "frozen, dequantized"))
+
+
+def _stored_values(stored: _StoredTensors, name: str, block: Any) -> torch.Tensor:
+    return dequantize_published(stored.get(name + ".weight"), stored.get(name + _SCALE), torch.float32, block)
 
 
 def _not_broadcast_by_ddp(model: nn.Module) -> None:
