@@ -282,20 +282,39 @@ _EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up
 def _restore_experts(
     base: nn.Module, stored: _StoredTensors, block: Any, layers: dict[str, str], changed: list[str]
 ) -> None:
-    """The fused experts of an FP8 MoE release, loaded dequantized (on a CPU): each 3-D weight made
-    from the per-expert stored values (`experts.N.gate_proj.weight` with its `weight_scale_inv`,
-    concatenated [gate; up] as transformers fuses them), in FP32 where it trains; a frozen one keeps
-    the loaded values. Each per-expert projection is recorded as a layer, so the FP8 save writes it
-    back in the release's per-expert layout."""
+    """The fused experts of an FP8 MoE release, made from their stored values: each 3-D weight is
+    the per-expert stored weights (`experts.N.gate_proj.weight` with its `weight_scale_inv`,
+    concatenated [gate; up] as transformers fuses them), in FP32 where it trains; a frozen one has
+    the loaded values (dequantized). After a dequantized load (a CPU) they are read from the files,
+    each fused weight checked against the loaded one first; after a load into transformers' FP8
+    experts (a GPU) they are the module's own payload and block scales, released here so that the
+    module computes in high precision (its forward takes any non-FP8 weight). Each per-expert
+    projection is recorded as a layer, so the FP8 save writes it back in the release's layout."""
     from ..fp8.experts import expert_weight_names, is_experts_module
 
+    loaded_dtype = _published_dtype(base, None)
     for fqn, module in base.named_modules():
         if not is_experts_module(module) or module.is_transposed or not getattr(module, "is_concatenated", True):
             continue  # (gpt-oss's interleaved, transposed experts are published in MXFP4, not here)
         for param_name in expert_weight_names(module):
             weight = getattr(module, param_name)
-            parts = _EXPERT_PROJECTIONS[param_name if module.has_gate or param_name != "up_proj" else "up_proj"]
+            parts = _EXPERT_PROJECTIONS[param_name]
             names = [f"{fqn}.{e}.{part}" for e in range(weight.shape[0]) for part in parts]
+            scale_inv = getattr(module, param_name + "_scale_inv", None)
+            if weight.dtype == torch.float8_e4m3fn and isinstance(scale_inv, torch.Tensor):
+                trainable = weight.requires_grad or not _is_peft_frozen(base)
+                real = torch.stack(
+                    [
+                        dequantize_published(w, s, torch.float32, block)
+                        for w, s in zip(weight.detach(), scale_inv.detach())
+                    ]
+                )
+                del module._parameters[param_name + "_scale_inv"]
+                module.register_buffer(param_name + "_scale_inv", scale_inv.detach(), persistent=False)
+                value = real if trainable else real.to(loaded_dtype)
+                setattr(module, param_name, nn.Parameter(value, requires_grad=trainable))
+                layers.update(dict.fromkeys(names, "trained from FP32 values" if trainable else "frozen, dequantized"))
+                continue
             if not all(n + ".weight" in stored and n + _SCALE in stored for n in names):
                 continue
             values = [
@@ -311,6 +330,11 @@ def _restore_experts(
                 layers.update(dict.fromkeys(names, "trained from FP32 values"))
             else:
                 layers.update(dict.fromkeys(names, "frozen, dequantized"))
+
+
+def _is_peft_frozen(base: nn.Module) -> bool:
+    """Whether a PEFT adapter froze the base (FP8 parameters cannot say: they never require grad)."""
+    return any("lora_" in name for name, _ in base.named_parameters())
 
 
 def _stored_values(stored: _StoredTensors, name: str, block: Any) -> torch.Tensor:
