@@ -178,11 +178,15 @@ class FP8Experts(nn.Module):
 
     @property
     def _master_scales(self) -> dict[str, torch.Tensor]:
-        return {
-            name: buf
-            for name in expert_weight_names(self)
-            if (buf := getattr(self, name + "_master_scale", None)) is not None
-        }
+        # A plain loop: dynamo cannot trace an assignment expression inside a comprehension
+        # (its variable is a cell of the enclosing frame: "Read uninitialized cell"), which
+        # broke every experts forward out of the compiled graph.
+        scales = {}
+        for name in expert_weight_names(self):
+            buf = getattr(self, name + "_master_scale", None)
+            if buf is not None:
+                scales[name] = buf
+        return scales
 
     def _link_master_scales(self) -> None:
         for name, scale in self._master_scales.items():

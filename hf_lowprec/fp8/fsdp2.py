@@ -260,26 +260,61 @@ class FP8GatheredWeight(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
+class _ExpertWeight:
+    """What an `FP8WeightShard` reads of its layer, for one 3-D weight of an FP8 experts module
+    (`fp8/experts.py`): its master scale (O2), margins. The gathered weight serves every expert
+    with the whole tensor's scale, as an FP8-stored expert weight does."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+
+    @property
+    def master_scale(self) -> torch.Tensor | None:
+        return getattr(self.module, self.name + "_master_scale", None)
+
+    @property
+    def margin(self) -> int:
+        return self.module.fp8_margin
+
+    @property
+    def master_margin(self) -> int:
+        return getattr(self.module, "fp8_master_margin", 0)
+
+
+def _fp8_weights(model: torch.nn.Module, layer_type: type) -> list[tuple[torch.nn.Module, str, Any]]:
+    """(module, parameter name, owner with master_scale/margin/master_margin) of every FP8 weight:
+    the `layer_type` (FP8Linear) layers' weights and the FP8 experts' 3-D weights."""
+    from .experts import FP8Experts, expert_weight_names
+
+    out: list[tuple[torch.nn.Module, str, Any]] = []
+    for module in model.modules():
+        if isinstance(module, layer_type):
+            out.append((module, "weight", module))
+        elif isinstance(module, FP8Experts):
+            out += [(module, name, _ExpertWeight(module, name)) for name in expert_weight_names(module)]
+    return out
+
+
 def wrap_fp8_weights(model: torch.nn.Module, layer_type: type) -> WeightScales:
-    """Before `fully_shard`: wrap the weight of every `layer_type` (FP8Linear) layer of `model`
-    in `FP8WeightShard`; the returned `WeightScales` agrees their scales once sharded
-    (`WeightScales.group` is set by the caller)."""
+    """Before `fully_shard`: wrap the weight of every `layer_type` (FP8Linear) layer of `model`,
+    and every 3-D weight of its FP8 experts, in `FP8WeightShard`; the returned `WeightScales`
+    agrees their scales once sharded (`WeightScales.group` is set by the caller)."""
     scales = WeightScales()
     seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, layer_type) or id(module.weight) in seen:
+    for module, name, owner in _fp8_weights(model, layer_type):
+        weight = getattr(module, name)
+        if id(weight) in seen:
             continue
-        weight = module.weight
         seen.add(id(weight))
         # A scaled FP16 master (O2) stands for FP32 real values (payload / master scale): FSDP2
         # sees FP32, the dtype of the block's other parameters (it wants one per group), and
         # reduces the gradient into FP32; the shard's storage stays the FP16 payload.
-        real_dtype = torch.float32 if module.master_scale is not None else None
-        box = {"module": module, "scale": None, "scales": scales, "dtype": real_dtype}
+        real_dtype = torch.float32 if owner.master_scale is not None else None
+        box = {"module": owner, "scale": None, "scales": scales, "dtype": real_dtype}
         shard = FP8WeightShard(weight.data, box)
-        module.weight = torch.nn.Parameter(shard, requires_grad=weight.requires_grad)
-        if module.master_scale is not None:  # an optimizer built from here on sees a scaled master
-            set_master_scale(module.weight, module.master_scale)
+        setattr(module, name, torch.nn.Parameter(shard, requires_grad=weight.requires_grad))
+        if owner.master_scale is not None:  # an optimizer built from here on sees a scaled master
+            set_master_scale(getattr(module, name), owner.master_scale)
     return scales
 
 
@@ -292,13 +327,13 @@ def link_master_scales(model: torch.nn.Module, layer_type: type) -> None:
     model sharded here and one sharded then loaded hold the same bits."""
     from ..distributed import DTensor, local_shard
 
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, layer_type) and module.master_scale is not None and isinstance(weight, DTensor):
-            payload, master = local_shard(weight), module.master_scale
+    for module, name, owner in _fp8_weights(model, layer_type):
+        weight = getattr(module, name)
+        if owner.master_scale is not None and isinstance(weight, DTensor):
+            payload, master = local_shard(weight), owner.master_scale
             with torch.no_grad():
                 real = payload.float() / master
-                scale = pow2_scale(tensor_amax(real), payload.dtype, module.master_margin)
+                scale = pow2_scale(tensor_amax(real), payload.dtype, owner.master_margin)
                 payload.copy_(quantize(real, scale, payload.dtype))  # a power of two: exact
                 master.copy_(scale)
             set_master_scale(weight, master)

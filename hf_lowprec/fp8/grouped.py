@@ -370,6 +370,11 @@ def _fp8_weight(
     recipe: Recipe, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, scales) of the logical E × N × K weight for the forward."""
+    gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/fsdp2.py)
+    if gathered is not None:
+        payload, scale = gathered()
+        payload = payload.transpose(1, 2) if transposed else payload
+        return payload, scale.float().reshape(1, 1, 1).expand(payload.shape[0], 1, 1)
     if weight.dtype == E4M3:  # FP8-stored (O3): its one scale serves every expert
         if master_scale is None:
             raise ValueError("an FP8-stored expert weight needs its scale in master_scale (real = payload / scale)")
