@@ -23,6 +23,7 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
+from ..checkpoints.converted import load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
@@ -323,6 +324,11 @@ class PrecisionTrainerMixin:
         if "scheduler" not in resets:
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # MoE experts saved per expert, merged back (the stock resume drops them: transformers#48805).
+        if self.precision is None or not load_in_model_format(self, resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if "rng" not in getattr(self, "_resume_resets", set()):

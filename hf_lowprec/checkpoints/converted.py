@@ -1,0 +1,92 @@
+"""Resume a Trainer checkpoint whose weights transformers wrote in the hub format.
+
+transformers 5 keeps a Mixture-of-Experts block's experts fused (`mlp.experts.gate_up_proj`,
+`[experts, ...]`), but `save_pretrained` writes them back in the original per-expert format
+(`mlp.experts.0.gate_proj.weight`, ...: `revert_weight_conversion`), and the Trainer resumes
+with a plain `model.load_state_dict(..., strict=False)` that applies no conversion: every
+expert weight is left as the new run initialised it, with a warning about missing and
+unexpected keys (transformers issue #48805). `to_model_keys` applies the model's conversion
+mapping forwards, as `from_pretrained` does, and `load_in_model_format` loads a checkpoint
+through it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["load_in_model_format", "to_model_keys"]
+
+
+def _conversions(model: Any) -> list[Any]:
+    """The conversions `save_pretrained` reverts for `model` (as `revert_weight_conversion` finds them)."""
+    from transformers.core_model_loading import PrefixChange
+
+    found = getattr(model, "_weight_conversions", None)
+    if found is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        found = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    return list(found or [])
+
+
+def to_model_keys(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` in the hub format (what `save_pretrained` wrote) as `model`'s own state dict:
+    `revert_weight_conversion` run forwards (renamings, then at most one converter per key)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    conversions = _conversions(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    mappings: dict[str, Any] = {}
+    # Natural order: expert 10 after expert 9, so the converters stack the experts in order.
+    for key, tensor in sorted(state_dict.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = rename_source_key(key, renamings, converters)
+        if pattern is not None:
+            mapping = mappings.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+        else:
+            mapping, pattern = mappings.setdefault(target, WeightRenaming(key, target)), key
+        mapping.add_tensor(target, key, pattern, tensor)
+    out = {}
+    for first, mapping in mappings.items():
+        for name, value in mapping.convert(first, model=model, config=model.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def load_in_model_format(trainer: Any, checkpoint: str, model: Any = None) -> bool:
+    """Load the weights of the Trainer checkpoint `checkpoint` into `model` (the trainer's
+    model if None) through `to_model_keys`, then the Trainer's missing/unexpected key warnings.
+
+    Returns False, loading nothing, where the stock loader is right: the model has no key
+    conversion, or is not a plain `PreTrainedModel` (PEFT), FSDP or DeepSpeed load their own
+    way, the weights are not safetensors, or the checkpoint holds the model's own keys.
+    """
+    import safetensors.torch
+    from transformers import PreTrainedModel
+
+    model = trainer.model if model is None else model
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        return False
+    if not isinstance(model, PreTrainedModel) or not _conversions(model):
+        return False
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(checkpoint, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        return False
+    state: dict[str, torch.Tensor] = {}
+    for name in files:  # every shard: one layer's experts may straddle two
+        state.update(safetensors.torch.load_file(os.path.join(checkpoint, name), device="cpu"))
+    if set(state) <= set(model.state_dict()):
+        return False
+    trainer._issue_warnings_after_load(model.load_state_dict(to_model_keys(model, state), strict=False))
+    return True
