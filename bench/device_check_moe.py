@@ -1,8 +1,8 @@
 """Section `moe` of the device check (bench/device_check.py): a Mixture-of-Experts model end to end.
 
-The model is Qwen3-MoE-shaped, from config: hidden 1024, 8 layers, 16 heads (4 key/value heads),
-64 experts of width 512 with top-4 routing, vocabulary 32000, untied head: 0.89 B parameters,
-of which 0.80 B are expert weights; batch 4 × 2048 tokens. Eager (no compile: the rows compare
+The model is Qwen3-MoE-shaped, from config: hidden 1024, 8 layers, 16 heads (8 key/value heads),
+64 experts of width 512 with top-4 routing, vocabulary 32000, untied head: 0.90 B parameters,
+of which 0.81 B are expert weights; batch 4 × 2048 tokens. Eager (no compile: the rows compare
 the GEMMs, and a compile of each row would not fit the section's budget). Per row: the model
 built on the device from seed 0, prepared by the strategy, two warm-up steps, then five steps
 with no host sync between them; tokens/s over those five, `torch.cuda.max_memory_allocated`
@@ -113,7 +113,7 @@ def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
 
     columns = ["row", "tokens/s", "× bf16-mixed", "× bf16-pure", "peak GiB", "memory × bf16-mixed", "fp8 share"]
     columns += ["step ms", "warm-up s", "loss", "note"]
-    title = "MoE end to end: Qwen3-MoE-shaped 0.89 B (64 experts, top-4), batch 4×2048, eager"
+    title = "MoE end to end: Qwen3-MoE-shaped 0.90 B (64 experts, top-4), batch 4×2048, eager"
     report = Report(args.out, "moe", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):
         return

@@ -369,7 +369,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
         for name, reason in fp8["skipped"].items():
             lines.append(f"    kept {name}: {reason}")
-    if fp8.get("experts") or fp8.get("experts_gemm_share"):
+    if fp8.get("experts"):
         lines.append(
             f"  MoE: {len(fp8.get('experts', []))} experts modules with FP8 grouped GEMMs; experts are "
             f"{fp8['experts_gemm_share']:.0%} of the weight GEMMs; routers kept in high precision"

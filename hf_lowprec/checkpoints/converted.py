@@ -86,7 +86,10 @@ def load_in_model_format(trainer: Any, checkpoint: str, model: Any = None) -> bo
     state: dict[str, torch.Tensor] = {}
     for name in files:  # every shard: one layer's experts may straddle two
         state.update(safetensors.torch.load_file(os.path.join(checkpoint, name), device="cpu"))
-    if set(state) <= set(model.state_dict()):
+    # The model's own keys, from its parameters and buffers: `state_dict()` would run the export
+    # hooks (FP32 copies of every scaled master) only to name them.
+    own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    if set(state) <= own:
         return False
     trainer._issue_warnings_after_load(model.load_state_dict(to_model_keys(model, state), strict=False))
     return True

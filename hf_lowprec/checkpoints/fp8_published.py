@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, dequantize_published, quantize_published
+from .published_experts import holds_fp8_experts, restore_experts
 
 __all__ = ["PUBLISHED_ATTR", "published_fp8_config", "release_quantized_fp8", "restore_published_fp8"]
 __all__ += ["release_for_training", "write_published_fp8"]
@@ -157,6 +158,9 @@ def release_quantized_fp8(model: nn.Module) -> int:
         carrier.trainable = module.weight.requires_grad
         _set_child(base, fqn, carrier)
         swapped += 1
+    # FP8 experts (transformers' inference module) are released at preparation (`published_experts.restore_experts`);
+    # a release whose only FP8 weights are its experts drops the quantized-model marks here too.
+    swapped += sum(1 for m in base.modules() if holds_fp8_experts(m))
     if swapped:
         base.__dict__["_fp8_published_config"] = config
         _forget_quantization(base)
@@ -252,7 +256,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
             new.train(module.training)
             _set_child(base, fqn, new)
     stored = stored if stored is not None else _StoredTensors(source)
-    _restore_experts(base, stored, block, layers, changed)
+    restore_experts(base, stored, block, layers, changed, _published_dtype(base, None))
     if changed:
         logger.warning(
             "FP8 checkpoint: %d layers differ from the checkpoint's stored values (changed after loading?) and "
@@ -273,72 +277,6 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
     base.__dict__[PUBLISHED_ATTR] = model.__dict__[PUBLISHED_ATTR] = record  # read by the startup report
     logger.info("FP8 checkpoint: %d published layers restored from their stored values", len(layers))
     return record
-
-
-# Per-expert projections as FP8 MoE releases store them, and the fused weight transformers builds.
-_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
-
-
-def _restore_experts(
-    base: nn.Module, stored: _StoredTensors, block: Any, layers: dict[str, str], changed: list[str]
-) -> None:
-    """The fused experts of an FP8 MoE release, made from their stored values: each 3-D weight is
-    the per-expert stored weights (`experts.N.gate_proj.weight` with its `weight_scale_inv`,
-    concatenated [gate; up] as transformers fuses them), in FP32 where it trains; a frozen one has
-    the loaded values (dequantized). After a dequantized load (a CPU) they are read from the files,
-    each fused weight checked against the loaded one first; after a load into transformers' FP8
-    experts (a GPU) they are the module's own payload and block scales, released here so that the
-    module computes in high precision (its forward takes any non-FP8 weight). Each per-expert
-    projection is recorded as a layer, so the FP8 save writes it back in the release's layout."""
-    from ..fp8.experts import expert_weight_names, is_experts_module
-
-    loaded_dtype = _published_dtype(base, None)
-    for fqn, module in base.named_modules():
-        if not is_experts_module(module) or module.is_transposed or not getattr(module, "is_concatenated", True):
-            continue  # (gpt-oss's interleaved, transposed experts are published in MXFP4, not here)
-        for param_name in expert_weight_names(module):
-            weight = getattr(module, param_name)
-            parts = _EXPERT_PROJECTIONS[param_name]
-            names = [f"{fqn}.{e}.{part}" for e in range(weight.shape[0]) for part in parts]
-            scale_inv = getattr(module, param_name + "_scale_inv", None)
-            if weight.dtype == torch.float8_e4m3fn and isinstance(scale_inv, torch.Tensor):
-                trainable = weight.requires_grad or not _is_peft_frozen(base)
-                real = torch.stack(
-                    [
-                        dequantize_published(w, s, torch.float32, block)
-                        for w, s in zip(weight.detach(), scale_inv.detach())
-                    ]
-                )
-                del module._parameters[param_name + "_scale_inv"]
-                module.register_buffer(param_name + "_scale_inv", scale_inv.detach(), persistent=False)
-                value = real if trainable else real.to(loaded_dtype)
-                setattr(module, param_name, nn.Parameter(value, requires_grad=trainable))
-                layers.update(dict.fromkeys(names, "trained from FP32 values" if trainable else "frozen, dequantized"))
-                continue
-            if not all(n + ".weight" in stored and n + _SCALE in stored for n in names):
-                continue
-            values = [
-                torch.cat([_stored_values(stored, f"{fqn}.{e}.{part}", block) for part in parts])
-                for e in range(weight.shape[0])
-            ]
-            real = torch.stack(values).to(weight.device)
-            if tuple(real.shape) != tuple(weight.shape) or not torch.equal(real.to(weight.dtype), weight.detach()):
-                changed.append(f"{fqn}.{param_name}")
-                continue
-            if weight.requires_grad:
-                weight.data = real  # in place: the parameter others hold stays the same object
-                layers.update(dict.fromkeys(names, "trained from FP32 values"))
-            else:
-                layers.update(dict.fromkeys(names, "frozen, dequantized"))
-
-
-def _is_peft_frozen(base: nn.Module) -> bool:
-    """Whether a PEFT adapter froze the base (FP8 parameters cannot say: they never require grad)."""
-    return any("lora_" in name for name, _ in base.named_parameters())
-
-
-def _stored_values(stored: _StoredTensors, name: str, block: Any) -> torch.Tensor:
-    return dequantize_published(stored.get(name + ".weight"), stored.get(name + _SCALE), torch.float32, block)
 
 
 def _not_broadcast_by_ddp(model: nn.Module) -> None:

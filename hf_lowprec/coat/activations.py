@@ -269,8 +269,8 @@ def compress_activations(model: nn.Module) -> nn.Module:
             module.forward = types.MethodType(_layer_forward, module)
             handled[name] += 1
         elif _is_fp8_mlp(module) or isinstance(module, FP8Experts):
-            # FP8 experts (fp8/experts.py): their gate products and routing weights are packed
-            # the same way; their grouped GEMMs save E4M3 inputs and keep their scales (COAT's
+            # FP8 experts (fp8/experts.py): their gate products and outputs are packed the same
+            # way (the routing weights, one per token, are too narrow for the groups); their grouped GEMMs save E4M3 inputs and keep their scales (COAT's
             # tensorwise recipe: one per expert, last dimension 1, never packed).
             module.forward = types.MethodType(_mlp_forward, module)
             handled[f"{name} (element-wise ops)"] += 1

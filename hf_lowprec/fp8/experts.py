@@ -128,6 +128,8 @@ class FP8Experts(nn.Module):
 
     fp8_recipe: str = "tensorwise"
     fp8_margin: int = 0
+    # One weight scale for all experts (set by fp8-lm-o3: what its non-owning ranks compute with).
+    fp8_tensor_scale: bool = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if getattr(self, "_is_expert_parallel", False):
@@ -167,6 +169,7 @@ class FP8Experts(nn.Module):
             margin=self.fp8_margin,
             recipe=self.fp8_recipe,
             master_scale=self._master_scales.get(name),
+            tensor_scale=self.fp8_tensor_scale,
         )
         bias = getattr(self, name + "_bias", None) if self.has_bias else None
         if bias is not None:

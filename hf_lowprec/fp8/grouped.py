@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .cast import widen
 from .gemm import _gemm_for, _ScaledMM
-from .linear import get_grad_sink
+from .linear import get_grad_sink, quantize_weight
 from .recipes import GEMM_OUT_DTYPE, Recipe, get_recipe, mx_scale
 from .scaled import format_max, pow2_scale
 
@@ -345,6 +345,10 @@ class _FP8GroupedLinear(torch.autograd.Function):
                     else:
                         g_real, x_real = dequantize_rows(gt8, sgt, 1, tg), dequantize_rows(xt8, sxt, 1, tg)
                         grad_w = _grouped_mm(g_real.t(), x_real, offsets)
+                # An expert without tokens has no gradient: exactly zero, whatever a grouped
+                # kernel leaves in an empty group's output (on the device, no sync).
+                counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+                grad_w = grad_w.masked_fill((counts == 0)[:, None, None], 0.0)
                 if ctx.transposed:
                     grad_w = grad_w.transpose(1, 2)
                 if sink is not None:
@@ -366,20 +370,33 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _whole(payload: torch.Tensor, scale: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored-layout payload with one scale for the whole 3-D weight, as the logical E × N × K
+    payload and E × 1 × 1 scales (the one scale serves every expert)."""
+    payload = payload.transpose(1, 2) if transposed else payload
+    return payload, scale.float().reshape(1, 1, 1).expand(payload.shape[0], 1, 1)
+
+
 def _fp8_weight(
-    recipe: Recipe, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None
+    recipe: Recipe,
+    weight: torch.Tensor,
+    transposed: bool,
+    margin: int,
+    master_scale: torch.Tensor | None,
+    tensor_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, scales) of the logical E × N × K weight for the forward."""
+    """(payload, scales) of the logical E × N × K weight for the forward: per expert under the
+    recipe's blocks; one scale for the whole weight where the weight every rank computes with has
+    one (FSDP2's FP8 all-gather, FP8-stored O3 weights, and so `tensor_scale` on O3's owners)."""
     gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/fsdp2.py)
     if gathered is not None:
-        payload, scale = gathered()
-        payload = payload.transpose(1, 2) if transposed else payload
-        return payload, scale.float().reshape(1, 1, 1).expand(payload.shape[0], 1, 1)
-    if weight.dtype == E4M3:  # FP8-stored (O3): its one scale serves every expert
+        return _whole(*gathered(), transposed)
+    if weight.dtype == E4M3:  # FP8-stored (O3)
         if master_scale is None:
             raise ValueError("an FP8-stored expert weight needs its scale in master_scale (real = payload / scale)")
-        payload = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        return payload, master_scale.float().reshape(1, 1, 1).expand(payload.shape[0], 1, 1)
+        return _whole(weight.detach(), master_scale, transposed)
+    if tensor_scale:  # bit for bit what FP8 ZeRO stores for the ranks that do not own the weight
+        return _whole(*quantize_weight(weight.detach(), margin, master_scale), transposed)
     logical = weight.transpose(1, 2) if transposed else weight
     return quantize_expert_weight(recipe, logical, margin, master_scale)
 
@@ -394,6 +411,7 @@ def fp8_grouped_linear(
     margin: int = 0,
     recipe: str = "tensorwise",
     master_scale: torch.Tensor | None = None,
+    tensor_scale: bool = False,
 ) -> torch.Tensor:
     """Per-expert x·W[e]ᵀ in FP8 for token rows sorted by expert (module docstring).
 
@@ -404,9 +422,11 @@ def fp8_grouped_linear(
         rows: int64 (S,), the expert of each row.
         recipe: FP8 scaling recipe (`hf_lowprec.fp8.recipes`).
         master_scale: the weight is a scaled master (payload = real·s_m), or FP8-stored.
+        tensor_scale: one weight scale for all experts (fp8-lm-o3, whose ranks that do not own
+            the weight compute with such an FP8 weight).
     """
     spec = get_recipe(recipe)
-    w8, sw = _fp8_weight(spec, weight, transposed, margin, master_scale)
+    w8, sw = _fp8_weight(spec, weight, transposed, margin, master_scale, tensor_scale)
     sink = get_grad_sink(weight)
     args = (offsets, rows, spec.name, transposed, margin, _output_dtype(x), sink)
     return _FP8GroupedLinear.apply(x, weight, w8, sw, *args)

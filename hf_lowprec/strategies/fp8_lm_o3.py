@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..fp8.experts import FP8Experts
 from ..fp8.gradients import nonfinite
 from ..fp8.linear import E4M3
 from ..fp8.scaled import get_master_scale
@@ -63,6 +64,15 @@ class FP8LMO3(FP8LM):
     # The ranks the FP8 weights are distributed over (None: the world); set it before building
     # the optimizer when the data-parallel group is not the world (DeepSpeed's dp group).
     process_group: dist.ProcessGroup | None = None
+
+    def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """O2's conversion; the FP8 experts take one scale per 3-D weight, since a rank that does
+        not own it computes with its FP8 copy, which FP8 ZeRO keeps with one scale per tensor."""
+        model = super().convert_model(model)
+        for module in model.modules():
+            if isinstance(module, FP8Experts):
+                module.fp8_tensor_scale = True
+        return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         # The groups (what DeepSpeed partitions) keep the parameters that are not FP8 GEMM

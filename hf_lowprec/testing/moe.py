@@ -99,8 +99,8 @@ def tiny_moe(arch: str, seed: int = 0, **sizes: Any) -> torch.nn.Module:
     config = moe_config(arch, **sizes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    # transformers leaves some expert weights uninitialised (torch.empty) for some classes:
-    # give every 3-D expert weight and bias the model's init scale.
+    # Expert weights are built with torch.empty; transformers 5.24 initialises them for these five
+    # classes, and any value it left non-finite gets the model's init scale here.
     std = getattr(config, "initializer_range", 0.02)
     with torch.no_grad():
         for name, p in model.named_parameters():

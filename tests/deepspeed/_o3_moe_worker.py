@@ -25,11 +25,34 @@ import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config  # noqa: E402
+from hf_lowprec.fp8 import grouped  # noqa: E402
 from hf_lowprec.fp8.cast import widen  # noqa: E402
+from hf_lowprec.fp8.experts import expert_weight_names, experts_modules  # noqa: E402
+from hf_lowprec.fp8.recipes import get_recipe  # noqa: E402
+from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.testing.moe import tiny_moe  # noqa: E402
 from tests.helpers import batches  # noqa: E402
 
 MICRO = 2
+
+
+def forward_digest(model: torch.nn.Module) -> str:
+    """The real values of the FP8 expert weights each rank's forward computes with: the owner's
+    quantization of its master, the FP8 copy elsewhere (`grouped._fp8_weight`, as the forward)."""
+    h = hashlib.sha256()
+    for _, module in experts_modules(model):
+        for name in expert_weight_names(module):
+            weight = getattr(module, name)
+            payload, scale = grouped._fp8_weight(
+                get_recipe(module.fp8_recipe),
+                weight,
+                module.is_transposed,
+                module.fp8_margin,
+                get_master_scale(weight),
+                module.fp8_tensor_scale,
+            )
+            h.update((widen(payload, torch.float32) / scale + 0.0).numpy().tobytes())
+    return h.hexdigest()
 
 
 def main() -> None:
@@ -41,7 +64,12 @@ def main() -> None:
     result: dict = {"rank": rank}
     try:
         strategy = get_strategy("fp8-lm-o3")
-        model = strategy.prepare_model(tiny_moe("qwen3_moe"))
+        model = tiny_moe("qwen3_moe")
+        with torch.no_grad():  # experts of different magnitudes: per-expert scales would differ
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    p.mul_(torch.exp2(torch.arange(p.shape[0], dtype=p.dtype) * 1.5).reshape(-1, 1, 1))
+        model = strategy.prepare_model(model)
         optimizer = strategy.create_optimizer([p for p in model.parameters() if p.requires_grad], lr=3e-3)
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
@@ -59,7 +87,7 @@ def main() -> None:
         result["fp8_names"] = sorted(names[id(p)] for p in inner.fp8_params)
         result["owned"] = [names[id(inner.fp8_params[i])] for i in inner.owned]
         result["non_owned_dtypes"] = sorted({str(inner.fp8_params[i].dtype) for i in others})
-        result["losses"], result["digests"] = [], []
+        result["losses"], result["digests"], result["forward_digests"] = [], [], []
         for ids in batches(3, batch=2 * MICRO, seq=16, seed=3):
             local = ids[rank * MICRO : (rank + 1) * MICRO]
             with strategy.forward_context():
@@ -72,6 +100,7 @@ def main() -> None:
                 payload, scale = inner.fp8_weight(i)
                 h.update((widen(payload, torch.float32) / scale + 0.0).numpy().tobytes())
             result["digests"].append(h.hexdigest())
+            result["forward_digests"].append(forward_digest(model))
         result["complete"] = True
     except Exception:
         result["error"] = traceback.format_exc()

@@ -25,3 +25,6 @@ def test_o3_distributes_and_trains_the_experts(tmp_path):
         assert r["non_owned_dtypes"] == ["torch.float8_e4m3fn"]
         assert all(0 < loss < 10 for loss in r["losses"])
     assert ranks[0]["digests"] == ranks[1]["digests"] and len(ranks[0]["digests"]) == 3
+    # What each rank's experts compute with: the owner's own quantization equals the other
+    # rank's FP8 copy (one scale per 3-D weight, the experts' magnitudes 2^1.5 apart).
+    assert ranks[0]["forward_digests"] == ranks[1]["forward_digests"]

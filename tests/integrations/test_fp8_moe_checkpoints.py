@@ -50,7 +50,9 @@ def _publish(bf16_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     bf16, fp8 = tmp_path_factory.mktemp("moe_bf16"), tmp_path_factory.mktemp("moe_fp8")
-    tiny_moe("qwen3_moe", hidden=128, intermediate=128, experts=EXPERTS).to(torch.bfloat16).save_pretrained(bf16)
+    # Every projection on whole 128-blocks (k and v too: 4 key/value heads of 32), as a release quantizes them all.
+    model = tiny_moe("qwen3_moe", hidden=128, intermediate=128, experts=EXPERTS, num_key_value_heads=4)
+    model.to(torch.bfloat16).save_pretrained(bf16)
     _publish(bf16, fp8)
     return fp8
 
@@ -99,6 +101,14 @@ def test_fused_experts_start_from_the_stored_values_and_train(release, load, tmp
             assert torch.equal(weight.detach(), value.float()), f"layer {layer} {name}"
     record = model.__dict__["hf_lowprec_fp8_published"]
     assert record["changed"] == []
+    # The released experts compute in high precision under a strategy that does not convert them
+    # (transformers' FP8 experts would dispatch to its FP8 kernels), as after a dequantized load.
+    reference = AutoModelForCausalLM.from_pretrained(release).float()
+    ids = TokenBlocks()[0]["input_ids"][None]
+    with torch.no_grad():
+        logits, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    assert torch.allclose(logits, expected, rtol=0, atol=1e-2 * expected.abs().max())
     assert record["layers"]["model.layers.1.mlp.experts.3.up_proj"] == "trained from FP32 values"
 
     model = AutoModelForCausalLM.from_pretrained(release) if load.startswith("deq") else _load_as_on_a_gpu(release)
