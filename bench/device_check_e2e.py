@@ -78,6 +78,24 @@ def prepare(name: str, model: Any, device: str) -> tuple[Any, Any, Callable[[], 
     return model, optimizer, lambda: torch.autocast(device, dtype=torch.bfloat16), lambda loss: loss
 
 
+def timed_steps(step: Callable[[], Any], warmup: int, timed: int, cuda: bool) -> tuple[float, float, Any]:
+    """(warm-up seconds, seconds of the `timed` steps after them, the last step's result): the
+    device synchronised once after each phase, never between steps."""
+    import torch
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync()
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(timed):
+        result = step()
+    sync()
+    return warm, time.perf_counter() - start, result
+
+
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import LlamaForCausalLM
@@ -106,17 +124,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    start = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(timed):
-        loss = step()
-    sync()
-    seconds = time.perf_counter() - start
+    compile_s, seconds, loss = timed_steps(step, warmup, timed, cuda)
     return {
         "row": name,
         "parameters": params,

@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 from device_check import Report, cuda_or_say
+from device_check_e2e import timed_steps
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-mixed", "bf16-mixed", {}),
@@ -85,17 +86,7 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    start = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    sync()
-    warm = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(timed):
-        loss = step()
-    sync()
-    seconds = time.perf_counter() - start
+    warm, seconds, loss = timed_steps(step, warmup, timed, cuda)
     return {
         "row": label,
         "parameters": params,

@@ -300,3 +300,16 @@ def first_order_bound(norms: list[dict], step: int, lr: float = 1e-3, weight_dec
     ratio = sum(2 * adam_update_ratio(k) for k in range(1, step + 1))
     g1, gw1 = norms[step]["grad_l1"], norms[step]["grad_w_l1"]
     return 2 * (g1 * 2 * lr * ratio + gw1 * step * (2 * lr * weight_decay + 2.0**-3))
+
+
+def load_as_on_a_gpu(path):
+    """`from_pretrained` where transformers keeps its FP8 inference layers (CUDA ≥ 8.9 faked for the load)."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),
+    ):
+        return AutoModelForCausalLM.from_pretrained(path)

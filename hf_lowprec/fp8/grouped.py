@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .cast import widen
 from .gemm import _gemm_for, _ScaledMM
-from .linear import get_grad_sink, quantize_weight
+from .linear import deliver_weight_grad, get_grad_sink, output_dtype, quantize_weight
 from .recipes import GEMM_OUT_DTYPE, Recipe, get_recipe, mx_scale
 from .scaled import format_max, pow2_scale
 
@@ -31,8 +31,6 @@ __all__ = [
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-# The dtypes the FP8 grouped GEMM accepts as activations (its output keeps the input's, or autocast's).
-_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --- quantization ------------------------------------------------------------------------------
@@ -351,23 +349,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 grad_w = grad_w.masked_fill((counts == 0)[:, None, None], 0.0)
                 if ctx.transposed:
                     grad_w = grad_w.transpose(1, 2)
-                if sink is not None:
-                    sink(grad_w)
-                    grad_w = None
-                elif ctx.weight_dtype in (E4M3, E5M2):
-                    grad_w = None  # an FP8-stored weight's gradient exists only through a sink
-                else:
-                    grad_w = grad_w.to(ctx.weight_dtype)
+                grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        if dtype in _ACTIVATION_DTYPES:
-            return dtype
-    return x.dtype
 
 
 def _whole(payload: torch.Tensor, scale: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,5 +411,5 @@ def fp8_grouped_linear(
     spec = get_recipe(recipe)
     w8, sw = _fp8_weight(spec, weight, transposed, margin, master_scale, tensor_scale)
     sink = get_grad_sink(weight)
-    args = (offsets, rows, spec.name, transposed, margin, _output_dtype(x), sink)
+    args = (offsets, rows, spec.name, transposed, margin, output_dtype(x), sink)
     return _FP8GroupedLinear.apply(x, weight, w8, sw, *args)

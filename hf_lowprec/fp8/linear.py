@@ -75,9 +75,11 @@ __all__ = [
     "FP8Linear",
     "GemmPath",
     "GradSink",
+    "deliver_weight_grad",
     "fp8_gemm_path",
     "fp8_linear",
     "get_grad_sink",
+    "output_dtype",
     "quantize_weight",
     "set_fp8_gemm_path",
     "set_grad_sink",
@@ -280,17 +282,22 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:  # dW (N×K) = dyᵀ·x
                     grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
         if need_dw:
-            if sink is not None:
-                sink(grad_w)
-                grad_w = None
-            elif ctx.weight_dtype in (E4M3, E5M2):
-                grad_w = None  # an FP8-stored weight's gradient exists only through a sink
-            else:
-                grad_w = grad_w.to(ctx.weight_dtype)
+            grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+
+
+def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
+    """What an FP8 GEMM's backward returns for its weight: None after handing the gradient to the
+    weight's sink, None for an FP8-stored weight without one, else the gradient in its dtype."""
+    if sink is not None:
+        sink(grad_w)
+        return None
+    if weight_dtype in (E4M3, E5M2):
+        return None  # an FP8-stored weight's gradient exists only through a sink
+    return grad_w.to(weight_dtype)
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
@@ -298,7 +305,7 @@ def _check_input_dtype(x: torch.Tensor) -> None:
         raise ValueError(f"FP8 linear takes FP32, FP16 or BF16 inputs, got {x.dtype}; cast the input first")
 
 
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
+def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The input's dtype, or under autocast its dtype, as autocast gives `nn.Linear`'s output.
 
     Only the output's rounding follows autocast: the GEMM result is BF16 whatever the output
@@ -327,7 +334,7 @@ def fp8_linear(
 
     Args:
         x: input (..., K) in FP32, FP16 or BF16; the output has the same dtype (the autocast
-            dtype under autocast, see `_output_dtype`).
+            dtype under autocast, see `output_dtype`).
         weight: N×K (or K×N when `weight_transposed`).
         margin: scale margin in binades for every FP8 cast.
         master_scale: when the weight is a scaled master (payload = real·s_m), its scale.
@@ -339,7 +346,7 @@ def fp8_linear(
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
     w8, sw = _quantize_weight_for(recipe, weight, weight_transposed, margin, master_scale)
-    args = (weight_transposed, margin, _output_dtype(x), None, None, None, recipe)
+    args = (weight_transposed, margin, output_dtype(x), None, None, None, recipe)
     return _FP8LinearFunction.apply(x, weight, bias, w8, sw, *args)
 
 
@@ -461,7 +468,7 @@ class FP8Linear(nn.Module):
             sw,
             self.weight_transposed,
             self.margin,
-            _output_dtype(x),
+            output_dtype(x),
             get_grad_sink(self.weight),
             *(shared or (None, None)),
             self.recipe,

@@ -205,13 +205,13 @@ class _Context:
 def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(y, dx, dW, db) of an `FP8Linear` on `x`: its autograd function's forward and backward
     called directly, as the engine would (the forward GEMM and both backward GEMMs)."""
-    from hf_lowprec.fp8.linear import _FP8LinearFunction, _output_dtype, _quantize_weight_for
+    from hf_lowprec.fp8.linear import _FP8LinearFunction, _quantize_weight_for, output_dtype
 
     recipe = getattr(layer, "recipe", "tensorwise")
     master = getattr(layer, "master_scale", None)
     w8, sw = _quantize_weight_for(recipe, layer.weight, layer.weight_transposed, layer.margin, master)
     ctx = _Context((True, True, layer.bias is not None))
-    args = (layer.weight_transposed, layer.margin, _output_dtype(x), None, None, None, recipe)
+    args = (layer.weight_transposed, layer.margin, output_dtype(x), None, None, None, recipe)
     y = _FP8LinearFunction.forward(ctx, x, layer.weight, layer.bias, w8, sw, *args)
     dx, dw, db, *_ = _FP8LinearFunction.backward(ctx, torch.randn_like(y))
     return y, dx, dw, db

@@ -21,7 +21,7 @@ from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.fp8_published import restore_published_fp8
 from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear, dequantize_published, quantize_published
 from hf_lowprec.report import describe, format_report
-from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, tiny_llama_config, trainer_arguments
+from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, load_as_on_a_gpu, tiny_llama_config, trainer_arguments
 
 E4M3 = torch.float8_e4m3fn
 STRATEGIES = hf_lowprec.available_strategies()
@@ -62,17 +62,6 @@ def fp8_checkpoint(tmp_path_factory):
 
 def _stored(path: str) -> dict[str, torch.Tensor]:
     return load_file(f"{path}/model.safetensors")
-
-
-def _load_as_on_a_gpu(path: str):
-    """`from_pretrained` where transformers keeps its FP8 inference layers (CUDA ≥ 8.9 faked for the load)."""
-    from unittest import mock
-
-    with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),
-    ):
-        return AutoModelForCausalLM.from_pretrained(path)
 
 
 def _trainer(model, out, name: str, **overrides) -> Trainer:
@@ -156,7 +145,7 @@ def test_trained_layers_start_from_the_stored_values_not_a_bf16_round_trip(fp8_c
     model = (
         AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
         if load == "dequantized"
-        else _load_as_on_a_gpu(fp8_checkpoint)
+        else load_as_on_a_gpu(fp8_checkpoint)
     )
     trainer = _trainer(model, tmp_path, "fp8-lm-o1", max_steps=1)  # FP32 masters
     rounded_twice = 0

@@ -10,7 +10,6 @@ CUDA faked for the load, as on a GPU.
 
 import json
 import pathlib
-from unittest import mock
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.testing.moe import tiny_moe
-from tests.helpers import TokenBlocks, trainer_arguments
+from tests.helpers import TokenBlocks, load_as_on_a_gpu, trainer_arguments
 
 E4M3 = torch.float8_e4m3fn
 EXPERTS = 4
@@ -74,14 +73,6 @@ def _stored_fused(path: pathlib.Path, layer: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _load_as_on_a_gpu(path):
-    with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),
-    ):
-        return AutoModelForCausalLM.from_pretrained(path)
-
-
 def _trainer(model, out, name: str, **overrides) -> Trainer:
     args = TrainingArguments(**trainer_arguments(out, precision_strategy=name, **{"save_strategy": "no", **overrides}))
     return Trainer(model=model, args=args, train_dataset=TokenBlocks())
@@ -89,7 +80,7 @@ def _trainer(model, out, name: str, **overrides) -> Trainer:
 
 @pytest.mark.parametrize("load", ["dequantized (CPU)", "FP8 experts (GPU)"])
 def test_fused_experts_start_from_the_stored_values_and_train(release, load, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(release) if load.startswith("deq") else _load_as_on_a_gpu(release)
+    model = AutoModelForCausalLM.from_pretrained(release) if load.startswith("deq") else load_as_on_a_gpu(release)
     trainer = _trainer(model, tmp_path, "fp32", max_steps=0)
     trainer.create_optimizer()  # the strategy prepared the model: the stored values are restored
     for layer in range(2):
@@ -111,7 +102,7 @@ def test_fused_experts_start_from_the_stored_values_and_train(release, load, tmp
     assert torch.allclose(logits, expected, rtol=0, atol=1e-2 * expected.abs().max())
     assert record["layers"]["model.layers.1.mlp.experts.3.up_proj"] == "trained from FP32 values"
 
-    model = AutoModelForCausalLM.from_pretrained(release) if load.startswith("deq") else _load_as_on_a_gpu(release)
+    model = AutoModelForCausalLM.from_pretrained(release) if load.startswith("deq") else load_as_on_a_gpu(release)
     trainer = _trainer(model, tmp_path / "o2", "fp8-lm-o2", max_steps=3)
     losses = [row["loss"] for row in trainer.train() and trainer.state.log_history if "loss" in row]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
