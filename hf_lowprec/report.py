@@ -403,6 +403,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_fmt_bytes(m['grads'])}, optimizer {_fmt_bytes(m['optimizer_states'])}, extra "
             f"{_fmt_bytes(m['extra'])}) = {m['gib']:.3f} GiB for {m['num_params']:,} parameters"
         )
+    for role, facts in report.get("frozen_models", {}).items():
+        lines.append(
+            f"  frozen {role} model: {_fmt_bytes(facts['blocks_bytes_per_param'])} bytes/param in its decoder "
+            f"blocks ({facts['storage']}), {facts['bytes'] / 1e6:.1f} MB in all"
+        )
     for problem in report["violations"]:
         lines.append(f"  BROKEN PROMISE: {problem}")
     return "\n".join(lines)

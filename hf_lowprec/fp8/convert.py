@@ -18,7 +18,7 @@ from .experts import convert_experts
 from .linear import GEMM_MULTIPLE, FP8Linear
 from .recipes import get_recipe
 
-__all__ = ["ModuleFilter", "convert_to_fp8"]
+__all__ = ["ModuleFilter", "convert_to_fp8", "default_skips"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def _conv1d_class() -> type | None:
     return getattr(module, "Conv1D", None)
 
 
-def _default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
+def default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
     """id(module) → reason, for the LM head, layers whose weight is an embedding's and GEMMs
     with both dimensions below `min_gemm_features`."""
     skips: dict[int, str] = {}
@@ -94,7 +94,7 @@ def convert_to_fp8(
     if module_filter is not None and not callable(module_filter):
         raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
     conv1d = _conv1d_class()
-    default_skips = _default_skips(model, min_gemm_features) if module_filter is None else {}
+    skips = default_skips(model, min_gemm_features) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
     skipped: dict[str, str] = {}
     for fqn, module in model.named_modules():
@@ -107,7 +107,7 @@ def convert_to_fp8(
             logger.info("FP8: kept %s in high precision (rejected by module_filter)", name)
             skipped[name] = "rejected by module_filter"
             continue
-        reason = default_skips.get(id(module))
+        reason = skips.get(id(module))
         if reason is None and is_linear and type(module) is not nn.Linear:
             reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
         if reason is None:

@@ -180,6 +180,8 @@ class PrecisionCallback(TrainerCallback):
         plugin = getattr(plugin, "deepspeed_plugin", None)
         stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
         report = describe(self.strategy, trainer.model, trainer.optimizer, deepspeed_stage=stage, ddp=ddp)
+        if frozen := getattr(trainer, "hf_lowprec_frozen_models", None):  # TRL's reference, reward, teacher
+            report["frozen_models"] = frozen
         if state.is_world_process_zero:
             logger.info("%s", format_report(report))
             warn_slow_fp16_once(self.strategy, trainer.model)

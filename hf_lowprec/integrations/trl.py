@@ -10,15 +10,18 @@ the TRL trainer with `PrecisionTrainerMixin`. What differs from the plain Traine
 
 - TRL configs turn `bf16` on when it is left unset; with a strategy it stays off instead
   (the strategy owns mixed precision; an explicit `--bf16` is still checked against it).
-- `GRPOTrainer` also runs its rollouts (generation, reference and reward scoring) in the
-  strategy's forward context, so the old/reference log-probabilities are computed with the
-  same numerics as the training forward.
-- `DPOTrainer`: pass `ref_model=` for a model built from a config (TRL would rebuild the
-  reference from the empty `config._name_or_path`); the strategy converts both models.
+- `GRPOTrainer` and `RLOOTrainer` also run their rollouts (generation, reference and reward
+  scoring) in the strategy's forward context, so the old/reference log-probabilities are computed
+  with the same numerics as the training forward.
+- The frozen models beside the policy (DPO/KTO/GRPO/RLOO references, GRPO/RLOO reward models,
+  the distillation teacher), passed in or built by TRL, keep what their forward computes with
+  (`integrations.frozen`): the compute dtype, or FP8 blocks under the FP8 strategies.
+- `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL would rebuild the
+  reference from the empty `config._name_or_path`).
 - `PPOTrainer` (TRL 1.12, `trl.experimental.ppo`; install the `ppo` extra) does not use the Trainer loop: it builds
   its optimizer and `accelerator.prepare` inside `__init__` and runs its own loop in
-  `train()`. The strategy therefore converts the policy, value, reference and reward models
-  before that `__init__`, builds the optimizer over the policy+value parameters, runs the
+  `train()`. The strategy therefore prepares the policy and value models and freezes the
+  reference and reward models before that `__init__`, builds the optimizer over the policy+value parameters, runs the
   whole of `train()` (rollouts and PPO epochs) in its forward context, and scales the PPO
   loss at `accelerator.backward` when it scales losses. Backward passes run inside
   that context too; autocast only affects forward ops, whose backward follows the dtypes
@@ -33,6 +36,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import logging
 from typing import Any
 
 __all__ = [
@@ -44,14 +48,22 @@ __all__ = [
     "GRPOTrainer",
     "DPOConfig",
     "DPOTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
+    "DistillationConfig",
+    "DistillationTrainer",
     "PPOConfig",
     "PPOTrainer",
     "TRAINER_KINDS",
     "with_precision",
 ]
 
-# SFT, Reward, GRPO and DPO follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
+# SFT, Reward, GRPO, DPO, RLOO, KTO and Distillation (every trainer of TRL's CLI) follow the current TRL line; PPOTrainer left TRL in 1.13, so PPO
 # runs on the 1.12 line, installed by its own extra.
+logger = logging.getLogger(__name__)
+
 _TRL_EXTRA = "install the `trl` extra (from a checkout: pip install -e '.[trl]')"
 _PPO_EXTRA = "install the `ppo` extra (from a checkout: pip install -e '.[ppo]')"
 
@@ -65,7 +77,7 @@ def __getattr__(name: str) -> Any:
 
 
 # The TRL names this module wraps (PPO apart, see `_ppo_classes`).
-TRAINER_KINDS = ("SFT", "Reward", "GRPO", "DPO")
+TRAINER_KINDS = ("SFT", "Reward", "GRPO", "DPO", "RLOO", "KTO", "Distillation")
 
 
 def _import(module: str) -> Any:
@@ -109,7 +121,8 @@ def with_precision(cls: type) -> type:
         return cls
     if dataclasses.is_dataclass(cls):
         return _finish(dataclasses.dataclass(type(name, (_config_mixin(), cls), {"__doc__": _config_doc(cls)})), name)
-    extra = {"GRPOTrainer": (_RolloutInContext,), "DPOTrainer": (_ReferenceInStrategy,)}.get(name, ())
+    rollouts = (_RolloutInContext, _FrozenModels)
+    extra = {"GRPOTrainer": rollouts, "RLOOTrainer": rollouts}.get(name, (_FrozenModels,))
     doc = f"`trl.{name}` applying `args.precision_strategy`."
     return _finish(type(name, (*extra, PrecisionTrainerMixin, cls), {"__doc__": doc}), name)
 
@@ -118,26 +131,65 @@ def _config_doc(config: type) -> str:
     return f"`trl.{config.__name__}` plus `precision_strategy` and `precision_options`."
 
 
-class _ReferenceInStrategy:
-    """Converts DPO's `ref_model=` with the strategy too, so both models compute alike.
+# The trainer arguments and attributes that hold frozen models, with their role.
+_FROZEN_ROLES = {"ref_model": "reference", "reward_funcs": "reward", "teacher_model": "teacher"}
 
-    A separate strategy object prepares it: a strategy may keep facts about the model it
-    prepared (the policy's), which the reference must not overwrite.
+
+class _FrozenModels:
+    """Keeps the frozen models beside the policy at their forward's precision (`integrations.frozen`).
+
+    Models passed in are frozen before TRL's `__init__` (they never reach the device at the
+    policy's precision); those TRL builds from names are frozen after it, in place. Each gets
+    its own strategy object: a strategy may keep facts about the model it prepared (the policy's).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from .stock import bind_stock_arguments
 
-        call = bind_stock_arguments(self, _ReferenceInStrategy, args, kwargs)  # positional or by keyword
+        call = bind_stock_arguments(self, _FrozenModels, args, kwargs)  # positional or by keyword
         build = getattr(call.arguments.get("args"), "build_precision_strategy", None)
-        reference = call.arguments.get("ref_model")
-        if build is not None and isinstance(reference, _torch_module()):
-            from .peft import prepare_model
-
-            strategy = build()
-            if strategy is not None:
-                call.arguments["ref_model"] = prepare_model(strategy, reference)
+        strategy = build() if build is not None else None
+        if strategy is not None:
+            for argument, role in _FROZEN_ROLES.items():
+                if argument in call.arguments:
+                    call.arguments[argument] = _freeze_all(strategy, call.arguments[argument], role, build)
         super().__init__(*call.args[1:], **call.kwargs)
+        if self.precision is None:
+            return
+        for attribute, role in _FROZEN_ROLES.items():
+            if getattr(self, attribute, None) is None:
+                continue
+            if role == "reference" and getattr(self.args, "sync_ref_model", False):
+                logger.info("sync_ref_model=True updates the reference from the policy: it is kept as TRL built it")
+                continue
+            setattr(self, attribute, _freeze_all(self.precision, getattr(self, attribute), role, build))
+        from .frozen import FROZEN_ATTR
+
+        self.hf_lowprec_frozen_models = {}
+        for attribute, role in _FROZEN_ROLES.items():
+            value = getattr(self, attribute, None)
+            for index, model in enumerate(value if isinstance(value, list) else [value]):
+                facts = getattr(model, "__dict__", {}).get(FROZEN_ATTR)
+                if facts is not None:
+                    key = role if not isinstance(value, list) or len(value) == 1 else f"{role}[{index}]"
+                    self.hf_lowprec_frozen_models[key] = facts
+
+
+def _freeze_all(strategy: Any, value: Any, role: str, build: Any) -> Any:
+    """`value` (a model, a list of reward functions, a name) with its plain modules frozen."""
+    from .frozen import freeze_model, is_plain_module
+
+    if isinstance(value, list):
+        return [_freeze_all(strategy, v, role, build) for v in value]
+    if not isinstance(value, _torch_module()):
+        return value  # a name TRL loads later, or a reward function
+    if not is_plain_module(value):
+        logger.warning(
+            "the frozen %s model is wrapped (%s) by the time it is seen: kept as prepared", role, type(value).__name__
+        )
+        return value
+    fresh = build() if strategy.options.frozen_models == "policy" else strategy
+    return freeze_model(fresh, value, role)
 
 
 def _torch_module() -> type:
@@ -201,9 +253,12 @@ def _ppo_classes() -> dict[str, type]:
                     from peft import get_peft_model
 
                     call["model"] = get_peft_model(call["model"], call.pop("peft_config"))
-                for role in ("model", "value_model", "ref_model", "reward_model"):
+                for role in ("model", "value_model"):  # trained
                     if call.get(role) is not None:
                         call[role] = prepare_model(self.precision, call[role])
+                for role, name in (("ref_model", "reference"), ("reward_model", "reward")):  # frozen
+                    if call.get(role) is not None:
+                        call[role] = _freeze_all(self.precision, call[role], name, build)
             # PPOTrainer.__init__ builds the optimizer (our create_optimizer) and prepares it.
             super(PrecisionTrainerMixin, self).__init__(**call)
             # It skips Trainer.__init__, which sets this flag that Trainer._save reads on

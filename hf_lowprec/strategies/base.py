@@ -86,7 +86,7 @@ class PrecisionStrategy:
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused.
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
-        {"lost_arithmetic_metrics", "save_full_precision", "fused"}
+        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models"}
     )
     takes_user_optimizer: ClassVar[bool] = False
 
@@ -106,6 +106,12 @@ class PrecisionStrategy:
         self.measure_next_step = False
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
+
+    @property
+    def frozen_in_fp8(self) -> bool:
+        """Frozen models beside the trained one keep FP8 blocks (`integrations.frozen`): the
+        forward's GEMMs are FP8 ones."""
+        return self.uses_fp8_gemm
 
     def engine_support(self) -> EngineSupport:
         """Where this strategy, with its options, trains: the class's `support` unless an

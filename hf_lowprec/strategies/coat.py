@@ -112,6 +112,10 @@ class COAT(PrecisionStrategy):
         states = 2.0 + _METADATA_BYTES / self.options.group_size if self.options.states else 2.0 * weight
         return 2.0 * weight + compensation + states
 
+    @property
+    def frozen_in_fp8(self) -> bool:  # the FP8 GEMMs come with the FP8 activations
+        return bool(self.options.activations)
+
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.bf16_master:
             model = model.to(torch.bfloat16)

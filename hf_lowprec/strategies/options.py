@@ -31,11 +31,16 @@ class StrategyOptions:
             reference), "native" or "compiled" (require that path: an error names why it cannot
             run) or "reference" ("foreach" is its old name). Same results on CPU; see
             `optim.fastpath`.
+        frozen_models: what the frozen models beside the trained one keep (TRL's reference,
+            reward and teacher models): "forward" (what their forward computes with: the compute
+            dtype, or FP8 blocks under the FP8 strategies; `integrations.frozen`) or "policy"
+            (prepared like the trained model).
     """
 
     lost_arithmetic_metrics: bool = False
     save_full_precision: bool = False
     fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
+    frozen_models: Literal["forward", "policy"] = "forward"
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against

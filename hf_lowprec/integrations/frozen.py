@@ -1,0 +1,147 @@
+"""Frozen models beside the trained one (TRL's reference, reward and teacher models), kept at the
+precision their forward computes with.
+
+A frozen model takes no gradient and no optimizer step, so it needs no master copy: what it keeps
+is what its forward computes with (docs/rl.md).
+
+- FP32 strategies: FP32.
+- 16-bit strategies: the compute dtype (BF16, or FP16 under the FP16 strategies). Under autocast
+  a linear layer's weight is rounded to it at every GEMM anyway, so the linear layers compute
+  exactly as an FP32 copy would.
+- FP8 strategies and COAT: each linear layer of the decoder blocks becomes a
+  `FrozenBlockFP8Linear` (E4M3 payload, one FP32 scale per 128×128 block: 1.0002 bytes per
+  parameter), widened to the compute dtype one layer at a time. The LM head, the embeddings,
+  norms and biases stay 16-bit.
+
+Buffers keep their dtype (rotary frequencies lose digits in 16 bits). `frozen_models="policy"`
+in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoints.fp8_published import restore_published_fp8
+from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, quantize_published
+from ..fp8.convert import default_skips
+from ..strategies.base import PrecisionStrategy
+
+__all__ = ["FROZEN_ATTR", "freeze_model", "frozen_footprint", "is_plain_module"]
+
+logger = logging.getLogger(__name__)
+
+# On a frozen model: what `freeze_model` did ({"role", "storage", bytes...}), for the startup report.
+FROZEN_ATTR = "hf_lowprec_frozen"
+
+
+def is_plain_module(model: Any) -> bool:
+    """A module whose parameters can be replaced in place: not a DeepSpeed engine, an FSDP or DDP
+    wrapper, nor a model whose parameters are sharded DTensors."""
+    if not isinstance(model, nn.Module):
+        return False
+    wrapped = type(model).__name__ in ("DeepSpeedEngine", "FullyShardedDataParallel", "DistributedDataParallel")
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    sharded = dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in model.parameters())
+    return not (wrapped or sharded)
+
+
+def _storage(strategy: PrecisionStrategy) -> str:
+    if strategy.frozen_in_fp8:
+        return "fp8-blocks"
+    return str(strategy.compute_dtype).removeprefix("torch.")
+
+
+def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str) -> nn.Module:
+    """`model`, frozen, holding what its forward under `strategy` computes with (the module doc).
+
+    `role` names it in the logs and the startup report ("reference", "reward", "teacher").
+    Idempotent: a model frozen already is returned as it is.
+    """
+    if FROZEN_ATTR in model.__dict__:
+        return model
+    if strategy.options.frozen_models == "policy":
+        from .peft import prepare_model
+
+        model = prepare_model(strategy, model)
+        model.requires_grad_(False)
+        model.__dict__[FROZEN_ATTR] = {"role": role, "storage": "as the policy", **frozen_footprint(model)}
+        return model
+    model.requires_grad_(False)
+    fp8 = strategy.frozen_in_fp8
+    # A published FP8 checkpoint's layers from their stored values: frozen FP8 ones stay as published.
+    restore_published_fp8(model, keep_frozen_fp8=fp8)
+    converted = _to_block_fp8(model) if fp8 else 0
+    dtype = torch.bfloat16 if fp8 else strategy.compute_dtype
+    for module in model.modules():
+        if isinstance(module, FrozenBlockFP8Linear):
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(dtype)
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype and param.dtype.itemsize >= 2:
+                param.data = param.data.to(dtype)
+    footprint = frozen_footprint(model)
+    model.__dict__[FROZEN_ATTR] = {"role": role, "storage": _storage(strategy), "fp8_layers": converted, **footprint}
+    logger.info(
+        "%s: the frozen %s model keeps %.2f bytes/param in its decoder blocks (%s), %.1f MB in all",
+        strategy.name,
+        role,
+        footprint["blocks_bytes_per_param"],
+        _storage(strategy),
+        footprint["bytes"] / 1e6,
+    )
+    return model
+
+
+def _to_block_fp8(model: nn.Module) -> int:
+    """Swap the decoder blocks' linear layers (not the LM head nor layers tied to an embedding)
+    for `FrozenBlockFP8Linear`s; returns how many."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    skips = default_skips(model)
+    swaps = []
+    for fqn, module in model.named_modules():
+        linear = type(module) is nn.Linear
+        if not (linear or (conv1d is not None and type(module) is conv1d)) or id(module) in skips or not fqn:
+            continue
+        if module.weight.numel() == 0:
+            continue
+        swaps.append((fqn, module, linear))
+    for fqn, module, linear in swaps:
+        weight = module.weight.detach() if linear else module.weight.detach().t()  # Conv1D holds in × out
+        payload, scale_inv = quantize_published(weight.float(), BLOCK)
+        frozen = FrozenBlockFP8Linear(payload, scale_inv, module.bias, block=BLOCK)
+        frozen.requires_grad_(False)
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, frozen)
+    return len(swaps)
+
+
+def frozen_footprint(model: nn.Module) -> dict[str, float]:
+    """Bytes the model keeps (parameters and buffers), and bytes per parameter in its decoder
+    blocks: every module but the input and output embeddings, scales counted as bytes, not as
+    parameters."""
+    edges: set[int] = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        edge = get() if callable(get) else None
+        if isinstance(edge, nn.Module):
+            edges.update(id(p) for p in edge.parameters())
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    block_bytes = block_params = 0
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in edges:
+                continue
+            block_bytes += param.numel() * param.element_size()
+            if not (isinstance(module, FrozenBlockFP8Linear) and name == "weight_scale_inv"):
+                block_params += param.numel()
+    return {
+        "bytes": float(total),
+        "params": float(block_params),
+        "blocks_bytes_per_param": block_bytes / block_params if block_params else float("nan"),
+    }
