@@ -199,7 +199,9 @@ def _torch_module() -> type:
 
 
 class _RolloutInContext:
-    """Runs `_prepare_inputs` (where GRPO generates and scores) in the strategy's forward context."""
+    """GRPO/RLOO: runs `_prepare_inputs` (where they generate and score) in the strategy's forward
+    context, and measures how far the rollout's log-probs are from the training forward's
+    (`integrations.rollout`): `precision/rollout_*` in the training logs."""
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         precision = getattr(self, "precision", None)
@@ -207,6 +209,79 @@ class _RolloutInContext:
             return super()._prepare_inputs(generation_batch)
         with precision.forward_context():
             return super()._prepare_inputs(generation_batch)
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        if self.precision is None or self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
+            return super()._generate_single_turn(*args, **kwargs)
+        from .rollout import RolloutLogprobs
+
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        get_base = getattr(model, "get_base_model", None)  # a PEFT model generates through its base
+        sequences: list[Any] = []
+        full_forward = self.precision.options.rollout == "full_forward"
+
+        def generate(*a: Any, **k: Any) -> Any:
+            if full_forward:
+                k["use_cache"] = False
+            out = type(model).generate(model, *a, **k)
+            sequences.append(out)
+            return out
+
+        model.generate = generate  # this call's generate: an instance attribute over the class's
+        try:
+            with RolloutLogprobs(get_base() if callable(get_base) else model, self.temperature) as recorder:
+                result = super()._generate_single_turn(*args, **kwargs)
+        finally:
+            del model.generate
+        # One generation per rollout is measured; tool loops generate again per turn (not measured).
+        self._hf_rollout_turns = getattr(self, "_hf_rollout_turns", 0) + 1
+        self._hf_rollout_logps = recorder.finish(sequences[0]) if len(sequences) == 1 else None
+        return result
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        self._hf_rollout_logps, self._hf_rollout_turns = None, 0
+        output = super()._generate_and_score_completions(inputs)
+        logps, self._hf_rollout_logps = self._hf_rollout_logps, None
+        if output.get("sampling_per_token_logps") is not None:  # the sampler's own (vLLM)
+            output["hf_lowprec_rollout_logps"] = output["sampling_per_token_logps"]
+        elif logps is not None and self._hf_rollout_turns == 1:
+            width = output["completion_ids"].shape[1]
+            output["hf_lowprec_rollout_logps"] = pad_right(logps[:, :width], width)
+        self._hf_rollout_step = self.state.global_step
+        return output
+
+    def _compute_loss(self, model: Any, inputs: Any) -> Any:
+        rollout = inputs.get("hf_lowprec_rollout_logps")
+        if rollout is not None and getattr(self, "_hf_rollout_step", None) == self.state.global_step:
+            self._hf_compare = (rollout, inputs["completion_mask"])  # no update since the rollout
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._hf_compare = None
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        compare, self._hf_compare = getattr(self, "_hf_compare", None), None
+        if compare is not None:
+            from .rollout import MismatchMeter
+
+            if getattr(self, "_hf_mismatch", None) is None:
+                self._hf_mismatch = MismatchMeter()
+            self._hf_mismatch.add(result[0], *compare)
+        return result
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        meter = getattr(self, "_hf_mismatch", None)
+        if meter is not None and "loss" in logs:
+            logs = {**logs, **meter.read(self.accelerator.gather)}
+        return super().log(logs, start_time)
+
+
+def pad_right(values: Any, width: int) -> Any:
+    """(batch, n) → (batch, width), zeros after the n columns."""
+    import torch.nn.functional as F
+
+    return F.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
 
 
 @functools.cache

@@ -86,7 +86,7 @@ class PrecisionStrategy:
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused.
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
-        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models"}
+        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout"}
     )
     takes_user_optimizer: ClassVar[bool] = False
 

@@ -35,12 +35,17 @@ class StrategyOptions:
             reward and teacher models): "forward" (what their forward computes with: the compute
             dtype, or FP8 blocks under the FP8 strategies; `integrations.frozen`) or "policy"
             (prepared like the trained model).
+        rollout: how GRPO/RLOO decode their rollouts: "cached" (TRL's generation, KV cache) or
+            "full_forward" (no KV cache: each token from a forward over the whole sequence so
+            far, the training forward's numerics where they do not depend on later tokens;
+            slower, quadratic in the completion length).
     """
 
     lost_arithmetic_metrics: bool = False
     save_full_precision: bool = False
     fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
     frozen_models: Literal["forward", "policy"] = "forward"
+    rollout: Literal["cached", "full_forward"] = "cached"
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against
