@@ -29,6 +29,7 @@ from torch import nn
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, quantize_published
 from ..fp8.convert import default_skips
+from ..fp8.linear import FP8Linear
 from ..strategies.base import PrecisionStrategy
 
 __all__ = ["FROZEN_ATTR", "freeze_model", "frozen_footprint", "is_plain_module"]
@@ -105,15 +106,21 @@ def _to_block_fp8(model: nn.Module) -> int:
     skips = default_skips(model)
     swaps = []
     for fqn, module in model.named_modules():
-        linear = type(module) is nn.Linear
+        # FP8Linear: a model trained here first (a reward model), its weight a scaled master.
+        linear = type(module) in (nn.Linear, FP8Linear)
         if not (linear or (conv1d is not None and type(module) is conv1d)) or id(module) in skips or not fqn:
             continue
         if module.weight.numel() == 0:
             continue
         swaps.append((fqn, module, linear))
     for fqn, module, linear in swaps:
-        weight = module.weight.detach() if linear else module.weight.detach().t()  # Conv1D holds in × out
-        payload, scale_inv = quantize_published(weight.float(), BLOCK)
+        weight = module.weight.detach().float()
+        # Conv1D (and an FP8Linear made of one) holds in × out.
+        weight = weight.t() if not linear or getattr(module, "weight_transposed", False) else weight
+        master_scale = getattr(module, "master_scale", None)  # payload = real · s_m
+        if master_scale is not None:
+            weight = weight / master_scale.float()
+        payload, scale_inv = quantize_published(weight, BLOCK)
         frozen = FrozenBlockFP8Linear(payload, scale_inv, module.bias, block=BLOCK)
         frozen.requires_grad_(False)
         parent, _, child = fqn.rpartition(".")
