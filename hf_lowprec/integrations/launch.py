@@ -14,8 +14,9 @@ is set. `install()` adds an import watcher; when `transformers` is imported, the
 - `transformers.TrainingArguments` (also in `transformers.training_args` and
   `transformers.trainer`) is `hf_lowprec.TrainingArguments`, so `HfArgumentParser` scripts take
   `--precision_strategy`; `transformers.Trainer` is `hf_lowprec.Trainer`.
-- TRL's `SFT`, `Reward`, `GRPO` and `DPO` configs and trainers, read from `trl`, are the
-  classes of `hf_lowprec.trl`. TRL's own modules are executed with transformers' original
+- TRL's `SFT`, `Reward`, `GRPO`, `DPO`, `RLOO`, `KTO` and `Distillation` configs and trainers
+  (`hf_lowprec.trl.TRAINER_KINDS`: every command of TRL's CLI that trains), read from `trl`,
+  are the classes of `hf_lowprec.trl`. TRL's own modules are executed with transformers' original
   names in place, so that TRL's classes are the stock ones which `hf_lowprec.trl` wraps.
 - The launcher's strategy and options become the defaults of `precision_strategy` and
   `precision_options` (`launch_env.launched_precision`, read by the arguments' default
@@ -82,9 +83,12 @@ HOOK_DIR = Path(__file__).with_name("launch_hook")
 # patch point stops the process.
 TESTED_VERSIONS = {"transformers": "5.24", "trl": "1.16"}
 
+# The TRL kinds the launcher swaps (`hf_lowprec.trl.TRAINER_KINDS`, not imported here: this module
+# is imported at every launched process's start), as its messages name them.
+_TRL_KINDS = "SFT, Reward, GRPO, DPO, RLOO, KTO and Distillation"
 _IMPORT_CHANGE = (
     "change the script's import instead: `from hf_lowprec import Trainer, TrainingArguments` "
-    "(TRL: `from hf_lowprec.trl import SFTConfig, SFTTrainer`, and likewise for Reward, GRPO, DPO)"
+    f"(TRL: `from hf_lowprec.trl import SFTConfig, SFTTrainer`, likewise for each of {_TRL_KINDS})"
 )
 
 
@@ -394,8 +398,8 @@ def _refuse_trainers_without_strategy(original: type, mixin: type, strategy: str
             raise TypeError(
                 f"hf-lowprec launch: {what.__module__}.{what.__qualname__} does not take precision_strategy="
                 f"{strategy!r}, so it would train without it. Under the launcher, transformers.Trainer and "
-                "TrainingArguments (and their subclasses) and TRL's SFT, Reward, GRPO and DPO configs and trainers "
-                f"(imported from `trl`) take it. Drop --precision_strategy from the launcher, or {_IMPORT_CHANGE}."
+                f"TrainingArguments (and their subclasses) and TRL's {_TRL_KINDS} configs and trainers (imported "
+                f"from `trl`) take it. Drop --precision_strategy from the launcher, or {_IMPORT_CHANGE}."
             )
         init(self, model, args, *rest, **kwargs)
 

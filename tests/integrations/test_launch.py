@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -124,22 +125,34 @@ def _launch(*launcher_args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    """A saved tiny GPT-2 with its tokenizer, text for the script, SFT and DPO data folders (jsonl)."""
-    from transformers import GPT2LMHeadModel
+    """Saved tiny GPT-2s with their tokenizer (the policy `model`, a `teacher` of another seed, a one-label
+    `scorer`: the reward model), text for the script, and a data folder (jsonl) per TRL command."""
+    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
     from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_gpt2_config
 
     root = tmp_path_factory.mktemp("launch_assets")
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64)).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    for name, cls, seed, extra in [
+        ("model", GPT2LMHeadModel, 0, {}),
+        ("teacher", GPT2LMHeadModel, 2, {}),
+        ("scorer", GPT2ForSequenceClassification, 1, {"num_labels": 1}),
+    ]:
+        torch.manual_seed(seed)
+        cls(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, **extra)).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
     texts = [t[:200] for t in embedded_corpus() if t.strip()][:64]
+    pairs = list(itertools.pairwise(texts[:32]))
+    prompts = [{"prompt": t[:40]} for t in texts[:16]]
     for name, rows in {
         "sft": [{"text": t} for t in texts],
-        "dpo": [
-            {"prompt": t[:40], "chosen": t[40:80], "rejected": u[40:80]} for t, u in itertools.pairwise(texts[:32])
-        ],
+        "dpo": [{"prompt": t[:40], "chosen": t[40:80], "rejected": u[40:80]} for t, u in pairs],
+        "reward": [{"chosen": t[:80], "rejected": t[:40] + u[40:80]} for t, u in pairs],
+        # Unpaired preference: every prompt once, its completion desirable or not in turn.
+        "kto": [{"prompt": t[:40], "completion": t[40:80], "label": i % 2 == 0} for i, t in enumerate(texts[:32])],
+        "grpo": prompts,
+        "rloo": prompts,
+        "distillation": prompts,
     }.items():
         (root / name).mkdir()
         (root / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -260,6 +273,22 @@ def test_a_missing_patch_point_names_the_versions_and_the_import_that_works(monk
         launch._precision_name(None, "SFTTrainer", type("SFTTrainer", (), {}))
 
 
+def test_every_trl_command_that_trains_is_swapped_tested_and_named():
+    """TRL's CLI commands that train (`trl.cli`'s TrainingCommand: one script each) are the kinds the
+    launcher swaps, the commands `test_trl_cli_trains_with_the_strategy` runs, and the kinds its
+    messages name: a TRL release with a new training command fails here first."""
+    pytest.importorskip("trl")
+    from trl.cli.commands import get_commands
+    from trl.cli.commands.training import TrainingCommand
+
+    from hf_lowprec.integrations.trl import TRAINER_KINDS
+
+    training = {command.name for command in get_commands() if isinstance(command, TrainingCommand)}
+    assert training == {kind.lower() for kind in TRAINER_KINDS} == {kind.lower() for kind in _TRL_COMMANDS}
+    assert launch._TRL_KINDS.replace(" and ", ", ").split(", ") == list(TRAINER_KINDS)
+    assert launch._TRL_KINDS in launch._IMPORT_CHANGE
+
+
 def test_a_launched_interpreter_without_hf_lowprec_refuses_transformers(tmp_path):
     """Another environment's Python under the launcher must not train without the strategy."""
     (tmp_path / "hf_lowprec").mkdir()
@@ -370,7 +399,9 @@ print(json.dumps({
     "training_args": transformers.TrainingArguments.__module__,
     "trainer": transformers.Trainer.__module__,
     "sft_config": trl.SFTConfig.__module__,
-    "sft_trainer_mro": [c.__name__ for c in trl.SFTTrainer.__mro__[:3]],
+    # The SFT trainers and the classes the launcher cares about, in MRO order (helper mixins left out).
+    "sft_trainer_mro": [f"{c.__module__}.{c.__name__}" for c in trl.SFTTrainer.__mro__
+                        if c.__name__ in ("SFTTrainer", "PrecisionTrainerMixin", "Trainer")],
     "default": HfArgumentParser(transformers.TrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "o", "--use_cpu"])[0].precision_strategy if hasattr(
         transformers.TrainingArguments, "build_precision_strategy") else None,
@@ -408,7 +439,12 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
         "training_args": "hf_lowprec.integrations.trainer",
         "trainer": "hf_lowprec.integrations.trainer",
         "sft_config": "hf_lowprec.integrations.trl",
-        "sft_trainer_mro": ["SFTTrainer", "PrecisionTrainerMixin", "SFTTrainer"],
+        "sft_trainer_mro": [  # hf_lowprec.trl's class, the mixin over TRL's stock class, over transformers'
+            "hf_lowprec.integrations.trl.SFTTrainer",
+            "hf_lowprec.integrations.trainer.PrecisionTrainerMixin",
+            "trl.trainer.sft_trainer.SFTTrainer",
+            "transformers.trainer.Trainer",
+        ],
         "default": STRATEGY,
         "shadowed_sitecustomize": True,
         "stock_trainer": f"hf-lowprec launch: __main__.Stock does not take precision_strategy={STRATEGY!r}",
@@ -419,7 +455,7 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
         "training_args": "transformers.training_args",
         "trainer": "transformers.trainer",
         "sft_config": "trl.trainer.sft_config",
-        "sft_trainer_mro": ["SFTTrainer", "_BaseTrainer", "Trainer"],
+        "sft_trainer_mro": ["trl.trainer.sft_trainer.SFTTrainer", "transformers.trainer.Trainer"],
         "default": None,
         "stock_trainer": None,
     }
@@ -450,10 +486,42 @@ def test_transformers_script_takes_the_strategy_from_the_launcher_or_its_command
     assert_same_training(Run(tmp_path / "b"), reference, STEPS)
 
 
+class _TRLCommand(NamedTuple):
+    model: str  # the saved model of `assets` it trains
+    args: Callable[[Path], list[str]]  # beyond the common arguments
+    frozen: set[str]  # the roles of the frozen models beside the policy, in the startup report
+
+
+# Lengths keep every run to seconds. Reward trains the one-label `scorer`; GRPO and RLOO score with
+# it (`--reward_model_name_or_path`) and sample 2 completions of 8 tokens per prompt; Distillation
+# samples 8 tokens and matches the `teacher`'s distribution on them.
+_ONLINE = ["--num_generations", "2", "--max_completion_length", "8"]
+_TRL_COMMANDS = {
+    "SFT": _TRLCommand("model", lambda assets: ["--max_length", "64"], set()),
+    "DPO": _TRLCommand("model", lambda assets: ["--max_length", "64"], {"reference"}),
+    "Reward": _TRLCommand("scorer", lambda assets: ["--max_length", "64"], set()),
+    "KTO": _TRLCommand("model", lambda assets: ["--max_length", "64"], {"reference"}),
+    "GRPO": _TRLCommand(  # beta 0 (TRL's default): no reference model
+        "model", lambda assets: [*_ONLINE, "--reward_model_name_or_path", str(assets / "scorer")], {"reward"}
+    ),
+    "RLOO": _TRLCommand(
+        "model",
+        lambda assets: [*_ONLINE, "--reward_model_name_or_path", str(assets / "scorer")],
+        {"reference", "reward"},
+    ),
+    "Distillation": _TRLCommand(
+        "model",
+        lambda assets: ["--max_completion_length", "8", "--teacher_model_name_or_path", str(assets / "teacher")],
+        {"teacher"},
+    ),
+}
+
+
 def _trl_args(kind: str, assets: Path, out: Path) -> list[str]:
+    command = _TRL_COMMANDS[kind]
     return [
         "--model_name_or_path",
-        str(assets / "model"),
+        str(assets / command.model),
         "--dataset_name",
         str(assets / kind.lower()),
         "--output_dir",
@@ -462,12 +530,14 @@ def _trl_args(kind: str, assets: Path, out: Path) -> list[str]:
         "2",
         "--per_device_train_batch_size",
         "4",
-        "--max_length",
-        "64",
+        "--learning_rate",  # TRL's defaults (1e-6 for most) would leave the BF16 weights as they were
+        "1e-3",
         "--logging_steps",
         "1",
         "--save_steps",
         "2",
+        "--seed",
+        "0",
         "--gradient_checkpointing",
         "false",
         "--report_to",
@@ -475,6 +545,7 @@ def _trl_args(kind: str, assets: Path, out: Path) -> list[str]:
         "--use_cpu",
         "--disable_tqdm",
         "true",
+        *command.args(assets),
     ]
 
 
@@ -493,8 +564,18 @@ def _trl_reference(kind: str, argv: list[str], monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["SFT", "DPO"])
+@pytest.mark.parametrize("kind", list(_TRL_COMMANDS))
 def test_trl_cli_trains_with_the_strategy(tmp_path, assets, monkeypatch, kind):
+    """`hf-lowprec launch -- trl <command>` for every training command of TRL's CLI, against TRL's
+    script for it run here with `hf_lowprec.trl`'s classes: the same losses, weights and optimizer
+    state bit for bit (`assert_same_training`), and the same frozen models in the startup report.
+    The online commands (GRPO, RLOO, Distillation) sample their completions, yet are compared as
+    strictly: their trainers seed from `--seed` when built and again before sampling, so both runs
+    sample the same tokens. Their logged loss can be exactly 0 (GRPO's on-policy loss is the mean of
+    zero-sum advantages), so the optimizer's first moments must show that gradients reached it, and
+    the weights must have moved."""
+    from safetensors.torch import load_file
+
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     cli = shutil.which("trl")
@@ -505,7 +586,14 @@ def test_trl_cli_trains_with_the_strategy(tmp_path, assets, monkeypatch, kind):
     _run([*cmd, *_trl_args(kind, assets, launched)], tmp_path)
     strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
     _trl_reference(kind, [*_trl_args(kind, assets, tmp_path / "ref"), *strategy_args], monkeypatch)
-    assert_same_training(Run(launched), Run(tmp_path / "ref"), 2)
+    run, reference = Run(launched), Run(tmp_path / "ref")
+    assert_same_training(run, reference, 2)
+    frozen = run.report.get("frozen_models", {})
+    assert frozen == reference.report.get("frozen_models", {})
+    assert {facts["role"] for facts in frozen.values()} == _TRL_COMMANDS[kind].frozen, frozen
+    assert any(v.any() for (_, key), v in run.optimizer_state.items() if key == "exp_avg")
+    start = load_file(assets / _TRL_COMMANDS[kind].model / "model.safetensors")
+    assert any(not torch.equal(v, start[k].to(v.dtype)) for k, v in run.weights.items() if k in start)
 
 
 @pytest.mark.slow
