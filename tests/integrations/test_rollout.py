@@ -1,0 +1,196 @@
+"""The rollout–training mismatch of GRPO/RLOO (hf_lowprec/integrations/rollout.py, docs/rl.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_lowprec.integrations.rollout import MISMATCH_METRICS, MismatchMeter, RolloutLogprobs
+from hf_lowprec.testing import DeviceTraffic
+
+
+def _reference(train, rollout, mask):
+    """The metrics in FP64, from their definitions."""
+    delta = (train.double() - rollout.double())[mask]
+    ratio = delta.exp()
+    return {
+        "precision/rollout_logp_diff_mean": delta.abs().mean().item(),
+        "precision/rollout_logp_diff_max": delta.abs().max().item(),
+        "precision/rollout_ratio_mean": ratio.mean().item(),
+        "precision/rollout_ratio_std": ratio.std(unbiased=False).item(),
+        "precision/rollout_ratio_min": ratio.min().item(),
+        "precision/rollout_ratio_max": ratio.max().item(),
+    }
+
+
+def test_the_meter_matches_its_fp64_definition_over_micro_batches():
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for width in (7, 5):  # micro-batches of different completion lengths, padding masked out
+        train = -torch.rand(3, width, generator=gen) * 5
+        rollout = train + torch.randn(3, width, generator=gen) * 1e-3
+        mask = torch.rand(3, width, generator=gen) > 0.3
+        batches.append((train, rollout, mask))
+    meter = MismatchMeter()
+    for batch in batches:
+        meter.add(*batch)
+    got = meter.read()
+    want = _reference(
+        torch.cat([b[0].flatten() for b in batches]),
+        torch.cat([b[1].flatten() for b in batches]),
+        torch.cat([b[2].flatten() for b in batches]),
+    )
+    assert set(got) == set(MISMATCH_METRICS)
+    for name, value in want.items():
+        # FP32 sums of ~20 terms of size 1e-3: relative error a few 2^-24; the spread is computed from
+        # r − 1 (expm1), so it keeps its digits even where r itself is 1 to 7 places.
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+    assert meter.read() == {}  # read starts a fresh interval
+
+
+def test_a_masked_out_or_nan_token_counts_as_no_difference():
+    meter = MismatchMeter()
+    train = torch.tensor([[-1.0, -2.0, -3.0]])
+    rollout = torch.tensor([[-1.5, float("nan"), -100.0]])
+    meter.add(train, rollout, torch.tensor([[True, True, False]]))
+    got = meter.read()
+    assert got["precision/rollout_logp_diff_max"] == pytest.approx(0.5)
+    assert got["precision/rollout_logp_diff_mean"] == pytest.approx(0.25)  # (0.5 + 0) / 2 tokens
+    assert got["precision/rollout_ratio_max"] == pytest.approx(math.exp(0.5))
+
+
+def test_the_meter_and_the_recorder_never_wait_on_the_device():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    ).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    meter = MismatchMeter()
+    with torch.no_grad(), RolloutLogprobs(model, temperature=0.7) as recorder:
+        model(input_ids=ids)  # the prefill: warm-up outside the counted part
+        with DeviceTraffic() as traffic:
+            model(input_ids=ids[:, -1:])
+            logps = recorder.finish(ids)
+            meter.add(logps, logps + 1e-3, torch.ones_like(logps, dtype=torch.bool))
+    assert not traffic.syncs and not traffic.copies, traffic.summary()
+
+
+def test_the_recorder_gives_each_sampled_token_its_log_prob():
+    """Greedy decoding of 6 tokens: the recorded log-probs are those of a full forward over the
+    final sequence (FP32, no KV-cache effects above FP32 rounding: 1e-5)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    ).eval()
+    prompt = torch.randint(0, 64, (3, 4))
+    with torch.no_grad(), RolloutLogprobs(model, temperature=2.0) as recorder:
+        sequences = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = recorder.finish(sequences)
+        logits = model(sequences).logits[:, prompt.shape[1] - 1 : -1].double() / 2.0
+    want = torch.log_softmax(logits, -1).gather(-1, sequences[:, prompt.shape[1] :, None]).squeeze(-1)
+    assert got.shape == (3, 6)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+# --- through TRL --------------------------------------------------------------------------------------
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_lowprec.data import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side = "left"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _train(kind, path, tmp_path, strategy, **options):
+    import hf_lowprec.trl as hl_trl
+
+    def reward(completions, **kwargs):
+        return [len(c) / 10 for c in completions]
+
+    args = getattr(hl_trl, f"{kind}Config")(
+        output_dir=str(tmp_path),
+        precision_strategy=strategy,
+        precision_options=options,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        beta=0.04,
+        disable_dropout=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    prompts = datasets.Dataset.from_dict({"prompt": ["Return the value", "Open a file"] * 4})
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    trainer = getattr(hl_trl, f"{kind}Trainer")(
+        model=path, reward_funcs=reward, args=args, train_dataset=prompts, processing_class=tokenizer
+    )
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if MISMATCH_METRICS[0] in h]
+
+
+@pytest.mark.parametrize("kind", ["GRPO", "RLOO"])
+def test_fp32_rollouts_match_the_training_forward_and_bf16_ones_do_not(kind, llama_path, tmp_path):
+    _, exact = _train(kind, llama_path, tmp_path / "fp32", "fp32")
+    assert len(exact) == 2  # every logging step carries the metrics
+    # FP32: the KV-cache decode and the full forward differ only by FP32 rounding (log-probs of
+    # magnitude < 10, 2^-24 relative: well under 1e-5).
+    assert max(h[MISMATCH_METRICS[1]] for h in exact) < 1e-5
+    _, bf16 = _train(kind, llama_path, tmp_path / "bf16", "bf16-mixed")
+    worst = max(h[MISMATCH_METRICS[1]] for h in bf16)
+    # BF16 logits: each log-prob moves by about |logit|·2^-8; logits here are below 2, so far below 0.1.
+    assert 1e-5 < worst < 0.1
+    ratio_spread = max(h["precision/rollout_ratio_std"] for h in bf16)
+    assert 0 < ratio_spread < 0.1
+
+
+def test_full_forward_rollouts_decode_without_the_kv_cache(llama_path, tmp_path, monkeypatch):
+    from transformers import GenerationMixin
+
+    seen = []
+    generate = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("use_cache"))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    _, logs = _train("GRPO", llama_path, tmp_path, "bf16-mixed", rollout="full_forward")
+    assert seen and set(seen) == {False}
+    assert logs and all(math.isfinite(h[MISMATCH_METRICS[0]]) for h in logs)
