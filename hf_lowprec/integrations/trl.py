@@ -32,6 +32,7 @@ trl is imported on first use of a name here; without it the error names the extr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -150,8 +151,10 @@ class _FrozenModels:
         build = getattr(call.arguments.get("args"), "build_precision_strategy", None)
         strategy = build() if build is not None else None
         if strategy is not None:
+            # sync_ref_model=True mixes the policy's weights into the reference: it stays as passed.
+            sync = getattr(call.arguments["args"], "sync_ref_model", False)
             for argument, role in _FROZEN_ROLES.items():
-                if argument in call.arguments:
+                if argument in call.arguments and not (role == "reference" and sync):
                     call.arguments[argument] = _freeze_all(strategy, call.arguments[argument], role, build)
         super().__init__(*call.args[1:], **call.kwargs)
         if self.precision is None:
@@ -295,9 +298,10 @@ def _ppo_classes() -> dict[str, type]:
             f"{_PPO_EXTRA} (in its own environment if other TRL trainers should stay current)"
         ) from None
     import torch
+    from transformers.integrations import is_deepspeed_zero3_enabled as zero3
 
     from ..strategies.base import PrecisionStrategy, StrategyOptimizer
-    from .peft import prepare_model
+    from .peft import is_peft_model, prepare_model
     from .trainer import PrecisionTrainerMixin
 
     config_cls = _finish(
@@ -328,6 +332,10 @@ def _ppo_classes() -> dict[str, type]:
                     from peft import get_peft_model
 
                     call["model"] = get_peft_model(call["model"], call.pop("peft_config"))
+                if call.get("ref_model") is None and not is_peft_model(call["model"]) and not zero3():
+                    # TRL would copy the policy once prepared (create_reference_model): copy it before, to freeze
+                    # (under ZeRO-3 TRL refuses to copy: left to it).
+                    call["ref_model"] = copy.deepcopy(call["model"]).eval()
                 for role in ("model", "value_model"):  # trained
                     if call.get(role) is not None:
                         call[role] = prepare_model(self.precision, call[role])

@@ -22,26 +22,57 @@ import hf_lowprec.trl as hl_trl  # noqa: E402
 from hf_lowprec.data import build_tokenizer, tiny_gpt2_config  # noqa: E402
 from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer  # noqa: E402
 
-CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig")
+CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig", "RLOOConfig", "KTOConfig", "DistillationConfig")
 TRL_HAS_PPO = importlib.util.find_spec("trl.experimental.ppo") is not None
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+def left_padded_tokenizer():
+    """The tests' tokenizer, padding on the left (generation) and without token type ids."""
     tok = build_tokenizer()
     tok.model_input_names = ["input_ids", "attention_mask"]
     tok.padding_side = "left"
     return tok
 
 
-def tiny_lm(tokenizer, seed=0):
+@pytest.fixture(scope="module")
+def tokenizer():
+    return left_padded_tokenizer()
+
+
+def tiny_lm(tokenizer, seed=0, **config):
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64))
+    return GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, **config))
 
 
 def tiny_scorer(tokenizer, seed=1):
     torch.manual_seed(seed)
     return GPT2ForSequenceClassification(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, num_labels=1))
+
+
+# A preference pair per prompt (DPO).
+PAIRS = {
+    "prompt": ["Return the", "Open a"],
+    "chosen": [" value of x", " file for reading"],
+    "rejected": [" x of value", " reading for file"],
+}
+
+
+def trl_args(config, tmp_path, strategy, **overrides):
+    """`hl_trl.<config>` for a CPU run of one step of two examples, no saving, no reporting."""
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        precision_strategy=strategy,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return getattr(hl_trl, config)(**kwargs)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -146,11 +177,13 @@ class _ScaledFP32(PrecisionStrategy):
             self.pending = False
 
 
-def run_ppo(tmp_path, tokenizer, strategy=None):
+def ppo_trainer(tmp_path, tokenizer, strategy=None, precision_strategy="fp32", ref_model=None):
+    """TRL 1.12's PPOTrainer on the tiny policy (`tiny_lm`, seed 0), reward (seed 1) and value
+    (seed 2) models, four prompts, one PPO update; `strategy` replaces the one built from the name."""
     set_seed(0)
     args = hl_trl.PPOConfig(
         output_dir=str(tmp_path),
-        precision_strategy="fp32",
+        precision_strategy=precision_strategy,
         use_cpu=True,
         per_device_train_batch_size=4,
         num_mini_batches=1,
@@ -169,17 +202,20 @@ def run_ppo(tmp_path, tokenizer, strategy=None):
         args.build_precision_strategy = lambda: strategy
     prompts = [tokenizer(t)["input_ids"] for t in ("Return the", "Open a file", "Split the", "Join the")]
     train = datasets.Dataset.from_dict({"input_ids": prompts})
-    reward = tiny_scorer(tokenizer, seed=1)
-    trainer = hl_trl.PPOTrainer(
+    return hl_trl.PPOTrainer(
         args=args,
         processing_class=tokenizer,
         model=tiny_lm(tokenizer),
-        ref_model=None,
-        reward_model=reward,
+        ref_model=ref_model,
+        reward_model=tiny_scorer(tokenizer, seed=1),
         value_model=tiny_scorer(tokenizer, seed=2),
         train_dataset=train,
         eval_dataset=train,
     )
+
+
+def run_ppo(tmp_path, tokenizer, strategy=None):
+    trainer = ppo_trainer(tmp_path, tokenizer, strategy)
     trainer.train()
     return trainer
 
@@ -198,31 +234,14 @@ def test_ppo_under_current_trl_names_the_ppo_extra():
 
 
 def test_dpo_converts_policy_and_reference_with_the_strategy(tmp_path, tokenizer):
-    pairs = {
-        "prompt": ["Return the", "Open a"],
-        "chosen": [" value of x", " file for reading"],
-        "rejected": [" x of value", " reading for file"],
-    }
-    args = hl_trl.DPOConfig(
-        output_dir=str(tmp_path),
-        precision_strategy="collage-plus",
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        max_steps=2,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_length=32,
-    )
+    args = trl_args("DPOConfig", tmp_path, "collage-plus", max_steps=2, max_length=32)
     policy, reference = tiny_lm(tokenizer), tiny_lm(tokenizer)
     reference.requires_grad_(False)
     trainer = hl_trl.DPOTrainer(
         model=policy,
         ref_model=reference,
         args=args,
-        train_dataset=datasets.Dataset.from_dict(pairs),
+        train_dataset=datasets.Dataset.from_dict(PAIRS),
         processing_class=tokenizer,
     )
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}

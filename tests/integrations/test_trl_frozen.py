@@ -1,0 +1,534 @@
+"""The frozen models beside the policy (TRL's reference, reward and teacher models) through
+`hf_lowprec.trl`: what they hold after training, which ones are frozen when TRL builds them, the
+`frozen_models="policy"` and `sync_ref_model` exceptions, the log-probabilities a frozen reference
+computes against FP64, the startup report and the PPO path (integrations/frozen.py)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+import hf_lowprec.trl as hl_trl  # noqa: E402
+from hf_lowprec.fp8.blocks import BLOCK, FrozenBlockFP8Linear  # noqa: E402
+from hf_lowprec.fp8.linear import FP8Linear  # noqa: E402
+from hf_lowprec.integrations.frozen import FROZEN_ATTR, frozen_footprint  # noqa: E402
+from hf_lowprec.report import format_report  # noqa: E402
+from tests.helpers import assert_bits_equal, unit_roundoff  # noqa: E402
+from tests.integrations.test_trl import (  # noqa: E402
+    PAIRS,
+    left_padded_tokenizer,
+    ppo_trainer,
+    tiny_lm,
+    tiny_scorer,
+    trl_args,
+)
+
+E4M3 = torch.float8_e4m3fn
+# The tiny GPT-2's decoder blocks: 2 layers of 4 Conv1D (c_attn, attn.c_proj, c_fc, mlp.c_proj).
+BLOCK_LINEARS = 8
+PROMPTS = {"prompt": ["Return the", "Open a file"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return left_padded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """A tiny policy and a tiny reward model saved with the tokenizer, for TRL to load by path."""
+    root = tmp_path_factory.mktemp("saved")
+    for name, model in (("lm", tiny_lm(tokenizer)), ("rm", tiny_scorer(tokenizer))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return {"lm": str(root / "lm"), "rm": str(root / "rm")}
+
+
+def dpo(tmp_path, tokenizer, strategy, model, ref_model=None, **overrides):
+    args = trl_args("DPOConfig", tmp_path, strategy, max_length=32, **overrides)
+    return hl_trl.DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(PAIRS),
+        processing_class=tokenizer,
+    )
+
+
+def param_dtypes(model):
+    return {p.dtype for p in model.parameters()}
+
+
+def block_fp8_bytes_per_param(model):
+    """Bytes per parameter of a model frozen in FP8 blocks, from the format alone: 1 byte per E4M3
+    element, 4 per FP32 scale (one per started 128×128 block), 2 per BF16 element elsewhere; the
+    input/output embedding (GPT-2 ties them) left out, scales not counted as parameters."""
+    edge = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is edge  # tied
+    stored = params = 0
+    for module in model.modules():
+        if isinstance(module, FrozenBlockFP8Linear):
+            rows, cols = module.weight.shape
+            blocks = math.ceil(rows / BLOCK[0]) * math.ceil(cols / BLOCK[1])
+            assert module.weight.dtype == E4M3 and module.weight_scale_inv.dtype == torch.float32
+            assert module.weight_scale_inv.numel() == blocks
+            stored += rows * cols + 4 * blocks
+            params += rows * cols
+            others = [module.bias] if module.bias is not None else []
+        else:
+            others = list(module.parameters(recurse=False))
+        for p in others:
+            if p is not edge:
+                assert p.dtype == torch.bfloat16
+                stored += 2 * p.numel()
+                params += p.numel()
+    return stored / params
+
+
+# ---------------------------------------------------------------------------------------------
+# a reference passed in, through training, and the startup report
+# ---------------------------------------------------------------------------------------------
+
+# (strategy, what the reference's parameters hold, the stored facts' "storage")
+PASSED_REFERENCE = [
+    ("fp32", torch.float32, "float32"),
+    ("bf16-mixed", torch.bfloat16, "bfloat16"),
+    ("collage-plus", torch.bfloat16, "bfloat16"),
+    ("fp16-mixed", torch.float16, "float16"),
+    ("fp8-lm-o2", E4M3, "fp8-blocks"),
+    ("coat", E4M3, "fp8-blocks"),
+]
+
+
+@pytest.mark.parametrize("strategy, held, storage", PASSED_REFERENCE, ids=[p[0] for p in PASSED_REFERENCE])
+def test_a_passed_reference_holds_its_forward_precision_through_dpo_training(
+    tmp_path, tokenizer, caplog, strategy, held, storage
+):
+    policy, reference = tiny_lm(tokenizer), tiny_lm(tokenizer)
+    trainer = dpo(tmp_path, tokenizer, strategy, policy, reference)
+    assert trainer.ref_model is reference  # frozen in place, before TRL's __init__
+    frozen = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    trained = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="hf_lowprec.integrations.trainer"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and trainer.precision.skipped_steps == 0
+    assert any(not torch.equal(trained[n], p) for n, p in trainer.model.named_parameters())  # the policy moved
+    for name, p in reference.named_parameters():  # the reference did not
+        assert not p.requires_grad and p.grad is None
+        assert_bits_equal(p.detach(), frozen[name], name)
+
+    footprint = frozen_footprint(reference)
+    per_param = footprint["blocks_bytes_per_param"]
+    if held == E4M3:
+        converted = [m for m in reference.transformer.h.modules() if isinstance(m, FrozenBlockFP8Linear)]
+        assert len(converted) == BLOCK_LINEARS
+        assert not any(isinstance(m, Conv1D) for m in reference.modules())
+        # The LM head is not converted: a BF16 nn.Linear tied to the BF16 input embedding.
+        head = reference.lm_head
+        assert type(head) is nn.Linear and head.weight is reference.transformer.wte.weight
+        assert head.weight.dtype == torch.bfloat16
+        assert param_dtypes(reference) == {E4M3, torch.float32, torch.bfloat16}  # FP32: the block scales only
+        assert per_param == pytest.approx(block_fp8_bytes_per_param(reference), rel=1e-12)
+        assert per_param <= 1.1  # 1 byte + 4 bytes per 128×128 block + the BF16 norms, biases, positions
+    else:
+        assert param_dtypes(reference) == {held}  # no FP32 parameter under the 16-bit strategies
+        assert per_param == held.itemsize  # exactly 4.0 under fp32, 2.0 under the 16-bit strategies
+
+    facts = trainer.hf_lowprec_frozen_models
+    assert set(facts) == {"reference"} and facts["reference"] is reference.__dict__[FROZEN_ATTR]
+    assert facts["reference"]["role"] == "reference" and facts["reference"]["storage"] == storage
+    report = json.loads((tmp_path / "precision_report.json").read_text())
+    written = report["frozen_models"]["reference"]
+    assert written["storage"] == storage
+    assert written["bytes"] == footprint["bytes"] and written["blocks_bytes_per_param"] == per_param
+    line = (
+        f"  frozen reference model: {per_param:.2f} bytes/param in its decoder blocks ({storage}), "
+        f"{footprint['bytes'] / 1e6:.1f} MB in all"
+    )
+    assert line in format_report(report).splitlines()
+    assert any(line in record.getMessage().splitlines() for record in caplog.records)  # logged at startup
+
+
+# ---------------------------------------------------------------------------------------------
+# the frozen models TRL builds from names
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_frozen_fp8(model, role, linears=BLOCK_LINEARS):
+    facts = model.__dict__[FROZEN_ATTR]
+    assert facts["role"] == role and facts["storage"] == "fp8-blocks" and facts["fp8_layers"] == linears
+    blocks = [m for m in model.modules() if isinstance(m, FrozenBlockFP8Linear)]
+    assert len(blocks) == linears and not any(p.requires_grad for p in model.parameters())
+    assert param_dtypes(model) == {E4M3, torch.float32, torch.bfloat16}
+    assert {p.dtype for m in blocks for p in m.parameters(recurse=False)} == {E4M3, torch.float32, torch.bfloat16}
+
+
+def assert_frozen_16bit(model, role, dtype=torch.bfloat16):
+    facts = model.__dict__[FROZEN_ATTR]
+    assert facts["role"] == role and facts["storage"] == str(dtype).removeprefix("torch.")
+    assert param_dtypes(model) == {dtype} and not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind, strategy", [("DPO", "bf16-mixed"), ("KTO", "fp8-lm-o2")])
+def test_the_reference_trl_loads_from_the_policy_path_is_frozen(tmp_path, tokenizer, saved, kind, strategy):
+    if kind == "DPO":
+        trainer = dpo(tmp_path, tokenizer, strategy, saved["lm"])
+    else:
+        data = {"prompt": ["Return the", "Open a"], "completion": [" value of x", " reading for file"]}
+        trainer = hl_trl.KTOTrainer(
+            model=saved["lm"],
+            args=trl_args("KTOConfig", tmp_path, strategy, max_length=32),
+            train_dataset=datasets.Dataset.from_dict({**data, "label": [True, False]}),
+            processing_class=tokenizer,
+        )
+    reference = trainer.ref_model
+    assert reference is not None and reference is not trainer.model
+    if strategy == "bf16-mixed":
+        assert_frozen_16bit(reference, "reference")
+        assert param_dtypes(trainer.model) == {torch.float32}  # the policy keeps its FP32 masters
+    else:
+        assert_frozen_fp8(reference, "reference")
+        assert any(isinstance(m, FP8Linear) for m in trainer.model.modules())  # the policy: FP8 GEMMs
+    assert set(trainer.hf_lowprec_frozen_models) == {"reference"}
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.ref_model is reference
+
+
+def reward_length(completions, **kwargs):
+    return [len(c) / 10 for c in completions]
+
+
+@pytest.mark.parametrize("kind, strategy", [("GRPO", "fp8-lm-o2"), ("RLOO", "bf16-mixed"), ("GRPO", "coat")])
+def test_grpo_and_rloo_freeze_the_reference_and_a_reward_model_given_by_path(
+    tmp_path, tokenizer, saved, kind, strategy
+):
+    args = trl_args(
+        f"{kind}Config",
+        tmp_path,
+        strategy,
+        beta=0.04,  # GRPO's default 0 builds no reference
+        num_generations=2,
+        max_completion_length=8,
+        activation_checkpointing=False,
+    )
+    trainer = getattr(hl_trl, f"{kind}Trainer")(
+        model=saved["lm"],
+        reward_funcs=[saved["rm"], reward_length],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(PROMPTS),
+        processing_class=tokenizer,
+    )
+    reference, reward = trainer.ref_model, trainer.reward_funcs[0]
+    assert trainer.reward_funcs[1] is reward_length
+    if strategy == "bf16-mixed":
+        assert_frozen_16bit(reference, "reference")
+        assert_frozen_16bit(reward, "reward")
+    else:
+        assert_frozen_fp8(reference, "reference")
+        # The scorer's decoder blocks, and its 64→1 score head too (not an output embedding).
+        assert_frozen_fp8(reward, "reward", BLOCK_LINEARS + 1)
+        assert type(reference.lm_head) is nn.Linear and reference.lm_head.weight.dtype == torch.bfloat16
+    # Two reward functions: the model is the first, the function has no entry.
+    assert set(trainer.hf_lowprec_frozen_models) == {"reference", "reward[0]"}
+    assert trainer.hf_lowprec_frozen_models["reward[0]"] is reward.__dict__[FROZEN_ATTR]
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert trainer.ref_model is reference and trainer.reward_funcs[0] is reward
+    assert "rewards/reward_length/mean" in trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "fp8-lm-o2"])
+def test_the_distillation_teacher_loaded_by_path_is_frozen(tmp_path, tokenizer, saved, strategy):
+    trainer = hl_trl.DistillationTrainer(
+        model=saved["lm"],
+        teacher_model=saved["lm"],
+        args=trl_args("DistillationConfig", tmp_path, strategy, max_completion_length=4),
+        train_dataset=datasets.Dataset.from_dict(PROMPTS),
+        processing_class=tokenizer,
+    )
+    teacher = trainer.teacher_model
+    if strategy == "bf16-mixed":
+        assert_frozen_16bit(teacher, "teacher")
+    else:
+        assert_frozen_fp8(teacher, "teacher")
+    assert set(trainer.hf_lowprec_frozen_models) == {"teacher"}
+    if strategy == "bf16-mixed":
+        trainer.train()
+        assert trainer.state.global_step == 1 and math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the old behaviour on request, and a reference that follows the policy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["fp8-lm-o2", "bf16-mixed"])
+def test_frozen_models_policy_prepares_the_reference_like_the_policy(tmp_path, tokenizer, strategy):
+    reference = tiny_lm(tokenizer)
+    trainer = dpo(
+        tmp_path, tokenizer, strategy, tiny_lm(tokenizer), reference, precision_options={"frozen_models": "policy"}
+    )
+    assert not any(isinstance(m, FrozenBlockFP8Linear) for m in reference.modules())
+    assert not any(p.requires_grad for p in reference.parameters())
+    facts = trainer.hf_lowprec_frozen_models["reference"]
+    assert facts["storage"] == "as the policy"
+    if strategy == "fp8-lm-o2":
+        # As the policy: FP8Linear layers over FP16 scaled masters, the LM head FP32.
+        assert sum(isinstance(m, FP8Linear) for m in reference.modules()) == BLOCK_LINEARS
+        assert param_dtypes(reference) == param_dtypes(trainer.model) == {torch.float16, torch.float32}
+    else:
+        assert param_dtypes(reference) == {torch.float32} and facts["blocks_bytes_per_param"] == 4.0
+
+
+def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_path, tokenizer, saved):
+    alpha = 0.5
+    trainer = dpo(
+        tmp_path,
+        tokenizer,
+        "bf16-mixed",
+        saved["lm"],
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=alpha,
+    )
+    reference = trainer.ref_model
+    assert FROZEN_ATTR not in reference.__dict__ and trainer.hf_lowprec_frozen_models == {}
+    assert param_dtypes(reference) == {torch.float32}  # as TRL loads it: the policy's dtype
+    before = [p.detach().clone() for p in reference.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 1
+    # After the step the reference is (1 − α)·itself + α·policy. α = 1/2 scales exactly, so each
+    # element is one FP32 addition away: relative error ≤ u = 2⁻²⁴ of the exact sum.
+    u = unit_roundoff(torch.float32)
+    moved = 0
+    for old, p, q in zip(before, reference.parameters(), trainer.model.parameters(), strict=True):
+        expected = old.double() * (1 - alpha) + q.detach().double() * alpha
+        assert ((p.double() - expected).abs() <= u * expected.abs()).all()
+        moved += int(not torch.equal(old, p))
+    assert moved > 0
+
+
+@pytest.mark.parametrize("strategy", ["fp8-lm-o2", "bf16-mixed"])
+def test_sync_ref_model_keeps_a_passed_reference_as_passed(tmp_path, tokenizer, strategy):
+    # Frozen to FP8 blocks, the reference would make TRL's sync fail (no mul_ on an E4M3 tensor).
+    reference = tiny_lm(tokenizer)
+    trainer = dpo(tmp_path, tokenizer, strategy, tiny_lm(tokenizer), reference, sync_ref_model=True)
+    assert FROZEN_ATTR not in reference.__dict__ and trainer.hf_lowprec_frozen_models == {}
+    assert param_dtypes(reference) == {torch.float32}
+    assert not any(isinstance(m, FrozenBlockFP8Linear) for m in reference.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# what the frozen reference computes, against FP64
+# ---------------------------------------------------------------------------------------------
+
+
+class _Perturbations(TorchFunctionMode):
+    """In an FP64 forward, multiplies each result that depends on the weights by (1 + e), e a zero
+    leaf: ∂f/∂e = a·∂f/∂a, the first-order change of f when a is rounded with relative error e.
+
+    Results that copy or select values without rounding (views, copies, gathers) are left alone."""
+
+    EXACT: ClassVar[set[str]] = {
+        "clone",
+        "contiguous",
+        "to",
+        "dropout",
+        "embedding",
+        "cat",
+        "stack",
+        "reshape",
+        "expand",
+        "where",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.leaves = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if (
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.float64
+            and out.requires_grad
+            and out._base is None
+            and name not in self.EXACT
+            and not any(out is a for a in args)
+        ):
+            e = torch.zeros_like(out, requires_grad=True)
+            self.leaves.append(e)
+            out = out * (1 + e)
+        return out
+
+
+def token_logprobs(logits, ids):
+    """log p(token t+1 | ..t), in FP64 from the model's logits."""
+    return logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def trained_like(tokenizer, seed=0):
+    """The tiny LM with weights 5× GPT-2's initial scale and random biases and norm gains, as a
+    trained model's (at initialisation the biases are 0 and the gains 1, both exact in BF16, and the
+    log-probs all sit near −log V whatever the weights)."""
+    model = tiny_lm(tokenizer, seed, initializer_range=0.1).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+            elif p.dim() == 1:  # a LayerNorm's gain
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def rounding_sigmas(model, ids, weight_error_sq):
+    """Per token: σ of its log-probability's error when every intermediate result is rounded to
+    BF16 and every weight w is stored with E[δw²] = `weight_error_sq(name, w)`, from the FP64 model.
+
+    A round to nearest leaves δ uniform in ±ulp/2 ≤ ±u·|a|, so E[δ²] ≤ u²·a²/3 (u = 2⁻⁸ for BF16);
+    to first order the error is Σⱼ gⱼ·δⱼ with gⱼ = ∂logp/∂aⱼ, and the δⱼ are independent and zero
+    mean, so Var = Σⱼ gⱼ²·E[δⱼ²]. Results the BF16 forward computes in FP32 are counted too (an
+    upper bound). The FP64 model runs eager attention: the same function as SDPA, with the
+    rounding points of the BF16 kernel (scores, probabilities, output) as separate results."""
+    u = unit_roundoff(torch.bfloat16)
+    model64 = copy.deepcopy(model).double().eval()
+    model64.config._attn_implementation = "eager"
+    params = dict(model64.named_parameters())
+    with _Perturbations() as mode:
+        logits = model64(input_ids=ids).logits
+    logp = token_logprobs(logits, ids)  # in FP64 from the logits in the run measured too: no rounding
+    assert len(mode.leaves) > 30  # every layer's results are perturbed, not just the logits
+    var = torch.zeros_like(logp)
+    for index in itertools.product(*map(range, logp.shape)):
+        grads = torch.autograd.grad(logp[index], [*mode.leaves, *params.values()], retain_graph=True)
+        acts, weights = grads[: len(mode.leaves)], grads[len(mode.leaves) :]
+        total = u * u / 3 * sum(g.square().sum() for g in acts)
+        total += sum((g.square() * weight_error_sq(name, params[name])).sum() for name, g in zip(params, weights))
+        var[index] = total
+    return logp.detach(), var.sqrt()
+
+
+def bf16_weights(name, w):
+    return unit_roundoff(torch.bfloat16) ** 2 * w.square() / 3
+
+
+def block_fp8_weights(frozen_model):
+    """E[δw²] of each weight the frozen model keeps: its BF16 rounding, plus E4M3's for the block
+    layers: half an ulp ≤ max(2⁻⁴·|w|, 2⁻¹⁰·s) with s the block's scale (2⁻¹⁰: half the smallest
+    subnormal step, in units of s), so E[δ²] ≤ that²/3."""
+    scales = {}
+    for name, m in frozen_model.named_modules():
+        if isinstance(m, FrozenBlockFP8Linear):
+            s = m.weight_scale_inv.double().repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+            scales[f"{name}.weight"] = s[: m.out_features, : m.in_features].t()  # Conv1D holds in × out
+
+    def error_sq(name, w):
+        var = bf16_weights(name, w)
+        if name in scales:
+            half_ulp = torch.maximum(w.abs() * 2.0**-4, scales[name] * 2.0**-10)
+            var = var + half_ulp.square() / 3
+        return var
+
+    return error_sq
+
+
+def frozen_reference(tmp_path, tokenizer, strategy, model, **options):
+    trainer = dpo(tmp_path, tokenizer, strategy, tiny_lm(tokenizer), model, **options)
+    return trainer.ref_model, trainer.precision
+
+
+def test_the_frozen_references_log_probs_are_within_their_rounding_of_fp64(tmp_path, tokenizer):
+    model = trained_like(tokenizer)
+    ids = torch.randint(2, len(tokenizer), (2, 10), generator=torch.Generator().manual_seed(0))
+    exact, sigma_bf16 = rounding_sigmas(model, ids, bf16_weights)
+    assert exact.max() - exact.min() > 2.0
+
+    def logprobs(reference, strategy):
+        with strategy.forward_context(), torch.no_grad():
+            return token_logprobs(reference.eval()(input_ids=ids).logits, ids)
+
+    # Five standard deviations: a Gaussian sum of many small independent roundings exceeds it with
+    # probability 6e-7 per token.
+    bf16_ref, bf16 = frozen_reference(tmp_path / "bf16", tokenizer, "bf16-mixed", copy.deepcopy(model))
+    assert param_dtypes(bf16_ref) == {torch.bfloat16}
+    error = (logprobs(bf16_ref, bf16) - exact).abs()
+    assert (error <= 5 * sigma_bf16).all(), (error / sigma_bf16).max()
+    assert error.max() > 0
+
+    # The old behaviour (FP32 weights under the same autocast): within the same bound.
+    old_ref, old = frozen_reference(
+        tmp_path / "old", tokenizer, "bf16-mixed", copy.deepcopy(model), precision_options={"frozen_models": "policy"}
+    )
+    assert param_dtypes(old_ref) == {torch.float32}
+    assert ((logprobs(old_ref, old) - exact).abs() <= 5 * sigma_bf16).all()
+
+    fp8_ref, fp8 = frozen_reference(tmp_path / "fp8", tokenizer, "fp8-lm-o2", copy.deepcopy(model))
+    _, sigma_fp8 = rounding_sigmas(model, ids, block_fp8_weights(fp8_ref))
+    error = (logprobs(fp8_ref, fp8) - exact).abs()
+    assert (error <= 5 * sigma_fp8).all(), (error / sigma_fp8).max()
+    # The E4M3 weights are what the forward computes with: beyond what BF16 weights would give.
+    assert (error > 5 * sigma_bf16).any(), (error / sigma_bf16).max()
+
+
+def test_under_bf16_autocast_a_frozen_linear_computes_what_its_fp32_original_does(tmp_path, tokenizer):
+    """integrations.frozen's premise: autocast rounds an FP32 linear layer's weight and bias to
+    BF16 at every GEMM, so holding them in BF16 changes no bit of its output."""
+    model = trained_like(tokenizer)
+    original = copy.deepcopy(model)
+    reference, strategy = frozen_reference(tmp_path, tokenizer, "bf16-mixed", model)
+    layers = [n for n, m in original.named_modules() if isinstance(m, (Conv1D, nn.Linear))]
+    assert len(layers) == BLOCK_LINEARS + 1
+    generator = torch.Generator().manual_seed(1)
+    for name in layers:
+        frozen, fp32 = reference.get_submodule(name), original.get_submodule(name)
+        assert frozen.weight.dtype == torch.bfloat16 and fp32.weight.dtype == torch.float32
+        width = fp32.weight.shape[0] if isinstance(fp32, Conv1D) else fp32.in_features  # Conv1D holds in × out
+        x = torch.randn(2, 5, width, generator=generator).bfloat16()  # what the layer before hands on
+        with strategy.forward_context(), torch.no_grad():
+            assert_bits_equal(frozen(x), fp32(x), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO (TRL 1.12): reference and reward frozen, policy and value trained
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.ppo
+@pytest.mark.parametrize("passed", [False, True], ids=["reference-copied", "reference-passed"])
+def test_ppo_freezes_reference_and_reward_and_trains_policy_and_value(tmp_path, tokenizer, passed):
+    # The recipe (recipes/ppo_rlhf.py) passes ref_model=None: TRL would copy the policy.
+    reference = tiny_lm(tokenizer) if passed else None
+    trainer = ppo_trainer(tmp_path, tokenizer, precision_strategy="bf16-mixed", ref_model=reference)
+    if passed:
+        assert trainer.ref_model is reference
+    reference = trainer.ref_model
+    for model, role in ((reference, "reference"), (trainer.reward_model, "reward")):
+        assert_frozen_16bit(model, role)
+        assert model.__dict__[FROZEN_ATTR]["blocks_bytes_per_param"] == 2.0
+    # The reference is the initial policy, rounded once to BF16.
+    for (name, p), q in zip(reference.named_parameters(), tiny_lm(tokenizer).parameters(), strict=True):
+        assert_bits_equal(p.detach(), q.detach().bfloat16(), name)
+    for model in (trainer.model.policy, trainer.model.value_model):  # trained: FP32 masters
+        assert param_dtypes(model) == {torch.float32} and all(p.requires_grad for p in model.parameters())
+    frozen = [p.detach().clone() for p in reference.parameters()]
+    values = [p.detach().clone() for p in trainer.model.value_model.parameters()]
+    trainer.train()
+    assert "loss/value_avg" in trainer.state.log_history[-1]
+    assert any(not torch.equal(a, p) for a, p in zip(values, trainer.model.value_model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(frozen, reference.parameters()))
