@@ -100,8 +100,8 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str) -> nn
 
 
 def _to_block_fp8(model: nn.Module) -> int:
-    """Swap the decoder blocks' linear layers (not the LM head nor layers tied to an embedding)
-    for `FrozenBlockFP8Linear`s; returns how many."""
+    """Swap the decoder blocks' linear layers (those under a numbered block; not the LM head, a
+    classifier head, nor layers tied to an embedding) for `FrozenBlockFP8Linear`s; returns how many."""
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     skips = default_skips(model)
     swaps = []
@@ -109,6 +109,8 @@ def _to_block_fp8(model: nn.Module) -> int:
         # FP8Linear: a model trained here first (a reward model), its weight a scaled master.
         linear = type(module) in (nn.Linear, FP8Linear)
         if not (linear or (conv1d is not None and type(module) is conv1d)) or id(module) in skips or not fqn:
+            continue
+        if not any(part.isdigit() for part in fqn.split(".")):  # outside the blocks: a head (score, classifier)
             continue
         if module.weight.numel() == 0:
             continue

@@ -239,8 +239,9 @@ def test_grpo_and_rloo_freeze_the_reference_and_a_reward_model_given_by_path(
         assert_frozen_16bit(reward, "reward")
     else:
         assert_frozen_fp8(reference, "reference")
-        # The scorer's decoder blocks, and its 64→1 score head too (not an output embedding).
-        assert_frozen_fp8(reward, "reward", BLOCK_LINEARS + 1)
+        # The scorer's decoder blocks; its 64→1 score head, outside the blocks, stays 16-bit.
+        assert_frozen_fp8(reward, "reward", BLOCK_LINEARS)
+        assert type(reward.score) is nn.Linear and reward.score.weight.dtype == torch.bfloat16
         assert type(reference.lm_head) is nn.Linear and reference.lm_head.weight.dtype == torch.bfloat16
     # Two reward functions: the model is the first, the function has no entry.
     assert set(trainer.hf_lowprec_frozen_models) == {"reference", "reward[0]"}
