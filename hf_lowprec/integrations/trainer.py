@@ -59,8 +59,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The startup report's JSON, written to the output directory when training starts.
-REPORT_FILE = "precision_report.json"
+REPORT_FILE = "precision_report.json"  # the startup report's JSON, written to the output directory
 
 
 def _default(name: str) -> Any:
@@ -143,11 +142,9 @@ class TrainingArguments(PrecisionArgumentsMixin, transformers.TrainingArguments)
 
 
 class PrecisionCallback(TrainerCallback):
-    """Prepares DDP/FSDP2/DeepSpeed for the strategy, writes the startup report, times steps
-    and keeps the LR schedule aligned with skipped steps.
-
-    Appended after the Trainer's callbacks: none of its events needs to run before theirs (the
-    strategy's metrics join the logs in `PrecisionTrainerMixin.log`, before any callback sees them).
+    """Prepares DDP/FSDP2/DeepSpeed for the strategy, writes the startup report, times steps and keeps
+    the LR schedule aligned with skipped steps. Appended after the Trainer's callbacks: none of its events
+    needs to run before theirs (the strategy's metrics join the logs in `PrecisionTrainerMixin.log` first).
     """
 
     def __init__(self, strategy: PrecisionStrategy, trainer: Any = None) -> None:
@@ -421,9 +418,12 @@ class PrecisionTrainerMixin:
         loss = result[0] if isinstance(result, tuple) else result
         overrides_scaling = type(self.precision).scale_loss is not PrecisionStrategy.scale_loss
         if overrides_scaling and torch.is_tensor(loss) and loss.requires_grad:
-            # Scaling the gradient that leaves the loss equals scaling the loss, and the
-            # logged loss stays the true loss. training_step divides the loss by the
-            # accumulation steps (or the model by the window's token count) afterwards.
+            # Scaling the gradient that leaves the loss equals scaling the loss, and the logged loss stays
+            # the true loss; training_step divides it by the accumulation steps afterwards. A 16-bit loss
+            # (an FP16 model without autocast) is widened first: its scaled gradient is an FP32 tensor.
+            if loss.dtype != torch.float32:
+                loss = loss.float()
+                result = (loss, *result[1:]) if isinstance(result, tuple) else loss
             steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
             self.precision.set_gradient_accumulation(int(steps))
             loss.register_hook(self.precision.scale_loss)

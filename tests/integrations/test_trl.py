@@ -311,3 +311,20 @@ def test_ppo_recipe_under_ddp_trains_and_saves(tmp_path):
     result = json.loads((tmp_path / "recipe_result.json").read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo" and result["ppo_updates"] == 1
     assert (tmp_path / "model.safetensors").exists()
+
+
+def test_a_16_bit_loss_takes_the_loss_scale(tmp_path, tokenizer):
+    """A reward model under fp16-als computes in FP16 without autocast, so its loss is FP16: the loss
+    scale (an FP32 tensor) used to fail in backward ("hook 'scale_loss' has changed the type of
+    value"). The loss is widened to FP32 before its gradient is scaled, as GradScaler does."""
+    pairs = {"chosen": PAIRS["prompt"], "rejected": PAIRS["rejected"]}
+    trainer = hl_trl.RewardTrainer(
+        model=tiny_scorer(tokenizer),
+        args=trl_args("RewardConfig", tmp_path, "fp16-als", max_length=32),
+        train_dataset=datasets.Dataset.from_dict(pairs),
+        processing_class=tokenizer,
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.precision.skipped_steps == 0
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.model.parameters()))
