@@ -56,7 +56,7 @@ TRAVEL_LIMIT = 64 << 20
 # Two commands of at most six minutes each cover every section; each budget bounds one section
 # (the shell script also stops a part at DEVICE_CHECK_SECONDS, whatever the budgets say).
 PARTS: dict[str, list[tuple[str, int]]] = {
-    "part1": [("tests", 140), ("steps", 170)],
+    "part1": [("tests", 130), ("steps", 170), ("rl", 30)],
     "part2": [("e2e", 175), ("moe", 50), ("optim", 50), ("fidelity", 55)],
 }
 PACKAGES = ("triton", "transformers", "accelerate", "peft", "torchao", "safetensors", "tokenizers", "numpy")
@@ -372,6 +372,12 @@ def section_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
     run_moe(args, context)
 
 
+def section_rl(args: argparse.Namespace, context: dict[str, Any]) -> None:
+    from device_check_rl import run_rl
+
+    run_rl(args, context)
+
+
 def section_optim(args: argparse.Namespace, context: dict[str, Any]) -> None:
     from device_check_steps import run_optim
 
@@ -389,6 +395,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
     "steps": section_steps,
     "e2e": section_e2e,
     "moe": section_moe,
+    "rl": section_rl,
     "optim": section_optim,
     "fidelity": section_fidelity,
 }

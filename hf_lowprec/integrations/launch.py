@@ -83,8 +83,7 @@ HOOK_DIR = Path(__file__).with_name("launch_hook")
 # patch point stops the process.
 TESTED_VERSIONS = {"transformers": "5.24", "trl": "1.16"}
 
-# The TRL kinds the launcher swaps (`hf_lowprec.trl.TRAINER_KINDS`, not imported here: this module
-# is imported at every launched process's start), as its messages name them.
+# `hf_lowprec.trl.TRAINER_KINDS` as the messages name them (not imported: this runs at every process start).
 _TRL_KINDS = "SFT, Reward, GRPO, DPO, RLOO, KTO and Distillation"
 _IMPORT_CHANGE = (
     "change the script's import instead: `from hf_lowprec import Trainer, TrainingArguments` "

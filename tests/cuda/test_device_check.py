@@ -9,6 +9,7 @@ pytest plugin records each outcome as it comes, and a GPU section without a devi
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -169,3 +170,21 @@ def test_the_gemm_counter_sees_forward_and_both_backward_gemms():
 def test_three_scaled_mm_per_fp8_layer_is_the_verdict(eager, verdict):
     row = gemm_row("fp8-lm-o2", {"fp8_layers": 8, "eager": eager, "compiled": {"_scaled_mm": 24, "mm": 3}})
     assert row["expected _scaled_mm"] == 24 and row["verdict"].startswith(verdict)
+
+
+def test_the_rl_section_measures_the_frozen_models_it_keeps(tmp_path, monkeypatch):
+    """The `rl` section's code at toy sizes on the CPU (its GPU figures wait for a device): the frozen
+    reference and reward model hold 2 bytes/param in their blocks under bf16-mixed, about 1 under
+    fp8-lm-o2, and 2 again (FP16 scaled masters) when frozen like the policy."""
+    import device_check_rl
+
+    rows = (device_check_rl.ROWS[0], device_check_rl.ROWS[3], device_check_rl.ROWS[4])
+    monkeypatch.setattr(device_check_rl, "ROWS", rows)
+    device_check.main(["run", "rl", "--out", str(tmp_path), "--device", "cpu", "--smoke", "--budget", "120"])
+    data = json.loads((tmp_path / "rl.json").read_text())
+    got = {row["row"]: row for row in data["rows"]}
+    assert set(got) == {label for label, _, _ in rows} and not any(row.get("note") for row in got.values())
+    assert got["bf16-mixed"]["reference B/param"] == got["bf16-mixed"]["reward B/param"] == 2.0
+    assert 1.0 < got["fp8-lm-o2"]["reference B/param"] < 1.1 and 1.0 < got["fp8-lm-o2"]["reward B/param"] < 1.1
+    assert got["fp8-lm-o2, frozen as policy"]["reference B/param"] == pytest.approx(2.0, abs=0.01)
+    assert all(math.isfinite(row["loss"]) for row in got.values())
