@@ -56,22 +56,13 @@ RECIPES = ("rowwise", "blockwise", "mxfp8")
 
 
 def _llama(tokenizer, hidden: int, layers: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from hf_lowprec.testing.llama import llama_config
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    return LlamaForCausalLM(config)
+    ids = {k: getattr(tokenizer, k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+    return LlamaForCausalLM(llama_config(vocab=len(tokenizer), hidden=hidden, layers=layers, **ids))
 
 
 def _cases(strategies: list[str]) -> list[tuple[str, dict]]:

@@ -37,27 +37,11 @@ BATCH, SEQ, WARMUP, TIMED = 4, 512, 2, 3
 
 
 def rl_config(smoke: bool) -> Any:
-    from transformers import LlamaConfig
+    from hf_lowprec.testing.llama import llama_config
 
     if smoke:
-        return LlamaConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            pad_token_id=0,
-        )
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=SEQ,
-        pad_token_id=0,
-    )
+        return llama_config(vocab=512, hidden=128, layers=2, pad_token_id=0)
+    return llama_config(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, positions=SEQ, pad_token_id=0)
 
 
 def measure(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import torch
 
 from hf_lowprec.integrations.rollout import MISMATCH_METRICS, MismatchMeter, RolloutLogprobs
 from hf_lowprec.testing import DeviceTraffic
+from hf_lowprec.testing.llama import llama_config
 
 
 def _reference(train, rollout, mask):
@@ -62,12 +63,10 @@ def test_a_masked_out_or_nan_token_counts_as_no_difference():
 
 
 def test_the_meter_and_the_recorder_never_wait_on_the_device():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    ).eval()
+    model = LlamaForCausalLM(llama_config(vocab=64, hidden=32, layers=1, heads=2)).eval()
     ids = torch.randint(0, 64, (2, 5))
     meter = MismatchMeter()
     with torch.no_grad(), RolloutLogprobs(model, temperature=0.7) as recorder:
@@ -82,12 +81,10 @@ def test_the_meter_and_the_recorder_never_wait_on_the_device():
 def test_the_recorder_gives_each_sampled_token_its_log_prob():
     """Greedy decoding of 6 tokens: the recorded log-probs are those of a full forward over the
     final sequence (FP32, no KV-cache effects above FP32 rounding: 1e-5)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    ).eval()
+    model = LlamaForCausalLM(llama_config(vocab=64, hidden=32, layers=2, heads=2)).eval()
     prompt = torch.randint(0, 64, (3, 4))
     with torch.no_grad(), RolloutLogprobs(model, temperature=2.0) as recorder:
         sequences = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -106,25 +103,15 @@ datasets = pytest.importorskip("datasets")
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from hf_lowprec.data import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.padding_side = "left"
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    ids = {k: getattr(tokenizer, k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
+    config = llama_config(vocab=len(tokenizer), hidden=64, layers=2, positions=128, **ids)
     path = tmp_path_factory.mktemp("llama")
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
