@@ -16,63 +16,19 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, HfArgumentParser, set_seed  # noqa: E402
+from transformers import HfArgumentParser  # noqa: E402
 
 import hf_lowprec.trl as hl_trl  # noqa: E402
-from hf_lowprec.data import build_tokenizer, tiny_gpt2_config  # noqa: E402
 from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer  # noqa: E402
+from tests.helpers import PAIRS, left_padded_tokenizer, ppo_trainer, tiny_lm, tiny_scorer, trl_args  # noqa: E402
 
 CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig", "RLOOConfig", "KTOConfig", "DistillationConfig")
 TRL_HAS_PPO = importlib.util.find_spec("trl.experimental.ppo") is not None
 
 
-def left_padded_tokenizer():
-    """The tests' tokenizer, padding on the left (generation) and without token type ids."""
-    tok = build_tokenizer()
-    tok.model_input_names = ["input_ids", "attention_mask"]
-    tok.padding_side = "left"
-    return tok
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return left_padded_tokenizer()
-
-
-def tiny_lm(tokenizer, seed=0, **config):
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, **config))
-
-
-def tiny_scorer(tokenizer, seed=1):
-    torch.manual_seed(seed)
-    return GPT2ForSequenceClassification(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=64, num_labels=1))
-
-
-# A preference pair per prompt (DPO).
-PAIRS = {
-    "prompt": ["Return the", "Open a"],
-    "chosen": [" value of x", " file for reading"],
-    "rejected": [" x of value", " reading for file"],
-}
-
-
-def trl_args(config, tmp_path, strategy, **overrides):
-    """`hl_trl.<config>` for a CPU run of one step of two examples, no saving, no reporting."""
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        precision_strategy=strategy,
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        max_steps=1,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return getattr(hl_trl, config)(**kwargs)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -175,43 +131,6 @@ class _ScaledFP32(PrecisionStrategy):
                     if p.grad is not None:
                         p.grad.div_(1024.0)
             self.pending = False
-
-
-def ppo_trainer(tmp_path, tokenizer, strategy=None, precision_strategy="fp32", ref_model=None):
-    """TRL 1.12's PPOTrainer on the tiny policy (`tiny_lm`, seed 0), reward (seed 1) and value
-    (seed 2) models, four prompts, one PPO update; `strategy` replaces the one built from the name."""
-    set_seed(0)
-    args = hl_trl.PPOConfig(
-        output_dir=str(tmp_path),
-        precision_strategy=precision_strategy,
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_mini_batches=1,
-        num_ppo_epochs=1,
-        total_episodes=4,
-        response_length=4,
-        num_sample_generations=0,
-        learning_rate=1e-3,
-        activation_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-    )
-    if strategy is not None:
-        args.build_precision_strategy = lambda: strategy
-    prompts = [tokenizer(t)["input_ids"] for t in ("Return the", "Open a file", "Split the", "Join the")]
-    train = datasets.Dataset.from_dict({"input_ids": prompts})
-    return hl_trl.PPOTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=tiny_lm(tokenizer),
-        ref_model=ref_model,
-        reward_model=tiny_scorer(tokenizer, seed=1),
-        value_model=tiny_scorer(tokenizer, seed=2),
-        train_dataset=train,
-        eval_dataset=train,
-    )
 
 
 def run_ppo(tmp_path, tokenizer, strategy=None):

@@ -27,14 +27,15 @@ from hf_lowprec.fp8.blocks import BLOCK, FrozenBlockFP8Linear  # noqa: E402
 from hf_lowprec.fp8.linear import FP8Linear  # noqa: E402
 from hf_lowprec.integrations.frozen import FROZEN_ATTR, frozen_footprint  # noqa: E402
 from hf_lowprec.report import format_report  # noqa: E402
-from tests.helpers import assert_bits_equal, unit_roundoff  # noqa: E402
-from tests.integrations.test_trl import (  # noqa: E402
+from tests.helpers import (  # noqa: E402  # noqa: E402
     PAIRS,
+    assert_bits_equal,
     left_padded_tokenizer,
     ppo_trainer,
     tiny_lm,
     tiny_scorer,
     trl_args,
+    unit_roundoff,
 )
 
 E4M3 = torch.float8_e4m3fn
