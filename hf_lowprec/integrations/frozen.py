@@ -57,11 +57,13 @@ def _storage(strategy: PrecisionStrategy) -> str:
     return str(strategy.compute_dtype).removeprefix("torch.")
 
 
-def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str) -> nn.Module:
+def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, head_fp32: bool = False) -> nn.Module:
     """`model`, frozen, holding what its forward under `strategy` computes with (the module doc).
 
     `role` names it in the logs and the startup report ("reference", "reward", "teacher").
-    Idempotent: a model frozen already is returned as it is.
+    `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); modules the
+    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. Idempotent: a model frozen already is
+    returned as it is.
     """
     if FROZEN_ATTR in model.__dict__:
         return model
@@ -76,15 +78,21 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str) -> nn
     fp8 = strategy.frozen_in_fp8
     # A published FP8 checkpoint's layers from their stored values: frozen FP8 ones stay as published.
     restore_published_fp8(model, keep_frozen_fp8=fp8)
-    converted = _to_block_fp8(model) if fp8 else 0
+    converted = _to_block_fp8(model, getattr(strategy.options, "min_gemm_features", 0)) if fp8 else 0
     dtype = torch.bfloat16 if fp8 else strategy.compute_dtype
+    kept = _kept_in_fp32(model, head_fp32)
     for module in model.modules():
         if isinstance(module, FrozenBlockFP8Linear):
             if module.bias is not None:
                 module.bias.data = module.bias.data.to(dtype)
             continue
         for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != dtype and param.dtype.itemsize >= 2:
+            if (
+                param.is_floating_point()
+                and param.dtype != dtype
+                and param.dtype.itemsize >= 2
+                and id(param) not in kept
+            ):
                 param.data = param.data.to(dtype)
     footprint = frozen_footprint(model)
     model.__dict__[FROZEN_ATTR] = {"role": role, "storage": _storage(strategy), "fp8_layers": converted, **footprint}
@@ -99,11 +107,23 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str) -> nn
     return model
 
 
-def _to_block_fp8(model: nn.Module) -> int:
+def _kept_in_fp32(model: nn.Module, head_fp32: bool) -> set[int]:
+    """ids of the parameters that keep their dtype: the model's `_keep_in_fp32_modules`, and the
+    output embeddings when `head_fp32`."""
+    patterns = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    kept = {id(p) for name, m in model.named_modules() if any(k in name for k in patterns) for p in m.parameters()}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if head_fp32 and callable(get_head) else None
+    if isinstance(head, nn.Module):
+        kept.update(id(p) for p in head.parameters())
+    return kept
+
+
+def _to_block_fp8(model: nn.Module, min_gemm_features: int = 0) -> int:
     """Swap the decoder blocks' linear layers (those under a numbered block; not the LM head, a
     classifier head, nor layers tied to an embedding) for `FrozenBlockFP8Linear`s; returns how many."""
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-    skips = default_skips(model)
+    skips = default_skips(model, min_gemm_features)  # the policy's own skips: LM head, tied, too small
     swaps = []
     for fqn, module in model.named_modules():
         # FP8Linear: a model trained here first (a reward model), its weight a scaled master.

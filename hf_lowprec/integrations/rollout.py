@@ -78,8 +78,9 @@ class MismatchMeter:
     """Sums of |Δ log p| and of the ratio r = exp(train − rollout) over the completion tokens,
     on the device, until `read` (a logging step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         self._sums: torch.Tensor | None = None  # Σ|Δ|, n, Σ(r−1), Σ(r−1)², max|Δ|, max r, −min r
+        self._device = device
 
     def add(self, train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
         """Folds one micro-batch in: `train`, `rollout` (batch, tokens) log-probs, `mask` the
@@ -103,6 +104,7 @@ class MismatchMeter:
                 (-ratio).masked_fill(~mask, floor).amax() if delta.numel() else n * 0 + floor,
             ]
         )
+        self._device = stats.device
         if self._sums is None:
             self._sums = stats
         else:
@@ -111,9 +113,13 @@ class MismatchMeter:
     def read(self, gather: Any = None) -> dict[str, float]:
         """The interval's metrics (one host read), then a fresh interval; `gather` collects the
         ranks' vectors ((ranks·7,) from (7,)), as `accelerator.gather` does."""
-        if self._sums is None:
-            return {}
+        # An interval with nothing measured still takes part in the gather (its peers may have).
         sums, self._sums = self._sums, None
+        if sums is None:
+            if gather is None:
+                return {}
+            floor = torch.finfo(torch.float32).min
+            sums = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, floor, floor], device=self._device)
         if gather is not None:
             rows = gather(sums).reshape(-1, 7)
             sums = torch.cat([rows[:, :4].sum(0), rows[:, 4:].amax(0)])

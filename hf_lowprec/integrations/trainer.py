@@ -421,7 +421,7 @@ class PrecisionTrainerMixin:
             # Scaling the gradient that leaves the loss equals scaling the loss, and the logged loss stays
             # the true loss; training_step divides it by the accumulation steps afterwards. A 16-bit loss
             # (an FP16 model without autocast) is widened first: its scaled gradient is an FP32 tensor.
-            if loss.dtype != torch.float32:
+            if loss.dtype in (torch.float16, torch.bfloat16):
                 loss = loss.float()
                 result = (loss, *result[1:]) if isinstance(result, tuple) else loss
             steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)

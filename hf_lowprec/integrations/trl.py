@@ -165,7 +165,8 @@ class _FrozenModels:
             if role == "reference" and getattr(self.args, "sync_ref_model", False):
                 logger.info("sync_ref_model=True updates the reference from the policy: it is kept as TRL built it")
                 continue
-            setattr(self, attribute, _freeze_all(self.precision, getattr(self, attribute), role, build))
+            head_fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))  # TRL cast it: keep it
+            setattr(self, attribute, _freeze_all(self.precision, getattr(self, attribute), role, build, head_fp32))
         from .frozen import FROZEN_ATTR
 
         self.hf_lowprec_frozen_models = {}
@@ -178,12 +179,12 @@ class _FrozenModels:
                     self.hf_lowprec_frozen_models[key] = facts
 
 
-def _freeze_all(strategy: Any, value: Any, role: str, build: Any) -> Any:
+def _freeze_all(strategy: Any, value: Any, role: str, build: Any, head_fp32: bool = False) -> Any:
     """`value` (a model, a list of reward functions, a name) with its plain modules frozen."""
     from .frozen import freeze_model, is_plain_module
 
     if isinstance(value, list):
-        return [_freeze_all(strategy, v, role, build) for v in value]
+        return [_freeze_all(strategy, v, role, build, head_fp32) for v in value]
     if not isinstance(value, _torch_module()):
         return value  # a name TRL loads later, or a reward function
     if not is_plain_module(value):
@@ -192,7 +193,7 @@ def _freeze_all(strategy: Any, value: Any, role: str, build: Any) -> Any:
         )
         return value
     fresh = build() if strategy.options.frozen_models == "policy" else strategy
-    return freeze_model(fresh, value, role)
+    return freeze_model(fresh, value, role, head_fp32=head_fp32)
 
 
 def _torch_module() -> type:
@@ -214,25 +215,28 @@ class _RolloutInContext:
             return super()._prepare_inputs(generation_batch)
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        if self.precision is None or self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
+        measured = self.precision is not None and self.model.training  # evaluation rollouts are not measured
+        if not measured or self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
             return super()._generate_single_turn(*args, **kwargs)
         from .rollout import RolloutLogprobs
 
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        get_base = getattr(model, "get_base_model", None)  # a PEFT model generates through its base
+        inner = getattr(model, "_orig_mod", model)  # torch_compile: generation runs the original module
+        get_base = getattr(inner, "get_base_model", None)  # a PEFT model generates through its base
         sequences: list[Any] = []
         full_forward = self.precision.options.rollout == "full_forward"
+        original = model.generate
 
         def generate(*a: Any, **k: Any) -> Any:
             if full_forward:
                 k["use_cache"] = False
-            out = type(model).generate(model, *a, **k)
+            out = original(*a, **k)
             sequences.append(out)
             return out
 
         model.generate = generate  # this call's generate: an instance attribute over the class's
         try:
-            with RolloutLogprobs(get_base() if callable(get_base) else model, self.temperature) as recorder:
+            with RolloutLogprobs(get_base() if callable(get_base) else inner, self.temperature) as recorder:
                 result = super()._generate_single_turn(*args, **kwargs)
         finally:
             del model.generate
@@ -245,17 +249,20 @@ class _RolloutInContext:
         self._hf_rollout_logps, self._hf_rollout_turns = None, 0
         output = super()._generate_and_score_completions(inputs)
         logps, self._hf_rollout_logps = self._hf_rollout_logps, None
+        if self.precision is None or not self.model.training:
+            return output
         if output.get("sampling_per_token_logps") is not None:  # the sampler's own (vLLM)
             output["hf_lowprec_rollout_logps"] = output["sampling_per_token_logps"]
         elif logps is not None and self._hf_rollout_turns == 1:
             width = output["completion_ids"].shape[1]
             output["hf_lowprec_rollout_logps"] = pad_right(logps[:, :width], width)
-        self._hf_rollout_step = self.state.global_step
+        self._hf_rollout_step = self.state.global_step  # a training rollout: the policy of this step
         return output
 
     def _compute_loss(self, model: Any, inputs: Any) -> Any:
         rollout = inputs.get("hf_lowprec_rollout_logps")
-        if rollout is not None and getattr(self, "_hf_rollout_step", None) == self.state.global_step:
+        same_policy = getattr(self, "_hf_rollout_step", None) == self.state.global_step
+        if rollout is not None and self.model.training and same_policy:
             self._hf_compare = (rollout, inputs["completion_mask"])  # no update since the rollout
         try:
             return super()._compute_loss(model, inputs)
@@ -266,17 +273,20 @@ class _RolloutInContext:
         result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         compare, self._hf_compare = getattr(self, "_hf_compare", None), None
         if compare is not None:
-            from .rollout import MismatchMeter
-
-            if getattr(self, "_hf_mismatch", None) is None:
-                self._hf_mismatch = MismatchMeter()
-            self._hf_mismatch.add(result[0], *compare)
+            self._mismatch_meter().add(result[0], *compare)
         return result
 
+    def _mismatch_meter(self) -> Any:
+        from .rollout import MismatchMeter
+
+        if getattr(self, "_hf_mismatch", None) is None:
+            self._hf_mismatch = MismatchMeter(self.accelerator.device)
+        return self._hf_mismatch
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        meter = getattr(self, "_hf_mismatch", None)
-        if meter is not None and "loss" in logs:
-            logs = {**logs, **meter.read(self.accelerator.gather)}
+        if self.precision is not None and "loss" in logs:
+            # Every rank gathers at every training log, whether or not it measured anything since.
+            logs = {**logs, **self._mismatch_meter().read(self.accelerator.gather)}
         return super().log(logs, start_time)
 
 
@@ -344,6 +354,14 @@ def _ppo_classes() -> dict[str, type]:
                         call[role] = _freeze_all(self.precision, call[role], name, build)
             # PPOTrainer.__init__ builds the optimizer (our create_optimizer) and prepares it.
             super(PrecisionTrainerMixin, self).__init__(**call)
+            from .frozen import FROZEN_ATTR
+
+            frozen = (("reference", call.get("ref_model")), ("reward", call.get("reward_model")))
+            self.hf_lowprec_frozen_models = {
+                role: model.__dict__[FROZEN_ATTR]
+                for role, model in frozen
+                if FROZEN_ATTR in getattr(model, "__dict__", {})
+            }
             # It skips Trainer.__init__, which sets this flag that Trainer._save reads on
             # non-saving ranks (transformers 5.x): without it, save_model fails under DDP.
             if not hasattr(self, "is_distributed_loading_by_transformers"):

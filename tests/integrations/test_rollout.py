@@ -51,6 +51,27 @@ def test_the_meter_matches_its_fp64_definition_over_micro_batches():
     assert meter.read() == {}  # read starts a fresh interval
 
 
+def test_a_rank_that_measured_nothing_still_joins_the_gather():
+    """Under DDP every rank gathers at every training log: a rank with nothing measured in the
+    interval (its rollouts all went through a tool loop) sends an empty vector instead of skipping
+    the collective, which would hang its peers."""
+    measured, idle = MismatchMeter(), MismatchMeter(torch.device("cpu"))
+    train = torch.tensor([[-1.0, -2.0]])
+    measured.add(train, train - torch.tensor([[0.25, 0.5]]), torch.ones(1, 2, dtype=torch.bool))
+    vectors = [measured._sums.clone()]  # what the measuring rank contributes to the gather
+    calls = []
+
+    def gather(local):
+        calls.append(local.shape)
+        return torch.cat([vectors[0], local])
+
+    got = idle.read(gather)
+    assert calls == [torch.Size([7])]
+    assert got["precision/rollout_logp_diff_max"] == pytest.approx(0.5)
+    assert got["precision/rollout_logp_diff_mean"] == pytest.approx(0.375)
+    assert got["precision/rollout_ratio_min"] == pytest.approx(math.exp(0.25))
+
+
 def test_a_masked_out_or_nan_token_counts_as_no_difference():
     meter = MismatchMeter()
     train = torch.tensor([[-1.0, -2.0, -3.0]])
@@ -118,16 +139,18 @@ def llama_path(tmp_path_factory):
     return str(path)
 
 
-def _train(kind, path, tmp_path, strategy, **options):
+def _trainer(kind, path, tmp_path, strategy, options=None, **overrides):
+    from transformers import AutoTokenizer
+
     import hf_lowprec.trl as hl_trl
 
     def reward(completions, **kwargs):
         return [len(c) / 10 for c in completions]
 
-    args = getattr(hl_trl, f"{kind}Config")(
+    settings = dict(
         output_dir=str(tmp_path),
         precision_strategy=strategy,
-        precision_options=options,
+        precision_options=options or {},
         use_cpu=True,
         per_device_train_batch_size=4,
         num_generations=4,
@@ -141,13 +164,21 @@ def _train(kind, path, tmp_path, strategy, **options):
         disable_tqdm=True,
         seed=0,
     )
+    args = getattr(hl_trl, f"{kind}Config")(**{**settings, **overrides})
     prompts = datasets.Dataset.from_dict({"prompt": ["Return the value", "Open a file"] * 4})
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    trainer = getattr(hl_trl, f"{kind}Trainer")(
-        model=path, reward_funcs=reward, args=args, train_dataset=prompts, processing_class=tokenizer
+    return getattr(hl_trl, f"{kind}Trainer")(
+        model=path,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=prompts,
+        eval_dataset=prompts.select(range(4)),
+        processing_class=tokenizer,
     )
+
+
+def _train(kind, path, tmp_path, strategy, **options):
+    trainer = _trainer(kind, path, tmp_path, strategy, options)
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if MISMATCH_METRICS[0] in h]
 
@@ -181,3 +212,32 @@ def test_full_forward_rollouts_decode_without_the_kv_cache(llama_path, tmp_path,
     _, logs = _train("GRPO", llama_path, tmp_path, "bf16-mixed", rollout="full_forward")
     assert seen and set(seen) == {False}
     assert logs and all(math.isfinite(h[MISMATCH_METRICS[0]]) for h in logs)
+
+
+def test_evaluation_rollouts_are_not_measured_nor_make_a_stale_slice_current(llama_path, tmp_path, monkeypatch):
+    """Rollouts every 2 steps (steps_per_generation=2), an evaluation after every step: the meter
+    takes the first micro-batch after each training rollout (steps 0 and 2), not step 1's slice,
+    generated before the update, and nothing of the evaluations."""
+    import hf_lowprec.integrations.rollout as rollout
+
+    added = []
+    add = rollout.MismatchMeter.add
+
+    def spy(self, *args):
+        added.append(trainer.state.global_step if trainer.model.training else "eval")
+        return add(self, *args)
+
+    monkeypatch.setattr(rollout.MismatchMeter, "add", spy)
+    trainer = _trainer(
+        "GRPO",
+        llama_path,
+        tmp_path,
+        "bf16-mixed",
+        steps_per_generation=2,
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+    )
+    trainer.train()
+    assert added == [0, 2]

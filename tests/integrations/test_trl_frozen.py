@@ -534,3 +534,22 @@ def test_ppo_freezes_reference_and_reward_and_trains_policy_and_value(tmp_path, 
     assert "loss/value_avg" in trainer.state.log_history[-1]
     assert any(not torch.equal(a, p) for a, p in zip(values, trainer.model.value_model.parameters()))
     assert all(torch.equal(a, p) for a, p in zip(frozen, reference.parameters()))
+
+
+def test_freezing_keeps_what_the_model_or_trl_keeps_in_fp32_and_the_policys_fp8_skips(tokenizer):
+    """TRL's `cast_lm_head_to_fp32` (head_fp32) and a model's `_keep_in_fp32_modules` keep their FP32
+    weights; FP8 blocks follow the policy's `min_gemm_features` (a layer kept out of FP8 in the
+    policy stays out of it in the reference)."""
+    from hf_lowprec import get_strategy
+    from hf_lowprec.integrations.frozen import freeze_model
+
+    model = freeze_model(get_strategy("bf16-mixed"), tiny_lm(tokenizer), "reference", head_fp32=True)
+    assert model.lm_head.weight.dtype == torch.float32  # tied: the input embedding with it
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    kept = tiny_lm(tokenizer)
+    kept._keep_in_fp32_modules = ["ln_f"]
+    kept = freeze_model(get_strategy("bf16-mixed"), kept, "reference")
+    assert kept.transformer.ln_f.weight.dtype == torch.float32 and kept.lm_head.weight.dtype == torch.bfloat16
+    small = freeze_model(get_strategy("fp8-lm-o2", min_gemm_features=4096), tiny_lm(tokenizer), "reference")
+    assert not any(isinstance(m, FrozenBlockFP8Linear) for m in small.modules())
+    assert {p.dtype for p in small.parameters()} == {torch.bfloat16}
