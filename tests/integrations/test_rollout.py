@@ -241,3 +241,18 @@ def test_evaluation_rollouts_are_not_measured_nor_make_a_stale_slice_current(lla
     )
     trainer.train()
     assert added == [0, 2]
+
+
+def test_a_compiled_policy_generates_and_is_measured(llama_path, tmp_path):
+    """With `torch_compile=True` the unwrapped model TRL generates with is torch.compile's wrapper,
+    whose class has no `generate`: the rollout runs the original module's, and the hook sits on it."""
+    trainer = _trainer("GRPO", llama_path, tmp_path, "bf16-mixed")
+    trainer.model_wrapped = torch.compile(trainer.model)  # as the Trainer wraps it under torch_compile
+    trainer.model.train()
+    batch = [{"prompt": p} for p in ["Return the value", "Open a file"] * 2]
+    with trainer.precision.forward_context():
+        output = trainer._generate_and_score_completions(batch)
+    logps = output["hf_lowprec_rollout_logps"]
+    assert logps.shape == output["completion_ids"].shape
+    assert torch.isfinite(logps).all() and (logps[output["completion_mask"].bool()] < 0).all()
+    assert "generate" not in vars(trainer.model_wrapped)  # the patch is gone
