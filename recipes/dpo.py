@@ -5,9 +5,9 @@
         --dataset_name trl-lib/ultrafeedback_binarized
 
 The only change from a TRL script is `from hf_lowprec.trl import DPOConfig, DPOTrainer`. The
-reference model is a frozen copy of the policy at the start, converted by the strategy like
-the policy (passed as `ref_model=`, since a model built from a config has no name TRL could
-reload it from).
+reference model is a frozen copy of the policy at the start, kept at its forward's precision
+(BF16, FP16 or FP8 blocks; docs/rl.md), passed as `ref_model=`, since a model built from a
+config has no name TRL could reload it from.
 
 Offline default: a tiny GPT-2 and an embedded preference set: the first words of a docstring
 passage are the prompt, its true continuation is chosen over the same words shuffled.
