@@ -125,7 +125,25 @@ def with_precision(cls: type) -> type:
     rollouts = (_RolloutInContext, _FrozenModels)
     extra = {"GRPOTrainer": rollouts, "RLOOTrainer": rollouts}.get(name, (_FrozenModels,))
     doc = f"`trl.{name}` applying `args.precision_strategy`."
-    return _finish(type(name, (*extra, PrecisionTrainerMixin, cls), {"__doc__": doc}), name)
+    body: dict[str, Any] = {"__doc__": doc}
+    for mixin in extra:  # a mixin's (*args, **kwargs) override shows the stock method's signature
+        for attr, function in vars(mixin).items():
+            if attr != "__init__" and inspect.isfunction(function) and callable(getattr(cls, attr, None)):
+                body[attr] = _with_signature(function, getattr(cls, attr), f"{name}.{attr}")
+    return _finish(type(name, (*extra, PrecisionTrainerMixin, cls), body), name)
+
+
+def _with_signature(function: Any, stock: Any, qualname: str) -> Any:
+    """`function` behind a forwarder that declares `stock`'s signature (code that introspects TRL's
+    methods, the stock-compatibility test)."""
+
+    @functools.wraps(function)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(stock)  # type: ignore[attr-defined]
+    forward.__qualname__ = qualname
+    return forward
 
 
 def _config_doc(config: type) -> str:
