@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -41,8 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +273,41 @@ def cuda_or_say(args: argparse.Namespace, report: Report) -> bool:
         report.finish("no CUDA device")
         return False
     return True
+
+
+def measured_rows(
+    report: Report,
+    rows: Any,
+    measure: Callable[..., dict[str, Any]],
+    args: argparse.Namespace,
+    *,
+    reserve: float,
+    column: str = "note",
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(label, result) for each row `(label, *spec)` of `rows`, `measure(label, *spec, args)` run in
+    turn within the section's budget. A row started less than `reserve` seconds before the budget
+    ends, or one that raises, is written to `report` with its reason in `column` instead (a row
+    that fails is a finding). Memory and compiled graphs are freed after each row."""
+    import torch
+
+    deadline = time.monotonic() + args.budget - 5
+    for label, *spec in rows:
+        if time.monotonic() >= deadline - reserve:
+            report.add({"row": label, column: "not run: time budget spent"})
+            continue
+        try:
+            result = measure(label, *spec, args)
+        except Exception as error:
+            traceback.print_exc()
+            report.add({"row": label, column: f"error: {type(error).__name__}: {str(error)[:300]}"})
+            continue
+        finally:
+            gc.collect()
+            torch._dynamo.reset()
+            if args.device == "cuda":
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.empty_cache()
+        yield label, result
 
 
 def section_tests(args: argparse.Namespace, context: dict[str, Any]) -> None:

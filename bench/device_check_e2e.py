@@ -18,14 +18,11 @@ FP8 strategies keep the head too), FP32 weights under BF16 autocast, `AdamW(fuse
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from device_check import Report, cuda_or_say
+from device_check import Report, cuda_or_say, measured_rows
 
 TORCHAO = "torchao float8"
 ROWS = ("bf16-mixed", TORCHAO, "fp8-lm-o2", "coat", "collage-plus", "fp8-lm-o1")
@@ -149,7 +146,6 @@ def goal(name: str, speed: float, memory: float, torchao_speed: float | None) ->
 
 
 def run_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
-    import torch
 
     columns = ["row", "tokens/s", "× bf16-mixed", "peak GiB", "memory × bf16-mixed", "step ms", "warm-up s"]
     columns += ["loss", "goal"]
@@ -157,24 +153,8 @@ def run_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
     report = Report(args.out, "e2e", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):
         return
-    deadline = time.monotonic() + args.budget - 5
     results: dict[str, dict[str, Any]] = {}
-    for name in ROWS:
-        if time.monotonic() >= deadline - 20:
-            report.add({"row": name, "goal": "not run: time budget spent"})
-            continue
-        try:
-            result = measure(name, args)
-        except Exception as error:  # a row that fails is a finding: its cell says how
-            traceback.print_exc()
-            report.add({"row": name, "goal": f"error: {type(error).__name__}: {str(error)[:300]}"})
-            continue
-        finally:
-            gc.collect()
-            torch._dynamo.reset()
-            if args.device == "cuda":
-                with contextlib.suppress(RuntimeError):
-                    torch.cuda.empty_cache()
+    for name, result in measured_rows(report, [(row,) for row in ROWS], measure, args, reserve=20, column="goal"):
         if not results:
             warmup, timed = result.pop("steps")
             report.note(f"{result['parameters'] / 1e9:.2f} B parameters; {timed} timed steps after {warmup} warm-up")

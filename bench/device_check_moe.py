@@ -18,13 +18,9 @@ rowwise recipe (native forward and backward on Hopper).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import time
-import traceback
 from typing import Any
 
-from device_check import Report, cuda_or_say
+from device_check import Report, cuda_or_say, measured_rows
 from device_check_e2e import timed_steps
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -100,7 +96,6 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
 
 
 def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
-    import torch
 
     columns = ["row", "tokens/s", "× bf16-mixed", "× bf16-pure", "peak GiB", "memory × bf16-mixed", "fp8 share"]
     columns += ["step ms", "warm-up s", "loss", "note"]
@@ -108,23 +103,8 @@ def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
     report = Report(args.out, "moe", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):
         return
-    deadline = time.monotonic() + args.budget - 5
     results: dict[str, dict[str, Any]] = {}
-    for label, name, options in ROWS:
-        if time.monotonic() >= deadline - 15:
-            report.add({"row": label, "note": "not run: time budget spent"})
-            continue
-        try:
-            result = measure(label, name, options, args)
-        except Exception as error:  # a row that fails is a finding: its cell says how
-            traceback.print_exc()
-            report.add({"row": label, "note": f"error: {type(error).__name__}: {str(error)[:300]}"})
-            continue
-        finally:
-            gc.collect()
-            if args.device == "cuda":
-                with contextlib.suppress(RuntimeError):
-                    torch.cuda.empty_cache()
+    for label, result in measured_rows(report, ROWS, measure, args, reserve=15):
         if not results:
             report.note(f"{result['parameters'] / 1e9:.2f} B parameters")
         results[label] = result

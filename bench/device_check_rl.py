@@ -16,14 +16,10 @@ kept their forward's precision.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import gc
-import time
-import traceback
 from typing import Any
 
-from device_check import Report, cuda_or_say
+from device_check import Report, cuda_or_say, measured_rows
 from device_check_e2e import timed_steps
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -103,7 +99,6 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
 
 
 def run_rl(args: argparse.Namespace, context: dict[str, Any]) -> None:
-    import torch
 
     columns = ["row", "reference B/param", "reward B/param", "frozen GiB", "peak GiB", "memory × bf16-mixed"]
     columns += ["step ms", "× bf16-mixed", "warm-up s", "loss", "note"]
@@ -111,23 +106,8 @@ def run_rl(args: argparse.Namespace, context: dict[str, Any]) -> None:
     report = Report(args.out, "rl", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):
         return
-    deadline = time.monotonic() + args.budget - 5
     base: dict[str, Any] | None = None
-    for label, name, options in ROWS:
-        if time.monotonic() >= deadline - 5:
-            report.add({"row": label, "note": "not run: time budget spent"})
-            continue
-        try:
-            result = measure(label, name, options, args)
-        except Exception as error:  # a row that fails is a finding: its cell says how
-            traceback.print_exc()
-            report.add({"row": label, "note": f"error: {type(error).__name__}: {str(error)[:300]}"})
-            continue
-        finally:
-            gc.collect()
-            if args.device == "cuda":
-                with contextlib.suppress(RuntimeError):
-                    torch.cuda.empty_cache()
+    for _, result in measured_rows(report, ROWS, measure, args, reserve=5):
         if base is None:
             base = result
             report.note(f"{result['parameters'] / 1e9:.2f} B parameters per model")

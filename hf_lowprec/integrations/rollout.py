@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MISMATCH_METRICS", "MismatchMeter", "RolloutLogprobs"]
+__all__ = ["MISMATCH_METRICS", "MismatchMeter", "RolloutLogprobs", "fit_width"]
 
 MISMATCH_METRICS = (
     "precision/rollout_logp_diff_mean",
@@ -129,3 +129,10 @@ class MismatchMeter:
         excess = excess_sum / n
         spread = math.sqrt(max(excess_sq_sum / n - excess * excess, 0.0))
         return dict(zip(MISMATCH_METRICS, (abs_sum / n, abs_max, 1.0 + excess, spread, -neg_r_min, r_max)))
+
+
+def fit_width(logps: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, n) rollout log-probs laid out as TRL's completions, (batch, width): cut after
+    `width` columns, or zeros after the n (its padding, masked out)."""
+    logps = logps[:, :width]
+    return torch.nn.functional.pad(logps, (0, width - logps.shape[1])) if logps.shape[1] < width else logps

@@ -272,8 +272,9 @@ class _RolloutInContext:
         if output.get("sampling_per_token_logps") is not None:  # the sampler's own (vLLM)
             output["hf_lowprec_rollout_logps"] = output["sampling_per_token_logps"]
         elif logps is not None and self._hf_rollout_turns == 1:
-            width = output["completion_ids"].shape[1]
-            output["hf_lowprec_rollout_logps"] = pad_right(logps[:, :width], width)
+            from .rollout import fit_width
+
+            output["hf_lowprec_rollout_logps"] = fit_width(logps, output["completion_ids"].shape[1])
         self._hf_rollout_step = self.state.global_step  # a training rollout: the policy of this step
         return output
 
@@ -306,13 +307,6 @@ class _RolloutInContext:
             # Every rank gathers at every training log, whether or not it measured anything since.
             logs = {**logs, **self._mismatch_meter().read(self.accelerator.gather)}
         return super().log(logs, start_time)
-
-
-def pad_right(values: Any, width: int) -> Any:
-    """(batch, n) → (batch, width), zeros after the n columns."""
-    import torch.nn.functional as F
-
-    return F.pad(values, (0, width - values.shape[1])) if values.shape[1] < width else values
 
 
 @functools.cache
