@@ -64,6 +64,7 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     config = moe_config(args.smoke)
+    config.use_cache = False  # training builds no KV cache
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())

@@ -36,8 +36,13 @@ def rl_config(smoke: bool) -> Any:
     from hf_lowprec.testing.llama import llama_config
 
     if smoke:
-        return llama_config(vocab=512, hidden=128, layers=2, pad_token_id=0)
-    return llama_config(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, positions=SEQ, pad_token_id=0)
+        config = llama_config(vocab=512, hidden=128, layers=2, pad_token_id=0)
+    else:
+        config = llama_config(
+            vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16, positions=SEQ, pad_token_id=0
+        )
+    config.use_cache = False  # a training step's forwards build no KV cache
+    return config
 
 
 def measure(label: str, name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

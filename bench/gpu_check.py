@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,11 +75,17 @@ def run_tests() -> int:
 
 
 def optimizer_times(
-    device: torch.device, numel: int, deadline: float, names: list[str] | None = None
+    device: torch.device,
+    numel: int,
+    deadline: float,
+    names: list[str] | None = None,
+    on_row: Callable[[float, str, float | str], None] | None = None,
 ) -> tuple[float, dict[str, float | str]]:
     """Median step seconds of torch's AdamW (fused where the device has it) and of each strategy's
     optimizer (`names`, default all) on the same layers (8 Linear layers of `numel` parameters in
-    all); a strategy that cannot run here, or that the deadline stopped, gets the reason instead."""
+    all); a strategy that cannot run here, or that the deadline stopped, gets the reason instead.
+    `on_row(base, name, time)` hears each row as it is measured (a caller stopped at its budget
+    keeps the rows before)."""
     rows = 8
     cols = numel // rows // 1024 * 1024 // 1024  # square-ish Linear layers, multiples of 16
 
@@ -118,6 +125,8 @@ def optimizer_times(
             times[name] = median_time(stepper(module, optimizer, strategy), device, 3, 5)
         except Exception as exc:  # a strategy that cannot run here is reported, not fatal
             times[name] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+        if on_row is not None:
+            on_row(base, name, times[name])
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
