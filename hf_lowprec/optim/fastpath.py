@@ -44,6 +44,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
+import traceback
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -69,8 +71,17 @@ logger = logging.getLogger(__name__)
 FusedMode = Literal["auto", "native", "compiled", "reference", "foreach"]
 FUSED_MODES: tuple[str, ...] = ("auto", "native", "compiled", "reference")
 
-# emulate_precision_casts and dynamic_threads: see the module docstring.
-COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+# emulate_precision_casts and dynamic_threads: see the module docstring. coalesce_tiling_analysis
+# (Triton only: how a fused kernel is tiled, never what it computes) is off: Inductor documents it
+# as not applying to dynamic shapes, and in torch 2.11 it asserts on a group format's graph
+# (`tiling_utils.get_pw_red_splits` compares the size symbols of a per-group tensor and of the
+# (groups × block) view structurally, before the guard that makes them equal is applied: an
+# empty AssertionError, pytorch/pytorch#181563), so COAT's step fell back to the reference on CUDA.
+COMPILE_OPTIONS = {
+    "emulate_precision_casts": True,
+    "cpp.dynamic_threads": True,
+    "triton.coalesce_tiling_analysis": False,
+}
 PARALLEL_MIN_NUMEL = 32768
 # One graph per (family, dtypes, device): a process that trains several strategies needs more
 # than dynamo's default of 8 recompiles before it would give up on the function.
@@ -259,13 +270,24 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
                     raise
                 _broken.add((key, device.type))
                 _log_once(
-                    logging.WARNING, f"compiling {key} failed ({type(error).__name__}: {error}); using the reference"
+                    logging.WARNING,
+                    f"compiling {key} failed ({type(error).__name__}: {error}{_raised_at(error)}); using the reference",
                 )
                 return False
             _unstage(write_back)
             if counter is not None:
                 counter["compiled"] += 1
     return True
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where `error` was raised (its innermost frame), for the log line of a compile failure: an
+    Inductor error often has an empty message (a bare assert), and the fallback hides the traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", raised at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
 def _one_graph_for_every_size() -> contextlib.AbstractContextManager:
