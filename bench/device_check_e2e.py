@@ -104,7 +104,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     config = llama_config(args.smoke)
-    config.use_cache = False  # training: a cache per call makes each compiled layer guard on its own index
+    # No KV cache in training: with one, each compiled layer guards on its own layer of the cache,
+    # eight graphs per model (the first H200 run); without, transformers reads the position ids on
+    # the host once per step (a packed-sequence check), the same for every row.
+    config.use_cache = False
     with torch.device(args.device):
         model = LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())

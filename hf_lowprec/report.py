@@ -67,6 +67,8 @@ def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
     from .fp8.experts import FP8Experts
 
     if isinstance(module, FP8Linear):  # output gradients: E5M2 under tensorwise, E4M3 under the finer recipes
+        if module.recipe == "bf16":
+            return "BF16 GEMM (raised by the guard)"
         grad = "e5m2" if recipes.get_recipe(module.recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
         return f"fp8 GEMM {module.recipe} (e4m3 fwd, {grad} grad)"
     if isinstance(module, FP8Experts):

@@ -231,12 +231,16 @@ def begin_save(path: str, strategy: Any) -> None:
 def finish_save(path: str, strategy: Any, world_size: int) -> None:
     """Write the manifest of `path` (every rank's files must exist: call after a barrier), then drop the marker."""
     options = dataclasses.asdict(strategy.options) if strategy is not None else None
+    guard = getattr(strategy, "guard", None)
+    # What the guard did, for a reader of the checkpoint (the state to resume is in the optimizer's file).
+    acted = {"guard": {"raised": dict(guard.raised), "actions": list(guard.actions)}} if guard is not None else {}
     write_manifest(
         path,
         _checkpoint_files(path),
         strategy=strategy.name if strategy is not None else None,
         options=options,
         world_size=world_size,
+        **acted,
     )
     marker = os.path.join(path, SAVE_MARKER)
     if os.path.exists(marker):

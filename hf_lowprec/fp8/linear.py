@@ -68,6 +68,7 @@ from .gemm import (  # noqa: F401  (the GEMM paths' names, where callers have im
     fp8_gemm_path,
     set_fp8_gemm_path,
 )
+from .raised import RAISED, flush_counts, raised_linear
 from .recipes import get_recipe, native_kernel, recipe_backward, recipe_forward, recipe_weight
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 
@@ -456,6 +457,11 @@ class FP8Linear(nn.Module):
         if scale is not None and get_master_scale(self.weight) is not scale:
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
+        counts = self._buffers.get("guard_counts")  # the guard watches this layer's input cast
+        if counts is not None and self.recipe != RAISED:
+            counts.add_(flush_counts(x, self.recipe, self.margin))
+        if self.recipe == RAISED:  # raised by the guard (fp8/raised.py)
+            return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
         w8, sw = self._fp8_weight()
         # Inputs are shared in their tensorwise quantization only: the finer recipes quantize
         # x with the layer's own blocks in the autograd function.

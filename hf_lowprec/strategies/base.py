@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..distributed import any_rank, local_shard
+from ..guard import Guard, guard_config, guard_metrics, guard_state, load_guard_state
 from ..metrics import step_metrics
 from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
@@ -86,7 +87,7 @@ class PrecisionStrategy:
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused.
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
-        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout"}
+        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout", "guard"}
     )
     takes_user_optimizer: ClassVar[bool] = False
 
@@ -106,6 +107,8 @@ class PrecisionStrategy:
         self.measure_next_step = False
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
+        config = guard_config(self.options.guard)
+        self.guard = Guard(config, self) if config is not None else None
 
     @property
     def frozen_in_fp8(self) -> bool:
@@ -126,7 +129,10 @@ class PrecisionStrategy:
         """The model to train: its 16-bit parameters adopted where the strategy promises FP32
         (`adopt.adopt_loaded_dtypes`: a BF16 Hub checkpoint as loaded), then `convert_model`."""
         adopt_loaded_dtypes(self, model)
-        return self.convert_model(model)
+        model = self.convert_model(model)
+        if self.guard is not None:
+            self.guard.attach(model)
+        return model
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The strategy's own conversion (dtypes, module swaps); what a subclass overrides."""
@@ -382,11 +388,12 @@ class PrecisionStrategy:
     def state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to continue bit-for-bit (counters, scales), as plain
         Python values: reading it waits for the device (checkpoints only)."""
-        return {"skipped_steps": self.skipped_steps}
+        return {"skipped_steps": self.skipped_steps, **guard_state(self.guard)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skipped_logged = self._skipped_before
+        load_guard_state(self.guard, state.get("guard"))
 
     def check_resume_options(self, saved: dict[str, Any], where: str) -> list[str]:
         """Compare this strategy's options with the `saved` ones (read from `where`).
@@ -419,12 +426,13 @@ class PrecisionStrategy:
         skipped = self.skipped_steps
         if skipped > self._skipped_logged:
             logger.warning(
-                "non-finite gradients: %d step(s) skipped since the last log (%d so far)",
+                "%s: %d step(s) skipped since the last log (%d so far)",
+                "non-finite gradients" if self.guard is None else "non-finite gradients or the guard's outliers",
                 skipped - self._skipped_logged,
                 skipped,
             )
             self._skipped_logged = skipped
-        return {"precision/skipped_steps": float(skipped), **self._lost_arithmetic}
+        return {"precision/skipped_steps": float(skipped), **self._lost_arithmetic, **guard_metrics(self.guard)}
 
     def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
         self._lost_arithmetic = step_metrics(records, group_count)

@@ -36,6 +36,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.strategy = strategy
         self._found_inf: torch.Tensor | None = None  # the last step's flag, on the device
+        if strategy.guard is not None:  # the guard snapshots and restores this optimizer's state
+            strategy.guard.optimizer = optimizer
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -92,6 +94,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 f"{type(strategy).__name__}.process_gradients returned {type(found_inf).__name__}; it must return "
                 "a 0-dim FP32 tensor on the gradients' device (1.0: skip the step), as `numerics.nonfinite_flag` gives"
             )
+        if strategy.guard is not None:  # outlier steps are skipped as non-finite ones are (guard.py)
+            found_inf = strategy.guard.judge(self.optimizer, found_inf)
         strategy.count_skip(found_inf)
         self._found_inf = found_inf
         measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..guard import guard_config
+
 __all__ = ["StrategyOptions"]
 
 
@@ -39,6 +41,9 @@ class StrategyOptions:
             "full_forward" (no KV cache: each token from a forward over the whole sequence so
             far, the training forward's numerics where they do not depend on later tokens;
             slower, quadratic in the completion length).
+        guard: watch the run for low-precision failures and act: skip outlier steps, roll back,
+            raise the precision of FP8 layers that flush their inputs (`hf_lowprec.guard`):
+            false, true (defaults) or a dict of `GuardConfig`'s thresholds.
     """
 
     lost_arithmetic_metrics: bool = False
@@ -46,6 +51,7 @@ class StrategyOptions:
     fused: Literal["auto", "native", "compiled", "reference", "foreach"] = "auto"
     frozen_models: Literal["forward", "policy"] = "forward"
     rollout: Literal["cached", "full_forward"] = "cached"
+    guard: bool | dict = False
 
     def __post_init__(self) -> None:
         # Options often come from a JSON string on the command line: check every value against
@@ -57,6 +63,7 @@ class StrategyOptions:
                 got = repr(getattr(self, field.name))
                 got = got if len(got) <= 60 else got[:57] + "..."
                 raise ValueError(f"option {field.name!r} must be {problem}, got {got}")
+        guard_config(self.guard)  # a wrong threshold fails here, naming it
 
 
 # Integer options end up in torch (seeds, counters, intervals): they must fit an int64.

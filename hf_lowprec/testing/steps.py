@@ -42,18 +42,15 @@ N_EMBD, BATCH, SEQ, VOCAB = 128, 4, 32, 1024
 def gpt2(n_layer: int, seed: int = 0) -> torch.nn.Module:
     """The GPT-2 the GPU checks train (dropout as in GPT-2's config: it costs no sync).
 
-    No KV cache: a training forward with `use_cache` builds one, and each block compiled on its
-    own (regional compilation) then guards on whether its layer of the cache is filled, one
-    graph per block until dynamo's recompile limit (seen on the first H200 run)."""
+    With its KV cache on (transformers' default, also in training): without one, transformers
+    checks the position ids for packed sequences on the host (`find_packed_sequence_indices`),
+    one sync per step that is not this package's."""
     from transformers import GPT2LMHeadModel
 
     from hf_lowprec.data import tiny_gpt2_config
 
     torch.manual_seed(seed)
-    config = tiny_gpt2_config(
-        VOCAB, n_embd=N_EMBD, n_layer=n_layer, n_positions=SEQ, pad_token_id=None, use_cache=False
-    )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(tiny_gpt2_config(VOCAB, n_embd=N_EMBD, n_layer=n_layer, n_positions=SEQ, pad_token_id=None))
 
 
 def token_batch(device: str | torch.device = "cpu", seed: int = 1) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""What an FP8 layer computes once its precision is raised: flush counts of its input cast, and
+the BF16 path (docs/guard.md).
+
+The guard (`hf_lowprec.guard`) watches each FP8 layer's input cast: the share of non-zero
+inputs that the cast flushes to zero, counted with the scales the layer's recipe chooses (a
+value whose |x|·s is at most half of E4M3's smallest subnormal, 2^-10, becomes 0). When that
+share stays high, the layer's recipe is raised: tensorwise → rowwise (one scale per token row)
+→ `RAISED`, where the layer's three GEMMs run in BF16 with FP32 accumulation. The layer stays
+an `FP8Linear`: its parameters, its scaled master or FP8-stored weight, and the sink its weight
+gradient goes to (FP8-LM O2/O3) are unchanged, so the optimizer, checkpoints and the engines see
+the same layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .recipes import RECIPES, get_recipe, mx_scale
+from .scaled import dequantize, get_master_scale, pow2_scale
+
+__all__ = ["FLUSH_BELOW", "RAISED", "finer", "flush_counts", "raised_linear", "real_weight"]
+
+RAISED = "bf16"
+E4M3 = torch.float8_e4m3fn
+# Half of E4M3's smallest subnormal (2^-9): a scaled value at or below it rounds to zero (the tie
+# goes to the even neighbour, 0).
+FLUSH_BELOW = 2.0**-10
+
+
+def flush_counts(x: torch.Tensor, recipe: str, margin: int) -> torch.Tensor:
+    """[inputs the layer's E4M3 cast flushes to zero, non-zero inputs] as int64 on x's device
+    (integers: a `model.half()` after the guard attached leaves them exact).
+
+    The scale per group is the one `recipe` chooses from the group's amax (tensorwise: the whole
+    tensor; rowwise: each row; blockwise and mxfp8: each 1×block of a row). No host sync."""
+    x2 = x.detach().reshape(-1, x.shape[-1]).float().abs()
+    rule = get_recipe(recipe)
+    cols = rule.activation_block[1]
+    if rule.activation_block == (None, None):
+        amax = x2.amax().reshape(1, 1)
+    elif cols is None or x2.shape[-1] % cols:
+        amax = x2.amax(dim=-1, keepdim=True)
+    else:
+        amax = x2.reshape(x2.shape[0], -1, cols).amax(dim=-1).repeat_interleave(cols, dim=-1)
+    scale = mx_scale(amax, E4M3, margin) if rule.e8m0 else pow2_scale(amax, E4M3, margin)
+    nonzero = x2 > 0
+    flushed = nonzero & (x2 * scale <= FLUSH_BELOW)
+    return torch.stack([flushed.sum(), nonzero.sum()])
+
+
+def real_weight(layer: Any) -> torch.Tensor:
+    """The layer's weight as real values in BF16: a scaled master divided by its scale, an
+    FP8-stored or FSDP2-gathered FP8 weight dequantized, else the parameter itself."""
+    weight = layer.weight
+    gathered = getattr(weight, "fp8", None)
+    if gathered is not None:
+        payload, scale = gathered()
+        return dequantize(payload, scale, torch.bfloat16)
+    scale = layer.master_scale if layer.master_scale is not None else get_master_scale(weight)
+    if scale is not None:
+        return dequantize(weight.detach(), scale, torch.bfloat16)
+    return weight.detach().to(torch.bfloat16)
+
+
+class _RaisedLinear(torch.autograd.Function):
+    """y = x·Wᵀ + b in BF16 (x·W + b for the Conv1D layout); the weight gradient goes where the
+    FP8 path sends it (`deliver_weight_grad`: the sink of FP8-LM O2/O3, else the parameter)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w16, transposed, out_dtype, sink, deliver):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            out = x2 @ (w16 if transposed else w16.t())
+            out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
+        ctx.save_for_backward(x2, w16)
+        ctx.transposed, ctx.x_shape, ctx.x_dtype, ctx.sink, ctx.deliver = transposed, x.shape, x.dtype, sink, deliver
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, w16 = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.bfloat16)
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (g2 @ (w16.t() if ctx.transposed else w16)).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1] or ctx.sink is not None:
+                grad_w = x2.t() @ g2 if ctx.transposed else g2.t() @ x2
+                grad_w = ctx.deliver(grad_w, ctx.sink, ctx.weight_dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def raised_linear(layer: Any, x: torch.Tensor, out_dtype: torch.dtype, sink: Any, deliver: Any) -> torch.Tensor:
+    """The forward of an FP8 layer whose precision the guard raised to BF16; `deliver(grad_w,
+    sink, weight_dtype)` hands the weight gradient on as the layer's FP8 path does."""
+    args = (layer.weight_transposed, out_dtype, sink, deliver)
+    return _RaisedLinear.apply(x, layer.weight, layer.bias, real_weight(layer), *args)
+
+
+def finer(recipe: str, features: tuple[int, int]) -> str:
+    """The next step up from `recipe`: rowwise after tensorwise (where the layer's sizes suit
+    it), else BF16."""
+    if recipe == "tensorwise" and all(f % RECIPES["rowwise"].dim_multiple == 0 for f in features):
+        return "rowwise"
+    return RAISED

@@ -1,0 +1,100 @@
+"""The guard through `hf_lowprec.Trainer`, as a user runs it: the option, its logs, and a resume
+in the middle of a fault.
+
+fp8-lm-o2 with `precision_options={"guard": ...}`; from step 3 every block linear layer's input
+gets two token rows ×1e6, divided back at its output (the model's function is unchanged, the
+FP8 input casts flush the other values). The guard raises those layers at its first check after
+the fault (logging every 2 steps). A checkpoint at step 6 holds the raised layers; a run resumed
+from it re-raises them and ends bit for bit where the uninterrupted run ends.
+"""
+
+import json
+
+import pytest
+from transformers import TrainerCallback
+
+import hf_lowprec
+from hf_lowprec.fp8 import FP8Linear
+from tests.helpers import TokenBlocks, assert_bits_equal, make_args, tiny_gpt2
+
+GUARD = {"warmup": 2, "window": 16}
+FAULT_AT, STEPS = 3, 10
+
+
+class RangeFault(TrainerCallback):
+    """Two token rows ×1e6 into every FP8 layer's input from step FAULT_AT, divided back."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for module in model.modules():
+            if isinstance(module, FP8Linear):
+                module.register_forward_pre_hook(self.into)
+                module.register_forward_hook(self.out)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.on = state.global_step >= FAULT_AT
+
+    def into(self, module, args):
+        if self.on:
+            x = args[0].clone()
+            x[:, :2] = x[:, :2] * 1e6
+            return (x,)
+        return None
+
+    def out(self, module, args, output):
+        if self.on:
+            y = output.clone()
+            y[:, :2] = y[:, :2] / 1e6
+            return y
+        return None
+
+
+def trainer(out, **overrides):
+    args = make_args(
+        out,
+        "fp8-lm-o2",
+        precision_options=json.dumps({"guard": GUARD, "fused": "reference"}),
+        max_steps=STEPS,
+        logging_steps=2,
+        save_steps=6,
+        **overrides,
+    )
+    return hf_lowprec.Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[RangeFault()])
+
+
+def recipes(model) -> dict[str, str]:
+    return {n: m.recipe for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("guard_full")
+    t = trainer(out)
+    t.train()
+    return t, out
+
+
+def test_the_guard_raises_the_flushing_layers_and_says_so(uninterrupted):
+    t, out = uninterrupted
+    raised = recipes(t.model)
+    assert raised and all(r != "tensorwise" for r in raised.values()), raised
+    logs = [h for h in t.state.log_history if "precision/guard_raised_layers" in h]
+    assert logs and logs[-1]["precision/guard_raised_layers"] == len(raised)
+    before = [h for h in logs if h["step"] < FAULT_AT]
+    assert before and all(h["precision/guard_raised_layers"] == 0 for h in before)
+    manifest = json.loads((out / "checkpoint-6" / "hf_lowprec_manifest.json").read_text())
+    assert set(manifest["guard"]["raised"]) == set(raised)
+    assert all(a["action"] == "raise" for a in manifest["guard"]["actions"])
+
+
+def test_a_resume_mid_fault_re_raises_the_layers_and_continues_bit_for_bit(uninterrupted, tmp_path, caplog):
+    full, out = uninterrupted
+    resumed = trainer(tmp_path)
+    with caplog.at_level("INFO", logger="hf_lowprec"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert "resumed with the layers it raised before" in caplog.text
+    assert recipes(resumed.model) == recipes(full.model)
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert_bits_equal(a.detach(), b.detach(), name)
