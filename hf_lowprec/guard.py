@@ -159,9 +159,23 @@ class Guard:
             }
         return self._device_state
 
-    def judge(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+    def keep(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the strategy's step state that its gradient processing updates even on a
+        skipped step (FP8-LM's gradient scale μ and its clean-step count:
+        `guarded_step_state`), taken before it: an outlier step puts them back, so that it
+        leaves no trace, while a non-finite step still moves them as the strategy decides."""
+        state = getattr(self.strategy, "guarded_step_state", None)
+        return [(t, t.clone()) for t in state()] if state is not None and not self.stopped else []
+
+    def judge(
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: torch.Tensor,
+        kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
         """This step's skip flag: `found_inf` or an outlier loss / gradient norm, agreed over the
-        ranks; the window takes the step's values unless it is skipped. No host sync."""
+        ranks; the window takes the step's values unless it is skipped; an outlier step restores
+        `kept` (see `keep`). No host sync."""
         if self.stopped:  # the run goes on as an unguarded one would
             self._pending_loss = []
             self.steps += 1
@@ -188,13 +202,16 @@ class Guard:
             outlier = outlier * (valid.sum() >= self.config.warmup).float()  # after `warmup` accepted steps
             outlier = any_rank(outlier, params, getattr(self.strategy, "_data_parallel_group", None))
         skip = torch.maximum(found_inf, outlier)
+        undo = outlier * (1.0 - found_inf)
+        for tensor, before in kept or ():
+            tensor.copy_(torch.where(undo > 0, before, tensor))
         slot = self.steps % self.config.window
         keep = 1.0 - skip
         state["loss"][slot] = torch.where(skip > 0, state["loss"][slot], values[0])
         state["norm"][slot] = torch.where(skip > 0, state["norm"][slot], values[1])
         state["valid"][slot] = torch.maximum(state["valid"][slot] * skip, keep)
         state["faults"].add_(skip)
-        state["outliers"].add_(outlier * (1.0 - found_inf))
+        state["outliers"].add_(undo)
         self.steps += 1
         return skip
 

@@ -29,14 +29,8 @@ E4M3 = torch.float8_e4m3fn
 FLUSH_BELOW = 2.0**-10
 
 
-def flush_counts(x: torch.Tensor, recipe: str, margin: int) -> torch.Tensor:
-    """[inputs the layer's E4M3 cast flushes to zero, non-zero inputs] as int64 on x's device
-    (integers: a `model.half()` after the guard attached leaves them exact).
-
-    The scale per group is the one `recipe` chooses from the group's amax (tensorwise: the whole
-    tensor; rowwise: each row; blockwise and mxfp8: each 1×block of a row). No host sync."""
-    x2 = x.detach().reshape(-1, x.shape[-1]).float().abs()
-    rule = get_recipe(recipe)
+def _flushed(x2: torch.Tensor, rule: Any, margin: int) -> torch.Tensor:
+    """How many non-zero elements of |x| (2-D, groups along its last axis) the rule's cast flushes."""
     cols = rule.activation_block[1]
     if rule.activation_block == (None, None):
         amax = x2.amax().reshape(1, 1)
@@ -45,9 +39,26 @@ def flush_counts(x: torch.Tensor, recipe: str, margin: int) -> torch.Tensor:
     else:
         amax = x2.reshape(x2.shape[0], -1, cols).amax(dim=-1).repeat_interleave(cols, dim=-1)
     scale = mx_scale(amax, E4M3, margin) if rule.e8m0 else pow2_scale(amax, E4M3, margin)
-    nonzero = x2 > 0
-    flushed = nonzero & (x2 * scale <= FLUSH_BELOW)
-    return torch.stack([flushed.sum(), nonzero.sum()])
+    return ((x2 > 0) & (x2 * scale <= FLUSH_BELOW)).sum()
+
+
+def flush_counts(x: torch.Tensor, recipe: str, margin: int) -> torch.Tensor:
+    """[inputs the layer's E4M3 casts flush to zero, non-zero inputs cast] as int64 on x's device
+    (integers: a `model.half()` after the guard attached leaves them exact). No host sync.
+
+    The scale per group is the one `recipe` chooses from the group's amax. Tensorwise casts the
+    input once (one scale for the whole tensor). The finer recipes cast it twice: along the
+    features for the forward GEMM (rowwise: each token row; blockwise and mxfp8: each 1×block of
+    a row) and along the tokens for the weight gradient dW = dyᵀ·x (each feature column, or each
+    block of a column): a few huge token rows leave the first cast intact and flush the second,
+    so both are counted."""
+    x2 = x.detach().reshape(-1, x.shape[-1]).float().abs()
+    rule = get_recipe(recipe)
+    nonzero = (x2 > 0).sum()
+    if rule.activation_block == (None, None):
+        return torch.stack([_flushed(x2, rule, margin), nonzero])
+    both = _flushed(x2, rule, margin) + _flushed(x2.t(), rule, margin)
+    return torch.stack([both, 2 * nonzero])
 
 
 def real_weight(layer: Any) -> torch.Tensor:

@@ -344,6 +344,12 @@ class FP8LM(PrecisionStrategy):
         self.scaler.record(saturated, sum(p.numel() for p in params), unless=found_inf)
         return out
 
+    def guarded_step_state(self) -> list[torch.Tensor]:
+        """The gradient scaler's device state (μ, clean steps, last saturated share), which the
+        guard restores after a step it skips as an outlier (`Guard.keep`)."""
+        scaler = self.scaler
+        return [scaler._mu, scaler._clean_steps, scaler._last_share]
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         scaler = self.scaler.state_dict()

@@ -88,6 +88,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 loss = closure()
         strategy = self.strategy
         strategy.unscale_gradients(self.optimizer)
+        kept = strategy.guard.keep() if strategy.guard is not None else None
         found_inf = strategy.process_gradients(self.optimizer)
         if not isinstance(found_inf, torch.Tensor):
             raise TypeError(
@@ -95,7 +96,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 "a 0-dim FP32 tensor on the gradients' device (1.0: skip the step), as `numerics.nonfinite_flag` gives"
             )
         if strategy.guard is not None:  # outlier steps are skipped as non-finite ones are (guard.py)
-            found_inf = strategy.guard.judge(self.optimizer, found_inf)
+            found_inf = strategy.guard.judge(self.optimizer, found_inf, kept)
         strategy.count_skip(found_inf)
         self._found_inf = found_inf
         measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics

@@ -155,8 +155,9 @@ def test_an_outlier_step_is_skipped_and_leaves_every_state(name):
     """After warmup, one step whose gradient is 1000× the others' (its loss multiplied by 1000,
     the model's own `output.loss` untouched) is skipped on the device: the parameters and the
     optimizer states are those of a run that never saw that batch, bit for bit. (fp8-lm-o2:
-    θ, m, v and the kept FP8 gradients too; its μ's clean-step counter, decided before the
-    guard judges, counts the skipped step.)"""
+    θ, m, v and the kept FP8 gradients too, and its gradient scaler's μ, clean-step count and
+    saturated share, which its gradient processing moved before the guard judged: the guard
+    puts them back.)"""
     data = batches(18)
     spike_at = 10  # after 10 accepted steps (warmup 5)
 
@@ -183,6 +184,9 @@ def test_an_outlier_step_is_skipped_and_leaves_every_state(name):
     for ids in data:
         reference.train_step(ref_model, ids, ref_optimizer)
     assert_same_state(copies(model, optimizer), copies(ref_model, ref_optimizer), f"{name}: skipped vs never seen")
+    if name == "fp8-lm-o2":
+        got, expected = strategy.state_dict(), reference.state_dict()
+        assert (got["grad_mu"], got["grad_clean_steps"]) == (expected["grad_mu"], expected["grad_clean_steps"])
 
 
 def test_steps_skipped_during_warmup_leave_the_guard_judging_only_with_history():
@@ -556,10 +560,14 @@ def test_flush_counts_match_an_explicit_e4m3_cast(dtype):
     assert tensorwise[0].item() == _flushed_by_cast(x, s)
     assert tensorwise[0].item() > 0.9 * others  # most values of the other rows
 
+    # Rowwise casts x twice: per token row for the forward GEMM (the huge rows flush nothing
+    # there) and per feature column for the weight gradient (where they set every column's scale).
     rowwise = flush_counts(x, "rowwise", 0)
     s_rows = pow2_scale(x.float().abs().amax(dim=-1, keepdim=True), E4M3)
-    assert rowwise.tolist() == [0, nonzero]
+    s_cols = pow2_scale(x.float().abs().amax(dim=0, keepdim=True), E4M3)
     assert _flushed_by_cast(x, s_rows) == 0
+    assert rowwise.tolist() == [_flushed_by_cast(x, s_cols), 2 * nonzero]
+    assert rowwise[0].item() > 0.9 * others
 
     margin = flush_counts(x, "tensorwise", 2)  # a margin of 2 binades scales by 1/4: more flush
     assert margin[0].item() == _flushed_by_cast(x, pow2_scale(x.float().abs().amax(), E4M3, 2))
