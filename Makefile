@@ -7,7 +7,7 @@ EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home
 export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
-# The compiled optimizer steps (hf_lowprec.optim.fastpath) are built once into this cache.
+# The compiled optimizer steps (hf_lowprec.optim.dispatch) are built once into this cache.
 export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false

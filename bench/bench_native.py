@@ -102,7 +102,7 @@ class Native:
             self.v_scales = [torch.ones(()) for _ in range(count)]
             return
         if family == "coat":
-            from hf_lowprec.optim.coat import FP8GroupState
+            from hf_lowprec.optim.coat_adamw import FP8GroupState
 
             self.params, self.grads = t(fp32), t(fp32, seed=1)
             self.states = [[FP8GroupState.zeros(p.shape, device="cpu") for _ in range(2)] for p in self.params]

@@ -28,7 +28,7 @@ from hf_lowprec.coat.activations import compress_activations, saved_activation_b
 from hf_lowprec.data import build_tokenizer, clm_datasets, tiny_gpt2_config
 from hf_lowprec.fp8 import convert_to_fp8
 from hf_lowprec.memory import model_state_bytes
-from hf_lowprec.optim.coat import dequantize_state, quantize_state
+from hf_lowprec.optim.coat_adamw import dequantize_state, quantize_state
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -1,6 +1,6 @@
 """Sections `steps`, `optim` and `fidelity` of the device check (bench/device_check.py).
 
-`steps`, per strategy, on GPT-2 from config (`hf_lowprec.testing.steps`: n_embd 128, batch 4×32):
+`steps`, per strategy, on GPT-2 from config (`hf_lowprec.testing.counted_step`: n_embd 128, batch 4×32):
 
 - syncs: steady steps after warm-up under `torch.cuda.set_sync_debug_mode("warn")`, each
   warning counted with the innermost frame of this repository that led to it; then one more
@@ -126,7 +126,7 @@ def build(name: str, n_layer: int, device: str) -> tuple[Callable[[], None], Any
 
 def compile_blocks(model: Any, backend: str) -> None:
     """Each block `torch.compile`d. The model keeps its KV cache (no host sync, see
-    `hf_lowprec.testing.steps.gpt2`), so each block guards on whether its layer of the cache is
+    `hf_lowprec.testing.counted_step.gpt2`), so each block guards on whether its layer of the cache is
     filled: one graph per block, and the limit on graphs per function is raised to hold them all
     (the first H200 run hit dynamo's default of 8 at 8 layers and ran the last block eagerly)."""
     import torch

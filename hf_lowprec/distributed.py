@@ -27,7 +27,7 @@ _SHARDED_BY = "_hf_lowprec_sharded_by"
 def local_shard(tensor: Any) -> Any:
     """The local shard of a DTensor (same storage: in-place updates reach it); anything else as is.
 
-    A shard that FSDP2 all-gathers in another form (`hf_lowprec.fp8.fsdp2.FP8WeightShard`)
+    A shard that FSDP2 all-gathers in another form (`hf_lowprec.fp8.sharded_weight.FP8WeightShard`)
     gives the plain tensor of its values (`local_values`), which the optimizer updates in place."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return getattr(local, "local_values", local)

@@ -24,7 +24,7 @@ from .checkpoints.fp8_published import PUBLISHED_ATTR
 from .memory import DEFAULT_STATE_ROLES, plan_model_state, trainable_parameters, unwrap_optimizer, zero_per_rank
 
 if TYPE_CHECKING:
-    from .strategies.base import PrecisionStrategy
+    from .strategies.interface import PrecisionStrategy
 
 __all__ = [
     "SilentPrecisionWarning",

@@ -1,11 +1,11 @@
-"""The short import path of `hf_lowprec.integrations.trl` (TRL configs and trainers with
+"""The short import path of `hf_lowprec.integrations.trl_trainers` (TRL configs and trainers with
 `precision_strategy`): `from hf_lowprec.trl import SFTConfig, SFTTrainer`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .integrations import trl as _trl
+from .integrations import trl_trainers as _trl
 
 __all__ = list(_trl.__all__)
 

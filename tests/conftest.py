@@ -5,7 +5,7 @@ _BUILD = Path(__file__).resolve().parent.parent / "build"
 os.environ.setdefault("HF_LOWPREC_CACHE", str(_BUILD / "cache"))
 os.environ.setdefault("HF_HOME", str(_BUILD / "hf_home"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_BUILD / "torch_extensions"))
-# The compiled optimizer kernels (hf_lowprec.optim.fastpath) are built once and reused by every
+# The compiled optimizer kernels (hf_lowprec.optim.dispatch) are built once and reused by every
 # test process (and the subprocesses they start) from this cache, one per ATen CPU capability:
 # a kernel cached by a process run with ATEN_CPU_CAPABILITY=avx2 segfaults when an AVX-512
 # process on the same machine loads it (seen with torch 2.13).

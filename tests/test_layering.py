@@ -38,7 +38,7 @@ LAYERS = {
     "hf_lowprec.strategies": 4,
     "hf_lowprec.integrations": 5,
     "hf_lowprec.engines": 5,
-    "hf_lowprec.trl": 5,  # the short import path of integrations.trl
+    "hf_lowprec.trl": 5,  # the short import path of integrations.trl_trainers
     "hf_lowprec.compare": 6,
     "hf_lowprec.demo": 6,
     "hf_lowprec.runner": 6,

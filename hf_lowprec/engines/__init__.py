@@ -9,7 +9,7 @@
   optimizer).
 
 What the strategies themselves bring to an engine lives with their numerics, a floor below:
-FP8-LM's weights under FSDP2 (the FP8 all-gather) in `hf_lowprec.fp8.fsdp2`, its own ZeRO stage
+FP8-LM's weights under FSDP2 (the FP8 all-gather) in `hf_lowprec.fp8.sharded_weight`, its own ZeRO stage
 in `hf_lowprec.optim.zero_fp8`. What an engine may do with a strategy is declared on the
 strategy class, one frozen `EngineSupport` (`hf_lowprec.strategies.support`: `ddp`, `fsdp2`,
 `zero_stages`, each with its note and refusal): the engines and every engines table in the docs read those declarations. Every engine takes a

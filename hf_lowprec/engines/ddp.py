@@ -18,7 +18,7 @@ import torch
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from ..strategies.base import PrecisionStrategy
+    from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["check_ddp_support", "ddp_support", "prepare_ddp", "support_matrix_markdown"]
 

@@ -64,14 +64,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoints.fsdp2 import load_sharded, save_sharded, sharded_state_dict
+from ..checkpoints.distributed_checkpoint import load_sharded, save_sharded, sharded_state_dict
 from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..strategies.base import PrecisionStrategy
+    from ..strategies.interface import PrecisionStrategy
 
 __all__ = [
     "adopt_shards",
@@ -215,7 +215,7 @@ def shard_model(
 
 def before_sharding(strategy: PrecisionStrategy, model: torch.nn.Module, optimizers: Iterable[Any] = ()) -> None:
     """The strategy's own step before `fully_shard` (FP8-LM wraps its FP8 weights so that they
-    all-gather as FP8: `hf_lowprec.fp8.fsdp2`); nothing for the others. A parameter the
+    all-gather as FP8: `hf_lowprec.fp8.sharded_weight`); nothing for the others. A parameter the
     step replaces is replaced in `optimizers` too (built before sharding, no step taken yet)."""
     from ..fp8.blocks import FrozenBlockFP8Linear
 

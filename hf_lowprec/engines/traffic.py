@@ -28,7 +28,7 @@ import torch
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from ..strategies.base import PrecisionStrategy
+    from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["Traffic", "collectives_markdown", "fsdp2_step_bytes", "traffic"]
 

@@ -35,7 +35,7 @@ import torch
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from ..strategies.base import PrecisionStrategy
+    from ..strategies.interface import PrecisionStrategy
 
 __all__ = [
     "STAGES",

@@ -135,7 +135,7 @@ def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torc
 @functools.cache
 def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any]:
     # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
-    # size of the first tensor (see `hf_lowprec.optim.fastpath`).
+    # size of the first tensor (see `hf_lowprec.optim.dispatch`).
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 

@@ -371,7 +371,7 @@ def _fp8_weight(
     """(payload, scales) of the logical E × N × K weight for the forward: per expert under the
     recipe's blocks; one scale for the whole weight where the weight every rank computes with has
     one (FSDP2's FP8 all-gather, FP8-stored O3 weights, and so `tensor_scale` on O3's owners)."""
-    gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/fsdp2.py)
+    gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/sharded_weight.py)
     if gathered is not None:
         return _whole(*gathered(), transposed)
     if weight.dtype == E4M3:  # FP8-stored (O3)

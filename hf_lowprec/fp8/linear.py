@@ -483,7 +483,7 @@ class FP8Linear(nn.Module):
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""
         weight, scale = self.weight, self.master_scale
-        gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/fsdp2.py)
+        gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/sharded_weight.py)
         if gathered is not None:
             return gathered()
         if weight.dtype == E4M3:  # an FP8-stored weight is its own FP8 weight (module docstring)

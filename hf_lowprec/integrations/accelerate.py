@@ -28,7 +28,7 @@ import torch
 
 from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
-from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .peft import prepare_model as _prepare_model
 

@@ -30,7 +30,7 @@ from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, quantize_published
 from ..fp8.convert import default_skips
 from ..fp8.linear import FP8Linear
-from ..strategies.base import PrecisionStrategy
+from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["FROZEN_ATTR", "freeze_model", "frozen_footprint", "is_plain_module"]
 

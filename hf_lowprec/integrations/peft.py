@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import FrozenBlockFP8Linear
-from ..strategies.base import PrecisionStrategy
+from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["is_peft_model", "prepare_model"]
 

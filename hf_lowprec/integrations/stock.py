@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 
 __all__ = [
     "stock_class",

@@ -36,7 +36,7 @@ from ..report import (
     silent_precision_problem,
     warn_slow_fp16_once,
 )
-from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_precision
 from .peft import prepare_model

@@ -21,7 +21,7 @@ compiled function reproduces the eager one bit for bit. ε sits outside the root
 it too); `tiny` (FP32's smallest normal) keeps v = 0 with ε = 0 from giving 0/0; max_v (the
 largest value v's storage holds) makes a finite gradient whose square overflows saturate v.
 
-Run eagerly the function is the reference; `fastpath` compiles it. `AdamW` is the
+Run eagerly the function is the reference; `dispatch` compiles it. `AdamW` is the
 `torch.optim.Optimizer` around it: validation, per-parameter state made by the formats and
 the rule, buckets of parameters sharing a composition, the lost-arithmetic tracking, and
 state that loads back in its own dtypes. A family is a subclass that says which composition
@@ -46,9 +46,9 @@ from ..distributed import DTensor
 from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
 from ..numerics import LOW_PRECISION_DTYPES
-from .base import LowPrecisionOptimizer
-from .fastpath import FusedMode, ParamStep, check_fused_mode, run_bucket
+from .dispatch import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .formats import Format, root
+from .lowprec_optimizer import LowPrecisionOptimizer
 from .rules import Rule
 from .scalars import (
     BETA2,
@@ -436,7 +436,7 @@ class AdamW(LowPrecisionOptimizer):
 
 @functools.cache
 def _step_function(composition: Composition) -> Callable[..., torch.Tensor]:
-    """`composition.step` as a plain function (what `fastpath` compiles, once per composition)."""
+    """`composition.step` as a plain function (what `dispatch` compiles, once per composition)."""
 
     def adamw_step(*args: Any, found_inf: torch.Tensor | None = None) -> torch.Tensor:
         return composition.step(*args, found_inf=found_inf)

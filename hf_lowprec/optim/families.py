@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from .adamw import AdamW, Composition
-from .fastpath import FusedMode
+from .dispatch import FusedMode
 from .formats import Blockwise8bit, Format, Pair, Plain, Scaled
 from .rules import Grow, Kahan, Master, Nearest, StochasticRounding
 

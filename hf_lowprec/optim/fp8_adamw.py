@@ -41,7 +41,7 @@ from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
 from ..fp8.scaled import FORMATS, format_dtype, get_master_scale
 from .adamw import AdamW, Composition, adamw_scalars
-from .fastpath import FusedMode
+from .dispatch import FusedMode
 from .formats import Scaled
 from .rules import Nearest, ScaledMaster
 

@@ -9,6 +9,6 @@ from . import (  # noqa: F401  # noqa: F401
     fp16_als,
     fp16_mixed,
 )
-from .base import PrecisionStrategy, StrategyOptimizer, StrategyOptions
+from .interface import PrecisionStrategy, StrategyOptimizer, StrategyOptions
 
 __all__ = ["PrecisionStrategy", "StrategyOptimizer", "StrategyOptions"]

@@ -23,7 +23,7 @@ import torch
 from ..report import ADOPTED_ATTR
 
 if TYPE_CHECKING:
-    from .base import PrecisionStrategy
+    from .interface import PrecisionStrategy
 
 __all__ = ["adopt_loaded_dtypes"]
 

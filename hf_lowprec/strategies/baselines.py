@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import PrecisionStrategy
+from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
 

@@ -28,8 +28,8 @@ import torch
 from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
-from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
+from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
 from .support import EngineSupport
 

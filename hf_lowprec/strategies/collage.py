@@ -23,12 +23,12 @@ import torch
 
 from ..numerics import split
 from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
-from .base import PrecisionStrategy, StrategyOptions
 from .baselines import BF16Pure
+from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
 from .support import EngineSupport
 
-__all__ = ["BF16Update", "BF16UpdateOptions"]
+__all__ = ["BF16AdamWVariant", "BF16Weights", "BF16WeightsOptions", "Collage"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _COMPENSATED = ("collage-light", "collage-plus", "collage-8bit", "kahan")
 
 
 @dataclasses.dataclass(frozen=True)
-class BF16UpdateOptions(StrategyOptions):
+class BF16WeightsOptions(StrategyOptions):
     """Options of the BF16 update family.
 
     Args:
@@ -73,30 +73,13 @@ class BF16UpdateOptions(StrategyOptions):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
-@register(
-    "bf16-fp32states", update="fp32-states", summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights"
-)
-@register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
-@register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
-@register(
-    "collage-8bit",
-    update="collage-8bit",
-    summary="Collage-light weights (BF16 θ + δθ) with blockwise 8-bit AdamW states: 8 bytes/param",
-)
-@register(
-    "collage-plus",
-    update="collage-plus",
-    summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it",
-)
-@register(
-    "collage-light",
-    update="collage-light",
-    summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow",
-)
-class BF16Update(BF16Pure):
-    """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic."""
+class BF16Weights(BF16Pure):
+    """A BF16 model whose optimizer compensates (or not) for BF16's lost arithmetic, by update rule.
 
-    Options = BF16UpdateOptions
+    Registered as `Collage` (collage-*) and `BF16AdamWVariant` (bf16-kahan, bf16-sr, bf16-fp32states).
+    """
+
+    Options = BF16WeightsOptions
     # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
     resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
 
@@ -160,3 +143,31 @@ class BF16Update(BF16Pure):
             logger.info("%d FP32 residuals not claimed by the optimizer were dropped", len(self._residuals))
             self._residuals.clear()
         return optimizer
+
+
+@register(
+    "collage-8bit",
+    update="collage-8bit",
+    summary="Collage-light weights (BF16 θ + δθ) with blockwise 8-bit AdamW states: 8 bytes/param",
+)
+@register(
+    "collage-plus",
+    update="collage-plus",
+    summary="Collage (option C): + second moment as a BF16 pair (v, δv), so β2 = 0.999 still decays it",
+)
+@register(
+    "collage-light",
+    update="collage-light",
+    summary="Collage (option B): BF16 everything, weights as a 2-component MCF (θ, δθ) updated by Grow",
+)
+class Collage(BF16Weights):
+    """Collage: BF16 weights kept as a multi-component float pair (θ, δθ) updated by Grow."""
+
+
+@register(
+    "bf16-fp32states", update="fp32-states", summary="option D−MW: BF16 weights, FP32 AdamW states, no master weights"
+)
+@register("bf16-sr", update="sr", summary="BF16 AdamW whose update is stochastically rounded into the BF16 weights")
+@register("bf16-kahan", update="kahan", summary="BF16 AdamW with a Kahan-compensated weight update")
+class BF16AdamWVariant(BF16Weights):
+    """The BF16 baselines Collage is compared against: Kahan, stochastic rounding, FP32 states."""

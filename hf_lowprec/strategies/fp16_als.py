@@ -19,8 +19,8 @@ import torch
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
-from .base import PrecisionStrategy, StrategyOptions
 from .fp16_base import LossScaledStrategy
+from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
 from .support import EngineSupport
 

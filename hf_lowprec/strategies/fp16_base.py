@@ -13,7 +13,7 @@ import torch
 
 from ..memory import unwrap_optimizer
 from ..scaling import clip_grad_norm_, step_unless
-from .base import PrecisionStrategy
+from .interface import PrecisionStrategy
 from .support import EngineSupport
 
 __all__ = ["LossScaledStrategy"]

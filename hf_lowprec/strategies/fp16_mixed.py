@@ -15,9 +15,9 @@ import torch
 
 from ..memory import unwrap_optimizer
 from ..scaling import AgreeingGradScaler, check_loss_scale
-from .base import StrategyOptions
 from .baselines import device_autocast
 from .fp16_base import LossScaledStrategy
+from .interface import StrategyOptions
 from .registry import register
 
 __all__ = ["FP16Mixed", "FP16MixedOptions"]

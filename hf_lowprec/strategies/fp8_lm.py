@@ -29,8 +29,8 @@ from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..optim import FP8AdamW, PlainAdamW
-from .base import PrecisionStrategy, StrategyOptions
 from .baselines import bf16_autocast
+from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
 from .support import EngineSupport
 
@@ -157,14 +157,14 @@ class FP8LM(PrecisionStrategy):
 
     def fsdp2_mixed_precision(self) -> Any:
         """BF16 all-gather of what FP8 skips (as bf16-mixed; the FP8 weights gather as E4M3,
-        `hf_lowprec.fp8.fsdp2`), gradients reduced in FP32."""
+        `hf_lowprec.fp8.sharded_weight`), gradients reduced in FP32."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def before_sharding(self, model: torch.nn.Module) -> None:
-        """Before `fully_shard`: FP8 weights all-gather as E4M3 (`fp8.fsdp2.wrap_fp8_weights`)."""
-        from ..fp8.fsdp2 import wrap_fp8_weights
+        """Before `fully_shard`: FP8 weights all-gather as E4M3 (`fp8.sharded_weight.wrap_fp8_weights`)."""
+        from ..fp8.sharded_weight import wrap_fp8_weights
 
         if self.options.recipe != "tensorwise":
             logger.warning("FSDP2 FP8 all-gather: %s", _FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe))
@@ -177,7 +177,7 @@ class FP8LM(PrecisionStrategy):
         the parameter, `get_master_scale`), now the scale of this rank's shard: FP8AdamW chooses
         it afresh from the shard's amax at every step, as it chooses the moments' scales.
         """
-        from ..fp8.fsdp2 import collect_shards, link_master_scales
+        from ..fp8.sharded_weight import collect_shards, link_master_scales
 
         link_master_scales(model, FP8Linear)
         scales = getattr(self, "weight_scales", None)
@@ -337,7 +337,7 @@ class FP8LM(PrecisionStrategy):
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         if not any(isinstance(p.grad, DTensor) for p in params):
             return {}
-        from ..fp8.fsdp2 import quantize_sharded_gradients
+        from ..fp8.sharded_weight import quantize_sharded_gradients
 
         mu = self.scaler.mu_for(local_shard(params[0].grad))
         out, saturated = quantize_sharded_gradients(params, mu, self.grad_dtype, self.options.margin)

@@ -1,7 +1,7 @@
 """`StrategyOptimizer`: the optimizer a strategy hands out (`PrecisionStrategy.create_optimizer`).
 
 It wraps any optimizer and runs the strategy's hooks around its step (`process_gradients`, then
-`optimizer_step` with the device-side `found_inf`; strategies/base.py says why the step never
+`optimizer_step` with the device-side `found_inf`; strategies/interface.py says why the step never
 waits for the device).
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .base import PrecisionStrategy
+    from .interface import PrecisionStrategy
 
 __all__ = ["StrategyOptimizer"]
 

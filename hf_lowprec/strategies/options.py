@@ -32,7 +32,7 @@ class StrategyOptions:
             bit-identical, else the compiled step where torch.compile can build it, else the eager
             reference), "native" or "compiled" (require that path: an error names why it cannot
             run) or "reference" ("foreach" is its old name). Same results on CPU; see
-            `optim.fastpath`.
+            `optim.dispatch`.
         frozen_models: what the frozen models beside the trained one keep (TRL's reference,
             reward and teacher models): "forward" (what their forward computes with: the compute
             dtype, or FP8 blocks under the FP8 strategies; `integrations.frozen`) or "policy"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import PrecisionStrategy
+    from .interface import PrecisionStrategy
 
 __all__ = [
     "REGISTRY",

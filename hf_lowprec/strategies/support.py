@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .base import PrecisionStrategy
+    from .interface import PrecisionStrategy
 
 __all__ = ["EngineSupport", "check_sharded_parameters"]
 

@@ -15,10 +15,7 @@ Nothing else in `hf_lowprec` imports this package (it stands on the top floor,
 docs/architecture.md).
 """
 
-from .fake_cuda import DEVICE, fake_cuda, fake_cuda_step, fp8_layer_forward_backward, to_fake_cuda
-from .graphs import CompiledRun, compiled_run, count_graph_breaks, graph_breaks
-from .snr import row_snr_db, snr_db
-from .steps import (
+from .counted_step import (
     BATCH,
     N_EMBD,
     SEQ,
@@ -32,6 +29,9 @@ from .steps import (
     strategy_syncs,
     token_batch,
 )
+from .fake_cuda import DEVICE, fake_cuda, fake_cuda_step, fp8_layer_forward_backward, to_fake_cuda
+from .graphs import CompiledRun, compiled_run, count_graph_breaks, graph_breaks
+from .snr import row_snr_db, snr_db
 from .syncs import DeviceTraffic, Event
 
 __all__ = [

@@ -41,7 +41,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .steps import BATCH, SEQ, gpt2
+from .counted_step import BATCH, SEQ, gpt2
 from .syncs import DeviceTraffic
 
 __all__ = ["DEVICE", "fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]

@@ -1,6 +1,6 @@
 """The optimizers' CUDA steps (compiled Triton kernels where the family has one) against the CPU
 step, which is the reference path: the compiled CPU kernels are bit-identical to the eager
-reference (tests/optim/test_fastpath.py), so CPU = reference.
+reference (tests/optim/test_dispatch.py), so CPU = reference.
 
 From identical parameters, states and gradients, three steps on each device. On CUDA, Triton may
 contract a·b + c into an FMA and order the FP32 register arithmetic differently, so

@@ -1,5 +1,5 @@
 """FSDP2 on Mixture-of-Experts models (issue #56, item 3): the FP8 experts' 3-D weights all-gather
-as E4M3 with their whole tensor's scale, as the FP8 linear weights do (`hf_lowprec.fp8.fsdp2`),
+as E4M3 with their whole tensor's scale, as the FP8 linear weights do (`hf_lowprec.fp8.sharded_weight`),
 O2's expert masters stay scaled FP16 shards, and every FSDP2 strategy trains (one gloo rank: FSDP2's
 collectives and the strategies' agreements run as on many ranks)."""
 

@@ -4,7 +4,7 @@ has (issue #36), and none makes dynamo build a new graph after the warm-up steps
 The prepared model is wrapped in `torch.compile` as `TrainingArguments(torch_compile=True)`
 does and trained two warm-up steps, then four steady steps (GPT-2, 2 and 8 layers), with
 dynamo's settings left at their defaults; dynamo's own counters are read after a reset. The
-backend is "eager" (see `hf_lowprec.testing.steps.strategy_graph_breaks` for why the count is the
+backend is "eager" (see `hf_lowprec.testing.counted_step.strategy_graph_breaks` for why the count is the
 backend's; guards are dynamo's too). bf16-mixed's breaks come from transformers' GPT-2 itself
 (logger calls), which no strategy can remove; anything beyond them is the strategy's code.
 

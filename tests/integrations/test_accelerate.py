@@ -17,7 +17,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from hf_lowprec import get_strategy
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
-from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer
+from hf_lowprec.strategies.interface import PrecisionStrategy, StrategyOptimizer
 from tests.helpers import batches, tiny_gpt2
 
 ROOT = Path(__file__).resolve().parents[2]

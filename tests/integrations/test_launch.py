@@ -281,7 +281,7 @@ def test_every_trl_command_that_trains_is_swapped_tested_and_named():
     from trl.cli.commands import get_commands
     from trl.cli.commands.training import TrainingCommand
 
-    from hf_lowprec.integrations.trl import TRAINER_KINDS
+    from hf_lowprec.integrations.trl_trainers import TRAINER_KINDS
 
     training = {command.name for command in get_commands() if isinstance(command, TrainingCommand)}
     assert training == {kind.lower() for kind in TRAINER_KINDS} == {kind.lower() for kind in _TRL_COMMANDS}
@@ -438,9 +438,9 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     assert seen == {
         "training_args": "hf_lowprec.integrations.trainer",
         "trainer": "hf_lowprec.integrations.trainer",
-        "sft_config": "hf_lowprec.integrations.trl",
+        "sft_config": "hf_lowprec.integrations.trl_trainers",
         "sft_trainer_mro": [  # hf_lowprec.trl's class, the mixin over TRL's stock class, over transformers'
-            "hf_lowprec.integrations.trl.SFTTrainer",
+            "hf_lowprec.integrations.trl_trainers.SFTTrainer",
             "hf_lowprec.integrations.trainer.PrecisionTrainerMixin",
             "trl.trainer.sft_trainer.SFTTrainer",
             "transformers.trainer.Trainer",

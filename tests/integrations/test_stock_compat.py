@@ -33,7 +33,7 @@ from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.resume import MANIFEST
 from hf_lowprec.integrations.stock import ADAMW_OPTIMS
 from hf_lowprec.integrations.trainer import REPORT_FILE
-from hf_lowprec.strategies.base import StrategyOptimizer
+from hf_lowprec.strategies.interface import StrategyOptimizer
 from hf_lowprec.strategies.registry import available_strategies, get_strategy
 from tests.helpers import TokenBlocks, assert_bits_equal, finite, tiny_gpt2, trainer_arguments
 

@@ -8,7 +8,7 @@ import torch
 from transformers import HfArgumentParser
 
 from hf_lowprec import Trainer, TrainingArguments
-from hf_lowprec.strategies.base import StrategyOptimizer
+from hf_lowprec.strategies.interface import StrategyOptimizer
 from tests import helpers
 from tests.helpers import ParameterSnapshots, TokenBlocks, assert_bits_equal, logged_losses, tiny_gpt2
 

@@ -1,4 +1,4 @@
-"""hf_lowprec.integrations.trl (also `hf_lowprec.trl`): TRL configs and trainers with precision_strategy (the recipes run them end to end)."""
+"""hf_lowprec.integrations.trl_trainers (also `hf_lowprec.trl`): TRL configs and trainers with precision_strategy (the recipes run them end to end)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import HfArgumentParser  # noqa: E402
 
 import hf_lowprec.trl as hl_trl  # noqa: E402
-from hf_lowprec.strategies.base import PrecisionStrategy, StrategyOptimizer  # noqa: E402
+from hf_lowprec.strategies.interface import PrecisionStrategy, StrategyOptimizer  # noqa: E402
 from tests.helpers import PAIRS, left_padded_tokenizer, ppo_trainer, tiny_lm, tiny_scorer, trl_args  # noqa: E402
 
 CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig", "RLOOConfig", "KTOConfig", "DistillationConfig")
@@ -34,7 +34,7 @@ def tokenizer():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_configs_leave_mixed_precision_to_the_strategy(tmp_path, name):
     config = getattr(hl_trl, name)
-    assert config.__module__ == "hf_lowprec.integrations.trl" and config.__name__ == name
+    assert config.__module__ == "hf_lowprec.integrations.trl_trainers" and config.__name__ == name
     with_strategy = config(output_dir=str(tmp_path), precision_strategy="collage-plus", use_cpu=True)
     assert with_strategy.bf16 is False and with_strategy.build_precision_strategy().name == "collage-plus"
     assert config(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # TRL's own default, untouched
@@ -61,7 +61,7 @@ def test_config_parses_and_pickles(tmp_path):
 
 
 def test_the_short_import_path_gives_the_same_classes():
-    from hf_lowprec.integrations import trl as integrations_trl
+    from hf_lowprec.integrations import trl_trainers as integrations_trl
     from hf_lowprec.trl import SFTConfig, SFTTrainer
 
     assert SFTConfig is integrations_trl.SFTConfig and SFTTrainer is integrations_trl.SFTTrainer

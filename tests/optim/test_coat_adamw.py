@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_lowprec.optim import COATAdamW
-from hf_lowprec.optim.coat import FP8GroupState, quantize_state
+from hf_lowprec.optim.coat_adamw import FP8GroupState, quantize_state
 from tests.helpers import bits_equal, unit_roundoff
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_lowprec.optim.coat import FP8GroupState, dequantize_state, quantize_state
+from hf_lowprec.optim.coat_adamw import FP8GroupState, dequantize_state, quantize_state
 from hf_lowprec.optim.formats import expansion_exponent
 from tests.helpers import batches, bits_equal, tiny_gpt2
 

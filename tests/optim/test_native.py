@@ -595,7 +595,7 @@ def _coat_grads(step: int, dtype: torch.dtype) -> list[torch.Tensor]:
 def _coat_pair(dtype: torch.dtype, v_format: str, expand: bool):
     """A reference COATAdamW (foreach) and native state for the same parameters."""
     from hf_lowprec.optim import COATAdamW
-    from hf_lowprec.optim.coat import FP8GroupState
+    from hf_lowprec.optim.coat_adamw import FP8GroupState
 
     generator = torch.Generator().manual_seed(9)
     params = [_values(n, generator, 1.0).to(dtype) for n in COAT_SIZES]
@@ -864,7 +864,7 @@ def _thread_bucket(family: str) -> dict:
             v=[Blockwise8bit(False).zeros(p) for p in params],
         )
     if family == "coat":
-        from hf_lowprec.optim.coat import FP8GroupState
+        from hf_lowprec.optim.coat_adamw import FP8GroupState
 
         return dict(
             params=rand(1.0, FP32),

@@ -25,7 +25,7 @@ from hf_lowprec.fp8.raised import RAISED, flush_counts
 from hf_lowprec.fp8.scaled import pow2_scale
 from hf_lowprec.guard import GuardConfig
 from hf_lowprec.testing import DeviceTraffic
-from hf_lowprec.testing.steps import strategy_step
+from hf_lowprec.testing.counted_step import strategy_step
 from tests.helpers import assert_bits_equal, batches, gamma, tiny_gpt2, unit_roundoff
 
 E4M3 = torch.float8_e4m3fn

@@ -26,9 +26,9 @@ from hf_lowprec.memory import model_state_bytes, unwrap_optimizer
 from hf_lowprec.optim.fp8_adamw import FP8AdamW
 from hf_lowprec.report import describe, format_report
 from hf_lowprec.strategies.registry import available_strategies, get_strategy
+from hf_lowprec.testing.counted_step import strategy_step
 from hf_lowprec.testing.graphs import compiled_run
 from hf_lowprec.testing.moe import MOE_ARCHITECTURES, tiny_moe
-from hf_lowprec.testing.steps import strategy_step
 from tests import helpers
 from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, bits_equal, finite, logged_losses
 

@@ -66,7 +66,7 @@ from .core import (
     native_unavailable,
     step,
 )
-from .steps import (
+from .family_steps import (
     adamw_step,
     coat_step,
     collage_step,

@@ -3,7 +3,7 @@
 `optim.native` runs one C++ step over (m format, v format, rule); a composition declares itself
 by its formats' and rule's `native_name` and options (`native.declaration`), and its tensors go
 by name (`Composition.stored_names`). Which declarations and dtypes the kernels run is the C++
-side's own list; `unsupported` asks it (`native.check`) so `fastpath` can fall back to the
+side's own list; `unsupported` asks it (`native.check`) so `dispatch` can fall back to the
 compiled step. The kernels follow the reference's operation sequence: bit-identical for every
 family (COAT's range expansion included: its powers are `numerics.pow_nonnegative` on every
 path).

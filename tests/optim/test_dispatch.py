@@ -1,4 +1,4 @@
-"""The compiled optimizer step (`hf_lowprec.optim.fastpath`) against the eager reference.
+"""The compiled optimizer step (`hf_lowprec.optim.dispatch`) against the eager reference.
 
 On CPU the compiled step performs exactly the reference's roundings, so the test for every
 family is bit-for-bit equality of the parameters and of every state tensor (compared as bit
@@ -40,7 +40,7 @@ from hf_lowprec.optim import (
     MasterWeightAdamW,
     PlainAdamW,
     StochasticRoundingAdamW,
-    fastpath,
+    dispatch,
 )
 from hf_lowprec.optim.formats import Plain
 from hf_lowprec.optim.rules import Nearest
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.compiles_step
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 HYPER = dict(lr=1e-2, weight_decay=0.1)
-# Below `fastpath.PARALLEL_MIN_NUMEL`: the single-threaded build; the non-contiguous one last.
+# Below `dispatch.PARALLEL_MIN_NUMEL`: the single-threaded build; the non-contiguous one last.
 SHAPES = [(48, 33), (257,), (7,)]
 NONCONTIGUOUS = (33, 48)  # stored transposed: a (48, 33) view with strides (1, 48)
 # Above it: the OpenMP build, checked for a few families (same arithmetic, other loop).
@@ -170,7 +170,7 @@ def test_auto_runs_the_fastest_path_that_can_run_here():
     and the compiled step where it has none (FP16 second moments), never the reference."""
     from hf_lowprec.optim import native
 
-    assert fastpath.compiler_missing("cpu") is None
+    assert dispatch.compiler_missing("cpu") is None
     dtype, make = FAMILIES["collage-plus-fp16"]
     auto = _run(make, "auto", 2, dtype=dtype)
     assert _paths(auto[1]) == {"compiled": 2 * len(auto[0])}
@@ -270,15 +270,15 @@ def test_one_graph_serves_every_size_whatever_the_first_parameter(block, numels)
 
     def row(numel):
         tensors = [torch.linspace(-1.0, 1.0, numel), torch.full((numel,), 0.5), torch.arange(4.0)]
-        return fastpath.ParamStep(tensors, [True, True, False], torch.tensor([2.0, 0.25]), None)
+        return dispatch.ParamStep(tensors, [True, True, False], torch.tensor([2.0, 0.25]), None)
 
     rows = [row(n) for n in numels]
     expected = []
     for r in rows:
-        staged, _ = fastpath._stage(r, block)
+        staged, _ = dispatch._stage(r, block)
         expected.append(step(*[t.clone() for t in staged], r.scalars, None).reshape(-1)[: r.tensors[0].numel()])
     before = counters["stats"]["unique_graphs"]
-    fastpath.run_bucket(("one-graph", block, numels), step, block, rows, "compiled", want_updates=False)
+    dispatch.run_bucket(("one-graph", block, numels), step, block, rows, "compiled", want_updates=False)
     assert counters["stats"]["unique_graphs"] == before + 1
     for r, e in zip(rows, expected):
         assert torch.equal(r.tensors[0], e)
@@ -347,18 +347,18 @@ def test_coat_strategy_runs_the_compiled_step_when_asked():
 @pytest.fixture
 def fresh_dispatch(monkeypatch):
     """Forget which messages were logged and which kernels broke, for this test only."""
-    monkeypatch.setattr(fastpath, "_logged", set())
-    monkeypatch.setattr(fastpath, "_broken", set())
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(dispatch, "_broken", set())
 
 
 def test_compiled_raises_and_auto_falls_back_with_one_log_line_when_the_compiler_is_missing(
     monkeypatch, caplog, fresh_dispatch
 ):
-    monkeypatch.setattr(fastpath, "compiler_missing", lambda device_type: "no C++ compiler on PATH")
+    monkeypatch.setattr(dispatch, "compiler_missing", lambda device_type: "no C++ compiler on PATH")
     dtype, make = FAMILIES["collage-plus-fp16"]
-    with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
         auto = _run(make, "auto", 3, dtype=dtype)
-    lines = [r.getMessage() for r in caplog.records if r.name == fastpath.__name__]
+    lines = [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
     assert len(lines) == 1 and "no C++ compiler on PATH" in lines[0] and "reference" in lines[0], lines
     assert _paths(auto[1]) == {"reference": 3 * len(auto[0])}
     _assert_same_bits(*auto, *_run(make, "reference", 3, dtype=dtype))
@@ -377,16 +377,16 @@ def test_auto_falls_back_once_with_a_log_when_compiling_fails(monkeypatch, caplo
 
         return fail
 
-    monkeypatch.setattr(fastpath, "_compiled_for", broken)
+    monkeypatch.setattr(dispatch, "_compiled_for", broken)
     dtype, make = FAMILIES["collage-plus-fp16"]
-    with caplog.at_level(logging.WARNING, logger=fastpath.__name__):
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
         fallback = _run(make, "auto", 3, dtype=dtype)
     assert sum("the backend broke" in r.getMessage() for r in caplog.records) == 1
     assert _paths(fallback[1]) == {"reference": 3 * len(fallback[0])}
     _assert_same_bits(*fallback, *_run(make, "reference", 3, dtype=dtype))
     with pytest.raises(RuntimeError, match="compiling it failed earlier"):
         _run(make, "compiled", 1, dtype=dtype)
-    fastpath._broken.clear()
+    dispatch._broken.clear()
     with pytest.raises(RuntimeError, match="the backend broke"):
         _run(make, "compiled", 1, dtype=dtype)
 
@@ -407,7 +407,7 @@ def test_first_graph_built_on_a_small_tensor_still_runs_in_parallel():
         composition.step(*args)
 
     with fresh_cache():
-        compiled = torch.compile(discard, dynamic=True, fullgraph=True, options=fastpath.COMPILE_OPTIONS)
+        compiled = torch.compile(discard, dynamic=True, fullgraph=True, options=dispatch.COMPILE_OPTIONS)
         _, code = run_and_get_code(compiled, param, grad, None, m, v, scalars, None)
     assert any("#pragma omp parallel" in c for c in code), "the compiled step has no parallel region"
 

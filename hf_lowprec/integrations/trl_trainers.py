@@ -322,7 +322,7 @@ def _ppo_classes() -> dict[str, type]:
     import torch
     from transformers.integrations import is_deepspeed_zero3_enabled as zero3
 
-    from ..strategies.base import PrecisionStrategy, StrategyOptimizer
+    from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
     from .peft import is_peft_model, prepare_model
     from .trainer import PrecisionTrainerMixin
 

@@ -11,7 +11,7 @@ FP32 → BF16 → FP32 round trip), does not contract a·b + c into an FMA (its 
 Triton may contract: the results then agree within one rounding of each FP32 intermediate.
 
 A third path on CPU: the native kernels (`optim.native`, hand-written C++ with explicit SIMD,
-one per family, built on first use; `native_path` says which compositions they run). They
+one per family, built on first use; `native_dispatch` says which compositions they run). They
 follow the same operation sequence, bit for bit.
 
 Modes (the optimizers' `fused` option):
@@ -223,7 +223,7 @@ def run_bucket(
 
 def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: collections.Counter | None) -> bool:
     """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
-    from .native_path import native_call, unsupported
+    from .native_dispatch import native_call, unsupported
 
     reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
     if reason is not None:

@@ -2,7 +2,7 @@
 
 Each function names its family's declaration (`native.declaration` of its formats and rule) and
 passes its tensors by name to `native.step`, the kernels' one entry point; the optimizers go
-through `optim.native_path`, which declares any composition the same way.
+through `optim.native_dispatch`, which declares any composition the same way.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def fp8_adamw_step(
 def _group_fields(state: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(state, (tuple, list)):
         return tuple(state)
-    return state.payload, state.scale, state.exponent, state.center  # optim.coat.FP8GroupState
+    return state.payload, state.scale, state.exponent, state.center  # optim.coat_adamw.FP8GroupState
 
 
 def coat_step(
@@ -246,7 +246,7 @@ def coat_step(
 
     Per group of m and of v: decode x = sign(y)·|y|^(1/k)·c, y = q/s (expand) or x = q/s; the
     AdamW update (FP32, v clamped to FP32's max); θ ← θ + Δθ₃₂ (FP32 θ) or (θ, δθ) ←
-    Grow((θ, δθ), r(Δθ₃₂)) (BF16/FP16 θ); then `optim.coat.quantize_state` of the new m and v: amax,
+    Grow((θ, δθ), r(Δθ₃₂)) (BF16/FP16 θ); then `optim.coat_adamw.quantize_state` of the new m and v: amax,
     amin (smallest non-zero), k = max(1, ⌊log2(F²/2)/log2(amax/amin)·16⌋/16) (FP64),
     c = √amax·√amin, |x| ← (|x|/c)^k, s = F/amax, q = cast(clamp(x·s) + (x·s − x·s)).
     A last partial group is padded with zeros, as `quantize_state` pads.

@@ -25,7 +25,7 @@ import torch
 from ..fp8.scaled import format_dtype
 from ..numerics import LOW_PRECISION_DTYPES
 from .adamw import AdamW, Composition
-from .fastpath import FusedMode
+from .dispatch import FusedMode
 from .formats import GroupFP8
 from .rules import Grow, Nearest
 
