@@ -33,7 +33,7 @@ import time
 import torch
 
 from hf_lowprec.fp8.experts import fp8_grouped_linear
-from hf_lowprec.fp8.recipes import RECIPES
+from hf_lowprec.fp8.scaling_recipes import SCALING_RECIPES
 from hf_lowprec.report import describe
 from hf_lowprec.strategies.registry import get_strategy
 from hf_lowprec.testing import row_snr_db
@@ -82,7 +82,7 @@ def snr_table(outliers: int, factor: float, seed: int = 0) -> list[dict]:
         return y, dx, dw
 
     out = []
-    for recipe in RECIPES:
+    for recipe in SCALING_RECIPES:
         row: dict = {"recipe": recipe}
         for label in ("clean", "outliers"):
             xr, dyr = x.clone(), dy.clone()

@@ -1,4 +1,4 @@
-"""FP8 scaling recipes (hf_lowprec/fp8/recipes.py): GEMM output SNR per token row with massive
+"""FP8 scaling recipes (hf_lowprec/fp8/scaling_recipes.py): GEMM output SNR per token row with massive
 activations, and training fidelity through the Trainer.
 
     python bench/bench_recipes.py [--rows 1024] [--features 1024] [--outliers 4] [--factor 1e5]
@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from hf_lowprec.fp8 import fp8_linear
-from hf_lowprec.fp8.recipes import RECIPES
+from hf_lowprec.fp8.scaling_recipes import SCALING_RECIPES
 from hf_lowprec.testing import row_snr_db
 
 
@@ -42,7 +42,7 @@ def snr_table(rows: int, features: int, outliers: int, factor: float, seed: int 
     ordinary = torch.ones(rows, dtype=torch.bool)
     ordinary[special] = False
     out = []
-    for recipe in RECIPES:
+    for recipe in SCALING_RECIPES:
         row = {"recipe": recipe}
         for label, x, g_out in (("clean", clean, dy), ("outliers", spiked, dy_spiked)):
             xf = x.float().requires_grad_()
@@ -67,7 +67,7 @@ def fidelity(steps: int, seeds: list[int], threads: int) -> list[dict]:
         torch.set_num_threads(threads)
     tokenizer = build_tokenizer()
     train_ds, eval_ds = clm_datasets(tokenizer, block_size=64)
-    runs = [("bf16-mixed", None)] + [("fp8-lm-o2", {"recipe": r}) for r in RECIPES]
+    runs = [("bf16-mixed", None)] + [("fp8-lm-o2", {"recipe": r}) for r in SCALING_RECIPES]
     rows = []
     for name, options in runs:
         ppl = []

@@ -144,16 +144,17 @@ def bench_optimizers(device: torch.device, numel: int, deadline: float) -> list[
 
 
 def bench_gemm(device: torch.device, size: int) -> list[str]:
-    from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor
+    from hf_lowprec.fp8.gemm import fp8_mm
+    from hf_lowprec.fp8.linear import quantize_tensorwise
 
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=g)
     b = torch.randn(size, size, device=device, generator=g)
-    a8, sa = _quantize_per_tensor(a, torch.float8_e4m3fn, 0)
-    b8, sb = _quantize_per_tensor(b, torch.float8_e4m3fn, 0)
+    a8, sa = quantize_tensorwise(a, torch.float8_e4m3fn, 0)
+    b8, sb = quantize_tensorwise(b, torch.float8_e4m3fn, 0)
     ab, bb = a.bfloat16(), b.bfloat16()
     bf16 = median_time(lambda: torch.mm(ab, bb), device, 3, 10)
-    fp8 = median_time(lambda: _fp8_mm(a8, sa, b8, sb, torch.bfloat16), device, 3, 10)
+    fp8 = median_time(lambda: fp8_mm(a8, sa, b8, sb, torch.bfloat16), device, 3, 10)
     tflops = 2 * size**3 / fp8 / 1e12
     return [
         f"GEMM {size}³: BF16 {bf16 * 1e3:.2f} ms; FP8 ({fp8_gemm_path(device)}) {fp8 * 1e3:.2f} ms "

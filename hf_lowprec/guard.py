@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from .distributed import any_rank, local_shard
-from .fp8.raised import RAISED, finer
+from .fp8.raised import config_named, finer
 
 logger = logging.getLogger("hf_lowprec")
 
@@ -261,10 +261,10 @@ class Guard:
         for (name, layer), (flushed, nonzero) in zip(watched, read):
             share = flushed / nonzero if nonzero else 0.0
             self._last_flushed[name] = share
-            if share <= self.config.max_flushed or layer.recipe == RAISED:
+            if share <= self.config.max_flushed or layer.config.raised:
                 continue
             before = layer.recipe
-            after = finer(before, (layer.in_features, layer.out_features))
+            after = finer(layer.config, (layer.in_features, layer.out_features)).name
             self._set_recipe(name, after)
             taken.append(
                 self._act(
@@ -274,7 +274,7 @@ class Guard:
                     f"check (max_flushed {self.config.max_flushed:.1%})",
                 )
             )
-        if self.layers and all(layer.recipe == RAISED for layer in self.layers.values()) and not self.stopped:
+        if self.layers and all(layer.config.raised for layer in self.layers.values()) and not self.stopped:
             if any(a["action"] == "raise" for a in taken):
                 self._stop("every FP8 layer runs in BF16 now: there is no precision left to raise")
         return taken
@@ -283,8 +283,7 @@ class Guard:
         layer = self.layers.get(name)
         if layer is None:
             return
-        layer.recipe = recipe
-        layer._weight_cache = None  # the cached FP8 weight was quantized under the old recipe
+        layer.set_config(config_named(layer.config, recipe))
         self.raised[name] = recipe
 
     def _take_snapshot(self) -> None:

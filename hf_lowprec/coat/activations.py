@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fp8.convert import _conv1d_class
+from ..fp8.convert import is_gemm_layer
 from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear, sharing_inputs
 from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
@@ -232,16 +232,11 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(_NORM_SUFFIXES) and not list(module.children())
 
 
-def _is_gemm(module: nn.Module) -> bool:
-    conv1d = _conv1d_class()
-    return isinstance(module, (nn.Linear, FP8Linear)) or (conv1d is not None and isinstance(module, conv1d))
-
-
 def _is_fp8_mlp(module: nn.Module) -> bool:
     """An MLP: it holds an activation layer directly, and every GEMM inside is FP8Linear."""
     if not any(_is_activation(child) for child in module.children()):
         return False
-    return all(isinstance(m, FP8Linear) for m in module.modules() if _is_gemm(m))
+    return all(isinstance(m, FP8Linear) for m in module.modules() if is_gemm_layer(m))
 
 
 def _is_fp8_attention(module: nn.Module) -> bool:

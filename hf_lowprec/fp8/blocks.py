@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cast import widen
-from .recipes import _blocked  # the block view the scaling recipes use
+from .scaling_recipes import blocked  # the block view the scaling recipes use
 
 __all__ = ["BLOCK", "FrozenBlockFP8Linear", "block_scales_fp32", "dequantize_published", "quantize_published"]
 
@@ -65,7 +65,7 @@ def dequantize_published(
     """The published weight in `dtype`: payload · its block's scale in FP32, rounded once to `dtype`."""
     _check_grid(payload, scale_inv, block)
     rows, cols = payload.shape
-    real = _blocked(widen(payload, torch.float32), block) * block_scales_fp32(scale_inv)[:, None, :, None]
+    real = blocked(widen(payload, torch.float32), block) * block_scales_fp32(scale_inv)[:, None, :, None]
     return real.reshape(real.shape[0] * block[0], -1)[:rows, :cols].to(dtype)
 
 
@@ -84,7 +84,7 @@ def quantize_published(
     if weight.dim() != 2:
         raise ValueError(f"a block-scaled weight is 2-D (out × in), got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
-    blocks = _blocked(weight.detach().float(), block)
+    blocks = blocked(weight.detach().float(), block)
     amax = blocks.abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     if scale_fmt == "ue8m0":

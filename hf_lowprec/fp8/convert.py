@@ -15,21 +15,30 @@ from collections.abc import Callable
 from torch import nn
 
 from .experts import convert_experts
-from .linear import GEMM_MULTIPLE, FP8Linear
-from .recipes import get_recipe
+from .gemm import GEMM_MULTIPLE
+from .linear import FP8Linear
+from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
-__all__ = ["ModuleFilter", "convert_to_fp8", "default_skips"]
+__all__ = ["ModuleFilter", "conv1d_class", "convert_to_fp8", "default_skips", "is_gemm_layer"]
 
 logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def _conv1d_class() -> type | None:
+def conv1d_class() -> type | None:
+    """transformers' GPT-2 `Conv1D`, if transformers has loaded it (None otherwise)."""
     # A model built from GPT-2's Conv1D has imported its module already; looking it up instead
     # of importing keeps conversion of plain torch models free of the transformers import.
     module = sys.modules.get("transformers.pytorch_utils")
     return getattr(module, "Conv1D", None)
+
+
+def is_gemm_layer(module: nn.Module) -> bool:
+    """Whether `module` runs a GEMM layer's forward: `nn.Linear`, `FP8Linear` or GPT-2's `Conv1D`
+    (subclasses included), as COAT's activation compression recognises them."""
+    conv1d = conv1d_class()
+    return isinstance(module, (nn.Linear, FP8Linear)) or (conv1d is not None and isinstance(module, conv1d))
 
 
 def default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
@@ -62,8 +71,9 @@ def convert_to_fp8(
     model: nn.Module,
     *,
     module_filter: ModuleFilter | None = None,
+    config: FP8LinearConfig | None = None,
     margin: int = 0,
-    recipe: str = "tensorwise",
+    recipe: str | ScalingRecipe = "tensorwise",
     min_gemm_features: int = 0,
 ) -> nn.Module:
     """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, and give every fused experts
@@ -74,8 +84,8 @@ def convert_to_fp8(
         module_filter: `filter(module, fqn) -> bool`, True to convert. It replaces the default
             filter, which skips the LM head, layers tied to embeddings and (with
             `min_gemm_features`) small GEMMs.
-        margin: scale margin for the FP8 casts of the new layers.
-        recipe: FP8 scaling recipe of the new layers (`hf_lowprec.fp8.recipes`).
+        config: the new layers' configuration (`fp8_config`: recipe, margin, GEMM path), shared
+            by every layer and experts module; without one, `margin` and `recipe` build it.
         min_gemm_features: default filter: a layer whose in_features and out_features are both
             below this keeps high precision (its GEMM is too small for FP8 to gain: the casts
             cost more than the faster GEMM saves, as torchtitan's auto filter reasons). 0: off.
@@ -86,14 +96,13 @@ def convert_to_fp8(
     swap would drop) are always skipped. Each skip is logged as a warning naming the layer and
     the reason, and listed in the startup report (`model.fp8_skipped_layers`).
     """
-    if margin < 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
-    multiple = get_recipe(recipe).dim_multiple
+    config = config or fp8_config(recipe, margin)
+    multiple = config.recipe.dim_multiple
     if not isinstance(min_gemm_features, int) or min_gemm_features < 0:
         raise ValueError(f"min_gemm_features must be an integer >= 0, got {min_gemm_features!r}")
     if module_filter is not None and not callable(module_filter):
         raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
-    conv1d = _conv1d_class()
+    conv1d = conv1d_class()
     skips = default_skips(model, min_gemm_features) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
     skipped: dict[str, str] = {}
@@ -116,7 +125,9 @@ def convert_to_fp8(
             if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
                 reason = f"it has no elements (in_features={k}, out_features={n})"
             elif bad:
-                need = "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {recipe} blocks"
+                need = (
+                    "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {config.recipe.name} blocks"
+                )
                 reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
         if reason is not None:
             logger.warning("FP8: skipped layer %s: %s", name, reason)
@@ -128,11 +139,11 @@ def convert_to_fp8(
     for fqn, module in swaps:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_float(module, margin=margin, recipe=recipe))
+        setattr(parent, child, FP8Linear.from_float(module, config=config))
     logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
     # The experts' fused 3-D weights: the same filter, recipe and margin (the router is no
     # experts module and keeps high precision).
-    experts, experts_skipped = convert_experts(model, recipe=recipe, margin=margin, module_filter=module_filter)
+    experts, experts_skipped = convert_experts(model, config=config, module_filter=module_filter)
     skipped.update(experts_skipped)
     # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
     model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)

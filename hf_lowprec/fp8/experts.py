@@ -27,7 +27,7 @@ Each grouped GEMM has the three GEMMs of a linear layer, per expert e over its t
     input grad    dx_e = dy_e·W_e        contraction over N (output features)
     weight grad   dW_e = dy_eᵀ·x_e       contraction over the expert's tokens
 
-with the scaling recipes of the dense layers (`fp8/recipes.py`), applied per expert:
+with the scaling recipes of the dense layers (`fp8/scaling_recipes.py`), applied per expert:
 
 | recipe | x, dy (forward, input grad) | W | x, dy (weight grad: blocks along tokens) |
 |---|---|---|---|
@@ -72,8 +72,8 @@ from .grouped import (  # noqa: F401  (the grouped GEMM's names, importable from
     quantize_rows,
     token_groups,
 )
-from .recipes import get_recipe
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
+from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
 __all__ = [
     "FP8Experts",
@@ -126,8 +126,7 @@ class FP8Experts(nn.Module):
     grouped GEMMs (module docstring). Never built directly: the converted module keeps its own
     class's attributes and methods (`_apply_gate`, `act_fn`, ...) and parameters."""
 
-    fp8_recipe: str = "tensorwise"
-    fp8_margin: int = 0
+    fp8_layer_config: FP8LinearConfig = fp8_config()
     # One weight scale for all experts (set by fp8-lm-o3: what its non-owning ranks compute with).
     fp8_tensor_scale: bool = False
 
@@ -166,8 +165,7 @@ class FP8Experts(nn.Module):
             offsets,
             rows,
             transposed=self.is_transposed,
-            margin=self.fp8_margin,
-            recipe=self.fp8_recipe,
+            config=self.fp8_layer_config,
             master_scale=self._master_scales.get(name),
             tensor_scale=self.fp8_tensor_scale,
         )
@@ -176,6 +174,16 @@ class FP8Experts(nn.Module):
             # As in the dense layers: the bias joins the BF16 GEMM result in FP32, rounded once.
             out = torch.add(out, bias[rows]).to(out.dtype)
         return out
+
+    @property
+    def fp8_recipe(self) -> str:
+        """The name of the experts' scaling recipe."""
+        return self.fp8_layer_config.name
+
+    @property
+    def fp8_margin(self) -> int:
+        """Scale margin in binades of the experts' FP8 casts."""
+        return self.fp8_layer_config.margin
 
     # --- O2 / O3: scaled masters, FP8-stored weights ------------------------------------------
 
@@ -271,7 +279,8 @@ def _refusal(module: nn.Module, multiple: int, recipe: str) -> str | None:
 def convert_experts(
     model: nn.Module,
     *,
-    recipe: str = "tensorwise",
+    config: FP8LinearConfig | None = None,
+    recipe: str | ScalingRecipe = "tensorwise",
     margin: int = 0,
     module_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
@@ -280,7 +289,8 @@ def convert_experts(
     Returns (converted module names, {skipped name: reason}). A module whose weights are not
     multiples of 16 and of the recipe's blocks keeps its own forward, with the reason logged.
     """
-    multiple = get_recipe(recipe).dim_multiple
+    config = config or fp8_config(recipe, margin)
+    multiple = config.recipe.dim_multiple
     converted: list[str] = []
     skipped: dict[str, str] = {}
     for fqn, module in list(model.named_modules()):
@@ -290,18 +300,18 @@ def convert_experts(
         if module_filter is not None and not module_filter(module, fqn):
             skipped[name] = "rejected by module_filter"
             continue
-        reason = _refusal(module, multiple, recipe)
+        reason = _refusal(module, multiple, config.recipe.name)
         if reason is not None:
             logger.warning("FP8: kept experts %s in high precision: %s", name, reason)
             skipped[name] = reason
             continue
         module.__class__ = _fp8_class(type(module))
-        module.fp8_recipe, module.fp8_margin = get_recipe(recipe).name, margin
+        module.fp8_layer_config = config
         module.register_state_dict_post_hook(_export_real_weights)
         module.register_load_state_dict_pre_hook(_import_real_weights)
         converted.append(name)
     if converted:
-        logger.info("FP8: %d experts modules run FP8 grouped GEMMs (%s recipe)", len(converted), recipe)
+        logger.info("FP8: %d experts modules run FP8 grouped GEMMs (%s recipe)", len(converted), config.recipe.name)
     return converted, skipped
 
 

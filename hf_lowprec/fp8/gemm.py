@@ -1,29 +1,7 @@
-"""FP8 GEMM paths: `(a / s_a) @ (b / s_b)` for FP8 operands, one numerics on every device.
-
-GEMM paths. The numerics are one definition on every device: the exact products of the FP8
-payloads summed in FP32, multiplied by the exact power-of-two 1/(s_a·s_b), rounded once to
-BF16 and then cast to the activation dtype. BF16's relative rounding (2^-9) is 16 times
-finer than the E4M3 operands' own (2^-4), so the output dtype costs nothing measurable, and
-it lets every device use its fast GEMM. Two implementations compute that:
-
-- "scaled_mm": `torch._scaled_mm` (cuBLASLt FP8 tensor cores). Chosen on CUDA devices with
-  compute capability ≥ 8.9. cuBLASLt needs the first operand row-major, the second
-  column-major and every dimension a multiple of 16; `_ScaledMM` makes that layout explicit
-  (copies, zero padding) whatever layout it is handed.
-- "upcast": both payloads converted to BF16, which represents every E4M3 and E5M2 value
-  exactly, then an ordinary BF16 matmul (oneDNN/AMX, cuBLAS), which accumulates in FP32.
-  Chosen everywhere else: on CPU, `_scaled_mm` runs a reference loop (GPT-2's 512×768×3072
-  GEMM measured here at ~1000× a BF16 matmul).
-
-The two differ only in FP32 summation order (tests/fp8/test_gemm_paths.py bounds it). The
-choice is made once per device and logged; `set_fp8_gemm_path` forces one.
-
-Recipes. The above is the "tensorwise" recipe (the default, FP8-LM's). A layer built with
-`recipe="rowwise"`, `"blockwise"` or `"mxfp8"` scales per row, per block or per MX block
-instead; its scales, re-quantization for the backward GEMMs and GEMM paths (native
-`_scaled_mm` where the device has the kernel, exact emulation elsewhere) are written once in
-`hf_lowprec.fp8.recipes`, and this autograd function only routes to them. A tensorwise FP8
-weight (FP8-stored, or FSDP2's FP8 all-gather) is a valid operand of every recipe.
+"""The tensorwise FP8 GEMM, `(a / s_a) @ (b / s_b)`, one numerics on every device: the exact
+products of the FP8 payloads summed in FP32, times the exact 1/(s_a·s_b), rounded once to BF16.
+Two paths compute it (`ScaledMMGemm` on FP8 tensor cores, `UpcastGemm` elsewhere), chosen once
+per device (`gemm_for`) unless forced (`set_fp8_gemm_path`) or preferred by a layer's config.
 """
 
 from __future__ import annotations
@@ -36,13 +14,26 @@ import torch.nn.functional as F
 
 from .cast import widen
 
-__all__ = ["GEMM_MULTIPLE", "GEMM_OUT_DTYPE", "GemmPath", "fp8_gemm_path", "set_fp8_gemm_path"]
+__all__ = [
+    "GEMM_MULTIPLE",
+    "GEMM_OUT_DTYPE",
+    "GemmPath",
+    "ScaledMMGemm",
+    "UpcastGemm",
+    "check_gemm_path",
+    "fp8_gemm_path",
+    "fp8_mm",
+    "gemm_for",
+    "set_fp8_gemm_path",
+]
 
 logger = logging.getLogger(__name__)
 
 # Dimensions _scaled_mm's CUDA kernels need to be multiples of.
 GEMM_MULTIPLE = 16
-# The dtype every FP8 GEMM's FP32 accumulator is rounded to (module docstring).
+# The dtype every FP8 GEMM's FP32 accumulator is rounded to: BF16's relative rounding (2^-9)
+# is 16 times finer than E4M3's (2^-4), so it costs nothing measurable and every device's fast
+# GEMM can produce it.
 GEMM_OUT_DTYPE = torch.bfloat16
 # First CUDA compute capability with FP8 tensor cores (Ada, Hopper and later).
 _FP8_TENSOR_CORE_CAPABILITY = (8, 9)
@@ -67,8 +58,10 @@ def _inverse_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor
     return scale_a.reciprocal() * scale_b.reciprocal()
 
 
-class _Upcast:
-    """FP8 payloads → BF16 (exact) → BF16 matmul with FP32 accumulation; any operand layout."""
+class UpcastGemm:
+    """FP8 payloads → BF16 (exact: BF16 holds every E4M3 and E5M2 value) → BF16 matmul with FP32
+    accumulation (oneDNN/AMX, cuBLAS); any operand layout. The default off FP8 tensor cores: on
+    CPU `torch._scaled_mm` is a reference loop (~1000× a BF16 matmul on GPT-2's GEMMs)."""
 
     name: GemmPath = "upcast"
 
@@ -80,8 +73,10 @@ class _Upcast:
         return torch.mm(a, b).mul_(_inverse_scale(scale_a, scale_b).to(GEMM_OUT_DTYPE))
 
 
-class _ScaledMM:
-    """`torch._scaled_mm`, handed cuBLASLt's layout: a row-major, b column-major, dims padded to 16.
+class ScaledMMGemm:
+    """`torch._scaled_mm`, handed cuBLASLt's layout: a row-major, b column-major, dims padded to 16
+    (copies, zero padding, whatever layout it is handed). Differs from `UpcastGemm` only in FP32
+    summation order.
 
     Args:
         pad: zero-pad M, K, N to multiples of 16 (what the CUDA kernels need).
@@ -115,19 +110,28 @@ class _ScaledMM:
 
 
 _forced_path: GemmPath | None = None
-_chosen: dict[tuple[str, int | None], _Upcast | _ScaledMM] = {}
+_chosen: dict[tuple[str, int | None], UpcastGemm | ScaledMMGemm] = {}
+
+
+def check_gemm_path(path: GemmPath | None) -> None:
+    """Raise a clear error unless `path` is "scaled_mm", "upcast" or None."""
+    if path not in ("scaled_mm", "upcast", None):
+        raise ValueError(f"FP8 GEMM path must be 'scaled_mm', 'upcast' or None, got {path!r}")
 
 
 def set_fp8_gemm_path(path: GemmPath | None) -> None:
     """Force the FP8 GEMM path on every device ("scaled_mm" or "upcast"), or None for the default."""
     global _forced_path
-    if path not in ("scaled_mm", "upcast", None):
-        raise ValueError(f"FP8 GEMM path must be 'scaled_mm', 'upcast' or None, got {path!r}")
+    check_gemm_path(path)
     _forced_path = path
     _chosen.clear()
 
 
-def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
+def gemm_for(device: torch.device, preferred: GemmPath | None = None) -> UpcastGemm | ScaledMMGemm:
+    """The GEMM path on `device`: forced (`set_fp8_gemm_path`), else the layer's preferred one,
+    else the device's default ("scaled_mm" from CUDA capability 8.9, else "upcast")."""
+    if preferred is not None and _forced_path is None:
+        return _new_gemm(preferred, device)
     if torch.compiler.is_compiling():
         # Inside a compiled graph the choice is recomputed while tracing, never looked up:
         # reading `_chosen` would make its contents a guard of the graph, and the first eager
@@ -143,10 +147,10 @@ def _gemm_for(device: torch.device) -> _Upcast | _ScaledMM:
     return gemm
 
 
-def _new_gemm(path: GemmPath, device: torch.device) -> _Upcast | _ScaledMM:
+def _new_gemm(path: GemmPath, device: torch.device) -> UpcastGemm | ScaledMMGemm:
     if path == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
         raise RuntimeError("the 'scaled_mm' FP8 GEMM path needs torch._scaled_mm (torch >= 2.4)")
-    return _ScaledMM(pad=device.type == "cuda") if path == "scaled_mm" else _Upcast()
+    return ScaledMMGemm(pad=device.type == "cuda") if path == "scaled_mm" else UpcastGemm()
 
 
 @torch.compiler.assume_constant_result
@@ -159,19 +163,19 @@ def _default_path(device: torch.device) -> GemmPath:
 
 
 def fp8_gemm_path(device: torch.device | str) -> GemmPath:
-    """The FP8 GEMM path used on `device`: "scaled_mm" or "upcast" (module docstring)."""
-    return _gemm_for(torch.device(device)).name
+    """The FP8 GEMM path used on `device` by default: "scaled_mm" or "upcast"."""
+    return gemm_for(torch.device(device)).name
 
 
-def _fp8_mm(
+def fp8_mm(
     a: torch.Tensor,
     scale_a: torch.Tensor,
     b: torch.Tensor,
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
-    gemm: _Upcast | _ScaledMM | None = None,
+    gemm: UpcastGemm | ScaledMMGemm | None = None,
 ) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
-    gemm = gemm or _gemm_for(a.device)
+    gemm = gemm or gemm_for(a.device)
     out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
     return out.to(out_dtype)

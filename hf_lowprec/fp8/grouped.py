@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .cast import widen
-from .gemm import _gemm_for, _ScaledMM
+from .gemm import GEMM_OUT_DTYPE, ScaledMMGemm, gemm_for
 from .linear import deliver_weight_grad, get_grad_sink, output_dtype, quantize_weight
-from .recipes import GEMM_OUT_DTYPE, Recipe, get_recipe, mx_scale
 from .scaled import format_max, pow2_scale
+from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
 
 __all__ = [
     "dequantize_expert_weight",
@@ -36,12 +36,12 @@ E5M2 = torch.float8_e5m2
 # --- quantization ------------------------------------------------------------------------------
 
 
-def _scale(recipe: Recipe, amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+def _scale(recipe: ScalingRecipe, amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
     return mx_scale(amax, dtype, margin) if recipe.e8m0 else pow2_scale(amax, dtype, margin)
 
 
 def quantize_rows(
-    recipe: Recipe,
+    recipe: ScalingRecipe,
     t: torch.Tensor,
     dtype: torch.dtype,
     margin: int,
@@ -86,13 +86,13 @@ def dequantize_rows(
     return (wide.reshape(rows, -1, bc) / per_row[..., None]).reshape(rows, -1)[:, :cols]
 
 
-def _weight_blocks(recipe: Recipe, n: int, k: int) -> tuple[int, int]:
+def _weight_blocks(recipe: ScalingRecipe, n: int, k: int) -> tuple[int, int]:
     br, bc = recipe.weight_block
     return (n if br is None else br), (k if bc is None else bc)
 
 
 def quantize_expert_weight(
-    recipe: Recipe, w: torch.Tensor, margin: int, master_scale: torch.Tensor | None = None, block=None
+    recipe: ScalingRecipe, w: torch.Tensor, margin: int, master_scale: torch.Tensor | None = None, block=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 payload E × N × K, scales E × N/br × K/bc) of a logical expert weight, per expert.
 
@@ -122,7 +122,7 @@ def dequantize_expert_weight(payload: torch.Tensor, scale: torch.Tensor) -> torc
 
 
 def _transposed_weight(
-    recipe: Recipe, w8: torch.Tensor, sw: torch.Tensor, margin: int
+    recipe: ScalingRecipe, w8: torch.Tensor, sw: torch.Tensor, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wᵀ (E × K × N) in FP8 with the recipe's blocks along its own rows: the same payload where
     the blocks are whole or square (tensorwise, blockwise), else re-quantized from the exact
@@ -166,9 +166,9 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     return torch._grouped_mm(a.to(GEMM_OUT_DTYPE), b.to(GEMM_OUT_DTYPE), offs=offsets)
 
 
-def _act_grouping(recipe: Recipe, rows: torch.Tensor, experts: int) -> tuple[torch.Tensor | None, int]:
+def _act_grouping(recipe: ScalingRecipe, rows: torch.Tensor, experts: int) -> tuple[torch.Tensor | None, int]:
     # Tensorwise: one scale per expert's tokens; the finer recipes scale along each token row.
-    return (rows, experts) if recipe.name == "tensorwise" else (None, 0)
+    return (rows, experts) if recipe.whole_tensor else (None, 0)
 
 
 # --- the native kernel: torch._scaled_grouped_mm (SM90) ------------------------------------------
@@ -176,24 +176,23 @@ def _act_grouping(recipe: Recipe, rows: torch.Tensor, experts: int) -> tuple[tor
 # per output column of each expert (rowwise; a tensorwise scale is such a vector, repeated), A
 # row-major, B column-major, and groups whose token counts are multiples of 16: each expert's
 # rows are copied into a padded layout (zero payloads, unit scales), of a static size.
-_NATIVE_RECIPES = ("tensorwise", "rowwise")
 _NATIVE_CAPABILITY = ((9, 0), (10, 0))  # Hopper; Blackwell's kernel takes MX-blocked scales
 _ALIGN = 16
 
 
 @torch.compiler.assume_constant_result
-def native_grouped(recipe_name: str, device: torch.device) -> bool:
-    """Whether `torch._scaled_grouped_mm` on `device` takes `recipe_name`'s scales (a constant
-    of a compiled graph: a device's capability does not change)."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or recipe_name not in _NATIVE_RECIPES:
+def native_grouped(recipe: ScalingRecipe, device: torch.device) -> bool:
+    """Whether `torch._scaled_grouped_mm` on `device` takes `recipe`'s scales (a constant of a
+    compiled graph: a device's capability does not change)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or not recipe.native_grouped:
         return False
     low, high = _NATIVE_CAPABILITY
     return low <= torch.cuda.get_device_capability(device) < high
 
 
-def _use_native(recipe_name: str, device: torch.device) -> bool:
+def _use_native(config: FP8LinearConfig, device: torch.device) -> bool:
     # The dense layers' path choice decides (`set_fp8_gemm_path("upcast")` forces the emulation).
-    return isinstance(_gemm_for(device), _ScaledMM) and native_grouped(recipe_name, device)
+    return isinstance(gemm_for(device, config.gemm_path), ScaledMMGemm) and native_grouped(config.recipe, device)
 
 
 def padded_layout(offsets: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -280,17 +279,16 @@ class _FP8GroupedLinear(torch.autograd.Function):
         sw: torch.Tensor,
         offsets: torch.Tensor,
         rows: torch.Tensor,
-        recipe_name: str,
+        config: FP8LinearConfig,
         transposed: bool,
-        margin: int,
         out_dtype: torch.dtype,
         grad_sink: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        recipe = get_recipe(recipe_name)
+        recipe, margin = config.recipe, config.margin
         experts = w8.shape[0]
         groups, n_groups = _act_grouping(recipe, rows, experts)
         col = recipe.activation_block[1]
-        native = _use_native(recipe_name, x.device)
+        native = _use_native(config, x.device)
         with torch.autocast(x.device.type, enabled=False):
             x8, sx = quantize_rows(recipe, x, E4M3, margin, col, groups, n_groups)
             if native:
@@ -300,15 +298,14 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 w_real = dequantize_expert_weight(w8, sw)  # logical E × N × K
                 out = _grouped_mm(dequantize_rows(x8, sx, col, groups), w_real.transpose(1, 2), offsets)
         ctx.save_for_backward(x8, sx, w8, sw, offsets, rows)
-        ctx.recipe, ctx.transposed, ctx.margin, ctx.native = recipe_name, transposed, margin, native
+        ctx.config, ctx.transposed, ctx.native = config, transposed, native
         ctx.x_dtype, ctx.weight_dtype, ctx.grad_sink = x.dtype, weight.dtype, grad_sink
         return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x8, sx, w8, sw, offsets, rows = ctx.saved_tensors
-        recipe = get_recipe(ctx.recipe)
-        margin, experts = ctx.margin, w8.shape[0]
+        recipe, margin, experts = ctx.config.recipe, ctx.config.margin, w8.shape[0]
         groups, n_groups = _act_grouping(recipe, rows, experts)
         col = recipe.activation_block[1]
         native = ctx.native and recipe.grad_dtype == E4M3
@@ -318,7 +315,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             g = grad_out.detach()
             g8 = sg = None
-            if ctx.needs_input_grad[0] or (need_dw and recipe.name == "tensorwise"):
+            if ctx.needs_input_grad[0] or (need_dw and recipe.whole_tensor):
                 g8, sg = quantize_rows(recipe, g, recipe.grad_dtype, margin, col, groups, n_groups)
             if ctx.needs_input_grad[0]:
                 wt8, swt = _transposed_weight(recipe, w8, sw, margin)  # E × K × N
@@ -330,7 +327,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                     grad_x = _grouped_mm(g_real, dequantize_expert_weight(wt8, swt).transpose(1, 2), offsets)
                 grad_x = grad_x.to(ctx.x_dtype)
             if need_dw:
-                if recipe.name == "tensorwise":  # the per-expert scales hold along the tokens too
+                if recipe.whole_tensor:  # the per-expert scales hold along the tokens too
                     g_real, x_real = dequantize_rows(g8, sg, None, rows), dequantize_rows(x8, sx, None, rows)
                     grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
                 else:  # scales along each expert's tokens, one per column (module docstring)
@@ -350,7 +347,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 if ctx.transposed:
                     grad_w = grad_w.transpose(1, 2)
                 grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def _whole(payload: torch.Tensor, scale: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,10 +358,9 @@ def _whole(payload: torch.Tensor, scale: torch.Tensor, transposed: bool) -> tupl
 
 
 def _fp8_weight(
-    recipe: Recipe,
+    config: FP8LinearConfig,
     weight: torch.Tensor,
     transposed: bool,
-    margin: int,
     master_scale: torch.Tensor | None,
     tensor_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,9 +375,9 @@ def _fp8_weight(
             raise ValueError("an FP8-stored expert weight needs its scale in master_scale (real = payload / scale)")
         return _whole(weight.detach(), master_scale, transposed)
     if tensor_scale:  # bit for bit what FP8 ZeRO stores for the ranks that do not own the weight
-        return _whole(*quantize_weight(weight.detach(), margin, master_scale), transposed)
+        return _whole(*quantize_weight(weight.detach(), config.margin, master_scale), transposed)
     logical = weight.transpose(1, 2) if transposed else weight
-    return quantize_expert_weight(recipe, logical, margin, master_scale)
+    return quantize_expert_weight(config.recipe, logical, config.margin, master_scale)
 
 
 def fp8_grouped_linear(
@@ -391,8 +387,9 @@ def fp8_grouped_linear(
     rows: torch.Tensor,
     *,
     transposed: bool = False,
+    config: FP8LinearConfig | None = None,
     margin: int = 0,
-    recipe: str = "tensorwise",
+    recipe: str | ScalingRecipe = "tensorwise",
     master_scale: torch.Tensor | None = None,
     tensor_scale: bool = False,
 ) -> torch.Tensor:
@@ -403,13 +400,14 @@ def fp8_grouped_linear(
         weight: E × N × K (E × K × N when `transposed`).
         offsets: int32 (E,), cumulative token counts (the end of each expert's rows).
         rows: int64 (S,), the expert of each row.
-        recipe: FP8 scaling recipe (`hf_lowprec.fp8.recipes`).
+        config: the experts' FP8 configuration (`fp8_config`), as the dense layers'; without
+            one, `margin` and `recipe` build it.
         master_scale: the weight is a scaled master (payload = real·s_m), or FP8-stored.
         tensor_scale: one weight scale for all experts (fp8-lm-o3, whose ranks that do not own
             the weight compute with such an FP8 weight).
     """
-    spec = get_recipe(recipe)
-    w8, sw = _fp8_weight(spec, weight, transposed, margin, master_scale, tensor_scale)
+    config = config or fp8_config(recipe, margin)
+    w8, sw = _fp8_weight(config, weight, transposed, master_scale, tensor_scale)
     sink = get_grad_sink(weight)
-    args = (offsets, rows, spec.name, transposed, margin, output_dtype(x), sink)
+    args = (offsets, rows, config, transposed, output_dtype(x), sink)
     return _FP8GroupedLinear.apply(x, weight, w8, sw, *args)

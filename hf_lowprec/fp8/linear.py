@@ -1,44 +1,9 @@
-"""FP8 linear layers: E4M3 inputs and weights, E5M2 output gradients (FP8-LM §2; docs/algorithms.md §3).
+"""FP8 linear layers: E4M3 inputs and weights, FP8 output gradients (FP8-LM §2; docs/algorithms.md §3).
 
 This module is long because the autograd function and the module share one quantization
 contract (the weight cache, shared inputs, FP8-stored weights, gradient sinks, state-dict
-hooks); split, each half would restate it. The GEMM paths are in `fp8/gemm.py`, the model
-conversion in `fp8/convert.py`, the scaling recipes in `fp8/recipes.py`.
-
-The three GEMMs of a linear layer take FP8 operands with per-tensor power-of-two scales
-(real = payload / s) and accumulate in FP32:
-
-    forward       y  = x·Wᵀ          x, W in E4M3
-    input grad    dx = dy·W          dy in E5M2 (wider range for gradients), W in E4M3
-    weight grad   dW = dyᵀ·x         dy in E5M2, x in E4M3
-
-GEMM paths ("scaled_mm" on FP8 tensor cores, "upcast" elsewhere, one numerics on both) live in
-`fp8/gemm.py`; the layer conversion (`convert_to_fp8`) in `fp8/convert.py`.
-
-Quantization. Activations and output gradients are quantized on every call (amax, then scale
-and cast in one compiled pass; see `_quantize_per_tensor`); the upcast path widens FP8
-payloads by table lookup (`cast.widen`): PyTorch's own CPU casts to and from FP8 cost more
-than the GEMMs. `FP8Linear` quantizes its weight once per
-optimizer step: the FP8 weight is cached under the weight's version counter and a global
-optimizer-step counter, so gradient accumulation and evaluation reuse it, and any change
-(optimizer step, `load_state_dict`, in-place edits, `.to()`) invalidates it. Only the FP8
-copies of x and W are saved for backward: activation memory for these layers is one byte
-per element, and no BF16 or FP32 copy of the weight outlives the GEMM that uses it.
-
-Scaled master weights (FP8-LM O2): after `scale_master_weight()`, the FP16 parameter holds
-payload = real·s_m with an FP32 scale s_m in the buffer `master_scale`; the layer divides by
-it when quantizing, and `p.grad` is the gradient with respect to the *real* weight (what
-`FP8AdamW` and gradient clipping expect). The module's state dict holds real values in
-FP32, so checkpoints and `save_pretrained` stay ordinary.
-
-FP8-stored weights (fp8-lm-o3, a rank that does not own the weight's master): the parameter
-holds the E4M3 payload itself (1 byte per element) and `master_scale` its FP8 scale, so
-real = payload / scale as for a scaled master; the layer uses them as its FP8 weight without
-quantizing again. No gradient can be held in 1 byte, so the weight's gradient goes to a
-*gradient sink* (`set_grad_sink`): a callable the backward hands the BF16 weight gradient to,
-instead of accumulating it into `p.grad`. A sink may be set on any weight (the FP8 ZeRO
-optimizer sets one on every weight another rank owns); an FP8-stored weight without one
-gets no gradient.
+hooks); split, each half would restate it. A layer's `FP8LinearConfig` (`fp8.scaling_recipes`)
+says how it scales and which GEMM path it prefers; `convert_to_fp8` (`fp8.convert`) swaps layers.
 """
 
 from __future__ import annotations
@@ -56,24 +21,22 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
 from .cast import scale_to_fp8
-from .gemm import (  # noqa: F401  (the GEMM paths' names, where callers have imported them)
-    GEMM_MULTIPLE,
-    GEMM_OUT_DTYPE,
-    GemmPath,
-    _chosen,
-    _fp8_mm,
-    _gemm_for,
-    _ScaledMM,
-    _Upcast,
-    fp8_gemm_path,
-    set_fp8_gemm_path,
-)
-from .raised import RAISED, flush_counts, raised_linear
-from .recipes import get_recipe, native_kernel, recipe_backward, recipe_forward, recipe_weight
+from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
+from .raised import flush_counts, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
+from .scaling_recipes import (
+    FP8LinearConfig,
+    ScalingRecipe,
+    fp8_config,
+    native_kernel,
+    recipe_backward,
+    recipe_forward,
+    recipe_weight,
+)
 
 __all__ = [
     "FP8Linear",
+    "FP8LinearFunction",
     "GemmPath",
     "GradSink",
     "deliver_weight_grad",
@@ -81,6 +44,8 @@ __all__ = [
     "fp8_linear",
     "get_grad_sink",
     "output_dtype",
+    "quantize_layer_weight",
+    "quantize_tensorwise",
     "quantize_weight",
     "set_fp8_gemm_path",
     "set_grad_sink",
@@ -99,7 +64,7 @@ _GRAD_SINK_ATTR = "_hf_lowprec_grad_sink"
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _quantize_per_tensor(
+def quantize_tensorwise(
     x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, s) with s the power-of-two scale of the real values x / master_scale.
@@ -127,7 +92,7 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 payload, scale) of `weight` as an FP8 layer's forward quantizes it (real = payload /
     scale); `master_scale` when the weight is a scaled master (payload = real·s_m)."""
-    return _quantize_per_tensor(weight, E4M3, margin, master_scale)
+    return quantize_tensorwise(weight, E4M3, margin, master_scale)
 
 
 def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
@@ -180,7 +145,7 @@ _input_scopes: list[dict[int, tuple[torch.Tensor, int, int, torch.Tensor, torch.
 
 
 def _quantize_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_per_tensor(x.detach().reshape(-1, x.shape[-1]), E4M3, margin)
+    return quantize_tensorwise(x.detach().reshape(-1, x.shape[-1]), E4M3, margin)
 
 
 @contextlib.contextmanager
@@ -207,9 +172,17 @@ def _shared_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Ten
     return x8, sx
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    """y = x·Wᵀ + b (or x·W + b for GPT-2 Conv1D layout) with FP8 GEMMs; backward written by hand
-    because the FP8 GEMMs have no autograd formula."""
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ + b (or x·W + b for GPT-2 Conv1D layout) with FP8 GEMMs under `config`; backward
+    written by hand because the FP8 GEMMs have no autograd formula.
+
+    forward       y  = x·Wᵀ          x, W in E4M3
+    input grad    dx = dy·W          dy in the recipe's gradient format (E5M2 tensorwise), W in E4M3
+    weight grad   dW = dyᵀ·x         dy as above, x in E4M3
+
+    A whole-tensor recipe (tensorwise) runs the GEMMs of `fp8.gemm` on the saved FP8 x and W; the
+    finer recipes run `fp8.scaling_recipes`' GEMMs, which re-quantize along the other axis.
+    """
 
     @staticmethod
     def forward(
@@ -219,58 +192,56 @@ class _FP8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         w8: torch.Tensor,
         sw: torch.Tensor,
+        config: FP8LinearConfig,
         transposed: bool,
-        margin: int,
         out_dtype: torch.dtype,
         grad_sink: GradSink | None = None,
         x8: torch.Tensor | None = None,
         sx: torch.Tensor | None = None,
-        recipe: str = "tensorwise",
     ) -> torch.Tensor:
-        gemm = _gemm_for(x.device)
+        gemm = gemm_for(x.device, config.gemm_path)
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
-            if recipe != "tensorwise":  # the finer recipes' scales and GEMMs (`recipes`)
-                native = isinstance(gemm, _ScaledMM) and native_kernel(recipe, x.device)
+            if not config.recipe.whole_tensor:  # the finer recipes' scales and GEMMs
+                native = isinstance(gemm, ScaledMMGemm) and native_kernel(config.recipe, x.device)
                 x2 = x.detach().reshape(-1, x.shape[-1])
-                out, x8, sx = recipe_forward(get_recipe(recipe), x2, w8, sw, transposed, margin, native)
+                out, x8, sx = recipe_forward(config, x2, w8, sw, transposed, native)
             else:
                 if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
-                    x8, sx = _quantize_input(x, margin)
+                    x8, sx = _quantize_input(x, config.margin)
                 # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
-                out = _fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
+                out = fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
             # is rounded once to the output dtype.
             out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
         ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.config = config
         ctx.transposed = transposed
-        ctx.margin = margin
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.weight_dtype = weight.dtype
         ctx.grad_sink = grad_sink
-        ctx.recipe = recipe
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x8, sx, w8, sw = ctx.saved_tensors
-        gemm = _gemm_for(grad_out.device)
+        config = ctx.config
+        gemm = gemm_for(grad_out.device, config.gemm_path)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         sink = ctx.grad_sink
         need_dw = ctx.needs_input_grad[1] or sink is not None
-        if ctx.recipe != "tensorwise":
-            native = isinstance(gemm, _ScaledMM) and native_kernel(ctx.recipe, grad_out.device)
-            recipe = get_recipe(ctx.recipe)
+        if not config.recipe.whole_tensor:
+            native = isinstance(gemm, ScaledMMGemm) and native_kernel(config.recipe, grad_out.device)
             with torch.autocast(grad_out.device.type, enabled=False):
-                args = (ctx.transposed, ctx.margin, native, ctx.needs_input_grad[0], need_dw)
-                grad_x, grad_w = recipe_backward(recipe, g2, x8, sx, w8, sw, *args)
+                args = (ctx.transposed, native, ctx.needs_input_grad[0], need_dw)
+                grad_x, grad_w = recipe_backward(config, g2, x8, sx, w8, sw, *args)
             if grad_x is not None:
                 grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
         else:
-            g8, sg = _quantize_per_tensor(g2, E5M2, ctx.margin)
+            g8, sg = quantize_tensorwise(g2, config.recipe.grad_dtype, config.margin)
             g_op = gemm.operand(g8)
             if ctx.needs_input_grad[0]:
                 # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
@@ -287,7 +258,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
@@ -327,9 +298,10 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     weight_transposed: bool = False,
-    margin: int = 0,
     master_scale: torch.Tensor | None = None,
-    recipe: str = "tensorwise",
+    config: FP8LinearConfig | None = None,
+    margin: int = 0,
+    recipe: str | ScalingRecipe = "tensorwise",
 ) -> torch.Tensor:
     """Functional FP8 linear: x·Wᵀ + b (x·W + b when `weight_transposed`, GPT-2 Conv1D layout).
 
@@ -337,27 +309,26 @@ def fp8_linear(
         x: input (..., K) in FP32, FP16 or BF16; the output has the same dtype (the autocast
             dtype under autocast, see `output_dtype`).
         weight: N×K (or K×N when `weight_transposed`).
-        margin: scale margin in binades for every FP8 cast.
         master_scale: when the weight is a scaled master (payload = real·s_m), its scale.
-        recipe: FP8 scaling recipe (`hf_lowprec.fp8.recipes`): "tensorwise", "rowwise",
-            "blockwise" or "mxfp8".
+        config: the layer configuration (`fp8_config`); without one, `margin` (binades for every
+            FP8 cast) and `recipe` (a name of `SCALING_RECIPES`) build it.
     """
+    config = config or fp8_config(recipe, margin)
     k = weight.shape[0] if weight_transposed else weight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
-    w8, sw = _quantize_weight_for(recipe, weight, weight_transposed, margin, master_scale)
-    args = (weight_transposed, margin, output_dtype(x), None, None, None, recipe)
-    return _FP8LinearFunction.apply(x, weight, bias, w8, sw, *args)
+    w8, sw = quantize_layer_weight(config, weight, weight_transposed, master_scale)
+    return FP8LinearFunction.apply(x, weight, bias, w8, sw, config, weight_transposed, output_dtype(x))
 
 
-def _quantize_weight_for(
-    recipe: str, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None
+def quantize_layer_weight(
+    config: FP8LinearConfig, weight: torch.Tensor, transposed: bool, master_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward's FP8 weight (payload in the storage layout, scales) under `recipe`."""
-    if recipe == "tensorwise":
-        return _quantize_per_tensor(weight, E4M3, margin, master_scale)
-    return recipe_weight(get_recipe(recipe), weight, transposed, margin, master_scale)
+    """The forward's FP8 weight under `config`: (E4M3 payload in the storage layout, scales)."""
+    if config.recipe.whole_tensor:
+        return quantize_tensorwise(weight, E4M3, config.margin, master_scale)
+    return recipe_weight(config, weight, transposed, master_scale)
 
 
 class FP8Linear(nn.Module):
@@ -370,9 +341,14 @@ class FP8Linear(nn.Module):
         in_features, out_features: as in `nn.Linear`.
         bias: whether the layer has a bias.
         weight_transposed: weight stored as in_features × out_features (Conv1D layout).
-        margin: scale margin in binades for the FP8 casts.
-        recipe: FP8 scaling recipe, "tensorwise" (default), "rowwise", "blockwise" or "mxfp8"
-            (`hf_lowprec.fp8.recipes`).
+        config: the layer configuration (`fp8_config`: recipe, margin, GEMM path); without one,
+            `margin` (binades for every FP8 cast) and `recipe` (a name of `SCALING_RECIPES`)
+            build it.
+
+    The weight is quantized once per optimizer step: the FP8 weight is cached under the weight's
+    version counter and a global optimizer-step counter, so gradient accumulation and evaluation
+    reuse it, and any change (optimizer step, `load_state_dict`, in-place edits, `.to()`)
+    invalidates it. Only the FP8 copies of x and W are saved for backward.
     """
 
     def __init__(
@@ -382,19 +358,17 @@ class FP8Linear(nn.Module):
         bias: bool = True,
         *,
         weight_transposed: bool = False,
+        config: FP8LinearConfig | None = None,
         margin: int = 0,
-        recipe: str = "tensorwise",
+        recipe: str | ScalingRecipe = "tensorwise",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if margin < 0:
-            raise ValueError(f"margin must be >= 0, got {margin}")
-        self.recipe = get_recipe(recipe).name
+        self.config = config or fp8_config(recipe, margin)
         self.in_features = in_features
         self.out_features = out_features
         self.weight_transposed = weight_transposed
-        self.margin = margin
         shape = (in_features, out_features) if weight_transposed else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
@@ -406,7 +380,14 @@ class FP8Linear(nn.Module):
         self.register_load_state_dict_pre_hook(_import_real_weight)
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, margin: int = 0, recipe: str = "tensorwise") -> FP8Linear:
+    def from_float(
+        cls,
+        module: nn.Module,
+        *,
+        config: FP8LinearConfig | None = None,
+        margin: int = 0,
+        recipe: str | ScalingRecipe = "tensorwise",
+    ) -> FP8Linear:
         """An FP8Linear that shares `module`'s parameters (no copy): `nn.Linear` or `Conv1D`."""
         transposed = not isinstance(module, nn.Linear)
         in_features, out_features = module.weight.shape if transposed else module.weight.shape[::-1]
@@ -415,8 +396,7 @@ class FP8Linear(nn.Module):
             out_features,
             bias=module.bias is not None,
             weight_transposed=transposed,
-            margin=margin,
-            recipe=recipe,
+            config=config or fp8_config(recipe, margin),
             device="meta",
         )
         new.weight = module.weight
@@ -424,8 +404,32 @@ class FP8Linear(nn.Module):
         new.train(module.training)
         return new
 
+    @property
+    def recipe(self) -> str:
+        """The name of the layer's recipe ("bf16" once the guard raised it)."""
+        return self.config.name
+
+    @property
+    def margin(self) -> int:
+        """Scale margin in binades of the layer's FP8 casts."""
+        return self.config.margin
+
+    def set_config(self, config: FP8LinearConfig) -> None:
+        """Run under `config` from the next forward (the guard raising a layer's recipe)."""
+        self.config = config
+        self._weight_cache = None  # quantized under the old configuration
+
     def scale_master_weight(self, margin: int = 0) -> None:
-        """Turn the FP16 weight into a scaled master: payload = real·s_m, s_m a power of two for FP16."""
+        """Turn the FP16 weight into a scaled master (FP8-LM O2): payload = real·s_m, s_m a power of
+        two for FP16, kept in the buffer `master_scale`.
+
+        The layer divides by s_m when quantizing, and `p.grad` is the gradient with respect to the
+        *real* weight (what `FP8AdamW` and gradient clipping expect). The state dict holds real
+        values in FP32, so checkpoints and `save_pretrained` stay ordinary. An FP8-stored weight
+        (fp8-lm-o3) holds the E4M3 payload itself with its scale in `master_scale`, and is used as
+        the FP8 weight without quantizing again; its gradient exists only through a sink
+        (`set_grad_sink`).
+        """
         if self.weight.dtype != torch.float16:
             raise ValueError(
                 f"scaled master weights are FP16; this weight is {self.weight.dtype} (cast the model first)"
@@ -457,36 +461,36 @@ class FP8Linear(nn.Module):
         if scale is not None and get_master_scale(self.weight) is not scale:
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
+        config = self.config
         counts = self._buffers.get("guard_counts")  # the guard watches this layer's input cast
-        if counts is not None and self.recipe != RAISED:
-            counts.add_(flush_counts(x, self.recipe, self.margin))
-        if self.recipe == RAISED:  # raised by the guard (fp8/raised.py)
+        if config.raised:  # raised by the guard (fp8/raised.py)
             return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
+        if counts is not None:
+            counts.add_(flush_counts(x, config))
         w8, sw = self._fp8_weight()
-        # Inputs are shared in their tensorwise quantization only: the finer recipes quantize
+        # Inputs are shared in their whole-tensor quantization only: the finer recipes quantize
         # x with the layer's own blocks in the autograd function.
-        shared = _shared_input(x, self.margin) if self.recipe == "tensorwise" else ()
-        return _FP8LinearFunction.apply(
+        shared = _shared_input(x, config.margin) if config.recipe.whole_tensor else ()
+        return FP8LinearFunction.apply(
             x,
             self.weight,
             self.bias,
             w8,
             sw,
+            config,
             self.weight_transposed,
-            self.margin,
             output_dtype(x),
             get_grad_sink(self.weight),
             *(shared or (None, None)),
-            self.recipe,
         )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, scale) of the weight in E4M3, quantized once per optimizer step (module docstring)."""
+        """(payload, scale) of the weight in E4M3, quantized once per optimizer step (class docstring)."""
         weight, scale = self.weight, self.master_scale
         gathered = getattr(weight, "fp8", None)  # FSDP2's FP8 all-gather output (fp8/sharded_weight.py)
         if gathered is not None:
             return gathered()
-        if weight.dtype == E4M3:  # an FP8-stored weight is its own FP8 weight (module docstring)
+        if weight.dtype == E4M3:  # an FP8-stored weight is its own FP8 weight (`scale_master_weight`)
             if scale is None:
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
@@ -494,20 +498,20 @@ class FP8Linear(nn.Module):
             # In a compiled graph the cast is fused into the graph and runs at every forward (as
             # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
             # value that changes per step, hence a guard, hence a new graph at every step.
-            return _quantize_weight_for(self.recipe, weight, self.weight_transposed, self.margin, scale)
+            return quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
         key = (
             _step_generation,
             weight.data_ptr(),
             weight._version,
             weight.dtype,
             weight.device,
-            self.margin,
+            self.config,
             None if scale is None else (scale.data_ptr(), scale._version),
         )
         cached = self._weight_cache
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
-        w8, sw = _quantize_weight_for(self.recipe, weight, self.weight_transposed, self.margin, scale)
+        w8, sw = quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
         self._weight_cache = (key, w8, sw)
         _caching_layers.add(self)
         return w8, sw
@@ -517,7 +521,8 @@ class FP8Linear(nn.Module):
         master = ", scaled_fp16_master" if self.master_scale is not None else ""
         if self.weight.dtype == E4M3:
             master = ", fp8_storage"
-        recipe = "" if self.recipe == "tensorwise" else f", recipe={self.recipe}"
+        default = self.config.recipe is fp8_config().recipe and not self.config.raised
+        recipe = "" if default else f", recipe={self.recipe}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, margin={self.margin}{recipe}{layout}{master}"

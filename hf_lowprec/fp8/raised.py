@@ -1,14 +1,6 @@
-"""What an FP8 layer computes once its precision is raised: flush counts of its input cast, and
-the BF16 path (docs/guard.md).
-
-The guard (`hf_lowprec.guard`) watches each FP8 layer's input cast: the share of non-zero
-inputs that the cast flushes to zero, counted with the scales the layer's recipe chooses (a
-value whose |x|·s is at most half of E4M3's smallest subnormal, 2^-10, becomes 0). When that
-share stays high, the layer's recipe is raised: tensorwise → rowwise (one scale per token row)
-→ `RAISED`, where the layer's three GEMMs run in BF16 with FP32 accumulation. The layer stays
-an `FP8Linear`: its parameters, its scaled master or FP8-stored weight, and the sink its weight
-gradient goes to (FP8-LM O2/O3) are unchanged, so the optimizer, checkpoints and the engines see
-the same layer.
+"""What an FP8 layer computes once the guard raises its precision (docs/guard.md): the flush
+counts of its input cast, the next recipe up (`finer`), and the BF16 path a raised layer takes.
+The layer stays an `FP8Linear` (parameters, master or FP8-stored weight, gradient sink unchanged).
 """
 
 from __future__ import annotations
@@ -17,22 +9,21 @@ from typing import Any
 
 import torch
 
-from .recipes import RECIPES, get_recipe, mx_scale
 from .scaled import dequantize, get_master_scale, pow2_scale
+from .scaling_recipes import RAISED, SCALING_RECIPES, FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
 
-__all__ = ["FLUSH_BELOW", "RAISED", "finer", "flush_counts", "raised_linear", "real_weight"]
+__all__ = ["FLUSH_BELOW", "RAISED", "config_named", "finer", "flush_counts", "raised_linear", "real_weight"]
 
-RAISED = "bf16"
 E4M3 = torch.float8_e4m3fn
 # Half of E4M3's smallest subnormal (2^-9): a scaled value at or below it rounds to zero (the tie
 # goes to the even neighbour, 0).
 FLUSH_BELOW = 2.0**-10
 
 
-def _flushed(x2: torch.Tensor, rule: Any, margin: int) -> torch.Tensor:
+def _flushed(x2: torch.Tensor, rule: ScalingRecipe, margin: int) -> torch.Tensor:
     """How many non-zero elements of |x| (2-D, groups along its last axis) the rule's cast flushes."""
     cols = rule.activation_block[1]
-    if rule.activation_block == (None, None):
+    if rule.whole_tensor:
         amax = x2.amax().reshape(1, 1)
     elif cols is None or x2.shape[-1] % cols:
         amax = x2.amax(dim=-1, keepdim=True)
@@ -42,20 +33,20 @@ def _flushed(x2: torch.Tensor, rule: Any, margin: int) -> torch.Tensor:
     return ((x2 > 0) & (x2 * scale <= FLUSH_BELOW)).sum()
 
 
-def flush_counts(x: torch.Tensor, recipe: str, margin: int) -> torch.Tensor:
+def flush_counts(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
     """[inputs the layer's E4M3 casts flush to zero, non-zero inputs cast] as int64 on x's device
     (integers: a `model.half()` after the guard attached leaves them exact). No host sync.
 
-    The scale per group is the one `recipe` chooses from the group's amax. Tensorwise casts the
+    The scale per group is the one the layer's recipe chooses from the group's amax. Tensorwise casts the
     input once (one scale for the whole tensor). The finer recipes cast it twice: along the
     features for the forward GEMM (rowwise: each token row; blockwise and mxfp8: each 1×block of
     a row) and along the tokens for the weight gradient dW = dyᵀ·x (each feature column, or each
     block of a column): a few huge token rows leave the first cast intact and flush the second,
     so both are counted."""
     x2 = x.detach().reshape(-1, x.shape[-1]).float().abs()
-    rule = get_recipe(recipe)
+    rule, margin = config.recipe, config.margin
     nonzero = (x2 > 0).sum()
-    if rule.activation_block == (None, None):
+    if rule.whole_tensor:
         return torch.stack([_flushed(x2, rule, margin), nonzero])
     both = _flushed(x2, rule, margin) + _flushed(x2.t(), rule, margin)
     return torch.stack([both, 2 * nonzero])
@@ -114,9 +105,17 @@ def raised_linear(layer: Any, x: torch.Tensor, out_dtype: torch.dtype, sink: Any
     return _RaisedLinear.apply(x, layer.weight, layer.bias, real_weight(layer), *args)
 
 
-def finer(recipe: str, features: tuple[int, int]) -> str:
-    """The next step up from `recipe`: rowwise after tensorwise (where the layer's sizes suit
-    it), else BF16."""
-    if recipe == "tensorwise" and all(f % RECIPES["rowwise"].dim_multiple == 0 for f in features):
-        return "rowwise"
-    return RAISED
+def finer(config: FP8LinearConfig, features: tuple[int, int]) -> FP8LinearConfig:
+    """The next step up from `config`: its recipe's `raise_to` (rowwise after tensorwise) where the
+    layer's sizes suit it, else BF16."""
+    up = None if config.raised or config.recipe.raise_to is None else SCALING_RECIPES[config.recipe.raise_to]
+    if up is not None and all(f % up.dim_multiple == 0 for f in features):
+        return fp8_config(up, config.margin, config.gemm_path)
+    return fp8_config(config.recipe, config.margin, config.gemm_path, raised=True)
+
+
+def config_named(config: FP8LinearConfig, name: str) -> FP8LinearConfig:
+    """`config` with the recipe a saved guard state names (a recipe's name, or `RAISED`)."""
+    if name == RAISED:
+        return fp8_config(config.recipe, config.margin, config.gemm_path, raised=True)
+    return fp8_config(SCALING_RECIPES[name], config.margin, config.gemm_path)

@@ -28,6 +28,7 @@ from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
+from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
 from .baselines import bf16_autocast
 from .interface import PrecisionStrategy, StrategyOptions
@@ -38,6 +39,8 @@ __all__ = ["FP8LM", "FP8LMOptions"]
 
 _FP8_GRAD_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 logger = logging.getLogger(__name__)
+# The `recipe` option's values: the names of the one recipes table.
+ScalingRecipeName = Literal[tuple(SCALING_RECIPES)]  # type: ignore[valid-type]
 # Why a finer recipe's weights gather with one scale per tensor: a shard cannot choose per-channel
 # or per-block scales alone (GPT-2's Conv1D shards split every output channel; 128×128 blocks
 # straddle shard edges), and agreeing them would take an all-reduce of one amax per channel or
@@ -60,7 +63,7 @@ class FP8LMOptions(StrategyOptions):
         auto_scale_interval: clean steps before μ doubles (paper: 1000).
         auto_scale_threshold: saturated share above which μ halves (paper: 1e-5 = 0.001 %).
         exp_avg_sq_format: O2 second-moment storage; "e4m3" reproduces the FP8-LM Fig. 8 #4 ablation.
-        recipe: FP8 scaling of the GEMM operands (`hf_lowprec.fp8.recipes`): "tensorwise" (FP8-LM's,
+        recipe: FP8 scaling recipe of the GEMM operands (`hf_lowprec.fp8.scaling_recipes`): "tensorwise" (FP8-LM's,
             one scale per tensor), "rowwise" (per row / output channel), "blockwise" (1×128
             activations, 128×128 weights) or "mxfp8" (1×32 blocks, E8M0 scales).
         min_gemm_features: layers whose two dimensions are both below this stay in high
@@ -73,7 +76,7 @@ class FP8LMOptions(StrategyOptions):
     auto_scale_interval: int = 1000
     auto_scale_threshold: float = 1e-5
     exp_avg_sq_format: Literal["fp16", "fp32", "bf16", "e4m3", "e5m2"] = "fp16"
-    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
+    recipe: ScalingRecipeName = "tensorwise"
     min_gemm_features: int = 0
 
     def __post_init__(self) -> None:
@@ -151,7 +154,7 @@ class FP8LM(PrecisionStrategy):
                 "; scaled FP16 masters, FP8AdamW moments and FP8 gradients sharded like the weights, each shard "
                 "with its own power-of-two scales"
             )
-        if self.options.recipe != "tensorwise":
+        if not self.fp8_layer_config.recipe.whole_tensor:
             note += f"; {_FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe)}"
         return dataclasses.replace(support, fsdp2_note=note)
 
@@ -166,7 +169,7 @@ class FP8LM(PrecisionStrategy):
         """Before `fully_shard`: FP8 weights all-gather as E4M3 (`fp8.sharded_weight.wrap_fp8_weights`)."""
         from ..fp8.sharded_weight import wrap_fp8_weights
 
-        if self.options.recipe != "tensorwise":
+        if not self.fp8_layer_config.recipe.whole_tensor:
             logger.warning("FSDP2 FP8 all-gather: %s", _FSDP2_RECIPE_NOTE.format(recipe=self.options.recipe))
         self.weight_scales = wrap_fp8_weights(model, FP8Linear)
 
@@ -224,9 +227,14 @@ class FP8LM(PrecisionStrategy):
     def grad_dtype(self) -> torch.dtype:
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
+    @property
+    def fp8_layer_config(self) -> FP8LinearConfig:
+        """The FP8 layers' configuration, from the options (one object for every layer)."""
+        return fp8_config(self.options.recipe, self.options.margin)
+
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         options = self.options
-        convert_to_fp8(model, margin=options.margin, recipe=options.recipe, min_gemm_features=options.min_gemm_features)
+        convert_to_fp8(model, config=self.fp8_layer_config, min_gemm_features=options.min_gemm_features)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
             # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.

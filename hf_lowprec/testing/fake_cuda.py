@@ -193,7 +193,7 @@ def to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Context:
-    """What `_FP8LinearFunction.forward`/`backward` read of an autograd context."""
+    """What `FP8LinearFunction.forward`/`backward` read of an autograd context."""
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
@@ -205,15 +205,14 @@ class _Context:
 def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(y, dx, dW, db) of an `FP8Linear` on `x`: its autograd function's forward and backward
     called directly, as the engine would (the forward GEMM and both backward GEMMs)."""
-    from hf_lowprec.fp8.linear import _FP8LinearFunction, _quantize_weight_for, output_dtype
+    from hf_lowprec.fp8.linear import FP8LinearFunction, output_dtype, quantize_layer_weight
 
-    recipe = getattr(layer, "recipe", "tensorwise")
     master = getattr(layer, "master_scale", None)
-    w8, sw = _quantize_weight_for(recipe, layer.weight, layer.weight_transposed, layer.margin, master)
+    w8, sw = quantize_layer_weight(layer.config, layer.weight, layer.weight_transposed, master)
     ctx = _Context((True, True, layer.bias is not None))
-    args = (layer.weight_transposed, layer.margin, output_dtype(x), None, None, None, recipe)
-    y = _FP8LinearFunction.forward(ctx, x, layer.weight, layer.bias, w8, sw, *args)
-    dx, dw, db, *_ = _FP8LinearFunction.backward(ctx, torch.randn_like(y))
+    args = (layer.config, layer.weight_transposed, output_dtype(x))
+    y = FP8LinearFunction.forward(ctx, x, layer.weight, layer.bias, w8, sw, *args)
+    dx, dw, db, *_ = FP8LinearFunction.backward(ctx, torch.randn_like(y))
     return y, dx, dw, db
 
 

@@ -28,7 +28,6 @@ from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config  # n
 from hf_lowprec.fp8 import grouped  # noqa: E402
 from hf_lowprec.fp8.cast import widen  # noqa: E402
 from hf_lowprec.fp8.experts import expert_weight_names, experts_modules  # noqa: E402
-from hf_lowprec.fp8.recipes import get_recipe  # noqa: E402
 from hf_lowprec.fp8.scaled import get_master_scale  # noqa: E402
 from hf_lowprec.testing.moe import tiny_moe  # noqa: E402
 from tests.helpers import batches  # noqa: E402
@@ -44,10 +43,9 @@ def forward_digest(model: torch.nn.Module) -> str:
         for name in expert_weight_names(module):
             weight = getattr(module, name)
             payload, scale = grouped._fp8_weight(
-                get_recipe(module.fp8_recipe),
+                module.fp8_layer_config,
                 weight,
                 module.is_transposed,
-                module.fp8_margin,
                 get_master_scale(weight),
                 module.fp8_tensor_scale,
             )

@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
-from hf_lowprec.fp8.linear import _quantize_per_tensor  # noqa: E402
+from hf_lowprec.fp8.linear import quantize_tensorwise  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -129,7 +129,7 @@ def forward_digest(module) -> str:
             if p.dtype == torch.float8_e4m3fn:  # fp8-lm-o3: a weight another rank owns is its FP8 weight
                 w8, sw = p.detach(), scale
             else:
-                w8, sw = _quantize_per_tensor(p.detach(), torch.float8_e4m3fn, 0, scale)
+                w8, sw = quantize_tensorwise(p.detach(), torch.float8_e4m3fn, 0, scale)
             p = w8.float() / sw + 0.0  # +0.0 turns -0 into +0: the same FP8 value for the GEMM
         h.update(p.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()

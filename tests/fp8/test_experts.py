@@ -27,7 +27,7 @@ from hf_lowprec.fp8.experts import (
     quantize_rows,
     token_groups,
 )
-from hf_lowprec.fp8.recipes import get_recipe
+from hf_lowprec.fp8.scaling_recipes import scaling_recipe
 from hf_lowprec.testing import snr_db
 from hf_lowprec.testing.moe import MOE_ARCHITECTURES, tiny_moe
 from tests.helpers import assert_bits_equal, bits_equal, gamma, snr_floor_db, unit_roundoff
@@ -218,7 +218,7 @@ def test_three_gemms_are_the_exact_fp8_products_and_within_the_snr_floor(name, t
 def test_scales_follow_the_recipe_rule_per_expert(name):
     """The module's own scales and payloads are the reference's, bit for bit: the weight's per
     expert (E × N/br × K/bc), the activations' per expert segment (tensorwise) or per row block."""
-    recipe = get_recipe(name)
+    recipe = scaling_recipe(name)
     act, wblock, _, e8m0 = SPEC[name]
     x, w, _ = operands(COUNTS, **MAGNITUDES)
     w8, sw = quantize_expert_weight(recipe, w, 0)
@@ -272,7 +272,7 @@ def test_expert_without_tokens_and_odd_token_counts(name, transposed):
     assert (dw[1] == 0).all() and (dw[4] == 0).all(), "an expert without tokens has a zero gradient"
     # Its scales: the per-expert activation scale (tensorwise) of an empty segment is 1 (amax 0);
     # the weight-gradient operands' token groups without rows are 1 too; all are finite.
-    recipe, (act, _, gdt, _) = get_recipe(name), SPEC[name]
+    recipe, (act, _, gdt, _) = scaling_recipe(name), SPEC[name]
     offsets, rows = routing(counts)
     if name == "tensorwise":
         _, sx = quantize_rows(recipe, x, E4M3, 0, None, rows, len(counts))

@@ -17,6 +17,7 @@ import torch
 
 from hf_lowprec.fp8 import grouped
 from hf_lowprec.fp8.cast import widen
+from hf_lowprec.fp8.scaling_recipes import scaling_recipe
 
 
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -67,7 +68,7 @@ def _run(recipe: str, native: bool, counts: list[int], transposed: bool = False,
     w.requires_grad_()
     dy = torch.randn(tokens, n, generator=g)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(grouped, "_use_native", lambda name, device: native and name in ("tensorwise", "rowwise"))
+        patch.setattr(grouped, "_use_native", lambda config, device: native and config.recipe.native_grouped)
         patch.setattr(torch, "_scaled_grouped_mm", _stand_in, raising=False)
         y = grouped.fp8_grouped_linear(x, w, offsets, rows, recipe=recipe, transposed=transposed)
         y.backward(dy)
@@ -124,13 +125,16 @@ def test_the_kernel_checks_refuse_a_wrong_layout():
 
 
 def test_native_grouped_is_chosen_on_hopper_only():
-    assert not grouped.native_grouped("rowwise", torch.device("cpu"))
+    assert not grouped.native_grouped(scaling_recipe("rowwise"), torch.device("cpu"))
     cuda = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "_scaled_grouped_mm", _stand_in, raising=False)
         patch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        chosen = {name: grouped.native_grouped(name, cuda) for name in ("tensorwise", "rowwise", "blockwise", "mxfp8")}
+        chosen = {
+            name: grouped.native_grouped(scaling_recipe(name), cuda)
+            for name in ("tensorwise", "rowwise", "blockwise", "mxfp8")
+        }
         assert chosen == {"tensorwise": True, "rowwise": True, "blockwise": False, "mxfp8": False}
         for capability in ((8, 9), (10, 0)):
             patch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-            assert not grouped.native_grouped("rowwise", cuda)
+            assert not grouped.native_grouped(scaling_recipe("rowwise"), cuda)

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
+from hf_lowprec.fp8 import gemm as fp8_gemm_module
 from hf_lowprec.fp8 import linear as fp8_linear_module
-from hf_lowprec.fp8.linear import _fp8_mm, _quantize_per_tensor, _ScaledMM, _Upcast
+from hf_lowprec.fp8.gemm import ScaledMMGemm, UpcastGemm, fp8_mm
+from hf_lowprec.fp8.linear import quantize_tensorwise
 from hf_lowprec.fp8.scaled import pow2_scale, quantize, tensor_amax
 from tests.helpers import bits_equal, gamma
 
@@ -25,8 +27,8 @@ def operands(m, k, n, fmt_a, fmt_b, seed=0, positive=False):
     b = torch.randn(k, n, generator=g) * 1e-3
     if positive:
         a, b = a.abs(), b.abs()
-    a8, sa = _quantize_per_tensor(a, fmt_a, 0)
-    b8, sb = _quantize_per_tensor(b, fmt_b, 0)
+    a8, sa = quantize_tensorwise(a, fmt_a, 0)
+    b8, sb = quantize_tensorwise(b, fmt_b, 0)
     return a8, sa, b8, sb
 
 
@@ -44,7 +46,7 @@ def error_bound(k, exact, total):
     return sum_error + U_BF16 * (exact.abs() + sum_error)
 
 
-PATHS = {"upcast": _Upcast(), "scaled_mm": _ScaledMM(pad=False), "scaled_mm_padded": _ScaledMM(pad=True)}
+PATHS = {"upcast": UpcastGemm(), "scaled_mm": ScaledMMGemm(pad=False), "scaled_mm_padded": ScaledMMGemm(pad=True)}
 
 
 def _cpu_scaled_mm_runs() -> bool:
@@ -76,7 +78,7 @@ def test_each_path_is_within_the_fp32_accumulation_bound_of_fp64(path, shape, fm
     m, k, n = shape
     a8, sa, b8, sb = operands(m, k, n, *fmts, positive=positive)
     exact, total = reference(a8, sa, b8, sb)
-    out = _fp8_mm(a8, sa, b8, sb, torch.float32, PATHS[path])
+    out = fp8_mm(a8, sa, b8, sb, torch.float32, PATHS[path])
     assert out.shape == (m, n) and out.dtype == torch.float32
     err = (out.double() - exact).abs()
     bound = error_bound(k, exact, total)
@@ -90,23 +92,23 @@ def test_paths_agree_within_twice_the_bound(fmts):
     m, k, n = 48, 320, 32
     a8, sa, b8, sb = operands(m, k, n, *fmts, seed=3)
     exact, total = reference(a8, sa, b8, sb)
-    up = _fp8_mm(a8, sa, b8, sb, torch.float32, PATHS["upcast"]).double()
-    mm = _fp8_mm(a8, sa, b8, sb, torch.float32, PATHS["scaled_mm"]).double()
+    up = fp8_mm(a8, sa, b8, sb, torch.float32, PATHS["upcast"]).double()
+    mm = fp8_mm(a8, sa, b8, sb, torch.float32, PATHS["scaled_mm"]).double()
     assert ((up - mm).abs() <= 2 * error_bound(k, exact, total)).all()
 
 
 def test_all_zero_operand_gives_zero():
-    a8, sa = _quantize_per_tensor(torch.zeros(16, 32), E4M3, 0)
+    a8, sa = quantize_tensorwise(torch.zeros(16, 32), E4M3, 0)
     assert sa.item() == 1.0
-    b8, sb = _quantize_per_tensor(torch.randn(32, 16), E4M3, 0)
+    b8, sb = quantize_tensorwise(torch.randn(32, 16), E4M3, 0)
     for gemm in PATHS.values() if CPU_SCALED_MM else [PATHS["upcast"]]:
-        assert bits_equal(_fp8_mm(a8, sa, b8, sb, torch.float32, gemm), torch.zeros(16, 16))
+        assert bits_equal(fp8_mm(a8, sa, b8, sb, torch.float32, gemm), torch.zeros(16, 16))
 
 
 def test_scaled_mm_layout_is_row_major_times_column_major_padded():
     # Issue 8: a column-major first operand whose dims are already multiples of 16 used to reach
     # _scaled_mm unchanged; cuBLASLt needs row-major × column-major.
-    gemm = _ScaledMM(pad=True)
+    gemm = ScaledMMGemm(pad=True)
     for a, b in [
         (torch.zeros(32, 64).t(), torch.zeros(32, 48)),  # a column-major 64×32, b row-major
         (torch.zeros(20, 40), torch.zeros(24, 40).t()),  # b already column-major, odd dims
@@ -134,10 +136,10 @@ def _cublaslt_contract():
 
 
 def test_fp8_linear_hands_scaled_mm_the_cuda_layout_on_every_gemm(monkeypatch):
-    # What _fp8_mm hands over when the path is scaled_mm on CUDA (padding on), checked on CPU.
+    # What fp8_mm hands over when the path is scaled_mm on CUDA (padding on), checked on CPU.
     checked, calls = _cublaslt_contract()
     monkeypatch.setattr(torch, "_scaled_mm", checked)
-    monkeypatch.setitem(fp8_linear_module._chosen, ("cpu", None), _ScaledMM(pad=True))
+    monkeypatch.setitem(fp8_gemm_module._chosen, ("cpu", None), ScaledMMGemm(pad=True))
     g = torch.Generator().manual_seed(0)
     for transposed in (False, True):
         x = torch.randn(32, 16, generator=g).t().requires_grad_()  # 16×32, column-major, multiples of 16
@@ -171,7 +173,7 @@ def test_fused_quantization_is_bit_identical_to_quantize(dtype, fmt):
     x[0, :3] = torch.tensor([0.0, -0.0, 1e-30]).to(dtype)
     master = torch.tensor(2.0**10)
     for master_scale in (None, master):
-        payload, scale = _quantize_per_tensor(x, fmt, margin=1, master_scale=master_scale)
+        payload, scale = quantize_tensorwise(x, fmt, margin=1, master_scale=master_scale)
         real_amax = tensor_amax(x) / (1 if master_scale is None else master_scale)
         expected_scale = pow2_scale(real_amax, fmt, 1)
         factor = expected_scale if master_scale is None else expected_scale / master_scale
@@ -181,15 +183,15 @@ def test_fused_quantization_is_bit_identical_to_quantize(dtype, fmt):
 
 
 def test_fused_quantization_edges():
-    payload, scale = _quantize_per_tensor(torch.zeros(4, 4), E4M3, 0)
+    payload, scale = quantize_tensorwise(torch.zeros(4, 4), E4M3, 0)
     assert scale.item() == 1.0 and not payload.float().any()
     # An overflow upstream must stay visible: any inf or NaN makes the whole payload NaN.
     for bad in (float("inf"), float("-inf"), float("nan")):
         x = torch.ones(4, 4)
         x[1, 2] = bad
-        payload, _ = _quantize_per_tensor(x, E5M2, 0)
+        payload, _ = quantize_tensorwise(x, E5M2, 0)
         assert payload.float().isnan().all()
-    payload, scale = _quantize_per_tensor(torch.empty(0, 8), E4M3, 0)
+    payload, scale = quantize_tensorwise(torch.empty(0, 8), E4M3, 0)
     assert payload.shape == (0, 8) and scale.item() == 1.0
 
 
@@ -246,13 +248,13 @@ def test_weight_is_quantized_once_per_step_and_requantized_after_any_change(monk
     layer = FP8Linear(32, 16)
     nn.init.normal_(layer.weight, std=0.1)
     quantized = []
-    real = fp8_linear_module._quantize_per_tensor
+    real = fp8_linear_module.quantize_tensorwise
 
     def counting(x, *args, **kwargs):
         quantized.append(x is layer.weight)
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_linear_module, "_quantize_per_tensor", counting)
+    monkeypatch.setattr(fp8_linear_module, "quantize_tensorwise", counting)
     x = torch.randn(4, 32)
     for _ in range(3):
         layer(x).sum().backward()

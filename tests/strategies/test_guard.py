@@ -21,8 +21,9 @@ from transformers.pytorch_utils import Conv1D
 import hf_lowprec
 from hf_lowprec.data import tiny_gpt2_config
 from hf_lowprec.fp8 import FP8Linear
-from hf_lowprec.fp8.raised import RAISED, flush_counts
+from hf_lowprec.fp8.raised import RAISED, config_named, flush_counts
 from hf_lowprec.fp8.scaled import pow2_scale
+from hf_lowprec.fp8.scaling_recipes import fp8_config
 from hf_lowprec.guard import GuardConfig
 from hf_lowprec.testing import DeviceTraffic
 from hf_lowprec.testing.counted_step import strategy_step
@@ -292,7 +293,7 @@ def raised_run():
             if isinstance(module, FP8Linear):
 
                 def record(m, args, name=name):
-                    counts = flush_counts(args[0], m.recipe, m.margin)
+                    counts = flush_counts(args[0], m.config)
                     expected[name] = expected.get(name, 0) + counts
 
                 handles.append(module.register_forward_pre_hook(record))
@@ -461,8 +462,7 @@ def test_the_raised_path_is_a_bf16_gemm_with_fp32_accumulation(layer_kind):
     u32 = unit_roundoff(torch.float32)
 
     def run(recipe):
-        layer.recipe = recipe
-        layer._weight_cache = None
+        layer.set_config(config_named(layer.config, recipe))
         xi = x.clone().requires_grad_()
         layer.weight.grad = layer.bias.grad = None
         y = layer(xi)
@@ -520,8 +520,7 @@ def test_an_fp8_lm_o2_model_with_every_layer_raised_trains():
     assert sorted(layers) == sorted(BLOCK_LAYERS)
     for layer in layers.values():
         assert layer.master_scale is not None and layer.weight.dtype == torch.float16
-        layer.recipe = RAISED
-        layer._weight_cache = None
+        layer.set_config(config_named(layer.config, RAISED))
     before = {n: (m.weight.detach().clone(), m.master_scale.clone()) for n, m in layers.items()}
     data = batches(2, seed=3)
     losses = [strategy.train_step(model, data[i % 2], optimizer).item() for i in range(20)]
@@ -554,7 +553,7 @@ def test_flush_counts_match_an_explicit_e4m3_cast(dtype):
     nonzero = int((x != 0).sum())
     others = int((x != 0).sum()) - int((x[[5, 20]] != 0).sum())
 
-    tensorwise = flush_counts(x, "tensorwise", 0)
+    tensorwise = flush_counts(x, fp8_config("tensorwise", 0))
     assert tensorwise.tolist()[1] == nonzero
     s = pow2_scale(x.float().abs().amax(), E4M3)
     assert tensorwise[0].item() == _flushed_by_cast(x, s)
@@ -562,14 +561,14 @@ def test_flush_counts_match_an_explicit_e4m3_cast(dtype):
 
     # Rowwise casts x twice: per token row for the forward GEMM (the huge rows flush nothing
     # there) and per feature column for the weight gradient (where they set every column's scale).
-    rowwise = flush_counts(x, "rowwise", 0)
+    rowwise = flush_counts(x, fp8_config("rowwise", 0))
     s_rows = pow2_scale(x.float().abs().amax(dim=-1, keepdim=True), E4M3)
     s_cols = pow2_scale(x.float().abs().amax(dim=0, keepdim=True), E4M3)
     assert _flushed_by_cast(x, s_rows) == 0
     assert rowwise.tolist() == [_flushed_by_cast(x, s_cols), 2 * nonzero]
     assert rowwise[0].item() > 0.9 * others
 
-    margin = flush_counts(x, "tensorwise", 2)  # a margin of 2 binades scales by 1/4: more flush
+    margin = flush_counts(x, fp8_config("tensorwise", 2))  # a margin of 2 binades scales by 1/4: more flush
     assert margin[0].item() == _flushed_by_cast(x, pow2_scale(x.float().abs().amax(), E4M3, 2))
     assert margin[0].item() >= tensorwise[0].item()
 
@@ -584,7 +583,7 @@ def test_flush_counts_at_the_rounding_boundary():
     x = torch.tensor([448.0, half, half * (1 + 2**-23), half * (1 - 2**-24), 2.0**-9, -half])
     by_cast = _flushed_by_cast(x, s)
     assert by_cast == 3  # the two ties and the value below them
-    assert flush_counts(x.reshape(1, -1), "tensorwise", 0)[0].item() == by_cast
+    assert flush_counts(x.reshape(1, -1), fp8_config("tensorwise", 0))[0].item() == by_cast
 
 
 # --- 7. rollback -------------------------------------------------------------------------------

@@ -1,37 +1,7 @@
-"""FP8 scaling recipes of the FP8 linear layers: which elements share a scale, how the scale is
-chosen, and the three GEMMs of a layer with those scales (docs/algorithms.md §3).
-
-Every GEMM here is C = A·Bᵀ with both operands "contraction-last": A is M×K, Bᵀ is N×K, so
-one rule quantizes either operand. A scale covers a block of `rows × cols` elements of such a
-matrix (None: the whole dimension), and real = payload / scale, as everywhere in
-`hf_lowprec.fp8`:
-
-| recipe | activations, output gradients | weights | scale | gradients | anchor |
-|---|---|---|---|---|---|
-| tensorwise | whole tensor | whole tensor | power of two ≤ max/amax | E5M2 | FP8-LM, torchao tensorwise |
-| rowwise | 1 × K (one per row) | 1 × K (one per output channel) | power of two ≤ max/amax | E4M3 | torchao rowwise |
-| blockwise | 1 × 128 | 128 × 128 | power of two ≤ max/amax | E4M3 | DeepSeek-V3 §3.3, TE Float8BlockScaling |
-| mxfp8 | 1 × 32 | 1 × 32 | E8M0: 2^(emax − ⌊log2 amax⌋), saturating | E4M3 | OCP MX v1.0 §6.3, TE MXFP8BlockScaling |
-
-The finer recipes use E4M3 for output gradients too, as torchao's rowwise, DeepSeek-V3 and
-TransformerEngine's block recipes do: a scale per row or block covers the gradients' range.
-
-Backward. dx = dy·W contracts over the output channels and dW = dyᵀ·x over the tokens, so a
-scale that varies along K in the forward must vary along the other axis there: dy is
-quantized twice from its high-precision values (rows of dy, rows of dyᵀ), and x and W are
-re-quantized from their saved FP8 values (dequantized exactly, then quantized along the
-other axis, as DeepSeek-V3 does with its cached FP8 activations). A 128 × 128 weight block is
-its own transpose, so blockwise reuses the forward's FP8 weight. The tensorwise recipe needs no
-re-quantization and keeps its own path in `linear.py`, bit for bit what it was.
-
-GEMM paths. On CPU, and wherever the native kernel is missing, an exact emulation: the FP8
-payloads times their power-of-two scales are exact in BF16 (down to 2^-133), so the
-dequantized operands multiplied by a BF16 matmul with FP32 accumulation give the exact
-products summed in FP32 and rounded once to BF16, what the tensorwise path computes. Where a
-scale is constant along K (rowwise) the payloads are multiplied and the power-of-two scales
-applied to the BF16 result, exactly as `torch._scaled_mm` does. On CUDA `torch._scaled_mm`
-takes the scales natively (`native_kernel`): rowwise from SM89, blockwise on SM90 (torch ≥ 2.9
-with CUDA ≥ 12.9), mxfp8 from SM100 (E8M0 scales in cuBLAS's blocked layout).
+"""The FP8 scaling recipes: which elements of a GEMM operand share a scale, and the GEMMs with
+those scales (docs/algorithms.md §3). One row of `SCALING_RECIPES` per recipe; adding a recipe
+adds a row here (its blocks, gradient format, scale rule, native kernel layout) and nothing else.
+Not the training recipes of `recipes/` (scripts), nor `hf-lowprec compare --recipe`.
 """
 
 from __future__ import annotations
@@ -39,18 +9,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .cast import widen
+from .gemm import GEMM_MULTIPLE, GEMM_OUT_DTYPE, GemmPath, check_gemm_path
 from .scaled import format_max, pow2_scale
 
 __all__ = [
-    "RECIPES",
-    "Recipe",
+    "RAISED",
+    "SCALING_RECIPES",
+    "Block",
+    "FP8LinearConfig",
+    "ScalingRecipe",
+    "blocked",
     "dequantize_blocks",
-    "get_recipe",
+    "fp8_config",
     "mx_scale",
     "native_kernel",
     "quantize_blocks",
@@ -58,38 +34,64 @@ __all__ = [
     "recipe_forward",
     "recipe_mm",
     "recipe_weight",
+    "scaling_recipe",
 ]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-GEMM_OUT_DTYPE = torch.bfloat16
-# Dimensions _scaled_mm's CUDA kernels need to be multiples of (as in linear.py).
-GEMM_MULTIPLE = 16
+# The name a layer raised to BF16 GEMMs by the guard shows (`FP8LinearConfig.name`, `fp8.raised`).
+RAISED = "bf16"
 
+# (rows, cols) of an operand sharing one scale; None: the whole dimension. Every GEMM here is
+# C = A·Bᵀ with both operands contraction-last (A: M×K, Bᵀ: N×K), so one rule quantizes either.
 Block = tuple[int | None, int | None]
+# How `torch._scaled_mm` takes a recipe's inverse scales: (inv_a, inv_b, b's block, M', N') →
+# (scale_a, scale_b); b's block tells the forward and input-gradient GEMMs (b a weight) from the
+# weight-gradient GEMM (b an activation).
+NativeScales = Callable[[torch.Tensor, torch.Tensor, Block, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """How an FP8 layer scales its GEMM operands (module docstring).
+@dataclasses.dataclass(frozen=True, repr=False)
+class ScalingRecipe:
+    """How an FP8 layer scales its GEMM operands (real = payload / scale).
 
     Attributes:
         name: the value of the `recipe` option.
         activation_block: (rows, cols) sharing a scale in x and dy, contraction along cols.
         weight_block: the same for the weight, rows = output channels.
-        grad_dtype: FP8 format of the output gradients.
+        grad_dtype: FP8 format of the output gradients (the finer recipes use E4M3: a scale per
+            row or block covers the gradients' range).
+        native_scales: the inverse scales laid out as `torch._scaled_mm`'s CUDA kernel takes them.
         e8m0: scales follow the OCP MX rule (`mx_scale`) instead of `pow2_scale`.
         min_capability, max_capability: CUDA capabilities whose `torch._scaled_mm` takes these
             scales natively (max exclusive, None: no limit).
+        min_torch, min_cuda: the (major, minor) versions that kernel needs.
+        raise_to: the recipe the guard raises a layer to when this one flushes its inputs (None:
+            BF16, `fp8.raised`).
+        native_grouped: `torch._scaled_grouped_mm` takes these scales (one per row and per
+            expert's output column) for the experts' grouped GEMMs (`fp8.grouped`).
     """
 
     name: str
     activation_block: Block
     weight_block: Block
     grad_dtype: torch.dtype
+    native_scales: NativeScales
     e8m0: bool = False
     min_capability: tuple[int, int] = (8, 9)
     max_capability: tuple[int, int] | None = None
+    min_torch: tuple[int, int] = (0, 0)
+    min_cuda: tuple[int, int] = (0, 0)
+    raise_to: str | None = None
+    native_grouped: bool = False
+
+    def __repr__(self) -> str:
+        return f"ScalingRecipe({self.name!r})"
+
+    @property
+    def whole_tensor(self) -> bool:
+        """One scale per tensor (tensorwise): the layer's own fast path, no re-quantization."""
+        return self.activation_block == (None, None) and self.weight_block == (None, None)
 
     @property
     def dim_multiple(self) -> int:
@@ -98,19 +100,118 @@ class Recipe:
         return functools.reduce(math.lcm, sizes, GEMM_MULTIPLE)
 
 
-RECIPES: dict[str, Recipe] = {
-    "tensorwise": Recipe("tensorwise", (None, None), (None, None), E5M2),
-    "rowwise": Recipe("rowwise", (1, None), (1, None), E4M3),
-    "blockwise": Recipe("blockwise", (1, 128), (128, 128), E4M3, min_capability=(9, 0), max_capability=(10, 0)),
-    "mxfp8": Recipe("mxfp8", (1, 32), (1, 32), E4M3, e8m0=True, min_capability=(10, 0)),
+def _pad_rows(t: torch.Tensor, rows: int, value: float = 1.0) -> torch.Tensor:
+    return t if t.shape[0] == rows else F.pad(t, (0, 0, 0, rows - t.shape[0]), value=value)
+
+
+def _row_scales(
+    inv_a: torch.Tensor, inv_b: torch.Tensor, b_block: Block, mp: int, np_: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (M, 1) and (1, N), contiguous FP32; a whole-tensor scale expanded to its rows.
+    return _pad_rows(inv_a, mp).contiguous(), _pad_rows(inv_b, np_).reshape(1, np_).contiguous()
+
+
+def _block_scales(
+    inv_a: torch.Tensor, inv_b: torch.Tensor, b_block: Block, mp: int, np_: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # 1×128 scales outer-dim-major (stride 1 along M); 128×128 scales K-major, 16-byte aligned
+    # columns (the layouts torch's CUDA kernel names in its argument check). The weight-gradient
+    # GEMM has 1×128 blocks on both sides: the second is laid out as the first.
+    scale_a = _pad_rows(inv_a, mp).t().contiguous().t()
+    if b_block == (128, 128):
+        kb = inv_b.shape[1]
+        return scale_a, F.pad(inv_b, (0, -kb % 4), value=1.0)[:, :kb].t()
+    return scale_a, _pad_rows(inv_b, np_).t().contiguous()
+
+
+def _mx_blocked_layout(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (R × C) in cuBLAS's block-scaling layout: 128 × 4 tiles, row-major over
+    tiles; inside a tile, row r and column c at (r mod 32)·16 + ⌊r/32⌋·4 + c. Padding is 1.0."""
+    rows, cols = scale.shape
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded = F.pad(scale.float(), (0, cp - cols, 0, rp - rows), value=1.0)
+    tiles = padded.reshape(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).to(torch.float8_e8m0fnu)
+
+
+def _mx_scales(
+    inv_a: torch.Tensor, inv_b: torch.Tensor, b_block: Block, mp: int, np_: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _mx_blocked_layout(_pad_rows(inv_a, mp)), _mx_blocked_layout(_pad_rows(inv_b, np_))
+
+
+SCALING_RECIPES: dict[str, ScalingRecipe] = {
+    # FP8-LM's: one power-of-two scale per tensor, E5M2 gradients.
+    "tensorwise": ScalingRecipe(
+        "tensorwise", (None, None), (None, None), E5M2, _row_scales, raise_to="rowwise", native_grouped=True
+    ),
+    # One scale per token row and per output channel.
+    "rowwise": ScalingRecipe("rowwise", (1, None), (1, None), E4M3, _row_scales, native_grouped=True),
+    # DeepSeek-V3 §3.3: 1×128 activation tiles, 128×128 weight blocks.
+    "blockwise": ScalingRecipe(
+        "blockwise",
+        (1, 128),
+        (128, 128),
+        E4M3,
+        _block_scales,
+        min_capability=(9, 0),
+        max_capability=(10, 0),
+        min_torch=(2, 9),
+        min_cuda=(12, 9),
+    ),
+    # OCP MX v1.0 §6.3: 1×32 blocks, E8M0 scales.
+    "mxfp8": ScalingRecipe("mxfp8", (1, 32), (1, 32), E4M3, _mx_scales, e8m0=True, min_capability=(10, 0)),
 }
 
 
-def get_recipe(name: str) -> Recipe:
-    """The recipe called `name`; an unknown name raises an error listing the valid ones."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {name!r}; valid recipes: {list(RECIPES)}")
-    return RECIPES[name]
+def scaling_recipe(name: str | ScalingRecipe) -> ScalingRecipe:
+    """The recipe called `name` (a recipe passes through); an unknown name raises an error listing
+    the valid ones."""
+    if isinstance(name, ScalingRecipe):
+        return name
+    if name not in SCALING_RECIPES:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid recipes: {list(SCALING_RECIPES)}")
+    return SCALING_RECIPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8LinearConfig:
+    """Everything an FP8 layer's GEMMs depend on, built once (`fp8_config`) from a strategy's
+    options and handed whole to `convert_to_fp8`, `FP8Linear`, its autograd function and the GEMMs.
+
+    Attributes:
+        recipe: the scaling recipe (blocks, gradient format, scale rule, native layout).
+        margin: scale margin in binades for every FP8 cast.
+        gemm_path: the GEMM path this layer prefers ("scaled_mm" or "upcast"); None: the device's
+            default (`fp8_gemm_path`).
+        raised: the guard raised the layer to BF16 GEMMs (`fp8.raised`).
+    """
+
+    recipe: ScalingRecipe
+    margin: int = 0
+    gemm_path: GemmPath | None = None
+    raised: bool = False
+
+    @property
+    def name(self) -> str:
+        """The recipe's name, or "bf16" once raised: what reports and the guard's log show."""
+        return RAISED if self.raised else self.recipe.name
+
+
+@functools.cache
+def _interned(recipe: ScalingRecipe, margin: int, gemm_path: GemmPath | None, raised: bool) -> FP8LinearConfig:
+    return FP8LinearConfig(recipe, margin, gemm_path, raised)
+
+
+def fp8_config(
+    recipe: str | ScalingRecipe = "tensorwise", margin: int = 0, gemm_path: GemmPath | None = None, raised: bool = False
+) -> FP8LinearConfig:
+    """The layer configuration for these values, checked; equal values give the same object, so a
+    compiled graph sees one constant for every layer that shares it."""
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        raise ValueError(f"margin must be an integer >= 0, got {margin!r}")
+    check_gemm_path(gemm_path)
+    return _interned(scaling_recipe(recipe), margin, gemm_path, bool(raised))
 
 
 def mx_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> torch.Tensor:
@@ -127,7 +228,7 @@ def mx_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> 
     return torch.where(usable, torch.exp2(exponent), torch.ones_like(amax))
 
 
-def _blocked(t: torch.Tensor, block: Block) -> torch.Tensor:
+def blocked(t: torch.Tensor, block: Block) -> torch.Tensor:
     """t (R×C) zero-padded to whole blocks and viewed as (R/br, br, C/bc, bc)."""
     rows, cols = t.shape
     br = max(rows, 1) if block[0] is None else block[0]
@@ -154,7 +255,7 @@ def quantize_blocks(
     overflow stays visible), as the tensorwise quantization does.
     """
     rows, cols = t.shape
-    blocks = _blocked(t.detach().float(), block)
+    blocks = blocked(t.detach().float(), block)
     amax = blocks.abs().amax(dim=(1, 3))
     if master_scale is not None:
         amax = amax / master_scale
@@ -176,7 +277,7 @@ def dequantize_blocks(payload: torch.Tensor, scale: torch.Tensor, block: Block) 
     if scale.dim() == 0:
         return wide / scale
     rows, cols = payload.shape
-    blocks = _blocked(wide, block)
+    blocks = blocked(wide, block)
     real = blocks / scale[:, None, :, None]
     return real.reshape(real.shape[0] * real.shape[1], -1)[:rows, :cols]
 
@@ -207,10 +308,6 @@ def _scale_grid(scale: torch.Tensor, shape: tuple[int, int], block: Block) -> to
     return scale.expand(-(-shape[0] // br), -(-shape[1] // bc))
 
 
-def _pad_rows(t: torch.Tensor, rows: int, value: float = 1.0) -> torch.Tensor:
-    return t if t.shape[0] == rows else F.pad(t, (0, 0, 0, rows - t.shape[0]), value=value)
-
-
 def _pad_fp8(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if (rows, cols) == tuple(t.shape):
         return t.contiguous()
@@ -219,18 +316,8 @@ def _pad_fp8(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return padded.view(t.dtype)
 
 
-def _mx_blocked_layout(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scales (R × C) in cuBLAS's block-scaling layout: 128 × 4 tiles, row-major over
-    tiles; inside a tile, row r and column c at (r mod 32)·16 + ⌊r/32⌋·4 + c. Padding is 1.0."""
-    rows, cols = scale.shape
-    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    padded = F.pad(scale.float(), (0, cp - cols, 0, rp - rows), value=1.0)
-    tiles = padded.reshape(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(-1).to(torch.float8_e8m0fnu)
-
-
 def _native_mm(
-    recipe: Recipe,
+    recipe: ScalingRecipe,
     a: torch.Tensor,
     sa: torch.Tensor,
     a_block: Block,
@@ -246,45 +333,29 @@ def _native_mm(
     a_rows, b_cols = _pad_fp8(a, mp, kp), _pad_fp8(bt, np_, kp).t()
     inv_a = _scale_grid(sa, (m, k), a_block).reciprocal()
     inv_b = _scale_grid(sb, (n, k), b_block).reciprocal()
-    if recipe.e8m0:
-        scale_a, scale_b = _mx_blocked_layout(_pad_rows(inv_a, mp)), _mx_blocked_layout(_pad_rows(inv_b, np_))
-    elif b_block == (128, 128):
-        # 1×128 scales outer-dim-major (stride 1 along M); 128×128 scales K-major, 16-byte
-        # aligned columns (the layouts torch's CUDA kernel names in its argument check).
-        scale_a = _pad_rows(inv_a, mp).t().contiguous().t()
-        kb = inv_b.shape[1]
-        scale_b = F.pad(inv_b, (0, -kb % 4), value=1.0)[:, :kb].t()
-    elif b_block == (1, 128):
-        scale_a = _pad_rows(inv_a, mp).t().contiguous().t()
-        scale_b = _pad_rows(inv_b, np_).t().contiguous()
-    else:  # rowwise: (M, 1) and (1, N), contiguous FP32
-        scale_a = _pad_rows(inv_a, mp).contiguous()
-        scale_b = _pad_rows(inv_b, np_).reshape(1, np_).contiguous()
+    scale_a, scale_b = recipe.native_scales(inv_a, inv_b, b_block, mp, np_)
     out = torch._scaled_mm(a_rows, b_cols, scale_a=scale_a, scale_b=scale_b, out_dtype=GEMM_OUT_DTYPE)
     return out[:m, :n]
 
 
 @torch.compiler.assume_constant_result
-def native_kernel(recipe_name: str, device: torch.device) -> bool:
-    """Whether `torch._scaled_mm` on `device` takes `recipe_name`'s scales (module docstring);
-    a constant of a compiled graph (a device's capability does not change)."""
-    recipe = RECIPES[recipe_name]
+def native_kernel(recipe: ScalingRecipe, device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` on `device` takes `recipe`'s scales; a constant of a compiled
+    graph (a device's capability does not change)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
     capability = torch.cuda.get_device_capability(device)
     if capability < recipe.min_capability or (recipe.max_capability and capability >= recipe.max_capability):
         return False
-    if recipe.e8m0:
-        return hasattr(torch, "float8_e8m0fnu")
-    if recipe.name == "blockwise":
-        torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-        cuda_version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-        return torch_version >= (2, 9) and cuda_version >= (12, 9)
-    return True
+    if recipe.e8m0 and not hasattr(torch, "float8_e8m0fnu"):
+        return False
+    torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    cuda_version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch_version >= recipe.min_torch and cuda_version >= recipe.min_cuda
 
 
 def recipe_mm(
-    recipe: Recipe,
+    recipe: ScalingRecipe,
     a: torch.Tensor,
     sa: torch.Tensor,
     a_block: Block,
@@ -300,7 +371,7 @@ def recipe_mm(
 
 
 def _quantize(
-    recipe: Recipe,
+    recipe: ScalingRecipe,
     t: torch.Tensor,
     block: Block,
     dtype: torch.dtype,
@@ -311,25 +382,27 @@ def _quantize(
 
 
 def recipe_weight(
-    recipe: Recipe, weight: torch.Tensor, transposed: bool, margin: int, master_scale: torch.Tensor | None = None
+    config: FP8LinearConfig, weight: torch.Tensor, transposed: bool, master_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 payload in the weight's storage layout, scales of the N×K weight) for the forward."""
+    recipe, margin = config.recipe, config.margin
     logical = weight.t() if transposed else weight
     w8, sw = _quantize(recipe, logical, recipe.weight_block, E4M3, margin, master_scale)
     return (w8.t() if transposed else w8), sw
 
 
 def recipe_forward(
-    recipe: Recipe, x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, transposed: bool, margin: int, native: bool
+    config: FP8LinearConfig, x2: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, transposed: bool, native: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y = x·Wᵀ in BF16, x8, sx) for x2 (M×K) and the FP8 weight from `recipe_weight`."""
+    recipe, margin = config.recipe, config.margin
     x8, sx = _quantize(recipe, x2, recipe.activation_block, E4M3, margin)
     w = w8.t() if transposed else w8
     return recipe_mm(recipe, x8, sx, recipe.activation_block, w, sw, recipe.weight_block, native), x8, sx
 
 
 def _other_axis(
-    recipe: Recipe, t8: torch.Tensor, scale: torch.Tensor, block: Block, margin: int
+    recipe: ScalingRecipe, t8: torch.Tensor, scale: torch.Tensor, block: Block, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 operand tᵀ with scales along t's rows: the same payload when the block is square
     (or the scale whole-tensor), else re-quantized from the exact real values."""
@@ -339,19 +412,19 @@ def _other_axis(
 
 
 def recipe_backward(
-    recipe: Recipe,
+    config: FP8LinearConfig,
     g2: torch.Tensor,
     x8: torch.Tensor,
     sx: torch.Tensor,
     w8: torch.Tensor,
     sw: torch.Tensor,
     transposed: bool,
-    margin: int,
     native: bool,
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx = dy·W (M×K), dW in the weight's storage layout) in BF16, for the output gradient g2 (M×N)."""
+    recipe, margin = config.recipe, config.margin
     act, wblock, gdt = recipe.activation_block, recipe.weight_block, recipe.grad_dtype
     grad_x = grad_w = None
     if need_dx:
