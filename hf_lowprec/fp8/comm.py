@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .gradients import GradientAutoScaler
-from .scaled import _saturated, _saturating_cast, pow2_scale
+from .scaled import saturated_count, saturating_cast, pow2_scale
 
 __all__ = [
     "AllReduceStats",
@@ -153,8 +153,8 @@ def _reduce(
     send_scale = shared * (1.0 / world if mu is None else mu)
 
     scaled = flat.float() * _per_element(send_scale, numels)
-    payload = _saturating_cast(scaled, fp8_dtype)
-    overflow = _saturated(scaled, fp8_dtype)
+    payload = saturating_cast(scaled, fp8_dtype)
+    overflow = saturated_count(scaled, fp8_dtype)
     del scaled
     # ±0 in FP8 is 0x00 or 0x80: test the bytes rather than upcasting the payload.
     underflow = ((payload.view(torch.uint8) & 0x7F) == 0).logical_and_(flat != 0).sum()
@@ -170,8 +170,8 @@ def _reduce(
     for r in range(1, world):  # fixed order and FP32: the same sum on every rank, one chunk of memory
         total += copies[r].float()
     # Padding is zero on every rank, so it neither saturates nor underflows.
-    overflow = overflow + _saturated(total, fp8_dtype)
-    reduced = _saturating_cast(total, fp8_dtype).view(torch.uint8)
+    overflow = overflow + saturated_count(total, fp8_dtype)
+    reduced = saturating_cast(total, fp8_dtype).view(torch.uint8)
     gathered = torch.empty(chunk * world, dtype=torch.uint8, device=device)
     _all_gather_bytes(gathered, reduced, group)
 

@@ -42,6 +42,8 @@ __all__ = [
     "get_master_scale",
     "quantize",
     "quantize_counting",
+    "saturated_count",
+    "saturating_cast",
     "set_master_scale",
     "tensor_amax",
 ]
@@ -110,7 +112,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group_siz
         scale: scalar, or one value per group when `group_size` is given.
         dtype: payload dtype (FP8 or a 16-bit float).
     """
-    return _saturating_cast(_apply_scale(x, scale, group_size, multiply=True), dtype)
+    return saturating_cast(_apply_scale(x, scale, group_size, multiply=True), dtype)
 
 
 def quantize_counting(
@@ -118,7 +120,7 @@ def quantize_counting(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize` plus the number of elements it clipped (see `count_saturated`), in one pass over x·s."""
     y = _apply_scale(x, scale, group_size, multiply=True)
-    return _saturating_cast(y, dtype), _saturated(y, dtype)
+    return saturating_cast(y, dtype), saturated_count(y, dtype)
 
 
 def count_saturated(
@@ -128,7 +130,7 @@ def count_saturated(
 
     Elements exactly at the maximum are not counted: they were represented, not clipped.
     """
-    return _saturated(_apply_scale(x, scale, group_size, multiply=True), dtype)
+    return saturated_count(_apply_scale(x, scale, group_size, multiply=True), dtype)
 
 
 def dequantize(
@@ -138,14 +140,16 @@ def dequantize(
     return _apply_scale(payload, scale, group_size, multiply=False).to(dtype)
 
 
-def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y (already scaled) cast to `dtype`, clamped to its finite range; NaN and ±inf stay NaN."""
     limit = format_max(dtype)
     # clamp turns ±inf into ±max; adding y − y (0 when finite, NaN otherwise) restores NaN
     # for them in two cheap passes instead of an isfinite mask.
     return y.clamp(-limit, limit).add_(y - y).to(dtype)
 
 
-def _saturated(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturated_count(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How many finite elements of the scaled y exceed `dtype`'s maximum (what the cast clips)."""
     magnitude = y.abs()
     return ((magnitude > format_max(dtype)) & (magnitude != float("inf"))).sum()
 
