@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .gradients import GradientAutoScaler
-from .scaled import saturated_count, saturating_cast, pow2_scale
+from .scaled import pow2_scale, saturated_count, saturating_cast
 
 __all__ = [
     "AllReduceStats",
