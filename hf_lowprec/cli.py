@@ -230,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
 
     cmp_ = sub.add_parser("compare", help="train a recipe per strategy and seed; CSV, plots and a summary table")
-    from .compare import RECIPES
+    from .compare import TRAINING_RECIPES
 
     cmp_.add_argument(
         "--recipe",
         default="pretrain_clm",
-        help=f"in-package: {', '.join(sorted(RECIPES))} (default); or the path of a recipe script",
+        help=f"in-package: {', '.join(sorted(TRAINING_RECIPES))} (default); or the path of a recipe script",
     )
     cmp_.add_argument("--strategies", required=True, help="comma-separated strategy names")
     cmp_.add_argument("--max_steps", "--max-steps", type=int, default=100)

@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "SCRIPT_METRICS", "resolve_recipe", "run_compare", "plot", "summary_table"]
+__all__ = ["TRAINING_RECIPES", "SCRIPT_METRICS", "resolve_recipe", "run_compare", "plot", "summary_table"]
 
 # In-package recipes: name → (module run with `python -m`, the eval metric it reports).
-RECIPES: dict[str, tuple[str, str]] = {
+TRAINING_RECIPES: dict[str, tuple[str, str]] = {
     "pretrain_clm": ("hf_lowprec.runner", "perplexity"),
 }
 # The eval metric of the repository's recipe scripts, by file stem (others: eval_loss).
@@ -51,17 +51,17 @@ _SCALES = ("precision/loss_scale", "precision/fp8_grad_mu")
 def resolve_recipe(recipe: str) -> tuple[list[str], Path | None, str]:
     """The command prefix, working directory (None: the run's own) and eval metric of `recipe`.
 
-    `recipe` is an in-package name (`RECIPES`) or the path of a recipe script.
+    `recipe` is an in-package name (`TRAINING_RECIPES`) or the path of a recipe script.
     """
-    if recipe in RECIPES:
-        module, metric = RECIPES[recipe]
+    if recipe in TRAINING_RECIPES:
+        module, metric = TRAINING_RECIPES[recipe]
         return [sys.executable, "-m", module], None, metric
     path = Path(recipe)
     if path.suffix == ".py" and path.is_file():
         path = path.resolve()
         return [sys.executable, str(path)], path.parent, SCRIPT_METRICS.get(path.stem, "eval_loss")
     raise ValueError(
-        f"--recipe {recipe!r} is neither an in-package recipe ({', '.join(sorted(RECIPES))}) nor the path of a "
+        f"--recipe {recipe!r} is neither an in-package recipe ({', '.join(sorted(TRAINING_RECIPES))}) nor the path of a "
         "recipe script (e.g. recipes/finetune_glue.py in a source checkout)"
     )
 
