@@ -1,11 +1,6 @@
-"""torch DDP for precision strategies: which strategies it carries, and the one call a loop makes.
-
-Whether a strategy keeps its numerics under `DistributedDataParallel` is declared on its class
-(`support`, an `EngineSupport`: `ddp`, `ddp_refusal`, `ddp_note`); `ddp_support`, `check_ddp_support` and the support matrix
-read that one source. `prepare_ddp(strategy, wrapped)` is what the Trainer and Accelerate's
-`PrecisionPlugin` call on a DDP-wrapped model before the first backward: it refuses a strategy
-DDP does not carry, tells the strategy DDP's process group (fp16-als sums its loss-scale histogram
-over it) and registers the strategy's communication hook (FP8-LM's FP8 all-reduce).
+"""torch DDP for precision strategies: which strategies it carries (read from the strategy class's
+`support` declaration: `ddp`, `ddp_refusal`, `ddp_note`), and `prepare_ddp`, the one call a loop
+makes on a DDP-wrapped model.
 """
 
 from __future__ import annotations
@@ -41,8 +36,10 @@ def check_ddp_support(strategy: PrecisionStrategy) -> None:
 
 def prepare_ddp(strategy: PrecisionStrategy, wrapped: torch.nn.Module) -> None:
     """On a `DistributedDataParallel` model: refuse a strategy DDP does not carry, hand the
-    strategy DDP's process group, and register its communication hook once. Anything else is
-    left as is."""
+    strategy DDP's process group (fp16-als sums its loss-scale histogram over it), and register
+    its communication hook once (FP8-LM's FP8 all-reduce). Anything else is left as is.
+
+    The Trainer and `hf_lowprec.PrecisionPlugin` call it before the first backward."""
     if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         return
     check_ddp_support(strategy)

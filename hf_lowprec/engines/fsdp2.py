@@ -1,56 +1,10 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for precision strategies.
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for precision strategies: `shard_model` for a
+custom loop, the steps the Trainer's and Accelerate's own `fully_shard` calls run around them
+(`configure_accelerator`, `before_sharding`, `adopt_shards`, `move_state_to_shards`), and which
+strategies FSDP2 carries.
 
-A custom loop shards a model with the strategy's own hook, which converts the model first
-(`prepare_model`), applies `fully_shard` to every transformer block and then to the root, and
-passes the strategy's mixed-precision policy:
-
-    strategy = get_strategy("collage-plus")
-    model = shard_model(strategy, model)
-    optimizer = strategy.create_optimizer(model.parameters(), lr=3e-4)
-    for batch in loader:                             # each rank its own part of the batch
-        with strategy.forward_context():
-            loss = model(**batch).loss
-        strategy.scale_loss(loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # global norm (DTensor gradients)
-        optimizer.step(); optimizer.zero_grad()
-
-| strategy family | parameters (DTensor shards) | FSDP2 `MixedPrecisionPolicy` |
-|---|---|---|
-| `fp32` | FP32 | none: FP32 all-gather, FP32 reduce-scatter |
-| `bf16-mixed` | FP32 (the masters) | `param_dtype=bf16, reduce_dtype=fp32`: BF16 all-gather |
-| BF16 (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) | BF16 | `reduce_dtype=fp32`: BF16 all-gather, gradients averaged in FP32 and rounded once to BF16 |
-| `fp16-mixed` | FP32 (the masters) | `reduce_dtype=fp32`: FP32 all-gather (autocast casts to FP16 in the GEMMs) |
-| `fp16-als` (`weights="master"`) | FP16 | `reduce_dtype=fp32`: FP16 all-gather |
-| `coat` | FP32 (or BF16 + δθ) | `reduce_dtype=fp32`: FP32 (BF16) all-gather; FP8 weight scales from the gathered weight |
-
-The optimizers step the local shards: every state tensor shaped like a parameter (m, v, δθ,
-δv, Kahan's k, FP32 moments) is created from the local shard in the dtype it has in one process
-and kept as a DTensor sharded like the parameter (`hf_lowprec.optim.adamw.AdamW`). Update rules are
-element-wise, so a shard's update is exactly what one process computes for those elements
-given the same gradient. What must agree across ranks does: the finite check all-reduces its
-flag (a step is skipped on every rank or on none), and `torch.nn.utils.clip_grad_norm_` forms
-the global norm of DTensor gradients. A parameter converted from FP32 keeps its BF16 residual
-as the seed of δθ (`seed_compensation`), sharded like the parameter. State not shaped like
-the parameter (COAT's per-group FP8 moments, collage-8bit's 8-bit blocks) is formed over the
-local shard, groups padded per shard, and checkpointed one row per rank. The loss scalers
-all-reduce what decides a step (fp16-mixed's found-inf, fp16-als's histogram and NaN counts).
-
-Sharding by hand (`fully_shard` on the prepared model, then `create_optimizer`) is refused at
-`create_optimizer` with a ValueError naming `shard_model`: the parameters `shard_model` (or the
-Accelerate path) produced carry the strategy's name, others would train without the strategy's
-policy or seeded state, or not at all.
-
-Which strategies run under FSDP2 is declared on the strategy class (`fsdp2`,
-`fsdp2_refusal`); `fsdp2_support`, the check in `shard_model` and `support_matrix_markdown`
-read that one source. Checkpoints: `save_sharded` / `load_sharded` write and read the model
-and optimizer shards with torch.distributed.checkpoint (every rank its own shards, the
-strategy's counters once) and resume bit for bit; `strategy.full_precision_state_dict` gathers
-the FP32 weights the optimizer holds (θ + δθ, masters) onto rank 0.
-
-Accelerate (`fsdp_version: 2`, recipes/configs/fsdp2.yaml) runs its own `fully_shard` calls inside
-`accelerator.prepare`; `PrecisionPlugin.prepare` first hands it the strategy's policy
-(`configure_accelerator`) and afterwards moves state started before sharding (the seeded δθ)
-onto the shards Accelerate swapped into the optimizer (`move_state_to_shards`).
+The custom loop, the policy and the optimizer state per shard, what agrees across ranks, the
+refusals and the sharded checkpoints (`save_sharded`, `load_sharded`): docs/distributed.md, "FSDP2".
 """
 
 from __future__ import annotations
@@ -98,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 # --- what runs under FSDP2 ------------------------------------------------------------------------
+# Declared on the strategy class (`support`: `fsdp2`, `fsdp2_refusal`, `fsdp2_note`); the check in
+# `shard_model`, Accelerate's and the Trainer's paths and `support_matrix_markdown` read that one source.
 def fsdp2_support(strategy: PrecisionStrategy) -> str | None:
     """None when `strategy` trains under FSDP2 with its numerics, else the refusal message
     (why, and what works instead)."""
@@ -170,7 +126,7 @@ def shard_model(
 
     Every rank calls this with the same model (same initialization). Steps: refuse a strategy
     that FSDP2 does not support (before any work); `strategy.prepare_model(model)` unless
-    `prepared` (then the caller did it, e.g. `PrecisionPlugin.prepare_model`); `fully_shard` on
+    `prepared` (then the caller did it, e.g. `hf_lowprec.PrecisionPlugin.prepare_model`); `fully_shard` on
     each block (default: the modules a Hugging Face model lists in `_no_split_modules`, e.g.
     `GPT2Block`), then on the root, with `strategy.fsdp2_mixed_precision()` as the policy; the
     FP32 residuals a compensated strategy kept for δθ move onto the new (sharded) parameters.
@@ -204,6 +160,13 @@ def shard_model(
         model = strategy.prepare_model(model)
     residuals = residuals_by_name(strategy, model)
     before_sharding(strategy, model)
+    # The policies, as parameters (DTensor shards) -> all-gather; every family reduce-scatters in FP32:
+    #   fp32: FP32, no policy -> FP32 all-gather and reduce-scatter
+    #   bf16-mixed: FP32 masters, param_dtype=bf16 -> BF16 all-gather
+    #   BF16 family (collage-*, bf16-*): BF16 -> BF16 all-gather; gradients averaged in FP32, rounded once
+    #   fp16-mixed: FP32 masters -> FP32 all-gather (autocast casts to FP16 in the GEMMs)
+    #   fp16-als (weights="master"): FP16 -> FP16 all-gather
+    #   coat: FP32 (or BF16 + δθ) -> FP32 (BF16) all-gather; FP8 weight scales from the gathered weight
     policy = strategy.fsdp2_mixed_precision()
     block_list = list(_blocks(model) if blocks is None else blocks)
     for block in block_list:

@@ -1,21 +1,6 @@
-"""What each engine's collectives carry per strategy, read from the strategies' declarations.
-
-One row per strategy (docs/distributed.md, "What moves per collective", generated from here):
-
-- DDP, the gradient all-reduce: the gradients in the dtype backward leaves them in (the
-  parameters' under the strategy), or what the strategy's communication hook sends instead
-  (`ddp_comm_hook`: FP8-LM's FP8 payload, one byte per element plus one scale per tensor).
-- FSDP2, the all-gather: the policy's `param_dtype` where it casts, else the parameters' own
-  dtype; weights a strategy gathers in FP8 (`EngineSupport.fsdp2_gathers_fp8`, FP8-LM's E4M3 payload) one byte.
-- FSDP2, the reduce-scatter: the policy's `reduce_dtype`, else the dtype the gradients are
-  computed in.
-
-`fsdp2_step_bytes` turns the FSDP2 figures into the bytes one rank moves per training step for
-a sharded model: each group's parameters, padded on dim 0 to a multiple of the world size as
-FSDP2 pads them, gathered twice per step (forward, then again in backward after resharding;
-the root group, which FSDP2 keeps unsharded after forward, once) and reduce-scattered once.
-tests/distributed counts the same bytes at `torch.distributed.all_gather_single` and
-`reduce_scatter_single` for every strategy FSDP2 trains and compares them.
+"""What each engine's collectives carry per strategy, read from the strategies' declarations: the
+table of docs/distributed.md, "What moves per collective" (`collectives_markdown`), and the bytes
+one rank moves per FSDP2 step (`fsdp2_step_bytes`, which tests/distributed counts against).
 """
 
 from __future__ import annotations
@@ -49,7 +34,17 @@ def _itemsize(dtype: torch.dtype | None) -> float | None:
 
 
 def traffic(strategy: PrecisionStrategy) -> Traffic:
-    """The bytes per element `strategy` moves in each collective of DDP and FSDP2."""
+    """The bytes per element `strategy` moves in each collective of DDP and FSDP2.
+
+    - DDP, the gradient all-reduce: the gradients in the dtype backward leaves them in (the
+      parameters' under the strategy), or what the strategy's communication hook sends instead
+      (`ddp_comm_hook`: FP8-LM's FP8 payload, one byte per element plus one scale per tensor).
+    - FSDP2, the all-gather: the policy's `param_dtype` where it casts, else the parameters' own
+      dtype; weights a strategy gathers in FP8 (`support.fsdp2_gathers_fp8`, FP8-LM's E4M3
+      payload) one byte.
+    - FSDP2, the reduce-scatter: the policy's `reduce_dtype`, else the dtype the gradients are
+      computed in.
+    """
     own = strategy.param_dtype
     ddp_bytes, how = None, ""
     support = strategy.engine_support()
@@ -75,8 +70,14 @@ def _name(dtype: torch.dtype) -> str:
 
 def fsdp2_step_bytes(strategy: PrecisionStrategy, model: torch.nn.Module, world_size: int) -> dict[str, int]:
     """{"all_gather": bytes, "reduce_scatter": bytes} one rank moves per training step for
-    `model` as `shard_model` sharded it (FSDP2 groups: every `FSDPModule`, its parameters
-    those not held by a nested one), from `traffic(strategy)`."""
+    `model` as `fsdp2.shard_model` sharded it (FSDP2 groups: every `FSDPModule`, its parameters
+    those not held by a nested one), from `traffic(strategy)`.
+
+    Each group's parameters, padded on dim 0 to a multiple of the world size as FSDP2 pads them,
+    are gathered twice per step (forward, then again in backward after resharding; the root
+    group, which FSDP2 keeps unsharded after forward, once) and reduce-scattered once.
+    tests/distributed counts the same bytes at `torch.distributed.all_gather_single` and
+    `reduce_scatter_single` for every strategy FSDP2 trains and compares them."""
     from torch.distributed.fsdp import FSDPModule
 
     rates = traffic(strategy)

@@ -1,25 +1,9 @@
-"""DeepSpeed ZeRO for precision strategies: the settings a strategy owns, what it supports, balance.
+"""DeepSpeed ZeRO for precision strategies: the config entries a strategy owns (`precision_config`
+fills and checks them before any training starts), which stages keep its numerics (read from the
+strategy class's `support` declaration: `zero_stages`, `zero_refusal`, `zero_note`), and the
+client optimizer's state on DeepSpeed's partitions. The rules: docs/distributed.md, "DeepSpeed ZeRO".
 
-A strategy owns the precision entries of a DeepSpeed config. `precision_config(strategy, config)`
-fills those left `"auto"` (or absent) and refuses the ones that contradict the strategy, before
-any training starts:
-
-| strategy parameters | `bf16.enabled` | `bf16_master_weights_and_grads` | `bf16_optimizer_states` | `fp16.enabled` |
-|---|---|---|---|---|
-| BF16 (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) | true | true | true | false |
-| FP32 (fp32, bf16-mixed, fp8-lm-o3's non-FP8 parameters) | false | false | false | false |
-
-With the three BF16 entries on, the partition DeepSpeed hands to the strategy's optimizer is the
-BF16 weight itself (no FP32 master), so Collage's δθ and δv, Kahan's compensation and the
-stochastic-rounding state live in the partitioned optimizer state as they do in one process.
-
-Which ZeRO stages a strategy keeps its numerics under is declared on the strategy class
-(`support`, an `EngineSupport`: `zero_stages`, `zero_refusal`, `zero_note`); `zero_support`, the check and `support_matrix_markdown` all read
-that one source. The FP8 ZeRO distribution of fp8-lm-o3 (whole tensors per rank) is in
-`hf_lowprec.partition`.
-
-DeepSpeed itself is imported only where a function needs it; `import hf_lowprec.engines.zero` works
-without it.
+DeepSpeed itself is imported only where a function needs it (`require_deepspeed`).
 """
 
 from __future__ import annotations
@@ -70,6 +54,8 @@ def require_deepspeed() -> Any:
 
 
 # --- the support matrix -------------------------------------------------------------------------
+# Declared on the strategy class; the check, the Trainer's and Accelerate's paths and the matrix
+# read that one source. fp8-lm-o3's own FP8 ZeRO (whole tensors per rank): `hf_lowprec.partition`.
 def zero_support(strategy: PrecisionStrategy, stage: int) -> str | None:
     """None when `strategy` keeps its numerics under ZeRO `stage`, else the refusal message.
 
@@ -117,7 +103,14 @@ def support_matrix_markdown(names: Iterable[str] | None = None) -> str:
 
 # --- the precision entries of a DeepSpeed config --------------------------------------------------
 def owned_entries(strategy: PrecisionStrategy) -> dict[str, Any]:
-    """The DeepSpeed config entries (dotted keys) the strategy decides, with its values."""
+    """The DeepSpeed config entries (dotted keys) the strategy decides, with its values.
+
+    BF16 parameters (collage-*, bf16-pure, bf16-kahan, bf16-sr, bf16-fp32states) turn the three
+    `bf16` entries on: the partition DeepSpeed hands to the strategy's optimizer is then the BF16
+    weight itself (no FP32 master), so Collage's δθ and δv, Kahan's compensation and the
+    stochastic-rounding state live in the partitioned optimizer state as in one process. FP32
+    parameters (fp32, bf16-mixed, fp8-lm-o3's non-FP8 ones) keep them off; `fp16` is always off.
+    """
     bf16 = _partition_dtype(strategy) == torch.bfloat16
     return {
         "bf16.enabled": bf16,
@@ -253,7 +246,7 @@ def configure_accelerator(
     """Write the strategy's entries into the config of `accelerator`'s DeepSpeed plugin (no-op without one).
 
     `original` is the user's config before transformers/Accelerate filled its "auto" entries
-    (`TrainingArguments.deepspeed`); without it, the file `accelerate launch` names, else the
+    (the Trainer's `deepspeed` argument); without it, the file `accelerate launch` names, else the
     plugin's config, where `bf16.enabled`/`fp16.enabled` were already filled from
     `mixed_precision="no"` and so are not held against the strategy.
     """
@@ -330,7 +323,7 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
     residual); DeepSpeed then replaces the optimizer's parameters by its flat partitions and that
     state would be stranded. Each state tensor of a parameter is copied into the matching slice of
     the partition's state (zeros elsewhere, as a fresh state starts). Call it after
-    `deepspeed.initialize` and before the first step (the Trainer and `PrecisionPlugin` do).
+    `deepspeed.initialize` and before the first step (the Trainer and `hf_lowprec.PrecisionPlugin` do).
     Returns the number of parameters whose state moved.
     """
     client = getattr(zero_optimizer, "optimizer", None)
@@ -374,12 +367,12 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
 
 
 def attach_zero_optimizer(zero_optimizer: Any) -> int:
-    """Call after `deepspeed.initialize`, before the first step (the Trainer and `PrecisionPlugin` do).
+    """Call after `deepspeed.initialize`, before the first step (the Trainer and `hf_lowprec.PrecisionPlugin` do).
 
     Moves state made before DeepSpeed partitioned the parameters onto the partitions
     (`move_state_to_partitions`), tells the strategy DeepSpeed's data-parallel group (a step is
     skipped on every rank together), then hands DeepSpeed's ZeRO optimizer to a client optimizer
-    that works with it (`attach_zero`): fp8-lm-o3's `FP8ZeroAdamW` reads DeepSpeed's gradient
+    that works with it (`attach_zero`): fp8-lm-o3's `optim.zero_fp8.FP8ZeroAdamW` reads DeepSpeed's gradient
     norm and `gradient_clipping` from it, to clip the FP8 weights' gradients with the others,
     and learns the groups DeepSpeed steps one at a time. Returns the number of parameters
     whose state moved.
