@@ -1,9 +1,9 @@
 """Optimizers for low-precision parameters and states: AdamW as (m format × v format × update rule).
 
 `adamw` holds the core (arithmetic, step loop), `formats` and `rules` the pieces, `families` the
-BF16/FP16 families, `fp8_adamw` and `coat` the FP8 ones, `dispatch` the dispatch between the
-eager reference and the compiled step. `zero_fp8` FP8-LM O3's distributed `FP8ZeroAdamW` (whole
-FP8 weights per rank; it runs in one process, under DDP and as DeepSpeed ZeRO's client optimizer).
+BF16/FP16 families, `fp8_adamw` and `coat_adamw` the FP8 ones, `dispatch` which implementation runs
+a step (the eager reference, the compiled step, the `native` kernels), `zero_fp8` FP8-LM O3's
+distributed optimizer (`zero_fp8.FP8ZeroAdamW`).
 """
 
 from .adamw import AdamW, Composition

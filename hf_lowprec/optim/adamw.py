@@ -1,34 +1,10 @@
 """The AdamW core: validation, the per-step scalars, the arithmetic and the step loop, once.
 
-Every optimizer of `hf_lowprec.optim` is AdamW with a choice of three pieces (a composition):
-
-    m format × v format × update rule          (`formats`, `rules`)
-
-and its step for one parameter is one pure function of tensors, `Composition.step`:
-
-    g  = decode(grad)                                    (FP8 payload / scale, or widened)
-    θ  = rule.read(param)                                (the master, or the parameter)
-    m₃₂ = m + (1 − β1)·(g − m)                           m, v decoded to FP32 registers
-    v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v)
-    Δθ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'),  s = −α·√c2/c1, ε' = max(ε·√c2, tiny)
-    encode m₃₂, v₃₂; rule.apply(Δθ)                      each stored value rounded once
-
-with c1 = 1 − β1^t, c2 = 1 − β2^t folded into two scalars on the host in FP64 and rounded
-once to FP32 (`adamw_scalars`): m̂/(√v̂ + ε) = (m·√c2/c1)/(√v + ε·√c2). Every FP32 operation
-is rounded on its own (no lerp or addcmul, whose CPU kernels fuse a multiply-add), so the
-compiled function reproduces the eager one bit for bit. ε sits outside the root as in
-`torch.optim.AdamW`; decoupled weight decay is part of Δθ (so a compensated rule compensates
-it too); `tiny` (FP32's smallest normal) keeps v = 0 with ε = 0 from giving 0/0; max_v (the
-largest value v's storage holds) makes a finite gradient whose square overflows saturate v.
-
-Run eagerly the function is the reference; `dispatch` compiles it. `AdamW` is the
-`torch.optim.Optimizer` around it: validation, per-parameter state made by the formats and
-the rule, buckets of parameters sharing a composition, the lost-arithmetic tracking, and
-state that loads back in its own dtypes. A family is a subclass that says which composition
-a parameter gets (`composition`), in a few lines (`families.py`).
-
-Skipped steps (`step(found_inf=flag)`: nonzero skips) are decided on the device, without a
-host sync; the step counts and scalars that allows, and the rest of that story: `skipping`.
+Every optimizer of `hf_lowprec.optim` is AdamW over a `Composition` (m format × v format × update
+rule: `formats`, `rules`), whose step for one parameter is one pure function of tensors,
+`Composition.step` (the arithmetic: `adamw_math`): run eagerly it is the reference, and
+`dispatch` compiles it. `AdamW` is the `torch.optim.Optimizer` around it; a family is a subclass
+that says which composition a parameter gets, in a few lines (`families`).
 """
 
 from __future__ import annotations
@@ -73,7 +49,25 @@ STATE_ROLES: dict[str, str] = {"exp_avg": "optimizer", "exp_avg_sq": "optimizer"
 def adamw_math(
     theta: torch.Tensor, g: torch.Tensor, m_old: torch.Tensor, v_old: torch.Tensor, scalars: torch.Tensor, max_v: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `scalars` (see the module docstring)."""
+    """(m₃₂, v₃₂, Δθ₃₂) from FP32 registers and the scalar vector `scalars`.
+
+    The step of one parameter (`Composition.step`), each stored value rounded once:
+
+        g  = decode(grad)                                    (FP8 payload / scale, or widened)
+        θ  = rule.read(param)                                (the master, or the parameter)
+        m₃₂ = m + (1 − β1)·(g − m)                           m, v decoded to FP32 registers
+        v₃₂ = min(β2·v + ((1 − β2)·g)·g, max_v)
+        Δθ = fl(−α·λ·θ) + (s·m₃₂)/(√v₃₂ + ε'),  s = −α·√c2/c1, ε' = max(ε·√c2, tiny)
+        encode m₃₂, v₃₂; rule.apply(Δθ)
+
+    with c1 = 1 − β1^t, c2 = 1 − β2^t folded into two scalars on the host in FP64 and rounded
+    once to FP32 (`adamw_scalars`): m̂/(√v̂ + ε) = (m·√c2/c1)/(√v + ε·√c2). Every FP32 operation
+    is rounded on its own (no lerp or addcmul, whose CPU kernels fuse a multiply-add), so the
+    compiled function reproduces the eager one bit for bit. ε sits outside the root as in
+    `torch.optim.AdamW`; decoupled weight decay is part of Δθ (so a compensated rule compensates
+    it too); `tiny` (FP32's smallest normal) keeps v = 0 with ε = 0 from giving 0/0; max_v (the
+    largest value v's storage holds) makes a finite gradient whose square overflows saturate v.
+    """
     one_minus_beta1, beta2, one_minus_beta2, step_size, eps, decay = (
         scalars.select(0, i) for i in (ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY)
     )
@@ -120,7 +114,7 @@ class Composition:
         *rest: Any,
         found_inf: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One AdamW step of one parameter, in place; returns Δθ₃₂ (see the module docstring).
+        """One AdamW step of one parameter, in place; returns Δθ₃₂ (the arithmetic: `adamw_math`).
 
         `rest` is the stored tensors of m, v and the rule, then the scalar vector and the seed.
         `found_inf`: None, or a 0-dim tensor; nonzero leaves every tensor untouched (the step runs
@@ -152,9 +146,9 @@ class AdamW(LowPrecisionOptimizer):
     Args:
         params: parameters or parameter groups (an ordered collection).
         lr, betas, eps, weight_decay: as in `torch.optim.AdamW` (decoupled weight decay).
-        fused: "auto" (the compiled step where it can run, else the reference), "compiled"
-            (require it; raises naming the reason) or "reference"; same bits on CPU. Not a
-            group option: checkpoints are the same whichever path wrote them.
+        fused: "auto", "native", "compiled" or "reference": which implementation runs the
+            step (`dispatch`); same bits on CPU. Not a group option: checkpoints are the same
+            whichever path wrote them.
         seed: for rules that round stochastically, the seed of the per-device generators
             (drawn from the global RNG when None); their states travel in `state_dict()`.
         extra options: the family's group options (`extra_options`).
@@ -163,7 +157,11 @@ class AdamW(LowPrecisionOptimizer):
     the tensors of the composition's `keys()`, created at the first step (or by `plan_state`).
     FSDP2: a DTensor parameter steps on its local shard with the same code (the update is
     element-wise); its parameter-shaped states are DTensors sharded like it (`distributed`).
-    `paths_taken` counts, per parameter step, which implementation ran ("compiled", "reference").
+    `paths_taken` counts, per parameter step, which implementation ran ("native", "compiled",
+    "reference"). The optimizer validates its options, makes each parameter's state from the
+    formats and the rule, steps buckets of parameters sharing a composition, tracks the lost
+    arithmetic, and loads state back in its own dtypes. Skipped steps (`step(found_inf=flag)`)
+    are decided on the device, without a host sync (`skipping`).
     """
 
     #: Parameter dtypes accepted (None: any floating dtype).
@@ -386,7 +384,8 @@ class AdamW(LowPrecisionOptimizer):
         )
         seeds: list[torch.Tensor | None] = [None] * len(items)
         if composition.rule.needs_seed:
-            # A skipped step still draws its seeds (the generator's state lives on the host).
+            # A skipped step still draws its seeds (the generator's state lives on the host): the
+            # checkpointed generator state records the draw, so a resumed run continues bit for bit.
             generator = self._generator(device)
             drawn = torch.randint(0, 2**31 - 1, (len(items),), generator=generator, device=generator.device)
             seeds = list(drawn.to(device).unbind())

@@ -1,16 +1,7 @@
 """COAT AdamW: both moments in per-group FP8 with dynamic range expansion (COAT §Part 1; docs/algorithms.md §4).
 
-A composition of the AdamW core: m and v as `formats.GroupFP8` (E4M3, groups of 128, fresh
-per-group s, k, c every step; v may be E5M2), and the update rule by the parameter's dtype:
-FP32 parameters take θ ← θ + Δθ in FP32 (COAT's FP32 masters); BF16/FP16 parameters are kept
-as the Collage-light pair (θ, δθ) and take Grow (`rules.Grow`), which COAT does not offer.
-
-Model-state bytes per parameter (+ 0.19 for the FP32 (s, k, c) of two states, + padding of
-tensors whose size is not a multiple of 128):
-FP32 master: 4 (θ) + 4 (g) + 1 (m) + 1 (v) = 10; BF16 + δθ: 2 + 2 + 2 (δθ) + 1 + 1 = 8.
-
-One moment on its own, outside the optimizer (the format's tests and evidence, the native
-`coat_step`): `quantize_state` stores any tensor as an `FP8GroupState`, which decodes it back.
+`COATAdamW` is a composition of the AdamW core; `quantize_state` stores one moment on its own,
+outside the optimizer, as an `FP8GroupState`.
 """
 
 from __future__ import annotations
@@ -43,11 +34,16 @@ class COATAdamW(AdamW):
         group_size: elements per quantization group (COAT: 128).
         exp_avg_sq_format: "e4m3" (COAT default) or "e5m2" for v; m is always E4M3.
         expand: dynamic range expansion; False stores plain per-group FP8 (for comparison).
-        fused: as `AdamW` ("auto", "compiled", "reference"; same bits).
+        fused: as `AdamW` ("auto", "native", "compiled", "reference"; same bits).
 
-    State per parameter: `step`; for m ("exp_avg") and v ("exp_avg_sq") the FP8 payload (flat,
-    padded to whole groups) and FP32 `_scale`, `_exponent` (k), `_center` (c) per group;
-    `param_error` δθ for BF16/FP16 parameters. All plain tensors, restored in their own dtypes.
+    m and v are `formats.GroupFP8` (E4M3, groups of 128, fresh per-group s, k, c every step; v
+    may be E5M2). The update rule goes by the parameter's dtype: FP32 parameters take
+    θ ← θ + Δθ in FP32 (COAT's FP32 masters); BF16/FP16 parameters are kept as the
+    Collage-light pair (θ, δθ) and take Grow (`rules.Grow`), which COAT does not offer.
+
+    State per parameter: "step"; for m ("exp_avg") and v ("exp_avg_sq") the FP8 payload (flat,
+    padded to whole groups) and FP32 "_scale", "_exponent" (k), "_center" (c) per group;
+    "param_error" δθ for BF16/FP16 parameters. All plain tensors, restored in their own dtypes.
     """
 
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
@@ -154,7 +150,8 @@ def quantize_state(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     expand: bool = True,
 ) -> FP8GroupState:
-    """`x` stored in `GroupFP8(fp8_dtype, group_size, expand)`: flattened, zero-padded to whole groups.
+    """`x` stored in `GroupFP8(fp8_dtype, group_size, expand)`: flattened, zero-padded to whole groups
+    (the format's tests and evidence, and the native `native.coat_step`, use one moment on its own).
 
     Args:
         x: any floating tensor (the arithmetic is FP32; FP64 inputs are rounded to FP32 first).

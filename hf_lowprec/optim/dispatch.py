@@ -1,41 +1,8 @@
-"""Which implementation runs an optimizer step: one dispatch for every AdamW family.
-
-The step of a family is one pure function of one parameter's tensors (`adamw.adamw_step`,
-built from its formats and update rule). Run eagerly it is the reference; the fast path is
-the same function compiled by `torch.compile` (vectorised C++/OpenMP on CPU, Triton on CUDA).
-On CPU the two are bit-identical: Inductor keeps the explicit casts
-(`emulate_precision_casts`; the roundings to the parameter's dtype inside a step,
-`formats.round_to`, are integer operations when compiled, since torch 2.11's Inductor drops an
-FP32 → BF16 → FP32 round trip), does not contract a·b + c into an FMA (its C++ is built with
--ffp-contract=off), and roots are correctly rounded on both sides (`formats.root`). On CUDA,
-Triton may contract: the results then agree within one rounding of each FP32 intermediate.
-
-A third path on CPU: the native kernels (`optim.native`, hand-written C++ with explicit SIMD,
-one per family, built on first use; `native_dispatch` says which compositions they run). They
-follow the same operation sequence, bit for bit.
-
-Modes (the optimizers' `fused` option):
-
-- "reference": the eager function, always;
-- "compiled": the compiled function, or a RuntimeError naming why it cannot run;
-- "native": the native kernel, or a RuntimeError naming why it cannot run;
-- "auto": on CPU the native kernel where the family has one (every kernel is bit-identical to
-  the reference, and the fastest path on the CPUs measured: docs/benchmarks.md), else the
-  compiled function (CPU with a C++ compiler, CUDA with Triton), else the reference, each
-  fallback's reason logged once. A compile failure marks the kernel broken for the process.
-
-("foreach", the old name of "reference", is accepted with a DeprecationWarning.) Every call records the path it took in
-the optimizer's `paths_taken` counter, so tests and users can see what ran.
-
-Layout: one call per parameter, its tensors flat (or as (blocks × block) views for block
-formats, the block a static dimension so the loops vectorise), dynamic shapes, so one compiled
-graph serves every parameter of a dtype combination. A parameter that is not contiguous, or
-whose size is not a multiple of the block, runs on contiguous zero-padded copies that are
-copied back (both paths; zeros stay zero in every format). Threads: `cpp.dynamic_threads`
-always opens the OpenMP region (otherwise the size hint of the first, possibly tiny, tensor
-would leave the graph single-threaded); tensors below `PARALLEL_MIN_NUMEL` take a
-single-threaded build. Compiled graphs are cached on disk by Inductor
-(`TORCHINDUCTOR_CACHE_DIR`, under build/ for `make` and the tests).
+"""Which implementation runs an optimizer step, one dispatch for every AdamW family (`run_bucket`):
+the family's pure step function run eagerly (the reference, `adamw.Composition.step`), the same
+function compiled by `torch.compile` (vectorised C++/OpenMP on CPU, Triton on CUDA), or on CPU the
+native kernels (`native_dispatch`). On CPU all three give the same bits; on CUDA, Triton may
+contract a·b + c into an FMA, and the results agree within one rounding of each FP32 intermediate.
 """
 
 from __future__ import annotations
@@ -71,7 +38,13 @@ logger = logging.getLogger(__name__)
 FusedMode = Literal["auto", "native", "compiled", "reference", "foreach"]
 FUSED_MODES: tuple[str, ...] = ("auto", "native", "compiled", "reference")
 
-# emulate_precision_casts and dynamic_threads: see the module docstring. coalesce_tiling_analysis
+# The compiled step gives the reference's bits on CPU: Inductor keeps the explicit casts
+# (emulate_precision_casts; the roundings to the parameter's dtype inside a step, `formats.round_to`,
+# are integer operations when compiled, since torch 2.11's Inductor drops an FP32 → BF16 → FP32
+# round trip), does not contract a·b + c into an FMA (its C++ is built with -ffp-contract=off), and
+# roots are correctly rounded on both sides (`formats.root`). cpp.dynamic_threads always opens the
+# OpenMP region (otherwise the size hint of the first, possibly tiny, tensor would leave the graph
+# single-threaded); tensors below PARALLEL_MIN_NUMEL take a single-threaded build. coalesce_tiling_analysis
 # (Triton only: how a fused kernel is tiled, never what it computes) is off: Inductor documents it
 # as not applying to dynamic shapes, and in torch 2.11 it asserts on a group format's graph
 # (`tiling_utils.get_pw_red_splits` compares the size symbols of a per-group tensor and of the
@@ -176,15 +149,33 @@ def run_bucket(
     want_updates: bool,
     counter: collections.Counter | None = None,
 ) -> list[torch.Tensor] | None:
-    """Run `function(*tensors, scalars, seed, found_inf=...)` on every row, compiled or eagerly as `mode` says.
+    """Run `function(*tensors, scalars, seed, found_inf=...)` on every row, as `mode` says.
+
+    Modes (the optimizers' `fused` option; "foreach", the old name of "reference", is accepted
+    with a DeprecationWarning):
+
+    - "reference": the eager function, always;
+    - "compiled": the compiled function, or a RuntimeError naming why it cannot run;
+    - "native": the native kernel, or a RuntimeError naming why it cannot run;
+    - "auto": on CPU the native kernel where the family has one (bit-identical to the reference,
+      and the fastest path on the CPUs measured: docs/benchmarks.md), else the compiled function
+      (CPU with a C++ compiler, CUDA with Triton), else the reference, each fallback's reason
+      logged once. A compile failure marks the kernel broken for the process.
+
+    Layout: one call per parameter, its tensors flat (or as (blocks × block) views for block
+    formats, the block a static dimension so the loops vectorise), dynamic shapes, so one compiled
+    graph serves every parameter of a dtype combination. A parameter that is not contiguous, or
+    whose size is not a multiple of the block, runs on contiguous zero-padded copies that are
+    copied back (every path; zeros stay zero in every format).
 
     Args:
         key: names the function for logs and the broken-kernel set (its composition).
         function: the pure step; returns Δθ (FP32), which the compiled path discards.
         block: elements per block of the formats (1 for element-wise ones).
         want_updates: return each row's Δθ (tracked steps): always the reference, which has the
-            same bits as the compiled path but also hands Δθ back.
-        counter: receives one count per row under "compiled" or "reference".
+            same bits as the other paths but also hands Δθ back.
+        counter: receives one count per row under the path that ran ("native", "compiled" or
+            "reference": the optimizers' `paths_taken`, so tests and users see what ran).
     Returns:
         The updates Δθ (FP32, in the staged layout) when `want_updates`, else None.
     """

@@ -1,22 +1,6 @@
-"""The AdamW families, each a composition of `formats` and `rules` (docs/algorithms.md §2, §5).
-
-| optimizer                   | m           | v                 | rule                 | bytes/param (BF16) |
-|-----------------------------|-------------|-------------------|----------------------|--------------------|
-| `PlainAdamW` (option A)     | param's     | param's           | `Nearest`            | 8                  |
-| `FP32StatesAdamW` (D−MW)    | FP32        | FP32              | `Nearest`            | 12                 |
-| `KahanAdamW`                | param's     | param's           | `Kahan`              | 10                 |
-| `StochasticRoundingAdamW`   | param's     | param's           | `StochasticRounding` | 8                  |
-| `CollageAdamW` light (B)    | param's     | param's           | `Grow`               | 10                 |
-| `CollageAdamW` plus (C)     | param's     | pair (v, δv)      | `Grow`               | 12                 |
-| `MasterWeightAdamW`         | FP32        | FP32              | `Master`             | 14 (16 for FP16)   |
-| `FP32StatesSRAdamW`         | FP32        | FP32              | `StochasticRounding` | 12                 |
-| `Collage8bitAdamW`          | 8-bit block | 8-bit block       | `Grow`               | 8.03               |
-
-Bytes count the weight, its gradient and the states. "param's" is the parameter's dtype; an
-FP16 second moment is stored scaled (`formats.Scaled`): FP16 cannot hold v below 2^-24, and
-(1 − β2)·g² underflows for |g| ≲ 1e-2, which turns m/(√v + ε) into a huge step. BF16 has FP32's
-range and needs no scale. All run the same arithmetic (`adamw.Composition.step`) and differ
-only in storage and in where they round the update into θ.
+"""The AdamW families, each a composition of `formats` and `rules` (docs/algorithms.md §2, §5): all
+run the same arithmetic (`adamw.Composition.step`) and differ only in storage and in where they
+round the update into θ.
 """
 
 from __future__ import annotations
@@ -45,9 +29,26 @@ __all__ = [
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 FP32 = Plain(torch.float32)
 
+# The families below, with the bytes per BF16 parameter (the weight, its gradient and the states;
+# "param's": the parameter's dtype):
+#
+#   optimizer                  m            v              rule                 bytes/param
+#   PlainAdamW (option A)      param's      param's        Nearest              8
+#   FP32StatesAdamW (D−MW)     FP32         FP32           Nearest              12
+#   KahanAdamW                 param's      param's        Kahan                10
+#   StochasticRoundingAdamW    param's      param's        StochasticRounding   8
+#   CollageAdamW light (B)     param's      param's        Grow                 10
+#   CollageAdamW plus (C)      param's      pair (v, δv)   Grow                 12
+#   MasterWeightAdamW          FP32         FP32           Master               14 (16 for FP16)
+#   FP32StatesSRAdamW          FP32         FP32           StochasticRounding   12
+#   Collage8bitAdamW           8-bit block  8-bit block    Grow                 8.03
+
 
 def param_dtype_v(param: torch.Tensor) -> Format:
-    """v in the parameter's dtype: plain, or scaled for FP16 (see the module docstring)."""
+    """v in the parameter's dtype: plain, or scaled for FP16 (`formats.Scaled`).
+
+    FP16 cannot hold v below 2^-24, and (1 − β2)·g² underflows for |g| ≲ 1e-2, which turns
+    m/(√v + ε) into a huge step; BF16 has FP32's range and needs no scale."""
     return Scaled() if param.dtype == torch.float16 else Plain()
 
 
@@ -138,8 +139,8 @@ class CollageAdamW(AdamW):
             β2 = 0.999 as it must (in plain BF16, r(0.999·v) == v).
         Other arguments as `AdamW`.
 
-    State (parameter's dtype): `exp_avg`, `exp_avg_sq`, `param_error` δθ, `exp_avg_sq_error` δv
-    (plus only; a group switched from light to plus starts δv at zero), `step`.
+    State (parameter's dtype): "exp_avg", "exp_avg_sq", "param_error" δθ, "exp_avg_sq_error" δv
+    (plus only; a group switched from light to plus starts δv at zero), "step".
     """
 
     extra_options: ClassVar[tuple[str, ...]] = ("variant",)

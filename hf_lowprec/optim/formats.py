@@ -1,30 +1,7 @@
-"""Storage formats of optimizer states: how a stored tensor becomes FP32 registers and back.
-
-A format (a codec) is a small frozen description — hashable, so a compiled step can be built
-once per combination — with four operations over the tensors it stores for one parameter:
-
-    keys(prefix)                 the state keys it owns ("exp_avg", "exp_avg_scale", ...)
-    zeros(param)                 the stored tensors of an all-zero state
-    decode(*stored)              FP32 values, one per element (the padded length for blocks)
-    encode_(values, *stored)     store FP32 `values`, rounding once, updating any scales
-
-Element-wise formats see flat 1-D tensors. Block formats (`block` > 1) see (blocks × block)
-views, their payloads stored flat and padded to whole blocks: the caller pads the parameter
-and its gradient with zeros (zeros stay zero in every format and do not move a block's
-maximum). Every operation is a pure function of tensors, written to run eagerly (the
-reference) and under `torch.compile` (the fast path) with the same bits: roots go through
-`root`, which is correctly rounded in both.
-
-| format              | stores (per element)             | used by                               |
-|---------------------|----------------------------------|---------------------------------------|
-| `Plain(dtype)`      | the value rounded to dtype       | m and v of the BF16 family; FP32      |
-| `Scaled(dtype)`     | payload + one power-of-two scale | FP8AdamW's m and v; FP16 second moments|
-| `Pair(base)`        | (value, error): ~2p bits (MCF)   | Collage-plus's v                      |
-| `GroupFP8(dtype)`   | FP8 + per-group (s, k, c)        | COAT's m and v (range expansion)      |
-| `Blockwise8bit()`   | 8-bit dynamic-map code + absmax  | the collage-8bit strategy's m and v   |
-
-The rules are in docs/algorithms.md §0 (formats), §2 (MCF pairs), §3 (scaled tensors) and §4
-(COAT's groups); the blockwise 8-bit format is described on `Blockwise8bit`.
+"""Storage formats of optimizer states: how a stored tensor becomes FP32 registers and back (the
+codecs, `Format` and its subclasses, and the correctly rounded helpers they share: `root`,
+`round_to`, `saturate`). The rules are in docs/algorithms.md §0 (formats), §2 (MCF pairs), §3
+(scaled tensors) and §4 (COAT's groups); the blockwise 8-bit format is described on `Blockwise8bit`.
 """
 
 from __future__ import annotations
@@ -95,7 +72,31 @@ def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """Base of the formats: one stored tensor `prefix`, element-wise."""
+    """Base of the formats: one stored tensor `prefix`, element-wise.
+
+    A format (a codec) is a small frozen description — hashable, so a compiled step can be built
+    once per combination — with four operations over the tensors it stores for one parameter:
+
+        keys(prefix)                 the state keys it owns ("exp_avg", "exp_avg_scale", ...)
+        zeros(param)                 the stored tensors of an all-zero state
+        decode(*stored)              FP32 values, one per element (the padded length for blocks)
+        encode_(values, *stored)     store FP32 `values`, rounding once, updating any scales
+
+    Element-wise formats see flat 1-D tensors. Block formats (`block` > 1) see (blocks × block)
+    views, their payloads stored flat and padded to whole blocks: the caller pads the parameter
+    and its gradient with zeros (zeros stay zero in every format and do not move a block's
+    maximum). Every operation is a pure function of tensors, written to run eagerly (the
+    reference) and under `torch.compile` (the fast path) with the same bits: roots go through
+    `root`, which is correctly rounded in both.
+
+    The formats, what they store per element, and who uses them:
+
+        Plain(dtype)       the value rounded to dtype          m and v of the BF16 family; FP32
+        Scaled(dtype)      payload + one power-of-two scale    FP8AdamW's m and v; FP16 second moments
+        Pair(base)         (value, error): ~2p bits (MCF)      Collage-plus's v
+        GroupFP8(dtype)    FP8 + per-group (s, k, c)           COAT's m and v (range expansion)
+        Blockwise8bit()    8-bit dynamic-map code + absmax     the collage-8bit strategy's m and v
+    """
 
     block: int = dataclasses.field(default=1, init=False)
 

@@ -1,33 +1,6 @@
-"""FP8 AdamW: the low-bit optimizer of FP8-LM / MS-AMP O2 (FP8-LM §2.2; docs/algorithms.md §3).
-
-Per parameter θ with gradient g, step t, all arithmetic in FP32:
-
-    m ← β1·m + (1 − β1)·g                stored as E4M3 payload + FP32 per-tensor scale
-    v ← β2·v + (1 − β2)·g²               stored as FP16 payload + FP32 per-tensor scale
-    θ ← θ − lr·( m̂ / (√v̂ + ε) + λ·θ )    m̂ = m/(1 − β1ᵗ), v̂ = v/(1 − β2ᵗ)
-
-Every scale is the power of two of `hf_lowprec.fp8.scaled` (real = payload / s), recomputed
-from the new amax at each step. The first moment tolerates FP8 ("the direction of the
-gradient matters more than its magnitude"); the second moment does not — squares of small
-gradients underflow, and FP8 v makes training diverge (FP8-LM Fig. 8, #4). The
-`exp_avg_sq_format="e4m3"` option exists to reproduce that ablation.
-
-Master weights are the parameters themselves, in their own dtype: for the FP8 GEMM weights
-of FP8-LM O2, an FP16 payload with a per-tensor scale (`get_master_scale`, set by
-`FP8Linear.scale_master_weight()`), updated here in place. Memory for those, with FP8
-gradients kept in this optimizer (`set_fp8_grad`): 2 (master) + 1 (gradient) + 1 (m) + 2 (v)
-= 6 bytes per parameter, plus a few scalars per tensor. The storage formats are per
-parameter group, so the parameters that are not FP8 GEMM weights (LayerNorm gains, biases,
-embeddings) can sit in the same optimizer with FP32 masters and FP32 moments (stored
-unscaled), as MS-AMP keeps them.
-
-A composition of the AdamW core: m and v as `formats.Scaled` (per-tensor power-of-two scales
-from the new amax), and `rules.ScaledMaster` for a scaled FP16 master, `rules.Nearest` for the
-others. The scales need the amax of the new values before anything is stored: the compiled
-step reduces, then stores in a second loop over the same registers (Inductor recomputes the
-cheap element-wise update rather than writing FP32 copies).
-
-The lost-arithmetic metrics see the master in real units (`held_value`), in FP64.
+"""FP8 AdamW, the low-bit optimizer of FP8-LM / MS-AMP O2 (FP8-LM §2.2; docs/algorithms.md §3):
+`FP8AdamW`, a composition of the AdamW core with m in E4M3 and v in FP16, each with a per-tensor
+power-of-two scale, and the FP8 GEMM weights' scaled FP16 masters updated in place.
 """
 
 from __future__ import annotations
@@ -110,11 +83,34 @@ class FP8AdamW(AdamW):
         exp_avg_sq_format: storage of v: "fp16" (paper), or "e4m3"/"e5m2" for the
             FP8-second-moment ablation (FP8-LM Fig. 8 #4), "bf16", "fp32".
         margin: scale margin in binades for moments and scaled masters.
-        fused: as `AdamW` ("auto", "compiled", "reference"; same bits).
+        fused: as `AdamW` ("auto", "native", "compiled", "reference"; same bits).
 
-    State per parameter: `step` (int), `exp_avg` + `exp_avg_scale`, `exp_avg_sq` +
-    `exp_avg_sq_scale` (payloads + FP32 scalars), and, once `set_fp8_grad` was used, `grad` +
-    `grad_scale`: the FP8 gradient buffer, reused every step. It is saved with the state (one
+    Per parameter θ with gradient g, step t, all arithmetic in FP32:
+
+        m ← β1·m + (1 − β1)·g                stored as E4M3 payload + FP32 per-tensor scale
+        v ← β2·v + (1 − β2)·g²               stored as FP16 payload + FP32 per-tensor scale
+        θ ← θ − lr·( m̂ / (√v̂ + ε) + λ·θ )    m̂ = m/(1 − β1ᵗ), v̂ = v/(1 − β2ᵗ)
+
+    Every scale is the power of two of `hf_lowprec.fp8.scaled` (real = payload / s), recomputed
+    from the new amax at each step (`formats.Scaled`). The first moment tolerates FP8 ("the
+    direction of the gradient matters more than its magnitude"); the second moment does not:
+    squares of small gradients underflow, and FP8 v makes training diverge (FP8-LM Fig. 8, #4).
+    The scales need the amax of the new values before anything is stored: the compiled step
+    reduces, then stores in a second loop over the same registers (Inductor recomputes the cheap
+    element-wise update rather than writing FP32 copies).
+
+    Master weights are the parameters themselves, in their own dtype: for the FP8 GEMM weights
+    of FP8-LM O2, an FP16 payload with a per-tensor scale (`get_master_scale`, set by
+    `fp8.linear.FP8Linear.scale_master_weight`), updated in place (`rules.ScaledMaster`; the
+    others take `rules.Nearest`). Those cost 2 (master) + 1 (FP8 gradient) + 1 (m) + 2 (v) = 6
+    bytes per parameter, plus a few scalars per tensor. The storage formats are per parameter
+    group, so the parameters that are not FP8 GEMM weights (LayerNorm gains, biases, embeddings)
+    can sit in the same optimizer with FP32 masters and FP32 moments (stored unscaled), as
+    MS-AMP keeps them. The lost-arithmetic metrics see the master in real units (`held_value`).
+
+    State per parameter: "step" (int), "exp_avg" + "exp_avg_scale", "exp_avg_sq" +
+    "exp_avg_sq_scale" (payloads + FP32 scalars), and, once `set_fp8_grad` was used, "grad" +
+    "grad_scale": the FP8 gradient buffer, reused every step. It is saved with the state (one
     byte per element) so that a loaded state has the same keys and dtypes; a loaded gradient
     is never applied, since only `set_fp8_grad` marks a gradient as this step's.
 

@@ -1,12 +1,7 @@
-"""The native CPU path of the dispatch: a composition declared to `optim.native`, and the call.
-
-`optim.native` runs one C++ step over (m format, v format, rule); a composition declares itself
-by its formats' and rule's `native_name` and options (`native.declaration`), and its tensors go
-by name (`Composition.stored_names`). Which declarations and dtypes the kernels run is the C++
-side's own list; `unsupported` asks it (`native.check`) so `dispatch` can fall back to the
-compiled step. The kernels follow the reference's operation sequence: bit-identical for every
-family (COAT's range expansion included: its powers are `numerics.pow_nonnegative` on every
-path).
+"""The native CPU path of the dispatch: a composition declared to `optim.native` (by its formats'
+and rule's `native_name` and options, its tensors by `adamw.Composition.stored_names`), and the
+call. Which declarations and dtypes the kernels run is the C++ side's own list: `unsupported`
+asks it, so `dispatch` can fall back to the compiled step.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ def _scalars(rows: Sequence) -> torch.Tensor:
 
 
 def unsupported(composition, sample) -> str | None:
-    """Why the native kernels cannot run `composition` on a row like `sample` (a `ParamStep`), or None."""
+    """Why the native kernels cannot run `composition` on a row like `sample` (a `dispatch.ParamStep`), or None."""
     reason = native.native_unavailable()
     if reason is not None:
         return reason

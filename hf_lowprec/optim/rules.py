@@ -1,24 +1,6 @@
-"""Update rules: how the AdamW update Δθ (FP32 registers) is applied to the stored parameter.
-
-A rule owns the state that completes the parameter (a compensation, a master copy) and four
-operations, pure functions of tensors like the formats' (`formats`):
-
-    read(param, *stored)                    θ in FP32 registers (the value the update starts from)
-    apply_(delta, theta, param, *stored)    write θ + Δθ back, rounding as the rule says
-    held_value(param, state)                the value the optimizer really holds, FP64
-    zeros(param)                            its state for a fresh parameter
-
-| rule                 | state         | θ written as                                    |
-|----------------------|---------------|-------------------------------------------------|
-| `Nearest`            | —             | r(θ + Δθ), rounded once                         |
-| `Kahan`              | k             | y = r(Δθ + k); (θ, k) ← TwoSum(θ, y)            |
-| `Grow`               | δθ            | (θ, δθ) ← Grow((θ, δθ), r(Δθ)) (Collage, MCF)   |
-| `StochasticRounding` | —             | SR(θ + Δθ), unbiased                            |
-| `Master`             | FP32 master   | master ← master + Δθ; θ ← r(master)             |
-| `ScaledMaster`       | (scale attr.) | FP16 payload·s, s re-chosen from amax (FP8-LM)  |
-
-The error-free transformations run in the parameter's dtype on FP32 registers, each
-operation that can round rounded by `round_to` (docs/algorithms.md §2).
+"""Update rules: how the AdamW update Δθ (FP32 registers) is applied to the stored parameter
+(`Rule` and its subclasses, and the error-free transformations they use: `two_sum`,
+`fast_two_sum`, run in the parameter's dtype on FP32 registers; docs/algorithms.md §2).
 """
 
 from __future__ import annotations
@@ -90,7 +72,26 @@ def _next_fp16(x: torch.Tensor, *, up: bool) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Base: no state; θ read from the parameter."""
+    """Base: no state; θ read from the parameter.
+
+    A rule owns the state that completes the parameter (a compensation, a master copy) and four
+    operations, pure functions of tensors like the formats' (`formats.Format`):
+
+        read(param, *stored)                    θ in FP32 registers (the value the update starts from)
+        apply_(delta, theta, param, *stored)    write θ + Δθ back, rounding as the rule says
+        held_value(param, state)                the value the optimizer really holds, FP64
+        zeros(param)                            its state for a fresh parameter
+
+    Each operation that can round is rounded by `round_to`. The rules, their state, and how
+    θ is written:
+
+        Nearest              —               r(θ + Δθ), rounded once
+        Kahan                k               y = r(Δθ + k); (θ, k) ← TwoSum(θ, y)
+        Grow                 δθ              (θ, δθ) ← Grow((θ, δθ), r(Δθ)) (Collage, MCF)
+        StochasticRounding   —               SR(θ + Δθ), unbiased
+        Master               FP32 master     master ← master + Δθ; θ ← r(master)
+        ScaledMaster         (scale attr.)   FP16 payload·s, s re-chosen from amax (FP8-LM)
+    """
 
     suffixes = ()
     #: Per stored tensor: whether it has the parameter's elements (see `formats.Format.like_param`).

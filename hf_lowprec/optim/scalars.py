@@ -1,14 +1,6 @@
-"""The per-step scalars of AdamW, one definition for every path (reference, compiled, native).
-
-Slots: ONE_MINUS_BETA1 = 1 − β1, BETA2 = β2, ONE_MINUS_BETA2 = 1 − β2, STEP = −α·√c2/c1, EPS = max(ε·√c2, tiny),
-DECAY = −α·λ, with c1 = 1 − β1^t and c2 = 1 − β2^t, computed in FP64 and rounded once to FP32.
-
-Two places compute them, with the same bits on CPU: the host (`adamw_scalars`, Python floats,
-while the step counts are host integers) and the device (`device_scalar_rows`, from 0-dim FP64
-step tensors, once a skipped step may have left the host not knowing t). The device sequence is
-the host's operation for operation: β^t is libm's `pow` in both (0-dim CPU tensors take the
-scalar loop), every other operation is one IEEE-rounded FP64 operation. Neither copies from
-the host to the device: `scalar_rows` fills host values in (a kernel argument, not a copy).
+"""The per-step scalars of AdamW, one definition for every path (reference, compiled, native):
+computed in FP64 on the host (`adamw_scalars`) or on the device (`device_scalar_rows`), with the
+same bits on CPU, and rounded once to FP32.
 """
 
 from __future__ import annotations
@@ -31,7 +23,8 @@ __all__ = [
     "scalar_rows",
 ]
 
-# Slots of the per-step scalar vector.
+# Slots of the per-step scalar vector: ONE_MINUS_BETA1 = 1 − β1, BETA2 = β2, ONE_MINUS_BETA2 = 1 − β2,
+# STEP = −α·√c2/c1, EPS = max(ε·√c2, tiny), DECAY = −α·λ, with c1 = 1 − β1^t and c2 = 1 − β2^t.
 ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, STEP, EPS, DECAY = range(6)
 _TINY = torch.finfo(torch.float32).smallest_normal
 
@@ -61,7 +54,7 @@ def adamw_scalars(step: int, *, lr: float, beta1: float, beta2: float, eps: floa
 
 def scalar_rows(step: int, device: torch.device, **hyper: float) -> torch.Tensor:
     """`adamw_scalars(step)` as an FP32 tensor on `device`: built in place on a CPU, filled in
-    slot by slot elsewhere (no pageable copy from the host)."""
+    slot by slot elsewhere (a kernel argument, not a pageable copy from the host)."""
     values = adamw_scalars(step, **hyper)
     if device.type == "cpu":
         return torch.tensor(values, dtype=torch.float32)
@@ -75,7 +68,13 @@ def device_scalar_rows(
     steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
 ) -> list[torch.Tensor]:
     """The scalar rows of the next step of each 0-dim FP64 step count in `steps` (one device),
-    computed there in FP64 as `adamw_scalars` computes them on the host, rounded once to FP32."""
+    computed there in FP64 as `adamw_scalars` computes them on the host, rounded once to FP32.
+
+    Used once a skipped step may have left the host not knowing t (while the step counts are host
+    integers, `adamw_scalars` serves). The sequence is the host's operation for operation, so the
+    bits are the same on CPU: β^t is libm's `pow` in both (0-dim CPU tensors take the scalar
+    loop), every other operation is one IEEE-rounded FP64 operation. Nothing is copied from the
+    host to the device."""
     t = torch._foreach_add(steps, 1.0)
     c1 = torch._foreach_pow(beta1, t)
     torch._foreach_neg_(c1)

@@ -1,22 +1,8 @@
 """Skipped steps decided on the device: the found-inf flag, the step counts, the select.
 
-`AdamW.step(found_inf=flag)` takes a loss scaler's overflow flag as a 0-dim floating tensor on
-the parameters' device; nonzero (inf and NaN included) skips the step. Nothing reads it on the
-host (no `.item()`, no sync): the reference and compiled steps run into copies and keep the old
-bits with one `torch.where` per stored tensor (`select_`, fused into the loop when compiled);
-the native kernels read the flag once and return before writing anything. θ, every state and
-the step count stay as they were.
-
-The step count (`StepCounts`): a Python int while every step is known on the host (no flag
-ever given), exactly as before; the first flagged step makes it a 0-dim FP64 tensor on the
-parameter's device (as torch's fused Adam keeps its step on the device), advanced by
-(flag == 0). The scalars then come from it on the device in FP64
-(`scalars.device_scalar_rows`): on CPU the same bits as the host's. Checkpoints hold the int
-or the tensor; both load and resume bit for bit.
-
-Stochastic rounding draws its seeds even on a skipped step (the generator's state lives on the
-host): a skipped step consumes one draw, which the checkpointed generator state records, so a
-resumed run continues bit for bit.
+`adamw.AdamW.step(found_inf=flag)` takes a loss scaler's overflow flag as a 0-dim floating tensor
+on the parameters' device; nonzero (inf and NaN included) skips the step. Nothing reads it on the
+host (no `.item()`, no sync), and θ, every state and the step count stay as they were.
 """
 
 from __future__ import annotations
@@ -55,7 +41,11 @@ def step_count_on_device(state: dict[str, Any], device: torch.device) -> None:
 
 
 def select_(original: torch.Tensor, skip: torch.Tensor, stepped: torch.Tensor) -> None:
-    """original ← skip ? original : stepped, bit for bit (on integer views: any dtype, NaN payloads kept)."""
+    """original ← skip ? original : stepped, bit for bit (on integer views: any dtype, NaN payloads kept).
+
+    The reference and compiled steps run into copies and keep the old bits with one such
+    `torch.where` per stored tensor (fused into the loop when compiled); the native kernels read
+    the flag once and return before writing anything."""
     bits = _BITS[original.element_size()]
     original.view(bits).copy_(torch.where(skip, original.view(bits), stepped.view(bits)))
 
@@ -80,7 +70,13 @@ class FlagPerDevice:
 
 class StepCounts:
     """The step counts of a bucket's states on one device: the scalars of their next step, and
-    the advance once the bucket has stepped (see the module docstring)."""
+    the advance once the bucket has stepped.
+
+    A count is a Python int while every step is known on the host (no flag ever given); the
+    first flagged step makes it a 0-dim FP64 tensor on the parameter's device (as torch's fused
+    Adam keeps its step on the device), advanced by (flag == 0). The scalars then come from it on
+    the device in FP64 (`scalars.device_scalar_rows`): on CPU the same bits as the host's.
+    Checkpoints hold the int or the tensor; both load and resume bit for bit."""
 
     def __init__(self, states: list[dict[str, Any]], device: torch.device, found_inf: torch.Tensor | None):
         self.states, self.device, self.found_inf = states, device, found_inf

@@ -1,29 +1,8 @@
 """FP8 ZeRO: FP8AdamW with the FP8 GEMM weights distributed whole over ranks (FP8-LM O3; docs/algorithms.md §3).
 
-The FP8 GEMM weights are distributed as whole tensors (`hf_lowprec.partition.assign_whole_tensors`:
-largest first, to the rank with the fewest bytes). Per weight, its owner keeps the scaled FP16
-master and the FP8AdamW state (E4M3 m, FP16 v, FP8 gradient); every other rank keeps only the
-FP8 weight, stored in the parameter itself as its E4M3 payload (1 byte per element) with the
-FP8 scale in the layer's `master_scale` (see `hf_lowprec.fp8.linear`, "FP8-stored weights").
-A step:
-
-1. the FP8 weight gradients are averaged with the shared-scale FP8 all-reduce
-   (`fp8_allreduce`, μ from the automatic gradient scaler); a rank that does not own a weight
-   collects its gradient through the layer's gradient sink (FP16, as `p.grad` would be); in
-   one process they are quantized per tensor exactly as O2 does;
-2. gradient clipping over every gradient (`clip_coefficient`): under DeepSpeed ZeRO the norm
-   of the partitioned gradients (DeepSpeed's) and of the FP8 gradients (summed over owners)
-   give one coefficient c = min(1, C / (‖g‖ + 1e-6)), C = `gradient_clipping`;
-3. each owner updates its masters with FP8AdamW and quantizes them to E4M3;
-4. the FP8 weights and their scales are all-gathered (`all_gather_owned_fp8`, 1 byte per
-   element on the wire) and every other rank stores them as they are.
-
-Under DeepSpeed ZeRO 1/2 this optimizer is the client optimizer: its groups hold the other
-parameters, which DeepSpeed partitions, and DeepSpeed calls `step()` once per group. The FP8
-part (reduction, clipping coefficient, updates, all-gather) runs once per DeepSpeed step, on
-the call with the first group; `attach_zero_optimizer` (after `deepspeed.initialize`) tells
-it the groups and DeepSpeed's optimizer. Every tensor a collective touches is created on the
-parameters' device.
+`FP8ZeroAdamW` runs in one process, under DDP and as DeepSpeed ZeRO 1/2's client optimizer: each
+FP8 GEMM weight's master and FP8AdamW state live on one owning rank, every other rank keeps the
+FP8 weight alone.
 """
 
 from __future__ import annotations
@@ -73,6 +52,30 @@ class FP8ZeroAdamW(FP8AdamW):
 
     The owned weights' states sit in `self.state` next to the groups' (same keys and dtypes as
     O2); `state_dict` saves them, with the owned masters, under "fp8_zero".
+
+    The FP8 GEMM weights are distributed as whole tensors (`hf_lowprec.partition.assign_whole_tensors`:
+    largest first, to the rank with the fewest bytes). Per weight, its owner keeps the scaled FP16
+    master and the FP8AdamW state (E4M3 m, FP16 v, FP8 gradient); every other rank keeps only the
+    FP8 weight, stored in the parameter itself as its E4M3 payload (1 byte per element) with the
+    FP8 scale in the layer's `master_scale` (`hf_lowprec.fp8.linear`). A step:
+
+    1. the FP8 weight gradients are averaged with the shared-scale FP8 all-reduce
+       (`fp8_allreduce`, μ from the automatic gradient scaler); a rank that does not own a weight
+       collects its gradient through the layer's gradient sink (FP16, as `p.grad` would be); in
+       one process they are quantized per tensor exactly as O2 does;
+    2. gradient clipping over every gradient (`clip_coefficient`): under DeepSpeed ZeRO the norm
+       of the partitioned gradients (DeepSpeed's) and of the FP8 gradients (summed over owners)
+       give one coefficient c = min(1, C / (‖g‖ + 1e-6)), C = `gradient_clipping`;
+    3. each owner updates its masters with FP8AdamW and quantizes them to E4M3;
+    4. the FP8 weights and their scales are all-gathered (`all_gather_owned_fp8`, 1 byte per
+       element on the wire) and every other rank stores them as they are.
+
+    Under DeepSpeed ZeRO 1/2 its groups hold the other parameters, which DeepSpeed partitions,
+    and DeepSpeed calls `step()` once per group. The FP8 part (reduction, clipping coefficient,
+    updates, all-gather) runs once per DeepSpeed step, on the call with the first group;
+    `engines.zero.attach_zero_optimizer` (after `deepspeed.initialize`) tells it the groups and
+    DeepSpeed's optimizer (`attach_zero`). Every tensor a collective touches is created on the
+    parameters' device.
     """
 
     def __init__(
@@ -309,7 +312,7 @@ class FP8ZeroAdamW(FP8AdamW):
     def step(self, closure: Any = None, *, found_inf: torch.Tensor | None = None) -> Any:
         """Owners update their FP8 weights' masters; the groups step; every rank gets every FP8 weight.
 
-        `found_inf` as `AdamW.step` (a 0-dim device flag, nonzero: nothing changes). The FP8 part
+        `found_inf` as `adamw.AdamW.step` (a 0-dim device flag, nonzero: nothing changes). The FP8 part
         runs whatever it says: a skipped update leaves each master as it was, and the all-gather
         then hands every rank the FP8 weights it already holds."""
         self.check_attached()

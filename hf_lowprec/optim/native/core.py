@@ -33,6 +33,15 @@ _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 ISA_ENV = "HF_LOWPREC_CPU_ISA"
 
 _CSRC = Path(__file__).with_name("csrc")
+# The reference's operations, written once over a small vector-traits layer and compiled four times,
+# each instruction set in its own translation unit (a target pragma), so one build serves every
+# x86-64 CPU: AVX-512 with AVX512-BF16, AVX-512 (16 lanes), AVX2 + F16C (8 lanes) and scalar.
+# Vector bodies and the scalar tail run one template: results do not depend on the ISA, the thread
+# count or an element's position (the tests check every ISA the CPU runs bit for bit). Conversions
+# round to nearest even: FP32 -> BF16 with the integer rounding PyTorch's cast uses (NaN -> 0xFFFF
+# like its vectorised cast); AVX512-BF16's `vcvtneps2bf16` gives the same bits except on subnormal
+# inputs (flushed) and NaN, so that build uses it only for vectors with neither; FP16 with F16C's
+# conversions (IEEE); FP8 E4M3/E5M2 with an exact integer rounding, PyTorch's saturation and NaN codes.
 _SOURCES = ("bindings.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512bf16.cpp")
 # -ffp-contract=off: no a·b + c fused into an FMA (the references round the product);
 # -fno-fast-math: IEEE semantics; -fno-math-errno only lets sqrtf inline as the instruction;
@@ -74,7 +83,10 @@ def _load() -> tuple[ModuleType | None, str | None]:
 def native_unavailable() -> str | None:
     """Why the native kernels cannot run here (no compiler, build failed, not x86-64), or None.
 
-    The first call builds (or loads the cached build of) the extension.
+    The first call builds (or loads the cached build of) the extension: `torch.utils.cpp_extension.load`
+    (ninja and a C++17 compiler), cached under `TORCH_EXTENSIONS_DIR` (`make` and the tests put it
+    under build/); the sources ship in the wheel (package data `csrc/*`). A missing compiler or a
+    failed build does not raise: the reason is returned, for the caller to log once and fall back.
     """
     return _load()[1]
 
@@ -118,7 +130,13 @@ def adamw_scalars(
 class Declaration:
     """A family as the kernels know it: the `native_name` of its m format, v format and rule,
     their options (named prefix_option: "exp_avg_group_size", "exp_avg_sq_margin", …) and the
-    tensors the whole call shares (the 8-bit maps)."""
+    tensors the whole call shares (the 8-bit maps).
+
+    In C++ each format and rule is a small struct (decode / encode, read / apply) that one step
+    template combines; the formats' layouts pick one of three loops (element-wise; two passes for
+    a per-tensor scale; per group). Adding a family takes 2 places: its composition in Python, and
+    one line in `csrc/kernels_impl.h`'s `Families` (its tags, and the storage dtypes it runs); a
+    new format or rule adds its struct there and its tensors' names in `csrc/bindings.cpp`."""
 
     m: str
     v: str
@@ -158,15 +176,19 @@ def step(
 ) -> None:
     """One AdamW step in place over a bucket of parameters of the declared family.
 
+    The call splits its whole bucket into blocks of 32768 elements and runs them on ATen's
+    intra-op pool (`at::parallel_for`: OpenMP in PyTorch's CPU builds, sized by
+    `torch.set_num_threads`); a bucket under 32768 elements runs on the calling thread.
+
     Args:
         declared: the family (`declaration`).
         tensors: per name, one tensor per parameter: "param", "grad", "grad_scale" (None unless
-            the gradient is FP8), then the composition's stored names (`Composition.stored_names`)
+            the gradient is FP8), then the composition's stored names (`optim.adamw.Composition.stored_names`)
             and "seed" for stochastic rounding (one-element int64). Contiguous CPU tensors; a name
             the family does not read is an error, as is a missing one.
         scalars: (n, 6) FP32, one row of `adamw_scalars` per parameter.
-        found_inf: None, or a one-element floating CPU tensor: nonzero skips the step (checked
-            arguments, nothing written).
+        found_inf: None, or a one-element floating CPU tensor: the kernel checks its arguments,
+            reads the flag once and, when it is nonzero (NaN included), writes nothing.
         isa: overrides `isa()`.
     """
     _module().step(*_arguments(declared, tensors), scalars, found_inf, _isa_code(isa))

@@ -44,8 +44,8 @@ def adamw_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """AdamW in place over a bucket: `PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ and
-    moments: bf16-mixed's masters) and `FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
+    """AdamW in place over a bucket: `families.PlainAdamW` (bf16-pure: BF16 θ and moments; FP32 θ
+    and moments: bf16-mixed's masters) and `families.FP32StatesAdamW` (BF16/FP16 θ, FP32 moments).
 
     Per element: m₃₂ = m + ONE_MINUS_BETA1·(g − m); v₃₂ = min(v·BETA2 + (ONE_MINUS_BETA2·g)·g,
     max of v's dtype); Δθ = θ·DECAY + (STEP·m₃₂)/(√v₃₂ + EPS); θ ← r(θ + Δθ); m, v rounded once.
@@ -100,7 +100,7 @@ def kahan_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """`KahanAdamW` in place: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
+    """`families.KahanAdamW` in place: y = r(Δθ₃₂ + k); (θ, k) ← TwoSum(θ, y).
 
     Dtypes: θ and k BF16 with moments BF16 or FP32, or FP16 with FP32 moments; g FP32, BF16 or FP16.
     """
@@ -125,8 +125,8 @@ def sr_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂) (`StochasticRoundingAdamW`,
-    and `FP32StatesSRAdamW` with FP32 moments).
+    """Stochastic-rounding AdamW in place for BF16 θ: θ ← SR(θ + Δθ₃₂)
+    (`families.StochasticRoundingAdamW`, and `families.FP32StatesSRAdamW` with FP32 moments).
 
     The random bits of element i of parameter j: two multiply-xorshift rounds over
     (i + seeds[j]·0x9E3779B9) mod 2^32, the top 16 bits (the optimizers' counter-based stream),
@@ -152,7 +152,7 @@ def master_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """`MasterWeightAdamW` in place: AdamW on the FP32 master θ₃₂ (FP32 moments), then the
+    """`families.MasterWeightAdamW` in place: AdamW on the FP32 master θ₃₂ (FP32 moments), then the
     visible weight θ ← r(θ₃₂), one pass.
 
     Dtypes: θ BF16, FP16 (or FP32); masters and moments FP32; g FP32, BF16 or FP16.
@@ -242,14 +242,14 @@ def coat_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """`COATAdamW`'s step in place, group by group of `group_size`.
+    """`coat_adamw.COATAdamW`'s step in place, group by group of `group_size`.
 
     Per group of m and of v: decode x = sign(y)·|y|^(1/k)·c, y = q/s (expand) or x = q/s; the
     AdamW update (FP32, v clamped to FP32's max); θ ← θ + Δθ₃₂ (FP32 θ) or (θ, δθ) ←
     Grow((θ, δθ), r(Δθ₃₂)) (BF16/FP16 θ); then `optim.coat_adamw.quantize_state` of the new m and v: amax,
     amin (smallest non-zero), k = max(1, ⌊log2(F²/2)/log2(amax/amin)·16⌋/16) (FP64),
     c = √amax·√amin, |x| ← (|x|/c)^k, s = F/amax, q = cast(clamp(x·s) + (x·s − x·s)).
-    A last partial group is padded with zeros, as `quantize_state` pads.
+    A last partial group is padded with zeros, as `coat_adamw.quantize_state` pads.
 
     Numerics: every operation is the reference's (`formats.GroupFP8`, whose powers are
     `numerics.pow_nonnegative`): bit-identical. k itself is FP64 arithmetic on the group's amax
@@ -257,7 +257,7 @@ def coat_step(
 
     Args:
         param_errors: δθ per BF16/FP16 parameter (its dtype), or None for FP32 parameters.
-        exp_avgs, exp_avg_sqs: per parameter an `FP8GroupState` or a tuple (payload, scale,
+        exp_avgs, exp_avg_sqs: per parameter a `coat_adamw.FP8GroupState` or a tuple (payload, scale,
             exponent, center): payload float8_e4m3fn for m, float8_e4m3fn or float8_e5m2 for v,
             padded to whole groups; FP32 metadata, one value per group; updated in place.
         group_size: a multiple of 16 up to 1024 (COAT: 128).
@@ -290,7 +290,7 @@ def eightbit_step(
     found_inf: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> None:
-    """`Collage8bitAdamW`'s step in place: blockwise 8-bit m (signed dynamic map) and v
+    """`families.Collage8bitAdamW`'s step in place: blockwise 8-bit m (signed dynamic map) and v
     (unsigned), Collage's Grow on BF16/FP16 θ and δθ, block by block of `block_size`.
 
     Per block: decode m = map[code]·absmax (and v), the AdamW update (FP32, v clamped to FP32's
