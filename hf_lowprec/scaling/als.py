@@ -1,33 +1,9 @@
 """Graphcore automatic loss scaling (ALS) for FP16, decided on the device.
 
-docs/algorithms.md §5 (ALS post, seed 002). Plain torch: no Trainer, Accelerate or DeepSpeed import.
 
-**ALS.** After each backward, |g| of the weight gradients and (optionally) of the activation
-gradients is counted in two bins over FP16's range, split at `bin_edge` (2^13). Every `period`
-steps, with share = upper-bin count / total count:
-
-    share > threshold (1e-7)  → scale ← max(scale / 2, min_scale)
-    otherwise                 → scale ← min(scale · 2, max_scale)
-
-**Clip, don't skip.** Overflowing FP16 gradients are clamped to ±65504 (activation gradients as
-they flow through backward, weight gradients in `unscale_`), so no step is lost to an inf and
-the histogram sees the clipped values in its upper bin. A NaN cannot be clipped: it is not an
-overflowing magnitude but a lost value (inf − inf, 0·inf upstream, or a NaN loss). A step whose
-weight gradients hold a NaN is therefore skipped, counted in `skipped_steps`, and the scale is
-halved at once (whatever the period), as for a saturated step. This is the only skip.
-
-**On the device.** The scale, the histogram, the NaN flag, the clipped counts and the rule
-itself are tensors updated in place (`torch.where`, as `torch._amp_update_scale_` does for
-GradScaler): a step never waits for the device. The host reads the tallies when asked
-(`get_scale`, the `last_*` properties, `state_dict`, `log_overflows`): at logging steps.
-
-**Activation gradients, eager and compiled.** Eagerly, a forward hook registers a tensor hook
-on each leaf module's output that adds its counts into the step's buffers and clamps it. Inside
-`torch.compile` a side effect in backward cannot be traced, so the forward hook instead passes
-the output through `_ActivationTally`, whose backward clamps the gradient and returns the
-counts as the gradient of a small FP64 leaf (`_probe`, one row per name): autograd accumulates
-them there like a parameter's gradient, and `_agree` folds them into the tallies. Same counts,
-one graph, no host sync.
+`AutomaticLossScaler` (docs/algorithms.md §5; ALS post, seed 002): a two-bin histogram of the
+gradients sets the scale, overflowing FP16 gradients are clipped rather than skipped, and every
+decision stays on the device. Plain torch: no Trainer, Accelerate or DeepSpeed import.
 """
 
 from __future__ import annotations
@@ -79,7 +55,23 @@ class AutomaticLossScaler:
             outputs of the leaf modules of the model passed to `track`.
         device: where the buffers start (they follow the loss to its device in `scale`).
 
-    Under data parallelism (`process_group` set, as DDP's `prepare_ddp` does through the
+    The rule: after each backward, |g| of the weight gradients and (optionally) of the activation
+    gradients is counted in two bins over FP16's range, split at `bin_edge`. Every `period`
+    steps, with share = upper-bin count / total count:
+
+        share > threshold  → scale ← max(scale / 2, min_scale)
+        otherwise          → scale ← min(scale · 2, max_scale)
+
+    Clip, don't skip: overflowing FP16 gradients are clamped to ±65504 (activation gradients as
+    they flow through backward, weight gradients in `unscale_`), so no step is lost to an inf and
+    the histogram sees the clipped values in its upper bin. Only a NaN skips a step (`step`).
+
+    On the device: the scale, the histogram, the NaN flag, the clipped counts and the rule
+    itself are tensors updated in place (`torch.where`, as `torch._amp_update_scale_` does for
+    GradScaler): a step never waits for the device. The host reads the tallies when asked
+    (`get_scale`, the `last_*` properties, `state_dict`, `log_overflows`): at logging steps.
+
+    Under data parallelism (`process_group` set, as DDP's `engines.ddp.prepare_ddp` does through the
     strategy) every rank must take the same decision from the same histogram: the activation
     gradients (each rank's own half of the batch) and the NaN flag are summed over the group
     by one all-reduce per step; the weight gradients, already all-reduced, count once. Under
@@ -112,7 +104,7 @@ class AutomaticLossScaler:
         self.process_group: Any = None  # DDP's group: activation tallies summed over it
         self._group: Any = None  # the FSDP2 process group, once sharded gradients were seen
         self._reduced = False
-        self._probe: torch.Tensor | None = None  # compiled activation tallies: see the module doc
+        self._probe: torch.Tensor | None = None  # compiled activation tallies: see `track`
         # Device state. Across steps (checkpointed): the scale, the period's tallies, the last
         # decision's share and the clipped counts.
         self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
@@ -176,8 +168,13 @@ class AutomaticLossScaler:
         return self._nan.clone()  # the buffer itself is zeroed by `update`
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """`optimizer.step()` after `unscale_`; skipped only when a gradient is NaN (see module
-        doc), on the device when the optimizer takes `found_inf` (see `step_unless`)."""
+        """`optimizer.step()` after `unscale_`; skipped only when a gradient is NaN, on the
+        device when the optimizer takes `found_inf` (see `step_unless`).
+
+        A NaN cannot be clipped: it is not an overflowing magnitude but a lost value (inf − inf,
+        0·inf upstream, or a NaN loss). A step whose weight gradients hold a NaN is therefore
+        skipped (a strategy counts it in its `skipped_steps`), and `update` halves the scale at once (whatever the
+        period), as for a saturated step. This is the only skip."""
         return step_unless(optimizer, self.found_nan(optimizer), *args, **kwargs)
 
     def update(self) -> None:
@@ -347,7 +344,15 @@ class AutomaticLossScaler:
     # --- activation gradients ----------------------------------------------------------
     def track(self, model: torch.nn.Module) -> AutomaticLossScaler:
         """Name `model`'s parameters in overflow logs and, with `track_activations`, hook the
-        outputs of its leaf modules so that their gradients are counted and clipped."""
+        outputs of its leaf modules so that their gradients are counted and clipped.
+
+        Eagerly, the forward hook registers a tensor hook on each leaf module's output that adds
+        its counts into the step's buffers and clamps it. Inside `torch.compile` a side effect in
+        backward cannot be traced, so the forward hook instead passes the output through
+        `_ActivationTally`, whose backward clamps the gradient and returns the counts as the
+        gradient of a small FP64 leaf (`_probe`, one row per name): autograd accumulates them
+        there like a parameter's gradient, and `_agree` folds them into the tallies. Same counts,
+        one graph, no host sync."""
         self.untrack()
         self._names = {id(p): name for name, p in model.named_parameters()}
         for name in self._names.values():

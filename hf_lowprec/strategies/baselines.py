@@ -52,7 +52,7 @@ class FP32(PrecisionStrategy):
 class BF16Mixed(PrecisionStrategy):
     """Option D: BF16 autocast compute over FP32 parameters, FP32 gradients and AdamW states.
 
-    This is what `TrainingArguments(bf16=True)` does; the FP32 parameters are the master weights.
+    This is what `transformers.TrainingArguments(bf16=True)` does; the FP32 parameters are the master weights.
     """
 
     compute_dtype = torch.bfloat16

@@ -1,20 +1,8 @@
-"""COAT: FP8 optimizer states and FP8 activations for memory-efficient FP8 training (docs/algorithms.md §4).
-
-| piece (option) | what | from |
-|---|---|---|
-| `activations` | FP8 GEMMs whose linear layers save the per-tensor E4M3 input; norms, activation functions and gated-MLP products save 1×16-group E4M3 | `hf_lowprec.fp8.convert_to_fp8`, `hf_lowprec.coat.activations.compress_activations` |
-| `states` | AdamW moments in per-group (128) E4M3 with dynamic range expansion | `hf_lowprec.optim.COATAdamW` |
-| `master_weights` | "fp32" (COAT), or "bf16-collage": BF16 weights with the Collage-light δθ | `COATAdamW` / `CollageAdamW(variant="light")` |
-
-Compute runs under BF16 autocast, as COAT's BF16 baseline does. Model-state bytes/param:
-
-| master_weights | states=True | states=False |
-|---|---|---|
-| fp32 | 4 + 4 + 1 + 1 + 0.19 = 10.19 | 16 |
-| bf16-collage | 2 + 2 + 2 + 1 + 1 + 0.19 = 8.19 | 10 |
-
-(0.19 = the FP32 (scale, k, c) per 128 elements of two moments; tensors whose size is not a
-multiple of 128 add their padding.)
+"""COAT: FP8 optimizer states and FP8 activations for memory-efficient FP8 training (docs/algorithms.md §4;
+docs/strategies/coat.md). The strategy combines FP8-LM's FP8 GEMMs (`convert_to_fp8`), COAT's FP8
+saved activations (`compress_activations`) and its optimizer (`COATAdamW`; with states=False,
+`PlainAdamW`, or Collage-light's `CollageAdamW` for BF16 weights), under BF16 autocast as COAT's
+BF16 baseline runs.
 """
 
 from __future__ import annotations
@@ -35,7 +23,12 @@ from .support import EngineSupport
 
 __all__ = ["COAT", "COATOptions"]
 
-# FP32 (scale, k, c) per group of each of the two moments, in bytes per element.
+# FP32 (scale, k, c) per group of each of the two moments, in bytes per element: 0.19 per
+# parameter with groups of 128 (plus the padding of tensors whose size is not a multiple of the
+# group). Model-state bytes/param, weight + gradient + states:
+#   master_weights   states=True                        states=False
+#   fp32             4 + 4 + 1 + 1 + 0.19 = 10.19       16
+#   bf16-collage     2 + 2 + 2 + 1 + 1 + 0.19 = 8.19   10
 _METADATA_BYTES = 2 * 12
 
 

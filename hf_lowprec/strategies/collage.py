@@ -1,16 +1,9 @@
-"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (docs/algorithms.md §2).
+"""Collage (multi-component float BF16 AdamW) and the BF16 compensation baselines (docs/algorithms.md §2;
+docs/strategies/collage.md, docs/strategies/bf16.md).
 
 Every strategy here trains a BF16 model with BF16 gradients; they differ only in the update
-rule, i.e. in the optimizer they build:
-
-| name | update | bytes/param |
-|---|---|---|
-| collage-light | Collage Alg. 2, (θ, δθ) via Grow | 10 |
-| collage-plus | + β2 as an expansion and (v, δv) | 12 |
-| bf16-kahan | Kahan-compensated update | 10 |
-| bf16-sr | update stochastically rounded into BF16 | 8 |
-| bf16-fp32states | option D−MW: FP32 moments, no master weights | 12 |
-| collage-8bit | (θ, δθ) via Grow, m and v blockwise 8-bit | 8.03 |
+rule, i.e. in the optimizer they build (`_UPDATES`: collage-light, collage-plus, collage-8bit,
+bf16-kahan, bf16-sr, bf16-fp32states).
 """
 
 from __future__ import annotations
@@ -34,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 Update = Literal["collage-light", "collage-plus", "collage-8bit", "kahan", "sr", "fp32-states"]
 
-# update → (optimizer factory, model-state bytes/param)
+# update → (optimizer factory, model-state bytes/param). collage-light: Collage Alg. 2, (θ, δθ) via
+# Grow; collage-plus: + β2 as an expansion and (v, δv); collage-8bit: (θ, δθ) via Grow, m and v
+# blockwise 8-bit; kahan: Kahan-compensated update; sr: update stochastically rounded into BF16;
+# fp32-states: option D−MW, FP32 moments and no master weights.
 _UPDATES: dict[str, tuple[Any, float]] = {
     "collage-light": (lambda groups, o, **h: CollageAdamW(groups, variant="light", **h), 10.0),
     "collage-plus": (lambda groups, o, **h: CollageAdamW(groups, variant="plus", **h), 12.0),
@@ -55,7 +51,7 @@ class BF16WeightsOptions(StrategyOptions):
     Args:
         update: the update rule; fixed by the registered name.
         seed: seed of the stochastic-rounding generator (bf16-sr only; its state is checkpointed).
-        seed_compensation: when `prepare_model` converts FP32, FP64 or FP16 parameters, keep the
+        seed_compensation: when `PrecisionStrategy.prepare_model` converts FP32, FP64 or FP16 parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
             collage-plus, collage-8bit, bf16-kahan; ignored by the others).

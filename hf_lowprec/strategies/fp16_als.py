@@ -1,12 +1,8 @@
 """FP16 training with Graphcore automatic loss scaling (docs/algorithms.md §5; ALS post, seed 002).
 
-FP16 weights, activations and gradients; FP32 AdamW moments; `AutomaticLossScaler` (two-bin
-histogram, clip instead of skip); running-mean gradient accumulation. The weight update keeps
-an FP32 master copy (16 bytes/param) or, with `weights="sr"`, writes the FP16 weight with
-stochastic rounding and keeps no master (12 bytes/param).
-
-The pieces live in `hf_lowprec.scaling` and `hf_lowprec.optim` (`MasterWeightAdamW`,
-`FP32StatesSRAdamW`); this class combines them.
+`FP16ALS` combines pieces of `hf_lowprec.scaling` (`AutomaticLossScaler`: two-bin histogram, clip
+instead of skip; running-mean gradient accumulation) and `hf_lowprec.optim` (`MasterWeightAdamW`,
+or `FP32StatesSRAdamW` with `weights="sr"`).
 """
 
 from __future__ import annotations
@@ -63,8 +59,8 @@ class FP16ALSOptions(StrategyOptions):
 class FP16ALS(LossScaledStrategy):
     """Graphcore ALS: FP16 weights, activations and gradients, clipped not skipped; FP32 AdamW states and master.
 
-    `weights="sr"` drops the master and writes the FP16 weights with stochastic rounding (12
-    bytes/param instead of 16).
+    The weight update keeps an FP32 master copy (16 bytes/param) or, with `weights="sr"`, writes
+    the FP16 weights with stochastic rounding and keeps no master (12 bytes/param).
     """
 
     Options = FP16ALSOptions

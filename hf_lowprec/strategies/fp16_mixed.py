@@ -1,6 +1,6 @@
 """Classic FP16 mixed precision (docs/algorithms.md §6): FP16 autocast, FP32 master weights, GradScaler.
 
-What `TrainingArguments(fp16=True)` does on a GPU, and the baseline ALS is measured against:
+What `transformers.TrainingArguments(fp16=True)` does on a GPU, and the baseline ALS is measured against:
 `torch.amp.GradScaler` skips every step whose gradients hold inf/NaN and halves its scale,
 and doubles it after `growth_interval` clean steps.
 """

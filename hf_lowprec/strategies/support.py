@@ -1,13 +1,8 @@
-"""Where a strategy trains with its numerics: one frozen declaration per strategy class.
-
-Each strategy class states its support once, as `support = EngineSupport(...)`: whether it
-trains under torch DDP, which DeepSpeed ZeRO stages and FSDP2 keep its numerics, why the others
-are refused (naming what works instead) and one line per engine for the support matrix. The
-engines read nothing else: `hf_lowprec.engines.ddp`, `.zero` and `.fsdp2` refuse what is not
-declared before any work, `hf_lowprec.engines.traffic` reads `fsdp2_gathers_fp8`, and the
-README's support matrix is generated from the same fields. A strategy whose support depends on
-its options (collage-8bit's blocks, fp16-als's `weights="sr"`) overrides
-`PrecisionStrategy.engine_support` and returns `dataclasses.replace(support, ...)`.
+"""Where a strategy trains with its numerics: one frozen declaration per strategy class,
+`support = EngineSupport(...)`, the one source the engines' refusals, `hf_lowprec.engines.traffic`
+and the README's support matrix read. A strategy whose support depends on its options
+(collage-8bit's blocks, fp16-als's `weights="sr"`) overrides
+`interface.PrecisionStrategy.engine_support` and returns `dataclasses.replace(support, ...)`.
 """
 
 from __future__ import annotations
@@ -84,7 +79,7 @@ class EngineSupport:
 def check_sharded_parameters(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
     """Refuse FSDP2 parameters that `hf_lowprec.engines.fsdp2` did not shard for this strategy.
 
-    Sharding by hand (`fully_shard` on the prepared model) skips what `shard_model` does: the
+    Sharding by hand (`fully_shard` on the prepared model) skips what `engines.fsdp2.shard_model` does: the
     refusal of a strategy whose numerics would differ on shards, the strategy's
     `MixedPrecisionPolicy` and the move of seeded state onto the shards. Training would fail
     inside the library or silently differ from one process, so `create_optimizer` stops here,

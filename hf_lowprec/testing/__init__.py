@@ -1,17 +1,8 @@
-"""What the tests and the benchmarks share: the GPU rules checked on CPU, and the measures they read.
-
-A training step runs well on a GPU when the host only queues kernels. These modules check that
-on a CPU-only machine, as `tests/gpu` and `bench/bench_gpu_ready.py` do (docs/gpu.md):
-
-- `syncs`: `DeviceTraffic`, the host syncs and host→device copies of a step, counted at the
-  ATen dispatcher, each with the line it came from;
-- `graphs`: graph breaks and recompilations of a compiled step, from dynamo's counters;
-- `fake_cuda`: a fake CUDA device of a chosen compute capability, and one strategy step on it;
-- `steps`: the step they are counted on (GPT-2 from config, a strategy's step, torch's AMP
-  recipe as the anchor), also the model of the device check (`bench/device_check_steps.py`);
-- `snr`: the SNR of a low-precision result against its FP64 reference.
-
-Nothing else in `hf_lowprec` imports this package (it stands on the top floor,
+"""What the tests and the benchmarks share: the GPU rules checked on CPU (docs/gpu.md: the host
+only queues kernels), and the measures they read: `syncs` (host syncs and host→device copies),
+`graphs` (graph breaks and recompilations), `fake_cuda` (a fake CUDA device), `counted_step` (the
+step they are counted on, also the device check's model), `snr` (against FP64), `moe` and `llama`
+(tiny models). Nothing else in `hf_lowprec` imports this package (it stands on the top floor,
 docs/architecture.md).
 """
 

@@ -1,13 +1,5 @@
-"""The training step the GPU rules are counted on: GPT-2 from config, one strategy step, the anchor.
-
-GPT-2 as the counts of issue #36 are taken: n_embd 128 (FP8 needs multiples of 16), batch
-4×32. `pad_token_id=None`: with a pad token and no attention mask, transformers checks the
-batch for padding with `pad_token_id in input_ids` (a host sync of transformers, not of the
-strategy); a Trainer batch carries its attention mask, and then transformers reads that instead
-(`masking_utils._ignore_causal_mask_sdpa`, also a sync). Neither is the package's.
-
-The anchor is torch's AMP recipe (autocast, GradScaler, `AdamW(fused=True)`, which reads
-found_inf on the device): the design the strategies follow, and the counters' own check.
+"""The training step the GPU rules are counted on: GPT-2 from config (`gpt2`), one strategy step
+(`strategy_step`), and the anchor (`anchor_step`), with the counts each takes.
 """
 
 from __future__ import annotations
@@ -42,7 +34,12 @@ N_EMBD, BATCH, SEQ, VOCAB = 128, 4, 32, 1024
 def gpt2(n_layer: int, seed: int = 0) -> torch.nn.Module:
     """The GPT-2 the GPU checks train (dropout as in GPT-2's config: it costs no sync).
 
-    With its KV cache on (transformers' default, also in training): without one, transformers
+    As the counts of issue #36 are taken: n_embd 128 (FP8 needs multiples of 16), batch 4×32
+    (`token_batch`). `pad_token_id=None`: with a pad token and no attention mask, transformers
+    checks the batch for padding with `pad_token_id in input_ids` (a host sync of transformers,
+    not of the strategy); a Trainer batch carries its attention mask, and then transformers reads
+    that instead (`masking_utils._ignore_causal_mask_sdpa`, also a sync). Neither is the
+    package's. With its KV cache on (transformers' default, also in training): without one, transformers
     checks the position ids for packed sequences on the host (`find_packed_sequence_indices`),
     one sync per step that is not this package's."""
     from transformers import GPT2LMHeadModel
@@ -72,7 +69,11 @@ def anchor_step(
     model: torch.nn.Module, ids: torch.Tensor, plant: Callable[[torch.Tensor], Any] | None = None
 ) -> Callable[[], None]:
     """One training step of the anchor on `ids`' device, a closure over its optimizer and
-    scaler; `plant(loss)` runs after backward."""
+    scaler; `plant(loss)` runs after backward.
+
+    The anchor is torch's AMP recipe (autocast, GradScaler, `torch.optim.AdamW(fused=True)`,
+    which reads found_inf on the device): the design the strategies follow, and the counters'
+    own check."""
     device = ids.device.type
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler(device)
@@ -111,7 +112,7 @@ def strategy_syncs(name: str, n_layer: int, warmup: int = 2, sharded: bool = Fal
 
 def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: int = 4, **options: Any) -> CompiledRun:
     """`compiled_run` of `name`'s training step with the prepared model wrapped in
-    `torch.compile`, as `TrainingArguments(torch_compile=True)` wraps it (backend "eager": see
+    `torch.compile`, as `transformers.TrainingArguments(torch_compile=True)` wraps it (backend "eager": see
     `strategy_graph_breaks`; guards are dynamo's, decided before any backend runs)."""
     import hf_lowprec
 
@@ -125,7 +126,7 @@ def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: 
 
 def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2) -> tuple[int, Counter]:
     """(graph breaks, reasons) of `steps` training steps of `name` with the prepared model
-    wrapped in `torch.compile`, as `TrainingArguments(torch_compile=True)` wraps it.
+    wrapped in `torch.compile`, as `transformers.TrainingArguments(torch_compile=True)` wraps it.
 
     Backend "eager": dynamo decides every graph break while it reads the bytecode, before any
     backend sees a graph, and it traces an `autograd.Function`'s backward itself, so the count

@@ -1,13 +1,9 @@
 """What `torch.compile` makes of a training step: graph breaks and recompilations, counted on CPU.
 
-A compiled step runs well on a GPU when it is one graph, built once. Dynamo's own counters say
-both, read from a clean state (`torch._dynamo.reset()`):
-
-- graph breaks (`graph_breaks`, `count_graph_breaks`): each one splits the step, and the host
-  runs Python between the pieces;
-- recompilations (`compiled_run`): graphs dynamo builds after the warm-up steps, with the
-  guards that failed (a Python value read while tracing that changed between steps). On a GPU
-  each one is a full compilation inside the training step.
+A compiled step runs well on a GPU when it is one graph, built once; dynamo's own counters say
+both, read from a clean state. A graph break (`count_graph_breaks`) splits the step, and the host
+runs Python between the pieces; a recompilation (`compiled_run`) is a full compilation inside the
+training step on a GPU.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """What makes a training step wait on the host, counted on CPU at the ATen dispatcher.
 
-A GPU runs a step well when the host only queues kernels: no value read back (a host sync)
-and no tensor sent from host memory each step (a host→device copy). `DeviceTraffic` counts
-both at the level where they happen, the ATen dispatcher, so CPU runs show the syncs a GPU
-run would make:
-
-- host syncs (`DeviceTraffic.syncs`): `aten._local_scalar_dense` (`.item()`, `float(t)`,
-  `bool(t)`, a tensor in an `if`), `aten.is_nonzero`, `aten.equal`, `aten.nonzero`,
-  `aten.masked_select`, boolean-mask indexing (`t[mask]`: its output size is data-dependent),
-  copies from a CUDA tensor to the CPU, and `Tensor.tolist()` / `Tensor.numpy()` (invisible
-  to the dispatcher on CPU, where they read memory directly: counted by wrapping them).
-- host→device copies (`DeviceTraffic.copies`, meaningful on fake CUDA tensors: `fake_cuda`):
-  `aten._to_copy` and `aten.copy_` from a CPU tensor of one or more elements to a CUDA one.
-  Under `FakeTensorMode`, `torch.tensor(values, device="cuda")` reaches the dispatcher as
-  `aten.lift_fresh` of a CPU tensor followed by `aten._to_copy` to CUDA, so it is counted here.
-  A 0-dim CPU tensor handed straight to a CUDA operation is a kernel argument, not a copy.
-
-Each recorded event names where it came from: the innermost frames of the repository's code
-(`hf_lowprec/`, `tests/`, `bench/`, this package excepted), so a failing test points at a file
-and line.
+A GPU runs a step well when the host only queues kernels: no value read back (a host sync) and no
+tensor sent from host memory each step (a host→device copy). `DeviceTraffic` counts both where
+they happen, so CPU runs show the syncs a GPU run would make, each `Event` with the file and line
+it came from.
 """
 
 from __future__ import annotations
@@ -98,9 +83,24 @@ def _device(t: Any) -> str | None:
 class DeviceTraffic(TorchDispatchMode):
     """Records the host syncs and host→device copies of everything run inside it.
 
-    Use as `with DeviceTraffic() as traffic: step()`, then read `traffic.syncs`,
-    `traffic.copies` (lists of `Event`) or `traffic.summary()`. Enter it after (inside) a
+    Use as `with DeviceTraffic() as counted: step()`, then read `counted.syncs`,
+    `counted.copies` (lists of `Event`) or `counted.summary()`. Enter it after (inside) a
     `FakeTensorMode`, so it sees the fake CUDA tensors.
+
+    - host syncs (`syncs`): `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`, a
+      tensor in an `if`), `aten.is_nonzero`, `aten.equal`, `aten.nonzero`, `aten.masked_select`,
+      boolean-mask indexing (`t[mask]`: its output size is data-dependent), copies from a CUDA
+      tensor to the CPU, and `Tensor.tolist()` / `Tensor.numpy()` (invisible to the dispatcher
+      on CPU, where they read memory directly: counted by wrapping them).
+    - host→device copies (`copies`, meaningful on fake CUDA tensors: `fake_cuda`): `aten._to_copy`
+      and `aten.copy_` from a CPU tensor of one or more elements to a CUDA one. Under
+      `FakeTensorMode`, `torch.tensor(values, device="cuda")` reaches the dispatcher as
+      `aten.lift_fresh` of a CPU tensor followed by `aten._to_copy` to CUDA, so it is counted
+      here. A 0-dim CPU tensor handed straight to a CUDA operation is a kernel argument, not a copy.
+
+    Each event names where it came from: the innermost frames of the repository's code
+    (`hf_lowprec/`, `tests/`, `bench/`, this package excepted), so a failing test points at a
+    file and line.
 
     Args:
         stand_in: on fake tensors, which hold no values, answer a value read by the host with
