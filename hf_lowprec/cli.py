@@ -1,14 +1,7 @@
-"""The `hf-lowprec` command line (also `python -m hf_lowprec`).
-
-    hf-lowprec list                                  every strategy, what it does, bytes/param, needs
-    hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
-    hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
-    hf-lowprec launch [--precision_strategy NAME] [--precision_options JSON] -- COMMAND...
-                                                     any training command, unchanged, with the strategy
-
-Every command works from an installed wheel in any directory: `compare` trains what ships in
-the package (`hf_lowprec.runner`). Maintainer tools live in the repository (`make readme`,
-`make bench`).
+"""The `hf-lowprec` command line (also `python -m hf_lowprec`): `list`, `memory`, `compare` and
+`launch` (`main`). Every command works from an installed wheel in any directory: `compare` trains
+what ships in the package (`hf_lowprec.runner`). Maintainer tools live in the repository
+(`make readme`, `make bench`).
 """
 
 from __future__ import annotations
@@ -216,6 +209,14 @@ def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status.
+
+    hf-lowprec list                                  every strategy, what it does, bytes/param, needs
+    hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
+    hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
+    hf-lowprec launch [--precision_strategy NAME] [--precision_options JSON] -- COMMAND...
+                                                     any training command, unchanged, with the strategy
+    """
     parser = argparse.ArgumentParser(
         prog="hf-lowprec", description="Low-precision training strategies for the HF stack."
     )

@@ -1,21 +1,9 @@
 """Train one recipe under several strategies and seeds on the same data; tabulate and plot.
 
-What is trained by default ships inside the package: `--recipe pretrain_clm` is
-`hf_lowprec.runner` (a tiny GPT-2 on the embedded corpus, the Trainer path of the
-repository's `recipes/pretrain_clm.py`), so `hf-lowprec compare` works from an installed wheel
-in any directory. `--recipe` may also be the path of a recipe script that writes the same
-result files (`recipes/pretrain_mlm.py`, `recipes/finetune_glue.py`, `recipes/sft.py` of a
-source checkout). Each run is a child process, so what is compared is exactly what a user
-runs, and each run's peak RSS is its own (read from the child's resource usage). Outputs in
-the chosen directory:
-
-- `results.csv`: one row per logged step per strategy and seed (loss, learning rate, every
-  `precision/...` metric logged at that step);
-- `summary.csv`: one row per run (eval metric, final loss, median step time, model-state
-  bytes/param, peak RSS, skipped steps);
-- PNG plots: `loss.png` (mean and min–max band over seeds), `lost_arithmetic.png` (imprecision
-  % and EDQ ratio, when logged), `scaling.png` (loss scale / FP8 gradient μ, when logged),
-  `cost.png` (memory and speed per strategy).
+`hf-lowprec compare` (docs/recipes.md): the default recipe ships inside the package
+(`TRAINING_RECIPES`), so it works from an installed wheel in any directory; `--recipe` may also be
+the path of a recipe script of a source checkout (`SCRIPT_METRICS`). Each run is a child process,
+so what is compared is exactly what a user runs, and each run's peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -130,7 +118,14 @@ def run_compare(
     extra_args: list[str] | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows."""
+    """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows.
+
+    - `results.csv`: one row per logged step per strategy and seed (loss, learning rate, every
+      `precision/...` metric logged at that step);
+    - `summary.csv`: one row per run (eval metric, final loss, median step time, model-state
+      bytes/param, peak RSS read from the child's resource usage, skipped steps);
+    - the PNG plots (`plot`).
+    """
     from .strategies.registry import strategy_class
 
     command, cwd, metric = resolve_recipe(recipe)
@@ -222,7 +217,9 @@ def _curves(
 def plot(
     step_rows: list[dict[str, Any]], summary: list[dict[str, Any]], out: str | Path, *, title: str = ""
 ) -> list[Path]:
-    """Write the PNG plots into `out`; the paths written."""
+    """Write the PNG plots into `out`; the paths written: `loss.png` (mean and min–max band over
+    seeds), `lost_arithmetic.png` (imprecision % and EDQ ratio, when logged), `scaling.png` (loss
+    scale / FP8 gradient μ, when logged), `cost.png` (memory and speed per strategy)."""
     try:
         import matplotlib
     except ImportError:

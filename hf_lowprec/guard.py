@@ -1,38 +1,9 @@
 """The guard: a run that watches itself for low-precision failures and acts (docs/guard.md).
 
-`precision_options={"guard": True}` (or a dict of `GuardConfig`'s fields) on any strategy.
-
-Watch, on the device, with no host sync inside a step:
-
-- the training loss (a forward hook on the prepared model reads `output.loss` in training mode;
-  micro-batches of one optimizer step are averaged) and the global gradient norm, each against
-  its running mean and spread over the last `window` accepted steps (z-scores, as OLMo-core's
-  skip-step optimizer does);
-- non-finite gradients (the strategy's own `found_inf`);
-- per FP8 layer, the share of its non-zero inputs that its E4M3 cast flushes to zero
-  (`fp8.raised.flush_counts`, added into a buffer on the layer at each forward).
-
-Act, in escalating order:
-
-1. a step whose loss or gradient norm lies more than `z_threshold` spreads above its mean
-   (after the first `warmup` steps) is skipped on the device, through the same flag that skips
-   a non-finite step, agreed over the data-parallel ranks;
-2. at each check (the Trainer's logging steps, where it reads the device anyway; or
-   `Guard.check()` in a custom loop) the host reads the counters: after `rollback_after`
-   faulty steps (outliers or non-finite) since the last snapshot, the model, the optimizer
-   state and the strategy's scales are restored from an in-memory snapshot, and the run goes
-   on with the next batches; a check with no fault since the last takes a new snapshot every
-   `snapshot_every` steps;
-3. an FP8 layer that flushed more than `max_flushed` of its inputs since the last check is
-   raised one step (tensorwise → rowwise → BF16, `fp8.raised.finer`).
-
-Every action is logged as one warning naming what and why, counted in `precision/guard_*`
-metrics, and saved with the strategy's state: a resumed run re-raises the same layers. The
-guard is bounded: after `max_rollbacks` rollbacks, or once every FP8 layer is BF16 and still
-faulting, it says so and stops acting (the run goes on, as it would without the guard).
-
-With no fault nothing is skipped, restored or raised, so a guarded run computes the same bits
-as an unguarded one.
+`precision_options={"guard": True}` (or a dict of `GuardConfig`'s fields) on any strategy: `Guard`
+watches the loss, the gradient norm, non-finite gradients and each FP8 layer's flushed inputs on
+the device, skips outlier steps, rolls back after repeated faults and raises flushing FP8 layers.
+With no fault, a guarded run computes the same bits as an unguarded one.
 """
 
 from __future__ import annotations
@@ -56,8 +27,8 @@ _COUNTS = "guard_counts"
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-    """Thresholds of the guard (module docstring). Defaults follow OLMo-core's skip-step
-    optimizer (a window of 128 steps, 6 spreads)."""
+    """Thresholds of the guard (what each does: `Guard`; docs/guard.md, "Options"). Defaults
+    follow OLMo-core's skip-step optimizer (a window of 128 steps, 6 spreads)."""
 
     window: int = 128
     warmup: int = 20
@@ -99,7 +70,37 @@ def guard_config(value: Any) -> GuardConfig | None:
 
 
 class Guard:
-    """The guard of one strategy and its model (module docstring)."""
+    """The guard of one strategy and its model.
+
+    Watch, on the device, with no host sync inside a step:
+
+    - the training loss (a forward hook on the prepared model reads `output.loss` in training
+      mode; micro-batches of one optimizer step are averaged) and the global gradient norm, each
+      against its running mean and spread over the last `window` accepted steps (z-scores, as
+      OLMo-core's skip-step optimizer does);
+    - non-finite gradients (the strategy's own `found_inf`);
+    - per FP8 layer, the share of its non-zero inputs that its E4M3 casts flush to zero
+      (`fp8.raised.flush_counts`, added into a buffer on the layer at each forward).
+
+    Act, in escalating order:
+
+    1. a step whose loss or gradient norm lies more than `z_threshold` spreads above its mean
+       (after the first `warmup` steps) is skipped on the device, through the same flag that
+       skips a non-finite step, agreed over the data-parallel ranks (`judge`);
+    2. at each `check` (the Trainer's logging steps, where it reads the device anyway; or by
+       hand in a custom loop) the host reads the counters: after `rollback_after` faulty steps
+       (outliers or non-finite) since the last snapshot, the model, the optimizer state and the
+       strategy's scales are restored from an in-memory snapshot, and the run goes on with the
+       next batches; a check with no fault since the last takes a new snapshot every
+       `snapshot_every` steps;
+    3. an FP8 layer that flushed more than `max_flushed` of its inputs since the last check is
+       raised one step (tensorwise → rowwise → BF16, `fp8.raised.finer`).
+
+    Every action is logged as one warning naming what and why, counted in `precision/guard_*`
+    metrics, and saved with the strategy's state: a resumed run re-raises the same layers. The
+    guard is bounded: after `max_rollbacks` rollbacks, or once every FP8 layer is BF16 and still
+    faulting, it says so and stops acting (the run goes on, as it would without the guard).
+    """
 
     def __init__(self, config: GuardConfig, strategy: Any) -> None:
         self.config = config

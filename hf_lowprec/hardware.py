@@ -1,13 +1,6 @@
-"""What this machine computes fast, measured rather than looked up by processor name.
-
-A CPU with native BF16 arithmetic but none for FP16 (AVX512-BF16 without AVX512-FP16) runs
-FP16 matrix products through slow conversion paths: on such a development machine a
-1024×128×512 FP16 matmul took 61 ms against 0.33 ms in BF16 (≈190×), and an `fp16-als`
-fidelity run that `bf16-mixed` finished in 2 minutes took over 40. On a CPU with neither (AVX2
-only) both are slow and the ratio is near 1, so a processor-name list would be wrong one way or
-the other. `fp16_gemm_slowdown` times the three GEMMs of a small linear layer's forward and
-backward in FP16 and in BF16, once per process; the startup report
-(`hf_lowprec.report.slow_fp16_warning`) turns a large ratio into one warning.
+"""What this machine computes fast, measured rather than looked up by processor name:
+`fp16_gemm_slowdown`, whose large ratio the startup report turns into one warning
+(`hf_lowprec.report.slow_fp16_warning`; docs/numerics.md, "Slow FP16 on CPUs").
 """
 
 from __future__ import annotations
@@ -53,6 +46,13 @@ def fp16_gemm_slowdown(device: str = "cpu", shape: tuple[int, int, int] = (128, 
     Only CPUs are probed (GPUs with FP16 have fast FP16 GEMMs): another device gives 1.0. A
     CPU build that cannot multiply FP16 at all gives infinity. The default shape costs a few
     milliseconds where a dtype is emulated and well under one where it is native.
+
+    Why measured: a CPU with native BF16 arithmetic but none for FP16 (AVX512-BF16 without
+    AVX512-FP16) runs FP16 matrix products through slow conversion paths (on such a development
+    machine a 1024×128×512 FP16 matmul took 61 ms against 0.33 ms in BF16, ≈190×, and an
+    `fp16-als` fidelity run that `bf16-mixed` finished in 2 minutes took over 40); on a CPU with
+    neither (AVX2 only) both are slow and the ratio is near 1, so a processor-name list would be
+    wrong one way or the other.
     """
     if torch.device(device).type != "cpu":
         return 1.0

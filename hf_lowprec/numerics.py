@@ -1,17 +1,9 @@
 """Error-free transformations, multi-component floats and stochastic rounding.
 
 Pure tensor functions with no framework import, used by the low-precision optimizers
-(Collage §2.2, §4; docs/algorithms.md §2 and §5).
-
-A length-2 *expansion* (hi, lo) stands for the exact sum hi + lo, both components stored in
-the same low-precision dtype (BF16 or FP16) with |lo| ≤ ulp(hi)/2.
-
-Correct rounding: PyTorch computes BF16/FP16 arithmetic in FP32 and rounds the result once
-more to the 16-bit format. For +, −, × of two p-bit numbers that double rounding is
-innocuous when the intermediate precision is at least 2p + 1 bits (24 ≥ 17 for BF16,
-24 ≥ 23 for FP16), so each operation below is the correctly rounded one that the
-error-free transformations assume. Conversions from FP64 are *not* correctly rounded by
-PyTorch (FP64 → FP32 → BF16 can round twice), which is why `expansion` rounds on the host.
+(Collage §2.2, §4; docs/algorithms.md §2 and §5). A length-2 *expansion* (hi, lo) stands for the
+exact sum hi + lo, both components stored in the same low-precision dtype (BF16 or FP16) with
+|lo| ≤ ulp(hi)/2.
 """
 
 from __future__ import annotations
@@ -109,6 +101,10 @@ def _low_dtype(*values: Number) -> torch.dtype:
     raise TypeError("at least one argument must be a tensor, so that the result has a dtype")
 
 
+# Correct rounding: PyTorch computes BF16/FP16 arithmetic in FP32 and rounds the result once more
+# to the 16-bit format. For +, −, × of two p-bit numbers that double rounding is innocuous when the
+# intermediate precision is at least 2p + 1 bits (24 ≥ 17 for BF16, 24 ≥ 23 for FP16), so each
+# operation below is the correctly rounded one that the error-free transformations assume.
 def fast_two_sum(a: Number, b: Number) -> tuple[torch.Tensor, torch.Tensor]:
     """Dekker's Fast2Sum: s = fl(a + b) and the exact rounding error e = a + b − s.
 
@@ -242,7 +238,8 @@ def expansion(value: float, dtype: torch.dtype) -> tuple[float, float]:
 
     hi = round(value), lo = round(value − hi), the difference taken in FP64 against the
     low-precision hi (docs/algorithms.md §2). For BF16, 0.999 → (1.0, −0.00099945068359375):
-    the correction Collage needs so that β2·v decays at all.
+    the correction Collage needs so that β2·v decays at all. It rounds on the host: conversions
+    from FP64 are *not* correctly rounded by PyTorch (FP64 → FP32 → BF16 can round twice).
     """
     hi = round_to_dtype(value, dtype)
     lo = round_to_dtype(value - hi, dtype)

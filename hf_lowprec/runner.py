@@ -2,17 +2,9 @@
 
     python -m hf_lowprec.runner --precision_strategy collage-plus --max_steps 100 --output_dir out
 
-The same Trainer path as the repository's `recipes/pretrain_clm.py` with no model or data
-argument: `hf_lowprec.Trainer` with the same `TrainingArguments` defaults
-(`PRETRAIN_CLM_DEFAULTS`, which the recipe imports), a tiny GPT-2 built from a config, the
-byte-level BPE tokenizer trained locally on the embedded corpus, and blocks of that corpus
-(`hf_lowprec.data`). Nothing is downloaded and `datasets` is not needed, so it runs from an
-installed wheel in any directory. Any `TrainingArguments` flag works.
-
-When it finishes it writes `recipe_result.json` (the result line: final loss, eval
-perplexity, median step time, model-state bytes/param, the strategy's counters) and
-`log_history.json` (every logged step) into `--output_dir`, and prints the result line after
-`RESULT_MARKER`; the recipes write the same files with `write_result`.
+The same Trainer path as the repository's `recipes/pretrain_clm.py` with no model or data argument
+(`pretrain_clm`); nothing is downloaded, so it runs from an installed wheel in any directory. Any
+`TrainingArguments` flag works; the result files are `write_result`'s, as the recipes write them.
 """
 
 from __future__ import annotations
@@ -59,7 +51,9 @@ def write_result(training_args: Any, trainer: Any | None = None, **metrics: Any)
     The result holds the strategy, first/final training loss, global step, the strategy's
     counters (`precision.metrics()`), the trainable parameter dtype, model-state bytes/param,
     the median step time (without the first step, which carries compilation and allocation),
-    the world size and distributed backend, then `metrics`.
+    the world size and distributed backend, then `metrics`. It goes to `recipe_result.json`, the
+    log history (every logged step) to `log_history.json`, and the printed line follows
+    `RESULT_MARKER`.
     """
     result: dict[str, Any] = {"precision_strategy": training_args.precision_strategy}
     if trainer is not None:
@@ -114,7 +108,12 @@ def _parse(argv: list[str]) -> tuple[CLMRunArguments, Any]:
 
 
 def pretrain_clm(argv: list[str] | None = None) -> dict[str, Any]:
-    """Train the tiny GPT-2 on the embedded corpus under the command line's strategy; the result."""
+    """Train the tiny GPT-2 on the embedded corpus under the command line's strategy; the result.
+
+    `hf_lowprec.Trainer` with the recipe's `TrainingArguments` defaults (`PRETRAIN_CLM_DEFAULTS`,
+    which recipes/pretrain_clm.py imports), a tiny GPT-2 built from a config, the byte-level BPE
+    tokenizer trained locally on the embedded corpus, and blocks of that corpus (`hf_lowprec.data`):
+    `datasets` is not needed."""
     from transformers import GPT2LMHeadModel, default_data_collator, set_seed
 
     from .data import build_tokenizer, clm_datasets, tiny_gpt2_config

@@ -1,20 +1,7 @@
-"""A precision strategy in a hand-written Accelerate loop, in three changed lines.
-
-    accelerator = Accelerator()
-    plugin = PrecisionPlugin("collage-plus")                                   # 1: new
-    model, optimizer, loader, scheduler = plugin.prepare(                      # 2: was accelerator.prepare(
-        accelerator, model, optimizer, loader, scheduler)
-    for batch in loader:
-        loss = model(**batch).loss          # runs in the strategy's forward context
-        plugin.backward(accelerator, loss)                                     # 3: was accelerator.backward(loss)
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-
-`plugin.prepare` converts the model (`strategy.prepare_model`), replaces the AdamW the loop built
-by the strategy's optimizer over the same parameter groups and hyperparameters (schedulers built
-on the AdamW follow it), puts the strategy's forward context around every forward of the model,
-then hands everything to `accelerator.prepare`. The plugin wraps Accelerate's calls rather than
-registering with the Accelerator: the strategy owns mixed precision, so the Accelerator must
-have `mixed_precision="no"`.
+"""A precision strategy in a hand-written Accelerate loop, in three changed lines (`PrecisionPlugin`;
+docs/distributed.md, "A custom Accelerate loop"). The plugin wraps Accelerate's calls rather than
+registering with the Accelerator: the strategy owns mixed precision, so the Accelerator must have
+`mixed_precision="no"`.
 """
 
 from __future__ import annotations
@@ -43,6 +30,15 @@ _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr", "na
 
 class PrecisionPlugin:
     """Applies a precision strategy to a custom Accelerate training loop.
+
+        accelerator = Accelerator()
+        plugin = PrecisionPlugin("collage-plus")                                   # 1: new
+        model, optimizer, loader, scheduler = plugin.prepare(                      # 2: was accelerator.prepare(
+            accelerator, model, optimizer, loader, scheduler)
+        for batch in loader:
+            loss = model(**batch).loss          # runs in the strategy's forward context
+            plugin.backward(accelerator, loss)                                     # 3: was accelerator.backward(loss)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
     Args:
         strategy: a registered strategy name (see `hf_lowprec.available_strategies()`) or a

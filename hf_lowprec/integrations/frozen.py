@@ -1,20 +1,6 @@
 """Frozen models beside the trained one (TRL's reference, reward and teacher models), kept at the
-precision their forward computes with.
-
-A frozen model takes no gradient and no optimizer step, so it needs no master copy: what it keeps
-is what its forward computes with (docs/rl.md).
-
-- FP32 strategies: FP32.
-- 16-bit strategies: the compute dtype (BF16, or FP16 under the FP16 strategies). Under autocast
-  a linear layer's weight is rounded to it at every GEMM anyway, so the linear layers compute
-  exactly as an FP32 copy would.
-- FP8 strategies and COAT: each linear layer of the decoder blocks becomes a
-  `FrozenBlockFP8Linear` (E4M3 payload, one FP32 scale per 128×128 block: 1.0002 bytes per
-  parameter), widened to the compute dtype one layer at a time. The LM head, the embeddings,
-  norms and biases stay 16-bit.
-
-Buffers keep their dtype (rotary frequencies lose digits in 16 bits). `frozen_models="policy"`
-in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
+precision their forward computes with: it takes no gradient and no optimizer step, so it needs no
+master copy (docs/rl.md, "Frozen models keep what their forward computes with").
 """
 
 from __future__ import annotations
@@ -58,8 +44,19 @@ def _storage(strategy: PrecisionStrategy) -> str:
 
 
 def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, head_fp32: bool = False) -> nn.Module:
-    """`model`, frozen, holding what its forward under `strategy` computes with (the module doc).
+    """`model`, frozen, holding what its forward under `strategy` computes with.
 
+    - FP32 strategies: FP32.
+    - 16-bit strategies: the compute dtype (BF16, or FP16 under the FP16 strategies). Under
+      autocast a linear layer's weight is rounded to it at every GEMM anyway, so the linear
+      layers compute exactly as an FP32 copy would.
+    - FP8 strategies and COAT: each linear layer of the decoder blocks becomes a
+      `FrozenBlockFP8Linear` (E4M3 payload, one FP32 scale per 128×128 block: 1.0002 bytes per
+      parameter), widened to the compute dtype one layer at a time. The LM head, the
+      embeddings, norms and biases stay 16-bit.
+
+    Buffers keep their dtype (rotary frequencies lose digits in 16 bits). `frozen_models="policy"`
+    in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
     `role` names it in the logs and the startup report ("reference", "reward", "teacher").
     `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); modules the
     model keeps in FP32 (`_keep_in_fp32_modules`) stay so. Idempotent: a model frozen already is

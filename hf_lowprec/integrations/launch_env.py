@@ -38,7 +38,7 @@ def json_object(text: str, what: str) -> dict[str, Any]:
 def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | None, dict[str, Any] | None]:
     """(strategy, options) that `hf-lowprec launch` gave this process; (None, None) in any other.
 
-    The launcher checked both before its command started (`launch_environment`); a process
+    The launcher checked both before its command started (`launch.launch_environment`); a process
     reads them afresh, so each caller gets its own options dict."""
     environ = os.environ if environ is None else environ
     if environ.get(ENV_LAUNCH) != "1":

@@ -1,13 +1,6 @@
-"""PEFT (LoRA, …) under a precision strategy.
-
-The strategy converts the model as usual; what PEFT adds is a frozen base. A frozen weight
-never receives an update, so it needs no master copy and no optimizer state: it is kept in
-the strategy's compute dtype (e.g. BF16 under `bf16-mixed`, where the autocast would round it
-to BF16 at every matmul anyway). Trainable adapter weights keep the strategy's parameter
-dtype, and only they reach the strategy's optimizer (the integrations build it from
-`requires_grad` parameters).
-
-`peft` is never imported here: a model can only be a `PeftModel` if the caller imported it.
+"""PEFT (LoRA, …) under a precision strategy: the strategy converts the model as usual, and the
+frozen base PEFT adds is kept in the strategy's compute dtype (`prepare_model`). `peft` is never
+imported here: a model can only be a `PeftModel` if the caller imported it.
 """
 
 from __future__ import annotations
@@ -38,7 +31,13 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
     """A published FP8 checkpoint's layers from their stored values (`checkpoints.fp8_published`), then
-    `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype."""
+    `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype.
+
+    A frozen weight never receives an update, so it needs no master copy and no optimizer state:
+    it is kept in the strategy's compute dtype (e.g. BF16 under `bf16-mixed`, where the autocast
+    would round it to BF16 at every matmul anyway). Trainable adapter weights keep the strategy's
+    parameter dtype, and only they reach the strategy's optimizer (the integrations build it from
+    `requires_grad` parameters)."""
     restore_published_fp8(model, keep_frozen_fp8=strategy.uses_fp8_gemm)
     model = strategy.prepare_model(model)
     compute = strategy.compute_dtype

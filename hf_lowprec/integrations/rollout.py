@@ -1,16 +1,6 @@
-"""How far a rollout's log-probabilities are from the training forward's, for GRPO and RLOO.
-
-The same tokens get different log-probabilities when the rollout decodes them one at a time
-(KV cache, other GEMM shapes, an FP8 scale taken over one token instead of the sequence) and
-when the training forward reads the whole sequence. The policy gradient's importance ratio
-π_train/π_rollout is then not 1 even before any update (docs/rl.md).
-
-`RolloutLogprobs` records, while `generate` runs, the log-probability each sampled token had
-under the rollout's forward: log_softmax(logits / T) at the step that sampled it, with T the
-trainer's temperature, as the training forward computes it. Everything stays on the device;
-`MismatchMeter` folds |Δ log p| and the ratio's spread into one device vector per logging
-interval, read where the Trainer logs. When TRL has the sampler's own log-probs (vLLM's
-`sampling_per_token_logps`), those are compared instead.
+"""How far a rollout's log-probabilities are from the training forward's, for GRPO and RLOO
+(docs/rl.md, "The rollout–training mismatch"): `RolloutLogprobs` records them while `generate`
+runs, `MismatchMeter` compares them with the training forward's on the device.
 """
 
 from __future__ import annotations
@@ -38,7 +28,10 @@ class RolloutLogprobs:
 
     Use as a context manager around the call; `finish(sequences)` returns them as a
     (batch, new tokens) tensor: the token sampled at a step is known at the next forward (its
-    input) or, for the last one, from the returned sequences.
+    input) or, for the last one, from the returned sequences. Each is log_softmax(logits / T) at
+    the step that sampled it, with T the trainer's temperature, as the training forward computes
+    it. When TRL has the sampler's own log-probs (vLLM's `sampling_per_token_logps`), those are
+    compared instead.
     """
 
     def __init__(self, model: nn.Module, temperature: float) -> None:
@@ -76,7 +69,8 @@ class RolloutLogprobs:
 
 class MismatchMeter:
     """Sums of |Δ log p| and of the ratio r = exp(train − rollout) over the completion tokens,
-    on the device, until `read` (a logging step)."""
+    on the device, until `read` (a logging step): one device vector per logging interval, read
+    where the Trainer logs."""
 
     def __init__(self, device: Any = None) -> None:
         self._sums: torch.Tensor | None = None  # Σ|Δ|, n, Σ(r−1), Σ(r−1)², max|Δ|, max r, −min r

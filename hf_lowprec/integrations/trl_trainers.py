@@ -3,31 +3,9 @@
     from hf_lowprec.trl import SFTConfig, SFTTrainer      # was: from trl import SFTConfig, SFTTrainer
     args = SFTConfig(output_dir="out", precision_strategy="collage-plus")
 
-(`hf_lowprec.trl` is the short import path of this module.)
-
-Each config is the TRL config plus `precision_strategy`/`precision_options`; each trainer is
-the TRL trainer with `PrecisionTrainerMixin`. What differs from the plain Trainer glue:
-
-- TRL configs turn `bf16` on when it is left unset; with a strategy it stays off instead
-  (the strategy owns mixed precision; an explicit `--bf16` is still checked against it).
-- `GRPOTrainer` and `RLOOTrainer` also run their rollouts (generation, reference and reward
-  scoring) in the strategy's forward context, so the old/reference log-probabilities are computed
-  with the same numerics as the training forward.
-- The frozen models beside the policy (DPO/KTO/GRPO/RLOO references, GRPO/RLOO reward models,
-  the distillation teacher), passed in or built by TRL, keep what their forward computes with
-  (`integrations.frozen`): the compute dtype, or FP8 blocks under the FP8 strategies.
-- `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL would rebuild the
-  reference from the empty `config._name_or_path`).
-- `PPOTrainer` (TRL 1.12, `trl.experimental.ppo`; install the `ppo` extra) does not use the Trainer loop: it builds
-  its optimizer and `accelerator.prepare` inside `__init__` and runs its own loop in
-  `train()`. The strategy therefore prepares the policy and value models and freezes the
-  reference and reward models before that `__init__`, builds the optimizer over the policy+value parameters, runs the
-  whole of `train()` (rollouts and PPO epochs) in its forward context, and scales the PPO
-  loss at `accelerator.backward` when it scales losses. Backward passes run inside
-  that context too; autocast only affects forward ops, whose backward follows the dtypes
-  chosen in the forward. The strategy's metrics join each PPO log line.
-
-trl is imported on first use of a name here; without it the error names the extra to install.
+Each config and trainer is TRL's with the Trainer glue (`with_precision`), plus the RL trainers'
+rollouts and frozen models and PPO's own loop. `hf_lowprec.trl` is this module's short import
+path; trl is imported on first use of a name here (without it the error names the extra).
 """
 
 from __future__ import annotations
@@ -101,7 +79,8 @@ def _config_mixin() -> type:
 
     class TRLPrecisionArguments(PrecisionArgumentsMixin):
         def __post_init__(self) -> None:
-            # TRL turns bf16 on when it is unset; a strategy owns mixed precision instead.
+            # TRL turns bf16 on when it is unset; a strategy owns mixed precision instead (an
+            # explicit --bf16 is still checked against it).
             if self.precision_strategy is not None and self.bf16 is None:
                 self.bf16 = False
             super().__post_init__()
@@ -160,6 +139,9 @@ class _FrozenModels:
     Models passed in are frozen before TRL's `__init__` (they never reach the device at the
     policy's precision); those TRL builds from names are frozen after it, in place. Each gets
     its own strategy object: a strategy may keep facts about the model it prepared (the policy's).
+    The frozen models: DPO/KTO/GRPO/RLOO references, GRPO/RLOO reward models, the distillation
+    teacher. `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL
+    would rebuild the reference from the empty `config._name_or_path`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -222,8 +204,10 @@ def _torch_module() -> type:
 
 class _RolloutInContext:
     """GRPO/RLOO: runs `_prepare_inputs` (where they generate and score) in the strategy's forward
-    context, and measures how far the rollout's log-probs are from the training forward's
-    (`integrations.rollout`): `precision/rollout_*` in the training logs."""
+    context (generation, reference and reward scoring: the old/reference log-probabilities are
+    computed with the same numerics as the training forward), and measures how far the rollout's
+    log-probs are from the training forward's (`integrations.rollout`): `precision/rollout_*` in
+    the training logs."""
 
     def _prepare_inputs(self, generation_batch: Any) -> Any:
         precision = getattr(self, "precision", None)
@@ -335,7 +319,17 @@ def _ppo_classes() -> dict[str, type]:
     signature = inspect.signature(ppo.PPOTrainer.__init__)
 
     class PPOTrainer(PrecisionTrainerMixin, ppo.PPOTrainer):
-        """`trl.experimental.ppo.PPOTrainer` applying `args.precision_strategy` (see the module doc)."""
+        """`trl.experimental.ppo.PPOTrainer` applying `args.precision_strategy`.
+
+        PPOTrainer (TRL 1.12; install the `ppo` extra) does not use the Trainer loop: it builds
+        its optimizer and `accelerator.prepare` inside `__init__` and runs its own loop in
+        `train()`. The strategy therefore prepares the policy and value models and freezes the
+        reference and reward models before that `__init__`, builds the optimizer over the
+        policy+value parameters, runs the whole of `train()` (rollouts and PPO epochs) in its
+        forward context, and scales the PPO loss at `accelerator.backward` when it scales losses.
+        Backward passes run inside that context too; autocast only affects forward ops, whose
+        backward follows the dtypes chosen in the forward. The strategy's metrics join each PPO
+        log line."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             call = signature.bind(self, *args, **kwargs).arguments
