@@ -1,25 +1,9 @@
-"""COAT's mixed-granularity FP8 activations: what layers save for backward is kept in FP8 (COAT §Part 2).
+"""COAT's mixed-granularity FP8 activations: what layers save for backward is kept in FP8 (COAT Part 2).
 
-- Linear layers: `hf_lowprec.fp8.FP8Linear` already saves the E4M3 input with one per-tensor
-  scale, the very tensor its FP8 GEMM used (docs/algorithms.md §3); nothing to add here.
-- Non-linear layers (LayerNorm/RMSNorm, GELU/NewGELU/SiLU/… modules): their forward runs
-  without building a graph and only the input is saved, as E4M3 with one power-of-two scale
-  per 1×16 group along the last dimension, the scale stored as its int8 exponent
-  (1 + 1/16 bytes per element). Backward decodes the input and differentiates the layer there:
-  LayerNorm and the GELU/SiLU/ReLU activations with torch's own backward kernels (aten calls
-  that torch.compile traces into the backward graph), any other layer by re-running its own
-  forward (under the autocast state of the forward) through autograd, eagerly. Per-tensor
-  scaling across tokens would hurt LayerNorm (COAT), hence the groups.
-- Element-wise multiply (gated MLPs: act(gate)·up) happens in the MLP module's forward, not in
-  a layer: every floating tensor saved inside a module that holds an activation layer (the
-  MLP) is packed the same 1×16 way by a `torch.autograd.graph.saved_tensors_hooks` scope
-  around that module, provided all its linear layers are FP8Linear (so nothing but
-  activations is saved there in high precision). Residual adds save nothing for backward.
-- Attention internals (scores, softmax, the q/k/v kept by SDPA) stay in the compute dtype.
-
-Modules are changed in place (an instance `forward`), so parameter names, state dicts and
-`save_pretrained` are untouched; under `torch.no_grad()` (evaluation) the original forward
-runs. Modules not handled are left alone and listed once in a log line.
+`compress_activations` makes an FP8 model's non-linear layers save their input, and its MLPs the
+tensors their element-wise products save, as E4M3 with one power-of-two scale per 1×16 group
+(`quantize_groups`); the FP8 linear layers already save the E4M3 input their GEMM used. The rules
+are docs/algorithms.md §4.
 """
 
 from __future__ import annotations
@@ -47,7 +31,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Elements per scale for non-linear layers' saved tensors (COAT: 1×16).
+#: Elements per scale for non-linear layers' saved tensors (COAT: 1×16). Groups along the last
+#: dimension, because one scale across tokens would hurt LayerNorm (COAT).
 ACTIVATION_GROUP_SIZE = 16
 _E4M3 = torch.float8_e4m3fn
 _PACKABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,7 +41,8 @@ _NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 payload, int8 exponents e): real = payload / 2^e, one e per 1×16 group of the last dim.
+    """(E4M3 payload, int8 exponents e): real = payload / 2^e, one e per 1×16 group of the last dim
+    (1 + 1/16 bytes per element).
 
     The scale is the power of two of `hf_lowprec.fp8.pow2_scale`, so the scaling is exact and
     only the cast rounds (relative error ≤ 2^-4 in E4M3's normal range, which spans 2^-6·448/2^8
@@ -99,7 +85,13 @@ def _forward_under(state: tuple, module: nn.Module, x: torch.Tensor) -> torch.Te
 
 
 class _SavedInFP8(torch.autograd.Function):
-    """y = layer(x), saving only x in 1×16 group FP8; backward re-runs the layer on the decoded x."""
+    """y = layer(x), saving only x in 1×16 group FP8; backward re-runs the layer on the decoded x.
+
+    The forward builds no graph. Backward differentiates the layer at the decoded input: LayerNorm
+    and the GELU/SiLU/ReLU activations with torch's own backward kernels (`_kernel_backward`), any
+    other layer by re-running its own forward (under the autocast state of the forward) through
+    autograd, eagerly.
+    """
 
     @staticmethod
     def forward(ctx: Any, module: nn.Module, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -193,7 +185,11 @@ def _layer_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 def _run_in_scope(module: nn.Module, pack_activations: bool, args: tuple, kwargs: dict) -> Any:
     """Run the module's own forward where (1) FP8 layers handed the same input (q/k/v or gate/up
     projections) quantize it once and save one FP8 copy (`hf_lowprec.fp8.linear.sharing_inputs`),
-    and (2) if `pack_activations`, a pack hook packs the other activations 1×16 FP8."""
+    and (2) if `pack_activations`, a pack hook packs the other activations 1×16 FP8.
+
+    (2) is for MLPs: their element-wise multiply (gated MLPs: act(gate)·up) happens in the MLP
+    module's forward, not in a layer, so every floating tensor saved inside it is packed by a
+    `torch.autograd.graph.saved_tensors_hooks` scope around the module."""
     if not torch.is_grad_enabled():
         return type(module).forward(module, *args, **kwargs)
     # Under torch.compile the saved-tensor hooks are not traced (dynamo breaks the graph on
@@ -233,7 +229,8 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _is_fp8_mlp(module: nn.Module) -> bool:
-    """An MLP: it holds an activation layer directly, and every GEMM inside is FP8Linear."""
+    """An MLP: it holds an activation layer directly, and every GEMM inside is FP8Linear (so
+    nothing but activations is saved there in high precision, and its scope may pack them all)."""
     if not any(_is_activation(child) for child in module.children()):
         return False
     return all(isinstance(m, FP8Linear) for m in module.modules() if is_gemm_layer(m))
@@ -251,8 +248,13 @@ def _is_fp8_attention(module: nn.Module) -> bool:
 def compress_activations(model: nn.Module) -> nn.Module:
     """Make `model`'s non-linear layers and gated MLPs save FP8 for backward, in place; returns `model`.
 
-    Run `hf_lowprec.fp8.convert_to_fp8` first for the linear layers. Modules that already
-    have their own instance `forward` (another wrapper) are left alone.
+    Run `hf_lowprec.fp8.convert_to_fp8` first for the linear layers: `hf_lowprec.fp8.FP8Linear`
+    already saves the E4M3 input with one per-tensor scale, the very tensor its FP8 GEMM used.
+    Modules are changed in place (an instance `forward`), so parameter names, state dicts and
+    `save_pretrained` are untouched; under `torch.no_grad()` (evaluation) the original forward
+    runs. Attention internals (scores, softmax, the q/k/v kept by SDPA) stay in the compute
+    dtype; residual adds save nothing. Modules that already have their own instance `forward`
+    (another wrapper), and modules not handled, are left alone and listed once in a log line.
     """
     handled: collections.Counter[str] = collections.Counter()
     left: collections.Counter[str] = collections.Counter()
@@ -265,8 +267,9 @@ def compress_activations(model: nn.Module) -> nn.Module:
             handled[name] += 1
         elif _is_fp8_mlp(module) or isinstance(module, FP8Experts):
             # FP8 experts (fp8/experts.py): their gate products and outputs are packed the same
-            # way (the routing weights, one per token, are too narrow for the groups); their grouped GEMMs save E4M3 inputs and keep their scales (COAT's
-            # tensorwise recipe: one per expert, last dimension 1, never packed).
+            # way (the routing weights, one per token, are too narrow for the groups); their
+            # grouped GEMMs save E4M3 inputs and keep their scales (COAT's tensorwise recipe: one
+            # per expert, last dimension 1, never packed).
             module.forward = types.MethodType(_mlp_forward, module)
             handled[f"{name} (element-wise ops)"] += 1
         elif _is_fp8_attention(module):

@@ -1,22 +1,8 @@
-"""Block-scaled FP8 weights as FP8 checkpoints are published (docs/checkpoints.md).
+"""Block-scaled FP8 weights in the format FP8 checkpoints are published in (docs/checkpoints.md).
 
-The fine-grained FP8 format that DeepSeek-V3, Qwen3-FP8 and transformers' `FineGrainedFP8Config`
-use stores each linear weight W (out × in) as
-
-    weight            E4M3 payload, out × in (1 byte per element)
-    weight_scale_inv  FP32, ceil(out/128) × ceil(in/128): one number per 128×128 block
-
-with real = payload · weight_scale_inv of its block (some releases store the scales as E8M0
-powers of two: `scale_fmt: "ue8m0"`). The published value of an element is that product in FP32,
-the precision transformers dequantizes in before it rounds to the model's dtype; `dequantize_published`
-computes it the same way, so `dequantize_published(q, s, torch.bfloat16)` is bit for bit the BF16
-weight `from_pretrained` makes of the checkpoint on a machine without FP8 GEMMs.
-
-`FrozenBlockFP8Linear` holds such a weight as published (payload and scales, about 1 byte per
-parameter) for a layer nothing trains (the base of a LoRA run). Its forward widens the weight to
-the compute dtype one layer at a time, and its backward widens it again for the input gradient:
-autograd never saves the widened weight, so a step holds one layer's 16-bit weight at a time,
-never the model's.
+DeepSeek-V3, Qwen3-FP8 and transformers' `FineGrainedFP8Config` store each linear weight as an
+E4M3 payload with one FP32 scale per 128×128 block. This module quantizes to that format,
+dequantizes from it as transformers does, and runs a frozen layer on it (`FrozenBlockFP8Linear`).
 """
 
 from __future__ import annotations
@@ -35,7 +21,11 @@ __all__ = ["BLOCK", "FrozenBlockFP8Linear", "block_scales_fp32", "dequantize_pub
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
-# The published block: 128 output rows × 128 input columns.
+# The published block: 128 output rows × 128 input columns. A weight W (out × in) is stored as
+#     weight            E4M3 payload, out × in (1 byte per element)
+#     weight_scale_inv  FP32, ceil(out/128) × ceil(in/128): one number per block
+# with real = payload · weight_scale_inv of its block (some releases store the scales as E8M0
+# powers of two: `scale_fmt: "ue8m0"`).
 BLOCK = (128, 128)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -62,7 +52,12 @@ def _check_grid(payload: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 def dequantize_published(
     payload: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] = BLOCK
 ) -> torch.Tensor:
-    """The published weight in `dtype`: payload · its block's scale in FP32, rounded once to `dtype`."""
+    """The published weight in `dtype`: payload · its block's scale in FP32, rounded once to `dtype`.
+
+    FP32 is the precision transformers dequantizes in before it rounds to the model's dtype, so
+    `dequantize_published(q, s, torch.bfloat16)` is bit for bit the BF16 weight `from_pretrained`
+    makes of the checkpoint on a machine without FP8 GEMMs.
+    """
     _check_grid(payload, scale_inv, block)
     rows, cols = payload.shape
     real = blocked(widen(payload, torch.float32), block) * block_scales_fp32(scale_inv)[:, None, :, None]
@@ -130,9 +125,12 @@ class _FrozenBlockFP8Function(torch.autograd.Function):
 class FrozenBlockFP8Linear(nn.Module):
     """A linear layer whose frozen weight stays as published: E4M3 payload + per-block scales.
 
-    `weight` (E4M3) and `weight_scale_inv` keep the checkpoint's names, so its state dict is the
-    published one. The GEMM runs in the activations' dtype (the autocast dtype under autocast)
-    on the weight widened from its blocks, the numerics of the dequantized checkpoint.
+    For a layer nothing trains (the base of a LoRA run): about 1 byte per parameter. `weight`
+    (E4M3) and `weight_scale_inv` keep the checkpoint's names, so its state dict is the published
+    one. The GEMM runs in the activations' dtype (the autocast dtype under autocast) on the weight
+    widened from its blocks, the numerics of the dequantized checkpoint. Forward widens the weight
+    one layer at a time and backward widens it again for the input gradient: autograd never saves
+    the widened weight, so a step holds one layer's 16-bit weight at a time, never the model's.
     """
 
     def __init__(

@@ -1,21 +1,8 @@
 """Fast conversions between FP8 payloads and wider floats, with the values of PyTorch's casts.
 
-PyTorch's CPU kernels convert to and from float8 one element at a time (measured here at
-2–5 ns per element, 5–8 ms for a 512×3072 tensor: more than the BF16 GEMM that consumes it).
-Two replacements, each giving exactly what the plain cast gives:
-
-- `widen` (FP8 → 16/32-bit): an FP8 payload has only 256 codes, so widening is a lookup of the
-  byte in a 256-entry table of the exact values (1.2 ms for the same tensor); for 16-bit
-  results, two bytes at a time in a 65536-entry table of value pairs (0.6 ms). The tables are
-  made by PyTorch's own conversion of the 256 codes, so every value, ±0, subnormals and NaN
-  included, is the one `payload.to(dtype)` gives.
-- `scale_to_fp8` (x·s → FP8): the product in FP32 and the cast, compiled by Inductor into one
-  vectorised loop (0.6 ms), where a C++ compiler is available; the eager ops otherwise. The
-  cast rounds to nearest even in both (tests/fp8/test_cast.py compares them bit for bit).
-
-Compile cost: one graph per (input dtype, FP8 format), paid once per process and cached on
-disk by Inductor (`TORCHINDUCTOR_CACHE_DIR`). A failure to compile is logged once and the
-eager ops are used from then on.
+PyTorch's CPU kernels convert to and from float8 one element at a time (2–5 ns per element
+measured here: more than the BF16 GEMM that consumes the tensor). `widen` (a table lookup) and
+`scale_to_fp8` (one compiled loop) give exactly what the plain casts give, faster.
 """
 
 from __future__ import annotations
@@ -56,7 +43,12 @@ def _pair_table(fp8: torch.dtype, dtype: torch.dtype, device: torch.device) -> t
 def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`payload.to(dtype)` for an FP8 payload, by table lookup on CPU (same values, bit for bit).
 
-    Other devices convert natively (fast there), and non-FP8 tensors are converted by `.to`.
+    An FP8 payload has only 256 codes, so widening is a lookup of the byte in a 256-entry table
+    of the exact values (1.2 ms for a 512×3072 tensor, against 5–8 ms for the cast); for 16-bit
+    results, two bytes at a time in a 65536-entry table of value pairs (0.6 ms). The tables are
+    made by PyTorch's own conversion of the 256 codes, so every value, ±0, subnormals and NaN
+    included, is the one `payload.to(dtype)` gives. Other devices convert natively (fast
+    there), and non-FP8 tensors are converted by `.to`.
     """
     if payload.dtype not in FP8_DTYPES or payload.device.type != "cpu" or torch.compiler.is_compiling():
         # Inductor's own conversion is exact and vectorised; the tables would be graph constants.
@@ -134,6 +126,9 @@ def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torc
 
 @functools.cache
 def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any]:
+    # One graph per (input dtype, FP8 format), paid once per process and cached on disk by
+    # Inductor (`TORCHINDUCTOR_CACHE_DIR`); a failure to compile is logged once and the eager
+    # ops are used from then on (`_run_compiled`).
     # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
     # size of the first tensor (see `hf_lowprec.optim.dispatch`).
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
@@ -183,7 +178,9 @@ def _run_compiled(fn: Callable[..., Any], eager: Callable[..., Any], *args: Any)
 def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 payload of x·factor: the product formed in FP32, then cast to `dtype` (nearest even).
 
-    The caller picks `factor` so that |x·factor| ≤ max(dtype) (or makes it NaN to mark an
+    On CPU, Inductor compiles the product and the cast into one vectorised loop (0.6 ms for a
+    512×3072 tensor) where a C++ compiler is available; the eager ops run otherwise. Both round
+    to nearest even (tests/fp8/test_cast.py compares them bit for bit). The caller picks `factor` so that |x·factor| ≤ max(dtype) (or makes it NaN to mark an
     overflow): the cast does not saturate.
     """
     if dtype not in FP8_DTYPES or _eager_here(x):

@@ -1,35 +1,8 @@
 """FP8 gradient all-reduce with one shared scale per tensor (FP8-LM §2.1, eqs. 4–6; docs/algorithms.md §3).
 
-Rank i holds gradient gᵢ of each tensor. The scheme:
-
-    sᵢ   = 2^(floor(log2(fp8_max / amax(gᵢ))) − margin)     local power-of-two scale
-    s_g  = min_i sᵢ                                         all-reduce MIN, one scalar per tensor
-                                                            (sᵢ = +∞ where gᵢ is all zero)
-    gᵢ'' = FP8(μ·s_g·gᵢ)                                    requantize to the shared scale
-    g    = FP8(Σᵢ gᵢ''),  s = N·μ·s_g                       real mean = g / s
-
-μ is the automatic gradient scale (`GradientAutoScaler`): the sum of N payloads can exceed
-the FP8 maximum, and μ shrinks until that happens to at most 0.001 % of the elements.
-Requantizing from the high-precision gradient (rather than from a local FP8 copy, as the
-paper's eq. 5 reads) gives the same payload when s_g = sᵢ and avoids a second rounding
-otherwise.
-
-Transport: gloo (and NCCL without FP8) cannot add FP8, so the payload travels as uint8 bytes
-and is added upcast: a reduce-scatter by `all_to_all_single` (each rank receives every
-rank's copy of one chunk and adds them in FP32, in fixed rank order), the chunk is rounded
-to FP8 once, and `all_gather` returns the FP8 sums. FP8 is all that crosses the wire,
-2(N−1)/N bytes per element per rank as in a ring all-reduce, plus per-tensor scalars (the
-MIN of the scales and one all-reduce of two counters).
-
-`all_gather_owned_fp8` is the other FP8 collective of FP8 ZeRO (fp8-lm-o3): each rank owns
-whole tensors; after the step every owner sends its FP8 weights (1 byte per element, as
-uint8: gloo has no FP8) and their per-tensor scales, and every rank receives all of them.
-
-The two classic baselines (eqs. 1–2) are the same pipeline with μ fixed: pre-scaling
-divides by N before the sum (μ = 1/N: small values underflow), post-scaling after it
-(μ = 1: large sums overflow). `fp8_allreduce_hook` is a standard DDP communication hook:
-
-    ddp_model.register_comm_hook(FP8CommState(scaler), fp8_allreduce_hook)
+`fp8_allreduce` averages a gradient over ranks with FP8 on the wire, `fp8_allreduce_hook` is it as
+a DDP communication hook, `prescale_allreduce` and `postscale_allreduce` are the paper's baselines
+(eqs. 1–2), and `all_gather_owned_fp8` is FP8 ZeRO's (fp8-lm-o3) all-gather of the owners' weights.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real
@@ -128,7 +101,15 @@ def _reduce(
     margin: int,
     group: dist.ProcessGroup | None,
 ) -> FP8AllReduceResult:
-    """The shared-scale pipeline; `mu=None` means pre-scaling (μ = 1/N)."""
+    """The shared-scale pipeline; `mu=None` means pre-scaling (μ = 1/N).
+
+    Transport: gloo (and NCCL without FP8) cannot add FP8, so the payload travels as uint8 bytes
+    and is added upcast: a reduce-scatter by `all_to_all_single` (each rank receives every
+    rank's copy of one chunk and adds them in FP32, in fixed rank order), the chunk is rounded
+    to FP8 once, and `all_gather` returns the FP8 sums. FP8 is all that crosses the wire,
+    2(N−1)/N bytes per element per rank as in a ring all-reduce, plus per-tensor scalars (the
+    MIN of the scales and one all-reduce of two counters).
+    """
     if flat.dim() != 1:
         raise ValueError(f"FP8 all-reduce works on a flat tensor, got shape {tuple(flat.shape)}")
     if not flat.is_floating_point():
@@ -192,6 +173,20 @@ def fp8_allreduce(
 ) -> FP8AllReduceResult:
     """Mean of a flat gradient over ranks with one shared scale per segment (FP8-LM eqs. 4–6).
 
+    Rank i holds gradient gᵢ of each segment:
+
+        sᵢ   = 2^(floor(log2(fp8_max / amax(gᵢ))) − margin)     local power-of-two scale
+        s_g  = min_i sᵢ                                         all-reduce MIN, one scalar per segment
+                                                                (sᵢ = +∞ where gᵢ is all zero)
+        gᵢ'' = FP8(μ·s_g·gᵢ)                                    requantize to the shared scale
+        g    = FP8(Σᵢ gᵢ''),  s = N·μ·s_g                       real mean = g / s
+
+    μ is the automatic gradient scale (`GradientAutoScaler`): the sum of N payloads can exceed
+    the FP8 maximum, and μ shrinks until that happens to at most 0.001 % of the elements.
+    Requantizing from the high-precision gradient (rather than from a local FP8 copy, as the
+    paper's eq. 5 reads) gives the same payload when s_g = sᵢ and avoids a second rounding
+    otherwise.
+
     Args:
         tensor: flat local gradient (FP32, FP16 or BF16); not modified.
         numels: sizes of the consecutive segments (one per parameter) that get their own
@@ -214,7 +209,8 @@ def prescale_allreduce(
     margin: int = 0,
     group: dist.ProcessGroup | None = None,
 ) -> FP8AllReduceResult:
-    """Baseline, eq. 1: g = Σ FP8(gᵢ/N) — each rank divides by N before the sum; underflows."""
+    """Baseline, eq. 1: g = Σ FP8(gᵢ/N) — each rank divides by N before the sum (the shared-scale
+    pipeline with μ = 1/N); small values underflow."""
     return _reduce(tensor, numels, mu=None, fp8_dtype=fp8_dtype, margin=margin, group=group)
 
 
@@ -226,7 +222,8 @@ def postscale_allreduce(
     margin: int = 0,
     group: dist.ProcessGroup | None = None,
 ) -> FP8AllReduceResult:
-    """Baseline, eq. 2: g = (Σ FP8(gᵢ))/N — the sum of near-maximal payloads overflows."""
+    """Baseline, eq. 2: g = (Σ FP8(gᵢ))/N — the shared-scale pipeline with μ = 1; the sum of
+    near-maximal payloads overflows."""
     return _reduce(tensor, numels, mu=1.0, fp8_dtype=fp8_dtype, margin=margin, group=group)
 
 

@@ -1,56 +1,9 @@
 """FP8 expert GEMMs for the fused Mixture-of-Experts modules of transformers 5.
 
-The rules are docs/algorithms.md §3 ("FP8 for Mixture-of-Experts").
-
-transformers keeps a MoE block's experts as fused 3-D parameters in one `...Experts` module
-(`gate_up_proj` or `up_proj`, `down_proj`, biases for gpt-oss; stored `[experts, out, in]`, or
-`[experts, in, out]` where the class says `is_transposed`) and runs them through whichever
-implementation `config._experts_implementation` names (an `eager` loop of `F.linear`,
-`batched_mm`, `grouped_mm`). None of them is an `nn.Linear`, so `convert_to_fp8` swaps the
-module's class instead (`convert_experts`): the parameters, their names and the module's own
-gate (`_apply_gate`: SwiGLU, gpt-oss's clamped GLU), activation and post-expert norm stay as
-they are, and one forward replaces every implementation, so the numerics do not depend on which
-one transformers picked:
-
-    sort the (token, expert) pairs by expert → offsets (cumulative tokens per expert, on device)
-    h  = x_g · W_gate_upᵀ[e]   (+ bias[e])     FP8 grouped GEMM
-    a  = gate(h)                               the module's own, in high precision
-    y  = a · W_downᵀ[e]        (+ bias[e])     FP8 grouped GEMM
-    out[t] = Σ_k routing_weight[t, k] · y[(t, k)]
-
-The router (a plain weight and a top-k) is not touched: it stays in high precision, as in
-torchtitan and DeepSeek-V3.
-
-Each grouped GEMM has the three GEMMs of a linear layer, per expert e over its tokens S_e:
-
-    forward       y_e  = x_e·W_eᵀ        contraction over K (input features)
-    input grad    dx_e = dy_e·W_e        contraction over N (output features)
-    weight grad   dW_e = dy_eᵀ·x_e       contraction over the expert's tokens
-
-with the scaling recipes of the dense layers (`fp8/scaling_recipes.py`), applied per expert:
-
-| recipe | x, dy (forward, input grad) | W | x, dy (weight grad: blocks along tokens) |
-|---|---|---|---|
-| tensorwise | one scale per expert's tokens | one per expert | the same scales (no re-quantization) |
-| rowwise | one per token | one per (expert, output channel) | one per (expert, column) |
-| blockwise | 1 × 128 | 128 × 128 per expert | 128 tokens × 1 column, blocks starting at each expert's first token |
-| mxfp8 | 1 × 32, E8M0 | 1 × 32 per expert, E8M0 | 32 tokens × 1 column, E8M0 |
-
-An expert that gets no token has an amax of 0, hence a scale of 1 and a zero weight gradient
-(never NaN or inf); an inf or NaN in an operand makes the payload of its scale group NaN, so the
-non-finite step check sees it, as in the dense layers. Rows of the weight-gradient operands are
-re-quantized from the exact real values of the saved FP8 activations where the scale must vary
-along the other axis, as the dense recipes do.
-
-The grouped GEMM, its scales and its backward are in `fp8/grouped.py`. GEMM path: the FP8 operands, dequantized exactly to BF16 (payload × power of two), multiplied by
-`torch._grouped_mm` with FP32 accumulation and one rounding to BF16: the exact products of the
-FP8 values summed in FP32, what a scaled FP8 grouped GEMM computes. Offsets stay on the device
-and every shape is static (tokens × top-k), so a step needs no host sync and a compiled graph
-does not depend on the routing.
-
-O2 (scaled FP16 masters) and O3 (FP8-stored weights with gradient sinks) work as in `FP8Linear`:
-one master scale per 3-D weight (`master_scale` buffers, linked with `set_master_scale`), real
-values in the state dict.
+transformers keeps a MoE block's experts as fused 3-D parameters in one `...Experts` module and
+runs them through whichever implementation its config names. `convert_experts` gives such a module
+one forward of FP8 grouped GEMMs (`fp8/grouped.py`) instead, so the numerics do not depend on the
+implementation; the rules are docs/algorithms.md §3 ("FP8 for Mixture-of-Experts").
 """
 
 from __future__ import annotations
@@ -123,14 +76,30 @@ def expert_gemm_shapes(module: nn.Module) -> list[tuple[str, int, int, int]]:
 
 class FP8Experts(nn.Module):
     """What `convert_experts` mixes into a transformers experts class: its forward with FP8
-    grouped GEMMs (module docstring). Never built directly: the converted module keeps its own
-    class's attributes and methods (`_apply_gate`, `act_fn`, ...) and parameters."""
+    grouped GEMMs. Never built directly: the converted module keeps its own class's attributes
+    and methods (`_apply_gate`, `act_fn`, ...) and parameters.
+
+    O2 (scaled FP16 masters) and O3 (FP8-stored weights with gradient sinks) work as in
+    `linear.FP8Linear`: one master scale per 3-D weight (`<name>_master_scale` buffers, linked
+    with `set_master_scale`), real values in the state dict.
+    """
 
     fp8_layer_config: FP8LinearConfig = fp8_config()
     # One weight scale for all experts (set by fp8-lm-o3: what its non-owning ranks compute with).
     fp8_tensor_scale: bool = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """One forward for every experts implementation transformers could have picked:
+
+            sort the (token, expert) pairs by expert → offsets (cumulative tokens per expert, on device)
+            h  = x_g · W_gate_upᵀ[e]   (+ bias[e])     FP8 grouped GEMM
+            a  = gate(h)                               the module's own, in high precision
+            y  = a · W_downᵀ[e]        (+ bias[e])     FP8 grouped GEMM
+            out[t] = Σ_k routing_weight[t, k] · y[(t, k)]
+
+        The router (a plain weight and a top-k) runs before this and is not touched: it stays in
+        high precision, as in torchtitan and DeepSeek-V3.
+        """
         if getattr(self, "_is_expert_parallel", False):
             raise NotImplementedError("FP8 experts do not run under expert parallelism; shard with FSDP2 or ZeRO")
         self._link_master_scales()
@@ -284,7 +253,15 @@ def convert_experts(
     margin: int = 0,
     module_filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Give every experts module of `model` FP8 grouped GEMMs, in place (module docstring).
+    """Give every experts module of `model` FP8 grouped GEMMs, in place.
+
+    transformers stores the weights (`gate_up_proj` or `up_proj`, `down_proj`, biases for
+    gpt-oss) as `[experts, out, in]`, or `[experts, in, out]` where the class says
+    `is_transposed`, and runs them through the implementation `config._experts_implementation`
+    names (an `eager` loop of `F.linear`, `batched_mm`, `grouped_mm`). None of them is an
+    `nn.Linear`, so `convert.convert_to_fp8` swaps the module's class instead (to a subclass of
+    `FP8Experts`): the parameters, their names and the module's own gate (`_apply_gate`: SwiGLU,
+    gpt-oss's clamped GLU), activation and post-expert norm stay as they are.
 
     Returns (converted module names, {skipped name: reason}). A module whose weights are not
     multiples of 16 and of the recipe's blocks keeps its own forward, with the reason logged.

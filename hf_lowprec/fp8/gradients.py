@@ -1,20 +1,8 @@
 """FP8 gradients with automatic scaling μ (FP8-LM §2.1, eq. 3; docs/algorithms.md §3).
 
-A gradient g is stored as the scaled FP8 tensor (payload, s) with
-
-    s = μ · 2^(floor(log2(fp8_max / amax(g))) − margin),   payload = FP8(s·g),
-
-so g' = μ·g is what FP8 holds, measured in units of the per-tensor power-of-two scale. With
-μ ≤ 1 a single tensor never saturates; μ matters where FP8 values are *summed*, above all
-in the all-reduce (`hf_lowprec.fp8.comm`), where N ranks' payloads add up and may exceed
-the FP8 maximum. After each step the share of elements that saturated decides μ for the
-next step:
-
-    share > threshold (1e-5, i.e. 0.001 %)            → μ ← μ / 2
-    share ≤ threshold for `interval` (1000) steps     → μ ← 2·μ
-
-μ and the count of clean steps are checkpointed (`state_dict`), so a resumed run continues
-with the same scales bit for bit.
+A gradient g is stored as an FP8 payload at scale s = μ · 2^(floor(log2(fp8_max / amax(g))) − margin)
+(`quantize_gradient`); `GradientAutoScaler` keeps μ and its halving/doubling rule, and
+`BackwardFP8Gradients` quantizes each gradient as soon as backward has accumulated it.
 """
 
 from __future__ import annotations
@@ -80,6 +68,17 @@ def nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Te
 
 class GradientAutoScaler:
     """The auto-scaling factor μ and its update rule, kept on the gradients' device.
+
+    FP8 holds g' = μ·g, measured in units of the per-tensor power-of-two scale. With μ ≤ 1 a
+    single tensor never saturates; μ matters where FP8 values are *summed*, above all in the
+    all-reduce (`hf_lowprec.fp8.comm`), where N ranks' payloads add up and may exceed the FP8
+    maximum. After each step the share of elements that saturated decides μ for the next:
+
+        share > threshold (1e-5, i.e. 0.001 %)            → μ ← μ / 2
+        share ≤ threshold for `interval` (1000) steps     → μ ← 2·μ
+
+    μ and the count of clean steps are checkpointed (`state_dict`), so a resumed run continues
+    with the same scales bit for bit.
 
     Callers `record(saturated, total)` for every quantization of a step, then call `update()`
     once per step. μ, the clean-step counter and the last saturated share are 0-dim tensors

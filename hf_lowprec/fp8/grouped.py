@@ -1,7 +1,7 @@
 """FP8 grouped GEMMs: per-expert x·W[e]ᵀ over token rows sorted by expert, with the scaling
 recipes of the dense layers applied per expert (the scales, the GEMMs and their hand-written
-backward). What the recipes mean for experts, and why, is in `fp8/experts.py`'s docstring;
-docs/algorithms.md §3, "FP8 for Mixture-of-Experts" gives the rules.
+backward). docs/algorithms.md §3, "FP8 for Mixture-of-Experts", gives the rules; `fp8/experts.py`
+runs these GEMMs in transformers' experts modules.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def quantize_expert_weight(
     """(E4M3 payload E × N × K, scales E × N/br × K/bc) of a logical expert weight, per expert.
 
     `master_scale`: w holds real·s_m (a scaled FP16 master). The dimensions are multiples of the
-    recipe's blocks (`convert_experts` keeps the others in high precision).
+    recipe's blocks (`fp8.experts.convert_experts` keeps the others in high precision).
     """
     e, n, k = w.shape
     br, bc = block or _weight_blocks(recipe, n, k)
@@ -263,11 +263,14 @@ def _native_weight_grad(
 
 
 class _FP8GroupedLinear(torch.autograd.Function):
-    """y = x·W[e]ᵀ per expert segment with FP8 GEMMs (module docstring); backward by hand.
+    """y = x·W[e]ᵀ per expert segment with FP8 GEMMs (`fp8_grouped_linear`); backward by hand.
 
     Native (`torch._scaled_grouped_mm`, `native_grouped`): the forward under tensorwise and
     rowwise, the backward under rowwise (the kernel takes E4M3 operands only, and tensorwise's
-    output gradients are E5M2). Elsewhere the exact emulation; both compute the same products.
+    output gradients are E5M2). Elsewhere the exact emulation: the FP8 operands dequantized
+    exactly to BF16 (payload × power of two) and multiplied by `torch._grouped_mm` with FP32
+    accumulation and one rounding to BF16. Both compute the exact products of the FP8 values
+    summed in FP32, what a scaled FP8 grouped GEMM computes.
     """
 
     @staticmethod
@@ -330,7 +333,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 if recipe.whole_tensor:  # the per-expert scales hold along the tokens too
                     g_real, x_real = dequantize_rows(g8, sg, None, rows), dequantize_rows(x8, sx, None, rows)
                     grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
-                else:  # scales along each expert's tokens, one per column (module docstring)
+                else:  # scales along each expert's tokens, one per column (`fp8_grouped_linear`)
                     tg, n_tg = token_groups(offsets, rows, recipe.activation_block[1])
                     gt8, sgt = quantize_rows(recipe, g, recipe.grad_dtype, margin, 1, tg, n_tg)
                     x_exact = dequantize_rows(x8, sx, col, groups)
@@ -393,7 +396,23 @@ def fp8_grouped_linear(
     master_scale: torch.Tensor | None = None,
     tensor_scale: bool = False,
 ) -> torch.Tensor:
-    """Per-expert x·W[e]ᵀ in FP8 for token rows sorted by expert (module docstring).
+    """Per-expert x·W[e]ᵀ in FP8 for token rows sorted by expert.
+
+    The three GEMMs of a linear layer, per expert e over its tokens S_e:
+
+        forward       y_e  = x_e·W_eᵀ        contraction over K (input features)
+        input grad    dx_e = dy_e·W_e        contraction over N (output features)
+        weight grad   dW_e = dy_eᵀ·x_e       contraction over the expert's tokens
+
+    with the dense layers' scaling recipes (`fp8/scaling_recipes.py`) applied per expert (the
+    table of scales is in docs/algorithms.md §3). The weight-gradient operands need their scales
+    along the tokens: where the recipe's scale varies along the other axis, they are
+    re-quantized from the exact real values of the saved FP8 activations, as the dense recipes
+    do. An expert that gets no token has an amax of 0, hence a scale of 1 and a zero weight
+    gradient (never NaN or inf); an inf or NaN in an operand makes the payload of its scale group
+    NaN, so the non-finite step check sees it, as in the dense layers. Offsets stay on the device
+    and every shape is static (tokens × top-k), so a step needs no host sync and a compiled graph
+    does not depend on the routing.
 
     Args:
         x: S × K activations, sorted by expert.

@@ -3,7 +3,7 @@
 This module is long because the autograd function and the module share one quantization
 contract (the weight cache, shared inputs, FP8-stored weights, gradient sinks, state-dict
 hooks); split, each half would restate it. A layer's `FP8LinearConfig` (`fp8.scaling_recipes`)
-says how it scales and which GEMM path it prefers; `convert_to_fp8` (`fp8.convert`) swaps layers.
+says how it scales and which GEMM path it prefers; `convert.convert_to_fp8` swaps layers.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The input's dtype, or under autocast its dtype, as autocast gives `nn.Linear`'s output.
 
     Only the output's rounding follows autocast: the GEMM result is BF16 whatever the output
-    dtype (module docstring), so under BF16 autocast the output is exactly the FP32-input
+    dtype (`GEMM_OUT_DTYPE`), so under BF16 autocast the output is exactly the FP32-input
     layer's output rounded to BF16, and the FP8 operands and what is saved are the same.
     """
     device = x.device.type
@@ -424,7 +424,7 @@ class FP8Linear(nn.Module):
         two for FP16, kept in the buffer `master_scale`.
 
         The layer divides by s_m when quantizing, and `p.grad` is the gradient with respect to the
-        *real* weight (what `FP8AdamW` and gradient clipping expect). The state dict holds real
+        *real* weight (what `hf_lowprec.optim.FP8AdamW` and gradient clipping expect). The state dict holds real
         values in FP32, so checkpoints and `save_pretrained` stay ordinary. An FP8-stored weight
         (fp8-lm-o3) holds the E4M3 payload itself with its scale in `master_scale`, and is used as
         the FP8 weight without quantizing again; its gradient exists only through a sink

@@ -1,6 +1,6 @@
 """What an FP8 layer computes once the guard raises its precision (docs/guard.md): the flush
 counts of its input cast, the next recipe up (`finer`), and the BF16 path a raised layer takes.
-The layer stays an `FP8Linear` (parameters, master or FP8-stored weight, gradient sink unchanged).
+The layer stays a `linear.FP8Linear` (parameters, master or FP8-stored weight, gradient sink unchanged).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def real_weight(layer: Any) -> torch.Tensor:
 
 class _RaisedLinear(torch.autograd.Function):
     """y = x·Wᵀ + b in BF16 (x·W + b for the Conv1D layout); the weight gradient goes where the
-    FP8 path sends it (`deliver_weight_grad`: the sink of FP8-LM O2/O3, else the parameter)."""
+    FP8 path sends it (`linear.deliver_weight_grad`: the sink of FP8-LM O2/O3, else the parameter)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, w16, transposed, out_dtype, sink, deliver):

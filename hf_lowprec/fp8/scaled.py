@@ -1,25 +1,9 @@
 """Scaled low-precision tensors: an FP8 (or FP16) payload plus an FP32 scale (FP8-LM §2).
 
-One convention everywhere in `hf_lowprec.fp8`:
-
-    real value = payload / scale
-
-Scales are powers of two chosen from the tensor's absolute maximum, with a safety margin
-(docs/algorithms.md §3):
-
-    s = 2^(floor(log2(fmt_max / amax)) − margin)
-
-so that amax·s lands in (fmt_max/2^(margin+1), fmt_max/2^margin]. A power of two makes the
-scaling itself exact: only the cast to the payload dtype rounds. A scale is either one scalar
-for the tensor or one scalar per group of `group_size` consecutive elements (row-major).
-
-Casts saturate: finite values beyond the format's maximum become ±max (E4M3 has no
-infinity, and PyTorch's CPU and CUDA casts disagree on overflow), while inf and NaN become
-NaN so that an overflow upstream stays visible to the non-finite-gradient check.
-
-Payload and scale are plain tensors, so optimizer state built from them loads with
-`torch.load(weights_only=True)`. `ScaledTensor` bundles the two for convenience and is
-registered as a safe global for the same reason.
+One convention everywhere in `hf_lowprec.fp8`: real value = payload / scale. Scales are powers of
+two chosen from the tensor's absolute maximum (`pow2_scale`), so only the cast to the payload
+dtype rounds; casts saturate and keep an overflow visible as NaN (`saturating_cast`). The rules
+are docs/algorithms.md §3.
 """
 
 from __future__ import annotations
@@ -87,6 +71,9 @@ def tensor_amax(x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
 def pow2_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
     """s = 2^(floor(log2(max(dtype) / amax)) − margin), elementwise over `amax`.
 
+    amax·s lands in (max/2^(margin+1), max/2^margin]; a power of two makes the scaling itself
+    exact, so only the cast to the payload dtype rounds. Callers apply one scale per tensor or
+    one per group of `group_size` consecutive elements (row-major; `tensor_amax`).
     The exponent comes from `torch.frexp`, which is exact: log2 rounding could put amax·s one
     ulp above the format maximum. amax = 0 or non-finite gives s = 1 (nothing to scale, or
     nothing a scale could fix). The exponent is clamped to ±126 so s and 1/s stay finite.
@@ -141,7 +128,12 @@ def dequantize(
 
 
 def saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y (already scaled) cast to `dtype`, clamped to its finite range; NaN and ±inf stay NaN."""
+    """y (already scaled) cast to `dtype`, clamped to its finite range; NaN and ±inf become NaN.
+
+    Finite values beyond the maximum become ±max (E4M3 has no infinity, and PyTorch's CPU and CUDA
+    casts disagree on overflow), while inf and NaN become NaN so that an overflow upstream stays
+    visible to the non-finite-gradient check.
+    """
     limit = format_max(dtype)
     # clamp turns ±inf into ±max; adding y − y (0 when finite, NaN otherwise) restores NaN
     # for them in two cheap passes instead of an isfinite mask.
@@ -177,6 +169,10 @@ def _apply_scale(x: torch.Tensor, scale: torch.Tensor, group_size: int | None, *
 @dataclasses.dataclass
 class ScaledTensor:
     """A payload and its scale: real value = payload / scale.
+
+    A convenience bundle: optimizer state holds payload and scale as plain tensors, so it loads
+    with `torch.load(weights_only=True)`; this class is registered as a safe global for the same
+    reason.
 
     Attributes:
         payload: low-precision values (FP8, FP16, ...), any shape.

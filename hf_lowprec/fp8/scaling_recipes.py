@@ -177,13 +177,14 @@ def scaling_recipe(name: str | ScalingRecipe) -> ScalingRecipe:
 @dataclasses.dataclass(frozen=True)
 class FP8LinearConfig:
     """Everything an FP8 layer's GEMMs depend on, built once (`fp8_config`) from a strategy's
-    options and handed whole to `convert_to_fp8`, `FP8Linear`, its autograd function and the GEMMs.
+    options and handed whole to `convert.convert_to_fp8`, `linear.FP8Linear`, its autograd function
+    and the GEMMs.
 
     Attributes:
         recipe: the scaling recipe (blocks, gradient format, scale rule, native layout).
         margin: scale margin in binades for every FP8 cast.
         gemm_path: the GEMM path this layer prefers ("scaled_mm" or "upcast"); None: the device's
-            default (`fp8_gemm_path`).
+            default (`gemm.fp8_gemm_path`).
         raised: the guard raised the layer to BF16 GEMMs (`fp8.raised`).
     """
 

@@ -1,29 +1,9 @@
-"""FP8 all-gather of FP8 linear weights under FSDP2 (docs/distributed.md, "FP8-LM under FSDP2").
+"""FP8 all-gather of FP8 linear and expert weights under FSDP2 (docs/distributed.md, "FSDP2").
 
-FSDP2 lets the local tensor of a sharded parameter choose what is all-gathered: when it has
-`fsdp_pre_all_gather` / `fsdp_post_all_gather`, FSDP2 gathers the tensors the first returns and
-hands them to the second, which builds the unsharded parameter. An FP8 layer's weight shard
-is wrapped in `FP8WeightShard`:
-
-    pre-all-gather    payload = E4M3(shard · s)        one byte per element, s the weight's scale
-    all-gather        the payloads (as uint8: gloo has no float8), into FSDP2's buffer
-    post-all-gather   `FP8GatheredWeight(payload, s)`, which `FP8Linear` uses as its FP8 weight
-                      directly (no second quantization)
-
-The scale s = 2^(floor(log2(448 / amax)) − margin) must be that of the whole weight, as one
-process computes it, or each rank would quantize its shard differently. `WeightScales` takes
-every FP8 weight's amax over its local shard, all-reduces the vector of them once (MAX) and
-sets every weight's s: one all-reduce per optimizer step for all weights, run at the first
-all-gather after a step (every rank reaches it at the same point) or after a checkpoint load.
-The maximum is exact, so s and the payload equal one process's bit for bit. A scaled FP16
-master (O2) divides by its master scale as `FP8Linear` does.
-
-Gradients leave the FP8 layer in BF16 (its GEMM output) and FSDP2 reduce-scatters them in FP32
-(`MixedPrecisionPolicy(reduce_dtype=fp32)`); the strategy quantizes the reduced shard to FP8
-with the global amax of each gradient (`quantize_sharded_gradients`: one all-reduce for all).
-FSDP2's reduce-scatter takes one dtype and one sum for the whole bucket: FP8-LM's per-tensor
-scaled FP8 sum (`hf_lowprec.fp8.comm`) would need every tensor's scale agreed before backward
-ends, so the gradient reduction stays FP32 here (docs/distributed.md says what that costs).
+`wrap_fp8_weights` wraps each FP8 weight's shard in `FP8WeightShard`, which FSDP2 all-gathers as
+E4M3 (one byte per element) with the whole weight's scale, agreed over the ranks by `WeightScales`;
+the gathered `FP8GatheredWeight` is the FP8 weight `linear.FP8Linear` multiplies by. Gradients are
+reduce-scattered in FP32 and quantized to FP8 after (`quantize_sharded_gradients`).
 """
 
 from __future__ import annotations
@@ -77,6 +57,14 @@ _KEEP_SHARD = _VIEWS | {
 class WeightScales:
     """The E4M3 scale of every FP8 weight of one sharded model, agreed over its ranks.
 
+    The scale s = 2^(floor(log2(448 / amax)) − margin) must be that of the whole weight, as one
+    process computes it, or each rank would quantize its shard differently. Every FP8 weight's
+    amax over its local shard goes into one vector, all-reduced once (MAX), which sets every
+    weight's s: one all-reduce per optimizer step for all weights, run at the first all-gather
+    after a step (every rank reaches it at the same point) or after a checkpoint load. The
+    maximum is exact, so s and the payload equal one process's bit for bit. A scaled FP16
+    master (O2) divides by its master scale as `linear.FP8Linear` does.
+
     `refresh` runs one all-reduce (MAX) of the local amaxes; `ensure_fresh` runs it when an
     optimizer step (the step counter of `hf_lowprec.fp8.linear`) or a load happened since.
     """
@@ -112,6 +100,15 @@ class WeightScales:
 
 class FP8WeightShard(torch.Tensor):
     """A high-precision weight (shard) that FSDP2 all-gathers as E4M3 with its whole-tensor scale.
+
+    FSDP2 lets the local tensor of a sharded parameter choose what is all-gathered: when it has
+    `fsdp_pre_all_gather` / `fsdp_post_all_gather`, FSDP2 gathers the tensors the first returns
+    and hands them to the second, which builds the unsharded parameter:
+
+        pre-all-gather    payload = E4M3(shard · s)        one byte per element, s the weight's scale
+        all-gather        the payloads (as uint8: gloo has no float8), into FSDP2's buffer
+        post-all-gather   `FP8GatheredWeight(payload, s)`, which `linear.FP8Linear` uses as its
+                          FP8 weight directly (no second quantization)
 
     `box` is shared by every view of one weight: the layer (`module`, for its master scale and
     margin), the scale (set by `WeightScales`) and the `WeightScales` of the model.
@@ -219,7 +216,7 @@ class FP8WeightShard(torch.Tensor):
 
 class FP8GatheredWeight(torch.Tensor):
     """The all-gathered weight: its E4M3 payload and scale (real = payload / scale), dressed as a
-    tensor of the parameter's dtype. `FP8Linear` takes `fp8()`; any other use dequantizes."""
+    tensor of the parameter's dtype. `linear.FP8Linear` takes `fp8()`; any other use dequantizes."""
 
     _payload: torch.Tensor
     _scale: torch.Tensor
@@ -244,7 +241,7 @@ class FP8GatheredWeight(torch.Tensor):
         return f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E4M3 payload, scale) as `FP8Linear` uses them."""
+        """(E4M3 payload, scale) as `linear.FP8Linear` uses them."""
         return self._payload, self._scale
 
     def dequantize(self) -> torch.Tensor:
@@ -323,7 +320,7 @@ def link_master_scales(model: torch.nn.Module, layer_type: type) -> None:
     scale, s = the FP16 power of two of the shard's amax (what FP8AdamW chooses at each step;
     the payload is multiplied by a power of two, exact), and the sharded parameter carries it
     where the optimizer reads it (`get_master_scale`; the local values carry it through
-    `FP8WeightShard.local_values`). A load (`_import_real_weight`) scales the same way, so a
+    `FP8WeightShard.local_values`). A load (`linear._import_real_weight`) scales the same way, so a
     model sharded here and one sharded then loaded hold the same bits."""
     from ..distributed import DTensor, local_shard
 
@@ -355,7 +352,13 @@ def quantize_sharded_gradients(
     s = μ·pow2_scale(amax of the whole gradient), the amaxes of all gradients agreed in one
     all-reduce (MAX). `mu` is the scaler's 0-dim device tensor (no host read). Returns
     {id(param): (payload of the local shard, s)} and the number of saturated elements over all
-    ranks (an int64 tensor, summed in a second all-reduce; nonzero only when μ > 1)."""
+    ranks (an int64 tensor, summed in a second all-reduce; nonzero only when μ > 1).
+
+    Gradients leave the FP8 layer in BF16 (its GEMM output) and FSDP2 reduce-scatters them in FP32
+    (`MixedPrecisionPolicy(reduce_dtype=fp32)`) before this runs. FSDP2's reduce-scatter takes one
+    dtype and one sum for the whole bucket: FP8-LM's per-tensor scaled FP8 sum
+    (`hf_lowprec.fp8.comm`) would need every tensor's scale agreed before backward ends, so the
+    gradient reduction stays FP32 (docs/distributed.md says what that costs)."""
     from ..distributed import local_shard
     from .scaled import quantize_counting
 

@@ -1,15 +1,8 @@
-"""FP8-LM / MS-AMP optimization levels O1 and O2 (FP8-LM §2; docs/algorithms.md §3).
+"""FP8-LM / MS-AMP optimization levels O1 and O2 (FP8-LM §2; docs/strategies/fp8-lm.md).
 
-| name | GEMMs | gradients (+ all-reduce) | optimizer | weights | bytes/param |
-|---|---|---|---|---|---|
-| fp8-lm-o1 | FP8 (E4M3 fwd, E5M2 grad) | FP8, auto-scaled μ | FP32 AdamW states | FP32 | 16 |
-| fp8-lm-o2 | FP8 | FP8, auto-scaled μ, kept in the optimizer | FP8AdamW: E4M3 m, FP16 v | FP16 masters, scaled in FP8 layers | 6 |
-
-Both levels run everything outside the FP8 layers under BF16 autocast, as bf16-mixed does; the
-FP8 layers keep their own numerics under it (only their output is rounded to BF16).
-
-The pieces live in `hf_lowprec.fp8` (convert_to_fp8, quantize_gradient, GradientAutoScaler,
-the FP8 DDP hook) and `hf_lowprec.optim.FP8AdamW`; this class only combines them.
+O1: FP8 GEMMs, FP8 gradients with automatic scaling μ, FP8 all-reduce, FP32 AdamW. O2 adds
+`hf_lowprec.optim.FP8AdamW` (E4M3 m, FP16 v, scaled FP16 masters) on the FP8 GEMM weights. The
+pieces live in `hf_lowprec.fp8` and `hf_lowprec.optim`; this class only combines them.
 """
 
 from __future__ import annotations
@@ -166,7 +159,7 @@ class FP8LM(PrecisionStrategy):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def before_sharding(self, model: torch.nn.Module) -> None:
-        """Before `fully_shard`: FP8 weights all-gather as E4M3 (`fp8.sharded_weight.wrap_fp8_weights`)."""
+        """Before `fully_shard`: FP8 weights all-gather as E4M3 (`hf_lowprec.fp8.sharded_weight.wrap_fp8_weights`)."""
         from ..fp8.sharded_weight import wrap_fp8_weights
 
         if not self.fp8_layer_config.recipe.whole_tensor:
@@ -278,6 +271,8 @@ class FP8LM(PrecisionStrategy):
         return optimizer
 
     def forward_context(self) -> contextlib.AbstractContextManager:
+        # Both levels run everything outside the FP8 layers under BF16 autocast, as bf16-mixed
+        # does; the FP8 layers keep their own numerics under it (only their output is rounded to BF16).
         return bf16_autocast()
 
     def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
@@ -354,7 +349,7 @@ class FP8LM(PrecisionStrategy):
 
     def guarded_step_state(self) -> list[torch.Tensor]:
         """The gradient scaler's device state (μ, clean steps, last saturated share), which the
-        guard restores after a step it skips as an outlier (`Guard.keep`)."""
+        guard restores after a step it skips as an outlier (`hf_lowprec.guard.Guard.keep`)."""
         scaler = self.scaler
         return [scaler._mu, scaler._clean_steps, scaler._last_share]
 

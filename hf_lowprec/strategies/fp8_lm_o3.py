@@ -2,10 +2,7 @@
 
 The optimizer is `hf_lowprec.optim.zero_fp8.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
 gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on
-every rank together, and gathers the owners' masters for export. Memory per rank: the masters
-(2 bytes), FP8AdamW states (3 bytes) and FP8 gradients (1 byte) of the weights it owns, and
-1 byte per element for every FP8 weight another rank owns; the other parameters keep FP32
-masters and states, which DeepSpeed ZeRO 1/2 partitions. In one process, rank 0 owns
+every rank together, and gathers the owners' masters for export. In one process, rank 0 owns
 everything and O3 trains exactly like O2.
 """
 
@@ -37,7 +34,12 @@ def _fp8_zero(optimizer: Any) -> FP8ZeroAdamW | None:
 
 @register("fp8-lm-o3", level="O2")
 class FP8LMO3(FP8LM):
-    """FP8-LM O3: O2 plus the FP8 ZeRO distribution — masters and FP8 optimizer states as whole tensors per rank."""
+    """FP8-LM O3: O2 plus the FP8 ZeRO distribution — masters and FP8 optimizer states as whole tensors per rank.
+
+    Memory per rank: the masters (2 bytes), FP8AdamW states (3 bytes) and FP8 gradients (1 byte)
+    of the weights it owns, and 1 byte per element for every FP8 weight another rank owns; the
+    other parameters keep FP32 masters and states, which DeepSpeed ZeRO 1/2 partitions.
+    """
 
     needs = "DeepSpeed ZeRO stage 1 or 2 across processes"
     support = EngineSupport(

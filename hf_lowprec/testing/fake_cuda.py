@@ -3,32 +3,8 @@ and the dispatcher operations of a GPU run, with no GPU and no data. On it, `fak
 counts a strategy's host→device copies per step and checks the FP8 GEMM path of a compute
 capability.
 
-What a CPU-only build refuses is worked around here, each for a stated reason:
-
-- `torch.cuda.is_available()` is True and `get_device_capability()` is the capability under
-  test, so the package takes its CUDA branches (autocast on CUDA, the FP8 GEMM path).
-- `Tensor.copy_`, `Tensor.contiguous` and basic indexing (`t[:m, :n]`, `t[0]`, `t[:, None]`) go straight to
-  their aten operations: their Python bindings set a CUDA device guard, which a CPU-only build
-  cannot (the fake tensor never needed the device).
-- The bitwise operators `~`, `&`, `|` (`Tensor.__invert__`, `__and__`, `__or__` and their
-  in-place forms) go to their aten operations for the same reason: their bindings set the
-  guard.
-- The fake mode is told there is no device to initialise (`avoid_device_init`, which it derives
-  from the patched `torch.cuda.is_available`): otherwise it propagates small constants (a 0-dim
-  state made on the host) by running the real `.to("cuda")`, which a CPU-only build cannot.
-- `torch.tensor(values, device=cuda)` allocates its device tensor past the fake mode: it is
-  made on the host and copied with `.to(device)`, the copy it is on a GPU (and counted as one).
-- `nn.Module._apply` (`.float()`, `.to(dtype)`) swaps fake parameters; where the swap is
-  refused (the mode holds weak references to its tensors), the parameter's `.data` is set.
-- The model is built on the CPU, then every parameter and buffer is replaced by a fake CUDA
-  tensor of the same shape and dtype (`nn.Module.to("cuda")` also needs the device guard).
-- Autograd: a CPU-only build cannot even record the graph of a CUDA tensor (its input
-  metadata asks for the device's stream and aborts the process), and Python indexing of a
-  CUDA tensor (`t[:, :1]`) sets the device too. So the whole model does not run here: the FP8
-  layers' forward and hand-written backward (the three GEMMs) are called directly with a
-  stand-in context, and the optimizer steps on gradients of the right shapes and dtypes.
-  What is not run: the autograd engine and the rest of the model (torch's and transformers'
-  own code, run by the real-GPU tests in tests/cuda, `make gpu-check`).
+What a CPU-only build refuses is worked around in `fake_cuda`, each patch beside its reason;
+what cannot be (autograd on a CUDA tensor) is left out of the step (`fake_cuda_step`).
 """
 
 from __future__ import annotations
@@ -61,6 +37,9 @@ def _swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
 _swap_tensors = torch.utils.swap_tensors
 
 
+# `Tensor.copy_`, `Tensor.contiguous` and basic indexing (`t[:m, :n]`, `t[0]`, `t[:, None]`) go
+# straight to their aten operations: their Python bindings set a CUDA device guard, which a
+# CPU-only build cannot (the fake tensor never needed the device).
 def _copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     return torch.ops.aten.copy_.default(self, src, non_blocking)
 
@@ -72,7 +51,8 @@ def _contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.c
 
 
 def _bitwise(op: Any, scalar_op: Any = None) -> Any:
-    """A `Tensor` dunder for a bitwise operator, straight to its aten operation."""
+    """A `Tensor` dunder for a bitwise operator (`~`, `&`, `|` and their in-place forms),
+    straight to its aten operation: its Python binding sets the CUDA device guard, as `copy_`'s does."""
 
     def method(self: torch.Tensor, *other: Any) -> torch.Tensor:
         if not other:
@@ -96,7 +76,10 @@ _tensor = torch.tensor
 
 
 def _tensor_via_host(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-    """`torch.tensor(data, device=cuda)` as what it is, a host tensor copied to the device."""
+    """`torch.tensor(data, device=cuda)` as what it is, a host tensor copied to the device.
+
+    The real one allocates its device tensor past the fake mode; made on the host and copied
+    with `.to(device)`, it is the copy it is on a GPU (and counted as one)."""
     if device is None or torch.device(device).type != "cuda":
         return _tensor(data, *args, device=device, **kwargs)
     return _tensor(data, *args, **kwargs).to(DEVICE)
@@ -149,6 +132,8 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
 
     set_fp8_gemm_path(None)  # forget the paths chosen for earlier (fake) devices
     with contextlib.ExitStack() as stack:
+        # The package takes its CUDA branches (autocast on CUDA, the FP8 GEMM path) for the
+        # capability under test.
         stack.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
         stack.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=capability))
         stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
@@ -165,6 +150,9 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
         stack.enter_context(mock.patch("torch.utils.swap_tensors", _swap_or_set_data))
         for name, method in _BITWISE.items():
             stack.enter_context(mock.patch.object(torch.Tensor, name, method))
+        # No device to initialise (the mode derives it from the patched is_available): otherwise
+        # it propagates small constants (a 0-dim state made on the host) by running the real
+        # `.to("cuda")`, which a CPU-only build cannot.
         stack.enter_context(
             mock.patch.object(FakeTensorMode, "avoid_device_init", new_callable=mock.PropertyMock, return_value=True)
         )
@@ -176,7 +164,10 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
 
 
 def to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with every parameter and buffer a fake CUDA tensor (tied tensors stay tied)."""
+    """`model` with every parameter and buffer a fake CUDA tensor (tied tensors stay tied).
+
+    The model is built on the CPU and its tensors replaced by fake CUDA tensors of the same
+    shapes and dtypes: `nn.Module.to("cuda")` needs the device guard too."""
     done: dict[int, Any] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -219,14 +210,17 @@ def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple
 def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2, **options: Any) -> dict[str, Any]:
     """One steady training step of strategy `name` on a fake CUDA device of `capability`.
 
-    The pieces a CPU-only build can run (module docstring): under the strategy's forward
-    context, every FP8 layer's forward and backward GEMMs called directly on a batch of
+    A CPU-only build cannot record the autograd graph of a CUDA tensor (its input metadata asks
+    for the device's stream and aborts the process), so the whole model does not run here. The
+    pieces it can run: under the strategy's forward context, every FP8 layer's forward and backward GEMMs called directly on a batch of
     activations, then the optimizer step (the strategy's gradient processing included) on
     gradients of the parameters' shapes and dtypes, after one warm-up step (the optimizer's
     states are built there). The rest of the model's forward is not run: indexing a CUDA
-    tensor (`t[:, :1]`, in transformers' mask code) sets the device in a CPU-only build.
+    tensor (`t[:, :1]`, in transformers' mask code) sets the device in a CPU-only build. The
+    autograd engine and torch's and transformers' own code are left to the real-GPU tests
+    (tests/cuda, `make gpu-check`).
 
-    Returns: {"copies": host→device copies of the steady step (`Event`s), "syncs": its host
+    Returns: {"copies": host→device copies of the steady step (`syncs.Event`s), "syncs": its host
     syncs, "gemm_path": the FP8 GEMM path chosen ("scaled_mm", "upcast", or None without
     FP8 layers), "fp8_layers": how many FP8 layers ran their GEMMs}.
     """
