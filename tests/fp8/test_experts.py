@@ -35,7 +35,8 @@ from tests.helpers import assert_bits_equal, bits_equal, gamma, snr_floor_db, un
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 RECIPES = ["tensorwise", "rowwise", "blockwise", "mxfp8"]
 
-# The recipes as experts.py's docstring states them, written out independently of recipes.py:
+# The recipes as docs/algorithms.md §3 states them for experts, written out independently of
+# fp8/scaling_recipes.py:
 # (x and dy blocks, W blocks, dy's format, E8M0 rule). Blocks are (rows, cols) of a
 # contraction-last operand, None = the whole dimension of one expert's operand.
 SPEC = {
