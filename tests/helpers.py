@@ -1,18 +1,25 @@
 """The tests' shared helpers, each defined once here: a tiny GPT-2, fixed random batches, bit
-patterns and rounding bounds, Trainer arguments and callbacks, what several ranks share.
-
-What the benchmarks use too (host-sync counters, the GPU checks' GPT-2 step, SNR) is in
-`hf_lowprec.testing`.
+patterns and rounding bounds, Trainer arguments and callbacks, what several ranks share, the
+GPU marks. `tests/launching.py` runs what users run in fresh interpreters (`hf-lowprec launch`,
+torchrun ranks, recipes); `tests/fp8_reference.py` holds the FP8 references. No test module
+imports another (`tests/test_test_imports.py`). What the benchmarks use too (host-sync
+counters, the GPU checks' GPT-2 step, SNR) is in `hf_lowprec.testing`.
 """
 
+import functools
 import math
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, TrainerCallback
 
 VOCAB = 256
+
+# Marks of a test or parameter that needs a GPU: the `cuda` marker (`make gpu-check` runs
+# `pytest -m cuda`) and a skip, reported as such, where there is none.
+requires_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # Unit roundoff u = 2^-p of round to nearest, p significand bits with the implicit one:
 # |r(x) − x| ≤ u·|x| for x in the dtype's normal range (FP8 after its scale puts x there).
@@ -180,6 +187,18 @@ def make_args(output_dir, strategy: str | None, **overrides):
     return TrainingArguments(**trainer_arguments(output_dir, precision_strategy=strategy, **overrides))
 
 
+# `make_args` of the Trainer tests that save and resume: a checkpoint every 3 steps, a cosine
+# schedule after one warm-up step and weight decay, all of which a resume has to restore.
+checkpointed_args = functools.partial(
+    make_args,
+    save_steps=3,
+    save_strategy="steps",
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    weight_decay=0.01,
+)
+
+
 class TokenBlocks(torch.utils.data.Dataset):
     """`n` random token blocks as causal-LM examples (labels = input_ids) for Trainer tests."""
 
@@ -221,6 +240,24 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     raise AssertionError(
         f"{where}bits differ first at flat index {first}: {a.flatten()[first]} vs {b.flatten()[first]}"
     )
+
+
+def assert_same_state(a, b, where: str) -> None:
+    """Equal structure (nested dicts, lists, tuples, values), and tensors equal bit for bit
+    (compared as bytes: FP8 has no ==); `where` names the state in the message."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def finite(values: list[float]) -> list[float]:

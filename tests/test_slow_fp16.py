@@ -9,8 +9,7 @@ import pytest
 
 import hf_lowprec
 from hf_lowprec import Trainer, hardware, report
-from tests.helpers import TokenBlocks, tiny_gpt2
-from tests.integrations.test_trainer import make_args
+from tests.helpers import TokenBlocks, checkpointed_args, tiny_gpt2
 
 
 @pytest.fixture
@@ -76,7 +75,7 @@ def test_said_once_per_process(probe, caplog):
 @pytest.mark.parametrize("ratio, warned", [(190.0, True), (1.0, False)])
 def test_the_trainer_startup_report_says_it(probe, caplog, tmp_path, ratio, warned):
     probe(ratio)
-    args = make_args(tmp_path, "fp16-mixed", max_steps=1, save_strategy="no")
+    args = checkpointed_args(tmp_path, "fp16-mixed", max_steps=1, save_strategy="no")
     with caplog.at_level(logging.WARNING, logger="hf_lowprec.report"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(n=8)).train()
     said = [r for r in caplog.records if "computes in FP16" in r.getMessage()]

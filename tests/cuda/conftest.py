@@ -7,8 +7,8 @@ the CUDA instance carries the `cuda` marker and is skipped (reported as skipped)
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+from tests.helpers import requires_cuda
+
 CUDA = pytest.param("cuda", marks=requires_cuda, id="cuda")
 
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path, fp8_linear
-from hf_lowprec.fp8.linear import _fp8_mm, _gemm_for, _quantize_per_tensor, _Upcast
+from hf_lowprec.fp8.gemm import UpcastGemm, fp8_mm, gemm_for
+from hf_lowprec.fp8.linear import quantize_tensorwise
 from hf_lowprec.testing import snr_db
+from tests.fp8_reference import dequantized, fp64_linear_reference, fp64_product, gemm_error_bound
 from tests.helpers import gamma
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -24,7 +26,7 @@ U_TENSOR_CORE = 2.0**-13
 
 
 def accumulation_unit(device: torch.device) -> float:
-    return U_TENSOR_CORE if _gemm_for(device).name == "scaled_mm" else U32
+    return U_TENSOR_CORE if gemm_for(device).name == "scaled_mm" else U32
 
 
 def make(shape, fmt, device, seed, column_major):
@@ -32,7 +34,7 @@ def make(shape, fmt, device, seed, column_major):
     x = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-6, 6, (), generator=g).item()
     if column_major:  # same values, transposed storage
         x = x.t().contiguous().t()
-    payload, scale = _quantize_per_tensor(x.to(device), fmt, 0)
+    payload, scale = quantize_tensorwise(x.to(device), fmt, 0)
     return payload, scale
 
 
@@ -45,13 +47,11 @@ def test_fp8_gemm_against_fp64_of_the_same_operands(device, fmts, layout, mkn):
     m, k, n = mkn
     a8, sa = make((m, k), fmts[0], device, 1, layout[0] == "c")
     b8, sb = make((k, n), fmts[1], device, 2, layout[1] == "c")
-    out = _fp8_mm(a8, sa, b8, sb, torch.float32)
+    out = fp8_mm(a8, sa, b8, sb, torch.float32)
     assert out.device.type == device.type and out.shape == (m, n)
-    a, b = a8.cpu().double() / sa.cpu().double(), b8.cpu().double() / sb.cpu().double()
-    exact, total = a @ b, a.abs() @ b.abs()
+    exact, total = fp64_product(dequantized(a8, sa), dequantized(b8, sb))
     # Exact FP8 products, exact power-of-two scales: the sum (γ_{K−1}·Σ|a||b|) and one rounding to BF16.
-    sum_error = gamma(k - 1, accumulation_unit(device)) * total
-    bound = sum_error + U_BF16 * (exact.abs() + sum_error)
+    bound = gemm_error_bound(exact, total, k, accumulation_unit(device))
     err = (out.cpu().double() - exact).abs()
     assert (err <= bound).all(), f"worst error/bound {(err / bound).max().item():.3f}"
 
@@ -69,10 +69,9 @@ def test_upcast_path_agrees_on_this_device(device):
     m, k, n = 48, 256, 64
     a8, sa = make((m, k), E5M2, device, 3, False)
     b8, sb = make((k, n), E4M3, device, 4, True)
-    default = _fp8_mm(a8, sa, b8, sb, torch.float32).cpu().double()
-    upcast = _fp8_mm(a8, sa, b8, sb, torch.float32, _Upcast()).cpu().double()
-    a, b = a8.cpu().double() / sa.cpu().double(), b8.cpu().double() / sb.cpu().double()
-    exact, total = a @ b, a.abs() @ b.abs()
+    default = fp8_mm(a8, sa, b8, sb, torch.float32).cpu().double()
+    upcast = fp8_mm(a8, sa, b8, sb, torch.float32, UpcastGemm()).cpu().double()
+    exact, total = fp64_product(dequantized(a8, sa), dequantized(b8, sb))
     bound = (gamma(k - 1, accumulation_unit(device)) + gamma(k - 1, U32)) * total + 2.5 * U_BF16 * exact.abs()
     assert ((default - upcast).abs() <= bound).all()
 
@@ -82,20 +81,11 @@ def test_upcast_path_agrees_on_this_device(device):
 def test_fp8_linear_forward_and_gradients_on_device(device, transposed, dtype):
     # SNR floors as in tests/fp8/test_linear.py: per-tensor E4M3 operands give ≈ 28 dB forward,
     # E5M2 output gradients ≈ 25 dB; 25 / 22 dB leave room for data and the activation dtype.
-    m, k, n = 100, 64, 48  # 100 rows: padded to 112 on the scaled_mm path
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    w = torch.randn((k, n) if transposed else (n, k), generator=g, dtype=torch.float64) * 0.05
-    dy = torch.randn(m, n, generator=g, dtype=torch.float64)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (xr @ wr if transposed else xr @ wr.t()).backward(dy)
-    xd = x.to(device, dtype).requires_grad_()
-    wd = w.to(device, dtype).requires_grad_()
-    y = fp8_linear(xd, wd, weight_transposed=transposed)
-    y.backward(dy.to(device, dtype))
-    assert y.dtype == dtype and xd.grad.dtype == dtype and wd.grad.dtype == dtype
-    assert snr_db(x @ w if transposed else x @ w.t(), y) >= 25.0
-    assert snr_db(xr.grad, xd.grad) >= 22.0 and snr_db(wr.grad, wd.grad) >= 22.0
+    ref = fp64_linear_reference(100, 64, 48, transposed)  # 100 rows: padded to 112 on the scaled_mm path
+    y, x_grad, w_grad = ref.run(lambda x, w: fp8_linear(x, w, weight_transposed=transposed), dtype, device)
+    assert y.dtype == dtype and x_grad.dtype == dtype and w_grad.dtype == dtype
+    assert snr_db(ref.y, y) >= 25.0
+    assert snr_db(ref.x_grad, x_grad) >= 22.0 and snr_db(ref.w_grad, w_grad) >= 22.0
 
 
 def test_fp8_linear_module_matches_the_functional_form_on_device(device):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hf_lowprec import optim
-from tests.cuda.conftest import requires_cuda
+from tests.helpers import requires_cuda
 
 LR, STEPS = 1e-2, 3
 FAMILIES = {

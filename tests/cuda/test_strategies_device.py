@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import hf_lowprec
-from tests.cuda.conftest import requires_cuda
-from tests.helpers import batches, tiny_gpt2, train_steps
+from tests.helpers import batches, requires_cuda, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 CPU_SAMPLE = ("bf16-mixed", "fp8-lm-o2")

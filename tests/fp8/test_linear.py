@@ -12,6 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
 from hf_lowprec.testing import snr_db
+from tests.fp8_reference import fp64_linear_reference
 from tests.helpers import bits, bits_equal, snr_floor_db, tiny_gpt2
 
 # SNR floors from the formats' unit roundoff (`snr_floor_db`): each GEMM operand is rounded
@@ -27,23 +28,11 @@ SNR_GRAD_DB = snr_floor_db(torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat1
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("shape", [(256, 128, 192), (100, 64, 48)])
 def test_forward_and_gradients_against_fp64(transposed, shape):
-    m, k, n = shape
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    w = torch.randn((k, n) if transposed else (n, k), generator=g, dtype=torch.float64) * 0.05
-    grad_out = torch.randn(m, n, generator=g, dtype=torch.float64)
-
-    x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (x_ref @ w_ref if transposed else x_ref @ w_ref.t()).backward(grad_out)
-
-    x8, w8 = x.float().requires_grad_(), w.float().requires_grad_()
-    y = fp8_linear(x8, w8, weight_transposed=transposed)
-    y.backward(grad_out.float())
-    y_ref = x @ w if transposed else x @ w.t()
-
-    assert snr_db(y_ref, y.detach()) >= SNR_FORWARD_DB
-    assert snr_db(x_ref.grad, x8.grad) >= SNR_GRAD_DB
-    assert snr_db(w_ref.grad, w8.grad) >= SNR_GRAD_DB
+    ref = fp64_linear_reference(*shape, transposed)
+    y, x_grad, w_grad = ref.run(lambda x, w: fp8_linear(x, w, weight_transposed=transposed))
+    assert snr_db(ref.y, y) >= SNR_FORWARD_DB
+    assert snr_db(ref.x_grad, x_grad) >= SNR_GRAD_DB
+    assert snr_db(ref.w_grad, w_grad) >= SNR_GRAD_DB
 
 
 def test_snr_floor_holds_for_one_rounding_and_fails_for_a_coarser_one():

@@ -9,8 +9,16 @@ import torch
 from torch import nn
 
 from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
-from hf_lowprec.fp8.recipes import RECIPES, dequantize_blocks, get_recipe, mx_scale, quantize_blocks, recipe_mm
+from hf_lowprec.fp8.scaling_recipes import (
+    SCALING_RECIPES,
+    dequantize_blocks,
+    mx_scale,
+    quantize_blocks,
+    recipe_mm,
+    scaling_recipe,
+)
 from hf_lowprec.testing import row_snr_db, snr_db
+from tests.fp8_reference import fp64_linear_reference, fp64_product, gemm_error_bound
 from tests.helpers import assert_bits_equal, bits_equal, snr_floor_db
 
 E4M3 = torch.float8_e4m3fn
@@ -22,7 +30,7 @@ SNR_FINE_DB = snr_floor_db(E4M3, E4M3, torch.bfloat16)
 
 def test_unknown_recipe_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"tensorwise.*rowwise.*blockwise.*mxfp8"):
-        get_recipe("colwise")
+        scaling_recipe("colwise")
     with pytest.raises(ValueError, match="valid recipes"):
         FP8Linear(32, 32, recipe="nvfp4")
 
@@ -32,7 +40,7 @@ def test_unknown_recipe_names_the_valid_ones():
     [("rowwise", (300, 1), (96, 1)), ("blockwise", (300, 2), (1, 2)), ("mxfp8", (300, 8), (96, 8))],
 )
 def test_scale_shapes_follow_the_blocks(name, x_scales, w_scales):
-    recipe = get_recipe(name)
+    recipe = scaling_recipe(name)
     x, w = torch.randn(300, 256), torch.randn(96, 256)
     assert quantize_blocks(x, recipe.activation_block, E4M3, e8m0=recipe.e8m0)[1].shape == x_scales
     assert quantize_blocks(w, recipe.weight_block, E4M3, e8m0=recipe.e8m0)[1].shape == w_scales
@@ -40,7 +48,7 @@ def test_scale_shapes_follow_the_blocks(name, x_scales, w_scales):
 
 @pytest.mark.parametrize("name", FINE)
 def test_each_block_is_scaled_by_its_own_amax_and_dequantizes_to_the_rounded_values(name):
-    recipe = get_recipe(name)
+    recipe = scaling_recipe(name)
     g = torch.Generator().manual_seed(0)
     # Rows and blocks over 24 binades: one scale per tensor would flush the small ones to zero.
     x = torch.randn(200, 256, generator=g) * torch.exp2(torch.randint(-12, 12, (200, 1), generator=g).float())
@@ -68,44 +76,30 @@ def test_mx_scale_follows_the_ocp_rule():
     assert payload.float()[0, 0].item() == 448.0, "MX casts saturate"
 
 
-def _fp64_product(a8, sa, a_block, b8, sb, b_block):
-    a = dequantize_blocks(a8, sa, a_block).double()
-    b = dequantize_blocks(b8, sb, b_block).double()
-    return a @ b.t(), a.abs() @ b.abs().t()
-
-
 @pytest.mark.parametrize("name", FINE)
 def test_emulated_gemm_is_the_exact_product_within_fp32_accumulation_and_one_bf16_rounding(name):
-    recipe = get_recipe(name)
+    recipe = scaling_recipe(name)
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(48, 384, generator=g), torch.randn(80, 384, generator=g) * 1e-3
     a8, sa = quantize_blocks(a, recipe.activation_block, E4M3, e8m0=recipe.e8m0)
     b8, sb = quantize_blocks(b, recipe.weight_block, E4M3, e8m0=recipe.e8m0)
     out = recipe_mm(recipe, a8, sa, recipe.activation_block, b8, sb, recipe.weight_block, native=False)
-    exact, total = _fp64_product(a8, sa, recipe.activation_block, b8, sb, recipe.weight_block)
-    k = a.shape[1]
+    a_real = dequantize_blocks(a8, sa, recipe.activation_block)
+    b_real = dequantize_blocks(b8, sb, recipe.weight_block)
+    exact, total = fp64_product(a_real, b_real.t())
     # Products of ≤ 4-bit significands are exact in FP32; the FP32 sum errs by ≤ γ_{K−1}·Σ|a||b|
     # in any order, then one rounding to BF16 (2^-8 relative).
-    sum_error = (k - 1) * 2.0**-24 / (1 - (k - 1) * 2.0**-24) * total
-    assert ((out.double() - exact).abs() <= sum_error + 2.0**-8 * (exact.abs() + sum_error)).all()
+    assert ((out.double() - exact).abs() <= gemm_error_bound(exact, total, a.shape[1])).all()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("name", FINE)
 def test_forward_and_gradients_against_fp64(name, transposed):
-    m, k, n = 200, 256, 128
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    w = torch.randn((k, n) if transposed else (n, k), generator=g, dtype=torch.float64) * 0.05
-    grad_out = torch.randn(m, n, generator=g, dtype=torch.float64)
-    x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (x_ref @ w_ref if transposed else x_ref @ w_ref.t()).backward(grad_out)
-    x8, w8 = x.float().requires_grad_(), w.float().requires_grad_()
-    y = fp8_linear(x8, w8, weight_transposed=transposed, recipe=name)
-    y.backward(grad_out.float())
-    assert snr_db(x.detach() @ (w if transposed else w.t()), y.detach()) >= SNR_FINE_DB
-    assert snr_db(x_ref.grad, x8.grad) >= SNR_FINE_DB
-    assert snr_db(w_ref.grad, w8.grad) >= SNR_FINE_DB
+    ref = fp64_linear_reference(200, 256, 128, transposed)
+    y, x_grad, w_grad = ref.run(lambda x, w: fp8_linear(x, w, weight_transposed=transposed, recipe=name))
+    assert snr_db(ref.y, y) >= SNR_FINE_DB
+    assert snr_db(ref.x_grad, x_grad) >= SNR_FINE_DB
+    assert snr_db(ref.w_grad, w_grad) >= SNR_FINE_DB
 
 
 def outlier_activations(rows=256, k=512, outliers=(3, 77, 190), factor=1e5, seed=0):
@@ -188,5 +182,5 @@ def test_small_gemms_stay_high_precision_unless_module_filter_says_otherwise():
 
 
 def test_recipes_table_is_complete():
-    assert list(RECIPES) == ["tensorwise", "rowwise", "blockwise", "mxfp8"]
-    assert math.lcm(16, 128) == RECIPES["blockwise"].dim_multiple
+    assert list(SCALING_RECIPES) == ["tensorwise", "rowwise", "blockwise", "mxfp8"]
+    assert math.lcm(16, 128) == SCALING_RECIPES["blockwise"].dim_multiple

@@ -36,8 +36,7 @@ import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.resume import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
 from tests import helpers
-from tests.helpers import TokenBlocks, batches, tiny_gpt2
-from tests.integrations.test_resume import assert_same
+from tests.helpers import TokenBlocks, assert_same_state, batches, tiny_gpt2
 
 STRATEGIES = hf_lowprec.available_strategies()
 STEPS = 12
@@ -415,9 +414,9 @@ def test_untouched_checkpoint_continues_bit_for_bit_and_without_manifest_warns(s
     shutil.copytree(checkpoint, copy)
     trainer = resumed(copy, strategy, caplog)
     assert "no hf_lowprec_manifest.json" not in caplog.text
-    assert_same(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
-    assert_same(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
-    assert_same(trainer.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
+    assert_same_state(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
+    assert_same_state(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
+    assert_same_state(trainer.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
     # A checkpoint without the manifest (as saved before manifests existed): one warning, then the same run.
     shutil.rmtree(copy.parent / f"checkpoint-{MATRIX_STEPS}", ignore_errors=True)
     (copy / MANIFEST).unlink()
@@ -425,8 +424,10 @@ def test_untouched_checkpoint_continues_bit_for_bit_and_without_manifest_warns(s
     trainer = resumed(copy, strategy, caplog)
     warnings = [r for r in caplog.records if MANIFEST in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
-    assert_same(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model, no manifest")
-    assert_same(trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer, no manifest")
+    assert_same_state(trainer.model.state_dict(), reference.model.state_dict(), f"{strategy} model, no manifest")
+    assert_same_state(
+        trainer.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer, no manifest"
+    )
 
 
 def optimizer_steps(trainer: Trainer) -> set[int]:

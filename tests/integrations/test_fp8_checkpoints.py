@@ -2,18 +2,17 @@
 
 The checkpoints here are written as DeepSeek-V3 / Qwen3-FP8 releases are (E4M3 `weight`,
 FP32 `weight_scale_inv` per 128×128 block, `quantization_config.quant_method: "fp8"`), by a
-writer in this file independent of the package's own `quantize_published`. They are loaded as users
-load them: `from_pretrained(path)`, which on this CPU dequantizes into BF16 layers, or, with CUDA
-faked for the load, into transformers' FP8 inference layers as on a GPU.
+writer independent of the package's own `quantize_published` (`tests/fp8_reference.py`). They
+are loaded as users load them: `from_pretrained(path)`, which on this CPU dequantizes into BF16
+layers, or, with CUDA faked for the load, into transformers' FP8 inference layers as on a GPU.
 """
 
 import json
-import pathlib
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_lowprec
@@ -21,33 +20,12 @@ from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.fp8_published import restore_published_fp8
 from hf_lowprec.fp8.blocks import FrozenBlockFP8Linear, dequantize_published, quantize_published
 from hf_lowprec.report import describe, format_report
+from tests.fp8_reference import publish_fp8
 from tests.helpers import VOCAB, TokenBlocks, assert_bits_equal, load_as_on_a_gpu, tiny_llama_config, trainer_arguments
 
 E4M3 = torch.float8_e4m3fn
 STRATEGIES = hf_lowprec.available_strategies()
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _publish(bf16_dir, out_dir) -> None:
-    """The published format, written independently: scale_inv = amax/448 per block, payload = w / scale_inv."""
-    tensors = {}
-    for key, value in load_file(f"{bf16_dir}/model.safetensors").items():
-        if key.rsplit(".", 2)[-2] not in PROJECTIONS:
-            tensors[key] = value
-            continue
-        rows, cols = value.shape
-        blocks = value.double().reshape(rows // 128, 128, cols // 128, 128)
-        scale_inv = (blocks.abs().amax(dim=(1, 3)) / 448).float()
-        payload = (blocks / scale_inv.double()[:, None, :, None]).clamp(-448, 448).reshape(rows, cols).to(E4M3)
-        tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = payload, scale_inv
-    save_file(tensors, f"{out_dir}/model.safetensors", metadata={"format": "pt"})
-    config = json.loads(pathlib.Path(bf16_dir, "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
-    pathlib.Path(out_dir, "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +34,7 @@ def fp8_checkpoint(tmp_path_factory):
     config = tiny_llama_config(128)  # whole 128×128 blocks, as transformers' dequantizing load needs
     bf16, fp8 = tmp_path_factory.mktemp("bf16"), tmp_path_factory.mktemp("fp8")
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(bf16)
-    _publish(bf16, fp8)
+    publish_fp8(bf16, fp8)
     return str(fp8)
 
 

@@ -2,10 +2,10 @@
 
 A release stores each expert's projections apart, as Qwen3-30B-A3B-FP8 and DeepSeek-V3 do
 (`experts.N.gate_proj.weight` in E4M3 with an FP32 `weight_scale_inv` per 128×128 block), and
-transformers fuses them at load into 3-D weights. The release here is written by a writer of this
-file, independent of the package's `quantize_published`, from a tiny Qwen3-MoE saved in BF16;
-it is loaded as users load it: dequantized on this CPU, or into transformers' FP8 experts with
-CUDA faked for the load, as on a GPU.
+transformers fuses them at load into 3-D weights. The release here is written by the tests'
+writer (`tests/fp8_reference.py`), independent of the package's `quantize_published`, from a
+tiny Qwen3-MoE saved in BF16; it is loaded as users load it: dequantized on this CPU, or into
+transformers' FP8 experts with CUDA faked for the load, as on a GPU.
 """
 
 import json
@@ -13,37 +13,16 @@ import pathlib
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.testing.moe import tiny_moe
+from tests.fp8_reference import publish_fp8
 from tests.helpers import TokenBlocks, load_as_on_a_gpu, trainer_arguments
 
 E4M3 = torch.float8_e4m3fn
 EXPERTS = 4
-
-
-def _publish(bf16_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
-    """Every 2-D projection whose sides are whole 128-blocks: scale_inv = amax / 448 per block."""
-    tensors = {}
-    for key, value in load_file(f"{bf16_dir}/model.safetensors").items():
-        if not (key.endswith("proj.weight") and value.dim() == 2 and value.shape[0] % 128 == value.shape[1] % 128 == 0):
-            tensors[key] = value
-            continue
-        rows, cols = value.shape
-        blocks = value.double().reshape(rows // 128, 128, cols // 128, 128)
-        scale_inv = (blocks.abs().amax(dim=(1, 3)) / 448).float()
-        payload = (blocks / scale_inv.double()[:, None, :, None]).clamp(-448, 448).reshape(rows, cols).to(E4M3)
-        tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = payload, scale_inv
-    save_file(tensors, f"{out_dir}/model.safetensors", metadata={"format": "pt"})
-    config = json.loads((bf16_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
-    (out_dir / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +31,7 @@ def release(tmp_path_factory):
     # Every projection on whole 128-blocks (k and v too: 4 key/value heads of 32), as a release quantizes them all.
     model = tiny_moe("qwen3_moe", hidden=128, intermediate=128, experts=EXPERTS, num_key_value_heads=4)
     model.to(torch.bfloat16).save_pretrained(bf16)
-    _publish(bf16, fp8)
+    publish_fp8(bf16, fp8)
     return fp8
 
 

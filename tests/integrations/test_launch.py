@@ -28,9 +28,8 @@ import pytest
 import torch
 
 from hf_lowprec.integrations import launch
-from tests.deepspeed._launch import EXIT_ABORT
+from tests.launching import ROOT, launch_command, run_checked, run_ranks, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
 STRATEGY = "collage-plus"
 # The eager reference step: no kernel build or compile in the launched processes.
 OPTIONS = '{"fused": "reference"}'
@@ -87,40 +86,6 @@ if __name__ == "__main__":
 """
 TRANSFORMERS_IMPORT = "from transformers import Trainer, TrainingArguments\n"
 HF_LOWPREC_IMPORT = "from hf_lowprec import Trainer, TrainingArguments\n"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_LOWPREC_PRECISION")}
-    env.update({"PYTHONPATH": str(ROOT), "TRL_EXPERIMENTAL_SILENCE": "1", **extra})
-    return env
-
-
-def _run(cmd: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    )
-    return proc
-
-
-def _run_ranks(cmd: list[str], cwd: Path, complete: Callable[[], bool]) -> None:
-    """`_run` of a command that starts 2 gloo ranks under torchrun. A rank that aborts at teardown,
-    after its work (`terminate called without an active exception`, SIGABRT: the known gloo exit
-    abort that tests/deepspeed/_launch.py tolerates too), passes when `complete()` says every output
-    was written; a run it cut short runs once more. Any other failure fails."""
-    for _ in range(2):
-        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0 or not (EXIT_ABORT in proc.stderr and "SIGABRT" in proc.stderr):
-            break
-        if complete():
-            return
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-5000:]}"
-    )
-
-
-def _launch(*launcher_args: str) -> list[str]:
-    return [sys.executable, "-m", "hf_lowprec", "launch", *launcher_args]
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +258,7 @@ def test_a_launched_interpreter_without_hf_lowprec_refuses_transformers(tmp_path
     """Another environment's Python under the launcher must not train without the strategy."""
     (tmp_path / "hf_lowprec").mkdir()
     (tmp_path / "hf_lowprec" / "__init__.py").write_text("raise ImportError('not importable here')\n")
-    env = launch.launch_environment(None, None, _env(PYTHONPATH=str(tmp_path)))
+    env = launch.launch_environment(None, None, subprocess_env(PYTHONPATH=str(tmp_path)))
     cmd = [sys.executable, "-c", "import transformers"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -302,8 +267,10 @@ def test_a_launched_interpreter_without_hf_lowprec_refuses_transformers(tmp_path
 
 def test_misspelt_strategy_stops_before_the_command_starts(tmp_path):
     marker = tmp_path / "started"
-    cmd = _launch("--precision_strategy", "colage-plus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = launch_command(
+        "--precision_strategy", "colage-plus", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"
+    )
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "unknown precision strategy 'colage-plus'" in proc.stderr and "collage-plus" in proc.stderr
     assert "Valid names:" in proc.stderr and "bf16-pure" in proc.stderr
@@ -317,13 +284,13 @@ def test_a_malformed_options_variable_stops_the_launched_process(tmp_path):
     """The hook's failure must not become Python's "Error in sitecustomize" and an FP32 run."""
     marker = tmp_path / "trained"
     script = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
-    env = launch.launch_environment(STRATEGY, None, _env())
+    env = launch.launch_environment(STRATEGY, None, subprocess_env())
     direct = subprocess.run(
         script, cwd=tmp_path, env={**env, launch.ENV_OPTIONS: MALFORMED}, capture_output=True, text=True, timeout=120
     )
     # Through the launcher, the variable replaced by the command itself.
-    cmd = _launch("--precision_strategy", STRATEGY, "--", "env", f"{launch.ENV_OPTIONS}={MALFORMED}", *script)
-    launched = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = launch_command("--precision_strategy", STRATEGY, "--", "env", f"{launch.ENV_OPTIONS}={MALFORMED}", *script)
+    launched = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     for proc in (direct, launched):
         assert proc.returncode == 2, proc.stderr
         assert "Error in sitecustomize" not in proc.stderr
@@ -345,9 +312,9 @@ def test_a_malformed_options_variable_stops_the_launched_process(tmp_path):
 )
 def test_a_command_whose_processes_never_ran_the_hook_fails(tmp_path, command):
     proc = subprocess.run(
-        _launch("--precision_strategy", STRATEGY, "--", *command),
+        launch_command("--precision_strategy", STRATEGY, "--", *command),
         cwd=tmp_path,
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -360,7 +327,10 @@ def test_a_command_whose_processes_never_ran_the_hook_fails(tmp_path, command):
 
 def test_the_launcher_passes_on_the_exit_code_and_termination(tmp_path):
     code = subprocess.run(
-        _launch("--", sys.executable, "-c", "raise SystemExit(7)"), cwd=tmp_path, env=_env(), timeout=300
+        launch_command("--", sys.executable, "-c", "raise SystemExit(7)"),
+        cwd=tmp_path,
+        env=subprocess_env(),
+        timeout=300,
     )
     assert code.returncode == 7
     # SIGTERM to the launcher reaches the command, which says so and stops; 128 + 15 as a shell reports it.
@@ -371,7 +341,7 @@ def test_the_launcher_passes_on_the_exit_code_and_termination(tmp_path):
         f"open({str(got) + '.ready'!r}, 'w')\n"
         "time.sleep(120)\n"
     )
-    proc = subprocess.Popen(_launch("--", sys.executable, "-c", child), cwd=tmp_path, env=_env())
+    proc = subprocess.Popen(launch_command("--", sys.executable, "-c", child), cwd=tmp_path, env=subprocess_env())
     deadline = time.monotonic() + 240
     while not Path(f"{got}.ready").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -385,7 +355,12 @@ def test_a_path_that_is_not_executable_is_named(tmp_path):
     script.write_text("print('ran')\n")
     for name, match in [(script, "is not executable: chmod +x"), (tmp_path / "absent.py", "does not exist")]:
         proc = subprocess.run(
-            _launch("--", str(name)), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+            launch_command("--", str(name)),
+            cwd=tmp_path,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 2 and f"'{name}' {match}" in proc.stderr, proc.stderr
         assert "not found on PATH" not in proc.stderr
@@ -429,8 +404,8 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     (user / "sitecustomize.py").write_text("RAN = True\n")
     # hf_lowprec imported before transformers: the patch waits for hf_lowprec's classes to exist.
     probe = [sys.executable, "-c", "import hf_lowprec.integrations.trainer\n" + REFUSED + PROBE]
-    launched = _run(
-        _launch("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", *probe),
+    launched = run_checked(
+        launch_command("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", *probe),
         tmp_path,
         PYTHONPATH=os.pathsep.join([str(ROOT), str(user)]),
     )
@@ -465,7 +440,7 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
         "import hf_lowprec, hf_lowprec.trl, hf_lowprec.integrations.trainer\n" + REFUSED + PROBE,
     ]
     path = os.pathsep.join([str(launch.HOOK_DIR), str(ROOT), str(user)])
-    seen = json.loads(subprocess.check_output(plain, cwd=tmp_path, env=_env(PYTHONPATH=path), text=True))
+    seen = json.loads(subprocess.check_output(plain, cwd=tmp_path, env=subprocess_env(PYTHONPATH=path), text=True))
     assert seen == {**untouched, "shadowed_sitecustomize": True}
 
 
@@ -474,10 +449,15 @@ def test_transformers_script_takes_the_strategy_from_the_launcher_or_its_command
     script, twin = _script(tmp_path, hf_lowprec=False), _script(tmp_path, hf_lowprec=True)
     strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
     # The launcher's value is the default ...
-    _run(_launch(*strategy_args, "--", sys.executable, str(script), *_script_args(assets, tmp_path / "a")), tmp_path)
+    run_checked(
+        launch_command(*strategy_args, "--", sys.executable, str(script), *_script_args(assets, tmp_path / "a")),
+        tmp_path,
+    )
     # ... and the script's own command line wins over it.
     launched_b = [*_script_args(assets, tmp_path / "b"), *strategy_args]
-    _run(_launch("--precision_strategy", "bf16-pure", "--", sys.executable, str(script), *launched_b), tmp_path)
+    run_checked(
+        launch_command("--precision_strategy", "bf16-pure", "--", sys.executable, str(script), *launched_b), tmp_path
+    )
     # The same script with the import changed, run here, without the launcher.
     monkeypatch.setattr(sys, "argv", [str(twin), *_script_args(assets, tmp_path / "ref"), *strategy_args])
     runpy.run_path(str(twin), run_name="__main__")
@@ -582,8 +562,8 @@ def test_trl_cli_trains_with_the_strategy(tmp_path, assets, monkeypatch, kind):
     if cli is None:
         pytest.skip("the `trl` console script is not on PATH")
     launched = tmp_path / "launched"
-    cmd = _launch("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", cli, kind.lower())
-    _run([*cmd, *_trl_args(kind, assets, launched)], tmp_path)
+    cmd = launch_command("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", cli, kind.lower())
+    run_checked([*cmd, *_trl_args(kind, assets, launched)], tmp_path)
     strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
     _trl_reference(kind, [*_trl_args(kind, assets, tmp_path / "ref"), *strategy_args], monkeypatch)
     run, reference = Run(launched), Run(tmp_path / "ref")
@@ -602,10 +582,10 @@ def test_torchrun_ranks_train_with_the_strategy(tmp_path, assets):
     script, twin = _script(tmp_path, hf_lowprec=False), _script(tmp_path, hf_lowprec=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     strategy_args = ["--precision_strategy", STRATEGY, "--precision_options", OPTIONS]
-    launched_cmd = _launch(*strategy_args, "--", *torchrun, str(script), *_script_args(assets, tmp_path / "a"))
-    _run_ranks(launched_cmd, tmp_path, (tmp_path / "a" / "trainer_state.json").is_file)
+    launched_cmd = launch_command(*strategy_args, "--", *torchrun, str(script), *_script_args(assets, tmp_path / "a"))
+    run_ranks(launched_cmd, tmp_path, (tmp_path / "a" / "trainer_state.json").is_file)
     reference_cmd = [*torchrun, str(twin), *_script_args(assets, tmp_path / "ref"), *strategy_args]
-    _run_ranks(reference_cmd, tmp_path, (tmp_path / "ref" / "trainer_state.json").is_file)
+    run_ranks(reference_cmd, tmp_path, (tmp_path / "ref" / "trainer_state.json").is_file)
     launched, reference = Run(tmp_path / "a"), Run(tmp_path / "ref")
     # Both ranks' gradients were all-reduced (the report of rank 0 says so), in a world of two.
     assert launched.report["gradients"]["communication"] == "DDP all-reduce in the gradient dtype"

@@ -18,9 +18,17 @@ from hf_lowprec import trl as hl_trl
 from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_bert_config, tiny_gpt2_config
 from hf_lowprec.fp8.blocks import dequantize_published
 from hf_lowprec.memory import unwrap_optimizer
+from tests.fp8_reference import publish_fp8
 from tests.helpers import assert_same_losses, tiny_llama_config
-from tests.integrations.test_fp8_checkpoints import _publish
-from tests.integrations.test_launch import _launch, _run, _run_ranks
+from tests.launching import (
+    GLUE_TWO_STEPS,
+    QUICK,
+    check_trained,
+    import_recipe,
+    launch_command,
+    run_checked,
+    run_ranks,
+)
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -40,7 +48,7 @@ def published(tmp_path_factory):
     llama = tiny_llama_config(128, vocab_size=len(tokenizer))
     LlamaForCausalLM(llama).to(torch.bfloat16).save_pretrained(root / "llama-bf16")
     (root / "llama-fp8").mkdir()
-    _publish(root / "llama-bf16", root / "llama-fp8")
+    publish_fp8(root / "llama-bf16", root / "llama-fp8")
     tokenizer.save_pretrained(root / "llama-fp8")
     texts = [t[:200] for t in embedded_corpus() if t.strip()][:32]
     (root / "sft.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -111,8 +119,6 @@ def test_trl_sft_with_lora_keeps_an_fp8_base_as_published(published, tmp_path):
 def test_the_glue_recipe_fine_tunes_a_bf16_checkpoint(tmp_path, name):
     from transformers import BertForSequenceClassification
 
-    from tests.recipes.test_recipes import GLUE_TWO_STEPS, QUICK, check_trained, import_recipe
-
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     BertForSequenceClassification(tiny_bert_config(len(tokenizer))).to(torch.bfloat16).save_pretrained(
@@ -172,8 +178,8 @@ def test_launch_fine_tunes_a_published_checkpoint_with_an_unchanged_script(
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     given = ["--precision_options", json.dumps(options)] if options else []
-    cmd = _launch("--precision_strategy", name, *given, "--", sys.executable, str(script))
-    _run([*cmd, str(published / checkpoint), str(published / "sft.jsonl"), str(out)], tmp_path)
+    cmd = launch_command("--precision_strategy", name, *given, "--", sys.executable, str(script))
+    run_checked([*cmd, str(published / checkpoint), str(published / "sft.jsonl"), str(out)], tmp_path)
     report = json.loads((out / "precision_report.json").read_text())
     assert report["strategy"] == name
     assert all(report["options"][key] == value for key, value in options.items())
@@ -229,7 +235,7 @@ def test_lora_on_an_fp8_base_trains_under_ddp(published, tmp_path):
     (tmp_path / "out").mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     written = [tmp_path / "out" / f"lora{r}.pt" for r in (0, 1)]
-    _run_ranks(
+    run_ranks(
         [*torchrun, str(published / "llama-fp8"), str(tmp_path / "out")],
         tmp_path,
         lambda: all(map(Path.is_file, written)),

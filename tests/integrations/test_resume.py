@@ -33,7 +33,7 @@ import transformers
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from tests import helpers
-from tests.helpers import TokenBlocks, batches, logged_losses, tiny_gpt2, train_steps
+from tests.helpers import TokenBlocks, assert_same_state, batches, logged_losses, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 MAX_STEPS, SAVE_STEPS, KILLED_AT = 6, 2, 4  # checkpoints at 2, 4, 6; killed while writing checkpoint-4
@@ -136,30 +136,15 @@ def reference_while_the_victim_runs(tmp_path: Path, strategy: str, where: str) -
 
 
 # --- comparisons ----------------------------------------------------------------------------------
-def assert_same(a, b, where: str) -> None:
-    """Equal structure, and tensors equal bit for bit (compared as bytes: FP8 has no ==)."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def assert_resumed_equals_uninterrupted(resumed: Trainer, reference: Trainer, strategy: str) -> None:
     assert resumed.state.global_step == reference.state.global_step == MAX_STEPS
     assert logged_losses(resumed) == logged_losses(reference), strategy
     assert len(logged_losses(reference)) == MAX_STEPS
-    assert_same(resumed.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
-    assert_same(resumed.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
-    assert_same(resumed.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
+    assert_same_state(resumed.model.state_dict(), reference.model.state_dict(), f"{strategy} model")
+    assert_same_state(resumed.optimizer.state_dict(), reference.optimizer.state_dict(), f"{strategy} optimizer")
+    assert_same_state(resumed.lr_scheduler.state_dict(), reference.lr_scheduler.state_dict(), f"{strategy} scheduler")
 
 
 def resume(output_dir: Path, strategy: str, caplog) -> Trainer:

@@ -1,6 +1,5 @@
 """hf_lowprec.Trainer end to end: precision_strategy, logs, save and bit-for-bit resume, bad input."""
 
-import functools
 import json
 
 import pytest
@@ -9,16 +8,13 @@ from transformers import HfArgumentParser
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.strategies.interface import StrategyOptimizer
-from tests import helpers
-from tests.helpers import ParameterSnapshots, TokenBlocks, assert_bits_equal, logged_losses, tiny_gpt2
-
-make_args = functools.partial(
-    helpers.make_args,
-    save_steps=3,
-    save_strategy="steps",
-    lr_scheduler_type="cosine",
-    warmup_steps=1,
-    weight_decay=0.01,
+from tests.helpers import (
+    ParameterSnapshots,
+    TokenBlocks,
+    assert_bits_equal,
+    checkpointed_args,
+    logged_losses,
+    tiny_gpt2,
 )
 
 
@@ -26,7 +22,7 @@ make_args = functools.partial(
 @pytest.mark.parametrize("strategy", ["bf16-pure", "bf16-mixed", "collage-plus", "bf16-sr"])
 def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     torch.manual_seed(0)
-    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, strategy), train_dataset=TokenBlocks())
+    trainer = Trainer(model=tiny_gpt2(), args=checkpointed_args(tmp_path, strategy), train_dataset=TokenBlocks())
     trainer.train()
     full = logged_losses(trainer)
     assert len(full) == 6
@@ -37,7 +33,7 @@ def test_train_save_and_resume_bit_for_bit(tmp_path, strategy):
     if strategy == "bf16-pure":
         assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
 
-    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, strategy), train_dataset=TokenBlocks())
+    resumed = Trainer(model=tiny_gpt2(seed=7), args=checkpointed_args(tmp_path, strategy), train_dataset=TokenBlocks())
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     # The resumed state starts from the checkpoint's log history (steps 1-3).
     assert logged_losses(resumed) == full
@@ -50,7 +46,7 @@ def test_fp8_blockwise_recipe_trains_and_resumes_bit_for_bit_through_the_trainer
     # Issue #49's "done when": the recipe chosen in TrainingArguments; a 128-wide GPT-2 puts
     # every block layer on blockwise's 128-blocks.
     def run(seed, **kw):
-        args = make_args(tmp_path, "fp8-lm-o2", precision_options={"recipe": "blockwise"})
+        args = checkpointed_args(tmp_path, "fp8-lm-o2", precision_options={"recipe": "blockwise"})
         trainer = Trainer(model=tiny_gpt2(seed, n_embd=128), args=args, train_dataset=TokenBlocks())
         trainer.train(**kw)
         return trainer
@@ -116,7 +112,12 @@ def test_foreign_optimizer_refused(tmp_path):
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="drop `optimizers=`"):
-        Trainer(model=model, args=make_args(tmp_path, "bf16-pure"), train_dataset=TokenBlocks(), optimizers=(opt, None))
+        Trainer(
+            model=model,
+            args=checkpointed_args(tmp_path, "bf16-pure"),
+            train_dataset=TokenBlocks(),
+            optimizers=(opt, None),
+        )
 
 
 class NaNOnceTrainer(Trainer):
@@ -130,7 +131,9 @@ class NaNOnceTrainer(Trainer):
 
 
 def test_nonfinite_step_is_skipped_and_logged(tmp_path):
-    args = make_args(tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear", warmup_steps=0)
+    args = checkpointed_args(
+        tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear", warmup_steps=0
+    )
     trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
     snap = ParameterSnapshots()
     trainer.add_callback(snap)
@@ -164,7 +167,7 @@ def capture_bounds(strategy, bounds):
 def test_lost_arithmetic_metrics_are_logged_and_do_not_change_training(tmp_path):
     runs, bounds = {}, []
     for enabled in (False, True):
-        args = make_args(
+        args = checkpointed_args(
             tmp_path / str(enabled),
             "collage-plus",
             max_steps=4,

@@ -9,7 +9,6 @@ the imports are already paid for. Recipes print one result line; the checks read
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import math
 import os
@@ -21,15 +20,10 @@ import pytest
 import torch
 
 from hf_lowprec import available_strategies, get_strategy
+from tests.launching import GLUE_TWO_STEPS, QUICK, RECIPES, ROOT, check_trained, import_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "recipes"
 MARKER = "hf_lowprec-recipe-result:"
-QUICK = ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
 SUBPROCESS_STRATEGIES = ("collage-plus", "bf16-mixed")
-# Two GLUE training steps on the CPU, evaluation left out.
-GLUE_TWO_STEPS = ["--max_steps", "2", "--eval_strategy", "no", "--per_device_train_batch_size", "8"]
-GLUE_TWO_STEPS += ["--max_eval_samples", "16", "--use_cpu", "true"]
 
 
 def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, via_env: bool = False) -> dict:
@@ -47,20 +41,6 @@ def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, v
         f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     )
     return json.loads(lines[-1][len(MARKER) :])
-
-
-def import_recipe(name: str):
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    return importlib.import_module(name)
-
-
-def check_trained(result: dict, strategy: str, steps: int) -> None:
-    assert result["precision_strategy"] == strategy
-    assert result["global_step"] == steps
-    assert result["precision/skipped_steps"] == 0.0
-    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
-    assert math.isfinite(result["final_loss"])
 
 
 @pytest.mark.slow

@@ -10,8 +10,15 @@ import hf_lowprec
 from hf_lowprec import Trainer, get_strategy
 from hf_lowprec.optim import FP32StatesSRAdamW, MasterWeightAdamW
 from hf_lowprec.scaling import running_mean_
-from tests.helpers import ParameterSnapshots, TokenBlocks, batches, logged_losses, tiny_gpt2, train_steps
-from tests.integrations.test_trainer import make_args
+from tests.helpers import (
+    ParameterSnapshots,
+    TokenBlocks,
+    batches,
+    checkpointed_args,
+    logged_losses,
+    tiny_gpt2,
+    train_steps,
+)
 
 
 def setup(name, seed=0, **options):
@@ -167,12 +174,14 @@ def test_refused_under_deepspeed_with_a_reason(name, tmp_path):
 @pytest.mark.parametrize("name, options", [("fp16-als", None), ("fp16-mixed", None)])
 def test_trainer_save_and_resume_bit_for_bit(tmp_path, name, options):
     kw = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, precision_options=options)
-    trainer = Trainer(model=tiny_gpt2(), args=make_args(tmp_path, name, **kw), train_dataset=TokenBlocks())
+    trainer = Trainer(model=tiny_gpt2(), args=checkpointed_args(tmp_path, name, **kw), train_dataset=TokenBlocks())
     trainer.train()
     full = logged_losses(trainer)
     assert len(full) == 6 and full[-1][1] < full[0][1]
     assert "precision/loss_scale" in trainer.state.log_history[0]
-    resumed = Trainer(model=tiny_gpt2(seed=7), args=make_args(tmp_path, name, **kw), train_dataset=TokenBlocks())
+    resumed = Trainer(
+        model=tiny_gpt2(seed=7), args=checkpointed_args(tmp_path, name, **kw), train_dataset=TokenBlocks()
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert logged_losses(resumed) == full
     assert resumed.precision.scaler.get_scale() == trainer.precision.scaler.get_scale()
@@ -182,7 +191,7 @@ def test_trainer_save_and_resume_bit_for_bit(tmp_path, name, options):
 
 @pytest.mark.slow
 def test_overflow_injection_in_trainer_is_clipped_not_skipped(tmp_path):
-    args = make_args(tmp_path, "fp16-als", max_steps=10, save_strategy="no", max_grad_norm=1.0)
+    args = checkpointed_args(tmp_path, "fp16-als", max_steps=10, save_strategy="no", max_grad_norm=1.0)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
     weight = trainer.model.transformer.h[0].mlp.c_fc.weight
 
