@@ -20,6 +20,9 @@ on CPU at toy sizes instead, which checks their code and measures nothing. The s
 - `optim`: every strategy's optimizer step against `torch.optim.AdamW(fused=True)`;
 - `fidelity`: a tiny GPT-2 trained a few hundred steps on CUDA and on CPU, losses compared.
 
+This file imports the sections' modules; they and it share bench/device_common.py (the report
+files, the CUDA check, the measured-rows loop), which imports none of them.
+
 The tree on the device is identified by the manifest `make device-bundle` writes beside the
 wheels (bundle.json: the commit, and a hash of every file that travels), since no .git
 travels with it.
@@ -29,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import gc
 import hashlib
 import importlib.metadata
 import json
@@ -40,19 +41,16 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from device_common import ROOT, SCRATCH, Report, mark_cut, utc_now
+
 BUNDLE = Path(os.environ.get("DEVICE_BUNDLE", ROOT / "build" / "device-bundle"))
 MANIFEST = "bundle.json"
-# Files a section reads back before writing its report (kept out of $OUT, whose files come back).
-SCRATCH = Path(tempfile.gettempdir()) / f"hf_lowprec-device-check-{os.getpid()}"
 # The device tool sends at most this much: the working tree and the carried bundle together.
 TRAVEL_LIMIT = 64 << 20
 # Two commands of at most six minutes each cover every section; each budget bounds one section
@@ -64,88 +62,6 @@ PARTS: dict[str, list[tuple[str, int]]] = {
 PACKAGES = ("triton", "transformers", "accelerate", "peft", "torchao", "safetensors", "tokenizers", "numpy")
 # Collected and run first in the suite section: what the issue calls the suite's core.
 CORE_TESTS = ("tests/fp8", "tests/optim", "tests/strategies", "tests/gpu")
-
-
-# --- results -------------------------------------------------------------------------------
-class Report:
-    """One section's results as DIR/<name>.json and DIR/<name>.md, rewritten after every change."""
-
-    def __init__(self, out: Path, name: str, title: str, columns: list[str], context: dict[str, Any]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.paths = out / f"{name}.json", out / f"{name}.md"
-        self.columns = columns
-        self.data: dict[str, Any] = {
-            "section": name,
-            "title": title,
-            "status": "running",
-            "started": _now(),
-            "finished": None,
-            "context": context,
-            "notes": [],
-            "columns": columns,
-            "rows": [],
-        }
-        self._write()
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.data["rows"].append(row)
-        self._write()
-
-    def note(self, text: str) -> None:
-        print(text, flush=True)
-        self.data["notes"].append(text)
-        self._write()
-
-    def finish(self, status: str = "done") -> None:
-        self.data["status"], self.data["finished"] = status, _now()
-        self._write()
-
-    def markdown(self) -> str:
-        context = self.data["context"]
-        lines = [
-            f"## {self.data['title']}",
-            "",
-            f"{context.get('device', '?')}; section on {context.get('section_device', '?')}; torch {context.get('torch', '?')}; "
-            f"tree {context.get('tree', '?')}; "
-            f"{self.data['started']} – {self.data['finished'] or 'not finished'}; status: {self.data['status']}",
-            "",
-        ]
-        lines += [f"- {n}" for n in self.data["notes"]]
-        if self.columns and self.data["rows"]:
-            lines += ["", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
-            lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in self.columns) + " |" for r in self.data["rows"]]
-        return "\n".join(lines) + "\n"
-
-    def _write(self) -> None:
-        # Replace, never truncate: a section killed while writing keeps its previous file.
-        for path, text in zip(self.paths, (json.dumps(self.data, indent=1, default=str), self.markdown())):
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value).replace("|", "/").replace("\n", " ")
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def mark_cut(out: Path, name: str, budget: float) -> None:
-    """A section the shell's `timeout` stopped: say so in its files (their rows stay)."""
-    path = out / f"{name}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"section": name, "title": name, "rows": []}
-    if data.get("status") == "running" or not path.exists():
-        report = Report.__new__(Report)
-        report.paths, report.columns = (path, out / f"{name}.md"), data.get("columns", [])
-        report.data = {"context": {}, "notes": [], "started": "?", **data}
-        report.data["notes"].append(
-            f"stopped by the part's timeout after {budget:.0f} s: the rows above are all it ran"
-        )
-        report.finish("cut short")
 
 
 # --- what runs where -------------------------------------------------------------------------
@@ -206,7 +122,7 @@ def write_manifest(bundle: Path, root: Path = ROOT) -> int:
     manifest = {
         "commit": _git("rev-parse", "HEAD", root=root).strip(),
         "modified": modified,
-        "made": _now(),
+        "made": utc_now(),
         "wheels": {p.name: p.stat().st_size for p in sorted(bundle.glob("*.whl"))},
         "files": {f: _sha(root / f) for f in files},
     }
@@ -264,52 +180,6 @@ def versions() -> dict[str, Any]:
 
 
 # --- sections --------------------------------------------------------------------------------
-def cuda_or_say(args: argparse.Namespace, report: Report) -> bool:
-    """True if the section can run on `args.device`; else notes "no CUDA device" and finishes."""
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        report.note("no CUDA device: nothing run (torch.cuda.is_available() is False)")
-        report.finish("no CUDA device")
-        return False
-    return True
-
-
-def measured_rows(
-    report: Report,
-    rows: Any,
-    measure: Callable[..., dict[str, Any]],
-    args: argparse.Namespace,
-    *,
-    reserve: float,
-    column: str = "note",
-) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(label, result) for each row `(label, *spec)` of `rows`, `measure(label, *spec, args)` run in
-    turn within the section's budget. A row started less than `reserve` seconds before the budget
-    ends, or one that raises, is written to `report` with its reason in `column` instead (a row
-    that fails is a finding). Memory and compiled graphs are freed after each row."""
-    import torch
-
-    deadline = time.monotonic() + args.budget - 5
-    for label, *spec in rows:
-        if time.monotonic() >= deadline - reserve:
-            report.add({"row": label, column: "not run: time budget spent"})
-            continue
-        try:
-            result = measure(label, *spec, args)
-        except Exception as error:
-            traceback.print_exc()
-            report.add({"row": label, column: f"error: {type(error).__name__}: {str(error)[:300]}"})
-            continue
-        finally:
-            gc.collect()
-            torch._dynamo.reset()
-            if args.device == "cuda":
-                with contextlib.suppress(RuntimeError):
-                    torch.cuda.empty_cache()
-        yield label, result
-
-
 def section_tests(args: argparse.Namespace, context: dict[str, Any]) -> None:
     columns = ["phase", "passed", "failed", "errors", "skipped", "seconds", "command"]
     report = Report(args.out, "tests", "Tests on the device", columns, context)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from device_check import Report, cuda_or_say, measured_rows
+from device_common import Report, cuda_or_say, measured_rows
 
 TORCHAO = "torchao float8"
 ROWS = ("bf16-mixed", TORCHAO, "fp8-lm-o2", "coat", "collage-plus", "fp8-lm-o1")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from device_check import Report, cuda_or_say, measured_rows
 from device_check_e2e import timed_steps
+from device_common import Report, cuda_or_say, measured_rows
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-mixed", "bf16-mixed", {}),

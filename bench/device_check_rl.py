@@ -19,8 +19,8 @@ import argparse
 import copy
 from typing import Any
 
-from device_check import Report, cuda_or_say, measured_rows
 from device_check_e2e import timed_steps
+from device_common import Report, cuda_or_say, measured_rows
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-mixed", "bf16-mixed", {}),

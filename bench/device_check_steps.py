@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from device_check import ROOT, SCRATCH, Report, cuda_or_say
+from device_common import ROOT, SCRATCH, Report, cuda_or_say
 
 ANCHOR = "anchor: torch AMP + AdamW(fused=True)"
 FP8_STRATEGIES = ("fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3", "coat")

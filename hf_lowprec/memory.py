@@ -9,7 +9,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_state_bytes", "plan_model_state", "trainable_parameters", "unwrap_optimizer", "zero_per_rank"]
+__all__ = [
+    "ADOPTED_ATTR",
+    "model_state_bytes",
+    "plan_model_state",
+    "trainable_parameters",
+    "unwrap_optimizer",
+    "zero_per_rank",
+]
+
+# On a model: {dtype: elements} of the 16-bit parameters a strategy made FP32 as it adopted the
+# model (`strategies/adopt.py`, 2 bytes more each); the startup report lists them.
+ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"
 
 # State keys of optimizers that do not declare `state_roles` (e.g. torch.optim.AdamW).
 DEFAULT_STATE_ROLES = {

@@ -15,20 +15,26 @@ import collections
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from . import hardware
 from .checkpoints.fp8_published import PUBLISHED_ATTR
-from .memory import DEFAULT_STATE_ROLES, plan_model_state, trainable_parameters, unwrap_optimizer, zero_per_rank
-
-if TYPE_CHECKING:
-    from .strategies.interface import PrecisionStrategy
+from .memory import (
+    ADOPTED_ATTR,
+    DEFAULT_STATE_ROLES,
+    plan_model_state,
+    trainable_parameters,
+    unwrap_optimizer,
+    zero_per_rank,
+)
 
 __all__ = [
     "SilentPrecisionWarning",
     "PrecisionPromiseError",
+    "ReportedStrategy",
     "check_promises",
     "describe",
     "format_report",
@@ -47,7 +53,26 @@ FIXING_STRATEGIES = ("collage-plus", "bf16-kahan", "bf16-sr", "bf16-mixed")
 # What to use instead of FP16 where FP16 GEMMs are slow: the FP32-master and the 12-byte BF16 answers.
 BF16_INSTEAD_OF_FP16 = ("bf16-mixed", "collage-plus")
 _SLOW_FP16_WARNED: set[str] = set()  # strategy names already warned about in this process
-ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"  # {dtype: elements} a strategy made FP32 (strategies/adopt.py)
+
+
+class ReportedStrategy(Protocol):
+    """What the report reads of a strategy (`strategies.interface.PrecisionStrategy` has it): named
+    here, so that the report imports no strategy, not even for type checkers, and they may call it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> Any: ...  # a dataclass
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+    @property
+    def bytes_per_param(self) -> float: ...
+    @property
+    def uses_fp8_gemm(self) -> bool: ...
+    def promised_param_dtypes(self) -> tuple[torch.dtype, ...]: ...
+    def ddp_comm_hook(self) -> tuple[Any, Callable] | None: ...
 
 
 class SilentPrecisionWarning(UserWarning):
@@ -62,7 +87,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
+def _compute_label(strategy: ReportedStrategy, module: torch.nn.Module) -> str:
     from .fp8 import FP8Linear, recipes
     from .fp8.experts import FP8Experts
 
@@ -77,7 +102,7 @@ def _compute_label(strategy: PrecisionStrategy, module: torch.nn.Module) -> str:
     return _dtype_name(strategy.compute_dtype)
 
 
-def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.Tensor]) -> str:
+def _master_weights(strategy: ReportedStrategy, inner: Any, params: list[torch.Tensor]) -> str:
     roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
     sample = next((p for p in params if inner.state.get(p)), None)
     state = inner.state.get(sample) if sample is not None else None
@@ -114,7 +139,7 @@ def _master_weights(strategy: PrecisionStrategy, inner: Any, params: list[torch.
 
 
 def describe(
-    strategy: PrecisionStrategy,
+    strategy: ReportedStrategy,
     model: torch.nn.Module,
     optimizer: Any | None = None,
     *,
@@ -246,7 +271,7 @@ def describe(
     return report
 
 
-def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> list[str]:
+def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> list[str]:
     """Where the prepared `model` breaks what `strategy` promises (empty list: all kept)."""
     from .fp8 import FP8Linear
     from .fp8.blocks import FrozenBlockFP8Linear
@@ -276,7 +301,7 @@ def promise_violations(strategy: PrecisionStrategy, model: torch.nn.Module) -> l
     return out
 
 
-def check_promises(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
+def check_promises(strategy: ReportedStrategy, model: torch.nn.Module) -> None:
     """Raise PrecisionPromiseError naming every broken promise (before training starts)."""
     problems = promise_violations(strategy, model)
     if problems:
@@ -313,7 +338,7 @@ def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | No
     )
 
 
-def slow_fp16_warning(strategy: PrecisionStrategy, model: torch.nn.Module) -> str | None:
+def slow_fp16_warning(strategy: ReportedStrategy, model: torch.nn.Module) -> str | None:
     """The warning text when `strategy` computes in FP16 on a CPU whose FP16 GEMMs are slow, else None.
 
     Slow means `hardware.fp16_gemm_slowdown` (a timed FP16 vs BF16 matmul, once per process)
@@ -339,7 +364,7 @@ def slow_fp16_warning(strategy: PrecisionStrategy, model: torch.nn.Module) -> st
     )
 
 
-def warn_slow_fp16_once(strategy: PrecisionStrategy, model: torch.nn.Module) -> str | None:
+def warn_slow_fp16_once(strategy: ReportedStrategy, model: torch.nn.Module) -> str | None:
     """Log `slow_fp16_warning` as a warning, once per strategy name and process; the text or None."""
     if strategy.name in _SLOW_FP16_WARNED:
         return None

@@ -415,7 +415,7 @@ class _PrecisionTRL:
 
 
 def _precision_name(module: Any, name: str, value: Any) -> Any:
-    from .. import trl as hl_trl
+    from . import trl_trainers as hl_trl  # what `hf_lowprec.trl` forwards to, imported where it is
 
     kinds = {f"{kind}{suffix}" for kind in hl_trl.TRAINER_KINDS for suffix in ("Config", "Trainer")}
     if name not in kinds:

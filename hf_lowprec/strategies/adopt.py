@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..report import ADOPTED_ATTR
+from ..memory import ADOPTED_ATTR
 
 if TYPE_CHECKING:
-    from .interface import PrecisionStrategy
+    from .protocol import Strategy
 
 __all__ = ["adopt_loaded_dtypes"]
 
 _WIDENED = (torch.bfloat16, torch.float16)
 
 
-def adopt_loaded_dtypes(strategy: PrecisionStrategy, model: torch.nn.Module) -> dict[str, int]:
+def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str, int]:
     """Make FP32 every trainable BF16/FP16 parameter of `model` where `strategy` promises FP32
     parameters and not the loaded dtype; returns (and records on the model) {dtype: elements}."""
     promised = strategy.promised_param_dtypes()

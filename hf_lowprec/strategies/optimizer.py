@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .interface import PrecisionStrategy
+    from .protocol import Strategy as PrecisionStrategy
 
 __all__ = ["StrategyOptimizer"]
 

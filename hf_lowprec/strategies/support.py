@@ -8,12 +8,9 @@ and the README's support matrix read. A strategy whose support depends on its op
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .interface import PrecisionStrategy
 
 __all__ = ["EngineSupport", "check_sharded_parameters"]
 
@@ -76,7 +73,16 @@ class EngineSupport:
             raise ValueError("fsdp2_gathers_fp8 declares an FSDP2 all-gather, so fsdp2 must be True")
 
 
-def check_sharded_parameters(strategy: PrecisionStrategy, params: list[torch.Tensor]) -> None:
+class _Declaring(Protocol):
+    """What `check_sharded_parameters` reads of a strategy (`interface.PrecisionStrategy`, which
+    imports this module: described here, not imported)."""
+
+    @property
+    def name(self) -> str: ...
+    def engine_support(self) -> EngineSupport: ...
+
+
+def check_sharded_parameters(strategy: _Declaring, params: list[torch.Tensor]) -> None:
     """Refuse FSDP2 parameters that `hf_lowprec.engines.fsdp2` did not shard for this strategy.
 
     Sharding by hand (`fully_shard` on the prepared model) skips what `engines.fsdp2.shard_model` does: the

@@ -48,7 +48,7 @@ def test_the_extension_builds():
 def _cpu_isas() -> list[str]:
     """Every ISA this CPU runs, widest first (all are tested by default)."""
     assert _REASON is None, _REASON
-    best = native.ISAS.index(native._module().best_isa())
+    best = native.ISAS.index(native.best_isa())
     return list(native.ISAS[best:])
 
 

@@ -11,8 +11,8 @@ from .core import (
     ISAS,
     Declaration,
     Tensors,
-    _module,  # noqa: F401  (the tests read the build's best_isa through it)
     adamw_scalars,
+    best_isa,
     check,
     declaration,
     isa,
@@ -37,6 +37,7 @@ __all__ = [
     "Tensors",
     "adamw_scalars",
     "adamw_step",
+    "best_isa",
     "check",
     "coat_step",
     "collage_step",

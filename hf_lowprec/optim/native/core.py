@@ -20,6 +20,7 @@ __all__ = [
     "ISA_ENV",
     "Declaration",
     "adamw_scalars",
+    "best_isa",
     "check",
     "declaration",
     "isa",
@@ -98,15 +99,21 @@ def _module() -> ModuleType:
     return module
 
 
+def best_isa() -> str:
+    """The widest instruction set this CPU supports ("avx512_bf16", "avx512", "avx2" or "scalar"),
+    whatever `HF_LOWPREC_CPU_ISA` says."""
+    return _module().best_isa()
+
+
 def isa() -> str:
-    """The instruction set the kernels run with: `HF_LOWPREC_CPU_ISA` if set, else the widest one
-    this CPU supports ("avx512_bf16", "avx512", "avx2" or "scalar"; each is tested bit for bit)."""
+    """The instruction set the kernels run with: `HF_LOWPREC_CPU_ISA` if set, else `best_isa()`
+    (each is tested bit for bit). Forcing an ISA the CPU lacks is an error, not a silent fallback."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced:
         if forced not in _ISA_CODES:
             raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)} (or unset it)")
         return forced
-    return _module().best_isa()
+    return best_isa()
 
 
 def _isa_code(isa_name: str | None) -> int:
