@@ -27,7 +27,7 @@ def blocks() -> dict[str, str]:
     from hf_lowprec.cli import memory_plan, strategy_rows
     from hf_lowprec.engines.traffic import collectives_markdown
     from hf_lowprec.engines.zero import support_matrix_markdown
-    from hf_lowprec.integrations.stock import differences_markdown
+    from hf_lowprec.integrations.trainer_differences import differences_markdown
 
     rows = strategy_rows()
     planned = {r["strategy"]: r["total"] for r in memory_plan("gpt2", [r["name"] for r in rows])}

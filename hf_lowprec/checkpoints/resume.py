@@ -1,28 +1,10 @@
-"""Which Trainer checkpoint a run resumes from, checked before any state changes.
+"""Every check before a resume, and every refusal of one: where a resume is refused, it is here.
 
-The stock `transformers.Trainer` resumes (`resume_from_checkpoint=True`) from the highest
-numbered `checkpoint-N` directory, whether or not its save finished: a run killed while it
-wrote checkpoint N then either fails with a traceback from deep inside the loader or, worse,
-loads N's new weights with no optimizer state. The Trainer writes `trainer_state.json` last
-(after the weights, optimizer, scheduler and RNG states), so a checkpoint whose
-`trainer_state.json` is missing or cut short is one whose save was interrupted: it is skipped,
-with a warning. A finished checkpoint whose files are damaged, or that another precision
-strategy saved, is refused with an error that names the file and what to do.
-
-Every checkpoint the package's Trainer saves under a strategy carries a manifest
-(`hf_lowprec_manifest.json`, `hf_lowprec.checkpoints.manifest`): each file with its size and
-CRC-32, the precision strategy, its options and the number of processes that saved it. The save
-is bracketed: `begin_save` writes a marker (`hf_lowprec_save_in_progress`) before any file, and
-`finish_save` writes the manifest once every rank's files exist, then removes the marker. So a
-checkpoint with the marker and no manifest is an interrupted save (a rank died before its files
-existed, say), never an old one, and older checkpoints are rotated away only after it.
-
-A resume checks presence, sizes and checksums before anything is loaded. A missing or damaged
-optimizer, scheduler or RNG file is refused unless the run names that part in `resume_reset`,
-which says what starts afresh; anything else missing or damaged is always refused. A checkpoint
-without marker and manifest (saved before manifests existed) gets the archive checks below and
-a one-line warning. A save that fails (a full disk, a permission) is reported naming the file
-and the cause, and that the previous checkpoint is intact (`failed_save`).
+`checked_resume` is the Trainer's one call: which checkpoint (an interrupted save is skipped),
+its files against the manifest, the strategy, its options, the number of processes; `resume_reset`
+names the parts that may start afresh. The same checks serve a strategy's state in an optimizer's
+state dict (`check_optimizer_state`), FSDP2's sharded checkpoints (`sharded_checkpoint_problem`)
+and FP8-LM's ZeRO state (`check_zero_owners`). The rules: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -34,41 +16,35 @@ import logging
 import os
 import re
 import zipfile
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .manifest import (
-    MANIFEST,
-    ManifestError,
-    crash_point,
-    file_problem,
-    read_manifest,
-    write_failure,
-    write_manifest,
-)
+from .manifest import MANIFEST, ManifestError, file_problem, read_manifest
 
 __all__ = [
     "MANIFEST",
     "IncompleteCheckpointError",
     "SAVE_MARKER",
     "RESETTABLE",
-    "CheckpointSaveError",
-    "save_complete_checkpoint",
-    "begin_save",
-    "finish_save",
-    "failed_save",
+    "checked_resume",
     "incomplete_reason",
     "last_complete_checkpoint",
     "check_checkpoint",
+    "check_resume_options",
+    "check_optimizer_state",
+    "check_zero_owners",
+    "refuse_strategy_checkpoint",
+    "sharded_checkpoint_problem",
     "parse_resume_reset",
     "resolve_resume_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
+# The stock resume takes the highest numbered checkpoint, finished or not. The Trainer writes
+# trainer_state.json last, so one missing or cut short is an interrupted save; so is hf_lowprec's
+# marker without a manifest (complete_save.py writes the marker first and the manifest last).
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
 SAVE_MARKER = "hf_lowprec_save_in_progress"
@@ -185,7 +161,7 @@ def _check_strategy(path: str, strategy: Any) -> None:
     if saved != name:
         _refuse_strategy(file, path, saved, name)
     if strategy is not None and isinstance(ours.get("options"), dict):
-        strategy.check_resume_options(ours["options"], file)
+        check_resume_options(strategy, ours["options"], file)
 
 
 def _refuse_strategy(file: str, path: str, saved: str | None, strategy: str | None) -> None:
@@ -202,101 +178,12 @@ def _refuse_strategy(file: str, path: str, saved: str | None, strategy: str | No
     )
 
 
-def _checkpoint_files(path: str) -> list[str]:
-    """Every file under `path` (DeepSpeed keeps its own in a sub-directory), relative, sorted."""
-    found = []
-    for root, _, names in os.walk(path):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
-            if rel not in (MANIFEST, SAVE_MARKER) and not name.startswith(f"{MANIFEST}."):
-                found.append(rel)
-    return sorted(found)
-
-
-def begin_save(path: str, strategy: Any) -> None:
-    """Mark `path` as a save in progress, before any of its files is written (the main process).
-
-    The marker outlives a kill anywhere in the save; a manifest left from an earlier save into
-    the same directory goes (after the marker exists), since its files are about to change.
-    """
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, SAVE_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"saved_by": "hf_lowprec", "strategy": strategy.name if strategy is not None else None}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        os.remove(os.path.join(path, MANIFEST))
-
-
-def finish_save(path: str, strategy: Any, world_size: int) -> None:
-    """Write the manifest of `path` (every rank's files must exist: call after a barrier), then drop the marker."""
-    options = dataclasses.asdict(strategy.options) if strategy is not None else None
-    guard = getattr(strategy, "guard", None)
-    # What the guard did, for a reader of the checkpoint (the state to resume is in the optimizer's file).
-    acted = {"guard": {"raised": dict(guard.raised), "actions": list(guard.actions)}} if guard is not None else {}
-    write_manifest(
-        path,
-        _checkpoint_files(path),
-        strategy=strategy.name if strategy is not None else None,
-        options=options,
-        world_size=world_size,
-        **acted,
-    )
-    marker = os.path.join(path, SAVE_MARKER)
-    if os.path.exists(marker):
-        os.remove(marker)
-
-
-def save_complete_checkpoint(trainer: Any, save: Callable[[Any], None], trial: Any) -> None:
-    """Run `save(trial)` (the stock `Trainer._save_checkpoint`) so that the checkpoint is complete
-    on every rank before older ones are rotated away: the marker first, the stock save with its
-    rotation held back, a barrier (every rank's RNG state and DeepSpeed partitions are written),
-    the manifest, then the rotation (`save_total_limit`). A failure names the file and the cause."""
-    args = trainer.args
-    run_dir = trainer._get_output_dir(trial=trial)
-    path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-    limit = args.save_total_limit
-    try:
-        if args.should_save:
-            begin_save(path, trainer.precision)
-        args.save_total_limit = None  # the stock save rotates right after trainer_state.json
-        try:
-            save(trial)
-        finally:
-            args.save_total_limit = limit
-        crash_point("save-before-barrier")
-        trainer.accelerator.wait_for_everyone()
-        if args.should_save:
-            crash_point("save-before-manifest")
-            finish_save(path, trainer.precision, args.world_size)
-    except Exception as err:
-        raise failed_save(path, err) from err
-    if args.should_save:
-        crash_point("save-before-rotation")
-        rotate_checkpoints(run_dir, limit, trainer.state.best_model_checkpoint, use_mtime=True)
-
-
-class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed; the message names the file, the cause and the intact checkpoint."""
-
-
-def failed_save(path: str, error: BaseException) -> CheckpointSaveError:
-    """The error to raise when the save of checkpoint `path` failed with `error`: the file being
-    written and the cause (`write_failure`), and the last complete checkpoint beside it, which
-    the save has not touched (older checkpoints are rotated only after a save completes)."""
-    file, cause = write_failure(path, error, _checkpoint_files(path) if os.path.isdir(path) else [])
-    previous = last_complete_checkpoint(os.path.dirname(path), exclude=path, quiet=True)
-    kept = f"The previous checkpoint {previous} is intact" if previous else "No earlier complete checkpoint exists"
-    where = f"while writing {file}" if file else f"in {path}"
-    return CheckpointSaveError(
-        f"saving checkpoint {path} failed {where}: {cause}. {kept}; {os.path.basename(path)} is incomplete and "
-        "resume_from_checkpoint=True skips it. Free space or fix the permissions (or set output_dir elsewhere), "
-        "then resume with resume_from_checkpoint=True"
-    )
-
-
-def parse_resume_reset(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """`resume_reset` ("optimizer,scheduler" or a list) as a tuple of part names; ValueError naming a bad one."""
+def parse_resume_reset(value: str | list[str] | tuple[str, ...] | None, with_strategy: bool = True) -> tuple[str, ...]:
+    """`resume_reset` ("optimizer,scheduler" or a list) as a tuple of part names; ValueError naming a bad
+    one, or any, `with_strategy=False`: without a strategy the Trainer resumes as the stock one, and
+    there is no manifest and nothing to reset."""
+    if value and not with_strategy:
+        raise ValueError("resume_reset was given without precision_strategy; set --precision_strategy")
     if value is None or value == "":
         return ()
     parts = value.split(",") if isinstance(value, str) else value
@@ -352,7 +239,7 @@ def _check_manifest_strategy(path: str, manifest: dict, strategy: Any) -> None:
     if saved != name:
         _refuse_strategy(os.path.join(path, MANIFEST), path, saved, name)
     if strategy is not None and isinstance(manifest.get("options"), dict):
-        strategy.check_resume_options(manifest["options"], os.path.join(path, MANIFEST))
+        check_resume_options(strategy, manifest["options"], os.path.join(path, MANIFEST))
 
 
 def _check_world_size(path: str, manifest: dict, reset: tuple[str, ...]) -> set[str]:
@@ -380,7 +267,8 @@ def _check_world_size(path: str, manifest: dict, reset: tuple[str, ...]) -> set[
 
 def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = ()) -> set[str]:
     """Raise ValueError unless `path` is a finished, undamaged checkpoint of `strategy`
-    (a `PrecisionStrategy` or None); returns the parts of `reset` the resume must start afresh."""
+    (a strategy object or None); returns the parts of `reset` the resume must start afresh. Without
+    a manifest (saved before checkpoints carried one) only the archives are checked, with a warning."""
     if not os.path.isdir(path):
         # The stock Trainer's refusal of this path, then ours.
         raise ValueError(
@@ -415,7 +303,7 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
 def resolve_resume_checkpoint(
     output_dir: str, resume: str | bool | None, strategy: Any = None, reset: tuple[str, ...] = ()
 ) -> tuple[str | None, set[str]]:
-    """The checkpoint directory `Trainer.train(resume_from_checkpoint=resume)` should load, checked
+    """The checkpoint directory `transformers.Trainer.train(resume_from_checkpoint=resume)` should load, checked
     (None for none), and the parts of the state the resume starts afresh (see `check_checkpoint`)."""
     if resume is None or resume is False:
         return None, set()
@@ -429,3 +317,127 @@ def resolve_resume_checkpoint(
     else:
         path = os.fspath(resume)
     return path, check_checkpoint(path, strategy, reset)
+
+
+def checked_resume(output_dir: str, resume: Any, strategy: Any, resume_reset: Any) -> tuple[Any, set[str]]:
+    """What `transformers.Trainer.train(resume_from_checkpoint=resume)` goes on with, after every check, and the
+    parts of the state it starts afresh: the Trainer's one call before it loads anything.
+
+    Under a strategy: `resolve_resume_checkpoint` with the parts `resume_reset` names. Without one
+    (`strategy` None) the stock resume keeps its checks and errors and `resume` goes on unchanged;
+    only a checkpoint a strategy saved is refused (`refuse_strategy_checkpoint`)."""
+    if strategy is None:
+        refuse_strategy_checkpoint(output_dir, resume)
+        return resume, set()
+    return resolve_resume_checkpoint(output_dir, resume, strategy, parse_resume_reset(resume_reset))
+
+
+def refuse_strategy_checkpoint(output_dir: str, resume: Any) -> None:
+    """Without a strategy: refuse the checkpoint a strategy saved (its manifest names the strategy);
+    a stock checkpoint (no manifest) goes untouched to the stock resume, its checks and errors."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is True:
+        resume = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if not isinstance(resume, (str, os.PathLike)):
+        return
+    try:
+        manifest = read_manifest(os.fspath(resume))
+    except (ManifestError, OSError):
+        return  # not a manifest the package can read: the stock resume decides
+    saved = manifest.get("strategy") if manifest is not None else None
+    if saved is not None:
+        raise ValueError(
+            f"{os.path.join(resume, MANIFEST)} was saved by precision strategy {saved!r}, but this run uses no "
+            f"precision strategy; resume with --precision_strategy {saved}, or start a new run from the weights "
+            f"in {resume} without resume_from_checkpoint"
+        )
+
+
+# --- the strategy's own state, wherever it is loaded ------------------------------------------
+
+
+def check_resume_options(strategy: Any, saved: dict[str, Any], where: str) -> list[str]:
+    """Compare `strategy`'s options with the `saved` ones (read from `where`).
+
+    Raises ValueError naming each changed option outside the strategy's `resume_safe_options`
+    with its saved value; returns the safe options that changed, which the resumed run applies.
+    """
+    current = dataclasses.asdict(strategy.options)
+    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+    refused = [k for k in changed if k not in strategy.resume_safe_options]
+    if refused:
+        listed = ", ".join(f"{k}={current.get(k)!r} (saved: {saved.get(k)!r})" for k in refused)
+        keep = {k: saved[k] for k in refused if k in saved}
+        raise ValueError(
+            f"{where} was saved by precision strategy {strategy.name!r} with other options; this run changes "
+            f"{listed}, which decide the layout and meaning of the saved state. Resume with the saved values "
+            f"(precision_options {json.dumps(keep)}), or start a new run from the checkpoint's weights "
+            "without resume_from_checkpoint"
+        )
+    for k in changed:
+        logger.info("resuming with %s=%r (saved: %r): applied from here on", k, current.get(k), saved.get(k))
+    return changed
+
+
+def check_optimizer_state(strategy: Any, saved: dict[str, Any]) -> list[str]:
+    """The strategy's part of an optimizer's state dict (its "hf_lowprec" entry) against `strategy`:
+    ValueError for another strategy's state or changed options (`check_resume_options`); returns
+    the resume-safe options that changed."""
+    name = saved.get("strategy")
+    if name is not None and name != strategy.name:
+        raise ValueError(
+            f"this optimizer state was saved by precision strategy {name!r}, "
+            f"not {strategy.name!r}; resume with --precision_strategy {name}"
+        )
+    options = saved.get("options")
+    return check_resume_options(strategy, options, "this optimizer state") if options else []
+
+
+def check_zero_owners(saved: Any, owners: list[int]) -> None:
+    """FP8-LM's ZeRO state loads where each tensor has the owner rank it was saved with."""
+    if list(saved) != owners:
+        raise ValueError(
+            f"this FP8 ZeRO state was saved with tensor owners {saved}, this run assigns "
+            f"{owners}; resume with the same number of ranks"
+        )
+
+
+# --- FSDP2's sharded checkpoints --------------------------------------------------------------
+
+
+def sharded_checkpoint_problem(path: str, per_shard_state: bool, rank: int, world: int) -> str | None:
+    """Why `world` ranks cannot load the sharded checkpoint `path` (this `rank` checks its share of
+    the files), or None. Every rank refuses together: `hf_lowprec.checkpoints.sharded.check_saved`
+    gathers what each found. State laid out per shard loads at the world size it was saved at only."""
+    previous = f"{path}.previous"
+    if not os.path.isdir(path) and os.path.isdir(previous):
+        return (
+            f"sharded checkpoint {path} is missing, and {previous} holds the previous complete save (a save "
+            f"stopped between its two renames). Nothing was loaded. Rename {previous} to {path} to load it"
+        )
+    if not os.path.isdir(path):
+        return f"sharded checkpoint {path} does not exist. Nothing was loaded"
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as err:
+        return f"sharded checkpoint file {os.path.join(path, err.name)} is damaged ({err.problem})"
+    if manifest is None:
+        logger.warning("%s has no hf_lowprec_manifest.json (saved before checkpoints carried one): not checked", path)
+        return None
+    saved = manifest.get("world_size", 1)
+    if (per_shard_state or manifest.get("per_shard_state")) and saved != world:
+        return (
+            f"sharded checkpoint {path} was saved by {saved} ranks and this run has {world}: its optimizer state "
+            f"is laid out per shard (groups or blocks padded per rank), which cannot be resharded. Nothing was "
+            f"loaded. Load it with {saved} ranks (torchrun --nproc_per_node {saved})"
+        )
+    for index, (rel, entry) in enumerate(sorted(manifest["files"].items())):
+        what = file_problem(path, rel, entry) if index % world == rank else None
+        if what is not None:
+            what = what if what == "missing" else f"damaged ({what})"
+            return (
+                f"sharded checkpoint file {os.path.join(path, rel)} is {what}. Nothing was loaded. "
+                "Load an earlier save, or save again from a run that holds this state"
+            )
+    return None

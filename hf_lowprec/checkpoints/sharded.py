@@ -14,7 +14,6 @@ refused naming the world size it needs (DTensor state reshards, so that loads at
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -22,11 +21,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from .manifest import ManifestError, crash_point, file_entry, file_problem, read_manifest, write_manifest
+from .manifest import crash_point, file_entry, write_manifest
+from .resume import sharded_checkpoint_problem
 
 __all__ = ["save_checked", "check_saved"]
-
-logger = logging.getLogger(__name__)
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -82,49 +80,9 @@ def save_checked(path: str, write: Callable[[str], None], per_shard_state: bool)
 
 
 def check_saved(path: str, per_shard_state: bool) -> None:
-    """Raise ValueError (on every rank together) unless `path` is a complete, undamaged save this world can load."""
+    """Raise ValueError (on every rank together) unless `path` is a complete, undamaged save this world
+    can load: each rank checks its share (`sharded_checkpoint_problem`), and all refuse with the first."""
     rank, world = _rank_world()
-    problem = None
-    try:
-        manifest = _manifest(path)
-    except ValueError as err:
-        manifest, problem = None, str(err)
-    if manifest is not None:
-        saved = manifest.get("world_size", 1)
-        if (per_shard_state or manifest.get("per_shard_state")) and saved != world:
-            problem = (
-                f"sharded checkpoint {path} was saved by {saved} ranks and this run has {world}: its optimizer state "
-                f"is laid out per shard (groups or blocks padded per rank), which cannot be resharded. Nothing was "
-                f"loaded. Load it with {saved} ranks (torchrun --nproc_per_node {saved})"
-            )
-        else:
-            for index, (rel, entry) in enumerate(sorted(manifest["files"].items())):
-                if index % world == rank and problem is None:
-                    what = file_problem(path, rel, entry)
-                    if what is not None:
-                        what = what if what == "missing" else f"damaged ({what})"
-                        problem = (
-                            f"sharded checkpoint file {os.path.join(path, rel)} is {what}. Nothing was loaded. "
-                            "Load an earlier save, or save again from a run that holds this state"
-                        )
-    problems = [p for p in _gather(problem) if p is not None]
+    problems = [p for p in _gather(sharded_checkpoint_problem(path, per_shard_state, rank, world)) if p is not None]
     if problems:
         raise ValueError(problems[0])
-
-
-def _manifest(path: str) -> dict | None:
-    if not os.path.isdir(path):
-        previous = f"{path}.previous"
-        if os.path.isdir(previous):
-            raise ValueError(
-                f"sharded checkpoint {path} is missing, and {previous} holds the previous complete save (a save "
-                f"stopped between its two renames). Nothing was loaded. Rename {previous} to {path} to load it"
-            )
-        raise ValueError(f"sharded checkpoint {path} does not exist. Nothing was loaded")
-    try:
-        manifest = read_manifest(path)
-    except ManifestError as err:
-        raise ValueError(f"sharded checkpoint file {os.path.join(path, err.name)} is damaged ({err.problem})") from None
-    if manifest is None:
-        logger.warning("%s has no hf_lowprec_manifest.json (saved before checkpoints carried one): not checked", path)
-    return manifest

@@ -23,10 +23,11 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
+from ..checkpoints.complete_save import save_complete_checkpoint
 from ..checkpoints.converted import load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.manifest import crash_point
-from ..checkpoints.resume import RESETTABLE, parse_resume_reset, resolve_resume_checkpoint, save_complete_checkpoint
+from ..checkpoints.resume import RESETTABLE, checked_resume, parse_resume_reset
 from ..engines.ddp import prepare_ddp
 from ..report import (
     SilentPrecisionWarning,
@@ -39,15 +40,9 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_precision
+from .optimizer_arguments import accept_optimizer, reconcile_mixed_precision_flags, users_optimizer_named
 from .peft import prepare_model
-from .stock import (
-    accept_optimizer,
-    bind_stock_arguments,
-    forwarding_init,
-    reconcile_mixed_precision_flags,
-    refuse_strategy_checkpoint,
-    users_optimizer_named,
-)
+from .stock_signature import bind_stock_arguments, forwarding_init
 
 __all__ = [
     "PrecisionArgumentsMixin",
@@ -124,9 +119,8 @@ class PrecisionArgumentsMixin:
                 check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
-        elif self.resume_reset:
-            # Without a strategy the Trainer resumes as the stock one: no manifest, nothing to reset.
-            raise ValueError("resume_reset was given without precision_strategy; set --precision_strategy")
+        else:
+            parse_resume_reset(self.resume_reset, with_strategy=False)  # without a strategy: nothing to reset
         super().__post_init__()
 
     def build_precision_strategy(self) -> PrecisionStrategy | None:
@@ -276,17 +270,10 @@ class PrecisionTrainerMixin:
         # Only the arguments given, by keyword: TRL 1.12's PPOTrainer.train() takes none.
         given = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
         kwargs = {name: value for name, value in given.items() if value is not None}
-        if self.precision is None:  # the stock resume: its checks, its errors
-            refuse_strategy_checkpoint(self.args.output_dir, resume_from_checkpoint)
-            if resume_from_checkpoint is not None:
-                kwargs["resume_from_checkpoint"] = resume_from_checkpoint
-            return super().train(**kwargs)
-        # Pick and check the checkpoint before the base class loads anything: an interrupted
-        # save is skipped; a missing or damaged file, another strategy's checkpoint or changed
-        # options are refused, unless `resume_reset` names the part that file holds.
-        reset = parse_resume_reset(getattr(self.args, "resume_reset", None))
-        resume_from_checkpoint, self._resume_resets = resolve_resume_checkpoint(
-            self.args.output_dir, resume_from_checkpoint, self.precision, reset
+        # Every check of the resume, before the base class loads anything (checkpoints/resume.py):
+        # without a strategy the stock resume's own, and a strategy's checkpoint refused.
+        resume_from_checkpoint, self._resume_resets = checked_resume(
+            self.args.output_dir, resume_from_checkpoint, self.precision, getattr(self.args, "resume_reset", None)
         )
         if "optimizer" in self._resume_resets:
             # Residuals of this run's initial weights would seed δθ next to the checkpoint's θ.

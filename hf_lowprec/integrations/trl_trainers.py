@@ -145,7 +145,7 @@ class _FrozenModels:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from .stock import bind_stock_arguments
+        from .stock_signature import bind_stock_arguments
 
         call = bind_stock_arguments(self, _FrozenModels, args, kwargs)  # positional or by keyword
         build = getattr(call.arguments.get("args"), "build_precision_strategy", None)

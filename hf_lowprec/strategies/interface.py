@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -85,7 +84,8 @@ class PrecisionStrategy:
     needs: ClassVar[str] = ""  # what the strategy requires beyond this package (shown by `hf-lowprec list`)
     support: ClassVar[EngineSupport] = EngineSupport()
     # Options a resume may change: they decide how the step runs or what is measured and
-    # saved, not the layout or meaning of the saved state. Any other change is refused.
+    # saved, not the layout or meaning of the saved state. Any other change is refused
+    # (`hf_lowprec.checkpoints.resume.check_resume_options`).
     resume_safe_options: ClassVar[frozenset[str]] = frozenset(
         {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout", "guard"}
     )
@@ -394,28 +394,6 @@ class PrecisionStrategy:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skipped_logged = self._skipped_before
         load_guard_state(self.guard, state.get("guard"))
-
-    def check_resume_options(self, saved: dict[str, Any], where: str) -> list[str]:
-        """Compare this strategy's options with the `saved` ones (read from `where`).
-
-        Raises ValueError naming each changed option outside `resume_safe_options` with its
-        saved value; returns the safe options that changed, which the resumed run applies.
-        """
-        current = dataclasses.asdict(self.options)
-        changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
-        refused = [k for k in changed if k not in self.resume_safe_options]
-        if refused:
-            listed = ", ".join(f"{k}={current.get(k)!r} (saved: {saved.get(k)!r})" for k in refused)
-            keep = {k: saved[k] for k in refused if k in saved}
-            raise ValueError(
-                f"{where} was saved by precision strategy {self.name!r} with other options; this run changes "
-                f"{listed}, which decide the layout and meaning of the saved state. Resume with the saved values "
-                f"(precision_options {json.dumps(keep)}), or start a new run from the checkpoint's weights "
-                "without resume_from_checkpoint"
-            )
-        for k in changed:
-            logger.info("resuming with %s=%r (saved: %r): applied from here on", k, current.get(k), saved.get(k))
-        return changed
 
     def metrics(self) -> dict[str, float]:
         """Metrics for the logs, under stable `precision/...` keys.

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..checkpoints.resume import check_optimizer_state
+
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
 
@@ -127,14 +129,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hf_lowprec", None)
         if ours is not None:
-            saved = ours.get("strategy")
-            if saved is not None and saved != self.strategy.name:
-                raise ValueError(
-                    f"this optimizer state was saved by precision strategy {saved!r}, "
-                    f"not {self.strategy.name!r}; resume with --precision_strategy {saved}"
-                )
-            options = ours.get("options")
-            changed = self.strategy.check_resume_options(options, "this optimizer state") if options else []
+            changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
             if "seed" in changed:
                 # A new stochastic-rounding seed applies for real: the generators start from it.
                 state_dict.pop("generator_states", None)

@@ -34,7 +34,8 @@ from transformers import HfArgumentParser, TrainerCallback
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
-from hf_lowprec.checkpoints.resume import MANIFEST, CheckpointSaveError, resolve_resume_checkpoint
+from hf_lowprec.checkpoints.complete_save import CheckpointSaveError
+from hf_lowprec.checkpoints.resume import MANIFEST, resolve_resume_checkpoint
 from tests import helpers
 from tests.helpers import TokenBlocks, assert_same_state, batches, tiny_gpt2
 

@@ -31,7 +31,7 @@ from transformers.training_args import OptimizerNames
 
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.resume import MANIFEST
-from hf_lowprec.integrations.stock import ADAMW_OPTIMS
+from hf_lowprec.integrations.optimizer_arguments import ADAMW_OPTIMS
 from hf_lowprec.integrations.trainer import REPORT_FILE
 from hf_lowprec.strategies.interface import StrategyOptimizer
 from hf_lowprec.strategies.registry import available_strategies, get_strategy

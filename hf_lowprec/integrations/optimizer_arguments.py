@@ -1,0 +1,69 @@
+"""The stock Trainer's precision and optimizer arguments under a strategy: `bf16`/`fp16` and `optim`
+reconciled with the strategy or refused, `optimizers=` accepted, wrapped or refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
+
+__all__ = ["ADAMW_OPTIMS", "reconcile_mixed_precision_flags", "accept_optimizer", "users_optimizer_named"]
+
+logger = logging.getLogger(__name__)
+
+# Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
+ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
+
+
+def reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
+    """`bf16`/`fp16` that agree with the strategy's compute dtype are cleared (the strategy owns
+    mixed precision); contradicting ones, and an `optim` for a strategy with its own AdamW, refused."""
+    compute = strategy.compute_dtype
+    if args.fp16 and compute != torch.float16:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} computes in {compute} but fp16=True was also set; "
+            "the strategy owns mixed precision: remove fp16=True (--fp16)"
+        )
+    if args.bf16 and compute != torch.bfloat16:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} computes in {compute} but bf16=True was also set; "
+            "the strategy owns mixed precision: remove bf16=True (--bf16)"
+        )
+    if args.bf16 or args.fp16:
+        logger.info("precision_strategy %r owns mixed precision; ignoring bf16/fp16 flags", args.precision_strategy)
+        args.bf16 = False
+        args.fp16 = False
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in ADAMW_OPTIMS and not strategy.takes_user_optimizer:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} builds its own AdamW, but optim={optim!r} was set; "
+            "remove --optim (or use adamw_torch)"
+        )
+
+
+def accept_optimizer(strategy: PrecisionStrategy, optimizer: Any, cls_and_kwargs: Any) -> Any:
+    """The Trainer's `optimizers=(optimizer, …)` under `strategy`: the user's optimizer wrapped in the
+    strategy's step (`takes_user_optimizer`), or a ValueError for a strategy with its own optimizer."""
+    foreign = optimizer is not None and not isinstance(optimizer, StrategyOptimizer)
+    if strategy.takes_user_optimizer:
+        return StrategyOptimizer(optimizer, strategy) if foreign else optimizer
+    if foreign:
+        raise ValueError(
+            f"precision_strategy={strategy.name!r} builds the optimizer, but optimizers=(...) "
+            "passed another one; drop `optimizers=` or build it with strategy.create_optimizer(...)"
+        )
+    if cls_and_kwargs is not None:
+        raise ValueError(f"precision_strategy={strategy.name!r} builds the optimizer; drop optimizer_cls_and_kwargs=")
+    return optimizer
+
+
+def users_optimizer_named(strategy: PrecisionStrategy | None, args: Any, cls_and_kwargs: Any) -> bool:
+    """The Trainer builds the optimizer its arguments name (`optimizer_cls_and_kwargs`, an `optim`
+    other than AdamW) rather than the strategy's AdamW: only for a `takes_user_optimizer` strategy."""
+    optim = getattr(args.optim, "value", args.optim)
+    named = cls_and_kwargs is not None or optim not in ADAMW_OPTIMS
+    return strategy is not None and strategy.takes_user_optimizer and named
