@@ -88,16 +88,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _compute_label(strategy: ReportedStrategy, module: torch.nn.Module) -> str:
-    from .fp8 import FP8Linear, recipes
+    from .fp8 import FP8Linear
     from .fp8.experts import FP8Experts
 
     if isinstance(module, FP8Linear):  # output gradients: E5M2 under tensorwise, E4M3 under the finer recipes
-        if module.recipe == "bf16":
+        if module.config.raised:
             return "BF16 GEMM (raised by the guard)"
-        grad = "e5m2" if recipes.get_recipe(module.recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
+        grad = "e5m2" if module.config.recipe.grad_dtype == torch.float8_e5m2 else "e4m3"
         return f"fp8 GEMM {module.recipe} (e4m3 fwd, {grad} grad)"
     if isinstance(module, FP8Experts):
-        grad = "e5m2" if recipes.get_recipe(module.fp8_recipe).grad_dtype == torch.float8_e5m2 else "e4m3"
+        grad = "e5m2" if module.fp8_layer_config.recipe.grad_dtype == torch.float8_e5m2 else "e4m3"
         return f"fp8 grouped GEMM {module.fp8_recipe} per expert (e4m3 fwd, {grad} grad)"
     return _dtype_name(strategy.compute_dtype)
 

@@ -317,11 +317,6 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert [line for imported, _ in PRIVATE.values() for line in imported] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fp8/sharded_weight.py reads fp8.linear._step_generation (the FP8 weight cache's optimizer-step "
-    "counter): fp8/* is being reworked for #59; remove this mark when it has a public reader",
-)
 def test_no_module_reads_another_modules_private_names() -> None:
     assert [line for _, read in PRIVATE.values() for line in read] == []
 

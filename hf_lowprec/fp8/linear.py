@@ -43,6 +43,7 @@ __all__ = [
     "fp8_gemm_path",
     "fp8_linear",
     "get_grad_sink",
+    "optimizer_step_generation",
     "output_dtype",
     "quantize_layer_weight",
     "quantize_tensorwise",
@@ -128,6 +129,12 @@ def _after_optimizer_step(*_: Any) -> None:
     _step_generation = next(_optimizer_steps) + 1
     for layer in list(_caching_layers):
         layer._weight_cache = None
+
+
+def optimizer_step_generation() -> int:
+    """How many optimizer steps have run in this process (any optimizer): what FP8 weight caches
+    and FSDP2's agreed weight scales are keyed by."""
+    return _step_generation
 
 
 def _ensure_step_hook() -> None:

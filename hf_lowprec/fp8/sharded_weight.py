@@ -81,9 +81,9 @@ class WeightScales:
     def ensure_fresh(self) -> None:
         from ..fp8 import linear
 
-        if self.generation != linear._step_generation:
+        if self.generation != linear.optimizer_step_generation():
             self.refresh()
-            self.generation = linear._step_generation
+            self.generation = linear.optimizer_step_generation()
 
     @torch.no_grad()
     def refresh(self) -> None:
