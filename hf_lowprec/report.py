@@ -1,12 +1,10 @@
 """What is actually active: the startup report, the promise check and the silent-precision guard.
 
-Low-precision training fails most often through precision nobody asked for and nobody sees:
-FP8 that silently fell back to BF16, BF16 weights stepped by a plain AdamW that drops updates
-below half an ulp, parameters left in FP32 under a pure-BF16 strategy. `describe` reads the
-model and optimizer as they are (not as the strategy says they should be), `format_report`
-prints it as a compact table, and `promise_violations` lists where the two disagree.
-
-`plan_model_state` and `zero_per_rank` (model-state bytes per parameter) live in `memory`.
+Low-precision training fails most often through precision nobody asked for and nobody sees: FP8
+that silently fell back to BF16, BF16 weights stepped by a plain AdamW that drops updates below
+half an ulp, FP32 parameters left under a pure-BF16 strategy. `describe` reads the model and
+optimizer as they are (not as the strategy says), `format_report` prints a compact table, and
+`promise_violations` lists where the two disagree (bytes per parameter: `memory`).
 """
 
 from __future__ import annotations

@@ -25,22 +25,6 @@ MODULE_DOCSTRING_MAX_LINES = 8
 #     # long docstring: <the reason>
 _LONG_DOCSTRING_REASON = re.compile(r"^# long docstring: *(\S.*)$", re.MULTILINE)
 
-# TEMPORARY: modules that other changes of issue #59 were rewriting when this check landed, and
-# that fail it. Their owners remove each entry as they fix its docstrings (and the set itself
-# once it is empty); nothing may be added to it.
-PENDING = {
-    "hf_lowprec.checkpoints",
-    "hf_lowprec.checkpoints.converted",
-    "hf_lowprec.checkpoints.fp8_published",
-    "hf_lowprec.checkpoints.sharded",
-    "hf_lowprec.integrations.launch",
-    "hf_lowprec.integrations.trainer",
-    "hf_lowprec.report",
-    "hf_lowprec.strategies.adopt",
-    "hf_lowprec.strategies.interface",
-    "hf_lowprec.strategies.options",
-}
-
 # `name`, `name()`, `name(x)`, ``name``, `a.b.c`: a backticked identifier or dotted path.
 _BACKTICKED = re.compile(r"(?<!`)(`{1,2})([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\([^`()]*\))?\1(?!`)")
 
@@ -261,33 +245,16 @@ def long_docstring(module: Module, limit: int = MODULE_DOCSTRING_MAX_LINES) -> s
 MODULES = load_package(ROOT, PACKAGE)
 
 
-def _checked() -> list[str]:
-    return [name for name in MODULES if name not in PENDING]
-
-
-@pytest.mark.parametrize("name", _checked())
+@pytest.mark.parametrize("name", list(MODULES))
 def test_module_docstring_is_short(name):
     problem = long_docstring(MODULES[name])
     assert problem is None, problem
 
 
-@pytest.mark.parametrize("name", _checked())
+@pytest.mark.parametrize("name", list(MODULES))
 def test_docstrings_name_what_the_module_has(name):
     problems = stale_names(MODULES, PACKAGE, name)
     assert not problems, "\n".join(problems)
-
-
-def test_pending_is_current():
-    # An entry for a module that was renamed or removed, or that passes now, exempts nothing:
-    # remove it (the module is then checked like the others).
-    gone = sorted(PENDING - set(MODULES))
-    assert not gone, f"PENDING names modules that do not exist: {gone}"
-    passing = sorted(
-        name
-        for name in PENDING & set(MODULES)
-        if long_docstring(MODULES[name]) is None and not stale_names(MODULES, PACKAGE, name)
-    )
-    assert not passing, f"these modules pass now: remove them from PENDING: {passing}"
 
 
 # ---- self-checks: the rules above catch what they should, on a probe package ----

@@ -1,13 +1,9 @@
 """Resume a Trainer checkpoint whose weights transformers wrote in the hub format.
 
-transformers 5 keeps a Mixture-of-Experts block's experts fused (`mlp.experts.gate_up_proj`,
-`[experts, ...]`), but `save_pretrained` writes them back in the original per-expert format
-(`mlp.experts.0.gate_proj.weight`, ...: `revert_weight_conversion`), and the Trainer resumes
-with a plain `model.load_state_dict(..., strict=False)` that applies no conversion: every
-expert weight is left as the new run initialised it, with a warning about missing and
-unexpected keys (transformers issue #48805). `to_model_keys` applies the model's conversion
-mapping forwards, as `from_pretrained` does, and `load_in_model_format` loads a checkpoint
-through it.
+transformers 5 keeps MoE experts fused, `save_pretrained` writes them per expert, and the Trainer
+resumes without converting back (transformers#48805, docs/checkpoints.md): `to_model_keys` applies
+the model's conversion mapping forwards, as `from_pretrained` does, and `load_in_model_format`
+loads a checkpoint through it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""Published FP8 checkpoints in and out (docs/checkpoints.md).
+"""Published FP8 checkpoints (E4M3 + per-block scales) in and out (docs/checkpoints.md).
 
-In. `from_pretrained` of a fine-grained FP8 checkpoint (`quantization_config.quant_method: "fp8"`)
-gives one of two models: on a machine with FP8 GEMMs, transformers' own `FP8Linear` layers
-holding the E4M3 payloads and their `weight_scale_inv` (inference layers, which the stock Trainer
-refuses to train in full); elsewhere (a CPU) ordinary layers whose weights were dequantized into
-the model's dtype, BF16: the checkpoint's FP32 values rounded once more. `restore_published_fp8`
-goes back to the stored values in both cases, from the layers or, after a dequantized load, from
-the checkpoint's files (each layer checked against its loaded weight first: a layer changed since
-loading keeps its values). Each published layer then becomes
-
-- trained: an `nn.Linear` holding the stored values in FP32 (payload · scale, exact in FP32: the
-  values the checkpoint means); the strategy makes its masters from them, one rounding, not two;
-- frozen (a LoRA base), where `keep_frozen_fp8`: a `FrozenBlockFP8Linear` holding payload and
-  scales as published, 1 byte per parameter;
-- frozen otherwise: an `nn.Linear` in the loaded dtype, as transformers dequantizes it.
-
-Out. `write_published_fp8` rewrites a saved model's published layers into the same format (E4M3
-payload, `weight_scale_inv` per block, the checkpoint's `quantization_config`), so a model
-fine-tuned here loads in plain transformers and serves where the original did. A frozen layer is
-written as it was read, bit for bit.
+In: `restore_published_fp8` makes each published layer of a loaded model from the values the
+checkpoint stores. Out: `write_published_fp8` rewrites a saved model's published layers into the
+same format, so a model fine-tuned here loads in plain transformers and serves where the original did.
 """
 
 from __future__ import annotations
@@ -197,9 +181,22 @@ def _linear(
 
 
 def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[str, Any] | None:
-    """Make each published FP8 layer of `model` from its stored values (module docstring); returns
-    the record kept on the model ({"layers": {name: "trained" | "frozen FP8" | "frozen"}, ...}),
-    or None for a model not loaded from an FP8 checkpoint. Idempotent."""
+    """Make each published FP8 layer of `model` from its stored values; returns the record kept on
+    the model ({"layers": {name: "trained" | "frozen FP8" | "frozen"}, ...}), or None for a model
+    not loaded from an FP8 checkpoint. Idempotent.
+
+    `from_pretrained` gives either transformers' own FP8Linear inference layers (E4M3 payloads and
+    `weight_scale_inv`; a machine with FP8 GEMMs) or ordinary layers dequantized into the model's
+    dtype (a CPU: the FP32 values rounded once more). The stored values come from the layers or,
+    after a dequantized load, from the checkpoint's files (each layer checked against its loaded
+    weight first: a layer changed since loading keeps its values). Each published layer becomes
+
+    - trained: an `nn.Linear` holding payload · scale in FP32 (exact: the values the checkpoint
+      means); the strategy makes its masters from them, one rounding, not two;
+    - frozen (a LoRA base), where `keep_frozen_fp8`: a `FrozenBlockFP8Linear` holding payload and
+      scales as published, 1 byte per parameter;
+    - frozen otherwise: an `nn.Linear` in the loaded dtype, as transformers dequantizes it.
+    """
     base = _base(model)
     if PUBLISHED_ATTR in base.__dict__:
         return base.__dict__[PUBLISHED_ATTR]
@@ -298,7 +295,8 @@ def _not_broadcast_by_ddp(model: nn.Module) -> None:
 
 def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:
     """Rewrite the published layers of the model saved in `output_dir` into the checkpoint's FP8
-    format (module docstring); returns the number of layers written, 0 where `model` was not
+    format (E4M3 payload, `weight_scale_inv` per block, the checkpoint's `quantization_config`; a
+    frozen layer is written as it was read, bit for bit); returns the number of layers written, 0 where `model` was not
     loaded from an FP8 checkpoint or is a PEFT model (whose save holds its adapters only)."""
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -1,15 +1,8 @@
 """FSDP2's sharded checkpoints (torch.distributed.checkpoint) saved atomically and checked before loading.
 
-torch's checkpoint writer writes each rank's shards (`__<rank>_<n>.distcp`) in place and renames
-only `.metadata`: a rank that dies after rank 0 wrote leaves rank 0's new shard beside rank 1's
-old one, which loads as a mix of two steps, and bytes overwritten in a shard load as NaN weights.
-`save_checked` writes the whole save into `<path>.saving`, has every rank checksum its own shards,
-writes the manifest (`hf_lowprec.checkpoints.manifest`: each file's size and CRC-32, the world
-size, whether state is laid out per shard) and only then renames the directory into place, so
-`<path>` always holds one complete save. `check_saved` verifies a save before anything loads:
-every rank checks a share of the files and all ranks refuse together, naming the file; state
-laid out per shard (COAT's per-group FP8 moments, collage-8bit's blocks) at another world size is
-refused naming the world size it needs (DTensor state reshards, so that loads at any size).
+torch's writer writes each rank's shards in place, so a rank that dies mid-save leaves a mix of two
+steps (docs/checkpoints.md): `save_checked` makes the whole save in `<path>.saving` and renames it
+into place, so `<path>` always holds one complete save; `check_saved` verifies it before loading.
 """
 
 from __future__ import annotations
@@ -50,7 +43,11 @@ def _barrier() -> None:
 
 
 def save_checked(path: str, write: Callable[[str], None], per_shard_state: bool) -> None:
-    """Save through `write(directory)` (every rank calls it) into `path`, atomically, with a manifest."""
+    """Save through `write(directory)` (every rank calls it) into `path`, atomically, with a manifest.
+
+    The save goes into `<path>.saving`; every rank checksums its own shards, the manifest
+    (`hf_lowprec.checkpoints.manifest`: each file's size and CRC-32, the world size, whether state
+    is laid out per shard) is written, and only then is the directory renamed into place."""
     rank, world = _rank_world()
     staging, previous = f"{path}.saving", f"{path}.previous"
     if rank == 0:
@@ -81,7 +78,9 @@ def save_checked(path: str, write: Callable[[str], None], per_shard_state: bool)
 
 def check_saved(path: str, per_shard_state: bool) -> None:
     """Raise ValueError (on every rank together) unless `path` is a complete, undamaged save this world
-    can load: each rank checks its share (`sharded_checkpoint_problem`), and all refuse with the first."""
+    can load: each rank checks its share (`sharded_checkpoint_problem`), and all refuse with the first,
+    naming the file. State laid out per shard (COAT's per-group FP8 moments, collage-8bit's blocks) at
+    another world size is refused naming the world size it needs (DTensor state reshards: any size)."""
     rank, world = _rank_world()
     problems = [p for p in _gather(sharded_checkpoint_problem(path, per_shard_state, rank, world)) if p is not None]
     if problems:

@@ -1,40 +1,10 @@
 """`hf-lowprec launch`: run any command so that every Python process it starts takes a strategy.
 
-    hf-lowprec launch --precision_strategy collage-plus -- trl sft --model_name_or_path M ...
     hf-lowprec launch --precision_strategy collage-plus -- torchrun --nproc_per_node 2 run_clm.py ...
 
-The launcher checks the strategy and its options, then runs the command with a startup hook
-directory (`launch_hook/`, holding a `sitecustomize.py`) first on `PYTHONPATH` and the strategy
-in `HF_LOWPREC_PRECISION_STRATEGY` / `HF_LOWPREC_PRECISION_OPTIONS`. Every Python process of the
-command (the ranks torchrun, accelerate and deepspeed start, console scripts like `trl`)
-inherits that environment, and its `sitecustomize` calls `install()` when `HF_LOWPREC_LAUNCH`
-is set. `install()` adds an import watcher; when `transformers` is imported, the watcher puts
-`hf_lowprec`'s classes under transformers' names:
-
-- `transformers.TrainingArguments` (also in `transformers.training_args` and
-  `transformers.trainer`) is `hf_lowprec.TrainingArguments`, so `HfArgumentParser` scripts take
-  `--precision_strategy`; `transformers.Trainer` is `hf_lowprec.Trainer`.
-- TRL's `SFT`, `Reward`, `GRPO`, `DPO`, `RLOO`, `KTO` and `Distillation` configs and trainers
-  (`hf_lowprec.trl.TRAINER_KINDS`: every command of TRL's CLI that trains), read from `trl`,
-  are the classes of `hf_lowprec.trl`. TRL's own modules are executed with transformers' original
-  names in place, so that TRL's classes are the stock ones which `hf_lowprec.trl` wraps.
-- The launcher's strategy and options become the defaults of `precision_strategy` and
-  `precision_options` (`launch_env.launched_precision`, read by the arguments' default
-  factories): a value on the script's command line wins.
-- A `transformers.Trainer` that would train without the strategy (another TRL trainer, a class
-  defined before the patch) stops with an error instead.
-
-Never in silence without the strategy: a hook that fails stops its process (exit code 2); each
-process whose hook installed records itself in `HF_LOWPREC_LAUNCH_HOOKS`, and a command none of
-whose processes did (a replaced `PYTHONPATH`, `python -I`) ends the launcher non-zero.
-
-Without `HF_LOWPREC_LAUNCH` nothing here runs and importing transformers is untouched. This
-module imports only the standard library at the top (and `launch_env`, which does the same): it
-is imported at every launched process's start.
-
-It holds both sides of the launcher, the command's parent and the hook in every process it
-starts, so that they share the patch points and their error texts; the environment variables
-they share, and their reading, are in `launch_env`.
+`run` puts a startup hook (`launch_hook/sitecustomize.py`) first on the command's `PYTHONPATH`; in
+every process it starts, `install()` makes transformers' and TRL's trainers `hf_lowprec`'s as they
+are imported (docs/launch.md). Both sides are here to share the patch points and error texts.
 """
 
 from __future__ import annotations
@@ -54,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# Imported at every launched process's start: the standard library only at the top (and
+# `launch_env`, which does the same); nothing here runs without HF_LOWPREC_LAUNCH.
 from .launch_env import ENV_HOOKS, ENV_LAUNCH, ENV_OPTIONS, ENV_STRATEGY, json_object, launched_precision
 
 __all__ = [

@@ -352,7 +352,7 @@ class PrecisionTrainerMixin:
     def adopt_fsdp2_shards(self) -> None:
         """After Accelerate's FSDP2 `prepare` swapped the optimizer's parameters for shards: the
         state started at construction (a seeded δθ) moves onto them, and the strategy adopts the
-        sharded model (`hf_lowprec.engines.fsdp2.adopt_shards`), as `shard_model` does."""
+        sharded model (`hf_lowprec.engines.fsdp2.adopt_shards`), as `engines.fsdp2.shard_model` does."""
         from ..engines.fsdp2 import adopt_shards, move_state_to_shards
 
         move_state_to_shards(_find_strategy_optimizer(self.optimizer), self._params_before_sharding)

@@ -1,6 +1,5 @@
 """Graphcore automatic loss scaling (ALS) for FP16, decided on the device.
 
-
 `AutomaticLossScaler` (docs/algorithms.md §5; ALS post, seed 002): a two-bin histogram of the
 gradients sets the scale, overflowing FP16 gradients are clipped rather than skipped, and every
 decision stays on the device. Plain torch: no Trainer, Accelerate or DeepSpeed import.
@@ -53,7 +52,7 @@ class AutomaticLossScaler:
             keeps activation gradients of models that overflow at scale 1 in range.
         track_activations: count (and clip) activation gradients too, via tensor hooks on the
             outputs of the leaf modules of the model passed to `track`.
-        device: where the buffers start (they follow the loss to its device in `scale`).
+        device: where the buffers start; all live on the gradients' device (they follow the loss to it in `scale`).
 
     The rule: after each backward, |g| of the weight gradients and (optionally) of the activation
     gradients is counted in two bins over FP16's range, split at `bin_edge`. Every `period`
@@ -71,12 +70,10 @@ class AutomaticLossScaler:
     GradScaler): a step never waits for the device. The host reads the tallies when asked
     (`get_scale`, the `last_*` properties, `state_dict`, `log_overflows`): at logging steps.
 
-    Under data parallelism (`process_group` set, as DDP's `engines.ddp.prepare_ddp` does through the
-    strategy) every rank must take the same decision from the same histogram: the activation
-    gradients (each rank's own half of the batch) and the NaN flag are summed over the group
-    by one all-reduce per step; the weight gradients, already all-reduced, count once. Under
-    FSDP2 (DTensor gradients) every tally is summed over the mesh. The buffers live on one
-    device: the gradients' (they follow the loss to it in `scale`).
+    Under data parallelism (`process_group` set, as DDP's `engines.ddp.prepare_ddp` does through the strategy)
+    every rank must take the same decision from the same histogram: the activation gradients (each rank's own half
+    of the batch) and the NaN flag are summed over the group by one all-reduce per step; the weight gradients,
+    already all-reduced, count once. Under FSDP2 (DTensor gradients) every tally is summed over the mesh.
     """
 
     def __init__(
@@ -346,13 +343,12 @@ class AutomaticLossScaler:
         """Name `model`'s parameters in overflow logs and, with `track_activations`, hook the
         outputs of its leaf modules so that their gradients are counted and clipped.
 
-        Eagerly, the forward hook registers a tensor hook on each leaf module's output that adds
-        its counts into the step's buffers and clamps it. Inside `torch.compile` a side effect in
-        backward cannot be traced, so the forward hook instead passes the output through
-        `_ActivationTally`, whose backward clamps the gradient and returns the counts as the
-        gradient of a small FP64 leaf (`_probe`, one row per name): autograd accumulates them
-        there like a parameter's gradient, and `_agree` folds them into the tallies. Same counts,
-        one graph, no host sync."""
+        Eagerly, the forward hook registers a tensor hook on each leaf module's output that adds its counts into
+        the step's buffers and clamps it. Inside `torch.compile` a side effect in backward cannot be traced, so
+        the forward hook instead passes the output through `_ActivationTally`, whose backward clamps the
+        gradient and returns the counts as the gradient of a small FP64 leaf (`_probe`, one row per name):
+        autograd accumulates them there like a parameter's gradient, and `_agree` folds them into the tallies.
+        Same counts, one graph, no host sync."""
         self.untrack()
         self._names = {id(p): name for name, p in model.named_parameters()}
         for name in self._names.values():
@@ -418,20 +414,18 @@ class AutomaticLossScaler:
 
 
 def _counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16
-    else None), int64 tensors on the gradient's device: the tallies of the eager hooks and of
-    `_ActivationTally` alike."""
+    """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16 else None), int64
+    tensors on the gradient's device: the tallies of the eager hooks and of `_ActivationTally` alike."""
     magnitude = grad.detach().abs()
     clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else None
     return (magnitude >= bin_edge).sum(), clipped
 
 
 class _ActivationTally(torch.autograd.Function):
-    """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond
-    ±65504) as the gradient of row `row` of the FP64 `probe`, and the gradient clamped to
-    ±65504 when FP16. The forward returns a copy, not a view: a later in-place op on a view of
-    a custom Function's output is refused by autograd (an in-place ReLU after a Linear);
-    Inductor fuses the copy into the kernels that produce or consume it."""
+    """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond ±65504) as the gradient
+    of row `row` of the FP64 `probe`, and the gradient clamped to ±65504 when FP16. The forward returns a copy,
+    not a view: a later in-place op on a view of a custom Function's output is refused by autograd (an in-place
+    ReLU after a Linear); Inductor fuses the copy into the kernels that produce or consume it."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, probe: torch.Tensor, row: int, bin_edge: float) -> torch.Tensor:

@@ -1,16 +1,9 @@
 """Adopting a model as it was loaded: FP32 parameters made from 16-bit checkpoints.
 
-`from_pretrained` keeps the dtype a checkpoint was stored in (transformers 5), and nearly every
-checkpoint on the Hub is stored in BF16. A strategy that promises FP32 parameters (FP32 master
-weights: fp32, bf16-mixed, fp16-mixed, fp8-lm-o1, coat; the non-FP8 parameters of fp8-lm-o2/o3)
-makes them from the loaded values before its own conversion: every BF16 and FP16 value is an
-FP32 value, so the FP32 parameter holds exactly what was stored, and training continues as from
-an FP32 load of the same checkpoint. Strategies that store 16-bit parameters convert the model
-themselves (one rounding from whatever was loaded).
-
-Only trainable floating-point parameters change: frozen ones (a LoRA base, a frozen embedding)
-stay as loaded, and parameters are converted in place (`p.data`), so ties and references hold.
-What was made is recorded on the model for the startup report: dtype → elements.
+`from_pretrained` keeps the dtype a checkpoint was stored in (transformers 5): BF16 for nearly
+every checkpoint on the Hub. Every BF16 and FP16 value is an FP32 value, so a strategy that
+promises FP32 parameters makes them from the loaded values and trains as from an FP32 load of the
+same checkpoint; strategies that store 16-bit parameters convert the model themselves (one rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +25,11 @@ _WIDENED = (torch.bfloat16, torch.float16)
 
 def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str, int]:
     """Make FP32 every trainable BF16/FP16 parameter of `model` where `strategy` promises FP32
-    parameters and not the loaded dtype; returns (and records on the model) {dtype: elements}."""
+    parameters and not the loaded dtype; returns (and records on the model, for the startup
+    report) {dtype: elements}. Runs before the strategy's own conversion. FP32 parameters are
+    promised by fp32, bf16-mixed, fp16-mixed, fp8-lm-o1 and coat (FP32 masters) and for the non-FP8
+    parameters of fp8-lm-o2/o3. Frozen parameters (a LoRA base, a frozen embedding) stay as loaded;
+    the others are converted in place (`p.data`), so ties and references hold."""
     promised = strategy.promised_param_dtypes()
     made: collections.Counter[str] = collections.Counter()
     if torch.float32 in promised:

@@ -1,29 +1,4 @@
-"""The precision-strategy interface: hooks that do nothing by default.
-
-A strategy is one small class that overrides only what it changes. The Trainer glue
-(`hf_lowprec.integrations.trainer`), the Accelerate plugin and custom loops all drive a
-strategy through the same hooks:
-
-    model = strategy.prepare_model(model)
-    optimizer = strategy.create_optimizer(param_groups, lr=..., betas=..., eps=..., weight_decay=...)
-    with strategy.forward_context():
-        loss = model(**batch).loss
-    strategy.scale_loss(loss).backward()
-    optimizer.step()          # runs strategy.process_gradients, then strategy.optimizer_step
-
-or, for the last four lines, `loss = strategy.train_step(model, batch, optimizer)`.
-
-**The step never waits for the device.** Whether a step is skipped is a tensor, not a Python
-bool: `process_gradients(optimizer)` returns `found_inf`, a 0-dim FP32 tensor on the
-gradients' device, 1.0 where the step must be skipped (non-finite gradients, MAX-ed over the
-data-parallel ranks by an all-reduce of the tensor), 0.0 otherwise; `optimizer_step(optimizer,
-found_inf)` hands it to the inner optimizer as `step(found_inf=...)`, which leaves θ and every
-state untouched where it is set (as torch's fused AdamW does with GradScaler's flag). Loss
-scales and their decisions stay on the device too. The host reads the device only when a user
-reads a counter: `metrics()` (logging steps), `state_dict()` (checkpoints), and
-`StrategyOptimizer.step_was_skipped`, which waits for the device when read (as GradScaler-based
-loops do to skip their LR scheduler step). `lost_arithmetic_metrics` reads the device on its
-measured steps only.
+"""The precision-strategy interface: `PrecisionStrategy`, whose hooks do nothing by default.
 
 This module is the interface only. Beside it: `StrategyOptimizer`, the wrapper that runs the
 hooks around any optimizer (`strategies.optimizer`); the options and their type check
@@ -59,6 +34,25 @@ logger = logging.getLogger(__name__)
 
 class PrecisionStrategy:
     """Base class: every hook does nothing (FP32 semantics) until a subclass overrides it.
+
+    A strategy is one small class that overrides only what it changes. The Trainer glue
+    (`hf_lowprec.integrations.trainer`), the Accelerate plugin and custom loops all drive a
+    strategy through the same hooks:
+
+        model = strategy.prepare_model(model)
+        optimizer = strategy.create_optimizer(param_groups, lr=..., betas=..., eps=..., weight_decay=...)
+        with strategy.forward_context():
+            loss = model(**batch).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()          # runs strategy.process_gradients, then strategy.optimizer_step
+
+    or, for the last four lines, `loss = strategy.train_step(model, batch, optimizer)`.
+
+    The step never waits for the device: whether a step is skipped is a tensor (`found_inf`, see
+    `process_gradients`), and loss scales and their decisions stay on the device too. The host
+    reads the device only when a user reads a counter: `metrics()` (logging steps), `state_dict()`
+    (checkpoints), `StrategyOptimizer.step_was_skipped` (as GradScaler-based loops do to skip their
+    LR scheduler step), and `lost_arithmetic_metrics` on its measured steps only.
 
     Class attributes a subclass sets:
         Options: frozen dataclass of the strategy's options (subclass of StrategyOptions).
@@ -153,7 +147,7 @@ class PrecisionStrategy:
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
-        """Called once FSDP2 has swapped `model`'s parameters for DTensor shards (`shard_model`,
+        """Called once FSDP2 has swapped `model`'s parameters for DTensor shards (`engines.fsdp2.shard_model`,
         the Accelerate path): re-point what the strategy keyed on the unsharded parameters."""
 
     # --- optimizer ---------------------------------------------------------------------
@@ -291,7 +285,8 @@ class PrecisionStrategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
         """The step itself: the inner optimizer's `step(found_inf=found_inf)`, which leaves θ and
-        every state untouched where `found_inf` is nonzero (see `step_unless`)."""
+        every state untouched where `found_inf` is nonzero (see `step_unless`), as torch's fused AdamW
+        does with GradScaler's flag."""
         return step_unless(optimizer, found_inf)
 
     @property

@@ -43,7 +43,7 @@ class StrategyOptions:
             slower, quadratic in the completion length).
         guard: watch the run for low-precision failures and act: skip outlier steps, roll back,
             raise the precision of FP8 layers that flush their inputs (`hf_lowprec.guard`):
-            false, true (defaults) or a dict of `GuardConfig`'s thresholds.
+            false, true (defaults) or a dict of `guard.GuardConfig`'s thresholds.
     """
 
     lost_arithmetic_metrics: bool = False
