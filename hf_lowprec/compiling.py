@@ -1,11 +1,36 @@
-"""Whether `torch.compile` can build kernels on a device here (shared by every compiled path)."""
+"""Whether `torch.compile` can build kernels on a device here, and which call is one of the
+package's compiled graphs (`compiled_region`), shared by every compiled path."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import shutil
+from collections.abc import Iterator
 
-__all__ = ["compiler_missing"]
+__all__ = ["compiled_region", "compiler_missing", "current_compiled_region"]
+
+_regions: list[tuple[str, int]] = []
+_serials = itertools.count()
+
+
+@contextlib.contextmanager
+def compiled_region(name: str) -> Iterator[None]:
+    """Marks one call of a compiled graph of the package (an FP8 cast, an optimizer step). A
+    launch counter that sees its operations run eagerly (counters run compiled code as its
+    eager source) counts the call as one graph, not as a launch per operation
+    (`hf_lowprec.testing.launches`). Costs an append and a pop."""
+    _regions.append((name, next(_serials)))
+    try:
+        yield
+    finally:
+        _regions.pop()
+
+
+def current_compiled_region() -> tuple[str, int] | None:
+    """(name, serial of the call) of the innermost compiled region running, or None."""
+    return _regions[-1] if _regions else None
 
 
 @functools.cache

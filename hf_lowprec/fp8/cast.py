@@ -15,9 +15,18 @@ from typing import Any
 
 import torch
 
-from ..compiling import compiler_missing
+from ..compiling import compiled_region, compiler_missing
 
-__all__ = ["has_nan", "nan_flag", "saturate_to_fp8", "scale_to_fp8", "unscale_into", "widen"]
+__all__ = [
+    "has_nan",
+    "nan_flag",
+    "run_fused",
+    "saturate_to_fp8",
+    "saturate_to_fp8_eager",
+    "scale_to_fp8",
+    "unscale_into",
+    "widen",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +116,7 @@ def _scale_to_fp8_eager(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtyp
     return (x.float() * factor).to(dtype)
 
 
-def _saturate_to_fp8_eager(
+def saturate_to_fp8_eager(
     x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     y = x.float() * factor
@@ -134,45 +143,50 @@ def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
-def _compiler_missing() -> str | None:
-    return compiler_missing("cpu")
-
-
 _broken: list[str] = []
 
 
 def _eager_here(tensor: torch.Tensor) -> bool:
-    """Whether the plain torch ops must run instead of this module's compiled kernels.
+    """Whether the plain torch ops must run instead of this module's compiled kernels: inside a
+    `torch.compile`d model (a nested compiled function cannot be inlined; Inductor fuses the plain
+    ops into the caller's kernels), where no compiler is found, or after a compile failed.
 
-    Inside a `torch.compile`d model they are traced into the model's graph (a nested compiled
-    function cannot be inlined; Inductor fuses the plain ops into the caller's kernels). Under
-    a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
-    serve the call, and the compiled kernels stay in use afterwards.
+    On CPU the kernels are C++/OpenMP loops, on CUDA Triton kernels: the same graph, so a GPU
+    gets its few launches per tensor where the eager ops would issue a chain of small ones.
     """
-    if torch.compiler.is_compiling():
-        return True
-    return (
-        tensor.device.type != "cpu"
-        or bool(_broken)
-        or _compiler_missing() is not None
-        or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
-    )
+    return torch.compiler.is_compiling() or bool(_broken) or compiler_missing(tensor.device.type) is not None
 
 
-def _run_compiled(fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
+def run_fused(fn: Callable[..., Any], *args: Any, like: torch.Tensor) -> Any:
+    """fn(*args) as one compiled graph on `like`'s device (what `scale_to_fp8` does for a cast),
+    or eagerly where the compiled kernels cannot run (`_eager_here`). `fn` is a module-level
+    function of tensors (one compiled callable per function, dynamic shapes: flatten the inputs).
+
+    Under a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
+    serve the call, marked as the one compiled graph they stand for (`compiled_region`), and the
+    compiled kernels stay in use afterwards."""
+    if _eager_here(like):
+        return fn(*args)
+    with compiled_region(fn.__name__):
+        if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+            return fn(*args)
+        return _run_compiled(fn, *args)
+
+
+def _run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         # Autocast changes nothing here (products and casts); disabling it keeps one graph.
         # optimize_ddp off: called inside a DDP model's forward, dynamo would split these
         # one-kernel graphs by DDP's buckets (and fail); they hold no DDP module.
         with (
-            torch.autocast("cpu", enabled=False),
+            torch.autocast(args[0].device.type, enabled=False),
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
         ):
             return _compiled(fn)(*args)
     except Exception as error:  # any backend failure: fall back to the eager ops for good
         _broken.append(f"{type(error).__name__}: {error}")
         logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
-        return eager(*args)
+        return fn(*args)
 
 
 def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,9 +197,9 @@ def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> t
     to nearest even (tests/fp8/test_cast.py compares them bit for bit). The caller picks `factor` so that |x·factor| ≤ max(dtype) (or makes it NaN to mark an
     overflow): the cast does not saturate.
     """
-    if dtype not in FP8_DTYPES or _eager_here(x):
+    if dtype not in FP8_DTYPES:
         return _scale_to_fp8_eager(x, factor, dtype)
-    return _run_compiled(_scale_to_fp8_eager, _scale_to_fp8_eager, x.reshape(-1), factor, dtype).view(x.shape)
+    return run_fused(_scale_to_fp8_eager, x.reshape(-1), factor, dtype, like=x).view(x.shape)
 
 
 def saturate_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,9 +207,9 @@ def saturate_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -
     even), ±inf and NaN made NaN; and the number of finite elements it clipped (an int64
     tensor, no host sync). Where nothing exceeds the maximum the payload is `scale_to_fp8`'s,
     bit for bit (the sign of zero kept)."""
-    if dtype not in FP8_DTYPES or _eager_here(x):
-        return _saturate_to_fp8_eager(x, factor, dtype)
-    payload, saturated = _run_compiled(_saturate_to_fp8_eager, _saturate_to_fp8_eager, x.reshape(-1), factor, dtype)
+    if dtype not in FP8_DTYPES:
+        return saturate_to_fp8_eager(x, factor, dtype)
+    payload, saturated = run_fused(saturate_to_fp8_eager, x.reshape(-1), factor, dtype, like=x)
     return payload.view(x.shape), saturated
 
 
@@ -205,13 +219,7 @@ def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) 
     pass on CPU (O1 writes every FP8 gradient back into its `p.grad` this way: the lookup,
     division and copy took 7.6 ns per element, more than the rest of the step).
     """
-    if payload.dtype not in FP8_DTYPES or _eager_here(out) or not (out.is_contiguous() and payload.is_contiguous()):
+    if payload.dtype not in FP8_DTYPES or not (out.is_contiguous() and payload.is_contiguous()):
         out.copy_(widen(payload, torch.float32) / scale.float())
         return
-    _run_compiled(
-        _unscale_into_compiled,
-        lambda *_: unscale_into(out, payload, scale),
-        out.view(-1),
-        payload.view(-1),
-        scale.float(),
-    )
+    run_fused(_unscale_into_compiled, out.view(-1), payload.view(-1), scale.float(), like=out)

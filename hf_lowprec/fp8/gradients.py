@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..numerics import nonfinite_flag
-from .cast import nan_flag, saturate_to_fp8, widen
-from .scaled import dequantize, pow2_scale, quantize, tensor_amax
+from .cast import nan_flag, widen
+from .fused import gradient_cast
+from .scaled import pow2_scale, quantize, tensor_amax
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "nonfinite", "quantize_gradient", "requantize_gradient"]
 
@@ -35,9 +36,9 @@ def quantize_gradient(
         (payload, scale, saturated): the FP8 payload, its FP32 scale (real = payload / scale)
         and the number of clipped elements as an int64 tensor.
     """
-    scale = pow2_scale(tensor_amax(grad), dtype, margin) * mu
-    payload, saturated = saturate_to_fp8(grad.detach(), scale, dtype)
-    return payload, scale, saturated
+    if not torch.is_tensor(mu):
+        mu = torch.tensor(float(mu), dtype=torch.float32, device=grad.device)
+    return gradient_cast(grad, mu, dtype, margin)
 
 
 def requantize_gradient(
@@ -284,10 +285,9 @@ class BackwardFP8Gradients:
         if owner is None or param.grad is None or (dist.is_initialized() and dist.get_world_size() > 1):
             return
         grad = param.grad
+        # With gradient accumulation, added to this step's stored gradient: one compiled pass.
         pending = owner.fp8_grad(param)
-        if pending is not None:  # gradient accumulation: add to this step's stored gradient
-            grad = dequantize(*pending).add_(grad)
-        payload, scale, saturated = quantize_gradient(grad, self.scaler.mu_for(grad), self.dtype, self.margin)
+        payload, scale, saturated = gradient_cast(grad, self.scaler.mu_for(grad), self.dtype, self.margin, pending)
         self.scaler.record(saturated, grad.numel())
         owner.set_fp8_grad(param, payload, scale)
         param.grad = None

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
-from .cast import scale_to_fp8
+from .fused import tensorwise_cast
 from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
 from .raised import flush_counts, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
@@ -70,22 +70,13 @@ def quantize_tensorwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, s) with s the power-of-two scale of the real values x / master_scale.
 
-    Two passes over x: amax, then x·s in FP32 and the cast (one compiled loop,
-    `cast.scale_to_fp8`). The scale comes from this tensor's own amax, so |x·s| ≤ max(dtype)
-    already and `quantize`'s saturating clamp has nothing to do.
-    A non-finite amax (an inf or NaN anywhere in x) makes the scale NaN, so the whole payload
-    is NaN and the overflow stays visible downstream, as with `quantize`.
+    Two passes over x, amax then x·s in FP32 and the cast, in one compiled graph
+    (`fused.tensorwise_cast`: one or two kernels, on CPU and CUDA). The scale comes from this
+    tensor's own amax, so |x·s| ≤ max(dtype) already and `quantize`'s saturating clamp has
+    nothing to do. A non-finite amax (an inf or NaN anywhere in x) makes the whole payload NaN,
+    so the overflow stays visible downstream, as with `quantize`.
     """
-    amax = tensor_amax(x)
-    if master_scale is not None:
-        amax = amax / master_scale
-    scale = pow2_scale(amax, dtype, margin)
-    # amax − amax is 0, or NaN when amax is inf/NaN.
-    factor = scale + (amax - amax)
-    if master_scale is not None:
-        # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
-        factor = factor / master_scale
-    return scale_to_fp8(x.detach(), factor, dtype), scale
+    return tensorwise_cast(x, dtype, margin, master_scale)
 
 
 def quantize_weight(

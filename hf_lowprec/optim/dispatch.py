@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
-from ..compiling import compiler_missing
+from ..compiling import compiled_region, compiler_missing
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -253,7 +253,8 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
                         torch._dynamo.mark_static(tensor, 1)
             parallel = row.tensors[0].numel() >= PARALLEL_MIN_NUMEL
             try:
-                _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed, **_flag(row))
+                with compiled_region(discard.__name__):
+                    _compiled_for(key, discard, parallel)(*staged, row.scalars, row.seed, **_flag(row))
             except Exception as error:  # a backend failure: fall back in "auto", never lose a step
                 if mode == "compiled" or index:
                     # After the first row the graph is built: a later failure is not a

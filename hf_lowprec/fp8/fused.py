@@ -1,0 +1,77 @@
+"""One compiled pass per FP8 operand: amax, power-of-two scale and cast (and for a weight gradient
+its accumulation and saturation count) as one graph, on CPU (C++/OpenMP) and CUDA (Triton) alike.
+Run eagerly they are a chain of ~20 small ops per tensor, which on a GPU the host cannot issue as
+fast as the device runs them (docs/benchmarks.md, "Launches per step"). The eager functions here
+are the reference: the compiled graph gives their bits (tests/fp8/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics import abs_max
+from .cast import run_fused, saturate_to_fp8_eager
+from .scaled import pow2_scale
+
+__all__ = ["gradient_cast", "tensorwise_cast"]
+
+
+def _tensorwise(
+    x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = abs_max(x).float()
+    if master_scale is not None:
+        amax = amax / master_scale
+    scale = pow2_scale(amax, dtype, margin)
+    # amax − amax is 0, or NaN when amax is inf/NaN: a non-finite input gives a NaN payload.
+    factor = scale + (amax - amax)
+    if master_scale is not None:
+        # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
+        factor = factor / master_scale
+    return (x.float() * factor).to(dtype), scale
+
+
+def tensorwise_cast(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0, master_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, s): s the power-of-two scale of the real values x / master_scale (a 0-dim FP32
+    tensor), payload = x·s (times 1/master_scale) cast to `dtype` (nearest even). The scale comes
+    from x's own amax, so nothing saturates; an inf or NaN in x makes the payload NaN."""
+    x = x.detach()
+    if master_scale is not None:
+        master_scale = master_scale.float()
+    payload, scale = run_fused(_tensorwise, x.reshape(-1), dtype, margin, master_scale, like=x)
+    return payload.view(x.shape), scale
+
+
+def _gradient(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    pending: torch.Tensor | None,
+    pending_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if pending is not None:
+        # Gradient accumulation: this micro-batch's gradient added to the stored one, in FP32.
+        grad = pending.float() / pending_scale + grad
+    scale = pow2_scale(abs_max(grad).float(), dtype, margin) * mu
+    payload, saturated = saturate_to_fp8_eager(grad, scale, dtype)
+    return payload, scale, saturated
+
+
+def gradient_cast(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int = 0,
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(payload, scale, saturated) of the FP8 gradient (`gradients.quantize_gradient`'s rule:
+    s = μ·2^(floor(log2(max/amax)) − margin), saturating cast, clipped count as an int64 tensor);
+    with `pending` (payload, scale) of a gradient stored earlier in the step, of their FP32 sum.
+    `mu`: a 0-dim FP32 tensor on grad's device."""
+    grad = grad.detach()
+    flat_pending = (None, None) if pending is None else (pending[0].reshape(-1), pending[1].float())
+    payload, scale, saturated = run_fused(_gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, like=grad)
+    return payload.view(grad.shape), scale, saturated

@@ -1,0 +1,153 @@
+"""Kernel launches of a training step, counted on CPU at the ATen dispatcher, per phase (forward,
+backward, gradient processing, optimizer), as a GPU would be asked to run them: an eager operation
+that computes is one launch; a call of one of the package's compiled graphs (`compiling.compiled_region`:
+the FP8 casts, the optimizer steps) is one graph, whatever it runs inside. The host issues each
+launch (5–30 µs), so a step of thousands is host-bound on a GPU (docs/gpu.md, "Launches").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..compiling import current_compiled_region
+
+__all__ = ["Launches", "launches_of"]
+
+aten = torch.ops.aten
+# Operations that allocate or only read metadata: no kernel runs (a view, whose output aliases
+# its input without writing it, is recognised from its schema).
+_NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.lift_fresh.default,
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_same_size.default,
+    aten._local_scalar_dense.default,  # a host sync (`DeviceTraffic` counts those), no kernel
+    aten._unsafe_view.default,  # a view whose schema does not say so (after `reshape`'s copy)
+}
+
+
+def _launches_a_kernel(func: Any) -> bool:
+    if func in _NO_KERNEL:
+        return False
+    returns = func._schema.returns
+    # A view: every output aliases an input and nothing is written.
+    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+
+
+class Launches(TorchDispatchMode):
+    """Counts launches per phase: `with Launches() as counted:` around a step, `counted.phase(name)`
+    around its parts; then `counted.eager[phase]`, `counted.graphs[phase]`, `counted.total(phase)`,
+    `counted.ops` (phase, operation) for where the eager ones come from.
+
+    Compiled functions run as their eager source inside it (dynamo refuses to run under a dispatch
+    mode); the package marks its own compiled calls, so each counts once, as one graph. Inside a
+    `torch.compile`d model everything is one compiled region of torch's own: count a step with an
+    eager model, or read the compiled layers' kernels from their graphs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eager: Counter[str] = Counter()
+        self.graphs: Counter[str] = Counter()
+        self.ops: Counter[tuple[str, str]] = Counter()
+        self.regions: Counter[tuple[str, str]] = Counter()
+        self._phase = "step"
+        self._last_region: int | None = None
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self) -> Launches:
+        self._patches.enter_context(torch.compiler.set_stance("force_eager"))
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._patches.close()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def total(self, phase: str | None = None) -> int:
+        """Launches (eager operations plus compiled graphs) of one phase, or of all."""
+        if phase is None:
+            return sum(self.eager.values()) + sum(self.graphs.values())
+        return self.eager[phase] + self.graphs[phase]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _launches_a_kernel(func):
+            region = current_compiled_region()
+            if region is None:
+                self.eager[self._phase] += 1
+                self.ops[(self._phase, str(func))] += 1
+            elif region[1] != self._last_region:
+                self._last_region = region[1]
+                self.graphs[self._phase] += 1
+                self.regions[(self._phase, region[0])] += 1
+        return func(*args, **kwargs)
+
+    def summary(self, phase: str | None = None, top: int = 12) -> str:
+        """The most frequent eager operations (of `phase`, or all), then the graphs, one a line."""
+        ops = Counter({op: n for (p, op), n in self.ops.items() if phase in (None, p)})
+        graphs = Counter({name: n for (p, name), n in self.regions.items() if phase in (None, p)})
+        lines = [f"{n}x {op}" for op, n in ops.most_common(top)]
+        lines += [f"{n}x graph {name}" for name, n in graphs.most_common(top)]
+        return "\n".join(lines)
+
+
+def launches_of(name: str, n_layer: int, warmup: int = 2, **options: Any) -> Launches:
+    """The launches of one steady training step of strategy `name` (eager model, GPT-2 of
+    `n_layer` layers: `counted_step.gpt2`) after `warmup` steps, per phase: "forward", "backward"
+    (the FP8 gradient hooks run in it), "gradients" (`process_gradients`), "optimizer"
+    (`optimizer_step`), "zero_grad". `options` go to the strategy (e.g. `fused="compiled"`, the
+    optimizer step a CUDA device runs, where a CPU would take its native kernels)."""
+    import hf_lowprec
+
+    from .counted_step import gpt2, strategy_step, token_batch
+
+    strategy = hf_lowprec.get_strategy(name, **options)
+    model = strategy.prepare_model(gpt2(n_layer))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ids = token_batch()
+    for _ in range(warmup):
+        strategy_step(strategy, model, optimizer, ids)
+    counted = Launches()
+    process, step = strategy.process_gradients, strategy.optimizer_step
+
+    def in_phase(phase: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with counted.phase(phase):
+                return fn(*args, **kwargs)
+
+        return run
+
+    strategy.process_gradients = in_phase("gradients", process)
+    strategy.optimizer_step = in_phase("optimizer", step)
+    try:
+        with counted:
+            with counted.phase("forward"), strategy.forward_context():
+                loss = model(input_ids=ids, labels=ids).loss
+            with counted.phase("backward"):
+                strategy.scale_loss(loss).backward()
+            optimizer.step()
+            with counted.phase("zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+    finally:
+        del strategy.process_gradients, strategy.optimizer_step
+    return counted

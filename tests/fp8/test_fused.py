@@ -1,0 +1,94 @@
+"""One compiled pass per FP8 operand (hf_lowprec.fp8.fused): the compiled graph gives the eager
+reference's bits, and the reference is the rule `fp8.scaled` states piece by piece."""
+
+import pytest
+import torch
+
+from hf_lowprec.fp8 import cast, fused
+from hf_lowprec.fp8.scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
+from tests.helpers import bits, bits_equal
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    yield torch.randn(64, 48, generator=gen) * 1e-3
+    yield (torch.randn(1000, generator=gen) * 50).bfloat16()
+    yield torch.randn(3, 77, generator=gen).half()
+    yield torch.randn(5, generator=gen) * 1e30  # amax·s near FP32's top
+    yield torch.randn(8, generator=gen) * 1e-38  # subnormal FP32 inputs
+    yield torch.zeros(33)  # amax 0: s = 1
+    yield torch.tensor([1.0, float("inf"), -2.0])
+    yield torch.tensor([float("nan"), 2.0])
+    # Ties of the cast: 448 and 480 are E4M3 neighbours, amax 480 puts x = 464 on their midpoint.
+    yield torch.tensor([464.0, -464.0, 480.0, 3.0, -0.0])
+
+
+def _same(got, want):
+    return all(bits_equal(bits(g), bits(w)) for g, w in zip(got, want))
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """The functions `run_fused` ran as compiled graphs (the test fails if it fell back to eager)."""
+    calls = []
+    run = cast._run_compiled
+
+    def spy(fn, eager, *args):
+        calls.append(fn.__name__)
+        return run(fn, eager, *args)
+
+    monkeypatch.setattr(cast, "_run_compiled", spy)
+    yield calls
+    assert not cast._broken, cast._broken
+
+
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("fp8", FP8)
+def test_tensorwise_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
+    for x in _inputs():
+        for master_scale in (None, torch.tensor(2.0**-3)):
+            got = fused.tensorwise_cast(x, fp8, 1, master_scale)
+            want = fused._tensorwise(x.reshape(-1), fp8, 1, master_scale)
+            assert got[0].shape == x.shape and got[0].dtype == fp8
+            assert _same((got[0].reshape(-1), got[1]), want), (x, master_scale)
+    assert compiled_calls and set(compiled_calls) == {"_tensorwise"}
+
+
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("fp8", FP8)
+def test_gradient_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
+    mu = torch.tensor(4.0)  # μ > 1: the cast clips, and counts what it clips
+    for grad in _inputs():
+        got = fused.gradient_cast(grad, mu, fp8, 0)
+        assert _same((got[0].reshape(-1), *got[1:]), fused._gradient(grad.reshape(-1), mu, fp8, 0, None, None))
+        pending = fused.gradient_cast(grad * 0.5, mu, fp8, 0)[:2]
+        got = fused.gradient_cast(grad, mu, fp8, 0, pending)
+        want = fused._gradient(grad.reshape(-1), mu, fp8, 0, pending[0].reshape(-1), pending[1])
+        assert _same((got[0].reshape(-1), *got[1:]), want), grad
+    assert set(compiled_calls) == {"_gradient"}
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_the_references_are_the_scaled_tensor_rules(fp8):
+    """The fused references, term by term: `pow2_scale` of `tensor_amax` (times μ), then
+    `quantize_counting`; accumulation adds the FP32 dequantized stored gradient."""
+    mu = torch.tensor(4.0)
+    for x in _inputs():
+        if not x.isfinite().all():
+            continue  # the non-finite cases: a NaN payload either way (tests/fp8/test_cast.py)
+        # −0 + 0 = +0: `quantize` does not keep the sign of zero, the fused casts do (as the casts
+        # they replace: `cast.saturate_to_fp8`, tests/fp8/test_cast.py).
+        x = x + 0.0
+        payload, scale = fused._tensorwise(x, fp8, 1, None)
+        want_scale = pow2_scale(tensor_amax(x), fp8, 1)
+        assert _same((payload, scale), (quantize(x, want_scale, fp8), want_scale))
+        payload, scale, saturated = fused._gradient(x, mu, fp8, 0, None, None)
+        want_scale = pow2_scale(tensor_amax(x), fp8) * mu
+        assert _same((payload, saturated, scale), (*quantize_counting(x, want_scale, fp8), want_scale))
+        pending = fused._gradient(x * 0.5, mu, fp8, 0, None, None)[:2]
+        total = dequantize(*pending).add_(x)
+        got = fused._gradient(x, mu, fp8, 0, *pending)
+        want_scale = pow2_scale(tensor_amax(total), fp8) * mu
+        assert _same(got[:2], (quantize_counting(total, want_scale, fp8)[0], want_scale))
