@@ -9,9 +9,30 @@ import itertools
 import shutil
 from collections.abc import Iterator
 
-__all__ = ["compiled_region", "compiler_missing", "current_compiled_region"]
+__all__ = ["compiled_region", "compiler_missing", "current_compiled_region", "gpu_paths", "takes_gpu_path"]
 
 _regions: list[tuple[str, int]] = []
+_gpu_paths_forced = [False]
+
+
+def takes_gpu_path(device) -> bool:
+    """Whether work on `device` takes the GPU's form (multi-tensor operations, compiled steps) rather
+    than the CPU's (per-tensor loops, native kernels): on any accelerator, and on CPU inside
+    `gpu_paths()`, where the launch counters count a GPU step on CPU tensors."""
+    return device.type != "cpu" or _gpu_paths_forced[0]
+
+
+@contextlib.contextmanager
+def gpu_paths() -> Iterator[None]:
+    """Within the scope, CPU tensors take the paths a CUDA device takes (`takes_gpu_path`): same
+    bits, other kernels. For counting launches (`hf_lowprec.testing.launches`), not for speed."""
+    previous, _gpu_paths_forced[0] = _gpu_paths_forced[0], True
+    try:
+        yield
+    finally:
+        _gpu_paths_forced[0] = previous
+
+
 _serials = itertools.count()
 
 

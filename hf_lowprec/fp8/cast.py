@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from ..compiling import compiled_region, compiler_missing
+from ..compiling import compiled_region, compiler_missing, takes_gpu_path
 
 __all__ = [
     "has_nan",
     "nan_flag",
+    "nan_flags",
     "run_fused",
     "saturate_to_fp8",
     "saturate_to_fp8_eager",
@@ -59,7 +60,7 @@ def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     included, is the one `payload.to(dtype)` gives. Other devices convert natively (fast
     there), and non-FP8 tensors are converted by `.to`.
     """
-    if payload.dtype not in FP8_DTYPES or payload.device.type != "cpu" or torch.compiler.is_compiling():
+    if payload.dtype not in FP8_DTYPES or takes_gpu_path(payload.device) or torch.compiler.is_compiling():
         # Inductor's own conversion is exact and vectorised; the tables would be graph constants.
         return payload.to(dtype)
     if payload.dim() == 2 and not payload.is_contiguous() and payload.t().is_contiguous():
@@ -104,6 +105,22 @@ def nan_flag(payload: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.bool, device=payload.device)
     first = _first_nan_code(payload.dtype)
     return (payload.view(torch.int8).amax() >= first) | (payload.view(torch.uint8).amax() >= 0x80 + first)
+
+
+def nan_flags(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """`nan_flag` of any of `payloads` (FP8, one device) in a few multi-tensor launches whatever
+    their number: the same two integer maxima, taken over each format's list at once."""
+    by_format: dict[torch.dtype, list[torch.Tensor]] = {}
+    for payload in payloads:
+        if payload.numel():
+            by_format.setdefault(payload.dtype, []).append(payload)
+    flag = torch.zeros((), dtype=torch.bool, device=payloads[0].device)
+    for fp8, group in by_format.items():
+        first = _first_nan_code(fp8)
+        signed = torch.stack(torch._foreach_max([p.view(torch.int8) for p in group])).amax()
+        unsigned = torch.stack(torch._foreach_max([p.view(torch.uint8) for p in group])).amax()
+        flag = flag | (signed >= first) | (unsigned >= 0x80 + first)
+    return flag
 
 
 def has_nan(payload: torch.Tensor) -> bool:

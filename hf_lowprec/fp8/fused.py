@@ -13,7 +13,7 @@ from ..numerics import abs_max
 from .cast import run_fused, saturate_to_fp8_eager
 from .scaled import pow2_scale
 
-__all__ = ["gradient_cast", "tensorwise_cast"]
+__all__ = ["gradient_cast", "gradient_roundtrip_", "tensorwise_cast"]
 
 
 def _tensorwise(
@@ -75,3 +75,18 @@ def gradient_cast(
     flat_pending = (None, None) if pending is None else (pending[0].reshape(-1), pending[1].float())
     payload, scale, saturated = run_fused(_gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, like=grad)
     return payload.view(grad.shape), scale, saturated
+
+
+def _gradient_roundtrip(grad: torch.Tensor, mu: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    payload, scale, saturated = _gradient(grad, mu, dtype, margin, None, None)
+    grad.copy_(payload.float() / scale)
+    return saturated
+
+
+def gradient_roundtrip_(grad: torch.Tensor, mu: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """Replace a contiguous gradient by its FP8 values (`gradient_cast`, then payload / scale written
+    back in grad's dtype, as `cast.unscale_into` writes it), in one graph; returns the clipped count.
+    FP8-LM O1 keeps its gradients this way: FP8 values in a wider tensor."""
+    if not grad.is_contiguous():
+        raise ValueError("gradient_roundtrip_ writes the gradient in place: it must be contiguous")
+    return run_fused(_gradient_roundtrip, grad.detach().view(-1), mu, dtype, margin, like=grad)

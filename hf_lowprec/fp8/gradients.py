@@ -14,8 +14,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..compiling import takes_gpu_path
 from ..numerics import nonfinite_flag
-from .cast import nan_flag, widen
+from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast
 from .scaled import pow2_scale, quantize, tensor_amax
 
@@ -120,8 +121,11 @@ class GradientAutoScaler:
         self._mu = torch.tensor(float(init_mu), dtype=torch.float32, device=device)
         self._clean_steps = torch.zeros((), dtype=torch.int64, device=device)
         self._last_share = torch.zeros((), dtype=torch.float64, device=device)
-        self._saturated: torch.Tensor | int = 0
-        self._total: torch.Tensor | int = 0
+        # This step's tally, summed at `update`: counts kept as a list (no launch per record), per
+        # skip flag (`record(unless=...)`) the flag, its counts and their total size.
+        self._counts: list[torch.Tensor | int] = []
+        self._sizes = 0
+        self._flagged: dict[int, tuple[torch.Tensor, list[torch.Tensor | int], int]] = {}
         self._recorded = False
 
     # --- the device state -------------------------------------------------------------------
@@ -171,13 +175,24 @@ class GradientAutoScaler:
         if torch.is_tensor(saturated):
             self.to(saturated.device)
         if unless is None:
-            self._saturated = self._saturated + saturated
-            self._total = self._total + int(total)
+            self._counts.append(saturated)
+            self._sizes += int(total)
         else:
-            keep = unless == 0
-            self._saturated = self._saturated + torch.where(keep, saturated, 0)
-            self._total = self._total + keep.double() * int(total)
+            flag, counts, sizes = self._flagged.get(id(unless), (unless, [], 0))
+            counts.append(saturated)
+            self._flagged[id(unless)] = (flag, counts, sizes + int(total))
         self._recorded = True
+
+    def _tally(self) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+        """(clipped elements, elements) of this step; a quantization recorded with a set flag
+        counts for neither. Exact integers summed (in FP64 for the flagged sizes, < 2^53)."""
+        saturated: torch.Tensor | int = _sum(self._counts)
+        total: torch.Tensor | int = self._sizes
+        for flag, counts, sizes in self._flagged.values():
+            keep = flag == 0
+            saturated = saturated + torch.where(keep, _sum(counts), 0)
+            total = total + keep.double() * sizes
+        return saturated, total
 
     @property
     def pending(self) -> bool:
@@ -191,8 +206,8 @@ class GradientAutoScaler:
         `unless`: a 0-dim device flag; where it is nonzero μ and the counters stay as they are.
         """
         mu, clean = self._mu, self._clean_steps
-        saturated, total = self._saturated, self._total
-        self._saturated, self._total, self._recorded = 0, 0, False
+        saturated, total = self._tally()
+        self._counts, self._sizes, self._flagged, self._recorded = [], 0, {}, False
         if torch.is_tensor(total):
             share = torch.where(total > 0, saturated / total, 0.0)
         elif torch.is_tensor(saturated) and total:
@@ -236,6 +251,16 @@ class GradientAutoScaler:
         return (
             f"GradientAutoScaler(mu={float(self._mu)}, clean_steps={int(self._clean_steps)}, interval={self.interval})"
         )
+
+
+def _sum(counts: list[torch.Tensor | int]) -> torch.Tensor | int:
+    """Σ counts: one stack and one sum for the tensors (int64, exact in any order)."""
+    tensors = [c for c in counts if torch.is_tensor(c)]
+    plain = sum(c for c in counts if not torch.is_tensor(c))
+    if not tensors:
+        return plain
+    summed = torch.stack([t.reshape(()) for t in tensors]).sum() if len(tensors) > 1 else tensors[0]
+    return summed + plain if plain else summed
 
 
 class FP8GradientOwner(Protocol):
@@ -301,16 +326,31 @@ class BackwardFP8Gradients:
     def nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """A 0-dim bool device flag: a stored gradient holds NaN (the saturating cast turns inf
         into NaN); None when none is stored."""
-        flags = [nan_flag(payload) for payload, _ in self.stored(params)]
-        return torch.stack(flags).any() if flags else None
+        payloads = [payload for payload, _ in self.stored(params)]
+        if not payloads or not takes_gpu_path(payloads[0].device):
+            flags = [nan_flag(payload) for payload in payloads]
+            return torch.stack(flags).any() if flags else None
+        return nan_flags(payloads)
 
     def discard_where(self, flag: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
         """Zero the stored gradients (payload 0, scale 1) where the device flag is set (a skipped
         step), so no NaN handed over in backward stays in the optimizer state or a checkpoint."""
+        stored = self.stored(params)
+        if not stored:
+            return
         skip = flag != 0
-        for payload, scale in self.stored(params):
-            payload.view(torch.uint8).masked_fill_(skip, 0)
-            scale.masked_fill_(skip, 1.0)
+        if not takes_gpu_path(flag.device):
+            for payload, scale in stored:
+                payload.view(torch.uint8).masked_fill_(skip, 0)
+                scale.masked_fill_(skip, 1.0)
+            return
+        # Multi-tensor on a GPU: codes × (1 − skip) zeroes them; s·(1 − skip) + skip gives 1 where
+        # skipped and s (exactly) where not, the scales being finite powers of two.
+        keep = (~skip).to(torch.uint8)
+        torch._foreach_mul_([payload.view(torch.uint8) for payload, _ in stored], keep)
+        scales = [scale for _, scale in stored]
+        torch._foreach_mul_(scales, keep.float())
+        torch._foreach_add_(scales, skip.float())
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
-from ..compiling import compiled_region, compiler_missing
+from ..compiling import compiled_region, compiler_missing, takes_gpu_path
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -216,7 +216,7 @@ def _run_native(key: object, rows: Sequence[ParamStep], mode: str, counter: coll
     """Step the bucket with the native kernel; False (nothing changed) when it cannot run it."""
     from .native_dispatch import native_call, unsupported
 
-    reason = unsupported(key, rows[0]) if rows[0].tensors[0].device.type == "cpu" else "not a CPU tensor"
+    reason = "not a CPU tensor" if takes_gpu_path(rows[0].tensors[0].device) else unsupported(key, rows[0])
     if reason is not None:
         if mode == "native":
             raise RuntimeError(

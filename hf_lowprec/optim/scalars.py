@@ -97,8 +97,7 @@ def device_scalar_rows(
             (DECAY, -lr * weight_decay),
         )
     }
-    rows = []
-    for step_value, eps_value in zip(step, eps_row):
-        row = {**constant, STEP: step_value, EPS: eps_value}
-        rows.append(torch.stack([row[slot] for slot in range(6)]).float())
-    return rows
+    # One (parameters × 6) table, each row a view of it: a few launches per step, not two per parameter.
+    columns = {slot: value.expand(len(steps)) for slot, value in constant.items()}
+    columns[STEP], columns[EPS] = torch.stack(step), torch.stack(eps_row)
+    return list(torch.stack([columns[slot] for slot in range(6)], dim=1).float().unbind(0))

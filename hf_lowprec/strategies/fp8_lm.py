@@ -19,6 +19,7 @@ from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
+from ..fp8.fused import gradient_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
@@ -315,6 +316,13 @@ class FP8LM(PrecisionStrategy):
             if self.o2 and get_master_scale(p) is None:
                 continue
             scale = comm_scales.pop(id(p), None)
+            if not self.o2 and scale is None and id(p) not in sharded and p.grad.is_contiguous():
+                # O1: the FP8 values written back into p.grad, in one graph with the quantization.
+                saturated = gradient_roundtrip_(
+                    p.grad, self.scaler.mu_for(p.grad), self.grad_dtype, self.options.margin
+                )
+                self.scaler.record(saturated, p.numel(), unless=found_inf)
+                continue
             if id(p) in sharded:
                 payload, scale = sharded[id(p)]
             elif scale is None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compiling import current_compiled_region
+from ..compiling import current_compiled_region, gpu_paths
 
 __all__ = ["Launches", "launches_of"]
 
@@ -112,22 +112,34 @@ class Launches(TorchDispatchMode):
 
 
 def launches_of(name: str, n_layer: int, warmup: int = 2, **options: Any) -> Launches:
-    """The launches of one steady training step of strategy `name` (eager model, GPT-2 of
-    `n_layer` layers: `counted_step.gpt2`) after `warmup` steps, per phase: "forward", "backward"
-    (the FP8 gradient hooks run in it), "gradients" (`process_gradients`), "optimizer"
-    (`optimizer_step`), "zero_grad". `options` go to the strategy (e.g. `fused="compiled"`, the
-    optimizer step a CUDA device runs, where a CPU would take its native kernels)."""
+    """The launches of one steady training step of strategy `name` on the paths a CUDA device
+    takes (`compiling.gpu_paths`, FP8 GEMMs by `torch._scaled_mm`), eager model (GPT-2 of
+    `n_layer` layers: `counted_step.gpt2`), after `warmup` steps, per phase: "forward",
+    "backward" (the FP8 gradient hooks run in it), "gradients" (`process_gradients`),
+    "optimizer" (`optimizer_step`), "zero_grad". Compiled functions run as their eager source
+    (same bits; nothing is compiled, so counting takes seconds). `options` go to the strategy."""
     import hf_lowprec
+    from hf_lowprec.fp8.gemm import set_fp8_gemm_path
 
     from .counted_step import gpt2, strategy_step, token_batch
 
-    strategy = hf_lowprec.get_strategy(name, **options)
-    model = strategy.prepare_model(gpt2(n_layer))
-    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
-    ids = token_batch()
-    for _ in range(warmup):
-        strategy_step(strategy, model, optimizer, ids)
     counted = Launches()
+    set_fp8_gemm_path("scaled_mm")
+    try:
+        with torch.compiler.set_stance("force_eager"), gpu_paths():
+            strategy = hf_lowprec.get_strategy(name, **options)
+            model = strategy.prepare_model(gpt2(n_layer))
+            optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+            ids = token_batch()
+            for _ in range(warmup):
+                strategy_step(strategy, model, optimizer, ids)
+            _counted_step(counted, strategy, model, optimizer, ids)
+    finally:
+        set_fp8_gemm_path(None)
+    return counted
+
+
+def _counted_step(counted: Launches, strategy: Any, model: Any, optimizer: Any, ids: torch.Tensor) -> None:
     process, step = strategy.process_gradients, strategy.optimizer_step
 
     def in_phase(phase: str, fn: Any) -> Any:
@@ -150,4 +162,3 @@ def launches_of(name: str, n_layer: int, warmup: int = 2, **options: Any) -> Lau
                 optimizer.zero_grad(set_to_none=True)
     finally:
         del strategy.process_gradients, strategy.optimizer_step
-    return counted
