@@ -95,10 +95,11 @@ def nonfinite_flag(tensors: list[torch.Tensor], device: torch.device | str | Non
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for x in tensors:
             by_dtype.setdefault(x.dtype, []).append(x)
-        extremes = [n.float() for group in by_dtype.values() for n in torch._foreach_norm(group, float("inf"))]
+        norms = [torch.stack(torch._foreach_norm(group, float("inf"))).float() for group in by_dtype.values()]
+        extremes = torch.cat(norms) if len(norms) > 1 else norms[0]
     else:
-        extremes = [t.float() for x in tensors for t in torch.aminmax(x)]
-    return torch.stack(extremes).isfinite().logical_not().any().to(torch.float32)
+        extremes = torch.stack([t.float() for x in tensors for t in torch.aminmax(x)])
+    return extremes.isfinite().logical_not().any().to(torch.float32)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -77,3 +77,60 @@ def test_o2_backward_quantizes_each_weight_gradient_in_one_graph():
     assert counted.regions[("backward", "_gradient")] == hooked, counted.summary("backward")
     # Nothing quantizes a gradient eagerly anywhere in the step.
     assert not any("frexp" in op for _, op in counted.ops), counted.summary()
+
+
+def test_the_gpu_forms_of_the_bookkeeping_give_the_cpu_forms_results():
+    """The multi-tensor forms a GPU takes (`compiling.gpu_paths` makes CPU tensors take them) flag
+    the same tensors as the per-tensor CPU forms: inf, NaN, all zero, empty, mixed dtypes."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.fp8.cast import nan_flag, nan_flags
+    from hf_lowprec.numerics import nonfinite_flag
+
+    gen = torch.Generator().manual_seed(0)
+    clean = [torch.randn(5, 3, generator=gen), torch.zeros(4), torch.empty(0), torch.randn(7, generator=gen).bfloat16()]
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        for where in (0, 3):
+            tensors = [t.clone() for t in clean]
+            tensors[where].view(-1)[1] = bad
+            with gpu_paths():
+                gpu = nonfinite_flag(tensors)
+            assert gpu.dtype == torch.float32 and gpu.item() == 1.0 == nonfinite_flag(tensors).item()
+    with gpu_paths():
+        assert nonfinite_flag(clean).item() == 0.0 == nonfinite_flag(clean).item()
+    for fp8 in (E4M3, E5M2):
+        payloads = [torch.randn(9, generator=gen).to(fp8), torch.empty(0, dtype=fp8), torch.zeros(3, dtype=fp8)]
+        assert not nan_flags(payloads)
+        for code in (0x7F, 0xFF):  # a NaN of either sign
+            planted = [p.clone() for p in payloads]
+            planted[0].view(torch.uint8)[4] = code
+            assert nan_flags(planted) and nan_flag(planted[0])  # NaN codes in both formats
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "bf16-mixed"])
+def test_a_step_on_the_gpu_paths_gives_the_cpu_paths_bits(name):
+    """Three steps, the second with an inf gradient (skipped), on the CUDA paths (multi-tensor
+    bookkeeping, compiled optimizer steps run as their eager source) and on the CPU's own (native
+    kernels, per-tensor loops): the same parameters and optimizer state, bit for bit."""
+    import hf_lowprec
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.testing import gpt2, token_batch
+    from tests.helpers import assert_bits_equal
+
+    def train(gpu):
+        strategy = hf_lowprec.get_strategy(name)
+        model = strategy.prepare_model(gpt2(2))
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
+        ids = token_batch()
+        with torch.compiler.set_stance("force_eager"), gpu_paths() if gpu else torch.autograd.set_grad_enabled(True):
+            for step in range(3):
+                with strategy.forward_context():
+                    loss = model(input_ids=ids, labels=ids).loss
+                strategy.scale_loss(loss * (float("inf") if step == 1 else 1.0)).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return model.state_dict()
+
+    cpu, gpu = train(False), train(True)
+    assert cpu.keys() == gpu.keys()
+    for key in cpu:
+        assert_bits_equal(gpu[key], cpu[key], key)

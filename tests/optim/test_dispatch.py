@@ -526,3 +526,23 @@ def test_strategy_option_fused_native_runs_the_native_kernels(name):
     )
     inner = getattr(optimizer, "optimizer", optimizer)
     assert set(inner.paths_taken) == {"native"} and inner.paths_taken["native"] > 0, dict(inner.paths_taken)
+
+
+@pytest.mark.parametrize("family", ["plain-fp32"])
+def test_on_the_gpu_paths_a_step_is_one_graph_over_every_row_with_the_reference_bits(family):
+    """A GPU steps a bucket in one compiled call, its rows unrolled (`compiling.gpu_paths` makes CPU
+    tensors take that path; compiled here by Inductor's C++ backend): the reference's bits, and
+    one graph launch a step whatever the number of parameters. bf16-mixed's family: a block
+    format's unrolled graph (the same per-row function) takes minutes to build on two cores."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.testing.launches import Launches
+
+    dtype, make = FAMILIES[family]
+    with gpu_paths():
+        together = _run(make, "compiled", 3, dtype=dtype)
+        with Launches() as counted:
+            _run(make, "compiled", 1, *together, start=3, dtype=dtype)
+    reference = _run(make, "reference", 4, dtype=dtype)
+    assert _paths(together[1]) == {"compiled": 4 * len(together[0])}
+    _assert_same_bits(*together, *reference)
+    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
