@@ -36,6 +36,7 @@ from hf_lowprec.testing import (
     strategy_graph_breaks,
     strategy_syncs,
 )
+from hf_lowprec.testing.launches import PHASES, anchor_launches, launches_of
 
 GOAL = "0 syncs per step, graph breaks <= bf16-mixed's, 0 host->device copies per step"
 
@@ -122,7 +123,30 @@ def main() -> int:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print()
+    print_launches(names, [2] if args.smoke else [2, 8])
     return 0
+
+
+def print_launches(names: list[str], layers: list[int]) -> None:
+    """Kernel launches of one steady step on the CUDA paths (`hf_lowprec.testing.launches`), per
+    phase, eager model: what the host issues; the compiled graphs counted once each."""
+    print(f"Launches per step on the CUDA paths (eager model; {'/'.join(map(str, layers))} layers)")
+    header = ["strategy", *PHASES, "total", "per added layer"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name in ["anchor: torch autocast + AdamW(fused=True)", *names]:
+        try:
+            counts = [anchor_launches(n) if name.startswith("anchor") else launches_of(name, n) for n in layers]
+        except Exception as error:  # a strategy that fails here is a finding, not a crash
+            traceback.print_exc(file=sys.stderr)
+            print(f"| {name} | error: {type(error).__name__} |")
+            continue
+        first, last = counts[0], counts[-1]
+        per_layer = (last.total() - first.total()) / max(layers[-1] - layers[0], 1)
+        cells = [" / ".join(str(c.total(phase)) for c in counts) for phase in PHASES]
+        totals = " / ".join(str(c.total()) for c in counts)
+        print(f"| {name} | " + " | ".join(cells) + f" | {totals} | {per_layer:.0f} |")
 
 
 if __name__ == "__main__":

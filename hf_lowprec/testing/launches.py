@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compiling import current_compiled_region, gpu_paths
 
-__all__ = ["Launches", "launches_of"]
+__all__ = ["PHASES", "Launches", "anchor_launches", "launches_of"]
+
+PHASES = ("forward", "backward", "gradients", "optimizer")
 
 aten = torch.ops.aten
 # Operations that allocate or only read metadata: no kernel runs (a view, whose output aliases
@@ -38,7 +40,7 @@ _NO_KERNEL = {
 
 
 def _launches_a_kernel(func: Any) -> bool:
-    if func in _NO_KERNEL:
+    if func in _NO_KERNEL or func.namespace == "profiler":  # record_function markers run nothing
         return False
     returns = func._schema.returns
     # A view: every output aliases an input and nothing is written.
@@ -162,3 +164,31 @@ def _counted_step(counted: Launches, strategy: Any, model: Any, optimizer: Any, 
                 optimizer.zero_grad(set_to_none=True)
     finally:
         del strategy.process_gradients, strategy.optimizer_step
+
+
+def anchor_launches(n_layer: int, warmup: int = 2) -> Launches:
+    """The launches of the anchor's steady step (torch autocast, GradScaler, `AdamW(fused=True)`:
+    what `bf16=True` with `optim="adamw_torch_fused"` runs), same model and phases; the scaler's
+    unscale and check are "gradients", the fused step "optimizer"."""
+    from .counted_step import gpt2, token_batch
+
+    model, ids = gpt2(n_layer), token_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    counted = Launches()
+    for step in range(warmup + 1):
+        with contextlib.ExitStack() as scope:
+            if step == warmup:
+                scope.enter_context(counted)
+            with counted.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            with counted.phase("backward"):
+                scaler.scale(loss).backward()
+            with counted.phase("gradients"):
+                scaler.unscale_(optimizer)
+            with counted.phase("optimizer"):
+                scaler.step(optimizer)
+                scaler.update()
+            with counted.phase("zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
+    return counted
