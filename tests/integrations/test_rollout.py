@@ -51,6 +51,25 @@ def test_the_meter_matches_its_fp64_definition_over_micro_batches():
     assert meter.read() == {}  # read starts a fresh interval
 
 
+def test_the_spread_of_ratios_that_move_together_keeps_its_digits():
+    """Every ratio shifted by about exp(−0.05), their spread 1e-6: E[(r−1)²] − E[r−1]² in FP32 would
+    lose it (2.4e-3 · 2^-24 ≈ 1.4e-10 of cancellation, √ ≈ 1.2e-5). Each r − 1 is rounded once
+    (≤ 2^-25 · 0.05 ≈ 1.5e-9) and so is its deviation from the mean: the spread to within 1e-8."""
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for width in (9, 6):
+        train = -torch.rand(4, width, generator=gen) * 5
+        rollout = train + 0.05 + torch.randn(4, width, generator=gen) * 1e-6
+        batches.append((train, rollout, torch.rand(4, width, generator=gen) > 0.2))
+    meter = MismatchMeter()
+    for batch in batches:
+        meter.add(*batch)
+    got = meter.read(gather=lambda v: torch.cat([v, v]))  # two ranks with the same vector
+    want = _reference(*(torch.cat([b[i].flatten() for b in batches] * 2) for i in range(3)))
+    assert got["precision/rollout_ratio_std"] == pytest.approx(want["precision/rollout_ratio_std"], abs=1e-8)
+    assert want["precision/rollout_ratio_std"] > 5e-7  # the spread measured is the noise's
+
+
 def test_a_rank_that_measured_nothing_still_joins_the_gather():
     """Under DDP every rank gathers at every training log: a rank with nothing measured in the
     interval (its rollouts all went through a tool loop) sends an empty vector instead of skipping
