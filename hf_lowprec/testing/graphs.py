@@ -42,6 +42,8 @@ class CompiledRun:
     break_reasons: Counter
     new_graphs: int
     recompile_reasons: tuple[str, ...]
+    #: Graphs dynamo built in the warm-up steps (the forward's pieces, the backward's).
+    warmup_graphs: int = 0
 
     def recompiles_summary(self) -> str:
         return "\n".join(f"  {r}" for r in self.recompile_reasons) or "  (no reason recorded)"
@@ -72,4 +74,4 @@ def compiled_run(step: Callable[[], Any], warmup: int = 2, steady: int = 4) -> C
         for code, failures in guard_failures.items()
         for reason in failures
     )
-    return CompiledRun(sum(breaks.values()), breaks, counters["stats"]["unique_graphs"] - graphs, reasons)
+    return CompiledRun(sum(breaks.values()), breaks, counters["stats"]["unique_graphs"] - graphs, reasons, graphs)
