@@ -485,6 +485,9 @@ def test_the_frozen_references_log_probs_are_within_their_rounding_of_fp64(tmp_p
     error = (logprobs(fp8_ref, fp8) - exact).abs()
     assert (error <= 5 * sigma_fp8).all(), (error / sigma_fp8).max()
     # The E4M3 weights are what the forward computes with: beyond what BF16 weights would give.
+    # Measured 11.2σ at worst on AVX2 (2026-12-01): the part of the error that depends on the CPU
+    # (oneDNN's BF16 activation roundings) is the BF16 reference's, under 5σ above, so > 5σ holds on
+    # an AVX-512 machine too; the E4M3 part (2^-4 relative weight steps) is the same everywhere.
     assert (error > 5 * sigma_bf16).any(), (error / sigma_bf16).max()
 
 
