@@ -344,13 +344,14 @@ class BackwardFP8Gradients:
                 payload.view(torch.uint8).masked_fill_(skip, 0)
                 scale.masked_fill_(skip, 1.0)
             return
-        # Multi-tensor on a GPU: codes × (1 − skip) zeroes them; s·(1 − skip) + skip gives 1 where
-        # skipped and s (exactly) where not, the scales being finite powers of two.
-        keep = (~skip).to(torch.uint8)
-        torch._foreach_mul_([payload.view(torch.uint8) for payload, _ in stored], keep)
+        # Multi-tensor on a GPU: the codes times (1 − skip), integers, so 0 or unchanged; the 0-dim
+        # scales selected in one stacked `where` (a clipped non-finite step leaves them NaN, which no
+        # product could reset) and copied back in one launch.
+        torch._foreach_mul_([payload.view(torch.uint8) for payload, _ in stored], (~skip).to(torch.uint8))
         scales = [scale for _, scale in stored]
-        torch._foreach_mul_(scales, keep.float())
-        torch._foreach_add_(scales, skip.float())
+        chosen = torch.where(skip, 1.0, torch.cat([scale.reshape(-1) for scale in scales]))
+        values = chosen.split([scale.numel() for scale in scales])
+        torch._foreach_copy_(scales, [value.view(scale.shape) for value, scale in zip(values, scales)])
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.

@@ -244,8 +244,14 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
         function(*args, found_inf=found_inf)
 
     discard.__name__ = discard.__qualname__ = f"step_{abs(hash(key))}"
-    if takes_gpu_path(device):
-        return _run_compiled_together(key, discard, block, rows, mode, device, counter)
+    if (
+        takes_gpu_path(device)
+        and (key, "rows") not in _broken
+        and _run_compiled_together(key, discard, block, rows, device)
+    ):
+        if counter is not None:
+            counter["compiled"] += len(rows)
+        return True
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _one_graph_for_every_size():
         for index, row in enumerate(rows):
             staged, write_back = _stage(row, block)
@@ -274,11 +280,12 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> bool:
     return True
 
 
-def _run_compiled_together(key, discard, block, rows, mode, device, counter) -> bool:
+def _run_compiled_together(key, discard, block, rows, device) -> bool:
     """A GPU's step: every row of the bucket in one compiled graph (the rows unrolled; Inductor
     fuses each row's arithmetic, and on CUDA groups the rows' kernels into combo kernels), one
     call a step instead of one per parameter. The same function per row as `_run_compiled`, so
-    the same bits; one graph per (composition, number of rows, dtypes)."""
+    the same bits; one graph per (composition, number of rows, dtypes). False (nothing stepped)
+    when it cannot be built: the per-row graphs serve from then on."""
 
     def together(rows_args: list[tuple], flags: list[torch.Tensor]) -> None:
         for args, flag in zip(rows_args, flags):
@@ -309,19 +316,16 @@ def _run_compiled_together(key, discard, block, rows, mode, device, counter) -> 
             compiled_region(name),
         ):
             graph(staged_rows, flags)
-    except Exception as error:  # a backend failure: fall back in "auto", never lose a step
-        if mode == "compiled":
-            raise
-        _broken.add((key, device.type))
+    except Exception as error:  # a backend failure: the per-row graphs step instead
+        _broken.add((key, "rows"))
         _log_once(
             logging.WARNING,
-            f"compiling {key} failed ({type(error).__name__}: {error}{_raised_at(error)}); using the reference",
+            f"compiling {key} over all rows failed ({type(error).__name__}: {error}{_raised_at(error)}); "
+            "stepping it one row at a time",
         )
         return False
     for write_back in write_backs:
         _unstage(write_back)
-    if counter is not None:
-        counter["compiled"] += len(rows)
     return True
 
 

@@ -111,7 +111,7 @@ def test_the_gpu_forms_of_the_bookkeeping_give_the_cpu_forms_results():
 
 @pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "bf16-mixed"])
 def test_a_step_on_the_gpu_paths_gives_the_cpu_paths_bits(name):
-    """Three steps, the second with an inf gradient (skipped), on the CUDA paths (multi-tensor
+    """Three clipped steps, the second with an inf gradient (skipped), on the CUDA paths (multi-tensor
     bookkeeping, compiled optimizer steps run as their eager source) and on the CPU's own (native
     kernels, per-tensor loops): the same parameters and optimizer state, bit for bit."""
     import hf_lowprec
@@ -124,19 +124,32 @@ def test_a_step_on_the_gpu_paths_gives_the_cpu_paths_bits(name):
         model = strategy.prepare_model(gpt2(2))
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
         ids = token_batch()
+        states = {}
         with torch.compiler.set_stance("force_eager"), gpu_paths() if gpu else torch.autograd.set_grad_enabled(True):
             for step in range(3):
                 with strategy.forward_context():
                     loss = model(input_ids=ids, labels=ids).loss
                 strategy.scale_loss(loss * (float("inf") if step == 1 else 1.0)).backward()
+                strategy.clip_grad_norm(model.parameters(), 1.0)  # a non-finite norm on the skipped step
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        return model.state_dict()
+                # After every step: what a checkpoint taken then would hold (the skipped one included).
+                state = {**model.state_dict(), **_tensors(optimizer.state_dict(), "optimizer")}
+                states.update({f"step {step}: {key}": value.clone() for key, value in state.items()})
+        return states
 
     cpu, gpu = train(False), train(True)
-    assert cpu.keys() == gpu.keys()
+    assert cpu.keys() == gpu.keys() and any("optimizer" in key for key in cpu)
     for key in cpu:
         assert_bits_equal(gpu[key], cpu[key], key)
+
+
+def _tensors(tree, prefix):
+    """The tensors of a nested state dict, by path."""
+    if torch.is_tensor(tree):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}.{key}").items()}
 
 
 # Launches per added layer outside the model's forward and backward that some strategies still

@@ -547,3 +547,33 @@ def test_on_the_gpu_paths_a_step_is_one_graph_over_every_row_with_the_reference_
     assert _paths(together[1]) == {"compiled": 4 * len(together[0])}
     _assert_same_bits(*together, *reference)
     assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
+
+
+def test_a_bucket_whose_graph_over_all_rows_cannot_be_built_steps_row_by_row(monkeypatch, caplog):
+    """A backend that cannot build the unrolled graph (an option its Inductor lacks, say): the
+    per-row compiled graphs step the bucket instead, with the same bits, and the log says so once."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.optim import dispatch
+
+    real = torch.compile
+
+    def compile_refusing_rows(fn, **options):
+        if fn.__name__.endswith("_rows"):
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("no graph over all rows here")
+
+            return refuse
+        return real(fn, **options)
+
+    monkeypatch.setattr(torch, "compile", compile_refusing_rows)
+    for name, fresh in (("_graphs", {}), ("_broken", set()), ("_logged", set())):
+        monkeypatch.setattr(dispatch, name, fresh)
+    dtype, make = FAMILIES["plain-fp32"]
+    # Compiled functions run as their eager source: the fallback is what is checked, not Inductor.
+    with gpu_paths(), torch.compiler.set_stance("force_eager"), caplog.at_level(logging.WARNING):
+        per_row = _run(make, "compiled", 2, params=_params(dtype, shapes=[(257,), (7,)]))
+    reference = _run(make, "reference", 2, params=_params(dtype, shapes=[(257,), (7,)]))
+    assert _paths(per_row[1]) == {"compiled": 2 * len(per_row[0])}
+    _assert_same_bits(*per_row, *reference)
+    assert sum("one row at a time" in r.message for r in caplog.records) == 1
