@@ -22,7 +22,6 @@ __all__ = [
     "nan_flag",
     "nan_flags",
     "run_fused",
-    "saturate_to_fp8",
     "saturate_to_fp8_eager",
     "scale_to_fp8",
     "unscale_into",
@@ -136,6 +135,9 @@ def _scale_to_fp8_eager(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtyp
 def saturate_to_fp8_eager(
     x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, saturated): x·factor formed in FP32, clamped to ±max(dtype) and cast (nearest
+    even), ±inf and NaN made NaN; and the number of finite elements it clipped (an int64 tensor,
+    no host sync). The eager ops, traced into `fused.gradient_cast`'s graph."""
     y = x.float() * factor
     limit = torch.finfo(dtype).max
     magnitude = y.abs()
@@ -217,17 +219,6 @@ def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> t
     if dtype not in FP8_DTYPES:
         return _scale_to_fp8_eager(x, factor, dtype)
     return run_fused(_scale_to_fp8_eager, x.reshape(-1), factor, dtype, like=x).view(x.shape)
-
-
-def saturate_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, saturated): x·factor formed in FP32, clamped to ±max(dtype) and cast (nearest
-    even), ±inf and NaN made NaN; and the number of finite elements it clipped (an int64
-    tensor, no host sync). Where nothing exceeds the maximum the payload is `scale_to_fp8`'s,
-    bit for bit (the sign of zero kept)."""
-    if dtype not in FP8_DTYPES:
-        return saturate_to_fp8_eager(x, factor, dtype)
-    payload, saturated = run_fused(saturate_to_fp8_eager, x.reshape(-1), factor, dtype, like=x)
-    return payload.view(x.shape), saturated
 
 
 def unscale_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:

@@ -79,7 +79,7 @@ def test_the_references_are_the_scaled_tensor_rules(fp8):
         if not x.isfinite().all():
             continue  # the non-finite cases: a NaN payload either way (tests/fp8/test_cast.py)
         # −0 + 0 = +0: `quantize` does not keep the sign of zero, the fused casts do (as the casts
-        # they replace: `cast.saturate_to_fp8`, tests/fp8/test_cast.py).
+        # they replace did: `cast.saturate_to_fp8_eager`, tests/fp8/test_cast.py).
         x = x + 0.0
         payload, scale = fused._tensorwise(x, fp8, 1, None)
         want_scale = pow2_scale(tensor_amax(x), fp8, 1)
