@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 from ..distributed import local_shard, sharded_like
+from ..grouped_experts import (  # the names of experts modules, importable from here too, as before
+    GroupedExperts,
+    expert_gemm_shapes,
+    expert_weight_names,
+    is_experts_module,
+    routed_experts,
+)
 from .grouped import (  # noqa: F401  (the grouped GEMM's names, importable from here too)
     dequantize_expert_weight,
     dequantize_rows,
@@ -44,37 +51,10 @@ logger = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 
 
-# --- which modules are experts -----------------------------------------------------------------
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """A transformers experts module with fused 3-D weights (`@use_experts_implementation`)."""
-    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias")):
-        return False
-    down = getattr(module, "down_proj", None)
-    first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None)
-    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in (first, down))
-
-
-def expert_weight_names(module: nn.Module) -> tuple[str, str]:
-    """(first projection, down projection) parameter names of an experts module."""
-    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
-
-
-def expert_gemm_shapes(module: nn.Module) -> list[tuple[str, int, int, int]]:
-    """(name, experts, out_features N, in_features K) of each expert weight, in logical N × K."""
-    shapes = []
-    for name in expert_weight_names(module):
-        e, a, b = getattr(module, name).shape
-        n, k = (b, a) if module.is_transposed else (a, b)
-        shapes.append((name, e, n, k))
-    return shapes
-
-
 # --- the module --------------------------------------------------------------------------------
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(GroupedExperts):
     """What `convert_experts` mixes into a transformers experts class: its forward with FP8
     grouped GEMMs. Never built directly: the converted module keeps its own class's attributes
     and methods (`_apply_gate`, `act_fn`, ...) and parameters.
@@ -89,42 +69,15 @@ class FP8Experts(nn.Module):
     fp8_tensor_scale: bool = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """One forward for every experts implementation transformers could have picked:
-
-            sort the (token, expert) pairs by expert → offsets (cumulative tokens per expert, on device)
-            h  = x_g · W_gate_upᵀ[e]   (+ bias[e])     FP8 grouped GEMM
-            a  = gate(h)                               the module's own, in high precision
-            y  = a · W_downᵀ[e]        (+ bias[e])     FP8 grouped GEMM
-            out[t] = Σ_k routing_weight[t, k] · y[(t, k)]
-
-        The router (a plain weight and a top-k) runs before this and is not touched: it stays in
+        """One forward for every experts implementation transformers could have picked: the
+        routing of `grouped_experts.routed_experts`, with FP8 grouped GEMMs as its projections. The
+        router (a plain weight and a top-k) runs before this and is not touched: it stays in
         high precision, as in torchtitan and DeepSeek-V3.
         """
         if getattr(self, "_is_expert_parallel", False):
             raise NotImplementedError("FP8 experts do not run under expert parallelism; shard with FSDP2 or ZeRO")
         self._link_master_scales()
-        experts = self.num_experts
-        num_top_k = top_k_index.shape[-1]
-        num_tokens, hidden = hidden_states.shape
-        expert_ids = top_k_index.reshape(-1)
-        sorted_ids, perm = torch.sort(expert_ids, stable=True)
-        x = hidden_states[perm // num_top_k]
-        weights = top_k_weights.reshape(-1)[perm]
-        counts = torch.zeros(experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        rows = sorted_ids.long()
-        first, down = expert_weight_names(self)
-        h = self._project(first, x, offsets, rows)
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        y = self._project(down, h, offsets, rows)
-        if getattr(self, "has_post_expert_norm", False):
-            y = self.post_expert_norm(y)
-        weighted = y * weights.unsqueeze(-1)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
-        out = weighted[inverse].view(num_tokens, num_top_k, hidden).sum(dim=1)
-        return out.to(hidden_states.dtype)
+        return routed_experts(self, hidden_states, top_k_index, top_k_weights)
 
     def _project(self, name: str, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, name)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..distributed import any_rank, local_shard
+from ..grouped_experts import install_grouped_experts
 from ..guard import Guard, guard_config, guard_metrics, guard_state, load_guard_state
 from ..metrics import step_metrics
 from ..numerics import nonfinite_flag
@@ -121,9 +122,12 @@ class PrecisionStrategy:
     # --- model -------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model to train: its 16-bit parameters adopted where the strategy promises FP32
-        (`adopt.adopt_loaded_dtypes`: a BF16 Hub checkpoint as loaded), then `convert_model`."""
+        (`adopt.adopt_loaded_dtypes`: a BF16 Hub checkpoint as loaded), then `convert_model`;
+        the experts modules it left in high precision take autocast's dtype in their grouped
+        GEMMs (`grouped_experts.install_grouped_experts`; a no-op outside a 16-bit autocast)."""
         adopt_loaded_dtypes(self, model)
         model = self.convert_model(model)
+        install_grouped_experts(model)
         if self.guard is not None:
             self.guard.attach(model)
         return model

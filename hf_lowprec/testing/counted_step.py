@@ -21,6 +21,7 @@ __all__ = [
     "anchor_step",
     "anchor_syncs",
     "gpt2",
+    "moe",
     "strategy_compiled_run",
     "strategy_graph_breaks",
     "strategy_step",
@@ -48,6 +49,18 @@ def gpt2(n_layer: int, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return GPT2LMHeadModel(tiny_gpt2_config(VOCAB, n_embd=N_EMBD, n_layer=n_layer, n_positions=SEQ, pad_token_id=None))
+
+
+def moe(n_layer: int, seed: int = 0) -> torch.nn.Module:
+    """The Mixture-of-Experts model the GPU checks train beside GPT-2: a tiny Qwen3-MoE
+    (`testing.moe`: hidden 64, 8 experts of width 32, top-2) over the checks' vocabulary,
+    whose experts run transformers' default `grouped_mm` implementation."""
+    from .moe import tiny_moe
+
+    return tiny_moe("qwen3_moe", seed=seed, vocab=VOCAB, layers=n_layer)
+
+
+MODELS = {"gpt2": gpt2, "moe": moe}
 
 
 def token_batch(device: str | torch.device = "cpu", seed: int = 1) -> torch.Tensor:
@@ -91,14 +104,18 @@ def anchor_step(
     return step
 
 
-def strategy_syncs(name: str, n_layer: int, warmup: int = 2, sharded: bool = False) -> tuple[list[Event], list[Event]]:
+def strategy_syncs(
+    name: str, n_layer: int, warmup: int = 2, sharded: bool = False, model: str = "gpt2"
+) -> tuple[list[Event], list[Event]]:
     """(host syncs of the first step, of one steady step after `warmup` steps) of `name` on CPU;
-    `sharded`: the model sharded with FSDP2 (`shard_model`; a process group must exist)."""
+    `sharded`: the model sharded with FSDP2 (`shard_model`; a process group must exist);
+    `model`: "gpt2" or "moe" (`MODELS`)."""
     import hf_lowprec
     from hf_lowprec.engines.fsdp2 import shard_model
 
     strategy = hf_lowprec.get_strategy(name)
-    model = shard_model(strategy, gpt2(n_layer)) if sharded else strategy.prepare_model(gpt2(n_layer))
+    built = MODELS[model](n_layer)
+    model = shard_model(strategy, built) if sharded else strategy.prepare_model(built)
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     ids = token_batch()
     with DeviceTraffic() as first:
@@ -124,19 +141,19 @@ def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: 
     return compiled_run(lambda: strategy_step(strategy, compiled, optimizer, ids), warmup, steady)
 
 
-def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2) -> tuple[int, Counter]:
+def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2, model: str = "gpt2") -> tuple[int, Counter]:
     """(graph breaks, reasons) of `steps` training steps of `name` with the prepared model
     wrapped in `torch.compile`, as `transformers.TrainingArguments(torch_compile=True)` wraps it.
 
     Backend "eager": dynamo decides every graph break while it reads the bytecode, before any
     backend sees a graph, and it traces an `autograd.Function`'s backward itself, so the count
     is the same as under "aot_eager" or "inductor" (measured: bf16-mixed 3 under both "eager"
-    and "aot_eager"), at a fraction of the compile time.
+    and "aot_eager"), at a fraction of the compile time. `model`: "gpt2" or "moe" (`MODELS`).
     """
     import hf_lowprec
 
     strategy = hf_lowprec.get_strategy(name)
-    model = strategy.prepare_model(gpt2(n_layer))
+    model = strategy.prepare_model(MODELS[model](n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     compiled = torch.compile(model, backend="eager")
     ids = token_batch()

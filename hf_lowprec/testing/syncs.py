@@ -47,6 +47,20 @@ _SCALAR_OPS = {
 _COPY_OPS = {aten._to_copy.default, aten.copy_.default}
 
 
+def _grouped_fallback(args: tuple, kwargs: dict) -> str | None:
+    """Why `aten._grouped_mm` would read its offsets on the host on a GPU, or None.
+
+    torch's CUDA grouped GEMM has one fast kernel, BF16 operands and a BF16 output (Hopper and
+    Blackwell); any other dtype runs its per-group fallback, which copies the offsets to the host
+    to slice the groups. On CPU the same call reads nothing: counted here as the GPU would."""
+    a, b = args[0], args[1]
+    out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+    dtypes = {a.dtype, b.dtype, out_dtype or a.dtype}
+    if dtypes == {torch.bfloat16}:
+        return None
+    return f"aten._grouped_mm.default ({a.dtype}, {b.dtype}: torch's per-group fallback reads the offsets on a GPU)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Event:
     """One sync or copy: the operation and the innermost frames of the repository's code."""
@@ -90,7 +104,8 @@ class DeviceTraffic(TorchDispatchMode):
     - host syncs (`syncs`): `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`, a
       tensor in an `if`), `aten.is_nonzero`, `aten.equal`, `aten.nonzero`, `aten.masked_select`,
       boolean-mask indexing (`t[mask]`: its output size is data-dependent), copies from a CUDA
-      tensor to the CPU, and `Tensor.tolist()` / `Tensor.numpy()` (invisible to the dispatcher
+      tensor to the CPU, a grouped GEMM of other operands than BF16 (on a GPU torch runs it
+      group by group from offsets read on the host: `_grouped_fallback`), and `Tensor.tolist()` / `Tensor.numpy()` (invisible to the dispatcher
       on CPU, where they read memory directly: counted by wrapping them).
     - host→device copies (`copies`, meaningful on fake CUDA tensors: `fake_cuda`): `aten._to_copy`
       and `aten.copy_` from a CPU tensor of one or more elements to a CUDA one. Under
@@ -137,6 +152,8 @@ class DeviceTraffic(TorchDispatchMode):
                 return _SCALAR_OPS[func](args[0])
         elif func is aten.index.Tensor and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
             self.syncs.append(Event("aten.index.Tensor (boolean mask)", _where()))
+        elif func is aten._grouped_mm.default and (reason := _grouped_fallback(args, kwargs)) is not None:
+            self.syncs.append(Event(reason, _where()))
         elif func in _COPY_OPS:
             source = args[1] if func is aten.copy_.default else args[0]
             target = _device(args[0]) if func is aten.copy_.default else str(kwargs.get("device", source.device))

@@ -8,7 +8,7 @@ from torch import nn
 
 from hf_lowprec.coat.activations import compress_activations, dequantize_groups, quantize_groups, saved_activation_bytes
 from hf_lowprec.fp8 import convert_to_fp8
-from tests.helpers import batches, bits_equal, rounding_bound, tiny_gpt2
+from tests.helpers import assert_bits_equal, batches, bits_equal, rounding_bound, tiny_gpt2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Unit roundoff of the formats (round to nearest, 3 and 2 mantissa bits).
@@ -122,6 +122,30 @@ def test_kernel_backward_is_the_layers_derivative(layer):
     for got, want in zip([grad_x, *param_grads], expected):
         bound = rounding_bound(torch.float64, 64, want.abs().max().item() + g.abs().max().item())
         assert got.dtype == want.dtype and (got - want).abs().max().item() <= bound, type(layer).__name__
+
+
+def test_a_layer_without_a_backward_kernel_is_differentiated_at_the_decoded_input():
+    """A layer `_kernel_backward` does not know (here transformers' RMSNorm, in every Llama-style
+    and MoE model) is re-run at backward on its decoded FP8 input and differentiated with
+    `torch.func.vjp`, which torch.compile traces (issue #67: `torch.autograd.grad` broke the graph
+    once per norm). The same operations as autograd through the layer at that input: the same
+    bits, for the input and the weight."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hf_lowprec.coat.activations import _SavedInFP8
+
+    torch.manual_seed(0)
+    layer = LlamaRMSNorm(64)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x = (torch.randn(4, 8, 64) * 3).requires_grad_(True)
+    g = torch.randn(4, 8, 64)
+    out = _SavedInFP8.apply(layer, x, layer.weight)
+    got = torch.autograd.grad(out, [x, layer.weight], g)
+    decoded = dequantize_groups(*quantize_groups(x.detach()), x.dtype).requires_grad_(True)
+    want = torch.autograd.grad(layer(decoded), [decoded, layer.weight], g)
+    for a, b, name in zip(got, want, ("input", "weight")):
+        assert_bits_equal(a, b, name)
 
 
 def test_compiled_coat_keeps_eager_gradients():

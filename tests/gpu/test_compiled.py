@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.testing import compiled_run, count_graph_breaks, strategy_compiled_run
+from hf_lowprec.testing import compiled_run, count_graph_breaks, strategy_compiled_run, strategy_graph_breaks
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -50,6 +50,16 @@ def test_compiled_once_with_no_more_graph_breaks_than_bf16_mixed(name, n_layer):
         assert per_layer <= baseline_per_layer, (
             f"{name}: {per_layer} more graphs for one more layer (bf16-mixed {baseline_per_layer})"
         )
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_moe_model_compiles_with_no_graph_break(name):
+    """A tiny Qwen3-MoE (`testing.counted_step.moe`) compiled, two steps: no graph break under any
+    strategy, as under bf16-mixed (issue #67). COAT broke the graph at every RMSNorm (its
+    backward re-ran the layer through `torch.autograd.grad`; now `torch.func.vjp`)."""
+    breaks, reasons = strategy_graph_breaks(name, 2, model="moe")
+    listed = "\n".join(f"  {n}x {reason.splitlines()[0][:200]}" for reason, n in reasons.most_common())
+    assert breaks == 0, f"{name}: {breaks} graph breaks in a compiled MoE step:\n{listed}"
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])

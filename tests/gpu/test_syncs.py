@@ -43,6 +43,26 @@ def test_fsdp2_adds_no_host_sync(name, one_rank_group):
     assert not syncs, f"{name} under FSDP2: {len(syncs)} host syncs in one steady step (goal 0):\n{listed}"
 
 
+# Strategies whose experts keep FP32 (fp32) or FP16 (fp16-als: FP16 weights, no autocast) GEMMs:
+# torch's only fast grouped GEMM on a GPU is BF16, and any other dtype runs group by group from
+# offsets read on the host, once per grouped GEMM (`testing.syncs`). No other sync is allowed.
+WIDE_EXPERTS = {"fp32", "fp16-als"}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_steady_moe_step_never_waits_on_the_device(name):
+    """A tiny Qwen3-MoE (`testing.counted_step.moe`: 2 MoE layers, transformers' default
+    `grouped_mm` experts) under every strategy: no host sync (issue #67). bf16-mixed and
+    fp16-mixed ran FP32 grouped GEMMs before (12 syncs a step on a GPU at this size)."""
+    _, syncs = strategy_syncs(name, 2, model="moe")
+    listed = "\n".join(f"  {s}" for s in syncs)
+    if name in WIDE_EXPERTS:
+        others = [s for s in syncs if not s.op.startswith("aten._grouped_mm")]
+        assert len(syncs) == 12 and not others, f"{name}: {len(syncs)} host syncs in a MoE step:\n{listed}"
+    else:
+        assert not syncs, f"{name}: {len(syncs)} host syncs in one steady MoE step (goal 0):\n{listed}"
+
+
 def test_the_anchor_torch_amp_with_fused_adamw_has_no_sync():
     traffic = anchor_syncs()
     assert not traffic.syncs, traffic.summary()

@@ -1,0 +1,164 @@
+"""The grouped-GEMM forward of transformers' fused MoE experts, in BF16 under a 16-bit autocast.
+
+Autocast has no rule for `torch._grouped_mm`, so under bf16-mixed the experts got FP32 weights
+and tokens: FP32 GEMMs, and on a GPU torch's per-group fallback, which reads the offsets on the
+host. `GroupedExperts` gives them the rule autocast would have (BF16 operands, gradients to the
+FP32 masters through the casts); outside an autocast the module's own forward runs. The FP8
+experts (`fp8/experts.py`) share its routing. docs/algorithms.md §6 gives the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GroupedExperts",
+    "expert_gemm_shapes",
+    "expert_weight_names",
+    "install_grouped_experts",
+    "is_experts_module",
+    "routed_experts",
+]
+
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A transformers experts module with fused 3-D weights (`@use_experts_implementation`)."""
+    if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "has_bias")):
+        return False
+    down = getattr(module, "down_proj", None)
+    first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None)
+    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in (first, down))
+
+
+def expert_weight_names(module: nn.Module) -> tuple[str, str]:
+    """(first projection, down projection) parameter names of an experts module."""
+    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+
+
+def expert_gemm_shapes(module: nn.Module) -> list[tuple[str, int, int, int]]:
+    """(name, experts, out_features N, in_features K) of each expert weight, in logical N × K."""
+    shapes = []
+    for name in expert_weight_names(module):
+        e, a, b = getattr(module, name).shape
+        n, k = (b, a) if module.is_transposed else (a, b)
+        shapes.append((name, e, n, k))
+    return shapes
+
+
+def routed_experts(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The experts' output for every token, with `module._project` as the grouped GEMM:
+
+        sort the (token, expert) pairs by expert → offsets (cumulative tokens per expert, on device)
+        h  = x_g · W_gate_upᵀ[e]   (+ bias[e])     grouped GEMM
+        a  = gate(h)                               the module's own (`_apply_gate` or `act_fn`)
+        y  = a · W_downᵀ[e]        (+ bias[e])     grouped GEMM
+        out[t] = Σ_k routing_weight[t, k] · y[(t, k)]   summed in FP32, then the input's dtype
+
+    `dtype`: the tokens are cast to it before they are gathered (half the bytes moved). Nothing is
+    read on the host: the counts are a `scatter_add` on the device, not a histogram of sizes.
+    """
+    num_top_k = top_k_index.shape[-1]
+    num_tokens, hidden = hidden_states.shape
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    source = hidden_states if dtype is None else hidden_states.to(dtype)
+    x = source[perm // num_top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    rows = sorted_ids.long()
+    first, down = expert_weight_names(module)
+    h = module._project(first, x, offsets, rows)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    y = module._project(down, h, offsets, rows)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    weighted = y * weights.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+    out = weighted[inverse].view(num_tokens, num_top_k, hidden).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
+@torch.compiler.assume_constant_result
+def _has_bf16_gemms(device: torch.device) -> bool:
+    """Whether `device` multiplies BF16 (every CPU; a CUDA GPU from Ampere on)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _grouped_dtype(device: torch.device) -> torch.dtype | None:
+    """BF16 inside a 16-bit autocast on `device` (where it has BF16 GEMMs), else None.
+
+    BF16 under FP16 autocast too: torch's one grouped GEMM kernel on a GPU takes BF16 (any other
+    dtype runs group by group from offsets read on the host), and under `torch.compile` it refuses
+    FP16 operands outright. BF16 keeps FP32's range, so a loss-scaled gradient fits it as it
+    fits FP16; its 8 significant bits are bf16-mixed's, in the experts' GEMMs only.
+    """
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    if torch.get_autocast_dtype(device.type) not in _SIXTEEN_BITS or not _has_bf16_gemms(device):
+        return None
+    return torch.bfloat16
+
+
+class GroupedExperts(nn.Module):
+    """What `install_grouped_experts` mixes into a transformers experts class (never built
+    directly): inside a 16-bit autocast, the grouped GEMMs take BF16 weights and tokens
+    (`_grouped_dtype`), as autocast gives `nn.Linear` 16-bit ones; outside one, the class's own
+    forward (its configured implementation) runs as before. The parameters, their dtypes and
+    names do not change."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        dtype = _grouped_dtype(hidden_states.device)
+        if dtype is None or getattr(self, "_is_expert_parallel", False):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return routed_experts(self, hidden_states, top_k_index, top_k_weights, dtype)
+
+    def _project(self, name: str, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x · W[e]ᵀ per group in the tokens' dtype (FP32 accumulation, one rounding), + bias[e]."""
+        weight = getattr(self, name).to(x.dtype)
+        out = torch._grouped_mm(x, weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
+        bias = getattr(self, name + "_bias", None) if self.has_bias else None
+        if bias is not None:
+            # As autocast's linear does: the bias joins the FP32 result, which is rounded once.
+            out = torch.add(out, bias[rows]).to(out.dtype)
+        return out
+
+
+_GROUPED_CLASSES: dict[type, type] = {}
+
+
+def _grouped_class(cls: type) -> type:
+    if cls not in _GROUPED_CLASSES:
+        _GROUPED_CLASSES[cls] = type(f"Grouped{cls.__name__}", (GroupedExperts, cls), {"__module__": __name__})
+    return _GROUPED_CLASSES[cls]
+
+
+def install_grouped_experts(model: nn.Module) -> list[str]:
+    """Give every experts module of `model` the 16-bit grouped forward (`GroupedExperts`), in
+    place; one already converted (FP8 experts included) is left as it is. Returns their names.
+
+    Only the `grouped_mm` implementation (transformers' default) is taken over: `eager` and
+    `batched_mm` run `F.linear` and `torch.bmm`, which autocast already casts.
+    """
+    names = []
+    for fqn, module in model.named_modules():
+        if not is_experts_module(module) or isinstance(module, GroupedExperts):
+            continue
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", "grouped_mm")
+        if implementation not in (None, "grouped_mm"):
+            continue
+        module.__class__ = _grouped_class(type(module))
+        names.append(fqn or "<root>")
+    return names
