@@ -3,7 +3,7 @@
     python bench/bench_guard.py [--steps 300] [--fault-at 75] [--rows range,spike] [--plot docs/guard_curves.png]
 
 A tiny GPT-2 (2 layers, 128 wide, vocabulary 1024) trained through `hf_lowprec.Trainer` on the
-embedded corpus, batch 8 × 64 tokens, constant LR 2e-3, `max_grad_norm` 1.0 (the Trainer's
+embedded corpus, batch `--batch` (8) × 64 tokens, constant LR 2e-3, `max_grad_norm` 1.0 (the Trainer's
 default), logging every 10 steps (where the guard checks), from the same weights and batches in
 every row. Faults, from step `--fault-at` on:
 
@@ -12,7 +12,7 @@ every row. Faults, from step `--fault-at` on:
   activations"): one per-tensor FP8 scale then serves values 1e6 apart and the rest of the
   tensor flushes to zero. Rows: bf16-mixed (the reference with the same injection), and each
   FP8 strategy and recipe without and with the guard;
-- spike: one batch of random tokens at step `--fault-at` (each of its 8 rows uniform over the
+- spike: one batch of random tokens at step `--fault-at` (each of its rows uniform over the
   vocabulary). Rows: the clean run, then the spike without and with the guard, under
   bf16-mixed and fp8-lm-o2.
 
@@ -81,7 +81,7 @@ class RangeFault:
         return y
 
 
-def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at: int, out: str) -> dict:
+def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at: int, out: str, batch: int = 8) -> dict:
     from transformers import GPT2LMHeadModel, TrainerCallback
 
     import hf_lowprec
@@ -92,7 +92,7 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(tiny_gpt2_config(1024, n_embd=128, n_layer=2, n_positions=64, use_cache=False))
     injector: list[RangeFault] = []  # installed on the prepared model (the FP8 layers replace the linear ones)
-    spike_batch = torch.randint(0, 1024, (8, 64), generator=torch.Generator().manual_seed(7))
+    spike_batch = torch.randint(0, 1024, (batch, 64), generator=torch.Generator().manual_seed(7))
 
     class Faults(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -111,7 +111,7 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
         precision_strategy=name,
         precision_options=json.dumps(options) if options else None,
         max_steps=steps,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=batch,
         learning_rate=2e-3,
         lr_scheduler_type="constant",
         logging_steps=10,
@@ -183,6 +183,9 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
         "guard_metrics": guard_logs,
         "actions": actions,
         "seconds": round(seconds, 1),
+        "batch": batch,
+        "steps": steps,
+        "fault_at": fault_at,
         "load": round(os.getloadavg()[0], 2),
         "threads": torch.get_num_threads(),
     }
@@ -232,6 +235,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--fault-at", type=int, default=75)
     parser.add_argument("--rows", default="range,spike")
+    parser.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per step (issue #68: 16)")
+    parser.add_argument("--no-unguarded", action="store_true", help="leave out the unguarded FP8 rows")
     parser.add_argument("--only", default="", help="comma-separated strategies to keep")
     parser.add_argument("--json", default=os.path.join(ROOT, "build", "bench_guard.json"))
     parser.add_argument("--plot", default="")
@@ -262,8 +267,10 @@ def main() -> int:
         key = (name, json.dumps(opts), guard, fault)
         if (only and name not in only) or key in done:
             continue
+        if args.no_unguarded and not guard and name != "bf16-mixed":
+            continue
         with tempfile.TemporaryDirectory() as out:
-            row = run(name, opts, guard, fault, args.steps, args.fault_at, out)
+            row = run(name, opts, guard, fault, args.steps, args.fault_at, out, args.batch)
         results.append(row)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -189,16 +189,16 @@ def run_fused(fn: Callable[..., Any], *args: Any, like: torch.Tensor) -> Any:
     with compiled_region(fn.__name__):
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
             return fn(*args)
-        return _run_compiled(fn, *args)
+        return _run_compiled(fn, like.device.type, *args)
 
 
-def _run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+def _run_compiled(fn: Callable[..., Any], device_type: str, *args: Any) -> Any:
     try:
         # Autocast changes nothing here (products and casts); disabling it keeps one graph.
         # optimize_ddp off: called inside a DDP model's forward, dynamo would split these
         # one-kernel graphs by DDP's buckets (and fail); they hold no DDP module.
         with (
-            torch.autocast(args[0].device.type, enabled=False),
+            torch.autocast(device_type, enabled=False),
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
         ):
             return _compiled(fn)(*args)

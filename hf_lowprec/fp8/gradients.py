@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..compiling import takes_gpu_path
 from ..numerics import nonfinite_flag
-from .cast import nan_flag, nan_flags, widen
+from .cast import nan_flag, nan_flags, run_fused, widen
 from .fused import gradient_cast
 from .scaled import pow2_scale, quantize, tensor_amax
 
@@ -364,6 +364,18 @@ class BackwardFP8Gradients:
         if not stored:
             return None
         dense = [p.grad for p in params if p.grad is not None]
+        if takes_gpu_path(stored[0][0].device):
+            # One compiled graph over every gradient (on a GPU the loop below is four launches a
+            # tensor); compiled, its reductions may add in another order than the eager ones.
+            return run_fused(
+                _clip_all,
+                dense,
+                [p for p, _ in stored],
+                [s for _, s in stored],
+                max_norm,
+                math.isfinite(max_norm),
+                like=stored[0][0],
+            )
         squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
         squares += [
             (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored
@@ -376,3 +388,21 @@ class BackwardFP8Gradients:
             for _, scale in stored:
                 scale.div_(coefficient)
         return norm
+
+
+def _clip_all(
+    dense: list[torch.Tensor], payloads: list[torch.Tensor], scales: list[torch.Tensor], max_norm: float, clip: bool
+) -> torch.Tensor:
+    """`BackwardFP8Gradients.clip_grad_norm` as one graph: the L2 norm of the FP32 and stored FP8
+    gradients (‖payload‖ / scale), then c = min(1, max_norm / (norm + 1e-6)) applied in place."""
+    # The per-tensor loop's operations, so that run eagerly it gives the loop's bits.
+    squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
+    squares += [(torch.linalg.vector_norm(p.float()) / s).square() for p, s in zip(payloads, scales)]
+    norm = torch.stack(squares).sum().sqrt()
+    if clip:  # max_norm finite (decided outside: the graph takes it as a symbol)
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in dense:
+            grad.mul_(coefficient.to(grad.dtype))
+        for scale in scales:
+            scale.div_(coefficient)
+    return norm

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..distributed import local_shard, sharded_like
 from .fused import tensorwise_cast
 from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
-from .raised import flush_counts, raised_linear
+from .raised import add_flush_counts, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 from .scaling_recipes import (
     FP8LinearConfig,
@@ -464,7 +464,7 @@ class FP8Linear(nn.Module):
         if config.raised:  # raised by the guard (fp8/raised.py)
             return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
         if counts is not None:
-            counts.add_(flush_counts(x, config))
+            add_flush_counts(counts, x, config)
         w8, sw = self._fp8_weight()
         # Inputs are shared in their whole-tensor quantization only: the finer recipes quantize
         # x with the layer's own blocks in the autograd function.

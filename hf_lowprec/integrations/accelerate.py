@@ -198,7 +198,8 @@ class PrecisionPlugin:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
         norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
-        return norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
+        norm = norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
+        return self.strategy.note_grad_norm(norm)  # the guard judges this pre-clip norm
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""

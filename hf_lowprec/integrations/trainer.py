@@ -417,12 +417,12 @@ class PrecisionTrainerMixin:
         return result
 
     def _clip_grad_norm(self, model):
-        if self.precision is not None:
-            self.precision.unscale_gradients(self.optimizer)
-            norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
-            if norm is not None:
-                return norm
-        return super()._clip_grad_norm(model)
+        if self.precision is None:
+            return super()._clip_grad_norm(model)
+        self.precision.unscale_gradients(self.optimizer)
+        norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
+        # The guard judges this pre-clip norm rather than measuring the clipped gradients again.
+        return self.precision.note_grad_norm(norm if norm is not None else super()._clip_grad_norm(model))
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Without clipping the Trainer measures the norm with clip_grad_norm_(max_norm=inf),

@@ -100,6 +100,7 @@ class PrecisionStrategy:
         self._skipped_on_device: torch.Tensor | None = None
         self._skipped_logged = 0
         self.measure_next_step = False
+        self._grad_norm_seen: torch.Tensor | None = None  # this step's pre-clip norm (`note_grad_norm`)
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
         config = guard_config(self.options.guard)
@@ -260,7 +261,18 @@ class PrecisionStrategy:
         """
         params = list(parameters)
         norm = self.clip_own_grad_norm(params, max_norm)
-        return norm if norm is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return self.note_grad_norm(norm if norm is not None else torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def note_grad_norm(self, norm: Any) -> Any:
+        """Keep the pre-clip gradient norm the training loop's clipping measured this step (a
+        device tensor), for the guard, which then measures nothing itself; returns `norm`."""
+        self._grad_norm_seen = norm.detach() if torch.is_tensor(norm) else None
+        return norm
+
+    def take_grad_norm(self) -> torch.Tensor | None:
+        """The norm `note_grad_norm` kept since the last call, or None; forgotten once taken."""
+        norm, self._grad_norm_seen = self._grad_norm_seen, None
+        return norm
 
     def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
         """Hook: clip where the loop's own function would be wrong (FP16 norms overflow, FP8

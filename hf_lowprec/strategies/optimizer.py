@@ -97,7 +97,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 f"{type(strategy).__name__}.process_gradients returned {type(found_inf).__name__}; it must return "
                 "a 0-dim FP32 tensor on the gradients' device (1.0: skip the step), as `numerics.nonfinite_flag` gives"
             )
-        if strategy.guard is not None:  # outlier steps are skipped as non-finite ones are (guard.py)
+        if strategy.guard is not None:  # outlier steps are skipped as non-finite ones are (hf_lowprec.guard)
             found_inf = strategy.guard.judge(self.optimizer, found_inf, kept)
         strategy.count_skip(found_inf)
         self._found_inf = found_inf

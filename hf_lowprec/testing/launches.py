@@ -113,13 +113,15 @@ class Launches(TorchDispatchMode):
         return "\n".join(lines)
 
 
-def launches_of(name: str, n_layer: int, warmup: int = 2, **options: Any) -> Launches:
+def launches_of(name: str, n_layer: int, warmup: int = 2, clip: float | None = None, **options: Any) -> Launches:
     """The launches of one steady training step of strategy `name` on the paths a CUDA device
     takes (`compiling.gpu_paths`, FP8 GEMMs by `torch._scaled_mm`), eager model (GPT-2 of
     `n_layer` layers: `counted_step.gpt2`), after `warmup` steps, per phase: "forward",
     "backward" (the FP8 gradient hooks run in it), "gradients" (`process_gradients`),
     "optimizer" (`optimizer_step`), "zero_grad". Compiled functions run as their eager source
-    (same bits; nothing is compiled, so counting takes seconds). `options` go to the strategy."""
+    (same bits; nothing is compiled, so counting takes seconds). `clip`: the gradients clipped
+    to this norm before the step, as the Trainer does (`max_grad_norm`; phase "clip"). `options`
+    go to the strategy."""
     import hf_lowprec
     from hf_lowprec.fp8.gemm import set_fp8_gemm_path
 
@@ -135,13 +137,15 @@ def launches_of(name: str, n_layer: int, warmup: int = 2, **options: Any) -> Lau
             ids = token_batch()
             for _ in range(warmup):
                 strategy_step(strategy, model, optimizer, ids)
-            _counted_step(counted, strategy, model, optimizer, ids)
+            _counted_step(counted, strategy, model, optimizer, ids, clip)
     finally:
         set_fp8_gemm_path(None)
     return counted
 
 
-def _counted_step(counted: Launches, strategy: Any, model: Any, optimizer: Any, ids: torch.Tensor) -> None:
+def _counted_step(
+    counted: Launches, strategy: Any, model: Any, optimizer: Any, ids: torch.Tensor, clip: float | None = None
+) -> None:
     process, step = strategy.process_gradients, strategy.optimizer_step
 
     def in_phase(phase: str, fn: Any) -> Any:
@@ -159,6 +163,10 @@ def _counted_step(counted: Launches, strategy: Any, model: Any, optimizer: Any, 
                 loss = model(input_ids=ids, labels=ids).loss
             with counted.phase("backward"):
                 strategy.scale_loss(loss).backward()
+            if clip is not None:
+                with counted.phase("clip"):
+                    strategy.unscale_gradients(optimizer)
+                    strategy.clip_grad_norm(model.parameters(), clip)
             optimizer.step()
             with counted.phase("zero_grad"):
                 optimizer.zero_grad(set_to_none=True)

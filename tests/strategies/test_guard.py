@@ -1,4 +1,4 @@
-"""The guard (`precision_options={"guard": ...}`, hf_lowprec/guard.py): options, bit-identity
+"""The guard (`precision_options={"guard": ...}`, hf_lowprec/guard): options, bit-identity
 without a fault, outlier skips, FP8 layers raised on a range fault, the raised (BF16) path's
 numerics, flush counts against an explicit E4M3 cast, rollbacks, no host sync, and the guard's
 state across a resume.
@@ -351,8 +351,10 @@ def test_a_range_fault_raises_every_block_layer_to_rowwise(raised_run):
     assert sorted(run["first_recipes"]) == sorted(BLOCK_LAYERS)
     assert run["first_recipes"] == dict.fromkeys(BLOCK_LAYERS, "rowwise")
     assert run["first"]["precision/guard_raised_layers"] == float(len(BLOCK_LAYERS))
-    messages = [m for m in run["first_messages"] if m.startswith("guard")]
+    messages = [m for m in run["first_messages"] if m.startswith("guard") and ": raise " in m]
     assert len(messages) == len(BLOCK_LAYERS), run["first_messages"]
+    skips = [m for m in run["first_messages"] if ": skip " in m]
+    assert len(skips) == 1 and "step(s) 8–9" in skips[0] and "flushed" in skips[0], run["first_messages"]
     for name in BLOCK_LAYERS:
         (line,) = [m for m in messages if f" {name}:" in m]
         share = run["expected_share"][name]
@@ -380,6 +382,69 @@ def test_a_fault_that_rowwise_still_flushes_raises_to_bf16_then_the_guard_stops(
     assert len(third) == 7 and "stop" in third[-1] and "BF16" in third[-1], third
     assert run["strategy"].guard.stopped
     assert not [m for m in run["after_stop_messages"] if m.startswith("guard")]
+
+
+def test_a_step_whose_casts_flush_is_skipped_and_the_run_goes_on_from_weights_that_never_saw_it():
+    """Issue #68: the steps between a range fault and the raise trained on flushed inputs. Now a
+    step in which any FP8 layer flushed more than `max_flushed` of its inputs is skipped on the
+    device (counted as faulty, named in the log), with no rollback: its update never happened.
+    Tensorwise → rowwise at the next check; rowwise still flushes this fault in the weight
+    gradient's column casts, so those steps are skipped too until the next check raises the
+    layers to BF16; from then on the run trains, and the flushed share logged at the next check
+    is the BF16 layers' own, 0 (it stayed at the last FP8 figure once the guard stopped)."""
+    logger = logging.getLogger("hf_lowprec")
+    records, level = Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        strategy, model, optimizer = setup("fp8-lm-o2", guard=SMALL)
+        data = batches(16)
+        for ids in data[:8]:
+            strategy.train_step(model, ids, optimizer)
+        clean = strategy.metrics()
+
+        # The step's state: θ and the optimizer's moments (not its FP8 gradient buffer and that
+        # buffer's scale, which every backward rewrites), and the gradient scaler's μ and count.
+        def kept():
+            tensors = [
+                (n, t.clone()) for n, t in state_tensors(model, optimizer) if not n.endswith((":grad", ":grad_scale"))
+            ]
+            scaler = {k: v for k, v in strategy.state_dict().items() if k.startswith("grad_")}
+            return tensors, scaler
+
+        before = kept()
+        row_fault_hooks(model)
+        for ids in data[8:11]:
+            strategy.train_step(model, ids, optimizer)
+        assert_same_state(kept()[0], before[0], "after 3 flushing steps")
+        assert kept()[1] == before[1]
+        first = strategy.metrics()
+        recipes = {n: m.recipe for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+        for ids in data[11:13]:  # rowwise: the column casts still flush
+            strategy.train_step(model, ids, optimizer)
+        assert_same_state(kept()[0], before[0], "after 2 steps at rowwise")
+        second = strategy.metrics()
+        for ids in data[13:16]:  # BF16: trains
+            strategy.train_step(model, ids, optimizer)
+        third = strategy.metrics()
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert clean["precision/guard_faulty_steps"] == 0.0
+    assert first["precision/guard_flushing_steps"] == 3.0 and first["precision/guard_faulty_steps"] == 3.0
+    assert first["precision/guard_outlier_steps"] == 0.0 and first["precision/guard_rollbacks"] == 0.0
+    assert recipes == dict.fromkeys(BLOCK_LAYERS, "rowwise")
+    assert second["precision/guard_flushing_steps"] == 5.0 and second["precision/guard_rollbacks"] == 0.0
+    assert second["precision/guard_flushed_max"] > 0.01  # at rowwise, what raised them to BF16
+    assert {n: m.recipe for n, m in model.named_modules() if isinstance(m, FP8Linear)} == dict.fromkeys(
+        BLOCK_LAYERS, RAISED
+    )
+    assert third["precision/guard_flushing_steps"] == 5.0 and third["precision/guard_flushed_max"] == 0.0
+    changed = [n for (n, a), (_, b) in zip(kept()[0], before[0]) if not torch.equal(a, b)]
+    assert changed, "the run did not train once every layer was BF16"
+    skips = [m for m in records.messages if ": skip " in m]
+    assert len(skips) == 2 and "step(s) 8–10" in skips[0] and "step(s) 11–12" in skips[1], skips
+    assert not any(": rollback " in m for m in records.messages), records.messages
 
 
 # --- 9. the guard's state survives a resume ----------------------------------------------------
@@ -584,6 +649,22 @@ def test_flush_counts_at_the_rounding_boundary():
     by_cast = _flushed_by_cast(x, s)
     assert by_cast == 3  # the two ties and the value below them
     assert flush_counts(x.reshape(1, -1), fp8_config("tensorwise", 0))[0].item() == by_cast
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+def test_the_compiled_count_a_layer_adds_is_the_reference_count(recipe):
+    """`add_flush_counts` (one compiled graph per watched layer's forward, issue #68) adds exactly
+    `flush_counts`' integers, twice in a row, for inputs with a few rows 1e6 larger."""
+    from hf_lowprec.fp8.raised import add_flush_counts
+
+    config = fp8_config(recipe, 0)
+    x = torch.randn(4, 32, 128, generator=torch.Generator().manual_seed(3))
+    x[0, :2] *= 1e6
+    counts = torch.zeros(2, dtype=torch.int64)
+    add_flush_counts(counts, x, config)
+    add_flush_counts(counts, x.to(torch.bfloat16), config)
+    expected = flush_counts(x, config) + flush_counts(x.to(torch.bfloat16), config)
+    assert counts.tolist() == expected.tolist() and expected[0] > 0
 
 
 # --- 7. rollback -------------------------------------------------------------------------------

@@ -1,72 +1,39 @@
-"""The guard: a run that watches itself for low-precision failures and acts (docs/guard.md).
-
-`precision_options={"guard": True}` (or a dict of `GuardConfig`'s fields) on any strategy: `Guard`
-watches the loss, the gradient norm, non-finite gradients and each FP8 layer's flushed inputs on
-the device, skips outlier steps, rolls back after repeated faults and raises flushing FP8 layers.
-With no fault, a guarded run computes the same bits as an unguarded one.
-"""
+"""`Guard`: watches one strategy's run on the device and acts at checks (docs/guard.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Any
 
 import torch
 
-from .distributed import any_rank, local_shard
-from .fp8.raised import config_named, finer
+from ..distributed import any_rank, local_shard
+from ..fp8.raised import config_named, finer
+from .judging import REASONS, settle, weigh
+from .snapshots import COUNTS, restore_snapshot, take_snapshot
+from .thresholds import GuardConfig
 
 logger = logging.getLogger("hf_lowprec")
 
-__all__ = ["Guard", "GuardConfig", "guard_config", "guard_metrics", "guard_state", "load_guard_state"]
-
-_COUNTS = "guard_counts"
+__all__ = ["Guard"]
 
 
-@dataclasses.dataclass(frozen=True)
-class GuardConfig:
-    """Thresholds of the guard (what each does: `Guard`; docs/guard.md, "Options"). Defaults
-    follow OLMo-core's skip-step optimizer (a window of 128 steps, 6 spreads)."""
-
-    window: int = 128
-    warmup: int = 20
-    z_threshold: float = 6.0
-    rollback_after: int = 3
-    snapshot_every: int = 50
-    max_flushed: float = 0.01
-    max_rollbacks: int = 10
-
-    def __post_init__(self) -> None:
-        for name in ("window", "warmup", "rollback_after", "snapshot_every", "max_rollbacks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"guard option {name!r} must be a positive integer, got {value!r}")
-        for name, low, high in (("z_threshold", 0.0, math.inf), ("max_flushed", 0.0, 1.0)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
-                raise ValueError(f"guard option {name!r} must be a number in ({low}, {high}], got {value!r}")
-        if self.warmup > self.window:
-            raise ValueError(f"guard option 'warmup' ({self.warmup}) must not exceed 'window' ({self.window})")
+def _ranges(steps: list[int]) -> str:
+    """[3, 4, 5, 9] → "3–5, 9"."""
+    parts, start = [], steps[0]
+    for previous, step in zip(steps, [*steps[1:], None]):
+        if step != previous + 1:
+            parts.append(f"{start}–{previous}" if previous > start else f"{start}")
+            start = step
+    return ", ".join(parts)
 
 
-def guard_config(value: Any) -> GuardConfig | None:
-    """The `guard` option as a config: False → off, True → defaults, a dict → its fields.
-    Anything else, or an unknown field, raises an error naming the valid fields."""
-    if value is False:
-        return None
-    if value is True:
-        return GuardConfig()
-    if isinstance(value, dict):
-        fields = {f.name for f in dataclasses.fields(GuardConfig)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(f"guard has no option(s) {unknown}; valid: {sorted(fields)}")
-        return GuardConfig(**value)
-    raise ValueError(
-        f"option 'guard' must be true, false or a dict of {sorted(GuardConfig.__annotations__)}, got {value!r}"
-    )
+def _device_of(model: torch.nn.Module | None) -> torch.device:
+    if model is None:
+        return torch.device("cpu")
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 class Guard:
@@ -113,6 +80,7 @@ class Guard:
         self.rollbacks = 0
         self.stopped = ""
         self._faults_seen = 0.0  # faulty steps counted at the last check (host copy)
+        self._flushing_seen = 0.0  # of which skipped because their FP8 casts flushed
         self._faults_since_snapshot = 0.0
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer (StrategyOptimizer sets it)
         self._snapshot: dict[str, Any] | None = None
@@ -121,11 +89,13 @@ class Guard:
         self._pending_loss: list[torch.Tensor] = []
         self._hook: Any = None
         self._last_flushed: dict[str, float] = {}
+        self._flush_last: torch.Tensor | None = None  # the layers' counters at the previous step
+        self._checked_step = 0  # `steps` at the previous check
 
     # --- attach -------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
         """Watch `model`: its loss, and the input cast of each FP8 layer."""
-        from .fp8 import FP8Linear
+        from ..fp8 import FP8Linear
 
         self.model = model
         if self._hook is not None:
@@ -134,10 +104,10 @@ class Guard:
         for name, module in model.named_modules():
             if isinstance(module, FP8Linear):
                 self.layers[name] = module
-                if module._buffers.get(_COUNTS) is None:
+                if module._buffers.get(COUNTS) is None:
                     device = module.weight.device if module.weight.device.type != "meta" else None
                     counts = torch.zeros(2, dtype=torch.int64, device=device)
-                    module.register_buffer(_COUNTS, counts, persistent=False)
+                    module.register_buffer(COUNTS, counts, persistent=False)
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
@@ -149,16 +119,24 @@ class Guard:
     # --- the step (no host sync) ---------------------------------------------------------
     def _state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._device_state is None or self._device_state["loss"].device != device:
-            w = self.config.window
-            self._device_state = {
-                "loss": torch.zeros(w, device=device),
-                "norm": torch.zeros(w, device=device),
-                "valid": torch.zeros(w, device=device),
-                "faults": torch.zeros((), device=device),
-                "outliers": torch.zeros((), device=device),
-                "last_z": torch.zeros(2, device=device),
-            }
+            self._device_state = self._fresh_state(device)
         return self._device_state
+
+    def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        w = self.config.window
+        return {
+            "loss": torch.zeros(w, device=device),
+            "norm": torch.zeros(w, device=device),
+            "valid": torch.zeros(w, device=device),
+            "faults": torch.zeros((), device=device),
+            "outliers": torch.zeros((), device=device),
+            "flushing": torch.zeros((), device=device),
+            "last_z": torch.zeros(2, device=device),
+            # why each of the last `window` steps was skipped: 0 not, 1 non-finite, 2 an
+            # outlier loss or gradient norm, 3 FP8 casts that flushed (read at a check, for the log)
+            "why": torch.zeros(w, device=device),
+            "step": torch.tensor(float(self.steps), device=device),  # where the next step lands in the ring
+        }
 
     def keep(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the strategy's step state that its gradient processing updates even on a
@@ -174,9 +152,11 @@ class Guard:
         found_inf: torch.Tensor,
         kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """This step's skip flag: `found_inf` or an outlier loss / gradient norm, agreed over the
-        ranks; the window takes the step's values unless it is skipped; an outlier step restores
-        `kept` (see `keep`). No host sync."""
+        """This step's skip flag: `found_inf`, an outlier loss or gradient norm, or FP8 casts that
+        flushed (a step whose gradient saw inputs cast to zero is faulty from the first step on),
+        agreed over the ranks in one all-reduce; the window takes the step's values unless it is
+        skipped; a step the guard skips restores `kept` (see `keep`). No host sync: two compiled
+        graphs (`judging`), and the norm the loop's clipping measured where it clipped."""
         if self.stopped:  # the run goes on as an unguarded one would
             self._pending_loss = []
             self.steps += 1
@@ -185,40 +165,33 @@ class Guard:
         device = found_inf.device
         state = self._state(device)
         norm = self._grad_norm(params, device)
-        losses, self._pending_loss = self._pending_loss, []
-        loss = torch.stack([t.to(device) for t in losses]).mean() if losses else None
-        values = torch.stack([loss if loss is not None else torch.zeros((), device=device), norm])
-        outlier = torch.zeros((), device=device)
-        if self.steps >= self.config.warmup:
-            valid = state["valid"]
-            count = valid.sum().clamp(min=1.0)
-            history = torch.stack([state["loss"], state["norm"]])
-            mean = (history * valid).sum(1) / count
-            spread = (((history - mean[:, None]) ** 2 * valid).sum(1) / count).sqrt()
-            z = (values - mean) / spread.clamp(min=torch.finfo(torch.float32).tiny)
-            if loss is None:  # no loss seen (a trainer that computes it outside the model)
-                z = torch.stack([torch.zeros_like(z[1]), z[1]])
-            state["last_z"].copy_(z)
-            outlier = ((z > self.config.z_threshold) | ~torch.isfinite(values)).any().float()
-            outlier = outlier * (valid.sum() >= self.config.warmup).float()  # after `warmup` accepted steps
-            outlier = any_rank(outlier, params, getattr(self.strategy, "_data_parallel_group", None))
-        skip = torch.maximum(found_inf, outlier)
-        undo = outlier * (1.0 - found_inf)
-        for tensor, before in kept or ():
-            tensor.copy_(torch.where(undo > 0, before, tensor))
-        slot = self.steps % self.config.window
-        keep = 1.0 - skip
-        state["loss"][slot] = torch.where(skip > 0, state["loss"][slot], values[0])
-        state["norm"][slot] = torch.where(skip > 0, state["norm"][slot], values[1])
-        state["valid"][slot] = torch.maximum(state["valid"][slot] * skip, keep)
-        state["faults"].add_(skip)
-        state["outliers"].add_(undo)
+        losses, self._pending_loss = [t.to(device) for t in self._pending_loss], []
+        counts = [layer._buffers[COUNTS] for layer in self.layers.values() if layer._buffers.get(COUNTS) is not None]
+        if counts and (self._flush_last is None or self._flush_last.shape[0] != len(counts)):
+            self._flush_last = torch.zeros(len(counts), 2, dtype=torch.int64, device=counts[0].device)
+        reasons, values = weigh(
+            state,
+            losses,
+            norm,
+            counts,
+            self._flush_last if counts else None,
+            judged=self.steps >= self.config.warmup,
+            z_threshold=self.config.z_threshold,
+            warmup=self.config.warmup,
+            max_flushed=self.config.max_flushed,
+        )
+        reasons = any_rank(reasons, params, getattr(self.strategy, "_data_parallel_group", None))
+        skip = settle(state, found_inf, reasons, values, kept or [])
         self.steps += 1
         return skip
 
     def _grad_norm(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The global gradient norm as the strategy clips it (FP8 and FP16 gradients included),
-        else of the local gradients (under ZeRO and FSDP2: of this rank's shards)."""
+        """The global gradient norm before clipping: the one the loop's clipping measured this step
+        (`note_grad_norm`: no launch here), else measured as the strategy clips (FP8 and FP16
+        gradients included), else of the local gradients (under ZeRO and FSDP2: this rank's shards)."""
+        seen = self.strategy.take_grad_norm()
+        if seen is not None:
+            return seen.float().to(device)
         own = self.strategy.clip_own_grad_norm(params, math.inf)
         if own is not None:
             return own.float().to(device)
@@ -229,17 +202,28 @@ class Guard:
 
     # --- at a check (host reads allowed) ------------------------------------------------
     def check(self) -> list[dict[str, Any]]:
-        """Read the counters and act: roll back, raise layers, snapshot. Reads the device (a
-        sync): the Trainer calls it at logging steps. Returns the actions taken."""
+        """Read the counters and act: name the steps skipped since the last check, raise layers,
+        roll back, snapshot. Reads the device (a sync): the Trainer calls it at logging steps.
+        Returns the actions taken."""
         taken: list[dict[str, Any]] = []
-        if self._device_state is None or self.model is None or self.stopped:
+        if self._device_state is None or self.model is None:
             return taken
-        faults = float(self._device_state["faults"].item())
+        if self.stopped:  # no action, but the flushed shares logged are the layers' own since the
+            self._read_flushed()  # last check (0 once BF16), not the ones that raised them
+            return taken
+        state = self._device_state
+        read = torch.cat([state["faults"].view(1), state["flushing"].view(1), state["why"]]).tolist()
+        faults, flushing, why = read[0], read[1], read[2:]
         new_faults, self._faults_seen = faults - self._faults_seen, faults
+        new_flushing, self._flushing_seen = flushing - self._flushing_seen, flushing
+        taken += self._name_skips(why)
+        self._checked_step = self.steps
         taken += self._raise_layers()
         if self.stopped:  # raising the last layers stopped it
             return taken
-        since_snapshot = self._faults_since_snapshot + new_faults
+        # Steps skipped because their casts flushed left no trace (and their layers are raised
+        # now): a rollback is for faults that may have reached the state.
+        since_snapshot = self._faults_since_snapshot + new_faults - new_flushing
         self._faults_since_snapshot = since_snapshot
         if since_snapshot >= self.config.rollback_after and self._snapshot is not None:
             if self.rollbacks >= self.config.max_rollbacks:
@@ -250,18 +234,48 @@ class Guard:
             self._take_snapshot()
         return taken
 
-    def _raise_layers(self) -> list[dict[str, Any]]:
-        taken: list[dict[str, Any]] = []
-        watched = [(n, layer) for n, layer in self.layers.items() if layer._buffers.get(_COUNTS) is not None]
+    def _name_skips(self, why: list[float]) -> list[dict[str, Any]]:
+        """One "skip" action per reason the guard skipped steps for since the last check (outliers,
+        flushing casts), naming the steps; the strategy's own non-finite skips are counted only."""
+        window = self.config.window
+        first = max(self._checked_step, self.steps - window)
+        by_reason: dict[int, list[int]] = {}
+        for step in range(first, self.steps):
+            reason = int(why[step % window])
+            if reason in REASONS:
+                by_reason.setdefault(reason, []).append(step)
+        return [
+            self._act(
+                "skip",
+                f"step(s) {_ranges(steps)}: the weights and optimizer state never took them",
+                REASONS[reason].format(self.config),
+            )
+            for reason, steps in sorted(by_reason.items())
+        ]
+
+    def _read_flushed(self) -> list[tuple[str, torch.nn.Module, float]]:
+        """(name, layer, share of its non-zero inputs flushed since the last check) of every
+        watched layer, read at once; the counters start again. A layer raised to BF16 casts
+        nothing, so its share is 0."""
+        watched = [(n, layer) for n, layer in self.layers.items() if layer._buffers.get(COUNTS) is not None]
         if not watched:
-            return taken
-        buffers = [layer._buffers[_COUNTS] for _, layer in watched]
+            return []
+        buffers = [layer._buffers[COUNTS] for _, layer in watched]
         read = torch.stack(buffers).tolist()  # one read for every layer
         for counts in buffers:
             counts.zero_()
+        if self._flush_last is not None:
+            self._flush_last.zero_()
+        shares = []
         for (name, layer), (flushed, nonzero) in zip(watched, read):
             share = flushed / nonzero if nonzero else 0.0
             self._last_flushed[name] = share
+            shares.append((name, layer, share))
+        return shares
+
+    def _raise_layers(self) -> list[dict[str, Any]]:
+        taken: list[dict[str, Any]] = []
+        for name, layer, share in self._read_flushed():
             if share <= self.config.max_flushed or layer.config.raised:
                 continue
             before = layer.recipe
@@ -288,40 +302,14 @@ class Guard:
         self.raised[name] = recipe
 
     def _take_snapshot(self) -> None:
-        """Copies of every parameter and buffer, the optimizer state and the strategy's scales
-        (device to device; the host waits only for the strategy's counters)."""
         assert self.model is not None
-        tensors = {n: t.detach().clone() for n, t in _named_tensors(self.model)}
-        optimizer = self.optimizer
-        state = {}
-        if optimizer is not None:
-            state = {
-                id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                for p, s in optimizer.state.items()
-            }
-        scales = {k: v for k, v in self.strategy.state_dict().items() if k not in ("skipped_steps", "guard")}
-        self._snapshot = {"tensors": tensors, "optimizer": state, "strategy": scales}
+        self._snapshot = take_snapshot(self.model, self.optimizer, self.strategy)
         self._snapshot_step = self.steps
         self._faults_since_snapshot = 0.0
 
     def _rollback(self, faults: int) -> dict[str, Any]:
         assert self.model is not None and self._snapshot is not None
-        snapshot = self._snapshot
-        with torch.no_grad():
-            for name, tensor in _named_tensors(self.model):
-                saved = snapshot["tensors"].get(name)
-                if saved is not None and saved.shape == tensor.shape:
-                    tensor.copy_(saved)
-            optimizer = self.optimizer
-            if optimizer is not None:
-                for p, s in optimizer.state.items():
-                    for k, v in snapshot["optimizer"].get(id(p), {}).items():
-                        if torch.is_tensor(v) and torch.is_tensor(s.get(k)):
-                            s[k].copy_(v)
-                        else:
-                            s[k] = v
-        current = self.strategy.state_dict()
-        self.strategy.load_state_dict({**current, **snapshot["strategy"]})
+        restore_snapshot(self._snapshot, self.model, self.optimizer, self.strategy)
         self.rollbacks += 1
         self._faults_since_snapshot = 0.0
         back = self.steps - self._snapshot_step
@@ -352,6 +340,7 @@ class Guard:
         }
         if state is not None:
             out["precision/guard_outlier_steps"] = float(state["outliers"].item())
+            out["precision/guard_flushing_steps"] = float(state["flushing"].item())
             z_loss, z_norm = state["last_z"].tolist()
             out["precision/guard_loss_z"] = z_loss
             out["precision/guard_grad_norm_z"] = z_norm
@@ -368,6 +357,8 @@ class Guard:
             "actions": list(self.actions),
             "stopped": self.stopped,
             "faults_seen": self._faults_seen,
+            "flushing_seen": self._flushing_seen,
+            "checked_step": self._checked_step,
             "faults_since_snapshot": self._faults_since_snapshot,
             "window": None if state is None else {k: v.tolist() for k, v in state.items()},
         }
@@ -378,14 +369,18 @@ class Guard:
         self.actions = list(saved.get("actions", []))
         self.stopped = str(saved.get("stopped", ""))
         self._faults_seen = float(saved.get("faults_seen", 0.0))
+        self._flushing_seen = float(saved.get("flushing_seen", 0.0))
+        self._checked_step = int(saved.get("checked_step", self.steps))
         self._faults_since_snapshot = float(saved.get("faults_since_snapshot", 0.0))
         window = saved.get("window")
         if window is not None:
             device = self._device_state["loss"].device if self._device_state is not None else _device_of(self.model)
             self._device_state = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in window.items()}
+            for key, fresh in self._fresh_state(device).items():  # a checkpoint from before a counter existed
+                self._device_state.setdefault(key, fresh)
             if len(window["loss"]) != self.config.window:  # resumed with another `window`: the counters
                 # carry over, the history starts again (outliers judged after `warmup` new steps)
-                for key in ("loss", "norm", "valid"):
+                for key in ("loss", "norm", "valid", "why"):
                     self._device_state[key] = torch.zeros(self.config.window, device=device)
                 logger.info(
                     "guard: resumed with window %d (saved: %d): its history starts again",
@@ -398,47 +393,3 @@ class Guard:
         if self.raised:
             listed = ", ".join(f"{n} ({r})" for n, r in self.raised.items())
             logger.info("guard: resumed with the layers it raised before: %s", listed)
-
-
-def guard_state(guard: Guard | None) -> dict[str, Any]:
-    """The strategy state's "guard" entry (none without a guard)."""
-    return {"guard": guard.state_dict()} if guard is not None else {}
-
-
-def load_guard_state(guard: Guard | None, saved: dict[str, Any] | None) -> None:
-    """Restore a saved guard; a run without one is told which layers the saved one had raised."""
-    if not saved:
-        return
-    if guard is not None:
-        guard.load_state_dict(saved)
-    elif saved.get("raised"):
-        logger.warning(
-            "the checkpoint's guard had raised layers %s; this run has no guard: they run as the strategy converts them",
-            saved["raised"],
-        )
-
-
-def guard_metrics(guard: Guard | None) -> dict[str, float]:
-    """At a logging step: the guard checks (and acts), then its metrics."""
-    if guard is None:
-        return {}
-    guard.check()
-    return guard.metrics()
-
-
-def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    seen: set[int] = set()
-    out = []
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t is None or id(t) in seen or name.endswith(_COUNTS):
-            continue
-        seen.add(id(t))
-        out.append((name, t))
-    return out
-
-
-def _device_of(model: torch.nn.Module | None) -> torch.device:
-    if model is None:
-        return torch.device("cpu")
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")

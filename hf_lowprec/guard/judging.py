@@ -1,0 +1,137 @@
+"""The guard's arithmetic inside a step, on the device: two compiled graphs per step on a GPU
+(`fp8.cast.run_fused`), with the ranks' agreement between them. Eagerly they were about forty
+small kernels a step, and the flush counts forty per FP8 layer (issue #68).
+
+`weigh`: this step's loss and gradient norm against the window (z-scores), and whether an FP8
+layer flushed more than `max_flushed` of its inputs; `settle`: the skip flag, and the window,
+counters and reasons updated where the step lands in the ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8.cast import run_fused
+
+__all__ = ["REASONS", "settle", "weigh"]
+
+# Why a step was skipped, as the device ring `why` holds it (read at a check, for the log).
+NOT, NONFINITE, OUTLIER, FLUSHING = 0.0, 1.0, 2.0, 3.0
+REASONS = {
+    int(
+        OUTLIER
+    ): "its loss or gradient norm lay more than z_threshold ({0.z_threshold}) spreads above the window's mean",
+    int(FLUSHING): "an FP8 layer's input casts flushed more than max_flushed ({0.max_flushed:.1%}) of its non-zero "
+    "inputs to zero in that step",
+}
+
+
+def weigh(
+    state: dict[str, torch.Tensor],
+    losses: list[torch.Tensor],
+    norm: torch.Tensor,
+    counts: list[torch.Tensor],
+    flush_last: torch.Tensor | None,
+    *,
+    judged: bool,
+    z_threshold: float,
+    warmup: int,
+    max_flushed: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reasons, values): reasons = [outlier, flushing] as 0/1 FP32 (to be agreed over the ranks),
+    values = [loss, norm]. `judged`: past the first `warmup` steps (else no z-score); `counts`:
+    every watched layer's flush counters, `flush_last` their values at the previous step (updated)."""
+    return run_fused(
+        _weigh,
+        norm.float(),
+        losses,
+        state["loss"],
+        state["norm"],
+        state["valid"],
+        state["last_z"],
+        counts,
+        flush_last,
+        judged,
+        z_threshold,
+        warmup,
+        max_flushed,
+        like=norm,
+    )
+
+
+def _weigh(
+    norm, losses, loss_hist, norm_hist, valid, last_z, counts, flush_last, judged, z_threshold, warmup, max_flushed
+):
+    loss = torch.stack(losses).mean() if losses else torch.zeros_like(norm)
+    values = torch.stack([loss, norm])
+    outlier = torch.zeros_like(norm)
+    if judged:
+        count = valid.sum().clamp(min=1.0)
+        history = torch.stack([loss_hist, norm_hist])
+        mean = (history * valid).sum(1) / count
+        spread = (((history - mean[:, None]) ** 2 * valid).sum(1) / count).sqrt()
+        z = (values - mean) / spread.clamp(min=torch.finfo(torch.float32).tiny)
+        if not losses:  # no loss seen (a trainer that computes it outside the model)
+            z = torch.stack([torch.zeros_like(z[1]), z[1]])
+        last_z.copy_(z)
+        outlier = ((z > z_threshold) | ~torch.isfinite(values)).any().float()
+        outlier = outlier * (valid.sum() >= warmup).float()  # after `warmup` accepted steps
+    flushing = torch.zeros_like(norm)
+    if counts:
+        now = torch.stack(counts)
+        step = now - flush_last
+        flush_last.copy_(now)
+        share = step[:, 0].double() / step[:, 1].clamp(min=1).double()
+        flushing = (share > max_flushed).any().float()
+    return torch.stack([outlier, flushing]), values
+
+
+def settle(
+    state: dict[str, torch.Tensor],
+    found_inf: torch.Tensor,
+    reasons: torch.Tensor,
+    values: torch.Tensor,
+    kept: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The skip flag: `found_inf`, or either agreed reason. The step's values enter the window
+    unless it is skipped, the counters and the ring of reasons move, and a step the guard skips
+    puts `kept` back (`watch.Guard.keep` says what they are)."""
+    return run_fused(
+        _settle,
+        found_inf.float(),
+        reasons,
+        values,
+        state["step"],
+        state["loss"],
+        state["norm"],
+        state["valid"],
+        state["why"],
+        state["faults"],
+        state["outliers"],
+        state["flushing"],
+        [t for t, _ in kept],
+        [b for _, b in kept],
+        like=found_inf,
+    )
+
+
+def _settle(
+    found_inf, reasons, values, step, loss_hist, norm_hist, valid, why, faults, outliers, flushing, now, before
+):
+    outlier, flushed = reasons.max(), reasons[1]
+    skip = torch.maximum(found_inf, outlier)
+    undo = outlier * (1.0 - found_inf)
+    for tensor, saved in zip(now, before):
+        tensor.copy_(torch.where(undo > 0, saved, tensor))
+    slot = torch.arange(loss_hist.shape[0], device=step.device) == torch.remainder(step, loss_hist.shape[0])
+    taken = slot & (skip == 0)
+    loss_hist.copy_(torch.where(taken, values[0], loss_hist))
+    norm_hist.copy_(torch.where(taken, values[1], norm_hist))
+    valid.copy_(torch.where(slot, torch.maximum(valid * skip, 1.0 - skip), valid))
+    reason = torch.where(found_inf > 0, NONFINITE, torch.where(flushed > 0, FLUSHING, OUTLIER * outlier))
+    why.copy_(torch.where(slot, reason, why))
+    faults.add_(skip)
+    outliers.add_(undo * (1.0 - flushed))
+    flushing.add_(undo * flushed)
+    step.add_(1.0)
+    return skip
