@@ -13,7 +13,7 @@ from ..numerics import abs_max
 from .cast import run_fused, saturate_to_fp8_eager
 from .scaled import pow2_scale
 
-__all__ = ["gradient_cast", "gradient_roundtrip_", "tensorwise_cast"]
+__all__ = ["gradient_cast", "gradient_roundtrip_", "gradients_roundtrip_", "tensorwise_cast"]
 
 
 def _tensorwise(
@@ -90,3 +90,23 @@ def gradient_roundtrip_(grad: torch.Tensor, mu: torch.Tensor, dtype: torch.dtype
     if not grad.is_contiguous():
         raise ValueError("gradient_roundtrip_ writes the gradient in place: it must be contiguous")
     return run_fused(_gradient_roundtrip, grad.detach().view(-1), mu, dtype, margin, like=grad)
+
+
+def gradients_roundtrip_(
+    grads: list[torch.Tensor], mus: list[torch.Tensor], dtype: torch.dtype, margin: int = 0
+) -> list[torch.Tensor]:
+    """`gradient_roundtrip_` of every gradient in `grads` (each with its μ in `mus`) in one graph:
+    each keeps its own amax and scale, so the bits are the per-gradient ones (an amax and an
+    integer count do not depend on the order of a reduction). What a GPU step runs: one launch
+    for all of FP8-LM O1's gradients, where one per gradient was twelve per layer."""
+    for grad in grads:
+        if not grad.is_contiguous():
+            raise ValueError("gradients_roundtrip_ writes the gradients in place: they must be contiguous")
+    flat = [grad.detach().view(-1) for grad in grads]
+    return run_fused(_gradients_roundtrip, flat, mus, dtype, margin, like=grads[0])
+
+
+def _gradients_roundtrip(
+    grads: list[torch.Tensor], mus: list[torch.Tensor], dtype: torch.dtype, margin: int
+) -> list[torch.Tensor]:
+    return [_gradient_roundtrip(grad, mu, dtype, margin) for grad, mu in zip(grads, mus)]

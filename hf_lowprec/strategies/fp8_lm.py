@@ -15,11 +15,12 @@ from typing import Any, Literal
 
 import torch
 
+from ..compiling import takes_gpu_path
 from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import FP8CommState, FP8Linear, GradientAutoScaler, convert_to_fp8, fp8_allreduce_hook, quantize_gradient
 from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
-from ..fp8.fused import gradient_roundtrip_
+from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
@@ -312,16 +313,13 @@ class FP8LM(PrecisionStrategy):
         recorded_before = self.scaler.pending
         # Under FSDP2 the reduced gradient shards take the whole gradients' scales (one all-reduce).
         sharded = self._quantize_sharded_gradients(params, found_inf)
+        roundtrip = []  # O1: the FP8 values written back into p.grad, with the quantization
         for p in params:
             if self.o2 and get_master_scale(p) is None:
                 continue
             scale = comm_scales.pop(id(p), None)
             if not self.o2 and scale is None and id(p) not in sharded and p.grad.is_contiguous():
-                # O1: the FP8 values written back into p.grad, in one graph with the quantization.
-                saturated = gradient_roundtrip_(
-                    p.grad, self.scaler.mu_for(p.grad), self.grad_dtype, self.options.margin
-                )
-                self.scaler.record(saturated, p.numel(), unless=found_inf)
+                roundtrip.append(p)
                 continue
             if id(p) in sharded:
                 payload, scale = sharded[id(p)]
@@ -338,10 +336,25 @@ class FP8LM(PrecisionStrategy):
             else:
                 unscale_into(local_shard(p.grad), payload, scale)
         comm_scales.clear()
+        self._roundtrip(roundtrip, found_inf)
         if self.o2:
             self.backward_grads.discard_where(found_inf, everything)
         self.scaler.update(unless=None if recorded_before else found_inf)
         return found_inf
+
+    def _roundtrip(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """O1: each gradient replaced by its FP8 values; one graph for all of them on a GPU
+        (`fused.gradients_roundtrip_`), one per gradient elsewhere (the same bits)."""
+        if not params:
+            return
+        grads, margin = [p.grad for p in params], self.options.margin
+        mus = [self.scaler.mu_for(g) for g in grads]
+        if takes_gpu_path(grads[0].device):
+            counts = gradients_roundtrip_(grads, mus, self.grad_dtype, margin)
+        else:
+            counts = [gradient_roundtrip_(g, mu, self.grad_dtype, margin) for g, mu in zip(grads, mus)]
+        for p, saturated in zip(params, counts):
+            self.scaler.record(saturated, p.numel(), unless=found_inf)
 
     def _quantize_sharded_gradients(
         self, params: list[torch.Tensor], found_inf: torch.Tensor

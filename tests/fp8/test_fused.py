@@ -70,6 +70,22 @@ def test_gradient_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
     assert set(compiled_calls) == {"_gradient"}
 
 
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_o1_gradient_in_one_graph_gives_each_ones_bits(fp8, compiled_calls):
+    """`gradients_roundtrip_` (FP8-LM O1 on a GPU: one graph for all the gradients) against
+    `gradient_roundtrip_` one gradient at a time: the same values written back and the same
+    clipped counts, each gradient with its own μ (μ = 4 clips)."""
+    grads = [x.float() for x in _inputs() if x.numel() > 1]
+    mus = [torch.tensor(float(2 ** (i % 3))) for i in range(len(grads))]
+    together, apart = [g.clone() for g in grads], [g.clone() for g in grads]
+    counts = fused.gradients_roundtrip_(together, mus, fp8, 0)
+    expected = [fused.gradient_roundtrip_(g, mu, fp8, 0) for g, mu in zip(apart, mus)]
+    assert [int(c) for c in counts] == [int(c) for c in expected] and sum(int(c) for c in counts) > 0
+    assert _same(together, apart)
+    assert set(compiled_calls) == {"_gradients_roundtrip", "_gradient_roundtrip"}
+
+
 @pytest.mark.parametrize("fp8", FP8)
 def test_the_references_are_the_scaled_tensor_rules(fp8):
     """The fused references, term by term: `pow2_scale` of `tensor_amax` (times μ), then

@@ -155,7 +155,6 @@ def _tensors(tree, prefix):
 # Launches per added layer outside the model's forward and backward that some strategies still
 # make (exact counts, regression bounds; docs/gpu.md "Launches", "Not yet"): the reason for each.
 STILL_PER_LAYER = {
-    "fp8-lm-o1": (12, "one quantize-and-write-back graph per FP8-layer parameter (its own amax and scale)"),
     "fp8-lm-o3": (20, "the ZeRO FP8 owner's gradient copies and skip masks per parameter"),
     "collage-8bit": (63, "block staging: zero-padded copies of parameters that are not whole blocks"),
     "fp16-als": (96, "automatic loss scaling's per-layer statistics"),
