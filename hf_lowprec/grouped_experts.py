@@ -65,14 +65,14 @@ def routed_experts(
         y  = a · W_downᵀ[e]        (+ bias[e])     grouped GEMM
         out[t] = Σ_k routing_weight[t, k] · y[(t, k)]   summed in FP32, then the input's dtype
 
-    `dtype`: the tokens are cast to it before they are gathered (half the bytes moved). Nothing is
-    read on the host: the counts are a `scatter_add` on the device, not a histogram of sizes.
+    `dtype`: the gathered tokens are cast to it (as transformers' own grouped forward does). Nothing
+    is read on the host: the counts are a `scatter_add` on the device, not a histogram of sizes.
     """
     num_top_k = top_k_index.shape[-1]
     num_tokens, hidden = hidden_states.shape
     sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    source = hidden_states if dtype is None else hidden_states.to(dtype)
-    x = source[perm // num_top_k]
+    x = hidden_states[perm // num_top_k]  # gathered, then cast: the gather's backward adds in FP32
+    x = x if dtype is None else x.to(dtype)
     weights = top_k_weights.reshape(-1)[perm]
     counts = torch.zeros(module.num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
@@ -131,7 +131,8 @@ class GroupedExperts(nn.Module):
         out = torch._grouped_mm(x, weight if self.is_transposed else weight.transpose(-2, -1), offs=offsets)
         bias = getattr(self, name + "_bias", None) if self.has_bias else None
         if bias is not None:
-            # As autocast's linear does: the bias joins the FP32 result, which is rounded once.
+            # The grouped GEMM's BF16 result plus the bias in FP32, rounded again (torch's fast
+            # grouped kernel returns BF16 only): two roundings where autocast's linear has one.
             out = torch.add(out, bias[rows]).to(out.dtype)
         return out
 

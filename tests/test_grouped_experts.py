@@ -17,9 +17,9 @@ from hf_lowprec.grouped_experts import GroupedExperts, install_grouped_experts, 
 from hf_lowprec.testing.moe import MOE_ARCHITECTURES, tiny_moe
 from tests.helpers import assert_bits_equal, rounding_bound
 
-# gpt-oss adds a bias per expert; autocast's rule (the bias joins the FP32 result, rounded once)
-# differs there from the module's own bias add on a BF16 copy, so its output is not compared bit
-# for bit (it trains under every strategy: tests/strategies/test_moe.py).
+# gpt-oss adds a bias per expert: here the FP32 bias joins the BF16 GEMM result in FP32 (rounded
+# again), where the module's own forward on a BF16 copy adds the BF16 bias in place, so its output
+# is not compared bit for bit (it trains under every strategy: tests/strategies/test_moe.py).
 NO_BIAS = [a for a in MOE_ARCHITECTURES if a != "gpt_oss"]
 
 

@@ -113,18 +113,27 @@ class _SavedInFP8(torch.autograd.Function):
             grad_x, param_grads = known
             return (None, grad_x, *(g if need else None for g, need in zip(param_grads, needed)))
         # Any other layer (an RMSNorm, a gated MLP): its own forward again, differentiated by
-        # `torch.func.vjp` over the values of its parameters, which dynamo traces into the
-        # backward graph (`torch.autograd.grad` it cannot: a graph break per such layer).
+        # autograd eagerly; under torch.compile by `torch.func.vjp` over the values of its
+        # parameters, which dynamo traces into the backward graph (`torch.autograd.grad` it cannot:
+        # a graph break per such layer). Eagerly autograd also takes layers built on old-style
+        # autograd Functions (fused RMSNorm kernels), which `vjp` refuses.
         module = ctx.module
         named = list(module.named_parameters())
         wanted = [n for (n, _), need in zip(named, needed) if need]
+        if not torch.compiler.is_compiling():
+            x.requires_grad_(True)
+            with torch.enable_grad():
+                out = _forward_under(ctx.autocast, module, x)
+            params = [p for n, p in named if n in wanted]
+            grads = iter(torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True))
+        else:
 
-        def forward(x: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-            with torch.nn.utils.stateless._reparametrize_module(module, dict(zip(wanted, values))):
-                return _forward_under(ctx.autocast, module, x)
+            def forward(x: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+                with torch.nn.utils.stateless._reparametrize_module(module, dict(zip(wanted, values))):
+                    return _forward_under(ctx.autocast, module, x)
 
-        _, vjp = torch.func.vjp(forward, x, *(p for n, p in named if n in wanted))
-        grads = iter(vjp(grad_out))
+            _, vjp = torch.func.vjp(forward, x, *(p for n, p in named if n in wanted))
+            grads = iter(vjp(grad_out))
         grad_x = next(grads)
         return (None, grad_x, *(next(grads) if need else None for need in needed))
 

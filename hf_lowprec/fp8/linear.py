@@ -463,7 +463,7 @@ class FP8Linear(nn.Module):
         counts = self._buffers.get("guard_counts")  # the guard watches this layer's input cast
         if config.raised:  # raised by the guard (fp8/raised.py)
             return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
-        if counts is not None:
+        if counts is not None and self.training and torch.is_grad_enabled():  # a training step's forward only
             add_flush_counts(counts, x, config)
         w8, sw = self._fp8_weight()
         # Inputs are shared in their whole-tensor quantization only: the finer recipes quantize

@@ -28,19 +28,22 @@ REASONS = {
 
 def weigh(
     state: dict[str, torch.Tensor],
-    losses: list[torch.Tensor],
+    losses: torch.Tensor | None,
     norm: torch.Tensor,
     counts: list[torch.Tensor],
     flush_last: torch.Tensor | None,
     *,
+    micro_batches: int,
     judged: bool,
     z_threshold: float,
     warmup: int,
     max_flushed: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(reasons, values): reasons = [outlier, flushing] as 0/1 FP32 (to be agreed over the ranks),
-    values = [loss, norm]. `judged`: past the first `warmup` steps (else no z-score); `counts`:
-    every watched layer's flush counters, `flush_last` their values at the previous step (updated)."""
+    values = [loss, norm]. `losses`: Σ loss over the step's `micro_batches` (None: no loss seen;
+    set to 0 for the next step);
+    `judged`: past the first `warmup` steps (else no z-score); `counts`: every watched layer's
+    flush counters, `flush_last` their values at the previous step (updated)."""
     return run_fused(
         _weigh,
         norm.float(),
@@ -51,6 +54,7 @@ def weigh(
         state["last_z"],
         counts,
         flush_last,
+        micro_batches,
         judged,
         z_threshold,
         warmup,
@@ -60,9 +64,24 @@ def weigh(
 
 
 def _weigh(
-    norm, losses, loss_hist, norm_hist, valid, last_z, counts, flush_last, judged, z_threshold, warmup, max_flushed
+    norm,
+    losses,
+    loss_hist,
+    norm_hist,
+    valid,
+    last_z,
+    counts,
+    flush_last,
+    micro_batches,
+    judged,
+    z_threshold,
+    warmup,
+    max_flushed,
 ):
-    loss = torch.stack(losses).mean() if losses else torch.zeros_like(norm)
+    loss = torch.zeros_like(norm)
+    if losses is not None:
+        loss = losses / micro_batches
+        losses.zero_()  # the next step's sum starts here
     values = torch.stack([loss, norm])
     outlier = torch.zeros_like(norm)
     if judged:
@@ -71,7 +90,7 @@ def _weigh(
         mean = (history * valid).sum(1) / count
         spread = (((history - mean[:, None]) ** 2 * valid).sum(1) / count).sqrt()
         z = (values - mean) / spread.clamp(min=torch.finfo(torch.float32).tiny)
-        if not losses:  # no loss seen (a trainer that computes it outside the model)
+        if losses is None:  # no loss seen (a trainer that computes it outside the model)
             z = torch.stack([torch.zeros_like(z[1]), z[1]])
         last_z.copy_(z)
         outlier = ((z > z_threshold) | ~torch.isfinite(values)).any().float()

@@ -81,12 +81,14 @@ class Guard:
         self.stopped = ""
         self._faults_seen = 0.0  # faulty steps counted at the last check (host copy)
         self._flushing_seen = 0.0  # of which skipped because their FP8 casts flushed
+        self._outliers_seen = 0.0  # of which skipped as outliers
         self._faults_since_snapshot = 0.0
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer (StrategyOptimizer sets it)
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_step = -1
         self._device_state: dict[str, torch.Tensor] | None = None
-        self._pending_loss: list[torch.Tensor] = []
+        self._loss_sum: torch.Tensor | None = None  # Σ loss of this step's micro-batches, on the device
+        self._losses_seen = 0  # how many (host)
         self._hook: Any = None
         self._last_flushed: dict[str, float] = {}
         self._flush_last: torch.Tensor | None = None  # the layers' counters at the previous step
@@ -108,13 +110,26 @@ class Guard:
                     device = module.weight.device if module.weight.device.type != "meta" else None
                     counts = torch.zeros(2, dtype=torch.int64, device=device)
                     module.register_buffer(COUNTS, counts, persistent=False)
+        # Each rank counts its own casts: DDP must not broadcast rank 0's counters over them.
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored |= {f"{name}.{COUNTS}" if name else COUNTS for name in self.layers}
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
     def _observe_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A training forward: its loss joins the step's sum (on the device; the host counts the
+        micro-batches, so the step's graph is the same whatever their number), and a norm noted before it belongs to an earlier step
+        (DeepSpeed steps inside backward, before the loop clips and notes): forgotten."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self.strategy.take_grad_norm()
         loss = getattr(output, "loss", None)
-        if module.training and torch.is_grad_enabled() and torch.is_tensor(loss) and loss.dim() == 0:
-            self._pending_loss.append(loss.detach().float())
+        if torch.is_tensor(loss) and loss.dim() == 0:
+            if self._loss_sum is None or self._loss_sum.device != loss.device:
+                self._loss_sum = torch.zeros((), device=loss.device)
+            self._loss_sum.add_(loss.detach())
+            self._losses_seen += 1
 
     # --- the step (no host sync) ---------------------------------------------------------
     def _state(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -158,14 +173,15 @@ class Guard:
         skipped; a step the guard skips restores `kept` (see `keep`). No host sync: two compiled
         graphs (`judging`), and the norm the loop's clipping measured where it clipped."""
         if self.stopped:  # the run goes on as an unguarded one would
-            self._pending_loss = []
+            self._drop_losses()
             self.steps += 1
             return found_inf
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = found_inf.device
         state = self._state(device)
         norm = self._grad_norm(params, device)
-        losses, self._pending_loss = [t.to(device) for t in self._pending_loss], []
+        losses = self._loss_sum if self._losses_seen and self._loss_sum is not None else None
+        micro_batches = self._losses_seen
         counts = [layer._buffers[COUNTS] for layer in self.layers.values() if layer._buffers.get(COUNTS) is not None]
         if counts and (self._flush_last is None or self._flush_last.shape[0] != len(counts)):
             self._flush_last = torch.zeros(len(counts), 2, dtype=torch.int64, device=counts[0].device)
@@ -175,15 +191,22 @@ class Guard:
             norm,
             counts,
             self._flush_last if counts else None,
+            micro_batches=micro_batches,
             judged=self.steps >= self.config.warmup,
             z_threshold=self.config.z_threshold,
             warmup=self.config.warmup,
             max_flushed=self.config.max_flushed,
         )
+        self._losses_seen = 0  # `weigh` set the sum to 0
         reasons = any_rank(reasons, params, getattr(self.strategy, "_data_parallel_group", None))
         skip = settle(state, found_inf, reasons, values, kept or [])
         self.steps += 1
         return skip
+
+    def _drop_losses(self) -> None:
+        if self._losses_seen and self._loss_sum is not None:
+            self._loss_sum.zero_()
+        self._losses_seen = 0
 
     def _grad_norm(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The global gradient norm before clipping: the one the loop's clipping measured this step
@@ -212,11 +235,12 @@ class Guard:
             self._read_flushed()  # last check (0 once BF16), not the ones that raised them
             return taken
         state = self._device_state
-        read = torch.cat([state["faults"].view(1), state["flushing"].view(1), state["why"]]).tolist()
-        faults, flushing, why = read[0], read[1], read[2:]
+        read = torch.cat([state["faults"].view(1), state["flushing"].view(1), state["outliers"].view(1), state["why"]])
+        faults, flushing, outliers, *why = read.tolist()
         new_faults, self._faults_seen = faults - self._faults_seen, faults
         new_flushing, self._flushing_seen = flushing - self._flushing_seen, flushing
-        taken += self._name_skips(why)
+        new_outliers, self._outliers_seen = outliers - self._outliers_seen, outliers
+        taken += self._name_skips(why, {2: new_outliers, 3: new_flushing})
         self._checked_step = self.steps
         taken += self._raise_layers()
         if self.stopped:  # raising the last layers stopped it
@@ -234,24 +258,27 @@ class Guard:
             self._take_snapshot()
         return taken
 
-    def _name_skips(self, why: list[float]) -> list[dict[str, Any]]:
+    def _name_skips(self, why: list[float], counted: dict[int, float]) -> list[dict[str, Any]]:
         """One "skip" action per reason the guard skipped steps for since the last check (outliers,
-        flushing casts), naming the steps; the strategy's own non-finite skips are counted only."""
+        flushing casts), naming the steps the ring of the last `window` still holds and counting
+        the earlier ones (`counted`: skips per reason since the last check); the strategy's own
+        non-finite skips are counted only."""
         window = self.config.window
         first = max(self._checked_step, self.steps - window)
-        by_reason: dict[int, list[int]] = {}
+        by_reason: dict[int, list[int]] = {r: [] for r, n in counted.items() if n > 0}
         for step in range(first, self.steps):
             reason = int(why[step % window])
             if reason in REASONS:
                 by_reason.setdefault(reason, []).append(step)
-        return [
-            self._act(
-                "skip",
-                f"step(s) {_ranges(steps)}: the weights and optimizer state never took them",
-                REASONS[reason].format(self.config),
-            )
-            for reason, steps in sorted(by_reason.items())
-        ]
+        taken = []
+        for reason, steps in sorted(by_reason.items()):
+            earlier = int(counted.get(reason, 0)) - len(steps)
+            named = f"step(s) {_ranges(steps)}" if steps else "no step the window still holds"
+            if earlier > 0:
+                named += f" and {earlier} earlier one(s) (before step {first})"
+            what = f"{named}: the weights and optimizer state never took them"
+            taken.append(self._act("skip", what, REASONS[reason].format(self.config)))
+        return taken
 
     def _read_flushed(self) -> list[tuple[str, torch.nn.Module, float]]:
         """(name, layer, share of its non-zero inputs flushed since the last check) of every
@@ -358,6 +385,7 @@ class Guard:
             "stopped": self.stopped,
             "faults_seen": self._faults_seen,
             "flushing_seen": self._flushing_seen,
+            "outliers_seen": self._outliers_seen,
             "checked_step": self._checked_step,
             "faults_since_snapshot": self._faults_since_snapshot,
             "window": None if state is None else {k: v.tolist() for k, v in state.items()},
@@ -370,6 +398,7 @@ class Guard:
         self.stopped = str(saved.get("stopped", ""))
         self._faults_seen = float(saved.get("faults_seen", 0.0))
         self._flushing_seen = float(saved.get("flushing_seen", 0.0))
+        self._outliers_seen = float(saved.get("outliers_seen", 0.0))
         self._checked_step = int(saved.get("checked_step", self.steps))
         self._faults_since_snapshot = float(saved.get("faults_since_snapshot", 0.0))
         window = saved.get("window")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..distributed import any_rank, local_shard
 from ..grouped_experts import install_grouped_experts
@@ -266,7 +267,9 @@ class PrecisionStrategy:
     def note_grad_norm(self, norm: Any) -> Any:
         """Keep the pre-clip gradient norm the training loop's clipping measured this step (a
         device tensor), for the guard, which then measures nothing itself; returns `norm`."""
-        self._grad_norm_seen = norm.detach() if torch.is_tensor(norm) else None
+        # A DTensor norm (FSDP2) is left to the guard's own measure of this rank's shards.
+        plain = torch.is_tensor(norm) and not isinstance(norm, DTensor)
+        self._grad_norm_seen = norm.detach() if plain else None
         return norm
 
     def take_grad_norm(self) -> torch.Tensor | None:

@@ -192,14 +192,14 @@ def test_bf16_mixed_launches_no_more_than_1_1x_torch_autocast_with_fused_adamw()
 @pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "fp8-lm-o2"])
 def test_the_guard_adds_two_graphs_a_step_and_one_per_watched_fp8_layer(name):
     """Issue #68: with the gradients clipped as the Trainer clips them (whose pre-clip norm the
-    guard reuses), the guard's step is two compiled graphs (`guard.judging`), plus the copies of
-    the state an outlier step restores (FP8-LM's μ and counts: 3) and one graph per watched FP8
-    layer counting its flushed inputs (GPT-2: four a layer). It was about forty a step and forty
-    per FP8 layer."""
+    guard reuses), the guard's step is two compiled graphs (`guard.judging`) and the loss added to
+    the step's sum, plus the copies of the state an outlier step restores (FP8-LM's μ and counts:
+    3) and one graph per watched FP8 layer counting its flushed inputs (GPT-2: four a layer). It
+    was about forty a step and forty per FP8 layer."""
     for n_layer in (2, 3):
         plain = launches_of(name, n_layer, clip=1.0)
         guarded = launches_of(name, n_layer, clip=1.0, guard=True)
         fp8_layers = 4 * n_layer if name.startswith("fp8") else 0
         kept = 3 if name.startswith("fp8") else 0
         added = guarded.total() - plain.total()
-        assert added == 2 + kept + fp8_layers, (name, n_layer, added, guarded.summary("step"))
+        assert added == 3 + kept + fp8_layers, (name, n_layer, added, guarded.summary("step"))

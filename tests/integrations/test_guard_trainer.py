@@ -87,7 +87,12 @@ def test_the_guard_raises_the_flushing_layers_and_says_so(uninterrupted):
     manifest = json.loads((out / "checkpoint-6" / "hf_lowprec_manifest.json").read_text())
     assert set(manifest["guard"]["raised"]) == set(raised)
     actions = [a["action"] for a in manifest["guard"]["actions"]]
-    assert actions and set(actions) <= {"raise", "stop"}, actions
+    assert "skip" in actions and set(actions) <= {"skip", "raise", "stop"}, actions
+    # The steps whose casts flushed were skipped (issue #68), all of them from the fault on.
+    flushed = [a for a in manifest["guard"]["actions"] if a["action"] == "skip" and "flushed" in a["why"]]
+    assert flushed and all(a["step"] > FAULT_AT for a in flushed), manifest["guard"]["actions"]
+    first = int(flushed[0]["what"].split("step(s) ")[1].split("–")[0].split(":")[0])
+    assert first == FAULT_AT, flushed
 
 
 def test_a_resume_mid_fault_re_raises_the_layers_and_continues_bit_for_bit(uninterrupted, tmp_path, caplog):

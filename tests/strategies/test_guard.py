@@ -310,8 +310,7 @@ def raised_run():
         def column_phase(key, layers, ids):
             """Forward with `layers`' input columns faulted, then a check: the guard's answer."""
             handles = column_fault_hooks(model, layers)
-            with torch.no_grad():
-                model(input_ids=ids)
+            model(input_ids=ids)  # a training forward (the counters skip evaluation's no-grad ones)
             start = len(records.messages)
             out[key] = strategy.metrics()
             out[f"{key}_messages"] = records.messages[start:]
@@ -329,8 +328,7 @@ def raised_run():
 
         # Phase 3: every remaining layer flushes too: all BF16, and the guard stops.
         handles = column_phase("third", BLOCK_LAYERS, data[11])
-        with torch.no_grad():
-            model(input_ids=data[11])
+        model(input_ids=data[11])
         start = len(records.messages)
         strategy.metrics()
         out["after_stop_messages"] = records.messages[start:]
@@ -414,6 +412,10 @@ def test_a_step_whose_casts_flush_is_skipped_and_the_run_goes_on_from_weights_th
 
         before = kept()
         row_fault_hooks(model)
+        with torch.no_grad():  # an evaluation between steps: its flushed casts are not the step's
+            model(input_ids=data[0])
+        counters = [m.guard_counts.clone() for m in model.modules() if isinstance(m, FP8Linear)]
+        assert all(c.sum() == 0 for c in counters), counters
         for ids in data[8:11]:
             strategy.train_step(model, ids, optimizer)
         assert_same_state(kept()[0], before[0], "after 3 flushing steps")
