@@ -34,6 +34,18 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
+@pytest.fixture(autouse=True)
+def _accelerate_environment():
+    """Each test starts with the Accelerate settings of the environment it was given:
+    `TrainingArguments(torch_compile=True)` writes ACCELERATE_DYNAMO_BACKEND into os.environ,
+    which would compile every later `Accelerator()` of the same worker."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A gloo process group of this process alone: `fully_shard` makes DTensor parameters (one

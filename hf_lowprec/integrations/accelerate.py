@@ -164,9 +164,12 @@ class PrecisionPlugin:
                 if contexts:
                     contexts.pop().__exit__(None, None, None)
 
-            model.register_forward_pre_hook(enter)
+            # Run as Python, not traced: under Accelerate's `dynamo_backend` the compiled model's
+            # hooks are inlined, and dynamo cannot enter a context in one hook and leave it in
+            # another. The forward itself is traced under the context the pre-hook entered.
+            model.register_forward_pre_hook(torch.compiler.disable(enter))
             # always_call: leave the context even when the forward raises.
-            model.register_forward_hook(leave, always_call=True)
+            model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
             self._hooked.add(id(model))
         return model
 

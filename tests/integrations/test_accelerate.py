@@ -248,3 +248,40 @@ def test_an_fsdp_config_that_accelerate_ignores_on_cpu_is_warned_about_once(monk
         assert text is not None and "plain data parallel" in text and "shard_model" in text
         assert fsdp.warn_if_fsdp_fell_back(replicated) is None  # once per process
     assert [r.getMessage() for r in caplog.records].count(f"hf_lowprec: {text}") == 1
+
+
+_DYNAMO_SCRIPT = """
+import math, torch
+from accelerate import Accelerator
+from hf_lowprec.integrations.accelerate import PrecisionPlugin
+from tests.helpers import batches, tiny_gpt2
+torch.manual_seed(0)
+accelerator = Accelerator(cpu=True)
+plugin = PrecisionPlugin("fp8-lm-o2")
+model = tiny_gpt2()
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+data = [{"input_ids": b, "labels": b} for b in batches(1, batch=4, seq=32)] * 4
+loader = torch.utils.data.DataLoader(data, batch_size=None)
+model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader)
+losses = []
+for batch in loader:
+    loss = model(**batch).loss
+    plugin.backward(accelerator, loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+assert type(model).__name__ == "OptimizedModule", type(model)
+assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+print("ok", losses)
+"""
+
+
+def test_plugin_trains_under_accelerates_dynamo_backend():
+    """`accelerate launch --dynamo_backend eager` (ACCELERATE_DYNAMO_BACKEND, read when the
+    process's first Accelerator is made: a fresh process): Accelerate compiles the prepared
+    model, whose hooks enter and leave the strategy's forward context. Dynamo cannot trace a
+    context entered in one hook and left in another; the hooks run as Python, the forward compiled
+    under the context. Found when a test's `torch_compile=True` leaked that variable."""
+    env = {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "eager", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _DYNAMO_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
