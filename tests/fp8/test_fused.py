@@ -6,7 +6,7 @@ import torch
 
 from hf_lowprec.fp8 import cast, fused
 from hf_lowprec.fp8.scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
-from tests.helpers import bits, bits_equal
+from tests.helpers import bits, bits_equal, gamma
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -84,6 +84,37 @@ def test_every_o1_gradient_in_one_graph_gives_each_ones_bits(fp8, compiled_calls
     assert [int(c) for c in counts] == [int(c) for c in expected] and sum(int(c) for c in counts) > 0
     assert _same(together, apart)
     assert set(compiled_calls) == {"_gradients_roundtrip", "_gradient_roundtrip"}
+
+
+@pytest.mark.compiles_step
+def test_o2_clipping_in_one_compiled_graph_against_fp64(compiled_calls):
+    """O2's clipping on a GPU (`gradients._clip_all`, one graph over the FP32 and stored FP8
+    gradients), compiled here: the norm within n·u_FP32 of the FP64 norm of the same values (n the
+    elements summed: the order of the additions is the compiler's), each FP32 gradient scaled by
+    c = min(1, max_norm / (norm + 1e-6)) and each FP8 gradient's scale divided by c, within three
+    FP32 roundings of the exact result (the sum and division that form c, then the product or
+    quotient)."""
+    from hf_lowprec.fp8.gradients import _clip_all
+
+    gen = torch.Generator().manual_seed(5)
+    dense = [torch.randn(64, 32, generator=gen), torch.randn(100, generator=gen) * 3]
+    payloads = [(torch.randn(48, 16, generator=gen) * 40).to(torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.tensor(8.0), torch.tensor(0.5)]
+    real = [g.double() for g in dense] + [p.double() / s.double() for p, s in zip(payloads, scales)]
+    want = torch.sqrt(sum((r * r).sum() for r in real))
+    before = [g.clone() for g in dense]
+    old_scales = [s.clone() for s in scales]
+    norm = cast.run_fused(_clip_all, dense, payloads, scales, 1.0, True, like=dense[0])
+    n = sum(r.numel() for r in real)
+    assert abs(norm.double() - want) <= n * 2.0**-24 * want, (norm, want)
+    c = min(1.0, 1.0 / (norm.item() + 1e-6))
+    assert c < 1.0  # the clip binds
+    bound = gamma(3)
+    for got, g in zip(dense, before):
+        assert ((got.double() - g.double() * c).abs() <= bound * (g.double() * c).abs()).all()
+    for s, old in zip(scales, old_scales):
+        assert abs(s.item() - old.item() / c) <= bound * old.item() / c
+    assert set(compiled_calls) == {"_clip_all"}
 
 
 @pytest.mark.parametrize("fp8", FP8)
