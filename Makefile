@@ -68,6 +68,7 @@ bench: install
 	$(PYTHON) bench/bench_optim.py
 	$(PYTHON) bench/bench_e2e.py
 	$(PYTHON) bench/bench_gpu_ready.py
+	$(PYTHON) bench/bench_ledger.py
 	$(PYTHON) bench/bench_recipes.py
 
 # Tests marked `cuda`, then a one-screen GPU bench (bench/gpu_check.py). Without a CUDA device:

@@ -1,4 +1,4 @@
-"""The `hf-lowprec` command line (also `python -m hf_lowprec`): `list`, `memory`, `compare` and
+"""The `hf-lowprec` command line (also `python -m hf_lowprec`): `list`, `memory`, `plan`, `compare` and
 `launch` (`main`). Every command works from an installed wheel in any directory: `compare` trains
 what ships in the package (`hf_lowprec.runner`). Maintainer tools live in the repository
 (`make readme`, `make bench`).
@@ -14,52 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from .planning.models import MODELS, memory_plan, model_config
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
 __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
-
-# Named model shapes for `memory`: (config class, its arguments, model class), all from transformers.
-MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "gpt2": ("GPT2Config", {}, "GPT2LMHeadModel"),
-    "bert-base": ("BertConfig", {}, "BertForMaskedLM"),
-    "roberta-base": (
-        "RobertaConfig",
-        {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1},
-        "RobertaForMaskedLM",
-    ),
-    "llama-7b": (
-        "LlamaConfig",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 4096,
-            "intermediate_size": 11008,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-        },
-        "LlamaForCausalLM",
-    ),
-    # A Mixture-of-Experts model: 128 experts, top-8, expert width 768 (its published config).
-    "qwen3-30b-a3b": (
-        "Qwen3MoeConfig",
-        {
-            "vocab_size": 151936,
-            "hidden_size": 2048,
-            "intermediate_size": 6144,
-            "moe_intermediate_size": 768,
-            "num_hidden_layers": 48,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "decoder_sparse_step": 1,
-            "tie_word_embeddings": False,
-        },
-        "Qwen3MoeForCausalLM",
-    ),
-}
 
 
 def _needs(name: str) -> str:
@@ -81,89 +39,6 @@ def strategy_rows() -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-# Config fields that count or size something: a model needs each at least 1.
-_SIZE_FIELDS = (
-    "vocab_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "n_positions",
-    "n_inner",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_size",
-    "intermediate_size",
-    "max_position_embeddings",
-)
-
-
-def _model_config(model: str) -> tuple[Any, Any]:
-    """The config and model class `--model` names (a known shape or a config.json), checked; ValueError if bad."""
-    import transformers
-
-    if model in MODELS:
-        config_cls, kwargs, model_cls = MODELS[model]
-        return getattr(transformers, config_cls)(**kwargs), getattr(transformers, model_cls)
-    path = Path(model)
-    if not path.is_file():
-        raise ValueError(f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither")
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"--model {model}: not a transformers config.json ({str(err).splitlines()[0]})") from None
-    for key in _SIZE_FIELDS:
-        value = getattr(config, key, None)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"--model {model}: {key} must be a positive integer, got {value!r}")
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
-    return config, cls
-
-
-def _build_meta_model(model: str) -> torch.nn.Module:
-    import transformers
-
-    config, cls = _model_config(model)
-    with torch.device("meta"):
-        return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
-
-
-def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_stage: int = 0) -> list[dict[str, Any]]:
-    """Model-state memory per strategy for `model`, planned on the meta device (no weights allocated).
-
-    Each strategy prepares the meta model and builds its optimizer; the optimizer's own state
-    initialisers give the state tensors (`hf_lowprec.report.plan_model_state`). With ZeRO, the
-    per-rank share follows `hf_lowprec.report.zero_per_rank`.
-    """
-    from .report import plan_model_state, zero_per_rank
-
-    logging.getLogger("hf_lowprec.fp8").setLevel(logging.ERROR)  # skipped-layer warnings, once per strategy
-    rows = []
-    for name in strategies:
-        strategy = get_strategy(name)
-        prepared = strategy.prepare_model(_build_meta_model(model))
-        optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
-        plan = plan_model_state(prepared, optimizer)
-        row = {"strategy": name, **plan}
-        if world_size > 1 or zero_stage:
-            refusal = _zero_refusal(name, zero_stage)
-            per_rank = zero_per_rank(plan, world_size, zero_stage)
-            row["per_rank_total"] = per_rank["total"]
-            row["zero"] = refusal or "ok"
-        rows.append(row)
-    return rows
-
-
-def _zero_refusal(name: str, stage: int) -> str | None:
-    """The support matrix's refusal for `name` under ZeRO `stage` (None where it runs)."""
-    if stage == 0:
-        return None
-    from .engines.zero import zero_support  # imports without DeepSpeed
-
-    return zero_support(get_strategy(name), stage)
 
 
 def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_stage: int) -> None:
@@ -208,11 +83,48 @@ def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
         parser.error(f"--out {out} is not writable ({error.strerror or error}); pick another directory")
 
 
+def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """`hf-lowprec plan`: every input checked before any counting starts."""
+    import json
+
+    from .planning.counting import ANCHOR
+    from .planning.gpus import gpu_named
+    from .planning.plan import calibration_lines, format_plan, plan_rows
+
+    try:
+        model_config(ns.model)
+        numbers = {k: v * 1e9 for k, v in (("link", ns.link_gbps), ("network", ns.network_gbps)) if v is not None}
+        gpu = gpu_named(ns.gpu, **numbers)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        sequences, tokens = (int(v) for v in ns.batch.lower().split("x"))
+        if sequences < 1 or tokens < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--batch must be SEQUENCESxTOKENS with both positive, e.g. 4x2048; got {ns.batch!r}")
+    if ns.gpus < 1:
+        parser.error(f"--gpus must be at least 1, got {ns.gpus}")
+    names = [ANCHOR, *available_strategies()] if ns.strategies is None else [s for s in ns.strategies.split(",") if s]
+    _check_strategy_names(parser, ",".join(n for n in names if n != ANCHOR) or "bf16-mixed")
+    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
+    rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    where = f"{ns.gpus}× {gpu.name}, {ns.engine}" if ns.gpus > 1 else f"one {gpu.name}"
+    print(format_plan(rows, f"{ns.model}, batch {sequences}x{tokens} per GPU, {where} (predicted, docs/planning.md)"))
+    print("\nHow far this model was from steps measured on a GPU:")
+    print("\n".join(calibration_lines()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status.
 
     hf-lowprec list                                  every strategy, what it does, bytes/param, needs
     hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
+    hf-lowprec plan --model llama-3-70b --batch 8x8192 --gpu h100 [--gpus 64 --engine fsdp2] [--json]
     hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
     hf-lowprec launch [--precision_strategy NAME] [--precision_options JSON] -- COMMAND...
                                                      any training command, unchanged, with the strategy
@@ -229,6 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--strategies", default=None, help="comma-separated names (default: all)")
     mem.add_argument("--world-size", type=int, default=1)
     mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+
+    plan = sub.add_parser(
+        "plan", help="predicted step time, memory and traffic per strategy on a named GPU (docs/planning.md)"
+    )
+    plan.add_argument("--model", default="llama-0.63b", help=f"one of {', '.join(MODELS)} or a path to a config.json")
+    plan.add_argument("--batch", default="4x2048", help="per-GPU batch: SEQUENCESxTOKENS (default 4x2048)")
+    plan.add_argument("--gpu", default="h100", help="h100, h200, b200 or a100")
+    plan.add_argument("--gpus", type=int, default=1, help="how many GPUs train together")
+    plan.add_argument("--engine", default="ddp", choices=["ddp", "fsdp2", "zero2"])
+    plan.add_argument("--link-gbps", type=float, default=None, help="GB/s per GPU within a node (NVLink)")
+    plan.add_argument("--network-gbps", type=float, default=None, help="GB/s per GPU between nodes")
+    plan.add_argument("--strategies", default=None, help="comma-separated names (default: all, and torch-amp)")
+    plan.add_argument("--compiled-layers", action="store_true", help="each decoder layer torch.compile'd")
+    plan.add_argument("--json", action="store_true", help="the rows as JSON, for scripts")
 
     cmp_ = sub.add_parser("compare", help="train a recipe per strategy and seed; CSV, plots and a summary table")
     from .compare import TRAINING_RECIPES
@@ -286,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         if ns.world_size < 1:
             mem.error("--world-size must be >= 1")
         try:
-            _model_config(ns.model)
+            model_config(ns.model)
         except ValueError as error:
             mem.error(str(error))
         _print_memory(
             memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage
         )
         return 0
+    if ns.command == "plan":
+        return _plan(plan, ns)
     if ns.command == "compare":
         from .compare import resolve_recipe, run_compare, summary_table
 

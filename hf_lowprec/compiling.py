@@ -7,9 +7,19 @@ import contextlib
 import functools
 import itertools
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["compiled_region", "compiler_missing", "current_compiled_region", "gpu_paths", "takes_gpu_path"]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+__all__ = [
+    "compiled_region",
+    "compiler_missing",
+    "constant",
+    "current_compiled_region",
+    "gpu_paths",
+    "takes_gpu_path",
+]
 
 _regions: list[tuple[str, int]] = []
 _gpu_paths_forced = [False]
@@ -73,3 +83,25 @@ def compiler_missing(device_type: str) -> str | None:
             return f"Triton cannot inspect the CUDA device ({error})"
         return None if usable else "Triton is not installed"
     return f"device type {device_type!r} has no Inductor backend here"
+
+
+def constant(fn: _F) -> _F:
+    """`functools.cache` for a function that builds a constant table on the host (CPU devices
+    only among its arguments): built outside any dispatch mode, so a table first asked for while
+    a planner counts a step on fake tensors (`hf_lowprec.planning`) is a real one, which later
+    real steps can use."""
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def get(*args: Any) -> Any:
+        import torch
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+        on_host = all(a.type == "cpu" for a in args if isinstance(a, torch.device))
+        if not on_host or torch.compiler.is_compiling() or _get_current_dispatch_mode() is None:
+            return cached(*args)
+        with _disable_current_modes():
+            return cached(*args)
+
+    get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return get  # type: ignore[return-value]

@@ -47,6 +47,7 @@ LAYERS = {
     "hf_lowprec.compare": 6,
     "hf_lowprec.demo": 6,
     "hf_lowprec.runner": 6,
+    "hf_lowprec.planning": 6,  # the step ledger and `hf-lowprec plan`: counts a strategy's step
     "hf_lowprec.cli": 6,
     "hf_lowprec.__main__": 6,
     "hf_lowprec": 6,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..compiling import compiled_region, compiler_missing, takes_gpu_path
+from ..compiling import compiled_region, compiler_missing, constant, takes_gpu_path
 
 __all__ = [
     "has_nan",
@@ -36,12 +36,12 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _RECOMPILE_LIMIT = 32
 
 
-@functools.cache
+@constant
 def _table(fp8: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(fp8).to(dtype)
 
 
-@functools.cache
+@constant
 def _pair_table(fp8: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """65536 entries: the 2-byte values of both codes of a little-endian byte pair, as one int32."""
     pair = torch.arange(65536, dtype=torch.int32, device=device)
@@ -78,7 +78,7 @@ def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(payload.shape)
 
 
-@functools.cache
+@constant
 def _first_nan_code(fp8: torch.dtype) -> int:
     """The smallest code in 0..127 whose value is NaN: E4M3 0x7F, E5M2 0x7D.
 

@@ -8,13 +8,13 @@ a DDP communication hook, `prescale_allreduce` and `postscale_allreduce` are the
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real
 # `dist.GradBucket` and `Future[Tensor]` objects and rejects strings.
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..compiling import constant
 from .gradients import GradientAutoScaler
 from .scaled import pow2_scale, saturated_count, saturating_cast
 
@@ -75,7 +75,7 @@ class FP8AllReduceResult:
         return (self.payload.float() / _per_element(self.scales, self.numels)).to(dtype)
 
 
-@functools.cache
+@constant
 def _segment_sizes(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     # Built once per layout and device: a bucket's layout repeats every step.
     return torch.tensor(numels, device=device)

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from ..compiling import constant
+
 __all__ = ["MAPS", "dynamic_map", "dynamic_map_lookup", "map_tensors"]
 
 F32 = torch.float32
@@ -75,7 +77,7 @@ def map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch
     return cache[key]
 
 
-@functools.cache
+@constant
 def dynamic_map_lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Tables that encode into the dynamic map without a search (the native kernels use them).
 

@@ -17,24 +17,14 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hf_lowprec.planning.counting import swap_or_set_data
+
 from .counted_step import BATCH, SEQ, gpt2
 from .syncs import DeviceTraffic
 
 __all__ = ["DEVICE", "fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]
 
 DEVICE = torch.device("cuda", 0)
-
-
-def _swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    # `nn.Module._apply` swaps fake parameters (`.float()`, `.to(dtype)`); a fake tensor the
-    # mode holds a weak reference to cannot be swapped, and `.data =` does the same for a leaf.
-    try:
-        _swap_tensors(t1, t2)
-    except RuntimeError:
-        t1.data = t2
-
-
-_swap_tensors = torch.utils.swap_tensors
 
 
 # `Tensor.copy_`, `Tensor.contiguous` and basic indexing (`t[:m, :n]`, `t[0]`, `t[:, None]`) go
@@ -147,7 +137,7 @@ def fake_cuda(capability: tuple[int, int]) -> Iterator[FakeTensorMode]:
         stack.enter_context(mock.patch("torch.tensor", _tensor_via_host))
         stack.enter_context(mock.patch("torch.Generator", _HostGenerator))
         stack.enter_context(mock.patch.object(torch.Tensor, "__getitem__", _basic_getitem))
-        stack.enter_context(mock.patch("torch.utils.swap_tensors", _swap_or_set_data))
+        stack.enter_context(mock.patch("torch.utils.swap_tensors", swap_or_set_data))
         for name, method in _BITWISE.items():
             stack.enter_context(mock.patch.object(torch.Tensor, name, method))
         # No device to initialise (the mode derives it from the patched is_available): otherwise

@@ -9,45 +9,20 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compiling import current_compiled_region, gpu_paths
+from ..planning.counting import phased_step
+from ..planning.ledger import PhasedMode, launches_a_kernel
 
 __all__ = ["PHASES", "Launches", "anchor_launches", "launches_of"]
 
 PHASES = ("forward", "backward", "gradients", "optimizer")
 
-aten = torch.ops.aten
-# Operations that allocate or only read metadata: no kernel runs (a view, whose output aliases
-# its input without writing it, is recognised from its schema).
-_NO_KERNEL = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten.lift_fresh.default,
-    aten.sym_size.int,
-    aten.sym_stride.int,
-    aten.sym_numel.default,
-    aten.sym_storage_offset.default,
-    aten.is_same_size.default,
-    aten._local_scalar_dense.default,  # a host sync (`DeviceTraffic` counts those), no kernel
-    aten._unsafe_view.default,  # a view whose schema does not say so (after `reshape`'s copy)
-}
 
-
-def _launches_a_kernel(func: Any) -> bool:
-    if func in _NO_KERNEL or func.namespace == "profiler":  # record_function markers run nothing
-        return False
-    returns = func._schema.returns
-    # A view: every output aliases an input and nothing is written.
-    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
-
-
-class Launches(TorchDispatchMode):
+class Launches(PhasedMode):
     """Counts launches per phase: `with Launches() as counted:` around a step, `counted.phase(name)`
     around its parts; then `counted.eager[phase]`, `counted.graphs[phase]`, `counted.total(phase)`,
     `counted.ops` (phase, operation) for where the eager ones come from.
@@ -64,26 +39,7 @@ class Launches(TorchDispatchMode):
         self.graphs: Counter[str] = Counter()
         self.ops: Counter[tuple[str, str]] = Counter()
         self.regions: Counter[tuple[str, str]] = Counter()
-        self._phase = "step"
         self._last_region: int | None = None
-        self._patches = contextlib.ExitStack()
-
-    def __enter__(self) -> Launches:
-        self._patches.enter_context(torch.compiler.set_stance("force_eager"))
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._patches.close()
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        previous, self._phase = self._phase, name
-        try:
-            yield
-        finally:
-            self._phase = previous
 
     def total(self, phase: str | None = None) -> int:
         """Launches (eager operations plus compiled graphs) of one phase, or of all."""
@@ -93,7 +49,7 @@ class Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _launches_a_kernel(func):
+        if launches_a_kernel(func):
             region = current_compiled_region()
             if region is None:
                 self.eager[self._phase] += 1
@@ -146,32 +102,8 @@ def launches_of(name: str, n_layer: int, warmup: int = 2, clip: float | None = N
 def _counted_step(
     counted: Launches, strategy: Any, model: Any, optimizer: Any, ids: torch.Tensor, clip: float | None = None
 ) -> None:
-    process, step = strategy.process_gradients, strategy.optimizer_step
-
-    def in_phase(phase: str, fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with counted.phase(phase):
-                return fn(*args, **kwargs)
-
-        return run
-
-    strategy.process_gradients = in_phase("gradients", process)
-    strategy.optimizer_step = in_phase("optimizer", step)
-    try:
-        with counted:
-            with counted.phase("forward"), strategy.forward_context():
-                loss = model(input_ids=ids, labels=ids).loss
-            with counted.phase("backward"):
-                strategy.scale_loss(loss).backward()
-            if clip is not None:
-                with counted.phase("clip"):
-                    strategy.unscale_gradients(optimizer)
-                    strategy.clip_grad_norm(model.parameters(), clip)
-            optimizer.step()
-            with counted.phase("zero_grad"):
-                optimizer.zero_grad(set_to_none=True)
-    finally:
-        del strategy.process_gradients, strategy.optimizer_step
+    with counted:
+        phased_step(counted, strategy, model, optimizer, ids, clip)
 
 
 def anchor_launches(n_layer: int, warmup: int = 2) -> Launches:

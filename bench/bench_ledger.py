@@ -1,0 +1,52 @@
+"""The step ledger at the device check's shapes (issues #66, #69; docs/planning.md): per strategy
+and the torch autocast + fused AdamW anchor, kernels launched, GB moved, GEMM TFLOPs by width,
+host syncs, and the predicted H200 step, GPU-bound or host-bound; markdown on stdout.
+
+    python bench/bench_ledger.py [--strategies a,b] [--gpu h200] [--smoke]
+
+Counted on CPU with fake tensors (nothing is timed): the same on a loaded machine as on an idle
+one. Models: `llama-0.63b` with each decoder layer compiled (the `e2e` section), `qwen3-moe-0.9b`
+eager (the `moe` section), batch 4×2048. `--smoke`: two strategies on the dense model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import hf_lowprec
+from hf_lowprec.planning.counting import ANCHOR, count_scaled
+from hf_lowprec.planning.gpus import gpu_named
+from hf_lowprec.planning.roofline import predict
+
+SHAPES = (("llama-0.63b", True), ("qwen3-moe-0.9b", False))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strategies", default=",".join([ANCHOR, *hf_lowprec.available_strategies()]))
+    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    names = [ANCHOR, "fp8-lm-o2"] if args.smoke else args.strategies.split(",")
+    gpu = gpu_named(args.gpu)
+    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
+    for model, compiled in SHAPES[:1] if args.smoke else SHAPES:
+        print(f"\n{model}, batch 4x2048, {'decoder layers compiled' if compiled else 'eager'}, predicted on {gpu.name}")
+        print("| strategy | kernels | of them eager | graphs | GB moved | TFLOPs (width) | syncs | step ms | bound |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name in names:
+            count = count_scaled(name, model, (4, 2048), compiled_layers=compiled)
+            total, p = count.total(), predict(count, gpu)
+            flops = ", ".join(f"{n / 1e12:.1f} {str(d)[6:]}" for d, n in sorted(total.flops.items(), key=str))
+            print(
+                f"| {name} | {total.kernels} | {total.eager} | {total.graphs} | {total.bytes / 1e9:.0f} | {flops} | "
+                f"{total.syncs} | {p.step * 1e3:.1f} | {p.bound} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""One training step of a strategy counted at a GPU run's shapes on CPU (`count_step`): the model
+built from its config as fake tensors (shapes and dtypes, no values), every branch of the
+package switched to the path a CUDA device takes (`compiling.gpu_paths`, FP8 GEMMs by
+`torch._scaled_mm`), optionally each decoder layer as one compiled graph (regional compilation,
+as the device check's `e2e` section runs). A large model is counted at one and two layers and
+scaled to its depth (`count_scaled`), so planning a 70 B model takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+from ..compiling import gpu_paths
+from .ledger import Ledger, PhaseCounts
+
+__all__ = [
+    "ANCHOR",
+    "StepCount",
+    "blocks_of",
+    "count_scaled",
+    "count_step",
+    "layer_overrides",
+    "phased_step",
+    "swap_or_set_data",
+]
+
+
+def swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """`torch.utils.swap_tensors` for fake tensors: `nn.Module._apply` swaps parameters
+    (`.float()`, `.to(dtype)`); a fake tensor the mode holds a weak reference to cannot be
+    swapped, and `.data =` does the same for a leaf."""
+    try:
+        _swap_tensors(t1, t2)
+    except RuntimeError:
+        t1.data = t2
+
+
+_swap_tensors = torch.utils.swap_tensors
+
+
+@dataclasses.dataclass
+class StepCount:
+    """A counted step: {phase: PhaseCounts}, the peak bytes the step allocated on top of the
+    model state, and how many decoder layers it was counted at."""
+
+    phases: dict[str, PhaseCounts]
+    peak_bytes: int
+    layers: int
+
+    def total(self) -> PhaseCounts:
+        out = PhaseCounts()
+        for counts in self.phases.values():
+            out.add(counts)
+        return out
+
+
+def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks: its longest `ModuleList` of modules of one class."""
+    best: torch.nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to count")
+    return best
+
+
+def phased_step(
+    ledger: Any, strategy: Any, model: Any, optimizer: Any, ids: torch.Tensor, clip: float | None = None
+) -> None:
+    """One training step as the Trainer drives a strategy, each part inside `ledger.phase(name)`:
+    forward (under the strategy's forward context), backward (scaled), clip (unscale and clip,
+    if `clip`), then the optimizer step, whose gradient processing is "gradients" and update
+    "optimizer", and zero_grad."""
+    process, step = strategy.process_gradients, strategy.optimizer_step
+
+    def in_phase(phase: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with ledger.phase(phase):
+                return fn(*args, **kwargs)
+
+        return run
+
+    strategy.process_gradients = in_phase("gradients", process)
+    strategy.optimizer_step = in_phase("optimizer", step)
+    try:
+        with ledger.phase("forward"), strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        with ledger.phase("backward"):
+            strategy.scale_loss(loss).backward()
+        if clip is not None:
+            with ledger.phase("clip"):
+                strategy.unscale_gradients(optimizer)
+                strategy.clip_grad_norm(model.parameters(), clip)
+        optimizer.step()
+        with ledger.phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        del strategy.process_gradients, strategy.optimizer_step
+
+
+@contextlib.contextmanager
+def _compiled_layers(model: torch.nn.Module, ledger: list[Any]) -> Iterator[None]:
+    """Each decoder block's forward and backward counted as one compiled graph of the `ledger[0]`
+    in use (hooks that open and close its region)."""
+    handles = []
+    for index, block in enumerate(blocks_of(model)):
+        name = f"layer{index}"
+        handles += [
+            block.register_forward_pre_hook(lambda *_, name=name: ledger[0].enter_layer(name)),
+            block.register_forward_hook(lambda *_: ledger[0].leave_layer()),
+            block.register_full_backward_pre_hook(lambda *_, name=name: ledger[0].enter_layer(name)),
+            block.register_full_backward_hook(lambda *_: ledger[0].leave_layer()),
+        ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+ANCHOR = "torch-amp"
+
+
+class _TorchAMP:
+    """The anchor as a strategy: torch autocast to BF16 over FP32 weights, torch's clipping and
+    `AdamW(fused=True)` (what `bf16=True` with `optim="adamw_torch_fused"` runs)."""
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def forward_context(self) -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        pass
+
+    def clip_grad_norm(self, params: Any, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+    def process_gradients(self, optimizer: Any) -> None:
+        pass
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        optimizer.inner.step()
+
+    def create_optimizer(self, params: Any, **kwargs: Any) -> Any:
+        strategy = self
+
+        class Stepper:
+            inner = torch.optim.AdamW(params, fused=True, **kwargs)
+
+            def step(self) -> None:
+                strategy.process_gradients(self)
+                strategy.optimizer_step(self)
+
+            def zero_grad(self, set_to_none: bool = True) -> None:
+                self.inner.zero_grad(set_to_none=set_to_none)
+
+        return Stepper()
+
+
+def count_step(
+    name: str,
+    model: str,
+    batch: tuple[int, int],
+    layers: int | None = None,
+    compiled_layers: bool = True,
+    clip: float | None = 1.0,
+    warmup: int = 1,
+    **options: Any,
+) -> StepCount:
+    """The ledger of one steady step (after `warmup`) of strategy `name` on `model` (a name of
+    `planning.models.MODELS` or a config.json) at `layers` decoder layers (the config's unset),
+    `batch` = (sequences, tokens each), gradients clipped to `clip` as the Trainer clips."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.nn import Parameter
+    from torch.utils import _foreach_utils
+
+    import hf_lowprec
+    from hf_lowprec.fp8.gemm import set_fp8_gemm_path
+
+    from .models import build_model, model_config
+
+    config, _ = model_config(model)
+    overrides: dict[str, Any] = {"use_cache": False}
+    if layers is not None:
+        overrides.update(layer_overrides(config, layers))
+    counted = [Ledger()]
+    set_fp8_gemm_path("scaled_mm")
+    try:
+        with (
+            torch.compiler.set_stance("force_eager"),
+            mock.patch("torch.utils.swap_tensors", swap_or_set_data),
+            # torch takes its multi-tensor paths (clipping, optimizers) for plain tensors only.
+            mock.patch.object(_foreach_utils, "_foreach_supported_types", [torch.Tensor, Parameter, FakeTensor]),
+            gpu_paths(),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            counted[0],
+        ):
+            strategy = _TorchAMP() if name == ANCHOR else hf_lowprec.get_strategy(name, **options)
+            built = strategy.prepare_model(build_model(model, device="cpu", **overrides))
+            optimizer = strategy.create_optimizer(
+                [p for p in built.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01
+            )
+            vocab = getattr(built.config, "vocab_size", 1024)
+            ids = torch.randint(0, vocab, batch)
+            depth = len(blocks_of(built))
+            scope = _compiled_layers(built, counted) if compiled_layers else contextlib.nullcontext()
+            with scope:
+                for _ in range(warmup):
+                    phased_step(counted[0], strategy, built, optimizer, ids, clip)
+                steady = Ledger()
+                counted.insert(0, steady)
+                with steady:
+                    phased_step(steady, strategy, built, optimizer, ids, clip)
+    finally:
+        set_fp8_gemm_path(None)
+    return StepCount(steady.counts(), steady.peak_bytes, depth)
+
+
+def layer_overrides(config: Any, layers: int) -> dict[str, Any]:
+    """Config fields that set the depth to `layers` (and a per-layer list cut to it)."""
+    out: dict[str, Any] = {}
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(config, key):
+            out[key] = layers
+    if getattr(config, "layer_types", None):
+        out["layer_types"] = list(config.layer_types)[:layers]
+    return out
+
+
+def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:
+    """`count_step` at the model's full depth, counted at one and two decoder layers and
+    extrapolated linearly (every block of one class costs the same)."""
+    from .models import model_config
+
+    config, _ = model_config(model)
+    depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
+    if depth <= 2:
+        return count_step(name, model, batch, layers=depth, **kwargs)
+    one = count_step(name, model, batch, layers=1, **kwargs)
+    two = count_step(name, model, batch, layers=2, **kwargs)
+    phases: dict[str, PhaseCounts] = {}
+    for phase in {*one.phases, *two.phases}:
+        a, b = one.phases.get(phase, PhaseCounts()), two.phases.get(phase, PhaseCounts())
+        scaled = PhaseCounts()
+        scaled.add(a, 2 - depth)  # a + (depth - 1)(b - a) = (2 - depth) a + (depth - 1) b
+        scaled.add(b, depth - 1)
+        scaled.gemm_kernels = a.gemm_kernels + _extra_kernels(a, b) * (depth - 1)
+        phases[phase] = scaled
+    peak = one.peak_bytes + (depth - 1) * (two.peak_bytes - one.peak_bytes)
+    return StepCount(phases, peak, depth)
+
+
+def _extra_kernels(a: PhaseCounts, b: PhaseCounts) -> list:
+    """The GEMM kernels one more layer adds: those of `b` beyond `a`'s (same order, same shapes)."""
+    remaining = list(a.gemm_kernels)
+    extra = []
+    for kernel in b.gemm_kernels:
+        if kernel in remaining:
+            remaining.remove(kernel)
+        else:
+            extra.append(kernel)
+    return extra

@@ -1,0 +1,149 @@
+"""`hf-lowprec plan`: per strategy, the predicted step time and tokens/s of a model on a named
+GPU (and cluster), GPU-bound or host-bound, the model state and peak memory per GPU, the bytes
+each GPU sends, ratios to bf16-mixed, what limits the step and which layers FP8 keeps in BF16
+(`plan_rows`, `format_plan`). Each step is counted once on CPU (`counting`), then priced
+(`roofline`, `communication`); `calibration_lines` says how far the model is from every step the
+project has measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..strategies.registry import get_strategy
+from .communication import communication
+from .counting import ANCHOR, count_scaled
+from .gpus import GPU, MEASURED
+from .models import memory_plan, model_config
+from .roofline import predict, predict_measured
+
+__all__ = ["calibration_lines", "format_plan", "plan_rows"]
+
+BASELINE = "bf16-mixed"
+
+
+def _kept_in_bf16(name: str, model: str) -> list[str]:
+    """Linear layers an FP8 strategy keeps in high precision on `model` (its LM head, small layers)."""
+    from .counting import layer_overrides
+    from .models import build_model
+
+    if name == ANCHOR or not name.startswith(("fp8", "coat")):
+        return []
+    logging.getLogger("hf_lowprec.fp8").setLevel(logging.ERROR)
+    prepared = get_strategy(name).prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
+    return sorted({n.split(".")[-1] for n, m in prepared.named_modules() if type(m) is torch.nn.Linear})
+
+
+def _wire_bytes(name: str) -> tuple[float, float]:
+    """(gradient bytes per parameter on the wire, weight bytes per parameter gathered)."""
+    if name == ANCHOR:
+        return 4.0, 2.0
+    strategy = get_strategy(name)
+    grads = 1.0 if strategy.ddp_comm_hook() is not None else torch.empty((), dtype=strategy.param_dtype).element_size()
+    weights = min(torch.empty((), dtype=strategy.compute_dtype).element_size(), 2)
+    return float(grads), float(weights)
+
+
+def plan_rows(
+    model: str,
+    strategies: list[str],
+    batch: tuple[int, int],
+    gpu: GPU,
+    gpus: int = 1,
+    engine: str = "ddp",
+    compiled_layers: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per strategy (the anchor `ANCHOR` may be among them): predictions on `gpu` for a
+    per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`."""
+    model_config(model)
+    memory = {}
+    names = [n for n in strategies if n != ANCHOR]
+    for row in memory_plan(model, names or [BASELINE], gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0):
+        memory[row["strategy"]] = row
+    rows = []
+    for name in strategies:
+        count = count_scaled(name, model, batch, compiled_layers=compiled_layers)
+        predicted = predict(count, gpu)
+        state = memory.get(name) or memory[next(iter(memory))]
+        params = state["num_params"]
+        per_gpu = _state_per_gpu(state, engine, gpus)
+        grads, weights = _wire_bytes(name)
+        traffic = communication(engine, gpus, params, grads, weights, gpu)
+        step = max(predicted.step, traffic.seconds)
+        limit = "communication" if traffic.seconds > predicted.step else predicted.limit
+        rows.append(
+            {
+                "strategy": name,
+                "step_ms": step * 1e3,
+                "compute_ms": predicted.step * 1e3,
+                "gpu_ms": predicted.gpu * 1e3,
+                "host_ms": predicted.host * 1e3,
+                "communication_ms": traffic.seconds * 1e3,
+                "bound": "communication" if limit == "communication" else predicted.bound,
+                "tokens_per_s": gpus * batch[0] * batch[1] / step,
+                "kernels": count.total().kernels,
+                "gigabytes": count.total().bytes / 1e9,
+                "syncs": predicted.syncs,
+                "model_state_gib": per_gpu / 2**30,
+                "state_bytes_per_param": state["total"] if name != ANCHOR else 16.0,
+                "peak_gib": (per_gpu + count.peak_bytes) / 2**30,
+                "sent_gb": traffic.bytes / 1e9,
+                "limit": limit,
+                "kept_in_bf16": _kept_in_bf16(name, model),
+                "fits": per_gpu + count.peak_bytes <= gpu.memory,
+            }
+        )
+    base = next((r for r in rows if r["strategy"] == BASELINE), rows[0])
+    for r in rows:
+        r["speed_vs_bf16_mixed"] = base["step_ms"] / r["step_ms"]
+        r["memory_vs_bf16_mixed"] = r["peak_gib"] / base["peak_gib"]
+    return rows
+
+
+def _state_per_gpu(state: dict[str, Any], engine: str, gpus: int) -> float:
+    """Model-state bytes one GPU holds: all of it under DDP, the sharded share under FSDP2 (all
+    of it sharded) and ZeRO-2 (gradients and optimizer state sharded)."""
+    params = state["num_params"]
+    if engine == "ddp" or gpus == 1:
+        return state["total"] * params
+    if engine == "fsdp2":
+        return state["total"] * params / gpus
+    return (state["params"] + (state["total"] - state["params"]) / gpus) * params
+
+
+def format_plan(rows: list[dict[str, Any]], title: str) -> str:
+    """The rows as a table, then one line per strategy on what limits it."""
+    head = (
+        f"{'strategy':<16} {'step ms':>8} {'tok/s':>9} {'× bf16-mixed':>12} {'bound':>6} {'kernels':>7} "
+        f"{'GB moved':>8} {'state GiB':>9} {'peak GiB':>8} {'mem ×':>6} {'sent GB':>7}"
+    )
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['strategy']:<16} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9.3g} {r['speed_vs_bf16_mixed']:>12.2f} "
+            f"{r['bound']:>6.6} {r['kernels']:>7} {r['gigabytes']:>8.0f} {r['model_state_gib']:>9.1f} "
+            f"{r['peak_gib']:>8.1f} {r['memory_vs_bf16_mixed']:>6.2f} {r['sent_gb']:>7.1f}"
+            + ("" if r["fits"] else "  does not fit")
+        )
+    lines.append("")
+    for r in rows:
+        kept = f"; kept in BF16: {', '.join(r['kept_in_bf16'])}" if r["kept_in_bf16"] else ""
+        lines.append(f"{r['strategy']}: limited by {r['limit']}{kept}")
+    return "\n".join(lines)
+
+
+def calibration_lines() -> list[str]:
+    """How far the roofline is from each step measured on a GPU (`gpus.MEASURED`)."""
+    from .gpus import GPUS
+
+    lines = []
+    for row in MEASURED:
+        predicted = predict_measured(row, GPUS[row.gpu]) * 1e3
+        lines.append(
+            f"{row.section} {row.row} on {row.gpu} ({row.date}, tree {row.tree}): measured {row.step_ms:.1f} ms, "
+            f"model {predicted:.1f} ms ({predicted / row.step_ms - 1:+.0%})"
+        )
+    return lines

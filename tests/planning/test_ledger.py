@@ -1,0 +1,171 @@
+"""The step ledger's counts (issue #66, item 1; docs/planning.md): exact on operations whose
+kernels, bytes and FLOPs follow from their shapes, and on whole steps of a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hf_lowprec.compiling import compiled_region, constant
+from hf_lowprec.planning.counting import ANCHOR, count_scaled, count_step
+from hf_lowprec.planning.ledger import Ledger
+
+F32 = 4
+
+
+def _counted(fn):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with Ledger() as ledger, ledger.phase("forward"):
+            kept = fn()
+        return ledger.counts()["forward"], ledger, kept
+
+
+def test_an_eager_gemm_moves_its_operands_and_counts_2mkn_flops():
+    m, k, n = 64, 32, 16
+
+    def run():
+        x, w = torch.empty(m, k), torch.empty(k, n)
+        return x @ w
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == counts.eager == 1
+    assert counts.flops[torch.float32] == 2 * m * k * n
+    assert counts.bytes == (m * k + k * n + m * n) * F32
+
+
+def test_a_compiled_call_fuses_pointwise_work_and_keeps_intermediates_on_chip():
+    def run():
+        x = torch.empty(1000)
+        with compiled_region("cast"):
+            y = (x * 2 + 1).abs()  # three pointwise operations: one kernel
+            top = y.amax()  # a reduction joins it and ends it
+            z = y / top  # a new kernel: reads y again, which the first wrote for it
+        return z
+
+    counts, _, _ = _counted(run)
+    assert counts.graphs == 1 and counts.eager == 0
+    assert counts.kernels == 2
+    # Kernel 1 reads x and writes y (a later kernel of the call reads it? no: fused calls recompute;
+    # it stays on chip) and amax's scalar; kernel 2 reads what it needs and writes z, which outlives.
+    assert counts.bytes == 1000 * F32 + 1000 * F32
+
+
+def test_the_same_work_eager_writes_and_reads_every_intermediate():
+    def run():
+        x = torch.empty(1000)
+        return (x * 2 + 1).abs()
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == counts.eager == 3
+    assert counts.bytes == 3 * 2 * 1000 * F32
+
+
+def test_a_gemm_inside_a_compiled_call_reads_its_operands_from_memory():
+    def run():
+        x, w = torch.empty(8, 16), torch.empty(16, 4)
+        with compiled_region("layer"):
+            y = (x * 2) @ w  # the scaled x is written for the GEMM, which reads it
+        return y
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == 2
+    assert counts.bytes == (8 * 16 * 2) * F32 + (8 * 16 + 16 * 4 + 8 * 4) * F32
+
+
+def test_multi_tensor_operations_launch_one_kernel_per_chunk():
+    def run():
+        small = [torch.empty(10) for _ in range(250)]  # 250 tensors: three chunks of ≤ 110
+        torch._foreach_mul_(small, 2.0)
+        torch._foreach_add_(small, small)  # two lists: chunks of ≤ 64 tensors, four
+        big = [torch.empty(320 * 65536 * 2 + 1)]  # one tensor over two chunks of elements
+        torch._foreach_mul_(big, 2.0)
+
+    counts, ledger, _ = _counted(run)
+    assert counts.kernels == 3 + 4 + 3
+    assert ledger.ops[("forward", "_foreach_mul_")] == 6
+
+
+def test_a_value_read_on_the_host_is_a_sync_answered_with_a_stand_in():
+    def run():
+        return float(torch.empty(4).sum()), bool(torch.empty((), dtype=torch.bool))
+
+    counts, _, kept = _counted(run)
+    assert counts.syncs == 2
+    assert kept == (1.0, True)
+
+
+def test_a_constant_table_first_built_under_a_fake_mode_is_real():
+    @constant
+    def table(device: torch.device) -> torch.Tensor:
+        return torch.arange(4, device=device) * 2
+
+    with FakeTensorMode():
+        inside = table(torch.device("cpu"))
+    assert not isinstance(inside, torch._subclasses.fake_tensor.FakeTensor)
+    assert table(torch.device("cpu")).tolist() == [0, 2, 4, 6]
+
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+BATCH = (2, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("planning") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _linear_flops(tokens: int) -> int:
+    """2·tokens·Σ(in·out) over every Linear of the tiny Llama: q, k, v, o, gate, up, down, head."""
+    h, inter, heads, kv, vocab, layers = 64, 128, 4, 2, 512, 4
+    head_dim = h // heads
+    per_layer = h * h + 2 * h * kv * head_dim + h * h + 3 * h * inter
+    return 2 * tokens * (layers * per_layer + h * vocab)
+
+
+def test_the_anchor_step_does_three_times_the_forward_gemm_flops(tiny):
+    """Forward, input gradient and weight gradient: 3 × 2·tokens·Σ(in·out) on the weights, in
+    BF16 under autocast (the head included), plus attention's own."""
+    count = count_step(ANCHOR, tiny, BATCH, layers=4, compiled_layers=False)
+    flops = count.total().flops
+    assert set(flops) == {torch.bfloat16}
+    attention = flops[torch.bfloat16] - 3 * _linear_flops(BATCH[0] * BATCH[1])
+    # Attention: 4·B·H·S²·D forward and 2.5× that backward per layer; halved when the kernel is
+    # told the mask is causal (transformers passes its mask as a tensor here: full work).
+    b, s, heads, d, layers = BATCH[0], BATCH[1], 4, 16, 4
+    full = int(3.5 * 4 * b * heads * s * s * d * layers)
+    assert attention in (full, full // 2)
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o1", "fp8-lm-o2", "collage-plus"])
+def test_launches_outside_the_compiled_layers_do_not_grow_with_depth(tiny, name):
+    """Regional compilation: what runs outside the decoder layers (embedding, head, loss,
+    gradient processing, clipping, the optimizer) is a fixed number of launches, not one per
+    parameter. (torch's fused AdamW, the anchor, launches one kernel per 36 parameters: it grows.)"""
+    two = count_step(name, tiny, BATCH, layers=2).total()
+    four = count_step(name, tiny, BATCH, layers=4).total()
+    assert four.eager == two.eager
+    assert four.graphs - two.graphs == 2 * 2  # each added layer: one forward graph, one backward
+
+
+def test_a_deep_model_is_counted_at_two_depths_and_scaled(tiny):
+    scaled = count_scaled("bf16-mixed", tiny, BATCH).total()
+    full = count_step("bf16-mixed", tiny, BATCH, layers=4).total()
+    assert scaled.kernels == full.kernels
+    assert scaled.flops == full.flops
+    assert scaled.bytes == pytest.approx(full.bytes, rel=0.02)
