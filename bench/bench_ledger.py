@@ -37,7 +37,11 @@ def main() -> int:
         print("| strategy | kernels | of them eager | graphs | GB moved | TFLOPs (width) | syncs | step ms | bound |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name in names:
-            count = count_scaled(name, model, (4, 2048), compiled_layers=compiled)
+            try:
+                count = count_scaled(name, model, (4, 2048), compiled_layers=compiled)
+            except Exception as error:  # a row that fails is a finding, not a crash
+                print(f"| {name} | error: {type(error).__name__}: {str(error).splitlines()[0][:120]} |", flush=True)
+                continue
             total, p = count.total(), predict(count, gpu)
             flops = ", ".join(f"{n / 1e12:.1f} {str(d)[6:]}" for d, n in sorted(total.flops.items(), key=str))
             print(
