@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from device_common import ROOT, SCRATCH, Report, mark_cut, utc_now
+from device_common import ROOT, SCRATCH, Report, mark_cut, utc_now, write_predictions
 
 BUNDLE = Path(os.environ.get("DEVICE_BUNDLE", ROOT / "build" / "device-bundle"))
 MANIFEST = "bundle.json"
@@ -338,6 +338,18 @@ def main(argv: list[str] | None = None) -> int:
             print(name, budget)
         return 0
     if args.command == "bundle":
+        from device_check_e2e import ROWS as E2E_ROWS
+        from device_check_moe import ROWS as MOE_ROWS
+
+        # The ledger's predictions for the rows to be measured (docs/planning.md), written before
+        # the manifest so that it lists them.
+        write_predictions(
+            args.dir.resolve(),
+            {
+                "e2e": ("llama-0.63b", True, [r for r in E2E_ROWS if not r.startswith("torchao")]),
+                "moe": ("qwen3-moe-0.9b", False, [label for label, _, options in MOE_ROWS if not options]),
+            },
+        )
         return write_manifest(args.dir.resolve())
     if args.command == "travel":
         files = travelling_files()

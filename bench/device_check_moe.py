@@ -21,7 +21,7 @@ import argparse
 from typing import Any
 
 from device_check_e2e import timed_steps
-from device_common import Report, cuda_or_say, measured_rows
+from device_common import Report, cuda_or_say, measured_rows, predicted_ms, profiled_step
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-mixed", "bf16-mixed", {}),
@@ -84,7 +84,10 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
         return loss.detach()
 
     warm, seconds, loss = timed_steps(step, warmup, timed, cuda)
+    profiled = profiled_step(step)
     return {
+        **profiled,
+        "predicted ms": predicted_ms("moe", label) if cuda and not args.smoke else None,
         "row": label,
         "parameters": params,
         "fp8 share": share,
@@ -99,7 +102,7 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
 def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
 
     columns = ["row", "tokens/s", "× bf16-mixed", "× bf16-pure", "peak GiB", "memory × bf16-mixed", "fp8 share"]
-    columns += ["step ms", "warm-up s", "loss", "note"]
+    columns += ["step ms", "predicted ms", "device busy ms", "launches", "warm-up s", "loss", "note"]
     title = "MoE end to end: Qwen3-MoE-shaped 0.90 B (64 experts, top-4), batch 4×2048, eager"
     report = Report(args.out, "moe", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):

@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -109,6 +110,81 @@ def mark_cut(out: Path, name: str, budget: float) -> None:
 
 
 # --- what the sections share ---------------------------------------------------------------
+PREDICTIONS = "predictions.json"
+
+
+def write_predictions(bundle: Path, sections: dict[str, tuple[str, bool, list[str]]]) -> None:
+    """`predictions.json` in the bundle: for each section (model, compiled layers, rows), the step
+    ms the step ledger predicts per row on an H100 and an H200 (`hf_lowprec.planning`), counted
+    here, where CPU time costs no device time. Rows the ledger cannot count are left out."""
+    import logging
+
+    from hf_lowprec.planning.counting import count_scaled
+    from hf_lowprec.planning.gpus import GPUS
+    from hf_lowprec.planning.roofline import predict
+
+    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for section, (model, compiled, rows) in sections.items():
+        for row in rows:
+            try:
+                count = count_scaled(row, model, (4, 2048), compiled_layers=compiled)
+            except Exception as error:  # a row the ledger cannot count has no prediction
+                print(f"predictions: {section} {row}: {type(error).__name__}", file=sys.stderr)
+                continue
+            for gpu in ("h100", "h200"):
+                found.setdefault(section, {}).setdefault(gpu, {})[row] = round(predict(count, GPUS[gpu]).step * 1e3, 1)
+    (bundle / PREDICTIONS).write_text(json.dumps(found, indent=1))
+
+
+def predicted_ms(section: str, row: str) -> float | None:
+    """The ledger's predicted step ms of `row` on this GPU (an H100 or an H200), from the bundle."""
+    import torch
+
+    bundle = Path(os.environ.get("DEVICE_BUNDLE", Path(__file__).resolve().parents[1] / "build" / "device-bundle"))
+    path = bundle / PREDICTIONS
+    if not path.exists() or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().lower()
+    gpu = "h200" if "h200" in name else "h100" if "h100" in name else None
+    return json.loads(path.read_text()).get(section, {}).get(gpu or "", {}).get(row)
+
+
+def profiled_step(step: Callable[[], Any]) -> dict[str, Any]:
+    """One more step under `torch.profiler`: kernels launched, device busy ms (the kernels' time
+    summed), host ms (the step's wall time), and the five kernels that took longest. A profiler
+    that fails gives its error, not the row's: the measured figures stay."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        sync()
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            step()
+            sync()
+        wall = time.perf_counter() - start
+        kernels: dict[str, float] = {}
+        launches = 0
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total / 1e3
+            elif event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+                launches += 1
+    except Exception as error:  # the profiler's failure is a finding of its own
+        return {"profile": f"error: {type(error).__name__}: {str(error)[:200]}"}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "launches": launches,
+        "device busy ms": round(sum(kernels.values()), 2),
+        "profiled step ms": round(wall * 1e3, 2),
+        "top kernels": "; ".join(f"{name[:60]} {ms:.2f} ms" for name, ms in top),
+    }
+
+
 def cuda_or_say(args: argparse.Namespace, report: Report) -> bool:
     """True if the section can run on `args.device`; else notes "no CUDA device" and finishes."""
     import torch

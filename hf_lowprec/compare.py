@@ -117,8 +117,13 @@ def run_compare(
     metrics: bool = True,
     extra_args: list[str] | None = None,
     progress: bool = True,
+    predict_gpu: bool = True,
 ) -> list[dict[str, Any]]:
     """Run `recipe` for every strategy × seed, write the CSVs and plots to `out`; the summary rows.
+
+    With `predict_gpu`, each row also carries `gpu_step_ms`: the step `hf-lowprec plan` predicts on
+    an H100 for the same architecture at GPU size (`planning.plan.GPU_PREVIEW`), since FP8 on a
+    CPU is emulated and a CPU step says nothing of a GPU's.
 
     - `results.csv`: one row per logged step per strategy and seed (loss, learning rate, every
       `precision/...` metric logged at that step);
@@ -174,6 +179,12 @@ def run_compare(
                 "wall_s": run["wall_s"],
             }
         )
+    if predict_gpu:
+        from .planning.plan import gpu_preview
+
+        predicted = gpu_preview(strategies)
+        for row in summary:
+            row["gpu_step_ms"] = predicted[row["strategy"]]
     _write_csv(out / "results.csv", step_rows)
     _write_csv(out / "summary.csv", summary)
     plot(step_rows, summary, out, title=f"{Path(recipe).stem}, {max_steps} steps")
@@ -276,10 +287,14 @@ def plot(
     strategies = list(dict.fromkeys(r["strategy"] for r in summary))
     panels = [
         ("bytes_per_param", "model-state bytes / parameter"),
-        ("median_step_ms", "median step time (ms)"),
+        ("median_step_ms", "median step time on this CPU (ms)"),
         ("peak_rss_mib", "process peak RSS (MiB)"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    if all(r.get("gpu_step_ms") is not None for r in summary):
+        from .planning.plan import GPU_PREVIEW
+
+        panels.append(("gpu_step_ms", f"predicted step on an H100 (ms): {GPU_PREVIEW}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for ax, (key, label) in zip(axes, panels):
         values = [
             statistics.fmean([float(r[key]) for r in summary if r["strategy"] == s and r[key] is not None] or [0.0])
@@ -321,9 +336,10 @@ def summary_table(summary: list[dict[str, Any]], step_rows_path: str | Path | No
                 tail = max(1, len(imp) // 4)
                 lost[strategy] = (statistics.fmean(imp[-tail:]), statistics.fmean(edq[-tail:]))
     metric = summary[0]["eval_metric"] if summary else "eval"
+    gpu = bool(summary) and all(r.get("gpu_step_ms") is not None for r in summary)
     header = (
         f"{'strategy':<16} {metric:>11} {'final loss':>10} {'bytes/param':>11} {'step ms':>8} {'peak MiB':>9}"
-        f" {'lost %':>7} {'EDQ':>6}"
+        f" {'lost %':>7} {'EDQ':>6}" + (f" {'H100 ms*':>9}" if gpu else "")
     )
     lines = [header, "-" * len(header)]
     for strategy in dict.fromkeys(r["strategy"] for r in summary):
@@ -337,7 +353,15 @@ def summary_table(summary: list[dict[str, Any]], step_rows_path: str | Path | No
         lines.append(
             f"{strategy:<16} {mean('eval_value'):>11.3f} {mean('final_loss'):>10.3f} "
             f"{mean('bytes_per_param'):>11.2f} {mean('median_step_ms'):>8.1f} {mean('peak_rss_mib'):>9.0f}"
-            f" {imp:>7.2f} {edq:>6.3f}"
+            f" {imp:>7.2f} {edq:>6.3f}" + (f" {mean('gpu_step_ms'):>9.1f}" if gpu else "")
+        )
+    if gpu:
+        from .planning.plan import GPU_PREVIEW
+
+        fastest = min(summary, key=lambda r: float(r["gpu_step_ms"]))["strategy"]
+        lines.append(
+            f"step ms: on this CPU, where FP8 is emulated (no FP8 arithmetic): it says nothing of a GPU. "
+            f"H100 ms*: predicted by `hf-lowprec plan` for {GPU_PREVIEW}; fastest there: {fastest}"
         )
     if lost:
         lines.append(

@@ -7,7 +7,7 @@ import pytest
 
 import hf_lowprec
 from hf_lowprec.cli import main, memory_plan, strategy_rows
-from hf_lowprec.compare import plot, run_compare
+from hf_lowprec.compare import plot, run_compare, summary_table
 
 
 def _png_size(path):
@@ -100,6 +100,10 @@ def test_compare_runs_the_recipe_per_strategy_and_writes_one_row_per_step(tmp_pa
     assert by["bf16-pure"]["bytes_per_param"] == pytest.approx(8.0, abs=0.01)
     assert by["collage-plus"]["bytes_per_param"] == pytest.approx(12.0, abs=0.01)
     assert all(r["peak_rss_mib"] > 100 and r["eval_value"] > 1.0 for r in summary)
+    # Beside each CPU row, the step `hf-lowprec plan` predicts on a GPU (issue #69).
+    assert all(r["gpu_step_ms"] > 0 for r in summary)
+    table = summary_table(summary, tmp_path / "results.csv")
+    assert "H100 ms*" in table and "FP8 is emulated" in table and "fastest there:" in table
     for name in ("loss.png", "lost_arithmetic.png", "cost.png"):
         _png_size(tmp_path / name)
 

@@ -13,7 +13,13 @@ from ..numerics import abs_max
 from .cast import run_fused, saturate_to_fp8_eager
 from .scaled import pow2_scale
 
-__all__ = ["gradient_cast", "gradient_roundtrip_", "gradients_roundtrip_", "tensorwise_cast"]
+__all__ = [
+    "gradient_cast",
+    "gradient_roundtrip_",
+    "gradients_roundtrip_",
+    "tensorwise_cast",
+    "tensorwise_cast_transposed",
+]
 
 
 def _tensorwise(
@@ -42,6 +48,21 @@ def tensorwise_cast(
         master_scale = master_scale.float()
     payload, scale = run_fused(_tensorwise, x.reshape(-1), dtype, margin, master_scale, like=x)
     return payload.view(x.shape), scale
+
+
+def _tensorwise_transposed(x: torch.Tensor, dtype: torch.dtype, margin: int) -> tuple[torch.Tensor, ...]:
+    payload, scale = _tensorwise(x, dtype, margin, None)
+    return payload, payload.t().contiguous(), scale
+
+
+def tensorwise_cast_transposed(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(payload, its transpose made contiguous, s) of a 2-D `x`, as `tensorwise_cast` gives the
+    payload and s, in one graph: `torch._scaled_mm` takes its first operand row-major and its
+    second column-major, so a weight gradient dyᵀ·x needs dy's FP8 payload in both layouts (an
+    eager transposing copy is one more launch)."""
+    return run_fused(_tensorwise_transposed, x.detach(), dtype, margin, like=x)
 
 
 def _gradient(

@@ -102,10 +102,10 @@ class ScaledMMGemm:
     def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
         m, n = a.shape[0], b.shape[1]
         a_rows, b_cols = self.layout(a, b)
-        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two.
-        out = torch._scaled_mm(
-            a_rows, b_cols, scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(), out_dtype=GEMM_OUT_DTYPE
-        )
+        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two; both
+        # in one multi-tensor launch (two reciprocals would be two).
+        inv_a, inv_b = torch._foreach_reciprocal([scale_a, scale_b])
+        out = torch._scaled_mm(a_rows, b_cols, scale_a=inv_a, scale_b=inv_b, out_dtype=GEMM_OUT_DTYPE)
         return out[:m, :n]
 
 

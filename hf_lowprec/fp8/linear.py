@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
-from .fused import tensorwise_cast
+from .fused import tensorwise_cast, tensorwise_cast_transposed
 from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
 from .raised import add_flush_counts, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
@@ -239,8 +239,14 @@ class FP8LinearFunction(torch.autograd.Function):
             if grad_x is not None:
                 grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
         else:
-            g8, sg = quantize_tensorwise(g2, config.recipe.grad_dtype, config.margin)
-            g_op = gemm.operand(g8)
+            if need_dw and isinstance(gemm, ScaledMMGemm):
+                # dyᵀ·x needs dy's payload transposed too: written by the same graph as dy's.
+                g8, g_t, sg = tensorwise_cast_transposed(g2, config.recipe.grad_dtype, config.margin)
+                g_op = g8
+            else:
+                g8, sg = quantize_tensorwise(g2, config.recipe.grad_dtype, config.margin)
+                g_op = gemm.operand(g8)
+                g_t = g_op.t()
             if ctx.needs_input_grad[0]:
                 # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
                 w_op = gemm.operand(w8.t() if ctx.transposed else w8)
@@ -248,9 +254,9 @@ class FP8LinearFunction(torch.autograd.Function):
             if need_dw:
                 x_op = gemm.operand(x8)
                 if ctx.transposed:  # dW (K×N) = xᵀ·dy
-                    grad_w = gemm.mm(x_op.t(), sx, g_op, sg)
+                    grad_w = gemm.mm(x_op.t(), sx, g_t.t(), sg)
                 else:  # dW (N×K) = dyᵀ·x
-                    grad_w = gemm.mm(g_op.t(), sg, x_op, sx)
+                    grad_w = gemm.mm(g_t, sg, x_op, sx)
         if need_dw:
             grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

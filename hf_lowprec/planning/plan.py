@@ -20,9 +20,12 @@ from .gpus import GPU, MEASURED
 from .models import memory_plan, model_config
 from .roofline import predict, predict_measured
 
-__all__ = ["calibration_lines", "format_plan", "plan_rows"]
+__all__ = ["GPU_PREVIEW", "calibration_lines", "format_plan", "gpu_preview", "plan_rows"]
 
 BASELINE = "bf16-mixed"
+# What the main job's CPU rows are priced at on a GPU: its architecture at GPT-2 small's size.
+_PREVIEW = ("gpt2", (8, 1024), "h100")
+GPU_PREVIEW = "GPT-2 124M, batch 8×1024, eager, one H100"
 
 
 def _kept_in_bf16(name: str, model: str) -> list[str]:
@@ -101,6 +104,23 @@ def plan_rows(
         r["speed_vs_bf16_mixed"] = base["step_ms"] / r["step_ms"]
         r["memory_vs_bf16_mixed"] = r["peak_gib"] / base["peak_gib"]
     return rows
+
+
+def gpu_preview(strategies: list[str]) -> dict[str, float]:
+    """{strategy: predicted step ms} for `GPU_PREVIEW`: what the main job prints beside its CPU rows."""
+    from .gpus import GPUS
+
+    model, batch, gpu = _PREVIEW
+    quiet = [logging.getLogger(name) for name in ("hf_lowprec", "transformers")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        counts = {name: count_scaled(name, model, batch, compiled_layers=False) for name in strategies}
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return {name: predict(count, GPUS[gpu]).step * 1e3 for name, count in counts.items()}
 
 
 def _state_per_gpu(state: dict[str, Any], engine: str, gpus: int) -> float:

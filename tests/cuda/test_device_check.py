@@ -188,3 +188,31 @@ def test_the_rl_section_measures_the_frozen_models_it_keeps(tmp_path, monkeypatc
     assert 1.0 < got["fp8-lm-o2"]["reference B/param"] < 1.1 and 1.0 < got["fp8-lm-o2"]["reward B/param"] < 1.1
     assert got["fp8-lm-o2, frozen as policy"]["reference B/param"] == pytest.approx(2.0, abs=0.01)
     assert all(math.isfinite(row["loss"]) for row in got.values())
+
+
+def test_the_bundle_carries_the_ledger_s_prediction_for_each_row(tmp_path):
+    """`make device-bundle` counts each row's predicted step (docs/planning.md) on the CPU, so the
+    device check prints it beside the measured one without spending device time on counting."""
+    from device_common import PREDICTIONS, write_predictions
+
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
+    write_predictions(tmp_path, {"e2e": (str(config), True, ["bf16-mixed", "torch-amp", "no-such-strategy"])})
+    found = json.loads((tmp_path / PREDICTIONS).read_text())
+    for gpu in ("h100", "h200"):
+        assert set(found["e2e"][gpu]) == {"bf16-mixed", "torch-amp"}  # a row it cannot count is left out
+        assert all(ms > 0 for ms in found["e2e"][gpu].values())
+    assert found["e2e"]["h200"]["bf16-mixed"] <= found["e2e"]["h100"]["bf16-mixed"]  # more bandwidth

@@ -58,6 +58,19 @@ def test_tensorwise_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
 
 @pytest.mark.compiles_step
 @pytest.mark.parametrize("fp8", FP8)
+def test_the_transposed_cast_gives_the_payload_in_both_layouts_bit_for_bit(fp8, compiled_calls):
+    """What the FP8 backward hands `torch._scaled_mm` for dyᵀ·x: the payload and scale of
+    `tensorwise_cast`, and the payload transposed into a contiguous copy, from one graph."""
+    for x in [x for x in _inputs() if x.dim() == 2]:
+        payload, transposed, scale = fused.tensorwise_cast_transposed(x, fp8, 1)
+        want_payload, want_scale = fused.tensorwise_cast(x, fp8, 1)
+        assert transposed.is_contiguous() and transposed.shape == (x.shape[1], x.shape[0])
+        assert _same((payload, scale, transposed), (want_payload, want_scale, want_payload.t()))
+    assert "_tensorwise_transposed" in compiled_calls
+
+
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("fp8", FP8)
 def test_gradient_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
     mu = torch.tensor(4.0)  # μ > 1: the cast clips, and counts what it clips
     for grad in _inputs():
