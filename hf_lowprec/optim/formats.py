@@ -11,6 +11,7 @@ import math
 from typing import ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..fp8.scaled import format_max, pow2_scale
 from ..numerics import pow_nonnegative, round_by_bits, sqrt_rn
@@ -36,12 +37,16 @@ F32 = torch.float32
 
 
 def root(x: torch.Tensor) -> torch.Tensor:
-    """√x correctly rounded: the hardware root when compiled, `numerics.sqrt_rn` eagerly.
+    """√x correctly rounded: the hardware root when compiled or on a GPU, `numerics.sqrt_rn`
+    eagerly on CPU.
 
     PyTorch's eager CPU root of FP32 is one ulp off for ~0.7% of inputs; a compiled loop uses
-    the exact instruction. Taking the exact root on both sides keeps the paths bit-identical.
+    the exact instruction, and CUDA's FP32 root is correctly rounded (nvcc's default
+    `-prec-sqrt=true`). Taking the exact root everywhere keeps the paths bit-identical. A fake
+    tensor (the planner counting a GPU step, `hf_lowprec.planning`) takes the GPU's form: one
+    kernel, where `sqrt_rn` slices a large tensor into a thousand.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or isinstance(x, FakeTensor):
         return torch.sqrt(x)
     return sqrt_rn(x)
 

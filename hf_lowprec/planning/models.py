@@ -6,6 +6,8 @@ model-state memory of each strategy on it (`memory_plan`: what `hf-lowprec memor
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,14 @@ _SIZE_FIELDS = (
 
 
 def model_config(model: str) -> tuple[Any, Any]:
+    """The config (a copy of its own: callers may change it) and model class `--model` names (a
+    known shape or a config.json), checked; ValueError if bad."""
+    config, cls = _checked_config(model)
+    return copy.deepcopy(config), cls
+
+
+@functools.cache
+def _checked_config(model: str) -> tuple[Any, Any]:
     """The config and model class `--model` names (a known shape or a config.json), checked; ValueError if bad."""
     import transformers
 
