@@ -7,14 +7,13 @@ what ships in the package (`hf_lowprec.runner`). Maintainer tools live in the re
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .planning.models import MODELS, memory_plan, model_config
+from .planning.models import MODELS, memory_plan, model_config, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
 __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
@@ -107,8 +106,8 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(f"--gpus must be at least 1, got {ns.gpus}")
     names = [ANCHOR, *available_strategies()] if ns.strategies is None else [s for s in ns.strategies.split(",") if s]
     _check_strategy_names(parser, ",".join(n for n in names if n != ANCHOR) or "bf16-mixed")
-    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
-    rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
+    with quiet():
+        rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -451,3 +451,18 @@ def ppo_trainer(tmp_path, tokenizer, strategy=None, precision_strategy="fp32", r
         train_dataset=train,
         eval_dataset=train,
     )
+
+
+# A tiny Llama's config.json (4 layers, hidden 64): the planner's tests count its steps.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}

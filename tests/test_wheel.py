@@ -149,7 +149,7 @@ def test_user_commands_run_from_the_installed_wheel_in_any_directory(installed):
     assert Path(where.strip()).is_relative_to(bin_dir.parent), f"imported {where.strip()}, not the installed wheel"
 
     help_text = _run([str(bin_dir / "hf-lowprec"), "--help"], work, env)
-    assert "{list,memory,compare,launch}" in help_text, help_text  # no maintainer tools among the user commands
+    assert "{list,memory,plan,compare,launch}" in help_text, help_text  # no maintainer tools among the user commands
 
     listing = _run([str(bin_dir / "hf-lowprec"), "list"], work, env)
     assert "collage-plus" in listing and "fp8-lm-o2" in listing
@@ -160,6 +160,13 @@ def test_user_commands_run_from_the_installed_wheel_in_any_directory(installed):
     assert "124,439,808 trainable parameters" in memory
     rows = {line.split()[0]: line.split() for line in memory.splitlines() if line.startswith(("bf16-pure", "collage"))}
     assert float(rows["bf16-pure"][5]) == 8.0 and float(rows["collage-plus"][5]) == 12.0
+
+    plan = _run(
+        [str(bin_dir / "hf-lowprec"), "plan", "--model", "gpt2", "--batch", "1x128", "--strategies", "bf16-pure"],
+        work,
+        env,
+    )
+    assert "bf16-pure" in plan and "measured" in plan  # the prediction, then how far it was from the GPU
 
     steps = 3
     out = _run(

@@ -6,9 +6,11 @@ model-state memory of each strategy on it (`memory_plan`: what `hf-lowprec memor
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,24 @@ import torch
 
 from ..strategies.registry import get_strategy
 
-__all__ = ["MODELS", "build_model", "memory_plan", "model_config"]
+__all__ = ["MODELS", "build_model", "memory_plan", "model_config", "quiet"]
+
+
+@contextlib.contextmanager
+def quiet(*names: str) -> Iterator[None]:
+    """Within the scope, the loggers `names` (default: the package's and transformers') say
+    errors only; their levels are restored after (a plan's start-up warnings, once per strategy
+    and depth, would bury its table)."""
+    loggers = [logging.getLogger(name) for name in names or ("hf_lowprec", "transformers")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
 
 # Named model shapes for `memory`: (config class, its arguments, model class), all from transformers.
 MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -180,11 +199,11 @@ def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_sta
     """
     from ..report import plan_model_state, zero_per_rank
 
-    logging.getLogger("hf_lowprec.fp8").setLevel(logging.ERROR)  # skipped-layer warnings, once per strategy
     rows = []
     for name in strategies:
         strategy = get_strategy(name)
-        prepared = strategy.prepare_model(build_model(model))
+        with quiet("hf_lowprec.fp8"):  # skipped-layer warnings, once per strategy
+            prepared = strategy.prepare_model(build_model(model))
         optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
         plan = plan_model_state(prepared, optimizer)
         row = {"strategy": name, **plan}

@@ -8,7 +8,6 @@ project has measured on a GPU.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from ..strategies.registry import get_strategy
 from .communication import communication
 from .counting import ANCHOR, count_scaled
 from .gpus import GPU, MEASURED
-from .models import memory_plan, model_config
+from .models import memory_plan, model_config, quiet
 from .roofline import predict, predict_measured
 
 __all__ = ["GPU_PREVIEW", "calibration_lines", "format_plan", "gpu_preview", "plan_rows"]
@@ -35,8 +34,8 @@ def _kept_in_bf16(name: str, model: str) -> list[str]:
 
     if name == ANCHOR or not name.startswith(("fp8", "coat")):
         return []
-    logging.getLogger("hf_lowprec.fp8").setLevel(logging.ERROR)
-    prepared = get_strategy(name).prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
+    with quiet("hf_lowprec.fp8"):
+        prepared = get_strategy(name).prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
     return sorted({n.split(".")[-1] for n, m in prepared.named_modules() if type(m) is torch.nn.Linear})
 
 
@@ -111,15 +110,8 @@ def gpu_preview(strategies: list[str]) -> dict[str, float]:
     from .gpus import GPUS
 
     model, batch, gpu = _PREVIEW
-    quiet = [logging.getLogger(name) for name in ("hf_lowprec", "transformers")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
-    try:
+    with quiet():
         counts = {name: count_scaled(name, model, batch, compiled_layers=False) for name in strategies}
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
     return {name: predict(count, GPUS[gpu]).step * 1e3 for name, count in counts.items()}
 
 

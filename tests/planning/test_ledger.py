@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hf_lowprec.compiling import compiled_region, constant
 from hf_lowprec.planning.counting import ANCHOR, count_scaled, count_step
 from hf_lowprec.planning.ledger import Ledger
+from tests.helpers import TINY_LLAMA as TINY
 
 F32 = 4
 
@@ -108,18 +109,6 @@ def test_a_constant_table_first_built_under_a_fake_mode_is_real():
     assert table(torch.device("cpu")).tolist() == [0, 2, 4, 6]
 
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
 BATCH = (2, 32)
 
 

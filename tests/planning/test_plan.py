@@ -12,8 +12,7 @@ from hf_lowprec.cli import main, memory_plan
 from hf_lowprec.planning.communication import communication
 from hf_lowprec.planning.gpus import GPUS, MEASURED
 from hf_lowprec.planning.roofline import predict_measured
-
-from .test_ledger import TINY
+from tests.helpers import TINY_LLAMA as TINY
 
 
 @pytest.fixture(scope="module")
