@@ -225,6 +225,8 @@ class Ledger(PhasedMode):
                 if stand_in is None:
                     return True if tensor.dtype == torch.bool else (1.0 if tensor.is_floating_point() else 1)
                 return stand_in
+        if func is aten._grouped_mm.default and {t.dtype for t in args[:2]} != {torch.bfloat16}:
+            return self._grouped_fallback(func, args, kwargs)
         out = func(*args, **kwargs)
         inputs = _tensors(args) + _tensors(kwargs.values())
         outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,))
@@ -239,6 +241,21 @@ class Ledger(PhasedMode):
                 )
             return out
         self._record(func, args, kwargs, inputs, outputs)
+        return out
+
+    def _grouped_fallback(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A grouped GEMM whose operands are not BF16, as torch runs it on a GPU: the offsets read
+        on the host (a sync), then one GEMM per group (torch's fake kernel refuses these dtypes:
+        the shape comes from its BF16 form)."""
+        self._syncs[self._phase] += 1
+        a, b, *rest = args
+        out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
+        offsets = rest[0] if rest else kwargs.get("offs")
+        groups = offsets.numel() if isinstance(offsets, torch.Tensor) else 1
+        self._record(func, args, kwargs, _tensors(args), [out])
+        self._kernels[-1].launches = groups
+        if self._kernels[-1].eager:
+            self.ops[(self._phase, "_grouped_mm fallback mm")] += groups - 1
         return out
 
     def _record(self, func: Any, args: tuple, kwargs: dict, inputs: list, outputs: list) -> None:

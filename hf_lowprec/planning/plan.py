@@ -62,14 +62,15 @@ def plan_rows(
     per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`."""
     model_config(model)
     memory = {}
-    names = [n for n in strategies if n != ANCHOR]
-    for row in memory_plan(model, names or [BASELINE], gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0):
+    # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
+    names = list(dict.fromkeys(BASELINE if n == ANCHOR else n for n in strategies))
+    for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0):
         memory[row["strategy"]] = row
     rows = []
     for name in strategies:
         count = count_scaled(name, model, batch, compiled_layers=compiled_layers)
         predicted = predict(count, gpu)
-        state = memory.get(name) or memory[next(iter(memory))]
+        state = memory[BASELINE if name == ANCHOR else name]
         params = state["num_params"]
         per_gpu = _state_per_gpu(state, engine, gpus)
         grads, weights = _wire_bytes(name)
@@ -90,7 +91,7 @@ def plan_rows(
                 "gigabytes": count.total().bytes / 1e9,
                 "syncs": predicted.syncs,
                 "model_state_gib": per_gpu / 2**30,
-                "state_bytes_per_param": state["total"] if name != ANCHOR else 16.0,
+                "state_bytes_per_param": state["total"],
                 "peak_gib": (per_gpu + count.peak_bytes) / 2**30,
                 "sent_gb": traffic.bytes / 1e9,
                 "limit": limit,

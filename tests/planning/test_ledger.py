@@ -98,6 +98,27 @@ def test_a_value_read_on_the_host_is_a_sync_answered_with_a_stand_in():
     assert kept == (1.0, True)
 
 
+def test_a_grouped_gemm_off_bf16_is_counted_as_torch_runs_it_on_a_gpu():
+    """FP32 (or FP16) operands take torch's per-group path: the offsets read on the host, one GEMM
+    per group. BF16 ones take the grouped kernel: one launch, no sync."""
+    groups, rows, k, n = 4, 64, 32, 16
+
+    def run(dtype):
+        def step():
+            a, b = torch.empty(rows, k, dtype=dtype), torch.empty(groups, k, n, dtype=dtype)
+            offsets = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+            return torch._grouped_mm(a, b, offs=offsets)
+
+        return step
+
+    wide, _, out = _counted(run(torch.float32))
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    assert wide.syncs == 1 and wide.kernels == groups
+    assert wide.flops[torch.float32] == 2 * rows * k * n
+    narrow, _, _ = _counted(run(torch.bfloat16))
+    assert narrow.syncs == 0 and narrow.kernels == 1
+
+
 def test_a_constant_table_first_built_under_a_fake_mode_is_real():
     @constant
     def table(device: torch.device) -> torch.Tensor:

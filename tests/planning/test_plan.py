@@ -42,13 +42,16 @@ def test_plan_refuses_bad_input_before_any_work(capsys, argv, message):
 
 def test_plan_prints_json_rows_whose_model_state_is_hf_lowprec_memory_s(capsys, tiny):
     names = ["bf16-mixed", "fp8-lm-o2"]
-    assert main(["plan", "--model", tiny, "--batch", "2x32", "--strategies", ",".join(names), "--json"]) == 0
+    argv = ["plan", "--model", tiny, "--batch", "2x32", "--strategies", ",".join(["torch-amp", *names]), "--json"]
+    assert main(argv) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
     memory = {r["strategy"]: r for r in memory_plan(tiny, names)}
     for name in names:
         assert rows[name]["state_bytes_per_param"] == memory[name]["total"]
         assert rows[name]["bound"] in ("GPU", "host")
         assert rows[name]["step_ms"] > 0 and rows[name]["sent_gb"] == 0
+    # torch's recipe holds FP32 weights, gradients and both moments, as bf16-mixed does.
+    assert rows["torch-amp"]["state_bytes_per_param"] == memory["bf16-mixed"]["total"] == 16
     assert rows["bf16-mixed"]["speed_vs_bf16_mixed"] == 1
     assert rows["fp8-lm-o2"]["kept_in_bf16"] == ["lm_head"]
 
