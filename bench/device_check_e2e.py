@@ -204,10 +204,12 @@ def run_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
         row |= {"× bf16-mixed": round(speed, 3), "memory × bf16-mixed": round(memory, 3)}
         row["goal"] = goal(name, speed, memory, torchao and torchao["tokens/s"] / base["tokens/s"])
-        amp = results.get(TORCH_AMP)
-        if name in AMP_GOALS and amp is not None:
-            share = result["tokens/s"] / amp["tokens/s"]
-            met = "met" if share >= AMP_GOALS[name] else "missed"
-            row["goal"] = "; ".join(filter(None, [row["goal"], f"≥{AMP_GOALS[name]}× torch-amp {met} ({share:.3f})"]))
         report.add(row)
+    amp = results.get(TORCH_AMP)
+    for name, least in AMP_GOALS.items():  # bf16-mixed runs before torch-amp: judged at the end
+        if amp is not None and name in results:
+            share = results[name]["tokens/s"] / amp["tokens/s"]
+            report.note(
+                f"{name}: ≥{least}× torch-amp's tokens/s {'met' if share >= least else 'missed'} ({share:.3f}×)"
+            )
     report.finish()

@@ -117,18 +117,17 @@ def write_predictions(bundle: Path, sections: dict[str, tuple[str, bool, list[st
     """`predictions.json` in the bundle: for each section (model, compiled layers, rows), the step
     ms the step ledger predicts per row on an H100 and an H200 (`hf_lowprec.planning`), counted
     here, where CPU time costs no device time. Rows the ledger cannot count are left out."""
-    import logging
-
     from hf_lowprec.planning.counting import count_scaled
     from hf_lowprec.planning.gpus import GPUS
+    from hf_lowprec.planning.models import quiet
     from hf_lowprec.planning.roofline import predict
 
-    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
     found: dict[str, dict[str, dict[str, float]]] = {}
     for section, (model, compiled, rows) in sections.items():
         for row in rows:
-            try:
-                count = count_scaled(row, model, (4, 2048), compiled_layers=compiled)
+            try:  # the device check's steps do not clip
+                with quiet():
+                    count = count_scaled(row, model, (4, 2048), compiled_layers=compiled, clip=None)
             except Exception as error:  # a row the ledger cannot count has no prediction
                 print(f"predictions: {section} {row}: {type(error).__name__}", file=sys.stderr)
                 continue

@@ -90,6 +90,9 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from .planning.gpus import gpu_named
     from .planning.plan import calibration_lines, format_plan, plan_rows
 
+    for flag, value in (("--link-gbps", ns.link_gbps), ("--network-gbps", ns.network_gbps)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be a positive bandwidth in GB/s per GPU, got {value}")
     try:
         model_config(ns.model)
         numbers = {k: v * 1e9 for k, v in (("link", ns.link_gbps), ("network", ns.network_gbps)) if v is not None}
@@ -105,7 +108,10 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {ns.gpus}")
     names = [ANCHOR, *available_strategies()] if ns.strategies is None else [s for s in ns.strategies.split(",") if s]
-    _check_strategy_names(parser, ",".join(n for n in names if n != ANCHOR) or "bf16-mixed")
+    if not names:
+        parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
+    if [n for n in names if n != ANCHOR]:
+        _check_strategy_names(parser, ",".join(n for n in names if n != ANCHOR))
     with quiet():
         rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
     if ns.json:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .cast import widen
 
 __all__ = [
+    "forced_fp8_gemm_path",
     "GEMM_MULTIPLE",
     "GEMM_OUT_DTYPE",
     "GemmPath",
@@ -125,6 +126,11 @@ def set_fp8_gemm_path(path: GemmPath | None) -> None:
     check_gemm_path(path)
     _forced_path = path
     _chosen.clear()
+
+
+def forced_fp8_gemm_path() -> GemmPath | None:
+    """The path `set_fp8_gemm_path` forced, or None (to restore it after forcing another)."""
+    return _forced_path
 
 
 def gemm_for(device: torch.device, preferred: GemmPath | None = None) -> UpcastGemm | ScaledMMGemm:

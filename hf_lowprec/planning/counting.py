@@ -46,12 +46,14 @@ _swap_tensors = torch.utils.swap_tensors
 
 @dataclasses.dataclass
 class StepCount:
-    """A counted step: {phase: PhaseCounts}, the peak bytes the step allocated on top of the
-    model state, and how many decoder layers it was counted at."""
+    """A counted step: {phase: PhaseCounts}, the peak bytes the step allocated on top of what
+    was resident before it, how many decoder layers it was counted at, and the resident bytes
+    (parameters, buffers, optimizer state)."""
 
     phases: dict[str, PhaseCounts]
     peak_bytes: int
     layers: int
+    resident_bytes: int = 0
 
     def total(self) -> PhaseCounts:
         out = PhaseCounts()
@@ -188,7 +190,7 @@ def count_step(
     from torch.utils import _foreach_utils
 
     import hf_lowprec
-    from hf_lowprec.fp8.gemm import set_fp8_gemm_path
+    from hf_lowprec.fp8.gemm import forced_fp8_gemm_path, set_fp8_gemm_path
 
     from .models import build_model, model_config
 
@@ -197,6 +199,7 @@ def count_step(
     if layers is not None:
         overrides.update(layer_overrides(config, layers))
     counted = [Ledger()]
+    forced = forced_fp8_gemm_path()
     set_fp8_gemm_path("scaled_mm")
     try:
         with (
@@ -223,13 +226,31 @@ def count_step(
             with scope:
                 for _ in range(warmup):
                     phased_step(counted[0], strategy, built, optimizer, ids, clip)
+                resident = _resident_bytes(built, optimizer)
                 steady = Ledger()
                 counted.insert(0, steady)
                 with steady:
                     phased_step(steady, strategy, built, optimizer, ids, clip)
     finally:
-        set_fp8_gemm_path(None)
-    return StepCount(steady.counts(), steady.peak_bytes, depth)
+        set_fp8_gemm_path(forced)
+    return StepCount(steady.counts(), steady.peak_bytes, depth, resident)
+
+
+def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
+    """Bytes held between steps: parameters, buffers and optimizer state (each storage once);
+    gradients set to None are not held."""
+    from ..memory import unwrap_optimizer
+
+    inner = unwrap_optimizer(getattr(optimizer, "inner", optimizer))
+    tensors = [*model.parameters(), *model.buffers()]
+    for state in getattr(inner, "state", {}).values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.layout == torch.strided:
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
 
 
 def layer_overrides(config: Any, layers: int) -> dict[str, Any]:
@@ -263,7 +284,8 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
         scaled.gemm_kernels = a.gemm_kernels + _extra_kernels(a, b) * (depth - 1)
         phases[phase] = scaled
     peak = one.peak_bytes + (depth - 1) * (two.peak_bytes - one.peak_bytes)
-    return StepCount(phases, peak, depth)
+    resident = one.resident_bytes + (depth - 1) * (two.resident_bytes - one.resident_bytes)
+    return StepCount(phases, peak, depth, resident)
 
 
 def _extra_kernels(a: PhaseCounts, b: PhaseCounts) -> list:

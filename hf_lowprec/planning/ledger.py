@@ -43,7 +43,11 @@ _NO_KERNEL = {
 }
 _SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 _STAND_IN = {aten._local_scalar_dense.default: None, aten.is_nonzero.default: True, aten.equal.default: True}
-_REDUCTIONS = ("sum", "amax", "amin", "max", "min", "mean", "norm", "linalg_vector_norm", "var", "std", "any", "all")
+# Operations that reduce: a fused kernel ends with one (its result is broadcast by the next).
+_REDUCTIONS = {
+    "sum", "amax", "amin", "aminmax", "max", "min", "mean", "norm", "linalg_vector_norm", "var", "std",
+    "var_mean", "std_mean", "any", "all", "argmax", "argmin", "prod", "_foreach_norm", "_foreach_max",
+}  # fmt: skip
 _ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
 
@@ -57,32 +61,31 @@ def launches_a_kernel(func: Any) -> bool:
     return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
 
 
-def _gemm_flops(name: str, args: tuple) -> tuple[int, torch.dtype] | None:
+def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    """The argument `name` of a call of `func`, read from its schema (positional or keyword)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[position] if position < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _gemm_flops(func: Any, name: str, args: tuple, kwargs: dict) -> tuple[int, torch.dtype] | None:
     """(FLOPs, operand dtype) of a GEMM or attention operation, None for any other."""
     if name in _GEMMS:
         a = args[1] if name in ("addmm", "baddbmm") else args[0]
         b = args[2] if name in ("addmm", "baddbmm") else args[1]
-        if name in ("_grouped_mm", "_scaled_grouped_mm"):
-            rows = a.shape[-2] if a.dim() == 3 and b.dim() == 2 else a.numel() // a.shape[-1]
-            inner = a.shape[-1]
-            cols = b.shape[-1]
-            groups = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
-            return 2 * groups * rows * inner * cols, a.dtype
+        # Every row of a (groups stacked or not) meets one K×N matrix of b: 2·rows·K·N.
         return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1], a.dtype
     if any(name.startswith(p) for p in _ATTENTION):
-        q, k = args[0], args[1]
-        if q.dim() != 4:
+        q, k = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(k, torch.Tensor):
             return None
         batch, heads, rows, dim = q.shape
         # Causal attention (what a decoder trains): the fused kernels skip the masked half.
-        causal = 0.5 if _is_causal(name, args) else 1.0
+        causal = 0.5 if _argument(func, args, kwargs, "is_causal", False) is True else 1.0
         flops = 4 * batch * heads * rows * k.shape[-2] * dim * causal
         return int(flops * (2.5 if name.endswith("backward") else 1.0)), q.dtype
     return None
-
-
-def _is_causal(name: str, args: tuple) -> bool:
-    return any(a is True for a in args[3:8]) if "backward" not in name else any(a is True for a in args[4:12])
 
 
 @dataclasses.dataclass
@@ -260,7 +263,7 @@ class Ledger(PhasedMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict, inputs: list, outputs: list) -> None:
         name = func._schema.name.split("::")[-1]
-        gemm = _gemm_flops(name, args)
+        gemm = _gemm_flops(func, name, args, kwargs)
         # Inside a layer compiled as one graph, the package's own compiled calls are traced into
         # that graph (dynamo inlines them); elsewhere each is a graph of its own.
         region = self._layer[-1] if self._layer else current_compiled_region()
@@ -292,7 +295,7 @@ class Ledger(PhasedMode):
             key = self._key(t) if alias else self._track(t, None)
             self._writer[key] = index
             kernel.writes[key] = max(kernel.writes.get(key, 0), _nbytes(t))
-        ends = region is None or gemm is not None or name.startswith(_REDUCTIONS) or name.startswith("_foreach_norm")
+        ends = region is None or gemm is not None or name in _REDUCTIONS
         self._open = None if ends else (region, index)
 
     def counts(self) -> dict[str, PhaseCounts]:
@@ -349,6 +352,8 @@ def _multi_tensor_launches(name: str, args: tuple) -> int:
     if not name.startswith(("_foreach_", "_fused_")):
         return 1
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    # A list of 0-dim tensors (a fused optimizer's step counts) rides along as kernel arguments.
+    lists = [a for a in lists if a[0].dim() > 0] or lists[:1]
     if not lists:
         return 1
     per_launch = _TENSORS_PER_LAUNCH[min(len(lists), len(_TENSORS_PER_LAUNCH)) - 1]

@@ -39,14 +39,25 @@ def _kept_in_bf16(name: str, model: str) -> list[str]:
     return sorted({n.split(".")[-1] for n, m in prepared.named_modules() if type(m) is torch.nn.Linear})
 
 
-def _wire_bytes(name: str) -> tuple[float, float]:
-    """(gradient bytes per parameter on the wire, weight bytes per parameter gathered)."""
-    if name == ANCHOR:
-        return 4.0, 2.0
+def _wire_bytes(name: str, engine: str) -> tuple[float, float]:
+    """(gradient bytes per parameter on the wire, weight bytes per parameter gathered) under
+    `engine`: DDP all-reduces gradients in their dtype (1 B with FP8-LM's FP8 all-reduce hook);
+    FSDP2 reduces in its policy's `reduce_dtype` and gathers in its `param_dtype` (E4M3 for
+    FP8-LM's FP8 weights); ZeRO-2 reduces and gathers in the parameters' dtype."""
+    if name == ANCHOR:  # FP32 weights: FP32 gradients; FSDP2 as torch users set it (BF16 gather)
+        return 4.0, 2.0 if engine == "fsdp2" else 4.0
     strategy = get_strategy(name)
-    grads = 1.0 if strategy.ddp_comm_hook() is not None else torch.empty((), dtype=strategy.param_dtype).element_size()
-    weights = min(torch.empty((), dtype=strategy.compute_dtype).element_size(), 2)
-    return float(grads), float(weights)
+    width = torch.empty((), dtype=strategy.param_dtype).element_size()
+    if engine == "ddp":
+        return (1.0 if strategy.ddp_comm_hook() is not None else float(width)), float(width)
+    if engine == "fsdp2":
+        policy = strategy.fsdp2_mixed_precision()
+        reduce = torch.empty((), dtype=policy.reduce_dtype or strategy.param_dtype).element_size()
+        config = getattr(strategy, "fp8_layer_config", None)
+        fp8_gather = config is not None and config.recipe.whole_tensor
+        gather = 1 if fp8_gather else torch.empty((), dtype=policy.param_dtype or strategy.param_dtype).element_size()
+        return float(reduce), float(gather)
+    return float(width), float(width)
 
 
 def plan_rows(
@@ -73,9 +84,13 @@ def plan_rows(
         state = memory[BASELINE if name == ANCHOR else name]
         params = state["num_params"]
         per_gpu = _state_per_gpu(state, engine, gpus)
-        grads, weights = _wire_bytes(name)
+        grads, weights = _wire_bytes(name, engine)
         traffic = communication(engine, gpus, params, grads, weights, gpu)
         step = max(predicted.step, traffic.seconds)
+        # What is resident between steps (counted), sharded as the model state is, then the
+        # step's own peak on top (activations, the gradients it allocates).
+        share = per_gpu / (state["total"] * params)
+        peak = count.resident_bytes * share + count.peak_bytes
         limit = "communication" if traffic.seconds > predicted.step else predicted.limit
         rows.append(
             {
@@ -92,11 +107,11 @@ def plan_rows(
                 "syncs": predicted.syncs,
                 "model_state_gib": per_gpu / 2**30,
                 "state_bytes_per_param": state["total"],
-                "peak_gib": (per_gpu + count.peak_bytes) / 2**30,
+                "peak_gib": peak / 2**30,
                 "sent_gb": traffic.bytes / 1e9,
                 "limit": limit,
                 "kept_in_bf16": _kept_in_bf16(name, model),
-                "fits": per_gpu + count.peak_bytes <= gpu.memory,
+                "fits": peak <= gpu.memory,
             }
         )
     base = next((r for r in rows if r["strategy"] == BASELINE), rows[0])

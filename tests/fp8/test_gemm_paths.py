@@ -151,6 +151,33 @@ def test_fp8_linear_hands_scaled_mm_the_cuda_layout_on_every_gemm(monkeypatch):
     assert len(calls) == 6  # forward, input gradient, weight gradient, for both layouts
 
 
+def test_the_cuda_layout_gives_the_upcast_path_s_gradients(monkeypatch):
+    """The operands the CUDA path hands over (dy's payload transposed by its cast graph, the
+    weight and input transposed by the layout) multiply to the same gradients as the upcast
+    path's, for both weight layouts: the same FP8 values, so they differ only in summation
+    (FP64 in the stand-in, FP32 there) and each result's rounding to BF16 (2^-8 relative, once
+    on each side)."""
+    checked, _ = _cublaslt_contract()
+    g = torch.Generator().manual_seed(1)
+    for transposed in (False, True):
+        x0 = torch.randn(32, 16, generator=g).t()
+        w0 = torch.randn((32, 48) if transposed else (48, 32), generator=g) * 0.1
+        dy = torch.randn(16, 48, generator=g)
+        grads = {}
+        for path in ("upcast", "scaled_mm"):
+            with monkeypatch.context() as patch:
+                if path == "scaled_mm":
+                    patch.setattr(torch, "_scaled_mm", checked)
+                    patch.setitem(fp8_gemm_module._chosen, ("cpu", None), ScaledMMGemm(pad=True))
+                else:
+                    patch.setitem(fp8_gemm_module._chosen, ("cpu", None), UpcastGemm())
+                x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+                fp8_linear(x, w, weight_transposed=transposed).backward(dy)
+                grads[path] = (x.grad, w.grad)
+        for got, want in zip(grads["scaled_mm"], grads["upcast"]):
+            assert (got - want).abs().max() <= 2**-7 * want.abs().max(), (transposed, got, want)
+
+
 def test_path_choice_is_made_once_per_device_and_logged(caplog):
     set_fp8_gemm_path(None)
     with caplog.at_level(logging.INFO, logger="hf_lowprec.fp8.gemm"):

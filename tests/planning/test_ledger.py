@@ -119,6 +119,20 @@ def test_a_grouped_gemm_off_bf16_is_counted_as_torch_runs_it_on_a_gpu():
     assert narrow.syncs == 0 and narrow.kernels == 1
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_counts_4bhs2d_forward_and_halves_what_a_causal_kernel_skips(causal):
+    b, h, s, d = 2, 4, 32, 16
+
+    def run():
+        q = torch.empty(b, h, s, d, requires_grad=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=causal)
+        out.sum().backward()
+
+    counts, _, _ = _counted(run)
+    forward = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    assert counts.flops[torch.float32] == int(forward) + int(2.5 * forward)
+
+
 def test_a_constant_table_first_built_under_a_fake_mode_is_real():
     @constant
     def table(device: torch.device) -> torch.Tensor:

@@ -31,6 +31,8 @@ def tiny(tmp_path_factory):
         (["--gpus", "0"], "--gpus must be at least 1"),
         (["--model", "gpt5"], "--model must be one of"),
         (["--strategies", "fp9"], "--strategies"),
+        (["--strategies", ","], "--strategies names no strategy"),
+        (["--gpus", "8", "--link-gbps", "0"], "--link-gbps must be a positive bandwidth"),
     ],
 )
 def test_plan_refuses_bad_input_before_any_work(capsys, argv, message):
@@ -54,6 +56,17 @@ def test_plan_prints_json_rows_whose_model_state_is_hf_lowprec_memory_s(capsys, 
     assert rows["torch-amp"]["state_bytes_per_param"] == memory["bf16-mixed"]["total"] == 16
     assert rows["bf16-mixed"]["speed_vs_bf16_mixed"] == 1
     assert rows["fp8-lm-o2"]["kept_in_bf16"] == ["lm_head"]
+
+
+def test_fsdp2_reduces_fp8_lm_gradients_in_fp32_and_gathers_its_weights_in_e4m3(tiny):
+    """FP8-LM's FP8 all-reduce is a DDP hook: under FSDP2 its gradients reduce in FP32 (its
+    policy) and its FP8 weights gather as E4M3; under DDP, 1 byte per gradient element."""
+    from hf_lowprec.planning.plan import plan_rows
+
+    rows = {engine: plan_rows(tiny, ["fp8-lm-o2"], (2, 32), GPUS["h100"], 8, engine)[0] for engine in ("ddp", "fsdp2")}
+    params = memory_plan(tiny, ["fp8-lm-o2"])[0]["num_params"]
+    assert rows["ddp"]["sent_gb"] * 1e9 == pytest.approx(2 * 7 / 8 * params * 1)
+    assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * params * (2 * 1 + 4))
 
 
 def test_traffic_per_engine_follows_the_ring_collectives():
