@@ -12,11 +12,12 @@ eager (the `moe` section), batch 4×2048. `--smoke`: two strategies on the dense
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 
 import hf_lowprec
-from hf_lowprec.planning.counting import ANCHOR, count_scaled
+from hf_lowprec.planning.counting import ANCHOR, TORCHAO, count_scaled
 from hf_lowprec.planning.gpus import gpu_named
 from hf_lowprec.planning.roofline import predict
 
@@ -25,7 +26,8 @@ SHAPES = (("llama-0.63b", True), ("qwen3-moe-0.9b", False))
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategies", default=",".join([ANCHOR, *hf_lowprec.available_strategies()]))
+    peers = [ANCHOR] + ([TORCHAO] if importlib.util.find_spec("torchao") else [])  # torchao where installed
+    parser.add_argument("--strategies", default=",".join([*peers, *hf_lowprec.available_strategies()]))
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -38,7 +40,7 @@ def main() -> int:
         print("|---|---|---|---|---|---|---|---|---|")
         for name in names:
             try:
-                count = count_scaled(name, model, (4, 2048), compiled_layers=compiled)
+                count = count_scaled(name, model, (4, 2048), compiled_layers=compiled, gpu=gpu)
             except Exception as error:  # a row that fails is a finding, not a crash
                 print(f"| {name} | error: {type(error).__name__}: {str(error).splitlines()[0][:120]} |", flush=True)
                 continue

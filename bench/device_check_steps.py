@@ -111,14 +111,13 @@ def cpu_syncs(step: Callable[[], None]) -> dict[str, Any]:
 
 def build(name: str, n_layer: int, device: str) -> tuple[Callable[[], None], Any]:
     """(one training step, the model) of a strategy, or of the anchor, on the CPU suite's GPT-2."""
-    import hf_lowprec
-    from hf_lowprec.testing import anchor_step, gpt2, strategy_step, token_batch
+    from hf_lowprec.testing import anchor_step, checked_strategy, gpt2, strategy_step, token_batch
 
     ids = token_batch(device)
     model = gpt2(n_layer).to(device)
     if name == ANCHOR:
         return anchor_step(model, ids), model
-    strategy = hf_lowprec.get_strategy(name)
+    strategy = checked_strategy(name)  # FP8-LM: every layer FP8, however small
     model = strategy.prepare_model(model)
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     return (lambda: strategy_step(strategy, model, optimizer, ids)), model
@@ -373,8 +372,8 @@ def fidelity_run(name: str, device: str, steps: int) -> dict[str, Any]:
     import torch
     from transformers import GPT2LMHeadModel
 
-    import hf_lowprec
     from hf_lowprec.data import build_tokenizer, clm_datasets, tiny_gpt2_config
+    from hf_lowprec.testing import checked_strategy
 
     tokenizer = build_tokenizer()
     train, held_out = clm_datasets(tokenizer, block_size=64)
@@ -383,7 +382,7 @@ def fidelity_run(name: str, device: str, steps: int) -> dict[str, Any]:
     config = tiny_gpt2_config(len(tokenizer), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     # On CPU the eager reference step: the native and compiled CPU steps give its bits, and it
     # builds nothing first (a native build would take the CPU half's whole budget).
-    strategy = hf_lowprec.get_strategy(name, **({"fused": "reference"} if device == "cpu" else {}))
+    strategy = checked_strategy(name, **({"fused": "reference"} if device == "cpu" else {}))
     model = strategy.prepare_model(GPT2LMHeadModel(config).to(device))
     optimizer = strategy.create_optimizer(model.parameters(), lr=2e-3, weight_decay=0.01)
     warmup = max(1, steps // 20)

@@ -119,20 +119,29 @@ def write_predictions(bundle: Path, sections: dict[str, tuple[str, bool, list[st
     here, where CPU time costs no device time. Rows the ledger cannot count are left out."""
     from hf_lowprec.planning.counting import count_scaled
     from hf_lowprec.planning.gpus import GPUS
-    from hf_lowprec.planning.models import quiet
+    from hf_lowprec.planning.models import quiet, rule_options
     from hf_lowprec.planning.roofline import predict
 
     found: dict[str, dict[str, dict[str, float]]] = {}
     for section, (model, compiled, rows) in sections.items():
         for row in rows:
-            try:  # the device check's steps do not clip
-                with quiet():
-                    count = count_scaled(row, model, (4, 2048), compiled_layers=compiled, clip=None)
-            except Exception as error:  # a row the ledger cannot count has no prediction
-                print(f"predictions: {section} {row}: {type(error).__name__}", file=sys.stderr)
-                continue
+            counts: dict[str, object] = {}
             for gpu in ("h100", "h200"):
-                found.setdefault(section, {}).setdefault(gpu, {})[row] = round(predict(count, GPUS[gpu]).step * 1e3, 1)
+                # FP8-LM keeps in BF16 what FP8 would not speed up on the GPU it runs on: counted
+                # per GPU; another strategy's step is the same on both.
+                key = gpu if rule_options(row, GPUS[gpu]) else ""
+                try:  # the device check's steps do not clip
+                    if key not in counts:
+                        with quiet():
+                            counts[key] = count_scaled(
+                                row, model, (4, 2048), compiled_layers=compiled, clip=None, gpu=GPUS[gpu]
+                            )
+                except Exception as error:  # a row the ledger cannot count has no prediction
+                    print(f"predictions: {section} {row}: {type(error).__name__}", file=sys.stderr)
+                    break
+                found.setdefault(section, {}).setdefault(gpu, {})[row] = round(
+                    predict(counts[key], GPUS[gpu]).step * 1e3, 1
+                )
     (bundle / PREDICTIONS).write_text(json.dumps(found, indent=1))
 
 

@@ -7,12 +7,14 @@ what ships in the package (`hf_lowprec.runner`). Maintainer tools live in the re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from .hardware import gpu_named
 from .planning.models import MODELS, memory_plan, model_config, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
@@ -82,12 +84,22 @@ def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
         parser.error(f"--out {out} is not writable ({error.strerror or error}); pick another directory")
 
 
+def _batch(parser: argparse.ArgumentParser, batch: str) -> tuple[int, int]:
+    """(sequences, tokens each) from --batch, or the parser's error."""
+    try:
+        sequences, tokens = (int(v) for v in batch.lower().split("x"))
+        if sequences < 1 or tokens < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--batch must be SEQUENCESxTOKENS with both positive, e.g. 4x2048; got {batch!r}")
+    return sequences, tokens
+
+
 def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """`hf-lowprec plan`: every input checked before any counting starts."""
     import json
 
-    from .planning.counting import ANCHOR
-    from .planning.gpus import gpu_named
+    from .planning.counting import ANCHOR, PEERS
     from .planning.plan import calibration_lines, format_plan, plan_rows
 
     for flag, value in (("--link-gbps", ns.link_gbps), ("--network-gbps", ns.network_gbps)):
@@ -99,19 +111,16 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         gpu = gpu_named(ns.gpu, **numbers)
     except ValueError as error:
         parser.error(str(error))
-    try:
-        sequences, tokens = (int(v) for v in ns.batch.lower().split("x"))
-        if sequences < 1 or tokens < 1:
-            raise ValueError
-    except ValueError:
-        parser.error(f"--batch must be SEQUENCESxTOKENS with both positive, e.g. 4x2048; got {ns.batch!r}")
+    sequences, tokens = _batch(parser, ns.batch)
     if ns.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {ns.gpus}")
     names = [ANCHOR, *available_strategies()] if ns.strategies is None else [s for s in ns.strategies.split(",") if s]
     if not names:
         parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
-    if [n for n in names if n != ANCHOR]:
-        _check_strategy_names(parser, ",".join(n for n in names if n != ANCHOR))
+    if [n for n in names if n not in PEERS]:
+        _check_strategy_names(parser, ",".join(n for n in names if n not in PEERS))
+    if "torchao-float8" in names and importlib.util.find_spec("torchao") is None:
+        parser.error("--strategies torchao-float8 counts torchao's float8 training: pip install torchao first")
     with quiet():
         rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
     if ns.json:
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status.
 
     hf-lowprec list                                  every strategy, what it does, bytes/param, needs
-    hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S]
+    hf-lowprec memory --model gpt2 [--strategies a,b] [--world-size N --zero-stage S] [--gpu h100 --batch 4x2048]
     hf-lowprec plan --model llama-3-70b --batch 8x8192 --gpu h100 [--gpus 64 --engine fsdp2] [--json]
     hf-lowprec compare --strategies bf16-pure,collage-plus [--recipe pretrain_clm] [--seeds 0,1] [--out DIR]
     hf-lowprec launch [--precision_strategy NAME] [--precision_options JSON] -- COMMAND...
@@ -146,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--strategies", default=None, help="comma-separated names (default: all)")
     mem.add_argument("--world-size", type=int, default=1)
     mem.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    mem.add_argument(
+        "--gpu", default=None, help="h100, h200, b200 or a100: FP8 keeps in BF16 what it would not speed up there"
+    )
+    mem.add_argument("--batch", default="4x2048", help="per-GPU batch with --gpu: SEQUENCESxTOKENS (default 4x2048)")
 
     plan = sub.add_parser(
         "plan", help="predicted step time, memory and traffic per strategy on a named GPU (docs/planning.md)"
@@ -218,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             mem.error("--world-size must be >= 1")
         try:
             model_config(ns.model)
+            gpu = None if ns.gpu is None else gpu_named(ns.gpu)
         except ValueError as error:
             mem.error(str(error))
-        _print_memory(
-            memory_plan(ns.model, names, ns.world_size, ns.zero_stage), ns.model, ns.world_size, ns.zero_stage
-        )
+        sequences, tokens = _batch(mem, ns.batch)
+        rows = memory_plan(ns.model, names, ns.world_size, ns.zero_stage, gpu, sequences * tokens)
+        _print_memory(rows, ns.model, ns.world_size, ns.zero_stage)
         return 0
     if ns.command == "plan":
         return _plan(plan, ns)

@@ -205,6 +205,9 @@ def describe(
             "converted_layers": fp8_layers,
             "experts": fp8_experts,
             "skipped": skipped,
+            "rule": model.__dict__.get(
+                "fp8_rule", ""
+            ),  # where FP8 pays (`fp8.payoff`), or why every layer is converted
             # Per token, LM head and routers left out (`fp8.experts.weight_gemm_share`).
             "weight_gemm_share": round(share["share"], 4),
             "experts_gemm_share": round(share["experts_share"], 4),
@@ -392,6 +395,8 @@ def format_report(report: dict[str, Any]) -> str:
     fp8 = report["fp8"]
     if fp8["converted"] or fp8["skipped"]:
         lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
+        if fp8.get("rule"):
+            lines.append(f"    rule: {fp8['rule']}")
         for name, reason in fp8["skipped"].items():
             lines.append(f"    kept {name}: {reason}")
     if fp8.get("experts"):

@@ -14,6 +14,7 @@ from .comm import (
 from .convert import convert_to_fp8
 from .gradients import GradientAutoScaler, quantize_gradient
 from .linear import FP8Linear, fp8_gemm_path, fp8_linear, set_fp8_gemm_path
+from .payoff import PayoffRule, payoff_rule
 from .scaled import (
     FORMATS,
     ScaledTensor,
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_owned_fp8",
     "FP8Linear",
     "GradientAutoScaler",
+    "PayoffRule",
     "ScaledTensor",
     "convert_to_fp8",
     "count_saturated",
@@ -47,6 +49,7 @@ __all__ = [
     "fp8_allreduce_hook",
     "fp8_gemm_path",
     "fp8_linear",
+    "payoff_rule",
     "get_master_scale",
     "pow2_scale",
     "postscale_allreduce",

@@ -17,6 +17,7 @@ from torch import nn
 from .experts import convert_experts
 from .gemm import GEMM_MULTIPLE
 from .linear import FP8Linear
+from .payoff import PayoffReason, PayoffRule
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
 __all__ = ["ModuleFilter", "conv1d_class", "convert_to_fp8", "default_skips", "is_gemm_layer"]
@@ -41,10 +42,11 @@ def is_gemm_layer(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, FP8Linear)) or (conv1d is not None and isinstance(module, conv1d))
 
 
-def default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str]:
-    """id(module) → reason, for the LM head, layers whose weight is an embedding's and GEMMs
-    with both dimensions below `min_gemm_features`."""
+def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule | None = None) -> dict[int, str]:
+    """id(module) → reason, for the LM head, layers whose weight is an embedding's, GEMMs with
+    both dimensions below `min_gemm_features`, and (with a `rule`) layers FP8 would not speed up."""
     skips: dict[int, str] = {}
+    conv1d = conv1d_class()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.Embedding) or weight is None or weight.dim() != 2:
@@ -55,6 +57,11 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0) -> dict[int, str
                 f"its GEMM is too small to gain from FP8 ({rows}×{cols} weight, both dimensions "
                 f"below min_gemm_features={min_gemm_features})"
             )
+        elif rule is not None and is_gemm_layer(module):
+            k, n = weight.shape if conv1d is not None and isinstance(module, conv1d) else weight.shape[::-1]
+            payoff = rule.linear(k, n)
+            if not payoff.pays:
+                skips[id(module)] = rule.reason(payoff)
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -75,6 +82,7 @@ def convert_to_fp8(
     margin: int = 0,
     recipe: str | ScalingRecipe = "tensorwise",
     min_gemm_features: int = 0,
+    rule: PayoffRule | None = None,
 ) -> nn.Module:
     """Swap `nn.Linear` and GPT-2 `Conv1D` layers for `FP8Linear`, and give every fused experts
     module (transformers' MoE blocks) FP8 grouped GEMMs, in place; returns `model`.
@@ -89,6 +97,9 @@ def convert_to_fp8(
         min_gemm_features: default filter: a layer whose in_features and out_features are both
             below this keeps high precision (its GEMM is too small for FP8 to gain: the casts
             cost more than the faster GEMM saves, as torchtitan's auto filter reasons). 0: off.
+        rule: default filter: keep in high precision each layer and experts module whose
+            training GEMMs would not run faster in FP8, casts included, on the rule's GPU
+            (`payoff.payoff_rule`; docs/strategies/fp8-lm.md, "Where FP8 pays"). None: off.
 
     Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA) and of
     the recipe's blocks (128 for blockwise, 32 for mxfp8: no partial block along a weight's
@@ -103,7 +114,7 @@ def convert_to_fp8(
     if module_filter is not None and not callable(module_filter):
         raise ValueError(f"module_filter must be a callable filter(module, fqn) -> bool, got {module_filter!r}")
     conv1d = conv1d_class()
-    skips = default_skips(model, min_gemm_features) if module_filter is None else {}
+    skips = default_skips(model, min_gemm_features, rule) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
     skipped: dict[str, str] = {}
     for fqn, module in model.named_modules():
@@ -130,7 +141,8 @@ def convert_to_fp8(
                 )
                 reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
         if reason is not None:
-            logger.warning("FP8: skipped layer %s: %s", name, reason)
+            log = logger.info if isinstance(reason, PayoffReason) else logger.warning
+            log("FP8: skipped layer %s: %s", name, reason)
             skipped[name] = reason
             continue
         swaps.append((fqn, module))
@@ -143,7 +155,9 @@ def convert_to_fp8(
     logger.info("FP8: converted %d layers to FP8Linear", len(swaps))
     # The experts' fused 3-D weights: the same filter, recipe and margin (the router is no
     # experts module and keeps high precision).
-    experts, experts_skipped = convert_experts(model, config=config, module_filter=module_filter)
+    experts, experts_skipped = convert_experts(
+        model, config=config, module_filter=module_filter, rule=rule if module_filter is None else None
+    )
     skipped.update(experts_skipped)
     # Read by the startup report (hf_lowprec.report.describe): which layers stayed high precision and why.
     model.__dict__.setdefault("fp8_skipped_layers", {}).update(skipped)

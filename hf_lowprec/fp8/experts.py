@@ -32,6 +32,7 @@ from .grouped import (  # noqa: F401  (the grouped GEMM's names, importable from
     quantize_rows,
     token_groups,
 )
+from .payoff import PayoffReason, PayoffRule
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
@@ -205,6 +206,7 @@ def convert_experts(
     recipe: str | ScalingRecipe = "tensorwise",
     margin: int = 0,
     module_filter: Callable[[nn.Module, str], bool] | None = None,
+    rule: PayoffRule | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Give every experts module of `model` FP8 grouped GEMMs, in place.
 
@@ -217,7 +219,8 @@ def convert_experts(
     gpt-oss's clamped GLU), activation and post-expert norm stay as they are.
 
     Returns (converted module names, {skipped name: reason}). A module whose weights are not
-    multiples of 16 and of the recipe's blocks keeps its own forward, with the reason logged.
+    multiples of 16 and of the recipe's blocks keeps its own forward, with the reason logged, as
+    does one whose grouped GEMMs FP8 would not speed up on `rule`'s GPU (`payoff.PayoffRule`).
     """
     config = config or fp8_config(recipe, margin)
     multiple = config.recipe.dim_multiple
@@ -231,8 +234,11 @@ def convert_experts(
             skipped[name] = "rejected by module_filter"
             continue
         reason = _refusal(module, multiple, config.recipe.name)
+        if reason is None and rule is not None and not (payoff := rule.experts(module)).pays:
+            reason = rule.reason(payoff)
         if reason is not None:
-            logger.warning("FP8: kept experts %s in high precision: %s", name, reason)
+            log = logger.info if isinstance(reason, PayoffReason) else logger.warning
+            log("FP8: kept experts %s in high precision: %s", name, reason)
             skipped[name] = reason
             continue
         module.__class__ = _fp8_class(type(module))

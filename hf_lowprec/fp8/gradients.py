@@ -183,17 +183,6 @@ class GradientAutoScaler:
             self._flagged[id(unless)] = (flag, counts, sizes + int(total))
         self._recorded = True
 
-    def _tally(self) -> tuple[torch.Tensor | int, torch.Tensor | int]:
-        """(clipped elements, elements) of this step; a quantization recorded with a set flag
-        counts for neither. Exact integers summed (in FP64 for the flagged sizes, < 2^53)."""
-        saturated: torch.Tensor | int = _sum(self._counts)
-        total: torch.Tensor | int = self._sizes
-        for flag, counts, sizes in self._flagged.values():
-            keep = flag == 0
-            saturated = saturated + torch.where(keep, _sum(counts), 0)
-            total = total + keep.double() * sizes
-        return saturated, total
-
     @property
     def pending(self) -> bool:
         """True when counts were recorded since the last `update` (known on the host)."""
@@ -205,34 +194,13 @@ class GradientAutoScaler:
 
         `unless`: a 0-dim device flag; where it is nonzero μ and the counters stay as they are.
         """
-        mu, clean = self._mu, self._clean_steps
-        saturated, total = self._tally()
+        tally = (self._counts, self._sizes, list(self._flagged.values()))
         self._counts, self._sizes, self._flagged, self._recorded = [], 0, {}, False
-        if torch.is_tensor(total):
-            share = torch.where(total > 0, saturated / total, 0.0)
-        elif torch.is_tensor(saturated) and total:
-            share = saturated.double() / total
-        else:  # plain numbers: no tensor to move to the device
-            share = torch.full_like(self._last_share, saturated / total if total else 0.0)
-        over = share > self.threshold
-        counted = torch.where(over, 0, clean + 1)
-        grow = counted >= self.interval
-        new_mu = torch.where(
-            over,
-            (mu / 2.0).clamp(min=self.min_mu),
-            torch.where(grow, (mu * 2.0).clamp(max=self.max_mu), mu),
-        )
-        new_clean = torch.where(grow, 0, counted)
-        if unless is not None:
-            skip = unless != 0
-            new_mu, new_clean, share = (
-                torch.where(skip, old, new)
-                for old, new in ((mu, new_mu), (clean, new_clean), (self._last_share, share))
-            )
-        mu.copy_(new_mu)
-        clean.copy_(new_clean)
-        self._last_share.copy_(share)
-        return new_mu
+        state = (self._mu, self._clean_steps, self._last_share)
+        limits = (self.threshold, self.interval, self.min_mu, self.max_mu)
+        if takes_gpu_path(self._mu.device):  # one compiled graph, where it was a chain of ~25 scalar kernels
+            return run_fused(_mu_update, *state, *tally, unless, *limits, like=self._mu)
+        return _mu_update(*state, *tally, unless, *limits)
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -251,6 +219,61 @@ class GradientAutoScaler:
         return (
             f"GradientAutoScaler(mu={float(self._mu)}, clean_steps={int(self._clean_steps)}, interval={self.interval})"
         )
+
+
+def _tally(
+    counts: list[torch.Tensor | int], sizes: int, flagged: list[tuple[torch.Tensor, list, int]]
+) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """(clipped elements, elements) of a step; a quantization recorded with a set flag counts
+    for neither. Exact integers summed (in FP64 for the flagged sizes, < 2^53)."""
+    saturated: torch.Tensor | int = _sum(counts)
+    total: torch.Tensor | int = sizes
+    for flag, flagged_counts, flagged_sizes in flagged:
+        keep = flag == 0
+        saturated = saturated + torch.where(keep, _sum(flagged_counts), 0)
+        total = total + keep.double() * flagged_sizes
+    return saturated, total
+
+
+def _mu_update(
+    mu: torch.Tensor,
+    clean: torch.Tensor,
+    last_share: torch.Tensor,
+    counts: list[torch.Tensor | int],
+    sizes: int,
+    flagged: list[tuple[torch.Tensor, list, int]],
+    unless: torch.Tensor | None,
+    threshold: float,
+    interval: int,
+    min_mu: float,
+    max_mu: float,
+) -> torch.Tensor:
+    """FP8-LM's rule on the device state (μ, clean steps, last share), in place, from a step's
+    tally (`_tally`): a saturated share above `threshold` halves μ (down to `min_mu`) and restarts the count; `interval` clean
+    steps in a row double it (up to `max_mu`); a set `unless` flag keeps all three. Returns μ."""
+    saturated, total = _tally(counts, sizes, flagged)
+    if torch.is_tensor(total):
+        share = torch.where(total > 0, saturated / total, 0.0)
+    elif torch.is_tensor(saturated) and total:
+        share = saturated.double() / total
+    else:  # plain numbers: no tensor to move to the device
+        share = torch.full_like(last_share, saturated / total if total else 0.0)
+    over = share > threshold
+    counted = torch.where(over, 0, clean + 1)
+    grow = counted >= interval
+    new_mu = torch.where(over, (mu / 2.0).clamp(min=min_mu), torch.where(grow, (mu * 2.0).clamp(max=max_mu), mu))
+    new_clean = torch.where(grow, 0, counted)
+    if unless is not None:
+        skip = unless != 0
+        new_mu, new_clean, share = (
+            torch.where(skip, old, new) for old, new in ((mu, new_mu), (clean, new_clean), (last_share, share))
+        )
+    mu.copy_(new_mu)
+    clean.copy_(new_clean)
+    # Through a 1-element view: Inductor's CPU kernels (torch 2.13) lose an in-place write to a
+    # 0-dim FP64 input (tests/fp8/test_gradients.py holds the compiled path to the eager bits).
+    last_share.view(1).copy_(share.view(1))
+    return new_mu
 
 
 def _sum(counts: list[torch.Tensor | int]) -> torch.Tensor | int:

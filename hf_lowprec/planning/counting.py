@@ -22,6 +22,8 @@ from .ledger import Ledger, PhaseCounts
 
 __all__ = [
     "ANCHOR",
+    "PEERS",
+    "TORCHAO",
     "StepCount",
     "blocks_of",
     "count_scaled",
@@ -130,6 +132,10 @@ def _compiled_layers(model: torch.nn.Module, ledger: list[Any]) -> Iterator[None
 
 
 ANCHOR = "torch-amp"
+# torchao's float8 training (tensorwise, LM head kept), under the anchor's autocast and fused
+# AdamW, as the device check's `e2e` row runs it; counted where torchao is installed.
+TORCHAO = "torchao-float8"
+PEERS = (ANCHOR, TORCHAO)
 
 
 class _TorchAMP:
@@ -173,6 +179,19 @@ class _TorchAMP:
         return Stepper()
 
 
+class _TorchAOFloat8(_TorchAMP):
+    """The torchao peer: `convert_to_float8_training` (tensorwise) on every linear layer but the
+    LM head, then the anchor's recipe."""
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as error:
+            raise ValueError(f"the {TORCHAO} row needs torchao (pip install torchao): {error}") from error
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        return convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head")
+
+
 def count_step(
     name: str,
     model: str,
@@ -181,11 +200,14 @@ def count_step(
     compiled_layers: bool = True,
     clip: float | None = 1.0,
     warmup: int = 1,
+    gpu: Any = None,
     **options: Any,
 ) -> StepCount:
     """The ledger of one steady step (after `warmup`) of strategy `name` on `model` (a name of
     `planning.models.MODELS` or a config.json) at `layers` decoder layers (the config's unset),
-    `batch` = (sequences, tokens each), gradients clipped to `clip` as the Trainer clips."""
+    `batch` = (sequences, tokens each), gradients clipped to `clip` as the Trainer clips. With a
+    `gpu` (a `hardware.GPU`), FP8 strategies keep in BF16 what FP8 would not speed up there, as
+    they do when they run on it (`models.rule_options`)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.nn import Parameter
     from torch.utils import _foreach_utils
@@ -193,8 +215,9 @@ def count_step(
     import hf_lowprec
     from hf_lowprec.fp8.gemm import forced_fp8_gemm_path, set_fp8_gemm_path
 
-    from .models import build_model, model_config
+    from .models import build_model, model_config, rule_options
 
+    options = {**rule_options(name, gpu, batch[0] * batch[1]), **options}
     config, _ = model_config(model)
     overrides: dict[str, Any] = {"use_cache": False}
     if layers is not None:
@@ -219,7 +242,8 @@ def count_step(
             # The FP8 weight cache keys on the weight's data pointer, which a fake tensor reads
             # with a deprecation warning: harmless here (the cache holds for the counted steps).
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            strategy = _TorchAMP() if name == ANCHOR else hf_lowprec.get_strategy(name, **options)
+            peers = {ANCHOR: _TorchAMP, TORCHAO: _TorchAOFloat8}
+            strategy = peers[name]() if name in peers else hf_lowprec.get_strategy(name, **options)
             built = strategy.prepare_model(build_model(model, device="cpu", **overrides))
             optimizer = strategy.create_optimizer(
                 [p for p in built.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01

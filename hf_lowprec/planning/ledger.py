@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compiling import current_compiled_region
@@ -48,6 +49,7 @@ _REDUCTIONS = {
     "sum", "amax", "amin", "aminmax", "max", "min", "mean", "norm", "linalg_vector_norm", "var", "std",
     "var_mean", "std_mean", "any", "all", "argmax", "argmin", "prod", "_foreach_norm", "_foreach_max",
 }  # fmt: skip
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 _ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
 
@@ -220,6 +222,10 @@ class Ledger(PhasedMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(t not in _PLAIN for t in types):
+            # A tensor subclass (torchao's float8 tensors): its own dispatch runs first, and the
+            # operations it runs on its plain inner tensors come back here to be counted.
+            return NotImplemented
         if func in _SYNCS:
             self._syncs[self._phase] += 1
             tensor = args[0]

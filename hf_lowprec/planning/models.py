@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch
 
 from ..strategies.registry import get_strategy
 
-__all__ = ["MODELS", "build_model", "memory_plan", "model_config", "quiet"]
+__all__ = ["MODELS", "build_model", "memory_plan", "model_config", "quiet", "rule_options"]
 
 
 @contextlib.contextmanager
@@ -190,18 +191,35 @@ def build_model(model: str, device: Any = "meta", **overrides: Any) -> torch.nn.
         return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
 
 
-def memory_plan(model: str, strategies: list[str], world_size: int = 1, zero_stage: int = 0) -> list[dict[str, Any]]:
+def rule_options(name: str, gpu: Any = None, tokens: int = 8192) -> dict[str, Any]:
+    """The options that make strategy `name` keep in BF16 what FP8 would not speed up on `gpu`
+    (a `hardware.GPU`) at `tokens` a micro-batch, as it does when it runs there ({} for a
+    strategy without the rule, or no `gpu`)."""
+    from ..hardware import GPUS
+    from ..strategies.registry import REGISTRY
+
+    if gpu is None or name not in REGISTRY:
+        return {}
+    fields = {f.name for f in dataclasses.fields(REGISTRY[name][0].Options)}
+    key = next((k for k, g in GPUS.items() if g.name == gpu.name), "")
+    return {"fp8_gpu": key, "fp8_tokens": tokens} if key and {"fp8_gpu", "fp8_tokens"} <= fields else {}
+
+
+def memory_plan(
+    model: str, strategies: list[str], world_size: int = 1, zero_stage: int = 0, gpu: Any = None, tokens: int = 8192
+) -> list[dict[str, Any]]:
     """Model-state memory per strategy for `model`, planned on the meta device (no weights allocated).
 
     Each strategy prepares the meta model and builds its optimizer; the optimizer's own state
     initialisers give the state tensors (`hf_lowprec.report.plan_model_state`). With ZeRO, the
-    per-rank share follows `hf_lowprec.report.zero_per_rank`.
+    per-rank share follows `hf_lowprec.report.zero_per_rank`. With a `gpu`, FP8 strategies keep
+    in BF16 what FP8 would not speed up there at `tokens` a micro-batch (`rule_options`).
     """
     from ..report import plan_model_state, zero_per_rank
 
     rows = []
     for name in strategies:
-        strategy = get_strategy(name)
+        strategy = get_strategy(name, **rule_options(name, gpu, tokens))
         with quiet("hf_lowprec.fp8"):  # skipped-layer warnings, once per strategy
             prepared = strategy.prepare_model(build_model(model))
         optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)

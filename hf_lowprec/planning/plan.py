@@ -14,9 +14,9 @@ import torch
 
 from ..strategies.registry import get_strategy
 from .communication import communication
-from .counting import ANCHOR, count_scaled
+from .counting import ANCHOR, PEERS, TORCHAO, count_scaled
 from .gpus import GPU, MEASURED
-from .models import memory_plan, model_config, quiet
+from .models import memory_plan, model_config, quiet, rule_options
 from .roofline import predict, predict_measured
 
 __all__ = ["GPU_PREVIEW", "calibration_lines", "format_plan", "gpu_preview", "plan_rows"]
@@ -27,16 +27,28 @@ _PREVIEW = ("gpt2", (8, 1024), "h100")
 GPU_PREVIEW = "GPT-2 124M, batch 8×1024, eager, one H100"
 
 
-def _kept_in_bf16(name: str, model: str) -> list[str]:
-    """Linear layers an FP8 strategy keeps in high precision on `model` (its LM head, small layers)."""
+def _kept_in_bf16(name: str, model: str, options: dict[str, Any]) -> list[str]:
+    """Layers (and experts modules) an FP8 strategy keeps in high precision on `model`: its LM
+    head, layers FP8 would not speed up (`options`: the rule's GPU and tokens), small ones."""
+    from ..fp8.experts import FP8Experts
+    from ..grouped_experts import is_experts_module
     from .counting import layer_overrides
     from .models import build_model
 
+    if name == TORCHAO:  # the peer converts every linear layer but the LM head
+        return ["lm_head"]
     if name == ANCHOR or not name.startswith(("fp8", "coat")):
         return []
     with quiet("hf_lowprec.fp8"):
-        prepared = get_strategy(name).prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
-    return sorted({n.split(".")[-1] for n, m in prepared.named_modules() if type(m) is torch.nn.Linear})
+        strategy = get_strategy(name, **options)
+        prepared = strategy.prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
+    return sorted(
+        {
+            n.split(".")[-1]
+            for n, m in prepared.named_modules()
+            if type(m) is torch.nn.Linear or (is_experts_module(m) and not isinstance(m, FP8Experts))
+        }
+    )
 
 
 def _wire_bytes(name: str, engine: str) -> tuple[float, float]:
@@ -44,7 +56,7 @@ def _wire_bytes(name: str, engine: str) -> tuple[float, float]:
     `engine`: DDP all-reduces gradients in their dtype (1 B with FP8-LM's FP8 all-reduce hook);
     FSDP2 reduces in its policy's `reduce_dtype` and gathers in its `param_dtype` (E4M3 for
     FP8-LM's FP8 weights); ZeRO-2 reduces and gathers in the parameters' dtype."""
-    if name == ANCHOR:  # FP32 weights: FP32 gradients; FSDP2 as torch users set it (BF16 gather)
+    if name in PEERS:  # FP32 weights: FP32 gradients; FSDP2 as torch users set it (BF16 gather)
         return 4.0, 2.0 if engine == "fsdp2" else 4.0
     strategy = get_strategy(name)
     width = torch.empty((), dtype=strategy.param_dtype).element_size()
@@ -69,19 +81,20 @@ def plan_rows(
     engine: str = "ddp",
     compiled_layers: bool = False,
 ) -> list[dict[str, Any]]:
-    """One row per strategy (the anchor `ANCHOR` may be among them): predictions on `gpu` for a
+    """One row per strategy (the peers `PEERS` may be among them): predictions on `gpu` for a
     per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`."""
     model_config(model)
     memory = {}
     # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
-    names = list(dict.fromkeys(BASELINE if n == ANCHOR else n for n in strategies))
-    for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0):
+    names = list(dict.fromkeys(BASELINE if n in PEERS else n for n in strategies))
+    tokens = batch[0] * batch[1]
+    for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0, gpu, tokens):
         memory[row["strategy"]] = row
     rows = []
     for name in strategies:
-        count = count_scaled(name, model, batch, compiled_layers=compiled_layers)
+        count = count_scaled(name, model, batch, compiled_layers=compiled_layers, gpu=gpu)
         predicted = predict(count, gpu)
-        state = memory[BASELINE if name == ANCHOR else name]
+        state = memory[BASELINE if name in PEERS else name]
         params = state["num_params"]
         per_gpu = _state_per_gpu(state, engine, gpus)
         grads, weights = _wire_bytes(name, engine)
@@ -110,7 +123,7 @@ def plan_rows(
                 "peak_gib": peak / 2**30,
                 "sent_gb": traffic.bytes / 1e9,
                 "limit": limit,
-                "kept_in_bf16": _kept_in_bf16(name, model),
+                "kept_in_bf16": _kept_in_bf16(name, model, rule_options(name, gpu, tokens)),
                 "fits": peak <= gpu.memory,
             }
         )
@@ -127,7 +140,7 @@ def gpu_preview(strategies: list[str]) -> dict[str, float]:
 
     model, batch, gpu = _PREVIEW
     with quiet():
-        counts = {name: count_scaled(name, model, batch, compiled_layers=False) for name in strategies}
+        counts = {name: count_scaled(name, model, batch, compiled_layers=False, gpu=GPUS[gpu]) for name in strategies}
     return {name: predict(count, GPUS[gpu]).step * 1e3 for name, count in counts.items()}
 
 

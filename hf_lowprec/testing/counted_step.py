@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,17 @@ def moe(n_layer: int, seed: int = 0) -> torch.nn.Module:
 MODELS = {"gpt2": gpt2, "moe": moe}
 
 
+def checked_strategy(name: str, **options: Any) -> Any:
+    """Strategy `name` as the checks build it: FP8-LM converts every eligible layer
+    (`fp8_layers="all"`), so their tiny models run the FP8 paths on a GPU too, where the rule of
+    `hf_lowprec.fp8.payoff` would keep layers that small in BF16."""
+    import hf_lowprec
+    from hf_lowprec.strategies.registry import strategy_class
+
+    fields = {f.name for f in dataclasses.fields(strategy_class(name)[0].Options)}
+    return hf_lowprec.get_strategy(name, **({"fp8_layers": "all"} if "fp8_layers" in fields else {}), **options)
+
+
 def token_batch(device: str | torch.device = "cpu", seed: int = 1) -> torch.Tensor:
     """A BATCH×SEQ batch of random tokens of the checks' vocabulary, on `device`."""
     generator = torch.Generator().manual_seed(seed)
@@ -110,10 +122,9 @@ def strategy_syncs(
     """(host syncs of the first step, of one steady step after `warmup` steps) of `name` on CPU;
     `sharded`: the model sharded with FSDP2 (`shard_model`; a process group must exist);
     `model`: "gpt2" or "moe" (`MODELS`)."""
-    import hf_lowprec
     from hf_lowprec.engines.fsdp2 import shard_model
 
-    strategy = hf_lowprec.get_strategy(name)
+    strategy = checked_strategy(name)
     built = MODELS[model](n_layer)
     model = shard_model(strategy, built) if sharded else strategy.prepare_model(built)
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -131,9 +142,8 @@ def strategy_compiled_run(name: str, n_layer: int = 2, warmup: int = 2, steady: 
     """`compiled_run` of `name`'s training step with the prepared model wrapped in
     `torch.compile`, as `transformers.TrainingArguments(torch_compile=True)` wraps it (backend "eager": see
     `strategy_graph_breaks`; guards are dynamo's, decided before any backend runs)."""
-    import hf_lowprec
 
-    strategy = hf_lowprec.get_strategy(name, **options)
+    strategy = checked_strategy(name, **options)
     model = strategy.prepare_model(gpt2(n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     compiled = torch.compile(model, backend="eager")
@@ -150,9 +160,8 @@ def strategy_graph_breaks(name: str, n_layer: int = 2, steps: int = 2, model: st
     is the same as under "aot_eager" or "inductor" (measured: bf16-mixed 3 under both "eager"
     and "aot_eager"), at a fraction of the compile time. `model`: "gpt2" or "moe" (`MODELS`).
     """
-    import hf_lowprec
 
-    strategy = hf_lowprec.get_strategy(name)
+    strategy = checked_strategy(name)
     model = strategy.prepare_model(MODELS[model](n_layer))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     compiled = torch.compile(model, backend="eager")

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_lowprec.planning.counting import swap_or_set_data
 
-from .counted_step import BATCH, SEQ, gpt2
+from .counted_step import BATCH, SEQ, checked_strategy, gpt2
 from .syncs import DeviceTraffic
 
 __all__ = ["DEVICE", "fake_cuda", "fake_cuda_step", "fp8_layer_forward_backward", "to_fake_cuda"]
@@ -214,11 +214,10 @@ def fake_cuda_step(name: str, capability: tuple[int, int], n_layer: int = 2, **o
     syncs, "gemm_path": the FP8 GEMM path chosen ("scaled_mm", "upcast", or None without
     FP8 layers), "fp8_layers": how many FP8 layers ran their GEMMs}.
     """
-    import hf_lowprec
     from hf_lowprec.fp8 import FP8Linear, fp8_gemm_path
 
     with fake_cuda(capability):
-        strategy = hf_lowprec.get_strategy(name, **options)
+        strategy = checked_strategy(name, **options)
         model = strategy.prepare_model(to_fake_cuda(gpt2(n_layer)))
         optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
         rows = BATCH * SEQ

@@ -78,16 +78,15 @@ def launches_of(name: str, n_layer: int, warmup: int = 2, clip: float | None = N
     (same bits; nothing is compiled, so counting takes seconds). `clip`: the gradients clipped
     to this norm before the step, as the Trainer does (`max_grad_norm`; phase "clip"). `options`
     go to the strategy."""
-    import hf_lowprec
     from hf_lowprec.fp8.gemm import set_fp8_gemm_path
 
-    from .counted_step import gpt2, strategy_step, token_batch
+    from .counted_step import checked_strategy, gpt2, strategy_step, token_batch
 
     counted = Launches()
     set_fp8_gemm_path("scaled_mm")
     try:
         with torch.compiler.set_stance("force_eager"), gpu_paths():
-            strategy = hf_lowprec.get_strategy(name, **options)
+            strategy = checked_strategy(name, **options)
             model = strategy.prepare_model(gpt2(n_layer))
             optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
             ids = token_batch()

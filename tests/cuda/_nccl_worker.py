@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import hf_lowprec
 from hf_lowprec.fp8 import FP8CommState, GradientAutoScaler, fp8_allreduce_hook
+from hf_lowprec.testing import checked_strategy
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
-    strategy = hf_lowprec.get_strategy("fp8-lm-o1")
+    strategy = checked_strategy("fp8-lm-o1")  # every layer FP8, however small
     model = strategy.prepare_model(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(device))
     local = strategy.prepare_model(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).to(device))
     local.load_state_dict(model.state_dict())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hf_lowprec
+from hf_lowprec.testing import checked_strategy
 from tests.helpers import batches, requires_cuda, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
@@ -21,7 +22,7 @@ CASES = [pytest.param("cpu", name, id=f"cpu-{name}") for name in CPU_SAMPLE] + [
 
 
 def setup(name, device, seed=0):
-    strategy = hf_lowprec.get_strategy(name)
+    strategy = checked_strategy(name)  # FP8-LM: every layer FP8 (the rule would keep a tiny model's in BF16)
     model = strategy.prepare_model(tiny_gpt2(seed).to(device))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
     return strategy, model, optimizer

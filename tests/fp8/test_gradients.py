@@ -1,6 +1,8 @@
 """FP8 gradients with automatic scaling μ (FP8-LM §2.1; docs/algorithms.md §3)."""
 
+import contextlib
 import io
+import itertools
 import math
 
 import pytest
@@ -93,3 +95,38 @@ def test_bad_settings_raise(kwargs, match):
 def test_bad_saved_state_raises():
     with pytest.raises(ValueError, match="mu"):
         GradientAutoScaler().load_state_dict({"mu": float("inf"), "clean_steps": 0})
+
+
+def test_the_gpu_path_updates_mu_in_one_compiled_graph_with_the_eager_bits():
+    """On a GPU the update (tally, share, halving, doubling, a skipped step) is one compiled graph
+    (`compiling.gpu_paths` sends these CPU tensors down that path, and Inductor compiles it for
+    real here): the same μ, clean-step count and share as the eager rule, step by step, over
+    steps that halve μ, double it, and are skipped."""
+    from hf_lowprec.compiling import compiler_missing, gpu_paths
+    from hf_lowprec.testing.launches import Launches
+
+    if compiler_missing("cpu"):
+        pytest.skip(f"no compiler for Inductor's CPU kernels here: {compiler_missing('cpu')}")
+    # (saturated counts of two plain records, of one flagged record, the flag)
+    steps = [(0, 0, 0.0), (7, 0, 0.0), (0, 5, 1.0), (0, 0, 0.0), (0, 0, 0.0), (0, 9, 0.0), (0, 0, 1.0), (1, 0, 0.0)]
+    scalers = {"eager": GradientAutoScaler(init_mu=1.0, interval=2), "gpu": GradientAutoScaler(init_mu=1.0, interval=2)}
+    seen = {"eager": [], "gpu": []}
+    for plain, flagged_count, flag_value in steps:
+        for path, scaler in scalers.items():
+            flag = torch.tensor(flag_value)
+            with gpu_paths() if path == "gpu" else contextlib.nullcontext():
+                scaler.record(torch.tensor(plain), 100_000)
+                scaler.record(torch.tensor(0), 100_000)
+                scaler.record(torch.tensor(flagged_count), 100_000, unless=flag)
+                mu = scaler.update(unless=flag)
+            seen[path].append((mu.item(), scaler.clean_steps, scaler.last_saturated_share))
+    assert seen["gpu"] == seen["eager"]
+    mus = [m for m, _, _ in seen["eager"]]
+    pairs = list(itertools.pairwise(mus))
+    assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs)  # it halved and doubled
+    assert seen["eager"][2] == seen["eager"][1]  # the skipped step kept μ, the count and the share
+    scaler = scalers["gpu"]
+    with gpu_paths(), Launches() as counted:
+        scaler.record(torch.tensor(0), 100_000, unless=torch.tensor(0.0))
+        scaler.update(unless=torch.tensor(0.0))
+    assert (counted.total(), dict(counted.graphs)) == (1, {"step": 1}), counted.summary()

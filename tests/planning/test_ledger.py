@@ -133,6 +133,35 @@ def test_attention_counts_4bhs2d_forward_and_halves_what_a_causal_kernel_skips(c
     assert counts.flops[torch.float32] == int(forward) + int(2.5 * forward)
 
 
+class _Scaled(torch.Tensor):
+    """A wrapper tensor (as torchao's float8 tensors are): each operation on it runs the
+    operation on its inner tensor, then one more (a scale), and wraps the result."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrapped = [a.inner if isinstance(a, _Scaled) else a for a in args]
+        return _Scaled(func(*unwrapped, **(kwargs or {})) * 0.5)
+
+
+def test_a_tensor_subclass_is_counted_by_the_operations_on_its_inner_tensors():
+    """The subclass's own dispatch runs below the ledger: `x * 2 + 1` on it is two operations
+    and two scales, four kernels (counted at the subclass's level it would be two)."""
+
+    def run():
+        return _Scaled(torch.empty(64, 32)) * 2 + 1
+
+    counts, ledger, _ = _counted(run)
+    assert counts.kernels == counts.eager == 4, ledger.ops
+    assert ledger.ops == {("forward", "mul"): 3, ("forward", "add"): 1}
+
+
 def test_a_constant_table_first_built_under_a_fake_mode_is_real():
     @constant
     def table(device: torch.device) -> torch.Tensor:
