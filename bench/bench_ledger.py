@@ -1,20 +1,20 @@
 """The step ledger at the device check's shapes (issues #66, #69; docs/planning.md): per strategy
-and the torch autocast + fused AdamW anchor, kernels launched, GB moved, GEMM TFLOPs by width,
-host syncs, and the predicted H200 step, GPU-bound or host-bound; markdown on stdout.
+and peer (`torch-amp`, `torchao-float8` from build/bench-site), kernels, GB moved, GEMM TFLOPs by
+width, host syncs, and the predicted H200 step, GPU-bound or host-bound; markdown on stdout.
 
     python bench/bench_ledger.py [--strategies a,b] [--gpu h200] [--smoke]
 
-Counted on CPU with fake tensors (nothing is timed): the same on a loaded machine as on an idle
-one. Models: `llama-0.63b` with each decoder layer compiled (the `e2e` section), `qwen3-moe-0.9b`
-eager (the `moe` section), batch 4×2048. `--smoke`: two strategies on the dense model.
+Counted on CPU with fake tensors (not timed: the same on a loaded machine). Models: `llama-0.63b`,
+decoder layers compiled (`e2e`), `qwen3-moe-0.9b` eager (`moe`), batch 4×2048. `--smoke`: two rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
+
+from bench_e2e import ensure_torchao
 
 import hf_lowprec
 from hf_lowprec.planning.counting import ANCHOR, TORCHAO, count_scaled
@@ -26,12 +26,15 @@ SHAPES = (("llama-0.63b", True), ("qwen3-moe-0.9b", False))
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    peers = [ANCHOR] + ([TORCHAO] if importlib.util.find_spec("torchao") else [])  # torchao where installed
+    why_not = ensure_torchao()  # torchao 0.18 in build/bench-site, as bench_e2e.py's compiled table has it
+    peers = [ANCHOR] + ([TORCHAO] if why_not is None else [])
     parser.add_argument("--strategies", default=",".join([*peers, *hf_lowprec.available_strategies()]))
     parser.add_argument("--gpu", default="h200")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     names = [ANCHOR, "fp8-lm-o2"] if args.smoke else args.strategies.split(",")
+    if why_not is not None:
+        print(f"(no {TORCHAO} row: {why_not})")
     gpu = gpu_named(args.gpu)
     logging.getLogger("hf_lowprec").setLevel(logging.ERROR)
     for model, compiled in SHAPES[:1] if args.smoke else SHAPES:

@@ -15,6 +15,7 @@ from .scaled import pow2_scale
 
 __all__ = [
     "gradient_cast",
+    "gradient_cast_into",
     "gradient_roundtrip_",
     "gradients_roundtrip_",
     "tensorwise_cast",
@@ -72,13 +73,17 @@ def _gradient(
     margin: int,
     pending: torch.Tensor | None,
     pending_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if pending is not None:
         # Gradient accumulation: this micro-batch's gradient added to the stored one, in FP32.
         grad = pending.float() / pending_scale + grad
-    scale = pow2_scale(abs_max(grad).float(), dtype, margin) * mu
+    amax = abs_max(grad).float()
+    scale = pow2_scale(amax, dtype, margin) * mu
     payload, saturated = saturate_to_fp8_eager(grad, scale, dtype)
-    return payload, scale, saturated
+    # The payload holds NaN exactly when the amax (which propagates NaN) or the scale (μ at its
+    # ceiling over a subnormal amax overflows it) is not finite: |x·s| ≤ amax·s ≤ max·μ is finite
+    # otherwise, and the saturating cast keeps it so. The step's flag, without a second pass.
+    return payload, scale, saturated, ~(torch.isfinite(amax) & torch.isfinite(scale))
 
 
 def gradient_cast(
@@ -87,19 +92,56 @@ def gradient_cast(
     dtype: torch.dtype,
     margin: int = 0,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(payload, scale, saturated) of the FP8 gradient (`gradients.quantize_gradient`'s rule:
-    s = μ·2^(floor(log2(max/amax)) − margin), saturating cast, clipped count as an int64 tensor);
-    with `pending` (payload, scale) of a gradient stored earlier in the step, of their FP32 sum.
-    `mu`: a 0-dim FP32 tensor on grad's device."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(payload, scale, saturated, nonfinite) of the FP8 gradient (`gradients.quantize_gradient`'s
+    rule: s = μ·2^(floor(log2(max/amax)) − margin), saturating cast, clipped count as an int64
+    tensor, and a 0-dim bool flag: the payload holds NaN); with `pending` (payload, scale) of a
+    gradient stored earlier in the step, of their FP32 sum. `mu`: a 0-dim FP32 tensor on grad's
+    device."""
     grad = grad.detach()
     flat_pending = (None, None) if pending is None else (pending[0].reshape(-1), pending[1].float())
-    payload, scale, saturated = run_fused(_gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, like=grad)
-    return payload.view(grad.shape), scale, saturated
+    payload, scale, saturated, nonfinite = run_fused(
+        _gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, like=grad
+    )
+    return payload.view(grad.shape), scale, saturated, nonfinite
+
+
+def gradient_cast_into(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    into: tuple[torch.Tensor, torch.Tensor],
+    accumulate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gradient_cast` written into `into` = (a contiguous payload buffer of `dtype`, a 0-dim FP32
+    scale buffer) by the same graph, which launches no copy after it; with `accumulate`, of the
+    sum of grad and the gradient the buffers hold. Returns (saturated, nonfinite)."""
+    payload, scale = into
+    if not payload.is_contiguous() or payload.shape != grad.shape:
+        raise ValueError("gradient_cast_into writes a contiguous buffer of the gradient's shape")
+    flat = payload.view(-1)
+    return run_fused(_gradient_into, grad.detach().reshape(-1), mu, dtype, margin, flat, scale, accumulate, like=grad)
+
+
+def _gradient_into(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    payload_buffer: torch.Tensor,
+    scale_buffer: torch.Tensor,
+    accumulate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pending = (payload_buffer, scale_buffer.float()) if accumulate else (None, None)
+    payload, scale, saturated, nonfinite = _gradient(grad, mu, dtype, margin, *pending)
+    payload_buffer.copy_(payload)
+    scale_buffer.view(1).copy_(scale.view(1))  # a 0-dim write through a view (see gradients._mu_update)
+    return saturated, nonfinite
 
 
 def _gradient_roundtrip(grad: torch.Tensor, mu: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    payload, scale, saturated = _gradient(grad, mu, dtype, margin, None, None)
+    payload, scale, saturated, _ = _gradient(grad, mu, dtype, margin, None, None)
     grad.copy_(payload.float() / scale)
     return saturated
 

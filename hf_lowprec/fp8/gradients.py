@@ -8,6 +8,7 @@ A gradient g is stored as an FP8 payload at scale s = μ · 2^(floor(log2(fp8_ma
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from ..compiling import takes_gpu_path
 from ..numerics import nonfinite_flag
 from .cast import nan_flag, nan_flags, run_fused, widen
-from .fused import gradient_cast
+from .fused import gradient_cast, gradient_cast_into
 from .scaled import pow2_scale, quantize, tensor_amax
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "nonfinite", "quantize_gradient", "requantize_gradient"]
@@ -39,7 +40,7 @@ def quantize_gradient(
     """
     if not torch.is_tensor(mu):
         mu = torch.tensor(float(mu), dtype=torch.float32, device=grad.device)
-    return gradient_cast(grad, mu, dtype, margin)
+    return gradient_cast(grad, mu, dtype, margin)[:3]
 
 
 def requantize_gradient(
@@ -321,6 +322,7 @@ class BackwardFP8Gradients:
         self.margin = margin
         self.owner: FP8GradientOwner | None = None
         self._handles: list[Any] = []
+        self._flags: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(param) → (its payload, NaN flag)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Quantize the gradients of `params` in backward (once an owner is set)."""
@@ -333,11 +335,21 @@ class BackwardFP8Gradients:
         if owner is None or param.grad is None or (dist.is_initialized() and dist.get_world_size() > 1):
             return
         grad = param.grad
-        # With gradient accumulation, added to this step's stored gradient: one compiled pass.
+        # With gradient accumulation, added to this step's stored gradient: one compiled pass,
+        # which writes the owner's buffers itself once they exist (no copy launched after it).
         pending = owner.fp8_grad(param)
-        payload, scale, saturated = gradient_cast(grad, self.scaler.mu_for(grad), self.dtype, self.margin, pending)
+        buffers = getattr(owner, "fp8_grad_buffers", None)
+        into = buffers(param, self.dtype) if buffers is not None else None
+        mu = self.scaler.mu_for(grad)
+        if into is not None:
+            saturated, nonfinite = gradient_cast_into(grad, mu, self.dtype, self.margin, into, pending is not None)
+        else:
+            payload, scale, saturated, nonfinite = gradient_cast(grad, mu, self.dtype, self.margin, pending)
+            owner.set_fp8_grad(param, payload, scale)
         self.scaler.record(saturated, grad.numel())
-        owner.set_fp8_grad(param, payload, scale)
+        # Whether the payload now stored holds NaN, from its own cast: `nonfinite` takes it
+        # instead of reading the codes (the owner keeps a copy: the flag is tied to that buffer).
+        self._flags[id(param)] = (weakref.ref(owner.fp8_grad(param)[0]), nonfinite)
         param.grad = None
 
     def stored(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -348,12 +360,26 @@ class BackwardFP8Gradients:
 
     def nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """A 0-dim bool device flag: a stored gradient holds NaN (the saturating cast turns inf
-        into NaN); None when none is stored."""
-        payloads = [payload for payload, _ in self.stored(params)]
-        if not payloads or not takes_gpu_path(payloads[0].device):
-            flags = [nan_flag(payload) for payload in payloads]
-            return torch.stack(flags).any() if flags else None
-        return nan_flags(payloads)
+        into NaN); None when none is stored. A payload this hook stored brings its flag from its
+        cast (one stack for all of them); another is read (`cast.nan_flags`)."""
+        if self.owner is None:
+            return None
+        known, unread = [], []  # flags the casts gave; payloads stored otherwise, read here
+        flags, self._flags = self._flags, {}  # each flag serves the step it was cast in
+        for param in params:
+            stored = self.owner.fp8_grad(param)
+            if stored is None:
+                continue
+            ref, flag = flags.get(id(param), (None, None))
+            if ref is not None and ref() is stored[0]:
+                known.append(flag)
+            else:
+                unread.append(stored[0])
+        if unread and takes_gpu_path(unread[0].device):
+            known.append(nan_flags(unread))
+        else:
+            known += [nan_flag(payload) for payload in unread]
+        return torch.stack(known).any() if known else None
 
     def discard_where(self, flag: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
         """Zero the stored gradients (payload 0, scale 1) where the device flag is set (a skipped

@@ -198,6 +198,7 @@ class FP8LinearFunction(torch.autograd.Function):
         sx: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gemm = gemm_for(x.device, config.gemm_path)
+        x8_t = None
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
             if not config.recipe.whole_tensor:  # the finer recipes' scales and GEMMs
@@ -206,13 +207,21 @@ class FP8LinearFunction(torch.autograd.Function):
                 out, x8, sx = recipe_forward(config, x2, w8, sw, transposed, native)
             else:
                 if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
-                    x8, sx = _quantize_input(x, config.margin)
+                    if isinstance(gemm, ScaledMMGemm) and (weight.requires_grad or grad_sink is not None):
+                        # The weight gradient's GEMM takes x's payload transposed: written by the
+                        # cast's own graph now, where backward would launch a transposing copy.
+                        x8, x8_t, sx = tensorwise_cast_transposed(
+                            x.detach().reshape(-1, x.shape[-1]), E4M3, config.margin
+                        )
+                    else:
+                        x8, sx = _quantize_input(x, config.margin)
                 # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
                 out = fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
             # is rounded once to the output dtype.
             out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
-        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.x_transposed = x8_t is not None  # what is saved: x8ᵀ (K×M, contiguous) instead of x8
+        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw)
         ctx.config = config
         ctx.transposed = transposed
         ctx.x_shape = x.shape
@@ -252,7 +261,9 @@ class FP8LinearFunction(torch.autograd.Function):
                 w_op = gemm.operand(w8.t() if ctx.transposed else w8)
                 grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
             if need_dw:
-                x_op = gemm.operand(x8)
+                # x as (M×K), a view of the saved x8ᵀ where the forward wrote it: the layouts
+                # `torch._scaled_mm` takes, so no copy is made here.
+                x_op = x8.t() if getattr(ctx, "x_transposed", False) else gemm.operand(x8)
                 if ctx.transposed:  # dW (K×N) = xᵀ·dy
                     grad_w = gemm.mm(x_op.t(), sx, g_t.t(), sg)
                 else:  # dW (N×K) = dyᵀ·x

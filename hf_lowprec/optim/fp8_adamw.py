@@ -183,6 +183,18 @@ class FP8AdamW(AdamW):
             state["grad_scale"].copy_(scale)
         self._pending_grads.add(id(param))
 
+    def fp8_grad_buffers(self, param: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The state buffers (payload of `dtype`, FP32 scale) that this step's FP8 gradient of
+        `param` is written into in place, marked as handed over; None before `set_fp8_grad` has
+        made them (the first step) or when they hold another format. Writing into them in the
+        graph that casts the gradient spares the two copies `set_fp8_grad` launches."""
+        state = self.state[param]
+        buffer = state.get("grad")
+        if buffer is None or buffer.dtype != dtype:
+            return None
+        self._pending_grads.add(id(param))
+        return _local(buffer), state["grad_scale"]
+
     def fp8_grad(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's FP8 gradient of `param` as the stored (payload, scale), or None.
 

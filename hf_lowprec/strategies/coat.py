@@ -17,7 +17,8 @@ from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
 from .baselines import bf16_autocast
-from .interface import PrecisionStrategy, StrategyOptions
+from .fp8_rule import FP8RuleOptions
+from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
 
@@ -33,7 +34,7 @@ _METADATA_BYTES = 2 * 12
 
 
 @dataclasses.dataclass(frozen=True)
-class COATOptions(StrategyOptions):
+class COATOptions(FP8RuleOptions):
     """Options of the `coat` strategy; each piece can be switched on its own.
 
     Args:
@@ -43,6 +44,9 @@ class COATOptions(StrategyOptions):
         exp_avg_sq_format: FP8 format of the second moment, "e4m3" (COAT) or "e5m2".
         expand: dynamic range expansion of the states; False is plain per-group FP8.
         group_size: elements per optimizer-state group (COAT: 128).
+
+    With `fp8_layers`, `fp8_gpu` and `fp8_tokens`: which layers FP8 pays for (`FP8RuleOptions`); a
+    layer kept in BF16 keeps its activations in BF16 too, and FP8 states for its weights.
     """
 
     activations: bool = True
@@ -113,7 +117,7 @@ class COAT(PrecisionStrategy):
         if self.bf16_master:
             model = model.to(torch.bfloat16)
         if self.options.activations:
-            compress_activations(convert_to_fp8(model))
+            compress_activations(convert_to_fp8(model, rule=self.options.layer_rule(model)))
         return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:

@@ -23,7 +23,6 @@ from ..fp8 import (
     GradientAutoScaler,
     convert_to_fp8,
     fp8_allreduce_hook,
-    payoff_rule,
     quantize_gradient,
 )
 from ..fp8.cast import unscale_into
@@ -32,10 +31,10 @@ from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
-from ..hardware import GPUS
 from ..optim import FP8AdamW, PlainAdamW
 from .baselines import bf16_autocast
-from .interface import PrecisionStrategy, StrategyOptions
+from .fp8_rule import FP8RuleOptions
+from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
 
@@ -56,7 +55,7 @@ _FSDP2_RECIPE_NOTE = (
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8LMOptions(StrategyOptions):
+class FP8LMOptions(FP8RuleOptions):
     """Options of the FP8-LM strategies.
 
     Args:
@@ -72,13 +71,8 @@ class FP8LMOptions(StrategyOptions):
             activations, 128×128 weights) or "mxfp8" (1×32 blocks, E8M0 scales).
         min_gemm_features: layers whose two dimensions are both below this stay in high
             precision (GEMMs too small to gain from FP8); 0 converts every eligible layer.
-        fp8_layers: "pays": on a GPU with FP8 GEMMs, a layer or experts module whose three
-            training GEMMs would not run faster in FP8, casts included, keeps BF16 (docs/strategies/fp8-lm.md,
-            "Where FP8 pays"; the startup report names each with both times); "all": every
-            eligible layer is converted. Where FP8 is emulated (a CPU) every layer is converted.
-        fp8_gpu: the GPU the rule prices ("h100", "h200", "b200", "a100"); "" (default): the CUDA
-            device this process runs on.
-        fp8_tokens: tokens per micro-batch on each GPU the rule assumes (sequences × length).
+
+    With `fp8_layers`, `fp8_gpu` and `fp8_tokens`: which layers FP8 pays for (`FP8RuleOptions`).
     """
 
     level: Literal["O1", "O2"] = "O2"
@@ -89,9 +83,6 @@ class FP8LMOptions(StrategyOptions):
     exp_avg_sq_format: Literal["fp16", "fp32", "bf16", "e4m3", "e5m2"] = "fp16"
     recipe: ScalingRecipeName = "tensorwise"
     min_gemm_features: int = 0
-    fp8_layers: Literal["pays", "all"] = "pays"
-    fp8_gpu: str = ""
-    fp8_tokens: int = 8192
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,12 +96,6 @@ class FP8LMOptions(StrategyOptions):
             raise ValueError(f"margin must lie in [0, 8] binades, got {self.margin}")
         if self.min_gemm_features < 0:
             raise ValueError(f"min_gemm_features must be >= 0, got {self.min_gemm_features}")
-        if self.fp8_gpu and self.fp8_gpu not in GPUS:
-            raise ValueError(
-                f"fp8_gpu must be one of {sorted(GPUS)} (or '' for this process's GPU), got {self.fp8_gpu!r}"
-            )
-        if self.fp8_tokens < 1:
-            raise ValueError(f"fp8_tokens must be >= 1 (tokens per micro-batch), got {self.fp8_tokens}")
         if self.auto_scale_interval < 1:
             raise ValueError(f"auto_scale_interval must be >= 1, got {self.auto_scale_interval}")
         if not 0.0 <= self.auto_scale_threshold < 1.0:
@@ -254,13 +239,7 @@ class FP8LM(PrecisionStrategy):
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         options = self.options
-        rule, note = (
-            payoff_rule(options.fp8_gpu, options.fp8_tokens)
-            if options.fp8_layers == "pays"
-            else (None, "fp8_layers='all': every eligible layer is converted")
-        )
-        logger.info("FP8: %s", note)
-        model.__dict__["fp8_rule"] = note  # read by the startup report
+        rule = options.layer_rule(model)
         convert_to_fp8(model, config=self.fp8_layer_config, min_gemm_features=options.min_gemm_features, rule=rule)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8

@@ -85,6 +85,46 @@ def test_gradient_cast_compiled_gives_the_reference_bits(fp8, compiled_calls):
 
 @pytest.mark.compiles_step
 @pytest.mark.parametrize("fp8", FP8)
+def test_the_cast_into_the_owners_buffers_gives_gradient_cast_s_bits(fp8, compiled_calls):
+    """O2's hook writes the optimizer's buffers in the cast's own graph: the same payload, scale,
+    count and flag as `gradient_cast` (whose result `set_fp8_grad` copied), first micro-batch
+    and accumulated."""
+    mu = torch.tensor(4.0)
+    for grad in _inputs():
+        want = fused.gradient_cast(grad, mu, fp8, 0)
+        into = (torch.empty(grad.shape, dtype=fp8), torch.tensor(0.0))
+        got = fused.gradient_cast_into(grad, mu, fp8, 0, into, accumulate=False)
+        assert _same((*into, *got), (want[0], want[1], want[2], want[3])), grad
+        want = fused.gradient_cast(grad, mu, fp8, 0, (want[0], want[1]))
+        got = fused.gradient_cast_into(grad, mu, fp8, 0, into, accumulate=True)
+        assert _same((*into, *got), (want[0], want[1], want[2], want[3])), grad
+    assert set(compiled_calls) == {"_gradient", "_gradient_into"}
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("mu", [1.0, 2.0**32])
+def test_the_gradient_cast_flags_exactly_the_payloads_that_hold_nan(fp8, mu):
+    """The step's non-finite flag comes from the cast (FP8-LM O2 reads no payload for it): it
+    equals `cast.nan_flag` of the payload for every input (inf, NaN, zeros, FP32's top, μ at
+    its ceiling, where every finite product saturates), and for a sum with a NaN-holding
+    stored gradient."""
+    mu = torch.tensor(mu)
+    flags = []
+    for grad in _inputs():
+        payload, _, _, nonfinite = fused.gradient_cast(grad, mu, fp8, 0)
+        assert bool(nonfinite) == bool(cast.nan_flag(payload)), grad
+        flags.append(bool(nonfinite))
+        clean = fused.gradient_cast(torch.ones_like(grad, dtype=torch.float32), mu, fp8, 0)[:2]
+        poisoned = (torch.full_like(clean[0], float("nan")), clean[1])  # a NaN code stored earlier
+        for pending in (clean, poisoned):
+            payload, _, _, nonfinite = fused.gradient_cast(grad, mu, fp8, 0, pending)
+            assert bool(nonfinite) == bool(cast.nan_flag(payload)), (grad, pending)
+    # The inf and the NaN inputs; at μ = 2^32 also the subnormal one, whose scale overflows.
+    assert flags.count(True) == (2 if mu == 1.0 else 3)
+
+
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("fp8", FP8)
 def test_every_o1_gradient_in_one_graph_gives_each_ones_bits(fp8, compiled_calls):
     """`gradients_roundtrip_` (FP8-LM O1 on a GPU: one graph for all the gradients) against
     `gradient_roundtrip_` one gradient at a time: the same values written back and the same
@@ -144,7 +184,7 @@ def test_the_references_are_the_scaled_tensor_rules(fp8):
         payload, scale = fused._tensorwise(x, fp8, 1, None)
         want_scale = pow2_scale(tensor_amax(x), fp8, 1)
         assert _same((payload, scale), (quantize(x, want_scale, fp8), want_scale))
-        payload, scale, saturated = fused._gradient(x, mu, fp8, 0, None, None)
+        payload, scale, saturated, _ = fused._gradient(x, mu, fp8, 0, None, None)
         want_scale = pow2_scale(tensor_amax(x), fp8) * mu
         assert _same((payload, saturated, scale), (*quantize_counting(x, want_scale, fp8), want_scale))
         pending = fused._gradient(x * 0.5, mu, fp8, 0, None, None)[:2]

@@ -1,6 +1,7 @@
 """FP8 GEMM paths (scaled_mm, upcast), the layout handed to cuBLASLt, the fused quantization and
 the once-per-step weight cache of FP8Linear (hf_lowprec/fp8/linear.py)."""
 
+import functools
 import logging
 import os
 
@@ -220,6 +221,48 @@ def test_fused_quantization_edges():
         assert payload.float().isnan().all()
     payload, scale = quantize_tensorwise(torch.empty(0, 8), E4M3, 0)
     assert payload.shape == (0, 8) and scale.item() == 1.0
+
+
+def _kept(saved, t):
+    saved.append(t)
+    return t
+
+
+def test_the_weight_gradient_takes_x_transposed_from_the_forward_s_cast(monkeypatch):
+    """On the CUDA path the forward's cast writes x's payload in both layouts and backward saves
+    x8ᵀ, so backward copies at most one FP8 operand: the weight's for dx with nn.Linear's layout
+    (it was two), none with Conv1D's (it was one); what is saved is still one FP8 copy of x. (Copies inside the package's compiled
+    graphs, which run as their eager source under a dispatch mode, are kernels of those graphs.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_lowprec.compiling import current_compiled_region
+
+    class FP8Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            fp8 = args and torch.is_tensor(args[0]) and args[0].dtype in (E4M3, E5M2)
+            copy = func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default)
+            self.copies += bool(fp8 and copy and current_compiled_region() is None)
+            return func(*args, **(kwargs or {}))
+
+    checked, _ = _cublaslt_contract()
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    monkeypatch.setitem(fp8_gemm_module._chosen, ("cpu", None), ScaledMMGemm(pad=True))
+    g = torch.Generator().manual_seed(2)
+    for transposed in (False, True):
+        x = torch.randn(32, 64, generator=g).requires_grad_()
+        w = (torch.randn((64, 48) if transposed else (48, 64), generator=g) * 0.1).requires_grad_()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_kept, saved), lambda t: t):
+            y = fp8_linear(x, w, weight_transposed=transposed)
+        x_saved = [t for t in saved if t.dtype == E4M3 and t.numel() == x.numel()]
+        assert len(x_saved) == 1 and x_saved[0].shape == (64, 32) and x_saved[0].is_contiguous()
+        with FP8Copies() as counted:
+            y.backward(torch.randn(32, 48, generator=g))
+        assert counted.copies == (0 if transposed else 1), (transposed, counted.copies)
 
 
 def test_only_fp8_copies_are_saved_for_backward():

@@ -147,3 +147,16 @@ def test_bad_rule_options_are_refused_by_name(options, message):
     with pytest.raises(ValueError) as error:
         hf_lowprec.get_strategy("fp8-lm-o2", **options)
     assert message in str(error.value)
+
+
+def test_coat_takes_the_same_rule_and_keeps_fp8_states_for_the_kept_layers():
+    strategy = hf_lowprec.get_strategy("coat", fp8_gpu="h100")
+    model = strategy.prepare_model(_Layers())
+    assert isinstance(model.wide, FP8Linear) and type(model.narrow) is nn.Linear
+    assert model.fp8_rule.startswith("FP8 where it pays on H100 SXM")
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    model.narrow(torch.randn(4, 256)).sum().backward()
+    model.wide(torch.randn(4, 4096)).sum().backward()
+    optimizer.step()
+    state = optimizer.state[model.narrow.weight]
+    assert any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in state.values() if torch.is_tensor(t))

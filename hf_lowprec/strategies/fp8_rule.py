@@ -1,0 +1,60 @@
+"""The options of the FP8 layer rule (`hf_lowprec.fp8.payoff`), shared by the strategies that
+convert layers to FP8 (FP8-LM's and COAT): `fp8_layers`, `fp8_gpu`, `fp8_tokens`, checked
+before any work, and `layer_rule`, which reads them when a model is converted
+(docs/strategies/fp8-lm.md, "Where FP8 pays").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+from torch import nn
+
+from ..fp8 import PayoffRule, payoff_rule
+from ..hardware import GPUS
+from .interface import StrategyOptions
+
+__all__ = ["FP8RuleOptions"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8RuleOptions(StrategyOptions):
+    """Which layers an FP8 strategy converts.
+
+    Args:
+        fp8_layers: "pays": on a GPU with FP8 GEMMs, a layer or experts module whose three
+            training GEMMs would not run faster in FP8, casts included, keeps BF16 (the startup
+            report names each with both times); "all": every eligible layer is converted. Where
+            FP8 is emulated (a CPU) every layer is converted.
+        fp8_gpu: the GPU the rule prices ("h100", "h200", "b200", "a100"); "" (default): the CUDA
+            device this process runs on.
+        fp8_tokens: tokens per micro-batch on each GPU the rule assumes (sequences × length).
+    """
+
+    fp8_layers: Literal["pays", "all"] = "pays"
+    fp8_gpu: str = ""
+    fp8_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_gpu and self.fp8_gpu not in GPUS:
+            raise ValueError(
+                f"fp8_gpu must be one of {sorted(GPUS)} (or '' for this process's GPU), got {self.fp8_gpu!r}"
+            )
+        if self.fp8_tokens < 1:
+            raise ValueError(f"fp8_tokens must be >= 1 (tokens per micro-batch), got {self.fp8_tokens}")
+
+    def layer_rule(self, model: nn.Module) -> PayoffRule | None:
+        """The rule to convert `model` with (None: every eligible layer); what it decided is
+        logged and kept for the startup report (`model.fp8_rule`)."""
+        if self.fp8_layers == "pays":
+            rule, note = payoff_rule(self.fp8_gpu, self.fp8_tokens)
+        else:
+            rule, note = None, "fp8_layers='all': every eligible layer is converted"
+        logger.info("FP8: %s", note)
+        model.__dict__["fp8_rule"] = note
+        return rule
