@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument(
         "--gpu", default=None, help="h100, h200, b200 or a100: FP8 keeps in BF16 what it would not speed up there"
     )
-    mem.add_argument("--batch", default="4x2048", help="per-GPU batch with --gpu: SEQUENCESxTOKENS (default 4x2048)")
+    mem.add_argument("--batch", default=None, help="per-GPU batch with --gpu: SEQUENCESxTOKENS (default 4x2048)")
 
     plan = sub.add_parser(
         "plan", help="predicted step time, memory and traffic per strategy on a named GPU (docs/planning.md)"
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu = None if ns.gpu is None else gpu_named(ns.gpu)
         except ValueError as error:
             mem.error(str(error))
-        sequences, tokens = _batch(mem, ns.batch)
+        if ns.batch is not None and gpu is None:
+            mem.error("--batch prices the FP8 layer rule on a GPU: give --gpu too (without it every layer is FP8)")
+        sequences, tokens = _batch(mem, ns.batch or "4x2048")
         rows = memory_plan(ns.model, names, ns.world_size, ns.zero_stage, gpu, sequences * tokens)
         _print_memory(rows, ns.model, ns.world_size, ns.zero_stage)
         return 0

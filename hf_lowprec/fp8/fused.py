@@ -1,8 +1,9 @@
 """One compiled pass per FP8 operand: amax, power-of-two scale and cast (and for a weight gradient
 its accumulation and saturation count) as one graph, on CPU (C++/OpenMP) and CUDA (Triton) alike.
 Run eagerly they are a chain of ~20 small ops per tensor, which on a GPU the host cannot issue as
-fast as the device runs them (docs/benchmarks.md, "Launches per step"). The eager functions here
-are the reference: the compiled graph gives their bits (tests/fp8/test_fused.py).
+fast as the device runs them (docs/benchmarks.md, "Launches per step"); likewise FP8-LM's μ
+update (`mu_update`). The eager functions here are the reference: the compiled graph gives their
+bits (tests/fp8/test_fused.py, tests/fp8/test_gradients.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "gradient_cast_into",
     "gradient_roundtrip_",
     "gradients_roundtrip_",
+    "mu_update",
     "tensorwise_cast",
     "tensorwise_cast_transposed",
 ]
@@ -136,7 +138,7 @@ def _gradient_into(
     pending = (payload_buffer, scale_buffer.float()) if accumulate else (None, None)
     payload, scale, saturated, nonfinite = _gradient(grad, mu, dtype, margin, *pending)
     payload_buffer.copy_(payload)
-    scale_buffer.view(1).copy_(scale.view(1))  # a 0-dim write through a view (see gradients._mu_update)
+    scale_buffer.view(1).copy_(scale.view(1))  # a 0-dim write through a view (see `mu_update`)
     return saturated, nonfinite
 
 
@@ -173,3 +175,71 @@ def _gradients_roundtrip(
     grads: list[torch.Tensor], mus: list[torch.Tensor], dtype: torch.dtype, margin: int
 ) -> list[torch.Tensor]:
     return [_gradient_roundtrip(grad, mu, dtype, margin) for grad, mu in zip(grads, mus)]
+
+
+# --- FP8-LM's automatic gradient scale μ (`gradients.GradientAutoScaler.update`) -----------------
+
+
+def _tally(
+    counts: list[torch.Tensor | int], sizes: int, flagged: list[tuple[torch.Tensor, list, int]]
+) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """(clipped elements, elements) of a step; a quantization recorded with a set flag counts
+    for neither. Exact integers summed (in FP64 for the flagged sizes, < 2^53)."""
+    saturated: torch.Tensor | int = _sum(counts)
+    total: torch.Tensor | int = sizes
+    for flag, flagged_counts, flagged_sizes in flagged:
+        keep = flag == 0
+        saturated = saturated + torch.where(keep, _sum(flagged_counts), 0)
+        total = total + keep.double() * flagged_sizes
+    return saturated, total
+
+
+def mu_update(
+    mu: torch.Tensor,
+    clean: torch.Tensor,
+    last_share: torch.Tensor,
+    counts: list[torch.Tensor | int],
+    sizes: int,
+    flagged: list[tuple[torch.Tensor, list, int]],
+    unless: torch.Tensor | None,
+    threshold: float,
+    interval: int,
+    min_mu: float,
+    max_mu: float,
+) -> torch.Tensor:
+    """FP8-LM's rule on the device state (μ, clean steps, last share), in place, from a step's
+    tally (`_tally`): a saturated share above `threshold` halves μ (down to `min_mu`) and restarts the count; `interval` clean
+    steps in a row double it (up to `max_mu`); a set `unless` flag keeps all three. Returns μ."""
+    saturated, total = _tally(counts, sizes, flagged)
+    if torch.is_tensor(total):
+        share = torch.where(total > 0, saturated / total, 0.0)
+    elif torch.is_tensor(saturated) and total:
+        share = saturated.double() / total
+    else:  # plain numbers: no tensor to move to the device
+        share = torch.full_like(last_share, saturated / total if total else 0.0)
+    over = share > threshold
+    counted = torch.where(over, 0, clean + 1)
+    grow = counted >= interval
+    new_mu = torch.where(over, (mu / 2.0).clamp(min=min_mu), torch.where(grow, (mu * 2.0).clamp(max=max_mu), mu))
+    new_clean = torch.where(grow, 0, counted)
+    if unless is not None:
+        skip = unless != 0
+        new_mu, new_clean, share = (
+            torch.where(skip, old, new) for old, new in ((mu, new_mu), (clean, new_clean), (last_share, share))
+        )
+    mu.copy_(new_mu)
+    clean.copy_(new_clean)
+    # Through a 1-element view: Inductor's CPU kernels (torch 2.13) lose an in-place write to a
+    # 0-dim FP64 input (tests/fp8/test_gradients.py holds the compiled path to the eager bits).
+    last_share.view(1).copy_(share.view(1))
+    return new_mu
+
+
+def _sum(counts: list[torch.Tensor | int]) -> torch.Tensor | int:
+    """Σ counts: one stack and one sum for the tensors (int64, exact in any order)."""
+    tensors = [c for c in counts if torch.is_tensor(c)]
+    plain = sum(c for c in counts if not torch.is_tensor(c))
+    if not tensors:
+        return plain
+    summed = torch.stack([t.reshape(()) for t in tensors]).sum() if len(tensors) > 1 else tensors[0]
+    return summed + plain if plain else summed

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..compiling import takes_gpu_path
 from ..numerics import nonfinite_flag
 from .cast import nan_flag, nan_flags, run_fused, widen
-from .fused import gradient_cast, gradient_cast_into
+from .fused import gradient_cast, gradient_cast_into, mu_update
 from .scaled import pow2_scale, quantize, tensor_amax
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "nonfinite", "quantize_gradient", "requantize_gradient"]
@@ -200,8 +200,8 @@ class GradientAutoScaler:
         state = (self._mu, self._clean_steps, self._last_share)
         limits = (self.threshold, self.interval, self.min_mu, self.max_mu)
         if takes_gpu_path(self._mu.device):  # one compiled graph, where it was a chain of ~25 scalar kernels
-            return run_fused(_mu_update, *state, *tally, unless, *limits, like=self._mu)
-        return _mu_update(*state, *tally, unless, *limits)
+            return run_fused(mu_update, *state, *tally, unless, *limits, like=self._mu)
+        return mu_update(*state, *tally, unless, *limits)
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -220,71 +220,6 @@ class GradientAutoScaler:
         return (
             f"GradientAutoScaler(mu={float(self._mu)}, clean_steps={int(self._clean_steps)}, interval={self.interval})"
         )
-
-
-def _tally(
-    counts: list[torch.Tensor | int], sizes: int, flagged: list[tuple[torch.Tensor, list, int]]
-) -> tuple[torch.Tensor | int, torch.Tensor | int]:
-    """(clipped elements, elements) of a step; a quantization recorded with a set flag counts
-    for neither. Exact integers summed (in FP64 for the flagged sizes, < 2^53)."""
-    saturated: torch.Tensor | int = _sum(counts)
-    total: torch.Tensor | int = sizes
-    for flag, flagged_counts, flagged_sizes in flagged:
-        keep = flag == 0
-        saturated = saturated + torch.where(keep, _sum(flagged_counts), 0)
-        total = total + keep.double() * flagged_sizes
-    return saturated, total
-
-
-def _mu_update(
-    mu: torch.Tensor,
-    clean: torch.Tensor,
-    last_share: torch.Tensor,
-    counts: list[torch.Tensor | int],
-    sizes: int,
-    flagged: list[tuple[torch.Tensor, list, int]],
-    unless: torch.Tensor | None,
-    threshold: float,
-    interval: int,
-    min_mu: float,
-    max_mu: float,
-) -> torch.Tensor:
-    """FP8-LM's rule on the device state (μ, clean steps, last share), in place, from a step's
-    tally (`_tally`): a saturated share above `threshold` halves μ (down to `min_mu`) and restarts the count; `interval` clean
-    steps in a row double it (up to `max_mu`); a set `unless` flag keeps all three. Returns μ."""
-    saturated, total = _tally(counts, sizes, flagged)
-    if torch.is_tensor(total):
-        share = torch.where(total > 0, saturated / total, 0.0)
-    elif torch.is_tensor(saturated) and total:
-        share = saturated.double() / total
-    else:  # plain numbers: no tensor to move to the device
-        share = torch.full_like(last_share, saturated / total if total else 0.0)
-    over = share > threshold
-    counted = torch.where(over, 0, clean + 1)
-    grow = counted >= interval
-    new_mu = torch.where(over, (mu / 2.0).clamp(min=min_mu), torch.where(grow, (mu * 2.0).clamp(max=max_mu), mu))
-    new_clean = torch.where(grow, 0, counted)
-    if unless is not None:
-        skip = unless != 0
-        new_mu, new_clean, share = (
-            torch.where(skip, old, new) for old, new in ((mu, new_mu), (clean, new_clean), (last_share, share))
-        )
-    mu.copy_(new_mu)
-    clean.copy_(new_clean)
-    # Through a 1-element view: Inductor's CPU kernels (torch 2.13) lose an in-place write to a
-    # 0-dim FP64 input (tests/fp8/test_gradients.py holds the compiled path to the eager bits).
-    last_share.view(1).copy_(share.view(1))
-    return new_mu
-
-
-def _sum(counts: list[torch.Tensor | int]) -> torch.Tensor | int:
-    """Σ counts: one stack and one sum for the tensors (int64, exact in any order)."""
-    tensors = [c for c in counts if torch.is_tensor(c)]
-    plain = sum(c for c in counts if not torch.is_tensor(c))
-    if not tensors:
-        return plain
-    summed = torch.stack([t.reshape(()) for t in tensors]).sum() if len(tensors) > 1 else tensors[0]
-    return summed + plain if plain else summed
 
 
 class FP8GradientOwner(Protocol):

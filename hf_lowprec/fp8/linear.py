@@ -196,6 +196,7 @@ class FP8LinearFunction(torch.autograd.Function):
         grad_sink: GradSink | None = None,
         x8: torch.Tensor | None = None,
         sx: torch.Tensor | None = None,
+        grad_enabled: bool = True,
     ) -> torch.Tensor:
         gemm = gemm_for(x.device, config.gemm_path)
         x8_t = None
@@ -207,7 +208,8 @@ class FP8LinearFunction(torch.autograd.Function):
                 out, x8, sx = recipe_forward(config, x2, w8, sw, transposed, native)
             else:
                 if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
-                    if isinstance(gemm, ScaledMMGemm) and (weight.requires_grad or grad_sink is not None):
+                    wants_dw = grad_enabled and (weight.requires_grad or grad_sink is not None)
+                    if isinstance(gemm, ScaledMMGemm) and wants_dw:
                         # The weight gradient's GEMM takes x's payload transposed: written by the
                         # cast's own graph now, where backward would launch a transposing copy.
                         x8, x8_t, sx = tensorwise_cast_transposed(
@@ -273,7 +275,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
@@ -334,7 +336,9 @@ def fp8_linear(
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
     w8, sw = quantize_layer_weight(config, weight, weight_transposed, master_scale)
-    return FP8LinearFunction.apply(x, weight, bias, w8, sw, config, weight_transposed, output_dtype(x))
+    return FP8LinearFunction.apply(
+        x, weight, bias, w8, sw, config, weight_transposed, output_dtype(x), None, None, None, torch.is_grad_enabled()
+    )
 
 
 def quantize_layer_weight(
@@ -497,6 +501,7 @@ class FP8Linear(nn.Module):
             output_dtype(x),
             get_grad_sink(self.weight),
             *(shared or (None, None)),
+            torch.is_grad_enabled(),  # no weight gradient under no_grad: no transposed x is written
         )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,16 @@
 """FP8 where it pays: whether a layer's three training GEMMs (forward, input gradient, weight
 gradient) run faster in FP8, its casts included, than in BF16 on a named GPU, priced with the
-planner's roofline and the same table (`hardware.GPUS`). FP8-LM's strategies keep a layer or an
-experts module that would not pay in BF16 (`PayoffRule`; the `fp8_layers`, `fp8_gpu` and
-`fp8_tokens` options), and the startup report names each with both times (docs/strategies/fp8-lm.md, "Where
-FP8 pays").
+planner's roofline and the same table (`hardware.GPUS`). FP8-LM's strategies and COAT keep a layer
+or an experts module that would not pay in BF16 (`PayoffRule`, `payoff_rule`), the startup report
+names each with both times, and a resume must keep the same ones (`rule_layout`,
+`check_fp8_layout`; docs/strategies/fp8-lm.md, "Where FP8 pays").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +18,17 @@ from torch import nn
 from ..grouped_experts import expert_gemm_shapes
 from ..hardware import GPU, cuda_gpu, gpu_named
 
-__all__ = ["CAST_BYTES", "CAST_KERNELS", "Payoff", "PayoffReason", "PayoffRule", "payoff_rule", "training_gemms"]
+__all__ = [
+    "CAST_BYTES",
+    "CAST_KERNELS",
+    "Payoff",
+    "PayoffReason",
+    "PayoffRule",
+    "check_fp8_layout",
+    "payoff_rule",
+    "rule_layout",
+    "training_gemms",
+]
 
 # Bytes the casts move per element of each FP8 operand (x, the weight, the output gradient):
 # read twice in 16 bits (its amax, then the scaled cast), written once in FP8 per layout, and
@@ -110,4 +122,39 @@ def payoff_rule(gpu: str = "", tokens: int = 8192) -> tuple[PayoffRule | None, s
     return PayoffRule(entry, tokens), (
         f"FP8 where it pays on {entry.name} ({name}) at {tokens} tokens a micro-batch: layers whose "
         "training GEMMs would not run faster in FP8, casts included, keep BF16"
+    )
+
+
+def rule_layout(model: nn.Module) -> dict[str, object]:
+    """What the rule decided for a converted `model`: the GPU it priced (a key of `GPUS`, "" for
+    none), the tokens, and the layers and experts modules it kept in BF16 (sorted names). Saved
+    with the optimizer's state; a resume that would keep other layers is refused by name."""
+    key, tokens = model.__dict__.get("fp8_rule_priced", ("", 0))
+    skipped = model.__dict__.get("fp8_skipped_layers", {})
+    return {"gpu": key, "tokens": tokens, "kept": sorted(n for n, r in skipped.items() if isinstance(r, PayoffReason))}
+
+
+def check_fp8_layout(strategy: Any, saved: dict[str, Any]) -> None:
+    """The layers the FP8 layer rule kept in BF16 (`strategy.fp8_layout`) against those recorded in
+    an optimizer state's "hf_lowprec" entry (none recorded: saved before the rule, every layer
+    FP8). Another set of FP8 layers lays the optimizer's state out differently: ValueError naming
+    the layers and the options that convert them as saved."""
+    current = getattr(strategy, "fp8_layout", None)
+    if current is None:
+        return
+    layout = saved.get("fp8_layout") or {"gpu": "", "tokens": 0, "kept": []}
+    if sorted(layout["kept"]) == sorted(current["kept"]):
+        return
+    fix = (
+        {"fp8_gpu": layout["gpu"], "fp8_tokens": layout["tokens"]}
+        if layout["kept"] and layout["gpu"]
+        else {"fp8_layers": "all"}
+    )
+    differ = sorted(set(layout["kept"]) ^ set(current["kept"]))
+    raise ValueError(
+        f"this optimizer state was saved with {len(layout['kept'])} layers kept in BF16 by the FP8 layer rule "
+        f"({layout['gpu'] or 'no GPU priced'}), and this run keeps {len(current['kept'])} "
+        f"({current['gpu'] or 'no GPU priced'}): {', '.join(differ[:4])}{' …' if len(differ) > 4 else ''} "
+        f"would change between FP8 and BF16, and their state with them. Resume with precision_options "
+        f"{json.dumps(fix)}, which converts the layers as saved"
     )

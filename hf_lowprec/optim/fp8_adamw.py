@@ -192,8 +192,11 @@ class FP8AdamW(AdamW):
         buffer = state.get("grad")
         if buffer is None or buffer.dtype != dtype:
             return None
+        local = _local(buffer)
+        if local.shape != _local(param).shape or not local.is_contiguous():
+            return None  # `set_fp8_grad` checks and copies
         self._pending_grads.add(id(param))
-        return _local(buffer), state["grad_scale"]
+        return local, state["grad_scale"]
 
     def fp8_grad(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's FP8 gradient of `param` as the stored (payload, scale), or None.

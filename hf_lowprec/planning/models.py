@@ -193,16 +193,20 @@ def build_model(model: str, device: Any = "meta", **overrides: Any) -> torch.nn.
 
 def rule_options(name: str, gpu: Any = None, tokens: int = 8192) -> dict[str, Any]:
     """The options that make strategy `name` keep in BF16 what FP8 would not speed up on `gpu`
-    (a `hardware.GPU`) at `tokens` a micro-batch, as it does when it runs there ({} for a
-    strategy without the rule, or no `gpu`)."""
+    (a `hardware.GPU`) at `tokens` a micro-batch, as it does when it runs there; without a `gpu`
+    (or one the table lacks), every layer converted; {} for a strategy without the rule."""
     from ..hardware import GPUS
     from ..strategies.registry import REGISTRY
 
-    if gpu is None or name not in REGISTRY:
+    if name not in REGISTRY:
         return {}
     fields = {f.name for f in dataclasses.fields(REGISTRY[name][0].Options)}
+    if "fp8_layers" not in fields:
+        return {}
+    if gpu is None:  # no GPU named: every layer, whatever GPU this process happens to have
+        return {"fp8_layers": "all"}
     key = next((k for k, g in GPUS.items() if g.name == gpu.name), "")
-    return {"fp8_gpu": key, "fp8_tokens": tokens} if key and {"fp8_gpu", "fp8_tokens"} <= fields else {}
+    return {"fp8_gpu": key, "fp8_tokens": tokens} if key else {"fp8_layers": "all"}
 
 
 def memory_plan(

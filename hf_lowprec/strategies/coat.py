@@ -15,9 +15,10 @@ import torch
 
 from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
+from ..fp8.payoff import rule_layout
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
 from .baselines import bf16_autocast
-from .fp8_rule import FP8RuleOptions
+from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -76,6 +77,7 @@ class COAT(PrecisionStrategy):
     """FP8 GEMMs and FP8 saved activations (mixed granularity), FP8 AdamW states with dynamic range expansion."""
 
     Options = COATOptions
+    resume_safe_options = PrecisionStrategy.resume_safe_options | RULE_OPTIONS
     support = EngineSupport(
         fsdp2=True,
         fsdp2_note=(
@@ -118,6 +120,7 @@ class COAT(PrecisionStrategy):
             model = model.to(torch.bfloat16)
         if self.options.activations:
             compress_activations(convert_to_fp8(model, rule=self.options.layer_rule(model)))
+            self.fp8_layout = rule_layout(model)
         return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:

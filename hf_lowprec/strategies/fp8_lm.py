@@ -29,11 +29,12 @@ from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
+from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
 from .baselines import bf16_autocast
-from .fp8_rule import FP8RuleOptions
+from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -123,6 +124,7 @@ class FP8LM(PrecisionStrategy):
 
     Options = FP8LMOptions
     uses_fp8_gemm = True
+    resume_safe_options = PrecisionStrategy.resume_safe_options | RULE_OPTIONS
     support = EngineSupport(
         zero_refusal=(
             "ZeRO reduces the gradients itself, in FP32 flat buckets, so the FP8 all-reduce with one shared "
@@ -241,6 +243,7 @@ class FP8LM(PrecisionStrategy):
         options = self.options
         rule = options.layer_rule(model)
         convert_to_fp8(model, config=self.fp8_layer_config, min_gemm_features=options.min_gemm_features, rule=rule)
+        self.fp8_layout = rule_layout(model)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
             # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.

@@ -1,7 +1,7 @@
 """The options of the FP8 layer rule (`hf_lowprec.fp8.payoff`), shared by the strategies that
 convert layers to FP8 (FP8-LM's and COAT): `fp8_layers`, `fp8_gpu`, `fp8_tokens`, checked
-before any work, and `layer_rule`, which reads them when a model is converted
-(docs/strategies/fp8-lm.md, "Where FP8 pays").
+before any work, and `layer_rule`, which reads them when a model is converted; what it kept is
+checked on resume (`fp8.payoff.check_fp8_layout`; docs/strategies/fp8-lm.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from ..fp8 import PayoffRule, payoff_rule
 from ..hardware import GPUS
 from .interface import StrategyOptions
 
-__all__ = ["FP8RuleOptions"]
+__all__ = ["RULE_OPTIONS", "FP8RuleOptions"]
+
+# The rule's options may change on resume: what decides the saved state's layout is the set of
+# layers the rule kept, which the optimizer's state records and a resume checks (`fp8.payoff`).
+RULE_OPTIONS = frozenset({"fp8_layers", "fp8_gpu", "fp8_tokens"})
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +33,9 @@ class FP8RuleOptions(StrategyOptions):
         fp8_layers: "pays": on a GPU with FP8 GEMMs, a layer or experts module whose three
             training GEMMs would not run faster in FP8, casts included, keeps BF16 (the startup
             report names each with both times); "all": every eligible layer is converted. Where
-            FP8 is emulated (a CPU) every layer is converted.
+            FP8 is emulated (no CUDA device, or one without FP8 GEMMs) every layer is converted,
+            unless `fp8_gpu` names the GPU to decide for. The rule prices the three GEMMs of a
+            trained layer; a frozen one (a PEFT base, an RL reference model) runs fewer.
         fp8_gpu: the GPU the rule prices ("h100", "h200", "b200", "a100"); "" (default): the CUDA
             device this process runs on.
         fp8_tokens: tokens per micro-batch on each GPU the rule assumes (sequences × length).
@@ -45,7 +51,7 @@ class FP8RuleOptions(StrategyOptions):
             raise ValueError(
                 f"fp8_gpu must be one of {sorted(GPUS)} (or '' for this process's GPU), got {self.fp8_gpu!r}"
             )
-        if self.fp8_tokens < 1:
+        if not isinstance(self.fp8_tokens, int) or isinstance(self.fp8_tokens, bool) or self.fp8_tokens < 1:
             raise ValueError(f"fp8_tokens must be >= 1 (tokens per micro-batch), got {self.fp8_tokens}")
 
     def layer_rule(self, model: nn.Module) -> PayoffRule | None:
@@ -57,4 +63,6 @@ class FP8RuleOptions(StrategyOptions):
             rule, note = None, "fp8_layers='all': every eligible layer is converted"
         logger.info("FP8: %s", note)
         model.__dict__["fp8_rule"] = note
+        key = next((k for k, g in GPUS.items() if rule is not None and g.name == rule.gpu.name), "")
+        model.__dict__["fp8_rule_priced"] = (key, self.fp8_tokens)
         return rule

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoints.resume import check_optimizer_state
+from ..fp8.payoff import check_fp8_layout
 
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
@@ -123,6 +124,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
             "options": dataclasses.asdict(self.strategy.options),
             **self.strategy.state_dict(),
         }
+        layout = getattr(self.strategy, "fp8_layout", None)
+        if layout is not None:  # which layers the FP8 layer rule kept in BF16
+            state["hf_lowprec"]["fp8_layout"] = layout
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -130,10 +134,13 @@ class StrategyOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop("hf_lowprec", None)
         if ours is not None:
             changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
+            check_fp8_layout(self.strategy, ours)  # other layers kept in BF16 than when it was saved: refused
             if "seed" in changed:
                 # A new stochastic-rounding seed applies for real: the generators start from it.
                 state_dict.pop("generator_states", None)
-            self.strategy.load_state_dict({k: v for k, v in ours.items() if k not in ("strategy", "options")})
+            self.strategy.load_state_dict(
+                {k: v for k, v in ours.items() if k not in ("strategy", "options", "fp8_layout")}
+            )
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:

@@ -72,7 +72,7 @@ def checked_strategy(name: str, **options: Any) -> Any:
     from hf_lowprec.strategies.registry import strategy_class
 
     fields = {f.name for f in dataclasses.fields(strategy_class(name)[0].Options)}
-    return hf_lowprec.get_strategy(name, **({"fp8_layers": "all"} if "fp8_layers" in fields else {}), **options)
+    return hf_lowprec.get_strategy(name, **{**({"fp8_layers": "all"} if "fp8_layers" in fields else {}), **options})
 
 
 def token_batch(device: str | torch.device = "cpu", seed: int = 1) -> torch.Tensor:

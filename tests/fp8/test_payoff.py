@@ -160,3 +160,36 @@ def test_coat_takes_the_same_rule_and_keeps_fp8_states_for_the_kept_layers():
     optimizer.step()
     state = optimizer.state[model.narrow.weight]
     assert any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in state.values() if torch.is_tensor(t))
+
+
+def _saved_state(options):
+    strategy = hf_lowprec.get_strategy("fp8-lm-o1", **options)
+    model = strategy.prepare_model(_Layers())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    return optimizer.state_dict()
+
+
+def test_a_resume_that_would_keep_other_layers_in_bf16_is_refused_with_the_options_that_fit():
+    """The rule's options may change on resume; the layers it keeps may not (the optimizer's state
+    follows them). A checkpoint saved before the rule (every layer FP8) resumes as it was here,
+    where no GPU is priced."""
+    priced = _saved_state({"fp8_gpu": "h100"})
+    assert priced["hf_lowprec"]["fp8_layout"] == {"gpu": "h100", "tokens": 8192, "kept": ["narrow"]}
+    here = hf_lowprec.get_strategy("fp8-lm-o1")  # no CUDA device: every layer FP8
+    optimizer = here.create_optimizer(here.prepare_model(_Layers()).parameters(), lr=1e-3)
+    with pytest.raises(ValueError) as error:
+        optimizer.load_state_dict(priced)
+    assert "saved with 1 layers kept in BF16 by the FP8 layer rule (h100)" in str(error.value)
+    assert 'precision_options {"fp8_gpu": "h100", "fp8_tokens": 8192}' in str(error.value)
+    same = hf_lowprec.get_strategy("fp8-lm-o1", fp8_gpu="h100", fp8_tokens=4096)  # still keeps `narrow`
+    same.create_optimizer(same.prepare_model(_Layers()).parameters(), lr=1e-3).load_state_dict(priced)
+    # Saved before the rule existed: no layout, none of its options.
+    old = _saved_state({})
+    del old["hf_lowprec"]["fp8_layout"]
+    for key in ("fp8_layers", "fp8_gpu", "fp8_tokens"):
+        del old["hf_lowprec"]["options"][key]
+    optimizer.load_state_dict(old)
+    kept = hf_lowprec.get_strategy("fp8-lm-o1", fp8_gpu="h100")
+    with pytest.raises(ValueError) as error:
+        kept.create_optimizer(kept.prepare_model(_Layers()).parameters(), lr=1e-3).load_state_dict(old)
+    assert 'precision_options {"fp8_layers": "all"}' in str(error.value)
