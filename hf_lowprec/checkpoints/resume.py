@@ -3,8 +3,8 @@
 `checked_resume` is the Trainer's one call: which checkpoint (an interrupted save is skipped),
 its files against the manifest, the strategy, its options, the number of processes; `resume_reset`
 names the parts that may start afresh. The same checks serve a strategy's state in an optimizer's
-state dict (`check_optimizer_state`), FSDP2's sharded checkpoints (`sharded_checkpoint_problem`)
-and FP8-LM's ZeRO state (`check_zero_owners`). The rules: docs/checkpoints.md.
+state dict (`check_optimizer_state`, `check_fp8_layout`), FSDP2's sharded checkpoints, FP8-LM's
+ZeRO state (`check_zero_owners`); docs/checkpoints.md. Long because every refusal is raised here.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "check_checkpoint",
     "check_resume_options",
     "check_optimizer_state",
+    "check_fp8_layout",
     "check_zero_owners",
     "refuse_strategy_checkpoint",
     "sharded_checkpoint_problem",
@@ -392,6 +393,32 @@ def check_optimizer_state(strategy: Any, saved: dict[str, Any]) -> list[str]:
         )
     options = saved.get("options")
     return check_resume_options(strategy, options, "this optimizer state") if options else []
+
+
+def check_fp8_layout(strategy: Any, saved: dict[str, Any]) -> None:
+    """The layers the FP8 layer rule kept in BF16 (`strategy.fp8_layout`) against those recorded in
+    an optimizer state's "hf_lowprec" entry (none recorded: saved before the rule, every layer
+    FP8). Another set of FP8 layers lays the optimizer's state out differently: ValueError naming
+    the layers and the options that convert them as saved."""
+    current = getattr(strategy, "fp8_layout", None)
+    if current is None:
+        return
+    layout = saved.get("fp8_layout") or {"gpu": "", "tokens": 0, "kept": []}
+    if sorted(layout["kept"]) == sorted(current["kept"]):
+        return
+    fix = (
+        {"fp8_gpu": layout["gpu"], "fp8_tokens": layout["tokens"]}
+        if layout["kept"] and layout["gpu"]
+        else {"fp8_layers": "all"}
+    )
+    differ = sorted(set(layout["kept"]) ^ set(current["kept"]))
+    raise ValueError(
+        f"this optimizer state was saved with {len(layout['kept'])} layers kept in BF16 by the FP8 layer rule "
+        f"({layout['gpu'] or 'no GPU priced'}), and this run keeps {len(current['kept'])} "
+        f"({current['gpu'] or 'no GPU priced'}): {', '.join(differ[:4])}{' …' if len(differ) > 4 else ''} "
+        f"would change between FP8 and BF16, and their state with them. Resume with precision_options "
+        f"{json.dumps(fix)}, which converts the layers as saved"
+    )
 
 
 def check_zero_owners(saved: Any, owners: list[int]) -> None:

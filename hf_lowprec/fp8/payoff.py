@@ -2,15 +2,13 @@
 gradient) run faster in FP8, its casts included, than in BF16 on a named GPU, priced with the
 planner's roofline and the same table (`hardware.GPUS`). FP8-LM's strategies and COAT keep a layer
 or an experts module that would not pay in BF16 (`PayoffRule`, `payoff_rule`), the startup report
-names each with both times, and a resume must keep the same ones (`rule_layout`,
-`check_fp8_layout`; docs/strategies/fp8-lm.md, "Where FP8 pays").
+names each with both times, and a resume must keep the same ones (`rule_layout`, checked by
+`checkpoints.resume.check_fp8_layout`; docs/strategies/fp8-lm.md, "Where FP8 pays").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +22,6 @@ __all__ = [
     "Payoff",
     "PayoffReason",
     "PayoffRule",
-    "check_fp8_layout",
     "payoff_rule",
     "rule_layout",
     "training_gemms",
@@ -132,29 +129,3 @@ def rule_layout(model: nn.Module) -> dict[str, object]:
     key, tokens = model.__dict__.get("fp8_rule_priced", ("", 0))
     skipped = model.__dict__.get("fp8_skipped_layers", {})
     return {"gpu": key, "tokens": tokens, "kept": sorted(n for n, r in skipped.items() if isinstance(r, PayoffReason))}
-
-
-def check_fp8_layout(strategy: Any, saved: dict[str, Any]) -> None:
-    """The layers the FP8 layer rule kept in BF16 (`strategy.fp8_layout`) against those recorded in
-    an optimizer state's "hf_lowprec" entry (none recorded: saved before the rule, every layer
-    FP8). Another set of FP8 layers lays the optimizer's state out differently: ValueError naming
-    the layers and the options that convert them as saved."""
-    current = getattr(strategy, "fp8_layout", None)
-    if current is None:
-        return
-    layout = saved.get("fp8_layout") or {"gpu": "", "tokens": 0, "kept": []}
-    if sorted(layout["kept"]) == sorted(current["kept"]):
-        return
-    fix = (
-        {"fp8_gpu": layout["gpu"], "fp8_tokens": layout["tokens"]}
-        if layout["kept"] and layout["gpu"]
-        else {"fp8_layers": "all"}
-    )
-    differ = sorted(set(layout["kept"]) ^ set(current["kept"]))
-    raise ValueError(
-        f"this optimizer state was saved with {len(layout['kept'])} layers kept in BF16 by the FP8 layer rule "
-        f"({layout['gpu'] or 'no GPU priced'}), and this run keeps {len(current['kept'])} "
-        f"({current['gpu'] or 'no GPU priced'}): {', '.join(differ[:4])}{' …' if len(differ) > 4 else ''} "
-        f"would change between FP8 and BF16, and their state with them. Resume with precision_options "
-        f"{json.dumps(fix)}, which converts the layers as saved"
-    )

@@ -1,7 +1,7 @@
 """The options of the FP8 layer rule (`hf_lowprec.fp8.payoff`), shared by the strategies that
 convert layers to FP8 (FP8-LM's and COAT): `fp8_layers`, `fp8_gpu`, `fp8_tokens`, checked
 before any work, and `layer_rule`, which reads them when a model is converted; what it kept is
-checked on resume (`fp8.payoff.check_fp8_layout`; docs/strategies/fp8-lm.md).
+checked on resume (`checkpoints.resume.check_fp8_layout`; docs/strategies/fp8-lm.md).
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoints.resume import check_optimizer_state
-from ..fp8.payoff import check_fp8_layout
+from ..checkpoints.resume import check_fp8_layout, check_optimizer_state
 
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
