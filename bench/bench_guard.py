@@ -44,6 +44,8 @@ RANGE_ROWS = [
     ("coat", {}, False),
     ("coat", {}, True),
 ]
+# No fault: each strategy's own gap to bf16-mixed, which the guard cannot close.
+CLEAN_ROWS = [("bf16-mixed", {}), ("fp8-lm-o2", {"recipe": "rowwise"}), ("fp8-lm-o2", {})]
 SPIKE_ROWS = [
     ("bf16-mixed", False, False),
     ("fp8-lm-o2", False, False),
@@ -81,7 +83,17 @@ class RangeFault:
         return y
 
 
-def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at: int, out: str, batch: int = 8) -> dict:
+def run(
+    name: str,
+    options: dict,
+    guard: bool,
+    fault: str,
+    steps: int,
+    fault_at: int,
+    out: str,
+    batch: int = 8,
+    seed: int = 0,
+) -> dict:
     from transformers import GPT2LMHeadModel, TrainerCallback
 
     import hf_lowprec
@@ -89,7 +101,7 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
 
     tokenizer = build_tokenizer(1024)
     train, evaluation = clm_datasets(tokenizer, block_size=64)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GPT2LMHeadModel(tiny_gpt2_config(1024, n_embd=128, n_layer=2, n_positions=64, use_cache=False))
     injector: list[RangeFault] = []  # installed on the prepared model (the FP8 layers replace the linear ones)
     spike_batch = torch.randint(0, 1024, (batch, 64), generator=torch.Generator().manual_seed(7))
@@ -117,8 +129,8 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
         logging_steps=10,
         save_strategy="no",
         report_to=[],
-        seed=0,
-        data_seed=0,
+        seed=seed,
+        data_seed=seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
         use_cpu=True,
@@ -186,6 +198,7 @@ def run(name: str, options: dict, guard: bool, fault: str, steps: int, fault_at:
         "batch": batch,
         "steps": steps,
         "fault_at": fault_at,
+        "seed": seed,
         "load": round(os.getloadavg()[0], 2),
         "threads": torch.get_num_threads(),
     }
@@ -234,7 +247,8 @@ def main() -> int:
     # takes about 1.5 s on the AVX2 development machine (its BF16 matmul is a portable loop).
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--fault-at", type=int, default=75)
-    parser.add_argument("--rows", default="range,spike")
+    parser.add_argument("--rows", default="range,spike", help="range, spike, clean (no fault)")
+    parser.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed")
     parser.add_argument("--batch", type=int, default=8, help="sequences of 64 tokens per step (issue #68: 16)")
     parser.add_argument("--no-unguarded", action="store_true", help="leave out the unguarded FP8 rows")
     parser.add_argument("--only", default="", help="comma-separated strategies to keep")
@@ -253,7 +267,13 @@ def main() -> int:
         with open(args.json) as f:
             results = json.load(f)
     done = {
-        (r["strategy"], json.dumps({k: v for k, v in r["options"].items() if k != "guard"}), r["guard"], r["fault"])
+        (
+            r["strategy"],
+            json.dumps({k: v for k, v in r["options"].items() if k != "guard"}),
+            r["guard"],
+            r["fault"],
+            r.get("seed", 0),
+        )
         for r in results
     }
     only = set(filter(None, args.only.split(",")))
@@ -263,14 +283,16 @@ def main() -> int:
     # The headline rows first (bf16-mixed and fp8-lm-o2 tensorwise), so a cut run has them.
     plan = ranged[:3] + [r for r in spiked if r[0] == "fp8-lm-o2"] + ranged[3:]
     plan += [r for r in spiked if r[0] != "fp8-lm-o2"]
+    if "clean" in args.rows:
+        plan += [(name, opts, False, "none") for name, opts in CLEAN_ROWS]
     for name, opts, guard, fault in plan:
-        key = (name, json.dumps(opts), guard, fault)
+        key = (name, json.dumps(opts), guard, fault, args.seed)
         if (only and name not in only) or key in done:
             continue
         if args.no_unguarded and not guard and name != "bf16-mixed":
             continue
         with tempfile.TemporaryDirectory() as out:
-            row = run(name, opts, guard, fault, args.steps, args.fault_at, out, args.batch)
+            row = run(name, opts, guard, fault, args.steps, args.fault_at, out, args.batch, args.seed)
         results.append(row)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -286,15 +308,29 @@ def main() -> int:
 
 
 def table(results: list[dict]) -> None:
-    reference = {r["fault"]: r["eval_loss"] for r in results if r["strategy"] == "bf16-mixed" and not r["guard"]}
-    clean = next((r["eval_loss"] for r in results if r["fault"] == "none" and r["strategy"] == "bf16-mixed"), None)
-    print("| fault | strategy | recipe | guard | eval loss | vs reference | actions | seconds (load, threads) |")
-    print("|---|---|---|---|---|---|---|---|")
+    """One line per run, against bf16-mixed of the same seed (with the same fault; the spike rows
+    against the strategy's clean run), then each kind of run's mean over the seeds."""
+    seed = {id(r): r.get("seed", 0) for r in results}
+    reference = {
+        (r["fault"], seed[id(r)]): r["eval_loss"] for r in results if r["strategy"] == "bf16-mixed" and not r["guard"]
+    }
+    print("| fault | strategy | recipe | guard | seed | eval loss | vs reference | actions | seconds (load, threads) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    deltas: dict[tuple, list[float]] = {}
     for r in results:
-        ref = reference.get("range") if r["fault"] == "range" else clean
+        s = seed[id(r)]
+        ref = reference.get(("range" if r["fault"] == "range" else "none", s))
         if r["fault"] == "spike" and r["strategy"] != "bf16-mixed":
             ref = next(
-                (x["eval_loss"] for x in results if x["fault"] == "none" and x["strategy"] == r["strategy"]), ref
+                (
+                    x["eval_loss"]
+                    for x in results
+                    if x["fault"] == "none"
+                    and x["strategy"] == r["strategy"]
+                    and seed[id(x)] == s
+                    and "recipe" not in x["options"]
+                ),
+                ref,
             )
         delta = f"{(r['eval_loss'] / ref - 1) * 100:+.1f}%" if ref else ""
         kinds: dict[str, int] = {}
@@ -303,9 +339,20 @@ def table(results: list[dict]) -> None:
             kinds[kind] = kinds.get(kind, 0) + 1
         acted = ", ".join(f"{n}× {k}" for k, n in kinds.items()) or "none"
         recipe = r["options"].get("recipe", "tensorwise" if "fp8" in r["strategy"] or r["strategy"] == "coat" else "")
+        if ref:
+            deltas.setdefault((r["fault"], r["strategy"], recipe, r["guard"]), []).append(r["eval_loss"] / ref - 1)
         print(
-            f"| {r['fault']} | {r['strategy']} | {recipe} | {'on' if r['guard'] else 'off'} | {r['eval_loss']:.3f} | "
-            f"{delta} | {acted} | {r['seconds']} ({r['load']}, {r['threads']}) |"
+            f"| {r['fault']} | {r['strategy']} | {recipe} | {'on' if r['guard'] else 'off'} | {s} | "
+            f"{r['eval_loss']:.3f} | {delta} | {acted} | {r['seconds']} ({r['load']}, {r['threads']}) |"
+        )
+    print("\n| fault | strategy | recipe | guard | seeds | mean vs reference | spread over seeds |")
+    print("|---|---|---|---|---|---|---|")
+    for (fault, name, recipe, guard), ds in deltas.items():
+        mean = sum(ds) / len(ds)
+        spread = (sum((d - mean) ** 2 for d in ds) / max(len(ds) - 1, 1)) ** 0.5
+        print(
+            f"| {fault} | {name} | {recipe} | {'on' if guard else 'off'} | {len(ds)} | {mean * 100:+.2f}% | "
+            f"{spread * 100:.2f}% |"
         )
 
 

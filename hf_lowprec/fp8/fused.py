@@ -14,7 +14,11 @@ from ..numerics import abs_max
 from .cast import run_fused, saturate_to_fp8_eager
 from .scaled import pow2_scale
 
+E4M3 = torch.float8_e4m3fn
+
 __all__ = [
+    "FLUSH_BELOW",
+    "counted_input_cast",
     "gradient_cast",
     "gradient_cast_into",
     "gradient_roundtrip_",
@@ -25,9 +29,22 @@ __all__ = [
 ]
 
 
+# Half of E4M3's smallest subnormal (2^-9): a scaled value at or below it rounds to zero (the tie
+# goes to the even neighbour, 0).
+FLUSH_BELOW = 2.0**-10
+
+
 def _tensorwise(
     x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled, scale = _scaled(x, dtype, margin, master_scale)
+    return scaled.to(dtype), scale
+
+
+def _scaled(
+    x: torch.Tensor, dtype: torch.dtype, margin: int, master_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x·s in FP32, s): what the tensorwise cast rounds to `dtype`."""
     amax = abs_max(x).float()
     if master_scale is not None:
         amax = amax / master_scale
@@ -37,7 +54,7 @@ def _tensorwise(
     if master_scale is not None:
         # x holds real·s_m, so multiplying by s/s_m (a power of two) yields real·s.
         factor = factor / master_scale
-    return (x.float() * factor).to(dtype), scale
+    return x.float() * factor, scale
 
 
 def tensorwise_cast(
@@ -66,6 +83,26 @@ def tensorwise_cast_transposed(
     second column-major, so a weight gradient dyᵀ·x needs dy's FP8 payload in both layouts (an
     eager transposing copy is one more launch)."""
     return run_fused(_tensorwise_transposed, x.detach(), dtype, margin, like=x)
+
+
+def _input_counted(x: torch.Tensor, margin: int, transposed: bool) -> tuple[torch.Tensor | None, ...]:
+    scaled, scale = _scaled(x, E4M3, margin, None)
+    payload = scaled.to(E4M3)
+    payload_t = payload.t().contiguous() if transposed else None
+    nonzero = x != 0
+    # Flushed: non-zero, and |x·s| at or below FLUSH_BELOW, where the E4M3 rounding gives 0.
+    counts = torch.stack([nonzero & (scaled.abs() <= FLUSH_BELOW), nonzero]).reshape(2, -1).sum(1)
+    return payload, payload_t, scale, counts
+
+
+def counted_input_cast(
+    x: torch.Tensor, margin: int, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(payload, its transpose made contiguous or None, s, counts) of a layer's 2-D input in E4M3,
+    as `tensorwise_cast` (and `tensorwise_cast_transposed`) give them, and in the same graph
+    counts = [inputs the cast flushes to zero, non-zero inputs] (int64): what the guard watches
+    (docs/guard.md). The counting rides in the cast's own pass over x: no kernel of its own."""
+    return run_fused(_input_counted, x.detach(), margin, transposed, like=x)
 
 
 def _gradient(

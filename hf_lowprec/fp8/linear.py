@@ -20,9 +20,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
-from .fused import tensorwise_cast, tensorwise_cast_transposed
+from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
 from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
-from .raised import add_flush_counts, raised_linear
+from .raised import count_flushes, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 from .scaling_recipes import (
     FP8LinearConfig,
@@ -156,18 +156,30 @@ def sharing_inputs() -> Iterator[None]:
         _input_scopes.pop()
 
 
-def _shared_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
-    """(x8, sx) from the innermost `sharing_inputs` scope, quantized now if it is new; () outside one."""
+def _shared_input(x: torch.Tensor, margin: int, counted: bool) -> tuple[Any, ...]:
+    """(x8, sx, counts) from the innermost `sharing_inputs` scope, quantized now if it is new;
+    () outside one. `counted`: with the cast's flush counts (`fused.counted_input_cast`), else
+    counts is None."""
     if not _input_scopes or torch.compiler.is_compiling():
         return ()
     scope = _input_scopes[-1]
     hit = scope.get(id(x))
-    if hit is not None and hit[0] is x and hit[1:3] == (x._version, margin):
-        return hit[3], hit[4]
+    if hit is not None and hit[0] is x and hit[1:3] == (x._version, margin) and (hit[5] is not None or not counted):
+        return hit[3], hit[4], hit[5]
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        x8, sx = _quantize_input(x, margin)
-    scope[id(x)] = (x, x._version, margin, x8, sx)
-    return x8, sx
+        if counted:
+            x8, _, sx, counts = counted_input_cast(x.reshape(-1, x.shape[-1]), margin, False)
+        else:
+            (x8, sx), counts = _quantize_input(x, margin), None
+    scope[id(x)] = (x, x._version, margin, x8, sx, counts)
+    return x8, sx, counts
+
+
+def _transposes_input(x: torch.Tensor, weight: torch.Tensor, config: FP8LinearConfig, sink: Any, grad: bool) -> bool:
+    """Whether the forward's cast writes x's payload transposed too: on the `torch._scaled_mm`
+    path, when a weight gradient dW = dyᵀ·x will be taken (it wants x column-major)."""
+    wants_dw = grad and (weight.requires_grad or sink is not None)
+    return wants_dw and isinstance(gemm_for(x.device, config.gemm_path), ScaledMMGemm)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -197,9 +209,9 @@ class FP8LinearFunction(torch.autograd.Function):
         x8: torch.Tensor | None = None,
         sx: torch.Tensor | None = None,
         grad_enabled: bool = True,
+        x8_t: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gemm = gemm_for(x.device, config.gemm_path)
-        x8_t = None
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
             if not config.recipe.whole_tensor:  # the finer recipes' scales and GEMMs
@@ -207,9 +219,8 @@ class FP8LinearFunction(torch.autograd.Function):
                 x2 = x.detach().reshape(-1, x.shape[-1])
                 out, x8, sx = recipe_forward(config, x2, w8, sw, transposed, native)
             else:
-                if x8 is None:  # not quantized already by a layer sharing this input (`sharing_inputs`)
-                    wants_dw = grad_enabled and (weight.requires_grad or grad_sink is not None)
-                    if isinstance(gemm, ScaledMMGemm) and wants_dw:
+                if x8 is None:  # not quantized already (`sharing_inputs`, or the guard's counted cast)
+                    if _transposes_input(x, weight, config, grad_sink, grad_enabled):
                         # The weight gradient's GEMM takes x's payload transposed: written by the
                         # cast's own graph now, where backward would launch a transposing copy.
                         x8, x8_t, sx = tensorwise_cast_transposed(
@@ -275,7 +286,7 @@ class FP8LinearFunction(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
@@ -368,7 +379,14 @@ class FP8Linear(nn.Module):
     version counter and a global optimizer-step counter, so gradient accumulation and evaluation
     reuse it, and any change (optimizer step, `load_state_dict`, in-place edits, `.to()`)
     invalidates it. Only the FP8 copies of x and W are saved for backward.
+
+    Watched by the guard (`watch_flushes`), a training forward leaves in `flush_now` its input
+    casts' counts [flushed to zero, non-zero] (int64, on the device), which the guard collects
+    after the model's forward; a layer called twice in one forward is judged by its last call.
     """
+
+    watch_flushes = False
+    flush_now: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -481,15 +499,27 @@ class FP8Linear(nn.Module):
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
         config = self.config
-        counts = self._buffers.get("guard_counts")  # the guard watches this layer's input cast
         if config.raised:  # raised by the guard (fp8/raised.py)
             return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
-        if counts is not None and self.training and torch.is_grad_enabled():  # a training step's forward only
-            add_flush_counts(counts, x, config)
+        # The guard watches this layer's input casts in a training step's forward (not under no_grad).
+        counted = self.watch_flushes and self.training and torch.is_grad_enabled()
+        sink = get_grad_sink(self.weight)
         w8, sw = self._fp8_weight()
-        # Inputs are shared in their whole-tensor quantization only: the finer recipes quantize
-        # x with the layer's own blocks in the autograd function.
-        shared = _shared_input(x, config.margin) if config.recipe.whole_tensor else ()
+        x8 = sx = x8_t = None
+        if config.recipe.whole_tensor:
+            # Inputs are shared in their whole-tensor quantization only: the finer recipes quantize
+            # x with the layer's own blocks in the autograd function.
+            shared = _shared_input(x, config.margin, counted)
+            if shared:
+                x8, sx, counts = shared
+            elif counted:  # the cast the function would make, with its flush counts in its graph
+                with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                    transposed = _transposes_input(x, self.weight, config, sink, True)
+                    x8, x8_t, sx, counts = counted_input_cast(x.reshape(-1, x.shape[-1]), config.margin, transposed)
+            if counted:
+                self.flush_now = counts
+        elif counted:
+            self.flush_now = count_flushes(x, config)
         return FP8LinearFunction.apply(
             x,
             self.weight,
@@ -499,9 +529,11 @@ class FP8Linear(nn.Module):
             config,
             self.weight_transposed,
             output_dtype(x),
-            get_grad_sink(self.weight),
-            *(shared or (None, None)),
+            sink,
+            x8,
+            sx,
             torch.is_grad_enabled(),  # no weight gradient under no_grad: no transposed x is written
+            x8_t,
         )
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from .cast import run_fused
+from .fused import FLUSH_BELOW
 from .scaled import dequantize, get_master_scale, pow2_scale
 from .scaling_recipes import RAISED, SCALING_RECIPES, FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
 
 __all__ = [
-    "FLUSH_BELOW",
     "RAISED",
-    "add_flush_counts",
     "config_named",
+    "count_flushes",
     "finer",
     "flush_counts",
     "raised_linear",
@@ -25,9 +25,6 @@ __all__ = [
 ]
 
 E4M3 = torch.float8_e4m3fn
-# Half of E4M3's smallest subnormal (2^-9): a scaled value at or below it rounds to zero (the tie
-# goes to the even neighbour, 0).
-FLUSH_BELOW = 2.0**-10
 
 
 def _flushed(x2: torch.Tensor, rule: ScalingRecipe, margin: int) -> torch.Tensor:
@@ -56,14 +53,11 @@ def flush_counts(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
     return _counts(x.detach().reshape(-1, x.shape[-1]), config.recipe, config.margin)
 
 
-def add_flush_counts(counts: torch.Tensor, x: torch.Tensor, config: FP8LinearConfig) -> None:
-    """counts += `flush_counts(x, config)`, as one compiled graph on x's device (`cast.run_fused`:
-    a few launches per watched layer on a GPU, where the eager ops were about forty)."""
-    run_fused(_add_counts, counts, x.detach().reshape(-1, x.shape[-1]), config.recipe, config.margin, like=x)
-
-
-def _add_counts(counts: torch.Tensor, x2: torch.Tensor, rule: ScalingRecipe, margin: int) -> None:
-    counts.add_(_counts(x2, rule, margin))
+def count_flushes(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
+    """`flush_counts(x, config)` as one compiled graph on x's device (`cast.run_fused`), for the
+    finer recipes, whose casts run inside their GEMM functions; a tensorwise layer counts in its
+    input cast's own graph instead (`fused.counted_input_cast`)."""
+    return run_fused(_counts, x.detach().reshape(-1, x.shape[-1]), config.recipe, config.margin, like=x)
 
 
 def _counts(x2: torch.Tensor, rule: ScalingRecipe, margin: int) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""The guard's arithmetic inside a step, on the device: two compiled graphs per step on a GPU
-(`fp8.cast.run_fused`), with the ranks' agreement between them. Eagerly they were about forty
-small kernels a step, and the flush counts forty per FP8 layer (issue #68).
-
-`weigh`: this step's loss and gradient norm against the window (z-scores), and whether an FP8
-layer flushed more than `max_flushed` of its inputs; `settle`: the skip flag, and the window,
-counters and reasons updated where the step lands in the ring.
+"""The guard's arithmetic on the device, as compiled graphs (`fp8.cast.run_fused`): per forward,
+`gather` collects every watched FP8 layer's flush counts at once (each layer counts in its input
+cast's own graph); per step, `weigh` sets this step's loss and gradient norm against the window
+(z-scores) and asks whether a layer flushed more than `max_flushed` of its inputs, and `settle`
+gives the skip flag and moves the window, counters and reasons where the step lands in the ring,
+with the ranks' agreement between them. Eagerly this was about forty small kernels a step and
+forty per FP8 layer (issue #68).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ..fp8.cast import run_fused
 
-__all__ = ["REASONS", "settle", "weigh"]
+__all__ = ["REASONS", "gather", "settle", "weigh"]
 
 # Why a step was skipped, as the device ring `why` holds it (read at a check, for the log).
 NOT, NONFINITE, OUTLIER, FLUSHING = 0.0, 1.0, 2.0, 3.0
@@ -26,12 +26,24 @@ REASONS = {
 }
 
 
+def gather(step: torch.Tensor, since_check: torch.Tensor, counts: list[torch.Tensor]) -> None:
+    """step += counts, since_check += counts: one forward's [flushed, non-zero] of each watched
+    layer (rows in the guard's order) into the step's sums and the sums since the last check,
+    in one graph."""
+    run_fused(_gather, step, since_check, counts, like=step)
+
+
+def _gather(step, since_check, counts):
+    now = torch.stack(counts)
+    step.add_(now)
+    since_check.add_(now)
+
+
 def weigh(
     state: dict[str, torch.Tensor],
     losses: torch.Tensor | None,
     norm: torch.Tensor,
-    counts: list[torch.Tensor],
-    flush_last: torch.Tensor | None,
+    flushes: torch.Tensor | None,
     *,
     micro_batches: int,
     judged: bool,
@@ -42,8 +54,8 @@ def weigh(
     """(reasons, values): reasons = [outlier, flushing] as 0/1 FP32 (to be agreed over the ranks),
     values = [loss, norm]. `losses`: Σ loss over the step's `micro_batches` (None: no loss seen;
     set to 0 for the next step);
-    `judged`: past the first `warmup` steps (else no z-score); `counts`: every watched layer's
-    flush counters, `flush_last` their values at the previous step (updated)."""
+    `judged`: past the first `warmup` steps (else no z-score); `flushes`: the step's [flushed,
+    non-zero] per watched layer (`gather`; set to 0 for the next step)."""
     return run_fused(
         _weigh,
         norm.float(),
@@ -52,8 +64,7 @@ def weigh(
         state["norm"],
         state["valid"],
         state["last_z"],
-        counts,
-        flush_last,
+        flushes,
         micro_batches,
         judged,
         z_threshold,
@@ -70,8 +81,7 @@ def _weigh(
     norm_hist,
     valid,
     last_z,
-    counts,
-    flush_last,
+    flushes,
     micro_batches,
     judged,
     z_threshold,
@@ -96,12 +106,10 @@ def _weigh(
         outlier = ((z > z_threshold) | ~torch.isfinite(values)).any().float()
         outlier = outlier * (valid.sum() >= warmup).float()  # after `warmup` accepted steps
     flushing = torch.zeros_like(norm)
-    if counts:
-        now = torch.stack(counts)
-        step = now - flush_last
-        flush_last.copy_(now)
-        share = step[:, 0].double() / step[:, 1].clamp(min=1).double()
+    if flushes is not None:
+        share = flushes[:, 0].double() / flushes[:, 1].clamp(min=1).double()
         flushing = (share > max_flushed).any().float()
+        flushes.zero_()  # the next step's sums start here
     return torch.stack([outlier, flushing]), values
 
 

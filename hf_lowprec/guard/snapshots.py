@@ -7,10 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["COUNTS", "restore_snapshot", "take_snapshot"]
-
-# The buffer on each watched FP8 layer where its input casts add their flush counts.
-COUNTS = "guard_counts"
+__all__ = ["restore_snapshot", "take_snapshot"]
 
 
 def take_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Any) -> dict[str, Any]:
@@ -50,7 +47,7 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     seen: set[int] = set()
     out = []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t is None or id(t) in seen or name.endswith(COUNTS):
+        if t is None or id(t) in seen:
             continue
         seen.add(id(t))
         out.append((name, t))

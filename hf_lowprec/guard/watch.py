@@ -10,8 +10,8 @@ import torch
 
 from ..distributed import any_rank, local_shard
 from ..fp8.raised import config_named, finer
-from .judging import REASONS, settle, weigh
-from .snapshots import COUNTS, restore_snapshot, take_snapshot
+from .judging import REASONS, gather, settle, weigh
+from .snapshots import restore_snapshot, take_snapshot
 from .thresholds import GuardConfig
 
 logger = logging.getLogger("hf_lowprec")
@@ -46,8 +46,9 @@ class Guard:
       against its running mean and spread over the last `window` accepted steps (z-scores, as
       OLMo-core's skip-step optimizer does);
     - non-finite gradients (the strategy's own `found_inf`);
-    - per FP8 layer, the share of its non-zero inputs that its E4M3 casts flush to zero
-      (`fp8.raised.flush_counts`, added into a buffer on the layer at each forward).
+    - per FP8 layer, the share of its non-zero inputs that its E4M3 casts flush to zero (counted
+      by the layer's input cast, `FP8Linear.flush_now`, and collected after each training forward
+      of the model in one graph, `judging.gather`).
 
     Act, in escalating order:
 
@@ -91,7 +92,12 @@ class Guard:
         self._losses_seen = 0  # how many (host)
         self._hook: Any = None
         self._last_flushed: dict[str, float] = {}
-        self._flush_last: torch.Tensor | None = None  # the layers' counters at the previous step
+        # [flushed, non-zero] per watched layer (rows in `layers` order), on the device: this
+        # step's sums (zeroed by `weigh`) and the sums since the last check (zeroed by `check`).
+        self._step_flushes: torch.Tensor | None = None
+        self._since_check: torch.Tensor | None = None
+        self._no_counts: torch.Tensor | None = None  # [0, 0]: a layer that did not run
+        self._gathered = False  # counts collected after a forward of the model in this step (host)
         self._checked_step = 0  # `steps` at the previous check
 
     # --- attach -------------------------------------------------------------------------
@@ -106,14 +112,8 @@ class Guard:
         for name, module in model.named_modules():
             if isinstance(module, FP8Linear):
                 self.layers[name] = module
-                if module._buffers.get(COUNTS) is None:
-                    device = module.weight.device if module.weight.device.type != "meta" else None
-                    counts = torch.zeros(2, dtype=torch.int64, device=device)
-                    module.register_buffer(COUNTS, counts, persistent=False)
-        # Each rank counts its own casts: DDP must not broadcast rank 0's counters over them.
-        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-        ignored |= {f"{name}.{COUNTS}" if name else COUNTS for name in self.layers}
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
+                module.watch_flushes = True  # its training forwards count their flushed inputs
+        self._step_flushes = self._since_check = None
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
@@ -123,6 +123,7 @@ class Guard:
         (DeepSpeed steps inside backward, before the loop clips and notes): forgotten."""
         if not (module.training and torch.is_grad_enabled()):
             return
+        self._gather_flushes()
         self.strategy.take_grad_norm()
         loss = getattr(output, "loss", None)
         if torch.is_tensor(loss) and loss.dim() == 0:
@@ -130,6 +131,24 @@ class Guard:
                 self._loss_sum = torch.zeros((), device=loss.device)
             self._loss_sum.add_(loss.detach())
             self._losses_seen += 1
+
+    def _gather_flushes(self) -> None:
+        """The flush counts this forward's FP8 layers left (`FP8Linear.flush_now`) into the
+        step's and the check's sums: one graph for all of them (each rank its own, not agreed)."""
+        layers = list(self.layers.values())
+        counts = [layer.flush_now for layer in layers]
+        present = next((c for c in counts if c is not None), None)
+        if present is None:
+            return
+        device = present.device
+        if self._step_flushes is None or self._step_flushes.device != device:
+            self._step_flushes = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)
+            self._since_check = torch.zeros_like(self._step_flushes)
+            self._no_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        gather(self._step_flushes, self._since_check, [c if c is not None else self._no_counts for c in counts])
+        self._gathered = True
+        for layer in layers:
+            layer.flush_now = None
 
     # --- the step (no host sync) ---------------------------------------------------------
     def _state(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -172,6 +191,11 @@ class Guard:
         agreed over the ranks in one all-reduce; the window takes the step's values unless it is
         skipped; a step the guard skips restores `kept` (see `keep`). No host sync: two compiled
         graphs (`judging`), and the norm the loop's clipping measured where it clipped."""
+        if not self._gathered:  # no forward of the watched model this step (a loop that called a
+            self._gather_flushes()  # submodule): the counts its layers left, the last micro-batch's
+        self._gathered = False
+        for layer in self.layers.values():  # left by a recomputed forward (activation checkpointing)
+            layer.flush_now = None
         if self.stopped:  # the run goes on as an unguarded one would
             self._drop_losses()
             self.steps += 1
@@ -182,15 +206,11 @@ class Guard:
         norm = self._grad_norm(params, device)
         losses = self._loss_sum if self._losses_seen and self._loss_sum is not None else None
         micro_batches = self._losses_seen
-        counts = [layer._buffers[COUNTS] for layer in self.layers.values() if layer._buffers.get(COUNTS) is not None]
-        if counts and (self._flush_last is None or self._flush_last.shape[0] != len(counts)):
-            self._flush_last = torch.zeros(len(counts), 2, dtype=torch.int64, device=counts[0].device)
         reasons, values = weigh(
             state,
             losses,
             norm,
-            counts,
-            self._flush_last if counts else None,
+            self._step_flushes,
             micro_batches=micro_batches,
             judged=self.steps >= self.config.warmup,
             z_threshold=self.config.z_threshold,
@@ -282,19 +302,14 @@ class Guard:
 
     def _read_flushed(self) -> list[tuple[str, torch.nn.Module, float]]:
         """(name, layer, share of its non-zero inputs flushed since the last check) of every
-        watched layer, read at once; the counters start again. A layer raised to BF16 casts
+        watched layer, read at once; the sums start again. A layer raised to BF16 casts
         nothing, so its share is 0."""
-        watched = [(n, layer) for n, layer in self.layers.items() if layer._buffers.get(COUNTS) is not None]
-        if not watched:
+        if self._since_check is None:
             return []
-        buffers = [layer._buffers[COUNTS] for _, layer in watched]
-        read = torch.stack(buffers).tolist()  # one read for every layer
-        for counts in buffers:
-            counts.zero_()
-        if self._flush_last is not None:
-            self._flush_last.zero_()
+        read = self._since_check.tolist()  # one read for every layer
+        self._since_check.zero_()
         shares = []
-        for (name, layer), (flushed, nonzero) in zip(watched, read):
+        for (name, layer), (flushed, nonzero) in zip(self.layers.items(), read):
             share = flushed / nonzero if nonzero else 0.0
             self._last_flushed[name] = share
             shares.append((name, layer, share))

@@ -3,8 +3,9 @@
 takes). Per phase: kernels launched, graphs called, bytes moved, GEMM FLOPs by operand dtype,
 host syncs, and the peak of memory allocated. Inside a compiled region (one of the package's
 graphs, or a decoder layer compiled as torch.compile would) neighbouring operations fuse into one
-kernel, as Inductor fuses them: a GEMM or attention is a kernel of its own, and a reduction ends
-the kernel it is in. docs/planning.md states the model and its limits.
+kernel, as Inductor fuses them: a GEMM or attention is a kernel of its own, a reduction ends the
+kernel it is in, and a scalar operation on its result (a scale) joins it. docs/planning.md states
+the model and its limits.
 """
 
 from __future__ import annotations
@@ -277,15 +278,19 @@ class Ledger(PhasedMode):
             self._seen_regions.add(region[1])
             self._graphs[self._phase] += 1
         joins = region is not None and gemm is None and self._open is not None and self._open[0] == region
+        into = self._open[1] if joins else None
+        if into is None and region is not None and gemm is None:
+            into = self._epilogue(region, inputs, outputs)
+            joins = into is not None
         if joins:
-            kernel = self._kernels[self._open[1]]
+            kernel = self._kernels[into]
         else:
             kernel = _Kernel(self._phase, gemm, eager=region is None, region=region)
             self._kernels.append(kernel)
             if region is None:
                 kernel.launches = _multi_tensor_launches(name, args)
                 self.ops[(self._phase, name)] += kernel.launches
-        index = len(self._kernels) - 1 if not joins else self._open[1]
+        index = len(self._kernels) - 1 if not joins else into
         for t in inputs:
             key = self._key(t)
             if self._writer.get(key) != index:
@@ -301,8 +306,23 @@ class Ledger(PhasedMode):
             key = self._key(t) if alias else self._track(t, None)
             self._writer[key] = index
             kernel.writes[key] = max(kernel.writes.get(key, 0), _nbytes(t))
+        if into is not None and (self._open is None or self._open[1] != into):
+            return  # an epilogue of a kernel already ended: what is open stays open
         ends = region is None or gemm is not None or name in _REDUCTIONS
         self._open = None if ends else (region, index)
+
+    def _epilogue(self, region: Any, inputs: list, outputs: list) -> int | None:
+        """The kernel a scalar operation (every tensor it reads and writes one element: a scale,
+        its reciprocal) fuses into after a reduction ended the kernel it would have joined: the
+        last one of the same compiled call that wrote one of its inputs, as Inductor fuses a
+        reduction's scalar epilogue; None where no such kernel wrote its inputs."""
+        if not inputs or any(t.numel() != 1 for t in (*inputs, *outputs)):
+            return None
+        writers = [self._writer.get(self._key(t)) for t in inputs]
+        found = [
+            w for w in writers if w is not None and self._kernels[w].region == region and not self._kernels[w].gemm
+        ]
+        return max(found) if found else None
 
     def counts(self) -> dict[str, PhaseCounts]:
         """{phase: PhaseCounts} of what ran inside. Bytes as a compiler moves them: within one

@@ -193,16 +193,16 @@ def test_bf16_mixed_launches_no_more_than_1_1x_torch_autocast_with_fused_adamw()
 
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "fp8-lm-o2"])
-def test_the_guard_adds_two_graphs_a_step_and_one_per_watched_fp8_layer(name):
+def test_the_guard_adds_a_few_launches_a_step_whatever_the_depth(name):
     """Issue #68: with the gradients clipped as the Trainer clips them (whose pre-clip norm the
     guard reuses), the guard's step is two compiled graphs (`guard.judging`) and the loss added to
     the step's sum, plus the copies of the state an outlier step restores (FP8-LM's μ and counts:
-    3) and one graph per watched FP8 layer counting its flushed inputs (GPT-2: four a layer). It
-    was about forty a step and forty per FP8 layer."""
+    3) and, with FP8 layers, one graph per forward collecting their flush counts, which each
+    layer's input cast counts in its own graph (`judging.gather`): 7 at any depth, at most 10. It
+    was about forty a step and forty per FP8 layer, then one graph per FP8 layer."""
     for n_layer in (2, 3):
         plain = launches_of(name, n_layer, clip=1.0)
         guarded = launches_of(name, n_layer, clip=1.0, guard=True)
-        fp8_layers = 4 * n_layer if name.startswith("fp8") else 0
-        kept = 3 if name.startswith("fp8") else 0
+        fp8 = name.startswith("fp8")
         added = guarded.total() - plain.total()
-        assert added == 3 + kept + fp8_layers, (name, n_layer, added, guarded.summary("step"))
+        assert added == 3 + (3 + 1 if fp8 else 0) <= 10, (name, n_layer, added, guarded.summary("step"))

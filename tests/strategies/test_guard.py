@@ -7,6 +7,7 @@ Single process, CPU, the tests' tiny GPT-2 (2 layers, n_embd 64, vocab 256, no d
 bits are its data's), batches of 4 × 32 random tokens, small guard windows.
 """
 
+import copy
 import dataclasses
 import io
 import logging
@@ -21,7 +22,8 @@ from transformers.pytorch_utils import Conv1D
 import hf_lowprec
 from hf_lowprec.data import tiny_gpt2_config
 from hf_lowprec.fp8 import FP8Linear
-from hf_lowprec.fp8.raised import RAISED, config_named, flush_counts
+from hf_lowprec.fp8.fused import counted_input_cast, tensorwise_cast
+from hf_lowprec.fp8.raised import RAISED, config_named, count_flushes, flush_counts
 from hf_lowprec.fp8.scaled import pow2_scale
 from hf_lowprec.fp8.scaling_recipes import fp8_config
 from hf_lowprec.guard import GuardConfig
@@ -414,8 +416,8 @@ def test_a_step_whose_casts_flush_is_skipped_and_the_run_goes_on_from_weights_th
         row_fault_hooks(model)
         with torch.no_grad():  # an evaluation between steps: its flushed casts are not the step's
             model(input_ids=data[0])
-        counters = [m.guard_counts.clone() for m in model.modules() if isinstance(m, FP8Linear)]
-        assert all(c.sum() == 0 for c in counters), counters
+        assert all(m.flush_now is None for m in model.modules() if isinstance(m, FP8Linear))
+        assert strategy.guard._since_check.sum().item() == 0
         for ids in data[8:11]:
             strategy.train_step(model, ids, optimizer)
         assert_same_state(kept()[0], before[0], "after 3 flushing steps")
@@ -480,9 +482,9 @@ def test_a_resumed_run_raises_the_same_layers_again(raised_run, order, caplog):
     # The layers run as raised: a step trains, and a BF16 layer's cast is no longer counted.
     loss = strategy.train_step(model, batches(1, seed=9)[0], optimizer)
     assert math.isfinite(loss.item())
-    for name, module in model.named_modules():
-        if isinstance(module, FP8Linear) and module.recipe == RAISED:
-            assert module.guard_counts.sum().item() == 0.0, name
+    counted = dict(zip(strategy.guard.layers, strategy.guard._since_check.tolist()))
+    for name, recipe in expected.items():  # a layer still in FP8 counts its casts, a BF16 one none
+        assert (counted[name] == [0, 0]) == (recipe == RAISED), (name, recipe, counted[name])
 
 
 # --- 5. the raised (BF16) path -----------------------------------------------------------------
@@ -651,22 +653,106 @@ def test_flush_counts_at_the_rounding_boundary():
     by_cast = _flushed_by_cast(x, s)
     assert by_cast == 3  # the two ties and the value below them
     assert flush_counts(x.reshape(1, -1), fp8_config("tensorwise", 0))[0].item() == by_cast
+    assert counted_input_cast(x.reshape(1, -1), 0, False)[3][0].item() == by_cast
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
-def test_the_compiled_count_a_layer_adds_is_the_reference_count(recipe):
-    """`add_flush_counts` (one compiled graph per watched layer's forward, issue #68) adds exactly
-    `flush_counts`' integers, twice in a row, for inputs with a few rows 1e6 larger."""
-    from hf_lowprec.fp8.raised import add_flush_counts
-
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp8"])
+def test_the_compiled_count_of_a_finer_recipe_is_the_reference_count(recipe):
+    """`count_flushes` (one compiled graph per watched layer's forward) gives exactly
+    `flush_counts`' integers, for inputs with a few rows 1e6 larger, in FP32 and BF16."""
     config = fp8_config(recipe, 0)
     x = torch.randn(4, 32, 128, generator=torch.Generator().manual_seed(3))
     x[0, :2] *= 1e6
-    counts = torch.zeros(2, dtype=torch.int64)
-    add_flush_counts(counts, x, config)
-    add_flush_counts(counts, x.to(torch.bfloat16), config)
-    expected = flush_counts(x, config) + flush_counts(x.to(torch.bfloat16), config)
-    assert counts.tolist() == expected.tolist() and expected[0] > 0
+    for each in (x, x.to(torch.bfloat16)):
+        expected = flush_counts(each, config)
+        assert count_flushes(each, config).tolist() == expected.tolist() and expected[0] > 0
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tensorwise_input_cast_counts_its_flushes_and_casts_as_before(transposed, dtype):
+    """`counted_input_cast` (the cast a watched tensorwise layer makes, issue #68): the payload,
+    its transpose and the scale bit for bit those of `tensorwise_cast`, and the counts those of
+    `flush_counts`, for inputs with a few rows 1e6 larger."""
+    x = torch.randn(96, 128, generator=torch.Generator().manual_seed(4))
+    x[x.abs() < 0.05] = 0.0
+    x[[3, 50]] *= 1e6
+    x = x.to(dtype)
+    x8, x8_t, sx, counts = counted_input_cast(x, 0, transposed)
+    ref8, ref_s = tensorwise_cast(x, E4M3, 0)
+    assert torch.equal(x8.view(torch.uint8), ref8.view(torch.uint8)) and torch.equal(sx, ref_s)
+    if transposed:
+        assert x8_t.is_contiguous() and torch.equal(x8_t.view(torch.uint8), ref8.t().view(torch.uint8))
+    else:
+        assert x8_t is None
+    expected = flush_counts(x, fp8_config("tensorwise", 0))
+    assert counts.tolist() == expected.tolist() and expected[0] > 0.9 * (expected[1] - 2 * 128)
+
+
+@pytest.mark.parametrize("way", ["whole model", "a submodule", "checkpointed layers", "two micro-batches"])
+def test_every_step_is_judged_on_its_own_flush_counts_whatever_the_loop_calls(way):
+    """The layers leave their counts, the guard collects them after the model's forward; a
+    loop that calls a submodule (the backbone, then a loss of its own) is judged on the counts
+    its layers left, a recomputed forward (gradient checkpointing) is not counted twice, and two
+    micro-batches are summed. The share judged is `flush_counts`' of what the layers saw."""
+    strategy, model, optimizer = setup("fp8-lm-o2", guard=SMALL)
+    ids = batches(2)
+    if way == "checkpointed layers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    row_fault_hooks(model)
+    seen = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+
+            def record(m, args, name=name):
+                if torch.is_grad_enabled() and not torch._C._current_graph_task_id() >= 0:  # not a recompute
+                    seen[name] = seen.get(name, 0) + flush_counts(args[0], m.config)
+
+            module.register_forward_pre_hook(record)
+
+    def backbone_loss(model, batch):
+        return model.transformer(input_ids=batch).last_hidden_state.float().square().mean()
+
+    loss_fn = backbone_loss if way == "a submodule" else None
+    if way == "two micro-batches":
+        with strategy.forward_context():
+            for batch in ids:
+                strategy.scale_loss(model(input_ids=batch, labels=batch).loss / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    else:
+        strategy.train_step(model, ids[0], optimizer, loss_fn=loss_fn)
+    counted = strategy.guard._since_check.tolist()
+    assert counted == [seen[name].tolist() for name in strategy.guard.layers]
+    # The fault flushed most inputs (a layer behind a flushed one may see zeros only: not counted).
+    assert sum(c[0] for c in counted) > 0.5 * sum(c[1] for c in counted), counted
+    assert strategy.metrics()["precision/guard_flushing_steps"] == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_watched_layer_leaves_its_counts_and_computes_the_same_bits(recipe):
+    """A watched layer's training forward leaves `flush_counts` of its input in `flush_now` and
+    gives the unwatched layer's output and gradients bit for bit; no count under no_grad."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    plain, watched = (FP8Linear.from_float(copy.deepcopy(linear), config=fp8_config(recipe, 0)) for _ in range(2))
+    watched.watch_flushes = True
+    x = torch.randn(2, 48, 128)
+    x[0, :2] *= 1e6
+    outs = []
+    for layer in (plain, watched):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, layer.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert plain.flush_now is None
+    assert watched.flush_now.tolist() == flush_counts(x, watched.config).tolist()
+    watched.flush_now = None
+    with torch.no_grad():
+        watched(x)
+    assert watched.flush_now is None
 
 
 # --- 7. rollback -------------------------------------------------------------------------------
