@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..fp8.cast import run_fused
+
 __all__ = [
     "BETA2",
     "DECAY",
@@ -74,30 +76,30 @@ def device_scalar_rows(
     integers, `adamw_scalars` serves). The sequence is the host's operation for operation, so the
     bits are the same on CPU: β^t is libm's `pow` in both (0-dim CPU tensors take the scalar
     loop), every other operation is one IEEE-rounded FP64 operation. Nothing is copied from the
-    host to the device."""
-    t = torch._foreach_add(steps, 1.0)
-    c1 = torch._foreach_pow(beta1, t)
-    torch._foreach_neg_(c1)
-    torch._foreach_add_(c1, 1.0)  # fl(1 − β1^t): negation is exact
-    c2 = torch._foreach_pow(beta2, t)
-    torch._foreach_neg_(c2)
-    torch._foreach_add_(c2, 1.0)
-    sqrt_c2 = torch._foreach_sqrt(c2)
-    step = torch._foreach_mul(sqrt_c2, -lr)
-    torch._foreach_div_(step, c1)
-    eps_row = torch._foreach_mul(sqrt_c2, eps)
-    torch._foreach_maximum_(eps_row, _TINY)
-    device = steps[0].device
-    constant = {
-        slot: torch.full((), value, dtype=torch.float64, device=device)
-        for slot, value in (
-            (ONE_MINUS_BETA1, 1.0 - beta1),
-            (BETA2, beta2),
-            (ONE_MINUS_BETA2, 1.0 - beta2),
-            (DECAY, -lr * weight_decay),
-        )
-    }
-    # One (parameters × 6) table, each row a view of it: a few launches per step, not two per parameter.
-    columns = {slot: value.expand(len(steps)) for slot, value in constant.items()}
-    columns[STEP], columns[EPS] = torch.stack(step), torch.stack(eps_row)
-    return list(torch.stack([columns[slot] for slot in range(6)], dim=1).float().unbind(0))
+    host to the device. One compiled graph (`fp8.cast.run_fused`; eagerly, about twenty launches a
+    step per bucket): lr and the other hyper-parameters enter it as numbers, not constants, so a
+    schedule changing lr does not compile it again."""
+    return run_fused(_device_scalar_rows, steps, lr, beta1, beta2, eps, weight_decay, like=steps[0])
+
+
+def _device_scalar_rows(
+    steps: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> list[torch.Tensor]:
+    # The betas are constants of the graph; lr, eps and the decay meet tensors only in tensor
+    # arithmetic (not as a multi-tensor op's scalar), so they stay inputs of the graph: exact
+    # products by 1 make them tensors, then each slot is the host's FP64 operation.
+    t = torch.stack(steps) + 1.0
+    one = torch.ones_like(t)
+    c1 = -torch.pow(beta1, t) + 1.0  # fl(1 − β1^t): negation is exact
+    c2 = -torch.pow(beta2, t) + 1.0
+    sqrt_c2 = torch.sqrt(c2)
+    columns = [
+        torch.full_like(t, 1.0 - beta1),
+        torch.full_like(t, beta2),
+        torch.full_like(t, 1.0 - beta2),
+        sqrt_c2 * -(one * lr) / c1,  # −α·√c2/c1
+        torch.clamp_min(sqrt_c2 * (one * eps), _TINY),
+        -(one * lr) * weight_decay,  # −α·λ
+    ]
+    # One (parameters × 6) table, each row a view of it.
+    return list(torch.stack(columns, dim=1).float().unbind(0))

@@ -577,3 +577,31 @@ def test_a_bucket_whose_graph_over_all_rows_cannot_be_built_steps_row_by_row(mon
     assert _paths(per_row[1]) == {"compiled": 2 * len(per_row[0])}
     _assert_same_bits(*per_row, *reference)
     assert sum("one row at a time" in r.message for r in caplog.records) == 1
+
+
+def test_device_scalar_rows_are_one_graph_with_the_hosts_bits_whatever_the_lr():
+    """The scalars of a step whose count lives on the device (`scalars.device_scalar_rows`, after
+    a flagged step) are one compiled graph (issue #66: they were about twenty eager launches per
+    bucket and step), with `adamw_scalars`' bits computed on the host in FP64, for every step and
+    hyper-parameters, and an lr that changes every step (a schedule) compiles nothing new after
+    the first change."""
+    from torch._dynamo.utils import counters
+
+    from hf_lowprec.optim.scalars import adamw_scalars, device_scalar_rows
+
+    for lr, beta1, beta2, eps, decay in [(1e-3, 0.9, 0.999, 1e-8, 0.01), (3e-4, 0.8, 0.95, 1e-6, 0.1)]:
+        steps = [torch.tensor(float(t), dtype=torch.float64) for t in range(0, 5000, 97)]
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=decay)
+        rows = device_scalar_rows(steps, **hyper)
+        for t, row in zip(steps, rows):
+            host = torch.tensor(adamw_scalars(int(t) + 1, **hyper), dtype=torch.float32)
+            assert torch.equal(row.view(torch.int32), host.view(torch.int32)), (int(t), row, host)
+    steps = [torch.tensor(3.0, dtype=torch.float64)] * 4
+    device_scalar_rows(steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    device_scalar_rows(steps, lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    before = counters["stats"]["unique_graphs"]
+    for lr in (3e-3, 4e-3, 5e-4):
+        row = device_scalar_rows(steps, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)[0]
+        host = adamw_scalars(4, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        assert torch.equal(row, torch.tensor(host, dtype=torch.float32))
+    assert counters["stats"]["unique_graphs"] == before

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 
 import pytest
 import torch
@@ -179,6 +180,45 @@ def test_o2_expert_weights_are_scaled_fp16_masters_with_e4m3_first_moments():
         for p in router.parameters():
             assert p.dtype == torch.float32 and get_master_scale(p) is None
             assert inner.state[p]["exp_avg"].dtype == torch.float32
+
+
+def _high_lr_run(name: str, seed: int, steps: int = 8) -> tuple[list[float], list[float]]:
+    """(losses, pre-clip gradient norms) of issue #67's run: Mixtral from config (2 layers, hidden
+    64, 8 experts, top-2), `steps` steps of batch 8 drawn from 8 sequences of 32 tokens, AdamW at
+    lr 1e-2 constant, no weight decay."""
+    strategy = get_strategy(name)
+    model = strategy.prepare_model(tiny_moe("mixtral", seed=0, hidden=64, experts=8, top_k=2, layers=2))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0)
+    sequences = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(seed))
+    draws = torch.Generator().manual_seed(seed + 100)
+    losses, norms = [], []
+    for _ in range(steps):
+        ids = sequences[torch.randint(0, 8, (8,), generator=draws)]
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        strategy.unscale_gradients(unwrap_optimizer(optimizer))
+        norm = strategy.clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        norms.append(float(norm))
+    return losses, norms
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_o2_trains_mixtral_at_a_high_learning_rate_as_bf16_mixed_does(seed):
+    """Issue #67: fp8-lm-o2 once spiked at step 8 of this run (loss 3.97 → 5.70, gradient norm 20.5)
+    where bf16-mixed moved 4.03 → 4.35. Same weights and batches under both: at every step o2's
+    loss is within 15% of bf16-mixed's and its gradient norm at most twice bf16-mixed's largest.
+    Today's runs differ by at most 4% in loss (o2 above) and 1.5× in norm (3 seeds, 8 and 16
+    steps measured); the spike was +31% and 20.5."""
+    reference, reference_norms = _high_lr_run("bf16-mixed", seed)
+    losses, norms = _high_lr_run("fp8-lm-o2", seed)
+    assert all(math.isfinite(x) for x in losses + norms), (losses, norms)
+    ratios = [a / b for a, b in zip(losses, reference)]
+    assert max(ratios) <= 1.15, (losses, reference)
+    assert max(norms) <= 2 * max(reference_norms), (norms, reference_norms)
 
 
 def test_o2_model_state_of_an_experts_heavy_moe_is_under_045_of_bf16_mixed():
