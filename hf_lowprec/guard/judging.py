@@ -26,17 +26,15 @@ REASONS = {
 }
 
 
-def gather(step: torch.Tensor, since_check: torch.Tensor, counts: list[torch.Tensor]) -> None:
-    """step += counts, since_check += counts: one forward's [flushed, non-zero] of each watched
-    layer (rows in the guard's order) into the step's sums and the sums since the last check,
-    in one graph."""
-    run_fused(_gather, step, since_check, counts, like=step)
+def gather(flushes: torch.Tensor, counts: list[torch.Tensor]) -> None:
+    """flushes[0] += counts and flushes[1] += counts: one forward's [flushed, non-zero] of each
+    watched layer (rows in the guard's order) into the step's sums and the sums since the last
+    check, in one graph."""
+    run_fused(_gather, flushes, counts, like=flushes)
 
 
-def _gather(step, since_check, counts):
-    now = torch.stack(counts)
-    step.add_(now)
-    since_check.add_(now)
+def _gather(flushes, counts):
+    flushes.add_(torch.stack(counts).unsqueeze(0))
 
 
 def weigh(
@@ -54,7 +52,7 @@ def weigh(
     """(reasons, values): reasons = [outlier, flushing] as 0/1 FP32 (to be agreed over the ranks),
     values = [loss, norm]. `losses`: Σ loss over the step's `micro_batches` (None: no loss seen;
     set to 0 for the next step);
-    `judged`: past the first `warmup` steps (else no z-score); `flushes`: the step's [flushed,
+    `judged`: past the first `warmup` steps (else no z-score); `flushes[0]`: the step's [flushed,
     non-zero] per watched layer (`gather`; set to 0 for the next step)."""
     return run_fused(
         _weigh,
@@ -107,9 +105,10 @@ def _weigh(
         outlier = outlier * (valid.sum() >= warmup).float()  # after `warmup` accepted steps
     flushing = torch.zeros_like(norm)
     if flushes is not None:
-        share = flushes[:, 0].double() / flushes[:, 1].clamp(min=1).double()
+        step = flushes[0]
+        share = step[:, 0].double() / step[:, 1].clamp(min=1).double()
         flushing = (share > max_flushed).any().float()
-        flushes.zero_()  # the next step's sums start here
+        step.zero_()  # the next step's sums start here
     return torch.stack([outlier, flushing]), values
 
 

@@ -92,11 +92,11 @@ class Guard:
         self._losses_seen = 0  # how many (host)
         self._hook: Any = None
         self._last_flushed: dict[str, float] = {}
-        # [flushed, non-zero] per watched layer (rows in `layers` order), on the device: this
-        # step's sums (zeroed by `weigh`) and the sums since the last check (zeroed by `check`).
-        self._step_flushes: torch.Tensor | None = None
-        self._since_check: torch.Tensor | None = None
-        self._no_counts: torch.Tensor | None = None  # [0, 0]: a layer that did not run
+        # [flushed, non-zero] per watched layer (rows in `layers` order), on the device: [0] this
+        # step's sums (zeroed by `weigh`), [1] the sums since the last check (zeroed by `check`).
+        # One tensor: a model compiled whole traces the gathering hook, and aot_autograd refuses
+        # two mutated inputs that share storage (its compiler may allocate two zero tensors as one).
+        self._flushes: torch.Tensor | None = None
         self._gathered = False  # counts collected after a forward of the model in this step (host)
         self._checked_step = 0  # `steps` at the previous check
 
@@ -113,7 +113,7 @@ class Guard:
             if isinstance(module, FP8Linear):
                 self.layers[name] = module
                 module.watch_flushes = True  # its training forwards count their flushed inputs
-        self._step_flushes = self._since_check = None
+        self._flushes = None
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
@@ -141,11 +141,11 @@ class Guard:
         if present is None:
             return
         device = present.device
-        if self._step_flushes is None or self._step_flushes.device != device:
-            self._step_flushes = torch.zeros(len(layers), 2, dtype=torch.int64, device=device)
-            self._since_check = torch.zeros_like(self._step_flushes)
-            self._no_counts = torch.zeros(2, dtype=torch.int64, device=device)
-        gather(self._step_flushes, self._since_check, [c if c is not None else self._no_counts for c in counts])
+        if self._flushes is None or self._flushes.device != device:
+            self._flushes = torch.zeros(2, len(layers), 2, dtype=torch.int64, device=device)
+        # A layer that did not run in this forward counts [0, 0] (a fresh tensor: rare).
+        none = [torch.zeros(2, dtype=torch.int64, device=device) for c in counts if c is None][:1]
+        gather(self._flushes, [c if c is not None else none[0] for c in counts])
         self._gathered = True
         for layer in layers:
             layer.flush_now = None
@@ -206,20 +206,23 @@ class Guard:
         norm = self._grad_norm(params, device)
         losses = self._loss_sum if self._losses_seen and self._loss_sum is not None else None
         micro_batches = self._losses_seen
-        reasons, values = weigh(
-            state,
-            losses,
-            norm,
-            self._step_flushes,
-            micro_batches=micro_batches,
-            judged=self.steps >= self.config.warmup,
-            z_threshold=self.config.z_threshold,
-            warmup=self.config.warmup,
-            max_flushed=self.config.max_flushed,
-        )
-        self._losses_seen = 0  # `weigh` set the sum to 0
-        reasons = any_rank(reasons, params, getattr(self.strategy, "_data_parallel_group", None))
-        skip = settle(state, found_inf, reasons, values, kept or [])
+        # No autograd: a model compiled whole may hand over a loss sum that requires grad, which
+        # in-place copies would pass on to the window (and `weigh` would compile again for it).
+        with torch.no_grad():
+            reasons, values = weigh(
+                state,
+                losses,
+                norm,
+                self._flushes,
+                micro_batches=micro_batches,
+                judged=self.steps >= self.config.warmup,
+                z_threshold=self.config.z_threshold,
+                warmup=self.config.warmup,
+                max_flushed=self.config.max_flushed,
+            )
+            self._losses_seen = 0  # `weigh` set the sum to 0
+            reasons = any_rank(reasons, params, getattr(self.strategy, "_data_parallel_group", None))
+            skip = settle(state, found_inf, reasons, values, kept or [])
         self.steps += 1
         return skip
 
@@ -304,10 +307,10 @@ class Guard:
         """(name, layer, share of its non-zero inputs flushed since the last check) of every
         watched layer, read at once; the sums start again. A layer raised to BF16 casts
         nothing, so its share is 0."""
-        if self._since_check is None:
+        if self._flushes is None:
             return []
-        read = self._since_check.tolist()  # one read for every layer
-        self._since_check.zero_()
+        read = self._flushes[1].tolist()  # one read for every layer
+        self._flushes[1].zero_()
         shares = []
         for (name, layer), (flushed, nonzero) in zip(self.layers.items(), read):
             share = flushed / nonzero if nonzero else 0.0

@@ -9,6 +9,7 @@ bits are its data's), batches of 4 × 32 random tokens, small guard windows.
 
 import copy
 import dataclasses
+import functools
 import io
 import logging
 import math
@@ -417,7 +418,7 @@ def test_a_step_whose_casts_flush_is_skipped_and_the_run_goes_on_from_weights_th
         with torch.no_grad():  # an evaluation between steps: its flushed casts are not the step's
             model(input_ids=data[0])
         assert all(m.flush_now is None for m in model.modules() if isinstance(m, FP8Linear))
-        assert strategy.guard._since_check.sum().item() == 0
+        assert strategy.guard._flushes[1].sum().item() == 0
         for ids in data[8:11]:
             strategy.train_step(model, ids, optimizer)
         assert_same_state(kept()[0], before[0], "after 3 flushing steps")
@@ -482,7 +483,7 @@ def test_a_resumed_run_raises_the_same_layers_again(raised_run, order, caplog):
     # The layers run as raised: a step trains, and a BF16 layer's cast is no longer counted.
     loss = strategy.train_step(model, batches(1, seed=9)[0], optimizer)
     assert math.isfinite(loss.item())
-    counted = dict(zip(strategy.guard.layers, strategy.guard._since_check.tolist()))
+    counted = dict(zip(strategy.guard.layers, strategy.guard._flushes[1].tolist()))
     for name, recipe in expected.items():  # a layer still in FP8 counts its casts, a BF16 one none
         assert (counted[name] == [0, 0]) == (recipe == RAISED), (name, recipe, counted[name])
 
@@ -722,7 +723,7 @@ def test_every_step_is_judged_on_its_own_flush_counts_whatever_the_loop_calls(wa
         optimizer.zero_grad()
     else:
         strategy.train_step(model, ids[0], optimizer, loss_fn=loss_fn)
-    counted = strategy.guard._since_check.tolist()
+    counted = strategy.guard._flushes[1].tolist()
     assert counted == [seen[name].tolist() for name in strategy.guard.layers]
     # The fault flushed most inputs (a layer behind a flushed one may see zeros only: not counted).
     assert sum(c[0] for c in counted) > 0.5 * sum(c[1] for c in counted), counted
@@ -848,3 +849,23 @@ def test_a_steady_guarded_step_never_syncs(name):
     with DeviceTraffic() as check:  # the counter sees the check's reads (where syncs belong)
         strategy.metrics()
     assert check.syncs
+
+
+def test_a_model_compiled_whole_is_guarded_with_no_break_or_recompile_of_its_own():
+    """`torch.compile(model)` traces the guard's hook that collects the layers' flush counts:
+    the guarded run breaks where the unguarded one does (transformers' own logging) and builds no
+    graph after its warm-up steps, and the counts arrive. (Its two sums were once two tensors,
+    which the compiler allocated as one: aot_autograd refused the run.)"""
+    from hf_lowprec.testing.graphs import compiled_run
+
+    ids = batches(1)[0]
+    runs = {}
+    for guard in (False, {**SMALL, "warmup": 1}):  # judging starts (its graph) within the warm-up steps
+        strategy, model, optimizer = setup("fp8-lm-o2", guard=guard)
+        compiled = torch.compile(model)
+        step = functools.partial(strategy.train_step, compiled, ids, optimizer, max_grad_norm=1.0)
+        runs[bool(guard)] = compiled_run(step)
+    assert runs[True].breaks == runs[False].breaks, (runs[True].break_reasons, runs[False].break_reasons)
+    assert runs[True].new_graphs == 0, runs[True].recompiles_summary()
+    counted = strategy.guard._flushes[1].tolist()
+    assert len(counted) == len(strategy.guard.layers) and all(nonzero > 0 for _, nonzero in counted), counted
