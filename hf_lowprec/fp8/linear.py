@@ -477,9 +477,12 @@ class FP8Linear(nn.Module):
         if shared is not None:  # a tied weight, already scaled by the other layer that holds it
             self.master_scale, self.master_margin = shared, margin
             return
-        with torch.no_grad():
-            scale = pow2_scale(tensor_amax(self.weight), torch.float16, margin)
-            self.weight.copy_(quantize(self.weight, scale, torch.float16))
+        if self.weight.is_meta:  # no values to scale (memory planning): the scale's place only
+            scale = torch.ones((), dtype=torch.float32, device="meta")
+        else:
+            with torch.no_grad():
+                scale = pow2_scale(tensor_amax(self.weight), torch.float16, margin)
+                self.weight.copy_(quantize(self.weight, scale, torch.float16))
         self.master_margin = margin
         self.master_scale = scale
         set_master_scale(self.weight, scale)

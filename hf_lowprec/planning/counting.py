@@ -222,7 +222,7 @@ def count_step(
     overrides: dict[str, Any] = {"use_cache": False}
     if layers is not None:
         overrides.update(layer_overrides(config, layers))
-    counted = [Ledger()]
+    counted = [Ledger(recording=False)]
     forced = forced_fp8_gemm_path()
     set_fp8_gemm_path("scaled_mm")
     try:
@@ -233,31 +233,32 @@ def count_step(
             # torch takes its multi-tensor paths (clipping, optimizers) for plain tensors only.
             mock.patch.object(_foreach_utils, "_foreach_supported_types", [torch.Tensor, Parameter, FakeTensor]),
             gpu_paths(),
-            # Each operation runs once per count: the fake mode's cache of operations only costs
-            # its hashing (half the counting time).
-            torch._dynamo.config.patch(fake_tensor_cache_enabled=False),
+            # The fake mode's cache of operations (shapes out for shapes in) serves the warm-up's
+            # operations to the counted step, one block's to the next, one strategy's to the next.
+            torch._dynamo.config.patch(fake_tensor_cache_enabled=True),
             FakeTensorMode(allow_non_fake_inputs=True),
-            counted[0],
         ):
             # The FP8 weight cache keys on the weight's data pointer, which a fake tensor reads
             # with a deprecation warning: harmless here (the cache holds for the counted steps).
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            peers = {ANCHOR: _TorchAMP, TORCHAO: _TorchAOFloat8}
-            strategy = peers[name]() if name in peers else hf_lowprec.get_strategy(name, **options)
-            built = strategy.prepare_model(build_model(model, device="cpu", **overrides))
-            optimizer = strategy.create_optimizer(
-                [p for p in built.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01
-            )
-            vocab = getattr(built.config, "vocab_size", 1024)
-            ids = torch.randint(0, vocab, batch)
+            # Building, preparing and the warm-up run under a ledger that records nothing (it
+            # answers the host's reads): only the steady step is counted.
+            with counted[0]:
+                peers = {ANCHOR: _TorchAMP, TORCHAO: _TorchAOFloat8}
+                strategy = peers[name]() if name in peers else hf_lowprec.get_strategy(name, **options)
+                built = strategy.prepare_model(build_model(model, device="cpu", **overrides))
+                optimizer = strategy.create_optimizer(
+                    [p for p in built.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01
+                )
+                vocab = getattr(built.config, "vocab_size", 1024)
+                ids = torch.randint(0, vocab, batch)
             depth = len(blocks_of(built))
-            scope = _compiled_layers(built, counted) if compiled_layers else contextlib.nullcontext()
-            with scope:
-                for _ in range(warmup):
-                    phased_step(counted[0], strategy, built, optimizer, ids, clip)
+            with _compiled_layers(built, counted) if compiled_layers else contextlib.nullcontext():
+                with counted[0]:
+                    for _ in range(warmup):
+                        phased_step(counted[0], strategy, built, optimizer, ids, clip)
                 resident = _resident_bytes(built, optimizer)
-                steady = Ledger()
-                counted.insert(0, steady)
+                steady = counted[0] = Ledger()
                 with steady:
                     phased_step(steady, strategy, built, optimizer, ids, clip)
     finally:

@@ -163,8 +163,9 @@ class Ledger(PhasedMode):
     of what existed before). Enter it inside a `FakeTensorMode`: a value the host reads (a sync)
     is counted and answered with a stand-in (1, True), so the step runs on."""
 
-    def __init__(self) -> None:
+    def __init__(self, recording: bool = True) -> None:
         super().__init__()
+        self.recording = recording  # False: only answer the host's reads (a warm-up)
         self._kernels: list[_Kernel] = []
         self._open: tuple[Any, int] | None = None  # (region, kernel index) a fused kernel is open in
         self._writer: dict[int, int] = {}  # tensor key → the kernel that last wrote it
@@ -238,6 +239,8 @@ class Ledger(PhasedMode):
         if func is aten._grouped_mm.default and {t.dtype for t in args[:2]} != {torch.bfloat16}:
             return self._grouped_fallback(func, args, kwargs)
         out = func(*args, **kwargs)
+        if not self.recording:
+            return out
         inputs = _tensors(args) + _tensors(kwargs.values())
         outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,))
         if not launches_a_kernel(func):
@@ -260,6 +263,8 @@ class Ledger(PhasedMode):
         self._syncs[self._phase] += 1
         a, b, *rest = args
         out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs).to(a.dtype)
+        if not self.recording:
+            return out
         offsets = rest[0] if rest else kwargs.get("offs")
         groups = offsets.numel() if isinstance(offsets, torch.Tensor) else 1
         self._record(func, args, kwargs, _tensors(args), [out])
