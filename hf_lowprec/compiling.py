@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
+    "call_pure",
     "compiled_region",
     "compiler_missing",
     "constant",
@@ -57,6 +58,20 @@ def compiled_region(name: str) -> Iterator[None]:
         yield
     finally:
         _regions.pop()
+
+
+def call_pure(key: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs): a compiled graph's source or one part of it (an FP8 cast, an optimizer
+    row), a pure function of tensors named by `key`. Under a dispatch mode that replays such calls
+    (the step ledger, `hf_lowprec.planning.ledger.Ledger.call_pure`), that mode runs it."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if not torch.compiler.is_compiling():
+        replay = getattr(_get_current_dispatch_mode(), "call_pure", None)
+        if replay is not None:
+            return replay(key, fn, args, kwargs)
+    return fn(*args, **kwargs)
 
 
 def current_compiled_region() -> tuple[str, int] | None:

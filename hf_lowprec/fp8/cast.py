@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..compiling import compiled_region, compiler_missing, constant, takes_gpu_path
+from ..compiling import call_pure, compiled_region, compiler_missing, constant, takes_gpu_path
 
 __all__ = [
     "has_nan",
@@ -188,7 +188,7 @@ def run_fused(fn: Callable[..., Any], *args: Any, like: torch.Tensor) -> Any:
         return fn(*args)
     with compiled_region(fn.__name__):
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
-            return fn(*args)
+            return call_pure(fn, fn, *args)
         return _run_compiled(fn, like.device.type, *args)
 
 

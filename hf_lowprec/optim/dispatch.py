@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
-from ..compiling import compiled_region, compiler_missing, takes_gpu_path
+from ..compiling import call_pure, compiled_region, compiler_missing, takes_gpu_path
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -289,7 +289,7 @@ def _run_compiled_together(key, discard, block, rows, device) -> bool:
 
     def together(rows_args: list[tuple], flags: list[torch.Tensor]) -> None:
         for args, flag in zip(rows_args, flags):
-            discard(*args, found_inf=flag)
+            call_pure(key, discard, *args, found_inf=flag)
 
     staged_rows, write_backs = [], []
     for row in rows:

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
+import os
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 from unittest import mock
 
@@ -30,6 +35,7 @@ __all__ = [
     "count_step",
     "layer_overrides",
     "phased_step",
+    "start_counts",
     "swap_or_set_data",
 ]
 
@@ -201,13 +207,15 @@ def count_step(
     clip: float | None = 1.0,
     warmup: int = 1,
     gpu: Any = None,
+    replays: dict | None = None,
     **options: Any,
 ) -> StepCount:
     """The ledger of one steady step (after `warmup`) of strategy `name` on `model` (a name of
     `planning.models.MODELS` or a config.json) at `layers` decoder layers (the config's unset),
     `batch` = (sequences, tokens each), gradients clipped to `clip` as the Trainer clips. With a
     `gpu` (a `hardware.GPU`), FP8 strategies keep in BF16 what FP8 would not speed up there, as
-    they do when they run on it (`models.rule_options`)."""
+    they do when they run on it (`models.rule_options`). `replays`: the pure calls recorded by
+    earlier counts of the same strategy (`Ledger.call_pure`), shared with this one."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.nn import Parameter
     from torch.utils import _foreach_utils
@@ -222,7 +230,8 @@ def count_step(
     overrides: dict[str, Any] = {"use_cache": False}
     if layers is not None:
         overrides.update(layer_overrides(config, layers))
-    counted = [Ledger(recording=False)]
+    replays = {} if replays is None else replays
+    counted = [Ledger(recording=False, replays=replays)]
     forced = forced_fp8_gemm_path()
     set_fp8_gemm_path("scaled_mm")
     try:
@@ -258,7 +267,7 @@ def count_step(
                     for _ in range(warmup):
                         phased_step(counted[0], strategy, built, optimizer, ids, clip)
                 resident = _resident_bytes(built, optimizer)
-                steady = counted[0] = Ledger()
+                steady = counted[0] = Ledger(replays=replays)
                 with steady:
                     phased_step(steady, strategy, built, optimizer, ids, clip)
     finally:
@@ -303,6 +312,7 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
     depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
     if depth <= 2:
         return count_step(name, model, batch, layers=depth, **kwargs)
+    kwargs.setdefault("replays", {})  # the second count replays the first's optimizer rows
     one = count_step(name, model, batch, layers=1, **kwargs)
     two = count_step(name, model, batch, layers=2, **kwargs)
     phases: dict[str, PhaseCounts] = {}
@@ -328,3 +338,32 @@ def _extra_kernels(a: PhaseCounts, b: PhaseCounts) -> list:
         else:
             extra.append(kernel)
     return extra
+
+
+def start_counts(
+    names: list[str], model: str, batch: tuple[int, int], **kwargs: Any
+) -> Callable[[], dict[str, StepCount]]:
+    """Starts `count_scaled` of every strategy in `names` and returns the call that waits for
+    them: {name: StepCount}. On Linux with two or more cores the counts run in forked worker
+    processes, one per core, while the caller goes on (a count is pure Python: one core each);
+    elsewhere, or if a worker dies, they run in this process when the results are asked for."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cores, len(names))
+    if workers < 2 or not sys.platform.startswith("linux"):
+        return lambda: {name: count_scaled(name, model, batch, **kwargs) for name in names}
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    futures: dict[str, Future] = {name: pool.submit(count_scaled, name, model, batch, **kwargs) for name in names}
+
+    def results() -> dict[str, StepCount]:
+        counted = {}
+        try:
+            for name, future in futures.items():
+                try:
+                    counted[name] = future.result()
+                except BrokenProcessPool:  # a worker died (killed, out of memory): count it here
+                    counted[name] = count_scaled(name, model, batch, **kwargs)
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return counted
+
+    return results

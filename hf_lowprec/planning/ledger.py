@@ -22,27 +22,21 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compiling import current_compiled_region
+from .operations import (
+    gemm_flops,
+    launches_a_kernel,
+    multi_tensor_launches,
+    nbytes,
+    tensors_in,
+    written_arguments,
+)
+from .replay import PLAIN, CallLog, empty_outputs, output_specs, signature
 
 __all__ = ["PHASES", "Ledger", "PhaseCounts", "PhasedMode", "launches_a_kernel"]
 
 PHASES = ("forward", "backward", "gradients", "clip", "optimizer")
 
 aten = torch.ops.aten
-# Operations that allocate or only read metadata: no kernel runs (a view, whose output aliases
-# its input without writing it, is recognised from its schema).
-_NO_KERNEL = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten.lift_fresh.default,
-    aten.sym_size.int,
-    aten.sym_stride.int,
-    aten.sym_numel.default,
-    aten.sym_storage_offset.default,
-    aten.is_same_size.default,
-    aten._local_scalar_dense.default,  # a host sync, no kernel
-    aten._unsafe_view.default,  # a view whose schema does not say so (after `reshape`'s copy)
-}
 _SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 _STAND_IN = {aten._local_scalar_dense.default: None, aten.is_nonzero.default: True, aten.equal.default: True}
 # Operations that reduce: a fused kernel ends with one (its result is broadcast by the next).
@@ -50,45 +44,6 @@ _REDUCTIONS = {
     "sum", "amax", "amin", "aminmax", "max", "min", "mean", "norm", "linalg_vector_norm", "var", "std",
     "var_mean", "std_mean", "any", "all", "argmax", "argmin", "prod", "_foreach_norm", "_foreach_max",
 }  # fmt: skip
-_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-_ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
-_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm"}
-
-
-def launches_a_kernel(func: Any) -> bool:
-    """Whether an ATen operation runs a kernel on a GPU (not a view, an allocation or a metadata read)."""
-    if func in _NO_KERNEL or func.namespace in ("profiler", "prim"):  # markers, `prim::device`
-        return False
-    returns = func._schema.returns
-    # A view: every output aliases an input and nothing is written.
-    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
-
-
-def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
-    """The argument `name` of a call of `func`, read from its schema (positional or keyword)."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name == name:
-            return args[position] if position < len(args) else kwargs.get(name, default)
-    return default
-
-
-def _gemm_flops(func: Any, name: str, args: tuple, kwargs: dict) -> tuple[int, torch.dtype] | None:
-    """(FLOPs, operand dtype) of a GEMM or attention operation, None for any other."""
-    if name in _GEMMS:
-        a = args[1] if name in ("addmm", "baddbmm") else args[0]
-        b = args[2] if name in ("addmm", "baddbmm") else args[1]
-        # Every row of a (groups stacked or not) meets one K×N matrix of b: 2·rows·K·N.
-        return 2 * (a.numel() // a.shape[-1]) * a.shape[-1] * b.shape[-1], a.dtype
-    if any(name.startswith(p) for p in _ATTENTION):
-        q, k = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(k, torch.Tensor):
-            return None
-        batch, heads, rows, dim = q.shape
-        # Causal attention (what a decoder trains): the fused kernels skip the masked half.
-        causal = 0.5 if _argument(func, args, kwargs, "is_causal", False) is True else 1.0
-        flops = 4 * batch * heads * rows * k.shape[-2] * dim * causal
-        return int(flops * (2.5 if name.endswith("backward") else 1.0)), q.dtype
-    return None
 
 
 @dataclasses.dataclass
@@ -163,7 +118,7 @@ class Ledger(PhasedMode):
     of what existed before). Enter it inside a `FakeTensorMode`: a value the host reads (a sync)
     is counted and answered with a stand-in (1, True), so the step runs on."""
 
-    def __init__(self, recording: bool = True) -> None:
+    def __init__(self, recording: bool = True, replays: dict | None = None) -> None:
         super().__init__()
         self.recording = recording  # False: only answer the host's reads (a warm-up)
         self._kernels: list[_Kernel] = []
@@ -180,6 +135,10 @@ class Ledger(PhasedMode):
         self.peak_bytes = 0
         self._refs: Counter[int] = Counter()
         self._sizes: dict[int, int] = {}
+        # Pure calls (`call_pure`): {signature: what the first such call did}, shareable between
+        # ledgers; `_log` collects what the call being recorded does.
+        self.replays: dict = {} if replays is None else replays
+        self._log: CallLog | None = None
 
     def enter_layer(self, name: str) -> None:
         """From here to `leave_layer`, operations run as one compiled graph of torch's own (a
@@ -224,14 +183,15 @@ class Ledger(PhasedMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t not in _PLAIN for t in types):
+        if any(t not in PLAIN for t in types):
             # A tensor subclass (torchao's float8 tensors): its own dispatch runs first, and the
             # operations it runs on its plain inner tensors come back here to be counted.
             return NotImplemented
         if func in _SYNCS:
             self._syncs[self._phase] += 1
+            self._note(None)  # a host read: not replayed
             tensor = args[0]
-            if _is_fake(tensor):
+            if isinstance(tensor, FakeTensor):
                 stand_in = _STAND_IN[func]
                 if stand_in is None:
                     return True if tensor.dtype == torch.bool else (1.0 if tensor.is_floating_point() else 1)
@@ -241,8 +201,8 @@ class Ledger(PhasedMode):
         out = func(*args, **kwargs)
         if not self.recording:
             return out
-        inputs = _tensors(args) + _tensors(kwargs.values())
-        outputs = _tensors(out if isinstance(out, (tuple, list)) else (out,))
+        inputs = tensors_in(args) + tensors_in(kwargs.values())
+        outputs = tensors_in(out if isinstance(out, (tuple, list)) else (out,))
         if not launches_a_kernel(func):
             base = self._key(inputs[0]) if inputs else None
             for t in outputs:
@@ -267,7 +227,8 @@ class Ledger(PhasedMode):
             return out
         offsets = rest[0] if rest else kwargs.get("offs")
         groups = offsets.numel() if isinstance(offsets, torch.Tensor) else 1
-        self._record(func, args, kwargs, _tensors(args), [out])
+        self._record(func, args, kwargs, tensors_in(args), [out])
+        self._note(None)  # a launch count set after the fact: not replayed
         self._kernels[-1].launches = groups
         if self._kernels[-1].eager:
             self.ops[(self._phase, "_grouped_mm fallback mm")] += groups - 1
@@ -275,13 +236,14 @@ class Ledger(PhasedMode):
 
     def _record(self, func: Any, args: tuple, kwargs: dict, inputs: list, outputs: list) -> None:
         name = func._schema.name.split("::")[-1]
-        gemm = _gemm_flops(func, name, args, kwargs)
+        gemm = gemm_flops(func, name, args, kwargs)
         # Inside a layer compiled as one graph, the package's own compiled calls are traced into
         # that graph (dynamo inlines them); elsewhere each is a graph of its own.
         region = self._layer[-1] if self._layer else current_compiled_region()
         if region is not None and region[1] not in self._seen_regions:
             self._seen_regions.add(region[1])
             self._graphs[self._phase] += 1
+            self._note(("graph",))
         joins = region is not None and gemm is None and self._open is not None and self._open[0] == region
         into = self._open[1] if joins else None
         if into is None and region is not None and gemm is None:
@@ -292,16 +254,18 @@ class Ledger(PhasedMode):
         else:
             kernel = _Kernel(self._phase, gemm, eager=region is None, region=region)
             self._kernels.append(kernel)
+            self._note(("kernel", gemm, region))
             if region is None:
-                kernel.launches = _multi_tensor_launches(name, args)
+                kernel.launches = multi_tensor_launches(name, args)
                 self.ops[(self._phase, name)] += kernel.launches
         index = len(self._kernels) - 1 if not joins else into
         for t in inputs:
             key = self._key(t)
             if self._writer.get(key) != index:
-                kernel.reads[key] = (max(kernel.reads.get(key, (0, None))[0], _nbytes(t)), self._writer.get(key))
+                kernel.reads[key] = (max(kernel.reads.get(key, (0, None))[0], nbytes(t)), self._writer.get(key))
+                self._note(("read", index, key, nbytes(t), self._writer.get(key)))
         written = {id(t) for t in outputs}
-        for t in _written_arguments(func, args, kwargs):  # in-place and out= operations
+        for t in written_arguments(func, args, kwargs):  # in-place and out= operations
             if id(t) not in written:
                 outputs.append(t)
                 written.add(id(t))
@@ -310,7 +274,8 @@ class Ledger(PhasedMode):
             alias = id(t) in given
             key = self._key(t) if alias else self._track(t, None)
             self._writer[key] = index
-            kernel.writes[key] = max(kernel.writes.get(key, 0), _nbytes(t))
+            kernel.writes[key] = max(kernel.writes.get(key, 0), nbytes(t))
+            self._note(("write", index, key, nbytes(t)))
         if into is not None and (self._open is None or self._open[1] != into):
             return  # an epilogue of a kernel already ended: what is open stays open
         ends = region is None or gemm is not None or name in _REDUCTIONS
@@ -328,6 +293,117 @@ class Ledger(PhasedMode):
             w for w in writers if w is not None and self._kernels[w].region == region and not self._kernels[w].gemm
         ]
         return max(found) if found else None
+
+    # --- pure calls: the first runs, a later one with the same shapes replays it ---------------
+
+    def call_pure(self, key: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """`fn(*args, **kwargs)` for a pure function (the source of one of the package's compiled
+        graphs, `key` naming it: `compiling.call_pure`): its operations depend only on its
+        arguments' shapes, dtypes, layouts, aliasing and plain values, and it returns None or
+        new tensors. Fake tensors hold no values, so running it again changes nothing but the
+        ledger: a call like one recorded before (in this ledger or one sharing `replays`)
+        replays what that one added (kernels, reads, writes, fusion with the kernel open before
+        it, its peak of temporaries) and hands back empty outputs of the same shapes, without
+        running its operations. A warm-up ledger only hands back the outputs."""
+        region = self._layer[-1] if self._layer else current_compiled_region()
+        shapes = signature(key, args, kwargs)
+        if region is None or shapes is None or self._log is not None:
+            return fn(*args, **kwargs)
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if not self.recording:  # the outputs' shapes do not depend on which arguments alias
+            if shapes in self.replays:
+                return empty_outputs(self.replays[shapes])
+            out = fn(*args, **kwargs)
+            outputs = output_specs(out, tensors)
+            if outputs is not None:
+                self.replays[shapes] = CallLog()
+                self.replays[shapes].outputs = outputs
+            return out
+        keys = [self._key(t) for t in tensors]
+        aliased = (*shapes, tuple(keys.index(k) for k in keys))
+        calls = self.replays.get(aliased)
+        opened = self._open is not None and self._open[0] == region
+        # Whether it joins the kernel open before it, which of its tensors that kernel or another
+        # of its graph wrote, whether its graph has run a kernel yet: what decides how its first
+        # operations fuse (into the open kernel, or as a scalar epilogue of an earlier one).
+        state = (opened, tuple(self._wrote(k, region) for k in keys), region[1] in self._seen_regions)
+        if calls is not None and state in calls:
+            return self._replay(calls[state], keys, region)
+        log = self._log = CallLog(len(self._kernels), self._open[1] if opened else None, self._serial, keys, region[1])
+        live, peak, self.peak_bytes = self._live, self.peak_bytes, self._live
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._log = None
+            log.peak, self.peak_bytes = self.peak_bytes - live, max(peak, self.peak_bytes)
+        log.end = None if self._open is None else log.kernel_ref(self._open[1])
+        outputs = output_specs(out, tensors)
+        if log.entries is not None and log.end is not False and outputs is not None:
+            made = [t for t in (out if outputs[0] else [out]) if t is not None]
+            keys_out = [self._key(t) for t in made]
+            # Nothing it made outlives it but its outputs (a temporary kept would be missed).
+            if {k for k in self._refs if k > log.serial} == set(keys_out) and all(k > log.serial for k in keys_out):
+                specs = iter(keys_out)
+                log.outputs = (outputs[0], [s if s is None else (*s[:4], next(specs)) for s in outputs[1]])
+                self.replays.setdefault(aliased, {})[state] = log
+                self.replays[shapes] = log
+        return out
+
+    def _wrote(self, key: int, region: Any) -> int:
+        """2: the kernel open now wrote the tensor `key`; 1: another of `region`'s fusible
+        kernels did; 0: none did."""
+        writer = self._writer.get(key)
+        if writer is None or self._kernels[writer].region != region or self._kernels[writer].gemm:
+            return 0
+        return 2 if self._open is not None and writer == self._open[1] else 1
+
+    def _note(self, entry: tuple | None) -> None:
+        """Adds what `_record` did to the log of the pure call being recorded (`CallLog.note`)."""
+        if self._log is not None:
+            self._log.note(entry, self._layer[-1] if self._layer else current_compiled_region())
+
+    def _replay(self, log: CallLog, keys: list[int], region: Any) -> Any:
+        start, fresh = len(self._kernels), {}
+        self.peak_bytes = max(self.peak_bytes, self._live + log.peak)
+        out = empty_outputs(log)
+        made = out if log.outputs[0] else [out]  # type: ignore[index]
+        for spec, t in zip(log.outputs[1], made):  # type: ignore[index]
+            if spec is not None:
+                fresh[spec[-1]] = self._key(t)
+
+        def key_of(ref: tuple) -> int:
+            kind, value = ref
+            if kind == "arg":
+                return keys[value]
+            if kind == "new":
+                if value not in fresh:
+                    self._serial += 1
+                    fresh[value] = self._serial
+                return fresh[value]
+            return value
+
+        def kernel_of(ref: tuple) -> int:
+            return start + ref[1] if ref[0] == "in" else self._open[1]  # type: ignore[index]
+
+        for entry in log.entries:  # type: ignore[union-attr]
+            if entry[0] == "graph":
+                self._seen_regions.add(region[1])
+                self._graphs[self._phase] += 1
+            elif entry[0] == "kernel":
+                self._kernels.append(_Kernel(self._phase, entry[1], region=region))
+            elif entry[0] == "read":
+                _, at, ref, size, writer = entry
+                kernel, key = self._kernels[kernel_of(at)], key_of(ref)
+                if writer is not None:
+                    writer = self._writer.get(key) if writer == ("pre",) else kernel_of(writer)
+                kernel.reads[key] = (max(kernel.reads.get(key, (0, None))[0], size), writer)
+            else:
+                _, at, ref, size = entry
+                index, key = kernel_of(at), key_of(ref)
+                self._writer[key] = index
+                self._kernels[index].writes[key] = max(self._kernels[index].writes.get(key, 0), size)
+        self._open = None if log.end is None else (region, kernel_of(log.end))
+        return out
 
     def counts(self) -> dict[str, PhaseCounts]:
         """{phase: PhaseCounts} of what ran inside. Bytes as a compiler moves them: within one
@@ -371,53 +447,3 @@ class Ledger(PhasedMode):
         for phase, n in self._syncs.items():
             result.setdefault(phase, PhaseCounts()).syncs += n
         return {phase: c for phase, c in result.items() if c.kernels or c.syncs or phase in PHASES}
-
-
-# torch's multi-tensor kernels (`_foreach_*`, the fused optimizers) launch one kernel per chunk:
-# at most 110, 64, 48, 36 or 30 tensors when they walk 1 to 5 lists at once, and at most 320
-# blocks of 65536 elements (`MultiTensorApply.cuh`).
-_TENSORS_PER_LAUNCH, _ELEMENTS_PER_LAUNCH = (110, 64, 48, 36, 30), 320 * 65536
-
-
-def _multi_tensor_launches(name: str, args: tuple) -> int:
-    if not name.startswith(("_foreach_", "_fused_")):
-        return 1
-    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-    # A list of 0-dim tensors (a fused optimizer's step counts) rides along as kernel arguments.
-    lists = [a for a in lists if a[0].dim() > 0] or lists[:1]
-    if not lists:
-        return 1
-    per_launch = _TENSORS_PER_LAUNCH[min(len(lists), len(_TENSORS_PER_LAUNCH)) - 1]
-    elements = sum(t.numel() for t in lists[0])
-    return max(1, -(-len(lists[0]) // per_launch), -(-elements // _ELEMENTS_PER_LAUNCH))
-
-
-def _is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (tuple, list)):
-            found += [t for t in v if isinstance(t, torch.Tensor)]
-    return found
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size() if t.layout == torch.strided else 0
-
-
-def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an operation writes in place (its schema's `Tensor(a!)` arguments)."""
-    found: list[torch.Tensor] = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        found += _tensors([value])
-    return found

@@ -14,7 +14,7 @@ import torch
 
 from ..strategies.registry import get_strategy
 from .communication import communication
-from .counting import ANCHOR, PEERS, TORCHAO, count_scaled
+from .counting import ANCHOR, PEERS, TORCHAO, start_counts
 from .gpus import GPU, MEASURED
 from .models import memory_plan, model_config, quiet, rule_options
 from .roofline import predict, predict_measured
@@ -84,15 +84,16 @@ def plan_rows(
     """One row per strategy (the peers `PEERS` may be among them): predictions on `gpu` for a
     per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`."""
     model_config(model)
+    counts = start_counts(strategies, model, batch, compiled_layers=compiled_layers, gpu=gpu)
     memory = {}
     # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
     names = list(dict.fromkeys(BASELINE if n in PEERS else n for n in strategies))
     tokens = batch[0] * batch[1]
     for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0, gpu, tokens):
         memory[row["strategy"]] = row
+    kept = {name: _kept_in_bf16(name, model, rule_options(name, gpu, tokens)) for name in strategies}
     rows = []
-    for name in strategies:
-        count = count_scaled(name, model, batch, compiled_layers=compiled_layers, gpu=gpu)
+    for name, count in counts().items():
         predicted = predict(count, gpu)
         state = memory[BASELINE if name in PEERS else name]
         params = state["num_params"]
@@ -123,7 +124,7 @@ def plan_rows(
                 "peak_gib": peak / 2**30,
                 "sent_gb": traffic.bytes / 1e9,
                 "limit": limit,
-                "kept_in_bf16": _kept_in_bf16(name, model, rule_options(name, gpu, tokens)),
+                "kept_in_bf16": kept[name],
                 "fits": peak <= gpu.memory,
             }
         )
@@ -140,7 +141,7 @@ def gpu_preview(strategies: list[str]) -> dict[str, float]:
 
     model, batch, gpu = _PREVIEW
     with quiet():
-        counts = {name: count_scaled(name, model, batch, compiled_layers=False, gpu=GPUS[gpu]) for name in strategies}
+        counts = start_counts(strategies, model, batch, compiled_layers=False, gpu=GPUS[gpu])()
     return {name: predict(count, GPUS[gpu]).step * 1e3 for name, count in counts.items()}
 
 

@@ -222,3 +222,49 @@ def test_a_deep_model_is_counted_at_two_depths_and_scaled(tiny):
     assert scaled.kernels == full.kernels
     assert scaled.flops == full.flops
     assert scaled.bytes == pytest.approx(full.bytes, rel=0.02)
+
+
+def _everything(count):
+    """Every figure of a counted step, per phase."""
+    return (
+        count.peak_bytes,
+        count.resident_bytes,
+        {
+            phase: (c.kernels, c.graphs, c.eager, c.bytes, c.syncs, dict(c.flops), sorted(map(str, c.gemm_kernels)))
+            for phase, c in count.phases.items()
+        },
+    )
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-layers"])
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "collage-8bit", "coat", "bf16-sr"])
+def test_replayed_pure_calls_count_what_running_them_counts(tiny, monkeypatch, name, compiled):
+    """A pure call (an FP8 cast, an optimizer row) with the shapes of one recorded before is
+    replayed, not run (docs/planning.md, "Counting time"): kernels, graphs, bytes, FLOPs, syncs,
+    peak and resident bytes are those of running every call, eager and with compiled layers
+    (where a row's first kernel fuses with the one the row before left open)."""
+    replayed = []
+    replay = Ledger._replay
+
+    def counting_replays(self, *args):
+        replayed.append(1)
+        return replay(self, *args)
+
+    monkeypatch.setattr(Ledger, "_replay", counting_replays)
+    fast = count_step(name, tiny, BATCH, layers=4, compiled_layers=compiled)
+    assert len(replayed) >= 8  # the 4 layers' rows and casts: most calls were replayed
+
+    monkeypatch.setattr(Ledger, "call_pure", lambda self, key, fn, args, kwargs: fn(*args, **kwargs))
+    assert _everything(fast) == _everything(count_step(name, tiny, BATCH, layers=4, compiled_layers=compiled))
+
+
+def test_counts_in_worker_processes_equal_counts_in_this_one(tiny):
+    """`start_counts` (forked workers on a machine with two cores or more) gives what counting
+    each strategy here gives."""
+    from hf_lowprec.planning.counting import start_counts
+
+    names = ["bf16-mixed", "fp8-lm-o2", ANCHOR]
+    parallel = start_counts(names, tiny, BATCH, compiled_layers=False)()
+    assert list(parallel) == names
+    for name in names:
+        assert _everything(parallel[name]) == _everything(count_scaled(name, tiny, BATCH, compiled_layers=False))
