@@ -312,7 +312,7 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
     depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
     if depth <= 2:
         return count_step(name, model, batch, layers=depth, **kwargs)
-    kwargs.setdefault("replays", {})  # the second count replays the first's optimizer rows
+    kwargs.setdefault("replays", {})  # the second count replays the first's casts and optimizer rows
     one = count_step(name, model, batch, layers=1, **kwargs)
     two = count_step(name, model, batch, layers=2, **kwargs)
     phases: dict[str, PhaseCounts] = {}

@@ -394,8 +394,7 @@ class Ledger(PhasedMode):
             elif entry[0] == "read":
                 _, at, ref, size, writer = entry
                 kernel, key = self._kernels[kernel_of(at)], key_of(ref)
-                if writer is not None:
-                    writer = self._writer.get(key) if writer == ("pre",) else kernel_of(writer)
+                writer = self._writer.get(key) if writer == ("pre",) else kernel_of(writer)
                 kernel.reads[key] = (max(kernel.reads.get(key, (0, None))[0], size), writer)
             else:
                 _, at, ref, size = entry
