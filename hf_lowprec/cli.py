@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .hardware import gpu_named
+from .planning.counting import without_collector
 from .planning.models import MODELS, memory_plan, model_config, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
@@ -133,6 +134,23 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(mem: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    names = _check_strategy_names(mem, ns.strategies or ",".join(available_strategies()))
+    if ns.world_size < 1:
+        mem.error("--world-size must be >= 1")
+    try:
+        model_config(ns.model)
+        gpu = None if ns.gpu is None else gpu_named(ns.gpu)
+    except ValueError as error:
+        mem.error(str(error))
+    if ns.batch is not None and gpu is None:
+        mem.error("--batch prices the FP8 layer rule on a GPU: give --gpu too (without it every layer is FP8)")
+    sequences, tokens = _batch(mem, ns.batch or "4x2048")
+    rows = memory_plan(ns.model, names, ns.world_size, ns.zero_stage, gpu, sequences * tokens)
+    _print_memory(rows, ns.model, ns.world_size, ns.zero_stage)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status.
 
@@ -225,23 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['name']:<{width}}  {r['bytes_per_param']:>7g}  {(r['needs'] or '-'):<16} {r['summary']}")
         return 0
-    if ns.command == "memory":
-        names = _check_strategy_names(mem, ns.strategies or ",".join(available_strategies()))
-        if ns.world_size < 1:
-            mem.error("--world-size must be >= 1")
-        try:
-            model_config(ns.model)
-            gpu = None if ns.gpu is None else gpu_named(ns.gpu)
-        except ValueError as error:
-            mem.error(str(error))
-        if ns.batch is not None and gpu is None:
-            mem.error("--batch prices the FP8 layer rule on a GPU: give --gpu too (without it every layer is FP8)")
-        sequences, tokens = _batch(mem, ns.batch or "4x2048")
-        rows = memory_plan(ns.model, names, ns.world_size, ns.zero_stage, gpu, sequences * tokens)
-        _print_memory(rows, ns.model, ns.world_size, ns.zero_stage)
-        return 0
-    if ns.command == "plan":
-        return _plan(plan, ns)
+    if ns.command in ("memory", "plan"):
+        # Short-lived planners that make millions of objects reference counting frees: the
+        # collector's passes are time lost (the transformers import among them).
+        with without_collector():
+            return _plan(plan, ns) if ns.command == "plan" else _memory(mem, ns)
     if ns.command == "compare":
         from .compare import resolve_recipe, run_compare, summary_table
 

@@ -2,14 +2,16 @@
 built from its config as fake tensors (shapes and dtypes, no values), every branch of the
 package switched to the path a CUDA device takes (`compiling.gpu_paths`, FP8 GEMMs by
 `torch._scaled_mm`), optionally each decoder layer as one compiled graph (regional compilation,
-as the device check's `e2e` section runs). A large model is counted at one and two layers and
-scaled to its depth (`count_scaled`), so planning a 70 B model takes seconds.
+as the device check's `e2e` section runs). A large model is counted at one and two layers (one
+model of two, counted whole and with its second layer out) and scaled to its depth
+(`count_scaled`), so planning a 70 B model takes seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
 import os
 import sys
@@ -24,19 +26,19 @@ import torch
 
 from ..compiling import gpu_paths
 from .ledger import Ledger, PhaseCounts
+from .models import blocks_of, layer_overrides
 
 __all__ = [
     "ANCHOR",
     "PEERS",
     "TORCHAO",
     "StepCount",
-    "blocks_of",
     "count_scaled",
     "count_step",
-    "layer_overrides",
     "phased_step",
     "start_counts",
     "swap_or_set_data",
+    "without_collector",
 ]
 
 
@@ -69,18 +71,6 @@ class StepCount:
         for counts in self.phases.values():
             out.add(counts)
         return out
-
-
-def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's decoder blocks: its longest `ModuleList` of modules of one class."""
-    best: torch.nn.ModuleList | None = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
-            if best is None or len(module) > len(best):
-                best = module
-    if best is None:
-        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to count")
-    return best
 
 
 def phased_step(
@@ -216,6 +206,26 @@ def count_step(
     `gpu` (a `hardware.GPU`), FP8 strategies keep in BF16 what FP8 would not speed up there, as
     they do when they run on it (`models.rule_options`). `replays`: the pure calls recorded by
     earlier counts of the same strategy (`Ledger.call_pure`), shared with this one."""
+    return _count_steps(name, model, batch, layers, compiled_layers, clip, warmup, gpu, replays, False, options)[0]
+
+
+def _count_steps(
+    name: str,
+    model: str,
+    batch: tuple[int, int],
+    layers: int | None,
+    compiled_layers: bool,
+    clip: float | None,
+    warmup: int,
+    gpu: Any,
+    replays: dict | None,
+    shallower: bool,
+    options: dict[str, Any],
+) -> list[StepCount]:
+    """`count_step`'s counted step, then, if `shallower`, one more steady step of the same model
+    with its last decoder block taken out (what the model one block shallower counts, for the
+    strategies outside `_DEPTH_BOUND`: its gradients are None, so the optimizer passes over its
+    parameters; tests/planning/test_ledger.py holds the two equal)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.nn import Parameter
     from torch.utils import _foreach_utils
@@ -236,6 +246,7 @@ def count_step(
     set_fp8_gemm_path("scaled_mm")
     try:
         with (
+            without_collector(),
             warnings.catch_warnings(),
             torch.compiler.set_stance("force_eager"),
             mock.patch("torch.utils.swap_tensors", swap_or_set_data),
@@ -266,24 +277,61 @@ def count_step(
                 with counted[0]:
                     for _ in range(warmup):
                         phased_step(counted[0], strategy, built, optimizer, ids, clip)
-                resident = _resident_bytes(built, optimizer)
-                steady = counted[0] = Ledger(replays=replays)
-                with steady:
-                    phased_step(steady, strategy, built, optimizer, ids, clip)
+                out = []
+                for hidden in [None, *([depth - 1] if shallower else [])]:
+                    with _without_block(built, hidden):
+                        resident = _resident_bytes(built, optimizer)
+                        steady = counted[0] = Ledger(replays=replays)
+                        with steady:
+                            phased_step(steady, strategy, built, optimizer, ids, clip)
+                    out.append(StepCount(steady.counts(), steady.peak_bytes, depth - (hidden is not None), resident))
     finally:
         set_fp8_gemm_path(forced)
-    return StepCount(steady.counts(), steady.peak_bytes, depth, resident)
+    return out
+
+
+@contextlib.contextmanager
+def without_collector() -> Iterator[None]:
+    """The cyclic garbage collector off in the scope (as it was after): a count makes hundreds of
+    thousands of short-lived objects, which reference counting frees, and the collector's passes
+    over them were 15% of its time (about 10 MB is left for the collector to find later)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _without_block(model: torch.nn.Module, index: int | None) -> Iterator[None]:
+    """Within the scope, `model`'s decoder block `index` is out of its block list (none if None)."""
+    if index is None:
+        yield
+        return
+    blocks = blocks_of(model)
+    kept = dict(blocks._modules)
+    del blocks._modules[str(index)]
+    try:
+        yield
+    finally:
+        blocks._modules.clear()
+        blocks._modules.update(kept)
 
 
 def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """Bytes held between steps: parameters, buffers and optimizer state (each storage once);
-    gradients set to None are not held."""
+    """Bytes held between steps by `model` and `optimizer`: parameters, buffers and the
+    optimizer's state of the model's parameters (each storage once); gradients set to None are
+    not held."""
     from ..memory import unwrap_optimizer
 
     inner = unwrap_optimizer(getattr(optimizer, "inner", optimizer))
     tensors = [*model.parameters(), *model.buffers()]
-    for state in getattr(inner, "state", {}).values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    held = {id(p) for p in tensors}
+    for param, state in getattr(inner, "state", {}).items():
+        if id(param) in held or not isinstance(param, torch.nn.Parameter):
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     seen: dict[int, int] = {}
     for t in tensors:
         if t.layout == torch.strided:
@@ -292,20 +340,17 @@ def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
     return sum(seen.values())
 
 
-def layer_overrides(config: Any, layers: int) -> dict[str, Any]:
-    """Config fields that set the depth to `layers` (and a per-layer list cut to it)."""
-    out: dict[str, Any] = {}
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if hasattr(config, key):
-            out[key] = layers
-    if getattr(config, "layer_types", None):
-        out["layer_types"] = list(config.layer_types)[:layers]
-    return out
+# Strategies whose step over a model depends on blocks that did not run (state shared by all
+# layers: FP16 loss scaling's per-layer statistics, ZeRO-style flat shards): counted at one and
+# two blocks built as such.
+_DEPTH_BOUND = {"fp16-als", "fp8-lm-o3"}
 
 
 def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:
     """`count_step` at the model's full depth, counted at one and two decoder layers and
-    extrapolated linearly (every block of one class costs the same)."""
+    extrapolated linearly (every block of one class costs the same). The two counts are one
+    model's, of two blocks, its steady step counted whole and with its second block out: one
+    warm-up instead of two (`_DEPTH_BOUND` strategies: two models built)."""
     from .models import model_config
 
     config, _ = model_config(model)
@@ -313,8 +358,12 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
     if depth <= 2:
         return count_step(name, model, batch, layers=depth, **kwargs)
     kwargs.setdefault("replays", {})  # the second count replays the first's casts and optimizer rows
-    one = count_step(name, model, batch, layers=1, **kwargs)
-    two = count_step(name, model, batch, layers=2, **kwargs)
+    if name in _DEPTH_BOUND:
+        one = count_step(name, model, batch, layers=1, **kwargs)
+        two = count_step(name, model, batch, layers=2, **kwargs)
+    else:  # one model of two blocks, counted whole and with its second block out
+        args = [kwargs.pop(k, d) for k, d in (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None))]
+        two, one = _count_steps(name, model, batch, 2, *args, kwargs.pop("replays"), True, kwargs)
     phases: dict[str, PhaseCounts] = {}
     for phase in {*one.phases, *two.phases}:
         a, b = one.phases.get(phase, PhaseCounts()), two.phases.get(phase, PhaseCounts())
@@ -351,7 +400,8 @@ def start_counts(
     workers = min(cores, len(names))
     if workers < 2 or not sys.platform.startswith("linux"):
         return lambda: {name: count_scaled(name, model, batch, **kwargs) for name in names}
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    # gc.freeze: a worker's collections never walk the objects it was forked with.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.freeze)
     futures: dict[str, Future] = {name: pool.submit(count_scaled, name, model, batch, **kwargs) for name in names}
 
     def results() -> dict[str, StepCount]:

@@ -37,8 +37,8 @@ __all__ = ["PHASES", "Ledger", "PhaseCounts", "PhasedMode", "launches_a_kernel"]
 PHASES = ("forward", "backward", "gradients", "clip", "optimizer")
 
 aten = torch.ops.aten
-_SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
-_STAND_IN = {aten._local_scalar_dense.default: None, aten.is_nonzero.default: True, aten.equal.default: True}
+_DEVICE = torch.ops.prim.device.default
+_STAND_IN = {aten._local_scalar_dense.default: None, aten.is_nonzero.default: True, aten.equal.default: True}  # syncs
 # Operations that reduce: a fused kernel ends with one (its result is broadcast by the next).
 _REDUCTIONS = {
     "sum", "amax", "amin", "aminmax", "max", "min", "mean", "norm", "linalg_vector_norm", "var", "std",
@@ -182,12 +182,14 @@ class Ledger(PhasedMode):
     # --- dispatch -----------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):  # the commonest call: no kernel
+            return args[0].fake_device  # as the fake mode answers it outside its own kernels
         kwargs = kwargs or {}
         if any(t not in PLAIN for t in types):
             # A tensor subclass (torchao's float8 tensors): its own dispatch runs first, and the
             # operations it runs on its plain inner tensors come back here to be counted.
             return NotImplemented
-        if func in _SYNCS:
+        if func in _STAND_IN:
             self._syncs[self._phase] += 1
             self._note(None)  # a host read: not replayed
             tensor = args[0]

@@ -1,7 +1,8 @@
 """The models the planners read, offline: a named shape (`MODELS`) or a transformers
 `config.json`, checked (`model_config`) and built without weights (`build_model`), and the
 model-state memory of each strategy on it (`memory_plan`: what `hf-lowprec memory` prints and
-`hf-lowprec plan` reuses, one source for both).
+`hf-lowprec plan` reuses, one source for both; a deep model whose blocks are alike is planned at
+one and two blocks and scaled, exactly). `blocks_of` finds a model's decoder blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ import torch
 
 from ..strategies.registry import get_strategy
 
-__all__ = ["MODELS", "build_model", "memory_plan", "model_config", "quiet", "rule_options"]
+__all__ = [
+    "MODELS",
+    "blocks_of",
+    "build_model",
+    "layer_overrides",
+    "memory_plan",
+    "model_config",
+    "quiet",
+    "rule_options",
+]
 
 
 @contextlib.contextmanager
@@ -191,6 +201,29 @@ def build_model(model: str, device: Any = "meta", **overrides: Any) -> torch.nn.
         return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
 
 
+def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks: its longest `ModuleList` of modules of one class."""
+    best: torch.nn.ModuleList | None = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to count")
+    return best
+
+
+def layer_overrides(config: Any, layers: int) -> dict[str, Any]:
+    """Config fields that set the depth to `layers` (and a per-layer list cut to it)."""
+    out: dict[str, Any] = {}
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if hasattr(config, key):
+            out[key] = layers
+    if getattr(config, "layer_types", None):
+        out["layer_types"] = list(config.layer_types)[:layers]
+    return out
+
+
 def rule_options(name: str, gpu: Any = None, tokens: int = 8192) -> dict[str, Any]:
     """The options that make strategy `name` keep in BF16 what FP8 would not speed up on `gpu`
     (a `hardware.GPU`) at `tokens` a micro-batch, as it does when it runs there; without a `gpu`
@@ -218,16 +251,24 @@ def memory_plan(
     initialisers give the state tensors (`hf_lowprec.report.plan_model_state`). With ZeRO, the
     per-rank share follows `hf_lowprec.report.zero_per_rank`. With a `gpu`, FP8 strategies keep
     in BF16 what FP8 would not speed up there at `tokens` a micro-batch (`rule_options`).
+    A model deeper than two blocks, all alike, is planned at one and two blocks and scaled: the
+    same figures, to the bit, as the whole model's (a strategy treats alike blocks alike).
     """
-    from ..report import plan_model_state, zero_per_rank
+    from ..report import zero_per_rank
 
+    depth = _uniform_depth(model)
     rows = []
     for name in strategies:
-        strategy = get_strategy(name, **rule_options(name, gpu, tokens))
-        with quiet("hf_lowprec.fp8"):  # skipped-layer warnings, once per strategy
-            prepared = strategy.prepare_model(build_model(model))
-        optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
-        plan = plan_model_state(prepared, optimizer)
+        strategy_options = rule_options(name, gpu, tokens)
+        if depth > 2:  # blocks alike: two shallow plans, scaled to the depth (exactly)
+            one, two = (_state_bytes(model, name, strategy_options, n) for n in (1, 2))
+            totals = {k: one[k] + (depth - 1) * (two[k] - one[k]) for k in one}
+        else:
+            totals = _state_bytes(model, name, strategy_options, None)
+        num_params = totals.pop("num_params")
+        plan = {k: v / num_params for k, v in totals.items()}
+        plan["total"] = sum(plan.values())
+        plan["num_params"] = float(num_params)
         row = {"strategy": name, **plan}
         if world_size > 1 or zero_stage:
             refusal = _zero_refusal(name, zero_stage)
@@ -236,6 +277,47 @@ def memory_plan(
             row["zero"] = refusal or "ok"
         rows.append(row)
     return rows
+
+
+def _state_bytes(model: str, name: str, options: dict[str, Any], layers: int | None) -> dict[str, int]:
+    """Strategy `name`'s model state on `model` (at `layers` decoder layers, the config's unset),
+    as whole bytes per component and the parameter count (`report.plan_model_state`'s figures
+    times the count: every term is a whole number of bytes)."""
+    from ..report import plan_model_state
+
+    overrides = {} if layers is None else layer_overrides(model_config(model)[0], layers)
+    strategy = get_strategy(name, **options)
+    with quiet("hf_lowprec.fp8"):  # skipped-layer warnings, once per strategy
+        prepared = strategy.prepare_model(build_model(model, **overrides))
+    optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
+    plan = plan_model_state(prepared, optimizer)
+    count = int(plan["num_params"])
+    out = {k: round(plan[k] * count) for k in ("params", "grads", "optimizer_states", "extra")}
+    return {**out, "num_params": count}
+
+
+@functools.cache
+def _uniform_depth(model: str) -> int:
+    """The number of decoder blocks of `model` when they are all alike (one class, the same
+    parameters by name, shape and dtype, the same submodule classes), so that each adds the same
+    state whatever a strategy does to it; 0 when they differ (dense first layers, per-layer widths)."""
+
+    def signature(block: torch.nn.Module) -> tuple:
+        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+        return params, tuple((n, type(m).__name__) for n, m in block.named_modules())
+
+    config = model_config(model)[0]
+    try:
+        # The model at its depth and at one and two layers (what the plan scales from).
+        built = [
+            blocks_of(build_model(model, **overrides))
+            for overrides in ({}, layer_overrides(config, 1), layer_overrides(config, 2))
+        ]
+    except ValueError:
+        return 0
+    first = signature(built[0][0])
+    alike = all(signature(block) == first for blocks in built for block in blocks)
+    return len(built[0]) if alike and [len(b) for b in built[1:]] == [1, 2] else 0
 
 
 def _zero_refusal(name: str, stage: int) -> str | None:

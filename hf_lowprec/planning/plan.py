@@ -16,7 +16,7 @@ from ..strategies.registry import get_strategy
 from .communication import communication
 from .counting import ANCHOR, PEERS, TORCHAO, start_counts
 from .gpus import GPU, MEASURED
-from .models import memory_plan, model_config, quiet, rule_options
+from .models import build_model, layer_overrides, memory_plan, model_config, quiet, rule_options
 from .roofline import predict, predict_measured
 
 __all__ = ["GPU_PREVIEW", "calibration_lines", "format_plan", "gpu_preview", "plan_rows"]
@@ -32,8 +32,6 @@ def _kept_in_bf16(name: str, model: str, options: dict[str, Any]) -> list[str]:
     head, layers FP8 would not speed up (`options`: the rule's GPU and tokens), small ones."""
     from ..fp8.experts import FP8Experts
     from ..grouped_experts import is_experts_module
-    from .counting import layer_overrides
-    from .models import build_model
 
     if name == TORCHAO:  # the peer converts every linear layer but the LM head
         return ["lm_head"]
