@@ -26,7 +26,7 @@ import torch
 
 from ..compiling import gpu_paths
 from .ledger import Ledger, PhaseCounts
-from .models import blocks_of, layer_overrides
+from .models import blocks_of, build_model, layer_overrides, model_config, rule_options
 
 __all__ = [
     "ANCHOR",
@@ -225,15 +225,13 @@ def _count_steps(
     """`count_step`'s counted step, then, if `shallower`, one more steady step of the same model
     with its last decoder block taken out (what the model one block shallower counts, for the
     strategies outside `_DEPTH_BOUND`: its gradients are None, so the optimizer passes over its
-    parameters; tests/planning/test_ledger.py holds the two equal)."""
+    parameters; tests/planning/test_shortcuts.py holds the two equal)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.nn import Parameter
     from torch.utils import _foreach_utils
 
     import hf_lowprec
     from hf_lowprec.fp8.gemm import forced_fp8_gemm_path, set_fp8_gemm_path
-
-    from .models import build_model, model_config, rule_options
 
     options = {**rule_options(name, gpu, batch[0] * batch[1]), **options}
     config, _ = model_config(model)
@@ -351,8 +349,6 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
     extrapolated linearly (every block of one class costs the same). The two counts are one
     model's, of two blocks, its steady step counted whole and with its second block out: one
     warm-up instead of two (`_DEPTH_BOUND` strategies: two models built)."""
-    from .models import model_config
-
     config, _ = model_config(model)
     depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
     if depth <= 2:
@@ -402,7 +398,12 @@ def start_counts(
         return lambda: {name: count_scaled(name, model, batch, **kwargs) for name in names}
     # gc.freeze: a worker's collections never walk the objects it was forked with.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.freeze)
-    futures: dict[str, Future] = {name: pool.submit(count_scaled, name, model, batch, **kwargs) for name in names}
+    # The longest counts first (FP8 layers: casts and their state; two models built), so that
+    # no worker is left with a long one at the end while the other waits.
+    longest_first = sorted(names, key=lambda name: not rule_options(name) and name not in _DEPTH_BOUND)
+    futures: dict[str, Future] = {
+        name: pool.submit(count_scaled, name, model, batch, **kwargs) for name in longest_first
+    }
 
     def results() -> dict[str, StepCount]:
         counted = {}
@@ -414,6 +415,6 @@ def start_counts(
                     counted[name] = count_scaled(name, model, batch, **kwargs)
         finally:
             pool.shutdown(cancel_futures=True)
-        return counted
+        return {name: counted[name] for name in names}
 
     return results
