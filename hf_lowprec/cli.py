@@ -101,7 +101,7 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     import json
 
     from .planning.counting import ANCHOR, PEERS
-    from .planning.plan import calibration_lines, format_plan, plan_rows
+    from .planning.plan import calibration_lines, format_plan, plan_rows, scaling_lines
 
     for flag, value in (("--link-gbps", ns.link_gbps), ("--network-gbps", ns.network_gbps)):
         if value is not None and not value > 0:
@@ -129,6 +129,7 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         return 0
     where = f"{ns.gpus}× {gpu.name}, {ns.engine}" if ns.gpus > 1 else f"one {gpu.name}"
     print(format_plan(rows, f"{ns.model}, batch {sequences}x{tokens} per GPU, {where} (predicted, docs/planning.md)"))
+    print("\n" + "\n".join(scaling_lines(rows, gpu, ns.engine)))
     print("\nHow far this model was from steps measured on a GPU:")
     print("\n".join(calibration_lines()))
     return 0

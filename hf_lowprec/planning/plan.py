@@ -13,15 +13,19 @@ from typing import Any
 import torch
 
 from ..strategies.registry import get_strategy
-from .communication import communication
+from .communication import GPUS_PER_NODE, communication
 from .counting import ANCHOR, PEERS, TORCHAO, start_counts
 from .gpus import GPU, MEASURED
 from .models import build_model, layer_overrides, memory_plan, model_config, quiet, rule_options
 from .roofline import predict, predict_measured
 
-__all__ = ["GPU_PREVIEW", "calibration_lines", "format_plan", "gpu_preview", "plan_rows"]
+__all__ = ["GPU_PREVIEW", "SCALES", "calibration_lines", "format_plan", "gpu_preview", "plan_rows", "scaling_lines"]
 
 BASELINE = "bf16-mixed"
+# The cluster sizes every plan prices (the batch per GPU kept), and those it searches for the
+# point where communication overtakes compute.
+SCALES = (8, 64, 512)
+_POWERS = tuple(2**k for k in range(1, 10))
 # What the main job's CPU rows are priced at on a GPU: its architecture at GPT-2 small's size.
 _PREVIEW = ("gpt2", (8, 1024), "h100")
 GPU_PREVIEW = "GPT-2 124M, batch 8×1024, eager, one H100"
@@ -99,6 +103,9 @@ def plan_rows(
         grads, weights = _wire_bytes(name, engine)
         traffic = communication(engine, gpus, params, grads, weights, gpu)
         step = max(predicted.step, traffic.seconds)
+        # Past one machine: the same per-GPU batch on more GPUs (the compute of a step stays, the
+        # traffic grows with the ring and crosses the network past a node).
+        at = {n: communication(engine, n, params, grads, weights, gpu).seconds for n in _POWERS}
         # What is resident between steps (counted), sharded as the model state is, then the
         # step's own peak on top (activations, the gradients it allocates).
         share = per_gpu / (state["total"] * params)
@@ -123,6 +130,8 @@ def plan_rows(
                 "sent_gb": traffic.bytes / 1e9,
                 "limit": limit,
                 "kept_in_bf16": kept[name],
+                "step_ms_at_gpus": {n: max(predicted.step, at[n]) * 1e3 for n in SCALES},
+                "communication_bound_from": next((n for n in _POWERS if at[n] > predicted.step), None),
                 "fits": peak <= gpu.memory,
             }
         )
@@ -173,6 +182,24 @@ def format_plan(rows: list[dict[str, Any]], title: str) -> str:
         kept = f"; kept in BF16: {', '.join(r['kept_in_bf16'])}" if r["kept_in_bf16"] else ""
         lines.append(f"{r['strategy']}: limited by {r['limit']}{kept}")
     return "\n".join(lines)
+
+
+def scaling_lines(rows: list[dict[str, Any]], gpu: GPU, engine: str) -> list[str]:
+    """Each strategy's step at `SCALES` GPUs under `engine`, and from how many GPUs
+    communication, not compute, sets its pace."""
+    counts = ", ".join(str(n) for n in SCALES)
+    lines = [
+        f"Past one machine ({engine}, the same batch per GPU; {gpu.link / 1e9:.0f} GB/s per GPU within a node "
+        f"of {GPUS_PER_NODE}, {gpu.network / 1e9:.0f} GB/s between nodes): step ms at {counts} GPUs"
+    ]
+    for r in rows:
+        steps = "  ".join(f"{r['step_ms_at_gpus'][n]:>9.1f}" for n in SCALES)
+        start = r["communication_bound_from"]
+        pace = (
+            f"communication sets the pace from {start} GPUs" if start else f"compute sets the pace up to {_POWERS[-1]}"
+        )
+        lines.append(f"{r['strategy']:<16} {steps}  {pace}")
+    return lines
 
 
 def calibration_lines() -> list[str]:

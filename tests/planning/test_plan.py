@@ -102,3 +102,31 @@ def test_the_roofline_ranks_the_measured_rows_as_measured():
         by_measure = sorted(rows, key=lambda r: r.step_ms)
         by_model = sorted(rows, key=lambda r: predict_measured(r, GPUS[r.gpu]))
         assert [r.row for r in by_model] == [r.row for r in by_measure]
+
+
+def test_plan_prices_8_64_and_512_gpus_and_finds_where_communication_sets_the_pace(capsys, tiny):
+    """Issue #69 item 3: the batch per GPU kept, the step at 8, 64 and 512 GPUs is the longer of
+    the counted compute and the engine's traffic at the link crossed (NVLink within a node of 8,
+    the network past it); the first GPU count where the traffic is longer is named."""
+    from hf_lowprec.hardware import gpu_named
+    from hf_lowprec.planning.plan import SCALES, plan_rows
+
+    # A network of 1 MB/s per GPU: every count past one node waits on it, none within.
+    gpu = gpu_named("h100", network=1e6)
+    row = plan_rows(tiny, ["bf16-mixed"], (2, 32), gpu, 1, "ddp")[0]
+    params = memory_plan(tiny, ["bf16-mixed"])[0]["num_params"]
+    compute = row["compute_ms"] / 1e3
+    for n in SCALES:
+        traffic = communication("ddp", n, params, 4.0, 4.0, gpu).seconds
+        assert row["step_ms_at_gpus"][n] == pytest.approx(max(compute, traffic) * 1e3)
+    assert communication("ddp", 8, params, 4.0, 4.0, gpu).seconds < compute
+    assert row["communication_bound_from"] == 16
+    # At the H100's own network, the tiny model's traffic never catches up with its step.
+    assert plan_rows(tiny, ["bf16-mixed"], (2, 32), GPUS["h100"], 1, "ddp")[0]["communication_bound_from"] is None
+
+    assert (
+        main(["plan", "--model", tiny, "--batch", "2x32", "--strategies", "bf16-mixed", "--network-gbps", "0.001"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "step ms at 8, 64, 512 GPUs" in out
+    assert "bf16-mixed" in out and "communication sets the pace from 16 GPUs" in out
