@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from device_common import Report, cuda_or_say, measured_rows, predicted_ms, profiled_step
+from device_common import Report, cuda_or_say, measured_rows, predicted_ms, prediction_check, profiled_step
 
 TORCHAO = "torchao float8"
 # torch autocast over FP32 weights with AdamW(fused=True): what `bf16=True` with
@@ -158,6 +158,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         **profiled,
         "predicted ms": predicted,
+        "prediction": prediction_check(predicted, 1e3 * seconds / timed),
         "row": name,
         "parameters": params,
         "tokens/s": batch * seq * timed / seconds,
@@ -184,7 +185,7 @@ def goal(name: str, speed: float, memory: float, torchao_speed: float | None) ->
 def run_e2e(args: argparse.Namespace, context: dict[str, Any]) -> None:
 
     columns = ["row", "tokens/s", "× bf16-mixed", "peak GiB", "memory × bf16-mixed", "step ms", "optimizer ms"]
-    columns += ["predicted ms", "device busy ms", "launches", "warm-up s"]
+    columns += ["predicted ms", "prediction", "device busy ms", "launches", "warm-up s"]
     columns += ["loss", "goal"]
     title = "End to end: Llama-style 0.63 B, batch 4×2048, decoder layers torch.compile'd"
     report = Report(args.out, "e2e", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)

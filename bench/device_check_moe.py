@@ -21,7 +21,7 @@ import argparse
 from typing import Any
 
 from device_check_e2e import timed_steps
-from device_common import Report, cuda_or_say, measured_rows, predicted_ms, profiled_step
+from device_common import Report, cuda_or_say, measured_rows, predicted_ms, prediction_check, profiled_step
 
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-mixed", "bf16-mixed", {}),
@@ -85,9 +85,11 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
 
     warm, seconds, loss = timed_steps(step, warmup, timed, cuda)
     profiled = profiled_step(step)
+    predicted = predicted_ms("moe", label) if cuda and not args.smoke else None
     return {
         **profiled,
-        "predicted ms": predicted_ms("moe", label) if cuda and not args.smoke else None,
+        "predicted ms": predicted,
+        "prediction": prediction_check(predicted, 1e3 * seconds / timed),
         "row": label,
         "parameters": params,
         "fp8 share": share,
@@ -102,7 +104,7 @@ def measure(label: str, name: str, options: dict[str, Any], args: argparse.Names
 def run_moe(args: argparse.Namespace, context: dict[str, Any]) -> None:
 
     columns = ["row", "tokens/s", "× bf16-mixed", "× bf16-pure", "peak GiB", "memory × bf16-mixed", "fp8 share"]
-    columns += ["step ms", "predicted ms", "device busy ms", "launches", "warm-up s", "loss", "note"]
+    columns += ["step ms", "predicted ms", "prediction", "device busy ms", "launches", "warm-up s", "loss", "note"]
     title = "MoE end to end: Qwen3-MoE-shaped 0.90 B (64 experts, top-4), batch 4×2048, eager"
     report = Report(args.out, "moe", title + (" (smoke: toy sizes)" if args.smoke else ""), columns, context)
     if not cuda_or_say(args, report):

@@ -158,6 +158,17 @@ def predicted_ms(section: str, row: str) -> float | None:
     return json.loads(path.read_text()).get(section, {}).get(gpu or "", {}).get(row)
 
 
+def prediction_check(predicted: float | None, measured: float) -> str:
+    """How far the ledger's prediction is from the measured step (docs/planning.md, "Calibration"):
+    its signed error, and past 20% the words that say the table is what changes."""
+    if predicted is None or not measured > 0:
+        return ""
+    off = predicted / measured - 1
+    if abs(off) <= 0.2:
+        return f"{off:+.0%}"
+    return f"{off:+.0%}: more than 20% off, the table (hf_lowprec.planning.gpus) changes"
+
+
 def profiled_step(step: Callable[[], Any]) -> dict[str, Any]:
     """One more step under `torch.profiler`: kernels launched, device busy ms (the kernels' time
     summed), host ms (the step's wall time), and the five kernels that took longest. A profiler

@@ -216,3 +216,16 @@ def test_the_bundle_carries_the_ledger_s_prediction_for_each_row(tmp_path):
         assert set(found["e2e"][gpu]) == {"bf16-mixed", "torch-amp"}  # a row it cannot count is left out
         assert all(ms > 0 for ms in found["e2e"][gpu].values())
     assert found["e2e"]["h200"]["bf16-mixed"] <= found["e2e"]["h100"]["bf16-mixed"]  # more bandwidth
+
+
+def test_a_prediction_off_by_more_than_20_percent_says_the_table_changes():
+    """Issue #69 item 2: beside each measured row, how far the ledger's prediction was; past 20%
+    the check says so, and that the table of GPU constants is what changes."""
+    from device_common import prediction_check
+
+    assert prediction_check(None, 63.6) == ""
+    assert prediction_check(75.8, 63.6) == "+19%"
+    assert prediction_check(120.5, 147.0) == "-18%"
+    off = prediction_check(90.0, 63.6)
+    assert off.startswith("+42%") and "more than 20% off" in off and "hf_lowprec.planning.gpus" in off
+    assert "more than 20% off" in prediction_check(40.0, 63.6)
