@@ -26,7 +26,8 @@ import torch
 
 from ..compiling import gpu_paths
 from .ledger import Ledger, PhaseCounts
-from .models import blocks_of, build_model, layer_overrides, model_config, rule_options
+from .models import block_kinds, blocks_of, build_model, layer_overrides, model_config, rule_options
+from .peers import ANCHOR, PEERS, TORCHAO, TorchAMP, TorchAOFloat8
 
 __all__ = [
     "ANCHOR",
@@ -127,67 +128,6 @@ def _compiled_layers(model: torch.nn.Module, ledger: list[Any]) -> Iterator[None
             handle.remove()
 
 
-ANCHOR = "torch-amp"
-# torchao's float8 training (tensorwise, LM head kept), under the anchor's autocast and fused
-# AdamW, as the device check's `e2e` row runs it; counted where torchao is installed.
-TORCHAO = "torchao-float8"
-PEERS = (ANCHOR, TORCHAO)
-
-
-class _TorchAMP:
-    """The anchor as a strategy: torch autocast to BF16 over FP32 weights, torch's clipping and
-    `AdamW(fused=True)` (what `bf16=True` with `optim="adamw_torch_fused"` runs)."""
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
-
-    def forward_context(self) -> Any:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    def unscale_gradients(self, optimizer: Any) -> None:
-        pass
-
-    def clip_grad_norm(self, params: Any, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
-
-    def process_gradients(self, optimizer: Any) -> None:
-        pass
-
-    def optimizer_step(self, optimizer: Any) -> None:
-        optimizer.inner.step()
-
-    def create_optimizer(self, params: Any, **kwargs: Any) -> Any:
-        strategy = self
-
-        class Stepper:
-            inner = torch.optim.AdamW(params, fused=True, **kwargs)
-
-            def step(self) -> None:
-                strategy.process_gradients(self)
-                strategy.optimizer_step(self)
-
-            def zero_grad(self, set_to_none: bool = True) -> None:
-                self.inner.zero_grad(set_to_none=set_to_none)
-
-        return Stepper()
-
-
-class _TorchAOFloat8(_TorchAMP):
-    """The torchao peer: `convert_to_float8_training` (tensorwise) on every linear layer but the
-    LM head, then the anchor's recipe."""
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        try:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        except ImportError as error:
-            raise ValueError(f"the {TORCHAO} row needs torchao (pip install torchao): {error}") from error
-        config = Float8LinearConfig.from_recipe_name("tensorwise")
-        return convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head")
-
-
 def count_step(
     name: str,
     model: str,
@@ -206,7 +146,7 @@ def count_step(
     `gpu` (a `hardware.GPU`), FP8 strategies keep in BF16 what FP8 would not speed up there, as
     they do when they run on it (`models.rule_options`). `replays`: the pure calls recorded by
     earlier counts of the same strategy (`Ledger.call_pure`), shared with this one."""
-    return _count_steps(name, model, batch, layers, compiled_layers, clip, warmup, gpu, replays, False, options)[0]
+    return _count_steps(name, model, batch, layers, compiled_layers, clip, warmup, gpu, replays, [None], options)[0]
 
 
 def _count_steps(
@@ -219,13 +159,15 @@ def _count_steps(
     warmup: int,
     gpu: Any,
     replays: dict | None,
-    shallower: bool,
+    hidden: list[int | None],
     options: dict[str, Any],
+    keep: list[int] | None = None,
 ) -> list[StepCount]:
-    """`count_step`'s counted step, then, if `shallower`, one more steady step of the same model
-    with its last decoder block taken out (what the model one block shallower counts, for the
-    strategies outside `_DEPTH_BOUND`: its gradients are None, so the optimizer passes over its
-    parameters; tests/planning/test_shortcuts.py holds the two equal)."""
+    """`count_step`'s steady step, counted once per entry of `hidden`: with the decoder block at
+    that position taken out (None: every block in). A block taken out counts what the model
+    without it counts, for the strategies outside `_DEPTH_BOUND`: its gradients are None, so the
+    optimizer passes over its parameters (tests/planning/test_shortcuts.py holds the two equal).
+    `keep`: the model built at its depth, then only these blocks of it kept, in this order."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.nn import Parameter
     from torch.utils import _foreach_utils
@@ -262,9 +204,12 @@ def _count_steps(
             # Building, preparing and the warm-up run under a ledger that records nothing (it
             # answers the host's reads): only the steady step is counted.
             with counted[0]:
-                peers = {ANCHOR: _TorchAMP, TORCHAO: _TorchAOFloat8}
+                peers = {ANCHOR: TorchAMP, TORCHAO: TorchAOFloat8}
                 strategy = peers[name]() if name in peers else hf_lowprec.get_strategy(name, **options)
-                built = strategy.prepare_model(build_model(model, device="cpu", **overrides))
+                built = build_model(model, device="cpu", **overrides)
+                if keep is not None:
+                    _keep_blocks(built, keep)
+                built = strategy.prepare_model(built)
                 optimizer = strategy.create_optimizer(
                     [p for p in built.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01
                 )
@@ -276,13 +221,13 @@ def _count_steps(
                     for _ in range(warmup):
                         phased_step(counted[0], strategy, built, optimizer, ids, clip)
                 out = []
-                for hidden in [None, *([depth - 1] if shallower else [])]:
-                    with _without_block(built, hidden):
+                for index in hidden:
+                    with _without_block(built, index):
                         resident = _resident_bytes(built, optimizer)
                         steady = counted[0] = Ledger(replays=replays)
                         with steady:
                             phased_step(steady, strategy, built, optimizer, ids, clip)
-                    out.append(StepCount(steady.counts(), steady.peak_bytes, depth - (hidden is not None), resident))
+                    out.append(StepCount(steady.counts(), steady.peak_bytes, depth - (index is not None), resident))
     finally:
         set_fp8_gemm_path(forced)
     return out
@@ -302,15 +247,30 @@ def without_collector() -> Iterator[None]:
             gc.enable()
 
 
+def _keep_blocks(model: torch.nn.Module, indices: list[int]) -> None:
+    """Leaves `model` only the decoder blocks at `indices` (and their entries of the config's
+    per-layer `layer_types`), each still as built at its place in the whole model."""
+    blocks = blocks_of(model)
+    kept = [blocks[i] for i in indices]
+    types = getattr(model.config, "layer_types", None)
+    if isinstance(types, list) and len(types) == len(blocks):
+        model.config.layer_types = [types[i] for i in indices]
+    blocks._modules.clear()
+    blocks._modules.update({str(i): block for i, block in enumerate(kept)})
+
+
 @contextlib.contextmanager
 def _without_block(model: torch.nn.Module, index: int | None) -> Iterator[None]:
-    """Within the scope, `model`'s decoder block `index` is out of its block list (none if None)."""
+    """Within the scope, `model`'s decoder block at position `index` is out of its block list
+    (none if None); the others keep their order."""
     if index is None:
         yield
         return
     blocks = blocks_of(model)
     kept = dict(blocks._modules)
-    del blocks._modules[str(index)]
+    rest = [block for position, block in enumerate(kept.values()) if position != index]
+    blocks._modules.clear()
+    blocks._modules.update({str(i): block for i, block in enumerate(rest)})
     try:
         yield
     finally:
@@ -346,20 +306,25 @@ _DEPTH_BOUND = {"fp16-als", "fp8-lm-o3"}
 
 def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:
     """`count_step` at the model's full depth, counted at one and two decoder layers and
-    extrapolated linearly (every block of one class costs the same). The two counts are one
+    extrapolated linearly (every block of one kind costs the same). The two counts are one
     model's, of two blocks, its steady step counted whole and with its second block out: one
-    warm-up instead of two (`_DEPTH_BOUND` strategies: two models built)."""
+    warm-up instead of two (`_DEPTH_BOUND` strategies: two models built). A model whose blocks
+    are of several kinds (DeepSeek-V3: three dense, then experts) is counted on one block of
+    each (`_count_kinds`)."""
     config, _ = model_config(model)
     depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
     if depth <= 2:
         return count_step(name, model, batch, layers=depth, **kwargs)
     kwargs.setdefault("replays", {})  # the second count replays the first's casts and optimizer rows
+    kinds = block_kinds(model)
+    if len(kinds) > 1 and name not in _DEPTH_BOUND:
+        return _count_kinds(name, model, batch, kinds, kwargs)
     if name in _DEPTH_BOUND:
         one = count_step(name, model, batch, layers=1, **kwargs)
         two = count_step(name, model, batch, layers=2, **kwargs)
     else:  # one model of two blocks, counted whole and with its second block out
         args = [kwargs.pop(k, d) for k, d in (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None))]
-        two, one = _count_steps(name, model, batch, 2, *args, kwargs.pop("replays"), True, kwargs)
+        two, one = _count_steps(name, model, batch, 2, *args, kwargs.pop("replays"), [None, 1], kwargs)
     phases: dict[str, PhaseCounts] = {}
     for phase in {*one.phases, *two.phases}:
         a, b = one.phases.get(phase, PhaseCounts()), two.phases.get(phase, PhaseCounts())
@@ -371,6 +336,36 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
     peak = one.peak_bytes + (depth - 1) * (two.peak_bytes - one.peak_bytes)
     resident = one.resident_bytes + (depth - 1) * (two.resident_bytes - one.resident_bytes)
     return StepCount(phases, peak, depth, resident)
+
+
+def _count_kinds(
+    name: str, model: str, batch: tuple[int, int], kinds: list[list[int]], kwargs: dict[str, Any]
+) -> StepCount:
+    """`count_scaled` of a model whose blocks are of several `kinds` (`models.block_kinds`): one
+    block of each kind kept from the whole model, its step counted whole (W) and with each kind's
+    block taken out in turn (X_k). A block of kind k costs W − X_k, so the model of n_k blocks of
+    each kind counts W + Σ (n_k − 1)(W − X_k)."""
+    args = [kwargs.pop(k, d) for k, d in (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None))]
+    positions: list[int | None] = [None, *range(len(kinds))]
+    whole, *without = _count_steps(
+        name, model, batch, None, *args, kwargs.pop("replays"), positions, kwargs, keep=[k[0] for k in kinds]
+    )
+    more = [len(kind) - 1 for kind in kinds]  # blocks of each kind beyond the one counted
+    phases: dict[str, PhaseCounts] = {}
+    for phase in {*whole.phases, *(phase for count in without for phase in count.phases)}:
+        w = whole.phases.get(phase, PhaseCounts())
+        scaled = PhaseCounts()
+        scaled.add(w, 1 + sum(more))
+        gemms = list(w.gemm_kernels)
+        for count, n in zip(without, more):
+            x = count.phases.get(phase, PhaseCounts())
+            scaled.add(x, -n)
+            gemms += _extra_kernels(x, w) * n
+        scaled.gemm_kernels = gemms
+        phases[phase] = scaled
+    peak = whole.peak_bytes + sum(n * (whole.peak_bytes - x.peak_bytes) for x, n in zip(without, more))
+    resident = whole.resident_bytes + sum(n * (whole.resident_bytes - x.resident_bytes) for x, n in zip(without, more))
+    return StepCount(phases, peak, sum(map(len, kinds)), resident)
 
 
 def _extra_kernels(a: PhaseCounts, b: PhaseCounts) -> list:
@@ -396,6 +391,7 @@ def start_counts(
     workers = min(cores, len(names))
     if workers < 2 or not sys.platform.startswith("linux"):
         return lambda: {name: count_scaled(name, model, batch, **kwargs) for name in names}
+    block_kinds(model)  # worked out once, here: the workers inherit it
     # gc.freeze: a worker's collections never walk the objects it was forked with.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.freeze)
     # The longest counts first (FP8 layers: casts and their state; two models built), so that

@@ -22,6 +22,7 @@ from ..strategies.registry import get_strategy
 
 __all__ = [
     "MODELS",
+    "block_kinds",
     "blocks_of",
     "build_model",
     "layer_overrides",
@@ -296,16 +297,29 @@ def _state_bytes(model: str, name: str, options: dict[str, Any], layers: int | N
     return {**out, "num_params": count}
 
 
+def _signature(block: torch.nn.Module) -> tuple:
+    """What makes two blocks alike: their parameters by name, shape and dtype, their submodules' classes."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+    return params, tuple((n, type(m).__name__) for n, m in block.named_modules())
+
+
+@functools.cache
+def block_kinds(model: str) -> list[list[int]]:
+    """The decoder blocks of `model` grouped by kind (alike blocks: `_signature`), each group the
+    blocks' indices, in the order the kinds first appear: one group where every block is alike,
+    [[0, 1, 2], [3, ..., 60]] for DeepSeek-V3's three dense blocks and 58 of experts."""
+    kinds: dict[tuple, list[int]] = {}
+    for index, block in enumerate(blocks_of(build_model(model))):
+        kinds.setdefault(_signature(block), []).append(index)
+    return list(kinds.values())
+
+
 @functools.cache
 def _uniform_depth(model: str) -> int:
     """The number of decoder blocks of `model` when they are all alike (one class, the same
     parameters by name, shape and dtype, the same submodule classes), so that each adds the same
     state whatever a strategy does to it; 0 when they differ (dense first layers, per-layer widths)."""
-
-    def signature(block: torch.nn.Module) -> tuple:
-        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
-        return params, tuple((n, type(m).__name__) for n, m in block.named_modules())
-
+    signature = _signature
     config = model_config(model)[0]
     try:
         # The model at its depth and at one and two layers (what the plan scales from).

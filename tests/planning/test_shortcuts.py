@@ -49,7 +49,7 @@ def _everything(count):
 
 def _with_a_block_out(name, model, compiled):
     """The counts of `model` at two blocks, then with its second block taken out."""
-    return counting._count_steps(name, model, BATCH, 2, compiled, 1.0, 1, None, {}, True, {})
+    return counting._count_steps(name, model, BATCH, 2, compiled, 1.0, 1, None, {}, [None, 1], {})
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n not in counting._DEPTH_BOUND])
@@ -120,3 +120,20 @@ def test_planning_leaves_the_collector_as_it_found_it(tiny, capsys):
         count_step("bf16-mixed", tiny, BATCH, layers=1, compiled_layers=False)
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    "name, compiled", [("bf16-mixed", False), ("fp8-lm-o2", False), ("coat", False), ("bf16-mixed", True)]
+)
+def test_a_model_of_two_kinds_of_block_is_counted_on_one_of_each(tmp_path, name, compiled):
+    """DeepSeek-V3's first three blocks are dense, the rest experts: one block of each kind kept
+    from the whole model, counted whole and with each taken out, gives the whole model's
+    kernels, bytes, FLOPs, syncs and resident bytes. (Counted at one and two layers instead, both
+    dense, the experts were never counted.) The peak is an upper bound, as for alike blocks."""
+    model = _config_file(tmp_path, moe_config("deepseek_v3", layers=6, first_k_dense_replace=3))
+    assert models.block_kinds(model) == [[0, 1, 2], [3, 4, 5]]
+    scaled = counting.count_scaled(name, model, BATCH, compiled_layers=compiled)
+    whole = count_step(name, model, BATCH, compiled_layers=compiled)
+    assert _everything(scaled)[2:] == _everything(whole)[2:]
+    assert scaled.layers == whole.layers == 6
+    assert scaled.peak_bytes >= whole.peak_bytes
