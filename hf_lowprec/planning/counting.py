@@ -247,16 +247,21 @@ def without_collector() -> Iterator[None]:
             gc.enable()
 
 
+def _set_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    """Makes `blocks` `model`'s decoder blocks, in this order (indexed from 0, as built)."""
+    listed = blocks_of(model)
+    listed._modules.clear()
+    listed._modules.update({str(i): block for i, block in enumerate(blocks)})
+
+
 def _keep_blocks(model: torch.nn.Module, indices: list[int]) -> None:
     """Leaves `model` only the decoder blocks at `indices` (and their entries of the config's
     per-layer `layer_types`), each still as built at its place in the whole model."""
-    blocks = blocks_of(model)
-    kept = [blocks[i] for i in indices]
+    blocks = list(blocks_of(model))
     types = getattr(model.config, "layer_types", None)
     if isinstance(types, list) and len(types) == len(blocks):
         model.config.layer_types = [types[i] for i in indices]
-    blocks._modules.clear()
-    blocks._modules.update({str(i): block for i, block in enumerate(kept)})
+    _set_blocks(model, [blocks[i] for i in indices])
 
 
 @contextlib.contextmanager
@@ -266,16 +271,12 @@ def _without_block(model: torch.nn.Module, index: int | None) -> Iterator[None]:
     if index is None:
         yield
         return
-    blocks = blocks_of(model)
-    kept = dict(blocks._modules)
-    rest = [block for position, block in enumerate(kept.values()) if position != index]
-    blocks._modules.clear()
-    blocks._modules.update({str(i): block for i, block in enumerate(rest)})
+    blocks = list(blocks_of(model))
+    _set_blocks(model, blocks[:index] + blocks[index + 1 :])
     try:
         yield
     finally:
-        blocks._modules.clear()
-        blocks._modules.update(kept)
+        _set_blocks(model, blocks)
 
 
 def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
@@ -323,8 +324,7 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
         one = count_step(name, model, batch, layers=1, **kwargs)
         two = count_step(name, model, batch, layers=2, **kwargs)
     else:  # one model of two blocks, counted whole and with its second block out
-        args = [kwargs.pop(k, d) for k, d in (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None))]
-        two, one = _count_steps(name, model, batch, 2, *args, kwargs.pop("replays"), [None, 1], kwargs)
+        two, one = _count_steps(name, model, batch, 2, *_step_args(kwargs), [None, 1], kwargs)
     phases: dict[str, PhaseCounts] = {}
     for phase in {*one.phases, *two.phases}:
         a, b = one.phases.get(phase, PhaseCounts()), two.phases.get(phase, PhaseCounts())
@@ -345,10 +345,9 @@ def _count_kinds(
     block of each kind kept from the whole model, its step counted whole (W) and with each kind's
     block taken out in turn (X_k). A block of kind k costs W − X_k, so the model of n_k blocks of
     each kind counts W + Σ (n_k − 1)(W − X_k)."""
-    args = [kwargs.pop(k, d) for k, d in (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None))]
     positions: list[int | None] = [None, *range(len(kinds))]
     whole, *without = _count_steps(
-        name, model, batch, None, *args, kwargs.pop("replays"), positions, kwargs, keep=[k[0] for k in kinds]
+        name, model, batch, None, *_step_args(kwargs), positions, kwargs, keep=[k[0] for k in kinds]
     )
     more = [len(kind) - 1 for kind in kinds]  # blocks of each kind beyond the one counted
     phases: dict[str, PhaseCounts] = {}
@@ -366,6 +365,13 @@ def _count_kinds(
     peak = whole.peak_bytes + sum(n * (whole.peak_bytes - x.peak_bytes) for x, n in zip(without, more))
     resident = whole.resident_bytes + sum(n * (whole.resident_bytes - x.resident_bytes) for x, n in zip(without, more))
     return StepCount(phases, peak, sum(map(len, kinds)), resident)
+
+
+def _step_args(kwargs: dict[str, Any]) -> list[Any]:
+    """`count_step`'s compiled_layers, clip, warmup, gpu and replays, taken out of `kwargs` (the
+    strategy's options are what stays), for `_count_steps`."""
+    defaults = (("compiled_layers", True), ("clip", 1.0), ("warmup", 1), ("gpu", None), ("replays", None))
+    return [kwargs.pop(key, default) for key, default in defaults]
 
 
 def _extra_kernels(a: PhaseCounts, b: PhaseCounts) -> list:

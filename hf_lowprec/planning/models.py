@@ -304,34 +304,36 @@ def _signature(block: torch.nn.Module) -> tuple:
 
 
 @functools.cache
+def _kinds(model: str) -> dict[tuple, list[int]]:
+    """{block signature: the indices of `model`'s decoder blocks that have it}, in block order."""
+    kinds: dict[tuple, list[int]] = {}
+    for index, block in enumerate(blocks_of(build_model(model))):
+        kinds.setdefault(_signature(block), []).append(index)
+    return kinds
+
+
 def block_kinds(model: str) -> list[list[int]]:
     """The decoder blocks of `model` grouped by kind (alike blocks: `_signature`), each group the
     blocks' indices, in the order the kinds first appear: one group where every block is alike,
     [[0, 1, 2], [3, ..., 60]] for DeepSeek-V3's three dense blocks and 58 of experts."""
-    kinds: dict[tuple, list[int]] = {}
-    for index, block in enumerate(blocks_of(build_model(model))):
-        kinds.setdefault(_signature(block), []).append(index)
-    return list(kinds.values())
+    return list(_kinds(model).values())
 
 
 @functools.cache
 def _uniform_depth(model: str) -> int:
-    """The number of decoder blocks of `model` when they are all alike (one class, the same
-    parameters by name, shape and dtype, the same submodule classes), so that each adds the same
-    state whatever a strategy does to it; 0 when they differ (dense first layers, per-layer widths)."""
-    signature = _signature
-    config = model_config(model)[0]
+    """The number of decoder blocks of `model` when they are all alike (one kind, `_kinds`) and
+    alike the blocks of the model built at one and two layers, so that each adds the same state
+    whatever a strategy does to it; 0 when they differ (dense first layers, per-layer widths)."""
     try:
-        # The model at its depth and at one and two layers (what the plan scales from).
-        built = [
-            blocks_of(build_model(model, **overrides))
-            for overrides in ({}, layer_overrides(config, 1), layer_overrides(config, 2))
-        ]
+        kinds = _kinds(model)
+        config = model_config(model)[0]
+        shallow = [blocks_of(build_model(model, **layer_overrides(config, n))) for n in (1, 2)]
     except ValueError:
         return 0
-    first = signature(built[0][0])
-    alike = all(signature(block) == first for blocks in built for block in blocks)
-    return len(built[0]) if alike and [len(b) for b in built[1:]] == [1, 2] else 0
+    if len(kinds) != 1 or [len(blocks) for blocks in shallow] != [1, 2]:
+        return 0
+    ((signature, indices),) = kinds.items()
+    return len(indices) if all(_signature(block) == signature for blocks in shallow for block in blocks) else 0
 
 
 def _zero_refusal(name: str, stage: int) -> str | None:
