@@ -130,9 +130,12 @@ class Composition:
         theta = self.rule.read(param, *rule_stored)
         m_old, v_old = self.m.decode(*m_stored), self.v.decode(*v_stored)
         m, v, delta = adamw_math(theta, g, m_old, v_old, scalars, self.v.register_max(v_stored[0].dtype))
-        self.m.encode_(m, *m_stored)
-        self.v.encode_(v, *v_stored)
-        self.rule.apply_(delta, theta, param, *rule_stored, seed=seed)
+        # Every scale is chosen before anything is stored (`formats.Format.choose`).
+        chosen = self.m.choose(m, *m_stored), self.v.choose(v, *v_stored)
+        rule_chosen = self.rule.choose(delta, theta, param, *rule_stored)
+        self.m.store_(m, chosen[0], *m_stored)
+        self.v.store_(v, chosen[1], *v_stored)
+        self.rule.apply_(delta, theta, param, *rule_stored, seed=seed, chosen=rule_chosen)
         if found_inf is not None:
             for original, stepped in zip(written, (param, *stored)):
                 select_(original, found_inf != 0, stepped)

@@ -80,12 +80,16 @@ class Format:
     """Base of the formats: one stored tensor `prefix`, element-wise.
 
     A format (a codec) is a small frozen description — hashable, so a compiled step can be built
-    once per combination — with four operations over the tensors it stores for one parameter:
+    once per combination — with these operations over the tensors it stores for one parameter:
 
         keys(prefix)                 the state keys it owns ("exp_avg", "exp_avg_scale", ...)
         zeros(param)                 the stored tensors of an all-zero state
         decode(*stored)              FP32 values, one per element (the padded length for blocks)
-        encode_(values, *stored)     store FP32 `values`, rounding once, updating any scales
+        choose(values, *stored)      what storing FP32 `values` decides (scales), nothing written
+        store_(values, chosen, *stored)   store them with what `choose` decided, rounding once
+        encode_(values, *stored)     both
+
+    Choosing for every tensor before storing any lets a compiler fuse the reductions, then the stores.
 
     Element-wise formats see flat 1-D tensors. Block formats (`block` > 1) see (blocks × block)
     views, their payloads stored flat and padded to whole blocks: the caller pads the parameter
@@ -138,8 +142,14 @@ class Format:
     def decode(self, *stored: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def encode_(self, values: torch.Tensor, *stored: torch.Tensor) -> None:
+    def choose(self, values: torch.Tensor, *stored: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def store_(self, values: torch.Tensor, chosen: tuple[torch.Tensor, ...], *stored: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def encode_(self, values: torch.Tensor, *stored: torch.Tensor) -> None:
+        self.store_(values, self.choose(values, *stored), *stored)
 
     def bytes_per_element(self, param_dtype: torch.dtype) -> float:
         """Stored bytes per parameter element (scales and block metadata included)."""
@@ -170,7 +180,7 @@ class Plain(Format):
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         return payload.float()
 
-    def encode_(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+    def store_(self, values: torch.Tensor, chosen: tuple[torch.Tensor, ...], payload: torch.Tensor) -> None:
         payload.copy_(values)
 
     def bytes_per_element(self, param_dtype: torch.dtype) -> float:
@@ -207,15 +217,21 @@ class Scaled(Format):
     def decode(self, payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return payload.float() * (1.0 / scale)
 
-    def encode_(self, values: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
-        payload.copy_(self.scaled(values, payload, scale))
-
-    def scaled(self, values: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Choose the new scale from amax(values), store it, return saturate(values·s) in FP32."""
+    def choose(self, values: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(the new scale,) from amax(values); () for FP32 storage (s = 1)."""
         if payload.dtype == F32:
+            return ()
+        return (pow2_scale(values.abs().amax(), payload.dtype, self.margin),)
+
+    def store_(self, values, chosen, payload, scale) -> None:
+        payload.copy_(self.scaled(values, chosen, payload, scale))
+
+    def scaled(self, values, chosen, payload, scale) -> torch.Tensor:
+        """Store the chosen scale, return saturate(values·s) in FP32 (`values` for FP32 storage)."""
+        if not chosen:
             scale.fill_(1.0)
             return values
-        new_scale = pow2_scale(values.abs().amax(), payload.dtype, self.margin)
+        (new_scale,) = chosen
         scale.copy_(new_scale)
         return saturate(values * new_scale, payload.dtype)
 
@@ -260,8 +276,11 @@ class Pair(Format):
         total = value.float() + error.float()
         return total * (1.0 / scale[0]) if scale else total
 
-    def encode_(self, values: torch.Tensor, value: torch.Tensor, error: torch.Tensor, *scale: torch.Tensor) -> None:
-        stored = self.base.scaled(values, value, scale[0]) if scale else values
+    def choose(self, values, value, error, *scale) -> tuple[torch.Tensor, ...]:
+        return self.base.choose(values, value, scale[0]) if scale else ()
+
+    def store_(self, values, chosen, value, error, *scale) -> None:
+        stored = self.base.scaled(values, chosen, value, scale[0]) if scale else values
         value.copy_(stored)
         error.copy_(stored - round_to(stored, value.dtype))
 
@@ -334,7 +353,8 @@ class GroupFP8(Format):
             y = (magnitude * center[:, None]).copysign(y)
         return y
 
-    def encode_(self, values, payload, scale, exponent, center) -> None:
+    def choose(self, values, payload, scale, exponent, center) -> tuple[torch.Tensor, ...]:
+        """(y, s, k, c): the expanded values (grouped) and each group's statistics."""
         grouped = values.view(-1, self.group_size)
         magnitude = grouped.abs()
         amax = magnitude.amax(dim=1)
@@ -351,7 +371,10 @@ class GroupFP8(Format):
             amax = magnitude.amax(dim=1)
         limit = format_max(self.dtype)
         s = torch.where(amax > 0, limit / amax, ones)
-        s = torch.where(torch.isfinite(amax), s, math.nan)
+        return grouped, torch.where(torch.isfinite(amax), s, math.nan), k, c
+
+    def store_(self, values, chosen, payload, scale, exponent, center) -> None:
+        grouped, s, k, c = chosen
         payload.view(-1, self.group_size).copy_(saturate(grouped * s[:, None], self.dtype))
         scale.copy_(s)
         exponent.copy_(k)
@@ -409,10 +432,13 @@ class Blockwise8bit(Format):
         values, _ = map_tensors(self.signed, codes.device)
         return values[codes.view(-1, self.block_size).long()] * absmax[:, None]
 
-    def encode_(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+    def choose(self, x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.view(-1, self.block_size).abs().amax(dim=1),)
+
+    def store_(self, x, chosen, codes, absmax) -> None:
         _, midpoints = map_tensors(self.signed, codes.device)
         grouped = x.view(-1, self.block_size)
-        amax = grouped.abs().amax(dim=1)
+        (amax,) = chosen
         normalized = grouped / torch.where(amax > 0, amax, 1.0)[:, None]
         if not self.signed:
             normalized = normalized.clamp(min=0.0)

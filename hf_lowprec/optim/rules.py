@@ -78,7 +78,9 @@ class Rule:
     operations, pure functions of tensors like the formats' (`formats.Format`):
 
         read(param, *stored)                    θ in FP32 registers (the value the update starts from)
-        apply_(delta, theta, param, *stored)    write θ + Δθ back, rounding as the rule says
+        choose(delta, theta, param, *stored)    what writing θ + Δθ decides first (a scale): as
+                                                `formats.Format.choose`, () for most rules
+        apply_(delta, theta, param, *stored, chosen=...)   write θ + Δθ back, rounding as the rule says
         held_value(param, state)                the value the optimizer really holds, FP64
         zeros(param)                            its state for a fresh parameter
 
@@ -125,7 +127,10 @@ class Rule:
     def read(self, param: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
         return param.float()
 
-    def apply_(self, delta, theta, param, *stored, seed=None) -> None:
+    def choose(self, delta, theta, param, *stored) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def apply_(self, delta, theta, param, *stored, seed=None, chosen=()) -> None:
         raise NotImplementedError
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
@@ -142,7 +147,7 @@ class Nearest(Rule):
 
     native_name = "nearest"
 
-    def apply_(self, delta, theta, param, *stored, seed=None) -> None:
+    def apply_(self, delta, theta, param, *stored, seed=None, chosen=()) -> None:
         param.copy_(theta + delta)
 
 
@@ -164,7 +169,7 @@ class Kahan(Rule):
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.zeros_like(param, memory_format=torch.preserve_format),)
 
-    def apply_(self, delta, theta, param, compensation, seed=None) -> None:
+    def apply_(self, delta, theta, param, compensation, seed=None, chosen=()) -> None:
         dtype = param.dtype
         y = round_to(compensation.float() + delta, dtype)
         new_theta, new_compensation = two_sum(theta, y, dtype)
@@ -189,7 +194,7 @@ class Grow(Rule):
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.zeros_like(param, memory_format=torch.preserve_format),)
 
-    def apply_(self, delta, theta, param, param_error, seed=None) -> None:
+    def apply_(self, delta, theta, param, param_error, seed=None, chosen=()) -> None:
         dtype = param.dtype
         s, e = two_sum(theta, round_to(delta, dtype), dtype)
         new_theta, new_error = fast_two_sum(s, round_to(param_error.float() + e, dtype), dtype)
@@ -213,7 +218,7 @@ class StochasticRounding(Rule):
 
     needs_seed = True
 
-    def apply_(self, delta, theta, param, seed=None) -> None:
+    def apply_(self, delta, theta, param, seed=None, chosen=()) -> None:
         dtype = param.dtype
         target = delta + theta
         bits = uniform_bits(target.shape, seed, target.device)
@@ -251,7 +256,7 @@ class Master(Rule):
     def read(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         return master
 
-    def apply_(self, delta, theta, param, master, seed=None) -> None:
+    def apply_(self, delta, theta, param, master, seed=None, chosen=()) -> None:
         new = theta + delta
         master.copy_(new)
         param.copy_(new)
@@ -286,9 +291,15 @@ class ScaledMaster(Rule):
     def read(self, param: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return param.float() * (1.0 / scale)
 
-    def apply_(self, delta, theta, param, scale, seed=None) -> None:
+    def choose(self, delta, theta, param, scale) -> tuple[torch.Tensor, ...]:
+        return self._format(param).choose(theta + delta, param, scale)
+
+    def apply_(self, delta, theta, param, scale, seed=None, chosen=()) -> None:
+        self._format(param).store_(theta + delta, chosen or self.choose(delta, theta, param, scale), param, scale)
+
+    def _format(self, param: torch.Tensor) -> Scaled:
         # Keywords: dynamo in torch 2.11 cannot bind a frozen dataclass built positionally in a graph.
-        Scaled(dtype=param.dtype, margin=self.margin).encode_(theta + delta, param, scale)
+        return Scaled(dtype=param.dtype, margin=self.margin)
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         scale = get_master_scale(param)

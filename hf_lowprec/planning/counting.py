@@ -305,6 +305,13 @@ def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
 _DEPTH_BOUND = {"fp16-als", "fp8-lm-o3"}
 
 
+def depth_bound(name: str, options: dict[str, Any]) -> bool:
+    """Whether strategy `name` with `options` is counted on models built at each depth: the
+    `_DEPTH_BOUND` strategies, and any with the guard on (it gathers every FP8 layer's flush
+    counts in each forward, a block taken out's included)."""
+    return name in _DEPTH_BOUND or bool(options.get("guard"))
+
+
 def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:
     """`count_step` at the model's full depth, counted at one and two decoder layers and
     extrapolated linearly (every block of one kind costs the same). The two counts are one
@@ -318,9 +325,9 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
         return count_step(name, model, batch, layers=depth, **kwargs)
     kwargs.setdefault("replays", {})  # the second count replays the first's casts and optimizer rows
     kinds = block_kinds(model)
-    if len(kinds) > 1 and name not in _DEPTH_BOUND:
+    if len(kinds) > 1 and not depth_bound(name, kwargs):
         return _count_kinds(name, model, batch, kinds, kwargs)
-    if name in _DEPTH_BOUND:
+    if depth_bound(name, kwargs):
         one = count_step(name, model, batch, layers=1, **kwargs)
         two = count_step(name, model, batch, layers=2, **kwargs)
     else:  # one model of two blocks, counted whole and with its second block out
@@ -402,7 +409,7 @@ def start_counts(
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.freeze)
     # The longest counts first (FP8 layers: casts and their state; two models built), so that
     # no worker is left with a long one at the end while the other waits.
-    longest_first = sorted(names, key=lambda name: not rule_options(name) and name not in _DEPTH_BOUND)
+    longest_first = sorted(names, key=lambda name: not rule_options(name) and not depth_bound(name, kwargs))
     futures: dict[str, Future] = {
         name: pool.submit(count_scaled, name, model, batch, **kwargs) for name in longest_first
     }

@@ -4,22 +4,19 @@ takes). Per phase: kernels launched, graphs called, bytes moved, GEMM FLOPs by o
 host syncs, and the peak of memory allocated. Inside a compiled region (one of the package's
 graphs, or a decoder layer compiled as torch.compile would) neighbouring operations fuse into one
 kernel, as Inductor fuses them: a GEMM or attention is a kernel of its own, a reduction ends the
-kernel it is in, and a scalar operation on its result (a scale) joins it. docs/planning.md states
-the model and its limits.
+kernel it is in, and a scalar operation on its result (a scale) joins it, as does a sibling that
+reads nothing computed from it (a second amax). docs/planning.md states the model and its limits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compiling import current_compiled_region
 from .operations import (
@@ -30,11 +27,10 @@ from .operations import (
     tensors_in,
     written_arguments,
 )
+from .phases import PHASES, PhaseCounts, PhasedMode
 from .replay import PLAIN, CallLog, empty_outputs, output_specs, signature
 
 __all__ = ["PHASES", "Ledger", "PhaseCounts", "PhasedMode", "launches_a_kernel"]
-
-PHASES = ("forward", "backward", "gradients", "clip", "optimizer")
 
 aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
@@ -47,68 +43,15 @@ _REDUCTIONS = {
 
 
 @dataclasses.dataclass
-class PhaseCounts:
-    """One phase's counts: `kernels` launched (eager operations, plus each compiled call's fused
-    kernels), `graphs` (compiled calls), `eager` (operations run one by one), `bytes` read and
-    written, GEMM `flops` by operand dtype, the share of `bytes` in GEMM kernels, `syncs`, and
-    `gemm_kernels` (FLOPs and bytes per GEMM kernel, for the roofline)."""
-
-    kernels: int = 0
-    graphs: int = 0
-    eager: int = 0
-    bytes: int = 0
-    syncs: int = 0
-    flops: Counter = dataclasses.field(default_factory=Counter)
-    gemm_kernels: list = dataclasses.field(default_factory=list)
-
-    def add(self, other: PhaseCounts, times: float = 1.0) -> None:
-        self.kernels += round(other.kernels * times)
-        self.graphs += round(other.graphs * times)
-        self.eager += round(other.eager * times)
-        self.bytes += round(other.bytes * times)
-        self.syncs += round(other.syncs * times)
-        for dtype, n in other.flops.items():
-            self.flops[dtype] += round(n * times)
-        self.gemm_kernels += [(dtype, f * times, b * times) for dtype, f, b in other.gemm_kernels]
-
-
-@dataclasses.dataclass
 class _Kernel:
     phase: str
     gemm: tuple[int, torch.dtype] | None = None
     eager: bool = False
     launches: int = 1
     region: Any = None  # the compiled call it runs in (None: an eager operation)
+    reduced: int = 0  # elements its first reduction reads (0: none)
     reads: dict = dataclasses.field(default_factory=dict)  # tensor key → (bytes, kernel that wrote it)
     writes: dict = dataclasses.field(default_factory=dict)  # tensor key → bytes written
-
-
-class PhasedMode(TorchDispatchMode):
-    """A dispatch mode that counts per phase (`with mode.phase(name):`) and runs every
-    `torch.compile`d function as its eager source while it is on (dynamo refuses to run under a
-    dispatch mode), so it sees each operation; the package marks its own compiled calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._phase = "step"
-        self._patches = contextlib.ExitStack()
-
-    def __enter__(self) -> PhasedMode:
-        self._patches.enter_context(torch.compiler.set_stance("force_eager"))
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._patches.close()
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        previous, self._phase = self._phase, name
-        try:
-            yield
-        finally:
-            self._phase = previous
 
 
 class Ledger(PhasedMode):
@@ -123,6 +66,10 @@ class Ledger(PhasedMode):
         self.recording = recording  # False: only answer the host's reads (a warm-up)
         self._kernels: list[_Kernel] = []
         self._open: tuple[Any, int] | None = None  # (region, kernel index) a fused kernel is open in
+        # The last kernel, when a reduction of a compiled call ended it, and what was computed from
+        # its reductions (`_sibling`).
+        self._ended: tuple[Any, int] | None = None
+        self._after: set[int] = set()
         self._writer: dict[int, int] = {}  # tensor key → the kernel that last wrote it
         self._keys: dict[int, int] = {}  # id(tensor) → key of its memory (a view: its base's)
         self._serial = 0
@@ -246,16 +193,22 @@ class Ledger(PhasedMode):
             self._seen_regions.add(region[1])
             self._graphs[self._phase] += 1
             self._note(("graph",))
+        after = False  # whether what it computes is computed from the reductions of the kernel it joins
         joins = region is not None and gemm is None and self._open is not None and self._open[0] == region
         into = self._open[1] if joins else None
         if into is None and region is not None and gemm is None:
             into = self._epilogue(region, inputs, outputs)
+            after = into is not None and self._ended == (region, into)  # computed from its reductions
+            if into is None:
+                into = self._sibling(region, inputs, outputs)
+                after = into is not None and name in _REDUCTIONS
             joins = into is not None
         if joins:
             kernel = self._kernels[into]
         else:
             kernel = _Kernel(self._phase, gemm, eager=region is None, region=region)
             self._kernels.append(kernel)
+            self._ended = None
             self._note(("kernel", gemm, region))
             if region is None:
                 kernel.launches = multi_tensor_launches(name, args)
@@ -279,9 +232,14 @@ class Ledger(PhasedMode):
             kernel.writes[key] = max(kernel.writes.get(key, 0), nbytes(t))
             self._note(("write", index, key, nbytes(t)))
         if into is not None and (self._open is None or self._open[1] != into):
-            return  # an epilogue of a kernel already ended: what is open stays open
+            if after:
+                self._after.update(self._key(t) for t in outputs)
+            return  # an epilogue or a sibling of a kernel already ended: what is open stays open
         ends = region is None or gemm is not None or name in _REDUCTIONS
         self._open = None if ends else (region, index)
+        if ends and region is not None and gemm is None:
+            self._ended, self._after = (region, index), {self._key(t) for t in outputs}
+            kernel.reduced = max(t.numel() for t in inputs)
 
     def _epilogue(self, region: Any, inputs: list, outputs: list) -> int | None:
         """The kernel a scalar operation (every tensor it reads and writes one element: a scale,
@@ -295,6 +253,22 @@ class Ledger(PhasedMode):
             w for w in writers if w is not None and self._kernels[w].region == region and not self._kernels[w].gemm
         ]
         return max(found) if found else None
+
+    def _sibling(self, region: Any, inputs: list, outputs: list) -> int | None:
+        """The kernel an operation joins as a sibling of the reduction that ended it (Inductor
+        schedules by dependence, not by the order of the source): one of the same compiled call
+        that is the last kernel, that it shares a tensor with, over as many elements as that
+        reduction, reading nothing computed from its reductions (`amax(m)`, then `amax(v)`: one
+        kernel). None where it is not one."""
+        if self._ended is None or self._ended[0] != region or not inputs:
+            return None
+        kernel = self._kernels[self._ended[1]]
+        keys = {self._key(t) for t in inputs}
+        if keys & self._after or not keys & (kernel.reads.keys() | kernel.writes.keys()):
+            return None
+        if any(t.numel() not in (1, kernel.reduced) for t in (*inputs, *outputs)):
+            return None
+        return self._ended[1]
 
     # --- pure calls: the first runs, a later one with the same shapes replays it ---------------
 
@@ -323,6 +297,7 @@ class Ledger(PhasedMode):
             return out
         keys = [self._key(t) for t in tensors]
         aliased = (*shapes, tuple(keys.index(k) for k in keys))
+        self._ended = None  # a call joins no kernel ended before it as a sibling (nor after it)
         calls = self.replays.get(aliased)
         opened = self._open is not None and self._open[0] == region
         # Whether it joins the kernel open before it, which of its tensors that kernel or another
@@ -336,7 +311,7 @@ class Ledger(PhasedMode):
         try:
             out = fn(*args, **kwargs)
         finally:
-            self._log = None
+            self._log, self._ended = None, None
             log.peak, self.peak_bytes = self.peak_bytes - live, max(peak, self.peak_bytes)
         log.end = None if self._open is None else log.kernel_ref(self._open[1])
         outputs = output_specs(out, tensors)
@@ -404,6 +379,7 @@ class Ledger(PhasedMode):
                 self._writer[key] = index
                 self._kernels[index].writes[key] = max(self._kernels[index].writes.get(key, 0), size)
         self._open = None if log.end is None else (region, kernel_of(log.end))
+        self._ended = None
         return out
 
     def counts(self) -> dict[str, PhaseCounts]:

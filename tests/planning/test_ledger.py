@@ -10,6 +10,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_lowprec.compiling import compiled_region, constant
+from hf_lowprec.optim.adamw import Composition
+from hf_lowprec.optim.formats import Scaled
+from hf_lowprec.optim.rules import ScaledMaster
 from hf_lowprec.planning.counting import ANCHOR, count_scaled, count_step
 from hf_lowprec.planning.ledger import Ledger
 from tests.helpers import TINY_LLAMA as TINY
@@ -52,6 +55,61 @@ def test_a_compiled_call_fuses_pointwise_work_and_keeps_intermediates_on_chip():
     # Kernel 1 reads x and writes y (a later kernel of the call reads it? no: fused calls recompute;
     # it stays on chip) and amax's scalar; kernel 2 reads what it needs and writes z, which outlives.
     assert counts.bytes == 1000 * F32 + 1000 * F32
+
+
+def test_sibling_reductions_share_a_kernel_and_what_reads_their_results_opens_one():
+    """Inductor fuses by dependence, not by the order of the source: after amax(m) ends a kernel,
+    amax(v) of the same call joins it when it reads nothing computed from amax(m), shares a
+    tensor with that kernel and reduces as many elements; what reads either result is the next
+    kernel (an optimizer row choosing its scales, then storing: `formats.Format.choose`)."""
+
+    def run():
+        g, m, v = torch.empty(1000), torch.empty(1000), torch.empty(1000)
+        with compiled_region("row"):
+            m2, v2 = m + g, v + g * g  # one kernel
+            scale_m = 1.0 / m2.abs().amax()  # ends it; the reciprocal is its epilogue
+            scale_v = 1.0 / v2.abs().amax()  # a sibling: the same kernel
+            return m2 * scale_m, v2 * scale_v  # the second kernel
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == 2 and counts.graphs == 1
+    # g, m and v read once, the two results written once: nothing in between leaves the chip.
+    assert counts.bytes == 5 * 1000 * F32
+
+
+@pytest.mark.parametrize("case", ["depends", "other size", "nothing shared"])
+def test_a_reduction_that_is_no_sibling_ends_a_kernel_of_its_own(case):
+    def run():
+        x, y = torch.empty(1000), torch.empty(1000)
+        with compiled_region("row"):
+            top = (x * 2).amax()  # ends the first kernel
+            if case == "depends":
+                return (x / top).amax()  # reads the first reduction's result
+            if case == "other size":
+                return x[:500].abs().amax()  # shares x, reduces 500 elements
+            return y.abs().amax()  # shares nothing with the first kernel
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == 2
+
+
+def test_an_fp8_weights_update_is_two_kernels_its_three_scales_chosen_before_any_store():
+    """FP8-LM O2's row (FP8 m, FP16 v, the FP16 master scaled): amax(m), amax(v) and amax(θ)
+    are siblings, so one kernel chooses the three scales and one stores everything (issue #66:
+    it was three kernels while each format chose and stored in turn)."""
+    e4m3 = torch.float8_e4m3fn
+    row = Composition(Scaled(e4m3), Scaled(torch.float16), ScaledMaster())
+
+    def run():
+        n = 4096
+        param, grad = torch.empty(n, dtype=torch.float16), torch.empty(n, dtype=e4m3)
+        m, v = torch.empty(n, dtype=e4m3), torch.empty(n, dtype=torch.float16)
+        scales = [torch.empty(()) for _ in range(4)]  # the gradient's, m's, v's, the master's
+        with compiled_region("row"):
+            row.step(param, grad, scales[0], m, scales[1], v, scales[2], scales[3], torch.empty(6), None)
+
+    counts, _, _ = _counted(run)
+    assert counts.kernels == 2 and counts.graphs == 1
 
 
 def test_the_same_work_eager_writes_and_reads_every_intermediate():

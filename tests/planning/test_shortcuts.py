@@ -75,12 +75,17 @@ def test_a_block_taken_out_of_a_mixture_of_experts_counts_the_same(tmp_path, nam
     assert _everything(one) == _everything(count_step(name, model, BATCH, layers=1, compiled_layers=False))
 
 
-@pytest.mark.parametrize("name", sorted(counting._DEPTH_BOUND))
-def test_the_strategies_counted_at_two_built_depths_need_it(tiny, name):
+@pytest.mark.parametrize(
+    "name, options", [*((n, {}) for n in sorted(counting._DEPTH_BOUND)), ("fp8-lm-o2", {"guard": True})]
+)
+def test_the_strategies_counted_at_two_built_depths_need_it(tiny, name, options):
     """What keeps these out of the shortcut: state over every layer (FP16 loss scaling's
-    per-layer statistics, O3's flat shards) that a block taken out still holds."""
-    _, one = _with_a_block_out(name, tiny, compiled=False)
-    assert _everything(one) != _everything(count_step(name, tiny, BATCH, layers=1, compiled_layers=False))
+    per-layer statistics, O3's flat shards, the guard's FP8 layers) that a block taken out still
+    holds; `count_scaled` then counts two models built (it equals the long way)."""
+    assert counting.depth_bound(name, options)
+    _, one = counting._count_steps(name, tiny, BATCH, 2, False, 1.0, 1, None, {}, [None, 1], options)
+    built = count_step(name, tiny, BATCH, layers=1, compiled_layers=False, **options)
+    assert _everything(one) != _everything(built)
 
 
 @pytest.mark.parametrize(
