@@ -25,6 +25,7 @@ __all__ = [
     "fp8_gemm_path",
     "fp8_mm",
     "gemm_for",
+    "inverse_scales",
     "set_fp8_gemm_path",
 ]
 
@@ -54,6 +55,12 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def inverse_scales(*scales: torch.Tensor) -> list[torch.Tensor]:
+    """1/s of each scale, exact for powers of two, in one multi-tensor launch (one each would be
+    one launch each): what an FP8 GEMM multiplies by, worked out once for the GEMMs that share it."""
+    return list(torch._foreach_reciprocal(list(scales)))
+
+
 def _inverse_scale(scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
     # Each reciprocal of a power of two in [2^-126, 2^126] is exact.
     return scale_a.reciprocal() * scale_b.reciprocal()
@@ -69,9 +76,11 @@ class UpcastGemm:
     def operand(self, t: torch.Tensor) -> torch.Tensor:
         return widen(t, GEMM_OUT_DTYPE)
 
-    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-        """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16."""
-        return torch.mm(a, b).mul_(_inverse_scale(scale_a, scale_b).to(GEMM_OUT_DTYPE))
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, inverses=None):
+        """(a / scale_a) @ (b / scale_b) for prepared operands a (M×K) and b (K×N), in BF16;
+        `inverses`: (1/scale_a, 1/scale_b) where the caller has them (`inverse_scales`)."""
+        factor = _inverse_scale(scale_a, scale_b) if inverses is None else inverses[0] * inverses[1]
+        return torch.mm(a, b).mul_(factor.to(GEMM_OUT_DTYPE))
 
 
 class ScaledMMGemm:
@@ -100,12 +109,11 @@ class ScaledMMGemm:
         b_cols = _pad_2d(b.t().contiguous(), np_, kp).t()
         return a_rows, b_cols
 
-    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    def mm(self, a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, inverses=None):
         m, n = a.shape[0], b.shape[1]
         a_rows, b_cols = self.layout(a, b)
-        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two; both
-        # in one multi-tensor launch (two reciprocals would be two).
-        inv_a, inv_b = torch._foreach_reciprocal([scale_a, scale_b])
+        # _scaled_mm's scales are dequantization multipliers: 1/s, exact for powers of two.
+        inv_a, inv_b = inverse_scales(scale_a, scale_b) if inverses is None else inverses
         out = torch._scaled_mm(a_rows, b_cols, scale_a=inv_a, scale_b=inv_b, out_dtype=GEMM_OUT_DTYPE)
         return out[:m, :n]
 
@@ -180,8 +188,10 @@ def fp8_mm(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
     gemm: UpcastGemm | ScaledMMGemm | None = None,
+    inverses: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation."""
+    """(a / scale_a) @ (b / scale_b) for FP8 `a` (M×K) and `b` (K×N) in any layout, FP32 accumulation
+    (`inverses`: the scales' reciprocals, where the caller has them)."""
     gemm = gemm or gemm_for(a.device)
-    out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b)
+    out = gemm.mm(gemm.operand(a), scale_a, gemm.operand(b), scale_b, inverses)
     return out.to(out_dtype)

@@ -21,7 +21,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..distributed import local_shard, sharded_like
 from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
-from .gemm import GEMM_OUT_DTYPE, GemmPath, ScaledMMGemm, fp8_gemm_path, fp8_mm, gemm_for, set_fp8_gemm_path
+from .gemm import (
+    GEMM_OUT_DTYPE,
+    GemmPath,
+    ScaledMMGemm,
+    fp8_gemm_path,
+    fp8_mm,
+    gemm_for,
+    inverse_scales,
+    set_fp8_gemm_path,
+)
 from .raised import count_flushes, raised_linear
 from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 from .scaling_recipes import (
@@ -229,12 +238,16 @@ class FP8LinearFunction(torch.autograd.Function):
                     else:
                         x8, sx = _quantize_input(x, config.margin)
                 # Logical B operand of y = x·B: Wᵀ for Linear (N×K storage), W for Conv1D (K×N).
-                out = fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm)
+                # 1/s_x and 1/s_w in one launch, kept for backward's two GEMMs.
+                inverses = inverse_scales(sx, sw)
+                out = fp8_mm(x8, sx, w8 if transposed else w8.t(), sw, GEMM_OUT_DTYPE, gemm, inverses)
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
             # is rounded once to the output dtype.
             out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
         ctx.x_transposed = x8_t is not None  # what is saved: x8ᵀ (K×M, contiguous) instead of x8
-        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw)
+        if not config.recipe.whole_tensor:
+            inverses = [None, None]
+        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw, *inverses)
         ctx.config = config
         ctx.transposed = transposed
         ctx.x_shape = x.shape
@@ -246,7 +259,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8, sx, w8, sw, inv_x, inv_w = ctx.saved_tensors
         config = ctx.config
         gemm = gemm_for(grad_out.device, config.gemm_path)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -269,18 +282,19 @@ class FP8LinearFunction(torch.autograd.Function):
                 g8, sg = quantize_tensorwise(g2, config.recipe.grad_dtype, config.margin)
                 g_op = gemm.operand(g8)
                 g_t = g_op.t()
+            inv_g = sg.reciprocal()  # with the forward's 1/s_x and 1/s_w: one launch, not two
             if ctx.needs_input_grad[0]:
                 # dx = dy·W for Linear (W is N×K), dy·Wᵀ for Conv1D (W is K×N).
                 w_op = gemm.operand(w8.t() if ctx.transposed else w8)
-                grad_x = gemm.mm(g_op, sg, w_op, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = gemm.mm(g_op, sg, w_op, sw, (inv_g, inv_w)).to(ctx.x_dtype).reshape(ctx.x_shape)
             if need_dw:
                 # x as (M×K), a view of the saved x8ᵀ where the forward wrote it: the layouts
                 # `torch._scaled_mm` takes, so no copy is made here.
                 x_op = x8.t() if getattr(ctx, "x_transposed", False) else gemm.operand(x8)
                 if ctx.transposed:  # dW (K×N) = xᵀ·dy
-                    grad_w = gemm.mm(x_op.t(), sx, g_t.t(), sg)
+                    grad_w = gemm.mm(x_op.t(), sx, g_t.t(), sg, (inv_x, inv_g))
                 else:  # dW (N×K) = dyᵀ·x
-                    grad_w = gemm.mm(g_t, sg, x_op, sx)
+                    grad_w = gemm.mm(g_t, sg, x_op, sx, (inv_g, inv_x))
         if need_dw:
             grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

@@ -258,7 +258,7 @@ def test_bf16_autocast_only_rounds_the_output(transposed):
     assert bits_equal(bits(y16), bits(y32.to(torch.bfloat16)))
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     assert all(t.dtype in fp8 or t.dim() == 0 for t in saved16), [(t.dtype, t.shape) for t in saved16]
-    assert len(saved16) == len(saved32) == 4  # x and W payloads, their scales
+    assert len(saved16) == len(saved32) == 6  # x and W payloads, their scales and the scales' reciprocals
     assert all(bits_equal(bits(a), bits(b)) for a, b in zip(saved32, saved16))
     assert bits_equal(gx32, gx16) and bits_equal(gw32, gw16)
     # The bias gradient sums the same 35 values per column in FP32 from FP32 or BF16 storage;
