@@ -348,8 +348,9 @@ def test_o2_block_saves_fp8_layer_inputs_in_fp8_only_and_the_rest_in_bf16():
     (4h), 7·h·T bytes, plus the per-step FP8 weights, 12·h² (1 byte per element), exactly; the
     FP8 layers save nothing else (tests/fp8/test_linear.py). The rest is bounded by what the
     non-FP8 operations keep: in FP32 the LayerNorm inputs (the residual stream: 2·4·h·T) with
-    their mean and rstd (2·2·4·T), SDPA's log-sum-exp (4·2·32·4) and the 8 FP8 scales; in BF16
-    the q/k/v projection output (3·h·T·2), SDPA's output and its head-layout copies of k and v
+    their mean and rstd (2·2·4·T), SDPA's log-sum-exp (4·2·32·4), the 8 FP8 scales and their
+    reciprocals (kept for backward's GEMMs); in BF16 the q/k/v projection output (3·h·T·2),
+    SDPA's output and its head-layout copies of k and v
     (3·h·T·2; the output is also attn.c_proj's input, which SDPA's backward needs) and the
     tanh-GELU's four intermediates (4·4h·T·2). With FP32 compute (before autocast) the GELU
     intermediates alone were twice that; bf16-mixed saves the linear inputs in BF16 and BF16
@@ -359,7 +360,7 @@ def test_o2_block_saves_fp8_layer_inputs_in_fp8_only_and_the_rest_in_bf16():
     by_dtype = _saved_in_first_block("fp8-lm-o2")
     assert set(by_dtype) <= {torch.float8_e4m3fn, torch.float32, torch.bfloat16}, by_dtype
     assert by_dtype[torch.float8_e4m3fn] == 7 * h * tokens + 12 * h * h
-    fp32_bound = 2 * 4 * h * tokens + 2 * 2 * 4 * tokens + 4 * 2 * 32 * 4 + 8 * 4
+    fp32_bound = 2 * 4 * h * tokens + 2 * 2 * 4 * tokens + 4 * 2 * 32 * 4 + 2 * 8 * 4
     bf16_bound = 3 * h * tokens * 2 + 3 * h * tokens * 2 + 4 * (4 * h * tokens) * 2
     assert by_dtype[torch.float32] <= fp32_bound, by_dtype
     assert by_dtype[torch.bfloat16] <= bf16_bound, by_dtype
