@@ -29,6 +29,7 @@ from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
+from ..fp8.linear import share_inputs_within
 from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
@@ -243,6 +244,7 @@ class FP8LM(PrecisionStrategy):
         options = self.options
         rule = options.layer_rule(model)
         convert_to_fp8(model, config=self.fp8_layer_config, min_gemm_features=options.min_gemm_features, rule=rule)
+        share_inputs_within(model)  # q/k/v and gate/up quantize their shared input once
         self.fp8_layout = rule_layout(model)
         if self.o2:
             # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8

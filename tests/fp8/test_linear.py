@@ -355,3 +355,23 @@ def test_compiled_fp8_training_is_the_eager_training_bit_for_bit(name="fp8-lm-o2
     torch._dynamo.reset()
     for got, want in zip(runs["compiled"][0] + runs["compiled"][1], runs["eager"][0] + runs["eager"][1]):
         assert bits_equal(got, want), (name, got.flatten()[:4], want.flatten()[:4])
+
+
+def test_a_sharing_scope_opens_once_per_module_and_closes_when_its_forward_raises():
+    from hf_lowprec.fp8 import linear
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = FP8Linear(16, 16), FP8Linear(16, 16)
+
+        def forward(self, x):
+            self.a(x)
+            raise RuntimeError("boom")
+
+    pair = nn.Sequential(Pair(), FP8Linear(16, 16))  # one module with two FP8 layers among its children
+    assert linear.share_inputs_within(pair) == 1
+    assert linear.share_inputs_within(pair) == 0  # already scoped
+    with pytest.raises(RuntimeError, match="boom"):
+        pair(torch.randn(2, 16))
+    assert not linear._input_scopes

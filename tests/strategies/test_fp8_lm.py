@@ -366,3 +366,50 @@ def test_o2_block_saves_fp8_layer_inputs_in_fp8_only_and_the_rest_in_bf16():
     assert by_dtype[torch.bfloat16] <= bf16_bound, by_dtype
     reference = _saved_in_first_block("bf16-mixed")
     assert sum(by_dtype.values()) < sum(reference.values()), (by_dtype, reference)
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2"])
+@pytest.mark.parametrize("guard", [False, True], ids=["plain", "guard"])
+def test_q_k_v_and_gate_up_quantize_their_shared_input_once_with_the_same_bits(monkeypatch, name, guard):
+    """A Llama layer under FP8-LM: q, k and v are handed one tensor, gate and up another; each is
+    quantized once and saved once (`fp8.linear.share_inputs_within`): four input casts a layer
+    where there were seven, and a step's loss, gradients and weights are those with a cast per
+    layer, bit for bit (the guard's counted casts too)."""
+    from transformers import LlamaForCausalLM
+
+    from hf_lowprec.fp8 import linear
+    from tests.helpers import tiny_llama_config
+
+    casts = []
+    for cast in ("_quantize_input", "counted_input_cast", "tensorwise_cast_transposed"):
+        original = getattr(linear, cast)
+        monkeypatch.setattr(linear, cast, lambda *a, _f=original, **k: casts.append(1) or _f(*a, **k))
+    options = {"guard": True} if guard else {}
+    results = []
+    for sharing in (True, False):
+        torch.manual_seed(0)
+        strategy = hf_lowprec.get_strategy(name, **options)
+        model = strategy.prepare_model(LlamaForCausalLM(tiny_llama_config(64)))
+        scoped = [m for m in model.modules() if linear._open_scope in m._forward_pre_hooks.values()]
+        assert len(scoped) == 2  # the attention and the MLP
+        if not sharing:
+            for module in scoped:
+                module._forward_pre_hooks.clear()
+                module._forward_hooks.clear()
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+        casts.clear()
+        ids = batches(1)[0]
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        n_casts = len(casts)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        found_inf = strategy.process_gradients(optimizer)
+        strategy.optimizer_step(optimizer, found_inf)
+        results.append((n_casts, loss.detach(), grads, [p.detach().clone() for p in model.parameters()]))
+    (shared_casts, *shared), (own_casts, *own) = results
+    assert (shared_casts, own_casts) == (4, 7)
+    assert_bits_equal(shared[0], own[0])
+    for a, b in zip(shared[1] + shared[2], own[1] + own[2]):
+        assert_bits_equal(a, b)
+    assert not linear._input_scopes  # every scope closed
