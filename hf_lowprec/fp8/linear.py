@@ -149,7 +149,7 @@ def _ensure_step_hook() -> None:
 # quantized reuses its (payload, scale): one quantization, one saved FP8 copy. Recognised by
 # identity and version counter, never by comparing values (no host sync). Eager only: under
 # torch.compile the scope is not consulted (dynamo cannot replay the dictionary).
-_input_scopes: list[dict[int, tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]]] = []
+_input_scopes: list[dict[int, tuple[Any, ...]]] = []  # id(x) → (x, version, margin, x8, x8ᵀ, sx, counts)
 
 
 def _quantize_input(x: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +171,7 @@ def _shared_input(x: torch.Tensor, margin: int, counted: bool, transposed: bool)
     is new; () outside one. `counted`: with the cast's flush counts (`fused.counted_input_cast`),
     else counts is None; `transposed`: the payload transposed too, written by the same graph
     (a layer that finds it missing leaves the transposing copy to its backward)."""
-    if not _input_scopes or torch.compiler.is_compiling():
+    if not _input_scopes or torch.compiler.is_compiling() or x.is_inference():  # no version counter
         return ()
     scope = _input_scopes[-1]
     hit = scope.get(id(x))
@@ -207,13 +207,21 @@ def share_inputs_within(model: nn.Module) -> int:
     return opened
 
 
+_OPENED = "_hf_lowprec_opened_scopes"  # on a module: the scopes its calls opened, innermost last
+
+
 def _open_scope(module: nn.Module, args: Any) -> None:
     if not torch.compiler.is_compiling():
         _input_scopes.append({})
+        module.__dict__.setdefault(_OPENED, []).append(_input_scopes[-1])
 
 
 def _close_scope(module: nn.Module, args: Any, output: Any) -> None:
-    if not torch.compiler.is_compiling() and _input_scopes:
+    """Closes the scope this module's call opened, and no other (a call whose pre-hook did not
+    run, or ran traced, opened none)."""
+    opened = None if torch.compiler.is_compiling() else module.__dict__.get(_OPENED)
+    if opened and _input_scopes and _input_scopes[-1] is opened[-1]:
+        opened.pop()
         _input_scopes.pop()
 
 

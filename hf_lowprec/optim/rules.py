@@ -79,7 +79,7 @@ class Rule:
 
         read(param, *stored)                    θ in FP32 registers (the value the update starts from)
         choose(delta, theta, param, *stored)    what writing θ + Δθ decides first (a scale): as
-                                                `formats.Format.choose`, () for most rules
+                                                `Scaled.choose`, () for most rules
         apply_(delta, theta, param, *stored, chosen=...)   write θ + Δθ back, rounding as the rule says
         held_value(param, state)                the value the optimizer really holds, FP64
         zeros(param)                            its state for a fresh parameter

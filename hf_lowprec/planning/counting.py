@@ -309,7 +309,7 @@ def depth_bound(name: str, options: dict[str, Any]) -> bool:
     """Whether strategy `name` with `options` is counted on models built at each depth: the
     `_DEPTH_BOUND` strategies, and any with the guard on (it gathers every FP8 layer's flush
     counts in each forward, a block taken out's included)."""
-    return name in _DEPTH_BOUND or bool(options.get("guard"))
+    return name in _DEPTH_BOUND or options.get("guard", False) not in (False, None)  # True, or its settings
 
 
 def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:

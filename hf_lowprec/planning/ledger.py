@@ -327,9 +327,13 @@ class Ledger(PhasedMode):
         return out
 
     def _wrote(self, key: int, region: Any) -> int:
-        """2: the kernel open now wrote the tensor `key`; 1: another of `region`'s fusible
-        kernels did; 0: none did."""
+        """2: the kernel open now wrote the tensor `key`; 3: it read it and did not write it (a
+        reduction in the call may end that kernel, which then takes siblings through it); 1:
+        another of `region`'s fusible kernels wrote it; 0: none did."""
         writer = self._writer.get(key)
+        opened = self._open[1] if self._open is not None else None
+        if opened is not None and writer != opened and key in self._kernels[opened].reads:
+            return 3
         if writer is None or self._kernels[writer].region != region or self._kernels[writer].gemm:
             return 0
         return 2 if self._open is not None and writer == self._open[1] else 1

@@ -1,6 +1,6 @@
 """The phases of a counted training step (`PHASES`), what is counted per phase (`PhaseCounts`),
-and the dispatch mode that tells them apart (`PhasedMode`), which the step ledger
-(`ledger.Ledger`) and the launch counts of tests/gpu build on."""
+and the dispatch mode that tells them apart (`PhasedMode`), which the step ledger and the
+launch counts of tests/gpu build on."""
 
 from __future__ import annotations
 

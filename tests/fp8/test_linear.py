@@ -375,3 +375,26 @@ def test_a_sharing_scope_opens_once_per_module_and_closes_when_its_forward_raise
     with pytest.raises(RuntimeError, match="boom"):
         pair(torch.randn(2, 16))
     assert not linear._input_scopes
+
+
+def test_a_sharing_scope_leaves_inference_tensors_to_each_layer():
+    """Tensors made under `torch.inference_mode` keep no version counter, so the scope cannot
+    tell them apart: each layer quantizes its own (the forward runs, and gives the same output)."""
+    from hf_lowprec.fp8 import linear
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = FP8Linear(16, 16), FP8Linear(16, 16)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    pair = Pair()
+    x = torch.randn(2, 16)
+    expected = pair(x)
+    linear.share_inputs_within(pair)
+    with torch.inference_mode():
+        out = pair(x.clone())
+    assert torch.equal(out, expected)
+    assert not linear._input_scopes

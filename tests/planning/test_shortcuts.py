@@ -76,7 +76,8 @@ def test_a_block_taken_out_of_a_mixture_of_experts_counts_the_same(tmp_path, nam
 
 
 @pytest.mark.parametrize(
-    "name, options", [*((n, {}) for n in sorted(counting._DEPTH_BOUND)), ("fp8-lm-o2", {"guard": True})]
+    "name, options",
+    [*((n, {}) for n in sorted(counting._DEPTH_BOUND)), ("fp8-lm-o2", {"guard": True}), ("fp8-lm-o2", {"guard": {}})],
 )
 def test_the_strategies_counted_at_two_built_depths_need_it(tiny, name, options):
     """What keeps these out of the shortcut: state over every layer (FP16 loss scaling's
