@@ -66,7 +66,7 @@ def routed_experts(
         out[t] = Σ_k routing_weight[t, k] · y[(t, k)]   summed in FP32, then the input's dtype
 
     `dtype`: the gathered tokens are cast to it (as transformers' own grouped forward does). Nothing
-    is read on the host: the counts are a `scatter_add` on the device, not a histogram of sizes.
+    is read on the host: the offsets are a `searchsorted` of the sorted ids on the device.
     """
     num_top_k = top_k_index.shape[-1]
     num_tokens, hidden = hidden_states.shape
@@ -74,9 +74,9 @@ def routed_experts(
     x = hidden_states[perm // num_top_k]  # gathered, then cast: the gather's backward adds in FP32
     x = x if dtype is None else x.to(dtype)
     weights = top_k_weights.reshape(-1)[perm]
-    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    # Expert e's group ends where the sorted ids first exceed e: two launches, no counts to sum.
+    ends = torch.arange(1, module.num_experts + 1, device=x.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, ends, out_int32=True)
     rows = sorted_ids.long()
     first, down = expert_weight_names(module)
     h = module._project(first, x, offsets, rows)

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..distributed import local_shard, sharded_like
+from ..compiling import takes_gpu_path
+from ..distributed import DTensor, local_shard, sharded_like
 from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
 from .gemm import (
     GEMM_OUT_DTYPE,
@@ -32,7 +33,17 @@ from .gemm import (
     set_fp8_gemm_path,
 )
 from .raised import count_flushes, raised_linear
-from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
+from .scaled import (
+    FP8WeightCopy,
+    dequantize,
+    get_fp8_weight_copy,
+    get_master_scale,
+    pow2_scale,
+    quantize,
+    set_fp8_weight_copy,
+    set_master_scale,
+    tensor_amax,
+)
 from .scaling_recipes import (
     FP8LinearConfig,
     ScalingRecipe,
@@ -129,7 +140,7 @@ def _after_optimizer_step(*_: Any) -> None:
     global _step_generation
     _step_generation = next(_optimizer_steps) + 1
     for layer in list(_caching_layers):
-        layer._weight_cache = None
+        layer._weight_cache = layer._written_weight()
 
 
 def optimizer_step_generation() -> int:
@@ -610,7 +621,20 @@ class FP8Linear(nn.Module):
             # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
             # value that changes per step, hence a guard, hence a new graph at every step.
             return quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
-        key = (
+        key = self._cache_key()
+        cached = self._weight_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        w8, sw = quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
+        self._weight_cache = (key, w8, sw)
+        _caching_layers.add(self)
+        if self._takes_written_weight():  # FP8AdamW writes the next one (`_written_weight`)
+            set_fp8_weight_copy(weight, FP8WeightCopy(w8, sw, self.config.margin))
+        return w8, sw
+
+    def _cache_key(self) -> tuple:
+        weight, scale = self.weight, self.master_scale
+        return (
             _step_generation,
             weight.data_ptr(),
             weight._version,
@@ -619,13 +643,32 @@ class FP8Linear(nn.Module):
             self.config,
             None if scale is None else (scale.data_ptr(), scale._version),
         )
-        cached = self._weight_cache
-        if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        w8, sw = quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
-        self._weight_cache = (key, w8, sw)
-        _caching_layers.add(self)
-        return w8, sw
+
+    def _takes_written_weight(self) -> bool:
+        """Whether the optimizer step may write this layer's FP8 weight: a scaled FP16 master
+        (O2) under the tensorwise recipe, run eagerly on a GPU. A CPU's native optimizer kernels
+        keep their speed and the forward casts; a compiled forward casts in its graph."""
+        weight, config = self.weight, self.config
+        return (
+            self.master_scale is not None
+            and weight.dtype == torch.float16
+            and config.recipe.whole_tensor
+            and not config.raised
+            and not isinstance(weight, DTensor)
+            and takes_gpu_path(weight.device)
+        )
+
+    def _written_weight(self) -> tuple[tuple, torch.Tensor, torch.Tensor] | None:
+        """The cache entry of the FP8 weight the optimizer step just wrote from the master it
+        stored (`optim.rules.ScaledMasterFP8`), keyed by the weight as it is now; None: none."""
+        weight = self.weight
+        copy = get_fp8_weight_copy(weight)
+        if copy is None:
+            return None
+        if not (copy.holds(weight) and copy.margin == self.config.margin and self._takes_written_weight()):
+            set_fp8_weight_copy(weight, None)  # no optimizer wrote it: freed with the cache, as before
+            return None
+        return self._cache_key(), copy.payload, copy.scale
 
     def extra_repr(self) -> str:
         layout = ", conv1d_layout" if self.weight_transposed else ""

@@ -17,17 +17,20 @@ from .cast import widen
 
 __all__ = [
     "FORMATS",
+    "FP8WeightCopy",
     "ScaledTensor",
     "count_saturated",
     "dequantize",
     "format_dtype",
     "format_max",
     "pow2_scale",
+    "get_fp8_weight_copy",
     "get_master_scale",
     "quantize",
     "quantize_counting",
     "saturated_count",
     "saturating_cast",
+    "set_fp8_weight_copy",
     "set_master_scale",
     "tensor_amax",
 ]
@@ -256,3 +259,49 @@ def set_master_scale(param: torch.Tensor, scale: torch.Tensor | None) -> None:
 def get_master_scale(param: torch.Tensor) -> torch.Tensor | None:
     """The FP32 scale of a scaled master weight, or None when `param` holds real values."""
     return getattr(param, _MASTER_SCALE_ATTR, None)
+
+
+# --- the forward's FP8 weight, written by the optimizer step -------------------------------
+# An FP8 layer that runs eagerly on a GPU links the E4M3 weight it cast to its scaled master
+# under this attribute; FP8AdamW then writes the next one in the kernel that stores the master
+# (`optim.rules.ScaledMasterFP8`) and marks it `written`, and the layer takes it at the next
+# forward instead of casting the master again (`fp8.linear`).
+_FP8_COPY_ATTR = "_hf_lowprec_fp8_weight"
+
+
+@dataclasses.dataclass(eq=False)
+class FP8WeightCopy:
+    """payload = E4M3(real·scale) of a scaled master, as the layer's tensorwise cast with
+    `margin` gives it. `written`: the versions of the master and its scale right after the
+    optimizer wrote the copy from them (`mark_written`); any later write to either, a loaded
+    checkpoint or a rollback, makes `holds` false."""
+
+    payload: torch.Tensor
+    scale: torch.Tensor
+    margin: int
+    written: tuple[int, int] | None = None
+
+    def mark_written(self, master: torch.Tensor) -> None:
+        self.written = _versions(master)
+
+    def holds(self, master: torch.Tensor) -> bool:
+        """Whether the copy is `master`'s FP8 weight as the optimizer wrote it."""
+        return self.written is not None and self.written == _versions(master)
+
+
+def _versions(master: torch.Tensor) -> tuple[int, int]:
+    return master._version, get_master_scale(master)._version
+
+
+def set_fp8_weight_copy(param: torch.Tensor, copy: FP8WeightCopy | None) -> None:
+    """Link `copy` to the master `param` (None: unlink)."""
+    if copy is None:
+        if hasattr(param, _FP8_COPY_ATTR):
+            delattr(param, _FP8_COPY_ATTR)
+        return
+    setattr(param, _FP8_COPY_ATTR, copy)
+
+
+def get_fp8_weight_copy(param: torch.Tensor) -> FP8WeightCopy | None:
+    """The FP8 weight linked to the master `param` (`set_fp8_weight_copy`), or None."""
+    return getattr(param, _FP8_COPY_ATTR, None)

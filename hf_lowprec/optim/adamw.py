@@ -123,7 +123,7 @@ class Composition:
         *stored, scalars, seed = rest
         written = (param, *stored)
         if found_inf is not None:  # step into copies, then keep the old bits where it is set
-            param, *stored = (tensor.clone() for tensor in written)
+            param, *stored = (None if tensor is None else tensor.clone() for tensor in written)
         split_m, split_v = len(self.m.suffixes), len(self.m.suffixes) + len(self.v.suffixes)
         m_stored, v_stored, rule_stored = stored[:split_m], stored[split_m:split_v], stored[split_v:]
         g = grad.float() if grad_scale is None else grad.float() / grad_scale
@@ -138,7 +138,8 @@ class Composition:
         self.rule.apply_(delta, theta, param, *rule_stored, seed=seed, chosen=rule_chosen)
         if found_inf is not None:
             for original, stepped in zip(written, (param, *stored)):
-                select_(original, found_inf != 0, stepped)
+                if original is not None:  # a tensor a row may lack (`rules.ScaledMasterFP8`)
+                    select_(original, found_inf != 0, stepped)
             delta = torch.where(found_inf != 0, 0.0, delta)
         return delta
 

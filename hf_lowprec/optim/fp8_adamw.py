@@ -10,13 +10,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..compiling import takes_gpu_path
 from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
-from ..fp8.scaled import FORMATS, format_dtype, get_master_scale
+from ..fp8.scaled import FORMATS, format_dtype, get_fp8_weight_copy, get_master_scale
 from .adamw import AdamW, Composition, adamw_scalars
 from .dispatch import FusedMode
 from .formats import Scaled
-from .rules import Nearest, ScaledMaster
+from .rules import Nearest, ScaledMaster, ScaledMasterFP8
 
 __all__ = ["FP8AdamW", "fp8_adamw_param_step"]
 
@@ -25,8 +26,13 @@ def _composition(param: torch.Tensor, group: dict[str, Any]) -> Composition:
     margin = group["margin"]
     m = Scaled(format_dtype(group["exp_avg_format"]), margin)
     v = Scaled(format_dtype(group["exp_avg_sq_format"]), margin)
-    rule = ScaledMaster(margin) if get_master_scale(param) is not None else Nearest()
-    return Composition(m, v, rule)
+    if get_master_scale(param) is None:
+        return Composition(m, v, Nearest())
+    if not takes_gpu_path(param.device):  # the native kernels' rule
+        return Composition(m, v, ScaledMaster(margin))
+    # A GPU's: one rule for every scaled master, the FP8 layers' weights written where linked.
+    copy = get_fp8_weight_copy(param)
+    return Composition(m, v, ScaledMasterFP8(margin, weight_margin=margin if copy is None else copy.margin))
 
 
 def fp8_adamw_param_step(
@@ -69,7 +75,7 @@ def fp8_adamw_param_step(
     )
     stored = composition.stored(param, state)
     flat = [param.detach().view(-1), grad.detach().reshape(-1), None]
-    flat += [t.view(-1) if t.dim() else t for t in stored]
+    flat += [t.view(-1) if t is not None and t.dim() else t for t in stored]
     return composition.step(*flat, scalars, None).view(param.shape)
 
 
@@ -107,6 +113,9 @@ class FP8AdamW(AdamW):
     group, so the parameters that are not FP8 GEMM weights (LayerNorm gains, biases, embeddings)
     can sit in the same optimizer with FP32 masters and FP32 moments (stored unscaled), as
     MS-AMP keeps them. The lost-arithmetic metrics see the master in real units (`held_value`).
+    Where the FP8 layer runs eagerly on a GPU it links its E4M3 weight to the master
+    (`fp8.scaled.FP8WeightCopy`), and the step writes the next one in the loop that stores the
+    master (`rules.ScaledMasterFP8`), so the layer's forward casts no weight.
 
     State per parameter: "step" (int), "exp_avg" + "exp_avg_scale", "exp_avg_sq" +
     "exp_avg_sq_scale" (payloads + FP32 scalars), and, once `set_fp8_grad` was used, "grad" +
@@ -214,6 +223,14 @@ class FP8AdamW(AdamW):
             state = self.state[param]
             return _local(state["grad"]), state["grad_scale"]
         return super()._gradient(param)
+
+    def _step_bucket(self, group_index, group, composition, device, items, found_inf=None) -> None:
+        super()._step_bucket(group_index, group, composition, device, items, found_inf)
+        if isinstance(composition.rule, ScaledMasterFP8):
+            for param, *_ in items:  # the layers take these at their next forward (`fp8.linear`)
+                copy = get_fp8_weight_copy(param)
+                if copy is not None:
+                    copy.mark_written(param)
 
     def _after_step(self) -> None:
         self._pending_grads.clear()

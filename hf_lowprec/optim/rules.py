@@ -10,10 +10,20 @@ from typing import ClassVar
 
 import torch
 
-from ..fp8.scaled import get_master_scale
-from .formats import Scaled, round_to
+from ..fp8.scaled import get_fp8_weight_copy, get_master_scale, pow2_scale
+from .formats import Scaled, round_to, saturate
 
-__all__ = ["Grow", "Kahan", "Master", "Nearest", "Rule", "ScaledMaster", "StochasticRounding", "uniform_bits"]
+__all__ = [
+    "Grow",
+    "Kahan",
+    "Master",
+    "Nearest",
+    "Rule",
+    "ScaledMaster",
+    "ScaledMasterFP8",
+    "StochasticRounding",
+    "uniform_bits",
+]
 
 F32 = torch.float32
 
@@ -93,6 +103,7 @@ class Rule:
         StochasticRounding   —               SR(θ + Δθ), unbiased
         Master               FP32 master     master ← master + Δθ; θ ← r(master)
         ScaledMaster         (scale attr.)   FP16 payload·s, s re-chosen from amax (FP8-LM)
+        ScaledMasterFP8      (+ FP8 weight)  ScaledMaster, and the forward's E4M3 weight
     """
 
     suffixes = ()
@@ -306,3 +317,49 @@ class ScaledMaster(Rule):
         if scale is None:
             return param.detach().double()
         return param.detach().double() / scale.double()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledMasterFP8(ScaledMaster):
+    """ScaledMaster that also writes the E4M3 weight the FP8 layer's next forward would cast
+    from the stored master, in the same loop as the master, where the layer linked one
+    (`fp8.scaled.FP8WeightCopy`; rows without one pass None and write the master only).
+
+    The layer's cast takes s_w from amax|P| of the FP16 payload P. Rounding is monotone, so
+    amax|P| = r16(amax|θ + Δθ|·s_m), known from the reduction that chose s_m: the FP8 weight
+    needs no pass of its own, and it has the cast's bits (`fp8.fused.tensorwise_cast`).
+    `weight_margin` is the layer's margin. No native kernel: the rule of a GPU's compiled step.
+    """
+
+    native_name = None
+
+    weight_margin: int = 0
+    like_param = (False, True, False)
+
+    def stored(self, param: torch.Tensor, state: dict) -> tuple[torch.Tensor | None, ...]:
+        copy = get_fp8_weight_copy(param)
+        return (get_master_scale(param), *((None, None) if copy is None else (copy.payload, copy.scale)))
+
+    def stored_names(self) -> tuple[str, ...]:
+        return ("master_scale", "fp8_weight", "fp8_weight_scale")
+
+    def read(self, param: torch.Tensor, scale: torch.Tensor, *fp8: torch.Tensor | None) -> torch.Tensor:
+        return super().read(param, scale)
+
+    def choose(self, delta, theta, param, scale, w8=None, w8_scale=None) -> tuple[torch.Tensor, ...]:
+        values = theta + delta
+        chosen = self._format(param).choose(values, param, scale)
+        return chosen if w8 is None else (*chosen, values.abs().amax())
+
+    def apply_(self, delta, theta, param, scale, w8=None, w8_scale=None, seed=None, chosen=()) -> None:
+        new_scale, *amax = chosen or self.choose(delta, theta, param, scale, w8)
+        master = self._format(param).scaled(theta + delta, (new_scale,), param, scale)
+        param.copy_(master)
+        if w8 is None:
+            return
+        # The layer's cast, from the payload as stored: amax|P| / s_m is the real amax.
+        real_amax = round_to(saturate(amax[0] * new_scale, param.dtype), param.dtype) / new_scale
+        w8_scale_new = pow2_scale(real_amax, w8.dtype, self.weight_margin)
+        factor = (w8_scale_new + (real_amax - real_amax)) / new_scale
+        w8.copy_((round_to(master, param.dtype) * factor).to(w8.dtype))
+        w8_scale.copy_(w8_scale_new)

@@ -85,6 +85,16 @@ def test_o2_backward_quantizes_each_weight_gradient_in_one_graph():
     assert not any("frexp" in op for _, op in counted.ops), counted.summary()
 
 
+def test_o2_forward_casts_no_weight_the_optimizer_step_wrote():
+    """FP8AdamW writes each FP8 layer's E4M3 weight with its master (`optim.rules.ScaledMasterFP8`):
+    a steady O2 forward launches only its inputs' casts (2 layers × 4 FP8 linears), where it cast
+    every weight too; the optimizer's step stays one compiled call."""
+    counted = launches_of("fp8-lm-o2", 2)
+    forward = {op: n for (phase, op), n in counted.regions.items() if phase == "forward"}
+    assert forward == {"_tensorwise_transposed": 2 * 4}, counted.summary("forward")
+    assert counted.total("optimizer") == launches_of("fp8-lm-o2", 3).total("optimizer")
+
+
 def test_the_gpu_forms_of_the_bookkeeping_give_the_cpu_forms_results():
     """The multi-tensor forms a GPU takes (`compiling.gpu_paths` makes CPU tensors take them) flag
     the same tensors as the per-tensor CPU forms: inf, NaN, all zero, empty, mixed dtypes."""

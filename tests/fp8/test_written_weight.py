@@ -1,0 +1,112 @@
+"""FP8-LM O2 on a GPU: the optimizer step writes the E4M3 weight the layer's next forward would cast
+from the master it stored (`optim.rules.ScaledMasterFP8`), so an eager forward casts no weight after
+the first step (issue #66). `compiling.gpu_paths` sends CPU tensors down the GPU's path.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from hf_lowprec.compiling import gpu_paths
+from hf_lowprec.fp8 import FP8Linear
+from hf_lowprec.fp8 import linear as fp8_linear_module
+from hf_lowprec.fp8.linear import quantize_weight
+from hf_lowprec.fp8.scaled import get_fp8_weight_copy
+from hf_lowprec.optim import FP8AdamW
+from tests.helpers import assert_bits_equal
+
+
+def _layer(margin: int, seed: int, weight_scale: float = 1.0) -> FP8Linear:
+    torch.manual_seed(seed)
+    dense = nn.Linear(96, 80, bias=False)
+    with torch.no_grad():
+        dense.weight.mul_(weight_scale)
+    layer = FP8Linear.from_float(dense.half(), margin=margin)
+    layer.scale_master_weight(margin)
+    return layer
+
+
+def _casts(monkeypatch) -> list:
+    calls = []
+    original = fp8_linear_module.quantize_layer_weight
+    monkeypatch.setattr(
+        fp8_linear_module, "quantize_layer_weight", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("fused", ["reference", "compiled"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_the_step_writes_the_weight_the_forward_would_cast(monkeypatch, fused, margin):
+    """After each step (gradients over several binades, one step skipped on a non-finite flag, one
+    weight decayed to 0) the written E4M3 payload and scale are the forward's cast of the stored
+    master, bit for bit, and the next forward takes them without casting."""
+    casts = _casts(monkeypatch)
+    layer = _layer(margin, seed=margin)
+    optimizer = FP8AdamW([layer.weight], lr=0.5, margin=margin, fused=fused)
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with gpu_paths():
+        for step, (gain, flag) in enumerate([(1.0, 0.0), (4.0, 0.0), (1.0, 1.0), (1e-3, 0.0), (0.0, 0.0)]):
+            casts.clear()
+            layer(x).float().sum().backward()
+            assert len(casts) == (1 if step == 0 else 0), step  # the first forward casts; then the step's copy
+            copy = get_fp8_weight_copy(layer.weight)
+            assert copy is not None and copy.margin == margin
+            layer.weight.grad.mul_(gain * torch.logspace(-3, 3, 96).to(torch.float16))
+            if gain == 0.0:  # the whole weight decays to zero: amax 0, scale 1
+                with torch.no_grad():
+                    layer.weight.zero_()
+                layer(x)  # the master changed outside the optimizer: cast again, and written from zeros
+            copy = get_fp8_weight_copy(layer.weight)
+            optimizer.step(found_inf=torch.tensor(flag))
+            optimizer.zero_grad()
+            assert copy.holds(layer.weight)
+            payload, scale = quantize_weight(layer.weight, margin, layer.master_scale)
+            assert_bits_equal(copy.payload, payload, f"step {step}")
+            assert_bits_equal(copy.scale, scale, f"step {step}")
+    assert optimizer.paths_taken[fused] > 0
+
+
+def test_a_weight_changed_after_the_step_is_cast_again(monkeypatch):
+    """A write to the master outside the optimizer (a loaded checkpoint, a rollback, an in-place
+    edit) bumps its version: the written copy is not taken, and the new cast replaces it."""
+    casts = _casts(monkeypatch)
+    layer = _layer(0, seed=1)
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with gpu_paths():
+        layer(x).float().sum().backward()
+        optimizer.step()
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        layer.load_state_dict({"weight": state["weight"] * 3})
+        casts.clear()
+        out = layer(x)
+        assert len(casts) == 1
+        payload, scale = quantize_weight(layer.weight, 0, layer.master_scale)
+        assert_bits_equal(get_fp8_weight_copy(layer.weight).payload, payload)
+        assert_bits_equal(get_fp8_weight_copy(layer.weight).scale, scale)
+        layer._weight_cache = None
+        assert_bits_equal(out, layer(x))
+
+
+def test_no_copy_where_the_forward_casts_anyway(monkeypatch):
+    """On a CPU (native optimizer kernels), under another optimizer, or with another recipe, the
+    layer keeps no copy past the step: its memory is freed with the weight cache, as before."""
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    layer = _layer(0, seed=2)
+    layer(x)
+    assert get_fp8_weight_copy(layer.weight) is None  # CPU path
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1), lambda p: FP8AdamW(p, lr=0.1, fused="reference")):
+        layer = _layer(0, seed=2)
+        optimizer = make([layer.weight])
+        with gpu_paths():
+            layer(x).float().sum().backward()
+            assert get_fp8_weight_copy(layer.weight) is not None
+            if isinstance(optimizer, torch.optim.SGD):
+                optimizer.step()
+                assert get_fp8_weight_copy(layer.weight) is None and layer._weight_cache is None
+    rowwise = FP8Linear.from_float(nn.Linear(96, 80, bias=False).half(), recipe="rowwise")
+    rowwise.scale_master_weight()
+    with gpu_paths():
+        rowwise(x)
+    assert get_fp8_weight_copy(rowwise.weight) is None
