@@ -616,10 +616,11 @@ class FP8Linear(nn.Module):
             if scale is None:
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             # In a compiled graph the cast is fused into the graph and runs at every forward (as
             # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
-            # value that changes per step, hence a guard, hence a new graph at every step.
+            # value that changes per step, hence a guard, hence a new graph at every step. An
+            # inference tensor kept in the cache could not be saved for a later training backward.
             return quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
         key = self._cache_key()
         cached = self._weight_cache

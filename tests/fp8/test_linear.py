@@ -385,7 +385,8 @@ def test_a_sharing_scope_leaves_inference_tensors_to_each_layer():
     class Pair(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = FP8Linear(16, 16), FP8Linear(16, 16)
+            # Initialised weights: `FP8Linear(...)` alone holds uninitialised memory (NaN at times).
+            self.a, self.b = FP8Linear.from_float(nn.Linear(16, 16)), FP8Linear.from_float(nn.Linear(16, 16))
 
         def forward(self, x):
             return self.a(x) + self.b(x)
@@ -398,3 +399,29 @@ def test_a_sharing_scope_leaves_inference_tensors_to_each_layer():
         out = pair(x.clone())
     assert torch.equal(out, expected)
     assert not linear._input_scopes
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_an_evaluation_under_inference_mode_leaves_training_to_run(master):
+    """A forward under `torch.inference_mode` (an evaluation before training) quantizes the weight
+    without caching it: an inference tensor in the cache could not be saved for the next training
+    forward's backward (it raised). The training step then gives the gradient it gives without
+    that evaluation."""
+    torch.manual_seed(0)
+    dense = nn.Linear(32, 16).half() if master else nn.Linear(32, 16)
+    grads = []
+    for evaluate in (True, False):
+        layer = FP8Linear.from_float(copy.deepcopy(dense))
+        if master:
+            layer.scale_master_weight()
+        x = torch.randn(4, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        if evaluate:
+            with torch.inference_mode():
+                evaluated = layer(x)
+            assert layer._weight_cache is None
+        out = layer(x)
+        if evaluate:
+            assert torch.equal(out, evaluated)
+        out.float().sum().backward()
+        grads.append(layer.weight.grad)
+    assert torch.equal(*grads)
