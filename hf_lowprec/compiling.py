@@ -19,6 +19,8 @@ __all__ = [
     "constant",
     "current_compiled_region",
     "gpu_paths",
+    "count_model_as_compiled",
+    "in_compiled_model",
     "takes_gpu_path",
 ]
 
@@ -42,6 +44,24 @@ def gpu_paths() -> Iterator[None]:
         yield
     finally:
         _gpu_paths_forced[0] = previous
+
+
+_counted_as_compiled = [False]
+
+
+def in_compiled_model() -> bool:
+    """Whether the model's code runs as a `torch.compile` graph: traced by dynamo, or in a decoder
+    layer a step ledger counts as compiled (`count_model_as_compiled`), where the code takes the
+    branch compiling takes (an FP8 layer casts its weight in the graph, at every forward)."""
+    import torch
+
+    return _counted_as_compiled[0] or torch.compiler.is_compiling()
+
+
+def count_model_as_compiled(compiled: bool) -> None:
+    """Set by the step ledger on entering (True) and leaving (False) a layer it counts as one
+    compiled graph (`planning.counting`); `in_compiled_model()` follows it."""
+    _counted_as_compiled[0] = compiled
 
 
 _serials = itertools.count()

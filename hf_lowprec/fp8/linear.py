@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..compiling import takes_gpu_path
+from ..compiling import in_compiled_model, takes_gpu_path
 from ..distributed import DTensor, local_shard, sharded_like
 from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
 from .gemm import (
@@ -616,7 +616,7 @@ class FP8Linear(nn.Module):
             if scale is None:
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        if in_compiled_model() or torch.is_inference_mode_enabled():
             # In a compiled graph the cast is fused into the graph and runs at every forward (as
             # torchao's float8 layers do): a cache keyed by the optimizer step would be a Python
             # value that changes per step, hence a guard, hence a new graph at every step. An

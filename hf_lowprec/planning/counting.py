@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from ..compiling import gpu_paths
+from ..compiling import count_model_as_compiled, gpu_paths
 from .ledger import Ledger, PhaseCounts
 from .models import block_kinds, blocks_of, build_model, layer_overrides, model_config, rule_options
 from .peers import ANCHOR, PEERS, TORCHAO, TorchAMP, TorchAOFloat8
@@ -112,18 +112,28 @@ def phased_step(
 def _compiled_layers(model: torch.nn.Module, ledger: list[Any]) -> Iterator[None]:
     """Each decoder block's forward and backward counted as one compiled graph of the `ledger[0]`
     in use (hooks that open and close its region)."""
+
+    def enter(name: str) -> None:
+        ledger[0].enter_layer(name)
+        count_model_as_compiled(True)  # the layer's code takes the compiled branches
+
+    def leave() -> None:
+        ledger[0].leave_layer()
+        count_model_as_compiled(False)
+
     handles = []
     for index, block in enumerate(blocks_of(model)):
         name = f"layer{index}"
         handles += [
-            block.register_forward_pre_hook(lambda *_, name=name: ledger[0].enter_layer(name)),
-            block.register_forward_hook(lambda *_: ledger[0].leave_layer()),
-            block.register_full_backward_pre_hook(lambda *_, name=name: ledger[0].enter_layer(name)),
-            block.register_full_backward_hook(lambda *_: ledger[0].leave_layer()),
+            block.register_forward_pre_hook(lambda *_, name=name: enter(name)),
+            block.register_forward_hook(lambda *_: leave()),
+            block.register_full_backward_pre_hook(lambda *_, name=name: enter(name)),
+            block.register_full_backward_hook(lambda *_: leave()),
         ]
     try:
         yield
     finally:
+        count_model_as_compiled(False)
         for handle in handles:
             handle.remove()
 

@@ -326,3 +326,19 @@ def test_counts_in_worker_processes_equal_counts_in_this_one(tiny):
     assert list(parallel) == names
     for name in names:
         assert _everything(parallel[name]) == _everything(count_scaled(name, tiny, BATCH, compiled_layers=False))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-layers"])
+def test_o2_takes_the_weights_its_optimizer_wrote_only_where_the_model_runs_eagerly(tiny, monkeypatch, compiled):
+    """Eagerly on a GPU, fp8-lm-o2's forward takes the FP8 weights FP8AdamW wrote (no weight
+    cast); in a compiled layer the graph casts each weight at every forward, as `torch.compile`
+    runs it (`compiling.in_compiled_model`), so the count with compiled layers is the count of a
+    forward that casts."""
+    from hf_lowprec.fp8.linear import FP8Linear
+
+    written = count_step("fp8-lm-o2", tiny, BATCH, layers=2, compiled_layers=compiled)
+    monkeypatch.setattr(FP8Linear, "_takes_written_weight", lambda self: False)
+    cast = count_step("fp8-lm-o2", tiny, BATCH, layers=2, compiled_layers=compiled)
+    saved = cast.phases["forward"].kernels - written.phases["forward"].kernels
+    # Two kernels a weight (its amax, then its cast) for 2 layers × 7 FP8 linears, eagerly.
+    assert saved == (0 if compiled else 2 * 2 * 7)
