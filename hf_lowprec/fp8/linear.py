@@ -478,6 +478,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("master_scale", None, persistent=False)
         self.master_margin = 0
         self._weight_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._copy_owner: tuple[torch.Tensor] | None = None  # the weight its FP8 copy is linked to
         _ensure_step_hook()
         self.register_state_dict_post_hook(_export_real_weight)
         self.register_load_state_dict_pre_hook(_import_real_weight)
@@ -625,12 +626,16 @@ class FP8Linear(nn.Module):
         key = self._cache_key()
         cached = self._weight_cache
         if cached is not None and cached[0] == key:
+            copy = get_fp8_weight_copy(weight)
+            if copy is not None and copy.payload is cached[1]:
+                copy.used = True  # FP8AdamW writes the next one
             return cached[1], cached[2]
         w8, sw = quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
         self._weight_cache = (key, w8, sw)
         _caching_layers.add(self)
         if self._takes_written_weight():  # FP8AdamW writes the next one (`_written_weight`)
-            set_fp8_weight_copy(weight, FP8WeightCopy(w8, sw, self.config.margin))
+            set_fp8_weight_copy(weight, FP8WeightCopy(w8, sw, self.config.margin).mark_cast(weight))
+            self._copy_owner = (weight,)  # a tuple: a Parameter attribute would be registered
         return w8, sw
 
     def _cache_key(self) -> tuple:
@@ -663,6 +668,10 @@ class FP8Linear(nn.Module):
         """The cache entry of the FP8 weight the optimizer step just wrote from the master it
         stored (`optim.rules.ScaledMasterFP8`), keyed by the weight as it is now; None: none."""
         weight = self.weight
+        (owner,) = getattr(self, "_copy_owner", None) or (None,)
+        if owner is not None and owner is not weight:  # FSDP2's unsharded weight, a replaced one
+            set_fp8_weight_copy(owner, None)
+            self._copy_owner = None
         copy = get_fp8_weight_copy(weight)
         if copy is None:
             return None

@@ -272,25 +272,35 @@ _FP8_COPY_ATTR = "_hf_lowprec_fp8_weight"
 @dataclasses.dataclass(eq=False)
 class FP8WeightCopy:
     """payload = E4M3(real·scale) of a scaled master, as the layer's tensorwise cast with
-    `margin` gives it. `written`: the versions of the master and its scale right after the
-    optimizer wrote the copy from them (`mark_written`); any later write to either, a loaded
-    checkpoint or a rollback, makes `holds` false."""
+    `margin` gives it, and which state of the master it is the cast of (`source`: the storage
+    and version of the master and of its scale, taken when the layer cast it or the optimizer
+    wrote it). Any other write to either (a loaded checkpoint, a rollback, an in-place edit, a
+    swapped `.data`) makes `holds` false. `used`: a forward took it since the optimizer last
+    wrote it (a model that no longer runs eagerly lets it go)."""
 
     payload: torch.Tensor
     scale: torch.Tensor
     margin: int
-    written: tuple[int, int] | None = None
+    source: tuple = ()
+    used: bool = True
+
+    def mark_cast(self, master: torch.Tensor) -> FP8WeightCopy:
+        """The layer cast the copy from `master` as it is now."""
+        self.source, self.used = _state_of(master), True
+        return self
 
     def mark_written(self, master: torch.Tensor) -> None:
-        self.written = _versions(master)
+        """The optimizer wrote the copy from the master it just stored."""
+        self.source, self.used = _state_of(master), False
 
     def holds(self, master: torch.Tensor) -> bool:
-        """Whether the copy is `master`'s FP8 weight as the optimizer wrote it."""
-        return self.written is not None and self.written == _versions(master)
+        """Whether the copy is the cast of `master` as it is now."""
+        return self.source == _state_of(master)
 
 
-def _versions(master: torch.Tensor) -> tuple[int, int]:
-    return master._version, get_master_scale(master)._version
+def _state_of(master: torch.Tensor) -> tuple:
+    scale = get_master_scale(master)
+    return master.device, master.data_ptr(), master._version, scale.data_ptr(), scale._version
 
 
 def set_fp8_weight_copy(param: torch.Tensor, copy: FP8WeightCopy | None) -> None:

@@ -13,7 +13,7 @@ import torch
 from ..compiling import takes_gpu_path
 from ..distributed import local_shard as _local
 from ..distributed import sharded_like as _sharded_like
-from ..fp8.scaled import FORMATS, format_dtype, get_fp8_weight_copy, get_master_scale
+from ..fp8.scaled import FORMATS, format_dtype, get_fp8_weight_copy, get_master_scale, set_fp8_weight_copy
 from .adamw import AdamW, Composition, adamw_scalars
 from .dispatch import FusedMode
 from .formats import Scaled
@@ -225,12 +225,19 @@ class FP8AdamW(AdamW):
         return super()._gradient(param)
 
     def _step_bucket(self, group_index, group, composition, device, items, found_inf=None) -> None:
+        if not isinstance(composition.rule, ScaledMasterFP8):
+            return super()._step_bucket(group_index, group, composition, device, items, found_inf)
+        for param, *_ in items:
+            copy = get_fp8_weight_copy(param)
+            if copy is not None and not (copy.used and copy.holds(param)):
+                # Not the cast of the master as it is now (written since), or no forward took it
+                # since the last step (the model runs compiled now): not written, let go.
+                set_fp8_weight_copy(param, None)
         super()._step_bucket(group_index, group, composition, device, items, found_inf)
-        if isinstance(composition.rule, ScaledMasterFP8):
-            for param, *_ in items:  # the layers take these at their next forward (`fp8.linear`)
-                copy = get_fp8_weight_copy(param)
-                if copy is not None:
-                    copy.mark_written(param)
+        for param, *_ in items:  # the layers take these at their next forward (`fp8.linear`)
+            copy = get_fp8_weight_copy(param)
+            if copy is not None:
+                copy.mark_written(param)
 
     def _after_step(self) -> None:
         self._pending_grads.clear()

@@ -327,7 +327,8 @@ class ScaledMasterFP8(ScaledMaster):
 
     The layer's cast takes s_w from amax|P| of the FP16 payload P. Rounding is monotone, so
     amax|P| = r16(amax|θ + Δθ|·s_m), known from the reduction that chose s_m: the FP8 weight
-    needs no pass of its own, and it has the cast's bits (`fp8.fused.tensorwise_cast`).
+    needs no pass of its own, and it has the cast's bits (`fp8.fused.tensorwise_cast`) for a
+    finite master (a non-finite one gives a NaN payload either way, its sign bit may differ).
     `weight_margin` is the layer's margin. No native kernel: the rule of a GPU's compiled step.
     """
 

@@ -110,3 +110,55 @@ def test_no_copy_where_the_forward_casts_anyway(monkeypatch):
     with gpu_paths():
         rowwise(x)
     assert get_fp8_weight_copy(rowwise.weight) is None
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "in_place", "data_swap"])
+def test_a_master_written_between_the_forward_and_a_skipped_step_is_cast_again(monkeypatch, change):
+    """The copy records which state of the master it is the cast of (storage and version of the
+    master and its scale): a write after the forward that cast it (a checkpoint loaded, an in-place
+    edit, a swapped `.data`), then a skipped step (which writes nothing new), then another
+    optimizer's step: the next forward does not take the old weight; it casts the master as it is."""
+    casts = _casts(monkeypatch)
+    layer = _layer(0, seed=3)
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with gpu_paths():
+        layer(x).float().sum().backward()
+        with torch.no_grad():
+            if change == "load_state_dict":
+                layer.load_state_dict({"weight": layer.state_dict()["weight"] * 3})
+            elif change == "in_place":
+                layer.weight.mul_(0.5)
+            else:
+                layer.weight.data = layer.weight.data * 0.5
+        optimizer.step(found_inf=torch.tensor(1.0))
+        other.step()
+        casts.clear()
+        layer(x)
+        assert len(casts) == 1
+        payload, scale = quantize_weight(layer.weight, 0, layer.master_scale)
+        assert_bits_equal(layer._fp8_weight()[0], payload)
+        assert_bits_equal(layer._fp8_weight()[1], scale)
+
+
+def test_a_copy_no_forward_took_is_let_go_at_the_next_step():
+    """After an eager step, a model that runs compiled (its forward casts in the graph) leaves the
+    copy untaken: the next step does not write it and unlinks it, so its byte per parameter is
+    freed and the optimizer steps the master alone."""
+    from hf_lowprec.compiling import count_model_as_compiled
+
+    layer = _layer(0, seed=4)
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with gpu_paths():
+        layer(x).float().sum().backward()
+        optimizer.step()
+        assert get_fp8_weight_copy(layer.weight) is not None  # taken eagerly: written, kept
+        try:
+            count_model_as_compiled(True)
+            layer(x).float().sum().backward()
+        finally:
+            count_model_as_compiled(False)
+        optimizer.step()
+        assert get_fp8_weight_copy(layer.weight) is None and layer._weight_cache is None
