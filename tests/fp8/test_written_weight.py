@@ -26,6 +26,17 @@ def _layer(margin: int, seed: int, weight_scale: float = 1.0) -> FP8Linear:
     return layer
 
 
+def _one_step(seed: int) -> tuple:
+    """A layer, its FP8AdamW (the reference step) and an input, after one eager step on the GPU path."""
+    layer = _layer(0, seed=seed)
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    with gpu_paths():
+        layer(x).float().sum().backward()
+        optimizer.step()
+    return layer, optimizer, x
+
+
 def _casts(monkeypatch) -> list:
     calls = []
     original = fp8_linear_module.quantize_layer_weight
@@ -71,12 +82,8 @@ def test_a_weight_changed_after_the_step_is_cast_again(monkeypatch):
     """A write to the master outside the optimizer (a loaded checkpoint, a rollback, an in-place
     edit) bumps its version: the written copy is not taken, and the new cast replaces it."""
     casts = _casts(monkeypatch)
-    layer = _layer(0, seed=1)
-    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
-    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    layer, _, x = _one_step(seed=1)
     with gpu_paths():
-        layer(x).float().sum().backward()
-        optimizer.step()
         state = {k: v.clone() for k, v in layer.state_dict().items()}
         layer.load_state_dict({"weight": state["weight"] * 3})
         casts.clear()
@@ -148,12 +155,8 @@ def test_a_copy_no_forward_took_is_let_go_at_the_next_step():
     freed and the optimizer steps the master alone."""
     from hf_lowprec.compiling import count_model_as_compiled
 
-    layer = _layer(0, seed=4)
-    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
-    x = torch.randn(8, 96, dtype=torch.bfloat16)
+    layer, optimizer, x = _one_step(seed=4)
     with gpu_paths():
-        layer(x).float().sum().backward()
-        optimizer.step()
         assert get_fp8_weight_copy(layer.weight) is not None  # taken eagerly: written, kept
         try:
             count_model_as_compiled(True)
