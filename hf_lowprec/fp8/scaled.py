@@ -264,8 +264,8 @@ def get_master_scale(param: torch.Tensor) -> torch.Tensor | None:
 # --- the forward's FP8 weight, written by the optimizer step -------------------------------
 # An FP8 layer that runs eagerly on a GPU links the E4M3 weight it cast to its scaled master
 # under this attribute; FP8AdamW then writes the next one in the kernel that stores the master
-# (`optim.rules.ScaledMasterFP8`) and marks it `written`, and the layer takes it at the next
-# forward instead of casting the master again (`fp8.linear`).
+# (`optim.rules.ScaledMasterFP8`) and records which master state it is the cast of
+# (`mark_written`), and the layer takes it at the next forward instead of casting again.
 _FP8_COPY_ATTR = "_hf_lowprec_fp8_weight"
 
 
