@@ -1,5 +1,6 @@
 """Graphcore ALS and running-mean accumulation on synthetic gradients (docs/algorithms.md §5)."""
 
+import contextlib
 import logging
 import math
 
@@ -275,3 +276,59 @@ def test_the_smallest_scale_unscales_in_fp32_without_rounding_its_inverse_to_inf
     _, grad = one_step(scaler, torch.tensor([2.0**-24, 0.5, 1.0, -(2.0**-10)]))
     assert grad.tolist() == [2.0**-8, 32768.0, FP16_MAX, -64.0]
     assert scaler.get_scale() == 2.0**-15  # the histogram (taken before unscaling) has no upper bin: doubled
+
+
+def _tallied_steps(gpu: bool, compiled: bool):
+    """Two steps of an FP16 model whose activation and weight gradients hold values in both bins,
+    beyond ±65504, ±inf and (second step) a NaN, at scales 1/4 and 1/8: the gradients, the scaler's
+    tallies and state after each, on the GPU's form (`compiling.gpu_paths`: one compiled graph per
+    activation hook and one over every weight gradient; `compiled` False runs them as their eager
+    source) or the CPU's (eager per-tensor ops)."""
+    from hf_lowprec.compiling import gpu_paths
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).half()
+    scaler = AutomaticLossScaler(init_scale=0.25, min_scale=2.0**-4).track(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(3, 8).half()
+    upstream = torch.tensor([[3e4, -1.0, 9000.0, 1.0], [7e4, 0.5, -2.0, 1e-3], [-1.0, 2.0, 0.25, -6e4]])
+    seen = []
+    stance = contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager")
+    with stance, gpu_paths() if gpu else contextlib.nullcontext():
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            out = model(x)
+            (out.float() * upstream).sum().backward()
+            model[0].bias.grad[:3] = torch.tensor([math.inf, -math.inf, 6e4])
+            if step == 1:
+                model[2].weight.grad[0, 0] = math.nan
+            scaler.unscale_(optimizer)
+            seen += [p.grad.clone() for p in model.parameters()]
+            seen += [scaler._step.clone(), scaler._clipped.clone(), scaler._nan.clone()]
+            scaler.update()
+            seen += [torch.tensor(v) for k, v in scaler.state_dict().items() if k != "overflowing"]
+    return seen
+
+
+def test_the_gpu_form_of_als_gives_the_cpu_forms_bits_and_tallies(caplog):
+    """Eagerly and compiled (Inductor's C++ backend here; Triton on CUDA), the GPU's form of the
+    tallies, clamps and unscaling: the CPU form's gradients, counts, NaN flag and scale, bit for bit.
+    The case clips activation and weight gradients, so a lost count or clamp shows. A compile
+    failure would fall back to the eager source with a warning: none is logged."""
+    caplog.set_level(logging.WARNING)
+    cpu = _tallied_steps(gpu=False, compiled=False)
+    per_step = len(cpu) // 2  # 4 gradients, the step's counts, clipped rows and NaN flag, 7 state values
+    clipped, nan_flag = cpu[5], (cpu[6], cpu[per_step + 6])
+    assert clipped.sum() > 0 and cpu[4][0] > 0 and nan_flag == (0, 1)  # clips, the upper bin, NaN on step 2
+    for compiled in (False, True):
+        gpu = _tallied_steps(gpu=True, compiled=compiled)
+        assert len(gpu) == len(cpu)
+        for index, (a, b) in enumerate(zip(gpu, cpu)):
+            # A NaN gradient skips its step and is not kept: Inductor's clamp may write another
+            # NaN payload than the eager op's. Everything else, NaN positions included, bit for bit.
+            nan = a.isnan() if a.is_floating_point() else None
+            if nan is not None and nan.any():
+                assert torch.equal(nan, b.isnan()), (compiled, index)
+                a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
+            assert bits_equal(a, b), (compiled, index, a, b)
+    assert not [r for r in caplog.records if "compiling" in r.getMessage()], caplog.text

@@ -107,12 +107,18 @@ class ParamStep:
 
 def _stage(row: ParamStep, block: int) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The row's tensors as the step function takes them, and the (original, copy) pairs to write back."""
-    param = row.tensors[0]
-    numel = param.numel()
+    return _stage_tensors(row.tensors, row.like_param, block)
+
+
+def _stage_tensors(
+    tensors: Sequence[torch.Tensor | None], like: Sequence[bool], block: int
+) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`_stage` of a row's tensors; traceable, so a GPU's graph over all rows stages inside it."""
+    numel = tensors[0].numel()
     padded = -(-numel // block) * block
     staged: list[torch.Tensor | None] = []
     write_back = []
-    for tensor, like_param in zip(row.tensors, row.like_param):
+    for tensor, like_param in zip(tensors, like):
         if tensor is None or not like_param:
             staged.append(tensor)
             continue
@@ -120,8 +126,7 @@ def _stage(row: ParamStep, block: int) -> tuple[list[torch.Tensor | None], list[
         if padded == numel and tensor.is_contiguous():
             flat = tensor.view(-1)
         else:
-            flat = torch.zeros(padded, dtype=tensor.dtype, device=tensor.device)
-            flat[:numel].copy_(tensor.reshape(-1))
+            flat = torch.nn.functional.pad(tensor.reshape(-1), (0, padded - numel))  # zeros after the elements
             write_back.append((tensor, flat))
         staged.append(flat if block == 1 else flat.view(-1, block))
     return staged, write_back
@@ -288,34 +293,37 @@ def _run_compiled_together(key, discard, block, rows, device) -> bool:
     when it cannot be built: the per-row graphs serve from then on."""
 
     def together(rows_args: list[tuple], flags: list[torch.Tensor]) -> None:
-        for args, flag in zip(rows_args, flags):
-            call_pure(key, discard, *args, found_inf=flag)
+        # Staging (a zero-padded copy of a parameter that is not whole blocks, or not contiguous)
+        # and its write-back run inside the graph: fused, not three eager launches per tensor.
+        for (tensors, like, *rest), flag in zip(rows_args, flags):
+            staged, write_back = _stage_tensors(tensors, like, block)
+            call_pure(key, discard, *staged, *rest, found_inf=flag)
+            _unstage(write_back)
 
-    staged_rows, write_backs = [], []
+    rows_args = []
     for row in rows:
-        staged, write_back = _stage(row, block)
+        tensors = [t.detach() if t is not None and like else t for t, like in zip(row.tensors, row.like_param)]
         if block > 1:
-            for tensor in staged:
-                if tensor is not None and tensor.dim() == 2:
+            for tensor, like in zip(tensors, row.like_param):
+                if tensor is not None and not like and tensor.dim() == 2:
                     torch._dynamo.mark_static(tensor, 1)
-        staged_rows.append((*staged, row.scalars, row.seed))
-        write_backs.append(write_back)
+        rows_args.append((tensors, tuple(row.like_param), row.scalars, row.seed))
     flags = [_flag(row)["found_inf"] for row in rows]
     name = f"{discard.__name__}_rows"
-    graph = _graphs.get((key, name))
+    graph = _graphs.get((key, name, block))  # `block`, a constant of the graph
     if graph is None:
         together.__name__ = together.__qualname__ = name
         code = together.__code__.replace(co_name=name)
         own = types.FunctionType(code, together.__globals__, name, together.__defaults__, together.__closure__)
         options = {**COMPILE_OPTIONS, "combo_kernels": True} if device.type == "cuda" else COMPILE_OPTIONS
-        graph = _graphs[(key, name)] = torch.compile(own, dynamic=True, fullgraph=True, options=options)
+        graph = _graphs[(key, name, block)] = torch.compile(own, dynamic=True, fullgraph=True, options=options)
     try:
         with (
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
             _one_graph_for_every_size(),
             compiled_region(name),
         ):
-            graph(staged_rows, flags)
+            graph(rows_args, flags)
     except Exception as error:  # a backend failure: the per-row graphs step instead
         _broken.add((key, "rows"))
         _log_once(
@@ -324,8 +332,6 @@ def _run_compiled_together(key, discard, block, rows, device) -> bool:
             "stepping it one row at a time",
         )
         return False
-    for write_back in write_backs:
-        _unstage(write_back)
     return True
 
 

@@ -1,7 +1,8 @@
 """FP16 loss scaling: Graphcore's automatic loss scaling, GradScaler's helpers, running-mean accumulation.
 
 docs/algorithms.md §5 and §6. Plain torch: no Trainer, Accelerate or DeepSpeed import. One
-module per piece: `als` (the histogram scaler, decided on the device), `loss_scale` (setting
+module per piece: `als` (the histogram scaler, decided on the device), `tallies` (its counts,
+written for compiled graphs: a GPU's few launches a step), `loss_scale` (setting
 checks, the FP32 norm of FP16 gradients, GradScaler agreeing over FSDP2 ranks, the step that
 skips on a device flag) and `running_mean` (micro-batch accumulation without FP16 overflow).
 """

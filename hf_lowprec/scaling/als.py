@@ -14,16 +14,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..compiling import takes_gpu_path
 from ..distributed import DTensor
+from ..fp8.cast import run_fused
 from .loss_scale import FP16_MAX, check_loss_scaler_settings, step_unless
+from .tallies import (
+    A_TOTAL,
+    A_UPPER,
+    W_TOTAL,
+    W_UPPER,
+    ActivationTally,
+    clamp_fp16_,
+    gradient_counts,
+    tally_activation,
+    unscale_half_together,
+)
 
 __all__ = ["AutomaticLossScaler"]
 
 logger = logging.getLogger(__name__)
 
-# This step's tallies (`_step`, int64): upper-bin and total counts of the weight gradients,
-# then of the activation gradients (this rank's samples).
-W_UPPER, W_TOTAL, A_UPPER, A_TOTAL = range(4)
 # Across the period (`_period`, int64): upper-bin count, total count, steps.
 P_UPPER, P_TOTAL, P_STEPS = range(3)
 
@@ -136,6 +146,7 @@ class AutomaticLossScaler:
             return
         self._unscaled.add(id(optimizer))
         half: list[torch.Tensor] = []
+        half_rows: list[int] = []
         other: list[torch.Tensor] = []
         for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             grad = param.grad
@@ -144,15 +155,29 @@ class AutomaticLossScaler:
             if isinstance(grad, DTensor):  # an FSDP2 shard: count it here, `_agree` sums over ranks
                 self._group = grad.device_mesh.get_group()
                 grad = grad.to_local()
-            self._record(self._slot(self._names.get(id(param), f"param{index}")), grad, W_UPPER)
-            (half if grad.dtype == torch.float16 else other).append(grad)
+            row = self._slot(self._names.get(id(param), f"param{index}"))
+            if grad.dtype == torch.float16:
+                half.append(grad)
+                half_rows.append(row)
+            else:
+                self._record(row, grad, W_UPPER)
+                other.append(grad)
+        if half and self._step.device != half[0].device:
+            self._to(half[0].device)
         inverse = self._scale.reciprocal()  # a power of two: exact
-        if half:
-            _clamp_fp16_(half)
+        if half and takes_gpu_path(half[0].device):
+            # A GPU's form: the counts, clamps and unscaling of every FP16 gradient in one compiled
+            # graph (a few kernels a step, not eight per gradient), the same bits as below.
+            args = (self._step, self._clipped, self._nan, inverse, self.bin_edge)
+            run_fused(unscale_half_together, half, tuple(half_rows), *args, like=half[0])
+        elif half:
+            for row, grad in zip(half_rows, half):
+                self._record(row, grad, W_UPPER)
+            clamp_fp16_(half)
             # Multiplies in FP32 and rounds once to FP16 (a plain FP16 multiply would round the
             # inverse 2^16 itself to inf); after the clamp only a NaN is non-finite.
             torch._amp_foreach_non_finite_check_and_unscale_(half, self._nan, inverse)
-            _clamp_fp16_(half)  # below scale 1 a gradient that fitted scaled may not fit unscaled
+            clamp_fp16_(half)  # below scale 1 a gradient that fitted scaled may not fit unscaled
         for grad in other:
             self._nan.copy_(torch.maximum(self._nan, grad.isnan().any().to(self._nan.dtype)))
             grad.mul_(inverse)
@@ -273,7 +298,7 @@ class AutomaticLossScaler:
         elements beyond ±65504 to row `row` of the clipped counts: in-place adds, traceable."""
         if self._step.device != grad.device:
             self._to(grad.device)
-        upper, clipped = _counts(grad, self.bin_edge)
+        upper, clipped = gradient_counts(grad, self.bin_edge)
         self._step[upper_index].add_(upper)
         self._step[upper_index + 1].add_(grad.numel())
         if clipped is not None:
@@ -345,7 +370,7 @@ class AutomaticLossScaler:
 
         Eagerly, the forward hook registers a tensor hook on each leaf module's output that adds its counts into
         the step's buffers and clamps it. Inside `torch.compile` a side effect in backward cannot be traced, so
-        the forward hook instead passes the output through `_ActivationTally`, whose backward clamps the
+        the forward hook instead passes the output through `ActivationTally`, whose backward clamps the
         gradient and returns the counts as the gradient of a small FP64 leaf (`_probe`, one row per name):
         autograd accumulates them there like a parameter's gradient, and `_agree` folds them into the tallies.
         Same counts, one graph, no host sync."""
@@ -384,11 +409,11 @@ class AutomaticLossScaler:
 
     def _tally_compiled(self, row: int, output: Any) -> Any:
         """`output` with each floating tensor that needs a gradient passed through
-        `_ActivationTally` (counts into `_probe`'s row `row`); None when nothing needs one."""
+        `ActivationTally` (counts into `_probe`'s row `row`); None when nothing needs one."""
 
         def tally(out: Any) -> Any:
             if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
-                return _ActivationTally.apply(out, self._probe, row, self.bin_edge)
+                return ActivationTally.apply(out, self._probe, row, self.bin_edge)
             return out
 
         if isinstance(output, (tuple, list)):
@@ -400,6 +425,11 @@ class AutomaticLossScaler:
     # into buffers that a traced backward would save for autograd and then find modified.
     @torch._dynamo.disable
     def _activation_grad(self, row: int, grad: torch.Tensor) -> torch.Tensor | None:
+        if takes_gpu_path(grad.device):
+            # A GPU's form: one compiled graph per hook (its counts and clamp fused), not seven launches.
+            if self._step.device != grad.device:
+                self._to(grad.device)
+            return run_fused(tally_activation, grad, self._step, self._clipped, row, self.bin_edge, like=grad)
         self._record(row, grad, A_UPPER)
         if grad.dtype == torch.float16:
             # clamp keeps NaN (so a lost value still surfaces) and turns ±inf into ±65504.
@@ -411,39 +441,3 @@ class AutomaticLossScaler:
             f"AutomaticLossScaler(bin_edge={self.bin_edge}, threshold={self.threshold}, "
             f"period={self.period}, bounds=[{self.min_scale}, {self.max_scale}])"
         )
-
-
-def _counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16 else None), int64
-    tensors on the gradient's device: the tallies of the eager hooks and of `_ActivationTally` alike."""
-    magnitude = grad.detach().abs()
-    clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else None
-    return (magnitude >= bin_edge).sum(), clipped
-
-
-class _ActivationTally(torch.autograd.Function):
-    """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond ±65504) as the gradient
-    of row `row` of the FP64 `probe`, and the gradient clamped to ±65504 when FP16. The forward returns a copy,
-    not a view: a later in-place op on a view of a custom Function's output is refused by autograd (an in-place
-    ReLU after a Linear); Inductor fuses the copy into the kernels that produce or consume it."""
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, probe: torch.Tensor, row: int, bin_edge: float) -> torch.Tensor:
-        ctx.row, ctx.rows, ctx.bin_edge = row, probe.shape[0], bin_edge
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        upper, clipped = _counts(grad, ctx.bin_edge)
-        total = torch.full((), grad.numel(), dtype=torch.float64, device=grad.device)
-        counts = torch.stack([upper.double(), total, total.new_zeros(()) if clipped is None else clipped.double()])
-        rows = torch.nn.functional.pad(counts[None], (0, 0, ctx.row, ctx.rows - ctx.row - 1))
-        if grad.dtype == torch.float16:
-            grad = grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN, ±inf becomes ±65504
-        return grad, rows, None, None
-
-
-def _clamp_fp16_(grads: list[torch.Tensor]) -> None:
-    """Clamp FP16 tensors to ±65504 in place (NaN stays NaN, ±inf becomes ±65504)."""
-    torch._foreach_clamp_min_(grads, -FP16_MAX)
-    torch._foreach_clamp_max_(grads, FP16_MAX)

@@ -72,8 +72,16 @@ def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
     total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
     if math.isfinite(max_norm):
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        # One multi-tensor multiply per device and dtype (a GPU launches one kernel per chunk of
+        # tensors, not one per gradient); FSDP2's DTensor shards one at a time, as before.
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
-            grad.mul_(coefficient.to(grad.device))
+            if isinstance(grad, DTensor):
+                grad.mul_(coefficient.to(grad.device))
+            else:
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), same in groups.items():
+            torch._foreach_mul_(same, coefficient.to(device))
     return total
 
 

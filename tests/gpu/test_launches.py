@@ -122,11 +122,12 @@ def test_the_gpu_forms_of_the_bookkeeping_give_the_cpu_forms_results():
             assert nan_flags(planted) and nan_flag(planted[0])  # NaN codes in both formats
 
 
-@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "bf16-mixed"])
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "bf16-mixed", "fp16-mixed", "fp16-als"])
 def test_a_step_on_the_gpu_paths_gives_the_cpu_paths_bits(name):
     """Three clipped steps, the second with an inf gradient (skipped), on the CUDA paths (multi-tensor
-    bookkeeping, compiled optimizer steps run as their eager source) and on the CPU's own (native
-    kernels, per-tensor loops): the same parameters and optimizer state, bit for bit."""
+    bookkeeping, compiled optimizer steps and loss-scaling tallies run as their eager source) and on
+    the CPU's own (native kernels, per-tensor loops): the same parameters, optimizer state and loss
+    scaler state, bit for bit."""
     import hf_lowprec
     from hf_lowprec.compiling import gpu_paths
     from hf_lowprec.testing import gpt2, token_batch
@@ -149,6 +150,10 @@ def test_a_step_on_the_gpu_paths_gives_the_cpu_paths_bits(name):
                 # After every step: what a checkpoint taken then would hold (the skipped one included).
                 state = {**model.state_dict(), **_tensors(optimizer.state_dict(), "optimizer")}
                 states.update({f"step {step}: {key}": value.clone() for key, value in state.items()})
+                scaler = strategy.state_dict().get("loss_scaler", {})
+                states.update(
+                    {f"step {step}: scaler {k}": torch.tensor(v) for k, v in scaler.items() if k != "overflowing"}
+                )
         return states
 
     cpu, gpu = train(False), train(True)
@@ -169,8 +174,6 @@ def _tensors(tree, prefix):
 # make (exact counts, regression bounds; docs/gpu.md "Launches", "Not yet"): the reason for each.
 STILL_PER_LAYER = {
     "fp8-lm-o3": (20, "the ZeRO FP8 owner's gradient copies and skip masks per parameter"),
-    "collage-8bit": (63, "block staging: zero-padded copies of parameters that are not whole blocks"),
-    "fp16-als": (96, "automatic loss scaling's per-layer statistics"),
 }
 OUTSIDE = ("gradients", "optimizer", "zero_grad", "step")
 

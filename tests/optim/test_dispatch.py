@@ -549,6 +549,31 @@ def test_on_the_gpu_paths_a_step_is_one_graph_over_every_row_with_the_reference_
     assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
 
 
+@pytest.mark.slow
+def test_a_block_formats_graph_over_every_row_stages_inside_it_with_the_reference_bits(caplog):
+    """collage-8bit's blockwise states on a GPU's path: the rows that are not whole blocks (257
+    and 7 elements in blocks of 256) or not contiguous are padded and written back inside the graph over
+    all rows (they were three eager launches per tensor and step: issue #66), which Inductor must
+    build (a failure would step row by row, with a warning); the reference's bits. About a minute
+    of compiling on two cores."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.testing.launches import Launches
+
+    dtype, make = FAMILIES["collage8bit-bf16"]
+    with gpu_paths(), caplog.at_level(logging.WARNING):
+        together = _run(make, "compiled", 2, params=_params(dtype, shapes=[(257,), (7,)]))
+        for p, g in zip(together[0], _grads(together[0], 2)):
+            p.grad = g
+        with Launches() as counted:
+            together[1].step()
+    reference = _run(make, "reference", 3, params=_params(dtype, shapes=[(257,), (7,)]))
+    assert not caplog.records, caplog.text
+    _assert_same_bits(*together, *reference)
+    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
+    staging = [op for (_, op) in counted.ops if "pad" in op or "copy" in op or "zeros" in op]
+    assert not staging, counted.summary()  # no eager staging copies or write-backs
+
+
 def test_a_bucket_whose_graph_over_all_rows_cannot_be_built_steps_row_by_row(monkeypatch, caplog):
     """A backend that cannot build the unrolled graph (an option its Inductor lacks, say): the
     per-row compiled graphs step the bucket instead, with the same bits, and the log says so once."""

@@ -1,0 +1,105 @@
+"""The tallies of Graphcore automatic loss scaling (`als.AutomaticLossScaler`): a gradient's
+counts, and the functions that count, clamp and unscale, written for compiled graphs (one per
+activation hook, one over every FP16 weight gradient: a GPU's form) and for autograd."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .loss_scale import FP16_MAX
+
+__all__ = [
+    "A_TOTAL",
+    "A_UPPER",
+    "W_TOTAL",
+    "W_UPPER",
+    "ActivationTally",
+    "clamp_fp16_",
+    "gradient_counts",
+    "tally_activation",
+    "unscale_half_together",
+]
+
+# This step's tallies (`_step`, int64): upper-bin and total counts of the weight gradients,
+# then of the activation gradients (this rank's samples).
+W_UPPER, W_TOTAL, A_UPPER, A_TOTAL = range(4)
+
+
+def gradient_counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16 else None), int64
+    tensors on the gradient's device: the tallies of the eager hooks and of `ActivationTally` alike."""
+    magnitude = grad.detach().abs()
+    clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else None
+    return (magnitude >= bin_edge).sum(), clipped
+
+
+class ActivationTally(torch.autograd.Function):
+    """Identity in forward; in backward, the gradient's counts (upper bin, total, beyond ±65504) as the gradient
+    of row `row` of the FP64 `probe`, and the gradient clamped to ±65504 when FP16. The forward returns a copy,
+    not a view: a later in-place op on a view of a custom Function's output is refused by autograd (an in-place
+    ReLU after a Linear); Inductor fuses the copy into the kernels that produce or consume it."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, probe: torch.Tensor, row: int, bin_edge: float) -> torch.Tensor:
+        ctx.row, ctx.rows, ctx.bin_edge = row, probe.shape[0], bin_edge
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        upper, clipped = gradient_counts(grad, ctx.bin_edge)
+        total = torch.full((), grad.numel(), dtype=torch.float64, device=grad.device)
+        counts = torch.stack([upper.double(), total, total.new_zeros(()) if clipped is None else clipped.double()])
+        rows = torch.nn.functional.pad(counts[None], (0, 0, ctx.row, ctx.rows - ctx.row - 1))
+        if grad.dtype == torch.float16:
+            grad = grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN, ±inf becomes ±65504
+        return grad, rows, None, None
+
+
+def tally_activation(
+    grad: torch.Tensor, step: torch.Tensor, clipped: torch.Tensor, row: int, bin_edge: float
+) -> torch.Tensor | None:
+    """What an eager activation hook does (`_record`, then the FP16 clamp), written for one compiled
+    graph: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
+    counted, beyond = gradient_counts(grad, bin_edge)
+    step[A_UPPER].add_(counted)
+    step[A_TOTAL].add_(grad.numel())
+    if beyond is None:
+        return None
+    clipped[row].add_(beyond)
+    return grad.clamp(-FP16_MAX, FP16_MAX)
+
+
+def unscale_half_together(
+    grads: list[torch.Tensor],
+    rows: tuple[int, ...],
+    step: torch.Tensor,
+    clipped: torch.Tensor,
+    nan: torch.Tensor,
+    inverse: torch.Tensor,
+    bin_edge: float,
+) -> None:
+    """What `unscale_` does to FP16 weight gradients, written for one compiled graph over all of
+    them: each gradient's counts (`gradient_counts`) into `step` and row `rows[i]` of `clipped`, then
+    clamped to ±65504, multiplied by `inverse` in FP32 and rounded once to FP16 (as
+    `torch._amp_foreach_non_finite_check_and_unscale_` does; after the clamp only a NaN is
+    non-finite, and it sets `nan`), and clamped again."""
+    upper = step.new_zeros(())
+    total = 0
+    for row, grad in zip(rows, grads):
+        counted, beyond = gradient_counts(grad, bin_edge)
+        upper = upper + counted
+        total += grad.numel()
+        clipped[row].add_(beyond)
+        unscaled = grad.clamp(-FP16_MAX, FP16_MAX).float() * inverse
+        nan.copy_(torch.maximum(nan, unscaled.isnan().any().to(nan.dtype)))
+        grad.copy_(unscaled.to(torch.float16).clamp(-FP16_MAX, FP16_MAX))
+    step[W_UPPER].add_(upper)
+    step[W_TOTAL].add_(total)
+
+
+def clamp_fp16_(grads: list[torch.Tensor]) -> None:
+    """Clamp FP16 tensors to ±65504 in place (NaN stays NaN, ±inf becomes ±65504)."""
+    torch._foreach_clamp_min_(grads, -FP16_MAX)
+    torch._foreach_clamp_max_(grads, FP16_MAX)
