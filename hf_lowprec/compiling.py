@@ -1,16 +1,19 @@
-"""Whether `torch.compile` can build kernels on a device here, and which call is one of the
-package's compiled graphs (`compiled_region`), shared by every compiled path."""
+"""Whether `torch.compile` can build kernels on a device here, which call is one of the package's
+compiled graphs (`compiled_region`), and `run_fused`, which runs a function of tensors as one
+compiled graph: shared by every compiled path."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "call_pure",
@@ -21,6 +24,7 @@ __all__ = [
     "gpu_paths",
     "count_model_as_compiled",
     "in_compiled_model",
+    "run_fused",
     "takes_gpu_path",
 ]
 
@@ -140,3 +144,72 @@ def constant(fn: _F) -> _F:
 
     get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
     return get  # type: ignore[return-value]
+
+
+# Input dtypes × FP8 formats, plus the sizes Inductor specialises (0 and 1): dynamo's default
+# limit of 8 graphs per function would be reached in one process that quantizes all of them.
+_RECOMPILE_LIMIT = 32
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
+    # One graph per (input dtype, FP8 format), paid once per process and cached on disk by
+    # Inductor (`TORCHINDUCTOR_CACHE_DIR`); a failure to compile is logged once and the eager
+    # ops are used from then on (`_run_compiled`).
+    # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
+    # size of the first tensor (see `hf_lowprec.optim.dispatch`).
+    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
+
+
+_broken: list[str] = []
+
+
+def _eager_here(tensor: Any) -> bool:
+    """Whether the plain torch ops must run instead of this module's compiled kernels: inside a
+    `torch.compile`d model (a nested compiled function cannot be inlined; Inductor fuses the plain
+    ops into the caller's kernels), where no compiler is found, or after a compile failed.
+
+    On CPU the kernels are C++/OpenMP loops, on CUDA Triton kernels: the same graph, so a GPU
+    gets its few launches per tensor where the eager ops would issue a chain of small ones.
+    """
+    import torch
+
+    return torch.compiler.is_compiling() or bool(_broken) or compiler_missing(tensor.device.type) is not None
+
+
+def run_fused(fn: Callable[..., Any], *args: Any, like: Any) -> Any:
+    """fn(*args) as one compiled graph on `like`'s device (an FP8 cast, a loss scaler's tallies),
+    or eagerly where the compiled kernels cannot run (`_eager_here`). `fn` is a module-level
+    function of tensors (one compiled callable per function, dynamic shapes: flatten the inputs).
+
+    Under a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
+    serve the call, marked as the one compiled graph they stand for (`compiled_region`), and the
+    compiled kernels stay in use afterwards."""
+    import torch
+
+    if _eager_here(like):
+        return fn(*args)
+    with compiled_region(fn.__name__):
+        if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+            return call_pure(fn, fn, *args)
+        return _run_compiled(fn, like.device.type, *args)
+
+
+def _run_compiled(fn: Callable[..., Any], device_type: str, *args: Any) -> Any:
+    import torch
+
+    try:
+        # Autocast changes nothing here (products and casts); disabling it keeps one graph.
+        # optimize_ddp off: called inside a DDP model's forward, dynamo would split these
+        # one-kernel graphs by DDP's buckets (and fail); they hold no DDP module.
+        with (
+            torch.autocast(device_type, enabled=False),
+            torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
+        ):
+            return _compiled(fn)(*args)
+    except Exception as error:  # any backend failure: fall back to the eager ops for good
+        _broken.append(f"{type(error).__name__}: {error}")
+        logger.warning("compiling %s failed (%s); using the eager operations", fn.__name__, _broken[0])
+        return fn(*args)

@@ -7,21 +7,17 @@ measured here: more than the BF16 GEMM that consumes the tensor). `widen` (a tab
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ..compiling import call_pure, compiled_region, compiler_missing, constant, takes_gpu_path
+from ..compiling import constant, run_fused, takes_gpu_path
 
 __all__ = [
     "has_nan",
     "nan_flag",
     "nan_flags",
-    "run_fused",
     "saturate_to_fp8_eager",
     "scale_to_fp8",
     "unscale_into",
@@ -31,9 +27,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# Input dtypes × FP8 formats, plus the sizes Inductor specialises (0 and 1): dynamo's default
-# limit of 8 graphs per function would be reached in one process that quantizes all of them.
-_RECOMPILE_LIMIT = 32
 
 
 @constant
@@ -150,62 +143,6 @@ def saturate_to_fp8_eager(
 def _unscale_into_compiled(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
     # Inductor's FP8 → FP32 conversion is exact and vectorised (unlike the eager cast).
     out.copy_(payload.to(torch.float32) / scale)
-
-
-@functools.cache
-def _compiled(fn: Callable[..., Any] = _scale_to_fp8_eager) -> Callable[..., Any]:
-    # One graph per (input dtype, FP8 format), paid once per process and cached on disk by
-    # Inductor (`TORCHINDUCTOR_CACHE_DIR`); a failure to compile is logged once and the eager
-    # ops are used from then on (`_run_compiled`).
-    # cpp.dynamic_threads: the parallel region is sized by OpenMP at run time, not from the
-    # size of the first tensor (see `hf_lowprec.optim.dispatch`).
-    return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
-
-
-_broken: list[str] = []
-
-
-def _eager_here(tensor: torch.Tensor) -> bool:
-    """Whether the plain torch ops must run instead of this module's compiled kernels: inside a
-    `torch.compile`d model (a nested compiled function cannot be inlined; Inductor fuses the plain
-    ops into the caller's kernels), where no compiler is found, or after a compile failed.
-
-    On CPU the kernels are C++/OpenMP loops, on CUDA Triton kernels: the same graph, so a GPU
-    gets its few launches per tensor where the eager ops would issue a chain of small ones.
-    """
-    return torch.compiler.is_compiling() or bool(_broken) or compiler_missing(tensor.device.type) is not None
-
-
-def run_fused(fn: Callable[..., Any], *args: Any, like: torch.Tensor) -> Any:
-    """fn(*args) as one compiled graph on `like`'s device (what `scale_to_fp8` does for a cast),
-    or eagerly where the compiled kernels cannot run (`_eager_here`). `fn` is a module-level
-    function of tensors (one compiled callable per function, dynamic shapes: flatten the inputs).
-
-    Under a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
-    serve the call, marked as the one compiled graph they stand for (`compiled_region`), and the
-    compiled kernels stay in use afterwards."""
-    if _eager_here(like):
-        return fn(*args)
-    with compiled_region(fn.__name__):
-        if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
-            return call_pure(fn, fn, *args)
-        return _run_compiled(fn, like.device.type, *args)
-
-
-def _run_compiled(fn: Callable[..., Any], device_type: str, *args: Any) -> Any:
-    try:
-        # Autocast changes nothing here (products and casts); disabling it keeps one graph.
-        # optimize_ddp off: called inside a DDP model's forward, dynamo would split these
-        # one-kernel graphs by DDP's buckets (and fail); they hold no DDP module.
-        with (
-            torch.autocast(device_type, enabled=False),
-            torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
-        ):
-            return _compiled(fn)(*args)
-    except Exception as error:  # any backend failure: fall back to the eager ops for good
-        _broken.append(f"{type(error).__name__}: {error}")
-        logger.warning("compiling the FP8 cast failed (%s); using the eager cast", _broken[0])
-        return fn(*args)
 
 
 def scale_to_fp8(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

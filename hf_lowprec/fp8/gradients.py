@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..compiling import takes_gpu_path
+from ..compiling import run_fused, takes_gpu_path
 from ..numerics import nonfinite_flag
-from .cast import nan_flag, nan_flags, run_fused, widen
+from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
 from .scaled import pow2_scale, quantize, tensor_amax
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .cast import run_fused
+from ..compiling import run_fused
 from .fused import FLUSH_BELOW
 from .scaled import dequantize, get_master_scale, pow2_scale
 from .scaling_recipes import RAISED, SCALING_RECIPES, FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
@@ -54,7 +54,7 @@ def flush_counts(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
 
 
 def count_flushes(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
-    """`flush_counts(x, config)` as one compiled graph on x's device (`cast.run_fused`), for the
+    """`flush_counts(x, config)` as one compiled graph on x's device (`run_fused`), for the
     finer recipes, whose casts run inside their GEMM functions; a tensorwise layer counts in its
     input cast's own graph instead (`fused.counted_input_cast`)."""
     return run_fused(_counts, x.detach().reshape(-1, x.shape[-1]), config.recipe, config.margin, like=x)

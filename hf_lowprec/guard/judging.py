@@ -1,4 +1,4 @@
-"""The guard's arithmetic on the device, as compiled graphs (`fp8.cast.run_fused`): per forward,
+"""The guard's arithmetic on the device, as compiled graphs (`run_fused`): per forward,
 `gather` collects every watched FP8 layer's flush counts at once (each layer counts in its input
 cast's own graph); per step, `weigh` sets this step's loss and gradient norm against the window
 (z-scores) and asks whether a layer flushed more than `max_flushed` of its inputs, and `settle`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8.cast import run_fused
+from ..compiling import run_fused
 
 __all__ = ["REASONS", "gather", "settle", "weigh"]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..fp8.cast import run_fused
+from ..compiling import run_fused
 
 __all__ = [
     "BETA2",
@@ -76,7 +76,7 @@ def device_scalar_rows(
     integers, `adamw_scalars` serves). The sequence is the host's operation for operation, so the
     bits are the same on CPU: β^t is libm's `pow` in both (0-dim CPU tensors take the scalar
     loop), every other operation is one IEEE-rounded FP64 operation. Nothing is copied from the
-    host to the device. One compiled graph (`fp8.cast.run_fused`; eagerly, about twenty launches a
+    host to the device. One compiled graph (`run_fused`; eagerly, about twenty launches a
     step per bucket): lr and the other hyper-parameters enter it as numbers, not constants, so a
     schedule changing lr does not compile it again."""
     return run_fused(_device_scalar_rows, steps, lr, beta1, beta2, eps, weight_decay, like=steps[0])

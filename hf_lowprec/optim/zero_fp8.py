@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoints.resume import check_zero_owners
+from ..compiling import takes_gpu_path
 from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
 from ..fp8.cast import widen
+from ..fp8.fused import gradients_cast_into
 from ..fp8.linear import E4M3, quantize_weight, set_grad_sink
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale
 from ..partition import assign_whole_tensors
@@ -35,8 +37,7 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def _first_param(group: dict[str, Any]) -> Any:
     # A group is recognised by its first parameter (DeepSpeed's flat partition): the tensors
     # stay when `load_state_dict` replaces the group dicts.
-    params = group["params"]
-    return params[0] if params else group
+    return group["params"][0] if group["params"] else group
 
 
 class FP8ZeroAdamW(FP8AdamW):
@@ -71,12 +72,9 @@ class FP8ZeroAdamW(FP8AdamW):
     4. the FP8 weights and their scales are all-gathered (`all_gather_owned_fp8`, 1 byte per
        element on the wire) and every other rank stores them as they are.
 
-    Under DeepSpeed ZeRO 1/2 its groups hold the other parameters, which DeepSpeed partitions,
-    and DeepSpeed calls `step()` once per group. The FP8 part (reduction, clipping coefficient,
-    updates, all-gather) runs once per DeepSpeed step, on the call with the first group;
-    `engines.zero.attach_zero_optimizer` (after `deepspeed.initialize`) tells it the groups and
-    DeepSpeed's optimizer (`attach_zero`). Every tensor a collective touches is created on the
-    parameters' device.
+    Under DeepSpeed ZeRO 1/2 its groups hold the other parameters, which DeepSpeed partitions; it
+    calls `step()` once per group, and the FP8 part runs on the call with the first group
+    (`engines.zero.attach_zero_optimizer` tells it the groups and DeepSpeed's optimizer).
     """
 
     def __init__(
@@ -226,31 +224,20 @@ class FP8ZeroAdamW(FP8AdamW):
         μ and the kept FP8 gradients are zeroed (no NaN stays in the state), on the device."""
         grads = [self._local_grad(i) for i in range(len(self.fp8_params))]
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.fp8_params, strict=True)]
-        if self.world == 1:
-            for i in self.owned:
-                payload, scale, saturated = quantize_gradient(
-                    grads[i], scaler.mu_for(grads[i]), grad_dtype, self._margin
-                )
-                scaler.record(saturated, grads[i].numel(), unless=unless)
-                self.set_fp8_grad(self.fp8_params[i], payload, scale)
-        elif self.fp8_params:
+        # One process quantizes per tensor (True: a skipped step's gradients were zeroed there).
+        zeroed = self.world == 1 and self._quantize_owned(grads, scaler, grad_dtype, unless)
+        if self.world > 1 and self.fp8_params:
             numels = [g.numel() for g in grads]
             flat = torch.cat([g.float().reshape(-1) for g in grads])
             del grads
-            result = fp8_allreduce(
-                flat,
-                numels=numels,
-                mu=scaler.mu_for(flat),
-                fp8_dtype=grad_dtype,
-                margin=self._margin,
-                group=self.process_group,
-            )
+            mu, group = scaler.mu_for(flat), self.process_group
+            result = fp8_allreduce(flat, numels=numels, mu=mu, fp8_dtype=grad_dtype, margin=self._margin, group=group)
             scaler.record(result.stats.overflow, result.stats.numel, unless=unless)
             payloads = result.payload.split(numels)
             for i in self.owned:
                 p = self.fp8_params[i]
                 self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
-        if unless is not None:
+        if unless is not None and not zeroed:
             skip = unless != 0
             for i in self.owned:
                 pending = self.fp8_grad(self.fp8_params[i])
@@ -258,6 +245,27 @@ class FP8ZeroAdamW(FP8AdamW):
                     pending[0].view(torch.uint8).masked_fill_(skip, 0)
                     pending[1].masked_fill_(skip, 1.0)
         self.clear_fp8_grads()
+
+    def _quantize_owned(
+        self, grads: list[torch.Tensor], scaler: Any, grad_dtype: torch.dtype, unless: torch.Tensor | None
+    ) -> bool:
+        """Each owned gradient quantized as O2 does, into the optimizer's buffers; on a GPU, once they
+        exist, in one graph with a skipped step's zeroing (`gradients_cast_into`: the loop's bits)."""
+        owned = list(self.owned)
+        gpu = bool(owned) and takes_gpu_path(grads[owned[0]].device)
+        buffers = [self.fp8_grad_buffers(self.fp8_params[i], grad_dtype) for i in owned] if gpu else [None]
+        mus = [scaler.mu_for(grads[i]) for i in owned]
+        if None not in buffers:
+            counts = gradients_cast_into([grads[i] for i in owned], mus, grad_dtype, self._margin, buffers, unless)
+        else:
+            counts = []
+            for i, mu in zip(owned, mus):
+                payload, scale, saturated = quantize_gradient(grads[i], mu, grad_dtype, self._margin)
+                self.set_fp8_grad(self.fp8_params[i], payload, scale)
+                counts.append(saturated)
+        for i, saturated in zip(owned, counts):
+            scaler.record(saturated, grads[i].numel(), unless=unless)
+        return None not in buffers
 
     def clip_coefficient(self) -> torch.Tensor | None:
         """Once per step, after `reduce_fp8_gradients`: the global norm of every gradient and the

@@ -14,17 +14,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compiling import takes_gpu_path
+from ..compiling import run_fused, takes_gpu_path
 from ..distributed import DTensor
-from ..fp8.cast import run_fused
 from .loss_scale import FP16_MAX, check_loss_scaler_settings, step_unless
 from .tallies import (
     A_TOTAL,
     A_UPPER,
-    W_TOTAL,
+    P_STEPS,
+    P_TOTAL,
+    P_UPPER,
     W_UPPER,
     ActivationTally,
     clamp_fp16_,
+    decide_scale,
     gradient_counts,
     tally_activation,
     unscale_half_together,
@@ -33,9 +35,6 @@ from .tallies import (
 __all__ = ["AutomaticLossScaler"]
 
 logger = logging.getLogger(__name__)
-
-# Across the period (`_period`, int64): upper-bin count, total count, steps.
-P_UPPER, P_TOTAL, P_STEPS = range(3)
 
 
 class AutomaticLossScaler:
@@ -205,31 +204,13 @@ class AutomaticLossScaler:
         self._agree()
         self._reduced = False
         self._unscaled.clear()
-        step, period = self._step, self._period
-        clipped = self._clipped.sum()
-        self._last_clipped.copy_(clipped)
-        self._total_clipped.add_(clipped)
-        now = self._clipped > 0
-        self._new_episodes.add_(now & ~self._overflowing)
-        self._overflowing.copy_(now)
-
-        period[P_UPPER].add_(step[W_UPPER] + step[A_UPPER])
-        period[P_TOTAL].add_(step[W_TOTAL] + step[A_TOTAL])
-        period[P_STEPS].add_(1)
-        nan = self._nan > 0
-        decide = nan | (period[P_STEPS] >= self.period)
-        # Counts below 2^53 are exact in FP64: the share is the correctly rounded quotient.
-        total = period[P_TOTAL].double()
-        share = torch.where(total > 0, period[P_UPPER].double() / total.clamp(min=1), 0.0)
-        halved = (self._scale / 2.0).clamp(min=self.min_scale)
-        doubled = (self._scale * 2.0).clamp(max=self.max_scale)
-        new_scale = torch.where(nan | (share > self.threshold), halved, doubled)
-        self._scale.copy_(torch.where(decide, new_scale, self._scale))
-        self._last_share.copy_(torch.where(decide, share, self._last_share))
-        period.mul_(~decide)  # a decision starts a new period
-        step.zero_()
-        self._clipped.zero_()
-        self._nan.zero_()
+        buffers = (self._scale, self._period, self._last_share, self._last_clipped, self._total_clipped)
+        buffers += (self._step, self._clipped, self._nan, self._overflowing, self._new_episodes)
+        rule = (self.period, self.threshold, self.min_scale, self.max_scale)
+        if takes_gpu_path(self._scale.device):  # one compiled graph, not forty eager launches
+            run_fused(decide_scale, *buffers, *rule, like=self._scale)
+        else:
+            decide_scale(*buffers, *rule)
 
     # --- what the host reads (each a sync) ---------------------------------------------
     @property

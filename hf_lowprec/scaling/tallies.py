@@ -1,6 +1,7 @@
 """The tallies of Graphcore automatic loss scaling (`als.AutomaticLossScaler`): a gradient's
-counts, and the functions that count, clamp and unscale, written for compiled graphs (one per
-activation hook, one over every FP16 weight gradient: a GPU's form) and for autograd."""
+counts, and the functions that count, clamp, unscale and decide the scale, written for compiled
+graphs (one per activation hook, one over every FP16 weight gradient, one for the step's end: a
+GPU's form) and for autograd; run eagerly, they are the CPU's form."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ __all__ = [
     "A_UPPER",
     "W_TOTAL",
     "W_UPPER",
+    "P_STEPS",
+    "P_TOTAL",
+    "P_UPPER",
     "ActivationTally",
     "clamp_fp16_",
+    "decide_scale",
     "gradient_counts",
     "tally_activation",
     "unscale_half_together",
@@ -25,6 +30,8 @@ __all__ = [
 # This step's tallies (`_step`, int64): upper-bin and total counts of the weight gradients,
 # then of the activation gradients (this rank's samples).
 W_UPPER, W_TOTAL, A_UPPER, A_TOTAL = range(4)
+# Across the period (`_period`, int64): upper-bin count, total count, steps.
+P_UPPER, P_TOTAL, P_STEPS = range(3)
 
 
 def gradient_counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,3 +110,51 @@ def clamp_fp16_(grads: list[torch.Tensor]) -> None:
     """Clamp FP16 tensors to ±65504 in place (NaN stays NaN, ±inf becomes ±65504)."""
     torch._foreach_clamp_min_(grads, -FP16_MAX)
     torch._foreach_clamp_max_(grads, FP16_MAX)
+
+
+def decide_scale(
+    scale: torch.Tensor,
+    period: torch.Tensor,
+    last_share: torch.Tensor,
+    last_clipped: torch.Tensor,
+    total_clipped: torch.Tensor,
+    step: torch.Tensor,
+    clipped: torch.Tensor,
+    nan: torch.Tensor,
+    overflowing: torch.Tensor,
+    new_episodes: torch.Tensor,
+    steps_per_period: int,
+    threshold: float,
+    min_scale: float,
+    max_scale: float,
+) -> None:
+    """The end of a step, in place on the scaler's buffers: the clipped counts folded into the
+    totals and overflow episodes, the step's tallies into the period's, and at the end of a
+    period (or at once on a NaN) the ALS rule: halve the scale when the upper-bin share exceeds
+    `threshold` (or on a NaN), double it otherwise, within [min_scale, max_scale]; then the step's
+    tallies zeroed. Written for one compiled graph (a GPU's form); eagerly, the CPU's."""
+    # Every value is formed first, then the buffers are written.
+    step_clipped = clipped.sum()
+    now = clipped > 0
+    upper = period[P_UPPER] + step[W_UPPER] + step[A_UPPER]
+    total = period[P_TOTAL] + step[W_TOTAL] + step[A_TOTAL]
+    steps = period[P_STEPS] + 1
+    found_nan = nan > 0
+    decide = found_nan | (steps >= steps_per_period)
+    # Counts below 2^53 are exact in FP64: the share is the correctly rounded quotient.
+    share = torch.where(total > 0, upper.double() / total.double().clamp(min=1), 0.0)
+    halved = (scale / 2.0).clamp(min=min_scale)
+    doubled = (scale * 2.0).clamp(max=max_scale)
+    new_scale = torch.where(found_nan | (share > threshold), halved, doubled)
+    last_clipped.copy_(step_clipped)
+    total_clipped.add_(step_clipped)
+    new_episodes.add_(now & ~overflowing)
+    overflowing.copy_(now)
+    period.copy_(torch.stack([upper, total, steps]) * ~decide)  # a decision starts a new period
+    scale.copy_(torch.where(decide, new_scale, scale))
+    # Through a 1-element view: Inductor's CPU kernels (torch 2.13) lose an in-place write to a
+    # 0-dim FP64 input (tests/test_scaling.py holds the compiled path to the eager bits).
+    last_share.view(1).copy_(torch.where(decide, share, last_share).view(1))
+    step.zero_()
+    clipped.zero_()
+    nan.zero_()

@@ -4,6 +4,7 @@ reference's bits, and the reference is the rule `fp8.scaled` states piece by pie
 import pytest
 import torch
 
+from hf_lowprec import compiling
 from hf_lowprec.fp8 import cast, fused
 from hf_lowprec.fp8.scaled import dequantize, pow2_scale, quantize, quantize_counting, tensor_amax
 from tests.helpers import bits, bits_equal, gamma
@@ -33,15 +34,15 @@ def _same(got, want):
 def compiled_calls(monkeypatch):
     """The functions `run_fused` ran as compiled graphs (the test fails if it fell back to eager)."""
     calls = []
-    run = cast._run_compiled
+    run = compiling._run_compiled
 
     def spy(fn, eager, *args):
         calls.append(fn.__name__)
         return run(fn, eager, *args)
 
-    monkeypatch.setattr(cast, "_run_compiled", spy)
+    monkeypatch.setattr(compiling, "_run_compiled", spy)
     yield calls
-    assert not cast._broken, cast._broken
+    assert not compiling._broken, compiling._broken
 
 
 @pytest.mark.compiles_step
