@@ -197,21 +197,13 @@ def gradients_cast_into(
     for grad, (payload, _) in zip(grads, into):
         if not payload.is_contiguous() or payload.shape != grad.shape:
             raise ValueError("gradients_cast_into writes contiguous buffers of the gradients' shapes")
-    flat = [grad.detach().reshape(-1) for grad in grads]
-    buffers = [(payload.view(-1), scale) for payload, scale in into]
-    return run_fused(_gradients_into, flat, mus, dtype, margin, buffers, skip, like=grads[0])
+    rows = [(g.detach().reshape(-1), mu, payload.view(-1), scale) for g, mu, (payload, scale) in zip(grads, mus, into)]
+    return run_fused(_gradients_into, rows, dtype, margin, skip, like=grads[0])
 
 
-def _gradients_into(
-    grads: list[torch.Tensor],
-    mus: list[torch.Tensor],
-    dtype: torch.dtype,
-    margin: int,
-    buffers: list[tuple[torch.Tensor, torch.Tensor]],
-    skip: torch.Tensor | None,
-) -> list[torch.Tensor]:
+def _gradients_into(rows: list[tuple[torch.Tensor, ...]], dtype: torch.dtype, margin: int, skip: torch.Tensor | None):
     counts = []
-    for grad, mu, (payload_buffer, scale_buffer) in zip(grads, mus, buffers):
+    for grad, mu, payload_buffer, scale_buffer in rows:
         payload, scale, saturated, _ = _gradient(grad, mu, dtype, margin, None, None)
         if skip is not None:
             keep = skip == 0

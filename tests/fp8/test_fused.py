@@ -141,6 +141,28 @@ def test_every_o1_gradient_in_one_graph_gives_each_ones_bits(fp8, compiled_calls
 
 
 @pytest.mark.compiles_step
+@pytest.mark.parametrize("skipped", [False, True])
+def test_every_o3_gradient_cast_into_its_buffers_in_one_graph_gives_each_ones_bits(skipped, compiled_calls):
+    """`gradients_cast_into` (FP8-LM O3 in one process on a GPU) against `gradient_cast` one
+    gradient at a time: the same payloads and scales in the buffers and the same clipped counts,
+    each with its own μ (μ = 4 clips); on a skipped step a zero payload and scale 1 (an inf and a
+    NaN gradient among them: no NaN stays in the buffers)."""
+    grads = [x.float() for x in _inputs() if x.numel() > 1]
+    mus = [torch.tensor(float(2 ** (i % 3))) for i in range(len(grads))]
+    e4m3 = torch.float8_e4m3fn
+    into = [(torch.full(g.shape, 7.0).to(e4m3), torch.tensor(3.0)) for g in grads]
+    counts = fused.gradients_cast_into(grads, mus, e4m3, 0, into, torch.tensor(float(skipped)))
+    for (payload, scale), grad, mu, count in zip(into, grads, mus, counts):
+        expected_payload, expected_scale, saturated, _ = fused.gradient_cast(grad, mu, e4m3, 0)
+        if skipped:
+            expected_payload, expected_scale = torch.zeros_like(expected_payload), torch.tensor(1.0)
+        assert bits_equal(bits(payload), bits(expected_payload)) and bits_equal(scale, expected_scale)
+        assert int(count) == int(saturated)
+    assert sum(int(c) for c in counts) > 0 and any(g.isnan().any() for g in grads)
+    assert "_gradients_into" in compiled_calls
+
+
+@pytest.mark.compiles_step
 def test_o2_clipping_in_one_compiled_graph_against_fp64(compiled_calls):
     """O2's clipping on a GPU (`gradients._clip_all`, one graph over the FP32 and stored FP8
     gradients), compiled here: the norm within n·u_FP32 of the FP64 norm of the same values (n the
