@@ -163,20 +163,22 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True})
 
 
-_broken: list[str] = []
+# The functions whose graph failed to build or run (function → error): each runs eagerly from then on,
+# the others stay compiled.
+_broken: dict[Callable[..., Any], str] = {}
 
 
-def _eager_here(tensor: Any) -> bool:
-    """Whether the plain torch ops must run instead of this module's compiled kernels: inside a
+def _eager_here(tensor: Any, fn: Callable[..., Any]) -> bool:
+    """Whether the plain torch ops of `fn` must run instead of its compiled kernels: inside a
     `torch.compile`d model (a nested compiled function cannot be inlined; Inductor fuses the plain
-    ops into the caller's kernels), where no compiler is found, or after a compile failed.
+    ops into the caller's kernels), where no compiler is found, or after `fn`'s compile failed.
 
     On CPU the kernels are C++/OpenMP loops, on CUDA Triton kernels: the same graph, so a GPU
     gets its few launches per tensor where the eager ops would issue a chain of small ones.
     """
     import torch
 
-    return torch.compiler.is_compiling() or bool(_broken) or compiler_missing(tensor.device.type) is not None
+    return torch.compiler.is_compiling() or fn in _broken or compiler_missing(tensor.device.type) is not None
 
 
 def run_fused(fn: Callable[..., Any], *args: Any, like: Any) -> Any:
@@ -189,7 +191,7 @@ def run_fused(fn: Callable[..., Any], *args: Any, like: Any) -> Any:
     compiled kernels stay in use afterwards."""
     import torch
 
-    if _eager_here(like):
+    if _eager_here(like, fn):
         return fn(*args)
     with compiled_region(fn.__name__):
         if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
@@ -209,7 +211,7 @@ def _run_compiled(fn: Callable[..., Any], device_type: str, *args: Any) -> Any:
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, optimize_ddp=False),
         ):
             return _compiled(fn)(*args)
-    except Exception as error:  # any backend failure: fall back to the eager ops for good
-        _broken.append(f"{type(error).__name__}: {error}")
-        logger.warning("compiling %s failed (%s); using the eager operations", fn.__name__, _broken[0])
+    except Exception as error:  # any backend failure: this function's eager ops, for good
+        _broken[fn] = f"{type(error).__name__}: {error}"
+        logger.warning("compiling %s failed (%s); using its eager operations", fn.__name__, _broken[fn])
         return fn(*args)

@@ -288,14 +288,15 @@ def _tallied_steps(gpu: bool, compiled: bool):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).half()
-    scaler = AutomaticLossScaler(init_scale=0.25, min_scale=2.0**-4).track(model)
+    # An edge FP16 cannot hold (9000.3 rounds to 9000, a gradient below): both forms compare with the rounded one.
+    scaler = AutomaticLossScaler(init_scale=0.25, min_scale=2.0**-4, bin_edge=9000.3).track(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(3, 8).half()
     upstream = torch.tensor([[3e4, -1.0, 9000.0, 1.0], [7e4, 0.5, -2.0, 1e-3], [-1.0, 2.0, 0.25, -6e4]])
     seen = []
     stance = contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager")
     with stance, gpu_paths() if gpu else contextlib.nullcontext():
-        for step in range(2):
+        for step in range(3):
             optimizer.zero_grad(set_to_none=True)
             out = model(x)
             (out.float() * upstream).sum().backward()
@@ -307,20 +308,32 @@ def _tallied_steps(gpu: bool, compiled: bool):
             seen += [scaler._step.clone(), scaler._clipped.clone(), scaler._nan.clone()]
             scaler.update()
             seen += [torch.tensor(v) for k, v in scaler.state_dict().items() if k != "overflowing"]
+            seen += [scaler._overflowing.clone(), scaler._new_episodes.clone(), scaler._nan.clone()]
     return seen
 
 
-def test_the_gpu_form_of_als_gives_the_cpu_forms_bits_and_tallies(caplog):
+def test_the_gpu_form_of_als_gives_the_cpu_forms_bits_and_tallies(caplog, monkeypatch):
     """Eagerly and compiled (Inductor's C++ backend here; Triton on CUDA), the GPU's form of the
     tallies, clamps and unscaling: the CPU form's gradients, counts, NaN flag and scale, bit for bit.
     The case clips activation and weight gradients, so a lost count or clamp shows. A compile
     failure would fall back to the eager source with a warning: none is logged."""
+    from hf_lowprec import compiling
+
     caplog.set_level(logging.WARNING)
     cpu = _tallied_steps(gpu=False, compiled=False)
-    per_step = len(cpu) // 2  # 4 gradients, the step's counts, clipped rows and NaN flag, 7 state values
+    per_step = len(cpu) // 3  # 4 gradients, the step's counts, clipped rows and NaN flag, 7 state values, 3 more
     clipped, nan_flag = cpu[5], (cpu[6], cpu[per_step + 6])
     assert clipped.sum() > 0 and cpu[4][0] > 0 and nan_flag == (0, 1)  # clips, the upper bin, NaN on step 2
+    assert cpu[2 * per_step - 1] == 0 and cpu[2 * per_step - 2].sum() > 0  # the flag reset; episodes counted
+    ran = []
+    real = compiling._run_compiled
+
+    def spy(fn, *args):
+        ran.append(fn.__name__)
+        return real(fn, *args)
+
     for compiled in (False, True):
+        monkeypatch.setattr(compiling, "_run_compiled", spy)
         gpu = _tallied_steps(gpu=True, compiled=compiled)
         assert len(gpu) == len(cpu)
         for index, (a, b) in enumerate(zip(gpu, cpu)):
@@ -332,3 +345,5 @@ def test_the_gpu_form_of_als_gives_the_cpu_forms_bits_and_tallies(caplog):
                 a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
             assert bits_equal(a, b), (compiled, index, a, b)
     assert not [r for r in caplog.records if "compiling" in r.getMessage()], caplog.text
+    assert {"tally_activation", "unscale_half_together", "decide_scale"} <= set(ran), ran
+    assert not compiling._broken, compiling._broken

@@ -7,7 +7,6 @@ measured here: more than the BF16 GEMM that consumes the tensor). `widen` (a tab
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
@@ -24,7 +23,6 @@ __all__ = [
     "widen",
 ]
 
-logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

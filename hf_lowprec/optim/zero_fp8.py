@@ -29,9 +29,8 @@ _CLIP_EPS = 1e-6
 
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+    on = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
 
 
 def _first_param(group: dict[str, Any]) -> Any:
@@ -74,7 +73,8 @@ class FP8ZeroAdamW(FP8AdamW):
 
     Under DeepSpeed ZeRO 1/2 its groups hold the other parameters, which DeepSpeed partitions; it
     calls `step()` once per group, and the FP8 part runs on the call with the first group
-    (`engines.zero.attach_zero_optimizer` tells it the groups and DeepSpeed's optimizer).
+    (`engines.zero.attach_zero_optimizer` tells it the groups and DeepSpeed's optimizer). Every
+    tensor a collective touches is created on the parameters' device.
     """
 
     def __init__(

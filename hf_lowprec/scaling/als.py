@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..compiling import run_fused, takes_gpu_path
 from ..distributed import DTensor
+from ..numerics import round_to_dtype
 from .loss_scale import FP16_MAX, check_loss_scaler_settings, step_unless
 from .tallies import (
     A_TOTAL,
@@ -98,6 +99,9 @@ class AutomaticLossScaler:
     ) -> None:
         check_loss_scaler_settings(bin_edge, threshold, period, init_scale, max_scale, min_scale)
         self.bin_edge = float(bin_edge)
+        # The edge as each gradient dtype holds it: an eager comparison rounds it to the tensor's
+        # dtype, a compiled one would not; both forms compare against the rounded value.
+        self._edges = {dt: round_to_dtype(self.bin_edge, dt) for dt in (torch.float16, torch.bfloat16, torch.float32)}
         self.threshold = float(threshold)
         self.period = period
         self.max_scale = float(max_scale)
@@ -167,7 +171,7 @@ class AutomaticLossScaler:
         if half and takes_gpu_path(half[0].device):
             # A GPU's form: the counts, clamps and unscaling of every FP16 gradient in one compiled
             # graph (a few kernels a step, not eight per gradient), the same bits as below.
-            args = (self._step, self._clipped, self._nan, inverse, self.bin_edge)
+            args = (self._step, self._clipped, self._nan, inverse, self._edge(torch.float16))
             run_fused(unscale_half_together, half, tuple(half_rows), *args, like=half[0])
         elif half:
             for row, grad in zip(half_rows, half):
@@ -279,7 +283,7 @@ class AutomaticLossScaler:
         elements beyond ±65504 to row `row` of the clipped counts: in-place adds, traceable."""
         if self._step.device != grad.device:
             self._to(grad.device)
-        upper, clipped = gradient_counts(grad, self.bin_edge)
+        upper, clipped = gradient_counts(grad, self._edge(grad.dtype))
         self._step[upper_index].add_(upper)
         self._step[upper_index + 1].add_(grad.numel())
         if clipped is not None:
@@ -331,6 +335,9 @@ class AutomaticLossScaler:
             self._overflowing = torch.cat([self._overflowing, self._overflowing.new_zeros(1)])
             self._new_episodes = torch.cat([self._new_episodes, self._new_episodes.new_zeros(1)])
         return row
+
+    def _edge(self, dtype: torch.dtype) -> float:
+        return self._edges.get(dtype, self.bin_edge)
 
     def _to(self, device: torch.device) -> None:
         """Move the device state to `device` (once: where the loss and gradients live)."""
@@ -394,7 +401,7 @@ class AutomaticLossScaler:
 
         def tally(out: Any) -> Any:
             if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
-                return ActivationTally.apply(out, self._probe, row, self.bin_edge)
+                return ActivationTally.apply(out, self._probe, row, self._edge(out.dtype))
             return out
 
         if isinstance(output, (tuple, list)):
@@ -410,7 +417,10 @@ class AutomaticLossScaler:
             # A GPU's form: one compiled graph per hook (its counts and clamp fused), not seven launches.
             if self._step.device != grad.device:
                 self._to(grad.device)
-            return run_fused(tally_activation, grad, self._step, self._clipped, row, self.bin_edge, like=grad)
+            edge = self._edge(grad.dtype)
+            # Flat: one graph for every shape of activation (dynamic in its length only).
+            clamped = run_fused(tally_activation, grad.reshape(-1), self._step, self._clipped, row, edge, like=grad)
+            return None if clamped is None else clamped.view(grad.shape)
         self._record(row, grad, A_UPPER)
         if grad.dtype == torch.float16:
             # clamp keeps NaN (so a lost value still surfaces) and turns ±inf into ±65504.

@@ -80,8 +80,12 @@ def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
                 grad.mul_(coefficient.to(grad.device))
             else:
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (device, _), same in groups.items():
-            torch._foreach_mul_(same, coefficient.to(device))
+        for (device, dtype), same in groups.items():
+            # CUDA's multi-tensor multiply takes its fast path only for a scalar of the list's
+            # dtype; its eager mul_ rounds a device 0-dim FP32 factor to FP16 too, so the bits
+            # are the same. A CPU keeps the FP32 factor, as its mul_ has it.
+            factor = coefficient.to(device) if device.type == "cpu" else coefficient.to(device, dtype)
+            torch._foreach_mul_(same, factor)
     return total
 
 

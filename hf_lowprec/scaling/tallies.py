@@ -27,16 +27,17 @@ __all__ = [
     "unscale_half_together",
 ]
 
-# This step's tallies (`_step`, int64): upper-bin and total counts of the weight gradients,
+# This step's tallies (the scaler's, int64): upper-bin and total counts of the weight gradients,
 # then of the activation gradients (this rank's samples).
 W_UPPER, W_TOTAL, A_UPPER, A_TOTAL = range(4)
-# Across the period (`_period`, int64): upper-bin count, total count, steps.
+# Across the period (the scaler's, int64): upper-bin count, total count, steps.
 P_UPPER, P_TOTAL, P_STEPS = range(3)
 
 
 def gradient_counts(grad: torch.Tensor, bin_edge: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(elements of `grad` in the upper bin |g| ≥ bin_edge, elements beyond ±65504 when FP16 else None), int64
-    tensors on the gradient's device: the tallies of the eager hooks and of `ActivationTally` alike."""
+    tensors on the gradient's device: the tallies of the eager hooks and of `ActivationTally` alike.
+    `bin_edge` is a value of grad's dtype (the scaler rounds it), so eager and compiled agree."""
     magnitude = grad.detach().abs()
     clipped = (magnitude > FP16_MAX).sum() if grad.dtype == torch.float16 else None
     return (magnitude >= bin_edge).sum(), clipped
@@ -67,8 +68,8 @@ class ActivationTally(torch.autograd.Function):
 def tally_activation(
     grad: torch.Tensor, step: torch.Tensor, clipped: torch.Tensor, row: int, bin_edge: float
 ) -> torch.Tensor | None:
-    """What an eager activation hook does (`_record`, then the FP16 clamp), written for one compiled
-    graph: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
+    """What the scaler's eager activation hook does (its record, then the FP16 clamp), written for one
+    compiled graph: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
     counted, beyond = gradient_counts(grad, bin_edge)
     step[A_UPPER].add_(counted)
     step[A_TOTAL].add_(grad.numel())
@@ -87,11 +88,11 @@ def unscale_half_together(
     inverse: torch.Tensor,
     bin_edge: float,
 ) -> None:
-    """What `unscale_` does to FP16 weight gradients, written for one compiled graph over all of
-    them: each gradient's counts (`gradient_counts`) into `step` and row `rows[i]` of `clipped`, then
-    clamped to ±65504, multiplied by `inverse` in FP32 and rounded once to FP16 (as
-    `torch._amp_foreach_non_finite_check_and_unscale_` does; after the clamp only a NaN is
-    non-finite, and it sets `nan`), and clamped again."""
+    """What the scaler's unscaling does to FP16 weight gradients, written for one compiled graph over
+    all of them: each gradient's counts (`gradient_counts`) into `step` and row `rows[i]` of
+    `clipped`, then clamped to ±65504, multiplied by `inverse` in FP32 and rounded once to FP16 (as
+    `torch._amp_foreach_non_finite_check_and_unscale_` does, which sets `nan` for a non-finite
+    product: a NaN, or an inf when 65504 · inverse overflows FP32), and clamped again."""
     upper = step.new_zeros(())
     total = 0
     for row, grad in zip(rows, grads):
@@ -100,7 +101,7 @@ def unscale_half_together(
         total += grad.numel()
         clipped[row].add_(beyond)
         unscaled = grad.clamp(-FP16_MAX, FP16_MAX).float() * inverse
-        nan.copy_(torch.maximum(nan, unscaled.isnan().any().to(nan.dtype)))
+        nan.copy_(torch.maximum(nan, (~torch.isfinite(unscaled)).any().to(nan.dtype)))
         grad.copy_(unscaled.to(torch.float16).clamp(-FP16_MAX, FP16_MAX))
     step[W_UPPER].add_(upper)
     step[W_TOTAL].add_(total)
