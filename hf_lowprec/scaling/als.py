@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..compiling import run_fused, takes_gpu_path
 from ..distributed import DTensor
 from ..numerics import round_to_dtype
-from .loss_scale import FP16_MAX, check_loss_scaler_settings, step_unless
+from .loss_scale import check_loss_scaler_settings, step_unless
 from .tallies import (
     A_TOTAL,
     A_UPPER,
@@ -413,19 +413,15 @@ class AutomaticLossScaler:
     # into buffers that a traced backward would save for autograd and then find modified.
     @torch._dynamo.disable
     def _activation_grad(self, row: int, grad: torch.Tensor) -> torch.Tensor | None:
-        if takes_gpu_path(grad.device):
-            # A GPU's form: one compiled graph per hook (its counts and clamp fused), not seven launches.
-            if self._step.device != grad.device:
-                self._to(grad.device)
-            edge = self._edge(grad.dtype)
-            # Flat: one graph for every shape of activation (dynamic in its length only).
-            clamped = run_fused(tally_activation, grad.reshape(-1), self._step, self._clipped, row, edge, like=grad)
-            return None if clamped is None else clamped.view(grad.shape)
-        self._record(row, grad, A_UPPER)
-        if grad.dtype == torch.float16:
-            # clamp keeps NaN (so a lost value still surfaces) and turns ±inf into ±65504.
-            return grad.clamp(-FP16_MAX, FP16_MAX)
-        return None
+        if self._step.device != grad.device:
+            self._to(grad.device)
+        args = (self._step, self._clipped, row, self._edge(grad.dtype))
+        if not takes_gpu_path(grad.device):
+            return tally_activation(grad, *args)
+        # A GPU's form: one compiled graph per hook (its counts and clamp fused), not seven launches;
+        # flat, so one graph serves every shape of activation (dynamic in its length only).
+        clamped = run_fused(tally_activation, grad.reshape(-1), *args, like=grad)
+        return None if clamped is None else clamped.view(grad.shape)
 
     def __repr__(self) -> str:
         return (

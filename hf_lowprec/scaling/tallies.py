@@ -68,15 +68,15 @@ class ActivationTally(torch.autograd.Function):
 def tally_activation(
     grad: torch.Tensor, step: torch.Tensor, clipped: torch.Tensor, row: int, bin_edge: float
 ) -> torch.Tensor | None:
-    """What the scaler's eager activation hook does (its record, then the FP16 clamp), written for one
-    compiled graph: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
+    """What the scaler's eager activation hook does, run as it is on CPU and as one compiled graph on a
+    GPU: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
     counted, beyond = gradient_counts(grad, bin_edge)
     step[A_UPPER].add_(counted)
     step[A_TOTAL].add_(grad.numel())
     if beyond is None:
         return None
     clipped[row].add_(beyond)
-    return grad.clamp(-FP16_MAX, FP16_MAX)
+    return grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN (a lost value still surfaces), ±inf becomes ±65504
 
 
 def unscale_half_together(
