@@ -1,10 +1,11 @@
-"""The grouped-GEMM forward of transformers' fused MoE experts, in BF16 under a 16-bit autocast.
+"""The grouped-GEMM forward of transformers' fused MoE experts, in BF16 for 16-bit training.
 
 Autocast has no rule for `torch._grouped_mm`, so under bf16-mixed the experts got FP32 weights
 and tokens: FP32 GEMMs, and on a GPU torch's per-group fallback, which reads the offsets on the
 host. `GroupedExperts` gives them the rule autocast would have (BF16 operands, gradients to the
-FP32 masters through the casts); outside an autocast the module's own forward runs. The FP8
-experts (`fp8/experts.py`) share its routing. docs/algorithms.md §6 gives the rule.
+masters through the casts), under a 16-bit autocast and for FP16 weights without one; otherwise
+the module's own forward runs. The FP8 experts (`fp8/experts.py`) share its routing. The rule:
+docs/algorithms.md §6.
 """
 
 from __future__ import annotations
@@ -97,30 +98,33 @@ def _has_bf16_gemms(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _grouped_dtype(device: torch.device) -> torch.dtype | None:
-    """BF16 inside a 16-bit autocast on `device` (where it has BF16 GEMMs), else None.
+def _grouped_dtype(device: torch.device, tokens: torch.dtype) -> torch.dtype | None:
+    """BF16 for the grouped GEMMs of 16-bit training on `device` (where it has BF16 GEMMs), else None.
 
-    BF16 under FP16 autocast too: torch's one grouped GEMM kernel on a GPU takes BF16 (any other
-    dtype runs group by group from offsets read on the host), and under `torch.compile` it refuses
-    FP16 operands outright. BF16 keeps FP32's range, so a loss-scaled gradient fits it as it
-    fits FP16; its 8 significant bits are bf16-mixed's, in the experts' GEMMs only.
+    Inside a 16-bit autocast (bf16-mixed, fp16-mixed), and for FP16 tokens outside one (fp16-als's
+    FP16 weights): torch's one grouped GEMM kernel on a GPU takes BF16 (any other dtype runs group
+    by group from offsets read on the host), and under `torch.compile` it refuses FP16 operands
+    outright. BF16 keeps FP32's range, so a loss-scaled gradient fits it as it fits FP16; its 8
+    significant bits are bf16-mixed's, in the experts' GEMMs only.
     """
-    if not torch.is_autocast_enabled(device.type):
+    if not _has_bf16_gemms(device):
         return None
-    if torch.get_autocast_dtype(device.type) not in _SIXTEEN_BITS or not _has_bf16_gemms(device):
-        return None
-    return torch.bfloat16
+    if torch.is_autocast_enabled(device.type):
+        sixteen = torch.get_autocast_dtype(device.type) in _SIXTEEN_BITS
+    else:
+        sixteen = tokens == torch.float16
+    return torch.bfloat16 if sixteen else None
 
 
 class GroupedExperts(nn.Module):
     """What `install_grouped_experts` mixes into a transformers experts class (never built
-    directly): inside a 16-bit autocast, the grouped GEMMs take BF16 weights and tokens
-    (`_grouped_dtype`), as autocast gives `nn.Linear` 16-bit ones; outside one, the class's own
-    forward (its configured implementation) runs as before. The parameters, their dtypes and
-    names do not change."""
+    directly): inside a 16-bit autocast, and for FP16 tokens outside one, the grouped GEMMs take
+    BF16 weights and tokens (`_grouped_dtype`), as autocast gives `nn.Linear` 16-bit ones;
+    otherwise the class's own forward (its configured implementation) runs as before. The
+    parameters, their dtypes and names do not change; the gradients keep the weights' dtype."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
-        dtype = _grouped_dtype(hidden_states.device)
+        dtype = _grouped_dtype(hidden_states.device, hidden_states.dtype)
         if dtype is None or getattr(self, "_is_expert_parallel", False):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         return routed_experts(self, hidden_states, top_k_index, top_k_weights, dtype)

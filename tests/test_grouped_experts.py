@@ -41,11 +41,12 @@ def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-@pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "coat"])
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "coat", "fp16-als"])
 def test_every_grouped_gemm_of_a_16_bit_step_takes_bf16_operands(name, arch):
     """Forward and backward of a whole step: the two grouped GEMMs per MoE layer and their four
-    backward GEMMs, all BF16 (FP32 before #67 under bf16-mixed and fp16-mixed: on a GPU, torch's
-    per-group fallback, which reads the offsets on the host)."""
+    backward GEMMs, all BF16 (FP32 before #67 under bf16-mixed and fp16-mixed, FP16 under fp16-als:
+    on a GPU, torch's per-group fallback, which reads the offsets on the host); every gradient in
+    its weight's dtype."""
     strategy = get_strategy(name)
     model = strategy.prepare_model(tiny_moe(arch))
     assert all(isinstance(m, GroupedExperts) for m in experts_of(model))
@@ -110,9 +111,36 @@ def test_under_autocast_the_experts_compute_what_their_own_forward_does_on_bf16_
     top_k_weights = torch.softmax(torch.randn(64, 2), dim=-1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = module(tokens, top_k_index, top_k_weights)
-    want = reference(tokens.to(torch.bfloat16), top_k_index, top_k_weights)
+    want = reference(tokens.detach().to(torch.bfloat16), top_k_index, top_k_weights)
     assert got.dtype == torch.float32
     assert_bits_equal(got.to(torch.bfloat16), want, arch)
+
+
+@pytest.mark.parametrize("arch", NO_BIAS)
+def test_fp16_weights_without_autocast_take_bf16_grouped_gemms(arch):
+    """fp16-als's FP16 experts, no autocast: the six grouped GEMMs of forward and backward take
+    BF16 operands (torch's only one-kernel grouped GEMM on a GPU), the output and the weights'
+    gradients come back in FP16. The output against the module's own implementation on a BF16
+    copy (the same FP32 result rounded once to BF16): ours is rounded to FP16 first, and a
+    double rounding moves it by at most u_fp16 + u_bf16 relative, with FP16's smallest
+    subnormal as the absolute floor."""
+    torch.manual_seed(3)
+    (module, *_) = experts_of(tiny_moe(arch))
+    module.half()
+    reference = copy.deepcopy(module).to(torch.bfloat16)
+    install_grouped_experts(module)
+    tokens = torch.randn(64, 64).half().requires_grad_()  # as between layers: all six GEMMs run
+    top_k_index = torch.randint(0, module.num_experts, (64, 2))
+    top_k_weights = torch.softmax(torch.randn(64, 2), dim=-1).half()
+    with GroupedCalls() as calls:
+        got = module(tokens, top_k_index, top_k_weights)
+        got.float().pow(2).sum().backward()
+    assert set(calls.dtypes) == {(torch.bfloat16, torch.bfloat16)} and len(calls.dtypes) == 6, calls.dtypes
+    assert got.dtype == torch.float16
+    assert {p.grad.dtype for p in module.parameters() if p.grad is not None} == {torch.float16}
+    want = reference(tokens.detach().to(torch.bfloat16), top_k_index, top_k_weights).float()
+    bound = (2.0**-11 + 2.0**-8) * want.abs() + 2.0**-24
+    assert ((got.float() - want).abs() <= bound).all(), (got.float() - want).abs().max()
 
 
 def test_outside_autocast_and_under_the_eager_implementation_nothing_changes():
