@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compiling import run_fused, takes_gpu_path
 from ..fp8.convert import is_gemm_layer
 from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear, sharing_inputs
@@ -47,11 +48,20 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The scale is the power of two of `hf_lowprec.fp8.pow2_scale`, so the scaling is exact and
     only the cast rounds (relative error ≤ 2^-4 in E4M3's normal range, which spans 2^-6·448/2^8
     … 448 after scaling: elements 2^14 times below their group's maximum become subnormal).
+    On a GPU one compiled graph (`run_fused`) does it, where the eager ops would launch about
+    twenty small kernels per saved tensor; a CPU runs the eager ops. The same bits.
     """
     if x.dim() == 0 or x.shape[-1] % ACTIVATION_GROUP_SIZE:
         raise ValueError(
             f"the last dimension of a {tuple(x.shape)} tensor is not a multiple of {ACTIVATION_GROUP_SIZE}"
         )
+    if not takes_gpu_path(x.device):
+        return _quantize_groups(x)
+    payload, exponent = run_fused(_quantize_groups, x.detach().reshape(-1), like=x)
+    return payload.view(x.shape), exponent
+
+
+def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = pow2_scale(tensor_amax(x, ACTIVATION_GROUP_SIZE), _E4M3)
     payload = quantize(x, scale, _E4M3, ACTIVATION_GROUP_SIZE)
     # frexp: scale = 0.5·2^(e+1) exactly, and |e| ≤ 126 fits int8.
@@ -59,7 +69,13 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_groups(payload: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of `quantize_groups`' output, in `dtype`."""
+    """The values of `quantize_groups`' output, in `dtype` (on a GPU one compiled graph)."""
+    if not takes_gpu_path(payload.device):
+        return _dequantize_groups(payload, exponent, dtype)
+    return run_fused(_dequantize_groups, payload.reshape(-1), exponent, dtype, like=payload).view(payload.shape)
+
+
+def _dequantize_groups(payload: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(payload, torch.exp2(exponent.float()), dtype, ACTIVATION_GROUP_SIZE)
 
 

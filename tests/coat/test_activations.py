@@ -30,6 +30,47 @@ def test_group_quantization_is_exactly_scaled_and_bounded():
         quantize_groups(torch.ones(3, 20))
 
 
+def test_the_gpu_form_of_group_quantization_gives_the_cpu_bits(monkeypatch):
+    """On a GPU `quantize_groups` and `dequantize_groups` run as compiled graphs (Inductor's C++
+    backend here, Triton on CUDA): the eager ops' payload, exponents and decoded values, bit for
+    bit, for FP32 and BF16 inputs with an all-zero group, ±inf, NaN, FP32's largest value, a
+    subnormal, and a transposed (non-contiguous) input. A NaN's E4M3 code may differ in sign
+    (no value to compare): its position is compared."""
+    from hf_lowprec import compiling
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 6, 32, generator=gen) * torch.logspace(-20, 20, 32)
+    base[0, 0, :16] = 0.0
+    base[1, 2, 3], base[1, 2, 20], base[2, 5, 7] = float("inf"), -float("inf"), float("nan")
+    base[2, 1, 0], base[0, 4, 9] = torch.finfo(torch.float32).max, 1e-40
+    inputs = [base, base.bfloat16(), base.reshape(3, 32, 6).transpose(1, 2)]
+    ran = []
+    real = compiling._run_compiled
+
+    def spy(fn, *args):
+        ran.append(fn.__name__)
+        return real(fn, *args)
+
+    monkeypatch.setattr(compiling, "_run_compiled", spy)
+    for x in inputs:
+        payload, exponent = quantize_groups(x)
+        with compiling.gpu_paths():
+            fused_payload, fused_exponent = quantize_groups(x)
+        nan = payload.float().isnan()
+        assert torch.equal(nan, fused_payload.float().isnan()) and nan.any() == x.isnan().any()
+        codes, fused_codes = payload.view(torch.uint8), fused_payload.view(torch.uint8)
+        assert torch.equal(codes[~nan], fused_codes[~nan]), x.dtype
+        assert torch.equal(exponent, fused_exponent), x.dtype
+        for dtype in (torch.float32, torch.bfloat16):
+            decoded = dequantize_groups(payload, exponent, dtype)
+            with compiling.gpu_paths():
+                fused = dequantize_groups(payload, exponent, dtype)
+            assert fused.shape == decoded.shape == x.shape
+            assert_bits_equal(fused.masked_fill(nan, 0), decoded.masked_fill(nan, 0), f"{x.dtype} → {dtype}")
+    assert ran.count("_quantize_groups") == 3 and ran.count("_dequantize_groups") == 6, ran
+    assert not compiling._broken, compiling._broken
+
+
 def test_handled_layers_save_only_fp8_and_gradients_stay_close(caplog):
     model = tiny_gpt2()
     reference = tiny_gpt2()
