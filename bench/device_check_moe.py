@@ -11,8 +11,9 @@ report's). Ratios are to the first row that ran, bf16-mixed.
 
 Rows: bf16-mixed (FP32 masters, transformers' own experts implementation), bf16-pure (BF16
 weights: the experts run BF16 `grouped_mm`, the peer the FP8 grouped GEMM must beat),
-fp8-lm-o2 (tensorwise: native forward, emulated backward on Hopper) and fp8-lm-o2 with the
-rowwise recipe (native forward and backward on Hopper).
+fp8-lm-o2 (tensorwise: native forward, emulated backward on Hopper), fp8-lm-o2 with the
+rowwise recipe (native forward and backward on Hopper), then, as the budget allows, coat (its
+FP8 activations packed by compiled graphs) and fp16-als (FP16 weights, BF16 grouped GEMMs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("bf16-pure", "bf16-pure", {}),
     ("fp8-lm-o2", "fp8-lm-o2", {}),  # experts in FP8 only where the rule says FP8 pays (fp8.payoff)
     ("fp8-lm-o2 all-FP8 rowwise", "fp8-lm-o2", {"recipe": "rowwise", "fp8_layers": "all"}),
+    ("coat", "coat", {}),
+    ("fp16-als", "fp16-als", {}),
 )
 BATCH, SEQ, WARMUP, TIMED = 4, 2048, 2, 5
 
