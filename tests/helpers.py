@@ -466,3 +466,31 @@ TINY_LLAMA = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
+
+
+# A GPU's optimizer step is one compiled call per chunk of at most eight rows of a group
+# (`optim.dispatch.chunks_of`); a count made at two depths and scaled is linear in the layers,
+# the chunks are not: the last chunks of a group (4, 2, 1) differ by at most three calls per group,
+# and a model's rows fall in at most three groups (matrices, vectors, staged rows).
+CHUNK_ROUNDING = 3 * 3
+
+
+def assert_counted_alike(scaled: dict, whole: dict) -> None:
+    """Two counts' phases {phase: (kernels, graphs, eager, bytes, ...)} agree: exactly, but for the
+    optimizer's kernels and graphs, within the chunks' rounding (CHUNK_ROUNDING), and its bytes."""
+    assert scaled.keys() == whole.keys()
+    for phase, figures in scaled.items():
+        if phase != "optimizer":
+            assert figures == whole[phase], phase
+            continue
+        (kernels, graphs, eager, moved, *rest), (kernels_whole, graphs_whole, eager_whole, moved_whole, *rest_whole) = (
+            figures,
+            whole[phase],
+        )
+        assert (eager, rest) == (eager_whole, rest_whole), phase
+        # Each kernel reads the step's scalars and flag once: a few bytes more or less per chunk.
+        assert abs(moved - moved_whole) <= 1e-4 * moved_whole, (moved, moved_whole)
+        assert abs(kernels - kernels_whole) <= CHUNK_ROUNDING and abs(graphs - graphs_whole) <= CHUNK_ROUNDING, (
+            figures[:2],
+            whole[phase][:2],
+        )

@@ -529,16 +529,16 @@ def test_strategy_option_fused_native_runs_the_native_kernels(name):
 
 
 @pytest.mark.parametrize("family", ["plain-fp32"])
-def test_on_the_gpu_paths_a_step_is_one_graph_over_every_row_with_the_reference_bits(family):
-    """A GPU steps a bucket in one compiled call, its rows unrolled (`compiling.gpu_paths` makes CPU
-    tensors take that path; compiled here by Inductor's C++ backend): the reference's bits, and
-    one graph launch a step whatever the number of parameters. bf16-mixed's family: a block
-    format's unrolled graph (the same per-row function) takes minutes to build on two cores."""
+def test_on_the_gpu_paths_a_step_is_one_graph_per_chunk_of_rows_with_the_reference_bits(family):
+    """A GPU steps a bucket in a few compiled calls, each over a chunk of rows unrolled
+    (`compiling.gpu_paths` makes CPU tensors take that path; compiled here by Inductor's C++
+    backend): the reference's bits, and one graph launch per chunk. bf16-mixed's family: a
+    block format's unrolled graph (the same per-row function) takes minutes to build on two cores."""
     from hf_lowprec.compiling import gpu_paths
     from hf_lowprec.testing.launches import Launches
 
     dtype, make = FAMILIES[family]
-    # Three rows (one staged: non-contiguous; one with a zero gradient) keep the graph small to build.
+    # Three rows (one staged: non-contiguous; one with a zero gradient): chunks of 2 and 1, small to build.
     with gpu_paths():
         together = _run(make, "compiled", 3, params=_params(dtype, shapes=[(257,), (7,)]))
         with Launches() as counted:
@@ -546,7 +546,103 @@ def test_on_the_gpu_paths_a_step_is_one_graph_over_every_row_with_the_reference_
     reference = _run(make, "reference", 4, params=_params(dtype, shapes=[(257,), (7,)]))
     assert _paths(together[1]) == {"compiled": 4 * len(together[0])}
     _assert_same_bits(*together, *reference)
-    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
+    # The contiguous rows are one chunk of two, the staged (non-contiguous) one a chunk of its own.
+    calls = sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows"))
+    assert calls == 2, counted.summary()
+
+
+def test_rows_are_chunked_so_that_a_composition_builds_at_most_four_graphs():
+    """Full chunks of eight, then halving sizes: the graph sizes one composition ever needs are
+    8, 4, 2 and 1, so the build time of a GPU's step does not grow with the model."""
+    from hf_lowprec.optim.dispatch import ROWS_PER_GRAPH, chunks_of
+
+    assert ROWS_PER_GRAPH == 8
+    sizes = set()
+    for count in range(1, 300):
+        chunks = chunks_of(count)
+        assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(count))  # each row once, in order
+        lengths = [c.stop - c.start for c in chunks]
+        assert lengths == sorted(lengths, reverse=True)
+        assert len(chunks) == count // 8 + bin(count % 8).count("1")
+        sizes.update(lengths)
+    assert sizes == {8, 4, 2, 1}
+    assert [c.stop - c.start for c in chunks_of(75)] == [8] * 9 + [2, 1]
+
+
+def test_many_rows_on_the_gpu_paths_step_chunk_by_chunk_with_the_reference_bits():
+    """Thirteen parameters: twelve contiguous in chunks of 8 and 4, the staged (non-contiguous) one
+    in a chunk of its own: every row stepped once, the reference's bits, three graph calls a step. Compiled functions run as their eager
+    source: the chunking is what is checked, not Inductor (which the test above runs)."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.testing.launches import Launches
+
+    dtype, make = FAMILIES["plain-fp32"]
+    shapes = [(257,)] + [(5 + 3 * i,) for i in range(11)]
+    with gpu_paths(), torch.compiler.set_stance("force_eager"):
+        chunked = _run(make, "compiled", 2, params=_params(dtype, shapes=shapes))
+        with Launches() as counted:
+            _run(make, "compiled", 1, *chunked, start=2)
+    reference = _run(make, "reference", 3, params=_params(dtype, shapes=shapes))
+    assert len(chunked[0]) == 13
+    assert _paths(chunked[1]) == {"compiled": 3 * 13}
+    _assert_same_bits(*chunked, *reference)
+    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 3, counted.summary()
+
+
+def test_rows_of_the_large_size_class_are_stepped_by_graphs_of_their_own(monkeypatch):
+    """A graph splits a reduction over a whole tensor by the sizes it was built for: rows of
+    LARGE_ROW elements or more get graphs apart from the small ones, so none built on a bias
+    reduces a large weight in one block. Same bits as the reference."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.optim import dispatch
+    from hf_lowprec.testing.launches import Launches
+
+    monkeypatch.setattr(dispatch, "_graphs", {})
+    dtype, make = FAMILIES["plain-fp32"]
+    shapes = [(257,), (7,), (256, 256)]
+    assert 256 * 256 >= dispatch.LARGE_ROW > 257
+    with gpu_paths(), torch.compiler.set_stance("force_eager"):
+        split = _run(make, "compiled", 1, params=_params(dtype, shapes=shapes))
+        with Launches() as counted:
+            _run(make, "compiled", 1, *split, start=1)
+    reference = _run(make, "reference", 2, params=_params(dtype, shapes=shapes))
+    _assert_same_bits(*split, *reference)
+    assert {key[-1] for key in dispatch._graphs if key[1].endswith("_rows")} == {True, False}
+    # The two small contiguous rows, the large one, the staged (non-contiguous) one.
+    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 3, counted.summary()
+
+
+def test_a_chunk_whose_graph_cannot_be_built_leaves_its_rows_to_the_per_row_graphs(monkeypatch, caplog):
+    """The graph of eight rows builds and steps, the one of four fails: the rows stepped stay
+    stepped once, the rest step one row at a time, the reference's bits, and the log says so once."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.optim import dispatch
+
+    real = torch.compile
+
+    def compile_refusing_four_rows(fn, **options):
+        graph = real(fn, **options)
+        if "_rows_" not in fn.__name__:
+            return graph
+
+        def refuse_four(rows_args, flags):
+            if len(rows_args) == 4:
+                raise RuntimeError("no graph of four rows here")
+            return graph(rows_args, flags)
+
+        return refuse_four
+
+    monkeypatch.setattr(torch, "compile", compile_refusing_four_rows)
+    for name, fresh in (("_graphs", {}), ("_broken", set()), ("_logged", set())):
+        monkeypatch.setattr(dispatch, name, fresh)
+    dtype, make = FAMILIES["plain-fp32"]
+    shapes = [(257,)] + [(5 + 3 * i,) for i in range(11)]
+    with gpu_paths(), torch.compiler.set_stance("force_eager"), caplog.at_level(logging.WARNING):
+        mixed = _run(make, "compiled", 2, params=_params(dtype, shapes=shapes))
+    reference = _run(make, "reference", 2, params=_params(dtype, shapes=shapes))
+    assert _paths(mixed[1]) == {"compiled": 2 * 13}
+    _assert_same_bits(*mixed, *reference)
+    assert sum("one row at a time" in r.message for r in caplog.records) == 1
 
 
 @pytest.mark.slow
@@ -569,13 +665,14 @@ def test_a_block_formats_graph_over_every_row_stages_inside_it_with_the_referenc
     reference = _run(make, "reference", 3, params=_params(dtype, shapes=[(257,), (7,)]))
     assert not caplog.records, caplog.text
     _assert_same_bits(*together, *reference)
-    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 1, counted.summary()
+    # Two chunks: the flat rows (257 and 7 elements), the (48, 33) one (a rank of its own).
+    assert sum(n for (_, name), n in counted.regions.items() if name.endswith("_rows")) == 2, counted.summary()
     staging = [op for (_, op) in counted.ops if "pad" in op or "copy" in op or "zeros" in op]
     assert not staging, counted.summary()  # no eager staging copies or write-backs
 
 
 def test_a_bucket_whose_graph_over_all_rows_cannot_be_built_steps_row_by_row(monkeypatch, caplog):
-    """A backend that cannot build the unrolled graph (an option its Inductor lacks, say): the
+    """A backend that cannot build the unrolled graphs (an option its Inductor lacks, say): the
     per-row compiled graphs step the bucket instead, with the same bits, and the log says so once."""
     from hf_lowprec.compiling import gpu_paths
     from hf_lowprec.optim import dispatch
@@ -583,7 +680,7 @@ def test_a_bucket_whose_graph_over_all_rows_cannot_be_built_steps_row_by_row(mon
     real = torch.compile
 
     def compile_refusing_rows(fn, **options):
-        if fn.__name__.endswith("_rows"):
+        if "_rows_" in fn.__name__:
 
             def refuse(*args, **kwargs):
                 raise RuntimeError("no graph over all rows here")
