@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiling import run_fused
+from ..compiling import run_fused, run_fused_rows
 from ..numerics import abs_max
 from .cast import saturate_to_fp8_eager
 from .scaled import pow2_scale
@@ -190,15 +190,16 @@ def gradients_cast_into(
     skip: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """`gradient_cast_into` (no accumulation) of every gradient in `grads`, each with its μ, into
-    its buffers, in one graph; with `skip` (a 0-dim flag, nonzero: the step is skipped) the
-    buffers get a zero payload and scale 1 instead, in the same graph (no NaN stays in the state).
+    its buffers, a compiled call per chunk of gradients (`run_fused_rows`); with `skip` (a 0-dim
+    flag, nonzero: the step is skipped) the buffers get a zero payload and scale 1 instead, in the
+    same graphs (no NaN stays in the state).
     Returns the clipped counts. Each gradient keeps its own amax and scale: the per-gradient
     bits. What a GPU step runs for FP8-LM O3's owned gradients (five launches per weight before)."""
     for grad, (payload, _) in zip(grads, into):
         if not payload.is_contiguous() or payload.shape != grad.shape:
             raise ValueError("gradients_cast_into writes contiguous buffers of the gradients' shapes")
     rows = [(g.detach().reshape(-1), mu, payload.view(-1), scale) for g, mu, (payload, scale) in zip(grads, mus, into)]
-    return run_fused(_gradients_into, rows, dtype, margin, skip, like=grads[0])
+    return run_fused_rows(_gradients_into, rows, dtype, margin, skip, like=grads[0])
 
 
 def _gradients_into(rows: list[tuple[torch.Tensor, ...]], dtype: torch.dtype, margin: int, skip: torch.Tensor | None):
@@ -234,21 +235,22 @@ def gradient_roundtrip_(grad: torch.Tensor, mu: torch.Tensor, dtype: torch.dtype
 def gradients_roundtrip_(
     grads: list[torch.Tensor], mus: list[torch.Tensor], dtype: torch.dtype, margin: int = 0
 ) -> list[torch.Tensor]:
-    """`gradient_roundtrip_` of every gradient in `grads` (each with its μ in `mus`) in one graph:
-    each keeps its own amax and scale, so the bits are the per-gradient ones (an amax and an
-    integer count do not depend on the order of a reduction). What a GPU step runs: one launch
-    for all of FP8-LM O1's gradients, where one per gradient was twelve per layer."""
+    """`gradient_roundtrip_` of every gradient in `grads` (each with its μ in `mus`), a compiled
+    call per chunk of gradients (`run_fused_rows`): each keeps its own amax and scale, so the bits
+    are the per-gradient ones (an amax and an integer count do not depend on the order of a
+    reduction). What a GPU step runs for FP8-LM O1's gradients, where one per gradient was twelve
+    launches per layer."""
     for grad in grads:
         if not grad.is_contiguous():
             raise ValueError("gradients_roundtrip_ writes the gradients in place: they must be contiguous")
-    flat = [grad.detach().view(-1) for grad in grads]
-    return run_fused(_gradients_roundtrip, flat, mus, dtype, margin, like=grads[0])
+    rows = [(grad.detach().view(-1), mu) for grad, mu in zip(grads, mus)]
+    return run_fused_rows(_gradients_roundtrip, rows, dtype, margin, like=grads[0])
 
 
 def _gradients_roundtrip(
-    grads: list[torch.Tensor], mus: list[torch.Tensor], dtype: torch.dtype, margin: int
+    rows: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, margin: int
 ) -> list[torch.Tensor]:
-    return [_gradient_roundtrip(grad, mu, dtype, margin) for grad, mu in zip(grads, mus)]
+    return [_gradient_roundtrip(grad, mu, dtype, margin) for grad, mu in rows]
 
 
 # --- FP8-LM's automatic gradient scale μ (`gradients.GradientAutoScaler.update`) -----------------

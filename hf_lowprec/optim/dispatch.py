@@ -21,18 +21,15 @@ from typing import Literal
 import torch
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
-from ..compiling import call_pure, compiled_region, compiler_missing, takes_gpu_path
+from ..compiling import LARGE_ROW, call_pure, chunks_of, compiled_region, compiler_missing, takes_gpu_path
 
 __all__ = [
     "COMPILE_OPTIONS",
     "FUSED_MODES",
-    "LARGE_ROW",
     "PARALLEL_MIN_NUMEL",
-    "ROWS_PER_GRAPH",
     "FusedMode",
     "ParamStep",
     "check_fused_mode",
-    "chunks_of",
     "run_bucket",
 ]
 
@@ -59,13 +56,9 @@ COMPILE_OPTIONS = {
     "triton.coalesce_tiling_analysis": False,
 }
 PARALLEL_MIN_NUMEL = 32768
-# Rows unrolled in one compiled call of a GPU's step (`chunks_of`): a graph's build grows with its
-# rows (75 rows, an 8-layer Llama: 332 s on two CPU cores, 142 s of warm-up on an H200), chunks of
-# eight do not (33 s, 11 calls). No combo kernels on CUDA: they share one block size among the rows,
-# reductions included, and the step ran at half to a tenth of torch's fused AdamW's pace with them.
-ROWS_PER_GRAPH = 8
-# Rows of this many elements or more are stepped by graphs of their own (`_group_of`).
-LARGE_ROW = 65536
+# No combo kernels on CUDA: they share one block size among the rows of a kernel, reductions
+# included, and the step ran at half to a tenth of torch's fused AdamW's pace with them (an H200,
+# 2026-12-04). The rows are stepped in chunks (`compiling.chunks_of`).
 # One graph per (family, dtypes, device): a process that trains several strategies needs more
 # than dynamo's default of 8 recompiles before it would give up on the function.
 _RECOMPILE_LIMIT = 64
@@ -366,19 +359,6 @@ def _graph_over_rows(key, discard, block: int, name: str, large: bool) -> Callab
     own = types.FunctionType(code, together.__globals__, own_name, together.__defaults__, together.__closure__)
     _graphs[index] = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
     return _graphs[index]
-
-
-def chunks_of(count: int) -> list[slice]:
-    """How a GPU's step splits `count` rows into compiled calls: chunks of ROWS_PER_GRAPH rows,
-    then the rest in halving sizes (ROWS_PER_GRAPH = 8: 75 rows are 9 × 8, 2 and 1), so a
-    composition has a graph for at most four sizes and a step calls one graph per chunk."""
-    chunks, start, size = [], 0, ROWS_PER_GRAPH
-    while start < count:
-        while size > count - start:
-            size //= 2
-        chunks.append(slice(start, start + size))
-        start += size
-    return chunks
 
 
 def _raised_at(error: BaseException) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compiling import run_fused, takes_gpu_path
+from ..compiling import run_fused, run_fused_rows, takes_gpu_path
 from ..distributed import DTensor
 from ..numerics import round_to_dtype
 from .loss_scale import check_loss_scaler_settings, step_unless
@@ -128,6 +128,7 @@ class AutomaticLossScaler:
         # Per name: elements clipped this step, whether it clipped last step, and how many new
         # overflow episodes began since the last `log_overflows`.
         self._clipped = torch.zeros(0, dtype=torch.int64, device=device)
+        self._indices: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._overflowing = torch.zeros(0, dtype=torch.bool, device=device)
         self._new_episodes = torch.zeros(0, dtype=torch.int64, device=device)
 
@@ -172,7 +173,8 @@ class AutomaticLossScaler:
             # A GPU's form: the counts, clamps and unscaling of every FP16 gradient in one compiled
             # graph (a few kernels a step, not eight per gradient), the same bits as below.
             args = (self._step, self._clipped, self._nan, inverse, self._edge(torch.float16))
-            run_fused(unscale_half_together, half, tuple(half_rows), *args, like=half[0])
+            rows = [(grad, self._index(row, grad.device)) for row, grad in zip(half_rows, half)]
+            run_fused_rows(unscale_half_together, rows, *args, like=half[0])
         elif half:
             for row, grad in zip(half_rows, half):
                 self._record(row, grad, W_UPPER)
@@ -335,6 +337,13 @@ class AutomaticLossScaler:
             self._overflowing = torch.cat([self._overflowing, self._overflowing.new_zeros(1)])
             self._new_episodes = torch.cat([self._new_episodes, self._new_episodes.new_zeros(1)])
         return row
+
+    def _index(self, row: int, device: torch.device) -> torch.Tensor:
+        """Row `row` as a one-element index on `device`, made once (not copied to it every step)."""
+        index = self._indices.get((row, device))
+        if index is None:
+            index = self._indices[(row, device)] = torch.tensor([row], device=device)
+        return index
 
     def _edge(self, dtype: torch.dtype) -> float:
         return self._edges.get(dtype, self.bin_edge)

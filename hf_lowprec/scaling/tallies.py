@@ -80,26 +80,27 @@ def tally_activation(
 
 
 def unscale_half_together(
-    grads: list[torch.Tensor],
-    rows: tuple[int, ...],
+    rows: list[tuple[torch.Tensor, torch.Tensor]],
     step: torch.Tensor,
     clipped: torch.Tensor,
     nan: torch.Tensor,
     inverse: torch.Tensor,
     bin_edge: float,
 ) -> None:
-    """What the scaler's unscaling does to FP16 weight gradients, written for one compiled graph over
-    all of them: each gradient's counts (`gradient_counts`) into `step` and row `rows[i]` of
-    `clipped`, then clamped to ±65504, multiplied by `inverse` in FP32 and rounded once to FP16 (as
+    """What the scaler's unscaling does to FP16 weight gradients, written for compiled graphs over
+    chunks of them (`compiling.run_fused_rows`; each row a gradient and its slot of `clipped` as a
+    one-element index, data to the graph, so one graph serves every chunk): each gradient's counts
+    (`gradient_counts`) into `step` and its slot of `clipped` (exact integers, in any order), then
+    clamped to ±65504, multiplied by `inverse` in FP32 and rounded once to FP16 (as
     `torch._amp_foreach_non_finite_check_and_unscale_` does, which sets `nan` for a non-finite
     product: a NaN, or an inf when 65504 · inverse overflows FP32), and clamped again."""
     upper = step.new_zeros(())
     total = 0
-    for row, grad in zip(rows, grads):
+    for grad, slot in rows:
         counted, beyond = gradient_counts(grad, bin_edge)
         upper = upper + counted
         total += grad.numel()
-        clipped[row].add_(beyond)
+        clipped.index_add_(0, slot, beyond.view(1))
         unscaled = grad.clamp(-FP16_MAX, FP16_MAX).float() * inverse
         nan.copy_(torch.maximum(nan, (~torch.isfinite(unscaled)).any().to(nan.dtype)))
         grad.copy_(unscaled.to(torch.float16).clamp(-FP16_MAX, FP16_MAX))

@@ -554,7 +554,7 @@ def test_on_the_gpu_paths_a_step_is_one_graph_per_chunk_of_rows_with_the_referen
 def test_rows_are_chunked_so_that_a_composition_builds_at_most_four_graphs():
     """Full chunks of eight, then halving sizes: the graph sizes one composition ever needs are
     8, 4, 2 and 1, so the build time of a GPU's step does not grow with the model."""
-    from hf_lowprec.optim.dispatch import ROWS_PER_GRAPH, chunks_of
+    from hf_lowprec.compiling import ROWS_PER_GRAPH, chunks_of
 
     assert ROWS_PER_GRAPH == 8
     sizes = set()
@@ -593,14 +593,14 @@ def test_rows_of_the_large_size_class_are_stepped_by_graphs_of_their_own(monkeyp
     """A graph splits a reduction over a whole tensor by the sizes it was built for: rows of
     LARGE_ROW elements or more get graphs apart from the small ones, so none built on a bias
     reduces a large weight in one block. Same bits as the reference."""
-    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.compiling import LARGE_ROW, gpu_paths
     from hf_lowprec.optim import dispatch
     from hf_lowprec.testing.launches import Launches
 
     monkeypatch.setattr(dispatch, "_graphs", {})
     dtype, make = FAMILIES["plain-fp32"]
     shapes = [(257,), (7,), (256, 256)]
-    assert 256 * 256 >= dispatch.LARGE_ROW > 257
+    assert 256 * 256 >= LARGE_ROW > 257
     with gpu_paths(), torch.compiler.set_stance("force_eager"):
         split = _run(make, "compiled", 1, params=_params(dtype, shapes=shapes))
         with Launches() as counted:
