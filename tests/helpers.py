@@ -471,16 +471,19 @@ TINY_LLAMA = {
 # A GPU's optimizer step is one compiled call per chunk of at most eight rows of a group
 # (`optim.dispatch.chunks_of`); a count made at two depths and scaled is linear in the layers,
 # the chunks are not: the last chunks of a group (4, 2, 1) differ by at most three calls per group,
-# and a model's rows fall in at most three groups (matrices, vectors, staged rows).
+# and a model's rows fall in at most three groups (matrices, vectors, staged rows). The graphs
+# over every gradient (FP8-LM's gradient casts, O2's clipping) are chunked the same way.
 CHUNK_ROUNDING = 3 * 3
+CHUNKED_PHASES = ("optimizer", "gradients", "clip")
 
 
 def assert_counted_alike(scaled: dict, whole: dict) -> None:
     """Two counts' phases {phase: (kernels, graphs, eager, bytes, ...)} agree: exactly, but for the
-    optimizer's kernels and graphs, within the chunks' rounding (CHUNK_ROUNDING), and its bytes."""
+    kernels and graphs of the phases with chunked calls (CHUNKED_PHASES), within the chunks'
+    rounding (CHUNK_ROUNDING), and their bytes."""
     assert scaled.keys() == whole.keys()
     for phase, figures in scaled.items():
-        if phase != "optimizer":
+        if phase not in CHUNKED_PHASES:
             assert figures == whole[phase], phase
             continue
         (kernels, graphs, eager, moved, *rest), (kernels_whole, graphs_whole, eager_whole, moved_whole, *rest_whole) = (

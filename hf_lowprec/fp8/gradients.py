@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..compiling import run_fused, takes_gpu_path
+from ..compiling import run_fused, run_fused_rows, takes_gpu_path
 from ..numerics import nonfinite_flag
 from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
@@ -349,17 +349,7 @@ class BackwardFP8Gradients:
             return None
         dense = [p.grad for p in params if p.grad is not None]
         if takes_gpu_path(stored[0][0].device):
-            # One compiled graph over every gradient (on a GPU the loop below is four launches a
-            # tensor); compiled, its reductions may add in another order than the eager ones.
-            return run_fused(
-                _clip_all,
-                dense,
-                [p for p, _ in stored],
-                [s for _, s in stored],
-                max_norm,
-                math.isfinite(max_norm),
-                like=stored[0][0],
-            )
+            return _clip_on_device(dense, stored, max_norm)
         squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
         squares += [
             (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored
@@ -374,19 +364,41 @@ class BackwardFP8Gradients:
         return norm
 
 
-def _clip_all(
-    dense: list[torch.Tensor], payloads: list[torch.Tensor], scales: list[torch.Tensor], max_norm: float, clip: bool
+def _clip_on_device(
+    dense: list[torch.Tensor], stored: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float
 ) -> torch.Tensor:
-    """`BackwardFP8Gradients.clip_grad_norm` as one graph: the L2 norm of the FP32 and stored FP8
-    gradients (‖payload‖ / scale), then c = min(1, max_norm / (norm + 1e-6)) applied in place."""
-    # The per-tensor loop's operations, so that run eagerly it gives the loop's bits.
-    squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
-    squares += [(torch.linalg.vector_norm(p.float()) / s).square() for p, s in zip(payloads, scales)]
-    norm = torch.stack(squares).sum().sqrt()
-    if clip:  # max_norm finite (decided outside: the graph takes it as a symbol)
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grad in dense:
-            grad.mul_(coefficient.to(grad.dtype))
-        for scale in scales:
-            scale.div_(coefficient)
+    """`BackwardFP8Gradients.clip_grad_norm` on a GPU: each gradient's square in compiled calls
+    over chunks of gradients (`run_fused_rows`: a graph over every gradient took minutes to build
+    there), the norm and c = min(1, max_norm / (norm + 1e-6)) in one small graph, then c applied
+    by two multi-tensor operations. The eager loop's operations, so run eagerly it gives the
+    loop's bits; compiled, the reductions may add in another order."""
+    like = stored[0][0]
+    squares = run_fused_rows(_squares_of_dense, dense, like=like) if dense else []
+    squares += run_fused_rows(_squares_of_stored, stored, like=like)
+    if not math.isfinite(max_norm):
+        return run_fused(_norm_of, torch.stack(squares), like=like)
+    norm, coefficient = run_fused(_norm_and_coefficient, torch.stack(squares), max_norm, like=like)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in dense:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coefficient.to(dtype))
+    torch._foreach_div_([scale for _, scale in stored], coefficient)
     return norm
+
+
+def _squares_of_dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.linalg.vector_norm(g.float()).square() for g in grads]
+
+
+def _squares_of_stored(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return [(torch.linalg.vector_norm(payload.float()) / scale).square() for payload, scale in rows]
+
+
+def _norm_of(squares: torch.Tensor) -> torch.Tensor:
+    return squares.sum().sqrt()
+
+
+def _norm_and_coefficient(squares: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = squares.sum().sqrt()
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)

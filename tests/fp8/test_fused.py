@@ -163,34 +163,47 @@ def test_every_o3_gradient_cast_into_its_buffers_in_one_graph_gives_each_ones_bi
 
 
 @pytest.mark.compiles_step
-def test_o2_clipping_in_one_compiled_graph_against_fp64(compiled_calls):
-    """O2's clipping on a GPU (`gradients._clip_all`, one graph over the FP32 and stored FP8
-    gradients), compiled here: the norm within n·u_FP32 of the FP64 norm of the same values (n the
-    elements summed: the order of the additions is the compiler's), each FP32 gradient scaled by
-    c = min(1, max_norm / (norm + 1e-6)) and each FP8 gradient's scale divided by c, within three
-    FP32 roundings of the exact result (the sum and division that form c, then the product or
-    quotient)."""
-    from hf_lowprec.fp8.gradients import _clip_all
+def test_o2_clipping_on_a_gpu_in_chunks_against_fp64(compiled_calls):
+    """O2's clipping on a GPU (`gradients._clip_on_device`: each gradient's square in compiled
+    calls over chunks of gradients, the norm and coefficient in one graph, the coefficient applied
+    by multi-tensor operations), compiled here on more gradients than a chunk holds: the norm
+    within n·u_FP32 of the FP64 norm of the same values (n the elements summed: the order of the
+    additions is the compiler's), each FP32 gradient scaled by c = min(1, max_norm / (norm + 1e-6))
+    and each FP8 gradient's scale divided by c within three FP32 roundings of the exact result (the
+    sum and division that form c, then the product or quotient), a BF16 gradient's product as its
+    eager `mul_` by c rounded to BF16 gives it; with max_norm = inf the same norm and nothing
+    changed."""
+    from hf_lowprec.compiling import ROWS_PER_GRAPH, gpu_paths
+    from hf_lowprec.fp8.gradients import _clip_on_device
 
     gen = torch.Generator().manual_seed(5)
-    dense = [torch.randn(64, 32, generator=gen), torch.randn(100, generator=gen) * 3]
-    payloads = [(torch.randn(48, 16, generator=gen) * 40).to(torch.float8_e4m3fn) for _ in range(2)]
-    scales = [torch.tensor(8.0), torch.tensor(0.5)]
-    real = [g.double() for g in dense] + [p.double() / s.double() for p, s in zip(payloads, scales)]
+    count = ROWS_PER_GRAPH + 3
+    dense = [torch.randn(64, 32, generator=gen) for _ in range(count)] + [torch.randn(100, generator=gen) * 3]
+    half = [torch.randn(40, generator=gen).bfloat16()]
+    payloads = [(torch.randn(48, 16, generator=gen) * 40).to(torch.float8_e4m3fn) for _ in range(count)]
+    scales = [torch.tensor(2.0 ** (i % 5 - 2)) for i in range(count)]
+    real = [g.double() for g in dense + half] + [p.double() / s.double() for p, s in zip(payloads, scales)]
     want = torch.sqrt(sum((r * r).sum() for r in real))
-    before = [g.clone() for g in dense]
-    old_scales = [s.clone() for s in scales]
-    norm = cast.run_fused(_clip_all, dense, payloads, scales, 1.0, True, like=dense[0])
     n = sum(r.numel() for r in real)
-    assert abs(norm.double() - want) <= n * 2.0**-24 * want, (norm, want)
+    before = [g.clone() for g in dense + half]
+    old_scales = [s.clone() for s in scales]
+    with gpu_paths():
+        measured = _clip_on_device(dense + half, list(zip(payloads, scales)), float("inf"))
+        assert all(torch.equal(g, b) for g, b in zip(dense + half, before))
+        assert all(torch.equal(s, old) for s, old in zip(scales, old_scales))
+        norm = _clip_on_device(dense + half, list(zip(payloads, scales)), 1.0)
+    for got in (measured, norm):
+        assert abs(got.double() - want) <= n * 2.0**-24 * want, (got, want)
     c = min(1.0, 1.0 / (norm.item() + 1e-6))
     assert c < 1.0  # the clip binds
     bound = gamma(3)
     for got, g in zip(dense, before):
         assert ((got.double() - g.double() * c).abs() <= bound * (g.double() * c).abs()).all()
+    coefficient = (1.0 / (norm + 1e-6)).clamp(max=1.0)
+    assert torch.equal(half[0], before[-1].mul(coefficient.bfloat16()))
     for s, old in zip(scales, old_scales):
         assert abs(s.item() - old.item() / c) <= bound * old.item() / c
-    assert set(compiled_calls) == {"_clip_all"}
+    assert set(compiled_calls) == {"_squares_of_dense", "_squares_of_stored", "_norm_of", "_norm_and_coefficient"}
 
 
 @pytest.mark.parametrize("fp8", FP8)
