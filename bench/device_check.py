@@ -57,7 +57,7 @@ TRAVEL_LIMIT = 64 << 20
 # (the shell script also stops a part at DEVICE_CHECK_SECONDS, whatever the budgets say).
 PARTS: dict[str, list[tuple[str, int]]] = {
     "part1": [("tests", 120), ("steps", 165), ("rl", 40)],
-    "part2": [("e2e", 175), ("moe", 50), ("optim", 50), ("fidelity", 55)],
+    "part2": [("e2e", 175), ("moe", 60), ("optim", 50), ("fidelity", 45)],
 }
 PACKAGES = ("triton", "transformers", "accelerate", "peft", "torchao", "safetensors", "tokenizers", "numpy")
 # Collected and run first in the suite section: what the issue calls the suite's core.

@@ -28,6 +28,7 @@ __all__ = [
     "gpu_paths",
     "count_model_as_compiled",
     "in_compiled_model",
+    "kernel_boundary",
     "run_fused",
     "run_fused_rows",
     "takes_gpu_path",
@@ -101,6 +102,20 @@ def call_pure(key: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         if replay is not None:
             return replay(key, fn, args, kwargs)
     return fn(*args, **kwargs)
+
+
+def kernel_boundary() -> None:
+    """In a compiled graph's source, between parts that Inductor does not fuse into one kernel
+    (the rows of a chunk of the optimizer's rows: each row's sizes are symbols of their own): a
+    step ledger running the source eagerly ends the kernel open there
+    (`planning.ledger.Ledger.end_kernel`). Nothing otherwise, and nothing in the graph."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return
+    end = getattr(torch.utils._python_dispatch._get_current_dispatch_mode(), "end_kernel", None)
+    if end is not None:
+        end()
 
 
 def current_compiled_region() -> tuple[str, int] | None:
@@ -190,12 +205,16 @@ def run_fused(fn: Callable[..., Any], *args: Any, like: Any) -> Any:
     """fn(*args) as one compiled graph on `like`'s device (an FP8 cast, a loss scaler's tallies),
     or eagerly where the compiled kernels cannot run (`_eager_here`). `fn` is a module-level
     function of tensors (one compiled callable per function, dynamic shapes: flatten the inputs).
+    On a GPU a `like` of LARGE_ROW elements or more gets graphs of its own (`_sized`): a graph
+    built on a small tensor would reduce a large one in a single thread block.
 
     Under a Python dispatch mode (fake tensors, op counters) dynamo refuses to run: the eager ops
     serve the call, marked as the one compiled graph they stand for (`compiled_region`), and the
     compiled kernels stay in use afterwards."""
     import torch
 
+    if takes_gpu_path(like.device):
+        fn = _sized(fn, like.numel() >= LARGE_ROW)
     if _eager_here(like, fn):
         return fn(*args)
     with compiled_region(fn.__name__):
@@ -260,10 +279,13 @@ def run_fused_rows(fn: Callable[..., Any], rows: list[Any], *args: Any, like: An
         key = tuple((t.dim(), t.dtype) if hasattr(t, "dtype") else None for t in tensors)
         groups.setdefault((key, tensors[0].numel() >= LARGE_ROW), []).append(index)
     results: list[Any] = [None] * len(rows)
-    for (_, large), indices in groups.items():
+    for indices in groups.values():
         for chunk in chunks_of(len(indices)):
             part = indices[chunk]
-            out = run_fused(_sized(fn, large), [rows[i] for i in part], *args, like=like)
+            first = rows[part[0]]
+            # The chunk's first tensor: its size class is the group's (`run_fused` sizes by it).
+            first = first[0] if isinstance(first, (tuple, list)) else first
+            out = run_fused(fn, [rows[i] for i in part], *args, like=first)
             for i, entry in zip(part, out if out is not None else [None] * len(part)):
                 results[i] = entry
     return results

@@ -56,3 +56,35 @@ def test_rows_on_the_cpu_path_are_one_call():
         got = run_fused_rows(_scaled_sums, rows, 3.0, like=rows[0][0])
     assert all(torch.equal(a, b) for a, b in zip(got, _scaled_sums(rows, 3.0)))
     assert sum(counted.regions.values()) == 1, counted.summary()
+
+
+def _total(x):
+    return x.sum()
+
+
+def test_a_gpus_graph_of_one_tensor_is_built_per_size_class(monkeypatch):
+    """Inductor splits a reduction over a whole tensor by the size its graph was built for: one
+    built on a small tensor would reduce a large one in a single thread block. On a GPU's path a
+    call on LARGE_ROW elements or more runs a graph of its own (a function of the same name, a
+    code object of its own: dynamo keeps graphs per code object); on the CPU's, one graph serves
+    every size. A chunk of rows takes its first tensor's class, its group's."""
+    from hf_lowprec import compiling
+
+    seen = []
+    monkeypatch.setattr(compiling, "_run_compiled", lambda fn, device, *args: seen.append(fn) or fn(*args))
+    small, large = torch.ones(100), torch.ones(LARGE_ROW)
+    with gpu_paths():
+        for x in (small, large, small, large):
+            assert compiling.run_fused(_total, x, like=x) == x.numel()
+    assert seen[0] is seen[2] is _total
+    assert seen[1] is seen[3] and seen[1] is not _total and seen[1].__name__ == "_total"
+    assert seen[1].__code__ is not _total.__code__
+    seen.clear()
+    compiling.run_fused(_total, large, like=large)
+    assert seen == [_total]
+    seen.clear()
+    rows = _rows()
+    with gpu_paths():
+        run_fused_rows(_scaled_sums, rows, 3.0, like=rows[0][0])
+    large_calls = [fn for fn in seen if fn is not _scaled_sums]
+    assert len(large_calls) == 1 and len(seen) == 6

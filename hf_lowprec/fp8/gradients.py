@@ -375,9 +375,10 @@ def _clip_on_device(
     like = stored[0][0]
     squares = run_fused_rows(_squares_of_dense, dense, like=like) if dense else []
     squares += run_fused_rows(_squares_of_stored, stored, like=like)
+    stacked = torch.stack(squares)
     if not math.isfinite(max_norm):
-        return run_fused(_norm_of, torch.stack(squares), like=like)
-    norm, coefficient = run_fused(_norm_and_coefficient, torch.stack(squares), max_norm, like=like)
+        return run_fused(_norm_of, stacked, like=stacked)
+    norm, coefficient = run_fused(_norm_and_coefficient, stacked, max_norm, like=stacked)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in dense:
         by_dtype.setdefault(grad.dtype, []).append(grad)

@@ -1,6 +1,6 @@
 """FP8 grouped GEMMs: per-expert x·W[e]ᵀ over token rows sorted by expert, with the scaling
-recipes of the dense layers applied per expert (the scales, the GEMMs and their hand-written
-backward). docs/algorithms.md §3, "FP8 for Mixture-of-Experts", gives the rules; `fp8/experts.py`
+recipes of the dense layers applied per expert (the GEMMs and their hand-written backward; the
+casts are `fp8/grouped_casts.py`). docs/algorithms.md §3, "FP8 for Mixture-of-Experts", gives the rules; `fp8/experts.py`
 runs these GEMMs in transformers' experts modules.
 """
 
@@ -10,13 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .cast import widen
 from .gemm import GEMM_OUT_DTYPE, ScaledMMGemm, gemm_for
+from .grouped_casts import (  # the casts' names, importable from here too, as before
+    dequantize_expert_weight,
+    dequantize_rows,
+    quantize_expert_weight,
+    quantize_rows,
+    requantize_rows,
+    transposed_weight,
+)
 from .linear import deliver_weight_grad, get_grad_sink, output_dtype, quantize_weight
-from .scaled import format_max, pow2_scale
-from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
+from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
 __all__ = [
     "dequantize_expert_weight",
@@ -31,108 +36,6 @@ __all__ = [
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-
-
-# --- quantization ------------------------------------------------------------------------------
-
-
-def _scale(recipe: ScalingRecipe, amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    return mx_scale(amax, dtype, margin) if recipe.e8m0 else pow2_scale(amax, dtype, margin)
-
-
-def quantize_rows(
-    recipe: ScalingRecipe,
-    t: torch.Tensor,
-    dtype: torch.dtype,
-    margin: int,
-    col_block: int | None,
-    groups: torch.Tensor | None = None,
-    n_groups: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, scale) of a 2-D R × C tensor with one scale per (row group, block of columns).
-
-    `groups`: the group of each row (int64, R), `n_groups` their number (a static bound; groups
-    without rows get scale 1); None: every row is its own group. `col_block`: columns per block
-    (None: the whole row). The scale tensor is (groups or R) × ⌈C / col_block⌉.
-    """
-    rows, cols = t.shape
-    bc = max(cols, 1) if col_block is None else col_block
-    wide = t.detach().float()
-    if cols % bc:
-        wide = F.pad(wide, (0, -cols % bc))
-    blocks = wide.reshape(rows, -1, bc)
-    amax = blocks.abs().amax(dim=-1)  # (R, Cb); NaN propagates
-    if groups is not None:
-        index = groups[:, None].expand_as(amax)
-        amax = amax.new_zeros(n_groups, amax.shape[1]).scatter_reduce_(0, index, amax, "amax")
-    scale = _scale(recipe, amax, dtype, margin)
-    factor = scale + (amax - amax)  # NaN where the group's amax is inf or NaN
-    per_row = factor if groups is None else factor[groups]
-    limit = format_max(dtype)
-    y = (blocks * per_row[..., None]).clamp_(-limit, limit).reshape(rows, -1)[:, :cols]
-    return y.to(dtype), scale
-
-
-def dequantize_rows(
-    payload: torch.Tensor, scale: torch.Tensor, col_block: int | None, groups: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The real values of a `quantize_rows` payload, in FP32 (exact: power-of-two scales)."""
-    rows, cols = payload.shape
-    bc = max(cols, 1) if col_block is None else col_block
-    wide = widen(payload, torch.float32)
-    if cols % bc:
-        wide = F.pad(wide, (0, -cols % bc))
-    per_row = scale if groups is None else scale[groups]
-    return (wide.reshape(rows, -1, bc) / per_row[..., None]).reshape(rows, -1)[:, :cols]
-
-
-def _weight_blocks(recipe: ScalingRecipe, n: int, k: int) -> tuple[int, int]:
-    br, bc = recipe.weight_block
-    return (n if br is None else br), (k if bc is None else bc)
-
-
-def quantize_expert_weight(
-    recipe: ScalingRecipe, w: torch.Tensor, margin: int, master_scale: torch.Tensor | None = None, block=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 payload E × N × K, scales E × N/br × K/bc) of a logical expert weight, per expert.
-
-    `master_scale`: w holds real·s_m (a scaled FP16 master). The dimensions are multiples of the
-    recipe's blocks (`fp8.experts.convert_experts` keeps the others in high precision).
-    """
-    e, n, k = w.shape
-    br, bc = block or _weight_blocks(recipe, n, k)
-    blocks = w.detach().float().reshape(e, n // br, br, k // bc, bc)
-    amax = blocks.abs().amax(dim=(2, 4))
-    if master_scale is not None:
-        amax = amax / master_scale
-    scale = _scale(recipe, amax, E4M3, margin)
-    factor = scale + (amax - amax)
-    if master_scale is not None:
-        factor = factor / master_scale
-    y = (blocks * factor[:, :, None, :, None]).clamp_(-format_max(E4M3), format_max(E4M3))
-    return y.reshape(e, n, k).to(E4M3), scale
-
-
-def dequantize_expert_weight(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Real values (FP32) of an E × N × K payload with E × Nb × Kb block scales."""
-    e, n, k = payload.shape
-    nb, kb = scale.shape[1], scale.shape[2]
-    wide = widen(payload, torch.float32).reshape(e, nb, n // nb, kb, k // kb)
-    return (wide / scale[:, :, None, :, None]).reshape(e, n, k)
-
-
-def _transposed_weight(
-    recipe: ScalingRecipe, w8: torch.Tensor, sw: torch.Tensor, margin: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wᵀ (E × K × N) in FP8 with the recipe's blocks along its own rows: the same payload where
-    the blocks are whole or square (tensorwise, blockwise), else re-quantized from the exact
-    real values (rowwise, mxfp8), as the dense recipes do."""
-    br, bc = recipe.weight_block
-    whole = sw.shape[1] == 1 and sw.shape[2] == 1
-    if whole or (br is not None and br == bc):
-        return w8.transpose(1, 2), sw.transpose(1, 2)
-    real = dequantize_expert_weight(w8, sw).transpose(1, 2)
-    return quantize_expert_weight(recipe, real, margin)
 
 
 # --- routing groups ----------------------------------------------------------------------------
@@ -321,7 +224,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             if ctx.needs_input_grad[0] or (need_dw and recipe.whole_tensor):
                 g8, sg = quantize_rows(recipe, g, recipe.grad_dtype, margin, col, groups, n_groups)
             if ctx.needs_input_grad[0]:
-                wt8, swt = _transposed_weight(recipe, w8, sw, margin)  # E × K × N
+                wt8, swt = transposed_weight(recipe, w8, sw, margin)  # E × K × N
                 if native:
                     inv_wt = _column_inverse(swt, wt8.shape[1])
                     grad_x = _native_forward(g8, _row_inverse(sg, groups), wt8, inv_wt, offsets, rows)
@@ -336,8 +239,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 else:  # scales along each expert's tokens, one per column (`fp8_grouped_linear`)
                     tg, n_tg = token_groups(offsets, rows, recipe.activation_block[1])
                     gt8, sgt = quantize_rows(recipe, g, recipe.grad_dtype, margin, 1, tg, n_tg)
-                    x_exact = dequantize_rows(x8, sx, col, groups)
-                    xt8, sxt = quantize_rows(recipe, x_exact, E4M3, margin, 1, tg, n_tg)
+                    xt8, sxt = requantize_rows(recipe, x8, sx, col, groups, margin, tg, n_tg)
                     if native:  # rowwise: token groups are the experts, scales E × N and E × K
                         grad_w = _native_weight_grad(gt8, sgt.reciprocal(), xt8, sxt.reciprocal(), offsets, rows)
                     else:

@@ -21,7 +21,15 @@ from typing import Literal
 import torch
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
-from ..compiling import LARGE_ROW, call_pure, chunks_of, compiled_region, compiler_missing, takes_gpu_path
+from ..compiling import (
+    LARGE_ROW,
+    call_pure,
+    chunks_of,
+    compiled_region,
+    compiler_missing,
+    kernel_boundary,
+    takes_gpu_path,
+)
 
 __all__ = [
     "COMPILE_OPTIONS",
@@ -349,6 +357,7 @@ def _graph_over_rows(key, discard, block: int, name: str, large: bool) -> Callab
         # Staging (a zero-padded copy of a parameter that is not whole blocks, or not contiguous)
         # and its write-back run inside the graph: fused, not three eager launches per tensor.
         for (tensors, like, *rest), flag in zip(rows_args, flags):
+            kernel_boundary()  # each row's kernels are its own (its sizes are symbols of their own)
             staged, write_back = _stage_tensors(tensors, like, block)
             call_pure(key, discard, *staged, *rest, found_inf=flag)
             _unstage(write_back)

@@ -338,6 +338,14 @@ class Ledger(PhasedMode):
             return 0
         return 2 if self._open is not None and writer == self._open[1] else 1
 
+    def end_kernel(self) -> None:
+        """What the compiled call runs next is a kernel of its own (`compiling.kernel_boundary`:
+        the next row of a chunk of the optimizer's rows, which Inductor does not fuse with the
+        one before: their sizes are distinct symbols)."""
+        self._note(None)  # inside a pure call being recorded: that call is not replayed
+        self._open = None
+        self._ended = None
+
     def _note(self, entry: tuple | None) -> None:
         """Adds what `_record` did to the log of the pure call being recorded (`CallLog.note`)."""
         if self._log is not None:

@@ -79,6 +79,18 @@ class CallLog:
             self.entries.append(entry)
 
 
+def _frozen(value: Any) -> bool:
+    """A frozen dataclass instance (an FP8 scaling recipe): a plain value, compared by its fields."""
+    params = getattr(type(value), "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        return False
+    try:
+        hash(value)
+    except TypeError:  # a field that is not a plain value
+        return False
+    return True
+
+
 def signature(key: Any, args: tuple, kwargs: dict) -> tuple | None:
     """What a pure call's operations depend on (aliasing aside), or None where it cannot be told."""
     parts: list = [key, tuple(kwargs)]
@@ -87,7 +99,7 @@ def signature(key: Any, args: tuple, kwargs: dict) -> tuple | None:
             if type(v) not in PLAIN:
                 return None
             parts.append((v.shape, v.stride(), v.dtype, v.requires_grad))
-        elif v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        elif v is None or isinstance(v, (bool, int, float, str, torch.dtype)) or _frozen(v):
             parts.append((type(v), v))
         else:
             return None

@@ -190,6 +190,37 @@ def test_the_rl_section_measures_the_frozen_models_it_keeps(tmp_path, monkeypatc
     assert all(math.isfinite(row["loss"]) for row in got.values())
 
 
+def test_the_moe_section_measures_an_experts_layer_at_deepseek_v3_s_shape_first(tmp_path, monkeypatch):
+    """Issue #67's second shape: the `moe` section first times one experts layer, BF16 grouped GEMMs
+    against the same layer in FP8 rowwise, at DeepSeek-V3's expert shape (each of 8 experts gets
+    2048 tokens), then the model's rows in what is left of its budget. At toy sizes on the CPU
+    (the model's rows left out: their first step compiles for minutes here): the routing gives
+    every expert its even share, the FP8 row's module is converted, both rows come back with the
+    ratio and the goal."""
+    import device_check_moe as moe
+
+    from hf_lowprec.fp8.experts import FP8Experts
+    from hf_lowprec.grouped_experts import GroupedExperts
+
+    full = moe.LAYER
+    assert (full["hidden"], full["width"], full["experts"]) == (7168, 2048, 8)
+    assert full["tokens"] * full["top_k"] // full["experts"] == 2048
+    for recipe, kind in ((None, GroupedExperts), ("rowwise", FP8Experts)):
+        module, x, index, weights = moe.experts_layer(recipe, moe.LAYER_SMOKE, "cpu")
+        assert isinstance(module, kind) and x.dtype == weights.dtype == torch.bfloat16
+        counts = torch.bincount(index.flatten(), minlength=module.num_experts)
+        assert (counts == x.shape[0] * index.shape[1] // module.num_experts).all()
+        assert all(len(set(row)) == index.shape[1] for row in index.tolist())  # k distinct experts
+    monkeypatch.setattr(moe, "ROWS", ())
+    device_check.main(["run", "moe", "--out", str(tmp_path), "--device", "cpu", "--smoke", "--budget", "120"])
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert [row["row"] for row in rows] == [label for label, _ in moe.LAYER_ROWS]
+    bf16, fp8 = rows[0], rows[1]
+    assert bf16["TFLOP/s"] >= 0 and fp8["step ms"] > 0 and "goal ≥ 1.25×" in fp8["note"]
+    assert fp8["× bf16-pure"] == pytest.approx(bf16["step ms"] / fp8["step ms"], rel=0.01)
+    assert "no CUDA device" in fp8["rule"]
+
+
 def test_the_bundle_carries_the_ledger_s_prediction_for_each_row(tmp_path):
     """`make device-bundle` counts each row's predicted step (docs/planning.md) on the CPU, so the
     device check prints it beside the measured one without spending device time on counting."""

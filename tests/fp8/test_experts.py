@@ -215,6 +215,46 @@ def test_three_gemms_are_the_exact_fp8_products_and_within_the_snr_floor(name, t
     check_against_reference(name, x, w, dy, COUNTS, transposed, snr=True)
 
 
+@pytest.mark.compiles_step
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_gpus_grouped_casts_are_compiled_graphs_with_the_eager_bits(name, monkeypatch):
+    """On a GPU every cast of the grouped GEMM (an operand's scales and payload, an expert weight's,
+    the re-quantized Wᵀ and xᵀ of the finer recipes) is one compiled graph (`compiling.run_fused`):
+    eagerly each was about ten passes over FP32 temporaries, the size of the operand, and an FP32
+    copy of every expert weight. Compiled here (the GPU's paths on CPU tensors), forward and
+    backward give the eager path's bits, for experts of spread magnitudes and odd token counts,
+    and for a scaled FP16 master."""
+    from hf_lowprec import compiling
+    from hf_lowprec.fp8.grouped import quantize_expert_weight
+    from hf_lowprec.fp8.scaled import pow2_scale, quantize, tensor_amax
+
+    compiled = []
+    run = compiling._run_compiled
+    monkeypatch.setattr(compiling, "_run_compiled", lambda fn, *a: compiled.append(fn.__name__) or run(fn, *a))
+    x, w, dy = operands(COUNTS, **MAGNITUDES)
+    eager = run_grouped(name, x, w, dy, COUNTS)
+    with compiling.gpu_paths():
+        fused = run_grouped(name, x, w, dy, COUNTS)
+    for what, got, want in zip(("y", "dx", "dW"), fused, eager):
+        assert_bits_equal(got, want, f"{name} {what}")
+    expected = {"_quantize_rows", "_quantize_expert_weight"}
+    if name in ("rowwise", "mxfp8"):  # Wᵀ re-quantized along its own rows
+        expected.add("_requantized_transpose")
+    if name != "tensorwise":  # xᵀ re-quantized along each expert's tokens
+        expected.add("_requantized_rows")
+    assert set(compiled) == expected, compiled
+    recipe = scaling_recipe(name)
+    master = w.half()
+    master_scale = pow2_scale(tensor_amax(master), torch.float16)
+    master = quantize(master, master_scale, torch.float16)
+    want = quantize_expert_weight(recipe, master, 1, master_scale)
+    with compiling.gpu_paths():
+        got = quantize_expert_weight(recipe, master, 1, master_scale)
+    assert_bits_equal(got[0], want[0], "scaled master's payload")
+    assert_bits_equal(got[1], want[1], "scaled master's scales")
+    assert not compiling._broken, compiling._broken
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_scales_follow_the_recipe_rule_per_expert(name):
     """The module's own scales and payloads are the reference's, bit for bit: the weight's per

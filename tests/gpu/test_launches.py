@@ -197,7 +197,13 @@ def _outside(counted):
 
 
 # Graphs over every gradient, compiled in chunks of rows (`compiling.run_fused_rows`).
-CHUNKED = ("_gradients_roundtrip", "_gradients_into", "unscale_half_together", "_squares_of_dense", "_squares_of_stored")
+CHUNKED = (
+    "_gradients_roundtrip",
+    "_gradients_into",
+    "unscale_half_together",
+    "_squares_of_dense",
+    "_squares_of_stored",
+)
 
 
 def _chunk_calls(counted):
