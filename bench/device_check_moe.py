@@ -140,12 +140,12 @@ def experts_layer(recipe: str | None, shape: dict[str, int], device: str) -> tup
         "deepseek_v3", hidden=shape["hidden"], intermediate=shape["width"], experts=experts, top_k=top_k
     )
     config._experts_implementation = "grouped_mm"
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)  # drawn on the device: 0.35 B weights
     with torch.device(device):
         module = DeepseekV3Experts(config)
     with torch.no_grad():
         for weight in (module.gate_up_proj, module.down_proj):
-            weight.copy_(torch.randn(weight.shape, generator=generator).mul_(0.02))
+            weight.normal_(0.0, 0.02, generator=generator)
     module = module.to(torch.bfloat16)
     if recipe is None:
         install_grouped_experts(module)
@@ -153,9 +153,9 @@ def experts_layer(recipe: str | None, shape: dict[str, int], device: str) -> tup
         converted, skipped = convert_experts(module, recipe=recipe)
         if not converted:
             raise RuntimeError(f"the experts layer was not converted to FP8: {skipped}")
-    x = torch.randn(tokens, shape["hidden"], generator=generator).to(device, torch.bfloat16).requires_grad_()
+    x = torch.randn(tokens, shape["hidden"], generator=generator, device=device).bfloat16().requires_grad_()
     index = (torch.arange(tokens)[:, None] + torch.arange(top_k)[None] * (experts // top_k)) % experts
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).to(device, torch.bfloat16)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator, device=device), -1).bfloat16()
     return module, x, index.to(device), weights
 
 
@@ -188,7 +188,8 @@ def measure_layer(label: str, recipe: str | None, args: argparse.Namespace) -> d
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     module, x, index, weights = experts_layer(recipe, shape, args.device)
-    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(args.device, torch.bfloat16)
+    generator = torch.Generator(args.device).manual_seed(1)
+    grad = torch.randn(x.shape, generator=generator, device=args.device).bfloat16()
 
     def step() -> Any:
         with torch.autocast(args.device, dtype=torch.bfloat16):
