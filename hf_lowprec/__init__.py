@@ -9,6 +9,7 @@ Every name here is imported on first use (`get_strategy` imports torch and the s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -33,6 +34,14 @@ _LAZY = {
     "PrecisionCallback": "hf_lowprec.integrations.trainer",
     "PrecisionPlugin": "hf_lowprec.integrations.accelerate",
 }
+
+
+# 16-bit GEMMs as FP32 GEMMs rounded once on CPUs without 16-bit GEMM instructions, when asked
+# (hf_lowprec/cpu_gemm.py): read here so that every process of a run, children included, has it.
+if os.environ.get("HF_LOWPREC_CPU_GEMM", "").strip().lower() not in ("", "native"):
+    from hf_lowprec import cpu_gemm as _cpu_gemm
+
+    _cpu_gemm.install_if_asked()
 
 
 def __getattr__(name: str) -> Any:

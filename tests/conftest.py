@@ -16,6 +16,11 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
 # Compile in-process: a pool of compile workers costs more CPU to start than these few kernels.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A CPU without AVX-512 runs torch's BF16 and FP16 matrix products in a scalar loop, 15 to 50 times
+# slower than FP32 ones: there the suite computes them as FP32 GEMMs of the exact upcasts rounded
+# once (hf_lowprec/cpu_gemm.py; the processes the tests start inherit the setting). Set
+# HF_LOWPREC_CPU_GEMM=native to run torch's own kernels instead.
+os.environ.setdefault("HF_LOWPREC_CPU_GEMM", "auto")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from intra-op threads, and OpenMP threads spinning against other
 # processes (the subprocess tests, a busy CI core) slow a step down by 10x or more.
@@ -23,6 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import hf_lowprec  # noqa: E402, F401 (installs the FP32 GEMMs HF_LOWPREC_CPU_GEMM asks for)
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
