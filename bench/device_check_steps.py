@@ -333,6 +333,7 @@ def run_optim(args: argparse.Namespace, context: dict[str, Any]) -> None:
     from gpu_check import optimizer_times
 
     import hf_lowprec
+    from hf_lowprec.optim.dispatch import combo_rows
 
     report = Report(
         args.out,
@@ -362,7 +363,16 @@ def run_optim(args: argparse.Namespace, context: dict[str, Any]) -> None:
             | {"goal": "met" if t <= base else "missed"}
         )
 
-    optimizer_times(device, numel, time.monotonic() + args.budget - 5, names, on_row=add)
+    deadline = time.monotonic() + args.budget - 5
+    # After the two headline rows, bf16-mixed again with combo kernels over each chunk's rows (one
+    # launch per chunk where the default has one per row): which of the two is faster on the GPU
+    # decides the default (`optim.dispatch.combo_rows`; docs/gpu.md).
+    optimizer_times(device, numel, deadline, names[:2], on_row=add)
+    with combo_rows():
+        optimizer_times(
+            device, numel, deadline, ["bf16-mixed"], on_row=lambda b, n, t: add(b, f"{n}, combo kernels", t)
+        )
+    optimizer_times(device, numel, deadline, names[2:], on_row=add)
     report.finish()
 
 

@@ -15,10 +15,11 @@ import os
 import traceback
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
+import torch._inductor.config
 import torch.fx.experimental._config as _SHAPE_CONFIG
 
 from ..compiling import (
@@ -38,6 +39,7 @@ __all__ = [
     "FusedMode",
     "ParamStep",
     "check_fused_mode",
+    "combo_rows",
     "run_bucket",
 ]
 
@@ -66,7 +68,16 @@ COMPILE_OPTIONS = {
 PARALLEL_MIN_NUMEL = 32768
 # No combo kernels on CUDA: they share one block size among the rows of a kernel, reductions
 # included, and the step ran at half to a tenth of torch's fused AdamW's pace with them (an H200,
-# 2026-12-04). The rows are stepped in chunks (`compiling.chunks_of`).
+# 2026-12-04). The rows are stepped in chunks (`compiling.chunks_of`). `combo_rows()` builds the
+# graphs over rows with pointwise combo kernels, each row with block sizes of its own where this
+# Inductor has the options (a chunk of eight AdamW rows: one launch, not eight); the device check's
+# `optim` section times it beside the default, so that a GPU decides between the two.
+_COMBO_OPTIONS = {
+    name: True
+    for name in ("combo_kernels", "combo_kernels_pointwise_only", "combo_kernel_per_subkernel_blocks")
+    if hasattr(torch._inductor.config, name)
+}
+_combo = False
 # One graph per (family, dtypes, device): a process that trains several strategies needs more
 # than dynamo's default of 8 recompiles before it would give up on the function.
 _RECOMPILE_LIMIT = 64
@@ -349,7 +360,7 @@ def _rows_args(rows: Sequence[ParamStep], block: int) -> list[tuple]:
 
 def _graph_over_rows(key, discard, block: int, name: str, large: bool) -> Callable[..., object]:
     """The compiled callable stepping a chunk of rows (one per composition, block and size class)."""
-    index = (key, name, block, large)  # `block`, a constant of the graph
+    index = (key, name, block, large, _combo)  # `block`, a constant of the graph
     if index in _graphs:
         return _graphs[index]
 
@@ -363,11 +374,24 @@ def _graph_over_rows(key, discard, block: int, name: str, large: bool) -> Callab
             _unstage(write_back)
 
     # A code object of its own per size class: dynamo keeps graphs per code object.
-    own_name = f"{name}_{'large' if large else 'small'}"
+    own_name = f"{name}_{'large' if large else 'small'}{'_combo' if _combo else ''}"
     code = together.__code__.replace(co_name=own_name)
     own = types.FunctionType(code, together.__globals__, own_name, together.__defaults__, together.__closure__)
-    _graphs[index] = torch.compile(own, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+    options = {**COMPILE_OPTIONS, **_COMBO_OPTIONS} if _combo else COMPILE_OPTIONS
+    _graphs[index] = torch.compile(own, dynamic=True, fullgraph=True, options=options)
     return _graphs[index]
+
+
+@contextlib.contextmanager
+def combo_rows(enabled: bool = True) -> Iterator[None]:
+    """Inside: a GPU's graphs over rows are built (and taken) with pointwise combo kernels, one
+    launch for a chunk's elementwise rows; the same bits (the rows' arithmetic is unchanged)."""
+    global _combo
+    before, _combo = _combo, enabled
+    try:
+        yield
+    finally:
+        _combo = before
 
 
 def _raised_at(error: BaseException) -> str:

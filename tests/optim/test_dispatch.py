@@ -727,3 +727,39 @@ def test_device_scalar_rows_are_one_graph_with_the_hosts_bits_whatever_the_lr():
         host = adamw_scalars(4, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
         assert torch.equal(row, torch.tensor(host, dtype=torch.float32))
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_combo_rows_builds_the_graphs_over_rows_with_pointwise_combo_kernels(monkeypatch):
+    """`combo_rows()` (the device check's second bf16-mixed row): the graphs over rows are built
+    with Inductor's pointwise combo kernels, each row with its own block sizes where this torch has
+    the option, under a code object of their own (the default's graphs stay as they were), and step
+    with the reference's bits; outside it the default's options, no combo kernels."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.optim import dispatch
+
+    built = {}
+    real = torch.compile
+
+    def recording(fn, **kwargs):
+        built[fn.__name__] = kwargs.get("options", {})
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    for name, fresh in (("_graphs", {}), ("_broken", set()), ("_logged", set())):
+        monkeypatch.setattr(dispatch, name, fresh)
+    dtype, make = FAMILIES["plain-fp32"]
+    with gpu_paths(), torch.compiler.set_stance("force_eager"):
+        default = _run(make, "compiled", 2, params=_params(dtype))
+        with dispatch.combo_rows():
+            combo = _run(make, "compiled", 2, params=_params(dtype))
+    reference = _run(make, "reference", 2, params=_params(dtype))
+    rows = {name: options for name, options in built.items() if "_rows_" in name}
+    with_combo = {name for name in rows if name.endswith("_combo")}
+    assert with_combo and len(with_combo) < len(rows), sorted(rows)
+    for name, options in rows.items():
+        assert bool(options.get("combo_kernels")) == (name in with_combo), (name, options)
+        if name in with_combo:
+            assert options.get("combo_kernels_pointwise_only", True), options
+    assert not dispatch._combo  # the context restores the default
+    _assert_same_bits(*combo, *reference)
+    _assert_same_bits(*default, *reference)
