@@ -17,6 +17,8 @@ from .grouped_casts import (  # the casts' names, importable from here too, as b
     dequantize_rows,
     quantize_expert_weight,
     quantize_rows,
+    real_expert_weight,
+    real_rows,
     requantize_rows,
     transposed_weight,
 )
@@ -201,8 +203,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
                 inv_w = _column_inverse(sw, w8.shape[1])
                 out = _native_forward(x8, _row_inverse(sx, groups), w8, inv_w, offsets, rows)
             else:
-                w_real = dequantize_expert_weight(w8, sw)  # logical E × N × K
-                out = _grouped_mm(dequantize_rows(x8, sx, col, groups), w_real.transpose(1, 2), offsets)
+                w_real = real_expert_weight(w8, sw, GEMM_OUT_DTYPE)  # logical E × N × K
+                out = _grouped_mm(real_rows(x8, sx, col, groups, GEMM_OUT_DTYPE), w_real.transpose(1, 2), offsets)
         ctx.save_for_backward(x8, sx, w8, sw, offsets, rows)
         ctx.config, ctx.transposed, ctx.native = config, transposed, native
         ctx.x_dtype, ctx.weight_dtype, ctx.grad_sink = x.dtype, weight.dtype, grad_sink
@@ -229,12 +231,14 @@ class _FP8GroupedLinear(torch.autograd.Function):
                     inv_wt = _column_inverse(swt, wt8.shape[1])
                     grad_x = _native_forward(g8, _row_inverse(sg, groups), wt8, inv_wt, offsets, rows)
                 else:
-                    g_real = dequantize_rows(g8, sg, col, groups)
-                    grad_x = _grouped_mm(g_real, dequantize_expert_weight(wt8, swt).transpose(1, 2), offsets)
+                    g_real = real_rows(g8, sg, col, groups, GEMM_OUT_DTYPE)
+                    wt_real = real_expert_weight(wt8, swt, GEMM_OUT_DTYPE)
+                    grad_x = _grouped_mm(g_real, wt_real.transpose(1, 2), offsets)
                 grad_x = grad_x.to(ctx.x_dtype)
             if need_dw:
                 if recipe.whole_tensor:  # the per-expert scales hold along the tokens too
-                    g_real, x_real = dequantize_rows(g8, sg, None, rows), dequantize_rows(x8, sx, None, rows)
+                    g_real = real_rows(g8, sg, None, rows, GEMM_OUT_DTYPE)
+                    x_real = real_rows(x8, sx, None, rows, GEMM_OUT_DTYPE)
                     grad_w = _grouped_mm(g_real.t(), x_real, offsets)  # logical E × N × K
                 else:  # scales along each expert's tokens, one per column (`fp8_grouped_linear`)
                     tg, n_tg = token_groups(offsets, rows, recipe.activation_block[1])
@@ -243,7 +247,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
                     if native:  # rowwise: token groups are the experts, scales E × N and E × K
                         grad_w = _native_weight_grad(gt8, sgt.reciprocal(), xt8, sxt.reciprocal(), offsets, rows)
                     else:
-                        g_real, x_real = dequantize_rows(gt8, sgt, 1, tg), dequantize_rows(xt8, sxt, 1, tg)
+                        g_real = real_rows(gt8, sgt, 1, tg, GEMM_OUT_DTYPE)
+                        x_real = real_rows(xt8, sxt, 1, tg, GEMM_OUT_DTYPE)
                         grad_w = _grouped_mm(g_real.t(), x_real, offsets)
                 # An expert without tokens has no gradient: exactly zero, whatever a grouped
                 # kernel leaves in an empty group's output (on the device, no sync).

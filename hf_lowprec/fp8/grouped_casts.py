@@ -20,6 +20,8 @@ __all__ = [
     "dequantize_rows",
     "quantize_expert_weight",
     "quantize_rows",
+    "real_expert_weight",
+    "real_rows",
     "requantize_rows",
     "transposed_weight",
 ]
@@ -120,6 +122,24 @@ def dequantize_rows(
     return (wide.reshape(rows, -1, bc) / per_row[..., None]).reshape(rows, -1)[:, :cols]
 
 
+def real_rows(
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    col_block: int | None,
+    groups: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`dequantize_rows` in `dtype`: the emulated grouped GEMM's operand (an FP8 value over a power
+    of two is exact in BF16). On a GPU one compiled graph, no FP32 copy of the operand in memory."""
+    if takes_gpu_path(payload.device):
+        return run_fused(_real_rows, payload, scale, col_block, groups, dtype, like=payload)
+    return _real_rows(payload, scale, col_block, groups, dtype)
+
+
+def _real_rows(payload, scale, col_block, groups, dtype):
+    return dequantize_rows(payload, scale, col_block, groups).to(dtype)
+
+
 def _weight_blocks(recipe: ScalingRecipe, n: int, k: int) -> tuple[int, int]:
     br, bc = recipe.weight_block
     return (n if br is None else br), (k if bc is None else bc)
@@ -163,6 +183,17 @@ def dequantize_expert_weight(payload: torch.Tensor, scale: torch.Tensor) -> torc
     nb, kb = scale.shape[1], scale.shape[2]
     wide = widen(payload, torch.float32).reshape(e, nb, n // nb, kb, k // kb)
     return (wide / scale[:, :, None, :, None]).reshape(e, n, k)
+
+
+def real_expert_weight(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_expert_weight` in `dtype` (exact, as `real_rows`); on a GPU one compiled graph."""
+    if takes_gpu_path(payload.device):
+        return run_fused(_real_expert_weight, payload, scale, dtype, like=payload)
+    return _real_expert_weight(payload, scale, dtype)
+
+
+def _real_expert_weight(payload, scale, dtype):
+    return dequantize_expert_weight(payload, scale).to(dtype)
 
 
 def transposed_weight(

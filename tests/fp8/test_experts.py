@@ -219,7 +219,8 @@ def test_three_gemms_are_the_exact_fp8_products_and_within_the_snr_floor(name, t
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_gpus_grouped_casts_are_compiled_graphs_with_the_eager_bits(name, monkeypatch):
     """On a GPU every cast of the grouped GEMM (an operand's scales and payload, an expert weight's,
-    the re-quantized Wᵀ and xᵀ of the finer recipes) is one compiled graph (`compiling.run_fused`):
+    the re-quantized Wᵀ and xᵀ of the finer recipes, and the emulated GEMM's exact BF16 operands,
+    which CPU tensors always take) is one compiled graph (`compiling.run_fused`):
     eagerly each was about ten passes over FP32 temporaries, the size of the operand, and an FP32
     copy of every expert weight. Compiled here (the GPU's paths on CPU tensors), forward and
     backward give the eager path's bits, for experts of spread magnitudes and odd token counts,
@@ -237,7 +238,7 @@ def test_a_gpus_grouped_casts_are_compiled_graphs_with_the_eager_bits(name, monk
         fused = run_grouped(name, x, w, dy, COUNTS)
     for what, got, want in zip(("y", "dx", "dW"), fused, eager):
         assert_bits_equal(got, want, f"{name} {what}")
-    expected = {"_quantize_rows", "_quantize_expert_weight"}
+    expected = {"_quantize_rows", "_quantize_expert_weight", "_real_rows", "_real_expert_weight"}
     if name in ("rowwise", "mxfp8"):  # Wᵀ re-quantized along its own rows
         expected.add("_requantized_transpose")
     if name != "tensorwise":  # xᵀ re-quantized along each expert's tokens
