@@ -78,17 +78,20 @@ def device_scalar_rows(
     loop), every other operation is one IEEE-rounded FP64 operation. Nothing is copied from the
     host to the device. One compiled graph (`run_fused`; eagerly, about twenty launches a
     step per bucket): lr and the other hyper-parameters enter it as numbers, not constants, so a
-    schedule changing lr does not compile it again."""
-    return run_fused(_device_scalar_rows, steps, lr, beta1, beta2, eps, weight_decay, like=steps[0])
+    schedule changing lr does not compile it again. The counts enter it stacked, one tensor of
+    any length (a list is guarded on its length: a graph per bucket size, and a process that met
+    33 sizes hit the recompile limit and ran the eager operations from then on)."""
+    counts = torch.stack(steps)
+    return list(run_fused(_device_scalar_table, counts, lr, beta1, beta2, eps, weight_decay, like=counts).unbind(0))
 
 
-def _device_scalar_rows(
-    steps: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
-) -> list[torch.Tensor]:
+def _device_scalar_table(
+    counts: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+) -> torch.Tensor:
     # The betas are constants of the graph; lr, eps and the decay meet tensors only in tensor
     # arithmetic (not as a multi-tensor op's scalar), so they stay inputs of the graph: exact
     # products by 1 make them tensors, then each slot is the host's FP64 operation.
-    t = torch.stack(steps) + 1.0
+    t = counts + 1.0
     one = torch.ones_like(t)
     c1 = -torch.pow(beta1, t) + 1.0  # fl(1 − β1^t): negation is exact
     c2 = -torch.pow(beta2, t) + 1.0
@@ -101,5 +104,5 @@ def _device_scalar_rows(
         torch.clamp_min(sqrt_c2 * (one * eps), _TINY),
         -(one * lr) * weight_decay,  # −α·λ
     ]
-    # One (parameters × 6) table, each row a view of it.
-    return list(torch.stack(columns, dim=1).float().unbind(0))
+    # One (parameters × 6) table; the caller's rows are views of it.
+    return torch.stack(columns, dim=1).float()

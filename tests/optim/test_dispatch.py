@@ -727,6 +727,16 @@ def test_device_scalar_rows_are_one_graph_with_the_hosts_bits_whatever_the_lr():
         host = adamw_scalars(4, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
         assert torch.equal(row, torch.tensor(host, dtype=torch.float32))
     assert counters["stats"]["unique_graphs"] == before
+    # Buckets of any size share the graph: 40 sizes compile nothing new (a list of counts was
+    # guarded on its length, and the 33rd size in a process hit the recompile limit).
+    from hf_lowprec import compiling
+    from hf_lowprec.optim.scalars import _device_scalar_table
+
+    for n in range(2, 42):
+        rows = device_scalar_rows([torch.tensor(float(n), dtype=torch.float64)] * n, **hyper)
+        assert len(rows) == n and torch.equal(rows[-1], torch.tensor(adamw_scalars(n + 1, **hyper)).float())
+    assert counters["stats"]["unique_graphs"] <= before + 2  # the new hyper-parameters' betas, n = 2's shape
+    assert _device_scalar_table not in compiling._broken
 
 
 def test_combo_rows_builds_the_graphs_over_rows_with_pointwise_combo_kernels(monkeypatch):
