@@ -360,7 +360,7 @@ def _rows_args(rows: Sequence[ParamStep], block: int) -> list[tuple]:
 
 def _graph_over_rows(key, discard, block: int, name: str, large: bool) -> Callable[..., object]:
     """The compiled callable stepping a chunk of rows (one per composition, block and size class)."""
-    index = (key, name, block, large, _combo)  # `block`, a constant of the graph
+    index = (key, name, block, _combo, large)  # `block`, a constant of the graph
     if index in _graphs:
         return _graphs[index]
 
