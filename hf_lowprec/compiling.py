@@ -9,7 +9,9 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import shutil
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -29,6 +31,8 @@ __all__ = [
     "count_model_as_compiled",
     "in_compiled_model",
     "kernel_boundary",
+    "one_graph_for_every_size",
+    "raised_at",
     "run_fused",
     "run_fused_rows",
     "takes_gpu_path",
@@ -302,3 +306,39 @@ def _sized(fn: _F, large: bool) -> _F:
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__, own.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     return own  # type: ignore[return-value]
+
+
+def raised_at(error: BaseException) -> str:
+    """Where `error` was raised (its innermost frame), for the log line of a compile failure: an
+    Inductor error often has an empty message (a bare assert), and the fallback hides the traceback."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", raised at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def one_graph_for_every_size() -> contextlib.AbstractContextManager:
+    """Two habits of dynamic shapes would compile a composition more than once (each graph of a
+    grouped format costs about a minute on two CPU cores):
+
+    - a dimension of size 1 is specialised even under `dynamic=True`: a group format's first
+      parameter of one block (a bias, a LayerNorm weight) or a one-element parameter would get a
+      graph of its own. Size-oblivious reasoning keeps the general graph; the step broadcasts no
+      size-1 dimension, so its values are the same;
+    - duck sizing gives two dimensions one symbol when their first sizes happen to be equal (a
+      staged parameter and a stored payload of another layout), and the first parameter where
+      they differ recompiles. Dimensions the step really combines are still unified, by guards."""
+    import torch.fx.experimental._config as shape_config
+
+    options = _one_graph_options()
+    return shape_config.patch(**options) if options else contextlib.nullcontext()
+
+
+@functools.cache
+def _one_graph_options() -> dict[str, bool]:
+    """Decided once, not at every step (older torch releases lack one or both options)."""
+    import torch.fx.experimental._config as shape_config
+
+    wanted = {"backed_size_oblivious": True, "use_duck_shape": False}
+    return {name: value for name, value in wanted.items() if hasattr(shape_config, name)}

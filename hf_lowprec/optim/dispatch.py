@@ -11,8 +11,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import os
-import traceback
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +18,6 @@ from typing import Literal
 
 import torch
 import torch._inductor.config
-import torch.fx.experimental._config as _SHAPE_CONFIG
 
 from ..compiling import (
     LARGE_ROW,
@@ -29,6 +26,8 @@ from ..compiling import (
     compiled_region,
     compiler_missing,
     kernel_boundary,
+    one_graph_for_every_size,
+    raised_at,
     takes_gpu_path,
 )
 
@@ -281,7 +280,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> Sequence
         if not left:
             return left
         rows = left
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _one_graph_for_every_size():
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), one_graph_for_every_size():
         for index, row in enumerate(rows):
             staged, write_back = _stage(row, block)
             if block > 1:
@@ -300,7 +299,7 @@ def _run_compiled(key, function, block, rows, mode, device, counter) -> Sequence
                 _broken.add((key, device.type))
                 _log_once(
                     logging.WARNING,
-                    f"compiling {key} failed ({type(error).__name__}: {error}{_raised_at(error)}); using the reference",
+                    f"compiling {key} failed ({type(error).__name__}: {error}{raised_at(error)}); using the reference",
                 )
                 return rows
             _unstage(write_back)
@@ -319,7 +318,7 @@ def _run_compiled_together(key, discard, block, rows) -> list[ParamStep]:
         groups.setdefault(_group_of(row, block), []).append(row)
     name, order, done = f"{discard.__name__}_rows", [row for group in groups.values() for row in group], 0
     try:
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _one_graph_for_every_size():
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), one_graph_for_every_size():
             for (*_, large), group in groups.items():
                 graph = _graph_over_rows(key, discard, block, name, large)
                 rows_args, flags = _rows_args(group, block), [_flag(row)["found_inf"] for row in group]
@@ -331,7 +330,7 @@ def _run_compiled_together(key, discard, block, rows) -> list[ParamStep]:
         _broken.add((key, "rows"))
         _log_once(
             logging.WARNING,
-            f"compiling {key} over rows failed ({type(error).__name__}: {error}{_raised_at(error)}); "
+            f"compiling {key} over rows failed ({type(error).__name__}: {error}{raised_at(error)}); "
             "stepping it one row at a time",
         )
     return order[done:]
@@ -392,38 +391,6 @@ def combo_rows(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _combo = before
-
-
-def _raised_at(error: BaseException) -> str:
-    """Where `error` was raised (its innermost frame), for the log line of a compile failure: an
-    Inductor error often has an empty message (a bare assert), and the fallback hides the traceback."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f", raised at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
-
-
-def _one_graph_for_every_size() -> contextlib.AbstractContextManager:
-    """Two habits of dynamic shapes would compile a composition more than once (each graph of a
-    grouped format costs about a minute on two CPU cores):
-
-    - a dimension of size 1 is specialised even under `dynamic=True`: a group format's first
-      parameter of one block (a bias, a LayerNorm weight) or a one-element parameter would get a
-      graph of its own. Size-oblivious reasoning keeps the general graph; the step broadcasts no
-      size-1 dimension, so its values are the same;
-    - duck sizing gives two dimensions one symbol when their first sizes happen to be equal (a
-      staged parameter and a stored payload of another layout), and the first parameter where
-      they differ recompiles. Dimensions the step really combines are still unified, by guards."""
-    return _SHAPE_CONFIG.patch(**_ONE_GRAPH_OPTIONS) if _ONE_GRAPH_OPTIONS else contextlib.nullcontext()
-
-
-# Decided once at import, not at every step (older torch releases lack one or both options).
-_ONE_GRAPH_OPTIONS = {
-    name: value
-    for name, value in {"backed_size_oblivious": True, "use_duck_shape": False}.items()
-    if hasattr(_SHAPE_CONFIG, name)
-}
 
 
 def _flag(row: ParamStep) -> dict[str, torch.Tensor]:
