@@ -32,6 +32,7 @@ __all__ = [
     "in_compiled_model",
     "kernel_boundary",
     "one_graph_for_every_size",
+    "own_graphs",
     "raised_at",
     "run_fused",
     "run_fused_rows",
@@ -295,12 +296,18 @@ def run_fused_rows(fn: Callable[..., Any], rows: list[Any], *args: Any, like: An
     return results
 
 
-@functools.cache
 def _sized(fn: _F, large: bool) -> _F:
-    """`fn` with a code object of its own for the large size class (dynamo keeps graphs per code
-    object), under the same name: a launch counter sees the same graph."""
-    if not large:
-        return fn
+    """`fn` with a code object of its own for the large size class, under the same name: a launch
+    counter sees the same graph."""
+    return own_graphs(fn, "large") if large else fn
+
+
+@functools.cache
+def own_graphs(fn: _F, key: Any) -> _F:
+    """`fn` with a code object of its own for `key`, under the same name. Dynamo keeps graphs, and
+    counts its recompile limit, per code object: a function whose calls differ in something its
+    graph is guarded on (a list's length: one graph per length) gets a copy per value, so that no
+    number of values reaches the limit (past it, dynamo runs the eager operations for good)."""
     import types
 
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiling import run_fused
+from ..compiling import own_graphs, run_fused
 
 __all__ = ["REASONS", "gather", "settle", "weigh"]
 
@@ -29,8 +29,8 @@ REASONS = {
 def gather(flushes: torch.Tensor, counts: list[torch.Tensor]) -> None:
     """flushes[0] += counts and flushes[1] += counts: one forward's [flushed, non-zero] of each
     watched layer (rows in the guard's order) into the step's sums and the sums since the last
-    check, in one graph."""
-    run_fused(_gather, flushes, counts, like=flushes)
+    check, in one graph (one per number of layers: `own_graphs`, a list's length is guarded on)."""
+    run_fused(own_graphs(_gather, len(counts)), flushes, counts, like=flushes)
 
 
 def _gather(flushes, counts):

@@ -871,3 +871,24 @@ def test_a_model_compiled_whole_is_guarded_with_no_break_or_recompile_of_its_own
     assert runs[True].new_graphs == 0, runs[True].recompiles_summary()
     counted = strategy.guard._flushes[1].tolist()
     assert len(counted) == len(strategy.guard.layers) and all(nonzero > 0 for _, nonzero in counted), counted
+
+
+def test_gathering_flush_counts_stays_compiled_for_any_number_of_layers(monkeypatch):
+    """`judging.gather` takes one count per watched layer, a list whose length its graph is
+    guarded on: a process that guards models of more depths than dynamo's recompile limit per
+    function (32 here; 2 in this test, so that four depths show it) keeps one compiled graph per
+    depth, with exact sums. Before, the depth past the limit failed to compile and the gather ran
+    its eager operations for good."""
+    from hf_lowprec import compiling
+    from hf_lowprec.guard import judging
+
+    monkeypatch.setattr(compiling, "_RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(compiling, "_broken", {})
+    for layers in (1, 2, 3, 4):
+        flushes = torch.zeros(2, layers, 2)
+        counts = [torch.tensor([float(i), float(i + layers)]) for i in range(layers)]
+        judging.gather(flushes, counts)
+        judging.gather(flushes, counts)
+        expected = 2 * torch.stack(counts)
+        assert torch.equal(flushes[0], expected) and torch.equal(flushes[1], expected), layers
+    assert not compiling._broken, compiling._broken
