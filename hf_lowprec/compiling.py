@@ -302,12 +302,22 @@ def _sized(fn: _F, large: bool) -> _F:
     return own_graphs(fn, "large") if large else fn
 
 
-@functools.cache
 def own_graphs(fn: _F, key: Any) -> _F:
     """`fn` with a code object of its own for `key`, under the same name. Dynamo keeps graphs, and
     counts its recompile limit, per code object: a function whose calls differ in something its
     graph is guarded on (a list's length: one graph per length) gets a copy per value, so that no
-    number of values reaches the limit (past it, dynamo runs the eager operations for good)."""
+    number of values reaches the limit (past it, dynamo runs the eager operations for good).
+    While dynamo traces a caller (a model compiled whole), `fn` itself: the call is part of that
+    graph, and making a code object would break it."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return fn
+    return _own_graphs(fn, key)
+
+
+@functools.cache
+def _own_graphs(fn: _F, key: Any) -> _F:
     import types
 
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
