@@ -58,6 +58,13 @@ def _buildmap_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor,
     return values, (values[1:] + values[:-1]) / 2
 
 
+# Traced by dynamo, `torch.tensor` of 256 Python floats becomes a stack of 256 scalar tensors:
+# Inductor then schedules each one (about 1,500 nodes per map) and a collage-8bit step took a
+# minute and a half to compile. Kept whole in the graph, it is traced by AOTAutograd instead,
+# which records one constant tensor.
+_buildmap_in_graph = torch._dynamo.allow_in_graph(_buildmap_tensors)
+
+
 # Eagerly, the map tensors are built once per (map, device) — once per fake mode for tensors of a
 # FakeTensorMode — so that a step makes no copy from the host; a compiled step builds them from
 # the tuples instead, as graph constants.
@@ -68,7 +75,7 @@ _fake_map_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The map's values and the midpoints between neighbours (the rounding boundaries)."""
     if torch.compiler.is_compiling():
-        return _buildmap_tensors(signed, device)
+        return _buildmap_in_graph(signed, device)
     fake_mode = torch._guards.detect_fake_mode()
     cache = _map_cache if fake_mode is None else _fake_map_cache.setdefault(fake_mode, {})
     key = (signed, torch.device(device))
