@@ -288,6 +288,37 @@ def test_blockwise_8bit_edge_blocks():
     assert bits_equal(decoded[768:], clean[768:])
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_blockwise_8bit_traced_holds_its_map_as_one_constant(signed):
+    """Traced by dynamo with dynamic shapes (as the compiled optimizer steps are), a round trip's
+    graph keeps the map tensor whole. `torch.tensor` of the 256 map values, read from a global,
+    made each value a graph input (a 0-d tensor handed in at every call: 256 copies to the device
+    a step on a GPU) and a stack of them, about 1,500 Inductor nodes per map: a collage-8bit
+    optimizer step took minutes to compile. Dynamo only (no Inductor): the graph's inputs and
+    node count, and the same bits as eager."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    fmt = Blockwise8bit(signed, 256)
+    x = values(n=256 * 3, binades=12.0)
+    x = x if signed else x.abs()
+    traced = torch.compile(lambda r: round_trip(fmt, r), backend=count, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    decoded, stored = traced(x)
+    eager, eager_stored = round_trip(fmt, x)
+    assert bits_equal(decoded, eager) and all(bits_equal(a, b) for a, b in zip(stored, eager_stored))
+    assert len(graphs) == 1
+    inputs = [n for n in graphs[0].graph.nodes if n.op == "placeholder" and "example_value" in n.meta]
+    tensors = [n for n in inputs if isinstance(n.meta["example_value"], torch.Tensor)]
+    assert len(tensors) == 1, f"{len(tensors)} tensor inputs: the map's values are handed in one by one"
+    nodes = len(graphs[0].graph.nodes)
+    # The round trip is a few dozen ops; a map traced value by value adds 257 nodes per use.
+    assert nodes < 100, f"{nodes} nodes: the map is traced element by element"
+
+
 @pytest.mark.parametrize(
     ("fmt", "dtype"),
     [
