@@ -48,21 +48,23 @@ def dynamic_map(signed: bool) -> tuple[float, ...]:
     return tuple(ordered)
 
 
-# Both maps, as plain tuples read at import: a compiled step builds its map tensor from them
-# as a constant (a cached builder would be traced through its cache).
+# Both maps, as plain tuples read at import.
 MAPS = {signed: dynamic_map(signed) for signed in (True, False)}
 
 
+# The same values as the bit patterns of their FP32 roundings, from which every map tensor is
+# built: a compiled step builds it as a graph constant (a cached builder would be traced through
+# its cache). Dynamo makes a global float a graph input, handed in at every call (256 of them,
+# stacked back into a tensor: about 1,500 Inductor nodes per map, and collage-8bit's step took a
+# minute and a half to compile); a global int it reads as a constant, so the map is one tensor.
+_MAP_BITS = {
+    signed: tuple(torch.tensor(values, dtype=F32).view(torch.int32).tolist()) for signed, values in MAPS.items()
+}
+
+
 def _buildmap_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    values = torch.tensor(MAPS[signed], dtype=F32, device=device)
+    values = torch.tensor(_MAP_BITS[signed], dtype=torch.int32, device=device).view(F32)
     return values, (values[1:] + values[:-1]) / 2
-
-
-# Traced by dynamo, `torch.tensor` of 256 Python floats becomes a stack of 256 scalar tensors:
-# Inductor then schedules each one (about 1,500 nodes per map) and a collage-8bit step took a
-# minute and a half to compile. Kept whole in the graph, it is traced by AOTAutograd instead,
-# which records one constant tensor.
-_buildmap_in_graph = torch._dynamo.allow_in_graph(_buildmap_tensors)
 
 
 # Eagerly, the map tensors are built once per (map, device) — once per fake mode for tensors of a
@@ -75,7 +77,7 @@ _fake_map_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def map_tensors(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The map's values and the midpoints between neighbours (the rounding boundaries)."""
     if torch.compiler.is_compiling():
-        return _buildmap_in_graph(signed, device)
+        return _buildmap_tensors(signed, device)
     fake_mode = torch._guards.detect_fake_mode()
     cache = _map_cache if fake_mode is None else _fake_map_cache.setdefault(fake_mode, {})
     key = (signed, torch.device(device))
