@@ -239,6 +239,15 @@ def test_dynamic_maps():
     # Relative spacing of the top decade: 1/128 (signed) and 1/256 (unsigned) of 0.9.
     assert dynamic_map(True)[-2] - dynamic_map(True)[-3] == pytest.approx(0.9 / 64, rel=2.0**-40, abs=0)
     assert dynamic_map(False)[-2] - dynamic_map(False)[-3] == pytest.approx(0.9 / 128, rel=2.0**-40, abs=0)
+    # The tensors a step decodes with (built from the values' FP32 bit patterns) are each value
+    # rounded once to FP32, and the midpoints those values' FP32 means.
+    from hf_lowprec.optim.dynamic_maps import map_tensors
+
+    for signed in (True, False):
+        values, midpoints = map_tensors(signed, torch.device("cpu"))
+        once = torch.tensor(dynamic_map(signed), dtype=F64).float()
+        assert bits_equal(values, once)
+        assert bits_equal(midpoints, (once[1:] + once[:-1]) / 2)
 
 
 @pytest.mark.parametrize("signed", [True, False])
