@@ -202,7 +202,7 @@ class PrecisionPlugin:
         parameters = list(parameters)
         norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
         norm = norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
-        return self.strategy.note_grad_norm(norm)  # the guard judges this pre-clip norm
+        return self.strategy.note_grad_norm(norm, parameters)  # the guard and the skip flag read it
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""

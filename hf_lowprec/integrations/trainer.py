@@ -422,15 +422,18 @@ class PrecisionTrainerMixin:
         self.precision.unscale_gradients(self.optimizer)
         norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
         # The guard judges this pre-clip norm rather than measuring the clipped gradients again.
-        return self.precision.note_grad_norm(norm if norm is not None else super()._clip_grad_norm(model))
+        norm = norm if norm is not None else super()._clip_grad_norm(model)
+        return self.precision.note_grad_norm(norm, model.parameters())
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Without clipping the Trainer measures the norm with clip_grad_norm_(max_norm=inf),
         # which turns FP16 gradients with a norm above 65504 into NaN; the strategy measures.
-        if grad_norm is None and self.precision is not None:
-            self.precision.unscale_gradients(self.optimizer)
-            grad_norm = self.precision.clip_own_grad_norm(model.parameters(), float("inf"))
-        return super()._get_grad_norm(model, grad_norm=grad_norm)
+        if grad_norm is not None or self.precision is None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.precision.unscale_gradients(self.optimizer)
+        grad_norm = self.precision.clip_own_grad_norm(model.parameters(), float("inf"))
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        return self.precision.note_grad_norm(grad_norm, model.parameters())  # as a clipping's norm
 
 
 class Trainer(PrecisionTrainerMixin, transformers.Trainer):

@@ -28,7 +28,7 @@ from ..fp8 import (
 from ..fp8.cast import unscale_into
 from ..fp8.experts import FP8Experts, expert_weight_names
 from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
-from ..fp8.gradients import BackwardFP8Gradients, nonfinite, requantize_gradient
+from ..fp8.gradients import BackwardFP8Gradients, requantize_gradient
 from ..fp8.linear import share_inputs_within
 from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
@@ -320,7 +320,7 @@ class FP8LM(PrecisionStrategy):
         params = [p for p in everything if p.grad is not None]
         device = everything[0].device
         comm_scales = self.comm_state.grad_scales
-        found_inf = nonfinite([local_shard(p.grad) for p in params], device)
+        found_inf = self.nonfinite_gradients([p.grad for p in params], device).to(device)  # the clip's norm, or read
         stored = self.backward_grads.nonfinite(everything)
         if stored is not None:
             found_inf = torch.maximum(found_inf, stored.float())

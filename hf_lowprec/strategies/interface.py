@@ -27,6 +27,7 @@ from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer
 from .options import StrategyOptions
+from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
 
 __all__ = ["EngineSupport", "PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
@@ -102,6 +103,7 @@ class PrecisionStrategy:
         self._skipped_logged = 0
         self.measure_next_step = False
         self._grad_norm_seen: torch.Tensor | None = None  # this step's pre-clip norm (`note_grad_norm`)
+        self._clip_seen: SeenNorm | None = None  # the same with the gradients it covers (`seen_norm`)
         self._data_parallel_group: Any = None
         self._lost_arithmetic: dict[str, float] = {}
         config = guard_config(self.options.guard)
@@ -262,14 +264,16 @@ class PrecisionStrategy:
         """
         params = list(parameters)
         norm = self.clip_own_grad_norm(params, max_norm)
-        return self.note_grad_norm(norm if norm is not None else torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return self.note_grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm) if norm is None else norm, params)
 
-    def note_grad_norm(self, norm: Any) -> Any:
+    def note_grad_norm(self, norm: Any, parameters: Iterable[torch.Tensor] | None = None) -> Any:
         """Keep the pre-clip gradient norm the training loop's clipping measured this step (a
-        device tensor), for the guard, which then measures nothing itself; returns `norm`."""
+        device tensor), for the guard, which then measures nothing itself, and, given the clipped
+        `parameters`, for the step's non-finite flag (`seen_norm`); returns `norm`."""
         # A DTensor norm (FSDP2) is left to the guard's own measure of this rank's shards.
         plain = torch.is_tensor(norm) and not isinstance(norm, DTensor)
         self._grad_norm_seen = norm.detach() if plain else None
+        self._clip_seen = SeenNorm.of(norm, parameters) if plain and parameters is not None else None
         return norm
 
     def take_grad_norm(self) -> torch.Tensor | None:
@@ -281,26 +285,31 @@ class PrecisionStrategy:
         """Hook: clip where the loop's own function would be wrong (FP16 norms overflow, FP8
         gradients outside `p.grad`) and return the pre-clip norm, or None to leave clipping to
         the training loop's function (torch's, Accelerate's or DeepSpeed's)."""
-        return None
 
     # --- step --------------------------------------------------------------------------
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Work on gradients before the step; `found_inf`, whether to skip it, without a host sync.
 
-        Returns a 0-dim FP32 tensor on the gradients' device: 1.0 where the step must be
-        skipped (here: some gradient holds inf or NaN and `skips_nonfinite` is set), 0.0
-        otherwise. Every rank returns the same value: the flag is MAX-ed over the FSDP2 mesh
-        (each rank checked its shards) and over `set_data_parallel_group`'s group (under ZeRO
-        each rank checked its partition) by an all-reduce of the tensor. An override keeps
-        all three: a tensor, no `.item()` or `bool()` of device data, agreed over the ranks.
+        Returns a 0-dim FP32 tensor on the gradients' device: 1.0 where the step must be skipped
+        (here: `skips_nonfinite` is set and a gradient holds inf or NaN, or the clipping's norm
+        of them is not finite: `nonfinite_gradients`), 0.0 otherwise. Every rank returns the same
+        value: the flag is MAX-ed over the FSDP2 mesh (each rank checked its shards) and over
+        `set_data_parallel_group`'s group (under ZeRO each rank checked its partition) by an
+        all-reduce of the tensor. An override keeps all three: a tensor, no `.item()` or `bool()`
+        of device data, agreed over the ranks.
         """
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         device = local_shard(params[0]).device if params else None
         if not self.skips_nonfinite:
             return torch.zeros((), dtype=torch.float32, device=device)
-        found_inf = nonfinite_flag([local_shard(g) for g in grads], device)
-        return any_rank(found_inf, grads, self._data_parallel_group)
+        return any_rank(self.nonfinite_gradients(grads, device), grads, self._data_parallel_group)
+
+    def nonfinite_gradients(self, grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+        """`numerics.nonfinite_flag(grads)`, read from this step's clipping norm where it covers them (`seen_norm`)."""
+        seen, self._clip_seen = self._clip_seen, None
+        flag = seen.nonfinite_flag(grads, device) if seen is not None else None
+        return flag if flag is not None else nonfinite_flag([local_shard(g) for g in grads], device)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
         """The step itself: the inner optimizer's `step(found_inf=found_inf)`, which leaves θ and

@@ -105,10 +105,11 @@ def _counted_step(
         phased_step(counted, strategy, model, optimizer, ids, clip)
 
 
-def anchor_launches(n_layer: int, warmup: int = 2) -> Launches:
+def anchor_launches(n_layer: int, warmup: int = 2, clip: float | None = None) -> Launches:
     """The launches of the anchor's steady step (torch autocast, GradScaler, `AdamW(fused=True)`:
     what `bf16=True` with `optim="adamw_torch_fused"` runs), same model and phases; the scaler's
-    unscale and check are "gradients", the fused step "optimizer"."""
+    unscale and check are "gradients", `clip_grad_norm_(clip)` after them "clip" (as the
+    Trainer clips, if `clip`), the fused step "optimizer"."""
     from .counted_step import gpt2, token_batch
 
     model, ids = gpt2(n_layer), token_batch()
@@ -125,6 +126,9 @@ def anchor_launches(n_layer: int, warmup: int = 2) -> Launches:
                 scaler.scale(loss).backward()
             with counted.phase("gradients"):
                 scaler.unscale_(optimizer)
+            if clip is not None:
+                with counted.phase("clip"):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             with counted.phase("optimizer"):
                 scaler.step(optimizer)
                 scaler.update()

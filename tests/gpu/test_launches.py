@@ -240,11 +240,14 @@ def test_gradient_processing_clipping_and_the_optimizer_do_not_grow_with_the_lay
         assert _chunk_calls(counted) <= 2 * (-(-_parameters(n_layer) // 8) + 3 * 3), (name, n_layer, counted.summary())
 
 
-def test_bf16_mixed_launches_no_more_than_1_1x_torch_autocast_with_fused_adamw():
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_bf16_mixed_launches_no_more_than_1_1x_torch_autocast_with_fused_adamw(clip):
+    """Clipped as the Trainer clips (the step's skip flag then comes from the clipping's norm:
+    `strategies.seen_norm`), and unclipped (the step checks the gradients itself)."""
     for n_layer in (2, 4):
-        counted = _launches("bf16-mixed", n_layer)
-        ours, anchor = counted.total() - counted.total("clip"), anchor_launches(n_layer).total()  # it clips nothing
-        assert ours <= 1.1 * anchor, (n_layer, ours, anchor, _launches("bf16-mixed", n_layer).summary())
+        counted = launches_of("bf16-mixed", n_layer, clip=clip)
+        ours, anchor = counted.total(), anchor_launches(n_layer, clip=clip).total()
+        assert ours <= 1.1 * anchor, (n_layer, clip, ours, anchor, counted.summary())
 
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "fp8-lm-o2"])

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import HfArgumentParser
 
+import hf_lowprec.strategies.interface as interface
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.numerics import nonfinite_flag
 from hf_lowprec.strategies.interface import StrategyOptimizer
 from tests.helpers import (
     ParameterSnapshots,
@@ -130,14 +132,26 @@ class NaNOnceTrainer(Trainer):
         return loss
 
 
-def test_nonfinite_step_is_skipped_and_logged(tmp_path):
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_nonfinite_step_is_skipped_and_logged(tmp_path, monkeypatch, max_grad_norm):
     args = checkpointed_args(
-        tmp_path, "bf16-pure", max_steps=3, save_strategy="no", lr_scheduler_type="linear", warmup_steps=0
+        tmp_path,
+        "bf16-pure",
+        max_steps=3,
+        save_strategy="no",
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=max_grad_norm,
     )
     trainer = NaNOnceTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
     snap = ParameterSnapshots()
     trainer.add_callback(snap)
+    # The Trainer measures the gradient norm at every step, clipping or not; the skip flag is read
+    # from that norm (`strategies.seen_norm`), so the step never checks the gradients again.
+    checks = []
+    monkeypatch.setattr(interface, "nonfinite_flag", lambda *a, **k: checks.append(a) or nonfinite_flag(*a, **k))
     trainer.train()
+    assert not checks
     snapshots = snap.taken
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     # Step 2 (global_step 1 -> 2) was skipped: the weights after it equal the weights before it.
