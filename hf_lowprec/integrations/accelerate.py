@@ -17,6 +17,7 @@ from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
+from ..strategies.seen_norm import reveals_nonfinite
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
@@ -202,7 +203,9 @@ class PrecisionPlugin:
         parameters = list(parameters)
         norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
         norm = norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
-        return self.strategy.note_grad_norm(norm, parameters)  # the guard and the skip flag read it
+        # The guard reads this pre-clip norm; the step's skip flag too, for a norm that sees inf/NaN.
+        covered = parameters if reveals_nonfinite(kwargs.get("norm_type", 2.0)) else None
+        return self.strategy.note_grad_norm(norm, covered)
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""

@@ -36,8 +36,10 @@ class LossScaledStrategy(PrecisionStrategy):
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # The Trainer passes Accelerate's wrapper before clipping, the step passes the inner
-        # optimizer: one optimizer, unscaled once.
+        # optimizer: one optimizer, unscaled once. Its fused kernel leaves the gradients' version
+        # counters as they were: a norm noted before no longer decides the step (`seen_norm`).
         self.scaler.unscale_(unwrap_optimizer(optimizer))
+        self._clip_seen = None
 
     def clip_own_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(parameters, max_norm)  # torch's FP16 norm overflows to inf

@@ -1,18 +1,9 @@
 """The pre-clip gradient norm the training loop's clipping measured this step, with the gradients
-it covers: the step's non-finite flag is read from it (`PrecisionStrategy.process_gradients`)
-instead of from a pass of its own over every gradient.
-
-A norm is finite exactly when every gradient it covers is finite and their norm is within FP32's
-range, so `norm · 0` is 0 or NaN: the flag is two launches, where checking the gradients again is a
-multi-tensor reduction over all of them (about 40 launches and a read of every gradient at 0.6 B
-parameters). Gradients whose norm overflows though their elements are finite skip the step too
-(torch's GPU norm sums squares in FP32, so from |g| ≈ 1.8e19): clipping would have scaled them by
-max_norm / inf = 0.
-
-The norm is used only where it covers each gradient the step reads, as that gradient is now: the
-same tensor (a weak reference), unchanged since it was measured (its version counter, which every
-in-place change moves: clipping's own scaling comes before the note, a later backward or unscale
-after it). Where it does not, the step checks the gradients itself.
+it covers (`SeenNorm`): the step's non-finite flag is read from it (the strategies'
+process_gradients, `strategies.interface`) instead of from a pass of its own over every gradient:
+two launches, where checking the gradients again is a multi-tensor reduction over all of them
+(about 40 launches and a read of every gradient at 0.6 B parameters). When the norm serves, and
+why it is the same decision: `SeenNorm`.
 """
 
 from __future__ import annotations
@@ -23,12 +14,37 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["SeenNorm"]
+__all__ = ["SeenNorm", "reveals_nonfinite"]
+
+
+def reveals_nonfinite(norm_type: float | str) -> bool:
+    """Whether a `norm_type` norm of finite values is finite only if they all are: p > 0 or
+    p = inf (|NaN|^p is NaN, inf^p is inf); not p = 0 (a count) or p < 0 (inf^p = 0)."""
+    p = float(norm_type)
+    return p > 0  # inf included; NaN is not > 0
 
 
 @dataclasses.dataclass
 class SeenNorm:
-    """A clipping's pre-clip norm and, per gradient it covered, (weak reference, version)."""
+    """A clipping's pre-clip norm and, per gradient it covered, (weak reference, version).
+
+    A p-norm with p > 0 or p = inf (`reveals_nonfinite`; not Accelerate's norm_type=0, a count) is
+    finite exactly when every gradient it covers is finite and their norm is within FP32's range,
+    so `norm · 0` is 0 or NaN. Gradients whose norm overflows though their elements are finite
+    skip the step too (torch's GPU norm sums squares in FP32, so from |g| ≈ 1.8e19): clipping
+    would have scaled them by max_norm / inf = 0, and torch's measuring call (max_norm = inf) by
+    inf / inf = NaN.
+
+    The norm serves only where it covers each gradient the step reads, as that gradient is now:
+    the same tensor (a weak reference), unchanged since it was measured (its version counter: an
+    in-place operation moves it, so clipping's own scaling comes before the note, a later backward
+    after it). Some writes leave the counter as it was (`GradScaler.unscale_`'s fused kernel, a
+    collective, a write through `.data`): a strategy that writes the gradients so after a clipping
+    (fp16-mixed's unscaling, `strategies.fp16_base`) drops the note, and each step takes the note
+    once. Where the norm does not serve, the step checks the gradients itself. A norm over more
+    gradients than the step reads serves: a non-finite value anywhere makes a clipping's
+    coefficient NaN for every gradient it scales.
+    """
 
     norm: torch.Tensor
     covered: dict[int, tuple[weakref.ref, int]]

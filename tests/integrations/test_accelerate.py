@@ -94,6 +94,36 @@ def test_plugin_runs_forward_in_the_strategy_context(accelerator):
     assert not torch.is_autocast_enabled("cpu")  # and the context was still left
 
 
+def test_the_plugins_clipping_norm_serves_the_steps_skip_flag(accelerator, monkeypatch):
+    """`plugin.clip_grad_norm_` notes the norm with the gradients it covers: the step reads its
+    skip flag from it (`strategies.seen_norm`) and never checks the gradients again."""
+    import hf_lowprec.strategies.interface as interface
+
+    checks = []
+    original = interface.nonfinite_flag
+    monkeypatch.setattr(interface, "nonfinite_flag", lambda *a, **k: checks.append(a) or original(*a, **k))
+    plugin = PrecisionPlugin("bf16-mixed")
+    *_, losses = loop(accelerator, plugin, steps=3)
+    assert all(math.isfinite(x) for x in losses) and plugin.strategy.skipped_steps == 0
+    assert not checks
+
+
+def test_a_clipping_norm_blind_to_nan_does_not_decide_the_step(accelerator):
+    """norm_type=0 counts the nonzero elements: finite over a NaN gradient. The plugin notes no
+    gradients with such a norm, so the step checks them itself and skips."""
+    plugin = PrecisionPlugin("bf16-mixed")
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    model, optimizer = plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters()))
+    batch = batches(1, batch=4, seq=32)[0]
+    plugin.backward(accelerator, model(input_ids=batch, labels=batch).loss)
+    params = list(model.parameters())
+    params[1].grad.view(-1)[0] = float("nan")
+    assert math.isfinite(plugin.clip_grad_norm_(accelerator, params, 1.0, norm_type=0))
+    optimizer.step()
+    assert plugin.strategy.skipped_steps == 1
+
+
 def test_plugin_loop_equals_the_strategy_by_hand(accelerator):
     """The plugin adds nothing of its own: same updates as driving the strategy directly."""
     model_a, *_ = loop(accelerator, PrecisionPlugin("bf16-pure"), steps=4, wd=0.0)

@@ -6,6 +6,8 @@ Where the norm does not cover the gradients as they are now (one changed or repl
 measured, one left out of the clipping), the step checks the gradients itself.
 """
 
+import math
+
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
@@ -13,6 +15,7 @@ from transformers import GPT2LMHeadModel
 import hf_lowprec
 import hf_lowprec.strategies.interface as interface
 from hf_lowprec.data import tiny_gpt2_config
+from hf_lowprec.strategies.seen_norm import reveals_nonfinite
 from hf_lowprec.testing import DeviceTraffic
 from tests.helpers import assert_bits_equal, batches
 
@@ -134,17 +137,33 @@ def test_a_norm_from_an_earlier_step_is_not_reused(checks):
     assert strategy.process_gradients(optimizer.optimizer).item() == 1.0 and len(checks) == 1
 
 
-def test_a_norm_past_fp32s_range_skips_a_clipped_step_only(checks):
+@pytest.mark.parametrize("max_norm", [1.0, math.inf, None], ids=["clipped", "measured", "neither"])
+def test_a_norm_past_fp32s_range_skips_a_step_whose_norm_was_taken(max_norm, checks):
     """Finite gradients of 2e38 (FP32's largest finite value is about 3.4e38): their 2-norm over
     n ≥ 3 elements is 2e38·√n > 3.4e38, inf in FP32 however it is accumulated. Clipping would
-    scale them by max_norm / inf = 0; the step is skipped instead. Unclipped, it is taken."""
-    for clipped in (False, True):
-        strategy, model, optimizer = setup("bf16-mixed")
-        params = list(model.parameters())
-        backward(strategy, model, batches(1)[0])
-        for p in params:
-            p.grad.fill_(2e38)
-        if clipped:
-            assert clip(strategy, optimizer, params).isinf()
-        assert strategy.process_gradients(optimizer.optimizer).item() == float(clipped)
-    assert len(checks) == 1  # the unclipped step's own check
+    scale them by max_norm / inf = 0, and measuring (max_norm = inf, the Trainer's call without
+    clipping) by inf / inf = NaN: the step is skipped. With no norm taken, it is taken."""
+    strategy, model, optimizer = setup("bf16-mixed")
+    params = list(model.parameters())
+    backward(strategy, model, batches(1)[0])
+    for p in params:
+        p.grad.fill_(2e38)
+    if max_norm is not None:
+        assert clip(strategy, optimizer, params, max_norm).isinf()
+    assert strategy.process_gradients(optimizer.optimizer).item() == float(max_norm is not None)
+    assert len(checks) == (max_norm is None)  # the unmeasured step's own check
+
+
+def test_fp16_mixed_unscaling_after_the_clipping_drops_the_norm(checks):
+    """fp16-mixed's unscaling (GradScaler's fused kernel) writes the gradients without moving
+    their version counters: a norm of the still scaled gradients does not decide the step."""
+    strategy, model, optimizer = setup("fp16-mixed")
+    backward(strategy, model, batches(1)[0])
+    strategy.clip_grad_norm(list(model.parameters()), 1.0)  # before unscaling: a custom loop's slip
+    optimizer.step()  # unscales, then decides
+    assert len(checks) == 1 and strategy.skipped_steps == 0
+
+
+def test_only_norms_that_see_inf_and_nan_reveal_them():
+    assert all(reveals_nonfinite(p) for p in (1, 2.0, 0.5, math.inf, "inf"))
+    assert not any(reveals_nonfinite(p) for p in (0, -1.0, -math.inf))
