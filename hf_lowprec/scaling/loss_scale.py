@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from ..distributed import DTensor
 
@@ -119,19 +120,50 @@ def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 class AgreeingGradScaler(torch.amp.GradScaler):
     """`torch.amp.GradScaler` whose found-inf agrees over the ranks when gradients are FSDP2
     shards (DTensors): each rank checks its shards, one all-reduce (MAX) per device of the
-    found-inf flag, so every rank skips the same steps and keeps the same scale. Without
-    DTensor gradients it is `torch.amp.GradScaler`."""
+    found-inf flag, so every rank skips the same steps and keeps the same scale.
+
+    Its unscaling gives GradScaler's bits in four launches fewer a step: 1/scale in one FP32
+    reciprocal, exact as GradScaler's FP64 one rounded to FP32 is, since the scale is a power of
+    two (its start is checked, `check_loss_scale`, and it only doubles and halves); the flag and
+    1/scale used where the gradients are, not copied to each device first."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inverse = self._scale.reciprocal()
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inverse, found_inf, False)
+        state["stage"] = OptState.UNSCALED
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        sharded = next(
-            (p.grad for g in optimizer.param_groups for p in g["params"] if isinstance(p.grad, DTensor)), None
-        )
-        if sharded is not None:
-            for flag in per_device.values():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if any(grad.is_sparse or isinstance(grad, DTensor) for grad in grads):
+            per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            if any(isinstance(grad, DTensor) for grad in grads):
+                mesh = next(grad for grad in grads if isinstance(grad, DTensor)).device_mesh
+                for flag in per_device.values():
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            return per_device
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in grads:
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        per_device: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for (device, _), same in groups.items():
+                if device not in per_device:
+                    per_device[device] = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
+                inverse = inv_scale if inv_scale.device == device else inv_scale.to(device)
+                torch._amp_foreach_non_finite_check_and_unscale_(same, per_device[device], inverse)
         return per_device
 
     def share_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
@@ -139,4 +171,4 @@ class AgreeingGradScaler(torch.amp.GradScaler):
         so the scale backs off exactly on the steps that are skipped, on every rank alike."""
         state = self._per_optimizer_states.get(id(optimizer))
         for flag in (state or {}).get("found_inf_per_device", {}).values():
-            flag.copy_(torch.maximum(flag, found_inf.to(flag.device)))
+            torch.maximum(flag, found_inf.to(flag.device), out=flag)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .casting import cast_model
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -96,7 +97,7 @@ class BF16Pure(PrecisionStrategy):
     )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(torch.bfloat16)
+        return cast_model(model, torch.bfloat16)
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         from ..optim import PlainAdamW

@@ -18,6 +18,7 @@ from ..fp8 import convert_to_fp8
 from ..fp8.payoff import rule_layout
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
 from .baselines import bf16_autocast
+from .casting import cast_model
 from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
 from .interface import PrecisionStrategy
 from .registry import register
@@ -117,7 +118,7 @@ class COAT(PrecisionStrategy):
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.bf16_master:
-            model = model.to(torch.bfloat16)
+            model = cast_model(model, torch.bfloat16)
         if self.options.activations:
             compress_activations(convert_to_fp8(model, rule=self.options.layer_rule(model)))
             self.fp8_layout = rule_layout(model)

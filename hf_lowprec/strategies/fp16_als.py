@@ -15,6 +15,7 @@ import torch
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
+from .casting import cast_model
 from .fp16_base import LossScaledStrategy
 from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
@@ -118,7 +119,7 @@ class FP16ALS(LossScaledStrategy):
         )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(torch.float16)
+        model = cast_model(model, torch.float16)
         self.scaler.track(model)
         if self.accumulator is not None:
             self.accumulator.attach(model)
@@ -156,7 +157,8 @@ class FP16ALS(LossScaledStrategy):
         self.scaler.process_group = group
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) * self._loss_divisor
+        scaled = self.scaler.scale(loss)
+        return scaled if self._loss_divisor == 1 else scaled * self._loss_divisor
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Overflow is already clipped; only a NaN (which no clip can repair) skips the step.

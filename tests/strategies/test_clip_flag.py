@@ -13,19 +13,24 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import hf_lowprec
+import hf_lowprec.fp8.gradients as fp8_gradients
 import hf_lowprec.strategies.interface as interface
 from hf_lowprec.data import tiny_gpt2_config
 from hf_lowprec.strategies.seen_norm import reveals_nonfinite
 from hf_lowprec.testing import DeviceTraffic
 from tests.helpers import assert_bits_equal, batches
 
-# The strategies whose flag is the base class's (FP8-LM, COAT's and fp16-als's are their own).
-STRATEGIES = ["fp32", "bf16-mixed", "bf16-pure", "collage-plus", "fp16-mixed"]
+# The strategies whose flag is the base class's, and FP8-LM's, whose non-FP8 gradients take it
+# (COAT's and fp16-als's are their own).
+STRATEGIES = ["fp32", "bf16-mixed", "bf16-pure", "collage-plus", "fp16-mixed", "fp8-lm-o2", "fp8-lm-o3"]
+# FP8-LM's FP8 gradients as the optimizer stores them: a skipped step zeroes them (no NaN kept).
+FP8_GRADIENT_STORE = ("grad", "grad_scale")
 
 
 @pytest.fixture
 def checks(monkeypatch) -> list[int]:
-    """How many times the step checked the gradients itself (`numerics.nonfinite_flag`)."""
+    """How many times the step checked the gradients itself (`numerics.nonfinite_flag`, where the
+    strategies and FP8-LM's gradients call it)."""
     calls = []
 
     def counted(*args, **kwargs):
@@ -33,7 +38,8 @@ def checks(monkeypatch) -> list[int]:
         return original(*args, **kwargs)
 
     original = interface.nonfinite_flag
-    monkeypatch.setattr(interface, "nonfinite_flag", counted)
+    for module in (interface, fp8_gradients):
+        monkeypatch.setattr(module, "nonfinite_flag", counted)
     return calls
 
 
@@ -57,9 +63,11 @@ def clip(strategy, optimizer, params, max_norm: float = 1.0) -> torch.Tensor:
 
 
 def held(model, optimizer) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """Copies of the parameters and optimizer states, and the tensors themselves, by id."""
+    """Copies of the parameters and optimizer states (not FP8-LM's gradient store), and the
+    tensors themselves, by id."""
     tensors = {id(p): p for p in model.parameters()}
-    tensors.update({id(v): v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)})
+    state = [(k, v) for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)]
+    tensors.update({id(v): v for k, v in state if k not in FP8_GRADIENT_STORE})
     return {key: t.detach().clone() for key, t in tensors.items()}, tensors
 
 
@@ -87,6 +95,9 @@ def test_a_clipped_step_takes_its_flag_from_the_norm(name, checks):
     strategy.optimizer_step(optimizer.optimizer, found_inf)
     for key, tensor in tensors.items():
         assert_bits_equal(tensor.detach(), before[key], f"{name}: a tensor changed on a skipped step")
+    for state in optimizer.optimizer.state.values():
+        if "grad" in state:
+            assert not state["grad"].float().any() and (state["grad_scale"] == 1).all(), name
 
 
 def poison(grad: torch.Tensor) -> None:
