@@ -173,7 +173,8 @@ class AdamW(LowPrecisionOptimizer):
     #: Group options beyond the AdamW hyper-parameters.
     extra_options: ClassVar[tuple[str, ...]] = ()
     dtype_advice: ClassVar[str] = (
-        "cast the model with model.to(torch.bfloat16), or use PlainAdamW / torch.optim.AdamW for FP32 parameters"
+        "cast the model with hf_lowprec.strategies.casting.cast_model(model, torch.bfloat16) (model.to would round "
+        "its rotary frequencies too), or use PlainAdamW / torch.optim.AdamW for FP32 parameters"
     )
     state_roles: ClassVar[dict[str, str]] = STATE_ROLES
 

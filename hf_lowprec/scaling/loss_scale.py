@@ -122,10 +122,11 @@ class AgreeingGradScaler(torch.amp.GradScaler):
     shards (DTensors): each rank checks its shards, one all-reduce (MAX) per device of the
     found-inf flag, so every rank skips the same steps and keeps the same scale.
 
-    Its unscaling gives GradScaler's bits in four launches fewer a step: 1/scale in one FP32
-    reciprocal, exact as GradScaler's FP64 one rounded to FP32 is, since the scale is a power of
-    two (its start is checked, `check_loss_scale`, and it only doubles and halves); the flag and
-    1/scale used where the gradients are, not copied to each device first."""
+    Its unscaling gives GradScaler's bits in four launches fewer a step: 1/scale as one FP32
+    reciprocal, the same value as GradScaler's FP64 one rounded to FP32 (IEEE division rounds
+    correctly, and rounding the FP64 quotient again cannot differ: 53 ≥ 2·24 + 2 bits; fp16-mixed's
+    scales are powers of two besides, whose reciprocals are exact); the flag and 1/scale used on
+    the gradients' device as they are, copied once to each other device."""
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._enabled:
@@ -158,12 +159,16 @@ class AgreeingGradScaler(torch.amp.GradScaler):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         per_device: dict[torch.device, torch.Tensor] = {}
+        inverses: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), same in groups.items():
                 if device not in per_device:
-                    per_device[device] = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
-                inverse = inv_scale if inv_scale.device == device else inv_scale.to(device)
-                torch._amp_foreach_non_finite_check_and_unscale_(same, per_device[device], inverse)
+                    same_device = found_inf.device == device
+                    per_device[device] = (
+                        found_inf if same_device else found_inf.to(device, non_blocking=True, copy=True)
+                    )
+                    inverses[device] = inv_scale if same_device else inv_scale.to(device, non_blocking=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(same, per_device[device], inverses[device])
         return per_device
 
     def share_found_inf(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
-"""A trained model cast to a strategy's 16-bit dtype as transformers loads one in it
-(`cast_model`): parameters and buffers take the dtype, a rotary embedding's frequencies stay FP32.
-`Module.to` would round them too, and position p's angle in each rotating pair would move by up
-to p·f·2⁻⁹ under BF16 (2⁻¹² under FP16): several radians at position 4,095 for the fastest
-pairs, angles a pretrained checkpoint never saw (docs/numerics.md, "Rotary frequencies").
+"""A trained model cast to a strategy's 16-bit dtype (`cast_model`): its parameters take the dtype,
+and so do its buffers but those transformers keeps in FP32 when it loads a model in 16 bits, above
+all the rotary frequencies. `Module.to` would round them too: a frequency f rounded to BF16 moves
+position p's angle by up to p·f·2⁻⁸ (2⁻¹¹ in FP16), several radians at position 4,095 for the
+fast-rotating pairs, angles a pretrained checkpoint never saw (docs/numerics.md, "Rotary frequencies").
 """
 
 from __future__ import annotations
@@ -12,14 +12,23 @@ import torch
 __all__ = ["cast_model", "kept_buffers"]
 
 
-def kept_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """(module, name) of each floating buffer a cast leaves as it is: those of a rotary embedding
-    (transformers names their classes `…RotaryEmbedding`) and any buffer named `inv_freq`."""
+def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of each floating or complex buffer a cast to `dtype` leaves as it is: those of
+    a rotary embedding (transformers names their classes `…RotaryEmbedding`; Llama 4's vision
+    frequencies are complex), any buffer named `inv_freq`, and those the model's
+    `_keep_in_fp32_modules_strict` names (`_keep_in_fp32_modules` too for FP16), as
+    transformers' loading keeps them (DeepSeek-V3's `e_score_correction_bias`)."""
+    patterns = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     kept = []
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         rotary = "Rotary" in type(module).__name__
         for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer.is_floating_point() and (rotary or name == "inv_freq"):
+            if buffer is None or not (buffer.is_floating_point() or buffer.is_complex()):
+                continue
+            qualified = f"{prefix}.{name}" if prefix else name
+            if rotary or name == "inv_freq" or any(pattern in qualified for pattern in patterns):
                 kept.append((module, name))
     return kept
 
@@ -27,7 +36,7 @@ def kept_buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model.to(dtype)` but for `kept_buffers`, which keep their tensors (and dtype); in place,
     as `Module.to` is (the parameters stay the same objects)."""
-    kept = [(module, name, module._buffers[name]) for module, name in kept_buffers(model)]
+    kept = [(module, name, module._buffers[name]) for module, name in kept_buffers(model, dtype)]
     model = model.to(dtype)
     for module, name, buffer in kept:
         module._buffers[name] = buffer

@@ -1,14 +1,17 @@
-"""A strategy's 16-bit model keeps its rotary frequencies in FP32, as transformers keeps them when it
-loads a model in 16 bits (`strategies.casting`): the prepared model computes what
+"""A strategy's 16-bit model keeps in FP32 the buffers transformers keeps in FP32 when it loads a model
+in 16 bits, its rotary frequencies above all (`strategies.casting`): a prepared Llama computes what
 `from_pretrained(dtype=...)` computes, and its cos/sin are within a derived bound of FP64's."""
 
+import functools
 import math
+import tempfile
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from hf_lowprec import available_strategies, get_strategy
+from hf_lowprec.strategies.casting import cast_model
 from hf_lowprec.testing.llama import llama_config
 from hf_lowprec.testing.moe import tiny_moe
 from tests.helpers import UNIT_ROUNDOFF, assert_bits_equal
@@ -21,22 +24,50 @@ def _llama() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(llama_config(vocab=256, hidden=64, layers=1, positions=POSITIONS))
 
 
-def _rotary_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: b for name, b in model.named_buffers() if "rotary" in name and b.is_floating_point()}
+def _model(arch: str) -> torch.nn.Module:
+    return _llama() if arch == "llama" else tiny_moe(arch)
+
+
+@functools.cache
+def _kept_by_transformers(arch: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The buffers transformers keeps in FP32 when it loads `arch` in `dtype`, with their values."""
+    with tempfile.TemporaryDirectory() as stored:
+        _model(arch).save_pretrained(stored)
+        loaded = AutoModelForCausalLM.from_pretrained(stored, dtype=dtype)
+    return {name: b for name, b in loaded.named_buffers() if b.dtype == torch.float32}
 
 
 @pytest.mark.parametrize("name", available_strategies())
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_every_strategy_keeps_the_rotary_frequencies_as_they_were(name, arch):
-    model = _llama() if arch == "llama" else tiny_moe(arch)
-    before = {key: b.clone() for key, b in _rotary_buffers(model).items()}
-    assert before, "the model has rotary frequencies to keep"
-    prepared = get_strategy(name).prepare_model(model)
-    after = _rotary_buffers(prepared)
-    assert after.keys() == before.keys()
-    for key, value in before.items():
-        assert after[key].dtype == torch.float32, (name, key, after[key].dtype)
-        assert_bits_equal(after[key], value, f"{name}: {key}")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_every_strategy_keeps_the_buffers_transformers_keeps_in_fp32(name, arch):
+    """The rotary frequencies (every architecture) and DeepSeek-V3's router bias
+    (`_keep_in_fp32_modules_strict`) stay FP32, with the values transformers loads."""
+    strategy = get_strategy(name)
+    dtype = strategy.param_dtype if strategy.param_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    kept = _kept_by_transformers(arch, dtype)
+    assert any("rotary" in key for key in kept) and (arch != "deepseek_v3" or any("e_score" in k for k in kept))
+    buffers = dict(strategy.prepare_model(_model(arch)).named_buffers())
+    for key, value in kept.items():
+        assert buffers[key].dtype == torch.float32, (name, key, buffers[key].dtype)
+        assert_bits_equal(buffers[key], value, f"{name}: {key}")
+
+
+def test_a_complex_rotary_buffer_stays_complex():
+    """Llama 4's vision rotary embedding holds complex frequencies; `Module.to(torch.bfloat16)`
+    would drop their imaginary parts."""
+
+    class VisionRotaryEmbedding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("freqs_ci", torch.polar(torch.ones(8), torch.linspace(0, 3, 8)))
+            self.register_buffer("unused", None)
+            self.proj = torch.nn.Linear(4, 4)
+
+    model = torch.nn.Sequential(VisionRotaryEmbedding())
+    before = model[0].freqs_ci.clone()
+    cast_model(model, torch.bfloat16)
+    assert model[0].proj.weight.dtype == torch.bfloat16 and model[0].freqs_ci.dtype == torch.complex64
+    assert torch.equal(model[0].freqs_ci, before)
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("bf16-pure", torch.bfloat16), ("fp16-als", torch.float16)])
@@ -54,8 +85,9 @@ def test_cos_and_sin_are_within_rounding_of_fp64(name, dtype):
     """Bound: the 16-bit output rounds once, |r(c) − c| ≤ u₁₆·|c|; before it, the angle p·f carries
     FP32's error, at most (4 + 1)·2⁻²⁴·p·f from the frequency (a power and a division, transformers'
     formula) and the product, which moves cos and sin by no more than the angle moves, plus FP32's
-    own cos/sin (2⁻²³). A frequency stored in 16 bits moves p·f by up to p·f·u₁₆: 0.09 rad at
-    position 511 for f = 10000^(−1/8), far outside the bound."""
+    own cos/sin (2⁻²³). A frequency stored in 16 bits moves p·f by up to p·f·u₁₆ (more where FP16
+    holds it as a subnormal): 0.09 rad at position 511 for f = 10000^(−1/8) in BF16, far outside
+    the bound."""
     model = get_strategy(name).prepare_model(_llama())
     rotary = model.model.rotary_emb
     positions = torch.arange(POSITIONS)[None]
