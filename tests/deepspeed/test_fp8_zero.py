@@ -166,11 +166,15 @@ def test_clipping_under_zero_covers_the_fp8_gradients_and_steps_fp8_once():
     assert rel <= 2**-20 and torch.all(clipped[~nonzero] == 0)
 
 
-def test_a_skipped_step_is_skipped_by_every_group_and_counted_once():
+@pytest.mark.parametrize("noted", [False, True], ids=["unnoted", "noted-before-the-inf"])
+def test_a_skipped_step_is_skipped_by_every_group_and_counted_once(noted):
     strategy, model, optimizer, zero = two_group_o3(0.0)
     data = batches(1)[0]
     with strategy.forward_context():
         model(input_ids=data, labels=data).loss.backward()
+    if noted:  # a loop's finite pre-clip norm, noted before the gradient went bad: not the step's flag
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        strategy.note_grad_norm(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])), model.parameters())
     inner = optimizer.optimizer
     inner.fp8_params[0].grad[0, 0] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
