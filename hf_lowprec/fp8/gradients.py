@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ..compiling import run_fused, run_fused_rows, takes_gpu_path
-from ..numerics import nonfinite_flag
 from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
 from .scaled import pow2_scale, quantize, tensor_amax
 
-__all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "nonfinite", "quantize_gradient", "requantize_gradient"]
+__all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
 
 
 def quantize_gradient(
@@ -61,12 +60,6 @@ def requantize_gradient(
     step = pow2_scale(tensor_amax(grad) * scale, dtype, margin).clamp_(min=1.0)
     new_scale = scale.float() * step
     return quantize(grad, new_scale, dtype), new_scale
-
-
-def nonfinite(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 flag on `device`: 1.0 when a tensor holds inf or NaN (no host sync;
-    `numerics.nonfinite_flag`, moved to `device` where the tensors live elsewhere)."""
-    return nonfinite_flag(list(tensors), device).to(device)
 
 
 class GradientAutoScaler:

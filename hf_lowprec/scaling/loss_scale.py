@@ -146,12 +146,12 @@ class AgreeingGradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if any(grad.is_sparse or isinstance(grad, DTensor) for grad in grads):
+        sharded = next((grad for grad in grads if isinstance(grad, DTensor)), None)
+        if sharded is not None or any(grad.is_sparse for grad in grads):  # torch's own unscaling
             per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-            if any(isinstance(grad, DTensor) for grad in grads):
-                mesh = next(grad for grad in grads if isinstance(grad, DTensor)).device_mesh
+            if sharded is not None:
                 for flag in per_device.values():
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group())
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
             return per_device
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:

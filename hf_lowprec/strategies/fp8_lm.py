@@ -320,7 +320,7 @@ class FP8LM(PrecisionStrategy):
         params = [p for p in everything if p.grad is not None]
         device = everything[0].device
         comm_scales = self.comm_state.grad_scales
-        found_inf = self.nonfinite_gradients([p.grad for p in params], device).to(device)  # the clip's norm, or read
+        found_inf = self.nonfinite_gradients([p.grad for p in params], device)  # the clip's norm, or read
         stored = self.backward_grads.nonfinite(everything)
         if stored is not None:
             found_inf = torch.maximum(found_inf, stored.float())

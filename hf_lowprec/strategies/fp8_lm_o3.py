@@ -118,7 +118,7 @@ class FP8LMO3(FP8LM):
             self.count_skip(-optimizer.found_inf)  # counted once, on the first call
             return optimizer.found_inf
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        found_inf = self.nonfinite_gradients(grads + optimizer.fp8_grads(), optimizer.device).to(optimizer.device)
+        found_inf = self.nonfinite_gradients(grads + optimizer.fp8_grads(), optimizer.device)
         if optimizer.world > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=optimizer.process_group)  # every rank skips together
         optimizer.found_inf = found_inf

@@ -306,10 +306,10 @@ class PrecisionStrategy:
         return any_rank(self.nonfinite_gradients(grads, device), grads, self._data_parallel_group)
 
     def nonfinite_gradients(self, grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
-        """`numerics.nonfinite_flag(grads)`, read from this step's clipping norm where it covers them (`seen_norm`)."""
+        """`numerics.nonfinite_flag(grads)` on `device` (given), read from this step's clipping norm where it covers them (`seen_norm`)."""
         seen, self._clip_seen = self._clip_seen, None
-        flag = seen.nonfinite_flag(grads, device) if seen is not None else None
-        return flag if flag is not None else nonfinite_flag([local_shard(g) for g in grads], device)
+        flag = seen.nonfinite_flag(grads, device) if seen is not None else None  # None: not covered
+        return (flag if flag is not None else nonfinite_flag([local_shard(g) for g in grads], device)).to(device)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
         """The step itself: the inner optimizer's `step(found_inf=found_inf)`, which leaves θ and

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.fp8.gradients import nonfinite
+from hf_lowprec.numerics import nonfinite_flag
 from hf_lowprec.testing import DeviceTraffic
 from tests.helpers import batches, tiny_gpt2
 
 
 def device_finite_check(optimizer) -> torch.Tensor:
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    return nonfinite(grads, grads[0].device)
+    return nonfinite_flag(grads, grads[0].device)
 
 
 @pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3", "coat"])
