@@ -115,7 +115,14 @@ def _set_child(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 def _forget_quantization(base: nn.Module) -> None:
-    """Drop transformers' quantized-model marks: the model is an ordinary one to train now."""
+    """Drop transformers' quantized-model marks: the model is an ordinary one to train now. That
+    includes the load's weight conversions where they dequantize: transformers 5.17 keeps them on
+    the model and reverses them at every save, which quantized each `weight` (the embedding and the
+    head too) and failed on the experts. Without them a save takes the model's default conversions
+    (the experts split into the release's layout), as later releases do."""
+    conversions = getattr(base, "_weight_conversions", None) or ()
+    if any("quantize" in type(op).__name__.lower() for c in conversions for op in getattr(c, "operations", ())):
+        base._weight_conversions = None
     quantizer = getattr(base, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(base)

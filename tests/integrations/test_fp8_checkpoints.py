@@ -218,6 +218,27 @@ def test_every_strategy_trains_an_fp8_checkpoint_and_saves_it_in_the_same_format
     assert torch.isfinite(logits).all()
 
 
+def test_a_dequantizing_load_conversion_left_on_the_model_is_not_reversed_at_save(fp8_checkpoint, tmp_path):
+    """transformers 5.17 (the GPU machine's) keeps the load's FP8 dequantization among the model's
+    weight conversions and reverses it at save, where it quantized every `weight` (the embedding
+    and the head as well, which the release stores in BF16). Attached here as 5.17 attaches it,
+    the save must still write the release's layout: the same keys and dtypes as stored."""
+    from transformers.core_model_loading import WeightConverter
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    model = AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
+    dequantize = Fp8Dequantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=[128, 128])))
+    converter = WeightConverter(["weight$", "weight_scale_inv", "activation_scale"], ["weight"], [dequantize])
+    model._weight_conversions = [converter]
+    trainer = _trainer(model, tmp_path / "run", "bf16-mixed", max_steps=1)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    stored, saved = _stored(fp8_checkpoint), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {k: v.dtype for k, v in saved.items()} == {k: v.dtype for k, v in stored.items()}
+
+
 def test_the_saved_fp8_weights_are_the_trained_weights_within_e4m3_rounding(fp8_checkpoint, tmp_path):
     trainer = _trainer(
         AutoModelForCausalLM.from_pretrained(fp8_checkpoint),
