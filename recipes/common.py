@@ -312,6 +312,14 @@ def preference_pairs(n: int, seed: int = 0, words: int = 24) -> dict[str, list[s
     return {"chosen": chosen, "rejected": rejected}
 
 
+def no_activation_checkpointing() -> dict[str, bool]:
+    """TRL's configs checkpoint activations by default; this turns it off under the name the
+    installed transformers knows: `activation_checkpointing`, or before it (5.17, for one)
+    `gradient_checkpointing`, which later releases keep as its deprecated alias."""
+    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+
+
 def reward_model(path: str | None, tokenizer: Any, training_args: Any, *, steps: int, batch_size: int = 8) -> Any:
     """A sequence-scoring model with one output: loaded from `path`, or a tiny GPT-2 trained here.
 
@@ -339,7 +347,7 @@ def reward_model(path: str | None, tokenizer: Any, training_args: Any, *, steps:
         per_device_train_batch_size=batch_size,
         learning_rate=1e-3,
         max_length=64,
-        activation_checkpointing=False,
+        **no_activation_checkpointing(),
         logging_steps=max(1, steps // 4),
         save_strategy="no",
         report_to="none",

@@ -24,6 +24,8 @@ from tests.launching import GLUE_TWO_STEPS, QUICK, RECIPES, ROOT, check_trained,
 
 MARKER = "hf_lowprec-recipe-result:"
 SUBPROCESS_STRATEGIES = ("collage-plus", "bf16-mixed")
+# TRL's configs checkpoint activations by default: off, as the installed transformers names it.
+NO_CHECKPOINTING = [f"--{name}" for name in import_recipe("common").no_activation_checkpointing()] + ["false"]
 
 
 def run_recipe(script: str, args: list[str], tmp_path: Path, *, strategy: str, via_env: bool = False) -> dict:
@@ -162,8 +164,7 @@ def test_sft(tmp_path, strategy, fmt):
             "4",
             "--max_length",
             "64",
-            "--activation_checkpointing",
-            "false",
+            *NO_CHECKPOINTING,
             "--max_eval_samples",
             "8",
             *extra,
@@ -196,8 +197,7 @@ def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
             "2",
             "--num_prompts",
             "16",
-            "--activation_checkpointing",
-            "false",
+            *NO_CHECKPOINTING,
         ],
         tmp_path,
         strategy=strategy,
@@ -227,8 +227,7 @@ def test_grpo_rlhf(tmp_path, strategy):
             "2",
             "--num_prompts",
             "8",
-            "--activation_checkpointing",
-            "false",
+            *NO_CHECKPOINTING,
         ],
         tmp_path,
         strategy=strategy,
