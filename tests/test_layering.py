@@ -33,6 +33,7 @@ LAYERS = {
     "hf_lowprec.data": 0,
     "hf_lowprec.distributed": 0,
     "hf_lowprec.hardware": 0,
+    "hf_lowprec.processes": 0,  # child processes that can run autograd (a fork, or a fork server)
     "hf_lowprec.grouped_experts": 0,  # the grouped experts forward (16-bit, and the routing the FP8 experts share)
     "hf_lowprec.fp8": 1,
     "hf_lowprec.coat": 1,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import multiprocessing
 import os
 import sys
 import warnings
@@ -25,6 +24,7 @@ from unittest import mock
 import torch
 
 from ..compiling import count_model_as_compiled, gpu_paths
+from ..processes import autograd_context
 from .ledger import Ledger, PhaseCounts
 from .models import block_kinds, blocks_of, build_model, layer_overrides, model_config, rule_options
 from .peers import ANCHOR, PEERS, TORCHAO, TorchAMP, TorchAOFloat8
@@ -414,9 +414,9 @@ def start_counts(
     workers = min(cores, len(names))
     if workers < 2 or not sys.platform.startswith("linux"):
         return lambda: {name: count_scaled(name, model, batch, **kwargs) for name in names}
-    block_kinds(model)  # worked out once, here: the workers inherit it
+    block_kinds(model)  # worked out once, here: forked workers inherit it
     # gc.freeze: a worker's collections never walk the objects it was forked with.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.freeze)
+    pool = ProcessPoolExecutor(workers, mp_context=autograd_context([__name__]), initializer=gc.freeze)
     # The longest counts first (FP8 layers: casts and their state; two models built), so that
     # no worker is left with a long one at the end while the other waits.
     longest_first = sorted(names, key=lambda name: not rule_options(name) and not depth_bound(name, kwargs))

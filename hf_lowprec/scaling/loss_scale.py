@@ -69,7 +69,10 @@ def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0, device=parameters[0].device if parameters else "cpu")
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
+    norms = list(torch._foreach_norm(plain, 2.0, dtype=torch.float32)) if plain else []
+    # FSDP2's shards one at a time: torch 2.14's DTensor rule for `_foreach_norm` reads its dtype as a dim.
+    norms += [torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) for grad in grads if isinstance(grad, DTensor)]
     total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
     if math.isfinite(max_norm):
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import math
-import multiprocessing
 import os
 import resource
 import shutil
@@ -36,6 +35,7 @@ import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.complete_save import CheckpointSaveError
 from hf_lowprec.checkpoints.resume import MANIFEST, resolve_resume_checkpoint
+from hf_lowprec.processes import autograd_context
 from tests import helpers
 from tests.helpers import TokenBlocks, assert_same_state, batches, tiny_gpt2
 
@@ -306,7 +306,8 @@ def _save_until_the_file_limit(out: Path, message: Path) -> None:
 
 def test_a_failed_save_names_the_file_the_cause_and_the_intact_checkpoint(tmp_path):
     out, message = tmp_path / "run", tmp_path / "message"
-    child = multiprocessing.get_context("fork").Process(target=_save_until_the_file_limit, args=(out, message))
+    # A fork where a forked child can run autograd (torch 2.14 refuses it after a backward on fake tensors).
+    child = autograd_context([__name__]).Process(target=_save_until_the_file_limit, args=(out, message))
     child.start()
     child.join(600)
     assert child.exitcode == 0, f"the save did not fail with CheckpointSaveError (exit code {child.exitcode})"

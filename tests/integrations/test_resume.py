@@ -1,6 +1,7 @@
 """Kill and resume: a Trainer run SIGKILLed in a child process resumes bit for bit.
 
-For every registered strategy a child process (forked, so it pays no imports) trains with
+For every registered strategy a child process (forked, so it pays no imports, where a forked
+child can run autograd: `hf_lowprec.processes.autograd_context`) trains with
 checkpoints every 2 steps and is SIGKILLed while it writes checkpoint-4, after checkpoint-2
 was complete. `resume_from_checkpoint=True` must skip the half-written checkpoint-4 with a
 warning, resume from checkpoint-2, and end where an uninterrupted run ends: the same
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -32,6 +32,7 @@ import transformers
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.processes import autograd_context
 from tests import helpers
 from tests.helpers import TokenBlocks, assert_same_state, batches, logged_losses, tiny_gpt2, train_steps
 
@@ -65,8 +66,9 @@ def _pause(ready: Path) -> None:
     os._exit(3)  # never reached: the parent kills the child first
 
 
-def _victim(output_dir: Path, strategy: str, where: str, ready: Path) -> None:
-    """Train in this (forked) child and stop at `where`, announcing it through `ready`."""
+def _victim(output_dir: Path, strategy: str, where: str, ready: Path, threads: int) -> None:
+    """Train in this child and stop at `where`, announcing it through `ready`."""
+    torch.set_num_threads(threads)  # a fork server's child has its own setting: the parent's is compared
     killed_dir = f"checkpoint-{KILLED_AT}"
     save, save_to_json = torch.save, transformers.TrainerState.save_to_json
 
@@ -95,7 +97,7 @@ def _victim(output_dir: Path, strategy: str, where: str, ready: Path) -> None:
             if where == "between-checkpoints" and state.global_step == KILLED_AT - 1:
                 _pause(ready)
 
-    torch.save = pausing_save  # this process is the forked child: the patches die with it
+    torch.save = pausing_save  # this process is the child: the patches die with it
     transformers.TrainerState.save_to_json = pausing_save_to_json
     trainer = make_trainer(output_dir, strategy)
     trainer.add_callback(Between())
@@ -106,7 +108,8 @@ def _victim(output_dir: Path, strategy: str, where: str, ready: Path) -> None:
 def start_victim(output_dir: Path, strategy: str, where: str):
     """Start the child that trains and pauses at `where`; `kill_when_paused` ends it."""
     ready = output_dir.parent / f"{output_dir.name}.paused"
-    child = multiprocessing.get_context("fork").Process(target=_victim, args=(output_dir, strategy, where, ready))
+    context = autograd_context([__name__])
+    child = context.Process(target=_victim, args=(output_dir, strategy, where, ready, torch.get_num_threads()))
     child.start()
     return child, ready, f"{strategy} paused at {where!r}"
 

@@ -44,12 +44,13 @@ _CSRC = Path(__file__).with_name("csrc")
 # inputs (flushed) and NaN, so that build uses it only for vectors with neither; FP16 with F16C's
 # conversions (IEEE); FP8 E4M3/E5M2 with an exact integer rounding, PyTorch's saturation and NaN codes.
 _SOURCES = ("bindings.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512bf16.cpp")
+# No -std=: the standard torch passes stands (C++20; torch 2.14's headers refuse C++17).
 # -ffp-contract=off: no a·b + c fused into an FMA (the references round the product);
 # -fno-fast-math: IEEE semantics; -fno-math-errno only lets sqrtf inline as the instruction;
 # -fopenmp: `at::parallel_for` is an inline OpenMP region, serial without it. The library it links
 # is the libgomp.so.1 that PyTorch has already loaded (same soname), so the kernels share
 # PyTorch's thread pool and `torch.set_num_threads`.
-_CFLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp")
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 Tensors = Sequence[torch.Tensor]
@@ -85,7 +86,7 @@ def native_unavailable() -> str | None:
     """Why the native kernels cannot run here (no compiler, build failed, not x86-64), or None.
 
     The first call builds (or loads the cached build of) the extension: `torch.utils.cpp_extension.load`
-    (ninja and a C++17 compiler), cached under `TORCH_EXTENSIONS_DIR` (`make` and the tests put it
+    (ninja and a C++20 compiler), cached under `TORCH_EXTENSIONS_DIR` (`make` and the tests put it
     under build/); the sources ship in the wheel (package data `csrc/*`). A missing compiler or a
     failed build does not raise: the reason is returned, for the caller to log once and fall back.
     """
