@@ -391,6 +391,14 @@ PAIRS = {
 }
 
 
+def no_activation_checkpointing() -> dict[str, bool]:
+    """TRL configs' activation checkpointing off, under the field name the installed transformers
+    has (recipes/common.py's rule: `activation_checkpointing` from 5.23, `gradient_checkpointing` before)."""
+    from tests.launching import import_recipe
+
+    return import_recipe("common").no_activation_checkpointing()
+
+
 def trl_args(config, tmp_path, strategy, **overrides):
     """`hl_trl.<config>` for a CPU run of one step of two examples, no saving, no reporting."""
     import hf_lowprec.trl as hl_trl
@@ -431,7 +439,7 @@ def ppo_trainer(tmp_path, tokenizer, strategy=None, precision_strategy="fp32", r
         response_length=4,
         num_sample_generations=0,
         learning_rate=1e-3,
-        activation_checkpointing=False,
+        **no_activation_checkpointing(),
         report_to="none",
         save_strategy="no",
         logging_steps=1,

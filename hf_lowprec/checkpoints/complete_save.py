@@ -3,9 +3,9 @@
 The save is bracketed: `begin_save` writes a marker (`SAVE_MARKER`) before any file, and
 `finish_save` writes the manifest (`hf_lowprec.checkpoints.manifest`) once every rank's files
 exist, then removes the marker. So a checkpoint with the marker and no manifest is an interrupted
-save, which a resume skips (`hf_lowprec.checkpoints.resume`), and older checkpoints are rotated
-away only after it. A save that fails (a full disk, a permission) is reported naming the file and
-the cause, and that the previous checkpoint is intact (`failed_save`).
+save, which a resume skips (`hf_lowprec.checkpoints.resume`); older ones are rotated away after
+it. A failed save is reported naming the file, the cause, and the intact previous checkpoint
+(`failed_save`). The export, a collective under DeepSpeed, runs on every rank (`gather_export`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ __all__ = [
     "begin_save",
     "finish_save",
     "failed_save",
+    "gather_export",
+    "with_export",
 ]
 
 
@@ -121,3 +123,21 @@ def failed_save(path: str, error: BaseException) -> CheckpointSaveError:
         "resume_from_checkpoint=True skips it. Free space or fix the permissions (or set output_dir elsewhere), "
         "then resume with resume_from_checkpoint=True"
     )
+
+
+def gather_export(precision: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+    """What the strategy's export (`exported_state_dict`) puts in place of the model's own
+    weights, by name (None: the weight is saved as the model holds it). A collective: every rank
+    calls it, where transformers before 5.23 calls the Trainer's `_save` under DeepSpeed on the
+    saving rank only (a gather there waited forever for the others)."""
+    names = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
+    return precision.exported_state_dict(model, optimizer, names)
+
+
+def with_export(precision: Any, model: Any, optimizer: Any, state_dict: Any, exported: Any) -> Any:
+    """`state_dict` (None: the model's own) as the strategy exports it: with the weights
+    `gather_export` gathered (`exported`), or, given None, gathered now (every rank calls it)."""
+    if exported is None:
+        return precision.exported_state_dict(model, optimizer, state_dict)
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    return {**state_dict, **{k: v for k, v in exported.items() if v is not None and k in state_dict}}

@@ -281,7 +281,7 @@ def _partition_segments(zero_optimizer: Any) -> list[tuple[torch.Tensor, list[tu
         for i, params in enumerate(zero_optimizer.bit16_groups):
             flat, part = zero_optimizer.bit16_groups_flat[i], zero_optimizer.single_partition_of_fp32_groups[i]
             rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[i])
-            low = rank * zero_optimizer.partition_size[i]
+            low = rank * int(zero_optimizer.partition_size[i])  # DeepSpeed 0.16 keeps a float
             segments = []
             for p in params:
                 offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()

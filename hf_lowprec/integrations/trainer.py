@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from ..checkpoints.complete_save import save_complete_checkpoint
+from ..checkpoints.complete_save import gather_export, save_complete_checkpoint, with_export
 from ..checkpoints.converted import load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.manifest import crash_point
@@ -299,7 +299,10 @@ class PrecisionTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}
-        if checkpoint is None or not resets:
+        # Ranks on CPU load to "cpu" (transformers 5.17 maps to "cpu:0", which torch cannot restore).
+        cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu" and not self.is_fsdp_enabled
+        files = [os.path.join(checkpoint or "", f) for f in ("optimizer.pt", "scheduler.pt")]
+        if checkpoint is None or not (resets or (cpu_ranks and all(map(os.path.isfile, files)))):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if getattr(self, "is_deepspeed_enabled", False):
             # DeepSpeed loaded its optimizer with the model; only the scheduler file is left.
@@ -368,7 +371,13 @@ class PrecisionTrainerMixin:
             warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        exports = self.precision is not None and not self.precision.options.save_full_precision
+        gather = exports and getattr(self, "is_deepspeed_enabled", False)
+        self._exported = gather_export(self.precision, self.model, self.optimizer) if gather else None
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._exported = None
         # The model a user saves goes back in the FP8 format it was loaded from (a checkpoint to
         # resume from keeps every bit; `save_full_precision` asks for full precision).
         if self.precision is not None and not (_internal_call or self.precision.options.save_full_precision):
@@ -380,9 +389,10 @@ class PrecisionTrainerMixin:
         if full and state_dict is None:
             state_dict = self.precision.full_precision_state_dict(self.model, self.optimizer)
         elif self.precision is not None and (getattr(self, "is_deepspeed_enabled", False) or self.args.world_size == 1):
-            # Under DeepSpeed every rank saves (a collective export is safe); elsewhere only
-            # one process does, so only a one-process run may gather.
-            state_dict = self.precision.exported_state_dict(self.model, self.optimizer, state_dict)
+            # Gathered by every rank in save_model under DeepSpeed; else only one process may gather.
+            state_dict = with_export(
+                self.precision, self.model, self.optimizer, state_dict, getattr(self, "_exported", None)
+            )
         super()._save(output_dir, state_dict=state_dict)
         if full and self.args.should_save and isinstance(self.model, transformers.PreTrainedModel):
             # save_pretrained records the parameters' dtype (BF16); the weights written are FP32.

@@ -20,6 +20,7 @@ from transformers import HfArgumentParser  # noqa: E402
 
 import hf_lowprec.trl as hl_trl  # noqa: E402
 from hf_lowprec.strategies.interface import PrecisionStrategy, StrategyOptimizer  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import PAIRS, left_padded_tokenizer, ppo_trainer, tiny_lm, tiny_scorer, trl_args  # noqa: E402
 
 CONFIGS = ("SFTConfig", "RewardConfig", "GRPOConfig", "DPOConfig", "RLOOConfig", "KTOConfig", "DistillationConfig")
@@ -95,7 +96,7 @@ def test_grpo_generates_and_scores_in_the_strategy_context(tmp_path, tokenizer):
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=4,
-        activation_checkpointing=False,
+        **helpers.no_activation_checkpointing(),
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -217,7 +218,7 @@ def test_ppo_recipe_under_ddp_trains_and_saves(tmp_path):
         "1",
         "--num_prompts",
         "16",
-        "--activation_checkpointing",
+        *(f"--{name}" for name in helpers.no_activation_checkpointing()),
         "false",
         "--disable_tqdm",
         "true",
