@@ -8,6 +8,7 @@ from transformers import HfArgumentParser
 
 import hf_lowprec.strategies.interface as interface
 from hf_lowprec import Trainer, TrainingArguments
+from hf_lowprec.checkpoints.complete_save import with_export
 from hf_lowprec.numerics import nonfinite_flag
 from hf_lowprec.strategies.interface import StrategyOptimizer
 from tests.helpers import (
@@ -16,6 +17,7 @@ from tests.helpers import (
     assert_bits_equal,
     checkpointed_args,
     logged_losses,
+    make_args,
     tiny_gpt2,
 )
 
@@ -209,3 +211,29 @@ def test_lost_arithmetic_metrics_are_logged_and_do_not_change_training(tmp_path)
         assert bound < 0.05
         assert "precision/imprecision_pct/group0" in h and "precision/edq_ratio/group1" in h
     assert "precision/imprecision_pct" not in runs[False].state.log_history[0]
+
+
+def test_every_rank_gathers_the_export_under_deepspeed_whatever_transformers_saves(tmp_path, monkeypatch):
+    """fp8-lm-o3's export gathers the FP8 masters, a collective under DeepSpeed. transformers
+    before 5.23 calls `_save` there on the saving rank only, and the gather in `_save` hung: it
+    comes from `save_model`, on every rank. Played in one process: DeepSpeed marked on, and the
+    stock `save_model` standing for a rank that does not save (it never reaches `_save`)."""
+    import transformers
+
+    trainer = Trainer(
+        model=tiny_gpt2(), args=make_args(tmp_path, "fp8-lm-o3", max_steps=1), train_dataset=TokenBlocks()
+    )
+    trainer.train()
+    calls = []
+    export = trainer.precision.exported_state_dict
+    monkeypatch.setattr(trainer.precision, "exported_state_dict", lambda *a: calls.append(a) or export(*a))
+    monkeypatch.setattr(transformers.Trainer, "save_model", lambda self, output_dir=None, _internal_call=False: None)
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
+    trainer.save_model(str(tmp_path / "out"), _internal_call=True)
+    assert len(calls) == 1 and calls[0][0] is trainer.model and calls[0][1] is trainer.optimizer
+
+
+def test_the_gathered_export_replaces_exactly_the_weights_it_names():
+    saved = {"a": torch.zeros(2), "b": torch.ones(2)}
+    out = with_export(None, None, None, saved, {"a": torch.full((2,), 5.0), "b": None, "c": torch.ones(1)})
+    assert set(out) == {"a", "b"} and out["b"] is saved["b"] and torch.equal(out["a"], torch.full((2,), 5.0))
