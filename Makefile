@@ -12,7 +12,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-ppo bench gpu-check device-bundle fidelity readme lint clean
+.PHONY: install demo test test-ppo test-floors bench gpu-check device-bundle fidelity readme lint clean
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
@@ -66,6 +66,19 @@ test-ppo: install
 	@PYTHONPATH=$(PPO_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest -m ppo $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ] && [ -z "$(PYTEST_ARGS)" ]; then echo "no ppo tests collected: failing loudly" >&2; exit 1; fi; \
 	if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+# The main suite on the oldest releases pyproject.toml allows (tests/floors.txt: transformers,
+# accelerate, peft, TRL, DeepSpeed), in a venv of its own under build/ (made once). CI runs the
+# newest; run this when a floor or an integration point changes (docs/gpu.md).
+FLOORS_VENV := $(BUILD)/floors-venv
+test-floors:
+	@test -x $(FLOORS_VENV)/bin/python || $(PYTHON) -m venv $(FLOORS_VENV)
+	@PIP_CONSTRAINT=$(CURDIR)/tests/floors.txt $(MAKE) --no-print-directory install PYTHON=$(FLOORS_VENV)/bin/python
+	@# Again on every run: the install stamp watches pyproject.toml, not tests/floors.txt.
+	@PIP_CONSTRAINT=$(CURDIR)/tests/floors.txt $(FLOORS_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	@$(FLOORS_VENV)/bin/python -m pip freeze | grep -i -E "^(transformers|accelerate|peft|trl|deepspeed)=="
+	@$(FLOORS_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not ppo" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing loudly" >&2; exit 1; fi; exit $$rc
 
 bench: install
 	$(PYTHON) bench/bench_native.py

@@ -16,7 +16,7 @@ from typing import Any
 
 from .hardware import gpu_named
 from .planning.counting import without_collector
-from .planning.models import MODELS, memory_plan, model_config, quiet
+from .planning.models import MODELS, engine_refusal, memory_plan, model_config, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
 __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
@@ -49,7 +49,7 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
     head = f"{'strategy':<16} {'params':>7} {'grads':>7} {'optim':>7} {'extra':>7} {'total':>7} {'GiB':>9}"
     zero = world_size > 1 or zero_stage
     if zero:
-        head += f" {'GiB/rank':>9}  ZeRO-{zero_stage} on {world_size} ranks"
+        head += f" {'GiB/rank':>9}  {f'ZeRO-{zero_stage}' if zero_stage else 'DDP'} on {world_size} ranks"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -64,7 +64,7 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
 
 def _check_strategy_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
     """The comma-separated strategy names in `text`; a usage error (exit 2) for an unknown one."""
-    names = [s for s in text.split(",") if s]
+    names = list(dict.fromkeys(s for s in text.split(",") if s))  # each once, in the order given
     if not names:
         parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
     for name in names:
@@ -122,6 +122,15 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         _check_strategy_names(parser, ",".join(n for n in names if n not in PEERS))
     if "torchao-float8" in names and importlib.util.find_spec("torchao") is None:
         parser.error("--strategies torchao-float8 counts torchao's float8 training: pip install torchao first")
+    # A strategy the engine refuses before training is not planned under it (its figures would
+    # describe a run that cannot start): said, with the engine's reason, before the table.
+    refused = {n: engine_refusal(n, ns.engine) for n in names} if ns.gpus > 1 else {}
+    refused = {n: why for n, why in refused.items() if why}
+    for why in refused.values():
+        print(f"not planned under {ns.engine} on {ns.gpus} GPUs: {why}", file=sys.stderr if ns.json else sys.stdout)
+    names = [n for n in names if n not in refused]
+    if not names:
+        parser.error(f"--engine {ns.engine} refuses every strategy asked for (above); pick another engine")
     with quiet():
         rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
     if ns.json:
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         with without_collector():
             return _plan(plan, ns) if ns.command == "plan" else _memory(mem, ns)
     if ns.command == "compare":
-        from .compare import resolve_recipe, run_compare, summary_table
+        from .compare import check_recipe_arguments, resolve_recipe, run_compare, summary_table
 
         try:
             resolve_recipe(ns.recipe)
@@ -261,20 +270,32 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [int(s) for s in ns.seeds.split(",") if s]
         except ValueError:
             cmp_.error(f"--seeds must be comma-separated integers, got {ns.seeds!r}")
+        if not seeds:
+            cmp_.error(f"--seeds names no seed, got {ns.seeds!r}; pass comma-separated integers, e.g. 0,1,2")
         if ns.max_steps < 1:
             cmp_.error(f"--max_steps must be >= 1, got {ns.max_steps}")
         _check_writable(cmp_, ns.out)
         extra = [a for a in ns.recipe_args if a != "--"]
-        summary = run_compare(
-            ns.recipe,
-            names,
-            seeds=seeds,
-            max_steps=ns.max_steps,
-            out=ns.out,
-            metrics=not ns.no_metrics,
-            extra_args=extra,
-            progress=not ns.no_progress,
-        )
+        try:
+            check_recipe_arguments(names, extra)
+        except ValueError as error:
+            cmp_.error(str(error))
+        try:
+            summary = run_compare(
+                ns.recipe,
+                names,
+                seeds=seeds,
+                max_steps=ns.max_steps,
+                out=ns.out,
+                metrics=not ns.no_metrics,
+                extra_args=extra,
+                progress=not ns.no_progress,
+            )
+        except RuntimeError as error:  # a run failed: the finished runs' CSVs are in --out
+            print(
+                f"hf-lowprec compare: {error}\nruns finished before it: {Path(ns.out) / 'summary.csv'}", file=sys.stderr
+            )
+            return 1
         print(summary_table(summary, Path(ns.out) / "results.csv"))
         print(
             f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "

@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,29 @@ def _run_one(
     return {"result": result, "history": history, "peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": wall}
 
 
+def check_recipe_arguments(strategies: list[str], extra: list[str]) -> None:
+    """The recipe's extra arguments as `TrainingArguments` reads them, under each strategy: a value
+    that does not parse, or a setting a strategy refuses (an `optim` it replaces, a bf16/fp16 flag
+    it contradicts), is a ValueError before the first run, not after the runs before it."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    from .integrations.trainer import TrainingArguments
+
+    parser = HfArgumentParser(TrainingArguments, exit_on_error=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in strategies:
+            argv = [*extra, "--precision_strategy", name, "--output_dir", scratch, "--report_to", "none"]
+            try:
+                parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+            except (argparse.ArgumentError, ValueError) as error:
+                raise ValueError(
+                    f"the recipe arguments {' '.join(extra)!r} under precision_strategy={name!r}: {error}; "
+                    "no run was started"
+                ) from None
+
+
 def run_compare(
     recipe: str,
     strategies: list[str],
@@ -144,6 +168,7 @@ def run_compare(
         raise ValueError("give at least one strategy and one seed")
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    check_recipe_arguments(strategies, list(extra_args or []))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -183,7 +208,9 @@ def run_compare(
                 "wall_s": run["wall_s"],
             }
         )
-    _write_csv(out / "results.csv", step_rows)
+        # After every run: a later run that fails loses none of the finished ones.
+        _write_csv(out / "results.csv", step_rows)
+        _write_csv(out / "summary.csv", summary)
     if predict_gpu:  # after the runs' rows are safe on disk: a failed prediction loses nothing
         from .planning.plan import gpu_preview
 

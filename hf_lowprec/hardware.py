@@ -130,7 +130,9 @@ GPUS = {
 def gpu_named(name: str, **numbers: float) -> GPU:
     """The GPU `name` (a key of `GPUS`), with any of its numbers replaced (`bandwidth=…`)."""
     if name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}: choose one of {sorted(GPUS)}, or give its numbers")
+        close = [key for key in GPUS if key == name.lower()]
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown GPU {name!r}: choose one of {sorted(GPUS)}{hint}")
     return dataclasses.replace(GPUS[name], **numbers) if numbers else GPUS[name]
 
 

@@ -47,6 +47,13 @@ def test_memory_with_zero_splits_states_gradients_and_parameters(capsys):
     assert "bf16-pure" in out and "GiB/rank" in out
 
 
+def test_memory_marks_what_ddp_refuses():
+    """Ranks without ZeRO are DDP: fp8-lm-o3 (FP8-LM's own ZeRO) is refused there, as DDP refuses it."""
+    rows = {r["strategy"]: r for r in memory_plan("gpt2", ["fp8-lm-o3", "fp8-lm-o2"], world_size=8)}
+    assert rows["fp8-lm-o3"]["zero"].startswith("precision strategy 'fp8-lm-o3' is not supported under torch DDP")
+    assert rows["fp8-lm-o2"]["zero"] == "ok"
+
+
 def test_memory_refuses_an_unknown_model_before_any_work():
     with pytest.raises(ValueError, match="--model must be one of"):
         memory_plan("gpt5", ["bf16-pure"])
@@ -164,6 +171,7 @@ def _usage_error(argv, capsys) -> str:
         (["compare", "--strategies", "bf16-pure", "--max_steps", "-3"], "--max_steps must be >= 1, got -3"),
         (["memory", "--model", "nonexistent"], "--model must be one of"),
         (["memory", "--strategies", "bf16-pur"], "Did you mean 'bf16-pure'"),
+        (["compare", "--strategies", "bf16-pure", "--seeds", ","], "--seeds names no seed, got ','"),
     ],
 )
 def test_user_errors_are_usage_errors(argv, match, capsys, monkeypatch):
@@ -182,6 +190,48 @@ def test_memory_checks_the_config_it_is_given(tmp_path, capsys):
     config.write_text('{"model_type": "gpt2", "n_layer": -2}')
     line = _usage_error(["memory", "--model", str(config), "--strategies", "bf16-pure"], capsys)
     assert f"--model {config}: n_layer must be a positive integer, got -2" in line
+
+
+@pytest.mark.parametrize(
+    "recipe_args, match",
+    [
+        # bf16-mixed trains the optimizer `optim` names; collage-plus builds its own: refused before bf16-mixed runs.
+        (["--optim", "adafactor"], "under precision_strategy='collage-plus': precision_strategy='collage-plus' builds"),
+        (["--learning_rate", "abc"], "under precision_strategy='bf16-mixed': argument --learning_rate"),
+        (["--fp16"], "under precision_strategy='bf16-mixed': precision_strategy='bf16-mixed' computes in"),
+    ],
+)
+def test_compare_checks_the_recipe_arguments_under_every_strategy_before_training(
+    tmp_path, capsys, monkeypatch, recipe_args, match
+):
+    import hf_lowprec.compare
+
+    monkeypatch.setattr(hf_lowprec.compare, "run_compare", _no_training)
+    argv = ["compare", "--strategies", "bf16-mixed,collage-plus", "--out", str(tmp_path), "--", *recipe_args]
+    assert match in _usage_error(argv, capsys)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_compare_keeps_the_finished_runs_when_a_later_one_fails(tmp_path, capsys, monkeypatch):
+    """The CSVs are written after every run: the second strategy's failure loses not the first's
+    row, and the command ends with the failure's message and exit 1, not a traceback."""
+    import hf_lowprec.compare
+
+    def one_run(command, cwd, strategy, seed, *args):
+        if strategy == "collage-plus":
+            raise RuntimeError(f"recipe with {strategy!r} (seed {seed}) failed with exit code 1")
+        history = [{"loss": 2.5, "step": 1, "learning_rate": 1e-3}]
+        return {"result": {"final_loss": 2.5}, "history": history, "peak_rss_mib": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(hf_lowprec.compare, "_run_one", one_run)
+    argv = ["compare", "--strategies", "bf16-pure,collage-plus", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "'collage-plus' (seed 0) failed with exit code 1" in err
+    with open(tmp_path / "summary.csv") as f:
+        assert [r["strategy"] for r in csv.DictReader(f)] == ["bf16-pure"]
+    with open(tmp_path / "results.csv") as f:
+        assert [(r["strategy"], r["loss"]) for r in csv.DictReader(f)] == [("bf16-pure", "2.5")]
 
 
 def test_compare_checks_out_is_writable_before_training(tmp_path, capsys, monkeypatch):

@@ -58,8 +58,9 @@ def begin_save(path: str, strategy: Any) -> None:
         os.remove(os.path.join(path, MANIFEST))
 
 
-def finish_save(path: str, strategy: Any, world_size: int) -> None:
-    """Write the manifest of `path` (every rank's files must exist: call after a barrier), then drop the marker."""
+def finish_save(path: str, strategy: Any, world_size: int, model_only: bool = False) -> None:
+    """Write the manifest of `path` (every rank's files must exist: call after a barrier), then drop the marker.
+    `model_only`: saved with `save_only_model=True` (the weights alone: a resume refuses it unless told)."""
     options = dataclasses.asdict(strategy.options) if strategy is not None else None
     guard = getattr(strategy, "guard", None)
     # What the guard did, for a reader of the checkpoint (the state to resume is in the optimizer's file).
@@ -70,6 +71,7 @@ def finish_save(path: str, strategy: Any, world_size: int) -> None:
         strategy=strategy.name if strategy is not None else None,
         options=options,
         world_size=world_size,
+        **({"model_only": True} if model_only else {}),
         **acted,
     )
     marker = os.path.join(path, SAVE_MARKER)
@@ -98,7 +100,7 @@ def save_complete_checkpoint(trainer: Any, save: Callable[[Any], None], trial: A
         trainer.accelerator.wait_for_everyone()
         if args.should_save:
             crash_point("save-before-manifest")
-            finish_save(path, trainer.precision, args.world_size)
+            finish_save(path, trainer.precision, args.world_size, bool(getattr(args, "save_only_model", False)))
     except Exception as err:
         raise failed_save(path, err) from err
     if args.should_save:

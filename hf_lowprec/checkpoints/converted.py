@@ -1,21 +1,25 @@
-"""Resume a Trainer checkpoint whose weights transformers wrote in the hub format.
+"""Load a Trainer checkpoint into the model being trained as the stock loaders do not.
 
-transformers 5 keeps MoE experts fused, `save_pretrained` writes them per expert, and the Trainer
-resumes without converting back (transformers#48805, docs/checkpoints.md): `to_model_keys` applies
-the model's conversion mapping forwards, as `from_pretrained` does, and `load_in_model_format`
-loads a checkpoint through it.
+MoE experts, fused in the model, are written per expert (transformers#48805, docs/checkpoints.md):
+`to_model_keys` runs the conversion forwards, `load_in_model_format` loads through it. PEFT's adapter
+load turns 16-bit adapters to FP32 (`keeping_dtypes`). `load_best_model`: the best checkpoint whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["load_in_model_format", "to_model_keys"]
+__all__ = ["keeping_dtypes", "load_best_model", "load_in_model_format", "to_model_keys"]
+
+logger = logging.getLogger(__name__)
 
 
 def _conversions(model: Any) -> list[Any]:
@@ -89,3 +93,37 @@ def load_in_model_format(trainer: Any, checkpoint: str, model: Any = None) -> bo
         return False
     trainer._issue_warnings_after_load(model.load_state_dict(to_model_keys(model, state), strict=False))
     return True
+
+
+@contextlib.contextmanager
+def keeping_dtypes(model: torch.nn.Module) -> Iterator[None]:
+    """The trainable parameters leave the scope in the dtypes they entered it in. PEFT's
+    `load_adapter` (the stock resume and best-model load of a PEFT model) upcasts 16-bit adapters
+    to FP32 (`autocast_adapter_dtype`), where a strategy keeps them in its parameter dtype; the
+    values it loads are the checkpoint's 16-bit ones, so the cast back is exact."""
+    before = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    yield
+    for name, param in model.named_parameters():
+        if name in before and param.dtype != before[name] and param.is_floating_point():
+            param.data = param.data.to(before[name])
+
+
+def load_best_model(trainer: Any, stock: Callable[[], None]) -> None:
+    """`load_best_model_at_end` under a strategy: the best checkpoint's weights (MoE experts merged
+    back, adapters in their dtypes), then its optimizer state, which holds what the weights alone
+    do not (masters, Collage's δθ): `save_full_precision`'s final export is the best checkpoint's."""
+    best = trainer.state.best_model_checkpoint
+    with keeping_dtypes(trainer.model):
+        if not load_in_model_format(trainer, best):
+            stock()
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        return  # their own loaders restored the whole state
+    path = os.path.join(best, "optimizer.pt")
+    if trainer.optimizer is None or not os.path.isfile(path):
+        logger.warning(
+            "%s holds no optimizer.pt (save_only_model): the strategy's state beyond the weights (masters, "
+            "δθ) stays the last step's, and a save_full_precision export would not be the best checkpoint's",
+            best,
+        )
+        return
+    trainer.optimizer.load_state_dict(torch.load(path, map_location=trainer.args.device, weights_only=True))

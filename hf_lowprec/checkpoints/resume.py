@@ -234,6 +234,27 @@ def _verify_manifest(path: str, manifest: dict, reset: tuple[str, ...]) -> set[s
     return resets
 
 
+def _check_model_only(path: str, manifest: dict, reset: tuple[str, ...]) -> set[str]:
+    """A checkpoint saved with `save_only_model=True` holds the weights alone: its manifest lists
+    no optimizer, scheduler or RNG file, so `_verify_manifest` finds none missing, and a resume would
+    start them afresh without a word. Refused unless `reset` names all three."""
+    if not manifest.get("model_only"):
+        return set()
+    parts = ("optimizer", "scheduler", "rng")
+    if any(part not in reset for part in parts):
+        raise ValueError(
+            f"{path} was saved with save_only_model=True: it holds the weights only, so a resume from it would "
+            f"start afresh the optimizer ({RESETTABLE['optimizer']}), the schedule and the random generators. "
+            "Nothing was loaded. Resume from a checkpoint saved without save_only_model, or start them afresh "
+            "knowingly with resume_reset='optimizer,scheduler,rng' (--resume_reset optimizer,scheduler,rng)"
+        )
+    for part in parts:
+        logger.warning(
+            "%s was saved with save_only_model=True; resume_reset names %r: %s", path, part, RESETTABLE[part]
+        )
+    return set(parts)
+
+
 def _check_manifest_strategy(path: str, manifest: dict, strategy: Any) -> None:
     saved = manifest.get("strategy")
     name = strategy.name if strategy is not None else None
@@ -288,7 +309,7 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
         )
     manifest = _read_manifest(path)
     if manifest is not None:
-        resets = _verify_manifest(path, manifest, reset)
+        resets = _verify_manifest(path, manifest, reset) | _check_model_only(path, manifest, reset)
         _check_manifest_strategy(path, manifest, strategy)
         return resets | _check_world_size(path, manifest, reset)
     logger.warning(

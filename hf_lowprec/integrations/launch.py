@@ -26,7 +26,15 @@ from typing import Any
 
 # Imported at every launched process's start: the standard library only at the top (and
 # `launch_env`, which does the same); nothing here runs without HF_LOWPREC_LAUNCH.
-from .launch_env import ENV_HOOKS, ENV_LAUNCH, ENV_OPTIONS, ENV_STRATEGY, json_object, launched_precision
+from .launch_env import (
+    APPLIED_PREFIX,
+    ENV_HOOKS,
+    ENV_LAUNCH,
+    ENV_OPTIONS,
+    ENV_STRATEGY,
+    json_object,
+    launched_precision,
+)
 
 __all__ = [
     "ENV_LAUNCH",
@@ -35,6 +43,7 @@ __all__ = [
     "ENV_HOOKS",
     "HOOK_DIR",
     "NO_HOOK_EXIT",
+    "UNUSED_STRATEGY_EXIT",
     "TESTED_VERSIONS",
     "launch_environment",
     "run",
@@ -45,6 +54,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NO_HOOK_EXIT = 3  # the launcher's exit code when the command succeeded but no process was hooked
+# ... and when it succeeded, hooked, but no process prepared a model under the launcher's strategy.
+UNUSED_STRATEGY_EXIT = 4
 # Signals the launcher passes on to the command (Ctrl-C reaches it directly: same process group).
 _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
@@ -126,7 +137,20 @@ def run(command: Sequence[str], strategy: str | None, options: str | None) -> No
     sys.stdout.flush()
     with tempfile.TemporaryDirectory(prefix="hf_lowprec_launch_") as hooks:
         code = _run_child(executable, command, {**env, ENV_HOOKS: hooks})
-        hooked = len(os.listdir(hooks))
+        files = os.listdir(hooks)
+    applied = sum(name.startswith(APPLIED_PREFIX) for name in files)
+    hooked = len(files) - applied
+    if hooked and strategy and not applied and code == 0:
+        print(
+            f"hf-lowprec launch: `{' '.join(command)}` ran to its end, but none of its processes prepared a model "
+            f"under a strategy (a Trainer, a TRL trainer and hf_lowprec.PrecisionPlugin do), so nothing trained with "
+            f"precision_strategy={strategy!r}. A custom loop (plain Accelerate, plain torch) takes a strategy "
+            "through hf_lowprec.PrecisionPlugin (docs/recipes.md); a script that set precision_strategy=None "
+            "itself chose the stock Trainer.",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = UNUSED_STRATEGY_EXIT
     if hooked == 0:
         took = f"trained with precision_strategy={strategy!r}" if strategy else "took the launcher's arguments"
         print(

@@ -15,13 +15,23 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ENV_HOOKS", "ENV_LAUNCH", "ENV_OPTIONS", "ENV_STRATEGY", "json_object", "launched_precision"]
+__all__ = [
+    "APPLIED_PREFIX",
+    "ENV_HOOKS",
+    "ENV_LAUNCH",
+    "ENV_OPTIONS",
+    "ENV_STRATEGY",
+    "json_object",
+    "launched_precision",
+    "note_strategy_applied",
+]
 
 ENV_LAUNCH = "HF_LOWPREC_LAUNCH"
 # The same variables the repository's recipes read at their edge.
 ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
 ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
 ENV_HOOKS = "HF_LOWPREC_LAUNCH_HOOKS"  # a directory where each hooked process leaves a file
+APPLIED_PREFIX = "applied-"  # ... and each that prepared a model under a strategy, one more so named
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -46,3 +56,15 @@ def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | 
     strategy = environ.get(ENV_STRATEGY) or None
     options = json_object(environ[ENV_OPTIONS], f"${ENV_OPTIONS}") if environ.get(ENV_OPTIONS) else None
     return strategy, options
+
+
+def note_strategy_applied() -> None:
+    """Tell the launcher that this process prepared a model under a precision strategy (a Trainer,
+    a TRL trainer, `hf_lowprec.PrecisionPlugin`); outside `hf-lowprec launch`, nothing."""
+    hooks = os.environ.get(ENV_HOOKS)
+    if hooks and os.environ.get(ENV_LAUNCH) == "1":
+        try:
+            with open(os.path.join(hooks, f"{APPLIED_PREFIX}{os.getpid()}"), "w"):
+                pass
+        except OSError:  # another node's filesystem: the launcher counts its own node's processes
+            pass

@@ -1,5 +1,5 @@
-"""The stock Trainer's precision and optimizer arguments under a strategy: `bf16`/`fp16` and `optim`
-reconciled with the strategy or refused, `optimizers=` accepted, wrapped or refused.
+"""The stock Trainer's precision and optimizer arguments under a strategy: `bf16`/`fp16`, the
+full-eval flags and `optim` reconciled with the strategy or refused, `optimizers=` accepted, wrapped or refused.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla
 
 
 def reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:
-    """`bf16`/`fp16` that agree with the strategy's compute dtype are cleared (the strategy owns
-    mixed precision); contradicting ones, and an `optim` for a strategy with its own AdamW, refused."""
+    """`bf16`/`fp16` and `fp16_full_eval`/`bf16_full_eval` that agree with the strategy's compute
+    dtype are cleared (the strategy owns mixed precision); contradicting ones, and an `optim` for a
+    strategy with its own AdamW, refused."""
     compute = strategy.compute_dtype
     if args.fp16 and compute != torch.float16:
         raise ValueError(
@@ -37,6 +38,20 @@ def reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> N
         logger.info("precision_strategy %r owns mixed precision; ignoring bf16/fp16 flags", args.precision_strategy)
         args.bf16 = False
         args.fp16 = False
+    # The stock Trainer casts the whole model to the full-eval dtype in place before an evaluation
+    # outside train(): FP32 masters, FP8 payloads and the strategy's FP32 buffers with it.
+    for flag, dtype in (("fp16_full_eval", torch.float16), ("bf16_full_eval", torch.bfloat16)):
+        if getattr(args, flag, False):
+            if compute != dtype:
+                raise ValueError(
+                    f"precision_strategy={args.precision_strategy!r} computes in {compute} but {flag}=True was "
+                    f"also set, which casts the model's weights to {dtype} in place; the strategy evaluates in its "
+                    f"own precision: remove {flag}=True (--{flag})"
+                )
+            logger.info(
+                "precision_strategy %r evaluates in its own precision; ignoring %s", args.precision_strategy, flag
+            )
+            setattr(args, flag, False)
     optim = getattr(args.optim, "value", args.optim)
     if optim not in ADAMW_OPTIMS and not strategy.takes_user_optimizer:
         raise ValueError(

@@ -24,7 +24,7 @@ import transformers
 from transformers import TrainerCallback
 
 from ..checkpoints.complete_save import gather_export, save_complete_checkpoint, with_export
-from ..checkpoints.converted import load_in_model_format
+from ..checkpoints.converted import keeping_dtypes, load_best_model, load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, checked_resume, parse_resume_reset
@@ -138,8 +138,7 @@ class TrainingArguments(PrecisionArgumentsMixin, transformers.TrainingArguments)
 class PrecisionCallback(TrainerCallback):
     """Prepares DDP/FSDP2/DeepSpeed for the strategy, writes the startup report, times steps and keeps
     the LR schedule aligned with skipped steps. Appended after the Trainer's callbacks: none of its events
-    needs to run before theirs (the strategy's metrics join the logs in `PrecisionTrainerMixin.log` first).
-    """
+    needs to run before theirs (the strategy's metrics join the logs in `PrecisionTrainerMixin.log` first)."""
 
     def __init__(self, strategy: PrecisionStrategy, trainer: Any = None) -> None:
         self.strategy = strategy
@@ -210,16 +209,11 @@ def _find_strategy_optimizer(optimizer: Any) -> StrategyOptimizer | None:
 
 
 class PrecisionTrainerMixin:
-    """Applies `args.precision_strategy` to any `transformers.Trainer` subclass.
-
-    The model is prepared after the base `__init__` (so trainers that load a model from a
-    name, like TRL's, work too); the optimizer comes from the strategy; the forward pass runs
-    in the strategy's context; its metrics go to the logs; its state rides in the optimizer
-    checkpoint.
-
-    Every method it overrides takes the stock signature, and with no strategy it calls the
-    stock method and returns: the Trainer is the stock one (docs/launch.md).
-    """
+    """Applies `args.precision_strategy` to any `transformers.Trainer` subclass: the model is prepared
+    after the base `__init__` (TRL's trainers load theirs from a name), the optimizer comes from the
+    strategy, the forward runs in its context, its metrics join the logs, its state rides in the
+    optimizer's checkpoint. Each override takes the stock signature; with no strategy it calls the
+    stock method: the Trainer is the stock one (docs/launch.md)."""
 
     precision: PrecisionStrategy | None
 
@@ -315,9 +309,15 @@ class PrecisionTrainerMixin:
         return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self.precision is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # MoE experts saved per expert, merged back (the stock resume drops them: transformers#48805).
-        if self.precision is None or not load_in_model_format(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if not load_in_model_format(self, resume_from_checkpoint, model):
+            with keeping_dtypes(model if model is not None else self.model):  # PEFT's load upcasts adapters
+                super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model() if self.precision is None else load_best_model(self, super()._load_best_model)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if "rng" not in getattr(self, "_resume_resets", set()):

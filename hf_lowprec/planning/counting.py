@@ -59,13 +59,14 @@ _swap_tensors = torch.utils.swap_tensors
 @dataclasses.dataclass
 class StepCount:
     """A counted step: {phase: PhaseCounts}, the peak bytes the step allocated on top of what
-    was resident before it, how many decoder layers it was counted at, and the resident bytes
-    (parameters, buffers, optimizer state)."""
+    was resident before it, how many decoder layers it was counted at, the resident bytes
+    (parameters, buffers, optimizer state), and the peak within each phase."""
 
     phases: dict[str, PhaseCounts]
     peak_bytes: int
     layers: int
     resident_bytes: int = 0
+    phase_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def total(self) -> PhaseCounts:
         out = PhaseCounts()
@@ -237,7 +238,8 @@ def _count_steps(
                         steady = counted[0] = Ledger(replays=replays)
                         with steady:
                             phased_step(steady, strategy, built, optimizer, ids, clip)
-                    out.append(StepCount(steady.counts(), steady.peak_bytes, depth - (index is not None), resident))
+                    counts, peaks = steady.counts(), dict(steady.phase_peaks)
+                    out.append(StepCount(counts, steady.peak_bytes, depth - (index is not None), resident, peaks))
     finally:
         set_fp8_gemm_path(forced)
     return out
@@ -350,9 +352,17 @@ def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -
         scaled.add(b, depth - 1)
         scaled.gemm_kernels = a.gemm_kernels + _extra_kernels(a, b) * (depth - 1)
         phases[phase] = scaled
-    peak = one.peak_bytes + (depth - 1) * (two.peak_bytes - one.peak_bytes)
+    peaks = _scaled_peaks(one, [(two, depth - 1)])
     resident = one.resident_bytes + (depth - 1) * (two.resident_bytes - one.resident_bytes)
-    return StepCount(phases, peak, depth, resident)
+    return StepCount(phases, max(peaks.values()), depth, resident, peaks)
+
+
+def _scaled_peaks(base: StepCount, steps: list[tuple[StepCount, int]]) -> dict[str, int]:
+    """Each phase's peak at full depth: `base`'s plus n times each (step, n)'s change to it. Not the
+    step's one peak: at one and two blocks it may lie where little grows with depth (a large
+    vocabulary's logits, the optimizer's temporaries), at full depth at every block's activations."""
+    grown = {p: sum(n * (step.phase_peaks.get(p, 0) - b) for step, n in steps) for p, b in base.phase_peaks.items()}
+    return {phase: base.phase_peaks[phase] + extra for phase, extra in grown.items()}
 
 
 def _count_kinds(
@@ -379,9 +389,9 @@ def _count_kinds(
             gemms += _extra_kernels(x, w) * n
         scaled.gemm_kernels = gemms
         phases[phase] = scaled
-    peak = whole.peak_bytes + sum(n * (whole.peak_bytes - x.peak_bytes) for x, n in zip(without, more))
+    peaks = _scaled_peaks(whole, [(x, -n) for x, n in zip(without, more)])  # W + Σ n_k (W − X_k) per phase
     resident = whole.resident_bytes + sum(n * (whole.resident_bytes - x.resident_bytes) for x, n in zip(without, more))
-    return StepCount(phases, peak, sum(map(len, kinds)), resident)
+    return StepCount(phases, max(peaks.values()), sum(map(len, kinds)), resident, peaks)
 
 
 def _step_args(kwargs: dict[str, Any]) -> list[Any]:

@@ -80,6 +80,7 @@ class Ledger(PhasedMode):
         self.ops: Counter[tuple[str, str]] = Counter()  # (phase, operation) of each eager kernel
         self._live = 0
         self.peak_bytes = 0
+        self.phase_peaks: Counter[str] = Counter()  # the peak within each phase (a model's depth scales each)
         self._refs: Counter[int] = Counter()
         self._sizes: dict[int, int] = {}
         # Pure calls (`call_pure`): {signature: what the first such call did}, shareable between
@@ -112,11 +113,15 @@ class Ledger(PhasedMode):
             size = t.untyped_storage().nbytes() if t.layout == torch.strided else 0
             self._sizes[key] = size
             self._live += size
-            self.peak_bytes = max(self.peak_bytes, self._live)
+            self._high(self._live)
         self._keys[id(t)] = key
         self._refs[key] += 1
         weakref.finalize(t, self._release, id(t), key)
         return key
+
+    def _high(self, live: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, live)
+        self.phase_peaks[self._phase] = max(self.phase_peaks[self._phase], live)
 
     def _release(self, ident: int, key: int) -> None:
         if self._keys.get(ident) == key:
@@ -353,7 +358,7 @@ class Ledger(PhasedMode):
 
     def _replay(self, log: CallLog, keys: list[int], region: Any) -> Any:
         start, fresh = len(self._kernels), {}
-        self.peak_bytes = max(self.peak_bytes, self._live + log.peak)
+        self._high(self._live + log.peak)
         out = empty_outputs(log)
         made = out if log.outputs[0] else [out]  # type: ignore[index]
         for spec, t in zip(log.outputs[1], made):  # type: ignore[index]

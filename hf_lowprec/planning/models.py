@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from ..strategies.registry import get_strategy
+from ..strategies.registry import available_strategies, get_strategy
 
 __all__ = [
     "MODELS",
     "block_kinds",
     "blocks_of",
     "build_model",
+    "engine_refusal",
     "layer_overrides",
     "memory_plan",
     "model_config",
@@ -272,7 +273,7 @@ def memory_plan(
         plan["num_params"] = float(num_params)
         row = {"strategy": name, **plan}
         if world_size > 1 or zero_stage:
-            refusal = _zero_refusal(name, zero_stage)
+            refusal = engine_refusal(name, f"zero{zero_stage}" if zero_stage else "ddp")
             per_rank = zero_per_rank(plan, world_size, zero_stage)
             row["per_rank_total"] = per_rank["total"]
             row["zero"] = refusal or "ok"
@@ -336,10 +337,17 @@ def _uniform_depth(model: str) -> int:
     return len(indices) if all(_signature(block) == signature for blocks in shallow for block in blocks) else 0
 
 
-def _zero_refusal(name: str, stage: int) -> str | None:
-    """The support matrix's refusal for `name` under ZeRO `stage` (None where it runs)."""
-    if stage == 0:
-        return None
+def engine_refusal(name: str, engine: str) -> str | None:
+    """The support matrix's refusal for strategy `name` under `engine` ("ddp", "fsdp2", "zero1",
+    "zero2", "zero3"), what the engine itself raises before training; None where it trains (and
+    for the peer rows, which are torch's own recipes)."""
+    from ..engines.ddp import ddp_support
+    from ..engines.fsdp2 import fsdp2_support
     from ..engines.zero import zero_support  # imports without DeepSpeed
 
-    return zero_support(get_strategy(name), stage)
+    if name not in available_strategies():
+        return None
+    strategy = get_strategy(name)
+    if engine.startswith("zero"):
+        return zero_support(strategy, int(engine[len("zero") :]))
+    return {"ddp": ddp_support, "fsdp2": fsdp2_support}[engine](strategy)

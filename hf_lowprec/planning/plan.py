@@ -16,7 +16,7 @@ from ..strategies.registry import get_strategy
 from .communication import GPUS_PER_NODE, communication
 from .counting import ANCHOR, PEERS, TORCHAO, start_counts
 from .gpus import GPU, MEASURED
-from .models import build_model, layer_overrides, memory_plan, model_config, quiet, rule_options
+from .models import build_model, engine_refusal, layer_overrides, memory_plan, model_config, quiet, rule_options
 from .roofline import predict, predict_measured
 
 __all__ = ["GPU_PREVIEW", "SCALES", "calibration_lines", "format_plan", "gpu_preview", "plan_rows", "scaling_lines"]
@@ -84,8 +84,10 @@ def plan_rows(
     compiled_layers: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per strategy (the peers `PEERS` may be among them): predictions on `gpu` for a
-    per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`."""
+    per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`. The ratios
+    are to bf16-mixed's row, which is planned first where `strategies` lacks it."""
     model_config(model)
+    strategies = list(dict.fromkeys([BASELINE, *strategies])) if BASELINE not in strategies else strategies
     counts = start_counts(strategies, model, batch, compiled_layers=compiled_layers, gpu=gpu)
     memory = {}
     # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
@@ -133,9 +135,10 @@ def plan_rows(
                 "step_ms_at_gpus": {n: max(predicted.step, at[n]) * 1e3 for n in SCALES},
                 "communication_bound_from": next((n for n in _POWERS if at[n] > predicted.step), None),
                 "fits": peak <= gpu.memory,
+                "refused_past_one_gpu": engine_refusal(name, engine),  # None: the engine trains it
             }
         )
-    base = next((r for r in rows if r["strategy"] == BASELINE), rows[0])
+    base = next(r for r in rows if r["strategy"] == BASELINE)
     for r in rows:
         r["speed_vs_bf16_mixed"] = base["step_ms"] / r["step_ms"]
         r["memory_vs_bf16_mixed"] = r["peak_gib"] / base["peak_gib"]
@@ -193,6 +196,9 @@ def scaling_lines(rows: list[dict[str, Any]], gpu: GPU, engine: str) -> list[str
         f"of {GPUS_PER_NODE}, {gpu.network / 1e9:.0f} GB/s between nodes): step ms at {counts} GPUs"
     ]
     for r in rows:
+        if r["refused_past_one_gpu"]:
+            lines.append(f"{r['strategy']:<16} not under {engine}: {r['refused_past_one_gpu']}")
+            continue
         steps = "  ".join(f"{r['step_ms_at_gpus'][n]:>9.1f}" for n in SCALES)
         start = r["communication_bound_from"]
         pace = (

@@ -404,11 +404,17 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     (user / "sitecustomize.py").write_text("RAN = True\n")
     # hf_lowprec imported before transformers: the patch waits for hf_lowprec's classes to exist.
     probe = [sys.executable, "-c", "import hf_lowprec.integrations.trainer\n" + REFUSED + PROBE]
-    launched = run_checked(
+    launched = subprocess.run(
         launch_command("--precision_strategy", STRATEGY, "--precision_options", OPTIONS, "--", *probe),
-        tmp_path,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(user)]),
+        cwd=tmp_path,
+        env=subprocess_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(user)])),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    # The probe prepares no model: the launcher says nothing trained with its strategy.
+    assert launched.returncode == launch.UNUSED_STRATEGY_EXIT, launched.stderr
+    assert f"so nothing trained with precision_strategy={STRATEGY!r}" in launched.stderr
     seen = json.loads(launched.stdout.strip().splitlines()[-1])
     assert seen == {
         "training_args": "hf_lowprec.integrations.trainer",
@@ -442,6 +448,40 @@ def test_launched_process_patches_and_a_plain_one_does_not(tmp_path):
     path = os.pathsep.join([str(launch.HOOK_DIR), str(ROOT), str(user)])
     seen = json.loads(subprocess.check_output(plain, cwd=tmp_path, env=subprocess_env(PYTHONPATH=path), text=True))
     assert seen == {**untouched, "shadowed_sitecustomize": True}
+
+
+LOOP = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0))
+if sys.argv[1] == "plugin":  # a custom Accelerate loop's three lines (docs/recipes.md)
+    from accelerate import Accelerator
+    from hf_lowprec import PrecisionPlugin
+    model = PrecisionPlugin("bf16-pure").prepare(Accelerator(cpu=True), model)
+ids = torch.randint(0, 64, (2, 16))
+model(input_ids=ids, labels=ids).loss.backward()
+print(next(model.parameters()).dtype)
+"""
+
+
+def test_a_command_that_never_took_the_strategy_fails_and_says_so(tmp_path):
+    """A custom loop launched with a strategy: plain, it trains without it (FP32), ends well, and
+    the launcher fails with `UNUSED_STRATEGY_EXIT`, naming the plugin; through PrecisionPlugin it
+    trains with it (BF16 weights), exit 0."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    for how, code, dtype in (("plain", launch.UNUSED_STRATEGY_EXIT, "torch.float32"), ("plugin", 0, "torch.bfloat16")):
+        proc = subprocess.run(
+            launch_command("--precision_strategy", "bf16-pure", "--", sys.executable, str(script), how),
+            cwd=tmp_path,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == code, proc.stderr
+        assert proc.stdout.strip().splitlines()[-1] == dtype
+        assert ("through hf_lowprec.PrecisionPlugin" in proc.stderr) == (how == "plain"), proc.stderr
 
 
 @pytest.mark.slow

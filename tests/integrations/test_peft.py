@@ -94,3 +94,57 @@ def test_lora_with_the_accelerate_plugin():
 def test_prepare_model_leaves_a_plain_model_to_the_strategy():
     model = prepare_model(get_strategy("bf16-mixed"), tiny_gpt2())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def _lora_args(out, name, **overrides):
+    return TrainingArguments(
+        **{
+            "output_dir": str(out),
+            "precision_strategy": name,
+            "max_steps": 4,
+            "save_steps": 2,
+            "per_device_train_batch_size": 4,
+            "learning_rate": 1e-2,
+            "logging_steps": 1,
+            "report_to": "none",
+            "use_cpu": True,
+            "disable_tqdm": True,
+            "seed": 0,
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["collage-plus", "bf16-pure", "fp16-als", "bf16-mixed"])
+def test_lora_resumes_bit_for_bit(tmp_path, name):
+    """The stock resume loads the adapter through PEFT's `load_adapter`, which turns 16-bit
+    adapters to FP32: the strategy's optimizer then refused them (collage-plus, bf16-pure, fp16-als).
+    They keep the strategy's dtype, and steps 3 and 4 repeat the uninterrupted run bit for bit."""
+    full = Trainer(model=lora_model(), args=_lora_args(tmp_path / "a", name), train_dataset=TokenBlocks(16))
+    full.train()
+    # The same base (a LoRA checkpoint holds the adapters only); the adapters come from the checkpoint.
+    resumed = Trainer(model=lora_model(), args=_lora_args(tmp_path / "b", name), train_dataset=TokenBlocks(16))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    check_dtypes(resumed.model, get_strategy(name))
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (full, resumed)]
+    assert losses[0] == losses[1], losses  # steps 1 and 2 from the checkpoint's log, 3 and 4 trained again
+    after = dict(resumed.model.named_parameters())
+    for n, p in full.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, after[n]), n
+
+
+@pytest.mark.slow
+def test_lora_best_model_at_end_keeps_the_adapters_dtype(tmp_path):
+    """`load_best_model_at_end` loads the best adapter through `load_adapter` too: under
+    collage-plus the adapters stay BF16, equal to the best checkpoint's."""
+    args = _lora_args(tmp_path, "collage-plus", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True)
+    trainer = Trainer(model=lora_model(), args=args, train_dataset=TokenBlocks(16), eval_dataset=TokenBlocks(8))
+    trainer.train()
+    check_dtypes(trainer.model, get_strategy("collage-plus"))
+    best = peft.PeftModel.from_pretrained(tiny_gpt2(), trainer.state.best_model_checkpoint)
+    after = dict(trainer.model.named_parameters())
+    for n, p in best.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p.detach().to(torch.bfloat16), after[n].detach()), n

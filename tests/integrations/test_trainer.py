@@ -12,6 +12,7 @@ from hf_lowprec.checkpoints.complete_save import with_export
 from hf_lowprec.numerics import nonfinite_flag
 from hf_lowprec.strategies.interface import StrategyOptimizer
 from tests.helpers import (
+    VOCAB,
     ParameterSnapshots,
     TokenBlocks,
     assert_bits_equal,
@@ -110,6 +111,29 @@ def test_contradictory_flags(tmp_path):
     # bf16=True agrees with a BF16 strategy: the strategy takes over and the flag is cleared.
     args = TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", bf16=True, use_cpu=True)
     assert args.bf16 is False
+    # The full-eval flags likewise: a contradicting one is refused, an agreeing one cleared.
+    for name, flag in (("collage-plus", "fp16_full_eval"), ("fp16-als", "bf16_full_eval"), ("fp32", "fp16_full_eval")):
+        with pytest.raises(ValueError, match=f"remove {flag}=True"):
+            TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, use_cpu=True, **{flag: True})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), precision_strategy="fp8-lm-o2", bf16_full_eval=True, use_cpu=True
+    )
+    assert args.bf16_full_eval is False
+
+
+def test_full_eval_flag_leaves_the_strategys_weights_as_they_are(tmp_path):
+    """`bf16_full_eval=True` (a `bf16=True` habit) under bf16-mixed: an evaluation before training
+    would have cast the FP32 master weights to BF16 in place (the stock Trainer's full-eval cast);
+    the strategy evaluates in its own precision, and the weights keep their dtype and bits."""
+    model = tiny_gpt2()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    args = make_args(tmp_path, "bf16-mixed", bf16_full_eval=True, max_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(), eval_dataset=TokenBlocks(n=8))
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    for name, p in trainer.model.named_parameters():
+        assert p.dtype == torch.float32, name
+        assert torch.equal(p.detach(), before[name]), name
 
 
 def test_foreign_optimizer_refused(tmp_path):
@@ -237,3 +261,85 @@ def test_the_gathered_export_replaces_exactly_the_weights_it_names():
     saved = {"a": torch.zeros(2), "b": torch.ones(2)}
     out = with_export(None, None, None, saved, {"a": torch.full((2,), 5.0), "b": None, "c": torch.ones(1)})
     assert set(out) == {"a", "b"} and out["b"] is saved["b"] and torch.equal(out["a"], torch.full((2,), 5.0))
+
+
+def _best_at_step_2(tmp_path, model, strategy, higher=True, **options):
+    """Trains 4 steps, saving and evaluating at 2 and 4, the best model loaded at the end; the
+    metric's direction makes checkpoint-2 the best (its eval loss is the `higher` one)."""
+    args = make_args(
+        tmp_path,
+        strategy,
+        max_steps=4,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=higher,
+        learning_rate=1e-2,
+        precision_options=options or None,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(16), eval_dataset=TokenBlocks(8, seed=3))
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2"), trainer.state.best_model_checkpoint
+    trainer.save_model(str(tmp_path / "final"))
+    return trainer
+
+
+def _saved(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fp16-als", "collage-plus"])
+def test_best_model_at_end_exports_the_best_checkpoints_full_precision(tmp_path, strategy):
+    """With `save_full_precision`, a save exports the strategy's full precision (FP32 masters, θ + δθ),
+    which the optimizer holds: loading the best checkpoint's weights alone left them at the last
+    step (fp16-als exported checkpoint-4; collage-plus the best θ with the last δθ). The final
+    save is the best checkpoint's export, bit for bit."""
+    _best_at_step_2(tmp_path, tiny_gpt2(), strategy, save_full_precision=True)
+    best, final = _saved(tmp_path / "checkpoint-2"), _saved(tmp_path / "final")
+    assert best.keys() == final.keys()
+    for key, value in best.items():
+        assert value.dtype == torch.float32 and torch.equal(value, final[key]), key
+
+
+@pytest.mark.slow
+def test_best_model_at_end_brings_a_mixture_of_experts_back_whole(tmp_path):
+    """The best checkpoint holds the experts per expert; the stock load left the fused experts at
+    the last step beside every other weight at the best step. The model at the end is the best
+    checkpoint's, experts included (its export equals that checkpoint's weights)."""
+    from hf_lowprec.testing.moe import tiny_moe
+
+    _best_at_step_2(tmp_path, tiny_moe("qwen3_moe", vocab=VOCAB), "bf16-mixed", higher=False)
+    best, final = _saved(tmp_path / "checkpoint-2"), _saved(tmp_path / "final")
+    assert best.keys() == final.keys() and any(".experts." in key for key in best)
+    for key, value in best.items():
+        assert torch.equal(value, final[key]), key
+
+
+def test_a_weights_only_checkpoint_is_refused_unless_the_reset_is_asked_for(tmp_path):
+    """`save_only_model=True` writes the weights alone, and the manifest lists no optimizer,
+    scheduler or RNG file, so none was found missing: a resume started Collage's δθ, the moments,
+    the schedule and the generators afresh without a word. It is refused before anything loads,
+    naming the option and the reset that accepts it; with that reset it resumes."""
+    args = checkpointed_args(tmp_path, "collage-plus", max_steps=4, save_steps=2, save_only_model=True)
+    Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(16)).train()
+    resumed = Trainer(model=tiny_gpt2(seed=7), args=args, train_dataset=TokenBlocks(16))
+    before = {n: p.detach().clone() for n, p in resumed.model.named_parameters()}
+    with pytest.raises(ValueError, match=r"saved with save_only_model=True.*resume_reset='optimizer,scheduler,rng'"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert all(torch.equal(p, before[n]) for n, p in resumed.model.named_parameters())  # nothing loaded
+    reset = checkpointed_args(
+        tmp_path,
+        "collage-plus",
+        max_steps=4,
+        save_steps=2,
+        save_only_model=True,
+        resume_reset="optimizer,scheduler,rng",
+    )
+    again = Trainer(model=tiny_gpt2(seed=7), args=reset, train_dataset=TokenBlocks(16))
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert again.state.global_step == 4

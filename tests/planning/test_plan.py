@@ -69,7 +69,8 @@ def test_fsdp2_reduces_fp8_lm_gradients_in_fp32_and_gathers_its_weights_in_e4m3(
     policy) and its FP8 weights gather as E4M3; under DDP, 1 byte per gradient element."""
     from hf_lowprec.planning.plan import plan_rows
 
-    rows = {engine: plan_rows(tiny, ["fp8-lm-o2"], (2, 32), GPUS["h100"], 8, engine)[0] for engine in ("ddp", "fsdp2")}
+    rows = {engine: plan_rows(tiny, ["fp8-lm-o2"], (2, 32), GPUS["h100"], 8, engine)[-1] for engine in ("ddp", "fsdp2")}
+    assert {r["strategy"] for r in rows.values()} == {"fp8-lm-o2"}  # after bf16-mixed, the ratios' row
     params = memory_plan(tiny, ["fp8-lm-o2"])[0]["num_params"]
     assert rows["ddp"]["sent_gb"] * 1e9 == pytest.approx(2 * 7 / 8 * params * 1)
     assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * params * (2 * 1 + 4))
@@ -130,3 +131,32 @@ def test_plan_prices_8_64_and_512_gpus_and_finds_where_communication_sets_the_pa
     out = capsys.readouterr().out
     assert "step ms at 8, 64, 512 GPUs" in out
     assert "bf16-mixed" in out and "communication sets the pace from 16 GPUs" in out
+
+
+def test_plan_leaves_out_what_the_engine_refuses_and_says_why(capsys, tiny):
+    """A strategy the engine refuses before training (the support matrix) gets no figures under
+    it: a line naming the engine's reason instead; every strategy refused is a usage error. On one
+    GPU it is planned, and its rows past one machine say the engine refuses it."""
+    argv = ["plan", "--model", tiny, "--batch", "2x32", "--gpus", "8"]
+    assert main([*argv, "--engine", "zero2", "--strategies", "bf16-mixed,fp8-lm-o2,fp8-lm-o3", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["strategy"] for r in json.loads(captured.out)] == ["bf16-mixed", "fp8-lm-o3"]
+    assert "not planned under zero2 on 8 GPUs: precision strategy 'fp8-lm-o2' is not supported" in captured.err
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--engine", "fsdp2", "--strategies", "fp8-lm-o3"])
+    assert exit_.value.code == 2
+    assert "refuses every strategy asked for" in capsys.readouterr().err
+    assert main(["plan", "--model", tiny, "--batch", "2x32", "--strategies", "fp8-lm-o3"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8-lm-o3        not under ddp: precision strategy 'fp8-lm-o3' is not supported under torch DDP" in out
+
+
+def test_plan_ratios_are_to_bf16_mixed_even_unasked(capsys, tiny):
+    """The `× bf16-mixed` columns: bf16-mixed is planned first where the strategies lack it."""
+    assert main(["plan", "--model", tiny, "--batch", "2x32", "--strategies", "collage-plus,bf16-pure", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["strategy"] for r in rows] == ["bf16-mixed", "collage-plus", "bf16-pure"]
+    base = rows[0]
+    for r in rows:
+        assert r["speed_vs_bf16_mixed"] == pytest.approx(base["step_ms"] / r["step_ms"])
+        assert r["memory_vs_bf16_mixed"] == pytest.approx(r["peak_gib"] / base["peak_gib"])
