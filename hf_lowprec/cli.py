@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_writable(cmp_, ns.out)
         extra = [a for a in ns.recipe_args if a != "--"]
         try:
-            check_recipe_arguments(names, extra)
+            check_recipe_arguments(names, extra, not ns.no_metrics)
         except ValueError as error:
             cmp_.error(str(error))
         try:
@@ -292,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not ns.no_progress,
             )
         except RuntimeError as error:  # a run failed: the finished runs' CSVs are in --out
+            done = Path(ns.out) / "summary.csv"  # written after each run that finished
             print(
-                f"hf-lowprec compare: {error}\nruns finished before it: {Path(ns.out) / 'summary.csv'}", file=sys.stderr
+                f"hf-lowprec compare: {error}" + (f"\nthe runs before it: {done}" if done.exists() else ""),
+                file=sys.stderr,
             )
             return 1
         print(summary_table(summary, Path(ns.out) / "results.csv"))

@@ -58,20 +58,9 @@ def resolve_recipe(recipe: str) -> tuple[list[str], Path | None, str]:
     )
 
 
-def _run_one(
-    command: list[str],
-    cwd: Path | None,
-    strategy: str,
-    seed: int,
-    out: Path,
-    max_steps: int,
-    metrics: bool,
-    extra: list[str],
-) -> dict[str, Any]:
-    run_dir = (out / "runs" / f"{strategy}-seed{seed}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        *command,
+def _recipe_argv(strategy: str, seed: int, run_dir: Path, max_steps: int, metrics: bool, extra: list[str]) -> list[str]:
+    """The arguments one run hands the recipe after its command (`check_recipe_arguments` reads the same)."""
+    argv = [
         "--precision_strategy",
         strategy,
         "--seed",
@@ -90,8 +79,23 @@ def _run_one(
         "true",
     ]
     if metrics:
-        cmd += ["--precision_options", json.dumps({"lost_arithmetic_metrics": True})]
-    cmd += extra
+        argv += ["--precision_options", json.dumps({"lost_arithmetic_metrics": True})]
+    return argv + extra
+
+
+def _run_one(
+    command: list[str],
+    cwd: Path | None,
+    strategy: str,
+    seed: int,
+    out: Path,
+    max_steps: int,
+    metrics: bool,
+    extra: list[str],
+) -> dict[str, Any]:
+    run_dir = (out / "runs" / f"{strategy}-seed{seed}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [*command, *_recipe_argv(strategy, seed, run_dir, max_steps, metrics, extra)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as log:
@@ -111,7 +115,7 @@ def _run_one(
     return {"result": result, "history": history, "peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": wall}
 
 
-def check_recipe_arguments(strategies: list[str], extra: list[str]) -> None:
+def check_recipe_arguments(strategies: list[str], extra: list[str], metrics: bool = True) -> None:
     """The recipe's extra arguments as `TrainingArguments` reads them, under each strategy: a value
     that does not parse, or a setting a strategy refuses (an `optim` it replaces, a bf16/fp16 flag
     it contradicts), is a ValueError before the first run, not after the runs before it."""
@@ -124,7 +128,7 @@ def check_recipe_arguments(strategies: list[str], extra: list[str]) -> None:
     parser = HfArgumentParser(TrainingArguments, exit_on_error=False)
     with tempfile.TemporaryDirectory() as scratch:
         for name in strategies:
-            argv = [*extra, "--precision_strategy", name, "--output_dir", scratch, "--report_to", "none"]
+            argv = _recipe_argv(name, 0, Path(scratch), 1, metrics, extra)
             try:
                 parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
             except (argparse.ArgumentError, ValueError) as error:
@@ -168,9 +172,11 @@ def run_compare(
         raise ValueError("give at least one strategy and one seed")
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    check_recipe_arguments(strategies, list(extra_args or []))
+    check_recipe_arguments(strategies, list(extra_args or []), metrics)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("results.csv", "summary.csv"):  # an earlier compare's, which a failed run would leave beside
+        (out / stale).unlink(missing_ok=True)
 
     from tqdm.auto import tqdm
 

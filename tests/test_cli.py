@@ -228,6 +228,7 @@ def test_compare_keeps_the_finished_runs_when_a_later_one_fails(tmp_path, capsys
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "'collage-plus' (seed 0) failed with exit code 1" in err
+    assert f"the runs before it: {tmp_path / 'summary.csv'}" in err
     with open(tmp_path / "summary.csv") as f:
         assert [r["strategy"] for r in csv.DictReader(f)] == ["bf16-pure"]
     with open(tmp_path / "results.csv") as f:

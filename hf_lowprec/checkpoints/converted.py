@@ -110,20 +110,26 @@ def keeping_dtypes(model: torch.nn.Module) -> Iterator[None]:
 
 def load_best_model(trainer: Any, stock: Callable[[], None]) -> None:
     """`load_best_model_at_end` under a strategy: the best checkpoint's weights (MoE experts merged
-    back, adapters in their dtypes), then its optimizer state, which holds what the weights alone
-    do not (masters, Collage's δθ): `save_full_precision`'s final export is the best checkpoint's."""
+    back, adapters in their dtypes), then its optimizer state (and schedule), which holds what the
+    weights alone do not (masters, Collage's δθ): `save_full_precision`'s final export is the best's."""
     best = trainer.state.best_model_checkpoint
     with keeping_dtypes(trainer.model):
         if not load_in_model_format(trainer, best):
             stock()
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        return  # their own loaders restored the whole state
-    path = os.path.join(best, "optimizer.pt")
-    if trainer.optimizer is None or not os.path.isfile(path):
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return  # DeepSpeed's loader restored the optimizer's partitions with the weights
+    fsdp = getattr(trainer, "is_fsdp_enabled", False)
+    if trainer.optimizer is None or not (fsdp or os.path.isfile(os.path.join(best, "optimizer.pt"))):
         logger.warning(
-            "%s holds no optimizer.pt (save_only_model): the strategy's state beyond the weights (masters, "
-            "δθ) stays the last step's, and a save_full_precision export would not be the best checkpoint's",
+            "%s holds no optimizer.pt: the strategy's state beyond the weights (masters, δθ) stays the last "
+            "step's, and a save_full_precision export would not be the best checkpoint's",
             best,
         )
         return
-    trainer.optimizer.load_state_dict(torch.load(path, map_location=trainer.args.device, weights_only=True))
+    # The Trainer's own loader (its device rules, FSDP's sharded optimizer), with no part of the
+    # best checkpoint reset: `resume_reset` spoke of the checkpoint this run resumed from.
+    resets, trainer._resume_resets = getattr(trainer, "_resume_resets", set()), set()
+    try:
+        trainer._load_optimizer_and_scheduler(best)
+    finally:
+        trainer._resume_resets = resets

@@ -34,6 +34,8 @@ from .launch_env import (
     ENV_STRATEGY,
     json_object,
     launched_precision,
+    note_hooked,
+    note_prepared_models,
 )
 
 __all__ = [
@@ -143,10 +145,10 @@ def run(command: Sequence[str], strategy: str | None, options: str | None) -> No
     if hooked and strategy and not applied and code == 0:
         print(
             f"hf-lowprec launch: `{' '.join(command)}` ran to its end, but none of its processes prepared a model "
-            f"under a strategy (a Trainer, a TRL trainer and hf_lowprec.PrecisionPlugin do), so nothing trained with "
-            f"precision_strategy={strategy!r}. A custom loop (plain Accelerate, plain torch) takes a strategy "
-            "through hf_lowprec.PrecisionPlugin (docs/recipes.md); a script that set precision_strategy=None "
-            "itself chose the stock Trainer.",
+            f"with a precision strategy, so nothing trained with precision_strategy={strategy!r}. The Trainer and "
+            "TRL's trainers take it; a custom loop (plain Accelerate, plain torch) through hf_lowprec.PrecisionPlugin "
+            "or hf_lowprec.get_strategy(name).prepare_model(model) (README); a script that set "
+            "precision_strategy=None itself chose the stock Trainer.",
             file=sys.stderr,
             flush=True,
         )
@@ -246,6 +248,8 @@ class _Patch:
             self.patch_transformers()
         if fullname == "trl" and sys.modules.get("trl") is not None:
             _patch_trl(sys.modules["trl"])  # trl/__init__.py put its lazy module there
+        if fullname == _INTERFACE:
+            note_prepared_models(sys.modules[fullname])
 
     def patch_transformers(self) -> None:
         with self.lock:
@@ -262,6 +266,9 @@ class _Patch:
 
 
 _PATCH = _Patch()
+
+
+_INTERFACE = "hf_lowprec.strategies.interface"  # its prepare_model tells the launcher a strategy was used
 
 
 def _is_trl(fullname: str) -> bool:
@@ -323,12 +330,9 @@ def install(environ: Mapping[str, str] | None = None) -> None:
         _PATCH.patch_transformers()
     if "trl" in sys.modules:
         _patch_trl(sys.modules["trl"])
-    if environ.get(ENV_HOOKS):
-        try:  # tell the launcher this process runs with the hook
-            with open(os.path.join(environ[ENV_HOOKS], str(os.getpid())), "w"):
-                pass
-        except OSError:  # another node's filesystem: the launcher counts its own node's processes
-            pass
+    if _INTERFACE in sys.modules:
+        note_prepared_models(sys.modules[_INTERFACE])
+    note_hooked(environ)
 
 
 def _missing(what: str, package: str) -> LaunchPatchError:

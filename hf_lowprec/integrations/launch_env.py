@@ -10,6 +10,7 @@ launched process's start.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ __all__ = [
     "ENV_STRATEGY",
     "json_object",
     "launched_precision",
+    "note_hooked",
+    "note_prepared_models",
     "note_strategy_applied",
 ]
 
@@ -58,13 +61,40 @@ def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | 
     return strategy, options
 
 
-def note_strategy_applied() -> None:
-    """Tell the launcher that this process prepared a model under a precision strategy (a Trainer,
-    a TRL trainer, `hf_lowprec.PrecisionPlugin`); outside `hf-lowprec launch`, nothing."""
-    hooks = os.environ.get(ENV_HOOKS)
-    if hooks and os.environ.get(ENV_LAUNCH) == "1":
+def _leave_note(name: str, environ: Mapping[str, str]) -> None:
+    if environ.get(ENV_HOOKS):
         try:
-            with open(os.path.join(hooks, f"{APPLIED_PREFIX}{os.getpid()}"), "w"):
+            with open(os.path.join(environ[ENV_HOOKS], name), "w"):
                 pass
         except OSError:  # another node's filesystem: the launcher counts its own node's processes
             pass
+
+
+def note_hooked(environ: Mapping[str, str]) -> None:
+    """Tell the launcher that this process runs with the startup hook."""
+    _leave_note(str(os.getpid()), environ)
+
+
+def note_strategy_applied() -> None:
+    """Tell the launcher that this process prepared a model under a precision strategy (a Trainer,
+    a TRL trainer, `hf_lowprec.PrecisionPlugin`); outside `hf-lowprec launch`, nothing."""
+    if os.environ.get(ENV_LAUNCH) == "1":
+        _leave_note(f"{APPLIED_PREFIX}{os.getpid()}", os.environ)
+
+
+def note_prepared_models(interface: Any) -> None:
+    """Make every `PrecisionStrategy.prepare_model` of this process (the module `interface`, once
+    imported) leave its note: a Trainer, TRL's trainers, the Accelerate plugin, and a custom loop
+    that prepares its model itself (`strategy.prepare_model`, `engines.fsdp2.shard_model`) all call it."""
+    cls = interface.PrecisionStrategy
+    original = cls.prepare_model
+    if getattr(original, "notes_the_launcher", False):
+        return
+
+    @functools.wraps(original)
+    def prepare_model(self: Any, model: Any) -> Any:
+        note_strategy_applied()
+        return original(self, model)
+
+    prepare_model.notes_the_launcher = True  # type: ignore[attr-defined]
+    cls.prepare_model = prepare_model

@@ -13,7 +13,6 @@ import torch
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import FrozenBlockFP8Linear
 from ..strategies.interface import PrecisionStrategy
-from .launch_env import note_strategy_applied
 
 __all__ = ["is_peft_model", "prepare_model"]
 
@@ -41,7 +40,6 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
     `requires_grad` parameters)."""
     restore_published_fp8(model, keep_frozen_fp8=strategy.uses_fp8_gemm)
     model = strategy.prepare_model(model)
-    note_strategy_applied()  # under `hf-lowprec launch`: this process trains with a strategy
     compute = strategy.compute_dtype
     if not is_peft_model(model) or compute not in _STORAGE_COMPUTE_DTYPES:
         return model

@@ -458,6 +458,9 @@ if sys.argv[1] == "plugin":  # a custom Accelerate loop's three lines (docs/reci
     from accelerate import Accelerator
     from hf_lowprec import PrecisionPlugin
     model = PrecisionPlugin("bf16-pure").prepare(Accelerator(cpu=True), model)
+if sys.argv[1] == "direct":  # the README's custom loop: the strategy prepares the model
+    import hf_lowprec
+    model = hf_lowprec.get_strategy("bf16-pure").prepare_model(model)
 ids = torch.randint(0, 64, (2, 16))
 model(input_ids=ids, labels=ids).loss.backward()
 print(next(model.parameters()).dtype)
@@ -466,11 +469,12 @@ print(next(model.parameters()).dtype)
 
 def test_a_command_that_never_took_the_strategy_fails_and_says_so(tmp_path):
     """A custom loop launched with a strategy: plain, it trains without it (FP32), ends well, and
-    the launcher fails with `UNUSED_STRATEGY_EXIT`, naming the plugin; through PrecisionPlugin it
-    trains with it (BF16 weights), exit 0."""
+    the launcher fails with `UNUSED_STRATEGY_EXIT`, naming the plugin; through PrecisionPlugin, or
+    preparing its model with the strategy itself, it trains with it (BF16 weights), exit 0."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    for how, code, dtype in (("plain", launch.UNUSED_STRATEGY_EXIT, "torch.float32"), ("plugin", 0, "torch.bfloat16")):
+    cases = (("plain", launch.UNUSED_STRATEGY_EXIT, "torch.float32"), ("plugin", 0, "torch.bfloat16"))
+    for how, code, dtype in (*cases, ("direct", 0, "torch.bfloat16")):
         proc = subprocess.run(
             launch_command("--precision_strategy", "bf16-pure", "--", sys.executable, str(script), how),
             cwd=tmp_path,
