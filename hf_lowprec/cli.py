@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             run.error(str(error))
     if ns.command == "list":
         rows = strategy_rows()
-        width = max(len(r["name"]) for r in rows)
-        print(f"{'strategy':<{width}}  {'B/param':>7}  needs            what")
+        width, needs = max(len(r["name"]) for r in rows), max(len(r["needs"] or "-") for r in rows)
+        print(f"{'strategy':<{width}}  {'B/param':>7}  {'needs':<{needs}}  what (B/param: on the layers it converts)")
         for r in rows:
-            print(f"{r['name']:<{width}}  {r['bytes_per_param']:>7g}  {(r['needs'] or '-'):<16} {r['summary']}")
+            print(f"{r['name']:<{width}}  {r['bytes_per_param']:>7g}  {(r['needs'] or '-'):<{needs}}  {r['summary']}")
         return 0
     if ns.command in ("memory", "plan"):
         # Short-lived planners that make millions of objects reference counting frees: the
