@@ -125,7 +125,9 @@ def check_recipe_arguments(strategies: list[str], extra: list[str], metrics: boo
 
     from .integrations.trainer import TrainingArguments
 
-    parser = HfArgumentParser(TrainingArguments, exit_on_error=False)
+    # No abbreviations: an option of the recipe's own (`--block_size`, `--model`) is left over, not
+    # taken for a prefix of a TrainingArguments field (`--eval` would be ambiguous among six).
+    parser = HfArgumentParser(TrainingArguments, exit_on_error=False, allow_abbrev=False)
     with tempfile.TemporaryDirectory() as scratch:
         for name in strategies:
             argv = _recipe_argv(name, 0, Path(scratch), 1, metrics, extra)

@@ -212,6 +212,14 @@ def test_compare_checks_the_recipe_arguments_under_every_strategy_before_trainin
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_recipe_arguments_check_leaves_the_recipes_own_options_alone():
+    """Options of the recipe's own (the runner's `--block_size`; a script's `--model`, which
+    abbreviation would take for a TrainingArguments prefix) pass the check untouched."""
+    from hf_lowprec.compare import check_recipe_arguments
+
+    check_recipe_arguments(["bf16-mixed", "collage-plus"], ["--block_size", "32", "--model", "m", "--eval", "1"])
+
+
 def test_compare_keeps_the_finished_runs_when_a_later_one_fails(tmp_path, capsys, monkeypatch):
     """The CSVs are written after every run: the second strategy's failure loses not the first's
     row, and the command ends with the failure's message and exit 1, not a traceback."""
