@@ -87,7 +87,8 @@ def plan_rows(
     per-GPU batch of `batch` = (sequences, tokens each) on `gpus` GPUs under `engine`. The ratios
     are to bf16-mixed's row, which is planned first where `strategies` lacks it."""
     model_config(model)
-    strategies = list(dict.fromkeys([BASELINE, *strategies])) if BASELINE not in strategies else strategies
+    if BASELINE not in strategies:
+        strategies = [BASELINE, *strategies]
     counts = start_counts(strategies, model, batch, compiled_layers=compiled_layers, gpu=gpu)
     memory = {}
     # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
