@@ -156,7 +156,9 @@ class _FrozenModels:
             for argument, role in _FROZEN_ROLES.items():
                 if argument in call.arguments and not (role == "reference" and sync):
                     call.arguments[argument] = _freeze_all(strategy, call.arguments[argument], role, build)
+            self._hf_lowprec_deferred_precompute: dict[int, tuple] = {}  # see _precompute_ref_logps
         super().__init__(*call.args[1:], **call.kwargs)
+        deferred = self.__dict__.pop("_hf_lowprec_deferred_precompute", None)
         if self.precision is None:
             return
         for attribute, role in _FROZEN_ROLES.items():
@@ -177,6 +179,37 @@ class _FrozenModels:
                 if facts is not None:
                     key = role if not isinstance(value, list) or len(value) == 1 else f"{role}[{index}]"
                     self.hf_lowprec_frozen_models[key] = facts
+        if deferred:
+            self._precompute_deferred(deferred)
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """DPO's and KTO's `precompute_ref_log_probs`: TRL runs it in its `__init__`, before the
+        strategy prepared the model; it is put off until then, and runs in the training forward's
+        context (so a LoRA reference, the policy without its adapter, computes as the policy does)."""
+        deferred = self.__dict__.get("_hf_lowprec_deferred_precompute")
+        if deferred is not None:
+            deferred[id(dataset)] = (name, batch_size)
+            return dataset
+        if getattr(self, "precision", None) is None:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        with self.compute_loss_context_manager():
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def _precompute_deferred(self, deferred: dict[int, tuple]) -> None:
+        if hasattr(self, "_precompute_model_hash"):  # TRL's cache key: the prepared model, and the strategy
+            from trl.trainer.utils import hash_module
+
+            self._precompute_model_hash = f"{hash_module(self.ref_model or self.model)}:{self.precision!r}"
+
+        def computed(dataset: Any) -> Any:
+            entry = deferred.get(id(dataset))
+            return dataset if entry is None else self._precompute_ref_logps(dataset, *entry)
+
+        self.train_dataset = computed(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {name: computed(dataset) for name, dataset in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = computed(self.eval_dataset)
 
 
 def _freeze_all(strategy: Any, value: Any, role: str, build: Any, head_fp32: bool = False) -> Any:

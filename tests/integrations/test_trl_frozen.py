@@ -328,6 +328,37 @@ def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_pat
     assert moved > 0
 
 
+UNPAIRED = {"prompt": ["Return the", "Open a"], "completion": [" value of x", " reading for file"], "label": [True, False]}
+
+
+@pytest.mark.parametrize(
+    "kind, strategy", [("DPO", "fp8-lm-o2"), ("DPO", "bf16-mixed"), ("DPO", "fp16-als"), ("KTO", "collage-plus")]
+)
+def test_precomputed_reference_log_probs_of_a_lora_policy_are_its_own_at_step_0(tmp_path, tokenizer, kind, strategy):
+    # The reference is the policy with its adapter off (LoRA B starts at 0: the same function). TRL
+    # precomputes its log-probs in __init__; before the strategy has prepared the model they were
+    # FP32 numbers against FP8/BF16/FP16 ones in training, and step 0's rewards were not 0 (fp8-lm-o2:
+    # 1.5e-3). Computed as training computes them, they are the same bits: rewards exactly 0.
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], task_type="CAUSAL_LM")
+    data = datasets.Dataset.from_dict(PAIRS if kind == "DPO" else UNPAIRED)
+    args = trl_args(f"{kind}Config", tmp_path, strategy, max_length=32, precompute_ref_log_probs=True)
+    trainer = getattr(hl_trl, f"{kind}Trainer")(
+        model=tiny_lm(tokenizer), args=args, train_dataset=data, eval_dataset={"held": data},
+        processing_class=tokenizer, peft_config=lora,
+    )
+    assert trainer.ref_model is None
+    columns = {"ref_chosen_logps", "ref_rejected_logps"} if kind == "DPO" else {"ref_logps", "ref_KL_logps"}
+    for dataset in (trainer.train_dataset, trainer.eval_dataset["held"]):
+        assert columns <= set(dataset.column_names)
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    rewards = {key: value for key, value in logged.items() if key.startswith("rewards/") and "accurac" not in key}
+    assert rewards and all(value == 0 for value in rewards.values()), rewards
+    if kind == "DPO":  # -log σ(0)
+        assert logged["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 @pytest.mark.parametrize("strategy", ["fp8-lm-o2", "bf16-mixed"])
 def test_sync_ref_model_keeps_a_passed_reference_as_passed(tmp_path, tokenizer, strategy):
     # Frozen to FP8 blocks, the reference would make TRL's sync fail (no mul_ on an E4M3 tensor).
