@@ -237,8 +237,10 @@ def _verify_manifest(path: str, manifest: dict, reset: tuple[str, ...]) -> set[s
 def _check_model_only(path: str, manifest: dict, reset: tuple[str, ...]) -> set[str]:
     """A checkpoint saved with `save_only_model=True` holds the weights alone: its manifest lists
     no optimizer, scheduler or RNG file, so `_verify_manifest` finds none missing, and a resume would
-    start them afresh without a word. Refused unless `reset` names all three."""
-    if not manifest.get("model_only"):
+    start them afresh without a word. Refused unless `reset` names all three. A manifest written
+    before it carried `model_only` tells it by its files: every full save writes an RNG state."""
+    files = manifest.get("files", {})
+    if not manifest.get("model_only") and any(_RESET_FILES["rng"].match(f) for f in files):
         return set()
     parts = ("optimizer", "scheduler", "rng")
     if any(part not in reset for part in parts):

@@ -332,6 +332,13 @@ def test_a_weights_only_checkpoint_is_refused_unless_the_reset_is_asked_for(tmp_
     with pytest.raises(ValueError, match=r"saved with save_only_model=True.*resume_reset='optimizer,scheduler,rng'"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert all(torch.equal(p, before[n]) for n, p in resumed.model.named_parameters())  # nothing loaded
+    # A manifest written before it carried "model_only": told by its files (no RNG state), refused too.
+    manifest_file = tmp_path / "checkpoint-2" / "hf_lowprec_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["model_only"]
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"saved with save_only_model=True"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     reset = checkpointed_args(
         tmp_path,
         "collage-plus",

@@ -328,7 +328,11 @@ def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_pat
     assert moved > 0
 
 
-UNPAIRED = {"prompt": ["Return the", "Open a"], "completion": [" value of x", " reading for file"], "label": [True, False]}
+UNPAIRED = {
+    "prompt": ["Return the", "Open a"],
+    "completion": [" value of x", " reading for file"],
+    "label": [True, False],
+}
 
 
 @pytest.mark.parametrize(
@@ -344,8 +348,12 @@ def test_precomputed_reference_log_probs_of_a_lora_policy_are_its_own_at_step_0(
     data = datasets.Dataset.from_dict(PAIRS if kind == "DPO" else UNPAIRED)
     args = trl_args(f"{kind}Config", tmp_path, strategy, max_length=32, precompute_ref_log_probs=True)
     trainer = getattr(hl_trl, f"{kind}Trainer")(
-        model=tiny_lm(tokenizer), args=args, train_dataset=data, eval_dataset={"held": data},
-        processing_class=tokenizer, peft_config=lora,
+        model=tiny_lm(tokenizer),
+        args=args,
+        train_dataset=data,
+        eval_dataset={"held": data},
+        processing_class=tokenizer,
+        peft_config=lora,
     )
     assert trainer.ref_model is None
     columns = {"ref_chosen_logps", "ref_rejected_logps"} if kind == "DPO" else {"ref_logps", "ref_KL_logps"}
