@@ -69,6 +69,8 @@ class ReportedStrategy(Protocol):
     def bytes_per_param(self) -> float: ...
     @property
     def uses_fp8_gemm(self) -> bool: ...
+    @property
+    def frozen_in_fp8(self) -> bool: ...  # its forward's GEMMs are FP8 ones (COAT's with its activations)
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]: ...
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None: ...
 
@@ -294,7 +296,7 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
     from .fp8.experts import FP8Experts
 
     fp8_kinds = (FP8Linear, FrozenBlockFP8Linear, FP8Experts)
-    if strategy.uses_fp8_gemm and not any(isinstance(m, fp8_kinds) for m in model.modules()):
+    if strategy.frozen_in_fp8 and not any(isinstance(m, fp8_kinds) for m in model.modules()):
         out.append(
             f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
             "(none converted: check the skipped layers and their dimensions)"

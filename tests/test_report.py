@@ -124,6 +124,16 @@ def test_an_fp8_strategy_without_fp8_layers_stops(tmp_path, monkeypatch):
     assert "model.half()" not in str(raised.value)  # the dtype advice is for dtype problems only
 
 
+@pytest.mark.parametrize("strategy", ["fp8-lm-o1", "fp8-lm-o2", "coat"])
+def test_a_model_no_layer_of_which_fp8_can_take_is_refused(tmp_path, strategy):
+    # Width 40: no GEMM dimension is a multiple of 16, so every layer stays in high precision.
+    # coat's FP8 layers come with its FP8 activations: it trained on in BF16 with no word before.
+    trainer = _trainer(tmp_path, tiny_gpt2(n_embd=40), strategy)
+    with pytest.raises(PrecisionPromiseError, match="no FP8 layer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_the_accelerate_plugin_reports_and_checks():
     from accelerate import Accelerator
 

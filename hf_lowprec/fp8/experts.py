@@ -129,16 +129,19 @@ class FP8Experts(GroupedExperts):
                 set_master_scale(param, scale)
 
     def scale_master_weights(self, margin: int = 0) -> None:
-        """Turn the FP16 expert weights into scaled masters (payload = real·s_m, one s_m per weight)."""
+        """Turn the trainable expert weights into scaled masters (FP16 payload = real·s_m, one s_m per
+        weight, chosen from its own values); a frozen one stays as it is."""
         for name in expert_weight_names(self):
             weight = getattr(self, name)
-            if weight.dtype != torch.float16:
-                raise ValueError(f"scaled master weights are FP16; {name} is {weight.dtype} (cast the model first)")
-            if getattr(self, name + "_master_scale", None) is not None:
+            if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(
+                    f"scaled master weights are made from a 16- or 32-bit weight; {name} is {weight.dtype}"
+                )
+            if getattr(self, name + "_master_scale", None) is not None or not weight.requires_grad:
                 continue
             with torch.no_grad():
                 scale = pow2_scale(tensor_amax(weight), torch.float16, margin)
-                weight.copy_(quantize(weight, scale, torch.float16))
+                weight.data = quantize(weight.data, scale, torch.float16)
             self.register_buffer(name + "_master_scale", scale, persistent=False)
             set_master_scale(weight, scale)
         self.fp8_master_margin = margin

@@ -524,8 +524,8 @@ class FP8Linear(nn.Module):
         self._weight_cache = None  # quantized under the old configuration
 
     def scale_master_weight(self, margin: int = 0) -> None:
-        """Turn the FP16 weight into a scaled master (FP8-LM O2): payload = real·s_m, s_m a power of
-        two for FP16, kept in the buffer `master_scale`.
+        """Turn the weight into a scaled master (FP8-LM O2): FP16 payload = real·s_m, s_m a power of
+        two for FP16 chosen from the weight's own values, kept in the buffer `master_scale`.
 
         The layer divides by s_m when quantizing, and `p.grad` is the gradient with respect to the
         *real* weight (what `hf_lowprec.optim.FP8AdamW` and gradient clipping expect). The state dict holds real
@@ -534,9 +534,9 @@ class FP8Linear(nn.Module):
         the FP8 weight without quantizing again; its gradient exists only through a sink
         (`set_grad_sink`).
         """
-        if self.weight.dtype != torch.float16:
+        if self.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
-                f"scaled master weights are FP16; this weight is {self.weight.dtype} (cast the model first)"
+                f"scaled master weights are made from a 16- or 32-bit weight; this one is {self.weight.dtype}"
             )
         if self.master_scale is not None:
             return
@@ -546,10 +546,11 @@ class FP8Linear(nn.Module):
             return
         if self.weight.is_meta:  # no values to scale (memory planning): the scale's place only
             scale = torch.ones((), dtype=torch.float32, device="meta")
-        else:
+            self.weight.data = self.weight.data.to(torch.float16)
+        else:  # scaled from the real values: none overflows or falls to an FP16 subnormal first
             with torch.no_grad():
                 scale = pow2_scale(tensor_amax(self.weight), torch.float16, margin)
-                self.weight.copy_(quantize(self.weight, scale, torch.float16))
+                self.weight.data = quantize(self.weight.data, scale, torch.float16)
         self.master_margin = margin
         self.master_scale = scale
         set_master_scale(self.weight, scale)

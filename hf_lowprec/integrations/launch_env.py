@@ -23,6 +23,7 @@ __all__ = [
     "ENV_OPTIONS",
     "ENV_STRATEGY",
     "json_object",
+    "launched_default",
     "launched_precision",
     "note_hooked",
     "note_prepared_models",
@@ -59,6 +60,13 @@ def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | 
     strategy = environ.get(ENV_STRATEGY) or None
     options = json_object(environ[ENV_OPTIONS], f"${ENV_OPTIONS}") if environ.get(ENV_OPTIONS) else None
     return strategy, options
+
+
+def launched_default(name: str) -> Any:
+    """The default of a `precision_strategy` / `precision_options` argument left unset: what
+    `hf-lowprec launch` gave this process, None elsewhere."""
+    strategy, options = launched_precision()
+    return strategy if name == "precision_strategy" else options
 
 
 def _leave_note(name: str, environ: Mapping[str, str]) -> None:

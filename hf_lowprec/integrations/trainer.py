@@ -39,7 +39,7 @@ from ..report import (
 )
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
-from .launch_env import launched_precision
+from .launch_env import launched_default
 from .optimizer_arguments import accept_optimizer, reconcile_mixed_precision_flags, users_optimizer_named
 from .peft import prepare_model
 from .stock_signature import bind_stock_arguments, forwarding_init
@@ -57,26 +57,19 @@ logger = logging.getLogger(__name__)
 REPORT_FILE = "precision_report.json"  # the startup report's JSON, written to the output directory
 
 
-def _default(name: str) -> Any:
-    """The default of `precision_strategy` / `precision_options` left unset: what `hf-lowprec
-    launch` gave this process (`launch_env.launched_precision`), None elsewhere."""
-    strategy, options = launched_precision()
-    return strategy if name == "precision_strategy" else options
-
-
 @dataclasses.dataclass
 class PrecisionArgumentsMixin:
     """Adds `precision_strategy` and `precision_options` to a TrainingArguments dataclass."""
 
     precision_strategy: str | None = dataclasses.field(
-        default_factory=functools.partial(_default, "precision_strategy"),
+        default_factory=functools.partial(launched_default, "precision_strategy"),
         metadata={
             "help": "hf_lowprec precision strategy, e.g. 'bf16-pure', 'collage-plus', 'fp8-lm-o2'. "
             "The strategy owns mixed precision: leave --bf16/--fp16 unset."
         },
     )
     precision_options: dict | str | None = dataclasses.field(
-        default_factory=functools.partial(_default, "precision_options"),
+        default_factory=functools.partial(launched_default, "precision_options"),
         metadata={
             "help": "Options of the precision strategy, a dict or a JSON string, "
             "e.g. '{\"lost_arithmetic_metrics\": true}'."
@@ -236,8 +229,7 @@ class PrecisionTrainerMixin:
         )
         prepared = prepare_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
         if prepared is not self.model:
-            if self.model_wrapped is self.model:
-                self.model_wrapped = prepared
+            self.model_wrapped = prepared if self.model_wrapped is self.model else self.model_wrapped
             self.model = prepared
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
         if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
@@ -275,6 +267,14 @@ class PrecisionTrainerMixin:
         if resume_from_checkpoint is not None:
             kwargs["resume_from_checkpoint"] = resume_from_checkpoint
         return super().train(**kwargs)
+
+    def call_model_init(self, trial: Any = None) -> Any:
+        model = super().call_model_init(trial)  # `model_init`: train() builds the model anew
+        if getattr(self, "precision", None) is None:  # (in __init__: prepared after the stock __init__)
+            return model
+        self.precision = self.args.build_precision_strategy()  # a fresh one: no state of the last model's
+        next(c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)).strategy = self.precision
+        return prepare_model(self.precision, model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.precision is not None and "loss" in logs:  # training logs carry the strategy's metrics

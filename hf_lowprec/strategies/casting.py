@@ -35,9 +35,29 @@ def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`model.to(dtype)` but for `kept_buffers`, which keep their tensors (and dtype); in place,
-    as `Module.to` is (the parameters stay the same objects)."""
+    as `Module.to` is (the parameters stay the same objects). A parameter beyond FP16's range is
+    refused before anything is cast to FP16: it would become inf, and every step be skipped."""
+    if dtype == torch.float16:
+        _refuse_fp16_overflow(model)
     kept = [(module, name, module._buffers[name]) for module, name in kept_buffers(model, dtype)]
     model = model.to(dtype)
     for module, name, buffer in kept:
         module._buffers[name] = buffer
     return model
+
+
+def _refuse_fp16_overflow(model: torch.nn.Module) -> None:
+    wide = (torch.float64, torch.float32, torch.bfloat16)
+    named = [(n, p) for n, p in model.named_parameters() if p.dtype in wide and p.numel() and not p.is_meta]
+    if not named:
+        return
+    # One transfer for the whole model (this runs once, when the model is prepared).
+    amaxes = torch.stack([p.detach().abs().amax().float().cpu() for _, p in named]).tolist()
+    beyond = [(n, a) for (n, _), a in zip(named, amaxes) if not a < 65520.0]  # rounds to inf (NaN too)
+    if beyond:
+        listed = ", ".join(f"{n} (largest |value| {a:.4g})" for n, a in beyond[:5])
+        more = f" and {len(beyond) - 5} more" if len(beyond) > 5 else ""
+        raise ValueError(
+            f"the model has parameters FP16 cannot hold (its largest finite value is 65504): {listed}{more}. "
+            "Nothing was cast. Train this model with a BF16 strategy (collage-plus, bf16-mixed), or rescale those weights"
+        )

@@ -26,7 +26,7 @@ from ..fp8 import (
     quantize_gradient,
 )
 from ..fp8.cast import unscale_into
-from ..fp8.experts import FP8Experts, expert_weight_names
+from ..fp8.experts import FP8Experts
 from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, requantize_gradient
 from ..fp8.linear import share_inputs_within
@@ -247,17 +247,25 @@ class FP8LM(PrecisionStrategy):
         share_inputs_within(model)  # q/k/v and gate/up quantize their shared input once
         self.fp8_layout = rule_layout(model)
         if self.o2:
-            # FP8-LM / MS-AMP: only FP8 GEMM weights get the FP16 scaled master and the FP8
-            # optimizer; an unscaled FP16 LayerNorm gain at 1.0 could not take a 1e-4 update.
-            model.float()
-            for module in model.modules():
-                if isinstance(module, FP8Linear):
-                    module.weight.data = module.weight.data.to(torch.float16)
+            # FP8-LM / MS-AMP: only trainable FP8 GEMM weights get the FP16 scaled master and the
+            # FP8 optimizer; the other trainable parameters FP32 masters (an unscaled FP16 LayerNorm
+            # gain at 1.0 could not take a 1e-4 update); frozen ones stay as loaded.
+            for p in model.parameters():
+                if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
+            outside = _held_outside_fp8_layers(model)
+            for name, module in model.named_modules():
+                if isinstance(module, FP8Linear) and module.weight.requires_grad:
+                    if id(module.weight) in outside:  # the payload would be read as the real weight
+                        logger.warning(
+                            "fp8-lm-o2: %s keeps an FP32 master, not a scaled FP16 one: its weight is also %s, "
+                            "kept in high precision",
+                            name,
+                            outside[id(module.weight)],
+                        )
+                        continue
                     module.scale_master_weight(self.options.margin)
                 elif isinstance(module, FP8Experts):  # the experts' 3-D weights: one master scale each
-                    for name in expert_weight_names(module):
-                        weight = getattr(module, name)
-                        weight.data = weight.data.to(torch.float16)
                     module.scale_master_weights(self.options.margin)
             fp8 = {id(p): p.numel() for p in model.parameters() if get_master_scale(p) is not None}
             self.backward_grads.attach(p for p in model.parameters() if id(p) in fp8)
@@ -412,3 +420,17 @@ class FP8LM(PrecisionStrategy):
             out["precision/fp8_allreduce_underflow"] = float(stats.underflow)
             out["precision/fp8_allreduce_overflow"] = float(stats.overflow)
         return out
+
+
+def _held_outside_fp8_layers(model: torch.nn.Module) -> dict[int, str]:
+    """id(weight) → where else it is registered, for FP8 layers' weights that a module other than
+    an FP8 layer holds too (a tied `nn.Linear` subclass kept in high precision)."""
+    fp8 = {id(m.weight) for m in model.modules() if isinstance(m, FP8Linear)}
+    held = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (FP8Linear, FP8Experts)):
+            continue
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) in fp8:
+                held[id(p)] = f"{name}.{attr} ({type(module).__name__})"
+    return held

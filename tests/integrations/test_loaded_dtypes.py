@@ -16,7 +16,7 @@ import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.memory import unwrap_optimizer
 from hf_lowprec.report import PrecisionPromiseError, check_promises, describe, format_report
-from tests.helpers import TokenBlocks, assert_same_losses, tiny_llama_config, trainer_arguments
+from tests.helpers import VOCAB, TokenBlocks, assert_same_losses, tiny_llama_config, trainer_arguments
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -40,6 +40,32 @@ def _train(path: str, name: str, out, **load) -> tuple[list[float], Trainer]:
     trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks())
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o2"])
+def test_gemmas_embedding_scale_made_at_load_in_bf16_trains_as_the_fp32_loads(tmp_path, name):
+    # Gemma scales embeddings by √hidden, a buffer made at init in the load dtype: 8.9375 in BF16
+    # for √80 = 8.9443. The FP32 masters' embedding must take the FP32 scale the FP32 load has.
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=80,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        sliding_window=16,
+    )
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "gemma3")
+    bf16, _ = _train(str(tmp_path / "gemma3"), name, tmp_path / "bf16")
+    fp32, trainer = _train(str(tmp_path / "gemma3"), name, tmp_path / "fp32", dtype=torch.float32)
+    assert_same_losses(bf16, fp32, name)
+    scale = trainer.model.model.embed_tokens.embed_scale
+    assert scale.dtype == torch.float32 and scale.item() == torch.tensor(80**0.5, dtype=torch.float32).item()
 
 
 def _dtypes(trainer: Trainer) -> dict[str, object]:

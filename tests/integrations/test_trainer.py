@@ -350,3 +350,20 @@ def test_a_weights_only_checkpoint_is_refused_unless_the_reset_is_asked_for(tmp_
     again = Trainer(model=tiny_gpt2(seed=7), args=reset, train_dataset=TokenBlocks(16))
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert again.state.global_step == 4
+
+
+@pytest.mark.parametrize("strategy", ["collage-plus", "fp8-lm-o2", "fp16-als"])
+def test_a_model_from_model_init_is_prepared_and_trains_as_one_passed_in(tmp_path, strategy):
+    # transformers' train() builds a model_init model anew (as hyperparameter_search does): the
+    # strategy never saw it, and collage-plus stopped with "cast the model ... cast_model".
+    args = make_args(tmp_path / "init", strategy, max_steps=3)
+    built = Trainer(model_init=lambda: tiny_gpt2(), args=args, train_dataset=TokenBlocks(12))
+    built.train()
+    passed = Trainer(
+        model=tiny_gpt2(), args=make_args(tmp_path / "passed", strategy, max_steps=3), train_dataset=TokenBlocks(12)
+    )
+    passed.train()
+    assert logged_losses(built) == logged_losses(passed)
+    for a, b in zip(built.model.parameters(), passed.model.parameters(), strict=True):
+        assert_bits_equal(a, b)
+    assert json.loads((tmp_path / "init" / "precision_report.json").read_text())["violations"] == []

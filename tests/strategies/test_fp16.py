@@ -250,3 +250,25 @@ def test_accelerate_plugin_with_fp16_als_accumulates_and_clips_in_fp32():
     assert plugin.strategy.scaler.get_scale() == 4.0
     assert plugin.strategy._loss_divisor == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("loaded", [torch.float32, torch.bfloat16])
+def test_a_weight_beyond_fp16s_range_is_refused_before_anything_is_cast(loaded):
+    # 1e5 rounds to inf in FP16 (largest finite 65504; 65520 and up round to inf): the model would
+    # train on as NaN losses with every step skipped. 65280 (exact in BF16 and FP16) is kept.
+    model = tiny_gpt2().to(loaded)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = 1e5
+        model.transformer.ln_f.weight[0] = 65280.0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(
+        ValueError,
+        match=r"FP16 cannot hold.*transformer\.h\.1\.mlp\.c_fc\.weight \(largest \|value\| (1e\+05|9\.984e\+04)\)\.",
+    ) as refused:
+        get_strategy("fp16-als").prepare_model(model)
+    assert "ln_f" not in str(refused.value)
+    assert all(torch.equal(p, before[n]) and p.dtype == loaded for n, p in model.named_parameters())
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = 65280.0
+    prepared = get_strategy("fp16-als").prepare_model(model)
+    assert all(torch.isfinite(p).all() for p in prepared.parameters())

@@ -1,5 +1,6 @@
 """FP8-LM strategies O1 and O2 (docs/algorithms.md §3), in the plain training loop of the brief."""
 
+import copy
 import io
 
 import pytest
@@ -120,6 +121,74 @@ def test_o2_trains_layernorm_gains_at_lr_1e_4():
         expected = theta - lr * (grad / (grad.abs() + 1e-8) + wd * theta)
         assert (gain.detach().double() - expected).abs().max() <= 2.0**-24 + 1e-10
         assert (gain.detach().double() != theta).all()
+
+
+def test_o2_masters_are_scaled_from_the_real_values_not_from_their_fp16_rounding():
+    """One block's weights ×1e-4 (mostly FP16 subnormals) and one element at 1e5 (beyond FP16's
+    65504): the scaled master payload/s_m must hold each real value to FP16's rounding, 2^-11
+    relative, wherever the scaled value is an FP16 normal (|w|·s_m ≥ 2^-14). Cast to FP16 first,
+    the small ones kept 1% and the large one became inf (a NaN loss, every step skipped)."""
+    model = tiny_gpt2()
+    small, large = model.transformer.h[0].attn.c_attn.weight, model.transformer.h[1].mlp.c_fc.weight
+    with torch.no_grad():
+        small.mul_(1e-4)
+        large[0, 0] = 1e5
+    real = {id(p): p.detach().double().clone() for p in (small, large)}
+    hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(model)
+    layers = [model.transformer.h[0].attn.c_attn, model.transformer.h[1].mlp.c_fc]
+    for layer in layers:
+        assert layer.weight.dtype == torch.float16 and torch.isfinite(layer.weight).all()
+        scale = layer.master_scale.double()
+        w = real[id(layer.weight)]
+        normal = w.abs() * scale >= 2.0**-14
+        assert normal.float().mean() > 0.99
+        rel = ((layer.weight.double() / scale - w).abs() / w.abs())[normal]
+        assert rel.max() <= 2.0**-11
+
+
+def test_o2_leaves_frozen_parameters_as_loaded_and_gives_them_no_master():
+    # checkpoints: a frozen parameter stays as loaded (dtype and values), under O2 as under O1.
+    model = tiny_gpt2().to(torch.bfloat16)
+    model.transformer.h[0].attn.c_attn.weight.requires_grad_(False)
+    model.transformer.wte.weight.requires_grad_(False)  # tied to the LM head, as GPT-2 ties them
+    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    strategy, model, optimizer = setup_prepared("fp8-lm-o2", model)
+    frozen = model.transformer.h[0].attn.c_attn
+    assert isinstance(frozen, FP8Linear) and frozen.master_scale is None
+    assert frozen.weight.dtype == torch.bfloat16 and torch.equal(frozen.weight, before)
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    trained = model.transformer.h[1].attn.c_attn
+    assert trained.weight.dtype == torch.float16 and trained.master_scale is not None
+    assert model.transformer.ln_f.weight.dtype == torch.float32  # trainable, not FP8: an FP32 master
+    train(strategy, model, optimizer, batches(2))
+    assert torch.equal(frozen.weight, before)
+
+
+def setup_prepared(name, model):
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return strategy, model, strategy.create_optimizer(params, lr=3e-3)
+
+
+class _KeptLinear(torch.nn.Linear):
+    """An `nn.Linear` subclass: its own forward, so FP8 conversion keeps it in high precision."""
+
+
+def test_o2_gives_no_scaled_master_to_a_weight_a_kept_layer_shares():
+    # The kept layer would read the payload real·s_m (s_m ~ 2^19) as its weight: loss ~1e5.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.ReLU(), _KeptLinear(64, 64, bias=False))
+    model[2].weight = model[0].weight
+    x = torch.randn(8, 64)
+    outputs = {}
+    for name in NAMES:
+        prepared = hf_lowprec.get_strategy(name).prepare_model(copy.deepcopy(model))
+        assert isinstance(prepared[0], FP8Linear) and type(prepared[2]) is _KeptLinear
+        assert prepared[0].weight is prepared[2].weight and prepared[0].weight.dtype == torch.float32
+        with torch.no_grad():
+            outputs[name] = prepared(x)
+    assert_bits_equal(outputs["fp8-lm-o2"], outputs["fp8-lm-o1"])
 
 
 def test_o1_gradients_hold_fp8_values():
