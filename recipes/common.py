@@ -14,6 +14,7 @@ here, at the recipe's edge, and nowhere in the library.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -126,9 +127,13 @@ def parse_args(
     parser.set_defaults(**base)
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        # The HF examples' convention: all arguments in one file.
-        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        return loader(os.path.abspath(argv[0]))
+        # The HF examples' convention: all arguments in one file, over the same defaults (HF's
+        # parse_json_file/parse_yaml_file would build the arguments from the file alone).
+        with open(os.path.abspath(argv[0]), encoding="utf-8") as f:
+            given = json.load(f) if argv[0].endswith(".json") else __import__("yaml").safe_load(f)
+        if not isinstance(given, dict):
+            raise ValueError(f"{argv[0]} must hold a mapping of argument names to values, got {type(given).__name__}")
+        return parser.parse_dict({**base, **given})
     return parser.parse_args_into_dataclasses(args=argv)
 
 

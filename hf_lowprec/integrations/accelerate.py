@@ -76,6 +76,7 @@ class PrecisionPlugin:
                 f"mixed_precision={accelerator.mixed_precision!r}; use Accelerator(mixed_precision='no') "
                 "(or drop --mixed_precision from accelerate launch / the config file)"
             )
+        self._route_clipping(accelerator)
         objects = list(objects)
         model_params: set[int] = set()
         for i, obj in enumerate(objects):
@@ -197,12 +198,15 @@ class PrecisionPlugin:
         return self.strategy.forward_context()
 
     def clip_grad_norm_(self, accelerator: Any, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
-        """`accelerator.clip_grad_norm_(parameters, max_norm)` on unscaled gradients (loss-scaling strategies)."""
+        """`accelerator.clip_grad_norm_(parameters, max_norm)` on the gradients the strategy trains: unscaled
+        (loss-scaling strategies), O2's FP8 ones included. `prepare` makes `accelerator.clip_grad_norm_` this."""
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
         norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
-        norm = norm if norm is not None else accelerator.clip_grad_norm_(parameters, max_norm, **kwargs)
+        norm = (
+            norm if norm is not None else type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, **kwargs)
+        )
         # The guard reads this pre-clip norm; the step's skip flag too, for a norm that sees inf/NaN.
         covered = parameters if reveals_nonfinite(kwargs.get("norm_type", 2.0)) else None
         return self.strategy.note_grad_norm(norm, covered)
@@ -212,6 +216,12 @@ class PrecisionPlugin:
         return self.strategy.metrics()
 
     # --- internals ---------------------------------------------------------------------
+    def _route_clipping(self, accelerator: Any) -> None:
+        # A loop written for Accelerate clips with `accelerator.clip_grad_norm_`, which sees only
+        # `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones held beside it.
+        # On this Accelerator it is the plugin's (the last one to prepare), which clips what the strategy trains.
+        accelerator.clip_grad_norm_ = functools.partial(self.clip_grad_norm_, accelerator)
+
     def _register_comm_hooks(self, prepared: tuple) -> None:
         # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
         # `ddp_comm_hook() -> (state, hook)`; DDP models get it (a refused strategy stops here).

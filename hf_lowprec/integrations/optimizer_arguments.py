@@ -11,12 +11,58 @@ import torch
 
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 
-__all__ = ["ADAMW_OPTIMS", "reconcile_mixed_precision_flags", "accept_optimizer", "users_optimizer_named"]
+__all__ = [
+    "ADAMW_OPTIMS",
+    "accept_optimizer",
+    "check_engine_arguments",
+    "reconcile_launched_mixed_precision",
+    "reconcile_mixed_precision_flags",
+    "users_optimizer_named",
+]
 
 logger = logging.getLogger(__name__)
 
 # Trainer `optim` values whose algorithm every strategy's AdamW reproduces.
 ADAMW_OPTIMS = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused"}
+
+
+def check_engine_arguments(args: Any, strategy: PrecisionStrategy) -> None:
+    """`deepspeed` and `fsdp` arguments the strategy refuses, and a missing DeepSpeed, before any work."""
+    if getattr(args, "deepspeed", None):
+        from ..engines.zero import precision_config, require_deepspeed
+
+        # A refused combination first (it would not run with DeepSpeed installed either),
+        # then a missing DeepSpeed: each an error naming what to do.
+        precision_config(strategy, args.deepspeed)
+        require_deepspeed()
+    if getattr(args, "fsdp", None):
+        from ..engines.fsdp2 import check_trainer_fsdp
+
+        check_trainer_fsdp(strategy, args.fsdp, args.fsdp_config)
+
+
+_ACCELERATE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reconcile_launched_mixed_precision(args: Any, strategy: PrecisionStrategy) -> None:
+    """Accelerate's `mixed_precision` (`accelerate launch --mixed_precision`, its config file:
+    `ACCELERATE_MIXED_PRECISION`), which the stock arguments hand to the Accelerator: one that agrees
+    with the strategy's compute dtype is cleared, as `bf16`/`fp16` are; another (an autocast the
+    strategy and its report know nothing of) refused."""
+    launched = getattr(args, "mixed_precision", "no") or "no"
+    if launched == "no":
+        return
+    if _ACCELERATE_DTYPES.get(launched) != strategy.compute_dtype:
+        raise ValueError(
+            f"precision_strategy={args.precision_strategy!r} computes in {strategy.compute_dtype}, but Accelerate's "
+            f"mixed_precision is {launched!r} (accelerate launch --mixed_precision, or its config file: "
+            "ACCELERATE_MIXED_PRECISION), which would autocast the model under the strategy; the strategy owns mixed "
+            "precision: set mixed_precision 'no' in the Accelerate config (or drop --mixed_precision)"
+        )
+    logger.info(
+        "precision_strategy %r owns mixed precision; ignoring Accelerate's %r", args.precision_strategy, launched
+    )
+    args.mixed_precision = "no"  # (DeepSpeed's precision entries: the strategy writes them, engines.zero)
 
 
 def reconcile_mixed_precision_flags(args: Any, strategy: PrecisionStrategy) -> None:

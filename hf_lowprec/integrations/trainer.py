@@ -40,7 +40,13 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
-from .optimizer_arguments import accept_optimizer, reconcile_mixed_precision_flags, users_optimizer_named
+from .optimizer_arguments import (
+    accept_optimizer,
+    check_engine_arguments,
+    reconcile_launched_mixed_precision,
+    reconcile_mixed_precision_flags,
+    users_optimizer_named,
+)
 from .peft import prepare_model
 from .stock_signature import bind_stock_arguments, forwarding_init
 
@@ -96,25 +102,17 @@ class PrecisionArgumentsMixin:
                 ) from None
         if self.precision_options is not None and not isinstance(self.precision_options, dict):
             raise ValueError(f"precision_options must be a dict or JSON object, got {self.precision_options!r}")
-        if self.precision_strategy is not None:
-            strategy = self.build_precision_strategy()  # validates the name and options before any work
+        strategy = self.build_precision_strategy()  # validates the name and options before any work
+        if strategy is not None:
             reconcile_mixed_precision_flags(self, strategy)
-            if getattr(self, "deepspeed", None):
-                from ..engines.zero import precision_config, require_deepspeed
-
-                # A refused combination first (it would not run with DeepSpeed installed either),
-                # then a missing DeepSpeed: each an error naming what to do, before any work.
-                precision_config(strategy, self.deepspeed)
-                require_deepspeed()
-            if getattr(self, "fsdp", None):
-                from ..engines.fsdp2 import check_trainer_fsdp
-
-                check_trainer_fsdp(strategy, self.fsdp, self.fsdp_config)
+            check_engine_arguments(self, strategy)
         elif self.precision_options:
             raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
         else:
             parse_resume_reset(self.resume_reset, with_strategy=False)  # without a strategy: nothing to reset
         super().__post_init__()
+        if strategy is not None:  # what `accelerate launch --mixed_precision` set, read by the stock __post_init__
+            reconcile_launched_mixed_precision(self, strategy)
 
     def build_precision_strategy(self) -> PrecisionStrategy | None:
         """A fresh strategy object for these arguments (None when no strategy is set)."""

@@ -89,7 +89,7 @@ class COATAdamW(AdamW):
     def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         size, expand = group["group_size"], group["expand"]
         m = GroupFP8(torch.float8_e4m3fn, size, expand)
-        v = GroupFP8(format_dtype(group["exp_avg_sq_format"]), size, expand)
+        v = GroupFP8(format_dtype(group["exp_avg_sq_format"]), size, expand, keep_nonzero=True)
         return Composition(m, v, Grow() if param.dtype in LOW_PRECISION_DTYPES else Nearest())
 
 

@@ -40,11 +40,9 @@ def root(x: torch.Tensor) -> torch.Tensor:
     """√x correctly rounded: the hardware root when compiled or on a CUDA device, `numerics.sqrt_rn`
     eagerly elsewhere.
 
-    PyTorch's eager CPU root of FP32 is one ulp off for ~0.7% of inputs; a compiled loop uses
-    the exact instruction, and CUDA's FP32 root is correctly rounded (nvcc's default
-    `-prec-sqrt=true`). Taking the exact root everywhere keeps the paths bit-identical. A fake
-    tensor (the planner counting a GPU step, `hf_lowprec.planning`) takes the GPU's form: one
-    kernel, where `sqrt_rn` slices a large tensor into a thousand.
+    PyTorch's eager CPU root of FP32 is one ulp off for ~0.7% of inputs; compiled loops and CUDA
+    (`-prec-sqrt=true`) round correctly: the exact root everywhere keeps the paths bit-identical.
+    A fake tensor (the planner counting a GPU step) takes the GPU's form: one kernel.
     """
     if torch.compiler.is_compiling() or x.device.type == "cuda" or isinstance(x, FakeTensor):
         return torch.sqrt(x)
@@ -56,10 +54,8 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Eagerly a cast there and back. Compiled, for BF16 and FP16, the same bits from integer
     operations (`numerics.round_by_bits`): Inductor in torch 2.11 drops an FP32 → BF16/FP16 →
-    FP32 round trip inside a fused kernel, `emulate_precision_casts` or not (its
-    `pointless_convert` pattern rewrites the pair into nothing, and on CPU the C++ backend
-    answers the widening from a cache of the unrounded value), which would silently remove
-    every rounding of TwoSum, Fast2Sum and Kahan's sum; 2.13 keeps the round trip.
+    FP32 round trip inside a fused kernel (`pointless_convert`; 2.13 keeps it), which would
+    silently remove every rounding of TwoSum, Fast2Sum and Kahan's sum.
     """
     if dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
         return round_by_bits(x, dtype)
@@ -91,12 +87,10 @@ class Format:
 
     Choosing for every tensor before storing any lets a compiler fuse the reductions, then the stores.
 
-    Element-wise formats see flat 1-D tensors. Block formats (`block` > 1) see (blocks × block)
-    views, their payloads stored flat and padded to whole blocks: the caller pads the parameter
-    and its gradient with zeros (zeros stay zero in every format and do not move a block's
-    maximum). Every operation is a pure function of tensors, written to run eagerly (the
-    reference) and under `torch.compile` (the fast path) with the same bits: roots go through
-    `root`, which is correctly rounded in both.
+    Element-wise formats see flat 1-D tensors; block formats (`block` > 1) (blocks × block) views,
+    payloads flat and padded to whole blocks (the caller pads parameter and gradient with zeros,
+    which stay zero and move no block's maximum). Every operation is a pure function of tensors, run
+    eagerly (the reference) and compiled (the fast path) with the same bits (roots through `root`).
 
     The formats, what they store per element, and who uses them:
 
@@ -128,9 +122,8 @@ class Format:
         return {}
 
     def register_max(self, payload_dtype: torch.dtype) -> float:
-        """Largest value the update may hold in registers before `encode_` (v is clamped to it,
-        so a finite gradient whose square overflows saturates instead of storing inf): FP32's
-        for formats whose encoding handles range (scaled, block), the dtype's for plain ones."""
+        """Largest value the update may hold before `encode_` (v is clamped to it: a square that overflows
+        saturates, not inf): FP32's where the encoding handles range (scaled, block), else the dtype's."""
         return torch.finfo(F32).max
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
@@ -315,18 +308,23 @@ class GroupFP8(Format):
     decoded x̂ = sign(q)·|q/s|^(1/k)·c. A group with k = 1 stores c = 1 (plain per-group
     scaling); an all-zero group stores s = k = c = 1; inf or NaN makes the group decode to NaN.
     `expand=False` is plain per-group scaling (k = c = 1). (s, k, c) are FP32.
+
+    `keep_nonzero` (v): a non-zero value whose code would round to 0 takes the smallest code, so
+    v̂ ≥ v and the update stays below AdamW's, never m/ε (docs/strategies/coat.md).
     """
 
     dtype: torch.dtype = torch.float8_e4m3fn
     group_size: int = 128
     expand: bool = True
+    keep_nonzero: bool = False
 
     suffixes = ("", "_scale", "_exponent", "_center")
     like_param = (False, False, False, False)
     native_name = "group_fp8"
 
     def native_options(self, prefix: str) -> dict[str, int]:
-        return {f"{prefix}_group_size": self.group_size, f"{prefix}_expand": int(self.expand)}
+        values = {"group_size": self.group_size, "expand": int(self.expand), "nonnegative": int(self.keep_nonzero)}
+        return {f"{prefix}_{key}": value for key, value in values.items()}
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0:
@@ -375,7 +373,9 @@ class GroupFP8(Format):
 
     def store_(self, values, chosen, payload, scale, exponent, center) -> None:
         grouped, s, k, c = chosen
-        payload.view(-1, self.group_size).copy_(saturate(grouped * s[:, None], self.dtype))
+        y, d = saturate(grouped * s[:, None], self.dtype), 2.0 ** (-9 if self.dtype == torch.float8_e4m3fn else -16)
+        y = torch.where(y != 0, y.abs().clamp(min=d).copysign(y), y) if self.keep_nonzero else y  # d: smallest code
+        payload.view(-1, self.group_size).copy_(y)
         scale.copy_(s)
         exponent.copy_(k)
         center.copy_(c)

@@ -32,7 +32,10 @@ _TINY = torch.finfo(torch.float32).smallest_normal
 
 
 def check_adamw_hyperparameters(name: str, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
-    """Raise ValueError naming the bad value and what to pass instead."""
+    """Raise ValueError naming the bad value and what to pass instead (TypeError for a string)."""
+    for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("betas", betas)):
+        if isinstance(value, str) or (key == "betas" and any(isinstance(b, str) for b in value)):
+            raise TypeError(f"{name}: {key}={value!r} is text; pass a number (e.g. lr=1e-3, betas=(0.9, 0.999))")
     if not lr >= 0.0:
         raise ValueError(f"{name}: invalid lr={lr!r}; the learning rate must be >= 0 (e.g. lr=1e-3)")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):

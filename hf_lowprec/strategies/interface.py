@@ -25,7 +25,7 @@ from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
-from .optimizer import StrategyOptimizer
+from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions
 from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
@@ -188,7 +188,7 @@ class PrecisionStrategy:
         Group-level keys (e.g. a no-decay group's `weight_decay=0.0`) win over the arguments,
         as in torch.optim. The result is a `torch.optim.Optimizer`, so LR schedulers work.
         """
-        groups = _as_groups(params_or_groups)
+        groups = as_param_groups(params_or_groups)
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
         check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
@@ -437,14 +437,3 @@ class PrecisionStrategy:
 
     def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
         self._lost_arithmetic = step_metrics(records, group_count)
-
-
-def _as_groups(params_or_groups: Any) -> list[dict[str, Any]]:
-    items = list(params_or_groups)
-    if not items:
-        return []
-    if isinstance(items[0], dict):
-        return [dict(g, params=list(g["params"])) for g in items]
-    if isinstance(items[0], tuple):  # named_parameters()
-        items = [p for _, p in items]
-    return [{"params": items}]

@@ -18,7 +18,7 @@ from ..checkpoints.resume import check_fp8_layout, check_optimizer_state
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
 
-__all__ = ["StrategyOptimizer"]
+__all__ = ["StrategyOptimizer", "as_param_groups"]
 
 
 class StrategyOptimizer(torch.optim.Optimizer):
@@ -150,3 +150,20 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def as_param_groups(params_or_groups: Any) -> list[dict[str, Any]]:
+    """Parameters, `named_parameters()` or parameter groups as a list of groups (`create_optimizer`)."""
+    if isinstance(params_or_groups, torch.nn.Module):  # a habit from libraries that take the model
+        raise TypeError(
+            f"create_optimizer takes parameters or parameter groups, not the model ({type(params_or_groups).__name__}): "
+            "pass model.parameters()"
+        )
+    items = list(params_or_groups)
+    if not items:
+        return []
+    if isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": items}]

@@ -97,6 +97,25 @@ def test_bad_options_fail_at_arguments(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), precision_options={"lost_arithmetic_metrics": True})
 
 
+def test_accelerates_mixed_precision_is_refused_or_cleared_like_the_flags(tmp_path, monkeypatch):
+    # `accelerate launch --mixed_precision bf16` (or a config file saying so) reaches the stock
+    # arguments through the environment: the Accelerator autocast an fp32 or fp16-als model in BF16
+    # while the startup report said FP32/FP16.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    for name in ("fp32", "fp16-als", "fp16-mixed"):
+        with pytest.raises(ValueError, match=r"Accelerate's mixed_precision is 'bf16'.*set mixed_precision 'no'"):
+            TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, use_cpu=True)
+    args = TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp8-lm-o2", use_cpu=True)
+    assert args.mixed_precision == "no"
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(4))
+    assert trainer.accelerator.mixed_precision == "no"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    assert (
+        TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp16-als", use_cpu=True).mixed_precision == "no"
+    )
+    assert TrainingArguments(output_dir=str(tmp_path), use_cpu=True).mixed_precision == "fp16"  # no strategy: stock
+
+
 def test_contradictory_flags(tmp_path):
     with pytest.raises(ValueError, match="remove fp16=True"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy="bf16-pure", fp16=True, use_cpu=True)

@@ -217,3 +217,38 @@ def test_padded_parameter_steps_like_its_values_inside_whole_groups(dtype, fused
                 value.view(torch.uint8) if value.element_size() == 1 else value,
                 other.view(torch.uint8) if other.element_size() == 1 else other,
             ), key
+
+
+@pytest.mark.parametrize("exp_avg_sq_format", ["e4m3", "e5m2"])
+def test_an_element_whose_gradient_stops_moves_no_further_than_adamw_moves_it(exp_avg_sq_format):
+    """A rare token's embedding element: a gradient g₁ once, then 0, in a group whose other
+    gradients are ≥ 1e-2. Its v = (1−β₂)·g₁² is below the group's smallest FP8 code (v spans the
+    square of the gradients' range) while its m is not: stored as 0, v made the update m/ε
+    (the element moved 73.5 in 3 steps at lr 1e-3, AdamW 0.0022). v keeps the smallest code
+    instead (v̂ ≥ v), so the element moves towards AdamW's place and no further than it; every
+    implementation stores the same bits."""
+    from hf_lowprec.optim.native import native_unavailable
+
+    # (The compiled path traces the reference's store: one format is enough for it.)
+    modes = ["reference"] + (["compiled"] if exp_avg_sq_format == "e4m3" else [])
+    modes += [] if native_unavailable() else ["native"]
+    for g1 in (1e-3, 1e-5):
+        ref = torch.nn.Parameter(torch.zeros(128))
+        adamw = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+        params = {mode: torch.nn.Parameter(torch.zeros(128)) for mode in modes}
+        optimizers = {
+            mode: COATAdamW([p], lr=1e-3, weight_decay=0.0, fused=mode, exp_avg_sq_format=exp_avg_sq_format)
+            for mode, p in params.items()
+        }
+        for step in range(3):
+            g = torch.full((128,), 1e-2)
+            g[0], g[1] = 1.0, g1 if step == 0 else 0.0
+            for p in (ref, *params.values()):
+                p.grad = g.clone()
+            adamw.step()
+            for optimizer in optimizers.values():
+                optimizer.step()
+        moved = params["reference"].detach()[1].item()
+        assert ref[1].item() <= moved < 0.0, (g1, moved, ref[1].item())
+        for mode in modes[1:]:
+            assert bits_equal(params[mode].detach(), params["reference"].detach()), mode

@@ -291,6 +291,25 @@ def test_finetune_glue_from_csv_files(tmp_path):
     assert result["metric_task"] == "mrpc" and set(result["glue"]) == {"accuracy", "f1"}
 
 
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_an_arguments_file_keeps_the_environments_strategy_and_the_recipes_defaults(monkeypatch, tmp_path, suffix):
+    # HF's parse_json_file/parse_yaml_file built the arguments from the file alone: a plain FP32
+    # run, reporting to every integration installed, with none of the recipe's defaults.
+    common = import_recipe("common")
+    from hf_lowprec import TrainingArguments
+
+    monkeypatch.setenv(common.ENV_STRATEGY, "collage-plus")
+    file = tmp_path / f"args{suffix}"
+    given = {"output_dir": str(tmp_path / "out"), "max_steps": 2}
+    file.write_text(json.dumps(given) if suffix == ".json" else "".join(f"{k}: {v}\n" for k, v in given.items()))
+    (args,) = common.parse_args((TrainingArguments,), "t", [str(file)], learning_rate=2e-3)
+    assert args.precision_strategy == "collage-plus" and args.max_steps == 2 and args.learning_rate == 2e-3
+    assert args.report_to == []  # "none"
+    file.write_text(json.dumps({"max_step": 2}) if suffix == ".json" else "max_step: 2\n")
+    with pytest.raises(ValueError, match="max_step"):
+        common.parse_args((TrainingArguments,), "t", [str(file)])
+
+
 def test_strategy_from_environment_and_command_line_precedence(monkeypatch, tmp_path):
     common = import_recipe("common")
     from hf_lowprec import TrainingArguments

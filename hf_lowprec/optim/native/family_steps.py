@@ -272,7 +272,10 @@ def coat_step(
     rule = Nearest() if param_errors is None else Grow()
     if param_errors is not None:
         named["param_error"] = param_errors
-    m_format, v_format = GroupFP8(torch.float8_e4m3fn, group_size, expand), GroupFP8(v_dtype, group_size, expand)
+    m_format, v_format = (
+        GroupFP8(torch.float8_e4m3fn, group_size, expand),
+        GroupFP8(v_dtype, group_size, expand, keep_nonzero=True),
+    )
     step(_declared(m_format, v_format, rule), named, scalars, found_inf=found_inf, isa=isa)
 
 

@@ -225,6 +225,7 @@ void fill_moment(Tensors& t, const Shared& shared, const Options& options, int t
     case GROUP_FP8: {
       const char* suffixes[3] = {"_scale", "_exponent", "_center"};
       for (int k = 0; k < 3; ++k) mo.meta[k] = group_values(prefix + suffixes[k], i, t.get(prefix + suffixes[k], i), groups);
+      mo.nonnegative = option(options, prefix + "_nonnegative", 0) != 0;  // formats.GroupFP8.keep_nonzero
       break;
     }
     case BLOCKWISE_8BIT:

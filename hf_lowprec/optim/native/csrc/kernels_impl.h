@@ -340,7 +340,8 @@ inline uint32_t reduce_min(typename V::I x) {
 // amax, amin (smallest non-zero |x|), k and c (expansion), |x| ← (|x|/c)^k, s = F/amax (NaN if
 // amax is not finite, 1 if 0), payload = cast(clamp(x·s) + (x·s − x·s)).
 template <int D, bool EXPAND>
-inline void encode_fp8_group(float* buf, int64_t size, void* payload, int64_t base, float* const* meta, int64_t g) {
+inline void encode_fp8_group(float* buf, int64_t size, void* payload, int64_t base, float* const* meta, int64_t g,
+                             bool keep_nonzero) {
   const float limit = format_max(D);
   auto magnitude_mask = V::iset1(0x7FFFFFFF);
   auto infinity = V::iset1(0x7F800000);
@@ -383,6 +384,13 @@ inline void encode_fp8_group(float* buf, int64_t size, void* payload, int64_t ba
   if (!(VS::bits(amax) < 0x7F800000u)) s = VS::from_bits(0x7FC00000u);  // inf or NaN amax: NaN scale
   auto sv = V::set1(s);
   for (int64_t j = 0; j < size; j += V::W) store_scaled<V, D>(payload, base + j, V::load_f32(buf + j), sv);
+  if (keep_nonzero) {  // formats.GroupFP8.keep_nonzero: a non-zero y·s below the smallest code takes it
+    auto* codes = static_cast<uint8_t*>(payload) + base;
+    for (int64_t j = 0; j < size; ++j) {
+      const float ys = buf[j] * s;
+      if ((codes[j] & 0x7F) == 0 && ys != 0.0f) codes[j] = static_cast<uint8_t>(((VS::bits(ys) >> 24) & 0x80) | 0x01);
+    }
+  }
   meta[0][g] = s;
   meta[1][g] = k;
   meta[2][g] = c;
@@ -497,7 +505,7 @@ struct GroupFP8Format {
     return decode_group<V, D, EXPAND>(mo.payload, i, code);
   }
   static void encode_group(const Moment& mo, float* buf, int64_t size, int64_t base, int64_t g) {
-    encode_fp8_group<D, EXPAND>(buf, size, mo.payload, base, mo.meta, g);
+    encode_fp8_group<D, EXPAND>(buf, size, mo.payload, base, mo.meta, g, mo.nonnegative);
   }
 };
 
