@@ -40,6 +40,7 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
+from .loss_scaling import hook_loss_scale, scale_unhooked_losses
 from .optimizer_arguments import (
     accept_optimizer,
     check_engine_arguments,
@@ -402,27 +403,14 @@ class PrecisionTrainerMixin:
         stack = super().compute_loss_context_manager()
         if self.precision is not None:
             stack.enter_context(self.precision.forward_context())
+            scale_unhooked_losses(self)  # training_step's backward, for a compute_loss that skips the one below
         return stack
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-        if self.precision is None:
-            return result
-        loss = result[0] if isinstance(result, tuple) else result
-        overrides_scaling = type(self.precision).scale_loss is not PrecisionStrategy.scale_loss
-        if overrides_scaling and torch.is_tensor(loss) and loss.requires_grad:
-            # Scaling the gradient that leaves the loss equals scaling the loss, and the logged loss stays
-            # the true loss; training_step divides it by the accumulation steps afterwards. A 16-bit loss
-            # (an FP16 model without autocast) is widened first: its scaled gradient is an FP32 tensor.
-            if loss.dtype in (torch.float16, torch.bfloat16):
-                loss = loss.float()
-                result = (loss, *result[1:]) if isinstance(result, tuple) else loss
-            steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-            self.precision.set_gradient_accumulation(int(steps))
-            loss.register_hook(self.precision.scale_loss)
-        return result
+        return result if self.precision is None else hook_loss_scale(self, result)
 
     def _clip_grad_norm(self, model):
         if self.precision is None:

@@ -412,6 +412,7 @@ def _ppo_classes() -> dict[str, type]:
                 def scaled_backward(loss: torch.Tensor, **kwargs: Any) -> None:
                     backward(self.precision.scale_loss(loss), **kwargs)
 
+                scaled_backward.hf_lowprec_scaling = True  # type: ignore[attr-defined]  # (loss_scaling)
                 self.accelerator.backward = scaled_backward
 
         def train(self) -> None:
