@@ -250,8 +250,10 @@ class PrecisionPlugin:
             stale = [p for p in group["params"] if id(p) not in model_params]
             if model_params and stale:
                 raise ValueError(
-                    f"{len(stale)} optimizer parameters are not in the prepared model (the strategy replaced "
-                    "layers); build the optimizer after plugin.prepare_model(model)"
+                    f"{len(stale)} optimizer parameters are not in the model passed beside it: an optimizer over "
+                    "another model's parameters, or one built before the strategy replaced layers (prepare the "
+                    "model and its optimizer in one plugin.prepare call, or build the optimizer after "
+                    "plugin.prepare_model(model))"
                 )
             groups.append({k: group[k] for k in _GROUP_KEYS if k in group})
         return self.strategy.create_optimizer(

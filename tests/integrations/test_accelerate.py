@@ -330,3 +330,11 @@ def test_plugin_trains_under_accelerates_dynamo_backend():
     env = {**os.environ, "ACCELERATE_DYNAMO_BACKEND": "eager", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", _DYNAMO_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_naming_that(accelerator):
+    # collage-plus replaces no layer: the old message blamed the strategy's replaced layers.
+    model, other = tiny_gpt2(), tiny_gpt2(seed=1)
+    optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="not in the model passed beside it: an optimizer over another model's"):
+        PrecisionPlugin("collage-plus").prepare(accelerator, model, optimizer)
