@@ -23,6 +23,7 @@ __all__ = [
     "dequantize",
     "format_dtype",
     "format_max",
+    "keep_nonzero",
     "pow2_scale",
     "get_fp8_weight_copy",
     "get_master_scale",
@@ -62,6 +63,14 @@ def format_dtype(fmt: str | torch.dtype) -> torch.dtype:
 def format_max(dtype: torch.dtype) -> float:
     """Largest finite value of `dtype` (448 for E4M3, 57344 for E5M2, 65504 for FP16)."""
     return float(torch.finfo(dtype).max)
+
+
+def keep_nonzero(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A second moment's y = v·s before its FP8 cast: a non-zero |y| below the smallest code d
+    (E4M3 2^-9, E5M2 2^-16), which would round to 0 or d, made ±d: v̂ ≥ v, never 0 for v > 0 (an
+    FP8 v of 0 beside an m that is not would make AdamW's update m/ε)."""
+    d = 2.0 ** (-9 if dtype == torch.float8_e4m3fn else -16)
+    return torch.where(y != 0, y.abs().clamp(min=d).copysign(y), y)
 
 
 def tensor_amax(x: torch.Tensor, group_size: int | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..fp8.scaled import format_max, pow2_scale
+from ..fp8.scaled import format_max, keep_nonzero, pow2_scale
 from ..numerics import pow_nonnegative, round_by_bits, sqrt_rn
 from .dynamic_maps import MAPS as _MAPS
 from .dynamic_maps import dynamic_map, dynamic_map_lookup, map_tensors
@@ -186,8 +186,7 @@ class Scaled(Format):
 
     s = 2^(floor(log2(max(dtype)/amax)) − margin) (`fp8.scaled.pow2_scale`): amax·s lands in
     the format's top binade, so the scaling is exact and only the cast rounds; amax = 0 or
-    non-finite gives s = 1. FP32 storage is kept unscaled (s = 1). Decoding multiplies by
-    1/s, exact for a power of two (the same bits as dividing by s).
+    non-finite gives s = 1, as FP32 storage keeps. Decoding multiplies by 1/s (exact: s = 2^k).
     """
 
     dtype: torch.dtype | None = None
@@ -309,8 +308,7 @@ class GroupFP8(Format):
     scaling); an all-zero group stores s = k = c = 1; inf or NaN makes the group decode to NaN.
     `expand=False` is plain per-group scaling (k = c = 1). (s, k, c) are FP32.
 
-    `keep_nonzero` (v): a non-zero value whose code would round to 0 takes the smallest code, so
-    v̂ ≥ v and the update stays below AdamW's, never m/ε (docs/strategies/coat.md).
+    `keep_nonzero` (v): `fp8.scaled.keep_nonzero`, so v̂ > 0 for v > 0: never m/ε (docs/strategies/coat.md).
     """
 
     dtype: torch.dtype = torch.float8_e4m3fn
@@ -373,8 +371,8 @@ class GroupFP8(Format):
 
     def store_(self, values, chosen, payload, scale, exponent, center) -> None:
         grouped, s, k, c = chosen
-        y, d = saturate(grouped * s[:, None], self.dtype), 2.0 ** (-9 if self.dtype == torch.float8_e4m3fn else -16)
-        y = torch.where(y != 0, y.abs().clamp(min=d).copysign(y), y) if self.keep_nonzero else y  # d: smallest code
+        y = saturate(grouped * s[:, None], self.dtype)
+        y = keep_nonzero(y, self.dtype) if self.keep_nonzero else y
         payload.view(-1, self.group_size).copy_(y)
         scale.copy_(s)
         exponent.copy_(k)

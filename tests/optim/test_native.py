@@ -664,10 +664,11 @@ def _fp8_half_ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(exponent - mantissa - 1)
 
 
-def _quantization_interval(x64, slack, scale, exponent, center, dtype, group):
+def _quantization_interval(x64, slack, scale, exponent, center, dtype, group, keep_nonzero=False):
     """Bounds on |decode(encode(x))| for |x| within x64 ± slack, given the group's (s, k, c):
     the encoded y = (|x|/c)^k·s moves to a code within half an FP8 spacing (plus 2^-16
-    relative for the FP32 evaluation), then decodes through (·/s)^(1/k)·c; FP64 throughout."""
+    relative for the FP32 evaluation), then decodes through (·/s)^(1/k)·c; FP64 throughout.
+    `keep_nonzero` (the second moment): a non-zero y may also take the smallest code."""
     s = scale.double()[group]
     k = exponent.double()[group]
     c = center.double()[group]
@@ -675,6 +676,9 @@ def _quantization_interval(x64, slack, scale, exponent, center, dtype, group):
     hi = ((x64.abs() + slack) / c).pow(k) * s
     lo = (lo - _fp8_half_ulp(lo, dtype)).clamp_min(0) * (1 - 2.0**-16)
     hi = (hi + _fp8_half_ulp(hi, dtype)) * (1 + 2.0**-16)
+    if keep_nonzero:
+        smallest = 2.0 ** (-9 if dtype == torch.float8_e4m3fn else -16)
+        hi = torch.where(x64.abs() + slack > 0, hi.clamp_min(smallest * (1 + 2.0**-16)), hi)
     return (lo / s).pow(1 / k) * c * (1 - 2.0**-16), (hi / s).pow(1 / k) * c * (1 + 2.0**-16)
 
 
@@ -753,7 +757,7 @@ def test_coat_with_expansion_is_within_the_fp64_bounds(isa):
                 )
                 dtype = stored[0].dtype
                 decoded = _decode64(*stored, n).abs()
-                lo, hi = _quantization_interval(x64, slack, *stored[1:], dtype, group)
+                lo, hi = _quantization_interval(x64, slack, *stored[1:], dtype, group, key == "exp_avg_sq")
                 inside = (decoded >= lo) & (decoded <= hi)
                 assert bool(inside[usable].all()), (
                     f"{name} {key} of tensor {index}: {int((~inside & usable).sum())} outside"
