@@ -294,9 +294,14 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
         )
     # A published FP8 layer kept frozen in FP8 (fp8.blocks) counts: the base of a LoRA run.
     from .fp8.experts import FP8Experts
+    from .fp8.payoff import PayoffReason
 
     fp8_kinds = (FP8Linear, FrozenBlockFP8Linear, FP8Experts)
-    if strategy.frozen_in_fp8 and not any(isinstance(m, fp8_kinds) for m in model.modules()):
+    # COAT's FP8 layers come with its FP8 activations; where the speed rule kept them all in BF16
+    # (fp8_layers="pays"), its FP8 states still train: only fp8-lm has nothing FP8 left then.
+    kept_by_rule = any(isinstance(r, PayoffReason) for r in model.__dict__.get("fp8_skipped_layers", {}).values())
+    expects = strategy.uses_fp8_gemm or (strategy.frozen_in_fp8 and not kept_by_rule)
+    if expects and not any(isinstance(m, fp8_kinds) for m in model.modules()):
         out.append(
             f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
             "(none converted: check the skipped layers and their dimensions)"

@@ -134,6 +134,16 @@ def test_a_model_no_layer_of_which_fp8_can_take_is_refused(tmp_path, strategy):
     assert trainer.state.global_step == 0
 
 
+def test_coat_whose_layers_the_speed_rule_keeps_in_bf16_still_trains_on_its_fp8_states():
+    from hf_lowprec.fp8 import FP8Linear
+    from hf_lowprec.report import promise_violations
+
+    strategy = hf_lowprec.get_strategy("coat", fp8_gpu="h100", fp8_tokens=512)  # FP8 would not pay at 256 wide
+    model = strategy.prepare_model(tiny_gpt2(n_embd=256))
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    assert promise_violations(strategy, model) == []
+
+
 def test_the_accelerate_plugin_reports_and_checks():
     from accelerate import Accelerator
 

@@ -133,12 +133,12 @@ class FP8Experts(GroupedExperts):
         weight, chosen from its own values); a frozen one stays as it is."""
         for name in expert_weight_names(self):
             weight = getattr(self, name)
+            if getattr(self, name + "_master_scale", None) is not None or not weight.requires_grad:
+                continue
             if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(
                     f"scaled master weights are made from a 16- or 32-bit weight; {name} is {weight.dtype}"
                 )
-            if getattr(self, name + "_master_scale", None) is not None or not weight.requires_grad:
-                continue
             with torch.no_grad():
                 scale = pow2_scale(tensor_amax(weight), torch.float16, margin)
                 weight.data = quantize(weight.data, scale, torch.float16)

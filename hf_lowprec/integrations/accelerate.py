@@ -76,7 +76,6 @@ class PrecisionPlugin:
                 f"mixed_precision={accelerator.mixed_precision!r}; use Accelerator(mixed_precision='no') "
                 "(or drop --mixed_precision from accelerate launch / the config file)"
             )
-        self._route_clipping(accelerator)
         objects = list(objects)
         model_params: set[int] = set()
         for i, obj in enumerate(objects):
@@ -116,6 +115,7 @@ class PrecisionPlugin:
                 if isinstance(o, StrategyOptimizer)
             }
         self._report(accelerator, objects)
+        self._route_clipping(accelerator)  # (after every check: a refused prepare leaves it stock)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
         if fsdp:
             from ..engines.fsdp2 import adopt_shards, move_state_to_shards

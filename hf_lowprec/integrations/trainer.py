@@ -40,7 +40,7 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
-from .loss_scaling import hook_loss_scale, scale_unhooked_losses
+from .loss_scaling import scale_at_backward
 from .optimizer_arguments import (
     accept_optimizer,
     check_engine_arguments,
@@ -245,6 +245,7 @@ class PrecisionTrainerMixin:
 
             configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
         self.callback_handler.add_callback(PrecisionCallback(self.precision, self))
+        scale_at_backward(self)
 
     def train(
         self,
@@ -272,7 +273,8 @@ class PrecisionTrainerMixin:
         if getattr(self, "precision", None) is None:  # (in __init__: prepared after the stock __init__)
             return model
         self.precision = self.args.build_precision_strategy()  # a fresh one: no state of the last model's
-        next(c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)).strategy = self.precision
+        for callback in (c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)):
+            callback.strategy = self.precision
         return prepare_model(self.precision, model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -403,14 +405,8 @@ class PrecisionTrainerMixin:
         stack = super().compute_loss_context_manager()
         if self.precision is not None:
             stack.enter_context(self.precision.forward_context())
-            scale_unhooked_losses(self)  # training_step's backward, for a compute_loss that skips the one below
+            scale_at_backward(self)  # (again: hyperparameter search builds a new Accelerator)
         return stack
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        return result if self.precision is None else hook_loss_scale(self, result)
 
     def _clip_grad_norm(self, model):
         if self.precision is None:

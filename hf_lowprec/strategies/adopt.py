@@ -18,7 +18,7 @@ from ..memory import ADOPTED_ATTR
 if TYPE_CHECKING:
     from .protocol import Strategy
 
-__all__ = ["adopt_loaded_dtypes"]
+__all__ = ["adopt_loaded_dtypes", "exact_embedding_scales"]
 
 _WIDENED = (torch.bfloat16, torch.float16)
 
@@ -39,14 +39,14 @@ def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str,
             made[str(p.dtype).removeprefix("torch.")] += p.numel()
             p.data = p.data.float()
     if made:
-        _exact_embedding_scales(model)
+        exact_embedding_scales(model)
         record = model.__dict__.setdefault(ADOPTED_ATTR, {})
         for dtype, count in made.items():
             record[dtype] = record.get(dtype, 0) + count
     return dict(made)
 
 
-def _exact_embedding_scales(model: torch.nn.Module) -> None:
+def exact_embedding_scales(model: torch.nn.Module) -> None:
     """Gemma's embedding scale √hidden is a buffer made at init in the load dtype (8.9375 for 8.9443
     in BF16), not in the checkpoint; the module keeps the float it came from: FP32 from that."""
     for module in model.modules():

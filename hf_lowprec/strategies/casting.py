@@ -51,7 +51,7 @@ def _refuse_fp16_overflow(model: torch.nn.Module) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.dtype in wide and p.numel() and not p.is_meta]
     if not named:
         return
-    # One transfer for the whole model (this runs once, when the model is prepared).
+    # Once, when the model is prepared: an amax per parameter, read together.
     amaxes = torch.stack([p.detach().abs().amax().float().cpu() for _, p in named]).tolist()
     beyond = [(n, a) for (n, _), a in zip(named, amaxes) if not a < 65520.0]  # rounds to inf (NaN too)
     if beyond:

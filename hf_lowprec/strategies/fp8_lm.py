@@ -34,6 +34,7 @@ from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
+from .adopt import exact_embedding_scales
 from .baselines import bf16_autocast
 from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
 from .interface import PrecisionStrategy
@@ -42,6 +43,7 @@ from .support import EngineSupport
 
 __all__ = ["FP8LM", "FP8LMOptions"]
 
+F32 = torch.float32
 _FP8_GRAD_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 logger = logging.getLogger(__name__)
 # The `recipe` option's values: the names of the one recipes table.
@@ -250,9 +252,11 @@ class FP8LM(PrecisionStrategy):
             # FP8-LM / MS-AMP: only trainable FP8 GEMM weights get the FP16 scaled master and the
             # FP8 optimizer; the other trainable parameters FP32 masters (an unscaled FP16 LayerNorm
             # gain at 1.0 could not take a 1e-4 update); frozen ones stay as loaded.
-            for p in model.parameters():
-                if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
-                    p.data = p.data.float()
+            widened = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != F32]
+            for p in widened:
+                p.data = p.data.float()
+            if widened:  # an FP16 load (O2 promises FP16 too: adopt_loaded_dtypes left it)
+                exact_embedding_scales(model)
             outside = _held_outside_fp8_layers(model)
             for name, module in model.named_modules():
                 if isinstance(module, FP8Linear) and module.weight.requires_grad:
