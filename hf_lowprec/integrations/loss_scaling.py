@@ -12,10 +12,11 @@ import torch
 
 from ..strategies.interface import PrecisionStrategy
 
-__all__ = ["scale_at_backward"]
+__all__ = ["scale_at_backward", "scales_loss"]
 
 
-def _scales_loss(strategy: Any) -> bool:
+def scales_loss(strategy: Any) -> bool:
+    """Whether `strategy` (None: no strategy) scales the loss."""
     return strategy is not None and type(strategy).scale_loss is not PrecisionStrategy.scale_loss
 
 
@@ -32,7 +33,7 @@ def scale_at_backward(trainer: Any) -> None:
 
     def scaled_backward(loss: torch.Tensor, **kwargs: Any) -> Any:
         precision = getattr(trainer, "precision", None)
-        if not _scales_loss(precision) or not (torch.is_tensor(loss) and loss.requires_grad):
+        if not scales_loss(precision) or not (torch.is_tensor(loss) and loss.requires_grad):
             return backward(loss, **kwargs)
         steps = getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
         precision.set_gradient_accumulation(int(steps))

@@ -339,7 +339,8 @@ def _ppo_classes() -> dict[str, type]:
     import torch
     from transformers.integrations import is_deepspeed_zero3_enabled as zero3
 
-    from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
+    from ..strategies.interface import StrategyOptimizer
+    from .loss_scaling import scales_loss
     from .peft import is_peft_model, prepare_model
     from .trainer import PrecisionTrainerMixin
 
@@ -405,7 +406,7 @@ def _ppo_classes() -> dict[str, type]:
             # non-saving ranks (transformers 5.x): without it, save_model fails under DDP.
             if not hasattr(self, "is_distributed_loading_by_transformers"):
                 self.is_distributed_loading_by_transformers = False
-            if self.precision is not None and _scales_loss(self.precision):
+            if scales_loss(self.precision):
                 # train() calls `self.accelerator.backward(loss)` on the PPO loss itself: scale it there.
                 backward = self.accelerator.backward
 
@@ -436,9 +437,6 @@ def _ppo_classes() -> dict[str, type]:
             if self.precision is not None:
                 logs = {**logs, **self.precision.metrics()}
             return super().log(logs, start_time)
-
-    def _scales_loss(strategy: PrecisionStrategy) -> bool:
-        return type(strategy).scale_loss is not PrecisionStrategy.scale_loss
 
     PPOTrainer.__init__.__signature__ = signature  # it binds its arguments to the stock signature
     return {"PPOConfig": config_cls, "PPOTrainer": _finish(PPOTrainer, "PPOTrainer")}
