@@ -157,7 +157,7 @@ class FP16ALS(LossScaledStrategy):
         self.scaler.process_group = group
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        scaled = self.scaler.scale(loss)
+        scaled = super().scale_loss(loss)
         return scaled if self._loss_divisor == 1 else scaled * self._loss_divisor
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

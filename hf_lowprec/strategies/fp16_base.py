@@ -16,7 +16,20 @@ from ..scaling import clip_grad_norm_, step_unless
 from .interface import PrecisionStrategy
 from .support import EngineSupport
 
-__all__ = ["LossScaledStrategy"]
+__all__ = ["LossScaledStrategy", "refuse_unscaled_backward"]
+
+
+def refuse_unscaled_backward(name: str, optimizer: torch.optim.Optimizer) -> None:
+    """Raise where gradients reach the step with no backward through the loss scale since the last
+    step: unscaling them would divide true gradients by the scale (and FP16 ones underflowed)."""
+    if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    raise RuntimeError(
+        f"{name} scales the loss, but these gradients came from a backward that did not go through "
+        "the loss scale (a `loss.backward()` of its own): in a Trainer subclass's training_step call "
+        "`self.accelerator.backward(loss)`; with Accelerate, `plugin.backward(accelerator, loss)`; "
+        "in a custom loop, `strategy.scale_loss(loss).backward()` (or `strategy.train_step`)"
+    )
 
 
 class LossScaledStrategy(PrecisionStrategy):
@@ -31,10 +44,15 @@ class LossScaledStrategy(PrecisionStrategy):
     )
     scaler: Any
 
+    _loss_scaled = False  # set by `scale_loss`, cleared by `end_step`
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._loss_scaled = True
         return self.scaler.scale(loss)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._loss_scaled:
+            refuse_unscaled_backward(self.name, optimizer)
         # The Trainer passes Accelerate's wrapper before clipping, the step passes the inner
         # optimizer: one optimizer, unscaled once. Its fused kernel leaves the gradients' version
         # counters as they were: a norm noted before no longer decides the step (`seen_norm`).
@@ -52,6 +70,7 @@ class LossScaledStrategy(PrecisionStrategy):
 
     def end_step(self) -> None:
         self.scaler.update()
+        self._loss_scaled = False
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "loss_scaler": self.scaler.state_dict()}

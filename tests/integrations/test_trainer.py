@@ -434,3 +434,25 @@ def test_a_compute_loss_of_its_own_is_loss_scaled_once(tmp_path, strategy, accum
     # gradient norms to 1% (a missing or doubled scale is a factor of 2^k).
     assert [s for s, _ in own[0]] == [s for s, _ in base[0]]
     assert own[1] == pytest.approx(base[1], rel=1e-2)
+
+
+class _OwnBackward(Trainer):
+    """A training_step of its own that calls `loss.backward()`, not `self.accelerator.backward(loss)`."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach()
+
+
+@pytest.mark.parametrize("strategy", ["fp16-als", "fp16-mixed"])
+def test_a_backward_that_skips_the_loss_scale_is_refused_at_the_step(tmp_path, strategy):
+    # The step unscales: true gradients divided by the scale (2^16 for fp16-mixed) trained silently
+    # at Adam's ε-floor. Now the first step names the fix, before any weight moved.
+    trainer = _OwnBackward(model=tiny_gpt2(), args=make_args(tmp_path, strategy, max_steps=2), train_dataset=TokenBlocks())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(RuntimeError, match=r"self\.accelerator\.backward\(loss\)"):
+        trainer.train()
+    for a, b in zip(before, trainer.model.parameters(), strict=True):
+        assert_bits_equal(a, b)

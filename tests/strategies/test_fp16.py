@@ -272,3 +272,22 @@ def test_a_weight_beyond_fp16s_range_is_refused_before_anything_is_cast(loaded):
         model.transformer.h[1].mlp.c_fc.weight[0, 0] = 65280.0
     prepared = get_strategy("fp16-als").prepare_model(model)
     assert all(torch.isfinite(p).all() for p in prepared.parameters())
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
+def test_a_custom_loop_backward_without_the_loss_scale_is_refused(name):
+    # `loss.backward()` instead of `strategy.scale_loss(loss).backward()`: the step would divide
+    # the true gradients by the scale. The step refuses, names the fix, and moves nothing; a step
+    # after a scaled backward goes on as before.
+    strategy, model, optimizer = setup(name)
+    ids = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with strategy.forward_context():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"strategy\.scale_loss\(loss\)\.backward\(\)"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    optimizer.zero_grad(set_to_none=True)
+    strategy.train_step(model, ids, optimizer)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
