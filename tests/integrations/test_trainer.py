@@ -450,7 +450,9 @@ class _OwnBackward(Trainer):
 def test_a_backward_that_skips_the_loss_scale_is_refused_at_the_step(tmp_path, strategy):
     # The step unscales: true gradients divided by the scale (2^16 for fp16-mixed) trained silently
     # at Adam's ε-floor. Now the first step names the fix, before any weight moved.
-    trainer = _OwnBackward(model=tiny_gpt2(), args=make_args(tmp_path, strategy, max_steps=2), train_dataset=TokenBlocks())
+    trainer = _OwnBackward(
+        model=tiny_gpt2(), args=make_args(tmp_path, strategy, max_steps=2), train_dataset=TokenBlocks()
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(RuntimeError, match=r"self\.accelerator\.backward\(loss\)"):
         trainer.train()
