@@ -7,6 +7,7 @@ what ships in the package (`hf_lowprec.runner`). Maintainer tools live in the re
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 
 from .hardware import gpu_named
 from .planning.counting import without_collector
-from .planning.models import MODELS, engine_refusal, memory_plan, model_config, quiet
+from .planning.models import MODELS, engine_refusal, memory_plan, model_config, position_limit, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
 __all__ = ["main", "strategy_rows", "memory_plan", "MODELS"]
@@ -62,21 +63,30 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
         print(line)
 
 
-def _check_strategy_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """The comma-separated strategy names in `text`; a usage error (exit 2) for an unknown one."""
-    names = list(dict.fromkeys(s for s in text.split(",") if s))  # each once, in the order given
+def _check_strategy_names(parser: argparse.ArgumentParser, text: str, peers: tuple[str, ...] = ()) -> list[str]:
+    """The comma-separated strategy names in `text` (or `peers`, the planner's peer rows); a usage
+    error (exit 2) for an unknown one."""
+    names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))  # each once, in order
     if not names:
         parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
     for name in names:
+        if name in peers:
+            continue
         try:
             strategy_class(name)
         except ValueError as error:
-            parser.error(f"--strategies: {error}")
+            close = difflib.get_close_matches(name, peers, n=1, cutoff=0.6)
+            if close:
+                parser.error(f"--strategies: unknown name {name!r}. Did you mean the peer row {close[0]!r}?")
+            also = f" Peer rows: {', '.join(peers)}." if peers else ""
+            parser.error(f"--strategies: {error}{also}")
     return names
 
 
 def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
     """Create `out` and write a file in it now, so no run's results are lost at the end."""
+    if Path(out).exists() and not Path(out).is_dir():
+        parser.error(f"--out {out} is a file; name a directory (it is created if missing)")
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
@@ -112,14 +122,19 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         gpu = gpu_named(ns.gpu, **numbers)
     except ValueError as error:
         parser.error(str(error))
-    sequences, tokens = _batch(parser, ns.batch)
+    sequences, tokens = _batch(parser, ns.batch or "4x2048")
+    limit = position_limit(ns.model)
+    if limit is not None and tokens > limit:
+        if ns.batch is not None:
+            parser.error(f"--batch {ns.batch}: {ns.model} holds at most {limit} tokens a sequence (learned positions)")
+        tokens = limit  # the default batch, cut to what the model holds
     if ns.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {ns.gpus}")
-    names = [ANCHOR, *available_strategies()] if ns.strategies is None else [s for s in ns.strategies.split(",") if s]
-    if not names:
-        parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
-    if [n for n in names if n not in PEERS]:
-        _check_strategy_names(parser, ",".join(n for n in names if n not in PEERS))
+    names = (
+        [ANCHOR, *available_strategies()]
+        if ns.strategies is None
+        else _check_strategy_names(parser, ns.strategies, tuple(PEERS))
+    )
     if "torchao-float8" in names and importlib.util.find_spec("torchao") is None:
         parser.error("--strategies torchao-float8 counts torchao's float8 training: pip install torchao first")
     # A strategy the engine refuses before training is not planned under it (its figures would
@@ -131,8 +146,12 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     names = [n for n in names if n not in refused]
     if not names:
         parser.error(f"--engine {ns.engine} refuses every strategy asked for (above); pick another engine")
-    with quiet():
-        rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
+    try:
+        with quiet():
+            rows = plan_rows(ns.model, names, (sequences, tokens), gpu, ns.gpus, ns.engine, ns.compiled_layers)
+    except RuntimeError as error:  # the model's own forward refused these shapes (a config it cannot run)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        parser.error(f"--model {ns.model}: counting a step at batch {sequences}x{tokens} failed ({reason})")
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -192,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="predicted step time, memory and traffic per strategy on a named GPU (docs/planning.md)"
     )
     plan.add_argument("--model", default="llama-0.63b", help=f"one of {', '.join(MODELS)} or a path to a config.json")
-    plan.add_argument("--batch", default="4x2048", help="per-GPU batch: SEQUENCESxTOKENS (default 4x2048)")
+    plan.add_argument(
+        "--batch",
+        default=None,
+        help="per-GPU batch: SEQUENCESxTOKENS (default 4x2048, or the model's longest sequence)",
+    )
     plan.add_argument("--gpu", default="h100", help="h100, h200, b200 or a100")
     plan.add_argument("--gpus", type=int, default=1, help="how many GPUs train together")
     plan.add_argument("--engine", default="ddp", choices=["ddp", "fsdp2", "zero2"])
@@ -299,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         print(summary_table(summary, Path(ns.out) / "results.csv"))
+        plots = ", ".join(sorted(p.name for p in Path(ns.out).glob("*.png")))  # those with something to draw
         print(
-            f"\nplots and CSVs in {Path(ns.out).resolve()}: loss.png, lost_arithmetic.png, cost.png, "
+            f"\nplots and CSVs in {Path(ns.out).resolve()}: {plots + ', ' if plots else ''}"
             "results.csv (per step), summary.csv (per run)"
         )
         return 0

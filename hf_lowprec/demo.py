@@ -106,9 +106,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="comma-separated strategy names (default: all registered)",
     )
     ns = parser.parse_args(argv)
-    names = [s for s in ns.strategies.split(",") if s]
+    names = list(dict.fromkeys(s.strip() for s in ns.strategies.split(",") if s.strip()))
+    if not names:
+        parser.error("--strategies names no strategy; pass comma-separated names (hf-lowprec list shows them)")
     for name in names:
-        strategy_class(name)  # unknown names fail before any training
+        try:
+            strategy_class(name)  # unknown names fail before any training
+        except ValueError as error:
+            parser.error(f"--strategies: {error}")
+    for flag, value, least in (
+        ("--steps", ns.steps, 1),
+        ("--batch_size", ns.batch_size, 1),
+        ("--threads", ns.threads, 0),
+    ):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    if not ns.lr > 0:
+        parser.error(f"--lr must be a positive learning rate, got {ns.lr}")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if ns.threads:
         torch.set_num_threads(ns.threads)

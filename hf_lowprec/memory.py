@@ -5,14 +5,18 @@ optimizer's own state initialisers (`plan_model_state`), which also works on the
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
     "ADOPTED_ATTR",
+    "describe_dtypes",
     "model_state_bytes",
     "plan_model_state",
+    "planned_states",
+    "state_dtypes",
     "trainable_parameters",
     "unwrap_optimizer",
     "zero_per_rank",
@@ -158,26 +162,8 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
     num_params = sum(p.numel() for p in params)
     if num_params == 0:
         raise ValueError("the model has no trainable parameters")
-    owned = {id(p) for p in params}
     totals = dict.fromkeys(("params", "grads", "optimizer_states", "extra"), 0.0)
-    init_state = getattr(inner, "plan_state", None)
-    grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
-    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
-    # are planned by its `plan_state(param)`.
-    seen = {id(p) for p, _ in grouped}
-    grouped += [(p, None) for p in params if id(p) not in seen and hasattr(inner, "plan_state")]
-    for p, group in grouped:
-        state = inner.state.get(p) or None
-        if state is None:
-            if group is None:
-                state = inner.plan_state(p)
-            elif init_state is not None:
-                state = init_state(p, group)
-            else:
-                state = {
-                    "exp_avg": torch.empty_like(p, device="meta"),
-                    "exp_avg_sq": torch.empty_like(p, device="meta"),
-                }
+    for p, state in planned_states(inner, params):
         for key, value in state.items():
             if torch.is_tensor(value):
                 bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
@@ -192,6 +178,53 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
     out["total"] = sum(out.values())
     out["num_params"] = float(num_params)
     return out
+
+
+def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, its optimizer state as it is or will be) for each of `params` the optimizer
+    `inner` holds: without state yet, what its `plan_state` would create (torch optimizers
+    without one: two moments in the parameter dtype, on meta)."""
+    owned = {id(p) for p in params}
+    init_state = getattr(inner, "plan_state", None)
+    grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
+    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
+    # are planned by its `plan_state(param)`.
+    seen = {id(p) for p, _ in grouped}
+    grouped += [(p, None) for p in params if id(p) not in seen and init_state is not None]
+    for p, group in grouped:
+        state = inner.state.get(p) or None
+        if state is None:
+            if group is None:
+                state = inner.plan_state(p)
+            elif init_state is not None:
+                state = init_state(p, group)
+            else:
+                state = {
+                    "exp_avg": torch.empty_like(p, device="meta"),
+                    "exp_avg_sq": torch.empty_like(p, device="meta"),
+                }
+        yield p, state
+
+
+def state_dtypes(inner: Any, params: list[torch.Tensor]) -> dict[str, dict[str, int]]:
+    """{state name: {dtype name: elements}} over the optimizer state of every one of `params`, as
+    it is or will be (`planned_states`); 0-dim states (step counts, scales) left out."""
+    out: dict[str, dict[str, int]] = {}
+    for _, state in planned_states(inner, params):
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                counts = out.setdefault(key, {})
+                name = str(value.dtype).removeprefix("torch.")
+                counts[name] = counts.get(name, 0) + value.numel()
+    return out
+
+
+def describe_dtypes(counts: dict[str, int]) -> str:
+    """`state_dtypes`' counts of one state as text: "float32", or "float8_e4m3fn 57% / float32 43%"."""
+    total = sum(counts.values())
+    return " / ".join(
+        f"{d} {n / total:.0%}" if len(counts) > 1 else d for d, n in sorted(counts.items(), key=lambda kv: -kv[1])
+    )
 
 
 def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[str, float]:

@@ -23,7 +23,9 @@ from .checkpoints.fp8_published import PUBLISHED_ATTR
 from .memory import (
     ADOPTED_ATTR,
     DEFAULT_STATE_ROLES,
+    describe_dtypes,
     plan_model_state,
+    state_dtypes,
     trainable_parameters,
     unwrap_optimizer,
     zero_per_rank,
@@ -221,21 +223,12 @@ def describe(
     if optimizer is not None:
         inner = unwrap_optimizer(optimizer)
         roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
-        sample_state: dict[str, Any] = {}
-        for p in params:
-            if inner.state.get(p):
-                sample_state = inner.state[p]
-                break
-        if not sample_state and params and hasattr(inner, "plan_state"):
-            group = next((g for g in inner.param_groups if any(q is params[0] for q in g["params"])), None)
-            if group is not None:
-                sample_state = inner.plan_state(params[0], group)
+        # Over every parameter (O2: E4M3 moments on its FP8 weights); "dtype": most elements'.
         report["optimizer"] = {
             "class": type(inner).__name__,
             "states": {
-                k: {"dtype": _dtype_name(v.dtype), "role": roles.get(k, "extra")}
-                for k, v in sample_state.items()
-                if torch.is_tensor(v)
+                k: {"dtype": max(counts, key=counts.get), "dtypes": counts, "role": roles.get(k, "extra")}
+                for k, counts in state_dtypes(inner, params).items()
             },
         }
         report["master_weights"] = _master_weights(strategy, inner, params)
@@ -425,7 +418,9 @@ def format_report(report: dict[str, Any]) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in published.items())
         lines.append(f"  FP8 checkpoint: {sum(published.values())} layers from their stored values: {kinds}")
     if "optimizer" in report:
-        states = ", ".join(f"{k} {v['dtype']} ({v['role']})" for k, v in report["optimizer"]["states"].items())
+        states = ", ".join(
+            f"{k} {describe_dtypes(v['dtypes'])} ({v['role']})" for k, v in report["optimizer"]["states"].items()
+        )
         lines.append(f"  optimizer: {report['optimizer']['class']}: {states}")
         lines.append(f"  master weights: {report['master_weights']}")
     grads = report["gradients"]

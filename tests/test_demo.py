@@ -14,6 +14,19 @@ def test_demo_prints_one_row_per_strategy(capsys):
     assert "strategy" in out and "bf16-pure" in out
 
 
-def test_demo_rejects_an_unknown_strategy_before_training():
-    with pytest.raises(ValueError, match="unknown precision strategy 'fp33'"):
-        demo.main(["--strategies", "fp33"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--strategies", "fp33"], "unknown precision strategy 'fp33'"),
+        (["--strategies", "collage_plus"], "Did you mean 'collage-plus'"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--batch_size", "-2"], "--batch_size must be at least 1, got -2"),
+        (["--lr", "0"], "--lr must be a positive learning rate"),
+    ],
+)
+def test_demo_refuses_bad_arguments_as_usage_errors_before_training(capsys, argv, message):
+    # A bare ValueError traceback before; --steps 0 printed a row "trained" in 0 steps.
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -88,6 +88,22 @@ def test_describe_reports_the_live_dtypes(name):
     assert name in text and "bytes/param" in text
 
 
+def test_the_report_counts_each_optimizer_states_dtypes_over_every_parameter():
+    # O2 keeps E4M3 m and FP16 v on its FP8 weights, FP32 on the rest: the report named the first
+    # parameter's (the FP32 embedding's) only.
+    strategy = hf_lowprec.get_strategy("fp8-lm-o2")
+    model = strategy.prepare_model(tiny_gpt2())
+    report = describe(strategy, model, strategy.create_optimizer(model.parameters(), lr=1e-3))
+    fp8 = sum(m.weight.numel() for m in model.modules() if type(m).__name__ == "FP8Linear")
+    rest = sum(p.numel() for p in model.parameters()) - fp8
+    states = report["optimizer"]["states"]
+    assert states["exp_avg"]["dtypes"] == {"float8_e4m3fn": fp8, "float32": rest}
+    assert states["exp_avg_sq"]["dtypes"] == {"float16": fp8, "float32": rest}
+    assert states["exp_avg"]["dtype"] == ("float8_e4m3fn" if fp8 > rest else "float32")
+    share = f"{max(fp8, rest) / (fp8 + rest):.0%}"
+    assert f"exp_avg {states['exp_avg']['dtype']} {share} / " in format_report(report)
+
+
 def test_trainer_writes_the_report_and_trains(tmp_path):
     trainer = _trainer(tmp_path, tiny_gpt2(), "collage-plus")
     trainer.train()

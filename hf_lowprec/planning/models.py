@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +30,10 @@ __all__ = [
     "layer_overrides",
     "memory_plan",
     "model_config",
+    "position_limit",
     "quiet",
     "rule_options",
+    "uniform_depth",
 ]
 
 
@@ -176,19 +179,79 @@ def _checked_config(model: str) -> tuple[Any, Any]:
         config_cls, kwargs, model_cls = MODELS[model]
         return getattr(transformers, config_cls)(**kwargs), getattr(transformers, model_cls)
     path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"  # a model directory, as from_pretrained takes it
     if not path.is_file():
         raise ValueError(f"--model must be one of {sorted(MODELS)} or a path to a config.json; {model!r} is neither")
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"--model {model}: not a transformers config.json ({str(err).splitlines()[0]})") from None
+    except Exception as err:  # transformers' own checks raise its validation errors, not ValueError
+        raise ValueError(f"--model {model}: not a valid transformers config.json ({_innermost(err)})") from None
     for key in _SIZE_FIELDS:
         value = getattr(config, key, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"--model {model}: {key} must be a positive integer, got {value!r}")
+    _check_shapes(model, config)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
+    if arch and hasattr(transformers, arch):
+        cls = getattr(transformers, arch)
+    elif type(config) in transformers.AutoModelForCausalLM._model_mapping:
+        cls = transformers.AutoModelForCausalLM
+    else:
+        raise ValueError(
+            f"--model {model}: model_type {config.model_type!r} has no causal-LM class and the config names "
+            'no architecture; the planners count language models: add "architectures" (e.g. '
+            '["BertForMaskedLM"]) to the config or pass a causal LM\'s config'
+        )
+    concrete = (
+        transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        if cls is transformers.AutoModelForCausalLM
+        else cls
+    )
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        or "input_ids" not in inspect.signature(concrete.forward).parameters
+    ):
+        raise ValueError(
+            f"--model {model}: {cls.__name__} is not a decoder-only or encoder-only language model (token "
+            "ids in, one stack of blocks); the planners count those only"
+        )
     return config, cls
+
+
+def _innermost(err: BaseException) -> str:
+    """The first line of the innermost cause's message (transformers wraps its own checks)."""
+    while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _check_shapes(model: str, config: Any) -> None:
+    """Head and expert counts that cannot build a model: ValueError naming the fields."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if heads and kv and heads % kv:
+        raise ValueError(f"--model {model}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
+        raise ValueError(f"--model {model}: hidden size {hidden} is not a multiple of {heads} attention heads")
+    chosen = getattr(config, "num_experts_per_tok", None)
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        experts = getattr(config, key, None)
+        if isinstance(experts, int) and isinstance(chosen, int) and experts and chosen > experts:
+            raise ValueError(f"--model {model}: num_experts_per_tok {chosen} is more than {key} {experts}")
+
+
+def position_limit(model: str) -> int | None:
+    """The most tokens a sequence of `model` can hold where its positions are a learned table
+    (GPT-2, BERT, RoBERTa: a longer sequence cannot run); None for rotary and other positions."""
+    config = model_config(model)[0]
+    built = build_model(model, **layer_overrides(config, 1))
+    for name, module in built.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in ("wpe", "position_embeddings"):
+            pad = module.padding_idx  # RoBERTa counts positions from its padding index + 1
+            return module.num_embeddings - (0 if pad is None else pad + 1)
+    return None
 
 
 def build_model(model: str, device: Any = "meta", **overrides: Any) -> torch.nn.Module:
@@ -258,7 +321,7 @@ def memory_plan(
     """
     from ..report import zero_per_rank
 
-    depth = _uniform_depth(model)
+    depth = uniform_depth(model)
     rows = []
     for name in strategies:
         strategy_options = rule_options(name, gpu, tokens)
@@ -321,7 +384,7 @@ def block_kinds(model: str) -> list[list[int]]:
 
 
 @functools.cache
-def _uniform_depth(model: str) -> int:
+def uniform_depth(model: str) -> int:
     """The number of decoder blocks of `model` when they are all alike (one kind, `_kinds`) and
     alike the blocks of the model built at one and two layers, so that each adds the same state
     whatever a strategy does to it; 0 when they differ (dense first layers, per-layer widths)."""

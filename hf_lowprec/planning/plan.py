@@ -12,11 +12,21 @@ from typing import Any
 
 import torch
 
+from ..engines import traffic as collectives
 from ..strategies.registry import get_strategy
 from .communication import GPUS_PER_NODE, communication
 from .counting import ANCHOR, PEERS, TORCHAO, start_counts
 from .gpus import GPU, MEASURED
-from .models import build_model, engine_refusal, layer_overrides, memory_plan, model_config, quiet, rule_options
+from .models import (
+    build_model,
+    engine_refusal,
+    layer_overrides,
+    memory_plan,
+    model_config,
+    quiet,
+    rule_options,
+    uniform_depth,
+)
 from .roofline import predict, predict_measured
 
 __all__ = ["GPU_PREVIEW", "SCALES", "calibration_lines", "format_plan", "gpu_preview", "plan_rows", "scaling_lines"]
@@ -31,33 +41,49 @@ _PREVIEW = ("gpt2", (8, 1024), "h100")
 GPU_PREVIEW = "GPT-2 124M, batch 8×1024, eager, one H100"
 
 
+def _prepared(name: str, model: str, options: dict[str, Any], layers: int | None) -> torch.nn.Module:
+    """`model` at `layers` decoder layers (None: the config's) as strategy `name` prepares it, on meta."""
+    overrides = {} if layers is None else layer_overrides(model_config(model)[0], layers)
+    with quiet("hf_lowprec.fp8"):
+        return get_strategy(name, **options).prepare_model(build_model(model, **overrides))
+
+
 def _kept_in_bf16(name: str, model: str, options: dict[str, Any]) -> list[str]:
     """Layers (and experts modules) an FP8 strategy keeps in high precision on `model`: its LM
     head, layers FP8 would not speed up (`options`: the rule's GPU and tokens), small ones."""
-    from ..fp8.experts import FP8Experts
-    from ..grouped_experts import is_experts_module
-
     if name == TORCHAO:  # the peer converts every linear layer but the LM head
         return ["lm_head"]
     if name == ANCHOR or not name.startswith(("fp8", "coat")):
         return []
-    with quiet("hf_lowprec.fp8"):
-        strategy = get_strategy(name, **options)
-        prepared = strategy.prepare_model(build_model(model, **layer_overrides(model_config(model)[0], 1)))
-    return sorted(
-        {
-            n.split(".")[-1]
-            for n, m in prepared.named_modules()
-            if type(m) is torch.nn.Linear or (is_experts_module(m) and not isinstance(m, FP8Experts))
-        }
-    )
+    # What the conversion recorded (nn.Linear and GPT-2's Conv1D layers, experts modules alike).
+    prepared = _prepared(name, model, options, 1)
+    return sorted({n.split(".")[-1] for n in prepared.__dict__.get("fp8_skipped_layers", {})})
 
 
-def _wire_bytes(name: str, engine: str) -> tuple[float, float]:
+def _fp8_weight_share(name: str, model: str, options: dict[str, Any], params: float) -> float:
+    """The share of `model`'s `params` parameters that are FP8 GEMM weights (`FP8Linear`) under
+    strategy `name`: those FSDP2 gathers, and O3's ZeRO reduces and gathers, one byte each."""
+    from ..fp8 import FP8Linear
+
+    def elements(layers: int | None) -> int:
+        prepared = _prepared(name, model, options, layers)
+        return sum(m.weight.numel() for m in prepared.modules() if isinstance(m, FP8Linear))
+
+    if not name.startswith("fp8-lm"):
+        return 0.0
+    depth = uniform_depth(model)
+    if depth > 2:  # blocks alike: two shallow models, scaled to the depth (as `memory_plan`)
+        one, two = elements(1), elements(2)
+        return (one + (depth - 1) * (two - one)) / params
+    return elements(None) / params
+
+
+def _wire_bytes(name: str, engine: str, fp8_share: float = 0.0) -> tuple[float, float]:
     """(gradient bytes per parameter on the wire, weight bytes per parameter gathered) under
     `engine`: DDP all-reduces gradients in their dtype (1 B with FP8-LM's FP8 all-reduce hook);
-    FSDP2 reduces in its policy's `reduce_dtype` and gathers in its `param_dtype` (E4M3 for
-    FP8-LM's FP8 weights); ZeRO-2 reduces and gathers in the parameters' dtype."""
+    FSDP2 reduces in its policy's `reduce_dtype` and gathers in its `param_dtype`, the FP8 GEMM
+    weights (`fp8_share` of the parameters) as E4M3; ZeRO-2 reduces and gathers in the partitions'
+    dtype, but for O3's FP8 weights, all-reduced (twice a reduce-scatter's bytes) and gathered as FP8."""
     if name in PEERS:  # FP32 weights: FP32 gradients; FSDP2 as torch users set it (BF16 gather)
         return 4.0, 2.0 if engine == "fsdp2" else 4.0
     strategy = get_strategy(name)
@@ -65,12 +91,14 @@ def _wire_bytes(name: str, engine: str) -> tuple[float, float]:
     if engine == "ddp":
         return (1.0 if strategy.ddp_comm_hook() is not None else float(width)), float(width)
     if engine == "fsdp2":
-        policy = strategy.fsdp2_mixed_precision()
-        reduce = torch.empty((), dtype=policy.reduce_dtype or strategy.param_dtype).element_size()
-        config = getattr(strategy, "fp8_layer_config", None)
-        fp8_gather = config is not None and config.recipe.whole_tensor
-        gather = 1 if fp8_gather else torch.empty((), dtype=policy.param_dtype or strategy.param_dtype).element_size()
-        return float(reduce), float(gather)
+        rates = collectives.traffic(strategy)
+        if rates.fsdp2_reduce_scatter is None:  # refused under FSDP2 (planned on one GPU only)
+            return float(width), float(width)
+        fp8 = fp8_share if strategy.engine_support().fsdp2_gathers_fp8 else 0.0
+        gather = fp8 * rates.fsdp2_gather_fp8_weights + (1 - fp8) * rates.fsdp2_gather_other
+        return float(rates.fsdp2_reduce_scatter), float(gather)
+    if name == "fp8-lm-o3":  # FP8-LM's own ZeRO: its FP8 weights beside DeepSpeed's FP32 partitions
+        return fp8_share * 2 * 1 + (1 - fp8_share) * 4.0, fp8_share * 1 + (1 - fp8_share) * 4.0
     return float(width), float(width)
 
 
@@ -97,13 +125,15 @@ def plan_rows(
     for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0, gpu, tokens):
         memory[row["strategy"]] = row
     kept = {name: _kept_in_bf16(name, model, rule_options(name, gpu, tokens)) for name in strategies}
+    params = memory[BASELINE]["num_params"]
+    fp8_share = {n: _fp8_weight_share(n, model, rule_options(n, gpu, tokens), params) for n in strategies}
     rows = []
     for name, count in counts().items():
         predicted = predict(count, gpu)
         state = memory[BASELINE if name in PEERS else name]
         params = state["num_params"]
         per_gpu = _state_per_gpu(state, engine, gpus)
-        grads, weights = _wire_bytes(name, engine)
+        grads, weights = _wire_bytes(name, engine, fp8_share[name])
         traffic = communication(engine, gpus, params, grads, weights, gpu)
         step = max(predicted.step, traffic.seconds)
         # Past one machine: the same per-GPU batch on more GPUs (the compute of a step stays, the

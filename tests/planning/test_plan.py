@@ -42,6 +42,67 @@ def test_plan_refuses_bad_input_before_any_work(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"hidden_size": 64, "num_attention_heads": 3}, "not a valid transformers config.json (The hidden size (64)"),
+        ({"hidden_size": "64"}, "Field 'hidden_size' expected int"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ({"model_type": "t5", "architectures": None}, "model_type 't5' has no causal-LM class"),
+        ({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "not a decoder-only or encoder-only"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "memory"])
+def test_a_config_no_model_can_be_built_from_is_a_usage_error(tmp_path, capsys, config, message, command):
+    # Tracebacks before: transformers' own validation errors, or a raw tensor error from a worker.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in {**TINY, **config}.items() if v is not None}))
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--model", str(path), "--strategies", "bf16-mixed"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_moe_expert_counts_are_checked(tmp_path, capsys):
+    from hf_lowprec.testing.moe import moe_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**moe_config("mixtral", layers=2).to_dict(), "num_experts_per_tok": 9}))
+    with pytest.raises(SystemExit):
+        main(["memory", "--model", str(path), "--strategies", "bf16-mixed"])
+    assert "num_experts_per_tok 9 is more than num_local_experts" in capsys.readouterr().err
+
+
+def test_a_model_directory_is_read_as_its_config_json(tiny, capsys):
+    from pathlib import Path
+
+    assert main(["memory", "--model", str(Path(tiny).parent), "--strategies", "bf16-mixed"]) == 0
+    assert "bf16-mixed" in capsys.readouterr().out
+
+
+def test_sequences_longer_than_learned_positions_are_refused_and_the_default_batch_is_cut(capsys, monkeypatch):
+    # gpt2 4x8192 printed a plan of a step that cannot run; bert-base's default 4x2048 crashed.
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2", "--batch", "4x8192"])
+    assert "--batch 4x8192: gpt2 holds at most 1024 tokens a sequence" in capsys.readouterr().err
+    import hf_lowprec.planning.plan as plan
+
+    seen = []
+    monkeypatch.setattr(plan, "plan_rows", lambda model, names, batch, *a: seen.append(batch) or [])
+    monkeypatch.setattr(plan, "format_plan", lambda rows, title: title)
+    monkeypatch.setattr(plan, "scaling_lines", lambda *a: [])
+    main(["plan", "--model", "roberta-base", "--strategies", "bf16-mixed"])
+    assert seen == [(4, 512)]
+    assert "batch 4x512 per GPU" in capsys.readouterr().out
+
+
+def test_plan_names_the_peer_rows_for_a_near_miss(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--strategies", "bf16-mixed, torch_amp"])
+    assert "Did you mean the peer row 'torch-amp'?" in capsys.readouterr().err
+
+
 def test_plan_prints_json_rows_whose_model_state_is_hf_lowprec_memory_s(capsys, tiny):
     names = ["bf16-mixed", "fp8-lm-o2"]
     argv = ["plan", "--model", tiny, "--batch", "2x32", "--strategies", ",".join(["torch-amp", *names]), "--json"]
@@ -60,20 +121,64 @@ def test_plan_prints_json_rows_whose_model_state_is_hf_lowprec_memory_s(capsys, 
     assert rows["fp8-lm-o2"]["kept_in_bf16"] == [
         "down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"
     ]  # fmt: skip
+    # GPT-2's Conv1D layers too: the plan listed only nn.Linear ones, "kept in BF16: lm_head".
+    from hf_lowprec.planning.models import rule_options
+    from hf_lowprec.planning.plan import _kept_in_bf16
+
+    kept = _kept_in_bf16("fp8-lm-o2", "gpt2", rule_options("fp8-lm-o2", GPUS["h100"], 64))
+    assert kept == ["c_attn", "c_fc", "c_proj", "lm_head"]
     # so it holds what bf16-mixed holds, and a few scalars (its gradient scaler and counters)
     assert memory["fp8-lm-o2"]["total"] == pytest.approx(16, rel=1e-3)
 
 
-def test_fsdp2_reduces_fp8_lm_gradients_in_fp32_and_gathers_its_weights_in_e4m3(tiny):
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Two 2048-wide Llama blocks: at 4x2048 tokens on an H100 FP8 pays on q, o and the MLP."""
+    config = {**TINY, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16}
+    config.update(num_key_value_heads=4, num_hidden_layers=3, max_position_embeddings=2048)
+    path = tmp_path_factory.mktemp("wide") / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _fp8_elements(model, name, tokens):
+    """FP8Linear weight elements of `model` as strategy `name` prepares it for an H100 at `tokens`."""
+    from hf_lowprec import get_strategy
+    from hf_lowprec.fp8 import FP8Linear
+    from hf_lowprec.planning.models import build_model, rule_options
+
+    prepared = get_strategy(name, **rule_options(name, GPUS["h100"], tokens)).prepare_model(build_model(model))
+    return sum(m.weight.numel() for m in prepared.modules() if isinstance(m, FP8Linear))
+
+
+def test_fsdp2_reduces_fp8_lm_gradients_in_fp32_and_gathers_only_its_fp8_weights_in_e4m3(tiny, wide):
     """FP8-LM's FP8 all-reduce is a DDP hook: under FSDP2 its gradients reduce in FP32 (its
-    policy) and its FP8 weights gather as E4M3; under DDP, 1 byte per gradient element."""
+    policy), its FP8 GEMM weights gather as E4M3 and the rest as BF16 (a layer the rule kept is no
+    FP8 weight: the tiny model keeps every one); under DDP, 1 byte per gradient element."""
     from hf_lowprec.planning.plan import plan_rows
 
-    rows = {engine: plan_rows(tiny, ["fp8-lm-o2"], (2, 32), GPUS["h100"], 8, engine)[-1] for engine in ("ddp", "fsdp2")}
-    assert {r["strategy"] for r in rows.values()} == {"fp8-lm-o2"}  # after bf16-mixed, the ratios' row
-    params = memory_plan(tiny, ["fp8-lm-o2"])[0]["num_params"]
-    assert rows["ddp"]["sent_gb"] * 1e9 == pytest.approx(2 * 7 / 8 * params * 1)
-    assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * params * (2 * 1 + 4))
+    for model, batch in ((tiny, (2, 32)), (wide, (4, 2048))):
+        rows = {e: plan_rows(model, ["fp8-lm-o2"], batch, GPUS["h100"], 8, e)[-1] for e in ("ddp", "fsdp2")}
+        assert {r["strategy"] for r in rows.values()} == {"fp8-lm-o2"}  # after bf16-mixed, the ratios' row
+        params = memory_plan(model, ["fp8-lm-o2"])[0]["num_params"]
+        fp8 = _fp8_elements(model, "fp8-lm-o2", batch[0] * batch[1])
+        assert (fp8 == 0) == (model == tiny)
+        assert rows["ddp"]["sent_gb"] * 1e9 == pytest.approx(2 * 7 / 8 * params * 1)
+        gathered = fp8 * 1 + (params - fp8) * 2
+        assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * (2 * gathered + params * 4))
+
+
+def test_zero2_moves_o3s_fp8_weights_as_fp8_and_the_rest_in_fp32(wide):
+    """FP8-LM's own ZeRO: the FP8 weights' gradients all-reduced in FP8 (twice a reduce-scatter's
+    bytes), the FP8 weights gathered as bytes; the other parameters are DeepSpeed's FP32 partitions."""
+    from hf_lowprec.planning.plan import plan_rows
+
+    rows = {r["strategy"]: r for r in plan_rows(wide, ["fp8-lm-o3"], (4, 2048), GPUS["h100"], 8, "zero2")}
+    params = memory_plan(wide, ["fp8-lm-o3"])[0]["num_params"]
+    fp8 = _fp8_elements(wide, "fp8-lm-o3", 4 * 2048)
+    assert 0 < fp8 < params
+    assert rows["fp8-lm-o3"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * (fp8 * (2 + 1) + (params - fp8) * (4 + 4)))
+    assert rows["bf16-mixed"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * params * (4 + 4))
 
 
 def test_traffic_per_engine_follows_the_ring_collectives():

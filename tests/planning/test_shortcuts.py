@@ -103,16 +103,16 @@ def test_a_deep_models_state_planned_at_two_depths_is_the_state_planned_whole(ti
         tmp_path, moe_config("qwen3_moe", layers=4)
     )
     names = available_strategies()
-    assert models._uniform_depth(model) > 2
+    assert models.uniform_depth(model) > 2
     scaled = models.memory_plan(model, names, 8, 2, GPUS["h100"], 4096)
-    monkeypatch.setattr(models, "_uniform_depth", lambda _: 0)
+    monkeypatch.setattr(models, "uniform_depth", lambda _: 0)
     assert scaled == models.memory_plan(model, names, 8, 2, GPUS["h100"], 4096)
 
 
 def test_a_model_whose_blocks_differ_is_planned_whole(tmp_path):
     """DeepSeek-V3's first block is dense, the others are experts: no scaling from two blocks."""
     model = _config_file(tmp_path, moe_config("deepseek_v3", layers=4))
-    assert models._uniform_depth(model) == 0
+    assert models.uniform_depth(model) == 0
     assert models.memory_plan(model, ["bf16-mixed"])[0]["num_params"] == sum(
         p.numel() for p in models.build_model(model).parameters()
     )
