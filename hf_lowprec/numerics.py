@@ -9,6 +9,7 @@ exact sum hi + lo, both components stored in the same low-precision dtype (BF16 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ __all__ = [
     "stochastic_round",
     "two_prod",
     "two_sum",
+    "widened",
 ]
 
 LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
@@ -412,3 +414,12 @@ def pow_nonnegative(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     r = _exp2(e * _log2_positive(x))
     r = torch.where(x.view(torch.int32) == 0, x, r)
     return torch.where(torch.isnan(x), x, r)
+
+
+def widened(outputs: Any) -> Any:
+    """`outputs` (a tensor, or tuples and lists of them) with 16-bit float tensors made FP32."""
+    if torch.is_tensor(outputs):
+        return outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+    if type(outputs) in (tuple, list):
+        return type(outputs)(widened(o) for o in outputs)
+    return outputs

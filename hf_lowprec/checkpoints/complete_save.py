@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .manifest import MANIFEST, crash_point, write_failure, write_manifest
+from .manifest import MANIFEST, crash_point, peer_failure, write_failure, write_manifest
 from .resume import SAVE_MARKER, last_complete_checkpoint
 
 __all__ = [
@@ -120,10 +120,14 @@ def failed_save(path: str, error: BaseException) -> CheckpointSaveError:
     previous = last_complete_checkpoint(os.path.dirname(path), exclude=path, quiet=True)
     kept = f"The previous checkpoint {previous} is intact" if previous else "No earlier complete checkpoint exists"
     where = f"while writing {file}" if file else f"in {path}"
+    fix = (
+        "Restart every process of the job"
+        if peer_failure(error)
+        else "Free space or fix the permissions (or set output_dir elsewhere)"
+    )
     return CheckpointSaveError(
         f"saving checkpoint {path} failed {where}: {cause}. {kept}; {os.path.basename(path)} is incomplete and "
-        "resume_from_checkpoint=True skips it. Free space or fix the permissions (or set output_dir elsewhere), "
-        "then resume with resume_from_checkpoint=True"
+        f"resume_from_checkpoint=True skips it. {fix}, then resume with resume_from_checkpoint=True"
     )
 
 

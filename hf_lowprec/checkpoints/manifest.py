@@ -29,6 +29,7 @@ __all__ = [
     "file_entry",
     "file_problem",
     "read_manifest",
+    "peer_failure",
     "write_failure",
     "write_manifest",
 ]
@@ -162,6 +163,19 @@ _CAUSES = {
 }
 
 
+PEER_STOPPED = "another process stopped"
+# How a collective whose peer died fails where torch raises no DistError (gloo through functional
+# collectives, NCCL's watchdog): a RuntimeError naming the backend or the lost connection.
+_PEER_MARKS = ("[gloo", "gloo/", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another process stopped."""
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(mark in str(error) for mark in _PEER_MARKS)
+    )
+
+
 def write_failure(directory: str, error: BaseException, files: list[str]) -> tuple[str | None, str]:
     """(the file being written, the cause) of a save into `directory` that failed with `error`.
 
@@ -174,8 +188,8 @@ def write_failure(directory: str, error: BaseException, files: list[str]) -> tup
         (os.path.join(directory, rel) for rel in files), key=lambda f: os.lstat(f).st_mtime_ns, default=None
     )
     code = getattr(error, "errno", None)
-    if code is None and isinstance(error, dist.DistError):
-        return file, f"another process stopped during the save ({type(error).__name__}: {error})"
+    if code is None and peer_failure(error):
+        return file, f"{PEER_STOPPED} during the save ({type(error).__name__}: {error})"
     if code is None and file is not None and os.path.isfile(file):
         code = _write_probe(file)
     if code is not None:

@@ -176,6 +176,16 @@ def _as_bool(value: Any) -> Any:
     return value
 
 
+_DTYPE_NAMES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+}
+
+
 def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> None:
     name = strategy.name
     stage = zero_stage(config)
@@ -199,6 +209,17 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
         raise ValueError(
             f"the DeepSpeed config sets data_types.grad_accum_dtype={accum!r}, but precision strategy {name!r} "
             f"keeps {partition} gradients; remove data_types.grad_accum_dtype or set it to {partition!r}"
+        )
+    if _as_bool(_get(config, "torch_autocast.enabled")) is True:
+        raise ValueError(
+            f"the DeepSpeed config sets torch_autocast.enabled=true, but precision strategy {name!r} owns the "
+            "forward's autocast (its report would say otherwise); remove torch_autocast or set enabled to false"
+        )
+    comm = _get(config, "communication_data_type")
+    if comm not in (None, _AUTO) and _DTYPE_NAMES.get(str(comm).lower()) != partition:
+        raise ValueError(
+            f"the DeepSpeed config sets communication_data_type={comm!r}, but precision strategy {name!r} reduces "
+            f"{partition} gradients; remove communication_data_type or set it to {partition!r}"
         )
     for offload in ("offload_optimizer", "offload_param"):
         device = _get(config, f"zero_optimization.{offload}.device")
@@ -259,8 +280,11 @@ def configure_accelerator(
         original = env_file
     if original is None:
         original = load_config(hf_config.config)
+        # Accelerate filled the flags from its mixed_precision, which the arguments have checked
+        # against the strategy (optimizer_arguments.reconcile_launched_mixed_precision).
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") not in ("", "no")
         for key in _FLAG_KEYS:
-            if _get(original, key) is False:
+            if _get(original, key) is False or (launched and _get(original, key) is not None):
                 _set(original, key, _AUTO)
     apply_precision_config(strategy, hf_config.config, load_config(original))
     # transformers compared bf16.enabled/fp16.enabled with --bf16/--fp16, which the strategy

@@ -20,7 +20,7 @@ from .linear import FP8Linear
 from .payoff import PayoffReason, PayoffRule
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
-__all__ = ["ModuleFilter", "conv1d_class", "convert_to_fp8", "default_skips", "is_gemm_layer"]
+__all__ = ["ModuleFilter", "conv1d_class", "convert_to_fp8", "default_skips", "is_gemm_layer", "peft_adapter_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,32 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
             skips[id(module)] = "its weight is tied to an embedding"
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if isinstance(head, nn.Module):
-        skips[id(head)] = "it is the LM head (output embeddings), which FP8 degrades most"
+    if isinstance(head, nn.Module):  # every layer in it: PEFT's modules_to_save wraps the head
+        for module in head.modules():
+            skips[id(module)] = "it is the LM head (output embeddings), which FP8 degrades most"
+    for module in peft_adapter_layers(model):
+        skips[id(module)] = AdapterReason(
+            "it is a PEFT adapter layer (a rank-r GEMM FP8 would not speed up, whose weight PEFT's merge reads)"
+        )
     return skips
+
+
+class AdapterReason(str):
+    """Why a PEFT adapter layer keeps high precision: by design, logged as information."""
+
+
+def peft_adapter_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules PEFT's tuner layers add beside their base layer (LoRA's `lora_A`, `lora_B`, …),
+    if PEFT is loaded (a model holds tuner layers only then)."""
+    tuners = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
+    if tuners is None:
+        return []
+    out: list[nn.Module] = []
+    for layer in model.modules():
+        if isinstance(layer, tuners):
+            base = {id(m) for m in layer.get_base_layer().modules()}
+            out += [m for m in layer.modules() if m is not layer and id(m) not in base]
+    return out
 
 
 def convert_to_fp8(
@@ -141,7 +164,7 @@ def convert_to_fp8(
                 )
                 reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
         if reason is not None:
-            log = logger.info if isinstance(reason, PayoffReason) else logger.warning
+            log = logger.info if isinstance(reason, (PayoffReason, AdapterReason)) else logger.warning
             log("FP8: skipped layer %s: %s", name, reason)
             skipped[name] = reason
             continue

@@ -33,7 +33,7 @@ from .grouped import (  # noqa: F401  (the grouped GEMM's names, importable from
     token_groups,
 )
 from .payoff import PayoffReason, PayoffRule
-from .scaled import dequantize, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
+from .scaled import dequantize, fp32_scale, get_master_scale, pow2_scale, quantize, set_master_scale, tensor_amax
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
 __all__ = [
@@ -147,7 +147,10 @@ class FP8Experts(GroupedExperts):
         self.fp8_master_margin = margin
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Experts:
+        before = self._master_scales
         out = super()._apply(fn, recurse)
+        for name, scale in before.items():  # kept FP32 through `.half()` (`linear.FP8Linear._apply`)
+            setattr(self, name + "_master_scale", fp32_scale(scale, getattr(self, name + "_master_scale")))
         self._link_master_scales()  # `.to()` replaced the buffers
         return out
 

@@ -36,6 +36,7 @@ from .raised import count_flushes, raised_linear
 from .scaled import (
     FP8WeightCopy,
     dequantize,
+    fp32_scale,
     get_fp8_weight_copy,
     get_master_scale,
     pow2_scale,
@@ -307,7 +308,9 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.grad_sink = grad_sink
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        # 2-D: a view made here would be one autograd forbids writing in place (Llama4's
+        # `shared_expert(h).add_(...)`); `_unflatten` reshapes it outside, where views may be written.
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -413,9 +416,15 @@ def fp8_linear(
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {k}")
     _check_input_dtype(x)
     w8, sw = quantize_layer_weight(config, weight, weight_transposed, master_scale)
-    return FP8LinearFunction.apply(
+    out = FP8LinearFunction.apply(
         x, weight, bias, w8, sw, config, weight_transposed, output_dtype(x), None, None, None, torch.is_grad_enabled()
     )
+    return unflatten(out, x)
+
+
+def unflatten(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A GEMM function's 2-D output in `x`'s leading dimensions (a view autograd lets be written)."""
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def quantize_layer_weight(
@@ -559,8 +568,12 @@ class FP8Linear(nn.Module):
         # `.to()` / `.cuda()` replace the buffer `master_scale` with a new tensor: relink it to the
         # weight now, so that an optimizer reading `get_master_scale` before the next forward
         # (FP8 ZeRO's weight exchange right after DeepSpeed moved the model) sees the live one.
+        # `.half()` casts every floating buffer too: a scale past 65504 (any weight below ~1 has
+        # one) became inf, every forward and export then divided by it. It stays FP32.
+        before = self.master_scale
         out = super()._apply(fn, recurse)
-        if self.master_scale is not None:
+        if before is not None:
+            self.master_scale = fp32_scale(before, self.master_scale)
             set_master_scale(self.weight, self.master_scale)
         return out
 
@@ -592,7 +605,7 @@ class FP8Linear(nn.Module):
                 self.flush_now = counts
         elif counted:
             self.flush_now = count_flushes(x, config)
-        return FP8LinearFunction.apply(
+        out = FP8LinearFunction.apply(
             x,
             self.weight,
             self.bias,
@@ -607,6 +620,7 @@ class FP8Linear(nn.Module):
             torch.is_grad_enabled(),  # no weight gradient under no_grad: no transposed x is written
             x8_t,
         )
+        return unflatten(out, x)
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale) of the weight in E4M3, quantized once per optimizer step (class docstring)."""
@@ -638,6 +652,11 @@ class FP8Linear(nn.Module):
             set_fp8_weight_copy(weight, FP8WeightCopy(w8, sw, self.config.margin).mark_cast(weight))
             self._copy_owner = (weight,)  # a tuple: a Parameter attribute would be registered
         return w8, sw
+
+    def forget_weight_cast(self) -> None:
+        """Drop the cached FP8 weight: the next forward casts the weight as it is now. For code
+        that writes `weight.data` in place (PEFT's merge), which the cache's key cannot see."""
+        self._weight_cache = None
 
     def _cache_key(self) -> tuple:
         weight, scale = self.weight, self.master_scale

@@ -97,7 +97,7 @@ class _RaisedLinear(torch.autograd.Function):
         ctx.transposed, ctx.x_shape, ctx.x_dtype, ctx.sink, ctx.deliver = transposed, x.shape, x.dtype, sink, deliver
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out  # 2-D, reshaped outside (a view made here could not be written in place)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -119,7 +119,8 @@ def raised_linear(layer: Any, x: torch.Tensor, out_dtype: torch.dtype, sink: Any
     """The forward of an FP8 layer whose precision the guard raised to BF16; `deliver(grad_w,
     sink, weight_dtype)` hands the weight gradient on as the layer's FP8 path does."""
     args = (layer.weight_transposed, out_dtype, sink, deliver)
-    return _RaisedLinear.apply(x, layer.weight, layer.bias, real_weight(layer), *args)
+    out = _RaisedLinear.apply(x, layer.weight, layer.bias, real_weight(layer), *args)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def finer(config: FP8LinearConfig, features: tuple[int, int]) -> FP8LinearConfig:

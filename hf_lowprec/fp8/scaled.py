@@ -23,6 +23,7 @@ __all__ = [
     "dequantize",
     "format_dtype",
     "format_max",
+    "fp32_scale",
     "keep_nonzero",
     "pow2_scale",
     "get_fp8_weight_copy",
@@ -263,6 +264,12 @@ def set_master_scale(param: torch.Tensor, scale: torch.Tensor | None) -> None:
             delattr(param, _MASTER_SCALE_ATTR)
         return
     setattr(param, _MASTER_SCALE_ATTR, scale)
+
+
+def fp32_scale(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A master scale moved by a module's `.to()` (`after`, from `before`): `after` where it is
+    still FP32, else `before` moved to `after`'s device in FP32 (a cast to FP16 made it inf)."""
+    return after if after.dtype == torch.float32 else before.to(device=after.device, dtype=torch.float32)
 
 
 def get_master_scale(param: torch.Tensor) -> torch.Tensor | None:

@@ -5,13 +5,16 @@ imported here: a model can only be a `PeftModel` if the caller imported it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from typing import Any
 
 import torch
 
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import FrozenBlockFP8Linear
+from ..fp8.linear import FP8Linear
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["is_peft_model", "prepare_model"]
@@ -29,6 +32,34 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
+def _forget_fp8_weights_at_merges(model: torch.nn.Module) -> None:
+    """Make PEFT's `merge`/`unmerge` of the tuner layers in `model` drop their FP8 layers' weight
+    cast: a merge writes `weight.data` in place, which no version counter sees, and the next
+    forward would use the cast of the weight before it (`merge_and_unload` ignoring the adapter)."""
+    for layer in model.modules():
+        if not callable(getattr(layer, "get_base_layer", None)):
+            continue
+        for method in ("merge", "unmerge"):
+            owner = next((k for k in type(layer).__mro__ if method in vars(k)), None)
+            if owner is None or getattr(vars(owner)[method], "hf_lowprec_forgets", False):
+                continue
+            setattr(owner, method, _forgetting(vars(owner)[method]))
+
+
+def _forgetting(method: Any) -> Any:
+    @functools.wraps(method)
+    def forgetting(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for module in self.modules():
+                if isinstance(module, FP8Linear):
+                    module.forget_weight_cast()
+
+    forgetting.hf_lowprec_forgets = True  # type: ignore[attr-defined]
+    return forgetting
+
+
 def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
     """A published FP8 checkpoint's layers from their stored values (`checkpoints.fp8_published`), then
     `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype.
@@ -40,6 +71,8 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
     `requires_grad` parameters)."""
     restore_published_fp8(model, keep_frozen_fp8=strategy.uses_fp8_gemm)
     model = strategy.prepare_model(model)
+    if is_peft_model(model) and any(isinstance(m, FP8Linear) for m in model.modules()):
+        _forget_fp8_weights_at_merges(model)
     compute = strategy.compute_dtype
     if not is_peft_model(model) or compute not in _STORAGE_COMPUTE_DTYPES:
         return model

@@ -26,9 +26,11 @@ from transformers import TrainerCallback
 from ..checkpoints.complete_save import gather_export, save_complete_checkpoint, with_export
 from ..checkpoints.converted import keeping_dtypes, load_best_model, load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
+from ..checkpoints.fsdp2_trainer import load_trainer_optimizer, save_rank_optimizer, trainer_rank_world
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, checked_resume, parse_resume_reset
 from ..engines.ddp import prepare_ddp
+from ..numerics import widened
 from ..report import (
     SilentPrecisionWarning,
     check_promises,
@@ -288,12 +290,19 @@ class PrecisionTrainerMixin:
         # Complete on every rank (manifest written) before older checkpoints are rotated away.
         return save_complete_checkpoint(self, functools.partial(super()._save_checkpoint, model), trial)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.precision is not None and self.is_fsdp_enabled:  # what FSDP's own file drops
+            save_rank_optimizer(_find_strategy_optimizer(self.optimizer), output_dir, *trainer_rank_world(self))
+
     def _save_rng_state(self, output_dir: str) -> None:
         crash_point("save-rng-state")  # test-only: a rank dies before its RNG file exists
         super()._save_rng_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}
+        if self.precision is not None and self.is_fsdp_enabled and load_trainer_optimizer(self, checkpoint, resets):
+            return None
         # Ranks on CPU load to "cpu" (transformers 5.17 maps to "cpu:0", which torch cannot restore).
         cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu" and not self.is_fsdp_enabled
         files = [os.path.join(checkpoint or "", f) for f in ("optimizer.pt", "scheduler.pt")]
@@ -407,6 +416,15 @@ class PrecisionTrainerMixin:
             stack.enter_context(self.precision.forward_context())
             scale_at_backward(self)  # (again: hyperparameter search builds a new Accelerator)
         return stack
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        strategy = self.precision
+        if strategy is not None and strategy.param_dtype == torch.float32 and logits is not None:
+            # Autocast left the outputs 16-bit; `bf16=True`/`fp16=True` hand FP32 logits to
+            # compute_metrics (Accelerate widens a mixed-precision model's outputs): so does this.
+            logits = widened(logits)
+        return loss, logits, labels
 
     def _clip_grad_norm(self, model):
         if self.precision is None:

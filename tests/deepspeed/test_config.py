@@ -73,6 +73,10 @@ def test_explicit_agreeing_values_pass():
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer",
         ),
+        # Accepted silently before: a BF16 forward and BF16 reductions the report said were FP32.
+        ("fp32", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
+        ("fp32", {"communication_data_type": "bf16"}, "communication_data_type='bf16'"),
+        ("collage-plus", {"communication_data_type": "fp32"}, "communication_data_type='fp32'"),
     ],
 )
 def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
@@ -214,6 +218,28 @@ def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches
     accelerator, _ = fake_accelerator({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}, [])
     with pytest.raises(ValueError, match=r"bf16.enabled=False"):
         configure_accelerator(get_strategy("collage-plus"), accelerator)
+
+
+def test_agreeing_communication_and_autocast_entries_pass():
+    precision_config(get_strategy("collage-plus"), {**AUTO, "communication_data_type": "bfloat16"})
+    precision_config(get_strategy("bf16-mixed"), {**AUTO, "communication_data_type": "fp32", "torch_autocast": {}})
+
+
+def test_flags_accelerate_filled_from_its_launched_mixed_precision_are_the_strategys(monkeypatch):
+    # `accelerate launch` with mixed_precision: bf16 and an inline ZeRO config: Accelerate wrote
+    # bf16.enabled=True, which bf16-mixed (FP32 partitions) was refused for as if the user had.
+    from hf_lowprec.engines.zero import configure_accelerator
+
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    filled = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    accelerator, _ = fake_accelerator(filled, [])
+    configure_accelerator(get_strategy("bf16-mixed"), accelerator)
+    assert filled["bf16"]["enabled"] is False
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # not launched with one: the value is the user's
+    accelerator, _ = fake_accelerator({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, [])
+    with pytest.raises(ValueError, match=r"bf16.enabled=True"):
+        configure_accelerator(get_strategy("bf16-mixed"), accelerator)
 
 
 def test_configure_accelerator_without_deepspeed_is_a_no_op():

@@ -510,3 +510,19 @@ def test_killed_job_resumes_bit_for_bit_in_new_processes(ranks, tmp_path):
             assert_same_losses(before["losses"], uninterrupted["losses"][:2], f"{name} killed")
             assert_same_losses(after["losses"], uninterrupted["losses"][2:], f"{name} resumed")
             assert after["digest"] == uninterrupted["digest"], name
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_trainers_fsdp2_checkpoint_resumes_bit_for_bit(tmp_path):
+    """Accelerate's FSDP optimizer checkpoint keeps `state` and `param_groups` only: collage-plus's
+    resume crashed (its seeded δθ still keyed by the unsharded parameters), COAT's per-group FP8
+    moments came back as rank 0's on both ranks, fp16-als lost its loss scaler. Each rank's own
+    optimizer file beside it resumes steps 3 and 4 as the uninterrupted run, bit for bit."""
+    names = ["collage-plus", "coat", "fp16-als"]
+    for result in launch(HERE / "_fsdp2_trainer_resume_worker.py", tmp_path, ["--names", ",".join(names)]):
+        for name in names:
+            case = result["cases"][name]
+            assert "error" not in case, case.get("error")
+            assert case["resumed_losses"] == case["losses"] and len(case["losses"]) == 4, name
+            assert case["resumed_digest"] == case["digest"], name

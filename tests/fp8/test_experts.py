@@ -589,6 +589,11 @@ def test_scaled_fp16_masters_export_real_values_and_load_back(arch):
         assert (error <= unit_roundoff(torch.float16) * fp32[name].double().abs() + 2.0**-25).all()
     assert_bits_equal(module(hidden, index, weights), plain, "forward with scaled masters")
 
+    # A 16-bit cast of the model keeps each master scale FP32 (`.half()` made those past 65504 inf).
+    model.half()
+    assert all(getattr(module, n + "_master_scale").dtype == torch.float32 for n in names)
+    assert_bits_equal(module(hidden, index, weights), plain, "forward after .half()")
+
     # Another model whose masters hold other values under other scales (8× larger weights).
     fresh_model, fresh, _ = fp16_model(seed=4)
     with torch.no_grad():

@@ -333,6 +333,43 @@ def test_moving_the_layer_keeps_the_master_scale_linked():
     assert layer.master_scale.device.type == "meta" and get_master_scale(layer.weight) is layer.master_scale
 
 
+@pytest.mark.parametrize("cast", [nn.Module.half, lambda m: m.to(torch.float16), nn.Module.bfloat16])
+def test_a_16_bit_cast_of_the_model_keeps_the_master_scale_in_fp32(cast):
+    # .half() cast the FP32 buffer too: a weight below ~1 has a scale past 65504, which became inf;
+    # the forward divided by it and save_pretrained wrote zeros for every FP8 layer.
+    master, _ = _fp8_stored_pair(False)
+    assert master.master_scale > 65504
+    real = master.state_dict()["weight"]
+    x = torch.randn(4, 64, dtype=torch.float16)
+    before = master(x)
+    cast(master)
+    from hf_lowprec.fp8.scaled import get_master_scale
+
+    assert master.master_scale.dtype == torch.float32 and torch.isfinite(master.master_scale)
+    assert get_master_scale(master.weight) is master.master_scale
+    # An FP16 master stays as it was; BF16 rounds the scaled payload once (a power-of-two scale).
+    expected = real if master.weight.dtype == torch.float16 else real.bfloat16().float()
+    assert bits_equal(master.state_dict()["weight"], expected)
+    if master.weight.dtype == torch.float16:
+        assert bits_equal(master(x), before)
+
+
+def test_an_fp8_layers_output_can_be_written_in_place():
+    # The autograd function returned a view of its own output: autograd forbade `add_` on it
+    # (Llama4's MoE block does `shared_expert(h).add_(routed)`), so no FP8 strategy trained Llama4.
+    torch.manual_seed(0)
+    layer = FP8Linear.from_float(nn.Linear(64, 32))
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    other = torch.randn(2, 3, 32)
+    y = layer(x)
+    y.add_(other)
+    y.square().sum().backward()
+    grads = [t.grad.clone() for t in (x, layer.weight)]
+    x.grad = layer.weight.grad = None
+    (layer(x) + other).square().sum().backward()
+    assert all(bits_equal(a, b.grad) for a, b in zip(grads, (x, layer.weight), strict=True))
+
+
 def test_compiled_fp8_training_is_the_eager_training_bit_for_bit(name="fp8-lm-o2"):
     """Under torch.compile the FP8 weight is quantized in the graph at every forward and FP8
     payloads widen by the compiler's conversion (no weight cache, no lookup tables: issue #47);

@@ -321,6 +321,22 @@ def test_a_failed_save_names_the_file_the_cause_and_the_intact_checkpoint(tmp_pa
     assert resolved == str(previous)
 
 
+def test_a_save_whose_collective_lost_a_peer_says_so_not_the_disk(tmp_path):
+    # gloo's error through a functional collective is a plain RuntimeError: it was reported as a
+    # write failure with the free space, "Free space or fix the permissions".
+    from hf_lowprec.checkpoints.complete_save import failed_save
+
+    path = tmp_path / "checkpoint-2"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    message = str(failed_save(str(path), lost))
+    assert "another process stopped during the save (RuntimeError: [../third_party/gloo" in message
+    assert "Restart every process of the job, then resume" in message and "Free space" not in message
+    disk = str(failed_save(str(path), RuntimeError("unexpected pos 128 vs 64")))
+    assert "another process" not in disk and "bytes free" in disk and "Free space" in disk
+
+
 # --- the fault matrix: every checkpoint file deleted, truncated, overwritten -------------------------
 MATRIX_STRATEGIES = ["collage-plus", "fp8-lm-o2", "coat", "fp16-als", "collage-8bit"]
 MATRIX_STEPS, MATRIX_SAVE = 3, 2  # checkpoint-2, then one more step to compare against

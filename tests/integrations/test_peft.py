@@ -148,3 +148,95 @@ def test_lora_best_model_at_end_keeps_the_adapters_dtype(tmp_path):
     for n, p in best.named_parameters():
         if "lora_" in n:
             assert torch.equal(p.detach().to(torch.bfloat16), after[n].detach()), n
+
+
+def _fp8_lora(name, seed=0, **config):
+    """A tiny GPT-2 with rank-16 LoRA (a width FP8 could take) prepared by `name`, trained 3 steps."""
+    torch.manual_seed(seed)
+    lora = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": ["c_attn", "c_fc"], **config}
+    strategy = get_strategy(name)
+    model = prepare_model(strategy, peft.get_peft_model(tiny_gpt2(seed), peft.LoraConfig(**lora)))
+    optimizer = strategy.create_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for ids in batches(3):
+        strategy.train_step(model, ids, optimizer)
+    return strategy, model
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "coat"])
+def test_fp8_strategies_leave_lora_adapters_out_of_fp8_and_merges_reach_the_fp8_weights(name):
+    # The adapters were FP8 layers (O2: scaled FP16 masters PEFT's merge read raw: inf, NaN
+    # logits), and a merge wrote the base weight's .data in place, which the FP8 weight cache did
+    # not see: merge_and_unload's model computed without the adapter (1.19 off).
+    from hf_lowprec.fp8 import FP8Linear
+
+    strategy, model = _fp8_lora(name)
+    layers = [m for n, m in model.named_modules() if n.endswith((".lora_A.default", ".lora_B.default"))]
+    assert layers and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in layers)
+    target = model.base_model.model.transformer.h[0].attn.c_attn
+    assert isinstance(target.base_layer, FP8Linear)
+    a, b = target.lora_A["default"].weight, target.lora_B["default"].weight
+    # B·A·scaling from the adapter's true values (Conv1D stores K×N); PEFT's FP32 product of r
+    # terms is within r·2^-24 of Σ|b||a| per element (plus one rounding of the scaling).
+    scaling = target.scaling["default"]
+    expected = (b.double() @ a.double() * scaling).t()
+    bound = ((b.double().abs() @ a.double().abs()) * scaling * (a.shape[0] + 2) * 2.0**-24).t()
+    assert ((target.get_delta_weight("default").double() - expected).abs() <= bound).all()
+    ids = batches(1)[0]
+    model.eval()
+    with torch.no_grad(), strategy.forward_context():
+        unmerged = model(input_ids=ids).logits  # fills every FP8 layer's weight cache
+        merged_model = model.merge_and_unload()
+        merged = merged_model(input_ids=ids).logits
+        for m in merged_model.modules():
+            if isinstance(m, FP8Linear):
+                m.forget_weight_cast()
+        fresh = merged_model(input_ids=ids).logits
+    assert torch.equal(merged, fresh)  # the merged weights are what the FP8 GEMMs take
+    assert torch.isfinite(merged).all()
+    # LoRA's part is there: the merged model is the unmerged one to FP8's rounding of the sum.
+    assert (merged - unmerged).abs().max() < 0.5 * (
+        unmerged - _base_logits(strategy, merged_model, target, ids)
+    ).abs().max()
+
+
+def _base_logits(strategy, model, target, ids):
+    """The merged model's logits with the adapter's delta taken out of the first block's c_attn."""
+    layer = model.transformer.h[0].attn.c_attn
+    delta = target.get_delta_weight("default").to(layer.weight.dtype)
+    with torch.no_grad(), strategy.forward_context():
+        layer.weight.sub_(delta)
+        try:
+            return model(input_ids=ids).logits
+        finally:
+            layer.weight.add_(delta)
+
+
+def test_the_lm_head_in_modules_to_save_stays_high_precision_under_fp8():
+    # get_output_embeddings() is PEFT's wrapper: only it was skipped, and both heads inside it
+    # became FP8 layers, silently.
+    from hf_lowprec.fp8 import FP8Linear
+
+    _, model = _fp8_lora("fp8-lm-o2", modules_to_save=["lm_head"])
+    head = model.base_model.model.lm_head
+    assert type(head).__name__ == "ModulesToSaveWrapper"
+    assert not any(isinstance(m, FP8Linear) for m in head.modules())
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
+def test_lora_on_moe_experts_trains_under_o2_and_o3(tmp_path, name):
+    # PEFT's ParamWrapper read the scaled adapters raw: one step of grad norm 1.26e4, then 0.0,
+    # the loss flat, no warning.
+    from hf_lowprec.testing.moe import tiny_moe
+
+    config = peft.LoraConfig(
+        r=16, lora_alpha=32, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]
+    )
+    model = peft.get_peft_model(tiny_moe("qwen3_moe"), config)
+    args = _lora_args(tmp_path, name, max_steps=6, save_strategy="no", learning_rate=1e-2)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(4))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    norms = [h["grad_norm"] for h in logged]
+    assert all(0 < n < 10 for n in norms), norms
+    assert logged[-1]["loss"] < logged[0]["loss"] - 0.2

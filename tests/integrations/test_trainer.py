@@ -458,3 +458,26 @@ def test_a_backward_that_skips_the_loss_scale_is_refused_at_the_step(tmp_path, s
         trainer.train()
     for a, b in zip(before, trainer.model.parameters(), strict=True):
         assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["fp16-mixed", "bf16-mixed", "fp16-als"])
+def test_predictions_reach_compute_metrics_as_the_stock_flags_hand_them(tmp_path, strategy):
+    # fp16=True/bf16=True widen an autocast model's outputs to FP32 (Accelerate); fp16-mixed handed
+    # FP16 logits to compute_metrics. A model stored in FP16 (fp16-als) keeps its FP16 outputs, as stock.
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions.dtype)
+        return {}
+
+    args = make_args(tmp_path, strategy, max_steps=1)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8), compute_metrics=metrics)
+    out = trainer.predict(TokenBlocks(4))
+    expected = "float16" if strategy == "fp16-als" else "float32"
+    assert str(out.predictions.dtype) == expected and [str(d) for d in seen] == [expected]
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        ids = TokenBlocks(4).ids.to(trainer.model.device)
+        logits = trainer.model(input_ids=ids).logits
+    assert torch.equal(
+        torch.from_numpy(out.predictions), logits.to(torch.float16 if expected == "float16" else torch.float32)
+    )
