@@ -44,9 +44,9 @@ def strategy_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_stage: int) -> None:
+def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_stage: int, rule: str = "") -> None:
     num = int(rows[0]["num_params"]) if rows else 0
-    print(f"model {model}: {num:,} trainable parameters; bytes per parameter, planned on the meta device")
+    print(f"model {model}: {num:,} trainable parameters; bytes per parameter, planned on the meta device{rule}")
     head = f"{'strategy':<16} {'params':>7} {'grads':>7} {'optim':>7} {'extra':>7} {'total':>7} {'GiB':>9}"
     zero = world_size > 1 or zero_stage
     if zero:
@@ -106,6 +106,18 @@ def _batch(parser: argparse.ArgumentParser, batch: str) -> tuple[int, int]:
     return sequences, tokens
 
 
+def _model_batch(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[int, int]:
+    """`--batch` (default 4x2048, cut to the longest sequence a model with learned positions holds),
+    or the parser's error for a longer one."""
+    sequences, tokens = _batch(parser, ns.batch or "4x2048")
+    limit = position_limit(ns.model)
+    if limit is not None and tokens > limit:
+        if ns.batch is not None:
+            parser.error(f"--batch {ns.batch}: {ns.model} holds at most {limit} tokens a sequence (learned positions)")
+        tokens = limit
+    return sequences, tokens
+
+
 def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """`hf-lowprec plan`: every input checked before any counting starts."""
     import json
@@ -122,12 +134,7 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         gpu = gpu_named(ns.gpu, **numbers)
     except ValueError as error:
         parser.error(str(error))
-    sequences, tokens = _batch(parser, ns.batch or "4x2048")
-    limit = position_limit(ns.model)
-    if limit is not None and tokens > limit:
-        if ns.batch is not None:
-            parser.error(f"--batch {ns.batch}: {ns.model} holds at most {limit} tokens a sequence (learned positions)")
-        tokens = limit  # the default batch, cut to what the model holds
+    sequences, tokens = _model_batch(parser, ns)
     if ns.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {ns.gpus}")
     names = (
@@ -174,9 +181,10 @@ def _memory(mem: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         mem.error(str(error))
     if ns.batch is not None and gpu is None:
         mem.error("--batch prices the FP8 layer rule on a GPU: give --gpu too (without it every layer is FP8)")
-    sequences, tokens = _batch(mem, ns.batch or "4x2048")
+    sequences, tokens = _model_batch(mem, ns) if gpu is not None else (4, 2048)
     rows = memory_plan(ns.model, names, ns.world_size, ns.zero_stage, gpu, sequences * tokens)
-    _print_memory(rows, ns.model, ns.world_size, ns.zero_stage)
+    rule = f"; FP8 layers where FP8 pays on one {gpu.name} at batch {sequences}x{tokens}" if gpu is not None else ""
+    _print_memory(rows, ns.model, ns.world_size, ns.zero_stage, rule)
     return 0
 
 
@@ -205,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument(
         "--gpu", default=None, help="h100, h200, b200 or a100: FP8 keeps in BF16 what it would not speed up there"
     )
-    mem.add_argument("--batch", default=None, help="per-GPU batch with --gpu: SEQUENCESxTOKENS (default 4x2048)")
+    mem.add_argument(
+        "--batch",
+        default=None,
+        help="per-GPU batch with --gpu: SEQUENCESxTOKENS (default 4x2048, or the longest sequence)",
+    )
 
     plan = sub.add_parser(
         "plan", help="predicted step time, memory and traffic per strategy on a named GPU (docs/planning.md)"
