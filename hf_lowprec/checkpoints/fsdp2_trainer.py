@@ -9,10 +9,13 @@ state as it holds it, and a resume at the same world size loads that, bit for bi
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any
 
 import torch
+
+from .resume import refuse_rank_optimizers
 
 __all__ = [
     "load_rank_optimizer",
@@ -84,6 +87,9 @@ def load_trainer_optimizer(trainer: Any, checkpoint: str | None, resets: set[str
         trainer.adopt_fsdp2_shards()
     rank, world = trainer_rank_world(trainer)
     if checkpoint is None or not os.path.isfile(rank_optimizer_file(checkpoint, rank, world)):
+        saved = sorted(glob.glob(os.path.join(glob.escape(checkpoint or ""), "hf_lowprec_optimizer.rank0-of-*.pt")))
+        if saved and "optimizer" not in resets:  # saved by another number of processes
+            refuse_rank_optimizers(checkpoint, int(saved[0].rsplit("-of-", 1)[1].removesuffix(".pt")), world)
         return False
     if "optimizer" not in resets:
         optimizer = trainer.optimizer

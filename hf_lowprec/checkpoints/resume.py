@@ -35,6 +35,7 @@ __all__ = [
     "check_optimizer_state",
     "check_fp8_layout",
     "check_zero_owners",
+    "refuse_rank_optimizers",
     "refuse_strategy_checkpoint",
     "sharded_checkpoint_problem",
     "parse_resume_reset",
@@ -451,6 +452,16 @@ def check_zero_owners(saved: Any, owners: list[int]) -> None:
             f"this FP8 ZeRO state was saved with tensor owners {saved}, this run assigns "
             f"{owners}; resume with the same number of ranks"
         )
+
+
+def refuse_rank_optimizers(checkpoint: str, saved: int, world: int) -> None:
+    """A Trainer's FSDP2 checkpoint holds each of `saved` processes' optimizer state; `world` differ."""
+    raise ValueError(
+        f"{checkpoint} holds the optimizer state of each of its {saved} processes (FSDP2: the strategy's state laid "
+        f"out per shard, which another number of processes cannot split), but this run has {world}. Nothing was "
+        f"loaded. Resume with {saved} processes, or pass resume_reset='optimizer' (--resume_reset optimizer): "
+        f"{RESETTABLE['optimizer']}"
+    )
 
 
 # --- FSDP2's sharded checkpoints --------------------------------------------------------------

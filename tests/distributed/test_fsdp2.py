@@ -526,3 +526,18 @@ def test_the_trainers_fsdp2_checkpoint_resumes_bit_for_bit(tmp_path):
             assert "error" not in case, case.get("error")
             assert case["resumed_losses"] == case["losses"] and len(case["losses"]) == 4, name
             assert case["resumed_digest"] == case["digest"], name
+
+
+def test_the_trainers_fsdp2_checkpoint_at_another_world_size_is_refused_unless_the_optimizer_is_reset(tmp_path):
+    # Accelerate's own file would reshard the DTensor states but give every rank rank 0's
+    # per-shard state (COAT's groups): refused, naming both ways on.
+    from types import SimpleNamespace
+
+    from hf_lowprec.checkpoints.fsdp2_trainer import load_trainer_optimizer, rank_optimizer_file
+
+    for rank in range(2):
+        torch.save({"state": {}, "param_groups": []}, rank_optimizer_file(str(tmp_path), rank, 2))
+    trainer = SimpleNamespace(_hf_lowprec_adopted=True, args=SimpleNamespace(process_index=0, world_size=4))
+    with pytest.raises(ValueError, match=r"each of its 2 processes .* this run has 4\. Nothing was loaded"):
+        load_trainer_optimizer(trainer, str(tmp_path), set())
+    assert load_trainer_optimizer(trainer, str(tmp_path), {"optimizer"}) is False  # the Trainer's reset path
