@@ -223,17 +223,20 @@ def describe(
     if optimizer is not None:
         inner = unwrap_optimizer(optimizer)
         roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
-        # Over every parameter (O2: E4M3 moments on its FP8 weights); "dtype": most elements'.
+        owned = {id(p) for p in params}
+        holds = any(id(p) in owned for g in inner.param_groups for p in g["params"])
+        # Over every parameter (O2: E4M3 moments on its FP8 weights), or DeepSpeed's partitions
+        # where they replaced the model's parameters in the groups; "dtype": most elements'.
+        counted = params if holds else [p for g in inner.param_groups for p in g["params"]]
         report["optimizer"] = {
             "class": type(inner).__name__,
             "states": {
                 k: {"dtype": max(counts, key=counts.get), "dtypes": counts, "role": roles.get(k, "extra")}
-                for k, counts in state_dtypes(inner, params).items()
+                for k, counts in state_dtypes(inner, counted).items()
             },
         }
         report["master_weights"] = _master_weights(strategy, inner, params)
-        owned = {id(p) for p in params}
-        if any(id(p) in owned for g in inner.param_groups for p in g["params"]):
+        if holds:
             plan = plan_model_state(model, optimizer)
             report["memory"] = {
                 **{k: round(v, 4) for k, v in plan.items() if k != "num_params"},

@@ -104,6 +104,23 @@ def test_the_report_counts_each_optimizer_states_dtypes_over_every_parameter():
     assert f"exp_avg {states['exp_avg']['dtype']} {share} / " in format_report(report)
 
 
+@pytest.mark.parametrize("name", ["bf16-mixed", "collage-plus"])
+def test_the_report_reads_the_partitions_deepspeed_put_in_the_optimizers_groups(name):
+    # DeepSpeed ZeRO swaps the client optimizer's parameters for flat partitions: counting the
+    # states over the model's parameters asked the optimizer for groups they are no longer in.
+    from hf_lowprec.memory import unwrap_optimizer
+
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    for group in unwrap_optimizer(optimizer).param_groups:
+        group["params"] = [torch.cat([p.detach().reshape(-1) for p in group["params"]]).requires_grad_()]
+    report = describe(strategy, model, optimizer, deepspeed_stage=2)
+    partitions = sum(p.numel() for g in unwrap_optimizer(optimizer).param_groups for p in g["params"])
+    assert sum(report["optimizer"]["states"]["exp_avg"]["dtypes"].values()) == partitions
+    assert "note" in report["memory"]
+
+
 def test_trainer_writes_the_report_and_trains(tmp_path):
     trainer = _trainer(tmp_path, tiny_gpt2(), "collage-plus")
     trainer.train()

@@ -42,10 +42,19 @@ def _local(state_dict: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _creates_its_state(optimizer: Any) -> bool:
+    """Whether the optimizer can create its whole state before a step (the strategies' can; a
+    user's torch optimizer cannot, and keeps Accelerate's file, which it loses nothing in)."""
+    from ..memory import unwrap_optimizer
+
+    return callable(getattr(unwrap_optimizer(optimizer), "init_states", None))
+
+
 def save_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) -> None:
     """Write `optimizer`'s state dict (the strategy's optimizer wrapper's, with its entry) as this
     rank holds it: DTensor states as their local shards, per-shard tensors as they are."""
-    torch.save(_local(optimizer.state_dict()), rank_optimizer_file(checkpoint, rank, world))
+    if _creates_its_state(optimizer):
+        torch.save(_local(optimizer.state_dict()), rank_optimizer_file(checkpoint, rank, world))
 
 
 def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) -> None:
@@ -55,9 +64,7 @@ def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) 
 
     from ..memory import unwrap_optimizer
 
-    init_states = getattr(unwrap_optimizer(optimizer), "init_states", None)
-    if init_states is not None:
-        init_states()  # the live state, whose placements the shards take
+    unwrap_optimizer(optimizer).init_states()  # the live state, whose placements the shards take
     live = optimizer.state_dict()["state"]
     saved = torch.load(rank_optimizer_file(checkpoint, rank, world), map_location="cpu", weights_only=True)
     for index, state in saved["state"].items():
@@ -86,15 +93,17 @@ def load_trainer_optimizer(trainer: Any, checkpoint: str | None, resets: set[str
         trainer._hf_lowprec_adopted = True
         trainer.adopt_fsdp2_shards()
     rank, world = trainer_rank_world(trainer)
+    optimizer = trainer.optimizer
+    while optimizer is not None and not hasattr(optimizer, "strategy"):  # Accelerate's wrapper
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is None or not _creates_its_state(optimizer):
+        return False
     if checkpoint is None or not os.path.isfile(rank_optimizer_file(checkpoint, rank, world)):
         saved = sorted(glob.glob(os.path.join(glob.escape(checkpoint or ""), "hf_lowprec_optimizer.rank0-of-*.pt")))
         if saved and "optimizer" not in resets:  # saved by another number of processes
             refuse_rank_optimizers(checkpoint, int(saved[0].rsplit("-of-", 1)[1].removesuffix(".pt")), world)
         return False
     if "optimizer" not in resets:
-        optimizer = trainer.optimizer
-        while optimizer is not None and not hasattr(optimizer, "strategy"):  # Accelerate's wrapper
-            optimizer = getattr(optimizer, "optimizer", None)
         load_rank_optimizer(optimizer, checkpoint, rank, world)
     scheduler = os.path.join(checkpoint, "scheduler.pt")
     if "scheduler" not in resets and os.path.isfile(scheduler):

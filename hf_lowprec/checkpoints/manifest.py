@@ -166,7 +166,13 @@ _CAUSES = {
 PEER_STOPPED = "another process stopped"
 # How a collective whose peer died fails where torch raises no DistError (gloo through functional
 # collectives, NCCL's watchdog): a RuntimeError naming the backend or the lost connection.
-_PEER_MARKS = ("[gloo", "gloo/", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
+_PEER_MARKS = (
+    "[gloo",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
 
 
 def peer_failure(error: BaseException) -> bool:

@@ -216,10 +216,10 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
             "forward's autocast (its report would say otherwise); remove torch_autocast or set enabled to false"
         )
     comm = _get(config, "communication_data_type")
-    if comm not in (None, _AUTO) and _DTYPE_NAMES.get(str(comm).lower()) != partition:
+    if comm not in (None, _AUTO, partition, "fp32"):  # reductions at least as wide as the partitions
         raise ValueError(
             f"the DeepSpeed config sets communication_data_type={comm!r}, but precision strategy {name!r} reduces "
-            f"{partition} gradients; remove communication_data_type or set it to {partition!r}"
+            f"{partition} gradients; remove communication_data_type or set it to {partition!r} (or 'fp32')"
         )
     for offload in ("offload_optimizer", "offload_param"):
         device = _get(config, f"zero_optimization.{offload}.device")

@@ -61,13 +61,19 @@ def _kept_in_bf16(name: str, model: str, options: dict[str, Any]) -> list[str]:
 
 
 def _fp8_weight_share(name: str, model: str, options: dict[str, Any], params: float) -> float:
-    """The share of `model`'s `params` parameters that are FP8 GEMM weights (`FP8Linear`) under
+    """The share of `model`'s `params` parameters that are FP8 GEMM weights (`FP8Linear`, experts) under
     strategy `name`: those FSDP2 gathers, and O3's ZeRO reduces and gathers, one byte each."""
     from ..fp8 import FP8Linear
+    from ..fp8.experts import FP8Experts, expert_weight_names
 
     def elements(layers: int | None) -> int:
-        prepared = _prepared(name, model, options, layers)
-        return sum(m.weight.numel() for m in prepared.modules() if isinstance(m, FP8Linear))
+        prepared, count = _prepared(name, model, options, layers), 0
+        for m in prepared.modules():
+            if isinstance(m, FP8Linear):
+                count += m.weight.numel()
+            elif isinstance(m, FP8Experts):  # the experts' 3-D weights gather and reduce as FP8 too
+                count += sum(getattr(m, n).numel() for n in expert_weight_names(m))
+        return count
 
     if not name.startswith("fp8-lm"):
         return 0.0

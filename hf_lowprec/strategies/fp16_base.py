@@ -44,14 +44,18 @@ class LossScaledStrategy(PrecisionStrategy):
     )
     scaler: Any
 
-    _loss_scaled = False  # set by `scale_loss`, cleared by `end_step`
+    # Backwards through the loss scale so far, and that count at each optimizer's last step: an
+    # optimizer stepping again with no scaled backward since got its gradients elsewhere.
+    _scaled_backwards = 0
+    _stepped_at: dict[int, int]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        self._loss_scaled = True
+        self._scaled_backwards += 1
         return self.scaler.scale(loss)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._loss_scaled:
+        stepped = getattr(self, "_stepped_at", {}).get(id(unwrap_optimizer(optimizer)), 0)
+        if stepped == self._scaled_backwards:
             refuse_unscaled_backward(self.name, optimizer)
         # The Trainer passes Accelerate's wrapper before clipping, the step passes the inner
         # optimizer: one optimizer, unscaled once. Its fused kernel leaves the gradients' version
@@ -65,12 +69,12 @@ class LossScaledStrategy(PrecisionStrategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
         # A skipped step still closes the scaler's step (and lowers the scale), on the device.
         result = step_unless(optimizer, found_inf)
+        self.__dict__.setdefault("_stepped_at", {})[id(unwrap_optimizer(optimizer))] = self._scaled_backwards
         self.end_step()
         return result
 
     def end_step(self) -> None:
         self.scaler.update()
-        self._loss_scaled = False
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "loss_scaler": self.scaler.state_dict()}

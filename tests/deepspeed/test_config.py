@@ -76,7 +76,7 @@ def test_explicit_agreeing_values_pass():
         # Accepted silently before: a BF16 forward and BF16 reductions the report said were FP32.
         ("fp32", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
         ("fp32", {"communication_data_type": "bf16"}, "communication_data_type='bf16'"),
-        ("collage-plus", {"communication_data_type": "fp32"}, "communication_data_type='fp32'"),
+        ("collage-plus", {"communication_data_type": "fp16"}, "communication_data_type='fp16'"),
     ],
 )
 def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
@@ -221,7 +221,8 @@ def test_configure_accelerator_fills_a_launcher_config_and_drops_flag_mismatches
 
 
 def test_agreeing_communication_and_autocast_entries_pass():
-    precision_config(get_strategy("collage-plus"), {**AUTO, "communication_data_type": "bfloat16"})
+    precision_config(get_strategy("collage-plus"), {**AUTO, "communication_data_type": "bf16"})
+    precision_config(get_strategy("collage-plus"), {**AUTO, "communication_data_type": "fp32"})  # wider: fine
     precision_config(get_strategy("bf16-mixed"), {**AUTO, "communication_data_type": "fp32", "torch_autocast": {}})
 
 

@@ -537,7 +537,10 @@ def test_the_trainers_fsdp2_checkpoint_at_another_world_size_is_refused_unless_t
 
     for rank in range(2):
         torch.save({"state": {}, "param_groups": []}, rank_optimizer_file(str(tmp_path), rank, 2))
-    trainer = SimpleNamespace(_hf_lowprec_adopted=True, args=SimpleNamespace(process_index=0, world_size=4))
+    optimizer = SimpleNamespace(strategy=None, optimizer=SimpleNamespace(init_states=lambda: None))
+    trainer = SimpleNamespace(
+        _hf_lowprec_adopted=True, args=SimpleNamespace(process_index=0, world_size=4), optimizer=optimizer
+    )
     with pytest.raises(ValueError, match=r"each of its 2 processes .* this run has 4\. Nothing was loaded"):
         load_trainer_optimizer(trainer, str(tmp_path), set())
     assert load_trainer_optimizer(trainer, str(tmp_path), {"optimizer"}) is False  # the Trainer's reset path

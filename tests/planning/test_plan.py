@@ -265,3 +265,26 @@ def test_plan_ratios_are_to_bf16_mixed_even_unasked(capsys, tiny):
     for r in rows:
         assert r["speed_vs_bf16_mixed"] == pytest.approx(base["step_ms"] / r["step_ms"])
         assert r["memory_vs_bf16_mixed"] == pytest.approx(r["peak_gib"] / base["peak_gib"])
+
+
+def test_the_fp8_wire_share_counts_the_experts_fp8_weights(tmp_path):
+    # The experts' 3-D weights gather (FSDP2) and reduce (O3's ZeRO) as FP8 too: a Mixtral-like
+    # model's share was 0 where three quarters of its parameters are FP8 experts.
+    from hf_lowprec.fp8.experts import FP8Experts, expert_weight_names
+    from hf_lowprec.planning.models import build_model, rule_options
+    from hf_lowprec.planning.plan import _fp8_weight_share
+    from hf_lowprec.testing.moe import moe_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(moe_config("qwen3_moe", layers=3).to_dict()))
+    from hf_lowprec import get_strategy
+
+    prepared = get_strategy("fp8-lm-o2", fp8_layers="all").prepare_model(build_model(str(path)))
+    experts = sum(
+        getattr(m, n).numel() for m in prepared.modules() if isinstance(m, FP8Experts) for n in expert_weight_names(m)
+    )
+    linear = sum(m.weight.numel() for m in prepared.modules() if type(m).__name__ == "FP8Linear")
+    params = memory_plan(str(path), ["bf16-mixed"])[0]["num_params"]
+    assert experts > 0
+    share = _fp8_weight_share("fp8-lm-o2", str(path), rule_options("fp8-lm-o2", None), params)
+    assert share == pytest.approx((experts + linear) / params)

@@ -291,3 +291,23 @@ def test_a_custom_loop_backward_without_the_loss_scale_is_refused(name):
     optimizer.zero_grad(set_to_none=True)
     strategy.train_step(model, ids, optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
+def test_one_scaled_backward_steps_two_optimizers(name):
+    # Each optimizer steps once on the scaled backward; a second step of the same optimizer with
+    # no scaled backward since is refused.
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    blocks = set(model.transformer.h.parameters())
+    first = strategy.create_optimizer([p for p in model.parameters() if p in blocks], lr=1e-3)
+    second = strategy.create_optimizer([p for p in model.parameters() if p not in blocks], lr=1e-3)
+    ids = batches(1)[0]
+    for _ in range(2):
+        with strategy.forward_context():
+            loss = model(input_ids=ids, labels=ids).loss
+        strategy.scale_loss(loss).backward()
+        first.step()
+        second.step()
+    with pytest.raises(RuntimeError, match="did not go through the loss scale"):
+        first.step()
