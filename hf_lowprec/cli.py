@@ -261,26 +261,36 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--precision_strategy",
         "--precision-strategy",
-        default=os.environ.get("HF_LOWPREC_PRECISION_STRATEGY") or None,
-        help="the default strategy of every process (a --precision_strategy on the script's command line wins)",
+        default=None,
+        help="the default strategy of every process (a --precision_strategy on the script's command line wins); "
+        "unset: $HF_LOWPREC_PRECISION_STRATEGY",
     )
     run.add_argument(
         "--precision_options",
         "--precision-options",
-        default=os.environ.get("HF_LOWPREC_PRECISION_OPTIONS") or None,
-        help="a JSON object of the strategy's options",
+        default=None,
+        help="a JSON object of the strategy's options; unset: $HF_LOWPREC_PRECISION_OPTIONS",
     )
     run.add_argument("launched", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
 
     ns = parser.parse_args(argv)
     if ns.command == "launch":
         from .integrations.launch import run as launch
+        from .integrations.launch_env import ENV_OPTIONS, ENV_STRATEGY
 
+        # A value from the environment, when it is wrong, is named as such: the user typed no flag.
+        from_env = [
+            f"${var}={os.environ[var]!r}" for flag, var in (("precision_strategy", ENV_STRATEGY), ("precision_options", ENV_OPTIONS))
+            if getattr(ns, flag) is None and os.environ.get(var)
+        ]
+        strategy = ns.precision_strategy or os.environ.get(ENV_STRATEGY) or None
+        options = ns.precision_options or os.environ.get(ENV_OPTIONS) or None
         try:
             command = ns.launched[1:] if ns.launched[:1] == ["--"] else ns.launched
-            launch(command, ns.precision_strategy, ns.precision_options)
+            launch(command, strategy, options)
         except ValueError as error:
-            run.error(str(error))
+            origin = f" (from the environment: {', '.join(from_env)}; fix or unset it, or pass the flag)"
+            run.error(f"{error}{origin if from_env and command else ''}")
     if ns.command == "list":
         rows = strategy_rows()
         width, needs = max(len(r["name"]) for r in rows), max(len(r["needs"] or "-") for r in rows)

@@ -181,6 +181,25 @@ def test_user_errors_are_usage_errors(argv, match, capsys, monkeypatch):
     assert match in _usage_error(argv, capsys)
 
 
+@pytest.mark.parametrize(
+    "variable, value, argv, match",
+    [
+        ("HF_LOWPREC_PRECISION_STRATEGY", "colage-plus", [], "$HF_LOWPREC_PRECISION_STRATEGY='colage-plus'"),
+        ("HF_LOWPREC_PRECISION_OPTIONS", "[1", ["--precision_strategy", "fp32"], "$HF_LOWPREC_PRECISION_OPTIONS='[1'"),
+    ],
+)
+def test_launch_names_the_environment_variable_a_bad_value_came_from(variable, value, argv, match, capsys, monkeypatch):
+    """No flag was typed: the error must say where the value came from, or the user cannot find it."""
+    monkeypatch.setenv(variable, value)
+    line = _usage_error(["launch", *argv, "--", "python", "-c", "raise SystemExit(7)"], capsys)
+    assert f"(from the environment: {match}; fix or unset it, or pass the flag)" in line
+    # The flag wins over the variable, and a typed flag is not blamed on the environment.
+    monkeypatch.setenv("HF_LOWPREC_PRECISION_STRATEGY", "fp32")
+    monkeypatch.delenv("HF_LOWPREC_PRECISION_OPTIONS", raising=False)
+    line = _usage_error(["launch", "--precision_strategy", "colage-plus", "--", "python"], capsys)
+    assert "unknown precision strategy 'colage-plus'" in line and "from the environment" not in line
+
+
 def _no_training(*args, **kwargs):
     raise AssertionError("training started before the arguments were checked")
 
