@@ -101,9 +101,17 @@ def fsdp2_step_bytes(strategy: PrecisionStrategy, model: torch.nn.Module, world_
 
 
 def _fp8_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights FSDP2 gathers in FP8: the FP8 linear layers' and the FP8 experts' 3-D ones."""
     from ..fp8 import FP8Linear
+    from ..fp8.experts import FP8Experts, expert_weight_names
 
-    return [m.weight for m in model.modules() if isinstance(m, FP8Linear)]
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            out.append(m.weight)
+        elif isinstance(m, FP8Experts):
+            out += [getattr(m, name) for name in expert_weight_names(m)]
+    return out
 
 
 def collectives_markdown() -> str:

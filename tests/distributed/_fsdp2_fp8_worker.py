@@ -5,7 +5,7 @@ the whole batches and sharded with `shard_model` on this rank's half: the losses
 first-order terms of the reference (`fp32_gradient_norms`), a digest of every FP8 weight each
 FP8 layer multiplied by (payload and scale), the bytes every all-gather moved and the all-reduces
 of each step; for O2 also whether each shard's master scale is its own. A 128-wide GPT-2
-gives the bytes all-gathered per step under bf16-mixed and both levels. Results go to `<out>/rank<r>.json`.
+and a tiny Qwen3-MoE give the bytes all-gathered per step under bf16-mixed and both levels. Results go to `<out>/rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.fsdp2 import shard_model  # noqa: E402
+from hf_lowprec.engines.traffic import fsdp2_step_bytes  # noqa: E402
 from hf_lowprec.fp8 import FP8Linear  # noqa: E402
 from hf_lowprec.fp8.linear import quantize_weight  # noqa: E402
 from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip  # noqa: E402
+from hf_lowprec.testing.moe import tiny_moe  # noqa: E402
 from tests.helpers import batches, fp32_gradient_norms, rank_rows, tiny_gpt2  # noqa: E402
 
 STEPS = 3
@@ -149,6 +151,25 @@ def gather_bytes(name: str, data, counter: Collectives) -> dict:
     return out
 
 
+def moe_gather_bytes(name: str, counter: Collectives) -> dict:
+    """A tiny Qwen3-MoE sharded: the bytes each step's all-gathers moved, and the declared ones."""
+    strategy = get_strategy(name)
+    model = shard_model(strategy, tiny_moe("qwen3_moe"))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=LR)
+    ids = torch.randint(0, 256, (MICRO * dist.get_world_size(), 32), generator=torch.Generator().manual_seed(1))
+    gathered = []
+    for _ in range(2):
+        start = len(counter.gathered)
+        part = rank_rows(ids, MICRO)
+        with strategy.forward_context():
+            loss = model(input_ids=part, labels=part).loss
+        strategy.scale_loss(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gathered.append(sum(counter.gathered[start:]))
+    return {"gathered": gathered, "declared": fsdp2_step_bytes(strategy, model, dist.get_world_size())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -176,6 +197,7 @@ def main() -> None:
             result["cases"][f"{label}/sharded"] = case
         for name in ("bf16-mixed", *LEVELS):
             result["cases"][f"{name}/bytes"] = gather_bytes(name, data, counter)
+            result["cases"][f"{name}/moe-bytes"] = moe_gather_bytes(name, counter)
     except Exception:
         result["error"] = traceback.format_exc()
     result["complete"] = True
