@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "adopt_shards",
     "before_sharding",
+    "block_modules",
     "all_ranks_agree",
     "check_fsdp2_support",
     "check_trainer_fsdp",
@@ -105,7 +106,7 @@ def default_mesh(model: torch.nn.Module) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks: modules whose class a Hugging Face model names in `_no_split_modules`."""
     names: set[str] = set()
     for module in model.modules():
@@ -168,7 +169,7 @@ def shard_model(
     #   fp16-als (weights="master"): FP16 -> FP16 all-gather
     #   coat: FP32 (or BF16 + δθ) -> FP32 (BF16) all-gather; FP8 weight scales from the gathered weight
     policy = strategy.fsdp2_mixed_precision()
-    block_list = list(_blocks(model) if blocks is None else blocks)
+    block_list = list(block_modules(model) if blocks is None else blocks)
     for block in block_list:
         fully_shard(block, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=policy, **fully_shard_kwargs)

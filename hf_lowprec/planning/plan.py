@@ -84,14 +84,27 @@ def _fp8_weight_share(name: str, model: str, options: dict[str, Any], params: fl
     return elements(None) / params
 
 
-def _wire_bytes(name: str, engine: str, fp8_share: float = 0.0) -> tuple[float, float]:
+def _root_share(model: str, params: float) -> float:
+    """The share of `model`'s `params` parameters outside the blocks FSDP2 shards one by one
+    (embeddings, final norm, an untied LM head): the root group, which stays gathered from
+    forward to backward, so it is gathered once a step where each block is gathered twice."""
+    from ..engines.fsdp2 import block_modules
+
+    one = build_model(model, **layer_overrides(model_config(model)[0], 1))
+    inside = {id(p) for block in block_modules(one) for p in block.parameters()}
+    return sum(p.numel() for p in dict.fromkeys(one.parameters()) if id(p) not in inside) / params
+
+
+def _wire_bytes(name: str, engine: str, fp8_share: float = 0.0, root_share: float = 0.0) -> tuple[float, float]:
     """(gradient bytes per parameter on the wire, weight bytes per parameter gathered) under
     `engine`: DDP all-reduces gradients in their dtype (1 B with FP8-LM's FP8 all-reduce hook);
     FSDP2 reduces in its policy's `reduce_dtype` and gathers in its `param_dtype`, the FP8 GEMM
-    weights (`fp8_share` of the parameters) as E4M3; ZeRO-2 reduces and gathers in the partitions'
-    dtype, but for O3's FP8 weights, all-reduced (twice a reduce-scatter's bytes) and gathered as FP8."""
+    weights (`fp8_share` of the parameters) as E4M3, the blocks twice a step and the root group
+    (`root_share`, never FP8) once, given as the mean of a gather pass over the two passes;
+    ZeRO-2 reduces and gathers in the partitions' dtype, but for O3's FP8 weights, all-reduced
+    (twice a reduce-scatter's bytes) and gathered as FP8."""
     if name in PEERS:  # FP32 weights: FP32 gradients; FSDP2 as torch users set it (BF16 gather)
-        return 4.0, 2.0 if engine == "fsdp2" else 4.0
+        return 4.0, (2.0 - root_share) if engine == "fsdp2" else 4.0
     strategy = get_strategy(name)
     width = torch.empty((), dtype=strategy.param_dtype).element_size()
     if engine == "ddp":
@@ -101,7 +114,8 @@ def _wire_bytes(name: str, engine: str, fp8_share: float = 0.0) -> tuple[float, 
         if rates.fsdp2_reduce_scatter is None:  # refused under FSDP2 (planned on one GPU only)
             return float(width), float(width)
         fp8 = fp8_share if strategy.engine_support().fsdp2_gathers_fp8 else 0.0
-        gather = fp8 * rates.fsdp2_gather_fp8_weights + (1 - fp8) * rates.fsdp2_gather_other
+        other = rates.fsdp2_gather_other
+        gather = fp8 * rates.fsdp2_gather_fp8_weights + (1 - fp8) * other - root_share * other / 2
         return float(rates.fsdp2_reduce_scatter), float(gather)
     if name == "fp8-lm-o3":  # FP8-LM's own ZeRO: its FP8 weights beside DeepSpeed's FP32 partitions
         return fp8_share * 2 * 1 + (1 - fp8_share) * 4.0, fp8_share * 1 + (1 - fp8_share) * 4.0
@@ -133,13 +147,14 @@ def plan_rows(
     kept = {name: _kept_in_bf16(name, model, rule_options(name, gpu, tokens)) for name in strategies}
     params = memory[BASELINE]["num_params"]
     fp8_share = {n: _fp8_weight_share(n, model, rule_options(n, gpu, tokens), params) for n in strategies}
+    root = _root_share(model, params) if engine == "fsdp2" else 0.0
     rows = []
     for name, count in counts().items():
         predicted = predict(count, gpu)
         state = memory[BASELINE if name in PEERS else name]
         params = state["num_params"]
         per_gpu = _state_per_gpu(state, engine, gpus)
-        grads, weights = _wire_bytes(name, engine, fp8_share[name])
+        grads, weights = _wire_bytes(name, engine, fp8_share[name], root)
         traffic = communication(engine, gpus, params, grads, weights, gpu)
         step = max(predicted.step, traffic.seconds)
         # Past one machine: the same per-GPU batch on more GPUs (the compute of a step stays, the

@@ -164,8 +164,34 @@ def test_fsdp2_reduces_fp8_lm_gradients_in_fp32_and_gathers_only_its_fp8_weights
         fp8 = _fp8_elements(model, "fp8-lm-o2", batch[0] * batch[1])
         assert (fp8 == 0) == (model == tiny)
         assert rows["ddp"]["sent_gb"] * 1e9 == pytest.approx(2 * 7 / 8 * params * 1)
-        gathered = fp8 * 1 + (params - fp8) * 2
-        assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * (2 * gathered + params * 4))
+        # Each block gathered twice a step; the root group (embeddings, norm, LM head) stays gathered: once.
+        root = _root_elements(model)
+        gathered = 2 * (fp8 * 1 + (params - fp8 - root) * 2) + root * 2
+        assert rows["fsdp2"]["sent_gb"] * 1e9 == pytest.approx(7 / 8 * (gathered + params * 4))
+
+
+def _root_elements(model):
+    from hf_lowprec.planning.models import build_model
+
+    built = build_model(model)
+    return sum(p.numel() for p in built.parameters()) - sum(p.numel() for p in built.model.layers.parameters())
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o2", "collage-plus"])
+def test_the_fsdp2_plan_moves_what_the_sharded_model_declares(tiny, one_rank_group, name):
+    """The planner's FSDP2 traffic is the bytes `fsdp2_step_bytes` declares for the model as
+    `shard_model` shards it (those the 2-rank tests count at the collectives): the root group is
+    gathered once a step, the blocks twice (the plan gathered everything twice)."""
+    from hf_lowprec import get_strategy
+    from hf_lowprec.engines.fsdp2 import shard_model
+    from hf_lowprec.engines.traffic import fsdp2_step_bytes
+    from hf_lowprec.planning.models import build_model, rule_options
+    from hf_lowprec.planning.plan import plan_rows
+
+    row = plan_rows(tiny, [name], (2, 32), GPUS["h100"], 8, "fsdp2")[-1]
+    strategy = get_strategy(name, **rule_options(name, GPUS["h100"], 64))
+    declared = fsdp2_step_bytes(strategy, shard_model(strategy, build_model(tiny, "cpu")), 1)
+    assert row["sent_gb"] * 1e9 == pytest.approx(7 / 8 * (declared["all_gather"] + declared["reduce_scatter"]))
 
 
 def test_zero2_moves_o3s_fp8_weights_as_fp8_and_the_rest_in_fp32(wide):
