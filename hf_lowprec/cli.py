@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # A value from the environment, when it is wrong, is named as such: the user typed no flag.
         from_env = [
-            f"${var}={os.environ[var]!r}" for flag, var in (("precision_strategy", ENV_STRATEGY), ("precision_options", ENV_OPTIONS))
+            f"${var}={os.environ[var]!r}"
+            for flag, var in (("precision_strategy", ENV_STRATEGY), ("precision_options", ENV_OPTIONS))
             if getattr(ns, flag) is None and os.environ.get(var)
         ]
         strategy = ns.precision_strategy or os.environ.get(ENV_STRATEGY) or None

@@ -31,8 +31,8 @@ from hf_lowprec.engines.fsdp2 import shard_model  # noqa: E402
 from hf_lowprec.engines.traffic import fsdp2_step_bytes  # noqa: E402
 from hf_lowprec.fp8 import FP8Linear  # noqa: E402
 from hf_lowprec.fp8.linear import quantize_weight  # noqa: E402
-from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip  # noqa: E402
 from hf_lowprec.testing.moe import tiny_moe  # noqa: E402
+from tests.distributed._fsdp2_worker import LR, MICRO, Collectives, clip  # noqa: E402
 from tests.helpers import batches, fp32_gradient_norms, rank_rows, tiny_gpt2  # noqa: E402
 
 STEPS = 3
