@@ -9,8 +9,8 @@ are docs/algorithms.md §4.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import types
 from typing import Any
 
 import torch
@@ -294,17 +294,17 @@ def compress_activations(model: nn.Module) -> nn.Module:
         if "forward" in module.__dict__:
             left[f"{name} (already wrapped)"] += 1
         elif _is_activation(module) or _is_norm(module):
-            module.forward = types.MethodType(_layer_forward, module)
+            module.forward = functools.partial(_layer_forward, module)
             handled[name] += 1
         elif _is_fp8_mlp(module) or isinstance(module, FP8Experts):
             # FP8 experts (fp8/experts.py): their gate products and outputs are packed the same
             # way (the routing weights, one per token, are too narrow for the groups); their
             # grouped GEMMs save E4M3 inputs and keep their scales (COAT's tensorwise recipe: one
             # per expert, last dimension 1, never packed).
-            module.forward = types.MethodType(_mlp_forward, module)
+            module.forward = functools.partial(_mlp_forward, module)
             handled[f"{name} (element-wise ops)"] += 1
         elif _is_fp8_attention(module):
-            module.forward = types.MethodType(_attention_forward, module)
+            module.forward = functools.partial(_attention_forward, module)
             left[f"{name} (attention internals; FP8 projection inputs shared)"] += 1
         elif isinstance(module, FP8Linear):
             handled[name] += 1

@@ -7,6 +7,7 @@ decision stays on the device. Plain torch: no Trainer, Accelerate or DeepSpeed i
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -393,16 +394,18 @@ class AutomaticLossScaler:
         self._fold_probe()
         self._probe = None
 
-    def _forward_hook(self, row: int):
-        def hook(module, inputs, output):
-            if torch.compiler.is_compiling():
-                return self._tally_compiled(row, output)
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for out in outputs:
-                if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
-                    out.register_hook(lambda grad: self._activation_grad(row, grad))
+    def _forward_hook(self, row: int) -> Any:
+        # A bound method in a partial, not a closure: a model holding the hook pickles (torch.save(model)).
+        return functools.partial(self._tally_forward, row)
 
-        return hook
+    def _tally_forward(self, row: int, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._tally_compiled(row, output)
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for out in outputs:
+            if torch.is_tensor(out) and out.requires_grad and out.is_floating_point():
+                out.register_hook(functools.partial(self._activation_grad, row))
+        return None
 
     def _tally_compiled(self, row: int, output: Any) -> Any:
         """`output` with each floating tensor that needs a gradient passed through

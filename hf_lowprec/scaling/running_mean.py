@@ -44,18 +44,35 @@ class RunningMeanGradients:
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()
 
     def attach(self, model: torch.nn.Module) -> RunningMeanGradients:
         self.detach()
         for param in model.parameters():
             if param.requires_grad:
-                self._handles.append(param.register_hook(self._hook(param)))
+                self._add_hook(param)
         return self
+
+    def adopt(self, params: Any, micro_batches: int) -> None:
+        """Hook the parameters among `params` that began to train after `attach` (a frozen one
+        unfrozen, one added to the optimizer later; a tensor that does not require a gradient
+        cannot be hooked): the gradient each summed over this window's `micro_batches` backward
+        passes becomes their mean, and later windows run through the hook."""
+        for param in params:
+            if param.requires_grad and id(param) not in self._hooked:
+                if param.grad is not None and micro_batches > 1:
+                    param.grad.div_(micro_batches)
+                self._add_hook(param)
+
+    def _add_hook(self, param: torch.Tensor) -> None:
+        self._handles.append(param.register_hook(self._hook(param)))
+        self._hooked.add(id(param))
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._hooked = set()
 
     def reset(self) -> None:
         """Start a new accumulation window (call after the optimizer step)."""

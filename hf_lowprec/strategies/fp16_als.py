@@ -100,6 +100,7 @@ class FP16ALS(LossScaledStrategy):
         self.accumulator = RunningMeanGradients() if o.running_mean else None
         self._loss_divisor = 1
         self._sharded = False
+        self._window_start = 0  # `_scaled_backwards` when this accumulation window began
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
@@ -160,6 +161,14 @@ class FP16ALS(LossScaledStrategy):
         scaled = super().scale_loss(loss)
         return scaled if self._loss_divisor == 1 else scaled * self._loss_divisor
 
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # Before clipping and the step: a parameter unfrozen (or added) since `prepare_model` has
+        # summed this window's micro-batches without the running mean's hook; it takes their mean.
+        if self.accumulator is not None and not self._sharded:
+            params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+            self.accumulator.adopt(params, self._scaled_backwards - self._window_start)
+        super().unscale_gradients(optimizer)
+
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Overflow is already clipped; only a NaN (which no clip can repair) skips the step.
         The scaler's NaN flag, agreed over the ranks with its histogram (one all-reduce)."""
@@ -167,6 +176,7 @@ class FP16ALS(LossScaledStrategy):
 
     def end_step(self) -> None:
         super().end_step()
+        self._window_start = self._scaled_backwards
         if self.accumulator is not None:
             self.accumulator.reset()
 

@@ -8,6 +8,7 @@ waits for the device).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +41,14 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None  # the last step's flag, on the device
         if strategy.guard is not None:  # the guard snapshots and restores this optimizer's state
             strategy.guard.optimizer = optimizer
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        # torch's `register_*_hook` methods write these; `step`, `state_dict` and `load_state_dict`
+        # run them as torch's do (the global step hooks run once, around the inner optimizer's step).
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -84,6 +87,18 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self._found_inf is not None and bool(self._found_inf)
 
     def step(self, closure: Callable | None = None) -> Any:
+        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
+        kwargs: dict[str, Any] = {}
+        for pre_hook in self._optimizer_step_pre_hooks.values():
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        loss = self._step(*args[1:], **kwargs)
+        for post_hook in self._optimizer_step_post_hooks.values():
+            post_hook(self, args, kwargs)
+        return loss
+
+    def _step(self, closure: Callable | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -117,6 +132,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state = dict(self.optimizer.state_dict())
         state["hf_lowprec"] = {
             "strategy": self.strategy.name,
@@ -126,10 +143,18 @@ class StrategyOptimizer(torch.optim.Optimizer):
         layout = getattr(self.strategy, "fp8_layout", None)
         if layout is not None:  # which layers the FP8 layer rule kept in BF16
             state["hf_lowprec"]["fp8_layout"] = layout
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = dict(result)
         ours = state_dict.pop("hf_lowprec", None)
         if ours is not None:
             changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
@@ -141,6 +166,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 {k: v for k, v in ours.items() if k not in ("strategy", "options", "fp8_layout")}
             )
         self.optimizer.load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __repr__(self) -> str:
         return f"StrategyOptimizer({self.strategy.name!r}, {self.optimizer!r})"

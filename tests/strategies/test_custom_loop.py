@@ -1,0 +1,132 @@
+"""A custom loop's habits with a strategy's pieces (`prepare_model`, `create_optimizer`, `train_step`):
+clipping over what the optimizer trains, parameters unfrozen mid-run under fp16-als's running mean,
+torch's optimizer hooks, a cast after `prepare_model`, and saving the whole model object."""
+
+import io
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+import hf_lowprec
+from hf_lowprec.data import tiny_gpt2_config
+from hf_lowprec.report import PrecisionPromiseError
+from tests.helpers import assert_bits_equal, batches
+
+
+def tiny(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(tiny_gpt2_config(n_embd=64, n_layer=2, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0))
+
+
+def trained(name: str, steps: int = 3, max_grad_norm: float | None = None, norms: list | None = None):
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    if norms is not None:  # the gradients' norm as the step takes them, after train_step's clipping
+        grads = lambda: [p.grad for p in model.parameters() if p.grad is not None]  # noqa: E731
+        optimizer.register_step_pre_hook(lambda *_: norms.append(float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads()])))))  # fmt: skip
+    for ids in batches(steps):
+        strategy.train_step(model, ids, optimizer, max_grad_norm=max_grad_norm)
+    return strategy.full_precision_state_dict(model, optimizer)
+
+
+def test_o3_clips_its_fp8_weights():
+    """fp8-lm-o3 keeps its FP8 weights out of `param_groups` (its own ZeRO partitions): `train_step`'s
+    clipping must still cover them (their gradients, FP32 `p.grad` on one process, went to the step
+    unclipped: a norm of 1.89 clipped where the gradients' was 2.36). After clipping to C the
+    gradients the step takes have a norm of at most C, up to the rounding of the clipped values in
+    their dtype: FP16 for the FP8 weights' scaled masters, half an ulp = 2⁻¹¹ relative per element,
+    so of the norm too. Unclipped, O3 on one process trains as O2, bit for bit."""
+    norms: list[float] = []
+    trained("fp8-lm-o3", max_grad_norm=0.05, norms=norms)
+    assert len(norms) == 3 and max(norms) <= 0.05 * (1 + 2**-11), norms
+    o2, o3 = trained("fp8-lm-o2"), trained("fp8-lm-o3")
+    for key in o2:
+        assert_bits_equal(o3[key], o2[key], key)
+
+
+def test_a_parameter_unfrozen_after_prepare_takes_the_running_mean():
+    """fp16-als averages micro-batches with hooks (the loss is not divided); a parameter frozen at
+    `prepare_model` has none. Unfrozen later, its accumulated gradient must be the mean too (it
+    was the sum: 4.000× over 4 micro-batches). Bound, against the always-trainable run's mean:
+    the hooks' running mean rounds 3 times per micro-batch and the sum k−1 times plus one
+    division, each within half an FP16 ulp of the largest micro-batch gradient: (3k + k)·2⁻¹¹·max|g|."""
+    micro = 4
+    grads, seen = {}, []
+    for frozen_at_prepare in (False, True):
+        strategy = hf_lowprec.get_strategy("fp16-als")
+        model = tiny()
+        block = model.transformer.h[0]
+        block.requires_grad_(not frozen_at_prepare)
+        model = strategy.prepare_model(model)
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+        block.requires_grad_(True)
+        weight = block.mlp.c_fc.weight
+        if frozen_at_prepare:  # each micro-batch's gradient, as backward hands it (scaled, FP16)
+            weight.register_hook(lambda g: seen.append(g.double() / strategy.scaler.get_scale()))
+        for ids in batches(micro):
+            with strategy.forward_context():
+                loss = model(input_ids=ids, labels=ids).loss
+            strategy.scale_loss(loss).backward()
+        strategy.unscale_gradients(optimizer)
+        grads[frozen_at_prepare] = weight.grad.double()
+    assert len(seen) == micro
+    largest = torch.stack(seen).abs().amax(dim=0)
+    error = (grads[True] - grads[False]).abs()
+    assert (error <= 4 * micro * 2.0**-11 * largest).all(), (error / largest).max()
+    assert grads[True].norm() / grads[False].norm() == pytest.approx(1.0, abs=0.01)
+
+
+def test_torch_optimizer_hooks_run_on_the_strategy_optimizer():
+    """`register_step_pre_hook` and friends raised TypeError (plain dicts) and never ran."""
+    strategy = hf_lowprec.get_strategy("collage-plus")
+    model = strategy.prepare_model(tiny())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    calls = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append(("pre", opt is optimizer)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", opt is optimizer)))
+    optimizer.register_state_dict_pre_hook(lambda opt: calls.append(("sd_pre", True)))
+    optimizer.register_state_dict_post_hook(lambda opt, sd: {**sd, "mine": 7})
+    optimizer.register_load_state_dict_pre_hook(lambda opt, sd: {k: v for k, v in sd.items() if k != "mine"})
+    optimizer.register_load_state_dict_post_hook(lambda opt: calls.append(("load_post", True)))
+    strategy.train_step(model, batches(1)[0], optimizer)
+    assert calls == [("pre", True), ("post", True)]
+    state = optimizer.state_dict()
+    assert state["mine"] == 7 and "hf_lowprec" in state
+    optimizer.load_state_dict(state)  # the load pre-hook drops the key the inner optimizer does not know
+    assert calls[2:] == [("sd_pre", True), ("load_post", True)]
+
+
+@pytest.mark.parametrize("name, cast", [("fp32", torch.bfloat16), ("collage-plus", torch.float16)])
+def test_a_cast_after_prepare_model_is_refused_before_the_first_step(name, cast):
+    """What the Trainer and the Accelerate plugin refuse at startup (`check_promises`) a custom
+    loop's `train_step` refuses too: it trained silently in the cast dtype."""
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    model.to(cast)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PrecisionPromiseError, match="cast after it"):
+        strategy.train_step(model, batches(1)[0], optimizer)
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert_bits_equal(p.detach(), q, "a refused step changed a weight")
+
+
+@pytest.mark.parametrize("name", ["coat", "fp16-als"])
+def test_the_whole_prepared_model_saves_with_torch_save(name):
+    """`torch.save(model)`: COAT's instance forwards and fp16-als's activation hooks were bound
+    methods and closures, which do not pickle."""
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    strategy.train_step(model, ids, optimizer)
+    model.eval()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad(), strategy.forward_context():
+        assert_bits_equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits, "logits after torch.load")
