@@ -27,6 +27,8 @@ def _composition(param: torch.Tensor, group: dict[str, Any]) -> Composition:
     m = Scaled(format_dtype(group["exp_avg_format"]), margin)
     v = Scaled(format_dtype(group["exp_avg_sq_format"]), margin)
     if get_master_scale(param) is None:
+        if group.get("unscaled_format") is not None:  # not an FP8 GEMM weight: its own format
+            m = v = Scaled(format_dtype(group["unscaled_format"]), margin)
         return Composition(m, v, Nearest())
     if not takes_gpu_path(param.device):  # the native kernels' rule
         return Composition(m, v, ScaledMaster(margin))
@@ -89,6 +91,9 @@ class FP8AdamW(AdamW):
         exp_avg_sq_format: storage of v: "fp16" (paper), or "e4m3"/"e5m2" for the
             FP8-second-moment ablation (FP8-LM Fig. 8 #4), "bf16", "fp32".
         margin: scale margin in binades for moments and scaled masters.
+        unscaled_format: storage of m and v of the parameters without a master scale (not FP8
+            GEMM weights: norms, biases, embeddings), e.g. "fp32" as FP8-LM O2 keeps them;
+            None: `exp_avg_format` and `exp_avg_sq_format` as for the others.
         fused: as `AdamW` ("auto", "native", "compiled", "reference"; same bits).
 
     Per parameter θ with gradient g, step t, all arithmetic in FP32:
@@ -110,9 +115,9 @@ class FP8AdamW(AdamW):
     `fp8.linear.FP8Linear.scale_master_weight`), updated in place (`rules.ScaledMaster`; the
     others take `rules.Nearest`). Those cost 2 (master) + 1 (FP8 gradient) + 1 (m) + 2 (v) = 6
     bytes per parameter, plus a few scalars per tensor. The storage formats are per parameter
-    group, so the parameters that are not FP8 GEMM weights (LayerNorm gains, biases, embeddings)
-    can sit in the same optimizer with FP32 masters and FP32 moments (stored unscaled), as
-    MS-AMP keeps them. The lost-arithmetic metrics see the master in real units (`held_value`).
+    group, and `unscaled_format` gives the parameters that are not FP8 GEMM weights (LayerNorm
+    gains, biases, embeddings) their own in the same groups: FP32 masters and FP32 moments
+    (stored unscaled), as MS-AMP keeps them, in the user's groups as given. The lost-arithmetic metrics see the master in real units (`held_value`).
     Where the FP8 layer runs eagerly on a GPU it links its E4M3 weight to the master
     (`fp8.scaled.FP8WeightCopy`), and the step writes the next one in the loop that stores the
     master (`rules.ScaledMasterFP8`), so the layer's forward casts no weight.
@@ -128,7 +133,7 @@ class FP8AdamW(AdamW):
     """
 
     param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
-    extra_options: ClassVar[tuple[str, ...]] = ("exp_avg_format", "exp_avg_sq_format", "margin")
+    extra_options: ClassVar[tuple[str, ...]] = ("exp_avg_format", "exp_avg_sq_format", "margin", "unscaled_format")
 
     def __init__(
         self,
@@ -141,6 +146,7 @@ class FP8AdamW(AdamW):
         exp_avg_format: str = "e4m3",
         exp_avg_sq_format: str = "fp16",
         margin: int = 0,
+        unscaled_format: str | None = None,
         fused: FusedMode = "auto",
     ) -> None:
         self._pending_grads: set[int] = set()
@@ -154,11 +160,14 @@ class FP8AdamW(AdamW):
             exp_avg_format=exp_avg_format,
             exp_avg_sq_format=exp_avg_sq_format,
             margin=margin,
+            unscaled_format=unscaled_format,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        for key in ("exp_avg_format", "exp_avg_sq_format"):
+        for key in ("exp_avg_format", "exp_avg_sq_format", "unscaled_format"):
+            if key == "unscaled_format" and group.get(key) is None:
+                continue
             if group[key] not in FORMATS:
                 raise ValueError(f"FP8AdamW: {key} must be one of {sorted(FORMATS)}, got {group[key]!r}")
         margin = group["margin"]
@@ -257,4 +266,31 @@ class FP8AdamW(AdamW):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_grads.clear()
-        super().load_state_dict(state_dict)
+        super().load_state_dict(merge_split_groups(self.param_groups, state_dict))
+
+
+def merge_split_groups(groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with its groups as `groups` (the optimizer's) when it was saved with each group
+    split in two, FP8 GEMM weights first, then the others with FP32 formats (FP8-LM O2's layout
+    before `unscaled_format`): each pair becomes one group whose parameters follow the current
+    group's order. Any other state dict is returned as it is (torch's checks apply)."""
+    saved = state_dict.get("param_groups", [])
+    if len(saved) <= len(groups) or any(g.get("unscaled_format") is None for g in groups):
+        return state_dict
+    merged, at = [], 0
+    for group in groups:
+        scaled = [get_master_scale(p) is not None for p in group["params"]]
+        parts = [n for n in (sum(scaled), len(scaled) - sum(scaled)) if n]
+        pieces = saved[at : at + len(parts)]
+        if [len(g["params"]) for g in pieces] != parts:
+            return state_dict  # not that layout: torch's error names the mismatch
+        at += len(parts)
+        fp8 = iter(pieces[0]["params"] if scaled and scaled.count(True) else [])
+        rest = iter(pieces[-1]["params"] if scaled.count(False) else [])
+        params = [next(fp8) if is_fp8 else next(rest) for is_fp8 in scaled]
+        first = pieces[0]
+        formats = {k: group[k] for k in ("exp_avg_format", "exp_avg_sq_format", "unscaled_format")}
+        merged.append({**first, **formats, "params": params})
+    if at != len(saved):
+        return state_dict
+    return {**state_dict, "param_groups": merged}

@@ -280,21 +280,14 @@ class FP8LM(PrecisionStrategy):
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if not self.o2:
             return PlainAdamW(param_groups, **hyper, fused=self.options.fused)
-        # Each group splits in two: FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 master) and
-        # the rest (FP32 master, m and v), with the group's other settings kept.
-        groups = []
-        for group in param_groups:
-            fp8 = [p for p in group["params"] if get_master_scale(p) is not None]
-            other = [p for p in group["params"] if get_master_scale(p) is None]
-            if fp8:
-                groups.append({**group, "params": fp8})
-            if other:
-                groups.append({**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"})
+        # One group per user group (LR schedulers index them); the FP8 GEMM weights take E4M3 m,
+        # FP16 v and their scaled FP16 masters, the rest FP32 masters and moments (`unscaled_format`).
         optimizer = FP8AdamW(
-            groups,
+            param_groups,
             **hyper,
             exp_avg_sq_format=self.options.exp_avg_sq_format,
             margin=self.options.margin,
+            unscaled_format="fp32",
             fused=self.options.fused,
         )
         self.backward_grads.owner = optimizer

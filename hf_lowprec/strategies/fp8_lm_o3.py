@@ -77,16 +77,9 @@ class FP8LMO3(FP8LM):
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         # The groups (what DeepSpeed partitions) keep the parameters that are not FP8 GEMM
-        # weights, with FP32 states as in O2; the FP8 weights go to the FP8 ZeRO part.
-        groups = [
-            {
-                **g,
-                "params": [p for p in g["params"] if get_master_scale(p) is None],
-                "exp_avg_format": "fp32",
-                "exp_avg_sq_format": "fp32",
-            }
-            for g in param_groups
-        ]
+        # weights, with FP32 states as in O2 (`unscaled_format`, which a group added later takes
+        # too); the FP8 weights go to the FP8 ZeRO part.
+        groups = [{**g, "params": [p for p in g["params"] if get_master_scale(p) is None]} for g in param_groups]
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
         return FP8ZeroAdamW(
             groups,
@@ -94,6 +87,7 @@ class FP8LMO3(FP8LM):
             **hyper,
             exp_avg_sq_format=self.options.exp_avg_sq_format,
             margin=self.options.margin,
+            unscaled_format="fp32",
             fused=self.options.fused,
             process_group=self.process_group,
         )

@@ -16,7 +16,9 @@ from tests.helpers import assert_bits_equal, batches
 
 def tiny(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(tiny_gpt2_config(n_embd=64, n_layer=2, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0))
+    return GPT2LMHeadModel(
+        tiny_gpt2_config(n_embd=64, n_layer=2, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    )
 
 
 def trained(name: str, steps: int = 3, max_grad_norm: float | None = None, norms: list | None = None):
@@ -65,7 +67,7 @@ def test_a_parameter_unfrozen_after_prepare_takes_the_running_mean():
         block.requires_grad_(True)
         weight = block.mlp.c_fc.weight
         if frozen_at_prepare:  # each micro-batch's gradient, as backward hands it (scaled, FP16)
-            weight.register_hook(lambda g: seen.append(g.double() / strategy.scaler.get_scale()))
+            weight.register_hook(lambda g, s=strategy: seen.append(g.double() / s.scaler.get_scale()))
         for ids in batches(micro):
             with strategy.forward_context():
                 loss = model(input_ids=ids, labels=ids).loss
@@ -130,3 +132,71 @@ def test_the_whole_prepared_model_saves_with_torch_save(name):
     loaded = torch.load(buffer, weights_only=False)
     with torch.no_grad(), strategy.forward_context():
         assert_bits_equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits, "logits after torch.load")
+
+
+def _split_like_before(self, param_groups, **hyper):
+    """FP8-LM O2's optimizer as it was built before `unscaled_format`: each group split in two."""
+    from hf_lowprec.fp8.scaled import get_master_scale
+    from hf_lowprec.optim import FP8AdamW
+
+    groups = []
+    for group in param_groups:
+        fp8 = [p for p in group["params"] if get_master_scale(p) is not None]
+        other = [p for p in group["params"] if get_master_scale(p) is None]
+        groups += [{**group, "params": fp8}] if fp8 else []
+        groups += [{**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}] if other else []
+    optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format="fp16", margin=0, fused=self.options.fused)
+    self.backward_grads.owner = optimizer
+    return optimizer
+
+
+def _o2_run(build=None, state=None, steps=(0, 4)):
+    strategy = hf_lowprec.get_strategy("fp8-lm-o2")
+    if build is not None:
+        strategy.build_optimizer = build.__get__(strategy)
+    model = strategy.prepare_model(tiny())
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    optimizer = strategy.create_optimizer([{"params": rest, "weight_decay": 0.0}, {"params": decay}], weight_decay=0.1)
+    if state is not None:
+        optimizer.load_state_dict(state[1])
+        model.load_state_dict(state[0])
+    for ids in batches(steps[1])[steps[0] :]:
+        strategy.train_step(model, ids, optimizer)
+    return strategy, model, optimizer
+
+
+def test_fp8_lm_keeps_the_users_groups_and_trains_as_before():
+    """O2 split each group in two (FP8 GEMM weights; the rest with FP32 states): `LambdaLR` with one
+    lambda per group and `param_groups[i]` saw other groups than the user's. The groups are kept
+    now and the formats chosen per parameter: the same steps, bit for bit, and a state saved in
+    the split layout resumes and continues bit for bit."""
+    _, model, optimizer = _o2_run()
+    assert len(optimizer.param_groups) == 2
+    torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0, lambda s: 0.5])
+    _, old_model, old_optimizer = _o2_run(_split_like_before)
+    assert len(old_optimizer.param_groups) == 3  # the no-decay group holds no FP8 weight
+    for (name, p), q in zip(model.state_dict().items(), old_model.state_dict().values(), strict=True):
+        assert_bits_equal(p, q, name)
+    # Saved after 2 steps in the old layout, resumed in the new one: 2 more steps equal the old 4.
+    _, half_model, half_optimizer = _o2_run(_split_like_before, steps=(0, 2))
+    saved = ({k: v.clone() for k, v in half_model.state_dict().items()}, half_optimizer.state_dict())
+    _, resumed, resumed_optimizer = _o2_run(state=saved, steps=(2, 4))
+    assert len(resumed_optimizer.param_groups) == 2
+    for (name, p), q in zip(resumed.state_dict().items(), old_model.state_dict().values(), strict=True):
+        assert_bits_equal(p, q, f"resumed {name}")
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
+def test_a_group_added_later_keeps_fp32_states_for_what_is_not_an_fp8_weight(name):
+    """`add_param_group` (unfreezing norms mid-run) took the FP8 weights' formats for every
+    parameter: E4M3 m and FP16 v on LayerNorm gains (9e-3 from FP64 where FP32 states give 3e-6)."""
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny())
+    norms = [p for n, p in model.named_parameters() if ".ln_" in n]
+    optimizer = strategy.create_optimizer([p for n, p in model.named_parameters() if ".ln_" not in n], lr=1e-3)
+    optimizer.add_param_group({"params": norms})
+    strategy.train_step(model, batches(1)[0], optimizer)
+    for p in norms:
+        state = optimizer.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
