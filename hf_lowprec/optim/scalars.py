@@ -80,8 +80,8 @@ def device_scalar_rows(
     bits are the same on CPU: β^t is libm's `pow` in both (0-dim CPU tensors take the scalar
     loop), every other operation is one IEEE-rounded FP64 operation. Nothing is copied from the
     host to the device. One compiled graph (`run_fused`; eagerly, about twenty launches a
-    step per bucket): lr and the other hyper-parameters enter it as numbers, not constants, so a
-    schedule changing lr does not compile it again. The counts enter it stacked, one tensor of
+    step per bucket): lr, the betas and the other hyper-parameters enter it as numbers, not
+    constants, so a schedule changing lr or β1 does not compile it again. The counts enter it stacked, one tensor of
     any length (a list is guarded on its length: a graph per bucket size, and a process that met
     33 sizes hit the recompile limit and ran the eager operations from then on)."""
     counts = torch.stack(steps)
@@ -91,18 +91,20 @@ def device_scalar_rows(
 def _device_scalar_table(
     counts: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
 ) -> torch.Tensor:
-    # The betas are constants of the graph; lr, eps and the decay meet tensors only in tensor
-    # arithmetic (not as a multi-tensor op's scalar), so they stay inputs of the graph: exact
-    # products by 1 make them tensors, then each slot is the host's FP64 operation.
+    # Every hyper-parameter meets tensors only in tensor arithmetic (not as a multi-tensor op's
+    # scalar, not as pow's base), so each stays an input of the graph: a schedule moving lr or β1
+    # (OneCycleLR's momentum cycle) compiles nothing again. Exact products by 1 make them tensors,
+    # then each slot is the host's FP64 operation.
     t = counts + 1.0
     one = torch.ones_like(t)
-    c1 = -torch.pow(beta1, t) + 1.0  # fl(1 − β1^t): negation is exact
-    c2 = -torch.pow(beta2, t) + 1.0
+    b1, b2 = one * beta1, one * beta2
+    c1 = -torch.pow(b1, t) + 1.0  # fl(1 − β1^t): negation is exact
+    c2 = -torch.pow(b2, t) + 1.0
     sqrt_c2 = torch.sqrt(c2)
     columns = [
-        torch.full_like(t, 1.0 - beta1),
-        torch.full_like(t, beta2),
-        torch.full_like(t, 1.0 - beta2),
+        -b1 + 1.0,  # fl(1 − β1)
+        b2,
+        -b2 + 1.0,
         sqrt_c2 * -(one * lr) / c1,  # −α·√c2/c1
         torch.clamp_min(sqrt_c2 * (one * eps), _TINY),
         -(one * lr) * weight_decay,  # −α·λ
