@@ -40,6 +40,7 @@ __all__ = [
     "ModelArguments",
     "TextDataArguments",
     "parse_args",
+    "run_training",
     "setup_logging",
     "load_tokenizer",
     "load_model",
@@ -133,8 +134,42 @@ def parse_args(
             given = json.load(f) if argv[0].endswith(".json") else __import__("yaml").safe_load(f)
         if not isinstance(given, dict):
             raise ValueError(f"{argv[0]} must hold a mapping of argument names to values, got {type(given).__name__}")
-        return parser.parse_dict({**base, **given})
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_dict({**base, **given})
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    for args in parsed:
+        if isinstance(args, transformers.TrainingArguments):
+            _check_resume(args)
+    return parsed
+
+
+_LAST = ("true", "True", "last")  # --resume_from_checkpoint values naming the output dir's last checkpoint
+
+
+def _check_resume(args: Any) -> None:
+    """Before any work: a fresh run must not overwrite the checkpoints of an earlier one in the same
+    output directory, and a checkpoint to resume from must exist."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    resume = args.resume_from_checkpoint
+    if resume is None and last is not None:
+        raise ValueError(
+            f"--output_dir {args.output_dir} holds the checkpoints of an earlier run ({last}), which this run would "
+            f"overwrite: continue it with --resume_from_checkpoint {last} (or 'last'), or pick another --output_dir"
+        )
+    if resume in _LAST and last is None:
+        raise ValueError(f"--resume_from_checkpoint {resume}: --output_dir {args.output_dir} holds no checkpoint-* yet")
+    if resume is not None and resume not in _LAST and not os.path.isdir(resume):
+        raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint directory")
+
+
+def run_training(trainer: Any, training_args: Any) -> Any:
+    """`trainer.train()`, resuming from `--resume_from_checkpoint` (a checkpoint directory, or
+    'last': the output directory's latest), as the HF examples pass it; the stock Trainer does
+    not read the argument itself."""
+    resume = training_args.resume_from_checkpoint
+    return trainer.train(resume_from_checkpoint=True if resume in _LAST else resume)
 
 
 def setup_logging(training_args: Any) -> None:

@@ -20,7 +20,16 @@ import dataclasses
 
 from transformers import AutoModelForCausalLM, set_seed
 
-from common import ModelArguments, load_model, load_tokenizer, parse_args, preference_pairs, report, setup_logging
+from common import (
+    ModelArguments,
+    load_model,
+    load_tokenizer,
+    parse_args,
+    preference_pairs,
+    report,
+    run_training,
+    setup_logging,
+)
 from hf_lowprec.trl import DPOConfig, DPOTrainer
 
 
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPOTrainer(
         model=policy, ref_model=reference, args=training_args, train_dataset=train, processing_class=tokenizer
     )
-    trainer.train()
+    run_training(trainer, training_args)
     trainer.save_model()
     history = [h for h in trainer.state.log_history if "loss" in h]
     first, last = (history[0], history[-1]) if history else ({}, {})

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-from common import ModelArguments, load_model, load_tokenizer, parse_args, report, setup_logging
+from common import ModelArguments, load_model, load_tokenizer, parse_args, report, run_training, setup_logging
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.data import embedded_corpus
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=compute_metrics,
     )
-    train_result = trainer.train()
+    train_result = run_training(trainer, training_args)
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()

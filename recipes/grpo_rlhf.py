@@ -35,6 +35,7 @@ from common import (
     parse_args,
     report,
     reward_model,
+    run_training,
     setup_logging,
 )
 from hf_lowprec.trl import GRPOConfig, GRPOTrainer
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         reward_processing_classes=[reward_tokenizer],
     )
-    trainer.train()
+    run_training(trainer, training_args)
     trainer.save_model()
     history = [h for h in trainer.state.log_history if "reward" in h]
     last = history[-1] if history else {}

@@ -28,6 +28,7 @@ from common import (
     parse_args,
     report,
     reward_model,
+    run_training,
     setup_logging,
 )
 from hf_lowprec.trl import PPOConfig, PPOTrainer
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train,
         eval_dataset=evaluation,
     )
-    trainer.train()
+    run_training(trainer, training_args)
     trainer.save_model(training_args.output_dir)
     updates = [h for h in trainer.state.log_history if "loss/policy_avg" in h]
     last = updates[-1] if updates else {}

@@ -25,6 +25,7 @@ from common import (
     load_tokenizer,
     parse_args,
     report,
+    run_training,
     setup_logging,
 )
 from hf_lowprec import Trainer, TrainingArguments
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         data_collator=default_data_collator,
     )
-    train_result = trainer.train()
+    train_result = run_training(trainer, training_args)
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()

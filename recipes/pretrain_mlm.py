@@ -30,6 +30,7 @@ from common import (
     load_tokenizer,
     parse_args,
     report,
+    run_training,
     setup_logging,
 )
 from hf_lowprec import Trainer, TrainingArguments
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         data_collator=collator,
     )
-    train_result = trainer.train()
+    train_result = run_training(trainer, training_args)
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()

@@ -32,6 +32,7 @@ from common import (
     load_tokenizer,
     parse_args,
     report,
+    run_training,
     setup_logging,
 )
 from hf_lowprec.trl import SFTConfig, SFTTrainer
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    train_result = trainer.train()
+    train_result = run_training(trainer, training_args)
     trainer.save_model()
     trainer.log_metrics("train", train_result.metrics)
     eval_metrics = trainer.evaluate()

@@ -62,6 +62,28 @@ def test_pretrain_clm(tmp_path, strategy):
 
 
 @pytest.mark.slow
+def test_a_recipe_resumes_from_its_checkpoint_and_never_overwrites_one(tmp_path):
+    """`--resume_from_checkpoint` was parsed and never passed to `trainer.train()`: the "resumed"
+    run trained from step 0 and overwrote the checkpoint it was to continue. Now it continues
+    (the last loss of 2 + 2 steps equals 4 straight), and a fresh run into a directory holding
+    checkpoints is refused before any work."""
+    args = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--max_eval_samples", "12"]
+    args += ["--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1"]
+    straight = run_recipe("pretrain_clm.py", args, tmp_path, strategy="collage-plus")
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    stamp = (checkpoint / "trainer_state.json").stat().st_mtime_ns
+    resumed = run_recipe(
+        "pretrain_clm.py", [*args, "--resume_from_checkpoint", str(checkpoint)], tmp_path, strategy="collage-plus"
+    )
+    assert resumed["global_step"] == 4 and resumed["final_loss"] == straight["final_loss"]
+    assert (checkpoint / "trainer_state.json").stat().st_mtime_ns == stamp
+    cmd = [sys.executable, str(RECIPES / "pretrain_clm.py"), "--output_dir", str(tmp_path / "out"), *QUICK, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0 and "holds the checkpoints of an earlier run" in proc.stderr, proc.stderr[-2000:]
+    assert (checkpoint / "trainer_state.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,model_type,phase", [("collage-plus", "bert", "1"), ("bf16-mixed", "roberta", "2")])
 def test_pretrain_mlm(tmp_path, strategy, model_type, phase):
     result = run_recipe(
