@@ -285,7 +285,13 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(ns, flag) is None and os.environ.get(var)
         ]
         strategy = ns.precision_strategy or os.environ.get(ENV_STRATEGY) or None
-        options = ns.precision_options or os.environ.get(ENV_OPTIONS) or None
+        # The variable's options belong to the variable's strategy: not to one typed on the command line.
+        if ns.precision_strategy is not None and ns.precision_options is None and os.environ.get(ENV_OPTIONS):
+            from_env = [e for e in from_env if not e.startswith(f"${ENV_OPTIONS}=")]
+            print(f"hf-lowprec launch: ${ENV_OPTIONS} ignored: --precision_strategy was given", file=sys.stderr)
+            options = None
+        else:
+            options = ns.precision_options or os.environ.get(ENV_OPTIONS) or None
         try:
             command = ns.launched[1:] if ns.launched[:1] == ["--"] else ns.launched
             launch(command, strategy, options)

@@ -646,3 +646,17 @@ def test_launched_precision_is_read_from_the_launchers_environment_only():
     options["fused"] = "native"  # each caller gets its own dict: nothing shared to mutate
     assert launched_precision(env)[1] == {"fused": "reference"}
     assert launched_precision({k: v for k, v in env.items() if k != launch.ENV_LAUNCH}) == (None, None)
+
+
+def test_a_launched_scripts_help_is_not_a_run_that_trained_nothing(tmp_path):
+    """`hf-lowprec launch ... -- python train.py --help` printed the help and exited 4 ("nothing
+    trained"): a script's help is a success."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from transformers import HfArgumentParser, TrainingArguments\n"
+        "HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()\n"
+    )
+    cmd = launch_command("--precision_strategy", STRATEGY, "--", sys.executable, str(script), "--help")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "--precision_strategy" in proc.stdout and "nothing trained" not in proc.stderr
