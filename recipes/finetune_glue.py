@@ -201,8 +201,15 @@ def load_glue_data(args: GlueArguments, seed: int):
     if regression:
         return raw, keys, 1, "stsb"
     labels = sorted(set(raw["train"]["label"]))
-    if features["label"].dtype in _STRING_DTYPES:
+    # Labels that are not 0..n-1 (text, or 1-based as Yelp polarity's) become ids, as run_glue maps them.
+    if labels != list(range(len(labels))):
         index = {label: i for i, label in enumerate(labels)}
+        for split, rows in raw.items():
+            unseen = sorted(set(rows["label"]) - set(index), key=str)
+            if unseen:
+                raise ValueError(
+                    f"the {split} split has labels the training data lacks: {unseen[:5]} (train: {labels})"
+                )
         raw = raw.map(lambda row: {"label": index[row["label"]]})
     return raw, keys, len(labels), "mrpc" if len(labels) == 2 else "mnli"
 

@@ -286,15 +286,17 @@ def test_pretrain_clm_every_other_strategy(tmp_path, strategy):
     check_trained(result, strategy, 2)
 
 
-def test_finetune_glue_from_csv_files(tmp_path):
-    """run_glue-style files: sentence-pair classification scored with accuracy and F1."""
+@pytest.mark.parametrize("first_label", [0, 1])
+def test_finetune_glue_from_csv_files(tmp_path, first_label):
+    """run_glue-style files: sentence-pair classification scored with accuracy and F1; integer
+    labels that do not start at 0 (1/2, as Yelp polarity's) become ids (IndexError before)."""
     recipe = import_recipe("finetune_glue")
     columns, _ = recipe.synthetic_task("synthetic-mrpc", 48, seed=1)
     for split, rows in columns.items():
         with open(tmp_path / f"{split}.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["sentence1", "sentence2", "label"])
-            writer.writerows(zip(rows["sentence1"], rows["sentence2"], rows["label"]))
+            writer.writerows(zip(rows["sentence1"], rows["sentence2"], [y + first_label for y in rows["label"]]))
     result = recipe.main(
         [
             "--precision_strategy",
