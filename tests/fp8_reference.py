@@ -76,12 +76,13 @@ def gemm_error_bound(
     return sum_error + unit_roundoff(torch.bfloat16) * (exact.abs() + sum_error)
 
 
-def publish_fp8(bf16_dir, out_dir) -> None:
+def publish_fp8(bf16_dir, out_dir, per_tensor: bool = False) -> None:
     """Write the BF16 checkpoint in `bf16_dir` to `out_dir` in the published FP8 format, as a
     release quantizes every projection: each 2-D `…proj.weight` whose sides are whole 128-blocks
     (a Llama's attention and MLP projections, a Qwen3-MoE's experts' too) as an E4M3 `weight`
     with an FP32 `weight_scale_inv` per 128×128 block (scale_inv = block amax / 448, payload =
-    w / scale_inv), the other tensors as they are, the config's `quantization_config` saying so."""
+    w / scale_inv), the other tensors as they are, the config's `quantization_config` saying so.
+    `per_tensor`: one scale per weight, shape (1,), and `weight_block_size` null."""
     bf16_dir, out_dir = Path(bf16_dir), Path(out_dir)
     tensors = {}
     for key, value in load_file(f"{bf16_dir}/model.safetensors").items():
@@ -89,6 +90,11 @@ def publish_fp8(bf16_dir, out_dir) -> None:
             tensors[key] = value
             continue
         rows, cols = value.shape
+        if per_tensor:
+            scale_inv = (value.double().abs().amax() / 448).float().reshape(1)
+            payload = (value.double() / scale_inv.double()).clamp(-448, 448).to(E4M3)
+            tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = payload, scale_inv
+            continue
         blocks = value.double().reshape(rows // 128, 128, cols // 128, 128)
         scale_inv = (blocks.abs().amax(dim=(1, 3)) / 448).float()
         payload = (blocks / scale_inv.double()[:, None, :, None]).clamp(-448, 448).reshape(rows, cols).to(E4M3)
@@ -98,6 +104,6 @@ def publish_fp8(bf16_dir, out_dir) -> None:
     config["quantization_config"] = {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
+        "weight_block_size": None if per_tensor else [128, 128],
     }
     (out_dir / "config.json").write_text(json.dumps(config))

@@ -102,6 +102,14 @@ class _StoredTensors:
             return f.get_tensor(key)
 
 
+def _grid(payload: torch.Tensor, scale: torch.Tensor, block: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(scale, block) of one layer as `dequantize_published` takes them: the checkpoint's blocks,
+    or, where its `weight_block_size` is null (one scale per tensor), the whole weight as one block."""
+    if block is None:
+        return scale.reshape(1, 1), (int(payload.shape[0]), int(payload.shape[1]))
+    return scale, tuple(block)
+
+
 def _is_transformers_fp8(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
@@ -132,6 +140,18 @@ def _forget_quantization(base: nn.Module) -> None:
         base.is_quantized = False
 
 
+def _block_size(config: dict[str, Any], base: nn.Module) -> tuple[int, int] | None:
+    """The checkpoint's `weight_block_size`, or None for one scale per tensor (null), which its
+    linear layers take (FP8 experts with one scale per tensor are refused: not supported yet)."""
+    block = config.get("weight_block_size")
+    if block is None and any(holds_fp8_experts(m) for m in base.modules()):
+        raise ValueError(
+            "this FP8 checkpoint scales its experts per tensor (weight_block_size null), which hf_lowprec does not "
+            "train yet; load it dequantized (quantization_config=FineGrainedFP8Config(dequantize=True)) and train BF16"
+        )
+    return None if block is None else tuple(block)
+
+
 def release_quantized_fp8(model: nn.Module) -> int:
     """Swap transformers' FP8 inference layers for `FrozenBlockFP8Linear` carriers (the same bytes)
     and drop the quantized-model marks, so the Trainer accepts the model; `restore_published_fp8`
@@ -140,12 +160,13 @@ def release_quantized_fp8(model: nn.Module) -> int:
     config = published_fp8_config(base)
     if config is None:
         return 0
-    block = tuple(config.get("weight_block_size") or BLOCK)
+    block = _block_size(config, base)
     swapped = 0
     for fqn, module in list(base.named_modules()):
         if not _is_transformers_fp8(module):
             continue
-        carrier = FrozenBlockFP8Linear(module.weight, module.weight_scale_inv, module.bias, block=block)
+        scale, grid = _grid(module.weight, module.weight_scale_inv, block)
+        carrier = FrozenBlockFP8Linear(module.weight, scale, module.bias, block=grid)
         carrier.trainable = module.weight.requires_grad
         _set_child(base, fqn, carrier)
         swapped += 1
@@ -210,7 +231,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
     config = base.__dict__.get("_fp8_published_config") or published_fp8_config(base)
     if config is None:
         return None
-    block = tuple(config.get("weight_block_size") or BLOCK)
+    block = _block_size(config, base)
     stored: _StoredTensors | None = None
     layers: dict[str, str] = {}
     changed: list[str] = []
@@ -228,39 +249,40 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
                 continue
             payload, scale = stored.get(name + ".weight"), stored.get(name + _SCALE)
             weight = module.weight
-            as_loaded = dequantize_published(payload, scale, weight.dtype, block).to(weight.device)
+            grid_scale, grid = _grid(payload, scale, block)
+            as_loaded = dequantize_published(payload, grid_scale, weight.dtype, grid).to(weight.device)
             if not torch.equal(as_loaded, weight.detach()):  # once, at preparation
                 changed.append(name)
                 continue
             trainable = weight.requires_grad
         else:
             continue
-        payload, scale = payload.detach(), scale.detach()
+        payload, (scale, grid) = payload.detach(), _grid(payload, scale.detach(), block)
         if trainable:
             layers[name] = "trained from FP32 values"
             if type(module) is nn.Linear:  # in place: the parameter others hold stays the same object
-                module.weight.data = dequantize_published(payload, scale, torch.float32, block)
+                module.weight.data = dequantize_published(payload, scale, torch.float32, grid)
                 continue
-            new: nn.Module = _linear(payload, scale, module.bias, block, torch.float32, True)
+            new: nn.Module = _linear(payload, scale, module.bias, grid, torch.float32, True)
         elif keep_frozen_fp8:
             new = (
                 module
                 if isinstance(module, FrozenBlockFP8Linear)
-                else FrozenBlockFP8Linear(payload, scale, module.bias, block=block)
+                else FrozenBlockFP8Linear(payload, scale, module.bias, block=grid)
             )
             layers[name] = "frozen as published FP8"
         else:
             new = (
                 module
                 if type(module) is nn.Linear
-                else _linear(payload, scale, module.bias, block, loaded_dtype, False)
+                else _linear(payload, scale, module.bias, grid, loaded_dtype, False)
             )
             layers[name] = "frozen, dequantized"
         if new is not module:
             new.train(module.training)
             _set_child(base, fqn, new)
     stored = stored if stored is not None else _StoredTensors(source)
-    restore_experts(base, stored, block, layers, changed, _published_dtype(base, None))
+    restore_experts(base, stored, block or BLOCK, layers, changed, _published_dtype(base, None))
     if changed:
         logger.warning(
             "FP8 checkpoint: %d layers differ from the checkpoint's stored values (changed after loading?) and "
@@ -320,7 +342,7 @@ def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:
     stored = _StoredTensors(record["source"])
     fp8_weights = {name + suffix for name in record["layers"] for suffix in (".weight", _SCALE)}
     dtype = record["dtype"]
-    written = 0
+    written = total = 0
     for file in files:
         with safe_open(str(folder / file), "pt") as f:
             names = f.keys()
@@ -340,6 +362,10 @@ def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:
                 continue
             if kind == "frozen, dequantized" and name + _SCALE in stored:  # never trained: the published bytes
                 tensors[key], tensors[name + _SCALE] = stored.get(key), stored.get(name + _SCALE)
+            elif block is None:  # one scale per tensor, stored in the checkpoint's shape
+                shape = stored.get(name + _SCALE).shape if name + _SCALE in stored else (1,)
+                payload, scale = quantize_published(tensors[key], tuple(tensors[key].shape), scale_fmt=scale_fmt)
+                tensors[key], tensors[name + _SCALE] = payload, scale.reshape(shape)
             else:
                 tensors[key], tensors[name + _SCALE] = quantize_published(tensors[key], block, scale_fmt=scale_fmt)
             if index:
@@ -347,7 +373,9 @@ def write_published_fp8(output_dir: str | os.PathLike, model: nn.Module) -> int:
             rewrite, written = True, written + 1
         if rewrite:
             save_file(tensors, str(folder / file), metadata=metadata or {"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if index:
+        index.setdefault("metadata", {})["total_size"] = total  # the FP8 bytes, not the export's
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())

@@ -286,3 +286,55 @@ def test_a_frozen_layer_is_saved_as_it_was_published(fp8_checkpoint, tmp_path, n
             assert_bits_equal(saved[key].view(torch.uint8), stored[key].view(torch.uint8), key)
     key = "model.layers.0.self_attn.q_proj.weight"  # trained: written anew
     assert saved[key].dtype == E4M3 and not torch.equal(saved[key].view(torch.uint8), stored[key].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "collage-plus"])
+def test_a_checkpoint_scaled_per_tensor_trains_and_saves_in_its_format(tmp_path, name):
+    """`weight_block_size: null` (one scale per weight, shape (1,)), which transformers loads: the
+    Trainer raised "a (128, 128) weight in 128×128 blocks needs (1, 1)" (null read as 128×128).
+    Each projection trains from payload · scale in FP32 (the values the checkpoint means: exact)
+    and is saved back per tensor, scale shape (1,), block size null; plain transformers reloads it
+    as the saved payload · scale rounded once to BF16. Saved in shards, the index's total_size is
+    the bytes the shards hold (it kept the FP32 export's)."""
+    import functools
+
+    import transformers
+
+    torch.manual_seed(0)
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    LlamaForCausalLM(tiny_llama_config(128)).to(torch.bfloat16).save_pretrained(bf16)
+    fp8.mkdir()
+    publish_fp8(bf16, fp8, per_tensor=True)
+    stored = _stored(str(fp8))
+    trainer = _trainer(AutoModelForCausalLM.from_pretrained(str(fp8)), tmp_path / "run", name, max_steps=2)
+    if name == "fp8-lm-o1":  # FP32 masters hold the stored values exactly (the others round them once)
+        key = "model.layers.0.mlp.down_proj"
+        expected = stored[key + ".weight"].float() * stored[key + ".weight_scale_inv"]
+        assert_bits_equal(trainer.model.get_submodule(key).weight, expected, "the trained layer's start")
+    trainer.train()
+    original = transformers.PreTrainedModel.save_pretrained
+    for out, shard in ((tmp_path / "out", None), (tmp_path / "sharded", "150KB")):
+        if shard:
+            transformers.PreTrainedModel.save_pretrained = functools.partialmethod(original, max_shard_size=shard)
+        try:
+            trainer.save_model(str(out))
+        finally:
+            transformers.PreTrainedModel.save_pretrained = original
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] is None
+    saved = _stored(str(tmp_path / "out"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    for name_ in (k for k in stored if k.endswith("proj.weight")):
+        scale = saved[name_.removesuffix("weight") + "weight_scale_inv"]
+        assert saved[name_].dtype == E4M3 and scale.shape == (1,) and scale.dtype == torch.float32
+        as_loaded = (saved[name_].float() * scale).to(torch.bfloat16)
+        assert_bits_equal(reloaded.get_submodule(name_.removesuffix(".weight")).weight, as_loaded, name_)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    held = 0
+    for file in shards:
+        with safe_open(str(tmp_path / "sharded" / file), "pt") as f:
+            names = list(f.keys())
+            held += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in names)
+    assert index["metadata"]["total_size"] == held
