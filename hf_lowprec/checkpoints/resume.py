@@ -33,6 +33,7 @@ __all__ = [
     "check_checkpoint",
     "check_resume_options",
     "check_optimizer_state",
+    "check_stock_optimizer_state",
     "check_fp8_layout",
     "check_zero_owners",
     "refuse_rank_optimizers",
@@ -417,6 +418,26 @@ def check_optimizer_state(strategy: Any, saved: dict[str, Any]) -> list[str]:
         )
     options = saved.get("options")
     return check_resume_options(strategy, options, "this optimizer state") if options else []
+
+
+def check_stock_optimizer_state(strategy: Any) -> None:
+    """An optimizer state dict with no "hf_lowprec" entry (saved without a precision strategy) loaded
+    into `strategy`'s optimizer: a strategy that trains with the user's optimizer (`takes_user_optimizer`)
+    loads its stock layout, its own state starting afresh (a warning); any other refuses it."""
+    if strategy.takes_user_optimizer:
+        logger.warning(
+            "this optimizer state has no 'hf_lowprec' entry (saved without a precision strategy): its AdamW state "
+            "loads, and the state of precision strategy %r itself (skipped-step count, loss scale) starts afresh",
+            strategy.name,
+        )
+        return
+    raise ValueError(
+        "this optimizer state has no 'hf_lowprec' entry: it was saved without a precision strategy (a stock "
+        "optimizer's state_dict, as accelerator.save_state writes in a loop without PrecisionPlugin), and precision "
+        f"strategy {strategy.name!r} lays out its optimizer's state otherwise and keeps state of its own. None of it was "
+        "loaded into the optimizer. Resume it without a precision strategy, or start this strategy's optimizer afresh from the "
+        "checkpoint's weights: load only the model (its model.safetensors), not the optimizer state"
+    )
 
 
 def check_fp8_layout(strategy: Any, saved: dict[str, Any]) -> None:

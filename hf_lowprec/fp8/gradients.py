@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..compiling import run_fused, run_fused_rows, takes_gpu_path
+from ..scaling import check_norm_type
 from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
 from .scaled import pow2_scale, quantize, tensor_amax
@@ -330,24 +331,33 @@ class BackwardFP8Gradients:
         values = chosen.split([scale.numel() for scale in scales])
         torch._foreach_copy_(scales, [value.view(scale.shape) for value, scale in zip(values, scales)])
 
-    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
-        """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip L2 norm.
+    def clip_grad_norm(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float | str = 2.0
+    ) -> torch.Tensor | None:
+        """Clip stored FP8 and ordinary `p.grad` gradients together; the pre-clip norm (L2, or
+        the largest magnitude for norm_type inf; no other).
 
         None when no gradient is stored as FP8 (the caller's own clipping then applies).
         As `torch.nn.utils.clip_grad_norm_`: c = min(1, max_norm / (norm + 1e-6)).
         """
+        norm_type = check_norm_type(norm_type)
         params = list(parameters)
         stored = self.stored(params)
         if not stored:
             return None
         dense = [p.grad for p in params if p.grad is not None]
-        if takes_gpu_path(stored[0][0].device):
+        if norm_type == math.inf:
+            peaks = [torch.linalg.vector_norm(g.float(), math.inf) for g in dense]
+            peaks += [torch.linalg.vector_norm(widen(p, torch.float32), math.inf) / scale for p, scale in stored]
+            norm = torch.stack(peaks).max()
+        elif takes_gpu_path(stored[0][0].device):
             return _clip_on_device(dense, stored, max_norm)
-        squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
-        squares += [
-            (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored
-        ]
-        norm = torch.stack(squares).sum().sqrt()
+        else:
+            squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
+            squares += [
+                (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square() for payload, scale in stored
+            ]
+            norm = torch.stack(squares).sum().sqrt()
         if math.isfinite(max_norm):
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for grad in dense:
@@ -355,6 +365,19 @@ class BackwardFP8Gradients:
             for _, scale in stored:
                 scale.div_(coefficient)
         return norm
+
+    def clip_grad_value(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp the stored FP8 gradients among `parameters` to [-clip_value, clip_value]: each
+        payload to the largest FP8 value v with v / scale <= clip_value (NaN stays NaN)."""
+        for payload, scale in self.stored(list(parameters)):
+            bound = (clip_value * scale.float()).clamp(max=torch.finfo(payload.dtype).max)
+            code = bound.to(payload.dtype)
+            below = (code.view(torch.uint8) - 1).view(payload.dtype)  # the next FP8 value towards 0
+            limit = torch.where(
+                widen(code, torch.float32) > bound, widen(below, torch.float32), widen(code, torch.float32)
+            )
+            wide = widen(payload, torch.float32)
+            payload.copy_(torch.minimum(torch.maximum(wide, -limit), limit).to(payload.dtype))
 
 
 def _clip_on_device(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 # Group keys carried from a torch Adam/AdamW group to the strategy's optimizer; the others
 # (foreach, fused, capturable, …) are torch implementation switches.
 _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name")
+_NOT_PER_GROUP = ("optimizer", "_schedulers", "_milestones")
 
 
 class PrecisionPlugin:
@@ -56,6 +58,9 @@ class PrecisionPlugin:
             self.strategy = get_strategy(strategy, **options)
         self._hooked: set[int] = set()
         self._optimizers: list[StrategyOptimizer] = []
+        # Each replaced torch optimizer → the strategy's optimizer that took its place.
+        self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._skips_noted: set[int] = set()  # Accelerate's optimizer wrappers told of the strategy's skips
         self.report: dict[str, Any] | None = None  # the startup report of the last prepared model
 
     def __repr__(self) -> str:
@@ -68,7 +73,8 @@ class PrecisionPlugin:
         Models are converted and get the forward context. A `torch.optim.AdamW` (or `Adam`
         without weight decay) is replaced by the strategy's optimizer with the same groups;
         an optimizer from `create_optimizer` passes through. LR schedulers built on a replaced
-        optimizer are moved to the new one. Returns what `accelerator.prepare` returns.
+        optimizer (and those nested in `SequentialLR` / `ChainedScheduler`) are moved to the new
+        one, here or in a later `accelerator.prepare`. Returns what `accelerator.prepare` returns.
         """
         if getattr(accelerator, "mixed_precision", "no") != "no":
             raise ValueError(
@@ -82,16 +88,15 @@ class PrecisionPlugin:
             if isinstance(obj, torch.nn.Module):
                 objects[i] = self.prepare_model(obj)
                 model_params.update(id(p) for p in objects[i].parameters())
-        replaced: dict[int, StrategyOptimizer] = {}
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, StrategyOptimizer):
-                objects[i] = replaced[id(obj)] = self._convert_optimizer(obj, model_params)
+                if obj not in self._replaced:
+                    self._replaced[obj] = self._convert_optimizer(obj, model_params)
+                objects[i] = self._replaced[obj]
             if isinstance(objects[i], StrategyOptimizer) and all(o is not objects[i] for o in self._optimizers):
                 self._optimizers.append(objects[i])
         for obj in objects:
-            old = getattr(obj, "optimizer", None)
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(old) in replaced:
-                _rebind_scheduler(obj, replaced[id(old)], old)
+            self._follow(obj)
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
             from ..engines.zero import configure_accelerator
 
@@ -115,8 +120,9 @@ class PrecisionPlugin:
                 if isinstance(o, StrategyOptimizer)
             }
         self._report(accelerator, objects)
-        self._route_clipping(accelerator)  # (after every check: a refused prepare leaves it stock)
+        self._route(accelerator)  # (after every check: a refused prepare leaves it stock)
         prepared = accelerator.prepare(*objects, **prepare_kwargs)
+        self._note_skips(prepared if isinstance(prepared, (tuple, list)) else (prepared,))
         if fsdp:
             from ..engines.fsdp2 import adopt_shards, move_state_to_shards
 
@@ -197,30 +203,74 @@ class PrecisionPlugin:
         """The forward context, for computation outside the model's forward (e.g. a custom loss)."""
         return self.strategy.forward_context()
 
-    def clip_grad_norm_(self, accelerator: Any, parameters: Any, max_norm: float, **kwargs: Any) -> torch.Tensor:
-        """`accelerator.clip_grad_norm_(parameters, max_norm)` on the gradients the strategy trains: unscaled
-        (loss-scaling strategies), O2's FP8 ones included. `prepare` makes `accelerator.clip_grad_norm_` this."""
+    def clip_grad_norm_(
+        self, accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2.0, **kwargs: Any
+    ) -> torch.Tensor:
+        """`accelerator.clip_grad_norm_(parameters, max_norm, norm_type)` on the gradients the strategy trains:
+        unscaled (loss-scaling strategies), O2's FP8 ones included. `prepare` makes `accelerator.clip_grad_norm_`
+        this. A strategy's own clipping (FP16, O2) takes norm_type 2 or inf, and refuses others."""
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
-        norm = self.strategy.clip_own_grad_norm(parameters, max_norm)  # FP16 strategies: an FP32 norm
-        norm = (
-            norm if norm is not None else type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, **kwargs)
-        )
+        # FP16 strategies: an FP32 norm (norm_type passed only where it is not the default a hook may lack).
+        extra = {} if float(norm_type) == 2.0 else {"norm_type": norm_type}
+        norm = self.strategy.clip_own_grad_norm(parameters, max_norm, **extra)
+        if norm is None:
+            norm = type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, norm_type=norm_type, **kwargs)
         # The guard reads this pre-clip norm; the step's skip flag too, for a norm that sees inf/NaN.
-        covered = parameters if reveals_nonfinite(kwargs.get("norm_type", 2.0)) else None
+        covered = parameters if reveals_nonfinite(norm_type) else None
         return self.strategy.note_grad_norm(norm, covered)
+
+    def clip_grad_value_(self, accelerator: Any, parameters: Any, clip_value: float) -> None:
+        """`accelerator.clip_grad_value_(parameters, clip_value)` on the gradients the strategy trains:
+        unscaled first (loss-scaling strategies), O2's FP8 ones clamped too. `prepare` makes
+        `accelerator.clip_grad_value_` this."""
+        for optimizer in self._optimizers:
+            self.strategy.unscale_gradients(optimizer.optimizer)
+        parameters = list(parameters)
+        type(accelerator).clip_grad_value_(accelerator, parameters, clip_value)  # p.grad (it refuses ZeRO/FSDP)
+        self.strategy.clip_own_grad_value(parameters, clip_value)
+
+    def prepare_scheduler(self, accelerator: Any, scheduler: Any) -> Any:
+        """`accelerator.prepare_scheduler(scheduler)`, the scheduler first moved to the strategy's
+        optimizer where it was built on one `prepare` replaced. `prepare` routes Accelerate's to this."""
+        self._follow(scheduler)
+        return type(accelerator).prepare_scheduler(accelerator, scheduler)
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""
         return self.strategy.metrics()
 
     # --- internals ---------------------------------------------------------------------
-    def _route_clipping(self, accelerator: Any) -> None:
-        # A loop written for Accelerate clips with `accelerator.clip_grad_norm_`, which sees only
-        # `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones held beside it.
-        # On this Accelerator it is the plugin's (the last one to prepare), which clips what the strategy trains.
+    def _route(self, accelerator: Any) -> None:
+        # A loop written for Accelerate clips with `accelerator.clip_grad_norm_` / `clip_grad_value_`,
+        # which see only `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones
+        # held beside it. On this Accelerator they are the plugin's (the last one to prepare), as is
+        # `prepare_scheduler`, which moves a scheduler prepared in a later call to the strategy's optimizer.
         accelerator.clip_grad_norm_ = functools.partial(self.clip_grad_norm_, accelerator)
+        accelerator.clip_grad_value_ = functools.partial(self.clip_grad_value_, accelerator)
+        accelerator.prepare_scheduler = functools.partial(self.prepare_scheduler, accelerator)
+
+    def _follow(self, scheduler: Any) -> None:
+        # A scheduler (or one nested in SequentialLR / ChainedScheduler) on a replaced optimizer moves to its successor.
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            return
+        for child in getattr(scheduler, "_schedulers", ()):
+            self._follow(child)
+        old = getattr(scheduler, "optimizer", None)
+        if isinstance(old, torch.optim.Optimizer) and old in self._replaced:
+            _rebind_scheduler(scheduler, self._replaced[old], old)
+
+    def _note_skips(self, prepared: Any) -> None:
+        # Accelerate's scheduler holds, and `accelerator.optimizer_step_was_skipped` is True, only where its
+        # optimizer wrapper says the step was skipped, which it knows only of its GradScaler: pass the
+        # strategy's skip through the same flag after each step (reading it syncs once, as GradScaler's does).
+        for wrapper in prepared:
+            inner = getattr(wrapper, "optimizer", None)
+            if isinstance(inner, StrategyOptimizer) and hasattr(wrapper, "_is_overflow"):
+                if id(wrapper) not in self._skips_noted:
+                    self._skips_noted.add(id(wrapper))
+                    inner.register_step_post_hook(functools.partial(_note_skip, wrapper))
 
     def _register_comm_hooks(self, prepared: tuple) -> None:
         # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
@@ -261,16 +311,21 @@ class PrecisionPlugin:
         )
 
 
+def _note_skip(wrapper: Any, optimizer: StrategyOptimizer, args: Any, kwargs: Any) -> None:
+    wrapper._is_overflow = optimizer.step_was_skipped
+
+
 def _follow_split_groups(scheduler: Any, optimizer: StrategyOptimizer, old: torch.optim.Optimizer) -> None:
-    """A strategy may split a group in two (fp8-lm-o2: FP8 GEMM weights and the rest, same
-    settings): each per-group list the scheduler keeps (`base_lrs`, `_last_lr`, `lr_lambdas`, …,
-    one entry per old group) gets one entry per new group, that of the group it came from."""
+    """A strategy may split a group in two (fp8-lm-o2 once did: FP8 GEMM weights and the rest,
+    same settings): each per-group list the scheduler keeps (`base_lrs`, `_last_lr`,
+    `lr_lambdas`, …, one entry per old group) gets one entry per new group, that of its origin."""
     if len(optimizer.param_groups) == len(old.param_groups):
         return
     source = {id(p): i for i, group in enumerate(old.param_groups) for p in group["params"]}
     origin = [source[id(group["params"][0])] for group in optimizer.param_groups]
     for name, value in list(vars(scheduler).items()):
-        if isinstance(value, list) and len(value) == len(old.param_groups) and name != "optimizer":
+        # (SequentialLR's `_schedulers` and `_milestones` are not per group; its children follow on their own.)
+        if isinstance(value, list) and len(value) == len(old.param_groups) and name not in _NOT_PER_GROUP:
             setattr(scheduler, name, [value[i] for i in origin])
 
 

@@ -13,6 +13,7 @@ from .loss_scale import (
     AgreeingGradScaler,
     check_loss_scale,
     check_loss_scaler_settings,
+    check_norm_type,
     clip_grad_norm_,
     step_unless,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RunningMeanGradients",
     "check_loss_scale",
     "check_loss_scaler_settings",
+    "check_norm_type",
     "clip_grad_norm_",
     "running_mean_",
     "step_unless",

@@ -57,23 +57,37 @@ def check_loss_scaler_settings(
         raise ValueError(f"need min_scale <= init_scale <= max_scale, got {min_scale!r}, {init_scale!r}, {max_scale!r}")
 
 
-def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global 2-norm is at most `max_norm`; the FP32 pre-clip norm.
+def check_norm_type(norm_type: float | str) -> float:
+    """`norm_type` as a float, where a strategy's own clipping takes it (2 or inf); ValueError otherwise."""
+    p = float(norm_type)
+    if p not in (2.0, math.inf):
+        raise ValueError(
+            f"the precision strategy clips with its own norm, which takes norm_type 2 or inf, got {norm_type!r}; "
+            "clip with norm_type=2 (the default) or norm_type=float('inf')"
+        )
+    return p
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor:
+    """Scale gradients so their global `norm_type`-norm (2 or inf) is at most `max_norm`; the FP32 pre-clip norm.
 
     `torch.nn.utils.clip_grad_norm_` forms the norm in the gradients' dtype: for FP16
     gradients a norm above 65504 becomes inf, and the gradients are multiplied by
     max_norm/inf = 0 (or by inf/inf = NaN when max_norm is inf, as the Trainer does to log
     the norm). Here per-tensor norms are accumulated in FP32; `max_norm=inf` only measures.
     """
+    norm_type = check_norm_type(norm_type)
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0, device=parameters[0].device if parameters else "cpu")
     plain = [grad for grad in grads if not isinstance(grad, DTensor)]
-    norms = list(torch._foreach_norm(plain, 2.0, dtype=torch.float32)) if plain else []
+    norms = list(torch._foreach_norm(plain, norm_type, dtype=torch.float32)) if plain else []
     # FSDP2's shards one at a time: torch 2.14's DTensor rule for `_foreach_norm` reads its dtype as a dim.
-    norms += [torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) for grad in grads if isinstance(grad, DTensor)]
-    total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+    norms += [
+        torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32) for grad in grads if isinstance(grad, DTensor)
+    ]
+    total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
     if math.isfinite(max_norm):
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # One multi-tensor multiply per device and dtype (a GPU launches one kernel per chunk of

@@ -63,8 +63,8 @@ class LossScaledStrategy(PrecisionStrategy):
         self.scaler.unscale_(unwrap_optimizer(optimizer))
         self._clip_seen = None
 
-    def clip_own_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(parameters, max_norm)  # torch's FP16 norm overflows to inf
+    def clip_own_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_grad_norm_(parameters, max_norm, norm_type)  # torch's FP16 norm overflows to inf
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
         # A skipped step still closes the scaler's step (and lowers the scale), on the device.

@@ -298,10 +298,14 @@ class FP8LM(PrecisionStrategy):
         # does; the FP8 layers keep their own numerics under it (only their output is rounded to BF16).
         return bf16_autocast()
 
-    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> Any:
         """O2 clips the FP8 gradients kept by FP8AdamW with the FP32 ones (custom loops call
         `clip_grad_norm`, not `torch.nn.utils.clip_grad_norm_`, which sees only `p.grad`)."""
-        return self.backward_grads.clip_grad_norm(parameters, max_norm) if self.o2 else None
+        return self.backward_grads.clip_grad_norm(parameters, max_norm, norm_type) if self.o2 else None
+
+    def clip_own_grad_value(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self.o2:  # the FP8 gradients FP8AdamW keeps; the loop clamped p.grad
+            self.backward_grads.clip_grad_value(parameters, clip_value)
 
     def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:
         """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""

@@ -289,10 +289,13 @@ class PrecisionStrategy:
         norm, self._grad_norm_seen = self._grad_norm_seen, None
         return norm
 
-    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+    def clip_own_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> Any:
         """Hook: clip where the loop's own function would be wrong (FP16 norms overflow, FP8
-        gradients outside `p.grad`) and return the pre-clip norm, or None to leave clipping to
-        the training loop's function (torch's, Accelerate's or DeepSpeed's)."""
+        gradients outside `p.grad`) and return the pre-clip norm (norm_type 2 or inf), or None to
+        leave clipping to the training loop's function (torch's, Accelerate's or DeepSpeed's)."""
+
+    def clip_own_grad_value(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Hook: clamp the gradients held outside `p.grad` (O2's FP8 ones) to ±clip_value."""
 
     # --- step --------------------------------------------------------------------------
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

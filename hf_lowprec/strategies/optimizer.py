@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoints.resume import check_fp8_layout, check_optimizer_state
+from ..checkpoints.resume import check_fp8_layout, check_optimizer_state, check_stock_optimizer_state
 
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
@@ -156,7 +156,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = dict(result)
         ours = state_dict.pop("hf_lowprec", None)
-        if ours is not None:
+        if ours is None:
+            check_stock_optimizer_state(self.strategy)  # saved without a strategy: refused unless stock-compatible
+        else:
             changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
             check_fp8_layout(self.strategy, ours)  # other layers kept in BF16 than when it was saved: refused
             if "seed" in changed:

@@ -1,0 +1,221 @@
+"""What a loop written for Accelerate calls besides the plugin's three lines, after `plugin.prepare`:
+nested and separately prepared LR schedulers, `accelerator.clip_grad_value_`, `clip_grad_norm_`'s
+norm_type, the skipped step Accelerate's scheduler must see, and `accelerator.load_state` of a
+checkpoint saved without a strategy."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.optim.lr_scheduler import ChainedScheduler, CosineAnnealingLR, ExponentialLR, LinearLR, SequentialLR
+from transformers import get_linear_schedule_with_warmup
+
+from hf_lowprec.fp8.cast import widen
+from hf_lowprec.integrations.accelerate import PrecisionPlugin
+from tests.helpers import batches, tiny_gpt2
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    return [{"params": decay, "weight_decay": 0.01}, {"params": [p for p in model.parameters() if p.dim() < 2]}]
+
+
+def _after_backward(name):
+    """A fresh Accelerator and plugin, the model and optimizer prepared, one backward done."""
+    accelerator = Accelerator(cpu=True)
+    plugin = PrecisionPlugin(name)
+    model = tiny_gpt2()
+    model, optimizer = plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = batches(1)[0]
+    plugin.backward(accelerator, model(input_ids=batch, labels=batch).loss)
+    return accelerator, plugin, model, optimizer
+
+
+def _fp8_held(optimizer, model):
+    """O2's FP8 gradients as (payload, scale), held by FP8AdamW beside `p.grad`."""
+    inner = optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → FP8AdamW
+    return [g for g in (inner.fp8_grad(p) for p in model.parameters()) if g is not None]
+
+
+_COMPOSITES = {
+    "sequential": lambda opt: SequentialLR(
+        opt, [LinearLR(opt, 0.1, 1.0, total_iters=2), CosineAnnealingLR(opt, T_max=4)], milestones=[2]
+    ),
+    "chained": lambda opt: ChainedScheduler([LinearLR(opt, 0.1, 1.0, total_iters=2), ExponentialLR(opt, 0.5)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_COMPOSITES))
+def test_schedulers_nested_in_a_composite_drive_the_strategys_optimizer(kind):
+    # The children of SequentialLR / ChainedScheduler kept the replaced AdamW: lr stuck at 1e-4.
+    model = tiny_gpt2()
+    reference = torch.optim.AdamW(_groups(model), lr=1e-3)
+    schedule = _COMPOSITES[kind](reference)
+    expected = []
+    for _ in range(4):
+        reference.step()
+        schedule.step()
+        expected.append([g["lr"] for g in reference.param_groups])
+
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(_groups(model), lr=1e-3)
+    model, optimizer, scheduler = PrecisionPlugin("collage-plus").prepare(
+        accelerator, model, optimizer, _COMPOSITES[kind](optimizer)
+    )
+    seen = []
+    for _ in range(4):
+        optimizer.step()  # no gradients: nothing moves, the schedule is what is tested
+        scheduler.step()
+        seen.append([g["lr"] for g in optimizer.optimizer.param_groups])
+    assert seen == expected
+    assert all(child.optimizer is optimizer.optimizer for child in scheduler.scheduler._schedulers)
+
+
+def test_a_scheduler_prepared_in_a_later_call_follows_the_strategys_optimizer():
+    model = tiny_gpt2()
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = get_linear_schedule_with_warmup(reference, 0, 4)
+    expected = []
+    for _ in range(3):
+        reference.step()
+        schedule.step()
+        expected.append(reference.param_groups[0]["lr"])
+
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, 4)
+    model, optimizer = PrecisionPlugin("collage-plus").prepare(accelerator, model, optimizer)
+    scheduler = accelerator.prepare(scheduler)  # built on the replaced AdamW, prepared afterwards
+    assert scheduler.scheduler.optimizer is optimizer.optimizer and scheduler.optimizers == [optimizer]
+    seen = []
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+        seen.append(optimizer.optimizer.param_groups[0]["lr"])
+    assert seen == expected
+
+
+def test_clip_grad_value_clamps_the_unscaled_gradients():
+    # fp16-mixed scales the loss by 2**16: the stock clip_grad_value_ clamped the scaled gradients.
+    C = 1e-3
+    accelerator, _, model, _ = _after_backward("fp16-mixed")
+    accelerator.clip_grad_value_(model.parameters(), C)
+    _, plugin, model_b, optimizer_b = _after_backward("fp16-mixed")
+    plugin.strategy.unscale_gradients(optimizer_b.optimizer)
+    torch.nn.utils.clip_grad_value_(model_b.parameters(), C)
+    clamped = 0
+    for a, b in zip(model.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+        clamped += int((a.grad.abs() == torch.tensor(C, dtype=a.grad.dtype)).sum())
+    assert clamped  # some gradients were above C: the comparison saw clamping
+
+
+def test_clip_grad_value_clamps_o2s_fp8_held_gradients():
+    C = 1e-3
+    accelerator, _, model, optimizer = _after_backward("fp8-lm-o2")
+    before = [(widen(payload, torch.float32).clone(), scale.clone()) for payload, scale in _fp8_held(optimizer, model)]
+    assert before
+    accelerator.clip_grad_value_(model.parameters(), C)
+    assert all(p.grad.abs().max() <= C for p in model.parameters() if p.grad is not None)
+    after = _fp8_held(optimizer, model)
+    clamped = 0
+    for (old, old_scale), (payload, scale) in zip(before, after, strict=True):
+        assert torch.equal(scale, old_scale)  # the payload is clamped, the scale kept
+        # The largest FP8 value v with v / scale <= C, from the format's 256 codes.
+        grid = torch.arange(256, dtype=torch.uint8).view(payload.dtype).float()
+        bound = C * scale.float()
+        limit = grid[grid.isfinite() & (grid <= bound)].max()
+        expected = torch.where(old.abs() <= limit, old, old.sign() * limit)
+        assert torch.equal(widen(payload, torch.float32), expected)
+        clamped += int((old.abs() > limit).sum())
+    assert clamped
+
+
+@pytest.mark.parametrize("name", ["fp16-mixed", "fp8-lm-o2"])
+def test_clip_grad_norm_takes_norm_type_inf(name):
+    # The strategies' own clipping measured L2 whatever norm_type said.
+    accelerator, plugin, model, optimizer = _after_backward(name)
+    plugin.strategy.unscale_gradients(optimizer.optimizer)
+    peaks = [p.grad.float().abs().max() for p in model.parameters() if p.grad is not None]
+    fp8 = _fp8_held(optimizer, model) if name == "fp8-lm-o2" else []
+    peaks += [widen(payload, torch.float32).abs().max() / scale for payload, scale in fp8]
+    expected = torch.stack(peaks).max()
+    max_norm = float(expected) / 4
+    assert torch.equal(accelerator.clip_grad_norm_(model.parameters(), max_norm, norm_type=math.inf), expected)
+    after = accelerator.clip_grad_norm_(model.parameters(), math.inf, norm_type=math.inf)  # measures only
+    # c = max_norm / (norm + 1e-6) lies 1e-6 / norm (> 2**-16 here) below max_norm / norm; O2's FP8
+    # values are payload / (scale / c), two FP32 roundings, 2**-23 each, within that margin.
+    assert max_norm * (1 - 1e-4) < float(after) <= max_norm
+    with pytest.raises(ValueError, match="norm_type 2 or inf"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+
+
+def test_a_skipped_step_holds_accelerates_scheduler_and_says_so():
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, 10)
+    plugin = PrecisionPlugin("collage-plus")
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, optimizer, scheduler)
+    rows = []
+    for i, batch in enumerate(batches(3)):
+        plugin.backward(accelerator, model(input_ids=batch, labels=batch).loss)
+        if i == 1:
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        rows.append((accelerator.optimizer_step_was_skipped, scheduler.get_last_lr()[0]))
+    assert [skipped for skipped, _ in rows] == [False, True, False]
+    assert plugin.strategy.skipped_steps == 1
+    lrs = [lr for _, lr in rows]
+    assert lrs[1] == lrs[0] == 1e-3 * 9 / 10 and lrs[2] == 1e-3 * 8 / 10  # the schedule held at the skip
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory):
+    """`accelerator.save_state` of a loop without a precision strategy, after one step."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(_groups(model), lr=1e-3))
+    batch = batches(1)[0]
+    accelerator.backward(model(input_ids=batch, labels=batch).loss)
+    optimizer.step()
+    path = tmp_path_factory.mktemp("stock")
+    accelerator.save_state(str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", ["collage-plus", "fp16-als"])
+def test_load_state_of_a_stock_checkpoint_is_refused(stock_checkpoint, name):
+    # collage-plus crashed with KeyError('variant'); fp16-als loaded, its loss scaler's state lost.
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    model, optimizer = PrecisionPlugin(name).prepare(accelerator, model, torch.optim.AdamW(_groups(model), lr=3e-3))
+    before = {
+        i: {k: torch.as_tensor(v).clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()
+    }
+    with pytest.raises(ValueError, match="no 'hf_lowprec' entry: it was saved without a precision strategy") as error:
+        accelerator.load_state(str(stock_checkpoint))
+    assert f"precision strategy {name!r}" in str(error.value) and "model.safetensors" in str(error.value)
+    after = optimizer.state_dict()["state"]  # the optimizer is as prepare left it
+    assert before.keys() == after.keys() and [g["lr"] for g in optimizer.param_groups] == [3e-3, 3e-3]
+    assert all(torch.equal(v, torch.as_tensor(after[i][k])) for i, s in before.items() for k, v in s.items())
+
+
+def test_load_state_of_a_stock_checkpoint_loads_where_the_strategy_takes_adamws_state(stock_checkpoint, caplog):
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    model, optimizer = PrecisionPlugin("bf16-mixed").prepare(accelerator, model, torch.optim.AdamW(_groups(model)))
+    with caplog.at_level(logging.WARNING):
+        accelerator.load_state(str(stock_checkpoint))
+    assert "no 'hf_lowprec' entry" in caplog.text and "starts afresh" in caplog.text
+    saved = torch.load(stock_checkpoint / "optimizer.bin", weights_only=True)
+    loaded = optimizer.state_dict()
+    assert saved["state"].keys() == loaded["state"].keys()
+    for index, state in saved["state"].items():
+        assert torch.equal(loaded["state"][index]["exp_avg"], state["exp_avg"])
