@@ -169,6 +169,8 @@ def run_training(trainer: Any, training_args: Any) -> Any:
     'last': the output directory's latest), as the HF examples pass it; the stock Trainer does
     not read the argument itself."""
     resume = training_args.resume_from_checkpoint
+    if resume is None:  # TRL's PPOTrainer.train takes no argument
+        return trainer.train()
     return trainer.train(resume_from_checkpoint=True if resume in _LAST else resume)
 
 

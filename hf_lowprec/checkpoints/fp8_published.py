@@ -273,9 +273,7 @@ def restore_published_fp8(model: nn.Module, *, keep_frozen_fp8: bool) -> dict[st
             layers[name] = "frozen as published FP8"
         else:
             new = (
-                module
-                if type(module) is nn.Linear
-                else _linear(payload, scale, module.bias, grid, loaded_dtype, False)
+                module if type(module) is nn.Linear else _linear(payload, scale, module.bias, grid, loaded_dtype, False)
             )
             layers[name] = "frozen, dequantized"
         if new is not module:

@@ -142,8 +142,7 @@ def run(command: Sequence[str], strategy: str | None, options: str | None) -> No
         files = os.listdir(hooks)
     applied = sum(name.startswith(APPLIED_PREFIX) for name in files)
     hooked = len(files) - applied
-    asked_help = any(arg in ("-h", "--help") for arg in command[1:])  # a script's help trains nothing
-    if hooked and strategy and not applied and code == 0 and not asked_help:
+    if hooked and strategy and not applied and code == 0 and not {"-h", "--help"} & set(command[1:]):
         print(
             f"hf-lowprec launch: `{' '.join(command)}` ran to its end, but none of its processes prepared a model "
             f"with a precision strategy, so nothing trained with precision_strategy={strategy!r}. The Trainer and "
