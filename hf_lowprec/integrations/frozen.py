@@ -18,7 +18,8 @@ from ..fp8.convert import default_skips
 from ..fp8.linear import FP8Linear
 from ..strategies.interface import PrecisionStrategy
 
-__all__ = ["FROZEN_ATTR", "freeze_model", "frozen_footprint", "is_plain_module"]
+__all__ = ["FROZEN_ATTR", "check_refreeze", "freeze_all", "freeze_model", "frozen_candidates", "frozen_footprint"]
+__all__ += ["is_plain_module"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,31 @@ def is_plain_module(model: Any) -> bool:
 
 
 def _storage(strategy: PrecisionStrategy) -> str:
+    if strategy.options.frozen_models == "policy":
+        return "as the policy"
     if strategy.frozen_in_fp8:
         return "fp8-blocks"
     return str(strategy.compute_dtype).removeprefix("torch.")
+
+
+def check_refreeze(strategy: PrecisionStrategy, model: Any, role: str) -> bool:
+    """Whether `model` is frozen already in the storage `strategy` keeps (True: reuse it as it is).
+
+    Raises ValueError when another strategy froze it to another storage: its FP8 or 16-bit
+    weights cannot be widened back losslessly, so a model frozen once is never converted again."""
+    facts = getattr(model, "__dict__", {}).get(FROZEN_ATTR)
+    if facts is None:
+        return False
+    storage, wanted = facts["storage"], _storage(strategy)
+    by = facts.get("strategy")
+    if storage == wanted and (wanted != "as the policy" or by == strategy.name):
+        return True
+    raise ValueError(
+        f"the {role} model passed to this trainer was frozen already, by precision_strategy={by!r} "
+        f"(storage: {storage}); precision_strategy={strategy.name!r} keeps frozen models as {wanted}, and a "
+        "frozen model's weights cannot be converted back losslessly. Pass this trainer a fresh copy of "
+        "the model (load it again, or copy.deepcopy it before the first trainer)"
+    )
 
 
 def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, head_fp32: bool = False) -> nn.Module:
@@ -59,17 +82,18 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
     in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
     `role` names it in the logs and the startup report ("reference", "reward", "teacher").
     `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); modules the
-    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. Idempotent: a model frozen already is
-    returned as it is.
+    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. A model frozen already is returned as it
+    is when `strategy` keeps the same storage; another storage is refused (`check_refreeze`).
     """
-    if FROZEN_ATTR in model.__dict__:
+    if check_refreeze(strategy, model, role):
         return model
     if strategy.options.frozen_models == "policy":
         from .peft import prepare_model
 
         model = prepare_model(strategy, model)
         model.requires_grad_(False)
-        model.__dict__[FROZEN_ATTR] = {"role": role, "storage": "as the policy", **frozen_footprint(model)}
+        facts = {"role": role, "storage": _storage(strategy), "strategy": strategy.name}
+        model.__dict__[FROZEN_ATTR] = {**facts, **frozen_footprint(model)}
         return model
     model.requires_grad_(False)
     fp8 = strategy.frozen_in_fp8
@@ -92,7 +116,8 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
             ):
                 param.data = param.data.to(dtype)
     footprint = frozen_footprint(model)
-    model.__dict__[FROZEN_ATTR] = {"role": role, "storage": _storage(strategy), "fp8_layers": converted, **footprint}
+    facts = {"role": role, "storage": _storage(strategy), "strategy": strategy.name, "fp8_layers": converted}
+    model.__dict__[FROZEN_ATTR] = {**facts, **footprint}
     logger.info(
         "%s: the frozen %s model keeps %.2f bytes/param in its decoder blocks (%s), %.1f MB in all",
         strategy.name,
@@ -102,6 +127,33 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
         footprint["bytes"] / 1e6,
     )
     return model
+
+
+def frozen_candidates(value: Any, trained: Any) -> list[nn.Module]:
+    """The modules in `value` (a model, a list of reward functions, a name) but the `trained` one."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, nn.Module) and v is not trained]
+
+
+def freeze_all(
+    strategy: PrecisionStrategy, value: Any, role: str, build: Any, head_fp32: bool = False, *, trained: Any = None
+) -> Any:
+    """`value` (a model, a list of reward functions, a name) with its plain modules frozen, the
+    `trained` model apart (a trainer's own checks decide about it); `build` makes a fresh strategy."""
+    if isinstance(value, list):
+        return [freeze_all(strategy, v, role, build, head_fp32, trained=trained) for v in value]
+    if not isinstance(value, nn.Module):
+        return value  # a name TRL loads later, or a reward function
+    if value is trained:
+        logger.warning("the %s model is the trained model itself: it is not frozen", role)
+        return value
+    if not is_plain_module(value):
+        logger.warning(
+            "the frozen %s model is wrapped (%s) by the time it is seen: kept as prepared", role, type(value).__name__
+        )
+        return value
+    fresh = build() if strategy.options.frozen_models == "policy" else strategy
+    return freeze_model(fresh, value, role, head_fp32=head_fp32)
 
 
 def _kept_in_fp32(model: nn.Module, head_fp32: bool) -> set[int]:

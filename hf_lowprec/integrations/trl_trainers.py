@@ -141,10 +141,13 @@ class _FrozenModels:
     its own strategy object: a strategy may keep facts about the model it prepared (the policy's).
     The frozen models: DPO/KTO/GRPO/RLOO references, GRPO/RLOO reward models, the distillation
     teacher. `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL
-    would rebuild the reference from the empty `config._name_or_path`).
+    would rebuild the reference from the empty `config._name_or_path`). The trained model passed as
+    a frozen one is left as it is (TRL refuses it as a reference); a model frozen already to another
+    storage is refused before any model changes.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from .frozen import check_refreeze, freeze_all, frozen_candidates
         from .stock_signature import bind_stock_arguments
 
         call = bind_stock_arguments(self, _FrozenModels, args, kwargs)  # positional or by keyword
@@ -153,9 +156,17 @@ class _FrozenModels:
         if strategy is not None:
             # sync_ref_model=True mixes the policy's weights into the reference: it stays as passed.
             sync = getattr(call.arguments["args"], "sync_ref_model", False)
-            for argument, role in _FROZEN_ROLES.items():
-                if argument in call.arguments and not (role == "reference" and sync):
-                    call.arguments[argument] = _freeze_all(strategy, call.arguments[argument], role, build)
+            roles = [
+                (a, r) for a, r in _FROZEN_ROLES.items() if a in call.arguments and not (r == "reference" and sync)
+            ]
+            # The trained model passed as a frozen one too is left to TRL (DPO and KTO refuse it), and
+            # a model another strategy froze is refused before any model is changed.
+            trained = call.arguments.get("model")
+            for argument, role in roles:
+                for candidate in frozen_candidates(call.arguments[argument], trained):
+                    check_refreeze(strategy, candidate, role)
+            for argument, role in roles:
+                call.arguments[argument] = freeze_all(strategy, call.arguments[argument], role, build, trained=trained)
             self._hf_lowprec_deferred_precompute: dict[int, tuple] = {}  # see _precompute_ref_logps
         super().__init__(*call.args[1:], **call.kwargs)
         deferred = self.__dict__.pop("_hf_lowprec_deferred_precompute", None)
@@ -168,7 +179,8 @@ class _FrozenModels:
                 logger.info("sync_ref_model=True updates the reference from the policy: it is kept as TRL built it")
                 continue
             head_fp32 = bool(getattr(self.args, "cast_lm_head_to_fp32", False))  # TRL cast it: keep it
-            setattr(self, attribute, _freeze_all(self.precision, getattr(self, attribute), role, build, head_fp32))
+            value = freeze_all(self.precision, getattr(self, attribute), role, build, head_fp32, trained=self.model)
+            setattr(self, attribute, value)
         from .frozen import FROZEN_ATTR
 
         self.hf_lowprec_frozen_models = {}
@@ -210,29 +222,6 @@ class _FrozenModels:
             self.eval_dataset = {name: computed(dataset) for name, dataset in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = computed(self.eval_dataset)
-
-
-def _freeze_all(strategy: Any, value: Any, role: str, build: Any, head_fp32: bool = False) -> Any:
-    """`value` (a model, a list of reward functions, a name) with its plain modules frozen."""
-    from .frozen import freeze_model, is_plain_module
-
-    if isinstance(value, list):
-        return [_freeze_all(strategy, v, role, build, head_fp32) for v in value]
-    if not isinstance(value, _torch_module()):
-        return value  # a name TRL loads later, or a reward function
-    if not is_plain_module(value):
-        logger.warning(
-            "the frozen %s model is wrapped (%s) by the time it is seen: kept as prepared", role, type(value).__name__
-        )
-        return value
-    fresh = build() if strategy.options.frozen_models == "policy" else strategy
-    return freeze_model(fresh, value, role, head_fp32=head_fp32)
-
-
-def _torch_module() -> type:
-    import torch
-
-    return torch.nn.Module
 
 
 class _RolloutInContext:
@@ -340,6 +329,7 @@ def _ppo_classes() -> dict[str, type]:
     from transformers.integrations import is_deepspeed_zero3_enabled as zero3
 
     from ..strategies.interface import StrategyOptimizer
+    from .frozen import freeze_all
     from .loss_scaling import scales_loss
     from .peft import is_peft_model, prepare_model
     from .trainer import PrecisionTrainerMixin
@@ -391,7 +381,7 @@ def _ppo_classes() -> dict[str, type]:
                         call[role] = prepare_model(self.precision, call[role])
                 for role, name in (("ref_model", "reference"), ("reward_model", "reward")):  # frozen
                     if call.get(role) is not None:
-                        call[role] = _freeze_all(self.precision, call[role], name, build)
+                        call[role] = freeze_all(self.precision, call[role], name, build)
             # PPOTrainer.__init__ builds the optimizer (our create_optimizer) and prepares it.
             super(PrecisionTrainerMixin, self).__init__(**call)
             from .frozen import FROZEN_ATTR

@@ -599,3 +599,68 @@ def test_freezing_keeps_what_the_model_or_trl_keeps_in_fp32_and_the_policys_fp8_
     small = freeze_model(get_strategy("fp8-lm-o2", min_gemm_features=4096), tiny_lm(tokenizer), "reference")
     assert not any(isinstance(m, FrozenBlockFP8Linear) for m in small.modules())
     assert {p.dtype for p in small.parameters()} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# a model frozen before: the trained model itself, another strategy's frozen model
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["DPO", "KTO"])
+def test_the_trained_model_passed_as_its_own_reference_reaches_trls_refusal_unchanged(tmp_path, tokenizer, kind):
+    # It was frozen in place (FP8 blocks, requires_grad off) before TRL refused it: the retry TRL's
+    # message asks for, the same model without ref_model=, then had no trainable parameter.
+    model = tiny_lm(tokenizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    layers = [type(m) for m in model.modules()]
+    data = datasets.Dataset.from_dict(PAIRS if kind == "DPO" else UNPAIRED)
+    with pytest.raises(ValueError, match="cannot be the same object"):
+        getattr(hl_trl, f"{kind}Trainer")(
+            model=model,
+            ref_model=model,
+            args=trl_args(f"{kind}Config", tmp_path, "fp8-lm-o2", max_length=32),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+    assert FROZEN_ATTR not in model.__dict__ and [type(m) for m in model.modules()] == layers
+    for name, p in model.named_parameters():
+        assert p.requires_grad, name
+        assert_bits_equal(p.detach(), before[name], name)
+
+
+def test_a_model_another_strategy_froze_is_reused_in_the_same_storage_and_refused_in_another(
+    tmp_path, tokenizer, saved
+):
+    # Frozen to FP8 blocks under fp8-lm-o2 and passed again under fp32, the reference kept its
+    # FP8 blocks and the report said "fp8-blocks": step 0's DPO loss was 0.6931236, not ln 2.
+    from hf_lowprec import get_strategy
+    from hf_lowprec.integrations.frozen import freeze_model
+
+    reference = tiny_lm(tokenizer)
+    first = dpo(tmp_path / "fp8", tokenizer, "fp8-lm-o2", tiny_lm(tokenizer), reference)
+    facts = first.hf_lowprec_frozen_models["reference"]
+    assert facts["storage"] == "fp8-blocks" and facts["strategy"] == "fp8-lm-o2"
+    held = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    again = dpo(tmp_path / "coat", tokenizer, "coat", tiny_lm(tokenizer), reference)  # FP8 blocks too: reused
+    assert again.ref_model is reference and again.hf_lowprec_frozen_models["reference"] is facts
+    expected = (
+        r"frozen already, by precision_strategy='fp8-lm-o2' \(storage: fp8-blocks\); "
+        r"precision_strategy='fp32' keeps frozen models as float32.*fresh copy"
+    )
+    with pytest.raises(ValueError, match=expected):
+        dpo(tmp_path / "fp32", tokenizer, "fp32", tiny_lm(tokenizer), reference)
+    for name, p in reference.named_parameters():
+        assert_bits_equal(p.detach(), held[name], name)
+
+    # Refused before any model is changed: the first reward model stays as passed.
+    fresh, frozen = tiny_scorer(tokenizer), freeze_model(get_strategy("bf16-mixed"), tiny_scorer(tokenizer), "reward")
+    with pytest.raises(ValueError, match=r"by precision_strategy='bf16-mixed' \(storage: bfloat16\)"):
+        hl_trl.GRPOTrainer(
+            model=saved["lm"],
+            reward_funcs=[fresh, frozen],
+            args=trl_args("GRPOConfig", tmp_path / "grpo", "fp32", num_generations=2, max_completion_length=4),
+            train_dataset=datasets.Dataset.from_dict(PROMPTS),
+            processing_class=tokenizer,
+        )
+    assert FROZEN_ATTR not in fresh.__dict__ and param_dtypes(fresh) == {torch.float32}
+    assert all(p.requires_grad for p in fresh.parameters())
