@@ -15,7 +15,9 @@ from torch import nn
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import BLOCK, FrozenBlockFP8Linear, quantize_published
 from ..fp8.convert import default_skips
+from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear
+from ..fp8.scaled import dequantize, set_master_scale
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["FROZEN_ATTR", "check_refreeze", "freeze_all", "freeze_model", "frozen_candidates", "frozen_footprint"]
@@ -82,8 +84,10 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
     in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
     `role` names it in the logs and the startup report ("reference", "reward", "teacher").
     `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); modules the
-    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. A model frozen already is returned as it
-    is when `strategy` keeps the same storage; another storage is refused (`check_refreeze`).
+    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. A model trained here under an FP8
+    strategy first (its layers `FP8Linear`) holds its real weights in plain layers again when the
+    frozen storage is not FP8. A model frozen already is returned as it is when `strategy` keeps
+    the same storage; another storage is refused (`check_refreeze`).
     """
     if check_refreeze(strategy, model, role):
         return model
@@ -101,6 +105,8 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
     restore_published_fp8(model, keep_frozen_fp8=fp8)
     converted = _to_block_fp8(model, getattr(strategy.options, "min_gemm_features", 0)) if fp8 else 0
     dtype = torch.bfloat16 if fp8 else strategy.compute_dtype
+    if not fp8:  # FP8 layers of a model trained here: plain ones holding the real weights
+        _to_plain_layers(model, dtype)
     kept = _kept_in_fp32(model, head_fp32)
     for module in model.modules():
         if isinstance(module, FrozenBlockFP8Linear):
@@ -154,6 +160,42 @@ def freeze_all(
         return value
     fresh = build() if strategy.options.frozen_models == "policy" else strategy
     return freeze_model(fresh, value, role, head_fp32=head_fp32)
+
+
+def _to_plain_layers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Swap each `FP8Linear` for the layer it replaced (`nn.Linear`, or GPT-2's `Conv1D`) and give
+    each FP8 experts module its own class back, holding the real weights (a scaled master divided
+    by its scale: exact, a power of two) in `dtype`."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, FP8Linear):
+            real = module.weight.detach()
+            scale = module.master_scale
+            real = (dequantize(real, scale) if scale is not None else real.float()).to(dtype)
+            transposed = module.weight_transposed
+            with torch.device("meta"):
+                if transposed and conv1d is not None:
+                    plain: nn.Module = conv1d(module.out_features, module.in_features)
+                else:
+                    plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+                    real = real.t() if transposed else real  # Conv1D holds in × out
+            plain.weight = nn.Parameter(real.contiguous(), requires_grad=False)
+            plain.bias = module.bias
+            plain.train(module.training)
+            parent, _, child = fqn.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, plain)
+        elif isinstance(module, FP8Experts):
+            for name, scale in module._master_scales.items():
+                real = dequantize(getattr(module, name).detach(), scale).to(dtype)
+                set_master_scale(getattr(module, name), None)
+                setattr(module, name, nn.Parameter(real, requires_grad=False))
+                delattr(module, name + "_master_scale")
+            module.__class__ = type(module).__bases__[-1]  # (FP8Experts, its class): `fp8.experts._fp8_class`
+            module.__dict__.pop("fp8_layer_config", None)
+            for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks):
+                for key, hook in list(hooks.items()):  # the real-weights export/import of FP8 masters
+                    if getattr(getattr(hook, "hook", hook), "__module__", "") == FP8Experts.__module__:
+                        del hooks[key]
 
 
 def _kept_in_fp32(model: nn.Module, head_fp32: bool) -> set[int]:

@@ -602,7 +602,8 @@ def test_freezing_keeps_what_the_model_or_trl_keeps_in_fp32_and_the_policys_fp8_
 
 
 # ---------------------------------------------------------------------------------------------
-# a model frozen before: the trained model itself, another strategy's frozen model
+# a model frozen or trained before: the trained model itself, another strategy's frozen model,
+# a model trained here under an FP8 strategy
 # ---------------------------------------------------------------------------------------------
 
 
@@ -664,3 +665,45 @@ def test_a_model_another_strategy_froze_is_reused_in_the_same_storage_and_refuse
         )
     assert FROZEN_ATTR not in fresh.__dict__ and param_dtypes(fresh) == {torch.float32}
     assert all(p.requires_grad for p in fresh.parameters())
+
+
+def test_a_model_trained_under_fp8_frozen_in_16_bits_holds_its_real_weights_in_plain_layers(tokenizer):
+    # Its FP8Linear layers (FP16 masters scaled by 2^k) stayed, with a report saying bfloat16: a
+    # reward model's scores were ~10× the BF16 rounding off. The real weights are master / 2^k,
+    # exact; frozen, they are those in BF16, as a model holding them in FP32 would be frozen.
+    from transformers.pytorch_utils import Conv1D
+
+    from hf_lowprec import get_strategy
+    from hf_lowprec.fp8.experts import FP8Experts
+    from hf_lowprec.integrations.frozen import freeze_model
+    from hf_lowprec.testing.moe import tiny_moe
+
+    bf16 = get_strategy("bf16-mixed")
+    ids = torch.randint(2, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    trained = get_strategy("fp8-lm-o2").prepare_model(trained_like(tokenizer))
+    layers = [n for n, m in trained.named_modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == BLOCK_LINEARS and trained.get_submodule(layers[0]).master_scale > 1
+    real = trained.state_dict()  # the real weights, in FP32 (FP8Linear exports master / scale)
+    plain = trained_like(tokenizer)
+    plain.load_state_dict(real)
+    model = freeze_model(bf16, trained, "reward")
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    assert all(type(model.get_submodule(n)) is Conv1D for n in layers)
+    assert model.__dict__[FROZEN_ATTR]["storage"] == "bfloat16" and param_dtypes(model) == {torch.bfloat16}
+    for name, p in model.named_parameters():
+        assert_bits_equal(p.detach(), real[name].bfloat16(), name)
+    baseline = freeze_model(bf16, plain, "reward")
+    with bf16.forward_context(), torch.no_grad():
+        assert_bits_equal(model(input_ids=ids).logits, baseline(input_ids=ids).logits, "logits")
+
+    # FP8 experts: the experts module gets its own class back, its real weights in BF16.
+    moe = get_strategy("fp8-lm-o2").prepare_model(tiny_moe("qwen3_moe"))
+    experts = moe.model.layers[0].mlp.experts
+    assert isinstance(experts, FP8Experts) and experts.gate_up_proj.dtype == torch.float16
+    real = moe.state_dict()
+    moe = freeze_model(bf16, moe, "reference")
+    experts = moe.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "Qwen3MoeExperts" and not list(experts.buffers())
+    for name, p in moe.named_parameters():
+        assert_bits_equal(p.detach(), real[name].bfloat16(), name)
+    assert set(moe.state_dict()) == set(real)
