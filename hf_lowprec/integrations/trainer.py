@@ -30,7 +30,6 @@ from ..checkpoints.fsdp2_trainer import load_trainer_optimizer, save_rank_optimi
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, checked_resume, parse_resume_reset
 from ..engines.ddp import prepare_ddp
-from ..numerics import widened
 from ..report import (
     SilentPrecisionWarning,
     check_promises,
@@ -50,7 +49,7 @@ from .optimizer_arguments import (
     reconcile_mixed_precision_flags,
     users_optimizer_named,
 )
-from .peft import prepare_model
+from .outputs import prepared_model
 from .stock_signature import bind_stock_arguments, forwarding_init
 
 __all__ = [
@@ -228,7 +227,7 @@ class PrecisionTrainerMixin:
         self.optimizer = self.callback_handler.optimizer = accept_optimizer(
             self.precision, self.optimizer, getattr(self, "optimizer_cls_and_kwargs", None)
         )
-        prepared = prepare_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
+        prepared = prepared_model(self.precision, self.model)  # a PEFT model's frozen base: compute dtype
         if prepared is not self.model:
             self.model_wrapped = prepared if self.model_wrapped is self.model else self.model_wrapped
             self.model = prepared
@@ -277,7 +276,7 @@ class PrecisionTrainerMixin:
         self.precision = self.args.build_precision_strategy()  # a fresh one: no state of the last model's
         for callback in (c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)):
             callback.strategy = self.precision
-        return prepare_model(self.precision, model)
+        return prepared_model(self.precision, model)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.precision is not None and "loss" in logs:  # training logs carry the strategy's metrics
@@ -416,15 +415,6 @@ class PrecisionTrainerMixin:
             stack.enter_context(self.precision.forward_context())
             scale_at_backward(self)  # (again: hyperparameter search builds a new Accelerator)
         return stack
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        strategy = self.precision
-        if strategy is not None and strategy.param_dtype == torch.float32 and logits is not None:
-            # Autocast left the outputs 16-bit; `bf16=True`/`fp16=True` hand FP32 logits to
-            # compute_metrics (Accelerate widens a mixed-precision model's outputs): so does this.
-            logits = widened(logits)
-        return loss, logits, labels
 
     def _clip_grad_norm(self, model):
         if self.precision is None:

@@ -143,7 +143,8 @@ class _FrozenModels:
     teacher. `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL
     would rebuild the reference from the empty `config._name_or_path`). The trained model passed as
     a frozen one is left as it is (TRL refuses it as a reference); a model frozen already to another
-    storage is refused before any model changes.
+    storage is refused before any model changes. Their outputs are FP32 as the policy's are
+    (`outputs.widen_outputs`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -182,11 +183,13 @@ class _FrozenModels:
             value = freeze_all(self.precision, getattr(self, attribute), role, build, head_fp32, trained=self.model)
             setattr(self, attribute, value)
         from .frozen import FROZEN_ATTR
+        from .outputs import widen_outputs
 
         self.hf_lowprec_frozen_models = {}
         for attribute, role in _FROZEN_ROLES.items():
             value = getattr(self, attribute, None)
             for index, model in enumerate(value if isinstance(value, list) else [value]):
+                widen_outputs(self.precision, model)  # FP32 outputs, as Accelerate's mixed precision gives them
                 facts = getattr(model, "__dict__", {}).get(FROZEN_ATTR)
                 if facts is not None:
                     key = role if not isinstance(value, list) or len(value) == 1 else f"{role}[{index}]"

@@ -248,3 +248,68 @@ def test_a_16_bit_loss_takes_the_loss_scale(tmp_path, tokenizer):
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.precision.skipped_steps == 0
     assert any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_reward_losses_under_bf16_mixed_are_stock_bf16s_from_fp32_outputs(tmp_path, tokenizer):
+    # `bf16=True` hands the model's outputs on in FP32 (Accelerate's convert_outputs_to_fp32); the
+    # strategy turns that flag off, and RewardTrainer's loss came from BF16 scores: 0.6953125 and
+    # 0.69140625 where stock logs 0.694367826 and 0.690041840. The same forward, then the same FP32
+    # loss: the same bits. Evaluated before the step, which the two optimizers take differently.
+    import trl
+
+    pairs = datasets.Dataset.from_dict(
+        {
+            "chosen": [p + c for p, c in zip(PAIRS["prompt"], PAIRS["chosen"], strict=True)] * 2,
+            "rejected": [p + r for p, r in zip(PAIRS["prompt"], PAIRS["rejected"], strict=True)] * 2,
+        }
+    )
+    logged = {}
+    for label, config, trainer_class, flags in (
+        ("stock", trl.RewardConfig, trl.RewardTrainer, {"bf16": True}),
+        ("bf16-mixed", hl_trl.RewardConfig, hl_trl.RewardTrainer, {"precision_strategy": "bf16-mixed"}),
+    ):
+        args = config(
+            output_dir=str(tmp_path / label),
+            use_cpu=True,
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=4,
+            max_steps=1,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            max_length=32,
+            **flags,
+        )
+        trainer = trainer_class(
+            model=tiny_scorer(tokenizer), args=args, train_dataset=pairs, eval_dataset=pairs, processing_class=tokenizer
+        )
+        evaluated = trainer.evaluate()["eval_loss"]
+        trainer.train()
+        logged[label] = (evaluated, next(e["loss"] for e in trainer.state.log_history if "loss" in e))
+    assert logged["bf16-mixed"] == logged["stock"]
+    assert all(torch.tensor(v).bfloat16().item() != v for v in logged["stock"])  # not BF16 numbers
+
+
+@pytest.mark.parametrize(
+    "strategy, dtype",
+    [("bf16-mixed", torch.float32), ("fp8-lm-o2", torch.float32), ("bf16-pure", torch.bfloat16)],
+)
+def test_policy_and_reference_outputs_are_fp32_where_the_strategy_computes_under_autocast(
+    tmp_path, tokenizer, strategy, dtype
+):
+    # As Accelerate's mixed precision wraps the policy and TRL's reference (prepare_model): FP32 outputs.
+    # A model stored in BF16 without autocast (bf16-pure) keeps its BF16 outputs, as a BF16 model does stock.
+    trainer = hl_trl.DPOTrainer(
+        model=tiny_lm(tokenizer),
+        ref_model=tiny_lm(tokenizer),
+        args=trl_args("DPOConfig", tmp_path, strategy, max_length=32),
+        train_dataset=datasets.Dataset.from_dict(PAIRS),
+        processing_class=tokenizer,
+    )
+    ids = torch.randint(2, len(tokenizer), (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        policy, reference = trainer.model(input_ids=ids).logits, trainer.ref_model(input_ids=ids).logits
+        inner = trainer.model.lm_head(trainer.model.transformer(input_ids=ids)[0])  # the forward's own logits
+    assert policy.dtype == dtype and reference.dtype == dtype and inner.dtype == torch.bfloat16
+    assert torch.equal(policy, inner.to(dtype))  # widened, not computed otherwise
