@@ -305,9 +305,11 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
     return out
 
 
-def check_promises(strategy: ReportedStrategy, model: torch.nn.Module) -> None:
-    """Raise PrecisionPromiseError naming every broken promise (before training starts)."""
-    problems = promise_violations(strategy, model)
+def check_promises(strategy: ReportedStrategy, model: torch.nn.Module, dtypes_only: bool = False) -> None:
+    """Raise PrecisionPromiseError naming every broken promise (before training starts); `dtypes_only`: those of the parameters' dtypes."""
+    problems = [
+        p for p in promise_violations(strategy, model) if not dtypes_only or "trainable parameter elements" in p
+    ]
     if problems:
         dtypes = any("trainable parameter elements" in p for p in problems)  # the advice is about dtypes
         raise PrecisionPromiseError(

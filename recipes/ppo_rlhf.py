@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         logging_steps=1,
         save_strategy="no",
     )
+    if training_args.resume_from_checkpoint is not None:  # before any work
+        raise ValueError("--resume_from_checkpoint: TRL's PPOTrainer cannot resume (its train() takes no checkpoint)")
     setup_logging(training_args)
     set_seed(training_args.seed)
     import datasets

@@ -97,10 +97,14 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
     which needs the world size it was saved at), then continue bit for bit."""
     import torch.distributed.checkpoint as dcp
 
+    from .resume import refuse_split_fp8_groups
     from .sharded import check_saved
 
     target, restore = _sharded_state_dict(model, optimizer)
     check_saved(os.fspath(path), bool(restore))  # damaged, torn or another world size: refused here
+    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    groups = {k.split(".")[2] for k in keys if k.startswith("optimizer.param_groups.")}
+    refuse_split_fp8_groups(len(groups), target["optimizer"]["param_groups"])
     dcp.load(target, checkpoint_id=os.fspath(path))
     for state, key, original in restore:
         original.reshape(-1).copy_(state[key].to_local()[0, : original.numel()])

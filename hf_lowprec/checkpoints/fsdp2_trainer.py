@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .resume import refuse_rank_optimizers
+from .resume import refuse_rank_optimizers, refuse_split_fp8_groups
 
 __all__ = [
     "load_rank_optimizer",
@@ -67,6 +67,7 @@ def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) 
     unwrap_optimizer(optimizer).init_states()  # the live state, whose placements the shards take
     live = optimizer.state_dict()["state"]
     saved = torch.load(rank_optimizer_file(checkpoint, rank, world), map_location="cpu", weights_only=True)
+    refuse_split_fp8_groups(len(saved["param_groups"]), unwrap_optimizer(optimizer).param_groups)
     for index, state in saved["state"].items():
         for key, value in state.items():
             target = live.get(index, {}).get(key)

@@ -34,6 +34,7 @@ __all__ = [
     "check_resume_options",
     "check_optimizer_state",
     "check_stock_optimizer_state",
+    "refuse_split_fp8_groups",
     "check_fp8_layout",
     "check_zero_owners",
     "refuse_rank_optimizers",
@@ -420,10 +421,19 @@ def check_optimizer_state(strategy: Any, saved: dict[str, Any]) -> list[str]:
     return check_resume_options(strategy, options, "this optimizer state") if options else []
 
 
-def check_stock_optimizer_state(strategy: Any) -> None:
+def check_stock_optimizer_state(strategy: Any, sharded: bool = False) -> None:
     """An optimizer state dict with no "hf_lowprec" entry (saved without a precision strategy) loaded
     into `strategy`'s optimizer: a strategy that trains with the user's optimizer (`takes_user_optimizer`)
-    loads its stock layout, its own state starting afresh (a warning); any other refuses it."""
+    loads its stock layout, its own state starting afresh (a warning); any other refuses it. `sharded`
+    (FSDP2): torch's optimizer state dict, as Accelerate saves it, keeps only the state and groups."""
+    if sharded:
+        logger.warning(
+            "this FSDP2 optimizer state has no 'hf_lowprec' entry (torch's sharded optimizer state dict keeps the "
+            "state and groups only): they load, and the state of precision strategy %r itself (skipped-step count, "
+            "loss scale, FP8 gradient scale) starts afresh; the Trainer keeps it in its rank files",
+            strategy.name,
+        )
+        return
     if strategy.takes_user_optimizer:
         logger.warning(
             "this optimizer state has no 'hf_lowprec' entry (saved without a precision strategy): its AdamW state "
@@ -438,6 +448,19 @@ def check_stock_optimizer_state(strategy: Any) -> None:
         "loaded into the optimizer. Resume it without a precision strategy, or start this strategy's optimizer afresh from the "
         "checkpoint's weights: load only the model (its model.safetensors), not the optimizer state"
     )
+
+
+def refuse_split_fp8_groups(saved_groups: int, live_groups: list[dict[str, Any]]) -> None:
+    """A sharded optimizer state (FSDP2) saved when FP8-LM's optimizer split each group in two (FP8
+    GEMM weights, then the rest): its states are numbered in that order, which a sharded load cannot
+    renumber (a plain `load_state_dict` does: `optim.fp8_adamw.merge_split_groups`). Refused."""
+    if saved_groups > len(live_groups) and any(g.get("unscaled_format") is not None for g in live_groups):
+        raise ValueError(
+            f"this sharded optimizer state holds {saved_groups} parameter groups for the optimizer's "
+            f"{len(live_groups)}: an earlier hf_lowprec's fp8-lm optimizer split each group in two, and its states are "
+            "numbered in that order, which a sharded resume cannot renumber. Nothing was loaded. Resume it with the "
+            "version that saved it, or continue from its weights with a fresh optimizer (resume_reset=['optimizer'])"
+        )
 
 
 def check_fp8_layout(strategy: Any, saved: dict[str, Any]) -> None:

@@ -231,7 +231,7 @@ class PrecisionStrategy:
         if not model.__dict__.get("_hf_lowprec_promises_checked"):  # what the Trainer checks at startup
             from ..report import check_promises
 
-            check_promises(self, model)  # e.g. model.half() after prepare_model: refused before a step
+            check_promises(self, model, dtypes_only=True)  # e.g. model.half() after prepare_model
             model.__dict__["_hf_lowprec_promises_checked"] = True
         with self.forward_context():
             if loss_fn is not None:
@@ -244,11 +244,9 @@ class PrecisionStrategy:
         if max_grad_norm is not None:
             inner = getattr(optimizer, "optimizer", optimizer)
             self.unscale_gradients(inner)
-            # The model's trainable parameters, as the Trainer clips: an optimizer may train some
-            # outside its groups (fp8-lm-o3's FP8 weights, in its own ZeRO partitions).
-            grouped = [p for g in optimizer.param_groups for p in g["params"]]
-            trained = [p for p in model.parameters() if p.requires_grad]
-            self.clip_grad_norm(list({id(p): p for p in [*trained, *grouped]}.values()), max_grad_norm)
+            # What the optimizer trains: its groups, and fp8-lm-o3's FP8 weights, held outside them.
+            params = [p for g in optimizer.param_groups for p in g["params"]] + list(getattr(inner, "fp8_params", []))
+            self.clip_grad_norm(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()

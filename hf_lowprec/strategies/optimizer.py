@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..checkpoints.resume import check_fp8_layout, check_optimizer_state, check_stock_optimizer_state
 
@@ -157,7 +158,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
                 state_dict = dict(result)
         ours = state_dict.pop("hf_lowprec", None)
         if ours is None:
-            check_stock_optimizer_state(self.strategy)  # saved without a strategy: refused unless stock-compatible
+            sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"][:1])
+            check_stock_optimizer_state(self.strategy, sharded)  # saved without a strategy: refused unless stock-like
         else:
             changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
             check_fp8_layout(self.strategy, ours)  # other layers kept in BF16 than when it was saved: refused

@@ -200,3 +200,74 @@ def test_a_group_added_later_keeps_fp32_states_for_what_is_not_an_fp8_weight(nam
     for p in norms:
         state = optimizer.state[p]
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_clipping_leaves_out_what_the_optimizer_does_not_train():
+    """fp16-mixed unscales the optimizer's gradients only: a trainable parameter outside the
+    optimizer keeps a 2^16-scaled gradient, which `train_step`'s clipping must not count (a first
+    version did: norm 102,511, the trained gradients clipped to 1.7e-7). The trained norm here is
+    below the bound: the step takes the gradients unclipped, bit for bit."""
+    seen = {}
+    for clip in (None, 1.0):
+        strategy = hf_lowprec.get_strategy("fp16-mixed")
+        model = strategy.prepare_model(tiny())
+        optimizer = strategy.create_optimizer(model.transformer.ln_f.parameters(), lr=1e-3)
+
+        def unscaled(opt, *_, c=clip, m=model, st=strategy):  # the gradients as the update takes them
+            st.unscale_gradients(opt.optimizer)  # (once a step: the step's own call does nothing)
+            seen[c] = m.transformer.ln_f.weight.grad.clone()
+
+        optimizer.register_step_pre_hook(unscaled)
+        strategy.train_step(model, batches(1)[0], optimizer, max_grad_norm=clip)
+    assert seen[None].norm() < 1.0
+    assert_bits_equal(seen[1.0], seen[None], "the clipped step's gradient")
+
+
+def test_train_step_trains_a_model_fp8_converts_nothing():
+    """Widths FP8 does not take (8): every layer stays BF16, with the conversion's warning, and the
+    custom loop trains as before; only a cast parameter dtype is refused at the first step."""
+    strategy = hf_lowprec.get_strategy("fp8-lm-o2")
+    torch.manual_seed(0)
+    model = strategy.prepare_model(GPT2LMHeadModel(tiny_gpt2_config(n_embd=8, n_layer=1, n_head=2, pad_token_id=None)))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    assert torch.isfinite(strategy.train_step(model, batches(1)[0], optimizer))
+
+
+def test_a_sharded_state_without_the_strategys_entry_loads_with_a_warning(one_rank_group, caplog):
+    """torch's FSDP2 optimizer state dict (what Accelerate saves) keeps state and groups only: it
+    loads, the strategy's own state starting afresh, where an unsharded stock state is refused."""
+    import logging
+
+    from hf_lowprec.engines.fsdp2 import shard_model
+
+    strategy = hf_lowprec.get_strategy("collage-plus")
+    model = shard_model(strategy, tiny())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    strategy.train_step(model, batches(1)[0], optimizer)
+    state = optimizer.state_dict()
+    state.pop("hf_lowprec")
+    with caplog.at_level(logging.WARNING):
+        optimizer.load_state_dict(state)
+    assert "this FSDP2 optimizer state has no 'hf_lowprec' entry" in caplog.text
+
+
+def test_a_sharded_state_saved_with_split_fp8_groups_is_refused(one_rank_group, tmp_path):
+    """A torch.distributed.checkpoint save of O2's old split layout numbers its states FP8 weights
+    first: loaded by index into the kept groups it raised a size mismatch, or loaded the wrong
+    parameter's moments where shapes agree. Refused, nothing loaded."""
+    from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model
+
+    runs = []
+    for build in (_split_like_before, None):
+        strategy = hf_lowprec.get_strategy("fp8-lm-o2")
+        if build is not None:
+            strategy.build_optimizer = build.__get__(strategy)
+        model = shard_model(strategy, tiny())
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        rest = [p for p in model.parameters() if p.dim() <= 1]
+        optimizer = strategy.create_optimizer([{"params": rest, "weight_decay": 0.0}, {"params": decay}])
+        strategy.train_step(model, batches(1)[0], optimizer)
+        runs.append((model, optimizer))
+    save_sharded(tmp_path / "old", *runs[0])
+    with pytest.raises(ValueError, match="split each group in two, and its states are numbered in that order"):
+        load_sharded(tmp_path / "old", *runs[1])
