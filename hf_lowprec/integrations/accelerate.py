@@ -19,6 +19,7 @@ from ..report import check_promises, describe, format_report, warn_slow_fp16_onc
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
+from .outputs import widen_outputs
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
@@ -158,7 +159,8 @@ class PrecisionPlugin:
 
     # --- finer-grained pieces ----------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Convert `model` and run its every forward in the strategy's forward context."""
+        """Convert `model` and run its every forward in the strategy's forward context; its 16-bit
+        outputs come out in FP32 where that context is an autocast, as Accelerate's own gives them."""
         model = _prepare_model(self.strategy, model)
         if id(model) not in self._hooked:
             contexts: list[contextlib.AbstractContextManager] = []
@@ -178,6 +180,7 @@ class PrecisionPlugin:
             model.register_forward_pre_hook(torch.compiler.disable(enter))
             # always_call: leave the context even when the forward raises.
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
+            widen_outputs(self.strategy, model)  # FP32 outputs, as Accelerate's mixed precision hands on
             self._hooked.add(id(model))
         return model
 

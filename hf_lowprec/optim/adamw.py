@@ -24,7 +24,7 @@ from ..distributed import sharded_like as _sharded_like
 from ..numerics import LOW_PRECISION_DTYPES
 from .dispatch import FusedMode, ParamStep, check_fused_mode, run_bucket
 from .formats import Format, root
-from .lowprec_optimizer import LowPrecisionOptimizer
+from .lowprec_optimizer import LowPrecisionOptimizer, seed_from_run
 from .rules import Rule
 from .scalars import (
     BETA2,
@@ -195,7 +195,7 @@ class AdamW(LowPrecisionOptimizer):
             raise TypeError(f"{type(self).__name__} got unexpected argument(s) {unknown}")
         check_adamw_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         self.fused = check_fused_mode(type(self).__name__, fused)
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        self.seed = seed_from_run() if seed is None else seed
         self._generators: dict[str, torch.Generator] = {}
         self.paths_taken: collections.Counter[str] = collections.Counter()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)

@@ -8,7 +8,17 @@ import torch
 
 from ..distributed import DTensor
 
-__all__ = ["LowPrecisionOptimizer", "TrackedUpdate"]
+__all__ = ["LowPrecisionOptimizer", "TrackedUpdate", "seed_from_run"]
+
+
+def seed_from_run() -> int:
+    """A seed for stochastic rounding drawn from the run's seed, leaving the global RNG where it was.
+
+    Drawing from the global generator would shift every later dropout mask against the same run without a
+    strategy (`transformers.set_seed` seeds it before the optimizer is built).
+    """
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    return int(torch.randint(0, 2**62, (), generator=generator).item())
 
 
 class TrackedUpdate:

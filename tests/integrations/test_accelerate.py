@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.utils import convert_to_fp32
 from transformers import get_cosine_schedule_with_warmup
 
 from hf_lowprec import get_strategy
@@ -298,6 +299,7 @@ def test_an_fsdp_config_that_accelerate_ignores_on_cpu_is_warned_about_once(monk
 _DYNAMO_SCRIPT = """
 import math, torch
 from accelerate import Accelerator
+from accelerate.utils import convert_to_fp32
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
 from tests.helpers import batches, tiny_gpt2
 torch.manual_seed(0)
@@ -338,3 +340,17 @@ def test_an_optimizer_over_another_models_parameters_is_refused_naming_that(acce
     optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match="not in the model passed beside it: an optimizer over another model's"):
         PrecisionPlugin("collage-plus").prepare(accelerator, model, optimizer)
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o2"])
+def test_plugin_hands_on_fp32_outputs_as_accelerates_mixed_precision_does(name):
+    # A loss the loop computes from the logits is an FP32 one, as with Accelerator(mixed_precision="bf16").
+    # (One Accelerator per process: its mixed precision is what `prepare` does, an autocast and
+    # `convert_outputs_to_fp32`, written out.)
+    batch = batches(1, batch=2, seq=8)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = convert_to_fp32(tiny_gpt2()(batch).logits)
+    logits = PrecisionPlugin(name).prepare_model(tiny_gpt2())(batch).logits
+    assert logits.dtype == expected.dtype == torch.float32
+    if name == "bf16-mixed":  # the same autocast: the same numbers
+        assert torch.equal(logits, expected)

@@ -421,3 +421,36 @@ def test_stock_behaviours_through_the_package(tmp_path, strategy):
         resumed[is_stock] = trainer
     assert resumed[False].state.global_step == 5
     assert_same_training(resumed[False], resumed[True])
+
+
+class _DropoutStream(transformers.TrainerCallback):
+    """The global RNG's state as each step begins: what the model's dropout masks are drawn from."""
+
+    def __init__(self):
+        self.states = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.states.append(torch.get_rng_state())
+
+
+# One strategy per optimizer family and model preparation (each builds and steps its own optimizer).
+DROPOUT_CASES = ["bf16-mixed", "bf16-sr", "collage-8bit", "fp8-lm-o3", "coat", "fp16-als"]
+
+
+@pytest.mark.parametrize("strategy", DROPOUT_CASES)
+def test_dropout_masks_are_the_stock_trainers(tmp_path, strategy):
+    # Same seed, same masks: building the strategy's optimizer (its stochastic-rounding seed) and its
+    # steps leave the global generator alone, so a run differs from `bf16=True` by its arithmetic only.
+    streams = {}
+    for stock in (True, False):
+        base = trainer_arguments(tmp_path / str(stock), max_steps=2, save_strategy="no", optim="adamw_torch")
+        if stock:
+            args, cls = transformers.TrainingArguments(**base), transformers.Trainer
+        else:
+            args, cls = TrainingArguments(**base, precision_strategy=strategy), Trainer
+        streams[stock] = _DropoutStream()
+        trainer = cls(model=tiny_gpt2(dropout=0.1), args=args, train_dataset=TokenBlocks(8), callbacks=[streams[stock]])
+        trainer.train()
+    assert len(streams[True].states) == len(streams[False].states) == 2
+    for ours, theirs in zip(streams[False].states, streams[True].states):
+        assert torch.equal(ours, theirs)
