@@ -92,7 +92,7 @@ class PrecisionPlugin:
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, StrategyOptimizer):
                 if obj not in self._replaced:
-                    self._replaced[obj] = self._convert_optimizer(obj, model_params)
+                    self._replaced[obj] = _take_groups(obj, self._convert_optimizer(obj, model_params))
                 objects[i] = self._replaced[obj]
             if isinstance(objects[i], StrategyOptimizer) and all(o is not objects[i] for o in self._optimizers):
                 self._optimizers.append(objects[i])
@@ -312,6 +312,30 @@ class PrecisionPlugin:
         return self.strategy.create_optimizer(
             groups, **{k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
         )
+
+
+def _take_groups(old: torch.optim.Optimizer, optimizer: StrategyOptimizer) -> StrategyOptimizer:
+    """`optimizer`, whose groups `old` shows from now on (a live view: Accelerate's prepare and
+    `load_state_dict` replace the list): a scheduler over `old` that never reaches `prepare`, or a
+    loop reading `old`'s learning rate, sets and reads what `optimizer` steps with, as with stock
+    Accelerate, whose wrapper steps `old` itself."""
+    if len(optimizer.param_groups) == len(old.param_groups):
+        old.__class__ = _view_class(type(old))
+        del old.__dict__["param_groups"]
+        old._hf_lowprec_successor = optimizer
+        old._opt_called = True  # its steps are `optimizer`'s: torch's step-order check holds
+    return optimizer
+
+
+@functools.cache
+def _view_class(cls: type) -> type:
+    def get(self: Any) -> list[dict[str, Any]]:
+        return self._hf_lowprec_successor.param_groups
+
+    def set_(self: Any, value: list[dict[str, Any]]) -> None:
+        self._hf_lowprec_successor.param_groups = value
+
+    return type(cls.__name__, (cls,), {"param_groups": property(get, set_), "__module__": cls.__module__})
 
 
 def _note_skip(wrapper: Any, optimizer: StrategyOptimizer, args: Any, kwargs: Any) -> None:

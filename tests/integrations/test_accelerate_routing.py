@@ -5,6 +5,8 @@ checkpoint saved without a strategy."""
 
 from __future__ import annotations
 
+import warnings
+
 import logging
 import math
 
@@ -96,6 +98,33 @@ def test_a_scheduler_prepared_in_a_later_call_follows_the_strategys_optimizer():
         optimizer.step()
         scheduler.step()
         seen.append(optimizer.optimizer.param_groups[0]["lr"])
+    assert seen == expected
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_a_scheduler_never_prepared_still_sets_the_strategys_learning_rate(warmup):
+    # Accelerate's wrapper steps the user's own optimizer, so a scheduler left out of prepare works
+    # there; it set the learning rate of the AdamW the strategy replaced (the schedule was lost).
+    model = tiny_gpt2()
+    reference = torch.optim.AdamW(_groups(model), lr=1e-3)
+    schedule = get_linear_schedule_with_warmup(reference, warmup, 5)
+    expected = []
+    for _ in range(4):
+        reference.step()
+        schedule.step()
+        expected.append([g["lr"] for g in reference.param_groups])
+
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(_groups(model), lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup, 5)
+    model, prepared = PrecisionPlugin("collage-plus").prepare(accelerator, model, optimizer)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" included
+        for _ in range(4):
+            prepared.step()
+            scheduler.step()
+            seen.append([g["lr"] for g in prepared.optimizer.param_groups])
     assert seen == expected
 
 
