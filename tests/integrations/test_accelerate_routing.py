@@ -5,10 +5,9 @@ checkpoint saved without a strategy."""
 
 from __future__ import annotations
 
-import warnings
-
 import logging
 import math
+import warnings
 
 import pytest
 import torch
