@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_writable(cmp_, ns.out)
         extra = [a for a in ns.recipe_args if a != "--"]
         try:
-            check_recipe_arguments(names, extra, not ns.no_metrics)
+            check_recipe_arguments(names, extra, not ns.no_metrics, ns.recipe)
         except ValueError as error:
             cmp_.error(str(error))
         try:

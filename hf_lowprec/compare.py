@@ -14,73 +14,33 @@ import logging
 import os
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRAINING_RECIPES", "SCRIPT_METRICS", "resolve_recipe", "run_compare", "plot", "summary_table"]
+from .recipe_arguments import (
+    SCRIPT_METRICS,
+    TRAINING_RECIPES,
+    check_recipe_arguments,
+    recipe_argv,
+    resolve_recipe,
+)
+
+__all__ = [
+    "TRAINING_RECIPES",
+    "SCRIPT_METRICS",
+    "check_recipe_arguments",
+    "resolve_recipe",
+    "run_compare",
+    "plot",
+    "summary_table",
+]
 
 logger = logging.getLogger(__name__)
 
-# In-package recipes: name → (module run with `python -m`, the eval metric it reports).
-TRAINING_RECIPES: dict[str, tuple[str, str]] = {
-    "pretrain_clm": ("hf_lowprec.runner", "perplexity"),
-}
-# The eval metric of the repository's recipe scripts, by file stem (others: eval_loss).
-SCRIPT_METRICS: dict[str, str] = {
-    "pretrain_clm": "perplexity",
-    "pretrain_mlm": "eval_loss",
-    "finetune_glue": "eval_accuracy",
-    "sft": "eval_loss",
-}
 # Logged keys that are curves of their own, beyond the loss.
 _LOST = ("precision/imprecision_pct", "precision/edq_ratio")
 _SCALES = ("precision/loss_scale", "precision/fp8_grad_mu")
-
-
-def resolve_recipe(recipe: str) -> tuple[list[str], Path | None, str]:
-    """The command prefix, working directory (None: the run's own) and eval metric of `recipe`.
-
-    `recipe` is an in-package name (`TRAINING_RECIPES`) or the path of a recipe script.
-    """
-    if recipe in TRAINING_RECIPES:
-        module, metric = TRAINING_RECIPES[recipe]
-        return [sys.executable, "-m", module], None, metric
-    path = Path(recipe)
-    if path.suffix == ".py" and path.is_file():
-        path = path.resolve()
-        return [sys.executable, str(path)], path.parent, SCRIPT_METRICS.get(path.stem, "eval_loss")
-    raise ValueError(
-        f"--recipe {recipe!r} is neither an in-package recipe ({', '.join(sorted(TRAINING_RECIPES))}) nor the path of a "
-        "recipe script (e.g. recipes/finetune_glue.py in a source checkout)"
-    )
-
-
-def _recipe_argv(strategy: str, seed: int, run_dir: Path, max_steps: int, metrics: bool, extra: list[str]) -> list[str]:
-    """The arguments one run hands the recipe after its command (`check_recipe_arguments` reads the same)."""
-    argv = [
-        "--precision_strategy",
-        strategy,
-        "--seed",
-        str(seed),
-        "--max_steps",
-        str(max_steps),
-        "--output_dir",
-        str(run_dir),
-        "--logging_steps",
-        "1",
-        "--save_strategy",
-        "no",
-        "--report_to",
-        "none",
-        "--disable_tqdm",
-        "true",
-    ]
-    if metrics:
-        argv += ["--precision_options", json.dumps({"lost_arithmetic_metrics": True})]
-    return argv + extra
 
 
 def _run_one(
@@ -95,7 +55,7 @@ def _run_one(
 ) -> dict[str, Any]:
     run_dir = (out / "runs" / f"{strategy}-seed{seed}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*command, *_recipe_argv(strategy, seed, run_dir, max_steps, metrics, extra)]
+    cmd = [*command, *recipe_argv(strategy, seed, run_dir, max_steps, metrics, extra)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as log:
@@ -113,31 +73,6 @@ def _run_one(
     result = json.loads((run_dir / "recipe_result.json").read_text())
     history = json.loads((run_dir / "log_history.json").read_text())
     return {"result": result, "history": history, "peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": wall}
-
-
-def check_recipe_arguments(strategies: list[str], extra: list[str], metrics: bool = True) -> None:
-    """The recipe's extra arguments as `TrainingArguments` reads them, under each strategy: a value
-    that does not parse, or a setting a strategy refuses (an `optim` it replaces, a bf16/fp16 flag
-    it contradicts), is a ValueError before the first run, not after the runs before it."""
-    import argparse
-
-    from transformers import HfArgumentParser
-
-    from .integrations.trainer import TrainingArguments
-
-    # No abbreviations: an option of the recipe's own (`--block_size`, `--model`) is left over, not
-    # taken for a prefix of a TrainingArguments field (`--eval` would be ambiguous among six).
-    parser = HfArgumentParser(TrainingArguments, exit_on_error=False, allow_abbrev=False)
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in strategies:
-            argv = _recipe_argv(name, 0, Path(scratch), 1, metrics, extra)
-            try:
-                parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-            except (argparse.ArgumentError, ValueError) as error:
-                raise ValueError(
-                    f"the recipe arguments {' '.join(extra)!r} under precision_strategy={name!r}: {error}; "
-                    "no run was started"
-                ) from None
 
 
 def run_compare(
@@ -174,7 +109,7 @@ def run_compare(
         raise ValueError("give at least one strategy and one seed")
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    check_recipe_arguments(strategies, list(extra_args or []), metrics)
+    check_recipe_arguments(strategies, list(extra_args or []), metrics, recipe)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("results.csv", "summary.csv"):  # an earlier compare's, which a failed run would leave beside

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["RESULT_MARKER", "PRETRAIN_CLM_DEFAULTS", "CLMRunArguments", "write_result", "pretrain_clm", "main"]
+__all__ = [
+    "RESULT_MARKER",
+    "PRETRAIN_CLM_DEFAULTS",
+    "CLMRunArguments",
+    "recipe_parser",
+    "write_result",
+    "pretrain_clm",
+    "main",
+]
 
 # The line a run prints when it finishes; tests and scripts parse the JSON after it.
 RESULT_MARKER = "hf_lowprec-recipe-result:"
@@ -92,7 +100,8 @@ def write_result(training_args: Any, trainer: Any | None = None, **metrics: Any)
     return result
 
 
-def _parse(argv: list[str]) -> tuple[CLMRunArguments, Any]:
+def recipe_parser() -> Any:
+    """The command line's parser: `CLMRunArguments` and `TrainingArguments`, with the recipe's defaults."""
     from transformers import HfArgumentParser
 
     from .integrations.trainer import TrainingArguments
@@ -104,7 +113,11 @@ def _parse(argv: list[str]) -> tuple[CLMRunArguments, Any]:
         use_cpu=not torch.cuda.is_available(),
         **PRETRAIN_CLM_DEFAULTS,
     )
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parser
+
+
+def _parse(argv: list[str]) -> tuple[CLMRunArguments, Any]:
+    return recipe_parser().parse_args_into_dataclasses(args=argv)
 
 
 def pretrain_clm(argv: list[str] | None = None) -> dict[str, Any]:

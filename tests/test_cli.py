@@ -2,6 +2,7 @@
 
 import csv
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -251,12 +252,46 @@ def test_compare_checks_the_recipe_arguments_under_every_strategy_before_trainin
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "recipe_args, match",
+    [
+        # Given again after --, the last would win: rows labelled bf16-mixed that trained fp32, ran 5 steps, ...
+        (["--precision_strategy", "fp32"], "--precision_strategy after -- is set by compare itself (one per run: "),
+        (["--max_steps", "5"], "--max_steps after -- is set by compare itself (give --max_steps before --)"),
+        (["--max-steps=5"], "--max-steps after -- is set by compare itself (give --max_steps before --)"),
+        (["--seed", "3"], "--seed after -- is set by compare itself (one per run: name them with --seeds)"),
+        (["--output_dir", "x"], "--output_dir after -- is set by compare itself (OUT/runs/STRATEGY-seedN: "),
+        (["--precision_options", "{}"], "--precision_options after -- is set by compare itself (the lost-arithmetic"),
+        (["--logging_steps", "5"], "--logging_steps after -- is set by compare itself"),
+        # Unknown to the recipe: it failed in the first run, with a traceback.
+        (["--bogus_flag", "3"], "the recipe pretrain_clm has no option --bogus_flag (its options: python -m "),
+        (["--learning_rat", "1e-3"], "no option --learning_rat (did you mean --learning_rate?)"),
+    ],
+)
+def test_compare_refuses_its_own_and_unknown_recipe_arguments_before_training(
+    tmp_path, capsys, monkeypatch, recipe_args, match
+):
+    import hf_lowprec.compare
+
+    monkeypatch.setattr(hf_lowprec.compare, "run_compare", _no_training)
+    argv = ["compare", "--strategies", "bf16-mixed", "--out", str(tmp_path), "--", *recipe_args]
+    line = _usage_error(argv, capsys)
+    assert match in line and line.endswith("no run was started"), line
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_recipe_arguments_check_leaves_the_recipes_own_options_alone():
-    """Options of the recipe's own (the runner's `--block_size`; a script's `--model`, which
-    abbreviation would take for a TrainingArguments prefix) pass the check untouched."""
+    """Options of the recipe's own (the runner's `--block_size`; a script's `--task_name`, which
+    abbreviation would take for a TrainingArguments prefix) pass the check untouched; with
+    --no-metrics, `--precision_options` is the user's to give."""
     from hf_lowprec.compare import check_recipe_arguments
 
-    check_recipe_arguments(["bf16-mixed", "collage-plus"], ["--block_size", "32", "--model", "m", "--eval", "1"])
+    check_recipe_arguments(["bf16-mixed", "collage-plus"], ["--block_size", "32", "--vocab-size=512"])
+    check_recipe_arguments(["bf16-mixed"], ["--precision_options", "{}"], metrics=False)
+    script = str(Path(__file__).resolve().parents[1] / "recipes" / "finetune_glue.py")
+    check_recipe_arguments(["bf16-mixed"], ["--task_name", "sst2", "--max_seq_length", "32"], recipe=script)
+    with pytest.raises(ValueError, match=r"finetune_glue\.py has no option --block_size"):
+        check_recipe_arguments(["bf16-mixed"], ["--block_size", "32"], recipe=script)
 
 
 def test_compare_keeps_the_finished_runs_when_a_later_one_fails(tmp_path, capsys, monkeypatch):
