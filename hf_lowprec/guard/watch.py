@@ -285,20 +285,21 @@ class Guard:
         """One "skip" action per reason the guard skipped steps for since the last check (outliers,
         flushing casts), naming the steps the ring of the last `window` still holds and counting
         the earlier ones (`counted`: skips per reason since the last check); the strategy's own
-        non-finite skips are counted only."""
+        non-finite skips are counted only. Steps are named as the Trainer's `global_step` after
+        them (1 for the first; `self.steps` counts them), the ring's slots from 0."""
         window = self.config.window
         first = max(self._checked_step, self.steps - window)
         by_reason: dict[int, list[int]] = {r: [] for r, n in counted.items() if n > 0}
-        for step in range(first, self.steps):
-            reason = int(why[step % window])
+        for slot in range(first, self.steps):
+            reason = int(why[slot % window])
             if reason in REASONS:
-                by_reason.setdefault(reason, []).append(step)
+                by_reason.setdefault(reason, []).append(slot + 1)
         taken = []
         for reason, steps in sorted(by_reason.items()):
             earlier = int(counted.get(reason, 0)) - len(steps)
             named = f"step(s) {_ranges(steps)}" if steps else "no step the window still holds"
             if earlier > 0:
-                named += f" and {earlier} earlier one(s) (before step {first})"
+                named += f" and {earlier} earlier one(s) (before step {first + 1})"
             what = f"{named}: the weights and optimizer state never took them"
             taken.append(self._act("skip", what, REASONS[reason].format(self.config)))
         return taken

@@ -91,8 +91,12 @@ def test_the_guard_raises_the_flushing_layers_and_says_so(uninterrupted):
     # The steps whose casts flushed were skipped (issue #68), all of them from the fault on.
     flushed = [a for a in manifest["guard"]["actions"] if a["action"] == "skip" and "flushed" in a["why"]]
     assert flushed and all(a["step"] > FAULT_AT for a in flushed), manifest["guard"]["actions"]
+    # Named as the Trainer numbers them (as the "step" of the check that names them is): the fault
+    # begins in the step started at global_step FAULT_AT, which is step FAULT_AT + 1.
     first = int(flushed[0]["what"].split("step(s) ")[1].split("–")[0].split(":")[0])
-    assert first == FAULT_AT, flushed
+    assert first == FAULT_AT + 1, flushed
+    last = int(flushed[0]["what"].split("step(s) ")[1].split(":")[0].split("–")[-1].split(",")[-1])
+    assert last == flushed[0]["step"], flushed  # the check at the end of the step it names last
 
 
 def test_a_resume_mid_fault_re_raises_the_layers_and_continues_bit_for_bit(uninterrupted, tmp_path, caplog):

@@ -355,7 +355,8 @@ def test_a_range_fault_raises_every_block_layer_to_rowwise(raised_run):
     messages = [m for m in run["first_messages"] if m.startswith("guard") and ": raise " in m]
     assert len(messages) == len(BLOCK_LAYERS), run["first_messages"]
     skips = [m for m in run["first_messages"] if ": skip " in m]
-    assert len(skips) == 1 and "step(s) 8–9" in skips[0] and "flushed" in skips[0], run["first_messages"]
+    # Steps 9 and 10 (8 clean ones before them), numbered as the Trainer's global_step after each.
+    assert len(skips) == 1 and "step(s) 9–10" in skips[0] and "flushed" in skips[0], run["first_messages"]
     for name in BLOCK_LAYERS:
         (line,) = [m for m in messages if f" {name}:" in m]
         share = run["expected_share"][name]
@@ -448,7 +449,7 @@ def test_a_step_whose_casts_flush_is_skipped_and_the_run_goes_on_from_weights_th
     changed = [n for (n, a), (_, b) in zip(kept()[0], before[0]) if not torch.equal(a, b)]
     assert changed, "the run did not train once every layer was BF16"
     skips = [m for m in records.messages if ": skip " in m]
-    assert len(skips) == 2 and "step(s) 8–10" in skips[0] and "step(s) 11–12" in skips[1], skips
+    assert len(skips) == 2 and "step(s) 9–11" in skips[0] and "step(s) 12–13" in skips[1], skips
     assert not any(": rollback " in m for m in records.messages), records.messages
 
 
