@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "ADOPTED_ATTR",
     "describe_dtypes",
+    "gradient_holders",
     "model_state_bytes",
     "plan_model_state",
     "planned_states",
@@ -168,9 +169,8 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
             if torch.is_tensor(value):
                 bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
                 totals[bucket] += value.numel() * value.element_size()
-        has_grad_state = any(roles.get(k) == "gradient" for k in state)
-        if not has_grad_state:
-            dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
+        if not any(roles.get(k) == "gradient" for k in state):  # else counted above
+            dtype = _gradient_holder(p, state, roles, planned_grad_dtype)[1]
             totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
     for p in params:
         totals["params"] += p.numel() * p.element_size()
@@ -204,6 +204,30 @@ def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[tor
                     "exp_avg_sq": torch.empty_like(p, device="meta"),
                 }
         yield p, state
+
+
+def _gradient_holder(
+    p: torch.Tensor, state: dict[str, Any], roles: dict[str, str], planned_grad_dtype: Any
+) -> tuple[str, torch.dtype]:
+    gradient_keys = [k for k, r in roles.items() if r == "gradient"]
+    held = next((state[k] for k in gradient_keys if torch.is_tensor(state.get(k))), None)
+    if held is not None:
+        return f"optimizer state {gradient_keys[0]!r}", held.dtype
+    dtype = planned_grad_dtype(p) if planned_grad_dtype is not None else p.dtype
+    if dtype != p.dtype and gradient_keys:  # handed over to the optimizer's state, `p.grad` freed
+        return f"optimizer state {gradient_keys[0]!r}", dtype
+    return "p.grad", dtype
+
+
+def gradient_holders(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, str, torch.dtype]]:
+    """(parameter, where its gradient is held for the step, its dtype) for each of `params` the
+    optimizer `inner` holds, as `plan_model_state` counts it: a state of role "gradient" (as it is
+    or will be, `planned_states`), else the dtype of the optimizer's `planned_grad_dtype(param)`
+    (in that state when it differs from the parameter's), else `p.grad` in the parameter dtype."""
+    roles = {**DEFAULT_STATE_ROLES, **(getattr(inner, "state_roles", {}) or {})}
+    planned_grad_dtype = getattr(inner, "planned_grad_dtype", None)
+    for p, state in planned_states(inner, params):
+        yield (p, *_gradient_holder(p, state, roles, planned_grad_dtype))
 
 
 def state_dtypes(inner: Any, params: list[torch.Tensor]) -> dict[str, dict[str, int]]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import hardware
+from . import hardware, report_rows
 from .checkpoints.fp8_published import PUBLISHED_ATTR
 from .memory import (
     ADOPTED_ATTR,
@@ -75,6 +75,7 @@ class ReportedStrategy(Protocol):
     def frozen_in_fp8(self) -> bool: ...  # its forward's GEMMs are FP8 ones (COAT's with its activations)
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]: ...
     def ddp_comm_hook(self) -> tuple[Any, Callable] | None: ...
+    def forward_context(self) -> Any: ...  # its autocast, if any: what a module's operation computes in
 
 
 class SilentPrecisionWarning(UserWarning):
@@ -87,21 +88,6 @@ class PrecisionPromiseError(RuntimeError):
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _compute_label(strategy: ReportedStrategy, module: torch.nn.Module) -> str:
-    from .fp8 import FP8Linear
-    from .fp8.experts import FP8Experts
-
-    if isinstance(module, FP8Linear):  # output gradients: E5M2 under tensorwise, E4M3 under the finer recipes
-        if module.config.raised:
-            return "BF16 GEMM (raised by the guard)"
-        grad = "e5m2" if module.config.recipe.grad_dtype == torch.float8_e5m2 else "e4m3"
-        return f"fp8 GEMM {module.recipe} (e4m3 fwd, {grad} grad)"
-    if isinstance(module, FP8Experts):
-        grad = "e5m2" if module.fp8_layer_config.recipe.grad_dtype == torch.float8_e5m2 else "e4m3"
-        return f"fp8 grouped GEMM {module.fp8_recipe} per expert (e4m3 fwd, {grad} grad)"
-    return _dtype_name(strategy.compute_dtype)
 
 
 def _master_weights(strategy: ReportedStrategy, inner: Any, params: list[torch.Tensor]) -> str:
@@ -164,28 +150,7 @@ def describe(
     from .fp8 import FP8Linear
 
     params = trainable_parameters(model)
-    modules: dict[str, dict[str, Any]] = collections.OrderedDict()
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if not own:
-            continue
-        entry = modules.setdefault(
-            type(module).__name__, {"count": 0, "param_dtypes": set(), "compute": set(), "trainable": 0}
-        )
-        entry["count"] += 1
-        entry["param_dtypes"].update(_dtype_name(p.dtype) for p in own)
-        entry["compute"].add(_compute_label(strategy, module))
-        entry["trainable"] += sum(p.numel() for p in own if p.requires_grad)
-    module_rows = [
-        {
-            "type": t,
-            "count": e["count"],
-            "param_dtypes": sorted(e["param_dtypes"]),
-            "compute": sorted(e["compute"]),
-            "trainable_params": e["trainable"],
-        }
-        for t, e in modules.items()
-    ]
+    module_rows = report_rows.module_rows(strategy, model)
 
     from .fp8.experts import FP8Experts, weight_gemm_share
 
@@ -194,7 +159,6 @@ def describe(
     skipped = dict(model.__dict__.get("fp8_skipped_layers", {}))
     share = weight_gemm_share(model)
 
-    grad_dtype = getattr(strategy, "grad_dtype", None)
     report: dict[str, Any] = {
         "strategy": strategy.name,
         "options": dataclasses.asdict(strategy.options),
@@ -248,9 +212,9 @@ def describe(
                 "note": "the optimizer steps DeepSpeed's partitions; per-rank bytes: "
                 "hf_lowprec.partition.partition_report"
             }
-        keeps_grad = "gradient" in roles.values()
+        gradients = report_rows.gradient_facts(strategy, inner, params) if holds else None
     else:
-        keeps_grad = False
+        gradients = None
     hook = strategy.ddp_comm_hook()
     if deepspeed_stage is not None:
         comm = f"DeepSpeed ZeRO stage {deepspeed_stage}"
@@ -260,10 +224,9 @@ def describe(
         )
     else:
         comm = "DDP all-reduce in the gradient dtype" if ddp else "none (single process)"
+    # Without the optimizer (or with DeepSpeed's partitions in it): `p.grad`, in the parameters' dtypes.
     report["gradients"] = {
-        "dtype": _dtype_name(grad_dtype) + (" (kept by the optimizer)" if keeps_grad else "")
-        if grad_dtype is not None
-        else sorted({_dtype_name(p.dtype) for p in params}),
+        **(gradients or {"dtype": sorted({_dtype_name(p.dtype) for p in params})}),
         "communication": comm,
     }
     report["violations"] = promise_violations(strategy, model)
@@ -393,9 +356,11 @@ def format_report(report: dict[str, Any]) -> str:
     width = max((len(r["type"]) for r in report["modules"]), default=6)
     lines.append(f"  {'module':<{width}}  {'n':>4}  {'params':<16} compute")
     for row in report["modules"]:
+        tied = row.get("tied", [])
         lines.append(
             f"  {row['type']:<{width}}  {row['count']:>4}  {'/'.join(row['param_dtypes']):<16} "
             f"{', '.join(row['compute'])}"
+            + (f"; tied: {', '.join(tied[:2])}{f' and {len(tied) - 2} more' if len(tied) > 2 else ''}" if tied else "")
         )
     fp8 = report["fp8"]
     if fp8["converted"] or fp8["skipped"]:
@@ -429,8 +394,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  optimizer: {report['optimizer']['class']}: {states}")
         lines.append(f"  master weights: {report['master_weights']}")
     grads = report["gradients"]
-    dtype = grads["dtype"] if isinstance(grads["dtype"], str) else "/".join(grads["dtype"])
-    lines.append(f"  gradients: {dtype}; communication: {grads['communication']}")
+    lines.append(f"  gradients: {report_rows.gradient_text(grads)}; communication: {grads['communication']}")
     if "note" in report.get("memory", {}):
         lines.append(f"  model state: {report['memory']['note']}")
     elif "memory" in report:

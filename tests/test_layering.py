@@ -40,6 +40,7 @@ LAYERS = {
     "hf_lowprec.optim": 2,
     "hf_lowprec.checkpoints": 2,  # over memory and fp8: what is written, checked and read back
     "hf_lowprec.report": 3,
+    "hf_lowprec.report_rows": 3,  # the report's module rows and gradients, read from the live objects
     "hf_lowprec.guard": 3,  # over fp8 and distributed: watches a run, raises FP8 layers
     "hf_lowprec.strategies": 4,
     "hf_lowprec.integrations": 5,

@@ -104,6 +104,79 @@ def test_the_report_counts_each_optimizer_states_dtypes_over_every_parameter():
     assert f"exp_avg {states['exp_avg']['dtype']} {share} / " in format_report(report)
 
 
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "bf16-mixed"])
+def test_the_report_says_where_each_gradient_is_held_as_the_step_finds_it(name):
+    """FP8-LM O1 keeps FP32 `p.grad` (rounded to FP8 values each step), O2 the FP8 GEMM weights'
+    gradients in FP8AdamW's "grad" state and FP32 `p.grad` elsewhere: the report said one FP8
+    dtype "kept by the optimizer" for every parameter. Read against the live gradients the
+    optimizer's step sees, and the bytes of the memory figures."""
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    grads = describe(strategy, model, optimizer)["gradients"]
+    inner = optimizer.optimizer
+    live: dict = {}
+
+    def seen(opt, args, kwargs):
+        for p in model.parameters():
+            where, g = (
+                ("optimizer state 'grad'", opt.state[p]["grad"]) if "grad" in opt.state[p] else ("p.grad", p.grad)
+            )
+            counts = live.setdefault(where, {})
+            name_ = str(g.dtype).removeprefix("torch.")
+            counts[name_] = counts.get(name_, 0) + p.numel()
+
+    inner.register_step_pre_hook(seen)
+    train_steps(strategy, model, optimizer, batches(1))
+    assert grads["held"] == live
+    n = sum(p.numel() for p in model.parameters())
+    assert sum(sum(c.values()) for c in live.values()) == n
+    report = describe(strategy, model, optimizer)  # after the step: from the state as it is
+    assert report["gradients"]["held"] == live
+    itemsize = {"float32": 4, "float8_e4m3fn": 1}
+    held = sum(itemsize[d] * k for c in live.values() for d, k in c.items())
+    assert report["memory"]["grads"] == pytest.approx(held / n, abs=1e-4)
+    text = format_report(report)
+    assert "kept by the optimizer" not in text
+    if name == "fp8-lm-o1":
+        assert grads["rounded_to_fp8"] == {"float8_e4m3fn": n}
+        assert f"float32 in p.grad ({n:,}), {n:,} of them rounded to float8_e4m3fn each step" in text
+    else:
+        assert "rounded_to_fp8" not in grads
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "fp8-lm-o1", "bf16-pure"])
+def test_the_reported_compute_is_what_each_module_puts_out_in_the_forward(name):
+    """Under autocast, a linear layer computes in the low dtype, an embedding or a LayerNorm in
+    FP32: the report gave every non-FP8 module the strategy's compute dtype."""
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    report = describe(strategy, model, strategy.create_optimizer(model.parameters(), lr=1e-3))
+    outputs: dict = {}
+    for module in model.modules():
+        if list(module.parameters(recurse=False)) and "FP8" not in type(module).__name__:
+            module.register_forward_hook(
+                lambda m, a, out: outputs.setdefault(type(m).__name__, set()).add(str(out.dtype).removeprefix("torch."))
+            )
+    with torch.no_grad(), strategy.forward_context():
+        model(input_ids=batches(1)[0])
+    compute = {r["type"]: r["compute"] for r in report["modules"] if r["type"] in outputs}
+    assert set(compute) == set(outputs) >= {"Embedding", "LayerNorm", "Linear"}
+    autocast = "" if name == "bf16-pure" else " (autocast)"
+    assert compute == {t: [f"{d}{autocast}" for d in sorted(dtypes)] for t, dtypes in outputs.items()}
+
+
+def test_the_report_counts_a_tied_parameter_once_and_names_its_owner():
+    strategy = hf_lowprec.get_strategy("bf16-mixed")
+    model = strategy.prepare_model(tiny_gpt2())
+    report = describe(strategy, model, strategy.create_optimizer(model.parameters(), lr=1e-3))
+    rows = {r["type"]: r for r in report["modules"]}
+    assert sum(r["trainable_params"] for r in rows.values()) == report["memory"]["num_params"]
+    assert rows["Linear"]["trainable_params"] == 0
+    assert rows["Linear"]["tied"] == ["lm_head.weight = transformer.wte.weight"]
+    assert "; tied: lm_head.weight = transformer.wte.weight" in format_report(report)
+
+
 @pytest.mark.parametrize("name", ["bf16-mixed", "collage-plus"])
 def test_the_report_reads_the_partitions_deepspeed_put_in_the_optimizers_groups(name):
     # DeepSpeed ZeRO swaps the client optimizer's parameters for flat partitions: counting the

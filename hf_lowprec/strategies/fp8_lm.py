@@ -237,6 +237,11 @@ class FP8LM(PrecisionStrategy):
     def grad_dtype(self) -> torch.dtype:
         return _FP8_GRAD_FORMATS[self.options.grad_format]
 
+    def gradient_format(self, param: torch.Tensor) -> torch.dtype | None:
+        """The FP8 format `param`'s gradient is quantized to each step (the startup report reads it):
+        every gradient under O1 (written back into its FP32 `p.grad`), an FP8 GEMM weight's under O2."""
+        return self.grad_dtype if not self.o2 or get_master_scale(param) is not None else None
+
     @property
     def fp8_layer_config(self) -> FP8LinearConfig:
         """The FP8 layers' configuration, from the options (one object for every layer)."""
