@@ -4,6 +4,8 @@ and no garbage; the collector's passes over them took half a second), which are 
 live as long as the process, so later collections, and the one at exit, pass them by."""
 
 import gc
+import os
+import signal
 import sys
 
 
@@ -14,7 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gc.enable()
     gc.freeze()
-    return run(argv)
+    try:
+        status = run(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+    except BrokenPipeError:
+        # The reader went away (`hf-lowprec plan | head`): stop quietly with the status of a
+        # command that SIGPIPE ended, as standard tools do; nothing more reaches the pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return status
 
 
 if __name__ == "__main__":

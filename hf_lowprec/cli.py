@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             launch(command, strategy, options)
         except ValueError as error:
             origin = f" (from the environment: {', '.join(from_env)}; fix or unset it, or pass the flag)"
-            run.error(f"{error}{origin if from_env and command else ''}")
+            message = str(error).removeprefix("hf-lowprec launch: ")  # the usage error names the command
+            run.error(f"{message}{origin if from_env and command else ''}")
     if ns.command == "list":
         rows = strategy_rows()
         width, needs = max(len(r["name"]) for r in rows), max(len(r["needs"] or "-") for r in rows)

@@ -206,6 +206,31 @@ def test_launch_names_the_environment_variable_a_bad_value_came_from(environ, ar
     assert "unknown precision strategy 'colage-plus'" in line and "from the environment" not in line
 
 
+def test_a_launch_error_names_the_command_once(tmp_path, capsys):
+    line = _usage_error(["launch", "--", str(tmp_path / "absent.py")], capsys)
+    assert line == f"hf-lowprec launch: error: '{tmp_path / 'absent.py'}' does not exist", line
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(tmp_path):
+    """`hf-lowprec list | head -0`: the status of a command SIGPIPE ended, and no traceback."""
+    import subprocess
+    import sys
+
+    from tests.launching import subprocess_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hf_lowprec", "list"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # before the command has written anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and err == "", err
+
+
 def test_launch_takes_the_variables_options_only_with_the_variables_strategy(capsys, monkeypatch):
     """$HF_LOWPREC_PRECISION_OPTIONS set for fp16-als's weights='sr' must not go to a strategy typed
     on the command line (collage-plus has no such option; another's guard was switched on silently)."""
