@@ -188,6 +188,28 @@ def test_generated_tables_match_the_code():
         assert f"<!-- generated:{name} -->" in _text(ROOT / home), f"{home} lost its generated {name} table"
 
 
+def _table_rows(text: str, header: str) -> dict[str, list[str]]:
+    """The rows of the markdown table under the line starting `header`: first cell → cells."""
+    lines = text[text.index(header) :].splitlines()
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_evidence_table_gives_the_planned_bytes_of_the_strategy_table():
+    """Both columns are the bytes/param planned for GPT-2 small: the evidence gave collage-8bit 8.06
+    beside the strategy table's (and `hf-lowprec list`'s) 8.03."""
+    readme = _text(ROOT / "README.md")
+    planned = _table_rows(readme, "| name | what | model-state bytes/param (GPT-2 small, planned) |")
+    evidence = _table_rows(readme, "| strategy | eval perplexity (vs bf16-mixed) | model-state bytes/param |")
+    assert evidence and set(evidence) <= set(planned)
+    assert {n: row[2] for n, row in evidence.items()} == {n: planned[n][2] for n in evidence}
+
+
 def test_regenerating_rewrites_a_stale_block_and_refuses_an_unknown_one():
     tables = _readme_tables()
     generated = {"strategies": "| new |\n"}
