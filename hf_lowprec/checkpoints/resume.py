@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import weakref
 import zipfile
 from typing import Any
 
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# strategy → the option changes it has logged: the manifest's check and the optimizer state's
+# load read the same saved options, and the change is said once.
+_CHANGES_LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # The stock resume takes the highest numbered checkpoint, finished or not. The Trainer writes
 # trainer_state.json last, so one missing or cut short is an interrupted save; so is hf_lowprec's
@@ -402,8 +406,12 @@ def check_resume_options(strategy: Any, saved: dict[str, Any], where: str) -> li
             f"(precision_options {json.dumps(keep)}), or start a new run from the checkpoint's weights "
             "without resume_from_checkpoint"
         )
+    logged = _CHANGES_LOGGED.setdefault(strategy, set())
     for k in changed:
-        logger.info("resuming with %s=%r (saved: %r): applied from here on", k, current.get(k), saved.get(k))
+        change = (k, repr(current.get(k)), repr(saved.get(k)))
+        if change not in logged:
+            logged.add(change)
+            logger.info("resuming with %s=%r (saved: %r): applied from here on", k, current.get(k), saved.get(k))
     return changed
 
 

@@ -108,3 +108,17 @@ def test_a_resume_mid_fault_re_raises_the_layers_and_continues_bit_for_bit(unint
     assert recipes(resumed.model) == recipes(full.model)
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert_bits_equal(a.detach(), b.detach(), name)
+
+
+def test_a_resume_with_the_guard_off_says_so_once(uninterrupted, tmp_path, caplog):
+    """The manifest's check and the optimizer state's load both compare the saved options: the
+    change was logged by each."""
+    _, out = uninterrupted
+    args = make_args(
+        tmp_path, "fp8-lm-o2", precision_options=json.dumps({"fused": "reference"}), max_steps=7, save_strategy="no"
+    )
+    resumed = hf_lowprec.Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks())
+    with caplog.at_level("INFO", logger="hf_lowprec"):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming with guard=False")]
+    assert len(lines) == 1, lines
