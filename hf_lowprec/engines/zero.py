@@ -8,6 +8,7 @@ DeepSpeed itself is imported only where a function needs it (`require_deepspeed`
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -128,7 +129,8 @@ def _partition_dtype(strategy: PrecisionStrategy) -> torch.dtype:
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed config as a dict (deep copy) from a dict, a JSON file path or a JSON string."""
+    """A DeepSpeed config as a dict (deep copy) from a dict, a JSON file path, a JSON string or
+    a base64-encoded JSON string (as Accelerate's `HfDeepSpeedConfig` reads it)."""
     if isinstance(source, Mapping):
         return copy.deepcopy(dict(source))
     text = str(source)
@@ -138,7 +140,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError:
-        raise ValueError(f"DeepSpeed config {text!r} is neither a file nor a JSON object") from None
+        try:
+            loaded = json.loads(base64.urlsafe_b64decode(text).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):  # binascii.Error and JSONDecodeError are ValueErrors
+            raise ValueError(
+                f"DeepSpeed config {text!r} is neither a file, a JSON object nor base64-encoded JSON"
+            ) from None
     if not isinstance(loaded, dict):
         raise ValueError(f"DeepSpeed config must be a JSON object, got {loaded!r}")
     return loaded

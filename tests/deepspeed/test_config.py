@@ -4,6 +4,7 @@ No processes: these check the pure logic of `hf_lowprec.engines.zero` (the 2-ran
 test_zero.py).
 """
 
+import base64
 import json
 import subprocess
 import sys
@@ -105,6 +106,26 @@ def test_training_arguments_refuse_a_contradicting_deepspeed_config_before_any_w
         )
     with pytest.raises(ValueError, match="ZeRO stage 2"):
         TrainingArguments(output_dir=str(tmp_path), precision_strategy="fp8-lm-o1", deepspeed=dict(AUTO), use_cpu=True)
+
+
+def test_a_base64_config_is_read_as_accelerate_reads_it(tmp_path):
+    """A base64-encoded JSON config (which Accelerate's HfDeepSpeedConfig and the stock arguments
+    accept) is read, filled and checked like the same config given as a dict."""
+    from hf_lowprec import TrainingArguments
+
+    def encoded(config):
+        return base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+
+    config = precision_config(get_strategy("collage-plus"), encoded(AUTO))
+    assert config == precision_config(get_strategy("collage-plus"), AUTO)
+    with pytest.raises(ValueError, match=r"fp16.enabled"):
+        precision_config(get_strategy("collage-plus"), encoded({**AUTO, "fp16": {"enabled": True}}))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), precision_strategy="collage-plus", deepspeed=encoded(AUTO), use_cpu=True
+    )
+    assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2
+    with pytest.raises(ValueError, match=r"neither a file, a JSON object nor base64-encoded JSON"):
+        precision_config(get_strategy("collage-plus"), "not a config")
 
 
 def test_support_matrix_covers_every_registered_strategy_from_one_source():
