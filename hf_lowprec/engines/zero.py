@@ -236,6 +236,13 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
                 f"the optimizer of precision strategy {name!r} by DeepSpeedCPUAdam. Remove "
                 f"zero_optimization.{offload}"
             )
+    for legacy, current in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if _as_bool(_get(config, f"zero_optimization.{legacy}")) not in (None, False):  # DeepSpeed's older names
+            raise ValueError(
+                f"the DeepSpeed config sets zero_optimization.{legacy} (DeepSpeed's older name for "
+                f"zero_optimization.{current}); offloading replaces the optimizer of precision strategy {name!r} "
+                f"by DeepSpeedCPUAdam. Remove zero_optimization.{legacy}"
+            )
 
 
 def precision_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -74,6 +74,9 @@ def test_explicit_agreeing_values_pass():
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer",
         ),
+        # DeepSpeed's older names for the two offloads, accepted before and failing inside DeepSpeed.
+        ("collage-plus", {"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
+        ("bf16-kahan", {"zero_optimization": {"stage": 3, "cpu_offload_param": "true"}}, "cpu_offload_param"),
         # Accepted silently before: a BF16 forward and BF16 reductions the report said were FP32.
         ("fp32", {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
         ("fp32", {"communication_data_type": "bf16"}, "communication_data_type='bf16'"),
