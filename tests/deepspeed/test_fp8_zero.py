@@ -5,6 +5,7 @@ emulate DeepSpeed's per-group client calls in one process.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +165,14 @@ def test_clipping_under_zero_covers_the_fp8_gradients_and_steps_fp8_once():
     nonzero = free != 0
     rel = ((clipped - c * free).abs()[nonzero] / (c * free).abs()[nonzero]).max()
     assert rel <= 2**-20 and torch.all(clipped[~nonzero] == 0)
+
+
+def test_the_docs_say_clipping_under_zero_covers_the_fp8_gradients():
+    """docs/distributed.md describes the clipping the test above checks (it once said the FP8
+    weights' gradients were left unclipped under DeepSpeed)."""
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text().split())
+    assert "not the FP8 weights' gradients" not in text
+    assert "which the FP8 gradients take too (`FP8ZeroAdamW.clip_coefficient`)" in text
 
 
 @pytest.mark.parametrize("noted", [False, True], ids=["unnoted", "noted-before-the-inf"])
