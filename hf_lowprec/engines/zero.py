@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..strategies.registry import available_strategies, get_strategy
+from .zero_skips import count_deepspeed_skips
 
 if TYPE_CHECKING:
     from ..strategies.interface import PrecisionStrategy
@@ -409,7 +410,8 @@ def attach_zero_optimizer(zero_optimizer: Any) -> int:
 
     Moves state made before DeepSpeed partitioned the parameters onto the partitions
     (`move_state_to_partitions`), tells the strategy DeepSpeed's data-parallel group (a step is
-    skipped on every rank together), then hands DeepSpeed's ZeRO optimizer to a client optimizer
+    skipped on every rank together) and counts the steps DeepSpeed skips itself on it
+    (`engines.zero_skips.count_deepspeed_skips`), then hands DeepSpeed's ZeRO optimizer to a client optimizer
     that works with it (`attach_zero`): fp8-lm-o3's `optim.zero_fp8.FP8ZeroAdamW` reads DeepSpeed's gradient
     norm and `gradient_clipping` from it, to clip the FP8 weights' gradients with the others,
     and learns the groups DeepSpeed steps one at a time. Returns the number of parameters
@@ -425,6 +427,9 @@ def attach_zero_optimizer(zero_optimizer: Any) -> int:
         # one rank's partition must skip the step on every rank (DeepSpeed skips by itself only
         # where its gradient norm sees it: FP32 partitions, and only with the norm computed).
         strategy.set_data_parallel_group(getattr(zero_optimizer, "dp_process_group", None))
+        # A step DeepSpeed skips itself never reaches the client optimizer: counted all the same.
+        device = next((p.device for g in wrapper.param_groups for p in g["params"]), None)
+        count_deepspeed_skips(zero_optimizer, strategy, device)
     client = unwrap_optimizer(wrapper)
     attach = getattr(client, "attach_zero", None)
     if callable(attach):

@@ -211,8 +211,8 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_both(ranks):
     """An inf in one element of rank 0's gradient at step 2 (of a dense parameter; of an FP8 weight
     rank 0 owns under fp8-lm-o3): both ranks skip the step (DeepSpeed's own skip where its
     gradient norm sees the inf, the strategy's where only it holds the gradient), no weight,
-    optimizer state or strategy state changes, and steps 3 and 4 equal bit for bit a run that
-    never saw batch 2 (fp8-lm-o3: no FP8 gradient of the skipped batch is added to step 3's)."""
+    optimizer state or strategy state changes, the strategy counts the skip either way, and
+    steps 3 and 4 equal bit for bit a run that never saw batch 2 (fp8-lm-o3: no FP8 gradient of the skipped batch is added to step 3's)."""
     for case_key in NONFINITE_CASES:
         key = "/".join(map(str, case_key))
         cases = [r["cases"][key] for r in ranks]
@@ -224,7 +224,9 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_both(ranks):
             # the clean run bit for bit (below).
             allowed = ["state"] if case_key[-1] == "fp8" else []
             assert case["changed"] in ([], allowed), (key, case["changed"])
-            assert sum(case["skipped"].values()) == 1, (key, case["skipped"])
+            # Counted once by the strategy (precision/skipped_steps) whoever skipped it: DeepSpeed's
+            # own skip never reaches the client optimizer, and went uncounted.
+            assert case["skipped"]["strategy"] == 1 and case["skipped"]["deepspeed"] in (0, 1), (key, case["skipped"])
             assert_same_losses(case["losses"], case["clean_losses"], key)
             assert case["digest"] == case["clean_digest"], key
         assert cases[0]["skipped"] == cases[1]["skipped"], key
