@@ -32,6 +32,7 @@ __all__ = [
     "load_config",
     "move_state_to_partitions",
     "owned_entries",
+    "partition_segments",
     "precision_config",
     "require_deepspeed",
     "support_matrix",
@@ -311,7 +312,7 @@ def configure_accelerator(
         hf_config._dtype = _partition_dtype(strategy)
 
 
-def _partition_segments(zero_optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int]]]]:
+def partition_segments(zero_optimizer: Any) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int]]]]:
     """[(partition, [(parameter, start in parameter, start in partition, length)])] on this rank."""
     import torch.distributed as dist
 
@@ -374,7 +375,7 @@ def move_state_to_partitions(zero_optimizer: Any) -> int:
     if not stale:
         return 0
     moved = set()
-    for part, segments in _partition_segments(zero_optimizer):
+    for part, segments in partition_segments(zero_optimizer):
         merged: dict[str, Any] = {}
         for param, p_start, q_start, length in segments:
             if id(param) not in stale:

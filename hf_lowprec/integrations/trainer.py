@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from ..checkpoints.complete_save import gather_export, save_complete_checkpoint, with_export
+from ..checkpoints.complete_save import save_complete_checkpoint
 from ..checkpoints.converted import keeping_dtypes, load_best_model, load_in_model_format
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.fsdp2_trainer import load_trainer_optimizer, save_rank_optimizer, trainer_rank_world
@@ -42,6 +42,7 @@ from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
+from .model_saving import all_fp32, gather_for_save, label_full_precision, weights_to_save
 from .optimizer_arguments import (
     accept_optimizer,
     check_engine_arguments,
@@ -380,9 +381,8 @@ class PrecisionTrainerMixin:
             warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        exports = self.precision is not None and not self.precision.options.save_full_precision
-        gather = exports and getattr(self, "is_deepspeed_enabled", False)
-        self._exported = gather_export(self.precision, self.model, self.optimizer) if gather else None
+        # The strategy's export (or full precision) under DeepSpeed: a collective, on every rank.
+        self._exported = gather_for_save(self) if getattr(self, "is_deepspeed_enabled", False) else None
         try:
             super().save_model(output_dir, _internal_call)
         finally:
@@ -394,20 +394,11 @@ class PrecisionTrainerMixin:
                 write_published_fp8(output_dir if output_dir is not None else self.args.output_dir, self.model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        full = self.precision is not None and self.precision.options.save_full_precision
-        if full and state_dict is None:
-            state_dict = self.precision.full_precision_state_dict(self.model, self.optimizer)
-        elif self.precision is not None and (getattr(self, "is_deepspeed_enabled", False) or self.args.world_size == 1):
-            # Gathered by every rank in save_model under DeepSpeed; else only one process may gather.
-            state_dict = with_export(
-                self.precision, self.model, self.optimizer, state_dict, getattr(self, "_exported", None)
-            )
+        state_dict = weights_to_save(self, state_dict, getattr(self, "_exported", None))
+        fp32 = all_fp32(self, state_dict)  # save_full_precision's FP32 weights: the config says float32
         super()._save(output_dir, state_dict=state_dict)
-        if full and self.args.should_save and isinstance(self.model, transformers.PreTrainedModel):
-            # save_pretrained records the parameters' dtype (BF16); the weights written are FP32.
-            config = self.model.config.__class__.from_dict(self.model.config.to_dict())
-            config.dtype = "float32"
-            config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+        if fp32:
+            label_full_precision(self, output_dir)
 
     def compute_loss_context_manager(self):
         stack = super().compute_loss_context_manager()

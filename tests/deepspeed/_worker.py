@@ -11,6 +11,7 @@ losses, and whether save_checkpoint → load_checkpoint continues bit-for-bit. R
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -27,7 +28,13 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hf_lowprec import get_strategy  # noqa: E402
-from hf_lowprec.engines.zero import attach_zero_optimizer, precision_config, zero_support  # noqa: E402
+from hf_lowprec.engines.zero import (  # noqa: E402
+    attach_zero_optimizer,
+    partition_segments,
+    precision_config,
+    zero_support,
+)
+from hf_lowprec.engines.zero_export import gather_full_precision  # noqa: E402
 from hf_lowprec.fp8.linear import quantize_tensorwise  # noqa: E402
 from hf_lowprec.fp8.scaled import dequantize, get_master_scale  # noqa: E402
 from hf_lowprec.memory import unwrap_optimizer  # noqa: E402
@@ -149,6 +156,15 @@ def digest(engine) -> str:
     return h.hexdigest()
 
 
+def tensor_digests(state: dict) -> dict[str, str]:
+    """{name: dtype and digest of the bytes} of a state dict's tensors."""
+    return {
+        k: f"{v.dtype}:"
+        + hashlib.sha256(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+        for k, v in state.items()
+    }
+
+
 def one_process(name: str):
     strategy = get_strategy(name)
     if name == "fp8-lm-o3":  # one process: its own rank is its whole data-parallel group
@@ -174,6 +190,8 @@ def reference(name: str, data) -> dict:
         "losses": losses,
         "norms": norms,
         "halves_losses": accumulated_halves(*halves, data),
+        # What save_full_precision writes in one process after the halves' steps.
+        "halves_full_precision": tensor_digests(halves[0].full_precision_state_dict(halves[1], halves[2])),
         "initial_state_l1": initial,
         "param_dtypes": sorted({str(p.dtype) for p in params}),
         "state_dtypes": state_dtypes(optimizer),
@@ -217,6 +235,8 @@ def run_supported(name: str, stage: int, ckpt_dir: Path, data) -> dict:
     result["losses"] = losses
     result["digest"] = digest(engine)
     result["forward_digests"] = step_digests
+    # save_full_precision's weights, gathered from the partitions (a collective: every rank).
+    result["full_precision"] = tensor_digests(gather_full_precision(strategy, engine.module, client, zero_opt))
     # A fresh engine restored from the checkpoint must continue exactly.
     strategy2, engine2, _zero_opt2, client2 = build(name, stage)
     engine2.load_checkpoint(str(ckpt_dir), tag="t2")
@@ -297,12 +317,15 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
     from hf_lowprec import Trainer, TrainingArguments
 
     rows = [{"input_ids": ids[i], "labels": ids[i]} for ids in data for i in range(len(ids))]
+    config = ds_config(stage)
+    if stage == 3:  # save_model writes the gathered weights (else only DeepSpeed's checkpoint)
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
 
     def trainer(run: str) -> Trainer:
         args = TrainingArguments(
             output_dir=str(out / run),
             precision_strategy=name,
-            deepspeed=ds_config(stage),
+            deepspeed=config,
             use_cpu=True,
             per_device_train_batch_size=MICRO,
             max_steps=4,
@@ -350,11 +373,43 @@ def run_trainer(name: str, stage: int, out: Path, data) -> dict:
     saved = plain.state_dict()
     result["saved_equal"] = all(torch.equal(saved[k].float(), v) for k, v in trained.items())
     result["saved_dtype"] = str(next(plain.parameters()).dtype)
+    result["saved_full"] = save_full_precision(first, out / "saved_full", out / "saved", trained, zero_opt)
     second = trainer("full")
     second.train(resume_from_checkpoint=str(out / "full" / "checkpoint-2"))
     result["resumed_losses"] = [h["loss"] for h in second.state.log_history if "loss" in h]
     result["resumed_digest"] = digest(second.model_wrapped)
     return result
+
+
+def save_full_precision(trainer, path: Path, plain: Path, trained: dict, zero_opt) -> dict:
+    """`save_model` with `save_full_precision`: what the file and the config hold, against the
+    weights the plain save wrote (`plain`), the trained weights and the full precision this
+    rank's partitions hold (θ + δθ, masters)."""
+    from safetensors.torch import load_file
+
+    trainer.precision.options = dataclasses.replace(trainer.precision.options, save_full_precision=True)
+    trainer.save_model(str(path))
+    dist.barrier()
+    saved, theta = load_file(str(path / "model.safetensors")), load_file(str(plain / "model.safetensors"))
+    model = dict(trainer.model.named_parameters(remove_duplicate=False))
+    names = {id(p): n for n, p in reversed(model.items()) if n in saved}  # tied: the name written
+    inner = unwrap_optimizer(zero_opt)
+    own = True  # this rank's partitions, element by element, as the optimizer holds them
+    for part, segments in partition_segments(zero_opt):
+        flat = inner.full_precision_value(part).reshape(-1)
+        for param, p_start, q_start, length in segments:
+            written = saved[names[id(param)]].reshape(-1)[p_start : p_start + length]
+            own = own and torch.equal(written, flat[q_start : q_start + length])
+    return {
+        "dtypes": sorted({str(v.dtype) for v in saved.values()}),
+        "config_dtype": json.loads((path / "config.json").read_text()).get("dtype"),
+        "own_partitions_equal": own,
+        # (the plain save may write the tied LM head under both names: every weight here is compared)
+        "casts_back": saved.keys() <= theta.keys()
+        and all(torch.equal(saved[k].to(theta[k].dtype), theta[k]) for k in saved),
+        "beyond_bf16": sum(int((v != v.to(torch.bfloat16).float()).sum()) for v in saved.values()),
+        "trained_equal": all(torch.equal(saved[k], v) for k, v in trained.items() if k in saved),
+    }
 
 
 def main() -> None:

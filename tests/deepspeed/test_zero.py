@@ -28,6 +28,7 @@ BF16_WEIGHTS = {
 }
 TRAINER_CASE = ("collage-plus", 2, "trainer")
 O3_TRAINER_CASE = ("fp8-lm-o3", 2, "trainer")
+KAHAN_TRAINER_CASE = ("bf16-kahan", 3, "trainer")  # ZeRO-3: each parameter partitioned
 # An inf in one element of rank 0's gradient at step 2: of a dense parameter, or of an FP8 weight
 # rank 0 owns (fp8-lm-o3, whose FP8 weights DeepSpeed does not hold).
 NONFINITE_CASES = (("collage-plus", 2, "nonfinite", "dense"), ("fp8-lm-o3", 2, "nonfinite", "dense"))
@@ -38,7 +39,7 @@ TOKENS = 4 * 31  # per step: 4 sequences of 32, the first token has no label
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     cases = [[name, stage] for name in available_strategies() for stage in STAGES]
-    cases += [list(TRAINER_CASE), list(O3_TRAINER_CASE), *map(list, NONFINITE_CASES)]
+    cases += [list(TRAINER_CASE), list(O3_TRAINER_CASE), list(KAHAN_TRAINER_CASE), *map(list, NONFINITE_CASES)]
     out = tmp_path_factory.mktemp("zero")
     results = launch(HERE / "_worker.py", out, ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
@@ -124,6 +125,24 @@ def test_checkpoint_continues_exactly_and_ranks_agree(ranks):
             assert cases[0]["digest"] == cases[1]["digest"], (name, stage)
 
 
+def test_full_precision_export_gathers_the_partitions(ranks):
+    """`save_full_precision` under ZeRO: every parameter's FP32 full precision (θ + δθ, the masters)
+    put together from the ranks' partitions is, for every strategy whose update does not depend on
+    DeepSpeed's layout, bit for bit what one process's `full_precision_state_dict` holds after the
+    same steps on the ranks' two halves; FP32 for every strategy and stage (DeepSpeed's save
+    wrote the 16-bit weights, without δθ)."""
+    names = dict(tiny_gpt2().named_parameters(remove_duplicate=False))
+    for result in ranks:
+        for name, stage in supported():
+            full = result["cases"][f"{name}/{stage}"]["full_precision"]
+            reference = result["references"][name]["halves_full_precision"]
+            assert set(full) == set(names), (name, stage, set(names) ^ set(full))
+            assert all(v.startswith("torch.float32:") for v in full.values()), (name, stage)
+            if name not in LAYOUT_DEPENDENT:
+                differ = [k for k in full if full[k] != reference[k]]
+                assert not differ, (name, stage, differ)
+
+
 def test_zero_1_and_2_agree_bit_for_bit(ranks):
     # ZeRO 1 and 2 cut the same flat buffer into the same partitions and reduce the same
     # gradients; they differ only in when gradients are partitioned, so the weights agree
@@ -162,6 +181,11 @@ def test_trainer_with_a_deepspeed_config_runs_the_strategy(ranks):
         assert_same_losses(case["resumed_losses"], case["losses"], "trainer resumed at step 2")
         assert case["resumed_digest"] == case["digest"]
         assert case["saved_equal"] and case["saved_dtype"] == "torch.bfloat16"
+        # save_full_precision: FP32 θ + δθ as this rank's partitions hold it, casting back to θ
+        # (DeepSpeed's save wrote the BF16 weights, widened, and labelled them float32).
+        full = case["saved_full"]
+        assert full["dtypes"] == ["torch.float32"] and full["config_dtype"] == "float32", full
+        assert full["own_partitions_equal"] and full["casts_back"] and full["beyond_bf16"] > 0, full
 
 
 def test_trainer_resumes_fp8_lm_o3_exactly(ranks):
@@ -177,6 +201,25 @@ def test_trainer_resumes_fp8_lm_o3_exactly(ranks):
         assert case["resumed_digest"] == case["digest"]
         assert case["saved_dtype"] == "torch.float32"
         assert case["saved_equal"], rank
+        # save_full_precision: the masters and the FP32 partitions, labelled float32.
+        full = case["saved_full"]
+        assert full["dtypes"] == ["torch.float32"] and full["config_dtype"] == "float32", full
+        assert full["own_partitions_equal"] and full["trained_equal"], (rank, full)
+
+
+def test_trainer_saves_full_precision_under_zero_3(ranks):
+    """bf16-kahan under ZeRO-3 through the Trainer: resume continues exactly, and save_model with
+    `save_full_precision` writes FP32 θ + compensation gathered from every rank's shards (the
+    ranks without DeepSpeed's gathered 16-bit weights write nothing), casting back to the BF16
+    weights the plain save wrote."""
+    for rank, result in enumerate(ranks):
+        case = result["cases"]["/".join(map(str, KAHAN_TRAINER_CASE))]
+        assert "error" not in case, case["error"]
+        assert case["zero_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+        assert_same_losses(case["resumed_losses"], case["losses"], "trainer resumed at step 2")
+        full = case["saved_full"]
+        assert full["dtypes"] == ["torch.float32"] and full["config_dtype"] == "float32", full
+        assert full["own_partitions_equal"] and full["casts_back"] and full["beyond_bf16"] > 0, (rank, full)
 
 
 def test_every_supported_combination_against_one_process(ranks):

@@ -1,0 +1,69 @@
+"""The weights the Trainer's `save_model` writes under a strategy: its export, or with
+`save_full_precision` the FP32 weights its optimizer holds (θ + δθ, the masters), under DeepSpeed
+gathered from the ZeRO partitions (`engines.zero_export`). The config says `dtype: float32` only
+when every floating tensor written is FP32 (`all_fp32`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+from ..checkpoints.complete_save import gather_export, with_export
+
+__all__ = ["all_fp32", "gather_for_save", "label_full_precision", "weights_to_save"]
+
+
+def _full(trainer: Any) -> bool:
+    return trainer.precision is not None and trainer.precision.options.save_full_precision
+
+
+def gather_for_save(trainer: Any) -> dict[str, Any] | None:
+    """Under DeepSpeed, what replaces the model's weights in the save (None without a strategy).
+    A collective: every rank runs it in `save_model` (transformers before 5.23 calls the Trainer's
+    `_save` on the saving rank only)."""
+    if trainer.precision is None:
+        return None
+    if not _full(trainer):
+        return gather_export(trainer.precision, trainer.model, trainer.optimizer)
+    from ..engines.zero_export import gather_full_precision
+
+    zero = getattr(trainer.model_wrapped, "optimizer", None)
+    return gather_full_precision(trainer.precision, trainer.model, trainer.optimizer, zero, trainer.args.should_save)
+
+
+def weights_to_save(trainer: Any, state_dict: dict | None, gathered: dict[str, Any] | None) -> dict | None:
+    """The state dict the stock `_save` writes: `state_dict` (None: the model's own) as the strategy
+    exports it, or in full precision; `gathered` is `gather_for_save`'s (None: gathered now)."""
+    deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+    if _full(trainer) and deepspeed:  # DeepSpeed's 16-bit weights, with the optimizer's full precision
+        from ..engines.zero_export import in_full_precision
+
+        gathered = gathered if gathered is not None else gather_for_save(trainer)
+        if state_dict is None and not trainer.args.should_save:
+            return None  # ZeRO-3 gathers DeepSpeed's weights to the saving rank only
+        return in_full_precision(trainer.model.state_dict() if state_dict is None else state_dict, gathered)
+    if _full(trainer) and state_dict is None:
+        return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
+    if trainer.precision is not None and (deepspeed or trainer.args.world_size == 1):
+        # Gathered by every rank in save_model under DeepSpeed; else only one process may gather.
+        return with_export(trainer.precision, trainer.model, trainer.optimizer, state_dict, gathered)
+    return state_dict
+
+
+def all_fp32(trainer: Any, state_dict: dict | None) -> bool:
+    """Whether a `save_full_precision` save writes `state_dict` as FP32 weights only (read before
+    the stock save: save_pretrained takes tensors out of the dict as it writes them)."""
+    floats = [v for v in (state_dict or {}).values() if torch.is_tensor(v) and v.is_floating_point()]
+    return _full(trainer) and bool(floats) and all(v.dtype == torch.float32 for v in floats)
+
+
+def label_full_precision(trainer: Any, output_dir: str | None) -> None:
+    """After a save of FP32 weights (`all_fp32`): `dtype: float32` in the config, where
+    save_pretrained recorded the parameters' dtype (BF16)."""
+    if trainer.args.should_save and isinstance(trainer.model, transformers.PreTrainedModel):
+        config = trainer.model.config.__class__.from_dict(trainer.model.config.to_dict())
+        config.dtype = "float32"
+        config.save_pretrained(output_dir if output_dir is not None else trainer.args.output_dir)
