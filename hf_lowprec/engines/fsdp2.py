@@ -41,6 +41,7 @@ __all__ = [
     "load_sharded",
     "local_shard",
     "move_state_to_shards",
+    "refuse_full_precision_save",
     "residuals_by_name",
     "save_sharded",
     "shard_model",
@@ -335,9 +336,21 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 # --- checkpoints -----------------------------------------------------------------------------------
 
 
+def refuse_full_precision_save(strategy: PrecisionStrategy) -> None:
+    """The Trainer's FSDP save writes the weights FSDP gathers (16-bit): `save_full_precision`'s
+    FP32 export (θ + δθ, masters) is made in one process, under DDP or under DeepSpeed only."""
+    if strategy.options.save_full_precision:
+        raise ValueError(
+            f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} under FSDP: "
+            "the Trainer saves the 16-bit weights FSDP gathers, not the optimizer's full precision. Drop "
+            "save_full_precision (the checkpoints still resume bit for bit), or train under DDP or DeepSpeed ZeRO"
+        )
+
+
 def check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
     """Before any work (TrainingArguments): the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
     check_fsdp2_support(strategy)
+    refuse_full_precision_save(strategy)
     if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
         with open(fsdp_config, encoding="utf-8") as f:
             fsdp_config = json.load(f)

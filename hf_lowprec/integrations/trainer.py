@@ -234,10 +234,11 @@ class PrecisionTrainerMixin:
             self.model = prepared
         self.step_seconds: list[float] = []  # wall time of each training step, for reports and benchmarks
         if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
-            from ..engines.fsdp2 import configure_accelerator
+            from ..engines.fsdp2 import configure_accelerator, refuse_full_precision_save
 
             # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
             # strategies FSDP2 does not support.
+            refuse_full_precision_save(self.precision)
             configure_accelerator(self.precision, self.accelerator, self.model)
         from ..engines.fsdp2 import warn_if_fsdp_fell_back
 

@@ -161,10 +161,11 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
 def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
     from hf_lowprec import TrainingArguments
 
-    def args(name, version):
+    def args(name, version, **options):
         return TrainingArguments(
             output_dir=str(tmp_path),
             precision_strategy=name,
+            precision_options=options or None,
             fsdp="full_shard",
             fsdp_config={"fsdp_version": version},
             use_cpu=True,
@@ -176,6 +177,9 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
             args(name, 2)
     with pytest.raises(ValueError, match="fsdp_version"):
         args("collage-plus", 1)
+    # FSDP's save writes the 16-bit weights it gathers: the FP32 export asked for would not be made.
+    with pytest.raises(ValueError, match="save_full_precision=True .* under FSDP: .* Drop save_full_precision"):
+        args("collage-plus", 2, save_full_precision=True)
 
 
 def test_readme_shows_the_generated_table():
