@@ -178,7 +178,7 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="fsdp_version"):
         args("collage-plus", 1)
     # FSDP's save writes the 16-bit weights it gathers: the FP32 export asked for would not be made.
-    with pytest.raises(ValueError, match="save_full_precision=True .* under FSDP: .* Drop save_full_precision"):
+    with pytest.raises(ValueError, match=r"save_full_precision=True .* under FSDP: .* Drop save_full_precision"):
         args("collage-plus", 2, save_full_precision=True)
 
 
