@@ -95,7 +95,10 @@ OWNED_ARGUMENTS: dict[str, str] = {
     "max_steps": "give --max_steps before --",
     "output_dir": "OUT/runs/STRATEGY-seedN: choose OUT with --out",
     "logging_steps": "1: its curves need every step",
+    "logging_strategy": "steps: its curves need every step",
+    "logging_first_step": "its curves need every step",
     "save_strategy": "no: a comparison saves no checkpoint",
+    "save_steps": "a comparison saves no checkpoint",
     "report_to": "none",
     "disable_tqdm": "true: --no-progress hides compare's own bar",
 }
@@ -111,7 +114,11 @@ def recipe_options(recipe: str) -> frozenset[str] | None:
         text = importlib.import_module(TRAINING_RECIPES[recipe][0]).recipe_parser().format_help()
     else:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        proc = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+        try:
+            proc = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s --help did not finish in 300 s: its own arguments go unchecked", recipe)
+            return None
         if proc.returncode != 0:
             logger.warning("%s --help failed (exit code %d): its own arguments go unchecked", recipe, proc.returncode)
             return None
@@ -139,7 +146,7 @@ def check_recipe_arguments(
     from .integrations.trainer import TrainingArguments
 
     owned = {**OWNED_ARGUMENTS, **({"precision_options": _METRICS_OWNED} if metrics else {})}
-    known = recipe_options(recipe)
+    known = recipe_options(recipe) if _given_options(extra) else None  # (a script's --help runs it)
     for name in _given_options(extra):
         flag = name.replace("-", "_")
         if flag in owned:

@@ -62,7 +62,9 @@ def gather_full_precision(
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(bits, group=group)  # one rank's bits per element, zeros elsewhere
             if keep:
-                value = bits.view(torch.float32).view(getattr(p, "ds_shape", p.shape))
+                value = (
+                    bits.view(torch.float32).view(getattr(p, "ds_shape", p.shape)).cpu()
+                )  # off the GPU, one at a time
                 out.update(dict.fromkeys(names.get(id(p), ()), value))
     exported = gather_export(strategy, model, optimizer)  # fp8-lm-o3's masters (a collective too)
     if keep:

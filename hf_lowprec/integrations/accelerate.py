@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import weakref
 from typing import Any
@@ -92,7 +93,11 @@ class PrecisionPlugin:
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, StrategyOptimizer):
                 if obj not in self._replaced:
-                    self._replaced[obj] = _take_groups(obj, self._convert_optimizer(obj, model_params))
+                    self._replaced[obj] = self._convert_optimizer(obj, model_params)
+                    # A scheduler built on it that never reaches prepare moves too (Accelerate's wrapper
+                    # steps the user's optimizer itself, so such a scheduler works there).
+                    for scheduler in _schedulers_over(obj):
+                        self._follow(scheduler)
                 objects[i] = self._replaced[obj]
             if isinstance(objects[i], StrategyOptimizer) and all(o is not objects[i] for o in self._optimizers):
                 self._optimizers.append(objects[i])
@@ -314,28 +319,20 @@ class PrecisionPlugin:
         )
 
 
-def _take_groups(old: torch.optim.Optimizer, optimizer: StrategyOptimizer) -> StrategyOptimizer:
-    """`optimizer`, whose groups `old` shows from now on (a live view: Accelerate's prepare and
-    `load_state_dict` replace the list): a scheduler over `old` that never reaches `prepare`, or a
-    loop reading `old`'s learning rate, sets and reads what `optimizer` steps with, as with stock
-    Accelerate, whose wrapper steps `old` itself."""
-    if len(optimizer.param_groups) == len(old.param_groups):
-        old.__class__ = _view_class(type(old))
-        del old.__dict__["param_groups"]
-        old._hf_lowprec_successor = optimizer
-        old._opt_called = True  # its steps are `optimizer`'s: torch's step-order check holds
-    return optimizer
-
-
-@functools.cache
-def _view_class(cls: type) -> type:
-    def get(self: Any) -> list[dict[str, Any]]:
-        return self._hf_lowprec_successor.param_groups
-
-    def set_(self: Any, value: list[dict[str, Any]]) -> None:
-        self._hf_lowprec_successor.param_groups = value
-
-    return type(cls.__name__, (cls,), {"param_groups": property(get, set_), "__module__": cls.__module__})
+def _schedulers_over(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
+    """The LR schedulers alive now that hold `optimizer` (found through the garbage collector's
+    referrers: a scheduler holds it in its attributes, inline or in its `__dict__`)."""
+    holders = gc.get_referrers(optimizer)
+    found = [h for h in holders if isinstance(h, torch.optim.lr_scheduler.LRScheduler)]
+    dicts = [h for h in holders if isinstance(h, dict)]
+    if dicts:
+        ids = {id(d) for d in dicts}
+        found += [
+            o
+            for o in gc.get_referrers(*dicts)
+            if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and id(getattr(o, "__dict__", None)) in ids
+        ]
+    return list({id(s): s for s in found if s.optimizer is optimizer}.values())
 
 
 def _note_skip(wrapper: Any, optimizer: StrategyOptimizer, args: Any, kwargs: Any) -> None:

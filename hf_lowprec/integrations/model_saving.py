@@ -42,8 +42,8 @@ def weights_to_save(trainer: Any, state_dict: dict | None, gathered: dict[str, A
         from ..engines.zero_export import in_full_precision
 
         gathered = gathered if gathered is not None else gather_for_save(trainer)
-        if state_dict is None and not trainer.args.should_save:
-            return None  # ZeRO-3 gathers DeepSpeed's weights to the saving rank only
+        if not trainer.args.should_save:
+            return state_dict  # (ZeRO-3 gathers DeepSpeed's weights to the saving rank only: None)
         return in_full_precision(trainer.model.state_dict() if state_dict is None else state_dict, gathered)
     if _full(trainer) and state_dict is None:
         return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)

@@ -340,7 +340,15 @@ class PrecisionTrainerMixin:
             optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
             if self.precision is None:
                 self._warn_silent_precision(self.model if model is None else model, optimizer)
-            elif not isinstance(optimizer, StrategyOptimizer):  # the optimizer your arguments name
+                return optimizer
+            # A later train() (or auto_find_batch_size's retry) finds Accelerate's wrapper of the
+            # strategy's optimizer: that optimizer again, for Accelerate to wrap once.
+            inner = optimizer
+            while inner is not None and not isinstance(inner, StrategyOptimizer):
+                inner = getattr(inner, "optimizer", None)
+            if inner is not None:
+                self.optimizer = optimizer = inner
+            else:  # the optimizer your arguments name
                 self.optimizer = optimizer = StrategyOptimizer(optimizer, self.precision)
                 self._params_before_sharding = [p for g in optimizer.param_groups for p in g["params"]]
             return optimizer

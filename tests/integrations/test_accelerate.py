@@ -299,7 +299,6 @@ def test_an_fsdp_config_that_accelerate_ignores_on_cpu_is_warned_about_once(monk
 _DYNAMO_SCRIPT = """
 import math, torch
 from accelerate import Accelerator
-from accelerate.utils import convert_to_fp32
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
 from tests.helpers import batches, tiny_gpt2
 torch.manual_seed(0)

@@ -5,8 +5,10 @@ checkpoint saved without a strategy."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import pickle
 import warnings
 
 import pytest
@@ -125,6 +127,9 @@ def test_a_scheduler_never_prepared_still_sets_the_strategys_learning_rate(warmu
             scheduler.step()
             seen.append([g["lr"] for g in prepared.optimizer.param_groups])
     assert seen == expected
+    assert scheduler.optimizer is prepared.optimizer
+    pickle.loads(pickle.dumps(optimizer))  # the user's AdamW is left as it was
+    copy.deepcopy(scheduler)
 
 
 def test_clip_grad_value_clamps_the_unscaled_gradients():

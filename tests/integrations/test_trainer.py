@@ -17,9 +17,11 @@ from tests.helpers import (
     TokenBlocks,
     assert_bits_equal,
     checkpointed_args,
+    finite,
     logged_losses,
     make_args,
     tiny_gpt2,
+    trainer_arguments,
 )
 
 
@@ -481,3 +483,23 @@ def test_predictions_reach_compute_metrics_as_the_stock_flags_hand_them(tmp_path
     assert torch.equal(
         torch.from_numpy(out.predictions), logits.to(torch.float16 if expected == "float16" else torch.float32)
     )
+
+
+@pytest.mark.parametrize("strategy", ["collage-plus", "fp16-mixed", "bf16-mixed"])
+def test_a_second_train_call_steps_the_same_strategy_optimizer(tmp_path, strategy):
+    # A later train() (as auto_find_batch_size's retry after an out-of-memory error) found Accelerate's
+    # wrapper and wrapped it again: the state lost its strategy entry, or the loss scaler stepped twice.
+    args = trainer_arguments(tmp_path, max_steps=2, save_strategy="no", optim="adamw_torch")
+    trainer = Trainer(model=tiny_gpt2(), args=TrainingArguments(**args, precision_strategy=strategy),
+                      train_dataset=TokenBlocks(16))  # fmt: skip
+    trainer.train()
+    first = trainer.optimizer.optimizer
+    trainer.train()
+    chain, wrapper = [], trainer.optimizer
+    while wrapper is not None:
+        chain.append(wrapper)
+        wrapper = getattr(wrapper, "optimizer", None)
+    assert [o for o in chain if isinstance(o, StrategyOptimizer)] == [first]
+    finite([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    steps = {int(s["step"]) for s in first.state_dict()["state"].values() if "step" in s}
+    assert steps in ({4}, set())  # both calls stepped it (a state without per-parameter steps aside)
