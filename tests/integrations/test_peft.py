@@ -96,6 +96,27 @@ def test_prepare_model_leaves_a_plain_model_to_the_strategy():
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
+@pytest.mark.parametrize("name", ["bf16-mixed", "collage-plus", "fp8-lm-o2"])
+def test_adapters_not_trained_keep_their_dtype_and_values(name):
+    # Every frozen floating tensor went to the compute dtype: the inactive adapter and the
+    # inactive modules_to_save copy too, rounded to BF16 and saved so.
+    def config(r):
+        return peft.LoraConfig(r=r, target_modules=["c_attn"], modules_to_save=["ln_f"], init_lora_weights=False)
+
+    model = peft.get_peft_model(tiny_gpt2(), config(4))
+    model.add_adapter("second", config(2))
+    model.set_adapter("second")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".default." in n}
+    assert any("lora_A" in n for n in before) and any("modules_to_save" in n for n in before)
+    strategy = get_strategy(name)
+    model = prepare_model(strategy, model)
+    after = dict(model.named_parameters())
+    for n, p in before.items():
+        assert after[n].dtype == torch.float32 and torch.equal(after[n], p), n
+    base = [p for n, p in after.items() if not p.requires_grad and ".default." not in n and p.is_floating_point()]
+    assert {p.dtype for p in base} == {strategy.compute_dtype}
+
+
 def _lora_args(out, name, **overrides):
     return TrainingArguments(
         **{
