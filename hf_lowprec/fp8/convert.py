@@ -20,7 +20,15 @@ from .linear import FP8Linear
 from .payoff import PayoffReason, PayoffRule
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
-__all__ = ["ModuleFilter", "conv1d_class", "convert_to_fp8", "default_skips", "is_gemm_layer", "peft_adapter_layers"]
+__all__ = [
+    "ModuleFilter",
+    "conv1d_class",
+    "convert_to_fp8",
+    "default_skips",
+    "is_gemm_layer",
+    "output_heads",
+    "peft_adapter_layers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +50,29 @@ def is_gemm_layer(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, FP8Linear)) or (conv1d is not None and isinstance(module, conv1d))
 
 
+def output_heads(model: nn.Module) -> list[nn.Module]:
+    """The output heads of the transformers task model in `model` (PEFT-wrapped or not): what it
+    holds beside its backbone, the submodule its `base_model_prefix` names (the `score` or
+    `classifier` of a sequence classifier, `qa_outputs`, `lm_head`, BERT's `cls`), as transformers
+    builds every task model: one backbone and the head(s) reading its hidden states. Empty when
+    transformers is not loaded, or the model has no such backbone (the LM head is then still
+    found through `get_output_embeddings`)."""
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if pretrained is None:
+        return []
+    task = next((m for m in model.modules() if isinstance(m, pretrained)), None)  # the outermost
+    prefix = getattr(task, "base_model_prefix", None)
+    backbone = getattr(task, prefix, None) if isinstance(prefix, str) and prefix else None
+    if task is None or not isinstance(backbone, nn.Module) or backbone is task:
+        return []
+    return [child for child in task.children() if child is not backbone]
+
+
 def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule | None = None) -> dict[int, str]:
-    """id(module) → reason, for the LM head, layers whose weight is an embedding's, GEMMs with
-    both dimensions below `min_gemm_features`, and (with a `rule`) layers FP8 would not speed up."""
+    """id(module) → reason, for the output heads (the LM head, a task model's head: `output_heads`),
+    every layer in a PEFT `modules_to_save` module (a head trained whole), layers whose weight is
+    an embedding's, GEMMs with both dimensions below `min_gemm_features`, and (with a `rule`)
+    layers FP8 would not speed up."""
     skips: dict[int, str] = {}
     conv1d = conv1d_class()
     for module in model.modules():
@@ -62,6 +90,13 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
             payoff = rule.linear(k, n)
             if not payoff.pays:
                 skips[id(module)] = rule.reason(payoff)
+    for head in output_heads(model):  # as the LM head: the logits FP8 would degrade most
+        for module in head.modules():
+            skips[id(module)] = "it is the task model's output head, kept high precision as the LM head is"
+    saved = getattr(sys.modules.get("peft.utils.other"), "ModulesToSaveWrapper", None)
+    for wrapper in (m for m in model.modules() if saved is not None and isinstance(m, saved)):
+        for module in wrapper.modules():  # the original and every adapter's copy
+            skips[id(module)] = "it is in PEFT's modules_to_save (trained whole, as a head is: kept high precision)"
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -113,8 +148,8 @@ def convert_to_fp8(
     Args:
         model: any module tree.
         module_filter: `filter(module, fqn) -> bool`, True to convert. It replaces the default
-            filter, which skips the LM head, layers tied to embeddings and (with
-            `min_gemm_features`) small GEMMs.
+            filter, which skips the output heads (the LM head, a classifier's), PEFT's
+            `modules_to_save`, layers tied to embeddings and (with `min_gemm_features`) small GEMMs.
         config: the new layers' configuration (`fp8_config`: recipe, margin, GEMM path), shared
             by every layer and experts module; without one, `margin` and `recipe` build it.
         min_gemm_features: default filter: a layer whose in_features and out_features are both

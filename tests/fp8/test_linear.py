@@ -170,10 +170,13 @@ def test_layers_fp8_cannot_handle_are_skipped_with_a_named_warning(caplog):
         num_labels=3,
     )
     model = BertForSequenceClassification(config)
+    model.bert.pooler.dense = nn.Linear(64, 3)  # a layer of the backbone FP8 cannot run
     with caplog.at_level(logging.WARNING, logger="hf_lowprec.fp8.linear"):
         convert_to_fp8(model)
-    assert "skipped layer classifier: out_features=3 not a multiple of 16" in caplog.text
-    assert isinstance(model.classifier, nn.Linear) and isinstance(model.bert.pooler.dense, FP8Linear)
+    assert "skipped layer bert.pooler.dense: out_features=3 not a multiple of 16" in caplog.text
+    assert type(model.bert.pooler.dense) is nn.Linear and isinstance(
+        model.bert.encoder.layer[0].output.dense, FP8Linear
+    )
 
     class Special(nn.Linear):
         pass
@@ -181,6 +184,21 @@ def test_layers_fp8_cannot_handle_are_skipped_with_a_named_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_lowprec.fp8.linear"):
         convert_to_fp8(nn.Sequential(Special(16, 16)))
     assert "skipped layer 0: it is a subclass of nn.Linear (Special)" in caplog.text
+
+
+@pytest.mark.parametrize("num_labels", [16, 64])
+def test_a_task_models_head_stays_high_precision(num_labels, caplog):
+    # Only the LM head (get_output_embeddings) was kept: a classifier's head, as wide as FP8
+    # takes, became an FP8 layer.
+    config = BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128
+    )
+    config.num_labels = num_labels
+    model = BertForSequenceClassification(config)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.fp8.linear"):
+        convert_to_fp8(model)
+    assert "skipped layer classifier: it is the task model's output head" in caplog.text
+    assert type(model.classifier) is nn.Linear and isinstance(model.bert.pooler.dense, FP8Linear)
 
 
 class WithEmptyLayers(nn.Module):

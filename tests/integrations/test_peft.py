@@ -244,6 +244,24 @@ def test_the_lm_head_in_modules_to_save_stays_high_precision_under_fp8():
     assert any(isinstance(m, FP8Linear) for m in model.modules())
 
 
+def test_a_classification_head_in_modules_to_save_stays_high_precision_under_fp8():
+    # The head was found through get_output_embeddings() only, None for a sequence classifier:
+    # its `score`, which PEFT's SEQ_CLS puts in modules_to_save, became FP8 layers (both copies).
+    from transformers import LlamaForSequenceClassification
+
+    from hf_lowprec.fp8 import FP8Linear
+    from tests.helpers import tiny_llama_config
+
+    config = tiny_llama_config(hidden_size=64)
+    config.num_labels, config.pad_token_id = 16, 0
+    lora = peft.LoraConfig(r=16, target_modules=["q_proj"], task_type="SEQ_CLS")
+    model = prepare_model(get_strategy("fp8-lm-o2"), peft.get_peft_model(LlamaForSequenceClassification(config), lora))
+    head = model.base_model.model.score
+    assert type(head).__name__ == "ModulesToSaveWrapper"
+    assert not any(isinstance(m, FP8Linear) for m in head.modules())
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+
+
 @pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
 def test_lora_on_moe_experts_trains_under_o2_and_o3(tmp_path, name):
     # PEFT's ParamWrapper read the scaled adapters raw: one step of grad norm 1.26e4, then 0.0,
