@@ -343,7 +343,7 @@ def refuse_full_precision_save(strategy: PrecisionStrategy) -> None:
         raise ValueError(
             f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} under FSDP: "
             "the Trainer saves the 16-bit weights FSDP gathers, not the optimizer's full precision. Drop "
-            "save_full_precision (the checkpoints still resume bit for bit), or train under DDP or DeepSpeed ZeRO"
+            "save_full_precision (checkpoints keep every bit regardless), or train under DDP or DeepSpeed ZeRO"
         )
 
 
