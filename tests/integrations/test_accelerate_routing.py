@@ -44,6 +44,18 @@ def _fp8_held(optimizer, model):
     return [g for g in (inner.fp8_grad(p) for p in model.parameters()) if g is not None]
 
 
+def _stock_schedule(model, build, steps=4):
+    """Each group's learning rate after each of `steps` steps of torch's AdamW under `build(optimizer)`."""
+    reference = torch.optim.AdamW(_groups(model), lr=1e-3)
+    schedule = build(reference)
+    expected = []
+    for _ in range(steps):
+        reference.step()
+        schedule.step()
+        expected.append([g["lr"] for g in reference.param_groups])
+    return expected
+
+
 _COMPOSITES = {
     "sequential": lambda opt: SequentialLR(
         opt, [LinearLR(opt, 0.1, 1.0, total_iters=2), CosineAnnealingLR(opt, T_max=4)], milestones=[2]
@@ -56,13 +68,7 @@ _COMPOSITES = {
 def test_schedulers_nested_in_a_composite_drive_the_strategys_optimizer(kind):
     # The children of SequentialLR / ChainedScheduler kept the replaced AdamW: lr stuck at 1e-4.
     model = tiny_gpt2()
-    reference = torch.optim.AdamW(_groups(model), lr=1e-3)
-    schedule = _COMPOSITES[kind](reference)
-    expected = []
-    for _ in range(4):
-        reference.step()
-        schedule.step()
-        expected.append([g["lr"] for g in reference.param_groups])
+    expected = _stock_schedule(model, _COMPOSITES[kind])
 
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.AdamW(_groups(model), lr=1e-3)
@@ -107,13 +113,7 @@ def test_a_scheduler_never_prepared_still_sets_the_strategys_learning_rate(warmu
     # Accelerate's wrapper steps the user's own optimizer, so a scheduler left out of prepare works
     # there; it set the learning rate of the AdamW the strategy replaced (the schedule was lost).
     model = tiny_gpt2()
-    reference = torch.optim.AdamW(_groups(model), lr=1e-3)
-    schedule = get_linear_schedule_with_warmup(reference, warmup, 5)
-    expected = []
-    for _ in range(4):
-        reference.step()
-        schedule.step()
-        expected.append([g["lr"] for g in reference.param_groups])
+    expected = _stock_schedule(model, lambda opt: get_linear_schedule_with_warmup(opt, warmup, 5))
 
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.AdamW(_groups(model), lr=1e-3)
