@@ -462,10 +462,11 @@ def test_a_backward_that_skips_the_loss_scale_is_refused_at_the_step(tmp_path, s
         assert_bits_equal(a, b)
 
 
-@pytest.mark.parametrize("strategy", ["fp16-mixed", "bf16-mixed", "fp16-als"])
+@pytest.mark.parametrize("strategy", ["fp16-mixed", "bf16-mixed", "fp16-als", "collage-plus"])
 def test_predictions_reach_compute_metrics_as_the_stock_flags_hand_them(tmp_path, strategy):
-    # fp16=True/bf16=True widen an autocast model's outputs to FP32 (Accelerate); fp16-mixed handed
-    # FP16 logits to compute_metrics. A model stored in FP16 (fp16-als) keeps its FP16 outputs, as stock.
+    # fp16=True/bf16=True widen the model's outputs to FP32 (Accelerate's convert_outputs_to_fp32,
+    # whatever the weights' dtype): fp16-mixed handed FP16 logits to compute_metrics, and fp16-als a
+    # model stored in FP16's (an np.exp over them overflows at 11.1).
     seen = []
 
     def metrics(prediction):
@@ -475,14 +476,36 @@ def test_predictions_reach_compute_metrics_as_the_stock_flags_hand_them(tmp_path
     args = make_args(tmp_path, strategy, max_steps=1)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8), compute_metrics=metrics)
     out = trainer.predict(TokenBlocks(4))
-    expected = "float16" if strategy == "fp16-als" else "float32"
-    assert str(out.predictions.dtype) == expected and [str(d) for d in seen] == [expected]
+    assert str(out.predictions.dtype) == "float32" and [str(d) for d in seen] == ["float32"]
     with torch.no_grad(), trainer.compute_loss_context_manager():
         ids = TokenBlocks(4).ids.to(trainer.model.device)
         logits = trainer.model(input_ids=ids).logits
-    assert torch.equal(
-        torch.from_numpy(out.predictions), logits.to(torch.float16 if expected == "float16" else torch.float32)
-    )
+        inner = trainer.model.lm_head(trainer.model.transformer(input_ids=ids)[0])  # the forward's own
+    assert inner.dtype == args.build_precision_strategy().compute_dtype
+    assert torch.equal(torch.from_numpy(out.predictions), logits) and torch.equal(logits, inner.float())
+
+
+@pytest.mark.parametrize("strategy", ["bf16-pure", "collage-plus", "fp16-als"])
+def test_label_smoothing_is_computed_from_fp32_logits_as_under_the_stock_flags(tmp_path, strategy):
+    # The Trainer's own loss from the outputs (label_smoothing_factor) saw the 16-bit logits of a model
+    # stored in BF16/FP16: collage-plus's smoothed loss was 5.376 where bf16=True's is 5.388.
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    args = make_args(tmp_path, strategy, max_steps=1, label_smoothing_factor=0.1)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8))
+    ids = TokenBlocks(4).ids
+    inputs = {"input_ids": ids, "labels": ids}
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        inner = trainer.model.lm_head(trainer.model.transformer(input_ids=inputs["input_ids"])[0])
+    smoother = LabelSmoother(epsilon=0.1)
+    reference = smoother({"logits": inner.double()}, ids, shift_labels=True)  # FP64, on the same logits
+    narrow = smoother({"logits": inner}, ids, shift_labels=True)  # what the 16-bit logits gave
+    # An FP32 log-softmax: each term's sum over VOCAB logits errs by at most VOCAB·eps (relative);
+    # a 16-bit one errs by a 16-bit eps, far more.
+    bound = VOCAB * torch.finfo(torch.float32).eps * reference
+    assert loss.dtype == torch.float32 and abs(loss.double() - reference) <= bound
+    assert abs(narrow.double() - reference) > bound
 
 
 @pytest.mark.parametrize("strategy", ["collage-plus", "fp16-mixed", "bf16-mixed"])
