@@ -336,21 +336,21 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 # --- checkpoints -----------------------------------------------------------------------------------
 
 
-def refuse_full_precision_save(strategy: PrecisionStrategy) -> None:
-    """The Trainer's FSDP save writes the weights FSDP gathers (16-bit): `save_full_precision`'s
-    FP32 export (θ + δθ, masters) is made in one process, under DDP or under DeepSpeed only."""
-    if strategy.options.save_full_precision:
+def refuse_full_precision_save(strategy: PrecisionStrategy, save_on_each_node: bool) -> None:
+    """`save_full_precision` under the Trainer's FSDP: the FP32 export is gathered onto rank 0
+    (`full_precision_state_dict`), so a save on each node's first rank would have nothing to write."""
+    if strategy.options.save_full_precision and save_on_each_node:
         raise ValueError(
-            f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} under FSDP: "
-            "the Trainer saves the 16-bit weights FSDP gathers, not the optimizer's full precision. Drop "
-            "save_full_precision (checkpoints keep every bit regardless), or train under DDP or DeepSpeed ZeRO"
+            f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} and "
+            "save_on_each_node=True under FSDP: the FP32 export is gathered onto rank 0 only, so the other "
+            "nodes would write none. Drop save_on_each_node (rank 0 writes the model), or drop save_full_precision"
         )
 
 
-def check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any) -> None:
+def check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any, save_on_each_node: bool) -> None:
     """Before any work (TrainingArguments): the strategy trains under FSDP2, and the Trainer's FSDP is version 2."""
     check_fsdp2_support(strategy)
-    refuse_full_precision_save(strategy)
+    refuse_full_precision_save(strategy, save_on_each_node)
     if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
         with open(fsdp_config, encoding="utf-8") as f:
             fsdp_config = json.load(f)

@@ -1,7 +1,8 @@
 """The weights the Trainer's `save_model` writes under a strategy: its export, or with
 `save_full_precision` the FP32 weights its optimizer holds (θ + δθ, the masters), under DeepSpeed
-gathered from the ZeRO partitions (`engines.zero_export`). The config says `dtype: float32` only
-when every floating tensor written is FP32 (`all_fp32`).
+gathered from the ZeRO partitions (`engines.zero_export`), under FSDP from the shards onto rank 0
+(`full_precision_state_dict`). The config says `dtype: float32` only when every floating tensor
+written is FP32 (`all_fp32`).
 """
 
 from __future__ import annotations
@@ -13,18 +14,30 @@ import transformers
 
 from ..checkpoints.complete_save import gather_export, with_export
 
-__all__ = ["all_fp32", "gather_for_save", "label_full_precision", "weights_to_save"]
+__all__ = ["all_fp32", "gather_for_save", "label_full_precision", "sharded_fsdp_export", "weights_to_save"]
 
 
 def _full(trainer: Any) -> bool:
     return trainer.precision is not None and trainer.precision.options.save_full_precision
 
 
+def _fsdp_full(trainer: Any) -> bool:
+    return _full(trainer) and getattr(trainer, "is_fsdp_enabled", False)
+
+
+def sharded_fsdp_export(trainer: Any) -> bool:
+    """Whether `save_full_precision` runs under FSDP's sharded state dict, where the stock
+    `save_model` writes no model file: the Trainer then writes the gathered FP32 export itself."""
+    return _fsdp_full(trainer) and "FULL_STATE_DICT" not in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+
+
 def gather_for_save(trainer: Any) -> dict[str, Any] | None:
-    """Under DeepSpeed, what replaces the model's weights in the save (None without a strategy).
-    A collective: every rank runs it in `save_model` (transformers before 5.23 calls the Trainer's
-    `_save` on the saving rank only)."""
-    if trainer.precision is None:
+    """Under DeepSpeed, or FSDP with `save_full_precision`, what replaces the model's weights in
+    the save (None otherwise). A collective: every rank runs it in `save_model` (transformers
+    before 5.23 calls the Trainer's `_save` on the saving rank only)."""
+    if _fsdp_full(trainer):  # rank 0 gets every FP32 weight, the other ranks an empty dict
+        return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
+    if trainer.precision is None or not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     if not _full(trainer):
         return gather_export(trainer.precision, trainer.model, trainer.optimizer)
@@ -45,6 +58,8 @@ def weights_to_save(trainer: Any, state_dict: dict | None, gathered: dict[str, A
         if not trainer.args.should_save:
             return state_dict  # (ZeRO-3 gathers DeepSpeed's weights to the saving rank only: None)
         return in_full_precision(trainer.model.state_dict() if state_dict is None else state_dict, gathered)
+    if _fsdp_full(trainer):  # gathered onto rank 0, the saving rank, by every rank in save_model
+        return gathered if gathered is not None else state_dict
     if _full(trainer) and state_dict is None:
         return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
     if trainer.precision is not None and (deepspeed or trainer.args.world_size == 1):

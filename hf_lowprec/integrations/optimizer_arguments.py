@@ -38,7 +38,7 @@ def check_engine_arguments(args: Any, strategy: PrecisionStrategy) -> None:
     if getattr(args, "fsdp", None):
         from ..engines.fsdp2 import check_trainer_fsdp
 
-        check_trainer_fsdp(strategy, args.fsdp, args.fsdp_config)
+        check_trainer_fsdp(strategy, args.fsdp, args.fsdp_config, args.save_on_each_node)
 
 
 _ACCELERATE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -42,7 +42,7 @@ from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
-from .model_saving import all_fp32, gather_for_save, label_full_precision, weights_to_save
+from .model_saving import all_fp32, gather_for_save, label_full_precision, sharded_fsdp_export, weights_to_save
 from .optimizer_arguments import (
     accept_optimizer,
     check_engine_arguments,
@@ -238,7 +238,7 @@ class PrecisionTrainerMixin:
 
             # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
             # strategies FSDP2 does not support.
-            refuse_full_precision_save(self.precision)
+            refuse_full_precision_save(self.precision, self.args.save_on_each_node)
             configure_accelerator(self.precision, self.accelerator, self.model)
         from ..engines.fsdp2 import warn_if_fsdp_fell_back
 
@@ -390,10 +390,12 @@ class PrecisionTrainerMixin:
             warnings.warn(problem, SilentPrecisionWarning, stacklevel=3)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # The strategy's export (or full precision) under DeepSpeed: a collective, on every rank.
-        self._exported = gather_for_save(self) if getattr(self, "is_deepspeed_enabled", False) else None
+        # The strategy's export (or full precision) under DeepSpeed or FSDP: a collective, on every rank.
+        self._exported = gather_for_save(self)
         try:
             super().save_model(output_dir, _internal_call)
+            if not _internal_call and sharded_fsdp_export(self):  # (the stock save wrote no model file)
+                self._save(output_dir)
         finally:
             self._exported = None
         # The model a user saves goes back in the FP8 format it was loaded from (a checkpoint to

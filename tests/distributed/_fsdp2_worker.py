@@ -458,10 +458,12 @@ def run_accelerate(name: str, data) -> dict:
     }
 
 
-def run_trainer(name: str, data, out: Path) -> dict:
+def run_trainer(name: str, data, out: Path, export: str | None = None) -> dict:
     """`TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}, precision_strategy=name)`
     on the FSDP2 path (forced on CPU, see `forced_fsdp2_accelerator`), and the custom loop with
-    `shard_model` on the same per-rank batches (no weight decay, constant LR, as the Trainer is set)."""
+    `shard_model` on the same per-rank batches (no weight decay, constant LR, as the Trainer is set).
+    `export`: a state_dict_type; the Trainer runs with `save_full_precision` and `save_model` once
+    trained, against the loop's `full_precision_state_dict` (rank 0 compares)."""
     from torch.utils.data import SequentialSampler
 
     from hf_lowprec import Trainer, TrainingArguments
@@ -495,10 +497,11 @@ def run_trainer(name: str, data, out: Path) -> dict:
     # model's shift; position 0 is never a target, so masking it makes that count the model's.
     rows = [{"input_ids": row, "labels": torch.cat([torch.tensor([-100]), row[1:]])} for ids in data for row in ids]
     args = TrainingArguments(
-        output_dir=str(out / f"trainer-{name}"),
+        output_dir=str(out / f"trainer-{name}-{export}"),
         precision_strategy=name,
+        precision_options={"save_full_precision": True} if export else None,
         fsdp="full_shard",
-        fsdp_config={"fsdp_version": 2},
+        fsdp_config={"fsdp_version": 2, **({"state_dict_type": export} if export else {})},
         use_cpu=True,
         per_device_train_batch_size=MICRO,
         max_steps=len(data),
@@ -514,6 +517,8 @@ def run_trainer(name: str, data, out: Path) -> dict:
     )
     trainer = FSDP2Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
     trainer.train()
+    if export:
+        return exported_like_the_loop(trainer, strategy.full_precision_state_dict(model, optimizer))
     inner = trainer.optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → core
     return {
         "loop_losses": loop_losses,
@@ -527,6 +532,27 @@ def run_trainer(name: str, data, out: Path) -> dict:
         "loop_state_dtypes": state_dtypes(optimizer.optimizer),
         "policy": str(trainer.accelerator.state.fsdp_plugin.mixed_precision_policy),
         "strategy_policy": str(get_strategy(name).fsdp2_mixed_precision()),
+    }
+
+
+def exported_like_the_loop(trainer, loop_export: dict) -> dict:
+    """The Trainer's `save_model` under `save_full_precision` (every rank calls it), what rank 0
+    wrote against the loop's export (rank 0 holds it; the others an empty dict)."""
+    from safetensors.torch import load_file
+
+    target = Path(trainer.args.output_dir) / "final"
+    trainer.save_model(str(target))
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return {"loop_keys": len(loop_export), "files": sorted(p.name for p in target.glob("*"))}
+    written = load_file(str(target / "model.safetensors"))
+    return {
+        "loop_keys": len(loop_export),
+        "written_dtypes": sorted({str(v.dtype) for v in written.values()}),
+        # save_pretrained drops the tied lm_head.weight; every other key bit for bit the loop's.
+        "missing": sorted(set(loop_export) - set(written) - {"lm_head.weight"}),
+        "unequal": sorted(k for k, v in written.items() if not torch.equal(v, loop_export[k])),
+        "config_dtype": json.loads((target / "config.json").read_text()).get("dtype"),
     }
 
 
@@ -650,6 +676,8 @@ def main() -> None:
                 case = gpt2_small_bytes(name)
             elif mode == "trainer":
                 case = run_trainer(name, data[:2], out)
+            elif mode.startswith("trainer-export-"):  # trainer-export-FULL_STATE_DICT, ...
+                case = run_trainer(name, data[:2], out, export=mode.removeprefix("trainer-export-"))
             elif mode == "unclipped":
                 case = run_unclipped(name, data)
             elif mode == "long":

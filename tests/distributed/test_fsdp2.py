@@ -177,9 +177,18 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
             args(name, 2)
     with pytest.raises(ValueError, match="fsdp_version"):
         args("collage-plus", 1)
-    # FSDP's save writes the 16-bit weights it gathers: the FP32 export asked for would not be made.
-    with pytest.raises(ValueError, match=r"save_full_precision=True .* under FSDP: .* Drop save_full_precision"):
-        args("collage-plus", 2, save_full_precision=True)
+    # The FP32 export is gathered onto rank 0: a save on each node's first rank would have none.
+    assert args("collage-plus", 2, save_full_precision=True).precision_strategy == "collage-plus"
+    with pytest.raises(ValueError, match=r"save_on_each_node=True under FSDP: .* Drop save_on_each_node"):
+        TrainingArguments(
+            output_dir=str(tmp_path),
+            precision_strategy="collage-plus",
+            precision_options={"save_full_precision": True},
+            save_on_each_node=True,
+            fsdp="full_shard",
+            fsdp_config={"fsdp_version": 2},
+            use_cpu=True,
+        )
 
 
 def test_readme_shows_the_generated_table():
@@ -189,6 +198,9 @@ def test_readme_shows_the_generated_table():
 
 # --- training on 2 gloo ranks ---------------------------------------------------------------------
 TRAINER_CASES = SUPPORTED
+# save_full_precision through the Trainer's FSDP2: both state dict types (the sharded one writes no
+# model file stock), an expansion (θ + δθ) and FP32 masters behind FP8 layers.
+EXPORT_CASES = [("collage-plus", "FULL_STATE_DICT"), ("fp8-lm-o2", "SHARDED_STATE_DICT")]
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +210,7 @@ def ranks(tmp_path_factory):
     cases += [[name, "gpt2-small-bytes"] for name in SUPPORTED]
     cases += [[name, "accelerate"] for name in ACCELERATE_CASES] + [[name, "trainer"] for name in TRAINER_CASES]
     cases += [[name, "unclipped"] for name in EXACT_CASES]
+    cases += [[name, f"trainer-export-{kind}"] for name, kind in EXPORT_CASES]
     results = launch(HERE / "_fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"), ["--cases", json.dumps(cases)])
     assert [r["world_size"] for r in results] == [2, 2]
     for result in results:
@@ -493,6 +506,21 @@ def test_trainer_fsdp2_trains_like_shard_model_bit_for_bit(ranks):
             trainer, loop = (torch.tensor(case[k], dtype=torch.float64) for k in ("losses", "loop_losses"))
             assert len(trainer) == 2 and torch.equal(trainer.view(torch.int64), loop.view(torch.int64)), (name, case)
             assert case["digest"] == case["loop_digest"], name
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_trainers_fsdp2_save_full_precision_writes_the_loops_fp32_export(ranks):
+    """`precision_options={"save_full_precision": True}` under the Trainer's FSDP2 wrote the 16-bit
+    weights FSDP gathers (then was refused): rank 0 now writes every weight as the strategy's
+    optimizer holds it, gathered from the shards, bit for bit the custom loop's
+    `full_precision_state_dict` after the same steps (the Trainer's steps are the loop's, above)."""
+    for name, kind in EXPORT_CASES:
+        zero = ranks[0]["cases"][f"{name}/trainer-export-{kind}"]
+        assert zero["loop_keys"] == len(tiny_gpt2().state_dict()), (name, kind)
+        assert zero["written_dtypes"] == ["torch.float32"] and zero["config_dtype"] == "float32", (name, kind)
+        assert zero["missing"] == [] and zero["unequal"] == [], (name, kind)
+        assert ranks[1]["cases"][f"{name}/trainer-export-{kind}"]["loop_keys"] == 0, (name, kind)
 
 
 @pytest.mark.slow
