@@ -157,6 +157,10 @@ class _FrozenModels:
         if strategy is not None:
             # sync_ref_model=True mixes the policy's weights into the reference: it stays as passed.
             sync = getattr(call.arguments["args"], "sync_ref_model", False)
+            if sync:  # the sync mixes the weights the strategy's optimizer holds (reference_sync.py)
+                from .reference_sync import check_sync
+
+                check_sync(strategy, call.arguments.get("ref_model"))
             roles = [
                 (a, r) for a, r in _FROZEN_ROLES.items() if a in call.arguments and not (r == "reference" and sync)
             ]
@@ -173,6 +177,10 @@ class _FrozenModels:
         deferred = self.__dict__.pop("_hf_lowprec_deferred_precompute", None)
         if self.precision is None:
             return
+        if getattr(self.args, "sync_ref_model", False):
+            from .reference_sync import sync_in_full_precision
+
+            sync_in_full_precision(self)
         for attribute, role in _FROZEN_ROLES.items():
             if getattr(self, attribute, None) is None:
                 continue

@@ -300,12 +300,16 @@ def test_frozen_models_policy_prepares_the_reference_like_the_policy(tmp_path, t
         assert param_dtypes(reference) == {torch.float32} and facts["blocks_bytes_per_param"] == 4.0
 
 
-def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_path, tokenizer, saved):
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "fp8-lm-o2", "collage-plus"])
+def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_path, tokenizer, saved, strategy):
+    # TRL's sync mixed each policy parameter as stored: fp8-lm-o2's FP16 master times its scale (the
+    # reference's linear weights came out 2¹⁹ times too large), Collage's θ without δθ. The mix is
+    # of the weights the strategy's optimizer holds, as `full_precision_state_dict` exports them.
     alpha = 0.5
     trainer = dpo(
         tmp_path,
         tokenizer,
-        "bf16-mixed",
+        strategy,
         saved["lm"],
         sync_ref_model=True,
         ref_model_sync_steps=1,
@@ -313,19 +317,33 @@ def test_sync_ref_model_keeps_the_reference_as_trl_built_it_and_syncs_it(tmp_pat
     )
     reference = trainer.ref_model
     assert FROZEN_ATTR not in reference.__dict__ and trainer.hf_lowprec_frozen_models == {}
-    assert param_dtypes(reference) == {torch.float32}  # as TRL loads it: the policy's dtype
-    before = [p.detach().clone() for p in reference.parameters()]
+    assert param_dtypes(reference) == {torch.float32}  # as TRL loads it
+    before = {name: p.detach().clone() for name, p in reference.named_parameters()}
     trainer.train()
     assert trainer.state.global_step == 1
+    full = trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
     # After the step the reference is (1 − α)·itself + α·policy. α = 1/2 scales exactly, so each
     # element is one FP32 addition away: relative error ≤ u = 2⁻²⁴ of the exact sum.
     u = unit_roundoff(torch.float32)
     moved = 0
-    for old, p, q in zip(before, reference.parameters(), trainer.model.parameters(), strict=True):
-        expected = old.double() * (1 - alpha) + q.detach().double() * alpha
-        assert ((p.double() - expected).abs() <= u * expected.abs()).all()
-        moved += int(not torch.equal(old, p))
+    for name, p in reference.named_parameters():
+        expected = before[name].double() * (1 - alpha) + full[name].double() * alpha
+        assert ((p.double() - expected).abs() <= u * expected.abs()).all(), name
+        moved += int(not torch.equal(before[name], p))
     assert moved > 0
+
+
+def test_sync_ref_model_refuses_a_frozen_reference_and_a_strategy_it_cannot_read(tmp_path, tokenizer):
+    # A reference a first trainer froze to FP8 blocks failed at step 1 inside TRL (no mul_ on E4M3).
+    reference = tiny_lm(tokenizer)
+    dpo(tmp_path, tokenizer, "fp8-lm-o2", tiny_lm(tokenizer), reference)
+    with pytest.raises(ValueError, match=r"frozen already by precision_strategy='fp8-lm-o2'.*fresh copy"):
+        dpo(tmp_path, tokenizer, "fp8-lm-o2", tiny_lm(tokenizer), reference, sync_ref_model=True)
+    # fp8-lm-o3's masters live with the ranks that own them: refused before any model changes.
+    fresh = tiny_lm(tokenizer)
+    with pytest.raises(ValueError, match="sync_ref_model=True with precision_strategy='fp8-lm-o3'"):
+        dpo(tmp_path, tokenizer, "fp8-lm-o3", tiny_lm(tokenizer), fresh, sync_ref_model=True)
+    assert FROZEN_ATTR not in fresh.__dict__
 
 
 UNPAIRED = {
