@@ -69,4 +69,6 @@ def sync_in_full_precision(trainer: Any) -> None:
     handler = trainer.callback_handler
     for index, callback in enumerate(handler.callbacks):
         if type(callback) is SyncRefModelCallback:
-            handler.callbacks[index] = _FullPrecisionSync(ref_model=callback.ref_model, accelerator=callback.accelerator)
+            handler.callbacks[index] = _FullPrecisionSync(
+                ref_model=callback.ref_model, accelerator=callback.accelerator
+            )
