@@ -341,9 +341,10 @@ def test_an_optimizer_over_another_models_parameters_is_refused_naming_that(acce
         PrecisionPlugin("collage-plus").prepare(accelerator, model, optimizer)
 
 
-@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o2"])
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o2", "collage-plus"])
 def test_plugin_hands_on_fp32_outputs_as_accelerates_mixed_precision_does(name):
-    # A loss the loop computes from the logits is an FP32 one, as with Accelerator(mixed_precision="bf16").
+    # A loss the loop computes from the logits is an FP32 one, as with Accelerator(mixed_precision="bf16"),
+    # also from a model stored in BF16 (collage-plus).
     # (One Accelerator per process: its mixed precision is what `prepare` does, an autocast and
     # `convert_outputs_to_fp32`, written out.)
     batch = batches(1, batch=2, seq=8)[0]
