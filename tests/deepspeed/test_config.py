@@ -93,7 +93,9 @@ def test_save_full_precision_under_zero3_needs_the_gathered_save():
     # Without the gather, DeepSpeed writes no model file: the FP32 export was computed and dropped.
     strategy = get_strategy("collage-plus", save_full_precision=True)
     zero3 = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
-    with pytest.raises(ValueError, match=r"ZeRO stage 3: .*zero_optimization.stage3_gather_16bit_weights_on_model_save is true"):
+    with pytest.raises(
+        ValueError, match=r"ZeRO stage 3: .*zero_optimization.stage3_gather_16bit_weights_on_model_save is true"
+    ):
         precision_config(strategy, {**AUTO, "zero_optimization": zero3})
     for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
         precision_config(strategy, {**AUTO, "zero_optimization": {"stage": 3, key: True}})
