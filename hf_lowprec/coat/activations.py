@@ -260,9 +260,13 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _is_fp8_mlp(module: nn.Module) -> bool:
-    """An MLP: it holds an activation layer directly, and every GEMM inside is FP8Linear (so
-    nothing but activations is saved there in high precision, and its scope may pack them all)."""
+    """An MLP: it holds an activation layer directly, holds no attention (a whole block such as
+    BART's layers, whose activation sits beside its attention, is not one: its scope would pack
+    the attention internals), and every GEMM inside is FP8Linear (so nothing but activations is
+    saved there in high precision, and its scope may pack them all)."""
     if not any(_is_activation(child) for child in module.children()):
+        return False
+    if any("Attention" in type(m).__name__ for m in module.modules()):
         return False
     return all(isinstance(m, FP8Linear) for m in module.modules() if is_gemm_layer(m))
 
