@@ -1,9 +1,12 @@
 """The stock Trainer's precision and optimizer arguments under a strategy: `bf16`/`fp16`, the
-full-eval flags and `optim` reconciled with the strategy or refused, `optimizers=` accepted, wrapped or refused.
+full-eval flags and `optim` reconciled with the strategy or refused; `optimizers=`, and the optimizer the
+Trainer holds when train() builds it (assigned, or from an override of `create_optimizer`), accepted,
+wrapped or refused.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -14,9 +17,13 @@ from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 __all__ = [
     "ADAMW_OPTIMS",
     "accept_optimizer",
+    "adopt_optimizer",
+    "checked_create_optimizer",
     "check_engine_arguments",
+    "find_strategy_optimizer",
     "reconcile_launched_mixed_precision",
     "reconcile_mixed_precision_flags",
+    "refuse_unwrapped",
     "users_optimizer_named",
 ]
 
@@ -128,3 +135,77 @@ def users_optimizer_named(strategy: PrecisionStrategy | None, args: Any, cls_and
     optim = getattr(args.optim, "value", args.optim)
     named = cls_and_kwargs is not None or optim not in ADAMW_OPTIMS
     return strategy is not None and strategy.takes_user_optimizer and named
+
+
+def find_strategy_optimizer(optimizer: Any) -> StrategyOptimizer | None:
+    """The strategy's optimizer in a chain of wrappers (Accelerate's, DeepSpeed's: each `.optimizer`)."""
+    while optimizer is not None and not isinstance(optimizer, StrategyOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+_FIX = (
+    "build the strategy's optimizer instead: `trainer.precision.create_optimizer(param_groups, lr=...)` "
+    "(`self.precision` in an override) takes per-group lr and weight_decay, and the Trainer's own "
+    "create_optimizer() returns the strategy's AdamW (docs/recipes.md, 'Your optimizer and scheduler with a strategy')"
+)
+
+
+def _named(optimizer: Any) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def adopt_optimizer(strategy: PrecisionStrategy, optimizer: Any, source: str) -> Any:
+    """The optimizer the Trainer holds as train() builds it, before Accelerate wraps it: the strategy's
+    (unwrapped from Accelerate's wrapper of an earlier train(), for Accelerate to wrap once), another one
+    wrapped in the strategy's step (`takes_user_optimizer`), or a ValueError naming `source`, where it came from."""
+    inner = find_strategy_optimizer(optimizer)
+    if inner is not None:
+        return inner
+    if strategy.takes_user_optimizer:
+        return StrategyOptimizer(optimizer, strategy)
+    raise ValueError(
+        f"precision_strategy={strategy.name!r} builds the optimizer, but {source} gave the Trainer a "
+        f"{_named(optimizer)}, which would step without the strategy (its master weights, loss scale, skipped "
+        f"steps); {_FIX}"
+    )
+
+
+def refuse_unwrapped(strategy: PrecisionStrategy, optimizer: Any) -> None:
+    """At train() start, the last resort: an optimizer outside the strategy's step, built where neither
+    `optimizers=` nor `create_optimizer` saw it, is refused (too late to wrap: Accelerate holds it)."""
+    if optimizer is None or find_strategy_optimizer(optimizer) is not None:
+        return
+    fix = (
+        "pass it as optimizers=(optimizer, scheduler), or build it in a create_optimizer override of a "
+        "subclass of the precision Trainer (its optimizer is wrapped in the strategy's step)"
+        if strategy.takes_user_optimizer
+        else _FIX
+    )
+    while getattr(optimizer, "optimizer", None) is not None:  # (under Accelerate's wrapper)
+        optimizer = optimizer.optimizer
+    raise ValueError(
+        f"precision_strategy={strategy.name!r} steps the model through its optimizer, but the Trainer's optimizer "
+        f"at train() start, {_named(optimizer)}, is outside it, built where the strategy could not wrap or refuse "
+        f"it (a create_optimizer of a class before PrecisionTrainerMixin in the MRO?); {fix}"
+    )
+
+
+def checked_create_optimizer(create: Any, owner: str) -> Any:
+    """`create`, a Trainer subclass's override of `create_optimizer` (`owner`: its class), with what it
+    builds put through `adopt_optimizer` as the Trainer's own `create_optimizer` puts it."""
+
+    @functools.wraps(create)
+    def create_optimizer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        optimizer = create(self, *args, **kwargs)
+        strategy = getattr(self, "precision", None)
+        held = self.optimizer if self.optimizer is not None else optimizer
+        if strategy is None or held is None:
+            return optimizer
+        adopted = adopt_optimizer(strategy, held, f"{owner}.create_optimizer (an override)")
+        if adopted is not find_strategy_optimizer(held):  # newly wrapped: FSDP2 moves its state onto the shards
+            self._params_before_sharding = [p for g in adopted.param_groups for p in g["params"]]
+        self.optimizer = adopted
+        return adopted
+
+    return create_optimizer

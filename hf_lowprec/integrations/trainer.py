@@ -38,16 +38,20 @@ from ..report import (
     silent_precision_problem,
     warn_slow_fp16_once,
 )
-from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
+from ..strategies.interface import PrecisionStrategy
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
 from .model_saving import all_fp32, gather_for_save, label_full_precision, sharded_fsdp_export, weights_to_save
 from .optimizer_arguments import (
     accept_optimizer,
+    adopt_optimizer,
     check_engine_arguments,
+    checked_create_optimizer,
+    find_strategy_optimizer,
     reconcile_launched_mixed_precision,
     reconcile_mixed_precision_flags,
+    refuse_unwrapped,
     users_optimizer_named,
 )
 from .outputs import prepared_model
@@ -139,6 +143,8 @@ class PrecisionCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is not None:  # before the first step: an optimizer no check saw (optimizer_arguments)
+            refuse_unwrapped(self.strategy, self.trainer.optimizer)
         # The Trainer wraps the model in DDP inside train(), just before this event and before
         # the first backward: the last moment a communication hook can be registered.
         wrapped = getattr(self.trainer, "model_wrapped", None)
@@ -191,15 +197,9 @@ class PrecisionCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         # The Trainer only steps the LR scheduler when Accelerate reports no skip; Accelerate
         # sets that flag only for its GradScaler, so pass our skip through the same flag.
-        inner = _find_strategy_optimizer(optimizer)
+        inner = find_strategy_optimizer(optimizer)
         if inner is not None and hasattr(optimizer, "_is_overflow"):
             optimizer._is_overflow = inner.step_was_skipped
-
-
-def _find_strategy_optimizer(optimizer: Any) -> StrategyOptimizer | None:
-    while optimizer is not None and not isinstance(optimizer, StrategyOptimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer
 
 
 class PrecisionTrainerMixin:
@@ -215,6 +215,8 @@ class PrecisionTrainerMixin:
         super().__init_subclass__(**kwargs)
         if PrecisionTrainerMixin in cls.__bases__ and "__init__" not in vars(cls):
             cls.__init__ = forwarding_init(cls)  # the stock class's signature, not (*args, **kwargs)
+        if "create_optimizer" in vars(cls):  # your override's optimizer: wrapped in the strategy's step, or refused
+            cls.create_optimizer = checked_create_optimizer(vars(cls)["create_optimizer"], cls.__qualname__)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # A published FP8 checkpoint as transformers' inference layers: trainable before the stock checks.
@@ -294,7 +296,7 @@ class PrecisionTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.precision is not None and self.is_fsdp_enabled:  # what FSDP's own file drops
-            save_rank_optimizer(_find_strategy_optimizer(self.optimizer), output_dir, *trainer_rank_world(self))
+            save_rank_optimizer(find_strategy_optimizer(self.optimizer), output_dir, *trainer_rank_world(self))
 
     def _save_rng_state(self, output_dir: str) -> None:
         crash_point("save-rng-state")  # test-only: a rank dies before its RNG file exists
@@ -342,14 +344,12 @@ class PrecisionTrainerMixin:
                 self._warn_silent_precision(self.model if model is None else model, optimizer)
                 return optimizer
             # A later train() (or auto_find_batch_size's retry) finds Accelerate's wrapper of the
-            # strategy's optimizer: that optimizer again, for Accelerate to wrap once.
-            inner = optimizer
-            while inner is not None and not isinstance(inner, StrategyOptimizer):
-                inner = getattr(inner, "optimizer", None)
-            if inner is not None:
-                self.optimizer = optimizer = inner
-            else:  # the optimizer your arguments name
-                self.optimizer = optimizer = StrategyOptimizer(optimizer, self.precision)
+            # strategy's optimizer: that optimizer again, for Accelerate to wrap once. Another one (the
+            # one your arguments name, or assigned to `trainer.optimizer`): wrapped, or refused.
+            inner = find_strategy_optimizer(optimizer)
+            source = "an assignment to trainer.optimizer after construction"
+            self.optimizer = optimizer = adopt_optimizer(self.precision, optimizer, source)
+            if optimizer is not inner:
                 self._params_before_sharding = [p for g in optimizer.param_groups for p in g["params"]]
             return optimizer
         opt_model = self.model if model is None else model
@@ -377,7 +377,7 @@ class PrecisionTrainerMixin:
         sharded model (`hf_lowprec.engines.fsdp2.adopt_shards`), as `engines.fsdp2.shard_model` does."""
         from ..engines.fsdp2 import adopt_shards, move_state_to_shards
 
-        move_state_to_shards(_find_strategy_optimizer(self.optimizer), self._params_before_sharding)
+        move_state_to_shards(find_strategy_optimizer(self.optimizer), self._params_before_sharding)
         adopt_shards(self.precision, self.model, {})
 
     def _warn_silent_precision(self, model: torch.nn.Module, optimizer: Any) -> None:
