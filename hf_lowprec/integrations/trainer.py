@@ -28,7 +28,7 @@ from ..checkpoints.converted import keeping_dtypes, load_best_model, load_in_mod
 from ..checkpoints.fp8_published import release_for_training, write_published_fp8
 from ..checkpoints.fsdp2_trainer import load_trainer_optimizer, save_rank_optimizer, trainer_rank_world
 from ..checkpoints.manifest import crash_point
-from ..checkpoints.resume import RESETTABLE, checked_resume, parse_resume_reset
+from ..checkpoints.resume import RESETTABLE, checked_resume
 from ..engines.ddp import prepare_ddp
 from ..report import (
     SilentPrecisionWarning,
@@ -46,15 +46,14 @@ from .model_saving import all_fp32, gather_for_save, label_full_precision, shard
 from .optimizer_arguments import (
     accept_optimizer,
     adopt_optimizer,
-    check_engine_arguments,
     checked_create_optimizer,
     find_strategy_optimizer,
     reconcile_launched_mixed_precision,
-    reconcile_mixed_precision_flags,
     refuse_unwrapped,
     users_optimizer_named,
 )
 from .outputs import prepared_model
+from .precision_arguments import check_precision_arguments, setup_trial, trial_precision
 from .stock_signature import bind_stock_arguments, forwarding_init
 
 __all__ = [
@@ -99,24 +98,7 @@ class PrecisionArgumentsMixin:
     )
 
     def __post_init__(self) -> None:
-        parse_resume_reset(self.resume_reset)  # a bad part name fails before any work
-        if isinstance(self.precision_options, str):
-            try:
-                self.precision_options = json.loads(self.precision_options) if self.precision_options else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"precision_options must be a JSON object, got {self.precision_options!r} ({err})"
-                ) from None
-        if self.precision_options is not None and not isinstance(self.precision_options, dict):
-            raise ValueError(f"precision_options must be a dict or JSON object, got {self.precision_options!r}")
-        strategy = self.build_precision_strategy()  # validates the name and options before any work
-        if strategy is not None:
-            reconcile_mixed_precision_flags(self, strategy)
-            check_engine_arguments(self, strategy)
-        elif self.precision_options:
-            raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
-        else:
-            parse_resume_reset(self.resume_reset, with_strategy=False)  # without a strategy: nothing to reset
+        strategy = check_precision_arguments(self)  # the name, options and flags, before any work
         super().__post_init__()
         if strategy is not None:  # what `accelerate launch --mixed_precision` set, read by the stock __post_init__
             reconcile_launched_mixed_precision(self, strategy)
@@ -159,12 +141,13 @@ class PrecisionCallback(TrainerCallback):
             # DeepSpeed swapped the optimizer's parameters for its partitions after the strategy
             # built it: state started at construction (seeded compensations) moves with them.
             attach_zero_optimizer(getattr(wrapped, "optimizer", None))
-        if self.trainer is not None and not getattr(self.trainer, "_hf_lowprec_reported", False):
-            self.trainer._hf_lowprec_reported = True
+        # Once per strategy: each model `model_init` builds (each trial of a search) has its own.
+        if self.trainer is not None and getattr(self.trainer, "_hf_lowprec_reported", None) is not self.strategy:
+            self.trainer._hf_lowprec_reported = self.strategy
             self._report(args, state, ddp)
 
     def _report(self, args, state, ddp: bool) -> None:
-        """Log once what is active, write it to the output directory, stop on a broken promise."""
+        """Log what is active, write it to the output directory, stop on a broken promise."""
         trainer = self.trainer
         plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
         plugin = getattr(plugin, "deepspeed_plugin", None)
@@ -274,13 +257,19 @@ class PrecisionTrainerMixin:
         return super().train(**kwargs)
 
     def call_model_init(self, trial: Any = None) -> Any:
+        # A search's trial: its precision arguments checked and set before its model is built and prepared
+        # (the stock train() sets a trial's arguments after model_init, in _hp_search_setup).
+        strategy = trial_precision(self, trial)
         model = super().call_model_init(trial)  # `model_init`: train() builds the model anew
         if getattr(self, "precision", None) is None:  # (in __init__: prepared after the stock __init__)
             return model
-        self.precision = self.args.build_precision_strategy()  # a fresh one: no state of the last model's
+        self.precision = strategy if strategy is not None else self.args.build_precision_strategy()  # a fresh one
         for callback in (c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)):
             callback.strategy = self.precision
         return prepared_model(self.precision, model)
+
+    def _hp_search_setup(self, trial: Any) -> None:
+        setup_trial(self, trial, super()._hp_search_setup)  # less the precision call_model_init set
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.precision is not None and "loss" in logs:  # training logs carry the strategy's metrics
