@@ -20,6 +20,8 @@ __all__ = [
     "register",
     "Trainer",
     "TrainingArguments",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "PrecisionCallback",
     "PrecisionPlugin",
     "__version__",
@@ -31,6 +33,8 @@ _LAZY = {
     "register": "hf_lowprec.strategies.registry",
     "Trainer": "hf_lowprec.integrations.trainer",
     "TrainingArguments": "hf_lowprec.integrations.trainer",
+    "Seq2SeqTrainer": "hf_lowprec.integrations.seq2seq",
+    "Seq2SeqTrainingArguments": "hf_lowprec.integrations.seq2seq",
     "PrecisionCallback": "hf_lowprec.integrations.trainer",
     "PrecisionPlugin": "hf_lowprec.integrations.accelerate",
 }

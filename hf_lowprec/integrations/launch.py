@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# Imported at every launched process's start: the standard library only at the top (and
-# `launch_env`, which does the same); nothing here runs without HF_LOWPREC_LAUNCH.
+# Imported at every launched process's start: the standard library (and launch_env) only at the top.
 from .launch_env import (
     APPLIED_PREFIX,
     ENV_HOOKS,
@@ -64,8 +63,7 @@ _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 # The directory put first on the launched command's PYTHONPATH (its sitecustomize.py calls install()).
 HOOK_DIR = Path(__file__).with_name("launch_hook")
 
-# The versions whose patch points were checked by the tests; others are tried, and a missing
-# patch point stops the process.
+# The versions whose patch points were checked by the tests; others are tried, a missing patch point stops the process.
 TESTED_VERSIONS = {"transformers": "5.24", "trl": "1.16"}
 
 # `hf_lowprec.trl.TRAINER_KINDS` as the messages name them (not imported: this runs at every process start).
@@ -370,6 +368,7 @@ def _transformers_swaps(strategy: str | None, options: dict[str, Any] | None) ->
         if not present:
             raise _missing(f"the patch point {point} is missing or changed", "transformers")
 
+    from . import seq2seq
     from . import trainer as glue
 
     _refuse_trainers_without_strategy(original_trainer, glue.PrecisionTrainerMixin, strategy)
@@ -382,6 +381,7 @@ def _transformers_swaps(strategy: str | None, options: dict[str, Any] | None) ->
         (trainer_module, "TrainingArguments", original_args, glue.TrainingArguments),
         (transformers, "Trainer", original_trainer, glue.Trainer),
         (trainer_module, "Trainer", original_trainer, glue.Trainer),
+        *seq2seq.launch_swaps(),  # (transformers.Seq2SeqTrainer subclasses the stock Trainer)
     ]
 
 

@@ -29,6 +29,7 @@ import torch
 import transformers
 from transformers.training_args import OptimizerNames
 
+import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.resume import MANIFEST
 from hf_lowprec.integrations.optimizer_arguments import ADAMW_OPTIMS
@@ -95,6 +96,8 @@ def _pairs():
 
     trl = pytest.importorskip("trl")
     yield Trainer, transformers.Trainer
+    yield hf_lowprec.Seq2SeqTrainer, transformers.Seq2SeqTrainer
+    yield hf_lowprec.Seq2SeqTrainingArguments, transformers.Seq2SeqTrainingArguments
     for kind in hl_trl.TRAINER_KINDS:
         yield getattr(hl_trl, f"{kind}Trainer"), getattr(trl, f"{kind}Trainer")
         yield getattr(hl_trl, f"{kind}Config"), getattr(trl, f"{kind}Config")
@@ -118,6 +121,8 @@ def test_overridden_methods_take_the_stock_signatures():
         "Trainer.train",
         "Trainer.compute_loss_context_manager",
         "Trainer.log",
+        "Seq2SeqTrainer.prediction_step",
+        "Seq2SeqTrainingArguments.__init__",
         "DPOTrainer.__init__",
     ):
         assert name in checked, checked
