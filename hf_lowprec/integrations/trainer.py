@@ -380,11 +380,14 @@ class PrecisionTrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # The strategy's export (or full precision) under DeepSpeed or FSDP: a collective, on every rank.
-        self._exported = gather_for_save(self)
+        # FSDP's sharded state dict: the stock save writes no model file (then pushes), so the FP32
+        # export is written first, but not into a checkpoint (`_save_checkpoint` names its folder).
+        sharded, checkpoint = sharded_fsdp_export(self), _internal_call and output_dir is not None
+        self._exported = None if sharded and checkpoint else gather_for_save(self)
         try:
-            super().save_model(output_dir, _internal_call)
-            if not _internal_call and sharded_fsdp_export(self):  # (the stock save wrote no model file)
+            if sharded and not checkpoint:
                 self._save(output_dir)
+            super().save_model(output_dir, _internal_call)
         finally:
             self._exported = None
         # The model a user saves goes back in the FP8 format it was loaded from (a checkpoint to

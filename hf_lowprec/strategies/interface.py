@@ -377,8 +377,8 @@ class PrecisionStrategy:
         copies. Tied weights stay one tensor. The result loads into a plain FP32 model.
 
         Under FSDP2 (DTensor parameters) every rank must call it: each value is computed on
-        the shards and gathered one tensor at a time; rank 0 gets the full dict, the other
-        ranks an empty one (no rank holds more than one full tensor beyond its shards).
+        the shards and gathered one tensor at a time; rank 0 gets the full dict in host memory,
+        the other ranks an empty one (no device holds more than one full tensor beyond its shards).
         """
         from ..memory import unwrap_optimizer
 
@@ -400,8 +400,8 @@ class PrecisionStrategy:
                     if hasattr(value, "full_tensor"):  # a DTensor: gather it (a collective)
                         sharded = True
                         value = value.full_tensor()
-                        if torch.distributed.get_rank() != 0:
-                            value = None  # dropped at once: only rank 0 keeps full tensors
+                        # Only rank 0 keeps full tensors, in host memory (a GPU holds its shards).
+                        value = value.cpu() if torch.distributed.get_rank() == 0 else None
                     done[id(tensor)] = value
                 out[key] = done[id(tensor)]
         if sharded and torch.distributed.get_rank() != 0:

@@ -510,15 +510,21 @@ def run_trainer(name: str, data, out: Path, export: str | None = None) -> dict:
         lr_scheduler_type="constant",
         max_grad_norm=MAX_NORM,
         average_tokens_across_devices=False,
-        save_strategy="no",
+        save_strategy="steps" if export else "no",  # export: checkpoints must not gather it
+        save_steps=1,
         logging_steps=1,
         report_to=[],
         disable_tqdm=True,
     )
     trainer = FSDP2Trainer(model=tiny_gpt2(), args=args, train_dataset=rows)
+    gathers = []
+    if export:  # each gather of the export (every rank's collective), counted
+        full = trainer.precision.full_precision_state_dict
+        trainer.precision.full_precision_state_dict = lambda *a, **k: gathers.append(1) or full(*a, **k)
     trainer.train()
     if export:
-        return exported_like_the_loop(trainer, strategy.full_precision_state_dict(model, optimizer))
+        case = exported_like_the_loop(trainer, strategy.full_precision_state_dict(model, optimizer))
+        return {**case, "gathers_in_training": len(gathers) - 1}
     inner = trainer.optimizer.optimizer.optimizer  # AcceleratedOptimizer → StrategyOptimizer → core
     return {
         "loop_losses": loop_losses,
@@ -541,6 +547,9 @@ def exported_like_the_loop(trainer, loop_export: dict) -> dict:
     from safetensors.torch import load_file
 
     target = Path(trainer.args.output_dir) / "final"
+    pushed = []  # what the folder holds when save_model pushes it (push_to_hub=True; no hub here)
+    trainer.args.push_to_hub = True
+    trainer.push_to_hub = lambda **kwargs: pushed.append(sorted(p.name for p in target.glob("*")))
     trainer.save_model(str(target))
     dist.barrier()
     if dist.get_rank() != 0:
@@ -548,6 +557,8 @@ def exported_like_the_loop(trainer, loop_export: dict) -> dict:
     written = load_file(str(target / "model.safetensors"))
     return {
         "loop_keys": len(loop_export),
+        "pushed": pushed,
+        "checkpoints": sorted(p.name for p in Path(trainer.args.output_dir).glob("checkpoint-*")),
         "written_dtypes": sorted({str(v.dtype) for v in written.values()}),
         # save_pretrained drops the tied lm_head.weight; every other key bit for bit the loop's.
         "missing": sorted(set(loop_export) - set(written) - {"lm_head.weight"}),

@@ -521,6 +521,12 @@ def test_the_trainers_fsdp2_save_full_precision_writes_the_loops_fp32_export(ran
         assert zero["written_dtypes"] == ["torch.float32"] and zero["config_dtype"] == "float32", (name, kind)
         assert zero["missing"] == [] and zero["unequal"] == [], (name, kind)
         assert ranks[1]["cases"][f"{name}/trainer-export-{kind}"]["loop_keys"] == 0, (name, kind)
+        # The model file is in the folder when save_model pushes it (the sharded stock save pushed none).
+        assert len(zero["pushed"]) == 1 and "model.safetensors" in zero["pushed"][0], (name, kind)
+        # A checkpoint gathers the export only where it writes it: the full state dict's model file
+        # (one per checkpoint), never under the sharded one (rank 0 gathered it and dropped it).
+        assert zero["checkpoints"] == ["checkpoint-1", "checkpoint-2"], (name, kind)
+        assert zero["gathers_in_training"] == (2 if kind == "FULL_STATE_DICT" else 0), (name, kind)
 
 
 @pytest.mark.slow
