@@ -238,17 +238,6 @@ def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> Non
                 f"the optimizer of precision strategy {name!r} by DeepSpeedCPUAdam. Remove "
                 f"zero_optimization.{offload}"
             )
-    gathers = any(
-        _as_bool(_get(config, f"zero_optimization.{key}")) is True
-        for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
-    )
-    if stage == 3 and strategy.options.save_full_precision and not gathers:
-        raise ValueError(
-            f"precision_options save_full_precision=True with precision strategy {name!r} under ZeRO stage 3: "
-            "the FP32 export replaces the model the Trainer writes, which DeepSpeed leaves unwritten unless "
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it to true, or drop "
-            "save_full_precision"
-        )
     for legacy, current in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if _as_bool(_get(config, f"zero_optimization.{legacy}")) not in (None, False):  # DeepSpeed's older names
             raise ValueError(

@@ -14,7 +14,14 @@ import transformers
 
 from ..checkpoints.complete_save import gather_export, with_export
 
-__all__ = ["all_fp32", "gather_for_save", "label_full_precision", "sharded_fsdp_export", "weights_to_save"]
+__all__ = [
+    "all_fp32",
+    "gather_for_save",
+    "label_full_precision",
+    "refuse_unwritten_export",
+    "sharded_fsdp_export",
+    "weights_to_save",
+]
 
 
 def _full(trainer: Any) -> bool:
@@ -82,3 +89,24 @@ def label_full_precision(trainer: Any, output_dir: str | None) -> None:
         config = trainer.model.config.__class__.from_dict(trainer.model.config.to_dict())
         config.dtype = "float32"
         config.save_pretrained(output_dir if output_dir is not None else trainer.args.output_dir)
+
+
+def refuse_unwritten_export(strategy: Any, deepspeed_config: dict[str, Any], model: Any) -> None:
+    """Before any work under DeepSpeed (`deepspeed_config` as Accelerate filled it): at ZeRO-3 the
+    FP32 export replaces the model file DeepSpeed gathers on save, and without
+    `stage3_gather_16bit_weights_on_model_save` it writes none (a PEFT model's adapter excepted:
+    transformers gathers that regardless), so the export would be computed and dropped."""
+    from .peft import is_peft_model
+
+    zero = deepspeed_config.get("zero_optimization", {})
+    if not strategy.options.save_full_precision or int(zero.get("stage", 0)) != 3 or is_peft_model(model):
+        return
+    keys = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+    if any(str(zero.get(key)).lower() == "true" for key in keys):
+        return
+    raise ValueError(
+        f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} under DeepSpeed "
+        "ZeRO stage 3: the FP32 export replaces the model file DeepSpeed gathers on save, and it writes none "
+        "unless zero_optimization.stage3_gather_16bit_weights_on_model_save is true; set it to true, or drop "
+        "save_full_precision"
+    )

@@ -42,7 +42,14 @@ from ..strategies.interface import PrecisionStrategy
 from ..strategies.registry import get_strategy
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
-from .model_saving import all_fp32, gather_for_save, label_full_precision, sharded_fsdp_export, weights_to_save
+from .model_saving import (
+    all_fp32,
+    gather_for_save,
+    label_full_precision,
+    refuse_unwritten_export,
+    sharded_fsdp_export,
+    weights_to_save,
+)
 from .optimizer_arguments import (
     accept_optimizer,
     adopt_optimizer,
@@ -232,6 +239,9 @@ class PrecisionTrainerMixin:
             from ..engines.zero import configure_accelerator
 
             configure_accelerator(self.precision, self.accelerator, self.args.deepspeed or None)
+            refuse_unwritten_export(
+                self.precision, self.accelerator.state.deepspeed_plugin.deepspeed_config, self.model
+            )
         self.callback_handler.add_callback(PrecisionCallback(self.precision, self))
         scale_at_backward(self)
 

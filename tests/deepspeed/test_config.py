@@ -22,6 +22,7 @@ from hf_lowprec.engines.zero import (
     zero_support,
 )
 from hf_lowprec.partition import assign_whole_tensors, partition_report
+from tests.helpers import tiny_gpt2
 
 BF16_WEIGHTS = ["collage-plus", "collage-light", "bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states"]
 AUTO = {
@@ -91,16 +92,25 @@ def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
 
 def test_save_full_precision_under_zero3_needs_the_gathered_save():
     # Without the gather, DeepSpeed writes no model file: the FP32 export was computed and dropped.
-    strategy = get_strategy("collage-plus", save_full_precision=True)
-    zero3 = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
+    # The check reads the config as Accelerate filled it ("auto" resolved from its launch setting)
+    # and the model: transformers gathers a PEFT adapter under ZeRO-3 regardless of the setting.
+    from hf_lowprec.integrations.model_saving import refuse_unwritten_export
+
+    peft = pytest.importorskip("peft")
+    strategy, model = get_strategy("collage-plus", save_full_precision=True), tiny_gpt2()
+    zero3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}
     with pytest.raises(
-        ValueError, match=r"ZeRO stage 3: .*zero_optimization.stage3_gather_16bit_weights_on_model_save is true"
+        ValueError, match=r"ZeRO stage 3: .*zero_optimization.stage3_gather_16bit_weights_on_model_save"
     ):
-        precision_config(strategy, {**AUTO, "zero_optimization": zero3})
+        refuse_unwritten_export(strategy, zero3, model)
+    with pytest.raises(ValueError, match="ZeRO stage 3"):
+        refuse_unwritten_export(strategy, {"zero_optimization": {"stage": 3}}, model)
     for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
-        precision_config(strategy, {**AUTO, "zero_optimization": {"stage": 3, key: True}})
-    precision_config(strategy, {**AUTO, "zero_optimization": {"stage": 2}})
-    precision_config(get_strategy("collage-plus"), {**AUTO, "zero_optimization": zero3})
+        refuse_unwritten_export(strategy, {"zero_optimization": {"stage": 3, key: True}}, model)
+    refuse_unwritten_export(strategy, {"zero_optimization": {"stage": 2}}, model)
+    refuse_unwritten_export(get_strategy("collage-plus"), zero3, model)
+    lora = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    refuse_unwritten_export(strategy, zero3, lora)
 
 
 def test_refused_stages_name_a_combination_that_works():
