@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import weakref
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
+from ..strategies.fp16_base import LossScaledStrategy
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
@@ -85,6 +87,7 @@ class PrecisionPlugin:
                 "(or drop --mixed_precision from accelerate launch / the config file)"
             )
         objects = list(objects)
+        self._refuse_second_optimizer(objects)
         model_params: set[int] = set()
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.nn.Module):
@@ -203,6 +206,7 @@ class PrecisionPlugin:
 
     def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
         """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""
+        self._refuse_second_optimizer([None])
         optimizer = self.strategy.create_optimizer(params_or_groups, **hyper)
         self._optimizers.append(optimizer)
         return optimizer
@@ -216,7 +220,16 @@ class PrecisionPlugin:
     ) -> torch.Tensor:
         """`accelerator.clip_grad_norm_(parameters, max_norm, norm_type)` on the gradients the strategy trains:
         unscaled (loss-scaling strategies), O2's FP8 ones included. `prepare` makes `accelerator.clip_grad_norm_`
-        this. A strategy's own clipping (FP16, O2) takes norm_type 2 or inf, and refuses others."""
+        this. A strategy's own clipping (FP16, O2) takes norm_type 2 or inf, and refuses others.
+
+        On a micro-step that does not sync under gradient accumulation (`accelerator.sync_gradients`
+        False), a loss-scaling strategy clips nothing and returns the norm the gradients so far would
+        have unscaled: their scale is removed once, at the step, after the last micro-batch."""
+        if self._accumulating(accelerator):
+            parameters = list(parameters)
+            scaled = self.strategy.clip_own_grad_norm(parameters, math.inf, norm_type)  # measures only
+            scaled = scaled.full_tensor() if hasattr(scaled, "full_tensor") else scaled  # FSDP2's DTensor norm
+            return scaled / self.strategy.scaler.scale(torch.ones((), device=scaled.device))  # a power of two
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
@@ -232,7 +245,10 @@ class PrecisionPlugin:
     def clip_grad_value_(self, accelerator: Any, parameters: Any, clip_value: float) -> None:
         """`accelerator.clip_grad_value_(parameters, clip_value)` on the gradients the strategy trains:
         unscaled first (loss-scaling strategies), O2's FP8 ones clamped too. `prepare` makes
-        `accelerator.clip_grad_value_` this."""
+        `accelerator.clip_grad_value_` this. On a micro-step that does not sync, a loss-scaling
+        strategy clamps nothing (see `clip_grad_norm_`)."""
+        if self._accumulating(accelerator):
+            return
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
@@ -250,6 +266,33 @@ class PrecisionPlugin:
         return self.strategy.metrics()
 
     # --- internals ---------------------------------------------------------------------
+    def _accumulating(self, accelerator: Any) -> bool:
+        # Under gradient accumulation a loss-scaling strategy unscales once, at the step: unscaled on an
+        # earlier micro-step, the gradients would take the later micro-batches' scaled ones on top.
+        return isinstance(self.strategy, LossScaledStrategy) and not getattr(accelerator, "sync_gradients", True)
+
+    def _refuse_second_optimizer(self, objects: list[Any]) -> None:
+        # A loss-scaling strategy's one scaler unscales and updates once per optimizer step: a second
+        # optimizer's gradients would be unscaled by a scale already moved on, or clipped still scaled.
+        if not isinstance(self.strategy, LossScaledStrategy):
+            return
+        new = {id(o) for o in objects if o is None}  # None: one about to be built by create_optimizer
+        for obj in objects:
+            if isinstance(obj, StrategyOptimizer):
+                if all(o is not obj for o in self._optimizers):
+                    new.add(id(obj))
+            elif isinstance(obj, torch.optim.Optimizer) and obj not in self._replaced:
+                new.add(id(obj))
+        if new and len(self._optimizers) + len(new) > 1:
+            raise ValueError(
+                f"precision strategy {self.strategy.name!r} scales the loss with one loss scaler, which unscales "
+                "and updates once per optimizer step: it trains one optimizer per PrecisionPlugin, and this would "
+                f"be optimizer {len(self._optimizers) + len(new)} (two models, a GAN's generator and "
+                "discriminator): its gradients would be unscaled by the wrong scale. Put the parameters in one "
+                "optimizer (param groups for separate settings), or pick a BF16 strategy (bf16-mixed, "
+                "collage-plus), which scales nothing"
+            )
+
     def _route(self, accelerator: Any) -> None:
         # A loop written for Accelerate clips with `accelerator.clip_grad_norm_` / `clip_grad_value_`,
         # which see only `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones

@@ -252,3 +252,77 @@ def test_load_state_of_a_stock_checkpoint_loads_where_the_strategy_takes_adamws_
     assert saved["state"].keys() == loaded["state"].keys()
     for index, state in saved["state"].items():
         assert torch.equal(loaded["state"][index]["exp_avg"], state["exp_avg"])
+
+
+def _accumulate_and_clip(name, clip, every):
+    """Two steps of two micro-batches, clipping (at a bound that clips nothing) on every micro-step
+    or, as Accelerate's docs do, only where `accelerator.sync_gradients`: the weights and the norms."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    plugin = PrecisionPlugin(name)
+    model = tiny_gpt2()
+    model, optimizer = plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    norms = []
+    for ids in batches(4):
+        with accelerator.accumulate(model):
+            plugin.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+            if every or accelerator.sync_gradients:
+                if clip == "norm":
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), 1e6))
+                else:
+                    accelerator.clip_grad_value_(model.parameters(), 1e6)
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize(("name", "clip"), [("fp16-mixed", "norm"), ("fp16-mixed", "value"), ("fp16-als", "norm")])
+def test_clipping_on_a_micro_step_that_does_not_sync_leaves_the_gradients_alone(name, clip):
+    # Unscaled on the first micro-step, the gradients took the second's scaled ones on top:
+    # fp16-mixed's sync-step norms were 49809 and 52324 (not 1.04, 0.93), its weights 0.0079 off.
+    weights, norms = _accumulate_and_clip(name, clip, every=False)
+    weights_every, norms_every = _accumulate_and_clip(name, clip, every=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights_every, strict=True))
+    if clip == "norm":
+        assert len(norms) == 2 and len(norms_every) == 4
+        assert all(torch.equal(a, b) for a, b in zip(norms, norms_every[1::2], strict=True))
+        # A micro-step's norm is that of the (unscaled) gradients so far: of the order of the step's.
+        assert all(0.1 < float(n) < 10 for n in norms_every)
+
+
+@pytest.mark.parametrize("name", ["fp16-mixed", "fp16-als"])
+@pytest.mark.parametrize("how", ["one call", "two calls", "create_optimizer"])
+def test_a_second_optimizer_is_refused_under_a_loss_scaling_strategy(name, how):
+    # One scaler, updated at each optimizer step and unscaling once per step: a second model's
+    # gradients were clipped still scaled (norm 96142, not 1.47) or unscaled by a scale grown since.
+    accelerator = Accelerator(cpu=True)
+    plugin = PrecisionPlugin(name)
+    model_a, model_b = tiny_gpt2(seed=0), tiny_gpt2(seed=1)
+    optimizer_a = torch.optim.AdamW(model_a.parameters(), lr=1e-3)
+    optimizer_b = torch.optim.AdamW(model_b.parameters(), lr=1e-3)
+    refused = pytest.raises(ValueError, match=r"one optimizer per PrecisionPlugin.*BF16 strategy")
+    if how == "one call":
+        with refused:
+            plugin.prepare(accelerator, model_a, model_b, optimizer_a, optimizer_b)
+        assert {p.dtype for p in model_a.parameters()} == {torch.float32}  # refused before any work
+        return
+    plugin.prepare(accelerator, model_a, optimizer_a)
+    plugin.prepare(accelerator, optimizer_a)  # the same optimizer again is no second one
+    with refused:
+        if how == "two calls":
+            plugin.prepare(accelerator, model_b, optimizer_b)
+        else:
+            plugin.create_optimizer(model_b.parameters(), lr=1e-3)
+    assert {p.dtype for p in model_b.parameters()} == {torch.float32}
+
+
+def test_two_optimizers_still_train_under_a_strategy_that_scales_nothing():
+    accelerator = Accelerator(cpu=True)
+    model_a, model_b = tiny_gpt2(seed=0), tiny_gpt2(seed=1)
+    prepared = PrecisionPlugin("bf16-mixed").prepare(
+        accelerator,
+        model_a,
+        model_b,
+        torch.optim.AdamW(model_a.parameters(), lr=1e-3),
+        torch.optim.AdamW(model_b.parameters(), lr=1e-3),
+    )
+    assert len(prepared) == 4
