@@ -187,10 +187,11 @@ def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[tor
     owned = {id(p) for p in params}
     init_state = getattr(inner, "plan_state", None)
     grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
-    # Parameters an optimizer keeps outside its groups (e.g. FP8 weights it distributes whole)
-    # are planned by its `plan_state(param)`.
+    # Parameters an optimizer keeps outside its groups (the FP8 weights ZeRO's FP8 AdamW distributes
+    # whole, its `fp8_params`) are planned by its `plan_state(param)`; others are another optimizer's.
     seen = {id(p) for p, _ in grouped}
-    grouped += [(p, None) for p in params if id(p) not in seen and init_state is not None]
+    outside = {id(p) for p in getattr(inner, "fp8_params", ())}
+    grouped += [(p, None) for p in params if id(p) not in seen and id(p) in outside and init_state is not None]
     for p, group in grouped:
         state = inner.state.get(p) or None
         if state is None:

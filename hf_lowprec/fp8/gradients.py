@@ -249,9 +249,35 @@ class BackwardFP8Gradients:
         self.scaler = scaler
         self.dtype = dtype
         self.margin = margin
-        self.owner: FP8GradientOwner | None = None
+        self._owners: dict[int, tuple[weakref.ref, FP8GradientOwner]] = {}  # id(param) → (it, its optimizer)
+        self._owner: FP8GradientOwner | None = None
         self._handles: list[Any] = []
         self._flags: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(param) → (its payload, NaN flag)
+
+    @property
+    def owner(self) -> FP8GradientOwner | None:
+        """The optimizer set last; each parameter's gradient goes to the one that holds it."""
+        return self._owner
+
+    @owner.setter
+    def owner(self, optimizer: FP8GradientOwner | None) -> None:
+        """Take `optimizer` as the owner of the parameters in its `param_groups` (another optimizer
+        keeps its own: a policy and a value model, or one model split over two); None: no owner.
+        A parameter no owner holds keeps `p.grad`, which the strategy's step stores instead."""
+        self._owner = optimizer
+        if optimizer is None:
+            self._owners.clear()
+            return
+        for group in getattr(optimizer, "param_groups", ()):
+            self._owners.update((id(p), (weakref.ref(p), optimizer)) for p in group["params"])
+
+    def _owner_of(self, param: torch.Tensor) -> FP8GradientOwner | None:
+        held = self._owners.get(id(param))
+        return held[1] if held is not None and held[0]() is param else None
+
+    def _stored(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        owner = self._owner_of(param)
+        return None if owner is None else owner.fp8_grad(param)
 
     def attach(self, params: Iterable[torch.Tensor]) -> None:
         """Quantize the gradients of `params` in backward (once an owner is set)."""
@@ -260,7 +286,7 @@ class BackwardFP8Gradients:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._store))
 
     def _store(self, param: torch.Tensor) -> None:
-        owner = self.owner
+        owner = self._owner_of(param)
         if owner is None or param.grad is None or (dist.is_initialized() and dist.get_world_size() > 1):
             return
         grad = param.grad
@@ -283,23 +309,20 @@ class BackwardFP8Gradients:
 
     def stored(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(payload, scale) of this step's FP8 gradients among `params`."""
-        if self.owner is None:
-            return []
-        return [g for g in (self.owner.fp8_grad(p) for p in params) if g is not None]
+        return [g for g in (self._stored(p) for p in params) if g is not None] if self._owners else []
 
     def nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         """A 0-dim bool device flag: a stored gradient holds NaN (the saturating cast turns inf
         into NaN); None when none is stored. A payload this hook stored brings its flag from its
         cast (one stack for all of them); another is read (`cast.nan_flags`)."""
-        if self.owner is None:
+        if not self._owners:
             return None
         known, unread = [], []  # flags the casts gave; payloads stored otherwise, read here
-        flags, self._flags = self._flags, {}  # each flag serves the step it was cast in
-        for param in params:
-            stored = self.owner.fp8_grad(param)
+        for param in params:  # each flag serves the step it was cast in (another optimizer's stay)
+            ref, flag = self._flags.pop(id(param), (None, None))
+            stored = self._stored(param)
             if stored is None:
                 continue
-            ref, flag = flags.get(id(param), (None, None))
             if ref is not None and ref() is stored[0]:
                 known.append(flag)
             else:

@@ -152,8 +152,12 @@ class PrecisionPlugin:
 
     def _report(self, accelerator: Any, objects: list[Any]) -> None:
         # Once per model, before Accelerate wraps anything: log what is active, stop on a broken promise.
-        optimizer = next((o for o in objects if isinstance(o, StrategyOptimizer)), None)
+        optimizers = [o for o in objects if isinstance(o, StrategyOptimizer)]
         for model in (o for o in objects if isinstance(o, torch.nn.Module)):
+            # The optimizer over this model's parameters (a policy's, a value model's), else the first.
+            owned = {id(p) for p in model.parameters()}
+            holders = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g["params"])]
+            optimizer = (holders or optimizers or [None])[0]
             self.report = describe(self.strategy, model, optimizer, ddp=getattr(accelerator, "num_processes", 1) > 1)
             if getattr(accelerator, "is_main_process", True):
                 logger.info("%s", format_report(self.report))

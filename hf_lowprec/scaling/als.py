@@ -108,7 +108,7 @@ class AutomaticLossScaler:
         self.max_scale = float(max_scale)
         self.min_scale = float(min_scale)
         self.track_activations = bool(track_activations)
-        self._handles: list[Any] = []
+        self._handles: dict[int, list[Any]] = {}  # id(model) → its forward hooks
         self._names: dict[int, str] = {}  # id(parameter) → name, for the overflow log
         self._slots: dict[str, int] = {}  # name → its row in the per-name buffers
         self._unscaled: set[int] = set()
@@ -371,28 +371,36 @@ class AutomaticLossScaler:
         the forward hook instead passes the output through `ActivationTally`, whose backward clamps the
         gradient and returns the counts as the gradient of a small FP64 leaf (`_probe`, one row per name):
         autograd accumulates them there like a parameter's gradient, and `_agree` folds them into the tallies.
-        Same counts, one graph, no host sync."""
-        self.untrack()
-        self._names = {id(p): name for name, p in model.named_parameters()}
-        for name in self._names.values():
+        Same counts, one graph, no host sync.
+
+        Every model tracked stays tracked (a policy beside a value or reference model; a frozen one has
+        gradients to count only where they flow through it); tracking one again replaces its hooks."""
+        self.untrack(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        self._names.update(names)
+        for name in names.values():
             self._slot(name)
         first = next(model.parameters(), None)
         if first is not None:
             self._to(first.device)
         if self.track_activations:
+            hooks = self._handles.setdefault(id(model), [])
             for name, module in model.named_modules():
                 if next(module.children(), None) is None:
-                    self._handles.append(module.register_forward_hook(self._forward_hook(self._slot(name or "model"))))
+                    hooks.append(module.register_forward_hook(self._forward_hook(self._slot(name or "model"))))
+            self._fold_probe()  # a probe with a row per name, the counts so far in the tallies
             rows = len(self._slots)
             self._probe = torch.zeros(rows, 3, dtype=torch.float64, device=self._scale.device, requires_grad=True)
         return self
 
-    def untrack(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._fold_probe()
-        self._probe = None
+    def untrack(self, model: torch.nn.Module | None = None) -> None:
+        """Remove the hooks of `model` (every model's when None)."""
+        for key in list(self._handles) if model is None else [id(model)]:
+            for handle in self._handles.pop(key, ()):
+                handle.remove()
+        if not self._handles:
+            self._fold_probe()
+            self._probe = None
 
     def _forward_hook(self, row: int) -> Any:
         # A bound method in a partial, not a closure: a model holding the hook pickles (torch.save(model)).

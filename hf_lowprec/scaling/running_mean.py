@@ -6,6 +6,7 @@ never exceeds the largest micro-batch gradient, where a plain sum grows N-fold a
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -44,12 +45,13 @@ class RunningMeanGradients:
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, weakref.ref] = {}  # id(param) → the parameter hooked
 
     def attach(self, model: torch.nn.Module) -> RunningMeanGradients:
-        self.detach()
+        """Hook `model`'s trainable parameters; a model attached before keeps its hooks (a policy
+        beside a value or reference model)."""
         for param in model.parameters():
-            if param.requires_grad:
+            if param.requires_grad and not self._holds(param):
                 self._add_hook(param)
         return self
 
@@ -59,20 +61,24 @@ class RunningMeanGradients:
         cannot be hooked): the gradient each summed over this window's `micro_batches` backward
         passes becomes their mean, and later windows run through the hook."""
         for param in params:
-            if param.requires_grad and id(param) not in self._hooked:
+            if param.requires_grad and not self._holds(param):
                 if param.grad is not None and micro_batches > 1:
                     param.grad.div_(micro_batches)
                 self._add_hook(param)
 
     def _add_hook(self, param: torch.Tensor) -> None:
         self._handles.append(param.register_hook(self._hook(param)))
-        self._hooked.add(id(param))
+        self._hooked[id(param)] = weakref.ref(param)
+
+    def _holds(self, param: torch.Tensor) -> bool:
+        hooked = self._hooked.get(id(param))
+        return hooked is not None and hooked() is param
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._hooked = set()
+        self._hooked = {}
 
     def reset(self) -> None:
         """Start a new accumulation window (call after the optimizer step)."""

@@ -48,7 +48,8 @@ def test_an_fp8_operand_is_one_graph(master_scale):
 class _Owner:
     """What FP8AdamW offers the hook: the stored FP8 gradient of a parameter."""
 
-    def __init__(self):
+    def __init__(self, params):
+        self.param_groups = [{"params": list(params)}]  # the parameters it holds (their gradients come to it)
         self.stored = {}
 
     def set_fp8_grad(self, param, payload, scale):
@@ -63,7 +64,7 @@ def test_the_gradient_hook_is_one_graph_per_weight_with_accumulation_too():
     saturates): one graph and the scaler's tally, not ~39 eager launches per weight."""
     weight = torch.nn.Parameter(torch.randn(32, 16))
     hooks = BackwardFP8Gradients(GradientAutoScaler(), E5M2)
-    hooks.owner = _Owner()
+    hooks.owner = _Owner([weight])
     for accumulated in (False, True):  # the first micro-batch, then one added to it
         weight.grad = torch.randn(32, 16)
         with Launches() as counted:
