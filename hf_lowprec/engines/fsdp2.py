@@ -336,14 +336,22 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 # --- checkpoints -----------------------------------------------------------------------------------
 
 
+def _several_nodes() -> bool:
+    """Launched on more than one node (torchrun and `accelerate launch` set both variables)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
 def refuse_full_precision_save(strategy: PrecisionStrategy, save_on_each_node: bool) -> None:
-    """`save_full_precision` under the Trainer's FSDP: the FP32 export is gathered onto rank 0
-    (`full_precision_state_dict`), so a save on each node's first rank would have nothing to write."""
-    if strategy.options.save_full_precision and save_on_each_node:
+    """`save_full_precision` under the Trainer's FSDP on several nodes: the FP32 export is gathered onto
+    rank 0 (`full_precision_state_dict`), so the other nodes' first ranks would have nothing to write.
+    On one node, `save_on_each_node` saves on rank 0 alone, as without it."""
+    if strategy.options.save_full_precision and save_on_each_node and _several_nodes():
         raise ValueError(
             f"precision_options save_full_precision=True with precision_strategy={strategy.name!r} and "
-            "save_on_each_node=True under FSDP: the FP32 export is gathered onto rank 0 only, so the other "
-            "nodes would write none. Drop save_on_each_node (rank 0 writes the model), or drop save_full_precision"
+            "save_on_each_node=True under FSDP on several nodes: the FP32 export is gathered onto rank 0 "
+            "only, so the other nodes would write none. Drop save_on_each_node (rank 0 writes the model), "
+            "or drop save_full_precision"
         )
 
 

@@ -511,6 +511,7 @@ def run_trainer(name: str, data, out: Path, export: str | None = None) -> dict:
         max_grad_norm=MAX_NORM,
         average_tokens_across_devices=False,
         save_strategy="steps" if export else "no",  # export: checkpoints must not gather it
+        save_on_each_node=export == "FULL_STATE_DICT",  # one node: its first rank is rank 0, the writer
         save_steps=1,
         logging_steps=1,
         report_to=[],

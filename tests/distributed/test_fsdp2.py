@@ -158,8 +158,9 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
         configure_accelerator(get_strategy("collage-plus"), _Accelerator(FullyShardedDataParallelPlugin()))
 
 
-def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
+def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path, monkeypatch):
     from hf_lowprec import TrainingArguments
+    from hf_lowprec.engines.fsdp2 import refuse_full_precision_save
 
     def args(name, version, **options):
         return TrainingArguments(
@@ -177,10 +178,12 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
             args(name, 2)
     with pytest.raises(ValueError, match="fsdp_version"):
         args("collage-plus", 1)
-    # The FP32 export is gathered onto rank 0: a save on each node's first rank would have none.
+    # The FP32 export is gathered onto rank 0: a save on each node's first rank would have none
+    # on several nodes; on one node that rank is rank 0.
     assert args("collage-plus", 2, save_full_precision=True).precision_strategy == "collage-plus"
-    with pytest.raises(ValueError, match=r"save_on_each_node=True under FSDP: .* Drop save_on_each_node"):
-        TrainingArguments(
+
+    def on_each_node():
+        return TrainingArguments(
             output_dir=str(tmp_path),
             precision_strategy="collage-plus",
             precision_options={"save_full_precision": True},
@@ -189,6 +192,14 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path):
             fsdp_config={"fsdp_version": 2},
             use_cpu=True,
         )
+
+    assert on_each_node().save_on_each_node
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes of two ranks, as torchrun sets them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"save_on_each_node=True under FSDP on several nodes: .* Drop save_on"):
+        refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), True)
+    refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), False)
+    refuse_full_precision_save(get_strategy("collage-plus"), True)
 
 
 def test_readme_shows_the_generated_table():
