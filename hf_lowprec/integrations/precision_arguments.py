@@ -40,11 +40,26 @@ def check_precision_arguments(args: Any) -> PrecisionStrategy | None:
     if strategy is not None:
         reconcile_mixed_precision_flags(args, strategy)
         check_engine_arguments(args, strategy)
+        refuse_export_of_a_model_only_best(args, strategy)
     elif args.precision_options:
         raise ValueError("precision_options were given without precision_strategy; set --precision_strategy")
     else:
         parse_resume_reset(args.resume_reset, with_strategy=False)  # without a strategy: nothing to reset
     return strategy
+
+
+def refuse_export_of_a_model_only_best(args: Any, strategy: PrecisionStrategy) -> None:
+    """`load_best_model_at_end` loads the best checkpoint's optimizer state with its weights: the masters
+    and Collage's δθ that `save_full_precision` exports. A model-only checkpoint has none, so the final
+    export would be the best weights with the last step's state, a model that never was."""
+    if strategy.options.save_full_precision and args.load_best_model_at_end and args.save_only_model:
+        raise ValueError(
+            f"precision_options save_full_precision=True with precision_strategy={strategy.name!r}, "
+            "load_best_model_at_end=True and save_only_model=True: the best checkpoint would hold the "
+            "weights without the optimizer state the full-precision export is made of (masters, δθ), so "
+            "the final export would mix the best step's weights with the last step's state. Drop "
+            "save_only_model (the checkpoints then hold the optimizer), or drop save_full_precision"
+        )
 
 
 def trial_params(trainer: Any, trial: Any) -> dict:

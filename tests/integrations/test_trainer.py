@@ -327,6 +327,19 @@ def test_best_model_at_end_exports_the_best_checkpoints_full_precision(tmp_path,
         assert value.dtype == torch.float32 and torch.equal(value, final[key]), key
 
 
+def test_a_model_only_best_checkpoint_with_a_full_precision_export_is_refused(tmp_path):
+    """Model-only checkpoints hold no optimizer state: the export after loading the best one mixed
+    its weights with the last step's masters/δθ (collage-plus: 3.4e-4 from checkpoint-2's export,
+    fp16-als: exactly checkpoint-8's). Refused before any work, naming the fix."""
+    best = {"load_best_model_at_end": True, "eval_strategy": "steps", "save_only_model": True}
+    with pytest.raises(ValueError, match="save_only_model=True: the best checkpoint .* Drop save_only_model"):
+        make_args(tmp_path, "collage-plus", **best, precision_options={"save_full_precision": True})
+    assert make_args(tmp_path, "collage-plus", **best).save_only_model  # the model alone is the best's
+    assert make_args(
+        tmp_path, "collage-plus", **{**best, "save_only_model": False}, precision_options={"save_full_precision": True}
+    ).load_best_model_at_end
+
+
 @pytest.mark.slow
 def test_best_model_at_end_brings_a_mixture_of_experts_back_whole(tmp_path):
     """The best checkpoint holds the experts per expert; the stock load left the fused experts at
