@@ -37,24 +37,25 @@ def check_dtypes(model, strategy):
     return trainable, frozen
 
 
+# TrainingArguments of a short run that saves nothing (with output_dir, max_steps and the precision).
+_UNSAVED = {
+    "per_device_train_batch_size": 4,
+    "learning_rate": 1e-2,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "use_cpu": True,
+    "disable_tqdm": True,
+    "seed": 0,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", available_strategies())
 def test_lora_with_trainer(tmp_path, name):
     strategy = get_strategy(name)
     model = lora_model()
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        precision_strategy=name,
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = TrainingArguments(output_dir=str(tmp_path), precision_strategy=name, max_steps=3, **_UNSAVED)
     trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(16))
     # Snapshots after the strategy converted the model (FP8 layers may store scaled weights).
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
@@ -138,19 +139,7 @@ def test_bf16_mixed_lora_trains_bit_for_bit_as_stock_bf16(tmp_path):
         (transformers.Trainer, transformers.TrainingArguments, {"bf16": True}),
         (Trainer, TrainingArguments, {"precision_strategy": "bf16-mixed"}),
     ):
-        args = args_class(
-            output_dir=str(tmp_path / str(len(runs))),
-            max_steps=4,
-            per_device_train_batch_size=4,
-            learning_rate=1e-2,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=0,
-            **precision,
-        )
+        args = args_class(output_dir=str(tmp_path / str(len(runs))), max_steps=4, **_UNSAVED, **precision)
         trainer = trainer_class(model=lora_model(), args=args, train_dataset=TokenBlocks(16))
         trainer.train()
         logged = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]

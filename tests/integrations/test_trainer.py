@@ -332,7 +332,7 @@ def test_a_model_only_best_checkpoint_with_a_full_precision_export_is_refused(tm
     its weights with the last step's masters/δθ (collage-plus: 3.4e-4 from checkpoint-2's export,
     fp16-als: exactly checkpoint-8's). Refused before any work, naming the fix."""
     best = {"load_best_model_at_end": True, "eval_strategy": "steps", "save_only_model": True}
-    with pytest.raises(ValueError, match="save_only_model=True: the best checkpoint .* Drop save_only_model"):
+    with pytest.raises(ValueError, match=r"save_only_model=True: the best checkpoint .* Drop save_only_model"):
         make_args(tmp_path, "collage-plus", **best, precision_options={"save_full_precision": True})
     assert make_args(tmp_path, "collage-plus", **best).save_only_model  # the model alone is the best's
     assert make_args(
