@@ -43,9 +43,16 @@ def is_plain_module(model: Any) -> bool:
 def _storage(strategy: PrecisionStrategy) -> str:
     if strategy.options.frozen_models == "policy":
         return "as the policy"
-    if strategy.frozen_in_fp8:
+    if strategy.frozen_in_fp8 and not _zero3():
         return "fp8-blocks"
     return str(strategy.compute_dtype).removeprefix("torch.")
+
+
+def _zero3() -> bool:
+    # ZeRO-3 partitions a frozen model's parameters too, and its all-gather has no float8 (gloo):
+    # FP8 blocks would fail at the first forward ("Invalid scalar type").
+    integrations = sys.modules.get("transformers.integrations")
+    return integrations is not None and bool(integrations.is_deepspeed_zero3_enabled())
 
 
 def check_refreeze(strategy: PrecisionStrategy, model: Any, role: str) -> bool:
@@ -78,7 +85,8 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
     - FP8 strategies and COAT: each linear layer of the decoder blocks becomes a
       `FrozenBlockFP8Linear` (E4M3 payload, one FP32 scale per 128×128 block: 1.0002 bytes per
       parameter), widened to the compute dtype one layer at a time. The LM head, the
-      embeddings, norms and biases stay 16-bit.
+      embeddings, norms and biases stay 16-bit. Under DeepSpeed ZeRO-3, BF16 instead: ZeRO-3
+      partitions and all-gathers a frozen model's parameters, and that has no float8.
 
     Buffers keep their dtype (rotary frequencies lose digits in 16 bits). `frozen_models="policy"`
     in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
@@ -100,7 +108,14 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
         model.__dict__[FROZEN_ATTR] = {**facts, **frozen_footprint(model)}
         return model
     model.requires_grad_(False)
-    fp8 = strategy.frozen_in_fp8
+    fp8 = _storage(strategy) == "fp8-blocks"
+    if strategy.frozen_in_fp8 and not fp8:
+        logger.info(
+            "%s: the frozen %s model keeps BF16, not FP8 blocks, under DeepSpeed ZeRO-3 (its parameters are "
+            "partitioned and all-gathered, and that has no float8)",
+            strategy.name,
+            role,
+        )
     # A published FP8 checkpoint's layers from their stored values: frozen FP8 ones stay as published.
     restore_published_fp8(model, keep_frozen_fp8=fp8)
     converted = _to_block_fp8(model, getattr(strategy.options, "min_gemm_features", 0)) if fp8 else 0

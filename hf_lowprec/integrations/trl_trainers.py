@@ -173,6 +173,9 @@ class _FrozenModels:
             for argument, role in roles:
                 call.arguments[argument] = freeze_all(strategy, call.arguments[argument], role, build, trained=trained)
             self._hf_lowprec_deferred_precompute: dict[int, tuple] = {}  # see _precompute_ref_logps
+            from .trl_precompute import early_hash
+
+            self._hf_lowprec_early_hash = early_hash(type(self), call.arguments)  # TRL 1.13's cache key
         super().__init__(*call.args[1:], **call.kwargs)
         deferred = self.__dict__.pop("_hf_lowprec_deferred_precompute", None)
         if self.precision is None:
@@ -198,7 +201,8 @@ class _FrozenModels:
             value = getattr(self, attribute, None)
             for index, model in enumerate(value if isinstance(value, list) else [value]):
                 widen_outputs(self.precision, model)  # FP32 outputs, as Accelerate's mixed precision gives them
-                facts = getattr(model, "__dict__", {}).get(FROZEN_ATTR)
+                inner = model.module if type(model).__name__ == "DeepSpeedEngine" else model  # TRL wrapped it
+                facts = getattr(inner, "__dict__", {}).get(FROZEN_ATTR)
                 if facts is not None:
                     key = role if not isinstance(value, list) or len(value) == 1 else f"{role}[{index}]"
                     self.hf_lowprec_frozen_models[key] = facts
@@ -215,24 +219,14 @@ class _FrozenModels:
             return dataset
         if getattr(self, "precision", None) is None:
             return super()._precompute_ref_logps(dataset, name, batch_size)
-        with self.compute_loss_context_manager():
-            return super()._precompute_ref_logps(dataset, name, batch_size)
+        from .trl_precompute import precompute  # under the strategy, with an inference engine's config
+
+        return precompute(self, super()._precompute_ref_logps, dataset, name, batch_size)
 
     def _precompute_deferred(self, deferred: dict[int, tuple]) -> None:
-        if hasattr(self, "_precompute_model_hash"):  # TRL's cache key: the prepared model, and the strategy
-            from trl.trainer.utils import hash_module
+        from .trl_precompute import run_deferred
 
-            self._precompute_model_hash = f"{hash_module(self.ref_model or self.model)}:{self.precision!r}"
-
-        def computed(dataset: Any) -> Any:
-            entry = deferred.get(id(dataset))
-            return dataset if entry is None else self._precompute_ref_logps(dataset, *entry)
-
-        self.train_dataset = computed(self.train_dataset)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {name: computed(dataset) for name, dataset in self.eval_dataset.items()}
-        elif self.eval_dataset is not None:
-            self.eval_dataset = computed(self.eval_dataset)
+        run_deferred(self, deferred)
 
 
 class _RolloutInContext:
