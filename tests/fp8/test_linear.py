@@ -480,3 +480,34 @@ def test_an_evaluation_under_inference_mode_leaves_training_to_run(master):
         out.float().sum().backward()
         grads.append(layer.weight.grad)
     assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_an_eval_mode_forward_casts_the_weight_as_it_is_now(master):
+    """In eval mode the weight is cast at every forward and nothing is cached: a write through
+    `.data` (an EMA swap, a weight load) bumps no version the training cache's key sees, and before
+    this an evaluation after training computed with the cached old weight (logits moved by 0.0).
+    In training mode the cache stands within the step, and `forget_weight_cast` drops it."""
+    torch.manual_seed(0)
+    dense = nn.Linear(32, 16).half() if master else nn.Linear(32, 16)
+    layer = FP8Linear.from_float(dense)
+    if master:
+        layer.scale_master_weight()
+    x = torch.randn(4, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    layer(x).float().sum().backward()  # training mode: the cast is cached for the step
+    cached = layer._weight_cache
+    layer.eval()
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.data.mul_(0.5).add_(layer.weight.data.flip(0), alpha=0.25)  # a new weight
+        after = layer(x)
+        assert layer._weight_cache is cached  # eval mode stores nothing
+        layer.forget_weight_cast()
+        fresh = layer(x)  # the reference: a layer with no cache at all
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+    layer.train()
+    layer._weight_cache = cached
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)  # training mode: the step's cast, until forgotten
+        layer.forget_weight_cast()
+        assert torch.equal(layer(x), fresh)

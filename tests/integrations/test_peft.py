@@ -242,7 +242,7 @@ def test_fp8_strategies_leave_lora_adapters_out_of_fp8_and_merges_reach_the_fp8_
     bound = ((b.double().abs() @ a.double().abs()) * scaling * (a.shape[0] + 2) * 2.0**-24).t()
     assert ((target.get_delta_weight("default").double() - expected).abs() <= bound).all()
     ids = batches(1)[0]
-    model.eval()
+    model.train()  # training mode (no dropout): the FP8 weight cache is used; eval mode casts every forward
     with torch.no_grad(), strategy.forward_context():
         unmerged = model(input_ids=ids).logits  # fills every FP8 layer's weight cache
         merged_model = model.merge_and_unload()
