@@ -56,6 +56,23 @@ def _source_dir(model: nn.Module) -> pathlib.Path | None:
         return None
 
 
+def _warn_source_not_found(model: nn.Module) -> None:
+    """Once per model: a CPU load dequantizes a published FP8 checkpoint and drops its
+    `quantization_config`, so only the folder tells; one that cannot be found is said, not skipped."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    if not name or model.__dict__.get("_fp8_source_warned"):
+        return  # built from a config: no folder to find
+    model.__dict__["_fp8_source_warned"] = True
+    logger.warning(
+        "the model was loaded from %r, which names neither a folder from here (current directory %s) nor "
+        "a Hub cache entry: if it is a published FP8 checkpoint, its layers are not restored from the "
+        "stored FP8 values (training starts from the dequantized ones) and save_model writes them in "
+        "the model's dtype, not FP8. Load it from an absolute path that still exists at Trainer time.",
+        name,
+        os.getcwd(),
+    )
+
+
 def _fp8_config(config: Any) -> dict[str, Any] | None:
     if config is None:
         return None
@@ -71,6 +88,8 @@ def published_fp8_config(model: nn.Module) -> dict[str, Any] | None:
     if found is not None:
         return found
     source = _source_dir(base)
+    if source is None:
+        _warn_source_not_found(base)
     if source is None or not (source / "config.json").is_file():
         return None
     return _fp8_config(json.loads((source / "config.json").read_text()).get("quantization_config"))

@@ -151,11 +151,26 @@ def test_a_layer_changed_after_loading_keeps_its_values(fp8_checkpoint, tmp_path
     assert "changed after loading" in caplog.text
 
 
-def test_a_model_not_loaded_from_fp8_is_left_alone(tmp_path):
+def test_a_model_not_loaded_from_fp8_is_left_alone(tmp_path, caplog):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert restore_published_fp8(model, keep_frozen_fp8=True) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "names neither a folder" not in caplog.text  # built from a config: no folder to look for
+
+
+def test_a_checkpoint_whose_folder_cannot_be_found_is_said(fp8_checkpoint, tmp_path, monkeypatch, caplog):
+    """A CPU load dequantizes and drops `quantization_config`: only the folder says the model is
+    FP8. Loaded by a relative path and the directory changed after (or the folder moved), it was
+    silently trained from the dequantized values and saved in FP32/BF16; now one warning says so."""
+    parent, folder = fp8_checkpoint.rsplit("/", 1)
+    monkeypatch.chdir(parent)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    assert restore_published_fp8(model, keep_frozen_fp8=False) is None
+    assert restore_published_fp8(model, keep_frozen_fp8=False) is None
+    warned = [r.getMessage() for r in caplog.records if "names neither a folder" in r.getMessage()]
+    assert len(warned) == 1 and repr(folder) in warned[0] and "absolute path" in warned[0]
 
 
 @pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2"])
