@@ -7,6 +7,7 @@ written is FP32 (`all_fp32`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ __all__ = [
     "sharded_fsdp_export",
     "weights_to_save",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _full(trainer: Any) -> bool:
@@ -68,11 +71,30 @@ def weights_to_save(trainer: Any, state_dict: dict | None, gathered: dict[str, A
     if _fsdp_full(trainer):  # gathered onto rank 0, the saving rank, by every rank in save_model
         return gathered if gathered is not None else state_dict
     if _full(trainer) and state_dict is None:
-        return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
+        if _optimizer_holds_model(trainer):
+            return trainer.precision.full_precision_state_dict(trainer.model, trainer.optimizer)
+        logger.warning(
+            "save_full_precision: the optimizer holds none of the parameters of the model being saved (%s, "
+            "set as trainer.model after training, e.g. by merge_and_unload), so there is no full-precision "
+            "value to write: its weights are saved as it holds them. Save before replacing the model (the "
+            "adapter, under PEFT) to keep the optimizer's FP32 values.",
+            type(trainer.model).__name__,
+        )
     if trainer.precision is not None and (deepspeed or trainer.args.world_size == 1):
         # Gathered by every rank in save_model under DeepSpeed; else only one process may gather.
         return with_export(trainer.precision, trainer.model, trainer.optimizer, state_dict, gathered)
     return state_dict
+
+
+def _optimizer_holds_model(trainer: Any) -> bool:
+    """Whether some parameter of `trainer.model` is one the optimizer updates (no optimizer: True,
+    the strategy's export then decides)."""
+    from ..memory import unwrap_optimizer
+
+    if trainer.optimizer is None:
+        return True
+    held = {id(p) for g in unwrap_optimizer(trainer.optimizer).param_groups for p in g["params"]}
+    return any(id(p) in held for p in trainer.model.parameters())
 
 
 def all_fp32(trainer: Any, state_dict: dict | None) -> bool:

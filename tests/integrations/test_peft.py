@@ -210,6 +210,28 @@ def test_lora_best_model_at_end_keeps_the_adapters_dtype(tmp_path):
             assert torch.equal(p.detach().to(torch.bfloat16), after[n].detach()), n
 
 
+def test_a_model_merged_after_training_is_saved_as_it_holds_it_under_save_full_precision(tmp_path, caplog):
+    """`trainer.model = trainer.model.merge_and_unload(); trainer.save_model()` with
+    save_full_precision: the optimizer holds only the adapters, which the merged model no longer
+    has, so nothing of it has an FP32 value beyond its own. It was written as FP32 copies of its
+    BF16 weights (`dtype: float32`, the file twice the size); now as it holds them, with a warning."""
+    import json
+
+    from safetensors.torch import load_file
+
+    options = {"save_full_precision": True}
+    args = _lora_args(tmp_path, "collage-plus", max_steps=1, save_strategy="no", precision_options=options)
+    trainer = Trainer(model=lora_model(), args=args, train_dataset=TokenBlocks(8))
+    trainer.train()
+    trainer.model = trainer.model.merge_and_unload()
+    trainer.save_model()
+    saved, held = load_file(f"{tmp_path}/model.safetensors"), trainer.model.state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.bfloat16}
+    assert all(torch.equal(v, held[k]) for k, v in saved.items())
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "holds none of the parameters of the model being saved" in caplog.text
+
+
 def _fp8_lora(name, seed=0, **config):
     """A tiny GPT-2 with rank-16 LoRA (a width FP8 could take) prepared by `name`, trained 3 steps."""
     torch.manual_seed(seed)
