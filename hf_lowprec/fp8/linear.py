@@ -450,13 +450,14 @@ class FP8Linear(nn.Module):
             `margin` (binades for every FP8 cast) and `recipe` (a name of `SCALING_RECIPES`)
             build it.
 
-    In training mode the weight is quantized once per optimizer step: the FP8 weight is cached
+    In training the weight is quantized once per optimizer step: the FP8 weight is cached
     under the weight's version counter and a global optimizer-step counter, so gradient
     accumulation's micro-batches and training-mode rollouts reuse it, and an optimizer step,
     `load_state_dict`, `.to()` or an in-place op on the weight invalidates it; a write through
     `weight.data` between two training forwards of one step is not seen: call
-    `forget_weight_cast()` after it. In eval mode the weight is cast at every forward and nothing
-    is cached. Only the FP8 copies of x and W are saved for backward.
+    `forget_weight_cast()` after it. In eval mode without autograd (evaluation, `generate`) the
+    weight is cast at every forward and nothing is cached. Only the FP8 copies of x and W are
+    saved for backward.
 
     Watched by the guard (`watch_flushes`), a training forward leaves in `flush_now` its input
     casts' counts [flushed to zero, non-zero] (int64, on the device), which the guard collects
@@ -635,10 +636,13 @@ class FP8Linear(nn.Module):
             if scale is None:
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
-        if not self.training or in_compiled_model() or torch.is_inference_mode_enabled():
-            # In eval mode the weight is cast at every forward, as torchao's float8 layers always
-            # do: what is evaluated or generated is the weight as it is now, whatever wrote it (an
-            # EMA swap or a load through `.data` bumps no version the cache key sees).
+        evaluating = not self.training and not torch.is_grad_enabled()
+        if evaluating or in_compiled_model() or torch.is_inference_mode_enabled():
+            # An eval-mode forward without autograd (evaluation, generate) casts the weight every
+            # time, as torchao's float8 layers always do: what is evaluated or generated is the
+            # weight as it is now, whatever wrote it (an EMA swap or a load through `.data` bumps
+            # no version the cache key sees). A loop that trains without `model.train()` (a model
+            # from `from_pretrained` starts in eval mode) keeps the cache: autograd is on.
             # In a compiled graph the cast is fused into the graph and runs at every forward: a
             # cache keyed by the optimizer step would be a Python value that changes per step,
             # hence a guard, hence a new graph at every step. An inference tensor kept in the

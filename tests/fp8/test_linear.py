@@ -505,6 +505,10 @@ def test_an_eval_mode_forward_casts_the_weight_as_it_is_now(master):
         layer.forget_weight_cast()
         fresh = layer(x)  # the reference: a layer with no cache at all
     assert torch.equal(after, fresh) and not torch.equal(after, before)
+    # Eval mode with autograd on (a loop training a model `from_pretrained` left in eval mode)
+    # caches as training does.
+    layer(x).float().sum().backward()
+    assert layer._weight_cache is not cached and layer._weight_cache is not None
     layer.train()
     layer._weight_cache = cached
     with torch.no_grad():
