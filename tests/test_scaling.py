@@ -248,11 +248,30 @@ def test_running_mean_hooks_match_the_function_and_reset():
     expected = torch.zeros(64, dtype=torch.float16)
     for _window in range(2):  # the second window starts after zero_grad(set_to_none=False) + reset
         for k, g in enumerate(grads, start=1):
+            accumulator.new_window()  # a micro-batch (a forward of an attached model does this)
             (model.w.float() * g.float()).sum().backward()  # dL/dw = g exactly
             running_mean_(expected, g, k)
         assert bits_equal(model.w.grad, expected)
         model.zero_grad(set_to_none=False)
         accumulator.reset()
+
+
+def test_running_mean_adds_a_second_backward_within_one_micro_batch():
+    """Two backward passes after one forward (a main and an auxiliary loss) are one micro-batch's
+    gradient, summed as autograd sums it: the second averaged in halved it (M₂ = (g+h)/2). Next
+    micro-batch, the running mean of the windows' sums, bit for bit as `running_mean_` forms it."""
+    g, h, n = micro_batch_gradients(n=3, size=64, magnitude=1.0)
+    model = Holder(64)
+    accumulator = RunningMeanGradients().attach(model)
+    with pytest.raises(NotImplementedError):
+        model()  # a forward of the attached model starts the micro-batch (Holder has no forward)
+    for grad in (g, h):
+        (model.w.float() * grad.float()).sum().backward()
+    first = g + h  # autograd's FP16 sum
+    assert bits_equal(model.w.grad, first)
+    accumulator.new_window()
+    (model.w.float() * n.float()).sum().backward()
+    assert bits_equal(model.w.grad, running_mean_(first.clone(), n, 2))
 
 
 def test_running_mean_hook_clamps_opposite_infinities():

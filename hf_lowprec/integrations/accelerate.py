@@ -22,6 +22,7 @@ from ..strategies.fp16_base import LossScaledStrategy
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
+from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
 from .outputs import widen_outputs
 from .peft import prepare_model as _prepare_model
 
@@ -66,6 +67,7 @@ class PrecisionPlugin:
         self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._skips_noted: set[int] = set()  # Accelerate's optimizer wrappers told of the strategy's skips
         self.report: dict[str, Any] | None = None  # the startup report of the last prepared model
+        self._outside = 0  # `autocast()` contexts open
 
     def __repr__(self) -> str:
         return f"PrecisionPlugin({self.strategy!r})"
@@ -166,7 +168,8 @@ class PrecisionPlugin:
 
     def backward(self, accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
         """`accelerator.backward(loss)` on the strategy's scaled loss."""
-        self.strategy.set_gradient_accumulation(accelerator.gradient_accumulation_steps)  # backward divides by it
+        # Accelerate's backward divides by it; the loop expects the micro-batches' sum, as stock gives it.
+        self.strategy.set_gradient_accumulation(accelerator.gradient_accumulation_steps, sums=True)
         accelerator.backward(self.strategy.scale_loss(loss), **kwargs)
 
     # --- finer-grained pieces ----------------------------------------------------------
@@ -178,7 +181,9 @@ class PrecisionPlugin:
             contexts: list[contextlib.AbstractContextManager] = []
 
             def enter(module: torch.nn.Module, args: Any) -> None:
-                ctx = self.strategy.forward_context()
+                # Within `autocast()` too, a 16-bit-weight strategy's forward computes as its own.
+                inside = self._outside and casts_outside_forward(self.strategy)
+                ctx = autocast_disabled() if inside else self.strategy.forward_context()
                 ctx.__enter__()
                 contexts.append(ctx)
 
@@ -215,9 +220,18 @@ class PrecisionPlugin:
         self._optimizers.append(optimizer)
         return optimizer
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward context, for computation outside the model's forward (e.g. a custom loss)."""
-        return self.strategy.forward_context()
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Any:
+        """For computation outside the model's forward (a custom loss, a head on its hidden states):
+        the forward context, or an autocast to the compute dtype where the weights are 16-bit and that
+        context is none; a forward run inside computes as without it. `prepare` makes
+        `accelerator.autocast` this (`AutocastKwargs(enabled=False)` turns autocast off)."""
+        self._outside += 1
+        try:
+            with outside_forward(self.strategy, autocast_handler):
+                yield
+        finally:
+            self._outside -= 1
 
     def clip_grad_norm_(
         self, accelerator: Any, parameters: Any, max_norm: float, norm_type: float = 2.0, **kwargs: Any
@@ -256,7 +270,10 @@ class PrecisionPlugin:
         for optimizer in self._optimizers:
             self.strategy.unscale_gradients(optimizer.optimizer)
         parameters = list(parameters)
-        type(accelerator).clip_grad_value_(accelerator, parameters, clip_value)  # p.grad (it refuses ZeRO/FSDP)
+        # p.grad (it refuses ZeRO/FSDP) by dtype: a bound past the dtype's largest value (1e5 on FP16) clamps nothing.
+        for dtype in {p.grad.dtype for p in parameters if p.grad is not None}:
+            group = [p for p in parameters if p.grad is not None and p.grad.dtype == dtype]
+            type(accelerator).clip_grad_value_(accelerator, group, min(clip_value, torch.finfo(dtype).max))
         self.strategy.clip_own_grad_value(parameters, clip_value)
 
     def prepare_scheduler(self, accelerator: Any, scheduler: Any) -> Any:
@@ -301,10 +318,12 @@ class PrecisionPlugin:
         # A loop written for Accelerate clips with `accelerator.clip_grad_norm_` / `clip_grad_value_`,
         # which see only `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones
         # held beside it. On this Accelerator they are the plugin's (the last one to prepare), as is
-        # `prepare_scheduler`, which moves a scheduler prepared in a later call to the strategy's optimizer.
+        # `prepare_scheduler`, which moves a scheduler prepared in a later call to the strategy's optimizer,
+        # and `autocast`, for computation outside the forward.
         accelerator.clip_grad_norm_ = functools.partial(self.clip_grad_norm_, accelerator)
         accelerator.clip_grad_value_ = functools.partial(self.clip_grad_value_, accelerator)
         accelerator.prepare_scheduler = functools.partial(self.prepare_scheduler, accelerator)
+        accelerator.autocast = self.autocast  # stock's autocast is off (mixed_precision="no")
 
     def _follow(self, scheduler: Any) -> None:
         # A scheduler (or one nested in SequentialLR / ChainedScheduler) on a replaced optimizer moves to its successor.

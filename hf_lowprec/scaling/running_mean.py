@@ -30,30 +30,68 @@ def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tens
     return mean.mul_((k - 1) / k).add_(value / k)
 
 
+class _Windows:
+    """The forward pre-hook that counts micro-batches (an object, not a closure: a model holding
+    it pickles; an attribute update, which torch.compile traces)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.count += 1
+
+
 class RunningMeanGradients:
     """Running-mean gradient accumulation over micro-batches, through parameter hooks.
 
     Each parameter's hook sees the incoming micro-batch gradient g_k before autograd adds it
     to `p.grad`: it rescales `p.grad` by (k−1)/k and hands on g_k/k, so `p.grad` holds M_k.
-    k counts the backward passes since `p.grad` was last None (zero_grad) or `reset()`.
-    Incoming FP16 gradients are clamped to ±65504 first, so +inf and −inf micro-batch
-    gradients cannot meet as NaN.
+    k counts the micro-batch windows that reached the parameter since `p.grad` was last None
+    (zero_grad) or `reset()`; a window starts at each forward of an attached model (or
+    `new_window()`), and a second backward within one window (an auxiliary loss, a regularizer
+    backwarded apart) adds to that micro-batch's g_k, as autograd sums it. Incoming FP16
+    gradients are clamped to ±65504 first, so +inf and −inf micro-batch gradients cannot meet as NaN.
 
-    The loss must *not* be divided by the number of micro-batches: the mean does that.
+    The loss must *not* be divided by the number of micro-batches: the mean does that (a loop
+    that expects the sum, Accelerate's, turns the mean back with `to_sums`).
     """
 
     def __init__(self) -> None:
-        self._counts: dict[int, int] = {}
+        self._counts: dict[int, tuple[int, int]] = {}  # id(param) → (k, the window of its last g_k)
+        self._windows = _Windows()
+        self._summed = False  # `to_sums` ran in this accumulation window
+        self._models: set[int] = set()
         self._handles: list[Any] = []
         self._hooked: dict[int, weakref.ref] = {}  # id(param) → the parameter hooked
 
     def attach(self, model: torch.nn.Module) -> RunningMeanGradients:
         """Hook `model`'s trainable parameters; a model attached before keeps its hooks (a policy
         beside a value or reference model)."""
+        if id(model) not in self._models:
+            self._models.add(id(model))
+            self._handles.append(model.register_forward_pre_hook(self._windows))
         for param in model.parameters():
             if param.requires_grad and not self._holds(param):
                 self._add_hook(param)
         return self
+
+    def new_window(self) -> None:
+        """Start a micro-batch: the gradients of later backward passes are its g_k (each forward
+        of an attached model calls this)."""
+        self._windows.count += 1
+
+    def to_sums(self, params: Any, divisor: int) -> None:
+        """Once per accumulation window, before the unscale: each hooked parameter's M_k becomes
+        k·M_k/`divisor`, the sum of its micro-batch gradients over the loss division `divisor` that
+        the loop's own backward undid (k == `divisor`, whole windows under Accelerate's
+        accumulation: untouched). What stock Accelerate accumulates, the mean kept while it sums."""
+        if self._summed:
+            return
+        self._summed = True
+        for param in params:
+            k = self._counts.get(id(param), (0, 0))[0] if self._holds(param) else 0
+            if param.grad is not None and k and k != divisor:
+                param.grad.mul_(k / divisor)  # FP16 overflow: the scaler's unscale_ clips it, and counts
 
     def adopt(self, params: Any, micro_batches: int) -> None:
         """Hook the parameters among `params` that began to train after `attach` (a frozen one
@@ -79,18 +117,23 @@ class RunningMeanGradients:
             handle.remove()
         self._handles = []
         self._hooked = {}
+        self._models = set()
 
     def reset(self) -> None:
         """Start a new accumulation window (call after the optimizer step)."""
         self._counts.clear()
+        self._summed = False
 
     def _hook(self, param: torch.Tensor):
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if grad.dtype == torch.float16:
                 grad = grad.clamp(-FP16_MAX, FP16_MAX)
             key = id(param)
-            k = 1 if param.grad is None else self._counts.get(key, 0) + 1
-            self._counts[key] = k
+            k, window = (0, -1) if param.grad is None else self._counts.get(key, (0, -1))
+            if window == self._windows.count:  # this micro-batch's g_k again: autograd adds g/k to M_k
+                return grad if k == 1 else grad / k
+            k += 1
+            self._counts[key] = (k, self._windows.count)
             if param.grad is not None:
                 if k == 1:
                     param.grad.zero_()

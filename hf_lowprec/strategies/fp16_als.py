@@ -32,7 +32,9 @@ class FP16ALSOptions(StrategyOptions):
         weights: "master" (FP32 master copy) or "sr" (FP16 weights written with stochastic
             rounding, no master).
         running_mean: average micro-batch gradients with the running mean (the loop must not
-            divide the loss by the number of micro-batches; the Trainer glue undoes its own).
+            divide the loss by the number of micro-batches; the Trainer glue undoes its own). A
+            micro-batch is a forward of the model: backward passes after one forward add up. Under
+            the Accelerate plugin the step takes the sum, as stock Accelerate's loop gets it.
         seed: seed of the stochastic-rounding generator (weights="sr"; checkpointed).
     """
 
@@ -99,6 +101,7 @@ class FP16ALS(LossScaledStrategy):
         )
         self.accumulator = RunningMeanGradients() if o.running_mean else None
         self._loss_divisor = 1
+        self._sums = False  # the loop expects the sum of its micro-batch gradients (the Accelerate plugin)
         self._sharded = False
         self._window_start = 0  # `_scaled_backwards` when this accumulation window began
 
@@ -140,7 +143,7 @@ class FP16ALS(LossScaledStrategy):
             return FP32StatesSRAdamW(param_groups, seed=self.options.seed, fused=self.options.fused, **hyper)
         return MasterWeightAdamW(param_groups, fused=self.options.fused, **hyper)
 
-    def set_gradient_accumulation(self, micro_batches: int) -> None:
+    def set_gradient_accumulation(self, micro_batches: int, *, sums: bool = False) -> None:
         # The loop divided each micro-batch loss by `micro_batches`; the running mean averages
         # by itself, so undo that division (exact in FP32: it multiplies a scalar gradient).
         if self._sharded and micro_batches > 1:
@@ -150,6 +153,7 @@ class FP16ALS(LossScaledStrategy):
                 "running_mean=False) (the loop's divided sum) or train without accumulation"
             )
         self._loss_divisor = micro_batches if self.accumulator is not None else 1
+        self._sums = sums
 
     def set_data_parallel_group(self, group: Any) -> None:
         # Each rank sees the activation gradients of its own half batch: the scale decision
@@ -164,14 +168,20 @@ class FP16ALS(LossScaledStrategy):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping and the step: a parameter unfrozen (or added) since `prepare_model` has
         # summed this window's micro-batches without the running mean's hook; it takes their mean.
+        # Where the loop expects the sum (Accelerate's), the means become the sums over the divisor undone.
         if self.accumulator is not None and not self._sharded:
             params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
-            self.accumulator.adopt(params, self._scaled_backwards - self._window_start)
+            if self._sums:
+                self.accumulator.to_sums(params, self._loss_divisor)
+            micro_batches = self._loss_divisor if self._sums else self._scaled_backwards - self._window_start
+            self.accumulator.adopt(params, micro_batches)
         super().unscale_gradients(optimizer)
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Overflow is already clipped; only a NaN (which no clip can repair) skips the step.
         The scaler's NaN flag, agreed over the ranks with its histogram (one all-reduce)."""
+        if self.idle(optimizer):
+            return self.idle_flag(optimizer)
         return self.scaler.found_nan(unwrap_optimizer(optimizer))
 
     def end_step(self) -> None:

@@ -21,8 +21,11 @@ __all__ = ["LossScaledStrategy", "refuse_unscaled_backward"]
 
 def refuse_unscaled_backward(name: str, optimizer: torch.optim.Optimizer) -> None:
     """Raise where gradients reach the step with no backward through the loss scale since the last
-    step: unscaling them would divide true gradients by the scale (and FP16 ones underflowed)."""
-    if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+    step: unscaling them would divide true gradients by the scale (and FP16 ones underflowed).
+    None or zero gradients (`zero_grad(set_to_none=False)` and no backward) came from no backward;
+    telling zeros apart reads them on the host, on such a step only."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not any(bool((g.to_local() if hasattr(g, "to_local") else g).any()) for g in grads):
         return
     raise RuntimeError(
         f"{name} scales the loss, but these gradients came from a backward that did not go through "
@@ -53,10 +56,24 @@ class LossScaledStrategy(PrecisionStrategy):
         self._scaled_backwards += 1
         return self.scaler.scale(loss)
 
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def idle(self, optimizer: torch.optim.Optimizer) -> bool:
+        """No backward through the loss scale since `optimizer`'s last step: its None or zero gradients
+        step as they are, as stock's (weight decay, momentum), the scaler neither unscales nor updates
+        (any other gradients are refused, `refuse_unscaled_backward`)."""
         stepped = getattr(self, "_stepped_at", {}).get(id(unwrap_optimizer(optimizer)), 0)
-        if stepped == self._scaled_backwards:
-            refuse_unscaled_backward(self.name, optimizer)
+        if stepped != self._scaled_backwards:
+            return False
+        refuse_unscaled_backward(self.name, optimizer)
+        return True
+
+    def idle_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """`process_gradients`' flag for an idle step: 0.0 (step), on the parameters' device."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.idle(optimizer):
+            return
         # The Trainer passes Accelerate's wrapper before clipping, the step passes the inner
         # optimizer: one optimizer, unscaled once. Its fused kernel leaves the gradients' version
         # counters as they were: a norm noted before no longer decides the step (`seen_norm`).
@@ -67,10 +84,13 @@ class LossScaledStrategy(PrecisionStrategy):
         return clip_grad_norm_(parameters, max_norm, norm_type)  # torch's FP16 norm overflows to inf
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Any:
-        # A skipped step still closes the scaler's step (and lowers the scale), on the device.
+        # A skipped step still closes the scaler's step (and lowers the scale), on the device; an idle one
+        # (no scaled backward) leaves the scaler as it was.
+        idle = self.idle(optimizer)
         result = step_unless(optimizer, found_inf)
         self.__dict__.setdefault("_stepped_at", {})[id(unwrap_optimizer(optimizer))] = self._scaled_backwards
-        self.end_step()
+        if not idle:
+            self.end_step()
         return result
 
     def end_step(self) -> None:

@@ -73,11 +73,14 @@ class FP16Mixed(LossScaledStrategy):
         return device_autocast(torch.float16)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._unscaled:  # GradScaler refuses a second unscale_ in one step
+        # GradScaler refuses a second unscale_ in one step; an idle step (no backward) has no update to close one.
+        if not self._unscaled and not self.idle(optimizer):
             super().unscale_gradients(optimizer)
             self._unscaled = True
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        if self.idle(optimizer):
+            return self.idle_flag(optimizer)
         found_inf = super().process_gradients(optimizer)
         self.scaler.share_found_inf(unwrap_optimizer(optimizer), found_inf)  # one decision for both
         return found_inf

@@ -251,9 +251,11 @@ class PrecisionStrategy:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def set_gradient_accumulation(self, micro_batches: int) -> None:
+    def set_gradient_accumulation(self, micro_batches: int, *, sums: bool = False) -> None:
         """Told by the loop that each micro-batch loss was divided by `micro_batches` (the
-        Trainer and Accelerate do that); a strategy that averages micro-batches itself undoes it."""
+        Trainer and Accelerate do that); a strategy that averages micro-batches itself undoes it.
+        `sums`: the loop expects what its backward passes sum to, as stock Accelerate gives it
+        (a loop that accumulates by hand divides each loss itself), not their mean."""
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Undo loss scaling on gradients.

@@ -147,6 +147,17 @@ def test_clip_grad_value_clamps_the_unscaled_gradients():
     assert clamped  # some gradients were above C: the comparison saw clamping
 
 
+def test_clip_grad_value_past_fp16s_largest_value_clamps_nothing():
+    """fp16-als's gradients are FP16: a bound of 1e5 (above 65504) raised "value cannot be converted
+    to type c10::Half without overflow". No FP16 value exceeds it: the unscaled gradients, bit for bit."""
+    accelerator, _, model, _ = _after_backward("fp16-als")
+    accelerator.clip_grad_value_(model.parameters(), 1e5)
+    _, plugin, model_b, optimizer_b = _after_backward("fp16-als")
+    plugin.strategy.unscale_gradients(optimizer_b.optimizer)
+    for a, b in zip(model.parameters(), model_b.parameters(), strict=True):
+        assert a.grad.dtype == torch.float16 and torch.equal(a.grad, b.grad)
+
+
 def test_clip_grad_value_clamps_o2s_fp8_held_gradients():
     C = 1e-3
     accelerator, _, model, optimizer = _after_backward("fp8-lm-o2")
@@ -326,3 +337,36 @@ def test_two_optimizers_still_train_under_a_strategy_that_scales_nothing():
         torch.optim.AdamW(model_b.parameters(), lr=1e-3),
     )
     assert len(prepared) == 4
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "collage-plus", "fp16-mixed"])
+def test_accelerator_autocast_computes_a_head_on_the_outputs_in_the_compute_dtype(name):
+    """A head applied to the model's (FP32) hidden states inside `accelerator.autocast()`, as stock
+    `Accelerator(mixed_precision="bf16")` computes it in BF16: 16-bit-weight strategies (fp16-als,
+    collage-plus) raised "expected m1 and m2 to have the same dtype", fp16-mixed ran it in FP32.
+    Now the strategy's compute dtype; a forward run inside computes as outside, bit for bit, and
+    `AutocastKwargs(enabled=False)` turns autocast off as stock."""
+    from accelerate.utils import AutocastKwargs
+
+    accelerator = Accelerator(cpu=True)
+    plugin = PrecisionPlugin(name)
+    model = tiny_gpt2()
+    model, _ = plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = batches(1)[0]
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    hidden = out.hidden_states[-1]
+    assert hidden.dtype == torch.float32
+    head = accelerator.unwrap_model(model).lm_head
+    autocasting = []  # inside the forward: the strategy's own context (an autocast for fp16-mixed only)
+    accelerator.unwrap_model(model).transformer.h[0].register_forward_pre_hook(
+        lambda module, args: autocasting.append(torch.is_autocast_enabled("cpu"))
+    )
+    with accelerator.autocast():
+        assert head(hidden).dtype == plugin.strategy.compute_dtype
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, out.loss)
+    assert autocasting == [name == "fp16-mixed"]
+    with plugin.autocast():
+        assert head(hidden).dtype == plugin.strategy.compute_dtype
+    if name == "fp16-mixed":  # FP32 weights: autocast off computes in FP32
+        with accelerator.autocast(AutocastKwargs(enabled=False)):
+            assert head(hidden).dtype == torch.float32

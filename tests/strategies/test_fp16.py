@@ -311,3 +311,35 @@ def test_one_scaled_backward_steps_two_optimizers(name):
         second.step()
     with pytest.raises(RuntimeError, match="did not go through the loss scale"):
         first.step()
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "fp16-mixed"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_step_with_no_backward_steps_as_stock(name, set_to_none):
+    """`zero_grad(set_to_none=False)` then `step()` with no backward: stock AdamW steps on the zero
+    gradients (weight decay, momentum); fp16-als and fp16-mixed raised "gradients came from a backward
+    that did not go through the loss scale" (none ran), and fp16-mixed with set_to_none=True failed
+    in GradScaler ("No inf checks were recorded"). Now the step equals one on the zeros of a scaled
+    backward of 0·loss, bit for bit (None gradients: no parameter moves, as torch's); the scaler is
+    left as it was, and the next backward's step equals that run's."""
+
+    def run(idle):
+        strategy, model, optimizer = setup(name)
+        ids = batches(3, seed=7)
+        for i in range(3):
+            if i != 1 or not idle:
+                loss = model(input_ids=ids[i], labels=ids[i]).loss
+                strategy.scale_loss(loss * (0.0 if i == 1 else 1.0)).backward()
+            scale = float(strategy.scaler.get_scale())
+            optimizer.step()
+            if i == 1 and idle:
+                assert float(strategy.scaler.get_scale()) == scale  # no update
+            optimizer.zero_grad(set_to_none=set_to_none)
+            yield [p.detach().clone() for p in model.parameters()]
+
+    first, idle, after = run(idle=True)
+    _, zeros, after_zeros = run(idle=False)
+    for w0, w1, w0z, w2, w2z in zip(first, idle, zeros, after, after_zeros):
+        assert torch.equal(w1, w0 if set_to_none else w0z)
+        if name == "fp16-mixed" and not set_to_none:  # (fp16-als's scale moved on in the 0·loss run)
+            assert torch.equal(w2, w2z)

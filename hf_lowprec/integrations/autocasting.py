@@ -1,0 +1,48 @@
+"""Autocast outside the model's forward under a strategy (the Accelerate plugin's `autocast`, and
+`accelerator.autocast` routed to it): a head or loss applied to the model's FP32 outputs computes
+in the strategy's 16-bit dtype, as stock `Accelerator(mixed_precision=...)`'s autocast computes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..strategies.baselines import device_autocast
+from ..strategies.interface import PrecisionStrategy
+
+__all__ = ["autocast_disabled", "casts_outside_forward", "outside_forward"]
+
+
+def casts_outside_forward(strategy: PrecisionStrategy) -> bool:
+    """Whether `strategy` computes in 16-bit weights with no autocast of its own (collage-plus,
+    bf16-pure, fp16-als): its model's FP32 outputs meet 16-bit weights outside the forward, and
+    only an autocast to its compute dtype makes them one dtype."""
+    dtype = strategy.compute_dtype
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and strategy.param_dtype == dtype
+        and isinstance(strategy.forward_context(), contextlib.nullcontext)
+    )
+
+
+def autocast_disabled() -> contextlib.ExitStack:
+    """No autocast on CPU (nor CUDA, when present): the forward computes as the strategy's own."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type="cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast(device_type="cuda", enabled=False))
+    return stack
+
+
+def outside_forward(strategy: PrecisionStrategy, handler: Any = None) -> contextlib.AbstractContextManager:
+    """The autocast for computation outside the model's forward: the strategy's forward context, or
+    an autocast to its compute dtype where that context is none and its weights are 16-bit.
+    `handler`: Accelerate's `AutocastKwargs`; `enabled=False` turns autocast off, as stock."""
+    if handler is not None and not getattr(handler, "enabled", True):
+        return autocast_disabled()
+    if casts_outside_forward(strategy):
+        return device_autocast(strategy.compute_dtype)
+    return strategy.forward_context()
