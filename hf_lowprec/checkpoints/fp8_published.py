@@ -60,8 +60,8 @@ def _warn_source_not_found(model: nn.Module) -> None:
     """Once per model: a CPU load dequantizes a published FP8 checkpoint and drops its
     `quantization_config`, so only the folder tells; one that cannot be found is said, not skipped."""
     name = str(getattr(model, "name_or_path", "") or "")
-    if not name or model.__dict__.get("_fp8_source_warned"):
-        return  # built from a config: no folder to find
+    if not name or model.__dict__.get("_fp8_source_warned") or os.environ.get("RANK", "0") != "0":
+        return  # built from a config: no folder to find (and said once, by the first rank)
     model.__dict__["_fp8_source_warned"] = True
     logger.warning(
         "the model was loaded from %r, which names neither a folder from here (current directory %s) nor "

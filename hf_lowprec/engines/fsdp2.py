@@ -337,9 +337,10 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
 
 
 def _several_nodes() -> bool:
-    """Launched on more than one node (torchrun and `accelerate launch` set both variables)."""
+    """Launched on more than one node, or maybe (torchrun and `accelerate launch` set both variables;
+    a launcher that sets no LOCAL_WORLD_SIZE may have spread the ranks over several)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world > int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return world > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def refuse_full_precision_save(strategy: PrecisionStrategy, save_on_each_node: bool) -> None:

@@ -102,7 +102,9 @@ def _weigh(
             z = torch.stack([torch.zeros_like(z[1]), z[1]])
         last_z.copy_(z)
         outlier = ((z > z_threshold) | ~torch.isfinite(values)).any().float()
-        outlier = outlier * (valid.sum() >= warmup).float()  # after `warmup` accepted steps
+        # After `warmup` accepted steps, and two at least: one step has no spread, and every later
+        # step a hair above it would be an outlier (the spread is clamped only at FP32's tiniest).
+        outlier = outlier * (valid.sum() >= max(warmup, 2)).float()
     flushing = torch.zeros_like(norm)
     if flushes is not None:
         step = flushes[0]

@@ -90,6 +90,7 @@ class Guard:
         self._device_state: dict[str, torch.Tensor] | None = None
         self._loss_sum: torch.Tensor | None = None  # Σ loss of this step's micro-batches, on the device
         self._losses_seen = 0  # how many (host)
+        self._loss_shares = False  # each over the step's items (`num_items_in_batch`): their sum is its loss
         self._hook: Any = None
         self._last_flushed: dict[str, float] = {}
         # [flushed, non-zero] per watched layer (rows in `layers` order), on the device: [0] this
@@ -108,7 +109,7 @@ class Guard:
         self.model = model
         if self._hook is not None:
             self._hook.remove()
-        self._hook = model.register_forward_hook(self._observe_loss)
+        self._hook = model.register_forward_hook(self._observe_loss, with_kwargs=True)
         for name, module in model.named_modules():
             if isinstance(module, FP8Linear):
                 self.layers[name] = module
@@ -117,10 +118,11 @@ class Guard:
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
-    def _observe_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _observe_loss(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         """A training forward: its loss joins the step's sum (on the device; the host counts the
         micro-batches, so the step's graph is the same whatever their number), and a norm noted before it belongs to an earlier step
-        (DeepSpeed steps inside backward, before the loop clips and notes): forgotten."""
+        (DeepSpeed steps inside backward, before the loop clips and notes): forgotten. A loss over
+        the step's `num_items_in_batch` (the Trainer's) is a share of the step's: the sum is judged."""
         if not (module.training and torch.is_grad_enabled()):
             return
         self._gather_flushes()
@@ -131,6 +133,7 @@ class Guard:
                 self._loss_sum = torch.zeros((), device=loss.device)
             self._loss_sum.add_(loss.detach())
             self._losses_seen += 1
+            self._loss_shares = kwargs.get("num_items_in_batch") is not None
 
     def _gather_flushes(self) -> None:
         """The flush counts this forward's FP8 layers left (`FP8Linear.flush_now`) into the
@@ -205,7 +208,7 @@ class Guard:
         state = self._state(device)
         norm = self._grad_norm(params, device)
         losses = self._loss_sum if self._losses_seen and self._loss_sum is not None else None
-        micro_batches = self._losses_seen
+        micro_batches = 1 if self._loss_shares else self._losses_seen  # shares sum to the step's loss
         # No autograd: a model compiled whole may hand over a loss sum that requires grad, which
         # in-place copies would pass on to the window (and `weigh` would compile again for it).
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """PEFT (LoRA, …) under a precision strategy: the strategy converts the model as usual, and the
-frozen base PEFT wraps keeps its matmul weights in the strategy's compute dtype (`prepare_model`);
-every adapter, the inactive ones too, keeps its dtype. `peft` is never imported here: a model can
-only be a `PeftModel` if the caller imported it.
+frozen base PEFT wraps is kept in the strategy's compute dtype (`prepare_model`); every adapter,
+the inactive ones too, keeps its dtype. `peft` is never imported here: a model can only be a
+`PeftModel` if the caller imported it.
 """
 
 from __future__ import annotations
@@ -88,26 +88,13 @@ def _forgetting(method: Any) -> Any:
     return forgetting
 
 
-def _used_as_stored(model: torch.nn.Module) -> set[int]:
-    """ids of the embedding tables' and normalization layers' parameters (and the weights tied to
-    them, as an LM head to its embedding): autocast computes with these as stored (an FP32 lookup
-    starts an FP32 residual stream, norms run in FP32), so rounding them would change the forward."""
-    kept: set[int] = set()
-    for module in model.modules():
-        norm = isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm))
-        if norm or isinstance(module, torch.nn.Embedding) or type(module).__name__.endswith("Norm"):
-            kept.update(id(p) for p in module.parameters(recurse=False))
-    return kept
-
-
 def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
     """A published FP8 checkpoint's layers from their stored values (`checkpoints.fp8_published`), then
     `strategy.prepare_model(model)`, then, for a PEFT model, the frozen base in the compute dtype.
 
     A frozen base weight never receives an update, so it needs no master copy and no optimizer
     state: it is kept in the strategy's compute dtype (e.g. BF16 under `bf16-mixed`, where the
-    autocast would round it to BF16 at every matmul anyway). Embeddings and norms, which autocast
-    uses as stored, keep their dtype (`_used_as_stored`). Trainable adapter weights keep the
+    autocast would round it to BF16 at every matmul anyway). Trainable adapter weights keep the
     strategy's parameter dtype, and only they reach the strategy's optimizer (the integrations
     build it from `requires_grad` parameters). The adapters that are not trained (an inactive
     adapter, the other copies of a `modules_to_save` module) are no base: they keep their dtype,
@@ -130,7 +117,6 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
     # A frozen layer kept as its FP8 checkpoint published it stays so (checkpoints/fp8_published.py).
     kept = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
     kept |= adapter_parameters(model)  # every adapter, trained or not, is no frozen base
-    kept |= _used_as_stored(model)
     for param in model.parameters():
         if not param.requires_grad and param.is_floating_point() and param.dtype != compute and id(param) not in kept:
             param.data = param.data.to(compute)

@@ -11,6 +11,7 @@ import copy
 import json
 from typing import Any
 
+import torch
 from transformers.trainer_utils import HPSearchBackend
 
 from ..checkpoints.resume import parse_resume_reset
@@ -48,11 +49,26 @@ def check_precision_arguments(args: Any) -> PrecisionStrategy | None:
     return strategy
 
 
+def _exports_optimizer_state(strategy: PrecisionStrategy) -> bool:
+    """Whether `save_full_precision` exports what the optimizer keeps beside the weights: Collage's and
+    Kahan's compensation, fp16-als's FP32 masters, fp8-lm-o2/o3's scaled FP16 masters. The others'
+    export is the weights themselves (FP32 ones, or 16-bit ones widened)."""
+    from ..strategies.collage import _COMPENSATED
+
+    options = strategy.options
+    if getattr(options, "update", None) is not None:  # the BF16-weight family
+        return options.update in _COMPENSATED
+    if getattr(options, "weights", None) is not None:  # fp16-als: "master" or "sr"
+        return options.weights == "master"
+    return torch.float16 in strategy.promised_param_dtypes()  # fp8-lm-o2/o3
+
+
 def refuse_export_of_a_model_only_best(args: Any, strategy: PrecisionStrategy) -> None:
     """`load_best_model_at_end` loads the best checkpoint's optimizer state with its weights: the masters
     and Collage's δθ that `save_full_precision` exports. A model-only checkpoint has none, so the final
     export would be the best weights with the last step's state, a model that never was."""
-    if strategy.options.save_full_precision and args.load_best_model_at_end and args.save_only_model:
+    beyond = _exports_optimizer_state(strategy)
+    if strategy.options.save_full_precision and beyond and args.load_best_model_at_end and args.save_only_model:
         raise ValueError(
             f"precision_options save_full_precision=True with precision_strategy={strategy.name!r}, "
             "load_best_model_at_end=True and save_only_model=True: the best checkpoint would hold the "

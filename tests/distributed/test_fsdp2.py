@@ -198,6 +198,9 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path, monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"save_on_each_node=True under FSDP on several nodes: .* Drop save_on"):
         refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), True)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say: maybe several nodes
+    with pytest.raises(ValueError, match="on several nodes"):
+        refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), True)
     refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), False)
     refuse_full_precision_save(get_strategy("collage-plus"), True)
 

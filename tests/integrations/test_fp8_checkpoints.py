@@ -171,6 +171,13 @@ def test_a_checkpoint_whose_folder_cannot_be_found_is_said(fp8_checkpoint, tmp_p
     assert restore_published_fp8(model, keep_frozen_fp8=False) is None
     warned = [r.getMessage() for r in caplog.records if "names neither a folder" in r.getMessage()]
     assert len(warned) == 1 and repr(folder) in warned[0] and "absolute path" in warned[0]
+    # Said by the first rank only (every rank of a distributed run loads the same model).
+    monkeypatch.setenv("RANK", "1")
+    assert restore_published_fp8(AutoModelForCausalLM.from_pretrained(fp8_checkpoint), keep_frozen_fp8=False)
+    model = AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
+    model.name_or_path = folder  # relative to the directory left
+    assert restore_published_fp8(model, keep_frozen_fp8=False) is None
+    assert len([r for r in caplog.records if "names neither a folder" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2"])

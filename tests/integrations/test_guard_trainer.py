@@ -122,3 +122,27 @@ def test_a_resume_with_the_guard_off_says_so_once(uninterrupted, tmp_path, caplo
         resumed.train(resume_from_checkpoint=str(out / "checkpoint-6"))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming with guard=False")]
     assert len(lines) == 1, lines
+
+
+def test_the_short_last_step_of_an_epoch_is_judged_by_its_loss_not_its_micro_batch_count(tmp_path):
+    """Under gradient accumulation the Trainer's micro-batch losses are shares of the step's loss
+    (each over the step's `num_items_in_batch`): dividing their sum by the micro-batch count judged
+    full steps at about L/3 and the epoch's one-micro-batch last step at L, a loss z of 310 and a
+    healthy step skipped every epoch. Their sum is judged: nothing is skipped."""
+    args = make_args(
+        tmp_path,
+        "collage-plus",
+        precision_options={"guard": {"warmup": 2, "window": 16}},
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        num_train_epochs=1,
+        max_steps=-1,
+        logging_steps=1,
+        save_strategy="no",
+    )
+    trainer = hf_lowprec.Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(52))
+    trainer.train()
+    assert trainer.state.global_step == 5  # 13 micro-batches: four steps of 3, the last of 1
+    assert trainer.precision.metrics()["precision/skipped_steps"] == 0.0
+    z = [h["precision/guard_loss_z"] for h in trainer.state.log_history if "precision/guard_loss_z" in h]
+    assert z and max(abs(v) for v in z) < 6.0, z

@@ -335,6 +335,12 @@ def test_a_model_only_best_checkpoint_with_a_full_precision_export_is_refused(tm
     with pytest.raises(ValueError, match=r"save_only_model=True: the best checkpoint .* Drop save_only_model"):
         make_args(tmp_path, "collage-plus", **best, precision_options={"save_full_precision": True})
     assert make_args(tmp_path, "collage-plus", **best).save_only_model  # the model alone is the best's
+    with pytest.raises(ValueError, match=r"precision_strategy='fp8-lm-o2', load_best_model_at_end=True"):
+        make_args(tmp_path, "fp8-lm-o2", **best, precision_options={"save_full_precision": True})
+    # Where the export is the weights themselves (FP32 ones, or 16-bit ones widened), the best's is right.
+    for name, options in [("bf16-mixed", {}), ("bf16-pure", {}), ("fp16-als", {"weights": "sr"}), ("coat", {})]:
+        full = {**options, "save_full_precision": True}
+        assert make_args(tmp_path, name, **best, precision_options=full).save_only_model, name
     assert make_args(
         tmp_path, "collage-plus", **{**best, "save_only_model": False}, precision_options={"save_full_precision": True}
     ).load_best_model_at_end
