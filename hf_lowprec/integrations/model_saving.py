@@ -1,8 +1,8 @@
 """The weights the Trainer's `save_model` writes under a strategy: its export, or with
 `save_full_precision` the FP32 weights its optimizer holds (θ + δθ, the masters), under DeepSpeed
 gathered from the ZeRO partitions (`engines.zero_export`), under FSDP from the shards onto rank 0
-(`full_precision_state_dict`). The config says `dtype: float32` only when every floating tensor
-written is FP32 (`all_fp32`).
+(`full_precision_state_dict`). The config says `dtype: float32` when every floating tensor
+written is FP32, or FP32 trained ones sit beside 16-bit frozen ones (`all_fp32`).
 """
 
 from __future__ import annotations
@@ -98,15 +98,24 @@ def _optimizer_holds_model(trainer: Any) -> bool:
 
 
 def all_fp32(trainer: Any, state_dict: dict | None) -> bool:
-    """Whether a `save_full_precision` save writes `state_dict` as FP32 weights only (read before
-    the stock save: save_pretrained takes tensors out of the dict as it writes them)."""
-    floats = [v for v in (state_dict or {}).values() if torch.is_tensor(v) and v.is_floating_point()]
-    return _full(trainer) and bool(floats) and all(v.dtype == torch.float32 for v in floats)
+    """Whether a save must say `dtype: float32` in the config (read before the stock save:
+    save_pretrained takes tensors out of the dict as it writes them): a `save_full_precision` save
+    of FP32 weights only, or a strategy with FP32 parameters whose model holds 16-bit frozen ones
+    beside them (a BF16 load partly frozen), for which save_pretrained would record the first
+    parameter's dtype, and a stock load would round the trained FP32 weights to it."""
+    if state_dict is None and trainer.precision is not None and trainer.precision.param_dtype == torch.float32:
+        state_dict = {n: p for n, p in trainer.model.named_parameters()}
+    dtypes = {v.dtype for v in (state_dict or {}).values() if torch.is_tensor(v) and v.is_floating_point()}
+    if _full(trainer):
+        return dtypes == {torch.float32}
+    precision = trainer.precision
+    fp32_params = precision is not None and precision.param_dtype == torch.float32
+    return fp32_params and torch.float32 in dtypes and bool(dtypes & {torch.bfloat16, torch.float16})
 
 
 def label_full_precision(trainer: Any, output_dir: str | None) -> None:
-    """After a save of FP32 weights (`all_fp32`): `dtype: float32` in the config, where
-    save_pretrained recorded the parameters' dtype (BF16)."""
+    """After a save `all_fp32` named: `dtype: float32` in the config, where save_pretrained
+    recorded the first parameter's dtype (BF16)."""
     if trainer.args.should_save and isinstance(trainer.model, transformers.PreTrainedModel):
         config = trainer.model.config.__class__.from_dict(trainer.model.config.to_dict())
         config.dtype = "float32"

@@ -408,7 +408,7 @@ class PrecisionTrainerMixin:
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         state_dict = weights_to_save(self, state_dict, getattr(self, "_exported", None))
-        fp32 = all_fp32(self, state_dict)  # save_full_precision's FP32 weights: the config says float32
+        fp32 = all_fp32(self, state_dict)  # FP32 weights (or trained FP32 beside frozen BF16): say float32
         super()._save(output_dir, state_dict=state_dict)
         if fp32:
             label_full_precision(self, output_dir)
