@@ -104,7 +104,7 @@ def all_fp32(trainer: Any, state_dict: dict | None) -> bool:
     beside them (a BF16 load partly frozen), for which save_pretrained would record the first
     parameter's dtype, and a stock load would round the trained FP32 weights to it."""
     if state_dict is None and trainer.precision is not None and trainer.precision.param_dtype == torch.float32:
-        state_dict = {n: p for n, p in trainer.model.named_parameters()}
+        state_dict = dict(trainer.model.named_parameters())
     dtypes = {v.dtype for v in (state_dict or {}).values() if torch.is_tensor(v) and v.is_floating_point()}
     if _full(trainer):
         return dtypes == {torch.float32}
