@@ -308,20 +308,21 @@ class AdamW(LowPrecisionOptimizer):
         return _sharded_like(value, param)
 
     def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
-        """Start the compensation of `param` at `residual`, so θ + δθ is a wider value.
-
-        For a model converted from FP32: residual = r(θ₃₂ − r(θ₃₂)), and θ + δθ reproduces the
+        """Start the compensation of `param` at `residual`, so θ + δθ is a wider value (a master rule:
+        the master at θ + residual). From FP32: residual = r(θ₃₂ − r(θ₃₂)), and θ + δθ reproduces the
         FP32 weights to about 2p bits (16 for BF16) instead of p. Call before the first step.
         """
         group = self.group_of(param)
-        key = self.composition(param, group).rule.compensation_key
+        rule = self.composition(param, group).rule
+        key = rule.compensation_key or rule.master_key
         if key is None:
             raise ValueError(f"{type(self).__name__} keeps no compensation to seed")
         if residual.shape != param.shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} != parameter shape {tuple(param.shape)}")
         if not self.state[param]:
             self.state[param] = self.plan_state(param, group)
-        _local(self.state[param][key]).copy_(_local(residual))
+        stored = _local(self.state[param][key])
+        stored.copy_(_local(residual)) if key == rule.compensation_key else stored.add_(_local(residual))
 
     # --- the step --------------------------------------------------------------------------
 

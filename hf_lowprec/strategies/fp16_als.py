@@ -8,6 +8,7 @@ or `FP32StatesSRAdamW` with `weights="sr"`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Literal
 
 import torch
@@ -23,6 +24,8 @@ from .support import EngineSupport
 
 __all__ = ["FP16ALS", "FP16ALSOptions"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class FP16ALSOptions(StrategyOptions):
@@ -36,6 +39,9 @@ class FP16ALSOptions(StrategyOptions):
             micro-batch is a forward of the model: backward passes after one forward add up. Under
             the Accelerate plugin the step takes the sum, as stock Accelerate's loop gets it.
         seed: seed of the stochastic-rounding generator (weights="sr"; checkpointed).
+        seed_compensation: weights="master": when `PrecisionStrategy.prepare_model` converts FP32,
+            FP64 or BF16 parameters, keep their FP32 values and start each master at its own (the
+            FP16 weight alone keeps 11 of FP32's 24 bits and flushes values below 2⁻²⁵ to zero).
     """
 
     weights: Literal["master", "sr"] = "master"
@@ -48,6 +54,7 @@ class FP16ALSOptions(StrategyOptions):
     track_activations: bool = True
     running_mean: bool = True
     seed: int = 0
+    seed_compensation: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,8 +74,9 @@ class FP16ALS(LossScaledStrategy):
     """
 
     Options = FP16ALSOptions
-    # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict).
-    resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed"}
+    # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict);
+    # seed_compensation acts only on a fresh run, between prepare_model and create_optimizer.
+    resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed", "seed_compensation"}
     param_dtype = torch.float16
     support = EngineSupport(
         ddp_note="DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)",
@@ -104,6 +112,9 @@ class FP16ALS(LossScaledStrategy):
         self._sums = False  # the loop expects the sum of its micro-batch gradients (the Accelerate plugin)
         self._sharded = False
         self._window_start = 0  # `_scaled_backwards` when this accumulation window began
+        # id(parameter) → (parameter, its FP32 value before the cast), from prepare_model until
+        # build_optimizer seeds the masters with them (the engines' name for it, as Collage's).
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
@@ -123,7 +134,16 @@ class FP16ALS(LossScaledStrategy):
         )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Cast to FP16, keeping each wide trainable parameter's FP32 value for its master."""
+        wide = {}
+        if self.options.weights == "master" and self.options.seed_compensation:
+            for param in model.parameters():
+                if param.requires_grad and param.is_floating_point() and param.dtype != self.param_dtype:
+                    # An FP32 parameter's own storage (`Module.to` gives the parameter a new one): no copy.
+                    wide[id(param)] = (param, param.detach().float())
         model = cast_model(model, torch.float16)
+        # `Module.to` converts parameters in place (same objects), so the keys still hold.
+        self._residuals.update({key: (p, v) for key, (p, v) in wide.items() if p.dtype == self.param_dtype})
         self.scaler.track(model)
         if self.accumulator is not None:
             self.accumulator.attach(model)
@@ -138,10 +158,24 @@ class FP16ALS(LossScaledStrategy):
             self.accumulator.detach()
             self._sharded = True
 
+    def discard_prepared_state(self) -> None:
+        self._residuals.clear()
+
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.weights == "sr":
             return FP32StatesSRAdamW(param_groups, seed=self.options.seed, fused=self.options.fused, **hyper)
-        return MasterWeightAdamW(param_groups, fused=self.options.fused, **hyper)
+        optimizer = MasterWeightAdamW(param_groups, fused=self.options.fused, **hyper)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                claimed = self._residuals.pop(id(param), None)
+                if claimed is not None and claimed[0] is param:
+                    # The FP32 value goes with `claimed`, as the next parameter's is popped.
+                    optimizer.seed_compensation(param, _master_residual(param, claimed[1]))
+        if self._residuals:
+            # An optimizer over other tensors (e.g. DeepSpeed's partitions) cannot take them.
+            logger.info("%d FP32 values not claimed by the optimizer were dropped", len(self._residuals))
+            self._residuals.clear()
+        return optimizer
 
     def set_gradient_accumulation(self, micro_batches: int, *, sums: bool = False) -> None:
         # The loop divided each micro-batch loss by `micro_batches`; the running mean averages
@@ -198,3 +232,19 @@ class FP16ALS(LossScaledStrategy):
             "precision/clipped_elements": float(self.scaler.last_clipped),
             "precision/clipped_elements_total": float(self.scaler.total_clipped),
         }
+
+
+def _master_residual(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """value − θ in FP32, exact (θ = r₁₆(value) differs from it below FP16's last bit, 13 bits at
+    most), so the master θ + residual is the FP32 value; value itself where θ is ±0 (a zero's sign
+    kept) and −0.0, adding nothing, where θ no longer rounds from it (a weight loaded after
+    `PrecisionStrategy.prepare_model`). Element-wise: per shard under FSDP2 (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    theta, wide = (param.to_local(), value.to_local()) if isinstance(param, DTensor) else (param, value)
+    theta = theta.detach()
+    residual = torch.where(theta == 0, wide, wide - theta.float())
+    residual = torch.where(wide.to(theta.dtype) == theta, residual, -0.0)
+    if not isinstance(param, DTensor):
+        return residual
+    return DTensor.from_local(residual, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

@@ -83,6 +83,60 @@ def test_after_training_casting_back_restores_theta_and_the_sum_is_kept(name: st
         assert torch.equal(full[key].to(param.dtype), param.detach()), key
 
 
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_fp16_als_master_is_the_loaded_weights(source: torch.dtype, fp32_model: GPT2LMHeadModel) -> None:
+    # fp16-als keeps an FP32 master: seeded from the FP32 (or BF16) value kept at prepare_model,
+    # it is that value bit for bit, values FP16 flushes to zero or rounds included (before the
+    # fix the master was the FP16 weight: relative error 2^-12 here, 1e-9 held as 0.0 and
+    # 2.9989e-7 as 2.9802e-7). Without seeding it is FP16's own 2^-11 relative.
+    loaded = copy.deepcopy(fp32_model).to(source)
+    with torch.no_grad():
+        loaded.transformer.h[0].mlp.c_fc.weight[0, :4] = torch.tensor([1e-9, 2.9989e-7, -3e-6, -0.0])
+    reference = {k: v.clone() for k, v in loaded.state_dict().items()}
+    strategy = get_strategy("fp16-als")
+    model = strategy.prepare_model(copy.deepcopy(loaded))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    full = strategy.full_precision_state_dict(model, optimizer)
+    for key, value in model.state_dict().items():
+        assert value.dtype == torch.float16 and torch.equal(value, reference[key].to(torch.float16)), key
+        assert torch.equal(full[key], reference[key].float()), key
+        assert torch.equal(full[key].signbit(), reference[key].signbit()), key  # -0.0 kept
+    assert not strategy._residuals  # every value was claimed (and freed) by its master
+
+    unseeded = get_strategy("fp16-als", seed_compensation=False)
+    model = unseeded.prepare_model(copy.deepcopy(loaded))
+    plain = unseeded.full_precision_state_dict(model, unseeded.create_optimizer(model.parameters()))
+    assert plain["transformer.h.0.mlp.c_fc.weight"][0, 0].item() == 0.0
+    assert relative_errors(plain, reference).max().item() > 2.0**-13
+
+
+def test_fp16_als_master_takes_a_weight_changed_after_prepare_model(fp32_model: GPT2LMHeadModel) -> None:
+    # A weight written between prepare_model and create_optimizer (a load) is the master's
+    # start where it no longer rounds from the kept FP32 value; the others keep theirs.
+    strategy = get_strategy("fp16-als")
+    model = strategy.prepare_model(copy.deepcopy(fp32_model))
+    weight = model.transformer.h[0].attn.c_attn.weight
+    with torch.no_grad():
+        weight[0].fill_(0.25)
+        weight[0, 0] = -0.0
+    assert fp32_model.transformer.h[0].attn.c_attn.weight[0, 0].item() != 0.0
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    master = optimizer.optimizer.held_value(weight).float()
+    assert bool((master[0, 1:] == 0.25).all()) and master[0, 0].item() == 0.0 and master[0, 0].signbit()
+    assert torch.equal(master[1:], fp32_model.transformer.h[0].attn.c_attn.weight[1:])
+
+
+@pytest.mark.parametrize("name", ["collage-plus", "fp16-als"])
+def test_seed_compensation_may_change_on_resume(name: str) -> None:
+    # It acts only on a fresh run, between prepare_model and create_optimizer (before the fix
+    # a resume changing it was refused as if it decided the saved state's layout).
+    from hf_lowprec.checkpoints.resume import check_resume_options
+
+    strategy = get_strategy(name, seed_compensation=False)
+    saved = dict(vars(get_strategy(name).options))
+    assert check_resume_options(strategy, saved, "checkpoint-2") == ["seed_compensation"]
+
+
 def test_seed_compensation_refuses_what_it_cannot_seed() -> None:
     from hf_lowprec.optim import CollageAdamW, PlainAdamW
 
