@@ -53,11 +53,11 @@ def _exports_optimizer_state(strategy: PrecisionStrategy) -> bool:
     """Whether `save_full_precision` exports what the optimizer keeps beside the weights: Collage's and
     Kahan's compensation, fp16-als's FP32 masters, fp8-lm-o2/o3's scaled FP16 masters. The others'
     export is the weights themselves (FP32 ones, or 16-bit ones widened)."""
-    from ..strategies.collage import _COMPENSATED
+    from ..strategies.collage import COMPENSATED_UPDATES
 
     options = strategy.options
     if getattr(options, "update", None) is not None:  # the BF16-weight family
-        return options.update in _COMPENSATED
+        return options.update in COMPENSATED_UPDATES
     if getattr(options, "weights", None) is not None:  # fp16-als: "master" or "sr"
         return options.weights == "master"
     return torch.float16 in strategy.promised_param_dtypes()  # fp8-lm-o2/o3

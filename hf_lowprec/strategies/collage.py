@@ -21,7 +21,7 @@ from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
 from .support import EngineSupport
 
-__all__ = ["BF16AdamWVariant", "BF16Weights", "BF16WeightsOptions", "Collage"]
+__all__ = ["COMPENSATED_UPDATES", "BF16AdamWVariant", "BF16Weights", "BF16WeightsOptions", "Collage"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ _UPDATES: dict[str, tuple[Any, float]] = {
     "fp32-states": (lambda groups, o, **h: FP32StatesAdamW(groups, **h), 12.0),
 }
 # Updates whose optimizer completes θ with a compensation (δθ, Kahan's k) that can be seeded.
-_COMPENSATED = ("collage-light", "collage-plus", "collage-8bit", "kahan")
+COMPENSATED_UPDATES = ("collage-light", "collage-plus", "collage-8bit", "kahan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class BF16Weights(BF16Pure):
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Cast to BF16, keeping each wide trainable parameter's residual for `build_optimizer`."""
         residuals = {}
-        if self.options.update in _COMPENSATED and self.options.seed_compensation:
+        if self.options.update in COMPENSATED_UPDATES and self.options.seed_compensation:
             for param in model.parameters():
                 # Any other float dtype (FP32, FP64, an FP16 checkpoint as loaded) leaves a residual.
                 if param.requires_grad and param.is_floating_point() and param.dtype != self.param_dtype:
