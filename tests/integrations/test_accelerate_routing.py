@@ -345,7 +345,19 @@ def test_accelerator_autocast_computes_a_head_on_the_outputs_in_the_compute_dtyp
     `Accelerator(mixed_precision="bf16")` computes it in BF16: 16-bit-weight strategies (fp16-als,
     collage-plus) raised "expected m1 and m2 to have the same dtype", fp16-mixed ran it in FP32.
     Now the strategy's compute dtype; a forward run inside computes as outside, bit for bit, and
-    `AutocastKwargs(enabled=False)` turns autocast off as stock."""
+    `AutocastKwargs(enabled=False)` turns autocast off as stock. Run in a fresh process, as a user
+    runs a loop: in one suite worker the forward saw the outer autocast (state another test left)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = f"from tests.integrations.test_accelerate_routing import _head_check; _head_check({name!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _head_check(name: str) -> None:
     from accelerate.utils import AutocastKwargs
 
     accelerator = Accelerator(cpu=True)
