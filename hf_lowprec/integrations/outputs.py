@@ -4,19 +4,24 @@ flags give them: Accelerate wraps the forward in `convert_outputs_to_fp32` under
 the same with a forward hook, so a loss the trainer computes from the outputs (label smoothing,
 `compute_loss_func`, RewardTrainer's, TRL's log-probabilities) and the predictions handed to
 `compute_metrics` are FP32, as stock. A loss the model computes itself is the model's, unchanged.
+`in_forward_context` wraps the forward in the strategy's autocast as Accelerate wraps it, so a
+`generate()` or call after training computes as the training forward did.
 """
 
 from __future__ import annotations
 
+import functools
+from types import MethodType
 from typing import Any
 
 import torch
 from accelerate.utils import convert_to_fp32
 
 from ..strategies.interface import PrecisionStrategy
+from .autocasting import autocast_disabled
 from .peft import prepare_model
 
-__all__ = ["computes_in_16_bits", "prepared_model", "widen_outputs"]
+__all__ = ["computes_in_16_bits", "in_forward_context", "prepared_model", "widen_outputs"]
 
 
 def computes_in_16_bits(strategy: PrecisionStrategy) -> bool:
@@ -40,6 +45,40 @@ def widen_outputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
     return model
 
 
+def _autocasts(strategy: PrecisionStrategy) -> list[tuple[str, torch.dtype]]:
+    """The (device, dtype) autocasts `strategy.forward_context()` turns on: none for a strategy
+    whose context is none (its weights are the compute dtype)."""
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    with autocast_disabled(), strategy.forward_context():
+        return [(d, torch.get_autocast_dtype(d)) for d in devices if torch.is_autocast_enabled(d)]
+
+
+def in_forward_context(strategy: PrecisionStrategy, model: Any) -> Any:
+    """`model` with its forward run under the strategy's autocast wherever it is called (a
+    `generate()` after training, a pipeline), as `Accelerator.prepare` patches the forward under
+    `bf16=True`; `_original_forward` keeps the stock one (`unwrap_model(keep_fp32_wrapper=False)`
+    restores it). Plain `with torch.autocast` blocks, which torch.compile traces into the graph."""
+    autocasts = _autocasts(strategy) if isinstance(model, torch.nn.Module) else []
+    if not autocasts or "_original_forward" in model.__dict__:
+        return model
+    func = getattr(model.forward, "__func__", None)
+    if func is None:  # already an instance attribute that is not a method: leave it
+        return model
+    (device, dtype), *more = autocasts
+
+    @functools.wraps(func)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device, dtype=dtype):
+            if more:  # CUDA beside CPU
+                with torch.autocast(device_type=more[0][0], dtype=more[0][1]):
+                    return func(self, *args, **kwargs)
+            return func(self, *args, **kwargs)
+
+    model._original_forward = model.forward
+    model.forward = MethodType(forward, model)
+    return model
+
+
 def prepared_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
-    """The Trainer's model: `prepare_model`, then `widen_outputs`."""
-    return widen_outputs(strategy, prepare_model(strategy, model))
+    """The Trainer's model: `prepare_model`, its forward under the strategy's autocast, FP32 outputs."""
+    return widen_outputs(strategy, in_forward_context(strategy, prepare_model(strategy, model)))

@@ -17,6 +17,7 @@ the README's table says.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -459,3 +460,39 @@ def test_dropout_masks_are_the_stock_trainers(tmp_path, strategy):
     assert len(streams[True].states) == len(streams[False].states) == 2
     for ours, theirs in zip(streams[False].states, streams[True].states):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "fp8-lm-o2"])
+def test_the_trained_model_computes_outside_the_trainer_as_after_bf16_true(tmp_path, strategy):
+    # `bf16=True` leaves the model's forward under BF16 autocast after training (Accelerate patches
+    # it): a `generate()` or call in the user's script computes as the training forward did, and
+    # `unwrap_model(keep_fp32_wrapper=False)` restores the plain forward. The strategy does the same.
+    from accelerate import Accelerator
+
+    ids = TokenBlocks(4, seed=3).ids[:2, :16]
+    runs = {}
+    for stock in (True, False):
+        optim = "sgd" if strategy == "bf16-mixed" else "adamw_torch"
+        trainer = make(
+            "bf16-mixed" if stock else strategy, tmp_path / str(stock), stock=stock, max_steps=2, optim=optim
+        )
+        trainer.train()
+        model = trainer.model
+        seen = []
+        model.transformer.h[0].mlp.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.append(
+                torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+            )
+        )
+        logits = model(input_ids=ids).logits
+        generated = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        copied = copy.deepcopy(model)(input_ids=ids).logits
+        plain = Accelerator(cpu=True).unwrap_model(model, keep_fp32_wrapper=False)(input_ids=ids).logits
+        runs[stock] = logits, generated, copied, plain, seen
+    for ours, theirs in zip(runs[False][:2], runs[True][:2]):
+        assert ours.dtype == theirs.dtype  # FP32 outputs, as Accelerate's wrapper gives them
+        if strategy == "bf16-mixed":  # same weights (SGD, same seed), same arithmetic
+            assert_bits_equal(ours, theirs)
+    assert runs[False][4][:2] == runs[True][4][:2] == [torch.bfloat16, torch.bfloat16]
+    assert_bits_equal(runs[False][2], runs[False][0], "a deep copy computes as the model")
+    assert runs[False][4][-1] is runs[True][4][-1] is None  # the unwrapped forward: no autocast
