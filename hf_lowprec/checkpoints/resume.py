@@ -395,7 +395,9 @@ def check_resume_options(strategy: Any, saved: dict[str, Any], where: str) -> li
     with its saved value; returns the safe options that changed, which the resumed run applies.
     """
     current = dataclasses.asdict(strategy.options)
-    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+    # An option this run never reads (e.g. group_size with states=False) cannot change its state.
+    unread = strategy.options.unread_options() if hasattr(strategy.options, "unread_options") else {}
+    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k) and k not in unread)
     refused = [k for k in changed if k not in strategy.resume_safe_options]
     if refused:
         listed = ", ".join(f"{k}={current.get(k)!r} (saved: {saved.get(k)!r})" for k in refused)

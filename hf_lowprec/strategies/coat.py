@@ -72,6 +72,22 @@ class COATOptions(FP8RuleOptions):
         if not (self.activations or self.states):
             raise ValueError("coat with activations=False and states=False is plain training; enable a piece")
 
+    def unread_options(self) -> dict[str, str]:
+        unread = super().unread_options()
+        if not self.activations:
+            for key in RULE_OPTIONS:
+                unread[key] = (
+                    f"{key} picks the layers activations=True converts to FP8, and activations=False converts "
+                    f"none: drop {key} (or pass activations=True)"
+                )
+        if not self.states:
+            for key in ("exp_avg_sq_format", "expand", "group_size"):
+                unread[key] = (
+                    f"{key} shapes the FP8 optimizer states of states=True, and states=False keeps AdamW states "
+                    f"in the master dtype: drop {key} (or pass states=True)"
+                )
+        return unread
+
 
 @register("coat")
 class COAT(PrecisionStrategy):

@@ -50,11 +50,12 @@ class BF16WeightsOptions(StrategyOptions):
 
     Args:
         update: the update rule; fixed by the registered name.
-        seed: seed of the stochastic-rounding generator (bf16-sr only; its state is checkpointed).
+        seed: seed of the stochastic-rounding generator (bf16-sr only, refused by the others; its
+            state is checkpointed).
         seed_compensation: when `PrecisionStrategy.prepare_model` converts FP32, FP64 or FP16 parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
-            collage-plus, collage-8bit, bf16-kahan; ignored by the others).
+            collage-plus, collage-8bit, bf16-kahan; refused by the others when given).
     """
 
     update: Update = "collage-plus"
@@ -67,6 +68,20 @@ class BF16WeightsOptions(StrategyOptions):
             raise ValueError(f"update must be one of {sorted(_UPDATES)}, got {self.update!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def unread_options(self) -> dict[str, str]:
+        unread = super().unread_options()
+        if self.update != "sr":
+            unread["seed"] = (
+                "seed seeds bf16-sr's stochastic rounding, and this update rounds to nearest with no "
+                "random state: drop seed (or pick bf16-sr)"
+            )
+        if self.update not in COMPENSATED_UPDATES:
+            unread["seed_compensation"] = (
+                "seed_compensation starts the compensation (δθ, Kahan's k) of collage-light, collage-plus, "
+                "collage-8bit and bf16-kahan, and this update keeps none: drop seed_compensation"
+            )
+        return unread
 
 
 class BF16Weights(BF16Pure):

@@ -38,7 +38,7 @@ class FP16ALSOptions(StrategyOptions):
             divide the loss by the number of micro-batches; the Trainer glue undoes its own). A
             micro-batch is a forward of the model: backward passes after one forward add up. Under
             the Accelerate plugin the step takes the sum, as stock Accelerate's loop gets it.
-        seed: seed of the stochastic-rounding generator (weights="sr"; checkpointed).
+        seed: seed of the stochastic-rounding generator (weights="sr" only; checkpointed).
         seed_compensation: weights="master": when `PrecisionStrategy.prepare_model` converts FP32,
             FP64 or BF16 parameters, keep their FP32 values and start each master at its own (the
             FP16 weight alone keeps 11 of FP32's 24 bits and flushes values below 2⁻²⁵ to zero).
@@ -63,6 +63,20 @@ class FP16ALSOptions(StrategyOptions):
         check_loss_scaler_settings(
             self.bin_edge, self.threshold, self.period, self.init_scale, self.max_scale, self.min_scale
         )
+
+    def unread_options(self) -> dict[str, str]:
+        unread = super().unread_options()
+        if self.weights == "master":
+            unread["seed"] = (
+                "seed seeds the stochastic rounding of weights='sr', and weights='master' rounds to nearest: "
+                "drop seed (or pass weights='sr')"
+            )
+        else:
+            unread["seed_compensation"] = (
+                "seed_compensation starts the FP32 masters of weights='master' at the FP32 weights, and "
+                "weights='sr' keeps no master: drop seed_compensation (or pass weights='master')"
+            )
+        return unread
 
 
 @register("fp16-als")

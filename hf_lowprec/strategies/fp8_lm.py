@@ -108,8 +108,14 @@ class FP8LMOptions(FP8RuleOptions):
             raise ValueError(f"grad_format must be one of {sorted(_FP8_GRAD_FORMATS)}, got {self.grad_format!r}")
         if self.exp_avg_sq_format not in FORMATS:
             raise ValueError(f"exp_avg_sq_format must be one of {sorted(FORMATS)}, got {self.exp_avg_sq_format!r}")
-        if self.level == "O1" and self.exp_avg_sq_format != "fp16":
-            raise ValueError("exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states")
+
+    def unread_options(self) -> dict[str, str]:
+        unread = super().unread_options()
+        if self.level == "O1":
+            unread["exp_avg_sq_format"] = (
+                "exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states: drop exp_avg_sq_format (or pick fp8-lm-o2)"
+            )
+        return unread
 
 
 @register(

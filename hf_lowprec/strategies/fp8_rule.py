@@ -54,6 +54,16 @@ class FP8RuleOptions(StrategyOptions):
         if not isinstance(self.fp8_tokens, int) or isinstance(self.fp8_tokens, bool) or self.fp8_tokens < 1:
             raise ValueError(f"fp8_tokens must be >= 1 (tokens per micro-batch), got {self.fp8_tokens}")
 
+    def unread_options(self) -> dict[str, str]:
+        unread = super().unread_options()
+        if self.fp8_layers == "all":
+            for key in ("fp8_gpu", "fp8_tokens"):
+                unread[key] = (
+                    f"{key} prices the layers for fp8_layers='pays', and fp8_layers='all' converts every "
+                    f"eligible layer: drop {key} (or pass fp8_layers='pays')"
+                )
+        return unread
+
     def layer_rule(self, model: nn.Module) -> PayoffRule | None:
         """The rule to convert `model` with (None: every eligible layer); what it decided is
         logged and kept for the startup report (`model.fp8_rule`)."""

@@ -9,7 +9,6 @@ hooks around any optimizer (`strategies.optimizer`); the options and their type 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -26,7 +25,7 @@ from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer, as_param_groups
-from .options import StrategyOptions
+from .options import StrategyOptions, build_options
 from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
 
@@ -87,16 +86,13 @@ class PrecisionStrategy:
         {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout", "guard"}
     )
     takes_user_optimizer: ClassVar[bool] = False
+    # name → the options it fixes, written by `registry.register` (the unknown-option error leaves them out).
+    registered_presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
-        valid = {f.name for f in dataclasses.fields(self.Options)}
-        unknown = sorted(set(options) - valid)
-        if unknown:
-            raise ValueError(
-                f"precision strategy {self.name!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
-            )
-        self.options = self.Options(**options)
+        preset = self.registered_presets.get(self.name, {})
+        self.options = build_options(self.name, self.Options, options, preset)
         # Skipped steps: those counted before a resume (host), plus this run's on the device.
         self._skipped_before = 0
         self._skipped_on_device: torch.Tensor | None = None

@@ -16,7 +16,7 @@ import torch
 
 from ..guard import guard_config
 
-__all__ = ["StrategyOptions"]
+__all__ = ["StrategyOptions", "build_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,39 @@ class StrategyOptions:
                 got = got if len(got) <= 60 else got[:57] + "..."
                 raise ValueError(f"option {field.name!r} must be {problem}, got {got}")
         guard_config(self.guard)  # a wrong threshold fails here, naming it
+
+    def unread_options(self) -> dict[str, str]:
+        """The options this combination never reads, each with why and the fix: given explicitly
+        they are refused (`build_options`); their defaults stay legal."""
+        return {}
+
+
+def build_options(
+    name: str, options_cls: type[StrategyOptions], given: dict[str, Any], preset: dict[str, Any]
+) -> StrategyOptions:
+    """`options_cls` built from `given` (the `preset` of the registered name included) for strategy `name`.
+
+    ValueError before any work for an unknown option (listing those the user may set: not the
+    preset ones, not those the combination never reads) and for one the user gave that the
+    combination never reads (`StrategyOptions.unread_options`), naming it and why.
+    """
+    fields = {f.name for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        try:
+            unread = options_cls(**{k: v for k, v in given.items() if k in fields}).unread_options()
+        except ValueError:  # a bad known value too: list what the name's defaults read
+            unread = options_cls(**preset).unread_options()
+        settable = sorted(fields - set(preset) - set(unread))
+        raise ValueError(f"precision strategy {name!r} has no option(s) {unknown}; valid options: {settable or 'none'}")
+    options = options_cls(**given)
+    ignored = {k: why for k, why in options.unread_options().items() if k in given and k not in preset}
+    if ignored:
+        raise ValueError(
+            f"precision strategy {name!r} never reads option(s) {sorted(ignored)} as configured: "
+            + "; ".join(ignored[k] for k in sorted(ignored))
+        )
+    return options
 
 
 # Integer options end up in torch (seeds, counters, intervals): they must fit an int64.

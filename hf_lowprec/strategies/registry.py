@@ -44,6 +44,8 @@ def register(name: str, *, summary: str | None = None, **preset: Any) -> Callabl
         if name in REGISTRY:
             raise ValueError(f"precision strategy {name!r} is registered twice")
         REGISTRY[name] = (cls, dict(preset))
+        # The names of the class with the options each fixes (a new dict: a base class keeps its own).
+        cls.registered_presets = {**getattr(cls, "registered_presets", {}), name: dict(preset)}
         if summary is not None:
             SUMMARIES[name] = summary
         return cls

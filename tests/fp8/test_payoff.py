@@ -86,8 +86,10 @@ def test_the_strategy_keeps_what_would_not_pay_and_the_report_names_it_with_both
     assert "rule: FP8 where it pays on H100 SXM (h100) at 8192 tokens" in text
     assert "kept narrow: FP8 would not pay on H100 SXM at 8192 tokens a micro-batch" in text
     assert " µs in BF16 and " in text and "fp8_layers='all' converts it" in text
-    everything = hf_lowprec.get_strategy("fp8-lm-o1", fp8_gpu="h100", fp8_layers="all").prepare_model(_Layers())
+    everything = hf_lowprec.get_strategy("fp8-lm-o1", fp8_layers="all").prepare_model(_Layers())
     assert isinstance(everything.narrow, FP8Linear)
+    with pytest.raises(ValueError, match=r"never reads option\(s\) \['fp8_gpu'\]"):  # "all" prices nothing
+        hf_lowprec.get_strategy("fp8-lm-o1", fp8_gpu="h100", fp8_layers="all")
 
 
 def test_a_module_filter_overrides_the_rule():
