@@ -195,14 +195,24 @@ _DTYPE_NAMES = {
 }
 
 
+def _read_bf16_alias(config: dict[str, Any]) -> dict[str, Any]:
+    # DeepSpeed reads "bf16", else its legacy name "bfloat16" (`get_bfloat16_config`): a lone
+    # "bfloat16" section is the one it would read, so it is checked and filled as "bf16".
+    if "bfloat16" in config and "bf16" not in config:
+        config["bf16"] = config.pop("bfloat16")
+    return config
+
+
 def _check_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> None:
     name = strategy.name
     stage = zero_stage(config)
     check_zero_support(strategy, stage)
+    alias = "bfloat16" in config and "bf16" not in config
     for key, ours in owned_entries(strategy).items():
-        value = _as_bool(_get(config, key))
+        value = _as_bool(_get(_read_bf16_alias(dict(config)), key))
         if value is None or value in (_AUTO, ours):
             continue
+        key = "bfloat16" + key[4:] if alias and key.startswith("bf16.") else key
         raise ValueError(
             f"the DeepSpeed config sets {key}={value!r}, but precision strategy {name!r} needs "
             f'{key}={ours!r}: the strategy owns mixed precision; set it to {json.dumps(ours)} or "auto"'
@@ -257,6 +267,7 @@ def precision_config(strategy: PrecisionStrategy, config: Mapping[str, Any]) -> 
     """
     out = load_config(config)
     _check_config(strategy, out)
+    _read_bf16_alias(out)
     for key, value in owned_entries(strategy).items():
         _set(out, key, value)
     return out
@@ -268,6 +279,7 @@ def apply_precision_config(
     """Check `original` (the user's config, before any "auto" was filled) and write the strategy's
     entries into `target` in place (a config a framework is already filling). Returns `target`."""
     _check_config(strategy, target if original is None else original)
+    _read_bf16_alias(target)
     for key, value in owned_entries(strategy).items():
         _set(target, key, value)
     return target

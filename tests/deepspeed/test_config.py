@@ -15,6 +15,7 @@ import torch
 from hf_lowprec import available_strategies, get_strategy
 from hf_lowprec.engines.zero import (
     STAGES,
+    apply_precision_config,
     precision_config,
     require_deepspeed,
     support_matrix,
@@ -88,6 +89,25 @@ def test_contradicting_config_is_refused_naming_the_setting(name, patch, key):
     with pytest.raises(ValueError) as err:
         precision_config(get_strategy(name), {**AUTO, **patch})
     assert key in str(err.value) and repr(name) in str(err.value)
+
+
+@pytest.mark.parametrize("name, enabled", [("fp32", True), ("bf16-mixed", True), ("collage-plus", False)])
+def test_the_legacy_bfloat16_section_is_checked_as_deepspeed_reads_it(name, enabled):
+    # DeepSpeed reads "bf16", else its old name "bfloat16" (`get_bfloat16_config`). Before the fix a
+    # lone "bfloat16" section was not checked: the strategy's "bf16" beside it won, the user's was dropped.
+    ours = not enabled
+    config = {"zero_optimization": {"stage": 2}, "bfloat16": {"enabled": enabled}}
+    with pytest.raises(ValueError, match=rf"sets bfloat16.enabled={enabled}, but precision strategy {name!r} needs"):
+        precision_config(get_strategy(name), config)
+    with pytest.raises(ValueError, match=r"bfloat16.enabled"):
+        apply_precision_config(get_strategy(name), {}, config)
+    agreeing = {"zero_optimization": {"stage": 2}, "bfloat16": {"enabled": ours, "immediate_grad_update": True}}
+    for out in (precision_config(get_strategy(name), agreeing), apply_precision_config(get_strategy(name), agreeing)):
+        assert "bfloat16" not in out and out["bf16"]["enabled"] is ours and out["bf16"]["immediate_grad_update"]
+    precision = pytest.importorskip("deepspeed.runtime.precision_config")
+    assert (
+        precision.get_bfloat16_config(out).enabled is ours and precision.get_bfloat16_config(out).immediate_grad_update
+    )
 
 
 def test_save_full_precision_under_zero3_needs_the_gathered_save():
