@@ -86,7 +86,8 @@ _broken: set[tuple[object, str]] = set()
 
 
 def check_fused_mode(owner: str, fused: str) -> str:
-    """The mode `fused` names ("foreach", deprecated, is read as "reference"); raise naming the valid ones."""
+    """The mode `fused` names ("foreach", deprecated, is read as "reference"); raise naming the valid
+    ones, or for "auto"/"native" a bad `HF_LOWPREC_CPU_ISA` (`native.forced_isa`)."""
     if fused == "foreach":
         warnings.warn(
             f"{owner}: fused='foreach' is deprecated: it is the old name of the eager reference step; "
@@ -100,6 +101,11 @@ def check_fused_mode(owner: str, fused: str) -> str:
             f"{owner}: unknown fused={fused!r}; choose 'auto' (the fastest path that runs), "
             f"'native' or 'compiled' (require that path) or 'reference' (the eager reference)"
         )
+    if fused in ("auto", "native"):
+        from .native import forced_isa  # imported where used, as `_run_native` does; builds nothing
+
+        # The kernels read the variable at the first step, after a forward and backward: check it now.
+        forced_isa()
     return fused
 
 

@@ -44,6 +44,7 @@ from hf_lowprec.optim import (
 )
 from hf_lowprec.optim.formats import Blockwise8bit, Plain
 from hf_lowprec.optim.rules import Nearest
+from tests.helpers import tiny_gpt2
 
 pytestmark = pytest.mark.compiles_step
 
@@ -289,6 +290,26 @@ def test_invalid_mode_is_refused_before_any_work():
         CollageAdamW(_params(BF16), fused="fast")
     with pytest.raises(ValueError, match="fused"):
         get_strategy("collage-plus", fused="yes")
+
+
+def test_a_bad_cpu_isa_is_refused_when_the_optimizer_is_built(monkeypatch):
+    # Before the fix the native kernels read HF_LOWPREC_CPU_ISA at the first step, after the model
+    # was prepared and a forward and backward had run.
+    monkeypatch.setenv("HF_LOWPREC_CPU_ISA", "avx3")
+    match = r"HF_LOWPREC_CPU_ISA='avx3': choose one of avx512_bf16, avx512, avx2, scalar \(or unset it\)"
+    for fused in ("auto", "native"):
+        with pytest.raises(ValueError, match=match):
+            CollageAdamW(_params(BF16), fused=fused)
+    strategy = get_strategy("collage-plus")
+    model = strategy.prepare_model(tiny_gpt2())
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=match):
+        strategy.create_optimizer(model.parameters(), lr=1e-3)
+    assert not forwards
+    assert CollageAdamW(_params(BF16), fused="reference").fused == "reference"  # a path that never reads it
+    monkeypatch.setenv("HF_LOWPREC_CPU_ISA", " Scalar ")
+    assert CollageAdamW(_params(BF16)).fused == "auto"
 
 
 def test_foreach_is_a_deprecated_name_of_reference():

@@ -23,6 +23,7 @@ __all__ = [
     "best_isa",
     "check",
     "declaration",
+    "forced_isa",
     "isa",
     "native_unavailable",
     "step",
@@ -106,15 +107,19 @@ def best_isa() -> str:
     return _module().best_isa()
 
 
+def forced_isa() -> str | None:
+    """The instruction set `HF_LOWPREC_CPU_ISA` forces (None when unset); ValueError naming the
+    valid ones for any other value. Builds nothing: the optimizers check it when they are built."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced and forced not in _ISA_CODES:
+        raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)} (or unset it)")
+    return forced or None
+
+
 def isa() -> str:
     """The instruction set the kernels run with: `HF_LOWPREC_CPU_ISA` if set, else `best_isa()`
     (each is tested bit for bit). Forcing an ISA the CPU lacks is an error, not a silent fallback."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced:
-        if forced not in _ISA_CODES:
-            raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(ISAS)} (or unset it)")
-        return forced
-    return best_isa()
+    return forced_isa() or best_isa()
 
 
 def _isa_code(isa_name: str | None) -> int:
