@@ -361,10 +361,25 @@ def check_trainer_fsdp(strategy: PrecisionStrategy, fsdp: Any, fsdp_config: Any,
     check_fsdp2_support(strategy)
     refuse_full_precision_save(strategy, save_on_each_node)
     if isinstance(fsdp_config, str) and fsdp_config:  # a JSON file, read as the Trainer reads it
-        with open(fsdp_config, encoding="utf-8") as f:
-            fsdp_config = json.load(f)
+        try:
+            with open(fsdp_config, encoding="utf-8") as f:
+                fsdp_config = json.load(f)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"fsdp_config={fsdp_config!r} cannot be read as a JSON file ({type(error).__name__}: {error}); "
+                "pass the path of an existing JSON file, or a dict such as fsdp_config={'fsdp_version': 2}"
+            ) from None
     version = (fsdp_config or {}).get("fsdp_version", (fsdp_config or {}).get("version", 1))
-    if int(version) != 2:
+    try:
+        number = None if isinstance(version, bool) else int(version)
+    except (TypeError, ValueError):
+        number = None
+    if number not in (1, 2):
+        raise ValueError(
+            f"fsdp_config fsdp_version must be 1 or 2, got {version!r}; precision_strategy={strategy.name!r} "
+            "runs under FSDP2: pass fsdp_config={'fsdp_version': 2}"
+        )
+    if number != 2:
         raise ValueError(
             f"precision_strategy={strategy.name!r} runs under FSDP2 only; pass "
             "fsdp_config={'fsdp_version': 2} (or set fsdp_version: 2 in the Accelerate config)"

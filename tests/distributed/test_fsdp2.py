@@ -7,6 +7,7 @@ happen before any work, so they need no process group.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,41 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path, monk
         refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), True)
     refuse_full_precision_save(get_strategy("collage-plus", save_full_precision=True), False)
     refuse_full_precision_save(get_strategy("collage-plus"), True)
+
+
+def test_a_bad_fsdp_config_is_refused_naming_the_setting_and_the_fix(tmp_path):
+    # Before the fix: a bare `invalid literal for int()` and a bare FileNotFoundError.
+    from hf_lowprec import TrainingArguments
+
+    def args(fsdp_config):
+        return TrainingArguments(
+            output_dir=str(tmp_path),
+            precision_strategy="collage-plus",
+            fsdp="full_shard",
+            fsdp_config=fsdp_config,
+            use_cpu=True,
+        )
+
+    fix = r"runs under FSDP2: pass fsdp_config=\{'fsdp_version': 2\}"
+    for version in ("two", 3, True, None, [2]):
+        with pytest.raises(
+            ValueError, match=rf"fsdp_config fsdp_version must be 1 or 2, got {re.escape(repr(version))}; .*{fix}"
+        ):
+            args({"fsdp_version": version})
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(
+        ValueError, match=rf"fsdp_config={re.escape(repr(missing))} cannot be read as a JSON file \(FileNotFound"
+    ):
+        args(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{fsdp_version: 2")
+    with pytest.raises(
+        ValueError, match=r"cannot be read as a JSON file \(JSONDecodeError.*pass the path of an existing"
+    ):
+        args(str(broken))
+    written = tmp_path / "fsdp.json"
+    written.write_text('{"fsdp_version": "2"}')
+    assert args(str(written)).precision_strategy == "collage-plus"
 
 
 def test_readme_shows_the_generated_table():
