@@ -102,7 +102,7 @@ def _weigh(
             z = torch.stack([torch.zeros_like(z[1]), z[1]])
         last_z.copy_(z)
         outlier = ((z > z_threshold) | ~torch.isfinite(values)).any().float()
-        # After `warmup` accepted steps, and two at least: one step has no spread, and every later
+        # After `warmup` steps in the window, and two at least: one step has no spread, and every later
         # step a hair above it would be an outlier (the spread is clamped only at FP32's tiniest).
         outlier = outlier * (valid.sum() >= max(warmup, 2)).float()
     flushing = torch.zeros_like(norm)
@@ -122,8 +122,9 @@ def settle(
     kept: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
     """The skip flag: `found_inf`, or either agreed reason. The step's values enter the window
-    unless it is skipped, the counters and the ring of reasons move, and a step the guard skips
-    puts `kept` back (`watch.Guard.keep` says what they are)."""
+    where they are finite and it was neither non-finite nor flushing (outliers enter), the
+    counters and the ring of reasons move, and a step the guard skips puts `kept` back
+    (`watch.Guard.keep` says what they are)."""
     return run_fused(
         _settle,
         found_inf.float(),
@@ -152,10 +153,14 @@ def _settle(
     for tensor, saved in zip(now, before):
         tensor.copy_(torch.where(undo > 0, saved, tensor))
     slot = torch.arange(loss_hist.shape[0], device=step.device) == torch.remainder(step, loss_hist.shape[0])
-    taken = slot & (skip == 0)
+    # An outlier's values enter too (OLMo-core's window takes every step's loss): a loss level that
+    # moved (new data, a curriculum stage) becomes the window's after a few skipped steps, where a
+    # window of accepted steps only judged every later step against the old level, for good. A
+    # non-finite step has nothing to enter; a flushing step's values are a range fault's.
+    taken = slot & (found_inf == 0) & (flushed == 0) & torch.isfinite(values).all()
     loss_hist.copy_(torch.where(taken, values[0], loss_hist))
     norm_hist.copy_(torch.where(taken, values[1], norm_hist))
-    valid.copy_(torch.where(slot, torch.maximum(valid * skip, 1.0 - skip), valid))
+    valid.copy_(torch.where(taken, 1.0, valid))
     reason = torch.where(found_inf > 0, NONFINITE, torch.where(flushed > 0, FLUSHING, OUTLIER * outlier))
     why.copy_(torch.where(slot, reason, why))
     faults.add_(skip)

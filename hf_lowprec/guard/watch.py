@@ -43,8 +43,8 @@ class Guard:
 
     - the training loss (a forward hook on the prepared model reads `output.loss` in training
       mode; micro-batches of one optimizer step are averaged) and the global gradient norm, each
-      against its running mean and spread over the last `window` accepted steps (z-scores, as
-      OLMo-core's skip-step optimizer does);
+      against its running mean and spread over the last `window` finite steps, outliers included
+      (z-scores, as OLMo-core's skip-step optimizer does: a moved loss level becomes the norm);
     - non-finite gradients (the strategy's own `found_inf`);
     - per FP8 layer, the share of its non-zero inputs that its E4M3 casts flush to zero (counted
       by the layer's input cast, `FP8Linear.flush_now`, and collected after each training forward
@@ -178,8 +178,9 @@ class Guard:
     def keep(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the strategy's step state that its gradient processing updates even on a
         skipped step (FP8-LM's gradient scale μ and its clean-step count:
-        `guarded_step_state`), taken before it: an outlier step puts them back, so that it
-        leaves no trace, while a non-finite step still moves them as the strategy decides."""
+        `guarded_step_state`), taken before it: an outlier step puts them back, while a
+        non-finite step still moves them as the strategy decides. An FP16 loss scale is updated
+        after the step, from its gradients' range, and moves on an outlier too (docs/guard.md)."""
         state = getattr(self.strategy, "guarded_step_state", None)
         return [(t, t.clone()) for t in state()] if state is not None and not self.stopped else []
 
@@ -191,9 +192,10 @@ class Guard:
     ) -> torch.Tensor:
         """This step's skip flag: `found_inf`, an outlier loss or gradient norm, or FP8 casts that
         flushed (a step whose gradient saw inputs cast to zero is faulty from the first step on),
-        agreed over the ranks in one all-reduce; the window takes the step's values unless it is
-        skipped; a step the guard skips restores `kept` (see `keep`). No host sync: two compiled
-        graphs (`judging`), and the norm the loop's clipping measured where it clipped."""
+        agreed over the ranks in one all-reduce; the window takes the step's finite values (an
+        outlier's too, not a non-finite or flushing step's); a step the guard skips restores
+        `kept` (see `keep`). No host sync: two compiled graphs (`judging`), and the norm the
+        loop's clipping measured where it clipped."""
         if not self._gathered:  # no forward of the watched model this step (a loop that called a
             self._gather_flushes()  # submodule): the counts its layers left, the last micro-batch's
         self._gathered = False

@@ -193,6 +193,49 @@ def test_an_outlier_step_is_skipped_and_leaves_every_state(name):
         assert (got["grad_mu"], got["grad_clean_steps"]) == (expected["grad_mu"], expected["grad_clean_steps"])
 
 
+def test_a_loss_level_shift_is_skipped_for_a_few_steps_then_becomes_the_window_s_and_a_spike_is_still_skipped():
+    """bf16-mixed on random tokens (a flat loss, ~5.55, spread ~0.015): the model's own loss ×100 at
+    one step, then, once that step has left the window, ×1.3 from step SHIFT on (a data switch, a
+    curriculum stage; the gradients scale with it). The window takes every finite step, outliers
+    included (OLMo-core's), so after k shifted steps of a window of W, with a shift Δ much larger
+    than the old spread, mean = old + Δ·k/W and spread = Δ·√(p(1−p)), p = k/W, and the next shifted
+    step lies (Δ − Δp)/(Δ√(p(1−p))) = √((W−k)/k) spreads out: skipped while that exceeds z, i.e.
+    for k < W/(1+z²), ⌈W/(1+z²)⌉ steps, then accepted (here W 24, z 4: √23 = 4.80 skips the second,
+    √11 = 3.32 accepts the third; the old spread and the noise move z by ~0.03). The spike is
+    skipped (its z ~ 99·5.55/0.015); it widens the spread for the window it stays in. Before, a
+    skipped step never entered the window: every step from the shift on was skipped, for good."""
+    window, z = 24, 4.0
+    strategy, model, optimizer = setup("bf16-mixed", guard={"warmup": 5, "window": window, "z_threshold": z})
+    factor = {"now": 1.0}
+
+    def scaled(module, args, output):  # before the guard's hook: the loss the model reports
+        output.loss = output.loss * factor["now"]
+        return output
+
+    model.register_forward_hook(scaled, prepend=True)
+    spike, shift = 8, 8 + window + 1
+    data = batches(shift + 10)
+    skipped, loss_z, weights = [], {}, []
+    for i, ids in enumerate(data):
+        factor["now"] = (100.0 if i == spike else 1.0) * (1.3 if i >= shift else 1.0)
+        before = strategy.skipped_steps
+        strategy.train_step(model, ids, optimizer)
+        if strategy.skipped_steps > before:
+            skipped.append(i)
+        loss_z[i] = strategy.guard._device_state["last_z"][0].item()
+        weights.append(model.transformer.h[0].mlp.c_fc.weight.detach().clone())
+    expected = math.ceil(window / (1 + z * z))
+    assert expected == 2
+    assert skipped == [spike, *range(shift, shift + expected)], (skipped, loss_z)
+    assert loss_z[spike] > 1000 and loss_z[shift] > 50, loss_z
+    assert loss_z[shift + expected] < z, loss_z  # the new level is the window's
+    for i in range(shift + expected, len(data)):  # accepted steps train
+        assert not torch.equal(weights[i], weights[i - 1]), i
+    metrics = strategy.metrics()
+    assert metrics["precision/guard_outlier_steps"] == 1.0 + expected
+    assert metrics["precision/skipped_steps"] == 1.0 + expected
+
+
 def test_steps_skipped_during_warmup_leave_the_guard_judging_only_with_history():
     """The first `warmup` steps all non-finite (skipped, as a loss scaler's first steps can be):
     the z-scores wait for `warmup` accepted steps. Judged against an empty window (spread 0)
