@@ -106,3 +106,42 @@ def test_strategies_report_the_value_they_hold(strategy: str, max_imprecision: f
             assert metrics["precision/edq_ratio"] == pytest.approx(1.0, abs=0.05)
         else:
             assert metrics["precision/edq_ratio"] < 0.05
+
+
+def test_a_skipped_measured_step_reports_no_lost_arithmetic_of_its_own() -> None:
+    # A measured step that is skipped (a NaN loss: non-finite gradients; a gradient 1e4× the
+    # others': the guard's outlier) applied no update, so there is nothing to measure: its
+    # metrics carry no lost-arithmetic keys. They used to repeat the previous measured step's
+    # values as its own. The next measured step that is taken reports its own measurement: the
+    # metrics `edq` computes in FP64 from the before/after/update it recorded.
+    from hf_lowprec import get_strategy
+
+    torch.manual_seed(0)
+    precision = get_strategy("collage-plus", lost_arithmetic_metrics=True, guard={"warmup": 2, "window": 8})
+    model = precision.prepare_model(torch.nn.Linear(64, 64))
+    optimizer = precision.create_optimizer(model.parameters(), lr=1e-3)
+    records = []
+    measure = precision._measure_lost_arithmetic
+    precision._measure_lost_arithmetic = lambda recs, n: (records.extend(recs or []), measure(recs, n))
+    factors = [1.0, 1.0, 1.0, 1.0, float("nan"), 1.0, 1e4, 1.0]
+    keys = ("precision/imprecision_pct", "precision/edq", "precision/edq_ratio")
+    previous = None
+    for step, factor in enumerate(factors):
+        records.clear()
+        precision.measure_next_step = True
+        optimizer.zero_grad()
+        x = torch.randn(32, 64).bfloat16()
+        (model(x).float().square().mean() * factor).backward()
+        optimizer.step()
+        metrics = precision.metrics()
+        skipped = factor != 1.0
+        assert metrics["precision/skipped_steps"] == float(sum(f != 1.0 for f in factors[: step + 1])), step
+        if skipped:
+            assert not records and not any(k in metrics for k in keys), (step, metrics)
+            continue
+        before, after, update = ([getattr(r, k) for r in records] for k in ("before", "after", "update"))
+        assert (metrics["precision/edq"], metrics["precision/edq_ratio"]) == edq(before, after, update), step
+        assert metrics["precision/imprecision_pct"] == imprecision_percentage(before, after, update), step
+        assert metrics["precision/edq"] != previous, step  # this step's update, not the last one's
+        previous = metrics["precision/edq"]
+    assert precision.metrics()["precision/guard_outlier_steps"] == 1.0

@@ -442,5 +442,5 @@ class PrecisionStrategy:
             self._skipped_logged = skipped
         return {"precision/skipped_steps": float(skipped), **self._lost_arithmetic, **guard_metrics(self.guard)}
 
-    def _measure_lost_arithmetic(self, records: list, group_count: int) -> None:
-        self._lost_arithmetic = step_metrics(records, group_count)
+    def _measure_lost_arithmetic(self, records: list | None, group_count: int) -> None:  # None: skipped
+        self._lost_arithmetic = step_metrics(records, group_count) if records is not None else {}

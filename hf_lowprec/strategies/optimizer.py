@@ -118,9 +118,14 @@ class StrategyOptimizer(torch.optim.Optimizer):
         strategy.count_skip(found_inf)
         self._found_inf = found_inf
         measure = strategy.measure_next_step and strategy.options.lost_arithmetic_metrics
+        measure = measure and hasattr(self.optimizer, "track_updates")
         strategy.measure_next_step = False
-        # A measured step reads the flag on the host (its measurement syncs anyway).
-        if measure and hasattr(self.optimizer, "track_updates") and not bool(found_inf):
+        # A measured step reads the flag on the host (its measurement syncs anyway). A skipped
+        # one applied nothing: it reports no lost arithmetic, not the previous measurement's.
+        if measure and bool(found_inf):
+            strategy._measure_lost_arithmetic(None, len(self.param_groups))
+            measure = False
+        if measure:
             self.optimizer.track_updates = True
             try:
                 strategy.optimizer_step(self.optimizer, found_inf)
