@@ -17,6 +17,7 @@ from typing import Any
 
 from .hardware import gpu_named
 from .planning.counting import without_collector
+from .planning.heads import check_head
 from .planning.models import MODELS, engine_refusal, memory_plan, model_config, position_limit, quiet
 from .strategies.registry import available_strategies, get_strategy, strategy_class, strategy_summary
 
@@ -129,7 +130,7 @@ def _plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         if value is not None and not value > 0:
             parser.error(f"{flag} must be a positive bandwidth in GB/s per GPU, got {value}")
     try:
-        model_config(ns.model)
+        check_head(model_config(ns.model)[1])
         numbers = {k: v * 1e9 for k, v in (("link", ns.link_gbps), ("network", ns.network_gbps)) if v is not None}
         gpu = gpu_named(ns.gpu, **numbers)
     except ValueError as error:

@@ -25,6 +25,7 @@ import torch
 
 from ..compiling import count_model_as_compiled, gpu_paths
 from ..processes import autograd_context
+from .heads import step_labels
 from .ledger import Ledger, PhaseCounts
 from .models import block_kinds, blocks_of, build_model, layer_overrides, model_config, rule_options
 from .peers import ANCHOR, PEERS, TORCHAO, TorchAMP, TorchAOFloat8
@@ -95,7 +96,7 @@ def phased_step(
     strategy.optimizer_step = in_phase("optimizer", step)
     try:
         with ledger.phase("forward"), strategy.forward_context():
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=step_labels(model, ids)).loss
         with ledger.phase("backward"):
             strategy.scale_loss(loss).backward()
         if clip is not None:

@@ -314,3 +314,45 @@ def test_the_fp8_wire_share_counts_the_experts_fp8_weights(tmp_path):
     assert experts > 0
     share = _fp8_weight_share("fp8-lm-o2", str(path), rule_options("fp8-lm-o2", None), params)
     assert share == pytest.approx((experts + linear) / params)
+
+
+TINY_BERT = {
+    "model_type": "bert",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        {"architectures": ["BertForSequenceClassification"], "num_labels": 1, "problem_type": "regression"},
+        {"architectures": ["BertForSequenceClassification"], "num_labels": 3},
+        {"architectures": ["BertForTokenClassification"], "num_labels": 5},
+    ],
+)
+def test_plan_gives_a_classification_head_its_own_labels(tmp_path, capsys, head):
+    """The GLUE recipe saves a sequence classifier: the counted step gave it the token ids as
+    labels, and every batch failed with "size of tensor a (2) must match ... b (64)"."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_BERT, **head}))
+    argv = ["plan", "--model", str(tmp_path), "--batch", "2x16", "--strategies", "collage-plus", "--json"]
+    assert main(argv) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["collage-plus"]["step_ms"] > 0
+
+
+def test_plan_refuses_a_span_head_naming_it_before_counting(tmp_path, capsys, monkeypatch):
+    import hf_lowprec.planning.plan
+
+    def no_counting(*args, **kwargs):
+        raise AssertionError("counted a step")
+
+    monkeypatch.setattr(hf_lowprec.planning.plan, "plan_rows", no_counting)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_BERT, "architectures": ["BertForQuestionAnswering"]}))
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", str(tmp_path), "--batch", "2x16", "--strategies", "collage-plus"])
+    assert "BertForQuestionAnswering takes span or choice targets" in capsys.readouterr().err
