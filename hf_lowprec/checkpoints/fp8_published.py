@@ -60,8 +60,11 @@ def _warn_source_not_found(model: nn.Module) -> None:
     """Once per model: a CPU load dequantizes a published FP8 checkpoint and drops its
     `quantization_config`, so only the folder tells; one that cannot be found is said, not skipped."""
     name = str(getattr(model, "name_or_path", "") or "")
-    if not name or model.__dict__.get("_fp8_source_warned") or os.environ.get("RANK", "0") != "0":
-        return  # built from a config: no folder to find (and said once, by the first rank)
+    # A model built from a config has a config that names no source, whatever name it was given
+    # (for a trainer's logs): no folder to find. Said once, by the first rank.
+    loaded = bool(getattr(getattr(model, "config", None), "name_or_path", ""))
+    if not (name and loaded) or model.__dict__.get("_fp8_source_warned") or os.environ.get("RANK", "0") != "0":
+        return
     model.__dict__["_fp8_source_warned"] = True
     logger.warning(
         "the model was loaded from %r, which names neither a folder from here (current directory %s) nor "

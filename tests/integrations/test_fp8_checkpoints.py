@@ -157,6 +157,11 @@ def test_a_model_not_loaded_from_fp8_is_left_alone(tmp_path, caplog):
     assert restore_published_fp8(model, keep_frozen_fp8=True) is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "names neither a folder" not in caplog.text  # built from a config: no folder to look for
+    # Nor when it was given a name for a trainer's logs (the RL recipes' reward model): the
+    # warning said "loaded from 'tiny-reward-model' ... if it is a published FP8 checkpoint".
+    model.name_or_path = "tiny-reward-model"
+    assert restore_published_fp8(model, keep_frozen_fp8=True) is None
+    assert "names neither a folder" not in caplog.text
 
 
 def test_a_checkpoint_whose_folder_cannot_be_found_is_said(fp8_checkpoint, tmp_path, monkeypatch, caplog):
