@@ -136,13 +136,14 @@ def run_compare(
                 row.update({k: v for k, v in entry.items() if k.startswith("precision/")})
                 step_rows.append(row)
         res = run["result"]
+        run_metric = res.get("primary_metric", metric)  # a recipe whose metric follows its task names it
         step_s = res.get("median_step_seconds")
         summary.append(
             {
                 "strategy": strategy,
                 "seed": seed,
-                "eval_metric": metric,
-                "eval_value": res.get(metric),
+                "eval_metric": run_metric,
+                "eval_value": res.get(run_metric),
                 "final_loss": res.get("final_loss"),
                 "median_step_ms": 1000 * step_s if step_s is not None else None,
                 "bytes_per_param": res.get("model_state_bytes_per_param"),

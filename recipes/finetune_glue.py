@@ -43,6 +43,9 @@ GLUE_TASKS: dict[str, tuple[tuple[str, str | None], int, str]] = {
     "wnli": (("sentence1", "sentence2"), 2, "validation"),
 }
 
+# GLUE's headline metric by task (accuracy where unlisted).
+PRIMARY_METRICS = {"cola": "matthews_correlation", "stsb": "pearson"}
+
 
 @dataclasses.dataclass
 class GlueArguments:
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
         for k, v in eval_metrics.items()
         if k[len("eval_") :] in ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")
     }
+    # The task's headline metric, flat beside the others: `hf-lowprec compare` reads `primary_metric`.
+    primary = "eval_" + PRIMARY_METRICS.get(metric_task, "accuracy")
     return report(
         training_args,
         trainer,
@@ -293,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
         metric_task=metric_task,
         glue=glue,
         eval_loss=eval_metrics["eval_loss"],
+        primary_metric=primary,
+        **{primary: eval_metrics.get(primary)},
     )
 
 

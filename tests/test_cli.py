@@ -342,6 +342,31 @@ def test_compare_keeps_the_finished_runs_when_a_later_one_fails(tmp_path, capsys
         assert [(r["strategy"], r["loss"]) for r in csv.DictReader(f)] == [("bf16-pure", "2.5")]
 
 
+def test_compare_reads_the_metric_a_recipe_names_for_its_task(tmp_path, monkeypatch):
+    """finetune_glue reports its task's metric as `primary_metric` (cola: Matthews correlation):
+    the summary row takes that name and value, not the script's default `eval_accuracy` (which
+    the run does not hold: the value was left empty and the table printed nan)."""
+    import hf_lowprec.compare
+
+    def one_run(command, cwd, strategy, seed, *args):
+        result = {
+            "final_loss": 0.5,
+            "glue": {"matthews_correlation": 0.25},
+            "primary_metric": "eval_matthews_correlation",
+            "eval_matthews_correlation": 0.25,
+        }
+        return {"result": result, "history": [{"loss": 0.5, "step": 1}], "peak_rss_mib": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(hf_lowprec.compare, "_run_one", one_run)
+    monkeypatch.setattr(hf_lowprec.compare, "plot", lambda *args, **kwargs: None)
+    monkeypatch.setattr(hf_lowprec.compare, "check_recipe_arguments", lambda *args: None)
+    glue = Path(__file__).resolve().parents[1] / "recipes" / "finetune_glue.py"
+    summary = run_compare(str(glue), ["bf16-pure"], seeds=[0], max_steps=1, out=tmp_path, progress=False)
+    assert [(r["eval_metric"], r["eval_value"]) for r in summary] == [("eval_matthews_correlation", 0.25)]
+    with open(tmp_path / "summary.csv") as f:
+        assert [(r["eval_metric"], r["eval_value"]) for r in csv.DictReader(f)] == [("eval_matthews_correlation", "0.25")]
+
+
 def test_compare_checks_out_is_writable_before_training(tmp_path, capsys, monkeypatch):
     import hf_lowprec.compare
 

@@ -143,6 +143,10 @@ def test_finetune_glue_reports_glue_metrics(tmp_path, strategy, task, metrics):
     check_trained(result, strategy, 3)
     assert set(result["glue"]) == metrics
     assert all(-1.0 <= v <= 1.0 for v in result["glue"].values())
+    # The task's headline metric, flat under the name `hf-lowprec compare` reads.
+    primary = result["primary_metric"]
+    assert primary == ("eval_pearson" if task == "synthetic-stsb" else "eval_accuracy")
+    assert result[primary] == result["glue"][primary[len("eval_") :]]
 
 
 @pytest.mark.slow
