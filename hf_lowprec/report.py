@@ -248,7 +248,7 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
             examples.setdefault(p.dtype, name)
     for dtype, count in wrong.items():
         out.append(
-            f"{count} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
+            f"{count:,} trainable parameter elements are {_dtype_name(dtype)} (e.g. {examples[dtype]}), "
             f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}"
         )
     # A published FP8 layer kept frozen in FP8 (fp8.blocks) counts: the base of a LoRA run.
@@ -293,14 +293,15 @@ def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | No
     inner = unwrap_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
         return None
-    low = collections.Counter(
-        p.dtype for p in trainable_parameters(model) if p.dtype in (torch.bfloat16, torch.float16)
-    )
+    low: collections.Counter = collections.Counter()
+    for p in trainable_parameters(model):
+        if p.dtype in (torch.bfloat16, torch.float16):
+            low[p.dtype] += p.numel()
     if not low:
         return None
     dtype, count = low.most_common(1)[0]
     return (
-        f"{count} trainable parameter elements are {_dtype_name(dtype)} and are stepped by a plain "
+        f"{count:,} trainable parameter elements are {_dtype_name(dtype)} and are stepped by a plain "
         f"{type(inner).__name__}: every update below half an ulp of its weight is rounded away "
         f"(in BF16, an update 256x smaller than its weight is lost). Set precision_strategy to one of "
         f"{', '.join(repr(s) for s in FIXING_STRATEGIES)} (bf16-mixed keeps FP32 weights)."

@@ -265,7 +265,11 @@ def test_silent_precision_guard_warns_once_for_bf16_weights_under_plain_adamw(tm
     trainer = _trainer(tmp_path, tiny_gpt2().to(torch.bfloat16), max_steps=2)
     with pytest.warns(SilentPrecisionWarning, match="collage-plus.*bf16-kahan.*bf16-sr.*bf16-mixed") as record:
         trainer.train()
-    assert sum(issubclass(w.category, SilentPrecisionWarning) for w in record) == 1
+    said = [str(w.message) for w in record if issubclass(w.category, SilentPrecisionWarning)]
+    assert len(said) == 1
+    # Elements, as it says (it printed the number of tensors, "28 trainable parameter elements").
+    elements = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert said[0].startswith(f"{elements:,} trainable parameter elements are bfloat16")
 
 
 @pytest.mark.parametrize("strategy", [None, "bf16-pure"])
