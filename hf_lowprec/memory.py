@@ -256,7 +256,10 @@ def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[s
     """Per-rank bytes/param (of the whole model's parameter count) under ZeRO `stage` on `world_size` ranks.
 
     Stage 1 partitions optimizer states and extra components (masters, MCF components),
-    stage 2 also gradients, stage 3 also parameters.
+    stage 2 also gradients, stage 3 also parameters. Stages 1 and 2 keep every rank's whole
+    model and, beside it, the rank's flat partition of the weights in the parameters' dtype
+    (DeepSpeed's `single_partition_of_fp32_groups`, BF16 under the BF16-weight strategies),
+    which the optimizer steps: `weight_partition`, params / world_size.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -264,6 +267,7 @@ def zero_per_rank(plan: dict[str, float], world_size: int, stage: int) -> dict[s
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     split = {"optimizer_states": stage >= 1, "extra": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     out = {k: plan[k] / (world_size if split[k] else 1) for k in split}
+    out["weight_partition"] = plan["params"] / world_size if stage in (1, 2) else 0.0
     out["total"] = sum(out.values())
     out["num_params"] = plan["num_params"]
     return out

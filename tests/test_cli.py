@@ -38,8 +38,9 @@ def test_memory_plan_of_gpt2_small_on_the_meta_device():
 
 def test_memory_with_zero_splits_states_gradients_and_parameters(capsys):
     rows = memory_plan("bert-base", ["collage-plus"], world_size=4, zero_stage=2)
-    # ZeRO-2 on 4 ranks: BF16 parameters stay whole (2), gradients (2) and states + components (8) split.
-    assert rows[0]["per_rank_total"] == pytest.approx(2 + (2 + 8) / 4)
+    # ZeRO-2 on 4 ranks: BF16 parameters stay whole (2), gradients (2) and states + components (8) split,
+    # and the rank's BF16 weight partition (2 / 4) sits beside the whole model.
+    assert rows[0]["per_rank_total"] == pytest.approx(2 + (2 + 8 + 2) / 4)
     assert (
         main(["memory", "--model", "bert-base", "--strategies", "bf16-pure", "--world-size", "4", "--zero-stage", "3"])
         == 0
