@@ -57,7 +57,8 @@ def write_result(training_args: Any, trainer: Any | None = None, **metrics: Any)
     """Print the result line (main process); write it and the log history to `output_dir`.
 
     The result holds the strategy, first/final training loss, global step, the strategy's
-    counters (`precision.metrics()`), the trainable parameter dtype, model-state bytes/param,
+    counters (`precision.metrics()`), the trainable parameters' elements by dtype and the dtype
+    holding most of them, model-state bytes/param,
     the median step time (without the first step, which carries compilation and allocation),
     the world size and distributed backend, then `metrics`. It goes to `recipe_result.json`, the
     log history (every logged step) to `log_history.json`, and the printed line follows
@@ -74,7 +75,13 @@ def write_result(training_args: Any, trainer: Any | None = None, **metrics: Any)
         if precision is not None:
             result.update(precision.metrics())
             params = [p for p in trainer.model.parameters() if p.requires_grad]
-            result["trainable_param_dtype"] = str(params[0].dtype) if params else None
+            # Every dtype with its element count, largest first (mixed under FP8 strategies and LoRA),
+            # and the one holding the most elements.
+            elements: dict[str, int] = {}
+            for p in params:
+                elements[str(p.dtype)] = elements.get(str(p.dtype), 0) + p.numel()
+            result["trainable_param_elements"] = dict(sorted(elements.items(), key=lambda kv: -kv[1]))
+            result["trainable_param_dtype"] = next(iter(result["trainable_param_elements"]), None)
             if trainer.optimizer is not None:
                 from .memory import model_state_bytes
 

@@ -139,6 +139,31 @@ def test_maintainer_tools_are_not_user_subcommands(capsys):
         assert "invalid choice" in capsys.readouterr().err
 
 
+def test_the_result_counts_every_trainable_dtype_by_elements(tmp_path, capsys):
+    """An FP8 strategy's trainable weights are FP32 (embeddings, norms) and FP16 (scaled GEMM
+    masters): the result said "torch.float32", the first parameter's dtype, for the whole model."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_lowprec.runner import write_result
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(8, 8).half())  # 6 FP32, 72 FP16
+    frozen = torch.nn.Parameter(torch.zeros(100, dtype=torch.bfloat16), requires_grad=False)
+    model.register_parameter("frozen", frozen)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(log_history=[], global_step=0),
+        precision=SimpleNamespace(metrics=dict),
+        model=model,
+        optimizer=None,
+    )
+    args = SimpleNamespace(precision_strategy="fp8-lm-o2", world_size=1, process_index=0, output_dir=str(tmp_path))
+    result = write_result(args, trainer)
+    assert result["trainable_param_elements"] == {"torch.float16": 72, "torch.float32": 6}
+    assert list(result["trainable_param_elements"]) == ["torch.float16", "torch.float32"]  # largest first
+    assert result["trainable_param_dtype"] == "torch.float16"
+
+
 def test_the_in_package_runner_shares_the_pretrain_clm_recipe_defaults():
     from pathlib import Path
 
