@@ -390,7 +390,9 @@ def test_compare_reads_the_metric_a_recipe_names_for_its_task(tmp_path, monkeypa
     summary = run_compare(str(glue), ["bf16-pure"], seeds=[0], max_steps=1, out=tmp_path, progress=False)
     assert [(r["eval_metric"], r["eval_value"]) for r in summary] == [("eval_matthews_correlation", 0.25)]
     with open(tmp_path / "summary.csv") as f:
-        assert [(r["eval_metric"], r["eval_value"]) for r in csv.DictReader(f)] == [("eval_matthews_correlation", "0.25")]
+        assert [(r["eval_metric"], r["eval_value"]) for r in csv.DictReader(f)] == [
+            ("eval_matthews_correlation", "0.25")
+        ]
 
 
 def test_compare_checks_out_is_writable_before_training(tmp_path, capsys, monkeypatch):
