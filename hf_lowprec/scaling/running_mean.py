@@ -46,11 +46,14 @@ class RunningMeanGradients:
 
     Each parameter's hook sees the incoming micro-batch gradient g_k before autograd adds it
     to `p.grad`: it rescales `p.grad` by (k−1)/k and hands on g_k/k, so `p.grad` holds M_k.
-    k counts the micro-batch windows that reached the parameter since `p.grad` was last None
-    (zero_grad) or `reset()`; a window starts at each forward of an attached model (or
-    `new_window()`), and a second backward within one window (an auxiliary loss, a regularizer
-    backwarded apart) adds to that micro-batch's g_k, as autograd sums it. Incoming FP16
-    gradients are clamped to ±65504 first, so +inf and −inf micro-batch gradients cannot meet as NaN.
+    Where the loop names the micro-batch's index j in its window (`micro_batch(j)`), k is j: a
+    parameter last reached at i < j − 1 rescales by i/j (the micro-batches between had g = 0)
+    and `to_sums` ends the window's mean over all of them. Otherwise k counts the micro-batch
+    windows that reached the parameter since `p.grad` was last None (zero_grad) or `reset()`; a
+    window starts at each forward of an attached model (or `new_window()`), and a second backward
+    within one window (an auxiliary loss, a regularizer backwarded apart) adds to that micro-batch's
+    g_k, as autograd sums it. Incoming FP16 gradients are clamped to ±65504 first, so +inf and −inf
+    micro-batch gradients cannot meet as NaN.
 
     The loss must *not* be divided by the number of micro-batches: the mean does that (a loop
     that expects the sum, Accelerate's, turns the mean back with `to_sums`).
@@ -59,7 +62,7 @@ class RunningMeanGradients:
     def __init__(self) -> None:
         self._counts: dict[int, tuple[int, int]] = {}  # id(param) → (k, the window of its last g_k)
         self._windows = _Windows()
-        self._summed = False  # `to_sums` ran in this accumulation window
+        self._index: int | None = None  # the loop's micro-batch index in its window, where it names one
         self._models: set[int] = set()
         self._handles: list[Any] = []
         self._hooked: dict[int, weakref.ref] = {}  # id(param) → the parameter hooked
@@ -80,18 +83,28 @@ class RunningMeanGradients:
         of an attached model calls this)."""
         self._windows.count += 1
 
+    def micro_batch(self, index: int | None) -> None:
+        """The gradients of later backward passes are micro-batch `index` (from 1) of the window; None:
+        count the windows that reach each parameter instead."""
+        if index is not None and index < 1:
+            raise ValueError(f"the micro-batch index counts from 1, got {index}")
+        self._index = index
+
     def to_sums(self, params: Any, divisor: int) -> None:
         """Once per accumulation window, before the unscale: each hooked parameter's M_k becomes
         k·M_k/`divisor`, the sum of its micro-batch gradients over the loss division `divisor` that
         the loop's own backward undid (k == `divisor`, whole windows under Accelerate's
-        accumulation: untouched). What stock Accelerate accumulates, the mean kept while it sums."""
-        if self._summed:
-            return
-        self._summed = True
+        accumulation: untouched). What stock Accelerate accumulates, the mean kept while it sums;
+        with `micro_batch` indices (k the last one reaching the parameter), the mean over `divisor`."""
         for param in params:
-            k = self._counts.get(id(param), (0, 0))[0] if self._holds(param) else 0
+            k, window = self._counts.get(id(param), (0, 0)) if self._holds(param) else (0, 0)
             if param.grad is not None and k and k != divisor:
                 param.grad.mul_(k / divisor)  # FP16 overflow: the scaler's unscale_ clips it, and counts
+                self._counts[id(param)] = (divisor, window)  # once: a second unscale, another optimizer's
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters hooked (still alive)."""
+        return [p for p in (ref() for ref in self._hooked.values()) if p is not None]
 
     def adopt(self, params: Any, micro_batches: int) -> None:
         """Hook the parameters among `params` that began to train after `attach` (a frozen one
@@ -122,23 +135,24 @@ class RunningMeanGradients:
     def reset(self) -> None:
         """Start a new accumulation window (call after the optimizer step)."""
         self._counts.clear()
-        self._summed = False
 
     def _hook(self, param: torch.Tensor):
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if grad.dtype == torch.float16:
                 grad = grad.clamp(-FP16_MAX, FP16_MAX)
             key = id(param)
-            k, window = (0, -1) if param.grad is None else self._counts.get(key, (0, -1))
-            if window == self._windows.count:  # this micro-batch's g_k again: autograd adds g/k to M_k
-                return grad if k == 1 else grad / k
-            k += 1
-            self._counts[key] = (k, self._windows.count)
+            last, window = (0, -1) if param.grad is None else self._counts.get(key, (0, -1))
+            index = self._index
+            here = self._windows.count if index is None else index
+            if window == here:  # this micro-batch's g_k again: autograd adds g/k to M_k
+                return grad if last == 1 else grad / last
+            k = last + 1 if index is None else index
+            self._counts[key] = (k, here)
             if param.grad is not None:
-                if k == 1:
+                if last == 0:
                     param.grad.zero_()
-                else:
-                    param.grad.mul_((k - 1) / k)
+                elif last != k:  # (`to_sums` before the last micro-batch left M = (Σ g)/k)
+                    param.grad.mul_(last / k)  # (k−1)/k where the last micro-batch reached it
             return grad if k == 1 else grad / k
 
         return hook

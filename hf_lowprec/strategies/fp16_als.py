@@ -35,9 +35,12 @@ class FP16ALSOptions(StrategyOptions):
         weights: "master" (FP32 master copy) or "sr" (FP16 weights written with stochastic
             rounding, no master).
         running_mean: average micro-batch gradients with the running mean (the loop must not
-            divide the loss by the number of micro-batches; the Trainer glue undoes its own). A
-            micro-batch is a forward of the model: backward passes after one forward add up. Under
-            the Accelerate plugin the step takes the sum, as stock Accelerate's loop gets it.
+            divide the loss by the number of micro-batches; the Trainer glue undoes its own). Where
+            the loop names its N micro-batches (`set_gradient_accumulation`), each scaled backward is
+            the next and every gradient is its sum over N, an unreached micro-batch adding 0; else a
+            micro-batch is a forward of the model (backward passes after one forward add up) and the
+            mean is over those that reached the parameter. Under the Accelerate plugin the step takes
+            the sum, as stock Accelerate's loop gets it.
         seed: seed of the stochastic-rounding generator (weights="sr" only; checkpointed).
         seed_compensation: weights="master": when `PrecisionStrategy.prepare_model` converts FP32,
             FP64 or BF16 parameters, keep their FP32 values and start each master at its own (the
@@ -211,15 +214,26 @@ class FP16ALS(LossScaledStrategy):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scaled = super().scale_loss(loss)
+        if self.accumulator is not None:
+            # Where the loop names its N micro-batches, each scaled backward is the next of them: a
+            # parameter it does not reach counts a zero gradient there, as in stock's sum over N.
+            declared = self._loss_divisor > 1 and not self._sums
+            index = self._scaled_backwards - self._window_start
+            self.accumulator.micro_batch(index if declared else None)
+            if declared and index == self._loss_divisor:
+                # Every mean over N before the last backward: DDP's all-reduce, which runs in it, then
+                # sees each rank's sum over N, a parameter that backward does not reach included.
+                self.accumulator.to_sums(self.accumulator.params(), self._loss_divisor)
         return scaled if self._loss_divisor == 1 else scaled * self._loss_divisor
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Before clipping and the step: a parameter unfrozen (or added) since `prepare_model` has
         # summed this window's micro-batches without the running mean's hook; it takes their mean.
-        # Where the loop expects the sum (Accelerate's), the means become the sums over the divisor undone.
+        # Where the loop expects the sum (Accelerate's), the means become the sums over the divisor undone;
+        # where it named N micro-batches, a parameter the last did not reach takes its mean over N.
         if self.accumulator is not None and not self._sharded:
             params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
-            if self._sums:
+            if self._sums or self._loss_divisor > 1:
                 self.accumulator.to_sums(params, self._loss_divisor)
             micro_batches = self._loss_divisor if self._sums else self._scaled_backwards - self._window_start
             self.accumulator.adopt(params, micro_batches)
