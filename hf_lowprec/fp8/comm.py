@@ -47,6 +47,10 @@ class AllReduceStats:
     overflow: torch.Tensor | int = 0
     numel: int = 0
 
+    def counts(self) -> list[int]:
+        """[underflow, overflow, numel] as Python ints (reads the device: checkpoints only)."""
+        return [int(self.underflow), int(self.overflow), self.numel]
+
     def __iadd__(self, other: "AllReduceStats") -> "AllReduceStats":
         self.underflow += other.underflow
         self.overflow += other.overflow
@@ -239,7 +243,8 @@ class FP8CommState:
         process_group: None for the default group.
         grad_scales: id(parameter) → scale of its reduced FP8 gradient (N·μ·s_g), for the
             owner to store the gradient as FP8 without rounding it again.
-        stats: underflow/overflow counts accumulated since the owner last reset them.
+        stats: underflow/overflow counts accumulated since the owner last reset them (fp8-lm:
+            at each log, and checkpointed).
     """
 
     scaler: GradientAutoScaler

@@ -18,6 +18,7 @@ import torch
 from ..compiling import takes_gpu_path
 from ..distributed import DTensor, any_rank, local_shard
 from ..fp8 import (
+    AllReduceStats,
     FP8CommState,
     FP8Linear,
     GradientAutoScaler,
@@ -157,6 +158,7 @@ class FP8LM(PrecisionStrategy):
             interval=self.options.auto_scale_interval, threshold=self.options.auto_scale_threshold
         )
         self.comm_state = FP8CommState(self.scaler, self.grad_dtype, self.options.margin)
+        self._allreduced = False  # the FP8 all-reduce ran: its counts are logged, 0 in an interval without one
         self.backward_grads = BackwardFP8Gradients(self.scaler, self.grad_dtype, self.options.margin)
 
     def engine_support(self) -> EngineSupport:
@@ -414,21 +416,24 @@ class FP8LM(PrecisionStrategy):
         state = super().state_dict()
         scaler = self.scaler.state_dict()
         state.update(grad_mu=scaler["mu"], grad_clean_steps=scaler["clean_steps"])
+        state["allreduce_stats"] = self.comm_state.stats.counts()  # since the last log
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "grad_mu" in state:
             self.scaler.load_state_dict({"mu": state["grad_mu"], "clean_steps": state["grad_clean_steps"]})
+        self.comm_state.stats = AllReduceStats(*state.get("allreduce_stats", ()))
 
     def metrics(self) -> dict[str, float]:
-        stats = self.comm_state.stats
+        stats, self.comm_state.stats = self.comm_state.stats, AllReduceStats()  # counts per logging interval
+        self._allreduced = self._allreduced or stats.numel > 0
         out = {
             **super().metrics(),
             "precision/fp8_grad_mu": self.scaler.mu,
             "precision/fp8_grad_saturated_share": self.scaler.last_saturated_share,
         }
-        if stats.numel:
+        if self._allreduced:
             out["precision/fp8_allreduce_underflow"] = float(stats.underflow)
             out["precision/fp8_allreduce_overflow"] = float(stats.overflow)
         return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.fp8 import FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
+from hf_lowprec.fp8 import AllReduceStats, FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, PlainAdamW
 from tests.helpers import assert_bits_equal, batches, tiny_gpt2
@@ -482,3 +482,26 @@ def test_q_k_v_and_gate_up_quantize_their_shared_input_once_with_the_same_bits(m
     for a, b in zip(shared[1] + shared[2], own[1] + own[2]):
         assert_bits_equal(a, b)
     assert not linear._input_scopes  # every scope closed
+
+
+def test_allreduce_counts_are_per_logging_interval_and_checkpointed():
+    """`precision/fp8_allreduce_underflow`/`_overflow` were the process's totals, never reset nor saved: a run
+    resumed from step 2 logged 457 and 0 at step 4 where the uninterrupted one logged 762 and 32. Each log counts
+    the all-reduces since the one before; a checkpoint carries the counts not yet logged."""
+    keys = ("precision/fp8_allreduce_underflow", "precision/fp8_allreduce_overflow")
+
+    def logged(strategy):
+        metrics = strategy.metrics()
+        return tuple(metrics.get(key) for key in keys)
+
+    strategy, _, _ = setup("fp8-lm-o2")
+    assert logged(strategy) == (None, None)  # no FP8 all-reduce (no DDP): not logged
+    # What the DDP hook adds for a bucket of 100 elements, 7 flushed to zero and 2 clipped.
+    strategy.comm_state.stats += AllReduceStats(torch.tensor(7), torch.tensor(2), 100)
+    assert logged(strategy) == (7.0, 2.0)
+    strategy.comm_state.stats += AllReduceStats(torch.tensor(3), torch.tensor(1), 100)
+    resumed, _, _ = setup("fp8-lm-o2", seed=1)
+    resumed.load_state_dict(strategy.state_dict())
+    for run in (strategy, resumed):
+        assert logged(run) == (3.0, 1.0)
+        assert logged(run) == (0.0, 0.0)  # an interval without underflow or overflow
