@@ -217,7 +217,7 @@ class FP16ALS(LossScaledStrategy):
         if self.accumulator is not None:
             # Where the loop names its N micro-batches, each scaled backward is the next of them: a
             # parameter it does not reach counts a zero gradient there, as in stock's sum over N.
-            declared = self._loss_divisor > 1 and not self._sums
+            declared = self._loss_divisor > 1
             index = self._scaled_backwards - self._window_start
             self.accumulator.micro_batch(index if declared else None)
             if declared and index == self._loss_divisor:

@@ -1,5 +1,5 @@
 """One rank of fp16-als's running mean under DDP: 2 micro-batches per rank (`no_sync` for the first), a head
-that rank 0 uses in its first micro-batch only and rank 1 in its last only; each rank writes its gradients.
+that some of them reach (`--use-b`); each rank writes its gradients.
 
 Also the model, samples and FP64 reference that `tests/strategies/test_fp16_accumulation.py` shares.
 Started by `tests/distributed/test_ddp_running_mean.py` through `tests/deepspeed/_launch.py`.
@@ -23,7 +23,6 @@ from hf_lowprec import get_strategy  # noqa: E402
 from hf_lowprec.engines.ddp import prepare_ddp  # noqa: E402
 
 NAMES = ("a.weight", "a.bias", "b.weight", "b.bias")
-RANKS_USE_B = ((1, 0), (0, 1))  # rank r's micro-batches: whether each reaches head `b`
 
 
 class TwoHeads(torch.nn.Module):
@@ -70,16 +69,19 @@ def fp64_mean(data: list[dict]) -> tuple[dict, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = Path(parser.parse_args().out)
+    parser.add_argument("--sums", action="store_true", help="as the Accelerate plugin: the loop takes the sum")
+    parser.add_argument("--use-b", default="10,01", help="per rank, whether each micro-batch reaches `b`")
+    options = parser.parse_args()
+    out = Path(options.out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    data = samples([flag for flags in RANKS_USE_B for flag in flags])[2 * rank : 2 * rank + 2]
+    data = samples([int(flag) for flags in options.use_b.split(",") for flag in flags])[2 * rank : 2 * rank + 2]
     strategy = get_strategy("fp16-als")
     model = strategy.prepare_model(TwoHeads())
     wrapped = DistributedDataParallel(model, find_unused_parameters=True)
     prepare_ddp(strategy, wrapped)
     optimizer = strategy.create_optimizer(wrapped.parameters(), lr=0.0)
-    strategy.set_gradient_accumulation(2)
+    strategy.set_gradient_accumulation(2, sums=options.sums)
     for index, sample in enumerate(data):
         with wrapped.no_sync() if index == 0 else contextlib.nullcontext():
             with strategy.forward_context():
