@@ -66,11 +66,23 @@ def format_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+# The smallest positive code of each payload dtype (its smallest subnormal).
+_SMALLEST_CODE = {
+    torch.float8_e4m3fn: 2.0**-9,
+    torch.float8_e5m2: 2.0**-16,
+    torch.float16: 2.0**-24,
+    torch.bfloat16: 2.0**-133,
+}
+
+
 def keep_nonzero(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A second moment's y = v·s before its FP8 cast: a non-zero |y| below the smallest code d
-    (E4M3 2^-9, E5M2 2^-16), which would round to 0 or d, made ±d: v̂ ≥ v, never 0 for v > 0 (an
-    FP8 v of 0 beside an m that is not would make AdamW's update m/ε)."""
-    d = 2.0 ** (-9 if dtype == torch.float8_e4m3fn else -16)
+    """A second moment's y = v·s before its cast to `dtype`: a non-zero |y| below the smallest code d
+    (E4M3 2^-9, E5M2 2^-16, FP16 2^-24, BF16 2^-133), which would round to 0 or d, made ±d: v̂ ≥ v,
+    never 0 for v > 0 (a stored v of 0 beside an m that is not would make AdamW's update m/ε).
+    FP32 storage: y unchanged."""
+    if dtype not in _SMALLEST_CODE:
+        return y
+    d = _SMALLEST_CODE[dtype]
     return torch.where(y != 0, y.abs().clamp(min=d).copysign(y), y)
 
 

@@ -149,10 +149,6 @@ class Format:
         raise NotImplementedError
 
 
-def _dtype_or_param(dtype: torch.dtype | None, param: torch.Tensor) -> torch.dtype:
-    return param.dtype if dtype is None else dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class Plain(Format):
     """The value rounded once to `dtype` (None: the parameter's dtype)."""
@@ -165,7 +161,7 @@ class Plain(Format):
         return torch.finfo(payload_dtype).max
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
-        return _dtype_or_param(self.dtype, param)
+        return param.dtype if self.dtype is None else self.dtype
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.zeros_like(param, dtype=self.storage_dtype(param), memory_format=torch.preserve_format),)
@@ -187,20 +183,22 @@ class Scaled(Format):
     s = 2^(floor(log2(max(dtype)/amax)) − margin) (`fp8.scaled.pow2_scale`): amax·s lands in
     the format's top binade, so the scaling is exact and only the cast rounds; amax = 0 or
     non-finite gives s = 1, as FP32 storage keeps. Decoding multiplies by 1/s (exact: s = 2^k).
+    `keep_nonzero` (v): `fp8.scaled.keep_nonzero`, a positive v never stored as 0: never m/ε.
     """
 
     dtype: torch.dtype | None = None
     margin: int = 0
+    keep_nonzero: bool = False
 
     suffixes = ("", "_scale")
     like_param = (True, False)
     native_name = "scaled"
 
     def native_options(self, prefix: str) -> dict[str, int]:
-        return {f"{prefix}_margin": self.margin}
+        return {f"{prefix}_margin": self.margin, f"{prefix}_nonnegative": int(self.keep_nonzero)}
 
     def storage_dtype(self, param: torch.Tensor) -> torch.dtype:
-        return _dtype_or_param(self.dtype, param)
+        return param.dtype if self.dtype is None else self.dtype
 
     def zeros(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         payload = torch.zeros_like(param, dtype=self.storage_dtype(param), memory_format=torch.preserve_format)
@@ -225,7 +223,8 @@ class Scaled(Format):
             return values
         (new_scale,) = chosen
         scale.copy_(new_scale)
-        return saturate(values * new_scale, payload.dtype)
+        y = saturate(values * new_scale, payload.dtype)
+        return keep_nonzero(y, payload.dtype) if self.keep_nonzero else y
 
     def bytes_per_element(self, param_dtype: torch.dtype) -> float:
         return (self.dtype or param_dtype).itemsize
@@ -366,7 +365,8 @@ class GroupFP8(Format):
             grouped = magnitude.copysign(grouped)
             amax = magnitude.amax(dim=1)
         limit = format_max(self.dtype)
-        s = torch.where(amax > 0, limit / amax, ones)
+        # s ≤ 2^126 (as pow2_scale's): a decayed amax below F/FLT_MAX gave s = inf, a NaN group.
+        s = torch.where(amax > 0, (limit / amax).clamp(max=2.0**126), ones)
         return grouped, torch.where(torch.isfinite(amax), s, math.nan), k, c
 
     def store_(self, values, chosen, payload, scale, exponent, center) -> None:
@@ -386,12 +386,12 @@ class GroupFP8(Format):
 class Blockwise8bit(Format):
     """8-bit codes into the `dynamic_map` with one FP32 absmax per block of `block_size`.
 
-    Encoding divides a block by its absmax (a = max|x|; an all-zero block keeps a = 0 and
-    codes of 0) and stores the index of the nearest map value (ties to the lower one);
-    decoding is map[code]·a. The first moment uses the signed map, the second (never
-    negative) the unsigned one, whose codes are twice as dense. This is the layout of the
-    8-bit AdamW states of the 8-bit optimizer literature (Dettmers et al., 2022): 1 byte + 4/256
-    per element. NaN in a block makes its absmax NaN, so the block decodes to NaN.
+    Encoding divides a block by its absmax (a = max|x|; an all-zero block keeps a = 0 and codes of
+    0) and stores the index of the nearest map value (ties to the lower one); decoding is map[code]·a.
+    m uses the signed map, v (never negative) the unsigned one, whose codes are twice as dense; a
+    positive v takes code 1 (3.25e-7·a) at least, never 0 (a v of 0 beside an m ≠ 0: update m/ε).
+    The layout of the 8-bit AdamW states of Dettmers et al. (2022): 1 byte + 4/256 per element.
+    NaN in a block makes its absmax NaN, so the block decodes to NaN.
     """
 
     signed: bool = True
@@ -441,6 +441,7 @@ class Blockwise8bit(Format):
         if not self.signed:
             normalized = normalized.clamp(min=0.0)
         index = torch.bucketize(normalized, midpoints)
+        index = index if self.signed else torch.where(normalized > 0, index.clamp(min=1), index)
         codes.view(-1, self.block_size).copy_(index.to(torch.uint8))
         absmax.copy_(amax)
 

@@ -25,10 +25,12 @@ __all__ = ["FP8AdamW", "fp8_adamw_param_step"]
 def _composition(param: torch.Tensor, group: dict[str, Any]) -> Composition:
     margin = group["margin"]
     m = Scaled(format_dtype(group["exp_avg_format"]), margin)
-    v = Scaled(format_dtype(group["exp_avg_sq_format"]), margin)
+    # keep_nonzero: a small v beside a far larger one in the tensor stored as 0 made the update m/ε.
+    v = Scaled(format_dtype(group["exp_avg_sq_format"]), margin, keep_nonzero=True)
     if get_master_scale(param) is None:
         if group.get("unscaled_format") is not None:  # not an FP8 GEMM weight: its own format
-            m = v = Scaled(format_dtype(group["unscaled_format"]), margin)
+            m = Scaled(format_dtype(group["unscaled_format"]), margin)
+            v = Scaled(m.dtype, margin, keep_nonzero=True)
         return Composition(m, v, Nearest())
     if not takes_gpu_path(param.device):  # the native kernels' rule
         return Composition(m, v, ScaledMaster(margin))

@@ -199,7 +199,11 @@ def fp8_adamw_step(
     FP16, or FP32 and FP32 (stored unscaled, scale 1); every scale a 0-dim FP32 CPU tensor.
     A bucket mixing scaled and plain masters runs as two calls (two declarations).
     """
-    moments = (Scaled(exp_avgs[0].dtype, margin), Scaled(exp_avg_sqs[0].dtype, margin)) if len(params) else ()
+    moments = (
+        (Scaled(exp_avgs[0].dtype, margin), Scaled(exp_avg_sqs[0].dtype, margin, keep_nonzero=True))
+        if len(params)
+        else ()
+    )
     for scaled in (True, False):
         rows = [i for i, s in enumerate(master_scales) if (s is not None) == scaled]
         if not rows:

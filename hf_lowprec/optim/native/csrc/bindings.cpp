@@ -221,6 +221,7 @@ void fill_moment(Tensors& t, const Shared& shared, const Options& options, int t
     }
     case SCALED:
       mo.inv_scale = 1.0f / scalar_of(prefix + "_scale", i, t.get(prefix + "_scale", i));
+      mo.nonnegative = option(options, prefix + "_nonnegative", 0) != 0;  // formats.Scaled.keep_nonzero
       break;
     case GROUP_FP8: {
       const char* suffixes[3] = {"_scale", "_exponent", "_center"};

@@ -214,16 +214,35 @@ inline typename V::I uniform_bits16(uint32_t seed_mix, int64_t i) {
 }
 
 
+template <class V>
+inline typename V::F copysign_(typename V::F magnitude, typename V::F sign_of) {
+  auto sign = V::and_(V::bits(sign_of), V::iset1(0x80000000u));
+  return V::from_bits(V::or_(V::and_(V::bits(magnitude), V::iset1(0x7FFFFFFF)), sign));
+}
+
+// The smallest positive code of D (fp8.scaled.keep_nonzero's d).
+constexpr float smallest_code(int d) {
+  return d == E4M3 ? 0x1p-9f : d == E5M2 ? 0x1p-16f : d == BF16 ? 0x1p-133f : 0x1p-24f;
+}
+
 // payload = cast(clamp(y, −L, L) + (y − y)), y = x·s: ±inf and NaN become NaN (fp8.scaled.quantize).
+// `keep_nonzero` (a second moment, formats.Scaled.keep_nonzero): a non-zero value below the
+// smallest code d is stored as ±d (max(d, NaN) keeps NaN, as the reference's clamp).
 template <class V, int D>
-inline void store_scaled(void* base, int64_t i, typename V::F x, typename V::F scale) {
+inline void store_scaled(void* base, int64_t i, typename V::F x, typename V::F scale, bool keep_nonzero = false) {
   if constexpr (D == F32) {
     store<V, F32>(base, i, x);
   } else {
     auto y = x * scale;
     auto limit = V::set1(format_max(D));
     auto clamped = V::min(limit, V::max(V::set1(-format_max(D)), y));
-    store<V, D>(base, i, clamped + (y - y));
+    auto stored = clamped + (y - y);
+    if (keep_nonzero) {
+      auto magnitude = V::from_bits(V::and_(V::bits(stored), V::iset1(0x7FFFFFFF)));
+      auto kept = copysign_<V>(V::max(V::set1(smallest_code(D)), magnitude), stored);
+      stored = V::select(V::ne(stored, V::set1(0.0f)), kept, stored);
+    }
+    store<V, D>(base, i, stored);
   }
 }
 
@@ -282,12 +301,6 @@ inline typename V::F pow_nonnegative(typename V::F x, typename V::F e) {
   auto r = exp2_<V>(e * log2_positive<V>(x));
   r = V::select(V::ieq(V::bits(x), V::iset1(0)), x, r);
   return V::select(V::isnan(x), x, r);
-}
-
-template <class V>
-inline typename V::F copysign_(typename V::F magnitude, typename V::F sign_of) {
-  auto sign = V::and_(V::bits(sign_of), V::iset1(0x80000000u));
-  return V::from_bits(V::or_(V::and_(V::bits(magnitude), V::iset1(0x7FFFFFFF)), sign));
 }
 
 // One group's decoding constants: real = sign(y)·|y|^(1/k)·c, y = q/s.
@@ -380,7 +393,9 @@ inline void encode_fp8_group(float* buf, int64_t size, void* payload, int64_t ba
     }
   }
   // F/amax as PyTorch evaluates a Python scalar over a tensor: reciprocal, then multiply.
+  // At most 2^126 (formats.GroupFP8.choose): a decayed amax below F/FLT_MAX would give s = inf.
   float s = amax > 0.0f ? (1.0f / amax) * limit : 1.0f;
+  if (s > 0x1p126f) s = 0x1p126f;
   if (!(VS::bits(amax) < 0x7F800000u)) s = VS::from_bits(0x7FC00000u);  // inf or NaN amax: NaN scale
   auto sv = V::set1(s);
   for (int64_t j = 0; j < size; j += V::W) store_scaled<V, D>(payload, base + j, V::load_f32(buf + j), sv);
@@ -423,7 +438,10 @@ inline void encode_block(const Moment& mo, float* buf, int64_t size, uint8_t* co
   for (int64_t j = 0; j < size; j += V::W) {
     auto x = V::load_f32(buf + j) / divisor;
     if constexpr (NONNEGATIVE) x = V::max(V::set1(0.0f), x);  // clamp(min=0): NaN stays NaN
-    V::store_u8(codes + j, map_encode<V>(mo, x));
+    auto code = map_encode<V>(mo, x);
+    // A positive v never takes the zero code (code 0; formats.Blockwise8bit.store_): at least code 1.
+    if constexpr (NONNEGATIVE) code = V::iselect(V::lt(V::set1(0.0f), x), V::imax(code, V::iset1(1)), code);
+    V::store_u8(codes + j, code);
   }
   *absmax = amax;
 }
@@ -477,7 +495,9 @@ struct ScaledFormat {
   template <class V>
   struct Code {
     typename V::F inv, next;
-    Code(const Moment& mo, int64_t) : inv(V::set1(mo.inv_scale)), next(V::set1(mo.new_scale)) {}
+    bool keep_nonzero;
+    Code(const Moment& mo, int64_t)
+        : inv(V::set1(mo.inv_scale)), next(V::set1(mo.new_scale)), keep_nonzero(mo.nonnegative) {}
   };
   template <class V>
   static typename V::F decode(const Moment& mo, const Code<V>& code, int64_t i) {
@@ -485,7 +505,7 @@ struct ScaledFormat {
   }
   template <class V>
   static void encode(const Moment& mo, const Code<V>& code, int64_t i, typename V::F x) {
-    store_scaled<V, D>(mo.payload, i, x, code.next);
+    store_scaled<V, D>(mo.payload, i, x, code.next, code.keep_nonzero);
   }
 };
 

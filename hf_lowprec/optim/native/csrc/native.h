@@ -48,7 +48,8 @@ struct Moment {
   float inv_scale = 1, new_scale = 1;       // Scaled: real = payload·inv_scale; pass 2's scale
   // Blockwise8bit: the map's 256 values, its 255 midpoints and a +inf sentinel, the code below
   // each 16-bit key (an FP32's top half), the code of NaN; `nonnegative`: clamp at 0 first.
-  // GroupFP8: `nonnegative` is `keep_nonzero` (a second moment: no non-zero value stored as 0).
+  // GroupFP8 and Scaled: `nonnegative` is `keep_nonzero` (a second moment: no non-zero value
+  // stored as 0).
   const float* map_values = nullptr;
   const float* map_mids = nullptr;
   const uint8_t* map_lookup = nullptr;
