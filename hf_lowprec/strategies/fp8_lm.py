@@ -111,12 +111,8 @@ class FP8LMOptions(FP8RuleOptions):
             raise ValueError(f"exp_avg_sq_format must be one of {sorted(FORMATS)}, got {self.exp_avg_sq_format!r}")
 
     def unread_options(self) -> dict[str, str]:
-        unread = super().unread_options()
-        if self.level == "O1":
-            unread["exp_avg_sq_format"] = (
-                "exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states: drop exp_avg_sq_format (or pick fp8-lm-o2)"
-            )
-        return unread
+        why = "exp_avg_sq_format applies to the O2 FP8 optimizer; O1 keeps FP32 states: drop exp_avg_sq_format"
+        return super().unread_options() | ({"exp_avg_sq_format": why} if self.level == "O1" else {})
 
 
 @register(
