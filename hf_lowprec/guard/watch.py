@@ -118,6 +118,10 @@ class Guard:
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
+    def detach(self) -> None:
+        """Stop watching the model (an equal strategy object took it over: `strategies.prepared`)."""
+        self._hook = self._hook.remove() if self._hook is not None else None
+
     def _observe_loss(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:
         """A training forward: its loss joins the step's sum (on the device; the host counts the
         micro-batches, so the step's graph is the same whatever their number), and a norm noted before it belongs to an earlier step

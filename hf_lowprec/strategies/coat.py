@@ -95,6 +95,7 @@ class COAT(PrecisionStrategy):
 
     Options = COATOptions
     resume_safe_options = PrecisionStrategy.resume_safe_options | RULE_OPTIONS
+    prepared_state = ("fp8_layout",)
     support = EngineSupport(
         fsdp2=True,
         fsdp2_note=(

@@ -94,6 +94,7 @@ class BF16Weights(BF16Pure):
     # A new seed restarts the stochastic-rounding generators from it (StrategyOptimizer.load_state_dict);
     # seed_compensation acts only on a fresh run, between prepare_model and create_optimizer.
     resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed", "seed_compensation"}
+    prepared_state = ("_residuals",)
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)

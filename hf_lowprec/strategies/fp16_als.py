@@ -112,6 +112,8 @@ class FP16ALS(LossScaledStrategy):
         ),
     )
 
+    prepared_state = ("_residuals", "scaler", "accumulator")  # the scaler's hooks are on the model
+
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
         o = self.options

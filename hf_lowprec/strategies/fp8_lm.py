@@ -147,6 +147,9 @@ class FP8LM(PrecisionStrategy):
         fsdp2_gathers_fp8=True,
     )
 
+    # The backward hooks on the FP8 weights hold the gradient scaler the comm state shares.
+    prepared_state = ("fp8_layout", "_param_split", "scaler", "comm_state", "backward_grads")
+
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
         self._param_split = (0, 0)  # (FP8 GEMM weights, other trainable parameters) of the O2 model

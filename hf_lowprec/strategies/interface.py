@@ -26,6 +26,7 @@ from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions, build_options
+from .prepared import mark_prepared, prepared_already
 from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
 
@@ -88,6 +89,7 @@ class PrecisionStrategy:
     takes_user_optimizer: ClassVar[bool] = False
     # name → the options it fixes, written by `registry.register` (the unknown-option error leaves them out).
     registered_presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    prepared_state: ClassVar[tuple[str, ...]] = ()  # what convert_model sets up, taken over by an equal strategy
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         self.name = name or type(self).__name__
@@ -107,13 +109,11 @@ class PrecisionStrategy:
 
     @property
     def frozen_in_fp8(self) -> bool:
-        """Frozen models beside the trained one keep FP8 blocks (`integrations.frozen`): the
-        forward's GEMMs are FP8 ones."""
+        """Frozen models beside the trained one keep FP8 blocks (`integrations.frozen`): FP8 GEMMs."""
         return self.uses_fp8_gemm
 
     def engine_support(self) -> EngineSupport:
-        """Where this strategy, with its options, trains: the class's `support` unless an
-        option changes it (the engines, the support matrix and the refusals read this)."""
+        """Where this strategy, with its options, trains (the engines, support matrix and refusals read it)."""
         return self.support
 
     def __repr__(self) -> str:
@@ -121,15 +121,17 @@ class PrecisionStrategy:
 
     # --- model -------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model to train: its 16-bit parameters adopted where the strategy promises FP32
-        (`adopt.adopt_loaded_dtypes`: a BF16 Hub checkpoint as loaded), then `convert_model`;
-        the experts modules it left in high precision take autocast's dtype in their grouped
-        GEMMs (`grouped_experts.install_grouped_experts`; a no-op outside a 16-bit autocast)."""
+        """The model to train: 16-bit parameters adopted where the strategy promises FP32 (`adopt`), then
+        `convert_model`; high-precision experts take autocast's dtype (`install_grouped_experts`). Marked:
+        prepared again under an equal strategy it is left as it is, under another refused (`prepared`)."""
+        if prepared_already(self, model):
+            return model
         adopt_loaded_dtypes(self, model)
         model = self.convert_model(model)
         install_grouped_experts(model)
         if self.guard is not None:
             self.guard.attach(model)
+        mark_prepared(self, model)
         return model
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -137,8 +139,7 @@ class PrecisionStrategy:
         return model
 
     def discard_prepared_state(self) -> None:
-        """Forget what `prepare_model` kept of the initial weights for `create_optimizer` (a resume
-        whose optimizer starts afresh takes its weights from the checkpoint, not from them)."""
+        """Forget the initial weights `prepare_model` kept for `create_optimizer` (a resume starts from the checkpoint's)."""
 
     # --- FSDP2 -------------------------------------------------------------------------
     def fsdp2_mixed_precision(self) -> Any:
@@ -151,8 +152,7 @@ class PrecisionStrategy:
         return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
-        """Called once FSDP2 has swapped `model`'s parameters for DTensor shards (`engines.fsdp2.shard_model`,
-        the Accelerate path): re-point what the strategy keyed on the unsharded parameters."""
+        """After FSDP2 swapped `model`'s parameters for DTensor shards: re-point what was keyed on the others."""
 
     # --- optimizer ---------------------------------------------------------------------
     def build_optimizer(
@@ -337,9 +337,7 @@ class PrecisionStrategy:
         self._skipped_logged = min(self._skipped_logged, self._skipped_before)
 
     def count_skip(self, found_inf: torch.Tensor) -> None:
-        """Add this step's `found_inf` (0 or 1) to the skipped-step counter, on the device.
-
-        An FP32 counter: exact up to 2^24 skipped steps."""
+        """Add this step's `found_inf` (0 or 1) to the skipped-step counter, on the device (FP32: exact to 2^24)."""
         if self._skipped_on_device is None or self._skipped_on_device.device != found_inf.device:
             base = self._skipped_on_device
             self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=found_inf.device)

@@ -1,0 +1,87 @@
+"""Which strategy prepared a model: `PrecisionStrategy.prepare_model` marks the model it converts,
+a model prepared again under an equal strategy is left as it is (the strategy takes over what the
+conversion set up), and one prepared under another strategy, or other options, is refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .interface import PrecisionStrategy
+
+__all__ = ["PREPARED_ATTR", "mark_prepared", "prepared_already"]
+
+PREPARED_ATTR = "hf_lowprec_prepared"
+
+
+class _Mark:
+    """Who prepared a model. A copy of the model (`copy.deepcopy`) shares it; a pickled model keeps the
+    name and options only (the strategy object, with its process groups and hooks, is not saved)."""
+
+    def __init__(self, name: str, options: Any, strategy: PrecisionStrategy | None) -> None:
+        self.name, self.options, self.strategy = name, options, strategy
+
+    def __deepcopy__(self, memo: dict) -> _Mark:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_Mark, (self.name, self.options, None))
+
+
+def mark_prepared(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
+    """Record on `model` (its `__dict__`, so neither a parameter nor a buffer) that `strategy` prepared it."""
+    model.__dict__[PREPARED_ATTR] = _Mark(strategy.name, strategy.options, strategy)
+
+
+def _marks(model: torch.nn.Module) -> list[tuple[str, _Mark]]:
+    return [(name, m.__dict__[PREPARED_ATTR]) for name, m in model.named_modules() if PREPARED_ATTR in m.__dict__]
+
+
+def prepared_already(strategy: PrecisionStrategy, model: torch.nn.Module) -> bool:
+    """Whether `model` was prepared under `strategy`'s name and options (True: prepare nothing again).
+
+    A model `strategy` prepared is returned as it is; one an equal strategy object prepared (a second
+    Trainer over the same model) too, with that object's conversion state handed to `strategy`
+    (the attributes named by its `prepared_state`; its guard watches the model instead). A model,
+    or a module of it, prepared under another strategy or other options is refused before any work:
+    its layers and weights are that strategy's (FP8 layers with scaled FP16 masters, BF16 weights)
+    and would train wrongly, or not at all, under this one."""
+    for where, mark in _marks(model):
+        name, options, earlier = mark.name, mark.options, mark.strategy
+        if where == "" and name == strategy.name and options == strategy.options:
+            if earlier is None and strategy.prepared_state:
+                raise ValueError(
+                    f"this model was prepared under precision strategy {name!r} and saved with it (pickled), "
+                    f"which does not hold what its conversion set up ({', '.join(strategy.prepared_state)}); pass a fresh model "
+                    "(build or load it again, or save_pretrained it and load it with from_pretrained)"
+                )
+            if earlier is not None and earlier is not strategy:
+                _take_over(strategy, earlier, model)
+            return True
+        what = "this model" if where == "" else f"this model's module {where!r}"
+        now = repr(strategy.name)
+        if name == strategy.name:  # the options that differ
+            fields = [f for f in vars(options) if getattr(options, f) != getattr(strategy.options, f, None)]
+            name = f"{name} with " + ", ".join(f"{f}={getattr(options, f)!r}" for f in fields)
+            now = "the same strategy with " + ", ".join(f"{f}={getattr(strategy.options, f, None)!r}" for f in fields)
+        raise ValueError(
+            f"{what} was prepared already under precision strategy {name!r}: its layers and weights are that "
+            f"strategy's conversion (FP8 layers, scaled or 16-bit weights), which {now} cannot train. Pass a "
+            "fresh model (build or load it again, or save_pretrained the prepared one and load it with "
+            "from_pretrained), or keep the first strategy and its options"
+        )
+    return False
+
+
+def _take_over(strategy: PrecisionStrategy, earlier: PrecisionStrategy, model: torch.nn.Module) -> None:
+    for attr in strategy.prepared_state:
+        if hasattr(earlier, attr):  # (fp8_layout: only where layers were converted)
+            setattr(strategy, attr, getattr(earlier, attr))
+    if earlier.guard is not None:
+        earlier.guard.detach()
+    if strategy.guard is not None:
+        strategy.guard.attach(model)
+    mark_prepared(strategy, model)

@@ -1,0 +1,98 @@
+"""A model prepared by one strategy and handed to another (`strategies.prepared`): refused before any
+work; prepared again under an equal strategy (a second Trainer, the plugin again, another strategy
+object in a custom loop): left as it is, and trains as the model prepared once."""
+
+import copy
+import io
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+import hf_lowprec
+from hf_lowprec.data import tiny_gpt2_config
+from hf_lowprec.fp8 import FP8Linear
+from tests.helpers import assert_bits_equal, batches
+
+
+def tiny(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(
+        tiny_gpt2_config(n_embd=64, n_layer=2, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    )
+
+
+def master_scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: m.master_scale.clone() for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+
+
+@pytest.mark.parametrize("second", ["fp32", "collage-plus", "coat"])
+def test_another_strategy_refuses_an_fp8_lm_o2_model(second: str):
+    """fp8-lm-o2's FP8Linear layers hold FP16 masters scaled by 2^19: fp32, collage-plus and coat
+    trained that payload as a weight, and moved the real weight by lr/2^19 (1.9e-8 after 10 steps at
+    lr 1e-3, where a fresh model's moved 9.5e-3). Now refused, naming fp8-lm-o2 and the fix, before
+    anything of the model changes."""
+    model = hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(tiny())
+    scales = master_scales(model)
+    assert scales and all(float(s) > 1.0 for s in scales.values())  # the scaled masters the test is about
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"prepared already under precision strategy 'fp8-lm-o2'.*fresh model"):
+        hf_lowprec.get_strategy(second).prepare_model(model)
+    for name, p in model.named_parameters():
+        assert p.dtype == before[name].dtype
+        assert_bits_equal(p.detach(), before[name], name)
+    for name, s in master_scales(model).items():
+        assert_bits_equal(s, scales[name], name)
+
+
+def test_other_options_and_a_prepared_module_are_refused():
+    """The same name with other options converts otherwise (seed_compensation keeps a residual); a
+    model holding a module prepared under another strategy is refused too, naming the module."""
+    model = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
+    with pytest.raises(ValueError, match=r"seed_compensation=True.*seed_compensation=False"):
+        hf_lowprec.get_strategy("collage-plus", seed_compensation=False).prepare_model(model)
+    outer = torch.nn.ModuleDict({"inner": hf_lowprec.get_strategy("bf16-pure").prepare_model(tiny())})
+    with pytest.raises(ValueError, match="module 'inner' was prepared already under precision strategy 'bf16-pure'"):
+        hf_lowprec.get_strategy("fp32").prepare_model(outer)
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "collage-plus", "fp16-als"])
+def test_preparing_again_under_an_equal_strategy_changes_nothing(name: str):
+    """Prepared twice, by the same strategy object or by an equal one: fp8-lm-o2's second prepare
+    reset every master scale from 2^19 to 1.0 (a final loss of 5.5518 where once gave 5.5505 after
+    10 steps), collage-plus lost its seeded residuals. Now the second prepare is a no-op and three
+    steps of the second object train bit for bit as the model prepared once."""
+    data = batches(3)
+
+    def run(times: int) -> list[torch.Tensor]:
+        model, strategy = tiny(), None
+        for _ in range(times):
+            strategy = hf_lowprec.get_strategy(name)
+            model = strategy.prepare_model(model)
+            assert strategy.prepare_model(model) is model  # the same object again
+        optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+        for ids in data:
+            strategy.train_step(model, ids, optimizer)
+        return [p.detach().clone() for p in model.parameters()] + list(master_scales(model).values())
+
+    once, twice = run(1), run(2)
+    assert len(once) == len(twice)
+    for i, (a, b) in enumerate(zip(once, twice, strict=True)):
+        assert_bits_equal(b, a, f"tensor {i}")
+
+
+def test_a_copied_or_saved_prepared_model():
+    """`copy.deepcopy` of a prepared model shares its mark (the copy is refused by another strategy);
+    `torch.save` of the whole model still works, and its mark names the strategy without its object:
+    another strategy is refused, and so is the same one, whose conversion state was not saved."""
+    model = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
+    with pytest.raises(ValueError, match="'collage-plus'"):
+        hf_lowprec.get_strategy("fp32").prepare_model(copy.deepcopy(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with pytest.raises(ValueError, match="'collage-plus'"):
+        hf_lowprec.get_strategy("bf16-mixed").prepare_model(loaded)
+    with pytest.raises(ValueError, match="pickled"):  # its seeded residuals stayed with the strategy object
+        hf_lowprec.get_strategy("collage-plus").prepare_model(loaded)
