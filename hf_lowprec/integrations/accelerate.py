@@ -90,6 +90,11 @@ class PrecisionPlugin:
             )
         objects = list(objects)
         self._refuse_second_optimizer(objects)
+        unconverted = {id(p) for obj in objects if isinstance(obj, torch.nn.Module) for p in obj.parameters()}
+        for obj in objects:  # every optimizer refusal before a model is converted: a refused prepare leaves it stock
+            stock = isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, StrategyOptimizer)
+            if stock and obj not in self._replaced:
+                self._check_optimizer(obj, unconverted)
         model_params: set[int] = set()
         for i, obj in enumerate(objects):
             if isinstance(obj, torch.nn.Module):
@@ -174,8 +179,7 @@ class PrecisionPlugin:
 
     # --- finer-grained pieces ----------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Convert `model` and run its every forward in the strategy's forward context; its 16-bit
-        outputs come out in FP32 where that context is an autocast, as Accelerate's own gives them."""
+        """Convert `model`, every forward in the strategy's context, 16-bit outputs in FP32 (as Accelerate's)."""
         model = _prepare_model(self.strategy, model)
         if id(model) not in self._hooked:
             contexts: list[contextlib.AbstractContextManager] = []
@@ -352,7 +356,7 @@ class PrecisionPlugin:
         for obj in prepared:
             prepare_ddp(self.strategy, obj)
 
-    def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> None:
         name = type(optimizer).__name__
         if not isinstance(optimizer, torch.optim.Adam):
             raise TypeError(
@@ -361,7 +365,6 @@ class PrecisionPlugin:
             )
         if optimizer.state:
             raise ValueError("the optimizer has already stepped; call plugin.prepare(...) before training")
-        groups = []
         for group in optimizer.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError(f"{name}(amsgrad=True / maximize=True) has no counterpart in the strategy's AdamW")
@@ -371,23 +374,29 @@ class PrecisionPlugin:
                     f"{name} with weight_decay adds L2 to the gradient; the strategy's AdamW decays decoupled. "
                     "Use torch.optim.AdamW"
                 )
-            stale = [p for p in group["params"] if id(p) not in model_params]
-            if model_params and stale:
-                raise ValueError(
-                    f"{len(stale)} optimizer parameters are not in the model passed beside it: an optimizer over "
-                    "another model's parameters, or one built before the strategy replaced layers (prepare the "
-                    "model and its optimizer in one plugin.prepare call, or build the optimizer after "
-                    "plugin.prepare_model(model))"
-                )
-            groups.append({k: group[k] for k in _GROUP_KEYS if k in group})
+            self._refuse_stale(group, model_params)
+
+    def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
+        for group in optimizer.param_groups:  # `_check_optimizer` passed; the parameters again, converted
+            self._refuse_stale(group, model_params)
+        groups = [{k: group[k] for k in _GROUP_KEYS if k in group} for group in optimizer.param_groups]
         return self.strategy.create_optimizer(
             groups, **{k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
         )
 
+    @staticmethod
+    def _refuse_stale(group: dict[str, Any], model_params: set[int]) -> None:
+        stale = [p for p in group["params"] if id(p) not in model_params]
+        if model_params and stale:
+            raise ValueError(
+                f"{len(stale)} optimizer parameters are not in the model passed beside it: an optimizer over another "
+                "model's parameters, or one built before the strategy replaced layers (prepare the model and its "
+                "optimizer in one plugin.prepare call, or build the optimizer after plugin.prepare_model(model))"
+            )
+
 
 def _schedulers_over(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
-    """The LR schedulers alive now that hold `optimizer` (found through the garbage collector's
-    referrers: a scheduler holds it in its attributes, inline or in its `__dict__`)."""
+    """The LR schedulers alive now that hold `optimizer` (the garbage collector's referrers, and theirs)."""
     holders = gc.get_referrers(optimizer)
     found = [h for h in holders if isinstance(h, torch.optim.lr_scheduler.LRScheduler)]
     dicts = [h for h in holders if isinstance(h, dict)]
