@@ -84,8 +84,21 @@ def _config_mixin() -> type:
             if self.precision_strategy is not None and self.bf16 is None:
                 self.bf16 = False
             super().__post_init__()
+            if getattr(self, "cast_lm_head_to_fp32", False):
+                _refuse_fp32_head(self.build_precision_strategy())
 
     return TRLPrecisionArguments
+
+
+def _refuse_fp32_head(strategy: Any) -> None:
+    """Refuse `cast_lm_head_to_fp32` where `prepare_model` casts the trained policy's head to 16 bits."""
+    if strategy is not None and all(dtype.itemsize < 4 for dtype in strategy.promised_param_dtypes()):
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True asks for an FP32 LM head, but precision_strategy={strategy.name!r} trains "
+            f"every weight in {str(strategy.param_dtype).removeprefix('torch.')}, the trained policy's head too; "
+            "drop cast_lm_head_to_fp32, or pick a strategy with FP32 master weights (bf16-mixed, fp8-lm-o1, "
+            "fp8-lm-o2, coat)"
+        )
 
 
 @functools.cache

@@ -43,6 +43,23 @@ def test_configs_leave_mixed_precision_to_the_strategy(tmp_path, name):
         config(output_dir=str(tmp_path), precision_strategy="fp32", bf16=True, use_cpu=True)
 
 
+@pytest.mark.parametrize("strategy", ["collage-plus", "bf16-pure", "bf16-sr", "fp16-als"])
+def test_an_fp32_lm_head_is_refused_where_every_trained_weight_is_16_bit(tmp_path, strategy):
+    """GRPO's `cast_lm_head_to_fp32=True` was undone on the trained policy: TRL cast the head to FP32 in
+    its `__init__`, then the strategy's `prepare_model` cast the whole model to BF16 (FP16), without a
+    word. Now the config refuses it, naming the alternatives; strategies with FP32 masters keep it."""
+    with pytest.raises(ValueError, match=rf"cast_lm_head_to_fp32.*{strategy}.*drop cast_lm_head_to_fp32.*bf16-mixed"):
+        hl_trl.GRPOConfig(
+            output_dir=str(tmp_path), precision_strategy=strategy, use_cpu=True, cast_lm_head_to_fp32=True
+        )
+    for kept in ("bf16-mixed", "fp8-lm-o2", "fp32"):
+        config = hl_trl.GRPOConfig(
+            output_dir=str(tmp_path), precision_strategy=kept, use_cpu=True, cast_lm_head_to_fp32=True
+        )
+        assert config.cast_lm_head_to_fp32 is True
+    assert hl_trl.GRPOConfig(output_dir=str(tmp_path), precision_strategy=strategy, use_cpu=True).bf16 is False
+
+
 def test_config_parses_and_pickles(tmp_path):
     (args,) = HfArgumentParser(hl_trl.SFTConfig).parse_args_into_dataclasses(
         [
