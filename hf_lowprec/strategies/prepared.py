@@ -1,16 +1,13 @@
-"""Which strategy prepared a model: `PrecisionStrategy.prepare_model` marks the model it converts,
+"""Which strategy prepared a model (`mark_prepared`, called by `strategies.interface` as it converts one):
 a model prepared again under an equal strategy is left as it is (the strategy takes over what the
 conversion set up), and one prepared under another strategy, or other options, is refused.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .interface import PrecisionStrategy
 
 __all__ = ["PREPARED_ATTR", "mark_prepared", "prepared_already"]
 
@@ -21,7 +18,7 @@ class _Mark:
     """Who prepared a model. A copy of the model (`copy.deepcopy`) shares it; a pickled model keeps the
     name and options only (the strategy object, with its process groups and hooks, is not saved)."""
 
-    def __init__(self, name: str, options: Any, strategy: PrecisionStrategy | None) -> None:
+    def __init__(self, name: str, options: Any, strategy: Any) -> None:
         self.name, self.options, self.strategy = name, options, strategy
 
     def __deepcopy__(self, memo: dict) -> _Mark:
@@ -31,7 +28,7 @@ class _Mark:
         return (_Mark, (self.name, self.options, None))
 
 
-def mark_prepared(strategy: PrecisionStrategy, model: torch.nn.Module) -> None:
+def mark_prepared(strategy: Any, model: torch.nn.Module) -> None:
     """Record on `model` (its `__dict__`, so neither a parameter nor a buffer) that `strategy` prepared it."""
     model.__dict__[PREPARED_ATTR] = _Mark(strategy.name, strategy.options, strategy)
 
@@ -40,7 +37,7 @@ def _marks(model: torch.nn.Module) -> list[tuple[str, _Mark]]:
     return [(name, m.__dict__[PREPARED_ATTR]) for name, m in model.named_modules() if PREPARED_ATTR in m.__dict__]
 
 
-def prepared_already(strategy: PrecisionStrategy, model: torch.nn.Module) -> bool:
+def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
     """Whether `model` was prepared under `strategy`'s name and options (True: prepare nothing again).
 
     A model `strategy` prepared is returned as it is; one an equal strategy object prepared (a second
@@ -76,7 +73,7 @@ def prepared_already(strategy: PrecisionStrategy, model: torch.nn.Module) -> boo
     return False
 
 
-def _take_over(strategy: PrecisionStrategy, earlier: PrecisionStrategy, model: torch.nn.Module) -> None:
+def _take_over(strategy: Any, earlier: Any, model: torch.nn.Module) -> None:
     for attr in strategy.prepared_state:
         if hasattr(earlier, attr):  # (fp8_layout: only where layers were converted)
             setattr(strategy, attr, getattr(earlier, attr))
