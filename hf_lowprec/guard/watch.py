@@ -67,8 +67,7 @@ class Guard:
     Every action is logged as one warning naming what and why, counted in `precision/guard_*`
     metrics, and saved with the strategy's state: a resumed run re-raises the same layers. The
     guard is bounded: after `max_rollbacks` rollbacks, or once every FP8 layer is BF16 and still
-    faulting, it says so and stops acting (the run goes on, as it would without the guard).
-    """
+    faulting, it says so and stops acting (the run goes on, as it would without the guard)."""
 
     def __init__(self, config: GuardConfig, strategy: Any) -> None:
         self.config = config
@@ -118,8 +117,7 @@ class Guard:
         for name, recipe in self.raised.items():  # raised before a resume: raise them again
             self._set_recipe(name, recipe)
 
-    def detach(self) -> None:
-        """Stop watching the model (an equal strategy object took it over: `strategies.prepared`)."""
+    def detach(self) -> None:  # stop watching the model: an equal strategy took it over (`strategies.prepared`)
         self._hook = self._hook.remove() if self._hook is not None else None
 
     def _observe_loss(self, module: torch.nn.Module, args: Any, kwargs: dict, output: Any) -> None:

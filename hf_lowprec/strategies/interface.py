@@ -26,7 +26,7 @@ from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions, build_options
-from .prepared import mark_prepared, prepared_already
+from .prepared import UNCONVERTED_OPTIONS, mark_prepared, prepared_already
 from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
 
@@ -83,9 +83,7 @@ class PrecisionStrategy:
     # Options a resume may change: they decide how the step runs or what is measured and
     # saved, not the layout or meaning of the saved state. Any other change is refused
     # (`hf_lowprec.checkpoints.resume.check_resume_options`).
-    resume_safe_options: ClassVar[frozenset[str]] = frozenset(
-        {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout", "guard"}
-    )
+    resume_safe_options: ClassVar[frozenset[str]] = UNCONVERTED_OPTIONS
     takes_user_optimizer: ClassVar[bool] = False
     # name → the options it fixes, written by `registry.register` (the unknown-option error leaves them out).
     registered_presets: ClassVar[dict[str, dict[str, Any]]] = {}

@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREPARED_ATTR", "mark_prepared", "prepared_already"]
+__all__ = ["PREPARED_ATTR", "UNCONVERTED_OPTIONS", "mark_prepared", "prepared_already"]
+
+# Options that leave a model's conversion as it is (metrics, saving, the guard, frozen models): they
+# may differ when a model is prepared again, as on a resume.
+UNCONVERTED_OPTIONS = frozenset(
+    {"lost_arithmetic_metrics", "save_full_precision", "fused", "frozen_models", "rollout", "guard"}
+)
 
 PREPARED_ATTR = "hf_lowprec_prepared"
 
@@ -48,7 +54,12 @@ def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
     and would train wrongly, or not at all, under this one."""
     for where, mark in _marks(model):
         name, options, earlier = mark.name, mark.options, mark.strategy
-        if where == "" and name == strategy.name and options == strategy.options:
+        fields = [
+            f
+            for f in vars(options)
+            if f not in UNCONVERTED_OPTIONS and getattr(options, f) != getattr(strategy.options, f, None)
+        ]
+        if where == "" and name == strategy.name and not fields:
             if earlier is None and strategy.prepared_state:
                 raise ValueError(
                     f"this model was prepared under precision strategy {name!r} and saved with it (pickled), "
@@ -61,7 +72,6 @@ def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
         what = "this model" if where == "" else f"this model's module {where!r}"
         now = repr(strategy.name)
         if name == strategy.name:  # the options that differ
-            fields = [f for f in vars(options) if getattr(options, f) != getattr(strategy.options, f, None)]
             name = f"{name} with " + ", ".join(f"{f}={getattr(options, f)!r}" for f in fields)
             now = "the same strategy with " + ", ".join(f"{f}={getattr(strategy.options, f, None)!r}" for f in fields)
         raise ValueError(

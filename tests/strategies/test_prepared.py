@@ -97,3 +97,12 @@ def test_a_copied_or_saved_prepared_model():
         hf_lowprec.get_strategy("bf16-mixed").prepare_model(loaded)
     with pytest.raises(ValueError, match="pickled"):  # its seeded residuals stayed with the strategy object
         hf_lowprec.get_strategy("collage-plus").prepare_model(loaded)
+
+
+def test_options_that_leave_the_conversion_may_differ_when_prepared_again():
+    # A second Trainer over the same model with other metrics or guard settings: nothing to convert again.
+    model = hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(tiny())
+    scales = [m.master_scale for m in model.modules() if hasattr(m, "master_scale")]
+    again = hf_lowprec.get_strategy("fp8-lm-o2", lost_arithmetic_metrics=False, save_full_precision=True)
+    assert again.prepare_model(model) is model
+    assert [m.master_scale for m in model.modules() if hasattr(m, "master_scale")] == scales
