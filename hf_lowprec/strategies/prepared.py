@@ -1,6 +1,8 @@
 """Which strategy prepared a model (`mark_prepared`, called by `strategies.interface` as it converts one):
 a model prepared again under an equal strategy is left as it is (the strategy takes over what the
-conversion set up), and one prepared under another strategy, or other options, is refused.
+conversion set up); one whose conversion left layers or hooks bound to the model (FP8 layers, fp16-als's
+hooks) is refused by another strategy or other options, while a plain cast (fp32, bf16-mixed, the BF16
+weights) may be prepared again by any strategy.
 """
 
 from __future__ import annotations
@@ -20,23 +22,29 @@ UNCONVERTED_OPTIONS = frozenset(
 PREPARED_ATTR = "hf_lowprec_prepared"
 
 
-class _Mark:
-    """Who prepared a model. A copy of the model (`copy.deepcopy`) shares it; a pickled model keeps the
-    name and options only (the strategy object, with its process groups and hooks, is not saved)."""
+# What a conversion keeps for the optimizer, not in the model (Collage's seeded residuals).
+_OPTIMIZER_SIDE = frozenset({"_residuals"})
 
-    def __init__(self, name: str, options: Any, strategy: Any) -> None:
-        self.name, self.options, self.strategy = name, options, strategy
+
+class _Mark:
+    """Who prepared a model, and whether the conversion bound layers or hooks to it (`binds`). A copy
+    (`copy.deepcopy`) or a pickled model keeps the name, options and `binds` only: the strategy object,
+    with its hooks and scalers on the original's parameters, is not the copy's."""
+
+    def __init__(self, name: str, options: Any, strategy: Any, binds: bool) -> None:
+        self.name, self.options, self.strategy, self.binds = name, options, strategy, binds
 
     def __deepcopy__(self, memo: dict) -> _Mark:
-        return self
+        return _Mark(self.name, self.options, None, self.binds)
 
     def __reduce__(self) -> tuple:
-        return (_Mark, (self.name, self.options, None))
+        return (_Mark, (self.name, self.options, None, self.binds))
 
 
 def mark_prepared(strategy: Any, model: torch.nn.Module) -> None:
     """Record on `model` (its `__dict__`, so neither a parameter nor a buffer) that `strategy` prepared it."""
-    model.__dict__[PREPARED_ATTR] = _Mark(strategy.name, strategy.options, strategy)
+    binds = bool(set(strategy.prepared_state) - _OPTIMIZER_SIDE)
+    model.__dict__[PREPARED_ATTR] = _Mark(strategy.name, strategy.options, strategy, binds)
 
 
 def _marks(model: torch.nn.Module) -> list[tuple[str, _Mark]]:
@@ -49,9 +57,9 @@ def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
     A model `strategy` prepared is returned as it is; one an equal strategy object prepared (a second
     Trainer over the same model) too, with that object's conversion state handed to `strategy`
     (the attributes named by its `prepared_state`; its guard watches the model instead). A model,
-    or a module of it, prepared under another strategy or other options is refused before any work:
-    its layers and weights are that strategy's (FP8 layers with scaled FP16 masters, BF16 weights)
-    and would train wrongly, or not at all, under this one."""
+    or a module of it, whose conversion bound layers or hooks to it (FP8 layers with scaled FP16
+    masters, fp16-als's hooks) is refused by another strategy or other options before any work: it
+    would train wrongly, or not at all. A cast (fp32, bf16-mixed, the BF16 weights) is prepared again."""
     for where, mark in _marks(model):
         name, options, earlier = mark.name, mark.options, mark.strategy
         fields = [
@@ -59,26 +67,29 @@ def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
             for f in vars(options)
             if f not in UNCONVERTED_OPTIONS and getattr(options, f) != getattr(strategy.options, f, None)
         ]
-        if where == "" and name == strategy.name and not fields:
-            if earlier is None and strategy.prepared_state:
+        same = name == strategy.name and not fields
+        if where == "" and same:
+            if earlier is None and mark.binds:
                 raise ValueError(
-                    f"this model was prepared under precision strategy {name!r} and saved with it (pickled), "
-                    f"which does not hold what its conversion set up ({', '.join(strategy.prepared_state)}); pass a fresh model "
-                    "(build or load it again, or save_pretrained it and load it with from_pretrained)"
+                    f"this model was prepared under precision strategy {name!r} and then copied or pickled, "
+                    f"which does not carry what its conversion bound to it ({', '.join(strategy.prepared_state)}); "
+                    "pass a fresh model (build or load it again, or save_pretrained it and load it with from_pretrained)"
                 )
             if earlier is not None and earlier is not strategy:
                 _take_over(strategy, earlier, model)
             return True
+        if same or not mark.binds:  # prepared again, as any model: a cast leaves nothing bound to it
+            continue
         what = "this model" if where == "" else f"this model's module {where!r}"
         now = repr(strategy.name)
         if name == strategy.name:  # the options that differ
             name = f"{name} with " + ", ".join(f"{f}={getattr(options, f)!r}" for f in fields)
             now = "the same strategy with " + ", ".join(f"{f}={getattr(strategy.options, f, None)!r}" for f in fields)
         raise ValueError(
-            f"{what} was prepared already under precision strategy {name!r}: its layers and weights are that "
-            f"strategy's conversion (FP8 layers, scaled or 16-bit weights), which {now} cannot train. Pass a "
-            "fresh model (build or load it again, or save_pretrained the prepared one and load it with "
-            "from_pretrained), or keep the first strategy and its options"
+            f"{what} was prepared already under precision strategy {name!r}: its layers and hooks are that "
+            f"strategy's conversion (FP8 layers with scaled weights, loss-scaling hooks), which {now} cannot "
+            "train. Pass a fresh model (build or load it again, or save_pretrained the prepared one and load it "
+            "with from_pretrained), or keep the first strategy and its options"
         )
     return False
 

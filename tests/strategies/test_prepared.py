@@ -1,6 +1,7 @@
 """A model prepared by one strategy and handed to another (`strategies.prepared`): refused before any
-work; prepared again under an equal strategy (a second Trainer, the plugin again, another strategy
-object in a custom loop): left as it is, and trains as the model prepared once."""
+work where the first conversion bound FP8 layers or hooks to it, prepared again where it only cast;
+under an equal strategy (a second Trainer, the plugin again, another strategy object in a custom
+loop): left as it is, and trains as the model prepared once."""
 
 import copy
 import io
@@ -46,14 +47,29 @@ def test_another_strategy_refuses_an_fp8_lm_o2_model(second: str):
 
 
 def test_other_options_and_a_prepared_module_are_refused():
-    """The same name with other options converts otherwise (seed_compensation keeps a residual); a
-    model holding a module prepared under another strategy is refused too, naming the module."""
-    model = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
-    with pytest.raises(ValueError, match=r"seed_compensation=True.*seed_compensation=False"):
-        hf_lowprec.get_strategy("collage-plus", seed_compensation=False).prepare_model(model)
-    outer = torch.nn.ModuleDict({"inner": hf_lowprec.get_strategy("bf16-pure").prepare_model(tiny())})
-    with pytest.raises(ValueError, match="module 'inner' was prepared already under precision strategy 'bf16-pure'"):
+    """The same name with other options converts otherwise (fp16-als's running-mean hooks stay on the
+    model); a model holding a module whose conversion bound FP8 layers to it is refused too, naming it."""
+    model = hf_lowprec.get_strategy("fp16-als").prepare_model(tiny())
+    with pytest.raises(ValueError, match=r"running_mean=True.*running_mean=False"):
+        hf_lowprec.get_strategy("fp16-als", running_mean=False).prepare_model(model)
+    outer = torch.nn.ModuleDict({"inner": hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(tiny())})
+    with pytest.raises(ValueError, match="module 'inner' was prepared already under precision strategy 'fp8-lm-o2'"):
         hf_lowprec.get_strategy("fp32").prepare_model(outer)
+
+
+def test_a_cast_is_prepared_again_by_any_strategy():
+    """fp32, bf16-mixed and the BF16-weight strategies only cast (Collage's residuals stay with its
+    optimizer): their model may be prepared again under another strategy or options, as before marks
+    existed (a notebook's fp32 run, then bf16-mixed, then fp8-lm-o1), and wrapped in an outer module."""
+    model = tiny()
+    for name, options in [("fp32", {}), ("bf16-mixed", {}), ("fp8-lm-o1", {})]:
+        assert hf_lowprec.get_strategy(name, **options).prepare_model(model) is model
+    assert any(isinstance(m, FP8Linear) for m in model.modules())  # fp8-lm-o1 converted it
+    bf16 = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
+    hf_lowprec.get_strategy("collage-plus", seed_compensation=False).prepare_model(bf16)
+    outer = torch.nn.ModuleDict({"inner": bf16})
+    assert hf_lowprec.get_strategy("fp32").prepare_model(outer) is outer
+    assert {p.dtype for p in outer.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("name", ["fp8-lm-o2", "collage-plus", "fp16-als"])
@@ -83,26 +99,21 @@ def test_preparing_again_under_an_equal_strategy_changes_nothing(name: str):
 
 
 def test_a_copied_or_saved_prepared_model():
-    """`copy.deepcopy` of a prepared model shares its mark (the copy is refused by another strategy);
-    `torch.save` of the whole model still works, and its mark names the strategy without its object:
-    another strategy is refused, and so is the same one, whose conversion state was not saved."""
-    model = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
-    with pytest.raises(ValueError, match="'collage-plus'"):
+    """`copy.deepcopy` of a prepared model keeps its mark without the strategy object (the original's
+    hooks and scalers are not the copy's): another strategy is refused; `torch.save` of the whole model
+    still works, and the same strategy is refused too, its conversion state not saved."""
+    model = hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(tiny())
+    with pytest.raises(ValueError, match="'fp8-lm-o2'"):
         hf_lowprec.get_strategy("fp32").prepare_model(copy.deepcopy(model))
+    with pytest.raises(ValueError, match="copied or pickled"):
+        hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(copy.deepcopy(model))
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    with pytest.raises(ValueError, match="'collage-plus'"):
+    with pytest.raises(ValueError, match="'fp8-lm-o2'"):
         hf_lowprec.get_strategy("bf16-mixed").prepare_model(loaded)
-    with pytest.raises(ValueError, match="pickled"):  # its seeded residuals stayed with the strategy object
-        hf_lowprec.get_strategy("collage-plus").prepare_model(loaded)
-
-
-def test_options_that_leave_the_conversion_may_differ_when_prepared_again():
-    # A second Trainer over the same model with other metrics or guard settings: nothing to convert again.
-    model = hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(tiny())
-    scales = [m.master_scale for m in model.modules() if hasattr(m, "master_scale")]
-    again = hf_lowprec.get_strategy("fp8-lm-o2", lost_arithmetic_metrics=False, save_full_precision=True)
-    assert again.prepare_model(model) is model
-    assert [m.master_scale for m in model.modules() if hasattr(m, "master_scale")] == scales
+    with pytest.raises(ValueError, match="copied or pickled"):  # its scalers and hooks stayed with the strategy object
+        hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(loaded)
+    copied = copy.deepcopy(hf_lowprec.get_strategy("collage-plus").prepare_model(tiny()))
+    assert hf_lowprec.get_strategy("collage-plus").prepare_model(copied) is copied  # a cast: nothing bound
