@@ -73,5 +73,15 @@ def check_trained(result: dict, strategy: str, steps: int) -> None:
     assert result["precision_strategy"] == strategy
     assert result["global_step"] == steps
     assert result["precision/skipped_steps"] == 0.0
-    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+    check_trainable_dtypes(result, strategy)
     assert math.isfinite(result["final_loss"])
+
+
+def check_trainable_dtypes(result: dict, strategy: str) -> None:
+    """The result counts every trainable dtype by elements, the strategy's parameter dtype among them,
+    and names the one holding the most (fp8-lm-o2/o3: their FP8 GEMM weights' scaled FP16 masters)."""
+    elements = result["trainable_param_elements"]
+    assert result["trainable_param_dtype"] == max(elements, key=elements.get)
+    assert str(get_strategy(strategy).param_dtype) in elements
+    if strategy in ("fp8-lm-o2", "fp8-lm-o3"):
+        assert "torch.float16" in elements

@@ -270,9 +270,10 @@ def test_trainer_ddp_uses_the_fp8_allreduce_hook(tmp_path):
     # before the first backward, and its underflow/overflow counters then reach the logs.
     result = launch("ddp.yaml", "fp8-lm-o2", tmp_path, via_env=False)
     assert result["world_size"] == 2 and result["global_step"] == 3
-    # The first parameter is the token embedding, which O2 keeps as an FP32 master (only FP8
-    # GEMM weights are scaled FP16 masters).
-    assert result["trainable_param_dtype"] == "torch.float32"
+    # O2 keeps the token embedding, norms and biases as FP32 masters, its FP8 GEMM weights as scaled
+    # FP16 masters: the tiny GPT-2's most elements.
+    assert set(result["trainable_param_elements"]) == {"torch.float32", "torch.float16"}
+    assert result["trainable_param_dtype"] == "torch.float16"
     assert "precision/fp8_allreduce_underflow" in result and "precision/fp8_allreduce_overflow" in result
     assert result["precision/skipped_steps"] == 0.0
 

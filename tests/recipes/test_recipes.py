@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lowprec import available_strategies, get_strategy
-from tests.launching import GLUE_TWO_STEPS, QUICK, RECIPES, ROOT, check_trained, import_recipe
+from hf_lowprec import available_strategies
+from tests.launching import GLUE_TWO_STEPS, QUICK, RECIPES, ROOT, check_trainable_dtypes, check_trained, import_recipe
 
 MARKER = "hf_lowprec-recipe-result:"
 SUBPROCESS_STRATEGIES = ("collage-plus", "bf16-mixed")
@@ -170,7 +170,7 @@ def test_dpo_learns_the_embedded_preferences(tmp_path, strategy):
         strategy=strategy,
     )
     assert result["precision_strategy"] == strategy
-    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+    check_trainable_dtypes(result, strategy)
     assert result["final_loss"] < result["first_loss"] - 0.1, result
     assert result["final_margin"] > 0 and result["final_reward_accuracy"] >= 0.75, result
 
@@ -232,7 +232,7 @@ def test_ppo_rlhf_runs_a_full_ppo_update(tmp_path, strategy):
     assert result["ppo_updates"] == 2  # 8 episodes, 4 prompts a batch
     assert math.isfinite(result["loss/policy_avg"]) and math.isfinite(result["loss/value_avg"])
     assert result["loss/value_avg"] > 0
-    assert result["trainable_param_dtype"] == str(get_strategy(strategy).param_dtype)
+    check_trainable_dtypes(result, strategy)
 
 
 @pytest.mark.slow
