@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "ADOPTED_ATTR",
     "describe_dtypes",
+    "elements_by_dtype",
     "gradient_holders",
     "model_state_bytes",
     "plan_model_state",
@@ -242,6 +243,15 @@ def state_dtypes(inner: Any, params: list[torch.Tensor]) -> dict[str, dict[str, 
                 name = str(value.dtype).removeprefix("torch.")
                 counts[name] = counts.get(name, 0) + value.numel()
     return out
+
+
+def elements_by_dtype(tensors: Any) -> dict[torch.dtype, int]:
+    """{dtype: elements} over `tensors`, the dtype holding most first: the trainable parameters'
+    dtypes as the startup report and a recipe's result both count them."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def describe_dtypes(counts: dict[str, int]) -> str:

@@ -24,6 +24,7 @@ from .memory import (
     ADOPTED_ATTR,
     DEFAULT_STATE_ROLES,
     describe_dtypes,
+    elements_by_dtype,
     plan_model_state,
     state_dtypes,
     trainable_parameters,
@@ -182,7 +183,8 @@ def describe(
         },
         "adopted": dict(model.__dict__.get(ADOPTED_ATTR, {})),
         "fp8_checkpoint": dict(collections.Counter(model.__dict__.get(PUBLISHED_ATTR, {}).get("layers", {}).values())),
-        "trainable_param_dtypes": dict(collections.Counter(_dtype_name(p.dtype) for p in params)),
+        # Elements per dtype, the dtype holding most first (as a recipe's result counts them).
+        "trainable_param_dtypes": {_dtype_name(d): n for d, n in elements_by_dtype(params).items()},
     }
     if optimizer is not None:
         inner = unwrap_optimizer(optimizer)

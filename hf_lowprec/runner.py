@@ -74,17 +74,13 @@ def write_result(training_args: Any, trainer: Any | None = None, **metrics: Any)
         precision = getattr(trainer, "precision", None)
         if precision is not None:
             result.update(precision.metrics())
-            params = [p for p in trainer.model.parameters() if p.requires_grad]
-            # Every dtype with its element count, largest first (mixed under FP8 strategies and LoRA),
-            # and the one holding the most elements.
-            elements: dict[str, int] = {}
-            for p in params:
-                elements[str(p.dtype)] = elements.get(str(p.dtype), 0) + p.numel()
-            result["trainable_param_elements"] = dict(sorted(elements.items(), key=lambda kv: -kv[1]))
+            from .memory import elements_by_dtype, model_state_bytes
+
+            # Every dtype with its element count, largest first (mixed under FP8 strategies and LoRA).
+            trainable = (p for p in trainer.model.parameters() if p.requires_grad)
+            result["trainable_param_elements"] = {str(d): n for d, n in elements_by_dtype(trainable).items()}
             result["trainable_param_dtype"] = next(iter(result["trainable_param_elements"]), None)
             if trainer.optimizer is not None:
-                from .memory import model_state_bytes
-
                 result["model_state_bytes_per_param"] = model_state_bytes(trainer.model, trainer.optimizer)["total"]
         step_seconds = getattr(trainer, "step_seconds", None)
         if step_seconds:

@@ -88,8 +88,13 @@ def test_describe_reports_the_live_dtypes(name):
     json.dumps(report)  # serialisable as it is written to the output directory
     assert report["strategy"] == name
     assert report["violations"] == []
-    live = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}
-    assert set(report["trainable_param_dtypes"]) == live
+    live: dict[str, int] = {}  # elements per dtype, counted here
+    for p in model.parameters():
+        if p.requires_grad:
+            name = str(p.dtype).removeprefix("torch.")
+            live[name] = live.get(name, 0) + p.numel()
+    assert report["trainable_param_dtypes"] == live
+    assert list(report["trainable_param_dtypes"]) == sorted(live, key=live.get, reverse=True)  # most first
     assert report["memory"]["total"] == pytest.approx(strategy.bytes_per_param, abs=0.1)
     if strategy.uses_fp8_gemm:
         assert report["fp8"]["converted"] > 0
