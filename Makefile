@@ -7,8 +7,12 @@ EXTRAS ?= dev
 export HF_LOWPREC_CACHE ?= $(BUILD)/cache
 export HF_HOME ?= $(BUILD)/hf_home
 export TORCH_EXTENSIONS_DIR ?= $(BUILD)/torch_extensions
-# The compiled optimizer steps (hf_lowprec.optim.dispatch) are built once into this cache.
-export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor
+# The compiled optimizer steps (hf_lowprec.optim.dispatch) are built once into this cache, one per
+# CPU (its flags) and ATen capability: code Inductor generated for one ISA aborts a process run with
+# another ("double free or corruption"), as when build/ moves to another machine or one command sets
+# ATEN_CPU_CAPABILITY=avx2.
+CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; echo "$$ATEN_CPU_CAPABILITY") | cksum | cut -d' ' -f1)
+export TORCHINDUCTOR_CACHE_DIR ?= $(BUILD)/inductor/cpu-$(CPU_KEY)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -16,7 +20,8 @@ export TOKENIZERS_PARALLELISM ?= false
 
 $(STAMP): pyproject.toml
 	@mkdir -p $(BUILD)
-	@# A machine that already has torch (e.g. a CUDA build) keeps it; otherwise take the CPU wheel.
+	@# A machine that already has torch (e.g. a CUDA build) keeps it; otherwise torch 2.13.0 from pip's index
+	@# (the CPU wheel where the index serves it; PyPI's Linux wheel is the CUDA build).
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet "torch==2.13.0"
 	$(PYTHON) -m pip install --quiet -e ".[$(EXTRAS)]"
 	@# Build the native optimizer kernels now (a minute or two), not inside the first training step.
