@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..scalars import adamw_scalars as _adamw_scalars
+from . import build_lock
 
 __all__ = [
     "ISAS",
@@ -69,15 +70,17 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
     if not cpp_extension.is_ninja_available():
         return None, "ninja is not installed (torch.utils.cpp_extension needs it: pip install ninja)"
+    name = "hf_lowprec_native_optim"
     try:
-        module = cpp_extension.load(
-            name="hf_lowprec_native_optim",
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
-            extra_include_paths=[str(_CSRC)],
-            verbose=False,
-        )
+        with build_lock.claim(build_lock.build_directory(name)):  # a killed build's lock: cleared
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                extra_include_paths=[str(_CSRC)],
+                verbose=False,
+            )
     except Exception as error:  # any build failure: report it, never raise from here
         return None, f"building the native optimizer kernels failed ({type(error).__name__}: {error})"
     return module, None
