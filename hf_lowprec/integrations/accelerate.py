@@ -23,6 +23,7 @@ from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
+from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
 from .outputs import widen_outputs
 from .peft import prepare_model as _prepare_model
 
@@ -66,6 +67,7 @@ class PrecisionPlugin:
         # Each replaced torch optimizer → the strategy's optimizer that took its place.
         self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._skips_noted: set[int] = set()  # Accelerate's optimizer wrappers told of the strategy's skips
+        self._schedulers: list[Any] = []  # the AcceleratedSchedulers prepared: held a step late on a skip
         self.report: dict[str, Any] | None = None  # the startup report of the last prepared model
         self._outside = 0  # `autocast()` contexts open
 
@@ -284,7 +286,10 @@ class PrecisionPlugin:
         """`accelerator.prepare_scheduler(scheduler)`, the scheduler first moved to the strategy's
         optimizer where it was built on one `prepare` replaced. `prepare` routes Accelerate's to this."""
         self._follow(scheduler)
-        return type(accelerator).prepare_scheduler(accelerator, scheduler)
+        prepared = type(accelerator).prepare_scheduler(accelerator, scheduler)
+        hold_accelerated_scheduler(prepared)
+        self._schedulers.append(prepared)
+        return prepared
 
     def metrics(self) -> dict[str, float]:
         """The strategy's metrics (`precision/...`), for the loop's logger."""
@@ -340,15 +345,14 @@ class PrecisionPlugin:
             _rebind_scheduler(scheduler, self._replaced[old], old)
 
     def _note_skips(self, prepared: Any) -> None:
-        # Accelerate's scheduler holds, and `accelerator.optimizer_step_was_skipped` is True, only where its
-        # optimizer wrapper says the step was skipped, which it knows only of its GradScaler: pass the
-        # strategy's skip through the same flag after each step (reading it syncs once, as GradScaler's does).
+        # Accelerate's scheduler holds, and `accelerator.optimizer_step_was_skipped` is True, only where its wrapper
+        # says so, which it knows only of its GradScaler: the strategy's skip, read a step late (`deferred_skip`).
         for wrapper in prepared:
             inner = getattr(wrapper, "optimizer", None)
             if isinstance(inner, StrategyOptimizer) and hasattr(wrapper, "_is_overflow"):
                 if id(wrapper) not in self._skips_noted:
                     self._skips_noted.add(id(wrapper))
-                    inner.register_step_post_hook(functools.partial(_note_skip, wrapper))
+                    inner.register_step_post_hook(functools.partial(note_accelerate_skip, wrapper, self._schedulers))
 
     def _register_comm_hooks(self, prepared: tuple) -> None:
         # A strategy with its own gradient all-reduce (FP8-LM's FP8 all-reduce) offers
@@ -408,10 +412,6 @@ def _schedulers_over(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_sc
             if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and id(getattr(o, "__dict__", None)) in ids
         ]
     return list({id(s): s for s in found if s.optimizer is optimizer}.values())
-
-
-def _note_skip(wrapper: Any, optimizer: StrategyOptimizer, args: Any, kwargs: Any) -> None:
-    wrapper._is_overflow = optimizer.step_was_skipped
 
 
 def _follow_split_groups(scheduler: Any, optimizer: StrategyOptimizer, old: torch.optim.Optimizer) -> None:

@@ -40,6 +40,7 @@ from ..report import (
 )
 from ..strategies.interface import PrecisionStrategy
 from ..strategies.registry import get_strategy
+from .deferred_skip import note_trainer_skip, resolve_skip
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
 from .model_saving import (
@@ -179,17 +180,19 @@ class PrecisionCallback(TrainerCallback):
                 steps = max(1, int(state.max_steps * steps))
             self.strategy.measure_next_step = (state.global_step + 1) % int(steps) == 0
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         start = getattr(self, "_step_start", None)
         if start is not None and self.trainer is not None:
             self.trainer.step_seconds.append(time.perf_counter() - start)
+        if control.should_evaluate or control.should_save:  # the schedule as it stands, for what reads it
+            resolve_skip(find_strategy_optimizer(optimizer))
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        resolve_skip(find_strategy_optimizer(optimizer))
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # The Trainer only steps the LR scheduler when Accelerate reports no skip; Accelerate
-        # sets that flag only for its GradScaler, so pass our skip through the same flag.
-        inner = find_strategy_optimizer(optimizer)
-        if inner is not None and hasattr(optimizer, "_is_overflow"):
-            optimizer._is_overflow = inner.step_was_skipped
+        # The Trainer steps its LR scheduler only where Accelerate reports no skip: the strategy's, read a step late.
+        note_trainer_skip(optimizer, self.trainer)
 
 
 class PrecisionTrainerMixin:
@@ -289,6 +292,7 @@ class PrecisionTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.precision is None:
             return super()._save_checkpoint(model, trial)
+        resolve_skip(find_strategy_optimizer(self.optimizer))  # a skipped last step: its schedule held
         # Complete on every rank (manifest written) before older checkpoints are rotated away.
         return save_complete_checkpoint(self, functools.partial(super()._save_checkpoint, model), trial)
 

@@ -30,7 +30,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
     so LR schedulers, gradient clipping and Accelerate's wrapper see an ordinary optimizer.
     `step()` runs the strategy's hooks without a host sync: the inner optimizer takes the
     strategy's `found_inf` tensor and skips on the device where it is set; the strategy counts
-    the skip on the device. `step_was_skipped` reads this step's flag (a sync, when read).
+    the skip on the device. `skip_flag` is this step's flag on the device; `step_was_skipped` reads
+    it (a sync, when read: the Trainer and the Accelerate plugin read it a step late instead, when
+    the step has long run, `integrations.deferred_skip`).
     `state_dict()` is the inner state dict plus the strategy's state under the key
     "hf_lowprec", so a Trainer checkpoint carries both.
     """
@@ -80,6 +82,11 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def skip_flag(self) -> torch.Tensor | None:
+        """The last `step()`'s skip flag, a 0-dim tensor on the device (1.0: skipped); None before a step."""
+        return self._found_inf
 
     @property
     def step_was_skipped(self) -> bool:

@@ -1,0 +1,227 @@
+"""A skipped step's LR schedule held a step late (`integrations.deferred_skip`): the same bits as
+reading the skip flag at once, which the Trainer and the Accelerate plugin did after every optimizer
+step (a host sync each step; tests/gpu/test_trainer_syncs.py counts them).
+
+Each run has a non-finite gradient at its third optimizer step under a warmup + linear schedule.
+The reference reads the flag at once, as the code before the deferral did (its two functions, in
+place of the deferral's): Accelerate's flag is `StrategyOptimizer.step_was_skipped` right after
+the step, so the scheduler never steps on the skip. Losses, the LR each
+step used, the parameters and the scheduler's state must be equal bit for bit; the LRs must also be
+the schedule's own formula at the count of steps not skipped (independent of both runs).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import TrainerCallback, get_linear_schedule_with_warmup
+
+import hf_lowprec.integrations.accelerate as accelerate_module
+import hf_lowprec.integrations.trainer as trainer_module
+from hf_lowprec import PrecisionPlugin, Trainer
+from hf_lowprec.integrations.optimizer_arguments import find_strategy_optimizer
+from tests.helpers import TokenBlocks, assert_bits_equal, assert_same_state, batches, make_args, tiny_gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+LR, WARMUP, STEPS, NAN_STEP = 3e-3, 2, 6, 2  # NAN_STEP: the optimizer steps before the skipped one
+
+
+def scheduled_lr(k: int) -> float:
+    """transformers' linear schedule with warmup after `k` scheduler steps, as LambdaLR computes it."""
+    if k < WARMUP:
+        return LR * (float(k) / float(max(1, WARMUP)))
+    return LR * max(0.0, float(STEPS - k) / float(max(1, STEPS - WARMUP)))
+
+
+# The LR each optimizer step uses: the schedule counts only the steps not skipped before it.
+HELD_LRS = [scheduled_lr(i - (i > NAN_STEP)) for i in range(STEPS)]
+
+
+class NaNAtThirdStep(Trainer):
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step == NAN_STEP and model.training else loss
+
+
+class UsedLRs(TrainerCallback):
+    """The groups' LR right after each optimizer step, before the scheduler steps: the LR it used."""
+
+    def __init__(self) -> None:
+        self.lrs: list[list[float]] = []
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append([g["lr"] for g in optimizer.param_groups])
+
+
+def trainer_read_at_once(optimizer, trainer) -> None:
+    """`PrecisionCallback.on_optimizer_step` before the deferral."""
+    inner = find_strategy_optimizer(optimizer)
+    if inner is not None and hasattr(optimizer, "_is_overflow"):
+        optimizer._is_overflow = inner.step_was_skipped
+
+
+def plugin_read_at_once(wrapper, schedulers, optimizer, *args) -> None:
+    """The plugin's optimizer post-hook before the deferral."""
+    wrapper._is_overflow = optimizer.step_was_skipped
+
+
+def trainer_run(tmp_path, strategy: str, **overrides) -> tuple[Trainer, UsedLRs]:
+    args = make_args(
+        tmp_path, strategy, max_steps=STEPS, lr_scheduler_type="linear", warmup_steps=WARMUP, learning_rate=LR,
+        **{"save_strategy": "no", **overrides},
+    )  # fmt: skip
+    used = UsedLRs()
+    trainer = NaNAtThirdStep(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[used])
+    trainer.train()
+    return trainer, used
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_run(got: Trainer, expected: Trainer) -> None:
+    assert losses(got) == losses(expected) and len(losses(got)) == STEPS  # == fails on NaN
+    for (name, a), b in zip(got.model.named_parameters(), expected.model.parameters(), strict=True):
+        assert_bits_equal(a, b, name)
+    assert_same_state(got.lr_scheduler.state_dict(), expected.lr_scheduler.state_dict(), "scheduler")
+
+
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "fp16-mixed"])
+def test_trainer_holds_the_schedule_of_a_skipped_step_as_reading_the_flag_at_once(tmp_path, strategy, monkeypatch):
+    deferred, deferred_lrs = trainer_run(tmp_path / "deferred", strategy)
+    monkeypatch.setattr(trainer_module, "note_trainer_skip", trainer_read_at_once)
+    at_once, at_once_lrs = trainer_run(tmp_path / "at_once", strategy)
+    assert deferred.precision.skipped_steps == at_once.precision.skipped_steps == 1
+    assert deferred_lrs.lrs == at_once_lrs.lrs
+    assert [lrs[0] for lrs in deferred_lrs.lrs] == HELD_LRS
+    assert_same_run(deferred, at_once)
+    assert deferred.lr_scheduler.last_epoch == STEPS - 1  # resolved at the end: the skip not counted
+
+
+def _resumed_run(output_dir: str, checkpoint: str, result: str) -> None:
+    """Run in a fresh process: resume the run of `test_trainer_resumes_...` from `checkpoint`."""
+    args = make_args(
+        output_dir, "fp16-mixed", max_steps=STEPS, lr_scheduler_type="linear", warmup_steps=WARMUP, learning_rate=LR,
+        save_strategy="steps", save_steps=NAN_STEP + 1,
+    )  # fmt: skip
+    used = UsedLRs()
+    trainer = NaNAtThirdStep(model=tiny_gpt2(seed=7), args=args, train_dataset=TokenBlocks(), callbacks=[used])
+    trainer.train(resume_from_checkpoint=checkpoint)
+    torch.save({"params": dict(trainer.model.named_parameters()), "lrs": used.lrs, "losses": losses(trainer)}, result)
+
+
+def test_trainer_resumes_from_a_checkpoint_saved_right_after_a_skipped_step(tmp_path):
+    """The checkpoint after the skipped third step holds the schedule as it stands after the skip
+    (saved before the flag's next read would be a step ahead); resumed in a fresh process, the run
+    equals the uninterrupted one bit for bit."""
+    full, used = trainer_run(tmp_path, "fp16-mixed", save_strategy="steps", save_steps=NAN_STEP + 1)
+    checkpoint = tmp_path / f"checkpoint-{NAN_STEP + 1}"
+    saved = torch.load(checkpoint / "scheduler.pt", weights_only=True)
+    assert saved["last_epoch"] == NAN_STEP and saved["_last_lr"] == [HELD_LRS[NAN_STEP + 1]] * len(saved["base_lrs"])
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert [g["lr"] for g in optimizer["param_groups"]] == [HELD_LRS[NAN_STEP + 1]] * len(optimizer["param_groups"])
+    result = tmp_path / "resumed.pt"
+    code = (
+        "from tests.integrations.test_deferred_skip import _resumed_run; "
+        f"_resumed_run({str(tmp_path)!r}, {str(checkpoint)!r}, {str(result)!r})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = torch.load(result, weights_only=True)
+    assert resumed["lrs"] == used.lrs[NAN_STEP + 1 :]
+    assert resumed["losses"] == losses(full)  # the checkpoint's log history, then the resumed steps
+    for name, p in full.model.named_parameters():
+        assert_bits_equal(resumed["params"][name], p, name)
+
+
+def plugin_run(strategy: str, accumulation: int) -> dict:
+    """The README's plugin loop with `accelerator.prepare(scheduler)`, under `accumulation` micro-batches."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    # Accelerate's own default (True) is dropped from its plugin's kwargs, which then read False: set it.
+    accelerator.gradient_state.plugin_kwargs["adjust_scheduler"] = accumulation > 1
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = get_linear_schedule_with_warmup(optimizer, WARMUP, STEPS)
+    plugin = PrecisionPlugin(strategy)
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, optimizer, scheduler)
+    inner = optimizer.optimizer
+    used: list[list[float]] = []
+    inner.register_step_post_hook(lambda o, *a: used.append([g["lr"] for g in o.param_groups]))
+    run_losses = []
+    for i, ids in enumerate(batches(STEPS * accumulation)):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            run_losses.append(loss.item())
+            plugin.backward(accelerator, loss * float("nan") if i // accumulation == NAN_STEP else loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return {
+        "losses": run_losses,
+        "lrs": used,
+        "skipped": plugin.strategy.skipped_steps,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "scheduler": scheduler.state_dict(),  # read through Accelerate's wrapper: resolves the last step
+        "micro_steps_counted": scheduler.scheduler._step_count - scheduler.scheduler.last_epoch - 1,
+    }
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_plugin_loop_holds_the_schedule_of_a_skipped_step_as_reading_the_flag_at_once(accumulation, monkeypatch):
+    """Under gradient accumulation Accelerate adds each micro-step to the scheduler's `_step_count`
+    (OneCycleLR reads it): those stay when the skipped step's scheduler step is taken back."""
+    deferred = plugin_run("fp16-mixed", accumulation)
+    monkeypatch.setattr(accelerate_module, "note_accelerate_skip", plugin_read_at_once)
+    at_once = plugin_run("fp16-mixed", accumulation)
+    assert deferred["skipped"] == at_once["skipped"] == 1
+    assert deferred["losses"] == at_once["losses"] and len(deferred["losses"]) == STEPS * accumulation
+    assert deferred["lrs"] == at_once["lrs"] and [lrs[0] for lrs in deferred["lrs"]] == HELD_LRS
+    for a, b in zip(deferred["params"], at_once["params"], strict=True):
+        assert_bits_equal(a, b)
+    assert_same_state(deferred["scheduler"], at_once["scheduler"], "scheduler")
+    # Each optimizer step's first micro-step, counted by Accelerate (on the skipped step's next one too).
+    assert deferred["micro_steps_counted"] == STEPS * (accumulation - 1)
+
+
+def test_accelerate_save_state_right_after_a_skipped_step_holds_the_schedule(tmp_path):
+    """`accelerator.save_state` reads the scheduler and the optimizer through their `state_dict()`,
+    which first take back the skipped step's scheduler step: the files hold the held schedule."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    plugin = PrecisionPlugin("bf16-mixed")
+    model, optimizer, scheduler = plugin.prepare(
+        accelerator, model, optimizer, get_linear_schedule_with_warmup(optimizer, WARMUP, STEPS)
+    )
+    for i, ids in enumerate(batches(NAN_STEP + 1)):
+        loss = model(input_ids=ids, labels=ids).loss
+        plugin.backward(accelerator, loss * float("nan") if i == NAN_STEP else loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(tmp_path))
+    saved = torch.load(tmp_path / "scheduler.bin", weights_only=False)
+    assert saved["last_epoch"] == NAN_STEP and saved["_last_lr"] == [HELD_LRS[NAN_STEP + 1]]
+    groups = torch.load(tmp_path / "optimizer.bin", weights_only=False)["param_groups"]
+    assert [g["lr"] for g in groups] == [HELD_LRS[NAN_STEP + 1]]
+    assert accelerator.optimizer_step_was_skipped
+
+
+def test_a_loop_without_a_prepared_scheduler_reads_the_flag_at_once():
+    """No scheduler Accelerate holds: nothing to take back later, so Accelerate's flag is this step's."""
+    accelerator = Accelerator(cpu=True)
+    plugin = PrecisionPlugin("bf16-mixed")
+    model = tiny_gpt2()
+    model, optimizer = plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=LR))
+    flags = []
+    for i, ids in enumerate(batches(2)):
+        loss = model(input_ids=ids, labels=ids).loss
+        plugin.backward(accelerator, loss * float("nan") if i == 1 else loss)
+        optimizer.step()
+        flags.append(optimizer._is_overflow)
+        optimizer.zero_grad()
+    assert flags == [False, True] and all(type(f) is bool for f in flags)
