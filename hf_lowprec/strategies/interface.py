@@ -55,7 +55,9 @@ class PrecisionStrategy:
     `process_gradients`), and loss scales and their decisions stay on the device too. The host
     reads the device only when a user reads a counter: `metrics()` (logging steps), `state_dict()`
     (checkpoints), `StrategyOptimizer.step_was_skipped` (as GradScaler-based loops do to skip their
-    LR scheduler step), and `lost_arithmetic_metrics` on its measured steps only.
+    LR scheduler step; the Trainer and the Accelerate plugin read the flag a step late instead, once
+    the step has run: `integrations.deferred_skip`), and `lost_arithmetic_metrics` on its measured
+    steps only.
 
     Class attributes a subclass sets:
         Options: frozen dataclass of the strategy's options (subclass of StrategyOptions).
