@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cast import widen
-from .scaling_recipes import blocked  # the block view the scaling recipes use
+from .scaling_recipes import blocked, unblocked  # the block view the scaling recipes use
 
 __all__ = ["BLOCK", "FrozenBlockFP8Linear", "block_scales_fp32", "dequantize_published", "quantize_published"]
 
@@ -61,7 +61,7 @@ def dequantize_published(
     _check_grid(payload, scale_inv, block)
     rows, cols = payload.shape
     real = blocked(widen(payload, torch.float32), block) * block_scales_fp32(scale_inv)[:, None, :, None]
-    return real.reshape(real.shape[0] * block[0], -1)[:rows, :cols].to(dtype)
+    return unblocked(real)[:rows, :cols].to(dtype)
 
 
 def quantize_published(
@@ -85,7 +85,7 @@ def quantize_published(
     if scale_fmt == "ue8m0":
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     scaled = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    payload = scaled.reshape(scaled.shape[0] * block[0], -1)[:rows, :cols].to(E4M3)
+    payload = unblocked(scaled)[:rows, :cols].to(E4M3)
     if scale_fmt == "ue8m0":
         if _E8M0 is None:
             raise RuntimeError("scale_fmt='ue8m0' needs torch.float8_e8m0fnu (torch >= 2.7)")

@@ -73,7 +73,7 @@ def _quantize_rows(
     wide = t.detach().float()
     if cols % bc:
         wide = F.pad(wide, (0, -cols % bc))
-    blocks = wide.reshape(rows, -1, bc)
+    blocks = wide.reshape(rows, wide.shape[1] // bc, bc)  # explicit: -1 is ambiguous for zero rows
     amax = blocks.abs().amax(dim=-1)  # (R, Cb); NaN propagates
     if groups is not None:
         index = groups[:, None].expand_as(amax)
@@ -82,7 +82,7 @@ def _quantize_rows(
     factor = scale + (amax - amax)  # NaN where the group's amax is inf or NaN
     per_row = factor if groups is None else factor[groups]
     limit = format_max(dtype)
-    y = (blocks * per_row[..., None]).clamp_(-limit, limit).reshape(rows, -1)[:, :cols]
+    y = (blocks * per_row[..., None]).clamp_(-limit, limit).reshape(rows, wide.shape[1])[:, :cols]
     return y.to(dtype), scale
 
 
@@ -119,7 +119,8 @@ def dequantize_rows(
     if cols % bc:
         wide = F.pad(wide, (0, -cols % bc))
     per_row = scale if groups is None else scale[groups]
-    return (wide.reshape(rows, -1, bc) / per_row[..., None]).reshape(rows, -1)[:, :cols]
+    padded = wide.shape[1]  # explicit sizes: -1 is ambiguous for zero rows
+    return (wide.reshape(rows, padded // bc, bc) / per_row[..., None]).reshape(rows, padded)[:, :cols]
 
 
 def real_rows(

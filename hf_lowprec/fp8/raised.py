@@ -61,6 +61,8 @@ def count_flushes(x: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
 
 
 def _counts(x2: torch.Tensor, rule: ScalingRecipe, margin: int) -> torch.Tensor:
+    if x2.numel() == 0:  # zero tokens: nothing cast, nothing flushed (an amax over no elements is undefined)
+        return torch.zeros(2, dtype=torch.int64, device=x2.device)
     x2 = x2.float().abs()
     nonzero = (x2 > 0).sum()
     if rule.whole_tensor:

@@ -35,6 +35,7 @@ __all__ = [
     "recipe_mm",
     "recipe_weight",
     "scaling_recipe",
+    "unblocked",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -240,6 +241,12 @@ def blocked(t: torch.Tensor, block: Block) -> torch.Tensor:
     return t.reshape(t.shape[0] // br, br, t.shape[1] // bc, bc)
 
 
+def unblocked(blocks: torch.Tensor) -> torch.Tensor:
+    """`blocked`'s view back as the padded R×C matrix (sizes explicit: -1 is ambiguous at 0 tokens)."""
+    rb, br, cb, bc = blocks.shape
+    return blocks.reshape(rb * br, cb * bc)
+
+
 def quantize_blocks(
     t: torch.Tensor,
     block: Block,
@@ -267,7 +274,7 @@ def quantize_blocks(
     limit = format_max(dtype)
     # Only the MX rule can exceed the maximum (it saturates by design); clamp keeps NaN.
     y = (blocks * factor[:, None, :, None]).clamp_(-limit, limit)
-    payload = y.reshape(y.shape[0] * y.shape[1], -1)[:rows, :cols].to(dtype)
+    payload = unblocked(y)[:rows, :cols].to(dtype)
     return payload, scale
 
 
@@ -280,7 +287,7 @@ def dequantize_blocks(payload: torch.Tensor, scale: torch.Tensor, block: Block) 
     rows, cols = payload.shape
     blocks = blocked(wide, block)
     real = blocks / scale[:, None, :, None]
-    return real.reshape(real.shape[0] * real.shape[1], -1)[:rows, :cols]
+    return unblocked(real)[:rows, :cols]
 
 
 def _constant_along_k(scale: torch.Tensor, block: Block) -> bool:
@@ -366,6 +373,8 @@ def recipe_mm(
     native: bool,
 ) -> torch.Tensor:
     """(a / sa)·(bt / sb)ᵀ in BF16 for contraction-last FP8 operands a (M×K) and bt (N×K)."""
+    if a.numel() == 0 or bt.numel() == 0:  # zero tokens: an empty product or sum, not a kernel's shape
+        return torch.zeros(a.shape[0], bt.shape[0], dtype=GEMM_OUT_DTYPE, device=a.device)
     if native:
         return _native_mm(recipe, a, sa, a_block, bt, sb, b_block)
     return _emulated_mm(a, sa, a_block, bt, sb, b_block)

@@ -607,3 +607,14 @@ def test_scaled_fp16_masters_export_real_values_and_load_back(arch):
         assert_bits_equal(getattr(fresh, name + "_master_scale"), getattr(module, name + "_master_scale"))
         assert_bits_equal(fresh_model.state_dict()[prefix + name], state[prefix + name], f"re-exported {name}")
     assert_bits_equal(fresh(hidden, index, weights), plain, "forward after loading")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_experts_given_no_tokens_return_an_empty_output_and_zero_weight_gradients(name):
+    """No token routed to any expert (a capacity-dropping router, an emptied micro-batch): an
+    empty (0, N) output and dW an empty sum, exactly 0, as a loop of nn.Linear per expert gives."""
+    counts = [0, 0, 0, 0]
+    x, w, dy = operands(counts)
+    y, dx, dw = run_grouped(name, x, w, dy, counts)
+    assert y.shape == (0, w.shape[1]) and dx.shape == x.shape
+    assert torch.equal(dw, torch.zeros_like(w))

@@ -12,6 +12,7 @@ from hf_lowprec.fp8 import FP8Linear, convert_to_fp8, fp8_linear
 from hf_lowprec.fp8.scaling_recipes import (
     SCALING_RECIPES,
     dequantize_blocks,
+    fp8_config,
     mx_scale,
     quantize_blocks,
     recipe_mm,
@@ -184,3 +185,37 @@ def test_small_gemms_stay_high_precision_unless_module_filter_says_otherwise():
 def test_recipes_table_is_complete():
     assert list(SCALING_RECIPES) == ["tensorwise", "rowwise", "blockwise", "mxfp8"]
     assert math.lcm(16, 128) == SCALING_RECIPES["blockwise"].dim_multiple
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("shape", [(0, 128), (2, 0, 128)], ids=["0x128", "2x0x128"])
+@pytest.mark.parametrize("name", list(SCALING_RECIPES))
+def test_zero_tokens_give_an_empty_output_and_zero_gradients_as_nn_linear(name, shape, transposed):
+    """A layer given no token rows (an expert dispatched none, an emptied micro-batch) returns
+    what nn.Linear does: an empty (…, out) output and, in training, weight and bias gradients
+    that are empty sums, exactly 0 (no tolerance: nothing is rounded), in eval as well."""
+    torch.manual_seed(0)
+    w, b = torch.randn(64, 128, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    x = torch.randn(*shape, dtype=torch.float64)
+    ref = nn.functional.linear(x, w, b)  # the FP64 reference: shape (…, 64), no element
+    xr = x.float().requires_grad_()
+    wr = (w.t().contiguous() if transposed else w).float().requires_grad_()
+    br = b.float().requires_grad_()
+    y = fp8_linear(xr, wr, br, weight_transposed=transposed, recipe=name)
+    y.sum().backward()
+    assert y.shape == ref.shape and xr.grad.shape == x.shape
+    assert wr.grad is not None and torch.equal(wr.grad, torch.zeros_like(wr))
+    assert torch.equal(br.grad, torch.zeros_like(br))
+    layer = FP8Linear.from_float(nn.Linear(128, 64), config=fp8_config(name)).eval()
+    with torch.no_grad():
+        assert layer(x.float()).shape == ref.shape
+
+
+def test_block_helpers_take_a_tensor_without_rows():
+    """quantize/dequantize of an R = 0 operand per block (the finer recipes' casts) keep the
+    shapes: a (0, C) payload and a scale per row (none) or per block row (none)."""
+    for name in FINE:
+        recipe = scaling_recipe(name)
+        payload, scale = quantize_blocks(torch.zeros(0, 128), recipe.activation_block, E4M3)
+        assert payload.shape == (0, 128) and scale.shape[0] == 0
+        assert dequantize_blocks(payload, scale, recipe.activation_block).shape == (0, 128)

@@ -713,6 +713,20 @@ def test_the_compiled_count_of_a_finer_recipe_is_the_reference_count(recipe):
         assert count_flushes(each, config).tolist() == expected.tolist() and expected[0] > 0
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+def test_a_watched_layer_given_zero_tokens_counts_nothing(recipe):
+    """A zero-token training forward (an expert dispatched no token) under the guard: no input is
+    cast, so the layer's counts are [0 flushed, 0 cast], and the counting functions say the same."""
+    layer = FP8Linear.from_float(nn.Linear(128, 128), config=fp8_config(recipe))
+    layer.train()
+    layer.watch_flushes = True
+    x = torch.zeros(0, 128, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.flush_now.tolist() == [0, 0]
+    assert flush_counts(x, layer.config).tolist() == [0, 0]
+    assert count_flushes(x, layer.config).tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tensorwise_input_cast_counts_its_flushes_and_casts_as_before(transposed, dtype):
