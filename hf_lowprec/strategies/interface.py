@@ -223,11 +223,16 @@ class PrecisionStrategy:
             max_grad_norm: clip to this global norm (`clip_grad_norm`).
         Returns:
             The loss, detached (unscaled).
+        Raises:
+            PrecisionPromiseError: before the model's first step, where it breaks a promise the
+                Trainer checks (`report.check_promises`): a cast parameter dtype, no FP8 layer.
         """
         if not model.__dict__.get("_hf_lowprec_promises_checked"):  # what the Trainer checks at startup
             from ..report import check_promises
 
-            check_promises(self, model, dtypes_only=True)  # e.g. model.half() after prepare_model
+            # All of them, as the Trainer and the Accelerate plugin: model.half() after prepare_model,
+            # an FP8 strategy whose conversion kept every layer in BF16 (plain autocast under its name).
+            check_promises(self, model)
             model.__dict__["_hf_lowprec_promises_checked"] = True
         with self.forward_context():
             if loss_fn is not None:

@@ -223,14 +223,26 @@ def test_clipping_leaves_out_what_the_optimizer_does_not_train():
     assert_bits_equal(seen[1.0], seen[None], "the clipped step's gradient")
 
 
-def test_train_step_trains_a_model_fp8_converts_nothing():
-    """Widths FP8 does not take (8): every layer stays BF16, with the conversion's warning, and the
-    custom loop trains as before; only a cast parameter dtype is refused at the first step."""
-    strategy = hf_lowprec.get_strategy("fp8-lm-o2")
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2"])
+def test_train_step_refuses_a_model_fp8_converts_nothing_as_the_trainer_does(name):
+    """Widths FP8 does not take (40: no GEMM dimension a multiple of 16): every layer stays BF16.
+    The Trainer refuses that run (`check_promises`); the custom loop did not and trained plain BF16
+    autocast under the FP8 name. Now its first `train_step` raises the same error before any step:
+    the weights are untouched. A model FP8 does convert trains through the same call."""
     torch.manual_seed(0)
-    model = strategy.prepare_model(GPT2LMHeadModel(tiny_gpt2_config(n_embd=8, n_layer=1, n_head=2, pad_token_id=None)))
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(GPT2LMHeadModel(tiny_gpt2_config(n_embd=40, n_layer=1, n_head=2, pad_token_id=None)))
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-    assert torch.isfinite(strategy.train_step(model, batches(1)[0], optimizer))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    refusal = f"{name!r} computes linear layers in FP8, but the model has no FP8 layer"
+    with pytest.raises(PrecisionPromiseError, match=refusal):
+        strategy.train_step(model, batches(1)[0], optimizer)
+    for k, v in model.state_dict().items():
+        assert_bits_equal(v, before[k], k)
+    converted = hf_lowprec.get_strategy(name)
+    model = converted.prepare_model(tiny())
+    optimizer = converted.create_optimizer(model.parameters(), lr=1e-3)
+    assert torch.isfinite(converted.train_step(model, batches(1)[0], optimizer))
 
 
 def test_a_sharded_state_without_the_strategys_entry_loads_with_a_warning(one_rank_group, caplog):
