@@ -295,3 +295,51 @@ def test_silent_precision_guard_stays_quiet_when_nothing_is_hidden(tmp_path, str
         warnings.simplefilter("error", SilentPrecisionWarning)
         trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_multihead_attention_gemms_are_reported_high_precision_and_counted_in_the_fp8_share():
+    """nn.MultiheadAttention hands in_proj_weight and out_proj.weight to
+    F.multi_head_attention_forward, so no swap reaches them: both are listed as kept high precision
+    with that reason (out_proj was listed as 'a subclass of nn.Linear', in_proj not at all), and the
+    FP8 share counts them. Hand count per token, d = 64, feed-forward 128: q/k/v 3·64·64 = 12,288,
+    out_proj 64·64 = 4,096 (BF16); linear1 and linear2 128·64 each = 16,384 (FP8): share
+    16,384 / 32,768 = 0.5 (0.6667 before, the q/k/v GEMM left out of the total)."""
+    from torch import nn
+
+    from hf_lowprec.fp8 import FP8Linear, convert_to_fp8
+    from hf_lowprec.fp8.experts import weight_gemm_share
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)))
+    layer = model[0]
+    assert isinstance(layer.linear1, FP8Linear) and isinstance(layer.linear2, FP8Linear)
+    skipped = model.fp8_skipped_layers
+    assert set(skipped) == {"0.self_attn", "0.self_attn.out_proj"}, skipped
+    assert "in_proj_weight" in skipped["0.self_attn"] and "out_proj.weight" in skipped["0.self_attn.out_proj"]
+    assert all("F.multi_head_attention_forward" in reason for reason in skipped.values())
+    assert weight_gemm_share(model)["share"] == 16_384 / 32_768
+    report = describe(hf_lowprec.get_strategy("fp8-lm-o1"), model)
+    assert report["fp8"]["weight_gemm_share"] == 0.5 and report["fp8"]["skipped"] == skipped
+    # Separate q/k/v weights (kdim = 32, vdim = 48): 64·64 + 64·32 + 64·48 = 9,216 in BF16, out_proj 4,096.
+    cross = convert_to_fp8(nn.Sequential(nn.MultiheadAttention(64, 4, kdim=32, vdim=48), nn.Linear(64, 128)))
+    assert "q/k/v_proj_weight" in cross.fp8_skipped_layers["0"]
+    assert weight_gemm_share(cross)["share"] == 8_192 / (9_216 + 4_096 + 8_192)
+
+
+def test_siglip_pooling_head_attention_is_reported_and_counted():
+    """SigLIP's attention-pooling head is an nn.MultiheadAttention. Hand count per token, hidden 64,
+    MLP 128, 2 layers: each layer's q, k, v, o (4·64·64) and MLP (2·128·64) = 32,768 in FP8; the
+    head's MLP 16,384 in FP8, its q/k/v 3·64·64 = 12,288 and out_proj 4,096 in BF16: share
+    81,920 / 98,304 = 0.8333 (0.9524 before: the q/k/v GEMM left out)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    strategy = hf_lowprec.get_strategy("fp8-lm-o1")
+    model = strategy.prepare_model(SiglipVisionModel(config))
+    fp8 = describe(strategy, model)["fp8"]
+    assert fp8["converted"] == 2 * 6 + 2
+    assert set(fp8["skipped"]) == {"head.attention", "head.attention.out_proj"}
+    assert fp8["weight_gemm_share"] == round(81_920 / 98_304, 4)

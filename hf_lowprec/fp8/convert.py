@@ -22,6 +22,7 @@ from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
 
 __all__ = [
     "ModuleFilter",
+    "attention_gemms",
     "conv1d_class",
     "convert_to_fp8",
     "default_skips",
@@ -114,6 +115,20 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
     return skips
 
 
+def attention_gemms(model: nn.Module) -> dict[str, str]:
+    """fqn → reason for the GEMMs of every `nn.MultiheadAttention` (torch's encoder layers, SigLIP's
+    pooling head): its forward hands `in_proj_weight` (or q/k/v_proj_weight) and `out_proj.weight`
+    to `F.multi_head_attention_forward` directly, so they stay high precision, whatever a filter says."""
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            why = "F.multi_head_attention_forward, which no FP8 layer swap reaches: kept high precision"
+            weights = "in_proj_weight" if module.in_proj_weight is not None else "q/k/v_proj_weight"
+            out[fqn or "<root>"] = f"nn.MultiheadAttention passes its {weights} (the q/k/v GEMM) to {why}"
+            out[f"{fqn}.out_proj" if fqn else "out_proj"] = f"nn.MultiheadAttention passes out_proj.weight to {why}"
+    return out
+
+
 class AdapterReason(str):
     """Why a PEFT adapter layer keeps high precision: by design, logged as information."""
 
@@ -161,9 +176,10 @@ def convert_to_fp8(
 
     Layers whose two dimensions are not multiples of 16 (what `_scaled_mm` needs on CUDA) and of
     the recipe's blocks (128 for blockwise, 32 for mxfp8: no partial block along a weight's
-    dimensions), layers with a zero dimension, and subclasses of `nn.Linear` (whose own forward a
-    swap would drop) are always skipped. Each skip is logged as a warning naming the layer and
-    the reason, and listed in the startup report (`model.fp8_skipped_layers`).
+    dimensions), layers with a zero dimension, subclasses of `nn.Linear` (whose own forward a
+    swap would drop) and the GEMMs of `nn.MultiheadAttention` (`attention_gemms`) are always
+    skipped. Each skip is logged as a warning naming the layer and the reason, and listed in the
+    startup report (`model.fp8_skipped_layers`).
     """
     config = config or fp8_config(recipe, margin)
     multiple = config.recipe.dim_multiple
@@ -174,13 +190,17 @@ def convert_to_fp8(
     conv1d = conv1d_class()
     skips = default_skips(model, min_gemm_features, rule) if module_filter is None else {}
     swaps: list[tuple[str, nn.Module]] = []
-    skipped: dict[str, str] = {}
+    skipped = attention_gemms(model)
+    for name, reason in skipped.items():
+        logger.warning("FP8: skipped layer %s: %s", name, reason)
     for fqn, module in model.named_modules():
         is_linear = isinstance(module, nn.Linear)
         is_conv1d = conv1d is not None and type(module) is conv1d
         if not (is_linear or is_conv1d):
             continue
         name = fqn or "<root>"
+        if name in skipped:  # an nn.MultiheadAttention's out_proj: no swap reaches it
+            continue
         if module_filter is not None and not module_filter(module, fqn):
             logger.info("FP8: kept %s in high precision (rejected by module_filter)", name)
             skipped[name] = "rejected by module_filter"

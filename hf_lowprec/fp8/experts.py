@@ -271,7 +271,7 @@ def weight_gemm_share(model: nn.Module) -> dict[str, Any]:
     """The share of a token's weight-GEMM multiply-adds that run in FP8, read from the modules.
 
     Counted per token of the forward: every linear layer (in × out), every experts module
-    (top-k × Σ out × in over its weights). The LM head (output embeddings) and the routers
+    (top-k × Σ out × in over its weights), every `nn.MultiheadAttention`'s q/k/v projection (never FP8). The LM head (output embeddings) and the routers
     (plain weights and a top-k, never linear layers) are left out, as every FP8 library keeps
     them in high precision. A layer counts as FP8 when its GEMM takes an FP8 payload.
     """
@@ -293,6 +293,9 @@ def weight_gemm_share(model: nn.Module) -> dict[str, Any]:
             macs = top_k * sum(n * k for _, _, n, k in expert_gemm_shapes(module))
             experts_total += macs
             experts_fp8 += macs if isinstance(module, FP8Experts) else 0
+        elif isinstance(module, nn.MultiheadAttention):  # its q/k/v GEMM; out_proj is a Linear below
+            weights = [module.in_proj_weight, module.q_proj_weight, module.k_proj_weight, module.v_proj_weight]
+            total += sum(w.numel() for w in weights if w is not None)
         elif isinstance(module, dense) and getattr(module, "weight", None) is not None:
             macs = module.weight.numel()
             total += macs
