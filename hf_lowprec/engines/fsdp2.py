@@ -206,7 +206,13 @@ def residuals_by_name(strategy: PrecisionStrategy, model: torch.nn.Module) -> di
     """The FP32 residuals a compensated strategy kept for δθ (keyed by the parameters, which
     sharding replaces), keyed by parameter name: take them before `fully_shard`."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    return {names[key]: r for key, (p, r) in getattr(strategy, "_residuals", {}).items() if key in names}
+    kept = getattr(strategy, "_residuals", {}).items()
+    # One written since prepare_model (a load, a resize) no longer goes with the weight: it is left behind.
+    return {
+        names[key]: r
+        for key, (p, r, version) in kept
+        if key in names and version == local_shard(p)._version and r.shape == p.shape
+    }
 
 
 def adopt_shards(strategy: PrecisionStrategy, model: torch.nn.Module, residuals: dict[str, torch.Tensor]) -> None:
@@ -219,7 +225,11 @@ def adopt_shards(strategy: PrecisionStrategy, model: torch.nn.Module, residuals:
         strategy._residuals.clear()
         for name, param in model.named_parameters(remove_duplicate=False):
             if name in residuals:
-                strategy._residuals[id(param)] = (param, _shard_like(residuals[name], param))
+                strategy._residuals[id(param)] = (
+                    param,
+                    _shard_like(residuals[name], param),
+                    local_shard(param)._version,
+                )
 
 
 def _shard_like(tensor: torch.Tensor, param: Any) -> Any:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..memory import unwrap_optimizer
+
 __all__ = ["restore_snapshot", "take_snapshot"]
 
 
@@ -40,6 +42,10 @@ def restore_snapshot(
                         s[k].copy_(v)
                     else:
                         s[k] = v
+            # The weights and the state that completes them (δθ, the masters) are back together.
+            accept = getattr(unwrap_optimizer(optimizer), "accept_parameter_values", None)
+            if accept is not None:
+                accept()
     strategy.load_state_dict({**strategy.state_dict(), **snapshot["strategy"]})
 
 

@@ -157,15 +157,15 @@ class AdamW(LowPrecisionOptimizer):
             (drawn from the global RNG when None); their states travel in `state_dict()`.
         extra options: the family's group options (`extra_options`).
 
-    Subclasses implement `composition(param, group)`. State per parameter: `step` (int) and
-    the tensors of the composition's `keys()`, created at the first step (or by `plan_state`).
-    FSDP2: a DTensor parameter steps on its local shard with the same code (the update is
-    element-wise); its parameter-shaped states are DTensors sharded like it (`distributed`).
-    `paths_taken` counts, per parameter step, which implementation ran ("native", "compiled",
-    "reference"). The optimizer validates its options, makes each parameter's state from the
-    formats and the rule, steps buckets of parameters sharing a composition, tracks the lost
-    arithmetic, and loads state back in its own dtypes. Skipped steps (`step(found_inf=flag)`)
-    are decided on the device, without a host sync (`skipping`).
+    Subclasses implement `composition(param, group)`. State per parameter: `step` (int) and the tensors of
+    the composition's `keys()`, created at the first step (or by `plan_state`). FSDP2: a DTensor parameter
+    steps on its local shard with the same code (the update is element-wise); its parameter-shaped states
+    are DTensors sharded like it (`distributed`). `paths_taken` counts, per parameter step, which
+    implementation ran ("native", "compiled", "reference"). The optimizer validates its options, makes each
+    parameter's state from the formats and the rule, steps buckets of parameters sharing a composition,
+    tracks the lost arithmetic, and loads state back in its own dtypes. Skipped steps
+    (`step(found_inf=flag)`) are decided on the device, without a host sync (`skipping`). A parameter
+    written outside the step continues from its new value (`LowPrecisionOptimizer`, `rules.Rule.restart_`).
     """
 
     #: Parameter dtypes accepted (None: any floating dtype).
@@ -284,6 +284,7 @@ class AdamW(LowPrecisionOptimizer):
         """The value this optimizer holds for `param` (θ + δθ, the master), FP64."""
         state = self.state.get(param, {})
         rule = self.composition(param, self._options_of(param)).rule
+        self._restart_if_written(param, rule, state)
         if not isinstance(param, DTensor):
             return rule.held_value(param, state)
         local_state = {key: _local(value) for key, value in state.items()}
@@ -301,10 +302,7 @@ class AdamW(LowPrecisionOptimizer):
         if rule.compensation_key is None or param.dtype == value.dtype:
             return value
         value, theta = _local(value), _local(param).detach()  # element-wise: per shard under FSDP2
-        astray = value.to(param.dtype) != theta
-        if bool(astray.any()):
-            towards = torch.nextafter(value, theta.float())
-            value = torch.where(astray, towards, value)
+        value = torch.where(value.to(param.dtype) != theta, torch.nextafter(value, theta.float()), value)
         return _sharded_like(value, param)
 
     def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
@@ -323,6 +321,7 @@ class AdamW(LowPrecisionOptimizer):
             self.state[param] = self.plan_state(param, group)
         stored = _local(self.state[param][key])
         stored.copy_(_local(residual)) if key == rule.compensation_key else stored.add_(_local(residual))
+        self._mark_written([param], rule)
 
     # --- the step --------------------------------------------------------------------------
 
@@ -369,9 +368,11 @@ class AdamW(LowPrecisionOptimizer):
                     # A state may already hold a handed-over gradient (FP8AdamW.set_fp8_grad).
                     state.update({k: v for k, v in self.plan_state(param, group).items() if k not in state})
                 self._complete_state(param, local, state, composition)
+                self._restart_if_written(param, composition.rule, state)
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
             for (composition, device), items in buckets.items():
                 self._step_bucket(group_index, group, composition, device, items, flags.on(device))
+                self._mark_written((item[0] for item in items), composition.rule)
         self._after_step()
         return loss
 

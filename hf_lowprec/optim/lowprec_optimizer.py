@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..distributed import DTensor
+from ..distributed import DTensor, local_shard
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate", "seed_from_run"]
 
@@ -62,6 +62,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     and, after updating, call `_track(group_index, param, before, update)`, which records
     `held_value(param)` as the value after; the records stay in `tracked` until the caller
     clears them. Tracking only copies, so the trajectory is unchanged.
+
+    Writes outside the step: a parameter whose state completes it (δθ, a master) records the version
+    counter of its values after each step (`_mark_written`, a host counter every in-place write
+    bumps); one written since (`load_state_dict` of the model, weight clipping, a re-init) is taken
+    as written before the next step or export (`_written_elsewhere`), as FP32 AdamW takes it.
     """
 
     state_roles: ClassVar[dict[str, str]] = {}
@@ -70,6 +75,30 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.track_updates = False
         self.tracked: list[TrackedUpdate] = []
+        self._written: dict[torch.Tensor, int] = {}
+
+    def accept_parameter_values(self) -> None:
+        """Take every parameter's value as the one its state completes, until the next step: after
+        the weights and this state were restored together (a rollback; `load_state_dict` calls it,
+        so a resume keeps δθ and the masters whichever of model and optimizer it loads first)."""
+        self._written.clear()
+
+    def _mark_written(self, params: Any, rule: Any) -> None:
+        """Record the version of each of `params`, if `rule`'s state completes them (δθ, a master)."""
+        if rule.compensation_key or rule.master_key:
+            for param in params:
+                self._written[param] = local_shard(param)._version
+
+    def _written_elsewhere(self, param: torch.Tensor) -> bool:
+        """Whether `param` was written since this optimizer last wrote it (host-side: no sync)."""
+        recorded = self._written.get(param)
+        return recorded is not None and recorded != local_shard(param)._version
+
+    def _restart_if_written(self, param: torch.Tensor, rule: Any, state: dict[str, Any]) -> None:
+        """`rule.restart_` (`optim.rules.Rule`) where `param` was written since this optimizer wrote it."""
+        if state and self._written_elsewhere(param):
+            rule.restart_(local_shard(param.detach()), {key: local_shard(value) for key, value in state.items()})
+            self._mark_written([param], rule)
 
     def held_value(self, param: torch.Tensor) -> torch.Tensor:
         """The value this optimizer holds for `param`, as a new FP64 tensor of its shape.
@@ -93,6 +122,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
+        self.accept_parameter_values()
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, param in zip(saved_ids, params):
             if saved_id not in saved_state:

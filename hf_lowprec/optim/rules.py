@@ -92,6 +92,7 @@ class Rule:
                                                 `Scaled.choose`, () for most rules
         apply_(delta, theta, param, *stored, chosen=...)   write θ + Δθ back, rounding as the rule says
         held_value(param, state)                the value the optimizer really holds, FP64
+        restart_(param, state)                  continue from a parameter written outside the step
         zeros(param)                            its state for a fresh parameter
 
     Each operation that can round is rounded by `round_to`. The rules, their state, and how
@@ -143,6 +144,13 @@ class Rule:
 
     def apply_(self, delta, theta, param, *stored, seed=None, chosen=()) -> None:
         raise NotImplementedError
+
+    def restart_(self, param: torch.Tensor, state: dict) -> None:
+        """Continue from `param` as written outside the step (a load, weight clipping, a re-init), as
+        FP32 AdamW would: the compensation that completed the old value (δθ, Kahan's k) restarts at zero."""
+        key = self.compensation_key
+        if key is not None and key in state:
+            state[key].zero_()
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         value = param.detach().double()
@@ -271,6 +279,12 @@ class Master(Rule):
         new = theta + delta
         master.copy_(new)
         param.copy_(new)
+
+    def restart_(self, param: torch.Tensor, state: dict) -> None:
+        """The master restarts at the written parameter, as an FP32 weight would be the written one."""
+        master = state.get("master")
+        if master is not None and master.shape == param.shape:
+            master.copy_(param)
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         master = state.get("master")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..distributed import local_shard
 from ..numerics import split
 from ..optim import Collage8bitAdamW, CollageAdamW, FP32StatesAdamW, KahanAdamW, StochasticRoundingAdamW
 from .baselines import BF16Pure
@@ -98,9 +99,10 @@ class BF16Weights(BF16Pure):
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
-        # id(parameter) → (parameter, BF16 residual), from prepare_model until an optimizer
-        # claims them: the residual lives here between the two calls, then in optimizer state.
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(parameter) → (parameter, BF16 residual, the parameter's version counter after the cast),
+        # from prepare_model until an optimizer claims them: the residual lives here between the two
+        # calls, then in optimizer state.
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
@@ -137,7 +139,10 @@ class BF16Weights(BF16Pure):
                     residuals[id(param)] = (param, split(param, self.param_dtype)[1])
         model = super().convert_model(model)
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
-        self._residuals.update({key: (p, r) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype})
+        kept = {
+            key: (p, r, local_shard(p)._version) for key, (p, r) in residuals.items() if p.dtype == self.param_dtype
+        }
+        self._residuals.update(kept)
         return model
 
     def discard_prepared_state(self) -> None:
@@ -149,8 +154,11 @@ class BF16Weights(BF16Pure):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 claimed = self._residuals.pop(id(param), None)
-                if claimed is not None and claimed[0] is param:
-                    optimizer.seed_compensation(param, claimed[1])
+                # A parameter written since prepare_model (a load, `resize_token_embeddings`, which swaps
+                # in a tensor of another shape) starts at δθ = 0: the residual completed the old value.
+                _, residual, version = claimed if claimed is not None and claimed[0] is param else (None, None, None)
+                if version == local_shard(param)._version and residual.shape == param.shape:
+                    optimizer.seed_compensation(param, residual)
         if self._residuals:
             # An optimizer over other tensors (e.g. DeepSpeed's partitions) cannot take them.
             logger.info("%d FP32 residuals not claimed by the optimizer were dropped", len(self._residuals))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..distributed import local_shard
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
@@ -131,9 +132,10 @@ class FP16ALS(LossScaledStrategy):
         self._sums = False  # the loop expects the sum of its micro-batch gradients (the Accelerate plugin)
         self._sharded = False
         self._window_start = 0  # `_scaled_backwards` when this accumulation window began
-        # id(parameter) → (parameter, its FP32 value before the cast), from prepare_model until
-        # build_optimizer seeds the masters with them (the engines' name for it, as Collage's).
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(parameter) → (parameter, its FP32 value before the cast, its version counter after it), from
+        # prepare_model until build_optimizer seeds the masters with them (the engines' name, as Collage's;
+        # the value itself tells which elements were written since: `_master_residual`).
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
@@ -162,7 +164,8 @@ class FP16ALS(LossScaledStrategy):
                     wide[id(param)] = (param, param.detach().float())
         model = cast_model(model, torch.float16)
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
-        self._residuals.update({key: (p, v) for key, (p, v) in wide.items() if p.dtype == self.param_dtype})
+        kept = {key: (p, v, local_shard(p)._version) for key, (p, v) in wide.items() if p.dtype == self.param_dtype}
+        self._residuals.update(kept)
         self.scaler.track(model)
         if self.accumulator is not None:
             self.accumulator.attach(model)
@@ -187,7 +190,8 @@ class FP16ALS(LossScaledStrategy):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 claimed = self._residuals.pop(id(param), None)
-                if claimed is not None and claimed[0] is param:
+                # `resize_token_embeddings` swaps in a tensor of another shape: its master starts at the weight.
+                if claimed is not None and claimed[0] is param and claimed[1].shape == param.shape:
                     # The FP32 value goes with `claimed`, as the next parameter's is popped.
                     optimizer.seed_compensation(param, _master_residual(param, claimed[1]))
         if self._residuals:
