@@ -372,7 +372,6 @@ class AdamW(LowPrecisionOptimizer):
                 buckets.setdefault((composition, local.device), []).append((param, local, gradient, state))
             for (composition, device), items in buckets.items():
                 self._step_bucket(group_index, group, composition, device, items, flags.on(device))
-                self._mark_written((item[0] for item in items), composition.rule)
         self._after_step()
         return loss
 
@@ -413,6 +412,7 @@ class AdamW(LowPrecisionOptimizer):
         )
         # Counted once the bucket has stepped: a path that refuses to run leaves the state as it was.
         counts.advance()
+        self._mark_written((item[0] for item in items), composition.rule)  # before `_track` reads them
         if befores is not None and updates is not None:
             for (param, local, _, _), before, update in zip(items, befores, updates):
                 update = update.reshape(-1)[: local.numel()].view(local.shape)
