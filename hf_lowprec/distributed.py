@@ -17,7 +17,16 @@ try:  # FSDP2 parameters; a torch built without distributed support has none
 except ImportError:  # pragma: no cover
     DTensor = type("DTensor", (), {})  # matches no tensor
 
-__all__ = ["DTensor", "all_ranks_agree", "any_rank", "local_shard", "mark_sharded_by", "sharded_by", "sharded_like"]
+__all__ = [
+    "DTensor",
+    "all_ranks_agree",
+    "any_rank",
+    "local_shard",
+    "mark_sharded_by",
+    "sharded_by",
+    "sharded_like",
+    "written_version",
+]
 
 # Set on the FSDP2 parameters that `hf_lowprec.engines.fsdp2` sharded (shard_model, the Accelerate path):
 # the strategy's name, so that `create_optimizer` can tell them from parameters sharded by hand.
@@ -31,6 +40,13 @@ def local_shard(tensor: Any) -> Any:
     gives the plain tensor of its values (`local_values`), which the optimizer updates in place."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return getattr(local, "local_values", local)
+
+
+def written_version(tensor: torch.Tensor) -> tuple[int, int]:
+    """The version counters that in-place writes of `tensor` bump: a DTensor's own (an op on the DTensor,
+    such as `load_state_dict`'s copy) and its local shard's (what an optimizer writes); a tensor's twice.
+    Host counters: reading them waits for nothing."""
+    return tensor._version, local_shard(tensor)._version
 
 
 def mark_sharded_by(params: Iterable[torch.Tensor], strategy_name: str) -> None:

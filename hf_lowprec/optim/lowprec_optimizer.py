@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..distributed import DTensor, local_shard
+from ..distributed import DTensor, local_shard, written_version
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate", "seed_from_run"]
 
@@ -75,7 +75,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.track_updates = False
         self.tracked: list[TrackedUpdate] = []
-        self._written: dict[torch.Tensor, int] = {}
+        self._written: dict[torch.Tensor, tuple[int, int]] = {}
 
     def accept_parameter_values(self) -> None:
         """Take every parameter's value as the one its state completes, until the next step: after
@@ -87,12 +87,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """Record the version of each of `params`, if `rule`'s state completes them (δθ, a master)."""
         if rule.compensation_key or rule.master_key:
             for param in params:
-                self._written[param] = local_shard(param)._version
+                self._written[param] = written_version(param)
 
     def _written_elsewhere(self, param: torch.Tensor) -> bool:
         """Whether `param` was written since this optimizer last wrote it (host-side: no sync)."""
         recorded = self._written.get(param)
-        return recorded is not None and recorded != local_shard(param)._version
+        return recorded is not None and recorded != written_version(param)
 
     def _restart_if_written(self, param: torch.Tensor, rule: Any, state: dict[str, Any]) -> None:
         """`rule.restart_` (`optim.rules.Rule`) where `param` was written since this optimizer wrote it."""

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..distributed import local_shard
+from ..distributed import written_version
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
@@ -164,7 +164,7 @@ class FP16ALS(LossScaledStrategy):
                     wide[id(param)] = (param, param.detach().float())
         model = cast_model(model, torch.float16)
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
-        kept = {key: (p, v, local_shard(p)._version) for key, (p, v) in wide.items() if p.dtype == self.param_dtype}
+        kept = {key: (p, v, written_version(p)) for key, (p, v) in wide.items() if p.dtype == self.param_dtype}
         self._residuals.update(kept)
         self.scaler.track(model)
         if self.accumulator is not None:

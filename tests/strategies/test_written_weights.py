@@ -120,3 +120,34 @@ def test_resize_token_embeddings_after_prepare_model_trains(name: str) -> None:
     losses = train_steps(strategy, model, optimizer, ids)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert bool((embedding.detach()[VOCAB + 10] != before[VOCAB + 10]).any())  # the new token's row trains
+
+
+@pytest.mark.parametrize("name", ["fp16-als", "collage-plus"])
+def test_fsdp2_shards_restart_only_when_written(name: str, one_rank_group, monkeypatch) -> None:
+    # FSDP2 steps each DTensor's local shard: its version counter is the one watched. Training and
+    # exports restart nothing (the seeded δθ or masters survive); an edit of the DTensors (weight
+    # clipping) restarts every shard.
+    from hf_lowprec.engines.fsdp2 import shard_model
+    from hf_lowprec.optim.rules import Master, Rule
+
+    restarts = []
+    for rule in (Rule, Master):
+        original = rule.restart_
+        monkeypatch.setattr(
+            rule, "restart_", lambda self, p, s, original=original: (restarts.append(p), original(self, p, s))
+        )
+    strategy = get_strategy(name)
+    model = shard_model(strategy, tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    train_steps(strategy, model, optimizer, batches(2))
+    exported = _exported(strategy, model, optimizer)
+    assert not restarts
+    assert any(not torch.equal(exported[k], v.full_tensor().float()) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+    exported = _exported(strategy, model, optimizer)
+    assert len(restarts) == len(list(model.parameters()))
+    for key, value in model.state_dict().items():
+        if value.is_floating_point():
+            assert_bits_equal(exported[key], value.full_tensor().float(), key)
