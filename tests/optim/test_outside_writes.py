@@ -69,6 +69,15 @@ def _write(params, values) -> None:
             p.copy_(value)  # what `Module.load_state_dict` does
 
 
+def _assert_same_run(optimizer, params, expected, expected_params) -> None:
+    """θ and every state tensor bit for bit those of `expected` (the step counts aside)."""
+    for p, e in zip(params, expected_params):
+        assert_bits_equal(p.detach(), e.detach(), "θ")
+        for name, value in expected.state[e].items():
+            if torch.is_tensor(value) and name != "step":
+                assert_bits_equal(optimizer.state[p][name], value, name)
+
+
 @pytest.mark.compiles_step
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -112,11 +121,7 @@ def test_a_written_parameter_steps_as_its_restarted_state(family: str, path: str
     for step in (3, 4):
         _step(optimizer, params, step)
         _step(expected, expected_params, step)
-    for p, e in zip(params, expected_params):
-        assert_bits_equal(p.detach(), e.detach(), "θ")
-        for name, value in expected.state[e].items():
-            if torch.is_tensor(value) and name != "step":
-                assert_bits_equal(optimizer.state[p][name], value, name)
+    _assert_same_run(optimizer, params, expected, expected_params)
 
 
 @pytest.fixture
@@ -165,8 +170,4 @@ def test_a_resume_keeps_the_state_whichever_it_loads_first(family: str, model_fi
         _write(resumed_params, saved)
     for step in (3, 4):
         _step(resumed, resumed_params, step)
-    for p, r in zip(params, resumed_params):
-        assert_bits_equal(r.detach(), p.detach(), "θ")
-        for name, value in optimizer.state[p].items():
-            if torch.is_tensor(value) and name != "step":
-                assert_bits_equal(resumed.state[r][name], value, name)
+    _assert_same_run(resumed, resumed_params, optimizer, params)
