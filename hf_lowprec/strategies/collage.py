@@ -99,10 +99,10 @@ class BF16Weights(BF16Pure):
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
-        # id(parameter) → (parameter, BF16 residual, the parameter's version counter after the cast),
+        # id(parameter) → (parameter, BF16 residual, its version counters after the cast: `written_version`),
         # from prepare_model until an optimizer claims them: the residual lives here between the two
         # calls, then in optimizer state.
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]

@@ -135,7 +135,7 @@ class FP16ALS(LossScaledStrategy):
         # id(parameter) → (parameter, its FP32 value before the cast, its version counter after it), from
         # prepare_model until build_optimizer seeds the masters with them (the engines' name, as Collage's;
         # the value itself tells which elements were written since: `_master_residual`).
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]
