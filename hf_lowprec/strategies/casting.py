@@ -51,8 +51,15 @@ def _refuse_fp16_overflow(model: torch.nn.Module) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.dtype in wide and p.numel() and not p.is_meta]
     if not named:
         return
-    # Once, when the model is prepared: an amax per parameter, read together.
-    amaxes = torch.stack([p.detach().abs().amax().float().cpu() for _, p in named]).tolist()
+    # Once, when the model is prepared: an amax per parameter, read together (one read per device).
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, p) in enumerate(named):
+        by_device.setdefault(p.device, []).append(index)
+    amaxes = [0.0] * len(named)
+    for indices in by_device.values():
+        read = torch.stack([named[i][1].detach().abs().amax().float() for i in indices]).cpu().tolist()
+        for i, amax in zip(indices, read, strict=True):
+            amaxes[i] = amax
     beyond = [(n, a) for (n, _), a in zip(named, amaxes) if not a < 65520.0]  # rounds to inf (NaN too)
     if beyond:
         listed = ", ".join(f"{n} (largest |value| {a:.4g})" for n, a in beyond[:5])

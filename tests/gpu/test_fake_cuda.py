@@ -133,3 +133,20 @@ def test_a_recipe_without_its_kernel_is_emulated(recipe, capability, monkeypatch
     result = fake_cuda_step("fp8-lm-o2", capability, recipe=recipe)
     assert result["fp8_layers"] == 8 and result["copies"] == [] and result["syncs"] == [], result
     assert calls == []
+
+
+def test_the_fp16_range_check_at_preparation_reads_every_amax_in_one_transfer():
+    """fp16-als casts its parameters to FP16 after checking each one's largest |value|
+    (`strategies.casting`): one device→host read for all of them, where it waited once per
+    parameter (28 at 2 layers, 52 at 4: `.cpu()` inside the list)."""
+    from hf_lowprec.testing.counted_step import checked_strategy, gpt2
+    from hf_lowprec.testing.fake_cuda import to_fake_cuda
+
+    for n_layer in (2, 4):
+        with fake_cuda(HOPPER):
+            model = to_fake_cuda(gpt2(n_layer))
+            with DeviceTraffic(stand_in=True) as traffic:
+                checked_strategy("fp16-als").prepare_model(model)
+        # The values then read from the CPU copy are host memory (the counter lists those reads too).
+        transfers = [event for event in traffic.syncs if "device->host" in event.op]
+        assert len(transfers) == 1, (n_layer, traffic.summary())
