@@ -366,3 +366,86 @@ def test_the_gpu_form_of_als_gives_the_cpu_forms_bits_and_tallies(caplog, monkey
     assert not [r for r in caplog.records if "compiling" in r.getMessage()], caplog.text
     assert {"tally_activation", "unscale_half_together", "decide_scale"} <= set(ran), ran
     assert not compiling._broken, compiling._broken
+
+
+def _running_mean_windows(gpu: bool, compiled: bool):
+    """p.grad after each of three accumulation windows of an FP16 parameter whose micro-batch
+    gradients overflow FP16 (±1e6 → ±inf, then clamped by the hook) with a +inf and a −inf
+    micro-batch meeting, a second backward within one micro-batch, named micro-batch indices with
+    one skipped, and `to_sums`; on the GPU's form (`compiling.gpu_paths`: one compiled graph per
+    hook call; `compiled` False runs it as its eager source) or the CPU's (eager ops)."""
+    from hf_lowprec.compiling import gpu_paths
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [3e4 * (2 * torch.rand(64, generator=gen) - 1) for _ in range(4)]
+    grads[0][:8], grads[1][:8], grads[2][4:12] = 1e6, -1e6, 7e4  # +inf, −inf, beyond ±65504
+    model = Holder(64)
+    accumulator = RunningMeanGradients().attach(model)
+    seen = []
+    stance = contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager")
+    with stance, gpu_paths() if gpu else contextlib.nullcontext():
+        for window in range(3):
+            if window == 1:
+                accumulator.micro_batch(None)
+            for index, g in enumerate(grads[: 3 if window < 2 else 2], start=1):
+                if window == 1 and index == 2:
+                    continue  # micro-batch 2 does not reach the parameter: M rescaled by 1/3 at index 3
+                accumulator.micro_batch(index if window == 1 else None)
+                accumulator.new_window()
+                (model.w.float() * g).sum().backward()
+                if window == 0 and index == 2:
+                    (model.w.float() * grads[3]).sum().backward()  # a second backward: the same micro-batch
+            if window > 0:
+                accumulator.to_sums(model.parameters(), 4)
+            seen.append(model.w.grad.clone())
+            model.zero_grad(set_to_none=window == 1)
+            accumulator.reset()
+            accumulator.micro_batch(None)
+    return seen, grads
+
+
+def test_the_gpu_form_of_the_running_mean_hook_gives_the_cpu_forms_bits():
+    """Eagerly and compiled (Inductor's C++ backend here; Triton on CUDA), the hook's one graph per
+    call (clamp, rescale of M, g/k: `running_mean_hook_step`) gives the CPU form's gradients bit for
+    bit, where +inf and −inf micro-batches meet as 0 (not NaN) and clamped values average."""
+    from hf_lowprec import compiling
+
+    cpu, grads = _running_mean_windows(gpu=False, compiled=False)
+    clamped = [g.half().double().clamp(-FP16_MAX, FP16_MAX) for g in grads]
+    # Window 1: M_3 = (c(g1) + c(g2) + c(g4) + c(g3)) / 3, each c FP16-rounded and clamped. Every
+    # micro-batch rounds three times (the rescale, g/k, the sum), each error at most u·65504: over
+    # four added gradients, 3·4·u·65504 bounds the error.
+    reference = (clamped[0] + clamped[1] + clamped[3] + clamped[2]) / 3
+    # (A NaN fails the bound too: +inf and −inf unclamped would meet as NaN in the first eight.)
+    assert float((cpu[0].double() - reference).abs().max()) <= 3 * 4 * U16 * FP16_MAX
+    for compiled in (False, True):
+        gpu, _ = _running_mean_windows(gpu=True, compiled=compiled)
+        for window, (a, b) in enumerate(zip(gpu, cpu, strict=True)):
+            assert bits_equal(a, b), (compiled, window, a, b)
+    assert not compiling._broken, compiling._broken
+
+
+def test_each_running_mean_hook_call_is_one_launch_on_the_gpu_form():
+    """Per parameter and micro-batch, the hook's clamp, rescale of M and g/k are one compiled graph
+    on a GPU (none eager): they were one to three eager launches (clamp, mul_, div: issue #66)."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.testing.launches import Launches
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).half()
+    x = torch.randn(3, 8).half()
+    plain = []
+    with torch.compiler.set_stance("force_eager"), gpu_paths():
+        for attached in (False, True):
+            if attached:
+                accumulator = RunningMeanGradients().attach(model)
+            model.zero_grad(set_to_none=True)
+            for micro_batch in range(3):
+                loss = model(x).float().sum()
+                with Launches() as counted:
+                    loss.backward()
+                if not attached:
+                    plain.append(counted.total())
+                    continue
+                assert counted.total() - plain[micro_batch] == 4, counted.summary()  # one call per parameter
+                assert counted.regions == {("step", "running_mean_hook_step"): 4}, counted.summary()
+    assert accumulator.params()

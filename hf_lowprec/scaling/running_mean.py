@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from ..compiling import run_fused, takes_gpu_path
 from .loss_scale import FP16_MAX
 
-__all__ = ["RunningMeanGradients", "running_mean_"]
+__all__ = ["RunningMeanGradients", "running_mean_", "running_mean_hook_step"]
 
 
 def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:
@@ -28,6 +29,30 @@ def running_mean_(mean: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tens
     if k == 1:
         return mean.copy_(value)
     return mean.mul_((k - 1) / k).add_(value / k)
+
+
+def running_mean_hook_step(grad: torch.Tensor, mean: torch.Tensor | None, last: int, k: int) -> torch.Tensor:
+    """What a running-mean hook does to one incoming gradient, run as it is on CPU and as one compiled
+    graph on a GPU (`RunningMeanGradients`): an FP16 `grad` clamped to ±65504; `mean` (p.grad, None to
+    leave it) zeroed where `last` is 0, else rescaled by last/k; returns the clamped grad / k."""
+    if grad.dtype == torch.float16:
+        grad = grad.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN, ±inf becomes ±65504
+    if mean is not None:
+        if last == 0:
+            mean.zero_()
+        else:  # the ratio rounded to FP32, as the eager op's scalar is (a graph would keep it in FP64)
+            mean.mul_(torch.full((), last / k, dtype=torch.float32, device=mean.device))
+    return grad if k == 1 else grad / k
+
+
+def _hook_step(grad: torch.Tensor, mean: torch.Tensor | None, last: int, k: int) -> torch.Tensor:
+    """`running_mean_hook_step` eagerly on CPU; one launch (a compiled graph) on a GPU, where its eager
+    ops were one to three launches per parameter per backward (issue #66); none with nothing to do."""
+    if grad.dtype != torch.float16 and mean is None and k == 1:
+        return grad
+    if not takes_gpu_path(grad.device):
+        return running_mean_hook_step(grad, mean, last, k)
+    return run_fused(running_mean_hook_step, grad, mean, last, k, like=grad)
 
 
 class _Windows:
@@ -96,11 +121,14 @@ class RunningMeanGradients:
         the loop's own backward undid (k == `divisor`, whole windows under Accelerate's
         accumulation: untouched). What stock Accelerate accumulates, the mean kept while it sums;
         with `micro_batch` indices (k the last one reaching the parameter), the mean over `divisor`."""
+        by_ratio: dict[float, list[torch.Tensor]] = {}  # one multi-tensor product per ratio, not one per parameter
         for param in params:
             k, window = self._counts.get(id(param), (0, 0)) if self._holds(param) else (0, 0)
             if param.grad is not None and k and k != divisor:
-                param.grad.mul_(k / divisor)  # FP16 overflow: the scaler's unscale_ clips it, and counts
+                by_ratio.setdefault(k / divisor, []).append(param.grad)
                 self._counts[id(param)] = (divisor, window)  # once: a second unscale, another optimizer's
+        for ratio, grads in by_ratio.items():
+            torch._foreach_mul_(grads, ratio)  # FP16 overflow: the scaler's unscale_ clips it, and counts
 
     def params(self) -> list[torch.Tensor]:
         """The parameters hooked (still alive)."""
@@ -138,21 +166,17 @@ class RunningMeanGradients:
 
     def _hook(self, param: torch.Tensor):
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            if grad.dtype == torch.float16:
-                grad = grad.clamp(-FP16_MAX, FP16_MAX)
             key = id(param)
             last, window = (0, -1) if param.grad is None else self._counts.get(key, (0, -1))
             index = self._index
             here = self._windows.count if index is None else index
             if window == here:  # this micro-batch's g_k again: autograd adds g/k to M_k
-                return grad if last == 1 else grad / last
+                return _hook_step(grad, None, 0, last)
             k = last + 1 if index is None else index
             self._counts[key] = (k, here)
-            if param.grad is not None:
-                if last == 0:
-                    param.grad.zero_()
-                elif last != k:  # (`to_sums` before the last micro-batch left M = (Σ g)/k)
-                    param.grad.mul_(last / k)  # (k−1)/k where the last micro-batch reached it
-            return grad if k == 1 else grad / k
+            # M_{k-1} zeroed where no micro-batch reached it, else rescaled by last/k: (k−1)/k where
+            # the last micro-batch reached it (`to_sums` before the last micro-batch left M = (Σ g)/k).
+            mean = param.grad if param.grad is not None and last != k else None
+            return _hook_step(grad, mean, last, k)
 
         return hook

@@ -5,6 +5,7 @@ Counted on CPU at the dispatcher: an eager operation that computes is one launch
 the package's compiled graphs is one. Counts, not timings: the same on any machine.
 """
 
+import collections
 import functools
 
 import pytest
@@ -239,6 +240,37 @@ def test_gradient_processing_clipping_and_the_optimizer_do_not_grow_with_the_lay
         # three groups (matrices, vectors, the transposed-stored ones a strategy stages); a
         # strategy steps the parameters and casts the gradients at most once each.
         assert _chunk_calls(counted) <= 2 * (-(-_parameters(n_layer) // 8) + 3 * 3), (name, n_layer, counted.summary())
+
+
+@functools.cache
+def _anchor(n_layer):
+    return anchor_launches(n_layer, clip=1.0)
+
+
+def _eager_growth(small, large, phase):
+    """Per eager operation, how many more launches of `phase` the deeper model's step makes."""
+    growth = collections.Counter()
+    for counted, sign in ((large, 1), (small, -1)):
+        for (where, op), n in counted.ops.items():
+            if where == phase:
+                growth[op] += sign * n
+    return growth
+
+
+@pytest.mark.parametrize("name", hf_lowprec.available_strategies())
+def test_the_backward_grows_with_the_layers_as_the_stock_models_own(name):
+    """The backward's eager launches grow with the layers no more than the anchor's (torch autocast:
+    the stock model's own backward), and no operation grows by one per parameter beyond the anchor's
+    growth of it: a hook issuing an eager op per parameter fails here (fp16-als's running mean clamped
+    each FP16 gradient eagerly: 12 `clamp` per GPT-2 block; now one compiled graph per hook call,
+    `scaling.running_mean`). An FP8 layer's own backward differs by a few operations per layer
+    (`_scaled_mm` for `mm`, the scales' reciprocals: at most 8 of one kind)."""
+    ours = _eager_growth(_launches(name, 2), _launches(name, 4), "backward")
+    stock = _eager_growth(_anchor(2), _anchor(4), "backward")
+    assert sum(ours.values()) <= sum(stock.values()), (name, sum(ours.values()), sum(stock.values()), ours)
+    per_block = 12  # GPT-2's parameters per block (`_parameters`)
+    beyond = {op: n - stock[op] for op, n in ours.items() if n - stock[op] >= 2 * per_block}  # 2 blocks added
+    assert not beyond, (name, beyond)
 
 
 @pytest.mark.parametrize("clip", [1.0, None])
