@@ -15,10 +15,10 @@ import torch.distributed as dist
 from ..checkpoints.resume import check_zero_owners
 from ..compiling import takes_gpu_path
 from ..fp8 import all_gather_owned_fp8, fp8_allreduce, quantize_gradient
-from ..fp8.cast import widen
 from ..fp8.fused import gradients_cast_into
 from ..fp8.linear import E4M3, quantize_weight, set_grad_sink
 from ..fp8.scaled import dequantize, format_dtype, get_master_scale
+from ..fp8.stored_sums import mask_skipped_stored, sum_of_stored_squares
 from ..partition import assign_whole_tensors
 from .fp8_adamw import FP8AdamW
 
@@ -238,12 +238,7 @@ class FP8ZeroAdamW(FP8AdamW):
                 p = self.fp8_params[i]
                 self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
         if unless is not None and not zeroed:
-            skip = unless != 0
-            for i in self.owned:
-                pending = self.fp8_grad(self.fp8_params[i])
-                if pending is not None:
-                    pending[0].view(torch.uint8).masked_fill_(skip, 0)
-                    pending[1].masked_fill_(skip, 1.0)
+            mask_skipped_stored(self._owned_stored(), unless)
         self.clear_fp8_grads()
 
     def _quantize_owned(
@@ -267,6 +262,10 @@ class FP8ZeroAdamW(FP8AdamW):
             scaler.record(saturated, grads[i].numel(), unless=unless)
         return None not in buffers
 
+    def _owned_stored(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The FP8 gradients (payload, scale) this rank holds, in its owned weights' order."""
+        return [g for g in (self.fp8_grad(self.fp8_params[i]) for i in self.owned) if g is not None]
+
     def clip_coefficient(self) -> torch.Tensor | None:
         """Once per step, after `reduce_fp8_gradients`: the global norm of every gradient and the
         clipping of the FP8 ones; None outside DeepSpeed (one process clips `p.grad` as usual).
@@ -284,12 +283,8 @@ class FP8ZeroAdamW(FP8AdamW):
             return None
         dense = getattr(zero, "_global_grad_norm", None)
         dense = torch.as_tensor(0.0 if dense is None else dense, dtype=torch.float32, device=self.device).reshape(())
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i in self.owned:
-            pending = self.fp8_grad(self.fp8_params[i])
-            if pending is not None:
-                payload, scale = pending
-                squares += (torch.linalg.vector_norm(widen(payload, torch.float32)) / scale).square()
+        stored = self._owned_stored()
+        squares = sum_of_stored_squares(stored, self.device)
         if self.world > 1:
             dist.all_reduce(squares, group=self.process_group)
         total = (dense.square() + squares).sqrt()
@@ -300,10 +295,8 @@ class FP8ZeroAdamW(FP8AdamW):
             finite = torch.isfinite(total)
             ours = torch.where(finite, torch.clamp((total + _CLIP_EPS) / max_norm, min=1.0), 1.0)
             theirs = torch.where(finite, torch.clamp((dense + _CLIP_EPS) / max_norm, min=1.0), 1.0)
-            for i in self.owned:
-                pending = self.fp8_grad(self.fp8_params[i])
-                if pending is not None:
-                    pending[1].mul_(ours)  # real = payload / scale: the gradient divided by `ours`
+            if stored:  # real = payload / scale: each gradient divided by `ours`
+                torch._foreach_mul_([scale for _, scale in stored], ours)
             self._dense_factor = theirs / ours
         return total
 
