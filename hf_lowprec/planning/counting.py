@@ -29,6 +29,7 @@ from .heads import step_labels
 from .ledger import Ledger, PhaseCounts
 from .models import block_kinds, blocks_of, build_model, layer_overrides, model_config, rule_options
 from .peers import ANCHOR, PEERS, TORCHAO, TorchAMP, TorchAOFloat8
+from .resident import resident_bytes
 
 __all__ = [
     "ANCHOR",
@@ -205,6 +206,7 @@ def _count_steps(
             # torch takes its multi-tensor paths (clipping, optimizers) for plain tensors only.
             mock.patch.object(_foreach_utils, "_foreach_supported_types", [torch.Tensor, Parameter, FakeTensor]),
             gpu_paths(),
+            _unpacked_batches(),
             # The fake mode's cache of operations (shapes out for shapes in) serves the warm-up's
             # operations to the counted step, one block's to the next, one strategy's to the next.
             torch._dynamo.config.patch(fake_tensor_cache_enabled=True),
@@ -235,7 +237,7 @@ def _count_steps(
                 out = []
                 for index in hidden:
                     with _without_block(built, index):
-                        resident = _resident_bytes(built, optimizer)
+                        resident = resident_bytes(built, optimizer)
                         steady = counted[0] = Ledger(replays=replays)
                         with steady:
                             phased_step(steady, strategy, built, optimizer, ids, clip)
@@ -244,6 +246,22 @@ def _count_steps(
     finally:
         set_fp8_gemm_path(forced)
     return out
+
+
+@contextlib.contextmanager
+def _unpacked_batches() -> Iterator[None]:
+    """transformers' check for packed sequences (`masking_utils.find_packed_sequence_indices`)
+    answering None after its kernels, as it does on a real batch of whole sequences: SDPA then runs
+    causal with no mask. On fake tensors it cannot read its answer and returns a packed-sequence mask."""
+    from transformers import masking_utils
+
+    check = masking_utils.find_packed_sequence_indices
+
+    def unpacked(position_ids: torch.Tensor) -> None:
+        check(position_ids)
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", unpacked):
+        yield
 
 
 @contextlib.contextmanager
@@ -290,26 +308,6 @@ def _without_block(model: torch.nn.Module, index: int | None) -> Iterator[None]:
         yield
     finally:
         _set_blocks(model, blocks)
-
-
-def _resident_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """Bytes held between steps by `model` and `optimizer`: parameters, buffers and the
-    optimizer's state of the model's parameters (each storage once); gradients set to None are
-    not held."""
-    from ..memory import unwrap_optimizer
-
-    inner = unwrap_optimizer(getattr(optimizer, "inner", optimizer))
-    tensors = [*model.parameters(), *model.buffers()]
-    held = {id(p) for p in tensors}
-    for param, state in getattr(inner, "state", {}).items():
-        if id(param) in held or not isinstance(param, torch.nn.Parameter):
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.layout == torch.strided:
-            storage = t.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
 
 
 # Strategies whose step over a model depends on blocks that did not run (state shared by all

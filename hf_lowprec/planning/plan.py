@@ -29,7 +29,16 @@ from .models import (
 )
 from .roofline import predict, predict_measured
 
-__all__ = ["GPU_PREVIEW", "SCALES", "calibration_lines", "format_plan", "gpu_preview", "plan_rows", "scaling_lines"]
+__all__ = [
+    "ENGINE_STAGES",
+    "GPU_PREVIEW",
+    "SCALES",
+    "calibration_lines",
+    "format_plan",
+    "gpu_preview",
+    "plan_rows",
+    "scaling_lines",
+]
 
 BASELINE = "bf16-mixed"
 # The cluster sizes every plan prices (the batch per GPU kept), and those it searches for the
@@ -39,6 +48,9 @@ _POWERS = tuple(2**k for k in range(1, 10))
 # What the main job's CPU rows are priced at on a GPU: its architecture at GPT-2 small's size.
 _PREVIEW = ("gpt2", (8, 1024), "h100")
 GPU_PREVIEW = "GPT-2 124M, batch 8×1024, eager, one H100"
+# The ZeRO stage whose per-rank model state each engine holds past one GPU (`memory.zero_per_rank`):
+# DDP none sharded; ZeRO-2 gradients and optimizer state, beside its flat weight partition; FSDP2 all.
+ENGINE_STAGES = {"ddp": 0, "zero2": 2, "fsdp2": 3}
 
 
 def _prepared(name: str, model: str, options: dict[str, Any], layers: int | None) -> torch.nn.Module:
@@ -142,7 +154,7 @@ def plan_rows(
     # torch's recipe holds what bf16-mixed holds: FP32 weights, gradients and moments (16 B/param).
     names = list(dict.fromkeys(BASELINE if n in PEERS else n for n in strategies))
     tokens = batch[0] * batch[1]
-    for row in memory_plan(model, names, gpus, 2 if engine in ("fsdp2", "zero2") and gpus > 1 else 0, gpu, tokens):
+    for row in memory_plan(model, names, gpus, ENGINE_STAGES[engine] if gpus > 1 else 0, gpu, tokens):
         memory[row["strategy"]] = row
     kept = {name: _kept_in_bf16(name, model, rule_options(name, gpu, tokens)) for name in strategies}
     params = memory[BASELINE]["num_params"]
@@ -153,7 +165,8 @@ def plan_rows(
         predicted = predict(count, gpu)
         state = memory[BASELINE if name in PEERS else name]
         params = state["num_params"]
-        per_gpu = _state_per_gpu(state, engine, gpus)
+        # `hf-lowprec memory`'s own per-rank figure (`zero_per_rank`), so the two cannot differ.
+        per_gpu = state.get("per_rank_total", state["total"]) * params
         grads, weights = _wire_bytes(name, engine, fp8_share[name], root)
         traffic = communication(engine, gpus, params, grads, weights, gpu)
         step = max(predicted.step, traffic.seconds)
@@ -205,17 +218,6 @@ def gpu_preview(strategies: list[str]) -> dict[str, float]:
     with quiet():
         counts = start_counts(strategies, model, batch, compiled_layers=False, gpu=GPUS[gpu])()
     return {name: predict(count, GPUS[gpu]).step * 1e3 for name, count in counts.items()}
-
-
-def _state_per_gpu(state: dict[str, Any], engine: str, gpus: int) -> float:
-    """Model-state bytes one GPU holds: all of it under DDP, the sharded share under FSDP2 (all
-    of it sharded) and ZeRO-2 (gradients and optimizer state sharded)."""
-    params = state["num_params"]
-    if engine == "ddp" or gpus == 1:
-        return state["total"] * params
-    if engine == "fsdp2":
-        return state["total"] * params / gpus
-    return (state["params"] + (state["total"] - state["params"]) / gpus) * params
 
 
 def format_plan(rows: list[dict[str, Any]], title: str) -> str:

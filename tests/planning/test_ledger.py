@@ -262,10 +262,33 @@ def test_the_anchor_step_does_three_times_the_forward_gemm_flops(tiny):
     assert flops.pop(torch.float32, 0) in (0, 2 * (d // 2) * s)
     assert set(flops) == {torch.bfloat16}
     attention = flops[torch.bfloat16] - 3 * _linear_flops(BATCH[0] * BATCH[1])
-    # Attention: 4·B·H·S²·D forward and 2.5× that backward per layer; halved when the kernel is
-    # told the mask is causal (transformers passes its mask as a tensor here: full work).
+    # Attention: 4·B·H·S²·D forward and 2.5× that backward per layer, halved: the kernel is told
+    # the mask is causal, as on a real batch (no mask tensor, which would mean full work).
     full = int(3.5 * 4 * b * heads * s * s * d * layers)
-    assert attention in (full, full // 2)
+    assert attention == full // 2
+
+
+def test_a_causal_lm_is_counted_as_a_real_batch_runs_it_causal_attention_with_no_mask(tiny, monkeypatch):
+    """With no attention mask and no cache, transformers asks whether the batch packs several
+    sequences; on real tensors the answer is no and SDPA gets `attn_mask=None, is_causal=True`.
+    The count runs on fake tensors, which cannot answer: it must still count that call."""
+    from hf_lowprec.planning.models import build_model
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    real = build_model(tiny, device="cpu", use_cache=False)
+    ids = torch.randint(0, 512, BATCH)
+    real(input_ids=ids, labels=ids)
+    assert calls and set(calls) == {(True, True)}, calls  # what a real run passes
+    calls.clear()
+    count_step("bf16-mixed", tiny, BATCH, layers=2, compiled_layers=False)
+    assert calls and set(calls) == {(True, True)}, calls
 
 
 @pytest.mark.parametrize("name", ["bf16-mixed", "fp8-lm-o1", "fp8-lm-o2", "collage-plus"])

@@ -356,3 +356,36 @@ def test_plan_refuses_a_span_head_naming_it_before_counting(tmp_path, capsys, mo
     with pytest.raises(SystemExit):
         main(["plan", "--model", str(tmp_path), "--batch", "2x16", "--strategies", "collage-plus"])
     assert "BertForQuestionAnswering takes span or choice targets" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def one_count(tiny):
+    from hf_lowprec.planning.counting import count_step
+
+    return count_step("bf16-mixed", tiny, (2, 32), compiled_layers=False)
+
+
+@pytest.mark.parametrize("engine, stage", [("ddp", 0), ("zero2", 2), ("fsdp2", 3)])
+def test_plan_and_memory_give_the_same_model_state_per_gpu_for_every_strategy(
+    tiny, one_count, monkeypatch, engine, stage
+):
+    """`plan --engine E --gpus 8` and `memory --world-size 8 --zero-stage S` (S the stage whose
+    shards E holds) agree for every strategy, and both are ZeRO's split by hand: stage 1 and up
+    shard optimizer state and extras, 2 and up gradients, 3 the parameters; stages 1 and 2 add
+    the rank's flat weight partition, params / 8 (the plan once left it out under ZeRO-2)."""
+    import hf_lowprec
+    from hf_lowprec.planning import plan
+
+    names = hf_lowprec.available_strategies()
+    # The model state does not depend on the step's count: one count stands in for every strategy's.
+    monkeypatch.setattr(plan, "start_counts", lambda names, *a, **k: lambda: dict.fromkeys(names, one_count))
+    rows = {r["strategy"]: r for r in plan.plan_rows(tiny, names, (2, 32), GPUS["h100"], 8, engine)}
+    memory = {r["strategy"]: r for r in memory_plan(tiny, names, 8, stage, GPUS["h100"], 64)}
+    for name in names:
+        m = memory[name]
+        shards = {"params": stage >= 3, "grads": stage >= 2, "optimizer_states": stage >= 1, "extra": stage >= 1}
+        by_hand = sum(m[k] / (8 if sharded else 1) for k, sharded in shards.items())
+        by_hand += m["params"] / 8 if stage in (1, 2) else 0.0
+        memory_gib = m["per_rank_total"] * m["num_params"] / 2**30
+        assert rows[name]["model_state_gib"] == pytest.approx(memory_gib, rel=1e-12), name  # float rounding only
+        assert memory_gib == pytest.approx(by_hand * m["num_params"] / 2**30, rel=1e-12), name
