@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 
+import torch
 from bench_e2e import ensure_torchao
 
 import hf_lowprec
@@ -22,6 +23,23 @@ from hf_lowprec.planning.gpus import gpu_named
 from hf_lowprec.planning.roofline import predict
 
 SHAPES = (("llama-0.63b", True), ("qwen3-moe-0.9b", False))
+# The operand widths as docs/benchmarks.md names them: FP8 is E4M3 (forward) and E5M2 (backward) together.
+WIDTHS = {
+    torch.bfloat16: "BF16",
+    torch.float16: "FP16",
+    torch.float32: "FP32",
+    torch.float8_e4m3fn: "FP8",
+    torch.float8_e5m2: "FP8",
+}
+
+
+def by_width(flops: dict[torch.dtype, int]) -> dict[str, int]:
+    """{width name: FLOPs} of a ledger's {operand dtype: FLOPs}, in `WIDTHS` order."""
+    out: dict[str, int] = {}
+    for dtype in sorted(flops, key=lambda d: list(WIDTHS).index(d) if d in WIDTHS else len(WIDTHS)):
+        name = WIDTHS.get(dtype, str(dtype).removeprefix("torch."))
+        out[name] = out.get(name, 0) + flops[dtype]
+    return out
 
 
 def main() -> int:
@@ -48,7 +66,7 @@ def main() -> int:
                 print(f"| {name} | error: {type(error).__name__}: {str(error).splitlines()[0][:120]} |", flush=True)
                 continue
             total, p = count.total(), predict(count, gpu)
-            flops = ", ".join(f"{n / 1e12:.1f} {str(d)[6:]}" for d, n in sorted(total.flops.items(), key=str))
+            flops = ", ".join(f"{n / 1e12:.1f} {w}" for w, n in by_width(total.flops).items())
             print(
                 f"| {name} | {total.kernels} | {total.eager} | {total.graphs} | {total.bytes / 1e9:.0f} | {flops} | "
                 f"{total.syncs} | {p.step * 1e3:.1f} | {p.bound} |",

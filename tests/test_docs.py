@@ -259,3 +259,31 @@ def test_readme_python_quick_starts_run(index, tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, f"README python block {index} failed:\n{code}\n--- stderr\n{proc.stderr[-4000:]}"
+
+
+def test_the_ledger_tables_name_the_widths_as_bench_ledger_prints_them(monkeypatch):
+    """docs/benchmarks.md's ledger tables are `bench/bench_ledger.py`'s output: each TFLOPs cell
+    is "x.y NAME" with the names it prints, FP8 the E4M3 and E5M2 GEMMs together."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench_ledger = importlib.import_module("bench_ledger")
+    assert bench_ledger.by_width({torch.float8_e5m2: 2, torch.bfloat16: 5, torch.float8_e4m3fn: 1}) == {
+        "BF16": 5,
+        "FP8": 3,
+    }
+    names, cells = set(bench_ledger.WIDTHS.values()), []
+    column = None
+    for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cols is None:
+            column = None
+        elif "TFLOPs (width)" in cols:
+            column = cols.index("TFLOPs (width)")
+        elif column is not None and not cols[0].startswith("---") and len(cols) > column:
+            cells.append(cols[column])
+    assert len(cells) >= 20  # the dense and the MoE table
+    for cell in cells:
+        for entry in cell.split(", "):
+            value, name = entry.split(" ")
+            assert float(value) >= 0 and name in names, cell

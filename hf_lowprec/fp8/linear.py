@@ -681,6 +681,12 @@ class FP8Linear(nn.Module):
             None if scale is None else (scale.data_ptr(), scale._version),
         )
 
+    def held_weight_bytes(self) -> int:
+        """Bytes of the FP8 weight this layer keeps from one optimizer step to the next forward:
+        the E4M3 copy FP8-LM O2's step writes (`_takes_written_weight`), 1 B a weight; 0 where
+        each forward casts the weight (a CPU, a compiled forward drops it after a step)."""
+        return self.weight.numel() if self._takes_written_weight() else 0
+
     def _takes_written_weight(self) -> bool:
         """Whether the optimizer step may write this layer's FP8 weight: a scaled FP16 master
         (O2) under the tensorwise recipe, run eagerly on a GPU. A CPU's native optimizer kernels

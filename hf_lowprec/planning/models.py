@@ -315,7 +315,9 @@ def memory_plan(
     Each strategy prepares the meta model and builds its optimizer; the optimizer's own state
     initialisers give the state tensors (`hf_lowprec.report.plan_model_state`). With ZeRO, the
     per-rank share follows `hf_lowprec.report.zero_per_rank`. With a `gpu`, FP8 strategies keep
-    in BF16 what FP8 would not speed up there at `tokens` a micro-batch (`rule_options`).
+    in BF16 what FP8 would not speed up there at `tokens` a micro-batch (`rule_options`), and
+    FP8-LM O2's "extra" holds the E4M3 weight its step writes for the next forward (1 B per FP8
+    GEMM weight, below ZeRO-3/FSDP2), which an eager layer on a GPU keeps; a CPU keeps none.
     A model deeper than two blocks, all alike, is planned at one and two blocks and scaled: the
     same figures, to the bit, as the whole model's (a strategy treats alike blocks alike).
     """
@@ -325,11 +327,12 @@ def memory_plan(
     rows = []
     for name in strategies:
         strategy_options = rule_options(name, gpu, tokens)
+        held = gpu is not None and zero_stage < 3  # FSDP2's and ZeRO-3's sharded weights hold no FP8 copy
         if depth > 2:  # blocks alike: two shallow plans, scaled to the depth (exactly)
-            one, two = (_state_bytes(model, name, strategy_options, n) for n in (1, 2))
+            one, two = (_state_bytes(model, name, strategy_options, n, held) for n in (1, 2))
             totals = {k: one[k] + (depth - 1) * (two[k] - one[k]) for k in one}
         else:
-            totals = _state_bytes(model, name, strategy_options, None)
+            totals = _state_bytes(model, name, strategy_options, None, held)
         num_params = totals.pop("num_params")
         plan = {k: v / num_params for k, v in totals.items()}
         plan["total"] = sum(plan.values())
@@ -344,10 +347,15 @@ def memory_plan(
     return rows
 
 
-def _state_bytes(model: str, name: str, options: dict[str, Any], layers: int | None) -> dict[str, int]:
+def _state_bytes(
+    model: str, name: str, options: dict[str, Any], layers: int | None, on_gpu: bool = False
+) -> dict[str, int]:
     """Strategy `name`'s model state on `model` (at `layers` decoder layers, the config's unset),
     as whole bytes per component and the parameter count (`report.plan_model_state`'s figures
-    times the count: every term is a whole number of bytes)."""
+    times the count: every term is a whole number of bytes). `on_gpu`: "extra" also holds the FP8
+    weight each layer keeps between steps when it runs eagerly on a GPU (FP8-LM O2's written
+    weight, 1 B each: `FP8Linear.held_weight_bytes`; a CPU holds none)."""
+    from ..fp8 import FP8Linear
     from ..report import plan_model_state
 
     overrides = {} if layers is None else layer_overrides(model_config(model)[0], layers)
@@ -358,6 +366,8 @@ def _state_bytes(model: str, name: str, options: dict[str, Any], layers: int | N
     plan = plan_model_state(prepared, optimizer)
     count = int(plan["num_params"])
     out = {k: round(plan[k] * count) for k in ("params", "grads", "optimizer_states", "extra")}
+    if on_gpu:
+        out["extra"] += sum(m.held_weight_bytes() for m in prepared.modules() if isinstance(m, FP8Linear))
     return {**out, "num_params": count}
 
 

@@ -118,7 +118,7 @@ class FP8LMOptions(FP8RuleOptions):
 @register(
     "fp8-lm-o2",
     level="O2",
-    summary="O1 + FP8 optimizer on FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 masters, FP8 gradients from backward on); FP32 masters and states elsewhere (6 bytes/param on FP8 GEMM weights, 16 elsewhere)",
+    summary="O1 + FP8 optimizer on FP8 GEMM weights (E4M3 m, FP16 v, scaled FP16 masters, FP8 gradients from backward on); FP32 masters and states elsewhere (6 bytes/param on FP8 GEMM weights, 7 on a GPU with the E4M3 weight its step writes, 16 elsewhere)",
 )
 @register(
     "fp8-lm-o1",

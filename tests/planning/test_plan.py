@@ -389,3 +389,53 @@ def test_plan_and_memory_give_the_same_model_state_per_gpu_for_every_strategy(
         memory_gib = m["per_rank_total"] * m["num_params"] / 2**30
         assert rows[name]["model_state_gib"] == pytest.approx(memory_gib, rel=1e-12), name  # float rounding only
         assert memory_gib == pytest.approx(by_hand * m["num_params"] / 2**30, rel=1e-12), name
+
+
+def test_o2s_fp8_weight_held_between_steps_on_a_gpu_is_in_memory_and_the_counted_resident_bytes(tiny):
+    """On the GPU path FP8-LM O2's optimizer step writes each FP8 GEMM weight's E4M3 copy, which
+    the layer keeps until its next forward: 1 B a weight on top of the 6 B of its state. `memory`
+    with a GPU named and the count's resident bytes hold it, as two real CPU steps on the GPU path
+    (`compiling.gpu_paths`) measure it; on the CPU path nothing is held and `memory` without a GPU
+    stays the live model state, to the byte."""
+    import contextlib
+    import dataclasses
+
+    import torch
+
+    import hf_lowprec
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.fp8 import FP8Linear
+    from hf_lowprec.fp8.scaled import get_fp8_weight_copy
+    from hf_lowprec.planning.counting import count_step, phased_step
+    from hf_lowprec.planning.models import build_model
+    from hf_lowprec.planning.resident import resident_bytes
+
+    class NoLedger:
+        def phase(self, name):
+            return contextlib.nullcontext()
+
+    # A GPU the FP8 rule's table lacks: every layer converted, as the live model below.
+    gpu = dataclasses.replace(GPUS["h100"], name="a GPU of no table")
+    held, resident, planned = {}, {}, {}
+    for on_gpu in (False, True):
+        torch.manual_seed(0)
+        strategy = hf_lowprec.get_strategy("fp8-lm-o2", fp8_layers="all")
+        model = strategy.prepare_model(build_model(tiny, device="cpu"))
+        optimizer = strategy.create_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        ids = torch.randint(0, 512, (2, 32))
+        with gpu_paths() if on_gpu else contextlib.nullcontext():
+            for _ in range(2):
+                phased_step(NoLedger(), strategy, model, optimizer, ids, 1.0)
+        copies = [c for c in map(get_fp8_weight_copy, model.parameters()) if c is not None]
+        held[on_gpu] = sum(c.payload.untyped_storage().nbytes() + c.scale.untyped_storage().nbytes() for c in copies)
+        resident[on_gpu] = resident_bytes(model, optimizer)
+        (plan,) = memory_plan(tiny, ["fp8-lm-o2"], gpu=gpu if on_gpu else None)
+        planned[on_gpu] = round(plan["total"] * plan["num_params"])
+    fp8_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+    # An E4M3 weight (1 B each) and its FP32 scale per FP8 layer on the GPU path, none on a CPU.
+    layers = sum(isinstance(m, FP8Linear) for m in model.modules())
+    assert held == {False: 0, True: fp8_weights + 4 * layers}
+    assert resident[True] - resident[False] == held[True]
+    assert planned[True] - planned[False] == fp8_weights  # the scales: 4 B a layer, not planned
+    # The count runs the GPU path: its resident bytes are the live model's there.
+    assert count_step("fp8-lm-o2", tiny, (2, 32), compiled_layers=False).resident_bytes == resident[True]
