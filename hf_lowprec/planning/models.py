@@ -160,7 +160,14 @@ _SIZE_FIELDS = (
     "hidden_size",
     "intermediate_size",
     "max_position_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
 )
+# Sizes that may also be given per layer (a list): checked where a config gives one number.
+# A `head_dim` of 0 beside a `qk_head_dim` is legal (multi-head latent attention sizes its heads so).
+_SIZE_IF_NUMBER = ("head_dim", "moe_intermediate_size")
 
 
 def model_config(model: str) -> tuple[Any, Any]:
@@ -187,10 +194,14 @@ def _checked_config(model: str) -> tuple[Any, Any]:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as err:  # transformers' own checks raise its validation errors, not ValueError
         raise ValueError(f"--model {model}: not a valid transformers config.json ({_innermost(err)})") from None
-    for key in _SIZE_FIELDS:
-        value = getattr(config, key, None)
+    for key in (*_SIZE_FIELDS, *_SIZE_IF_NUMBER):
+        value = _field(config, key)
+        if key in _SIZE_IF_NUMBER and (
+            isinstance(value, list) or (key == "head_dim" and _field(config, "qk_head_dim"))
+        ):
+            continue
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"--model {model}: {key} must be a positive integer, got {value!r}")
+            raise ValueError(f"--model {model}: {key} must be a positive integer, got {value!r}; fix it in the config")
     _check_shapes(model, config)
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch and hasattr(transformers, arch):
@@ -224,6 +235,14 @@ def _innermost(err: BaseException) -> str:
     while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _field(config: Any, key: str) -> Any:
+    """`config.key`, or None where it lacks it or holds it per layer only (transformers raises then)."""
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:  # a per-layer attribute of a heterogeneous config
+        return None
 
 
 def _check_shapes(model: str, config: Any) -> None:

@@ -74,6 +74,27 @@ def test_moe_expert_counts_are_checked(tmp_path, capsys):
     assert "num_experts_per_tok 9 is more than num_local_experts" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field", ["num_experts_per_tok", "num_experts", "moe_intermediate_size", "head_dim"])
+@pytest.mark.parametrize("command", ["plan", "memory"])
+def test_a_zero_expert_or_head_size_is_refused_naming_it_before_any_work(tmp_path, capsys, monkeypatch, field, command):
+    """Before: `num_experts_per_tok: 0` divided by zero in a counting worker (and `memory` planned
+    8 B/param for it), `head_dim: 0` raised from transformers' rotary init, `moe_intermediate_size: 0`
+    failed in a GEMM naming no field, and `memory` planned the last two."""
+    from hf_lowprec.planning import models
+    from hf_lowprec.testing.moe import moe_config
+
+    monkeypatch.setattr(models, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    path = tmp_path / "config.json"
+    config = moe_config("qwen3_moe", layers=2).to_dict()
+    config.pop("num_local_experts", None)  # transformers' alias of num_experts, which it would read instead
+    path.write_text(json.dumps({**config, field: 0}))
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--model", str(path), "--strategies", "bf16-mixed"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{field} must be a positive integer, got 0" in err and "Traceback" not in err
+
+
 def test_a_model_directory_is_read_as_its_config_json(tiny, capsys):
     from pathlib import Path
 
