@@ -177,6 +177,10 @@ def plan_rows(
         # step's own peak on top (activations, the gradients it allocates).
         share = per_gpu / (state["total"] * params)
         peak = count.resident_bytes * share + count.peak_bytes
+        if engine == "ddp" and gpus > 1:
+            # DDP's flat gradient buckets, in the parameters' dtypes, beside `p.grad` (the package
+            # leaves `gradient_as_bucket_view` off): the parameters' bytes once more.
+            peak += state["params"] * params
         limit = "communication" if traffic.seconds > predicted.step else predicted.limit
         rows.append(
             {

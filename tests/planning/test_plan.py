@@ -460,3 +460,25 @@ def test_o2s_fp8_weight_held_between_steps_on_a_gpu_is_in_memory_and_the_counted
     assert planned[True] - planned[False] == fp8_weights  # the scales: 4 B a layer, not planned
     # The count runs the GPU path: its resident bytes are the live model's there.
     assert count_step("fp8-lm-o2", tiny, (2, 32), compiled_layers=False).resident_bytes == resident[True]
+
+
+def test_the_ddp_peak_holds_its_gradient_buckets_the_parameters_bytes_once_more(tiny, one_count, monkeypatch):
+    """torch's DDP (the package leaves `gradient_as_bucket_view` off) keeps flat bucket buffers in
+    the parameters' dtypes beside `p.grad`: past one GPU the peak per GPU holds the trainable
+    parameters' bytes once more, summed here from the prepared model (FP32 for bf16-mixed, BF16
+    for bf16-pure, FP16 masters and FP32 rest for fp8-lm-o2)."""
+    import hf_lowprec
+    from hf_lowprec.planning import plan
+    from hf_lowprec.planning.models import build_model, rule_options
+
+    names = ["bf16-mixed", "bf16-pure", "fp8-lm-o2"]
+    monkeypatch.setattr(plan, "start_counts", lambda names, *a, **k: lambda: dict.fromkeys(names, one_count))
+    peaks = {
+        n: {r["strategy"]: r["peak_gib"] for r in plan.plan_rows(tiny, names, (2, 32), GPUS["h100"], n)} for n in (1, 8)
+    }
+    for name in names:
+        prepared = hf_lowprec.get_strategy(name, **rule_options(name, GPUS["h100"], 64)).prepare_model(
+            build_model(tiny)
+        )
+        buckets = sum(p.numel() * p.element_size() for p in prepared.parameters() if p.requires_grad)
+        assert (peaks[8][name] - peaks[1][name]) * 2**30 == pytest.approx(buckets, rel=1e-9), name  # float sums
