@@ -250,9 +250,8 @@ def _count_steps(
 
 @contextlib.contextmanager
 def _unpacked_batches() -> Iterator[None]:
-    """transformers' check for packed sequences (`masking_utils.find_packed_sequence_indices`)
-    answering None after its kernels, as it does on a real batch of whole sequences: SDPA then runs
-    causal with no mask. On fake tensors it cannot read its answer and returns a packed-sequence mask."""
+    """transformers' packed-sequence check (`masking_utils.find_packed_sequence_indices`) answering None
+    after its kernels, as on a real batch of whole sequences (SDPA causal, no mask): fake tensors cannot."""
     from transformers import masking_utils
 
     check = masking_utils.find_packed_sequence_indices
@@ -267,8 +266,7 @@ def _unpacked_batches() -> Iterator[None]:
 @contextlib.contextmanager
 def without_collector() -> Iterator[None]:
     """The cyclic garbage collector off in the scope (as it was after): a count makes hundreds of
-    thousands of short-lived objects, which reference counting frees, and the collector's passes
-    over them were 15% of its time (about 10 MB is left for the collector to find later)."""
+    thousands of short-lived objects, which reference counting frees; its passes were 15% of the time."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -286,8 +284,7 @@ def _set_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
 
 
 def _keep_blocks(model: torch.nn.Module, indices: list[int]) -> None:
-    """Leaves `model` only the decoder blocks at `indices` (and their entries of the config's
-    per-layer `layer_types`), each still as built at its place in the whole model."""
+    """Leaves `model` only the decoder blocks at `indices` (and their config's `layer_types`), as built."""
     blocks = list(blocks_of(model))
     types = getattr(model.config, "layer_types", None)
     if isinstance(types, list) and len(types) == len(blocks):
@@ -297,8 +294,7 @@ def _keep_blocks(model: torch.nn.Module, indices: list[int]) -> None:
 
 @contextlib.contextmanager
 def _without_block(model: torch.nn.Module, index: int | None) -> Iterator[None]:
-    """Within the scope, `model`'s decoder block at position `index` is out of its block list
-    (none if None); the others keep their order."""
+    """In the scope, `model`'s decoder block at `index` (None: none) is out of its block list."""
     if index is None:
         yield
         return
@@ -325,41 +321,47 @@ def depth_bound(name: str, options: dict[str, Any]) -> bool:
 
 def count_scaled(name: str, model: str, batch: tuple[int, int], **kwargs: Any) -> StepCount:
     """`count_step` at the model's full depth, counted at one and two decoder layers and
-    extrapolated linearly (every block of one kind costs the same). The two counts are one
-    model's, of two blocks, its steady step counted whole and with its second block out: one
-    warm-up instead of two (`_DEPTH_BOUND` strategies: two models built). A model whose blocks
-    are of several kinds (DeepSeek-V3: three dense, then experts) is counted on one block of
-    each (`_count_kinds`)."""
+    extrapolated linearly (blocks of one kind cost the same): one model of two blocks counted whole
+    and with its second block out (`_DEPTH_BOUND` strategies: two models built). A model whose blocks
+    are of several kinds (DeepSeek-V3) is counted on one block of each (`_count_kinds`, `_count_kinds_built`)."""
     config, _ = model_config(model)
     depth = next(getattr(config, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k))
     if depth <= 2:
         return count_step(name, model, batch, layers=depth, **kwargs)
     kwargs.setdefault("replays", {})  # the second count replays the first's casts and optimizer rows
     kinds = block_kinds(model)
-    if len(kinds) > 1 and not depth_bound(name, kwargs):
-        return _count_kinds(name, model, batch, kinds, kwargs)
+    if len(kinds) > 1:
+        return (_count_kinds_built if depth_bound(name, kwargs) else _count_kinds)(name, model, batch, kinds, kwargs)
     if depth_bound(name, kwargs):
         one = count_step(name, model, batch, layers=1, **kwargs)
         two = count_step(name, model, batch, layers=2, **kwargs)
     else:  # one model of two blocks, counted whole and with its second block out
         two, one = _count_steps(name, model, batch, 2, *_step_args(kwargs), [None, 1], kwargs)
+    return _combined(one, [(two, depth - 1)], depth)
+
+
+def _combined(base: StepCount, steps: list[tuple[StepCount, int]], layers: int) -> StepCount:
+    """`base` plus n times each (step, n)'s difference from it, phase by phase (n < 0: a block out)."""
     phases: dict[str, PhaseCounts] = {}
-    for phase in {*one.phases, *two.phases}:
-        a, b = one.phases.get(phase, PhaseCounts()), two.phases.get(phase, PhaseCounts())
+    for phase in {*base.phases, *(phase for step, _ in steps for phase in step.phases)}:
+        b = base.phases.get(phase, PhaseCounts())
         scaled = PhaseCounts()
-        scaled.add(a, 2 - depth)  # a + (depth - 1)(b - a) = (2 - depth) a + (depth - 1) b
-        scaled.add(b, depth - 1)
-        scaled.gemm_kernels = a.gemm_kernels + _extra_kernels(a, b) * (depth - 1)
+        scaled.add(b, 1 - sum(n for _, n in steps))
+        gemms = list(b.gemm_kernels)
+        for step, n in steps:
+            c = step.phases.get(phase, PhaseCounts())
+            scaled.add(c, n)
+            gemms += _extra_kernels(b, c) * n if n > 0 else _extra_kernels(c, b) * -n
+        scaled.gemm_kernels = gemms
         phases[phase] = scaled
-    peaks = _scaled_peaks(one, [(two, depth - 1)])
-    resident = one.resident_bytes + (depth - 1) * (two.resident_bytes - one.resident_bytes)
-    return StepCount(phases, max(peaks.values()), depth, resident, peaks)
+    peaks = _scaled_peaks(base, steps)
+    resident = base.resident_bytes + sum(n * (step.resident_bytes - base.resident_bytes) for step, n in steps)
+    return StepCount(phases, max(peaks.values()), layers, resident, peaks)
 
 
 def _scaled_peaks(base: StepCount, steps: list[tuple[StepCount, int]]) -> dict[str, int]:
-    """Each phase's peak at full depth: `base`'s plus n times each (step, n)'s change to it. Not the
-    step's one peak: at one and two blocks it may lie where little grows with depth (a large
-    vocabulary's logits, the optimizer's temporaries), at full depth at every block's activations."""
+    """Each phase's peak at full depth, `base`'s plus n times each (step, n)'s change to it: at one
+    and two blocks the step's one peak may lie where little grows with depth (a large vocabulary's logits)."""
     grown = {p: sum(n * (step.phase_peaks.get(p, 0) - b) for step, n in steps) for p, b in base.phase_peaks.items()}
     return {phase: base.phase_peaks[phase] + extra for phase, extra in grown.items()}
 
@@ -375,22 +377,22 @@ def _count_kinds(
     whole, *without = _count_steps(
         name, model, batch, None, *_step_args(kwargs), positions, kwargs, keep=[k[0] for k in kinds]
     )
-    more = [len(kind) - 1 for kind in kinds]  # blocks of each kind beyond the one counted
-    phases: dict[str, PhaseCounts] = {}
-    for phase in {*whole.phases, *(phase for count in without for phase in count.phases)}:
-        w = whole.phases.get(phase, PhaseCounts())
-        scaled = PhaseCounts()
-        scaled.add(w, 1 + sum(more))
-        gemms = list(w.gemm_kernels)
-        for count, n in zip(without, more):
-            x = count.phases.get(phase, PhaseCounts())
-            scaled.add(x, -n)
-            gemms += _extra_kernels(x, w) * n
-        scaled.gemm_kernels = gemms
-        phases[phase] = scaled
-    peaks = _scaled_peaks(whole, [(x, -n) for x, n in zip(without, more)])  # W + Σ n_k (W − X_k) per phase
-    resident = whole.resident_bytes + sum(n * (whole.resident_bytes - x.resident_bytes) for x, n in zip(without, more))
-    return StepCount(phases, max(peaks.values()), sum(map(len, kinds)), resident, peaks)
+    return _combined(whole, [(x, 1 - len(kind)) for x, kind in zip(without, kinds)], sum(map(len, kinds)))
+
+
+def _count_kinds_built(
+    name: str, model: str, batch: tuple[int, int], kinds: list[list[int]], kwargs: dict[str, Any]
+) -> StepCount:
+    """`_count_kinds` for the `depth_bound` strategies, whose state spans every block a model is
+    built with: models built of one block of each kind (W; blocks kept before the strategy prepares
+    the model), and of those and a second block of kind k (Y_k). A block of kind k costs Y_k − W."""
+    args, first = _step_args(kwargs), [kind[0] for kind in kinds]
+
+    def counted(keep: list[int]) -> StepCount:
+        return _count_steps(name, model, batch, None, *args, [None], kwargs, keep=keep)[0]
+
+    more = [(counted(sorted([*first, kind[1]])), len(kind) - 1) for kind in kinds if len(kind) > 1]
+    return _combined(counted(first), more, sum(map(len, kinds)))
 
 
 def _step_args(kwargs: dict[str, Any]) -> list[Any]:
