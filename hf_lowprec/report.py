@@ -43,6 +43,7 @@ __all__ = [
     "promise_violations",
     "silent_precision_problem",
     "slow_fp16_warning",
+    "stepped_dtype_error",
     "warn_slow_fp16_once",
     "zero_per_rank",
 ]
@@ -288,6 +289,28 @@ def check_promises(strategy: ReportedStrategy, model: torch.nn.Module, dtypes_on
                 else ""
             )
         )
+
+
+def stepped_dtype_error(
+    strategy: ReportedStrategy, changed: list[tuple[torch.Tensor, torch.dtype]]
+) -> PrecisionPromiseError:
+    """The PrecisionPromiseError for parameters whose dtype changed since the optimizer stepped them
+    (`changed`: (parameter, dtype it was stepped in)): what `check_promises` says before the first step."""
+    counts: dict[tuple[torch.dtype, torch.dtype], int] = collections.Counter()
+    for param, before in changed:
+        counts[(before, param.dtype)] += param.numel()
+    problems = [
+        f"{count:,} trainable parameter elements are {_dtype_name(now)}, but {strategy.name!r} stepped them in "
+        f"{_dtype_name(before)} (promising {', '.join(sorted(_dtype_name(d) for d in strategy.promised_param_dtypes()))})"
+        for (before, now), count in counts.items()
+    ]
+    return PrecisionPromiseError(
+        f"precision strategy {strategy.name!r} is not what is active; training stopped before this step "
+        "(nothing was updated):\n  - "
+        + "\n  - ".join(problems)
+        + "\nThe strategy's optimizer steps each parameter in the dtype prepare_model gave it: these were cast "
+        "since (e.g. model.half() or model.to(torch.bfloat16) between steps, or in a callback): remove the cast."
+    )
 
 
 def silent_precision_problem(model: torch.nn.Module, optimizer: Any) -> str | None:

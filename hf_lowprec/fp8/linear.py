@@ -123,8 +123,9 @@ def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
 
 
 def get_grad_sink(param: torch.Tensor) -> GradSink | None:
-    """The gradient sink set on `param` by `set_grad_sink`, or None."""
-    return getattr(param, _GRAD_SINK_ATTR, None)
+    """The gradient sink set on `param` by `set_grad_sink`, or None; None too while `param` is
+    frozen (`requires_grad_(False)`): a frozen weight's gradient is not taken, as autograd's is not."""
+    return getattr(param, _GRAD_SINK_ATTR, None) if param.requires_grad else None
 
 
 # --- weight cache: one quantization per optimizer step ------------------------------------

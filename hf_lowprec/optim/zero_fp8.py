@@ -222,31 +222,31 @@ class FP8ZeroAdamW(FP8AdamW):
 
         `unless`: the step's skip flag (0-dim device tensor); where set, the counts do not go into
         μ and the kept FP8 gradients are zeroed (no NaN stays in the state), on the device."""
-        grads = [self._local_grad(i) for i in range(len(self.fp8_params))]
-        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.fp8_params, strict=True)]
+        # A frozen weight (`requires_grad`, alike on every rank) takes no step; in one process neither does one
+        # without a gradient (as in torch.optim); across ranks that one is reduced as zeros and stepped, as DeepSpeed's.
+        local = {i: self._local_grad(i) for i, p in enumerate(self.fp8_params) if p.requires_grad}
         # One process quantizes per tensor (True: a skipped step's gradients were zeroed there).
-        zeroed = self.world == 1 and self._quantize_owned(grads, scaler, grad_dtype, unless)
-        if self.world > 1 and self.fp8_params:
-            numels = [g.numel() for g in grads]
-            flat = torch.cat([g.float().reshape(-1) for g in grads])
-            del grads
+        zeroed = self.world == 1 and self._quantize_owned(local, scaler, grad_dtype, unless)
+        if self.world > 1 and local:
+            indices, numels = list(local), [self.fp8_params[i].numel() for i in local]
+            flat = torch.cat([torch.zeros(n, device=self.device) if g is None else g.float().reshape(-1)
+                              for g, n in zip(local.values(), numels)])  # fmt: skip
             mu, group = scaler.mu_for(flat), self.process_group
             result = fp8_allreduce(flat, numels=numels, mu=mu, fp8_dtype=grad_dtype, margin=self._margin, group=group)
             scaler.record(result.stats.overflow, result.stats.numel, unless=unless)
-            payloads = result.payload.split(numels)
-            for i in self.owned:
-                p = self.fp8_params[i]
-                self.set_fp8_grad(p, payloads[i].view(p.shape), result.scales[i])
+            for i, payload, scale in zip(indices, result.payload.split(numels), result.scales, strict=True):
+                if self.owners[i] == self.rank:
+                    self.set_fp8_grad(self.fp8_params[i], payload.view(self.fp8_params[i].shape), scale)
         if unless is not None and not zeroed:
             mask_skipped_stored(self._owned_stored(), unless)
         self.clear_fp8_grads()
 
     def _quantize_owned(
-        self, grads: list[torch.Tensor], scaler: Any, grad_dtype: torch.dtype, unless: torch.Tensor | None
+        self, grads: dict[int, torch.Tensor], scaler: Any, grad_dtype: torch.dtype, unless: torch.Tensor | None
     ) -> bool:
-        """Each owned gradient quantized as O2 does, into the optimizer's buffers; on a GPU, once they
-        exist, in one graph with a skipped step's zeroing (`gradients_cast_into`: the loop's bits)."""
-        owned = list(self.owned)
+        """Each owned gradient (by index; None: none this step, no step) quantized as O2 does, into the optimizer's
+        buffers; on a GPU, once they exist, in one graph with a skipped step's zeroing (`gradients_cast_into`)."""
+        owned = [i for i in self.owned if grads.get(i) is not None]
         gpu = bool(owned) and takes_gpu_path(grads[owned[0]].device)
         buffers = [self.fp8_grad_buffers(self.fp8_params[i], grad_dtype) for i in owned] if gpu else [None]
         mus = [scaler.mu_for(grads[i]) for i in owned]

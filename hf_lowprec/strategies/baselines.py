@@ -83,6 +83,7 @@ class BF16Pure(PrecisionStrategy):
     param_dtype = torch.bfloat16
     compute_dtype = torch.bfloat16
     bytes_per_param = 8.0
+    recasts = True
     # With bf16_master_weights_and_grads the ZeRO partition is the BF16 weight, no FP32 master;
     # DeepSpeed without ZeRO would wrap a BF16 model in FP32 masters.
     support = EngineSupport(

@@ -96,6 +96,7 @@ class FP16ALS(LossScaledStrategy):
     # seed_compensation acts only on a fresh run, between prepare_model and create_optimizer.
     resume_safe_options = PrecisionStrategy.resume_safe_options | {"seed", "seed_compensation"}
     param_dtype = torch.float16
+    recasts = True
     support = EngineSupport(
         ddp_note="DDP's all-reduce of the FP16 gradients; the loss-scale histogram summed over the ranks (one decision)",
         zero_refusal=(

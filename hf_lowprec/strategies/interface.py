@@ -26,7 +26,7 @@ from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
 from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions, build_options
-from .prepared import UNCONVERTED_OPTIONS, mark_prepared, prepared_already
+from .prepared import UNCONVERTED_OPTIONS, check_added_dtypes, convert_added, mark_prepared, prepared_already
 from .seen_norm import SeenNorm
 from .support import EngineSupport, check_sharded_parameters
 
@@ -87,6 +87,7 @@ class PrecisionStrategy:
     # (`hf_lowprec.checkpoints.resume.check_resume_options`).
     resume_safe_options: ClassVar[frozenset[str]] = UNCONVERTED_OPTIONS
     takes_user_optimizer: ClassVar[bool] = False
+    recasts: ClassVar[bool] = False  # convert_model is a cast to param_dtype, run again for parameters added later
     # name → the options it fixes, written by `registry.register` (the unknown-option error leaves them out).
     registered_presets: ClassVar[dict[str, dict[str, Any]]] = {}
     prepared_state: ClassVar[tuple[str, ...]] = ()  # what convert_model sets up, taken over by an equal strategy
@@ -123,9 +124,10 @@ class PrecisionStrategy:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model to train: 16-bit parameters adopted where the strategy promises FP32 (`adopt`), then
         `convert_model`; high-precision experts take autocast's dtype (`install_grouped_experts`). Marked:
-        prepared again under an equal strategy it is left as it is, under another refused (`prepared`)."""
+        prepared again under an equal strategy only what was added since is converted (`convert_added`),
+        under another refused (`prepared`)."""
         if prepared_already(self, model):
-            return model
+            return convert_added(self, model)
         adopt_loaded_dtypes(self, model)
         model = self.convert_model(model)
         install_grouped_experts(model)
@@ -189,6 +191,7 @@ class PrecisionStrategy:
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")
         check_adamw_hyperparameters(f"precision strategy {self.name!r}", lr, betas, eps, weight_decay)
         check_sharded_parameters(self, [p for g in groups for p in g["params"]])
+        check_added_dtypes(self, groups)
         inner = self.build_optimizer(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         return StrategyOptimizer(inner, self)
 

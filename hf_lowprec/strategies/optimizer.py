@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoints.resume import check_fp8_layout, check_optimizer_state, check_stock_optimizer_state
+from .prepared import check_added_dtypes
 
 if TYPE_CHECKING:
     from .protocol import Strategy as PrecisionStrategy
@@ -42,6 +43,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.strategy = strategy
         self._found_inf: torch.Tensor | None = None  # the last step's flag, on the device
+        self._stepped: tuple[list[torch.Tensor], list[torch.dtype]] | None = None  # the last step's parameters, dtypes
         if strategy.guard is not None:  # the guard snapshots and restores this optimizer's state
             strategy.guard.optimizer = optimizer
         # torch's `register_*_hook` methods write these; `step`, `state_dict` and `load_state_dict`
@@ -78,6 +80,10 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        if not isinstance(params, set):  # (a set is the inner optimizer's to refuse)
+            param_group = {**param_group, "params": [params] if torch.is_tensor(params) else list(params)}
+        check_added_dtypes(self.strategy, [{"params": list(param_group["params"])}], len(self.param_groups))
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -106,7 +112,25 @@ class StrategyOptimizer(torch.optim.Optimizer):
             post_hook(self, args, kwargs)
         return loss
 
+    def _check_dtypes(self) -> None:
+        """Refuse a parameter cast since the last step (`model.half()` mid-run), as `check_promises` refuses
+        one cast before the first: one host-side compare of the dtypes, no device work."""
+        inner = self.optimizer
+        # What the step trains: the groups, and fp8-lm-o3's FP8 weights, held outside them.
+        params = [p for g in inner.param_groups for p in g["params"]] + list(getattr(inner, "fp8_params", []))
+        dtypes = [p.dtype for p in params]
+        stepped = getattr(self, "_stepped", None)
+        if stepped is not None and dtypes != stepped[1]:  # other parameters (a group added), or a cast
+            before = {id(p): dtype for p, dtype in zip(*stepped)}
+            changed = [(p, before[id(p)]) for p, dtype in zip(params, dtypes) if before.get(id(p), dtype) != dtype]
+            if changed:
+                from ..report import stepped_dtype_error
+
+                raise stepped_dtype_error(self.strategy, changed)
+        self._stepped = (params, dtypes)
+
     def _step(self, closure: Callable | None = None) -> Any:
+        self._check_dtypes()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREPARED_ATTR", "UNCONVERTED_OPTIONS", "mark_prepared", "prepared_already"]
+from .adopt import adopt_loaded_dtypes
+
+__all__ = [
+    "PREPARED_ATTR",
+    "UNCONVERTED_OPTIONS",
+    "check_added_dtypes",
+    "convert_added",
+    "mark_prepared",
+    "prepared_already",
+]
 
 # Options that leave a model's conversion as it is (metrics, saving, the guard, frozen models): they
 # may differ when a model is prepared again, as on a resume.
@@ -103,3 +112,40 @@ def _take_over(strategy: Any, earlier: Any, model: torch.nn.Module) -> None:
     if strategy.guard is not None:
         strategy.guard.attach(model)
     mark_prepared(strategy, model)
+
+
+def _not_cast(strategy: Any, param: torch.Tensor) -> bool:
+    return param.requires_grad and param.is_floating_point() and param.dtype != strategy.param_dtype
+
+
+def convert_added(strategy: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, which `strategy` prepared already, with what was added since (a LoRA adapter, a new head)
+    converted: 16-bit parameters adopted where the strategy promises FP32 (`adopt`) and, where its
+    conversion is a cast (`recasts`: the BF16 weights, fp16-als), the cast run again, which converts
+    only the trainable parameters not yet in its dtype (and keeps their residuals for the optimizer)."""
+    adopt_loaded_dtypes(strategy, model)
+    if strategy.recasts and any(_not_cast(strategy, p) for p in model.parameters()):
+        model = strategy.convert_model(model)
+    return model
+
+
+def check_added_dtypes(strategy: Any, groups: list[dict[str, Any]], first_index: int = 0) -> None:
+    """Refuse, before the optimizer is built or a group added, a trainable parameter that a strategy whose
+    conversion is a cast (`recasts`) has not cast: one added after `prepare_model`. `first_index`: the
+    index of the first of `groups` in the optimizer."""
+    if not strategy.recasts:
+        return
+    wrong = [
+        (g, i, p) for g, group in enumerate(groups) for i, p in enumerate(group["params"]) if _not_cast(strategy, p)
+    ]
+    if wrong:
+        group, index, param = wrong[0]
+        dtype, count = str(param.dtype).removeprefix("torch."), sum(p.numel() for _, _, p in wrong)
+        raise ValueError(
+            f"precision strategy {strategy.name!r} trains {str(strategy.param_dtype).removeprefix('torch.')} "
+            f"parameters, and {count:,} trainable parameter elements handed to its optimizer are not (e.g. "
+            f"parameter {index} of group {first_index + group}, {dtype}, shape {tuple(param.shape)}): parameters "
+            "added after prepare_model (a LoRA adapter, a new head) are not converted yet. Call "
+            "strategy.prepare_model(model) again, which converts only what is new, or add the adapter/head "
+            "before prepare_model / Trainer(...)"
+        )
