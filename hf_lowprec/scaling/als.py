@@ -373,8 +373,8 @@ class AutomaticLossScaler:
         autograd accumulates them there like a parameter's gradient, and `_agree` folds them into the tallies.
         Same counts, one graph, no host sync.
 
-        Every model tracked stays tracked (a policy beside a value or reference model; a frozen one has
-        gradients to count only where they flow through it); tracking one again replaces its hooks."""
+        Every model tracked stays tracked (a policy beside a value or reference model; a frozen one has gradients
+        to count only where they flow through it); tracking it again, or a wrapper of it (PEFT's), replaces its hooks."""
         self.untrack(model)
         names = {id(p): name for name, p in model.named_parameters()}
         self._names.update(names)
@@ -394,8 +394,8 @@ class AutomaticLossScaler:
         return self
 
     def untrack(self, model: torch.nn.Module | None = None) -> None:
-        """Remove the hooks of `model` (every model's when None)."""
-        for key in list(self._handles) if model is None else [id(model)]:
+        """Remove the hooks of `model` and of the models tracked inside it (every model's when None)."""
+        for key in list(self._handles) if model is None else [id(module) for module in model.modules()]:
             for handle in self._handles.pop(key, ()):
                 handle.remove()
         if not self._handles:

@@ -113,7 +113,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _check_dtypes(self) -> None:
-        """Refuse a parameter cast since the last step (`model.half()` mid-run), as `check_promises` refuses
+        """Refuse a parameter cast since the last step (`model.half()` mid-run), as the startup check refuses
         one cast before the first: one host-side compare of the dtypes, no device work."""
         inner = self.optimizer
         # What the step trains: the groups, and fp8-lm-o3's FP8 weights, held outside them.

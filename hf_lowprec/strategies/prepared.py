@@ -129,9 +129,13 @@ def convert_added(strategy: Any, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_added_dtypes(strategy: Any, groups: list[dict[str, Any]], first_index: int = 0) -> None:
     """Refuse, before the optimizer is built or a group added, a trainable parameter that a strategy whose
-    conversion is a cast (`recasts`) has not cast: one added after `prepare_model`. `first_index`: the
+    conversion is a cast (`recasts`) has not cast: one added after prepare_model. `first_index`: the
     index of the first of `groups` in the optimizer."""
     if not strategy.recasts:
         return
@@ -139,13 +143,14 @@ def check_added_dtypes(strategy: Any, groups: list[dict[str, Any]], first_index:
         (g, i, p) for g, group in enumerate(groups) for i, p in enumerate(group["params"]) if _not_cast(strategy, p)
     ]
     if wrong:
+        from ..report import PrecisionPromiseError
+
         group, index, param = wrong[0]
-        dtype, count = str(param.dtype).removeprefix("torch."), sum(p.numel() for _, _, p in wrong)
-        raise ValueError(
-            f"precision strategy {strategy.name!r} trains {str(strategy.param_dtype).removeprefix('torch.')} "
-            f"parameters, and {count:,} trainable parameter elements handed to its optimizer are not (e.g. "
-            f"parameter {index} of group {first_index + group}, {dtype}, shape {tuple(param.shape)}): parameters "
-            "added after prepare_model (a LoRA adapter, a new head) are not converted yet. Call "
-            "strategy.prepare_model(model) again, which converts only what is new, or add the adapter/head "
-            "before prepare_model / Trainer(...)"
+        raise PrecisionPromiseError(
+            f"{sum(p.numel() for _, _, p in wrong):,} trainable parameter elements handed to the optimizer are not "
+            f"{_name(strategy.param_dtype)} (e.g. parameter {index} of group {first_index + group}: {_name(param.dtype)}, "
+            f"shape {tuple(param.shape)}), but precision strategy {strategy.name!r} promises "
+            f"{_name(strategy.param_dtype)}: parameters added after prepare_model (a LoRA adapter, a new head) are "
+            "not converted yet. Call strategy.prepare_model(model) again, which converts only what is new, or add "
+            "the adapter/head before prepare_model / Trainer(...)"
         )

@@ -144,7 +144,7 @@ def test_a_head_added_mid_run_is_refused_with_the_fix_and_prepared_again(name, d
     strategy, model, optimizer = started(name, steps=1)
     for head_dtype in (torch.float32, torch.bfloat16 if dtype == torch.float16 else torch.float16):
         head = torch.nn.Linear(64, 3).to(head_dtype)
-        with pytest.raises(ValueError, match=rf"trains {str(dtype)[6:]} parameters.*prepare_model\(model\) again"):
+        with pytest.raises(PrecisionPromiseError, match=rf"promises {str(dtype)[6:]}: .*prepare_model\(model\) again"):
             optimizer.add_param_group({"params": list(head.parameters())})
     before = copies(model)
     model.extra_head = head
@@ -167,16 +167,19 @@ def test_a_head_added_mid_run_is_refused_with_the_fix_and_prepared_again(name, d
 @pytest.mark.parametrize("name, dtype", [("collage-plus", torch.bfloat16), ("fp16-als", torch.float16)])
 def test_a_lora_adapter_added_after_prepare_model_trains_once_prepared_again(name, dtype):
     """PEFT makes FP32 adapters: `create_optimizer` refuses them with the fix (the old advice, a cast
-    to BF16, was refused again by fp16-als); `prepare_model` of the PEFT model casts them and they train."""
+    to BF16, was refused again by fp16-als); `prepare_model` of the PEFT model casts them and they train,
+    fp16-als's loss scaler hooking each layer once."""
     peft = pytest.importorskip("peft")
     strategy = hf_lowprec.get_strategy(name)
     config = peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True)
     model = peft.get_peft_model(strategy.prepare_model(tiny()), config)
     trainable = lambda: [p for p in model.parameters() if p.requires_grad]  # noqa: E731
-    with pytest.raises(ValueError, match=r"added after prepare_model \(a LoRA adapter"):
+    with pytest.raises(PrecisionPromiseError, match=r"added after prepare_model \(a LoRA adapter"):
         strategy.create_optimizer(trainable(), lr=1e-2)
     model = strategy.prepare_model(model)
     assert {p.dtype for p in trainable()} == {dtype}
+    if name == "fp16-als":  # the scaler hooked the wrapped model's layers again: each output was counted twice
+        assert max(len(m._forward_hooks) for m in model.modules()) == 1
     optimizer = strategy.create_optimizer(trainable(), lr=1e-2)
     before = copies(model)
     for ids in batches(2):
