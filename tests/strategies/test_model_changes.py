@@ -70,6 +70,28 @@ def test_a_cast_in_a_trainer_callback_is_refused(tmp_path):
     assert trainer.state.global_step == 2
 
 
+def test_a_cast_in_an_accelerate_loop_is_refused():
+    """The same under the Accelerate plugin, whose startup check runs once, in `prepare`."""
+    from accelerate import Accelerator
+
+    from hf_lowprec.integrations.accelerate import PrecisionPlugin
+
+    plugin, accelerator = PrecisionPlugin("fp16-als"), Accelerator(cpu=True)
+    model = tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = plugin.prepare(accelerator, model, optimizer)
+    for step, ids in enumerate(batches(2)):
+        if step == 1:
+            model.to(torch.bfloat16)
+        plugin.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+        if step == 1:
+            with pytest.raises(PrecisionPromiseError, match="stepped them in float16"):
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_a_parameter_group_added_later_is_no_cast():
     """A group added after steps (progressive unfreezing) brings parameters the step has not seen: no refusal."""
     strategy = hf_lowprec.get_strategy("collage-plus")
