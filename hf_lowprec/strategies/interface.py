@@ -227,15 +227,12 @@ class PrecisionStrategy:
         Returns:
             The loss, detached (unscaled).
         Raises:
-            PrecisionPromiseError: before the model's first step, where it breaks a promise the
-                Trainer checks (`report.check_promises`): a cast parameter dtype, no FP8 layer.
+            PrecisionPromiseError: before the first step, as the Trainer's `report.check_promises`.
         """
         if not model.__dict__.get("_hf_lowprec_promises_checked"):  # what the Trainer checks at startup
             from ..report import check_promises
 
-            # All of them, as the Trainer and the Accelerate plugin: model.half() after prepare_model,
-            # an FP8 strategy whose conversion kept every layer in BF16 (plain autocast under its name).
-            check_promises(self, model)
+            check_promises(self, model)  # all of them: model.half() after prepare_model, no FP8 layer, ...
             model.__dict__["_hf_lowprec_promises_checked"] = True
         with self.forward_context():
             if loss_fn is not None:
