@@ -13,7 +13,7 @@ import torch
 
 from ..compiling import own_graphs, run_fused
 
-__all__ = ["REASONS", "gather", "settle", "weigh"]
+__all__ = ["REASONS", "fresh_window", "gather", "settle", "step_ranges", "weigh"]
 
 # Why a step was skipped, as the device ring `why` holds it (read at a check, for the log).
 NOT, NONFINITE, OUTLIER, FLUSHING = 0.0, 1.0, 2.0, 3.0
@@ -24,6 +24,34 @@ REASONS = {
     int(FLUSHING): "an FP8 layer's input casts flushed more than max_flushed ({0.max_flushed:.1%}) of its non-zero "
     "inputs to zero in that step",
 }
+
+
+def fresh_window(window: int, steps: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The guard's state on the device that `weigh` and `settle` read and move, empty; the next
+    step lands at slot `steps` of the ring of the last `window` steps."""
+    return {
+        "loss": torch.zeros(window, device=device),
+        "norm": torch.zeros(window, device=device),
+        "valid": torch.zeros(window, device=device),
+        "faults": torch.zeros((), device=device),
+        "outliers": torch.zeros((), device=device),
+        "flushing": torch.zeros((), device=device),
+        "last_z": torch.zeros(2, device=device),
+        # why each of the last `window` steps was skipped: 0 not, 1 non-finite, 2 an
+        # outlier loss or gradient norm, 3 FP8 casts that flushed (read at a check, for the log)
+        "why": torch.zeros(window, device=device),
+        "step": torch.tensor(float(steps), device=device),
+    }
+
+
+def step_ranges(steps: list[int]) -> str:
+    """The steps a skip names, as the log writes them: [3, 4, 5, 9] → "3–5, 9"."""
+    parts, start = [], steps[0]
+    for previous, step in zip(steps, [*steps[1:], None]):
+        if step != previous + 1:
+            parts.append(f"{start}–{previous}" if previous > start else f"{start}")
+            start = step
+    return ", ".join(parts)
 
 
 def gather(flushes: torch.Tensor, counts: list[torch.Tensor]) -> None:

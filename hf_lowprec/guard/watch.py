@@ -10,23 +10,13 @@ import torch
 
 from ..distributed import any_rank, local_shard
 from ..fp8.raised import config_named, finer
-from .judging import REASONS, gather, settle, weigh
+from .judging import REASONS, fresh_window, gather, settle, step_ranges, weigh
 from .snapshots import restore_snapshot, take_snapshot
 from .thresholds import GuardConfig
 
 logger = logging.getLogger("hf_lowprec")
 
 __all__ = ["Guard"]
-
-
-def _ranges(steps: list[int]) -> str:
-    """[3, 4, 5, 9] → "3–5, 9"."""
-    parts, start = [], steps[0]
-    for previous, step in zip(steps, [*steps[1:], None]):
-        if step != previous + 1:
-            parts.append(f"{start}–{previous}" if previous > start else f"{start}")
-            start = step
-    return ", ".join(parts)
 
 
 def _device_of(model: torch.nn.Module | None) -> torch.device:
@@ -60,7 +50,7 @@ class Guard:
        (outliers or non-finite) since the last snapshot, the model, the optimizer state and the
        strategy's scales are restored from an in-memory snapshot, and the run goes on with the
        next batches; a check with no fault since the last takes a new snapshot every
-       `snapshot_every` steps;
+       `snapshot_every` steps, and each checkpoint save is a snapshot point (`saving`);
     3. an FP8 layer that flushed more than `max_flushed` of its inputs since the last check is
        raised one step (tensorwise → rowwise → BF16, `fp8.raised.finer`).
 
@@ -86,6 +76,7 @@ class Guard:
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer (StrategyOptimizer sets it)
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_step = -1
+        self._snapshot_due = False  # a save is a snapshot point: taken before the next step or check
         self._device_state: dict[str, torch.Tensor] | None = None
         self._loss_sum: torch.Tensor | None = None  # Σ loss of this step's micro-batches, on the device
         self._losses_seen = 0  # how many (host)
@@ -158,24 +149,8 @@ class Guard:
     # --- the step (no host sync) ---------------------------------------------------------
     def _state(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self._device_state is None or self._device_state["loss"].device != device:
-            self._device_state = self._fresh_state(device)
+            self._device_state = fresh_window(self.config.window, self.steps, device)
         return self._device_state
-
-    def _fresh_state(self, device: torch.device) -> dict[str, torch.Tensor]:
-        w = self.config.window
-        return {
-            "loss": torch.zeros(w, device=device),
-            "norm": torch.zeros(w, device=device),
-            "valid": torch.zeros(w, device=device),
-            "faults": torch.zeros((), device=device),
-            "outliers": torch.zeros((), device=device),
-            "flushing": torch.zeros((), device=device),
-            "last_z": torch.zeros(2, device=device),
-            # why each of the last `window` steps was skipped: 0 not, 1 non-finite, 2 an
-            # outlier loss or gradient norm, 3 FP8 casts that flushed (read at a check, for the log)
-            "why": torch.zeros(w, device=device),
-            "step": torch.tensor(float(self.steps), device=device),  # where the next step lands in the ring
-        }
 
     def keep(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the strategy's step state that its gradient processing updates even on a
@@ -183,6 +158,7 @@ class Guard:
         `guarded_step_state`), taken before it: an outlier step puts them back, while a
         non-finite step still moves them as the strategy decides. An FP16 loss scale is updated
         after the step, from its gradients' range, and moves on an outlier too (docs/guard.md)."""
+        self._take_due_snapshot()
         state = getattr(self.strategy, "guarded_step_state", None)
         return [(t, t.clone()) for t in state()] if state is not None and not self.stopped else []
 
@@ -264,6 +240,7 @@ class Guard:
         if self.stopped:  # no action, but the flushed shares logged are the layers' own since the
             self._read_flushed()  # last check (0 once BF16), not the ones that raised them
             return taken
+        self._take_due_snapshot()
         state = self._device_state
         read = torch.cat([state["faults"].view(1), state["flushing"].view(1), state["outliers"].view(1), state["why"]])
         faults, flushing, outliers, *why = read.tolist()
@@ -304,7 +281,7 @@ class Guard:
         taken = []
         for reason, steps in sorted(by_reason.items()):
             earlier = int(counted.get(reason, 0)) - len(steps)
-            named = f"step(s) {_ranges(steps)}" if steps else "no step the window still holds"
+            named = f"step(s) {step_ranges(steps)}" if steps else "no step the window still holds"
             if earlier > 0:
                 named += f" and {earlier} earlier one(s) (before step {first + 1})"
             what = f"{named}: the weights and optimizer state never took them"
@@ -360,6 +337,19 @@ class Guard:
         self._snapshot_step = self.steps
         self._faults_since_snapshot = 0.0
 
+    def saving(self) -> None:
+        """A checkpoint save (the optimizer's `state_dict`) is a snapshot point: the snapshot is
+        taken before the next step or check changes the state, in this run and in a run resumed
+        from the checkpoint alike, so the two roll back to the same state (docs/guard.md)."""
+        if not self.stopped:
+            self._snapshot, self._snapshot_due, self._snapshot_step = None, True, self.steps
+            self._faults_since_snapshot = 0.0
+
+    def _take_due_snapshot(self) -> None:
+        if self._snapshot_due and self.model is not None and not self.stopped:
+            self._take_snapshot()
+            self._snapshot_due = False
+
     def _rollback(self, faults: int) -> dict[str, Any]:
         assert self.model is not None and self._snapshot is not None
         restore_snapshot(self._snapshot, self.model, self.optimizer, self.strategy)
@@ -414,6 +404,8 @@ class Guard:
             "outliers_seen": self._outliers_seen,
             "checked_step": self._checked_step,
             "faults_since_snapshot": self._faults_since_snapshot,
+            "snapshot_step": self._snapshot_step,
+            "snapshot_due": self._snapshot_due,
             "window": None if state is None else {k: v.tolist() for k, v in state.items()},
         }
 
@@ -427,11 +419,18 @@ class Guard:
         self._outliers_seen = float(saved.get("outliers_seen", 0.0))
         self._checked_step = int(saved.get("checked_step", self.steps))
         self._faults_since_snapshot = float(saved.get("faults_since_snapshot", 0.0))
+        # Saved before saves were snapshot points: the loaded state is one now.
+        self._snapshot_step = int(saved.get("snapshot_step", self.steps))
+        self._snapshot_due = bool(saved.get("snapshot_due", True))
+        if self._snapshot_due:  # taken before the next step or check, as the saving run took it
+            self._snapshot = None
         window = saved.get("window")
         if window is not None:
             device = self._device_state["loss"].device if self._device_state is not None else _device_of(self.model)
             self._device_state = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in window.items()}
-            for key, fresh in self._fresh_state(device).items():  # a checkpoint from before a counter existed
+            for key, fresh in fresh_window(
+                self.config.window, self.steps, device
+            ).items():  # a checkpoint from before a counter existed
                 self._device_state.setdefault(key, fresh)
             if len(window["loss"]) != self.config.window:  # resumed with another `window`: the counters
                 # carry over, the history starts again (outliers judged after `warmup` new steps)

@@ -35,7 +35,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
     it (a sync, when read: the Trainer and the Accelerate plugin read it a step late instead, when
     the step has long run, `integrations.deferred_skip`).
     `state_dict()` is the inner state dict plus the strategy's state under the key
-    "hf_lowprec", so a Trainer checkpoint carries both.
+    "hf_lowprec", so a Trainer checkpoint carries both; a call is a checkpoint save, which the
+    guard takes as a snapshot point (docs/guard.md).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: PrecisionStrategy) -> None:
@@ -172,6 +173,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state = dict(self.optimizer.state_dict())
+        if self.strategy.guard is not None:  # a checkpoint save is the guard's snapshot point (docs/guard.md)
+            self.strategy.guard.saving()
         state["hf_lowprec"] = {
             "strategy": self.strategy.name,
             "options": dataclasses.asdict(self.strategy.options),
