@@ -340,8 +340,9 @@ class Guard:
     def saving(self) -> None:
         """A checkpoint save (the optimizer's `state_dict`) is a snapshot point: the snapshot is
         taken before the next step or check changes the state, in this run and in a run resumed
-        from the checkpoint alike, so the two roll back to the same state (docs/guard.md)."""
-        if not self.stopped:
+        from the checkpoint alike, so the two roll back to the same state (docs/guard.md). Not
+        before the first step: Accelerate's `prepare` round-trips the state dict, and saves nothing."""
+        if self.steps > 0 and not self.stopped:
             self._snapshot, self._snapshot_due, self._snapshot_step = None, True, self.steps
             self._faults_since_snapshot = 0.0
 
