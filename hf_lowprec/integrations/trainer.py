@@ -39,6 +39,7 @@ from ..report import (
     warn_slow_fp16_once,
 )
 from ..strategies.interface import PrecisionStrategy
+from ..strategies.prepared import refuse_without_strategy
 from ..strategies.registry import get_strategy
 from .deferred_skip import note_trainer_skip, resolve_skip
 from .launch_env import launched_default
@@ -212,8 +213,10 @@ class PrecisionTrainerMixin:
             cls.create_optimizer = checked_create_optimizer(vars(cls)["create_optimizer"], cls.__qualname__)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        call = bind_stock_arguments(self, PrecisionTrainerMixin, args, kwargs).arguments
+        refuse_without_strategy(call.get("args"), call.get("model"), type(self).__name__)  # before any work
         # A published FP8 checkpoint as transformers' inference layers: trainable before the stock checks.
-        release_for_training(bind_stock_arguments(self, PrecisionTrainerMixin, args, kwargs).arguments)
+        release_for_training(call)
         super().__init__(*args, **kwargs)
         build = getattr(self.args, "build_precision_strategy", None)
         self.precision = build() if build is not None else None
@@ -275,6 +278,7 @@ class PrecisionTrainerMixin:
         strategy = trial_precision(self, trial)
         model = super().call_model_init(trial)  # `model_init`: train() builds the model anew
         if getattr(self, "precision", None) is None:  # (in __init__: prepared after the stock __init__)
+            refuse_without_strategy(self.args, model, type(self).__name__)
             return model
         self.precision = strategy if strategy is not None else self.args.build_precision_strategy()  # a fresh one
         for callback in (c for c in self.callback_handler.callbacks if isinstance(c, PrecisionCallback)):

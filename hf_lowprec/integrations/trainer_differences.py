@@ -69,7 +69,8 @@ def differences_markdown() -> str:
         "| `precision_strategy` | optimizer | also differs from the stock `transformers.Trainer` |",
         "|---|---|---|",
         "| unset (also under `hf-lowprec launch`) | stock | nothing: stock files, resume and errors (but a "
-        "checkpoint a strategy saved is refused; a `SilentPrecisionWarning` when BF16/FP16 weights meet a plain AdamW) |",
+        "checkpoint a strategy saved, and a model a strategy bound FP8 layers or hooks to, are refused; a "
+        "`SilentPrecisionWarning` when BF16/FP16 weights meet a plain AdamW) |",
         f"| every strategy | — | {'; '.join(_EVERY_STRATEGY)} |",
     ]
     for (optimizer, *extra), names in rows.items():

@@ -20,6 +20,7 @@ __all__ = [
     "convert_added",
     "mark_prepared",
     "prepared_already",
+    "refuse_without_strategy",
 ]
 
 # Options that leave a model's conversion as it is (metrics, saving, the guard, frozen models): they
@@ -101,6 +102,26 @@ def prepared_already(strategy: Any, model: torch.nn.Module) -> bool:
             "with from_pretrained), or keep the first strategy and its options"
         )
     return False
+
+
+def refuse_without_strategy(args: Any, model: Any, trainer: str) -> None:
+    """Refuse `model` for a `trainer` whose `args` name no precision strategy where a conversion bound FP8 layers
+    or hooks to it (or to a module of it): a plain optimizer would not train it as it trains a model
+    (fp8-lm-o2's FP8 layers hold FP16 masters scaled by 2^k, and their gradients go to the first
+    strategy's optimizer: its GEMM weights never moved), and that strategy's hooks stay on it."""
+    if getattr(args, "precision_strategy", None) is not None or not isinstance(model, torch.nn.Module):
+        return  # (a model name the trainer loads, or None: `model_init`)
+    for where, mark in _marks(model):
+        if not mark.binds:
+            continue  # a cast: a model as any other
+        what = "this model" if where == "" else f"this model's module {where!r}"
+        raise ValueError(
+            f"{what} was prepared under precision strategy {mark.name!r}, and this {trainer} has no "
+            "precision_strategy: its layers and hooks are that strategy's conversion (FP8 layers holding scaled "
+            "FP16 master weights whose gradients go to that strategy's optimizer, loss-scaling hooks), which a "
+            f"plain optimizer does not train. Pass precision_strategy={mark.name!r} (and the same precision_options) "
+            "to this trainer, or save_pretrained the model and load it with from_pretrained into a fresh model"
+        )
 
 
 def _take_over(strategy: Any, earlier: Any, model: torch.nn.Module) -> None:

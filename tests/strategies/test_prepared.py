@@ -1,7 +1,8 @@
-"""A model prepared by one strategy and handed to another (`strategies.prepared`): refused before any
-work where the first conversion bound FP8 layers or hooks to it, prepared again where it only cast;
-under an equal strategy (a second Trainer, the plugin again, another strategy object in a custom
-loop): left as it is, and trains as the model prepared once."""
+"""A model prepared by one strategy and handed to another, or to a Trainer with none
+(`strategies.prepared`): refused before any work where the first conversion bound FP8 layers or
+hooks to it, prepared again (or trained as any model) where it only cast; under an equal strategy
+(a second Trainer, the plugin again, another strategy object in a custom loop): left as it is, and
+trains as the model prepared once."""
 
 import copy
 import io
@@ -11,9 +12,11 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import hf_lowprec
+from hf_lowprec import Trainer
 from hf_lowprec.data import tiny_gpt2_config
 from hf_lowprec.fp8 import FP8Linear
-from tests.helpers import assert_bits_equal, batches
+from hf_lowprec.report import SilentPrecisionWarning
+from tests.helpers import TokenBlocks, assert_bits_equal, batches, bits_equal, make_args
 
 
 def tiny(seed: int = 0) -> GPT2LMHeadModel:
@@ -117,3 +120,83 @@ def test_a_copied_or_saved_prepared_model():
         hf_lowprec.get_strategy("fp8-lm-o2").prepare_model(loaded)
     copied = copy.deepcopy(hf_lowprec.get_strategy("collage-plus").prepare_model(tiny()))
     assert hf_lowprec.get_strategy("collage-plus").prepare_model(copied) is copied  # a cast: nothing bound
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _moved(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters whose bits changed; every parameter finite (a NaN is not a move)."""
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return [n for n, p in model.named_parameters() if not bits_equal(p.detach(), before[n])]
+
+
+@pytest.mark.parametrize("first", ["fp8-lm-o2", "fp16-als"])
+def test_a_trainer_without_a_strategy_refuses_a_model_whose_conversion_bound_layers_or_hooks(tmp_path, first):
+    """A model trained by `hf_lowprec.Trainer(precision_strategy="fp8-lm-o2")`, then handed to a Trainer
+    with precision_strategy=None (a notebook's "now the baseline"), trained 3 steps with 8 of its 28
+    parameters bit-identical (every FP8 GEMM weight: its gradients went, through fp8-lm-o2's
+    post-accumulate-grad hooks, to the first trainer's optimizer), with no error. fp16-als's scaler and
+    running-mean hooks stay on its model too (a stock Trainer's third loss with gradient_accumulation_steps=2:
+    77.8 with them, 26.8 with them removed from the same model). Now refused in
+    __init__, naming the strategy and both fixes, before anything of the model changes; by keyword,
+    positionally, and from model_init."""
+    trainer = Trainer(model=tiny(), args=make_args(tmp_path / "first", first, max_steps=2), train_dataset=TokenBlocks())
+    trainer.train()
+    model = trainer.model
+    before = _params(model)
+    expected = (
+        rf"prepared under precision strategy '{first}', and this Trainer has no precision_strategy.*"
+        rf"precision_strategy='{first}'.*save_pretrained.*from_pretrained"
+    )
+    args = make_args(tmp_path / "second", None, max_steps=1)
+    with pytest.raises(ValueError, match=expected):
+        Trainer(model=model, args=args, train_dataset=TokenBlocks())
+    with pytest.raises(ValueError, match=expected):
+        Trainer(model, args, train_dataset=TokenBlocks())
+    with pytest.raises(ValueError, match=expected):
+        Trainer(model_init=lambda: model, args=args, train_dataset=TokenBlocks())
+    with pytest.raises(ValueError, match=rf"module 'inner' was prepared under precision strategy '{first}'"):
+        Trainer(model=torch.nn.ModuleDict({"inner": model}), args=args)
+    assert _moved(model, before) == []
+
+
+def test_the_refusals_fixes_train_every_parameter(tmp_path):
+    """The two ways out the refusal names: the same strategy takes the prepared model over, and a
+    save_pretrained / from_pretrained copy is a plain FP32 model (the real weights, master / 2^k:
+    exact) that a Trainer without a strategy trains, every one of its 28 parameters moving in a step."""
+    trainer = Trainer(
+        model=tiny(), args=make_args(tmp_path / "first", "fp8-lm-o2", max_steps=2), train_dataset=TokenBlocks()
+    )
+    trainer.train()
+    real = {
+        n: m.weight.detach().float() / m.master_scale.float()
+        for n, m in trainer.model.named_modules()
+        if isinstance(m, FP8Linear)
+    }
+    assert len(real) == 8  # (a power-of-two scale: the division is exact)
+    trainer.model.save_pretrained(tmp_path / "saved")
+    again = Trainer(
+        model=trainer.model, args=make_args(tmp_path / "again", "fp8-lm-o2", max_steps=1), train_dataset=TokenBlocks()
+    )
+    before = _params(again.model)
+    again.train()
+    assert len(_moved(again.model, before)) == len(before) == 28
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert not any(isinstance(m, FP8Linear) for m in loaded.modules())
+    for name, weight in real.items():
+        assert_bits_equal(loaded.get_submodule(name).weight.detach(), weight, name)
+    before = _params(loaded)
+    plain = Trainer(model=loaded, args=make_args(tmp_path / "plain", None, max_steps=1), train_dataset=TokenBlocks())
+    plain.train()
+    assert len(_moved(loaded, before)) == len(before) == 28
+
+
+def test_a_trainer_without_a_strategy_takes_a_cast_model(tmp_path):
+    """A model collage-plus only cast (BF16 weights, nothing bound to it) is a model as any other: a Trainer
+    without a strategy takes it (with its SilentPrecisionWarning about BF16 weights under a plain AdamW)."""
+    model = hf_lowprec.get_strategy("collage-plus").prepare_model(tiny())
+    with pytest.warns(SilentPrecisionWarning, match="bfloat16"):
+        Trainer(model=model, args=make_args(tmp_path, None, max_steps=1), train_dataset=TokenBlocks()).train()
