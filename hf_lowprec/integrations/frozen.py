@@ -55,16 +55,27 @@ def _zero3() -> bool:
     return integrations is not None and bool(integrations.is_deepspeed_zero3_enabled())
 
 
-def check_refreeze(strategy: PrecisionStrategy, model: Any, role: str) -> bool:
+def check_refreeze(strategy: PrecisionStrategy | None, model: Any, role: str) -> bool:
     """Whether `model` is frozen already in the storage `strategy` keeps (True: reuse it as it is).
 
     Raises ValueError when another strategy froze it to another storage: its FP8 or 16-bit
-    weights cannot be widened back losslessly, so a model frozen once is never converted again."""
+    weights cannot be widened back losslessly, so a model frozen once is never converted again.
+    With no strategy (a stock trainer's run), a frozen model that no longer holds FP32 weights in
+    plain layers is refused: the earlier trainer converted the caller's object in place."""
     facts = getattr(model, "__dict__", {}).get(FROZEN_ATTR)
     if facts is None:
         return False
-    storage, wanted = facts["storage"], _storage(strategy)
     by = facts.get("strategy")
+    if strategy is None:
+        if _plain_fp32(model):
+            return True
+        raise ValueError(
+            f"the {role} model passed to this trainer was frozen already, by precision_strategy={by!r}, which "
+            f"converted that object in place (storage: {facts['storage']}); this trainer has no precision_strategy "
+            "and would compute with those weights, not the FP32 model you built. Pass this trainer a fresh copy "
+            "of the model (load it again, or copy.deepcopy it before the first trainer)"
+        )
+    storage, wanted = facts["storage"], _storage(strategy)
     if storage == wanted and (wanted != "as the policy" or by == strategy.name):
         return True
     raise ValueError(
@@ -73,6 +84,13 @@ def check_refreeze(strategy: PrecisionStrategy, model: Any, role: str) -> bool:
         "frozen model's weights cannot be converted back losslessly. Pass this trainer a fresh copy of "
         "the model (load it again, or copy.deepcopy it before the first trainer)"
     )
+
+
+def _plain_fp32(model: nn.Module) -> bool:
+    """FP32 weights in plain layers (frozen under fp32, or prepared like a policy with FP32 masters)."""
+    fp8 = (FP8Linear, FrozenBlockFP8Linear, FP8Experts)
+    floating = (p for p in model.parameters() if p.is_floating_point())
+    return all(p.dtype == torch.float32 for p in floating) and not any(isinstance(m, fp8) for m in model.modules())
 
 
 def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, head_fp32: bool = False) -> nn.Module:

@@ -156,7 +156,7 @@ class _FrozenModels:
     teacher. `DPOTrainer`/`KTOTrainer`: pass `ref_model=` for a model built from a config (TRL
     would rebuild the reference from the empty `config._name_or_path`). The trained model passed as
     a frozen one is left as it is (TRL refuses it as a reference); a model frozen already to another
-    storage is refused before any model changes. Their outputs are FP32 as the policy's are
+    storage is refused before any model changes, with no strategy too (unless it still holds FP32). Their outputs are FP32 as the policy's are
     (`outputs.widen_outputs`).
     """
 
@@ -167,22 +167,20 @@ class _FrozenModels:
         call = bind_stock_arguments(self, _FrozenModels, args, kwargs)  # positional or by keyword
         build = getattr(call.arguments.get("args"), "build_precision_strategy", None)
         strategy = build() if build is not None else None
-        if strategy is not None:
-            # sync_ref_model=True mixes the policy's weights into the reference: it stays as passed.
-            sync = getattr(call.arguments["args"], "sync_ref_model", False)
-            if sync:  # the sync mixes the weights the strategy's optimizer holds (reference_sync.py)
-                from .reference_sync import check_sync
+        # sync_ref_model=True mixes the policy's weights into the reference: under a strategy it stays as passed.
+        sync = strategy is not None and getattr(call.arguments["args"], "sync_ref_model", False)
+        if sync:  # the sync mixes the weights the strategy's optimizer holds (reference_sync.py)
+            from .reference_sync import check_sync
 
-                check_sync(strategy, call.arguments.get("ref_model"))
-            roles = [
-                (a, r) for a, r in _FROZEN_ROLES.items() if a in call.arguments and not (r == "reference" and sync)
-            ]
-            # The trained model passed as a frozen one too is left to TRL (DPO and KTO refuse it), and
-            # a model another strategy froze is refused before any model is changed.
-            trained = call.arguments.get("model")
-            for argument, role in roles:
-                for candidate in frozen_candidates(call.arguments[argument], trained):
-                    check_refreeze(strategy, candidate, role)
+            check_sync(strategy, call.arguments.get("ref_model"))
+        roles = [(a, r) for a, r in _FROZEN_ROLES.items() if a in call.arguments and not (r == "reference" and sync)]
+        # The trained model passed as a frozen one too is left to TRL (DPO and KTO refuse it), and a model
+        # another strategy froze (in place) is refused before any model is changed, with no strategy too.
+        trained = call.arguments.get("model")
+        for argument, role in roles:
+            for candidate in frozen_candidates(call.arguments[argument], trained):
+                check_refreeze(strategy, candidate, role)
+        if strategy is not None:
             for argument, role in roles:
                 call.arguments[argument] = freeze_all(strategy, call.arguments[argument], role, build, trained=trained)
             self._hf_lowprec_deferred_precompute: dict[int, tuple] = {}  # see _precompute_ref_logps

@@ -725,3 +725,56 @@ def test_a_model_trained_under_fp8_frozen_in_16_bits_holds_its_real_weights_in_p
     for name, p in moe.named_parameters():
         assert_bits_equal(p.detach(), real[name].bfloat16(), name)
     assert set(moe.state_dict()) == set(real)
+
+
+def _dpo_losses(trainer) -> list[float]:
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("first, storage", [("collage-plus", "bfloat16"), ("fp8-lm-o2", "fp8-blocks")])
+def test_a_trainer_without_a_strategy_refuses_a_reference_a_strategy_froze_in_place(
+    tmp_path, tokenizer, first, storage
+):
+    # A notebook's baseline after a strategy run, passing the same `ref` object: the reference the first
+    # trainer converted in place (BF16, or FP8 blocks) was used as it was, with no error or warning
+    # (3 DPO losses 0.6446356, 0.6540939, 0.5127164 after collage-plus where a fresh FP32 reference gives
+    # 0.6444528, 0.6541836, 0.5126004). Now refused before TRL's __init__, naming the strategy and the fix.
+    reference = tiny_lm(tokenizer, seed=1)
+    dpo(tmp_path / "first", tokenizer, first, tiny_lm(tokenizer), reference)
+    held = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    expected = (
+        rf"the reference model passed to this trainer was frozen already, by precision_strategy='{first}', "
+        rf"which converted that object in place \(storage: {storage}\); this trainer has no precision_strategy"
+        r".*fresh copy"
+    )
+    with pytest.raises(ValueError, match=expected):
+        dpo(tmp_path / "none", tokenizer, None, tiny_lm(tokenizer), reference)
+    with pytest.raises(ValueError, match=expected):  # TR-DPO's sync mixes into it too
+        dpo(tmp_path / "sync", tokenizer, None, tiny_lm(tokenizer), reference, sync_ref_model=True)
+    for name, p in reference.named_parameters():
+        assert_bits_equal(p.detach(), held[name], name)
+
+
+def test_a_trainer_without_a_strategy_takes_a_reference_frozen_in_fp32(tmp_path, tokenizer):
+    """fp32 freezes a reference without converting it (FP32 weights in plain layers): a trainer without
+    a strategy takes it, and its DPO loss is bit for bit that of a reference a first trainer without a
+    strategy saw (TRL's first trainer wraps the reference's forward: a fresh one differs in any case)."""
+    frozen, seen = tiny_lm(tokenizer, seed=1), tiny_lm(tokenizer, seed=1)
+    dpo(tmp_path / "fp32", tokenizer, "fp32", tiny_lm(tokenizer), frozen)
+    dpo(tmp_path / "stock", tokenizer, None, tiny_lm(tokenizer), seen)
+    assert frozen.__dict__[FROZEN_ATTR]["storage"] == "float32"
+    reused = _dpo_losses(dpo(tmp_path / "reused", tokenizer, None, tiny_lm(tokenizer), frozen))
+    stock = _dpo_losses(dpo(tmp_path / "again", tokenizer, None, tiny_lm(tokenizer), seen))
+    assert len(stock) == 1 and math.isfinite(stock[0])
+    assert_bits_equal(torch.tensor(reused, dtype=torch.float64), torch.tensor(stock, dtype=torch.float64), "loss")
+
+
+def test_a_trl_trainer_without_a_strategy_refuses_a_policy_whose_conversion_bound_fp8_layers(tmp_path, tokenizer):
+    # The Trainer's refusal (strategies/prepared.py) in hf_lowprec.trl's trainers: a policy fp8-lm-o2
+    # prepared, passed to a DPOTrainer with no strategy, would not train its FP8 GEMM weights.
+    from hf_lowprec import get_strategy
+
+    policy = get_strategy("fp8-lm-o2").prepare_model(tiny_lm(tokenizer))
+    with pytest.raises(ValueError, match=r"prepared under precision strategy 'fp8-lm-o2', and this DPOTrainer has no"):
+        dpo(tmp_path, tokenizer, None, policy, tiny_lm(tokenizer, seed=1))
