@@ -22,6 +22,7 @@ from ..strategies.fp16_base import LossScaledStrategy
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
+from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
 from .outputs import widen_outputs
@@ -84,12 +85,7 @@ class PrecisionPlugin:
         optimizer (and those nested in `SequentialLR` / `ChainedScheduler`) are moved to the new
         one, here or in a later `accelerator.prepare`. Returns what `accelerator.prepare` returns.
         """
-        if getattr(accelerator, "mixed_precision", "no") != "no":
-            raise ValueError(
-                f"precision strategy {self.strategy.name!r} owns mixed precision, but the Accelerator has "
-                f"mixed_precision={accelerator.mixed_precision!r}; use Accelerator(mixed_precision='no') "
-                "(or drop --mixed_precision from accelerate launch / the config file)"
-            )
+        refuse_mixed_precision(self.strategy.name, accelerator)  # from this Accelerator, the launch, or an earlier one
         objects = list(objects)
         self._refuse_second_optimizer(objects)
         unconverted = {id(p) for obj in objects if isinstance(obj, torch.nn.Module) for p in obj.parameters()}
