@@ -1,4 +1,4 @@
-"""An Accelerator's `mixed_precision` as `PrecisionPlugin` meets it: refused (the strategy owns mixed
+"""An Accelerator's `mixed_precision` as `accelerate.PrecisionPlugin` meets it: refused (the strategy owns mixed
 precision) with the fix that works where the setting came from, `accelerate launch` or an Accelerator
 of this process (Accelerate keeps one `AcceleratorState` per process, which a later Accelerator takes).
 """
