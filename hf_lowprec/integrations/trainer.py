@@ -136,8 +136,7 @@ class PrecisionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is not None:  # before the first step: an optimizer no check saw (optimizer_arguments)
             refuse_unwrapped(self.strategy, self.trainer.optimizer)
-        # The Trainer wraps the model in DDP inside train(), just before this event and before
-        # the first backward: the last moment a communication hook can be registered.
+        # DDP wraps the model in train() just before this event: the last moment for a communication hook.
         wrapped = getattr(self.trainer, "model_wrapped", None)
         ddp = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         prepare_ddp(self.strategy, wrapped)
@@ -215,8 +214,7 @@ class PrecisionTrainerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         call = bind_stock_arguments(self, PrecisionTrainerMixin, args, kwargs).arguments
         refuse_without_strategy(call.get("args"), call.get("model"), type(self).__name__)  # before any work
-        # A published FP8 checkpoint as transformers' inference layers: trainable before the stock checks.
-        release_for_training(call)
+        release_for_training(call)  # a published FP8 checkpoint's inference layers, trainable before the stock checks
         super().__init__(*args, **kwargs)
         build = getattr(self.args, "build_precision_strategy", None)
         self.precision = build() if build is not None else None

@@ -8,7 +8,6 @@ stock Trainer has 3, 1 a plugin step where stock Accelerate has 0). It is read a
 Trainer's (transformers' own: its NaN filter of the loss, the packed-sequence check), the plugin's 0.
 """
 
-import logging
 
 import pytest
 import torch
@@ -67,7 +66,6 @@ def trainer_syncs(tmp_path, strategy: str | None, **overrides) -> DeviceTraffic:
     else:
         args = hf_lowprec.TrainingArguments(precision_strategy=strategy, **common)
         trainer = hf_lowprec.Trainer(model=gpt2(2), args=args, train_dataset=TokenDataset(), callbacks=[count])
-    logging.getLogger("hf_lowprec").setLevel(logging.ERROR)  # the startup report
     trainer.train()
     assert count.counted is not None
     return count.counted
