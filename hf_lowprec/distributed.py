@@ -25,7 +25,9 @@ __all__ = [
     "mark_sharded_by",
     "sharded_by",
     "sharded_like",
+    "written_since",
     "written_version",
+    "written_without_change",
 ]
 
 # Set on the FSDP2 parameters that `hf_lowprec.engines.fsdp2` sharded (shard_model, the Accelerate path):
@@ -47,6 +49,23 @@ def written_version(tensor: torch.Tensor) -> tuple[int, int]:
     such as `load_state_dict`'s copy) and its local shard's (what an optimizer writes); a tensor's twice.
     Host counters: reading them waits for nothing."""
     return tensor._version, local_shard(tensor)._version
+
+
+_UNCHANGED = "_hf_lowprec_unchanged_version"
+
+
+def written_without_change(params: Iterable[torch.Tensor]) -> None:
+    """Take each of `params`' last in-place write as leaving its value as it was: DDP's construction
+    broadcasts every rank's parameters in place with the values they hold (`engines.ddp.prepare_ddp`)."""
+    for param in params:
+        setattr(param, _UNCHANGED, written_version(param))
+
+
+def written_since(param: torch.Tensor, recorded: tuple[int, int]) -> bool:
+    """Whether `param` was written since its version counters were `recorded` (`written_version`),
+    a write `written_without_change` took aside. Host-side: no sync."""
+    now = written_version(param)
+    return now != recorded and now != getattr(param, _UNCHANGED, None)
 
 
 def mark_sharded_by(params: Iterable[torch.Tensor], strategy_name: str) -> None:

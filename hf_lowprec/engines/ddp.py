@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..distributed import written_without_change
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -43,6 +44,11 @@ def prepare_ddp(strategy: PrecisionStrategy, wrapped: torch.nn.Module) -> None:
     if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         return
     check_ddp_support(strategy)
+    if not getattr(wrapped, "_hf_lowprec_broadcast_taken", False):  # once per wrap: later writes are the user's
+        # DDP's construction broadcast the parameters in place, values unchanged: no weight written
+        # outside the optimizer (its masters and compensations, and the residuals kept for it, stay).
+        written_without_change(wrapped.module.parameters())
+        wrapped._hf_lowprec_broadcast_taken = True
     strategy.set_data_parallel_group(wrapped.process_group)
     hook = strategy.ddp_comm_hook()
     if hook is not None and not getattr(wrapped, "_hf_lowprec_hooked", False):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoints.distributed_checkpoint import load_sharded, save_sharded, sharded_state_dict
-from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by, written_version
+from ..distributed import DTensor, all_ranks_agree, local_shard, mark_sharded_by, written_since, written_version
 from ..strategies.registry import available_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def residuals_by_name(strategy: PrecisionStrategy, model: torch.nn.Module) -> di
     return {
         names[key]: r
         for key, (p, r, version) in kept
-        if key in names and version == written_version(p) and r.shape == p.shape
+        if key in names and not written_since(p, version) and r.shape == p.shape
     }
 
 

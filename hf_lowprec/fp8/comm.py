@@ -130,7 +130,8 @@ def _reduce(
     device = flat.device
 
     segments = flat.detach().split(numels)
-    if takes_gpu_path(device):  # one multi-tensor launch, not two per segment (max |x| is exact either way)
+    # One multi-tensor launch on a GPU, not two per segment (max |x| is exact either way); it takes no empty one.
+    if takes_gpu_path(device) and all(s.numel() for s in segments):
         amax = torch.stack(torch._foreach_norm(list(segments), math.inf)).float()
     else:
         amax = torch.stack([s.abs().amax().float() if s.numel() else torch.zeros((), device=device) for s in segments])

@@ -63,7 +63,7 @@ class DeferredSkip:
         if flag is None:
             return
         self._keep(flag.detach())
-        states = [(s, copy.deepcopy(s.state_dict())) for s in schedulers]
+        states = [(s, _state_copy(s)) for s in schedulers]
         groups = [{k: _copied(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self._saved = (states, groups)
 
@@ -107,6 +107,17 @@ class DeferredSkip:
         if cuda:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(flag.device))
+
+
+def _state_copy(scheduler: Any) -> dict[str, Any]:
+    """A copy of `scheduler.state_dict()` its next step cannot change. A state that cannot be deep-copied
+    (a schedule function holding a lock or a file) is copied a level down: torch's schedulers rebind
+    their counters and lists as they step, and leave the function's state alone."""
+    state = scheduler.state_dict()
+    try:
+        return copy.deepcopy(state)
+    except Exception:
+        return {k: copy.copy(v) for k, v in state.items()}
 
 
 def _copied(value: Any) -> Any:

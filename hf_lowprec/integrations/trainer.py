@@ -146,8 +146,7 @@ class PrecisionCallback(TrainerCallback):
         if getattr(self.trainer, "is_deepspeed_enabled", False):
             from ..engines.zero import attach_zero_optimizer
 
-            # DeepSpeed swapped the optimizer's parameters for its partitions after the strategy
-            # built it: state started at construction (seeded compensations) moves with them.
+            # DeepSpeed swapped the optimizer's parameters for its partitions: seeded state moves with them.
             attach_zero_optimizer(getattr(wrapped, "optimizer", None))
         # Once per strategy: each model `model_init` builds (each trial of a search) has its own.
         if self.trainer is not None and getattr(self.trainer, "_hf_lowprec_reported", None) is not self.strategy:
@@ -232,8 +231,7 @@ class PrecisionTrainerMixin:
         if getattr(self, "is_fsdp_enabled", False):  # --fsdp, or `accelerate launch` with an FSDP config
             from ..engines.fsdp2 import configure_accelerator, refuse_full_precision_save
 
-            # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and the
-            # strategies FSDP2 does not support.
+            # The strategy's policy for Accelerate's fully_shard calls; refuses FSDP1 and unsupported strategies.
             refuse_full_precision_save(self.precision, self.args.save_on_each_node)
             configure_accelerator(self.precision, self.accelerator, self.model)
         from ..engines.fsdp2 import warn_if_fsdp_fell_back
@@ -295,6 +293,8 @@ class PrecisionTrainerMixin:
         if self.precision is None:
             return super()._save_checkpoint(model, trial)
         resolve_skip(find_strategy_optimizer(self.optimizer))  # a skipped last step: its schedule held
+        if self.precision.guard is not None:  # on every rank (rank 0 alone saves the optimizer's state)
+            self.precision.guard.saving()  # a save is the guard's snapshot point
         # Complete on every rank (manifest written) before older checkpoints are rotated away.
         return save_complete_checkpoint(self, functools.partial(super()._save_checkpoint, model), trial)
 

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..distributed import DTensor, local_shard, written_version
+from ..distributed import DTensor, local_shard, written_since, written_version
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate", "seed_from_run"]
 
@@ -92,7 +92,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _written_elsewhere(self, param: torch.Tensor) -> bool:
         """Whether `param` was written since this optimizer last wrote it (host-side: no sync)."""
         recorded = self._written.get(param)
-        return recorded is not None and recorded != written_version(param)
+        return recorded is not None and written_since(param, recorded)
 
     def _restart_if_written(self, param: torch.Tensor, rule: Any, state: dict[str, Any]) -> None:
         """`rule.restart_` (`optim.rules.Rule`) where `param` was written since this optimizer wrote it."""

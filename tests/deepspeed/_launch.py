@@ -82,3 +82,13 @@ def launch(script: Path, out: Path, args: list[str], world_size: int = 2, timeou
         )
         results.append(result)
     return results
+
+
+def finish_rank(out: Path, result: dict) -> None:
+    """In a worker: mark `result` complete, write it to `<out>/rank<r>.json`, and leave the group."""
+    import torch.distributed as dist
+
+    result["complete"] = True
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()

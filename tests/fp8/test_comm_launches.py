@@ -46,3 +46,19 @@ def test_the_fp8_allreduce_launches_the_same_for_any_number_of_segments_with_the
         assert totals[28] == totals[52], totals
     finally:
         dist.destroy_process_group()
+
+
+def test_an_empty_segment_takes_the_gpu_path_as_the_cpu_form(tmp_path):
+    """A zero-size segment (the API allows it) has amax 0 on the GPU path too: the multi-tensor norm
+    takes no empty tensor, so such a call computes each segment's amax as the CPU form does."""
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp_path, "store"), 1), rank=0, world_size=1)
+    try:
+        flat = torch.randn(8, generator=torch.Generator().manual_seed(1))
+        results = []
+        for gpu in (False, True):
+            with gpu_paths() if gpu else torch.no_grad():
+                results.append(fp8_allreduce(flat, numels=[0, 8], fp8_dtype=torch.float8_e4m3fn))
+        cpu, gpu_out = results
+        assert bits_equal(gpu_out.payload, cpu.payload) and bits_equal(gpu_out.scales, cpu.scales)
+    finally:
+        dist.destroy_process_group()

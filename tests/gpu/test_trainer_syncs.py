@@ -8,7 +8,6 @@ stock Trainer has 3, 1 a plugin step where stock Accelerate has 0). It is read a
 Trainer's (transformers' own: its NaN filter of the loss, the packed-sequence check), the plugin's 0.
 """
 
-
 import pytest
 import torch
 import transformers

@@ -12,6 +12,7 @@ the schedule's own formula at the count of steps not skipped (independent of bot
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,32 @@ def test_a_loop_without_a_prepared_scheduler_reads_the_flag_at_once():
         flags.append(optimizer._is_overflow)
         optimizer.zero_grad()
     assert flags == [False, True] and all(type(f) is bool for f in flags)
+
+
+class _WarmupHoldingALock:
+    """A schedule function that keeps a handle (a lock, a logger, a file): its state cannot be deep-copied."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __call__(self, k: int) -> float:
+        return scheduled_lr(k) / LR
+
+
+def test_a_schedule_whose_state_cannot_be_deep_copied_is_held_all_the_same():
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _WarmupHoldingALock())
+    plugin = PrecisionPlugin("fp16-mixed")
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, optimizer, scheduler)
+    used: list[float] = []
+    optimizer.optimizer.register_step_post_hook(lambda o, *a: used.append(o.param_groups[0]["lr"]))
+    for i, ids in enumerate(batches(STEPS)):
+        loss = model(input_ids=ids, labels=ids).loss
+        plugin.backward(accelerator, loss * float("nan") if i == NAN_STEP else loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    assert plugin.strategy.skipped_steps == 1
+    assert used == HELD_LRS
