@@ -155,7 +155,7 @@ class BF16Weights(BF16Pure):
                 # A parameter written since prepare_model (a load, `resize_token_embeddings`, which swaps
                 # in a tensor of another shape) starts at δθ = 0: the residual completed the old value.
                 _, residual, version = claimed if claimed is not None and claimed[0] is param else (None, None, None)
-                if not written_since(param, version) and residual.shape == param.shape:
+                if residual is not None and not written_since(param, version) and residual.shape == param.shape:
                     optimizer.seed_compensation(param, residual)
         if self._residuals:
             # An optimizer over other tensors (e.g. DeepSpeed's partitions) cannot take them.
