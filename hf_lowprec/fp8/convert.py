@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .experts import convert_experts
@@ -77,8 +78,8 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
     skips: dict[int, str] = {}
     conv1d = conv1d_class()
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) or weight is None or weight.dim() != 2:
+        weight = getattr(module, "weight", None)  # a parametrization's `weight` is a module
+        if isinstance(module, nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
         if max(weight.shape) < min_gemm_features:
             rows, cols = weight.shape
@@ -101,7 +102,11 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if weight is not None and id(weight) in embedding_weights and not isinstance(module, nn.Embedding):
+        if (
+            isinstance(weight, torch.Tensor)
+            and id(weight) in embedding_weights
+            and not isinstance(module, nn.Embedding)
+        ):
             skips[id(module)] = "its weight is tied to an embedding"
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
