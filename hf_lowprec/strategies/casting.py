@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cast_model", "kept_buffers"]
+__all__ = ["cast_model", "fp32_module_patterns", "kept_buffers"]
+
+
+def fp32_module_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """The names transformers keeps in FP32 when it loads `model` in `dtype`: its
+    `_keep_in_fp32_modules_strict`, and for FP16 its `_keep_in_fp32_modules` too (T5's `wo`, whose
+    input overflows FP16); a parameter or buffer is kept when its qualified name contains one."""
+    patterns = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return patterns
 
 
 def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str]]:
@@ -18,9 +28,7 @@ def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch
     frequencies are complex), any buffer named `inv_freq`, and those the model's
     `_keep_in_fp32_modules_strict` names (`_keep_in_fp32_modules` too for FP16), as
     transformers' loading keeps them (DeepSeek-V3's `e_score_correction_bias`)."""
-    patterns = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    if dtype == torch.float16:
-        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    patterns = fp32_module_patterns(model, dtype)
     kept = []
     for prefix, module in model.named_modules():
         rotary = "Rotary" in type(module).__name__

@@ -37,6 +37,7 @@ from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
 from .adopt import exact_embedding_scales
 from .baselines import bf16_autocast
+from .casting import fp32_module_patterns
 from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
 from .interface import PrecisionStrategy
 from .registry import register
@@ -266,16 +267,12 @@ class FP8LM(PrecisionStrategy):
                 p.data = p.data.float()
             if widened:  # an FP16 load (O2 promises FP16 too: adopt_loaded_dtypes left it)
                 exact_embedding_scales(model)
-            outside = _held_outside_fp8_layers(model)
+            fp32_masters = _fp32_masters(model)
             for name, module in model.named_modules():
                 if isinstance(module, FP8Linear) and module.weight.requires_grad:
-                    if id(module.weight) in outside:  # the payload would be read as the real weight
-                        logger.warning(
-                            "fp8-lm-o2: %s keeps an FP32 master, not a scaled FP16 one: its weight is also %s, "
-                            "kept in high precision",
-                            name,
-                            outside[id(module.weight)],
-                        )
+                    if id(module.weight) in fp32_masters:
+                        why = fp32_masters[id(module.weight)]
+                        logger.warning("fp8-lm-o2: %s keeps an FP32 master, not a scaled FP16 one: %s", name, why)
                         continue
                     module.scale_master_weight(self.options.margin)
                 elif isinstance(module, FP8Experts):  # the experts' 3-D weights: one master scale each
@@ -435,15 +432,17 @@ class FP8LM(PrecisionStrategy):
         return out
 
 
-def _held_outside_fp8_layers(model: torch.nn.Module) -> dict[int, str]:
-    """id(weight) → where else it is registered, for FP8 layers' weights that a module other than
-    an FP8 layer holds too (a tied `nn.Linear` subclass kept in high precision)."""
-    fp8 = {id(m.weight) for m in model.modules() if isinstance(m, FP8Linear)}
-    held = {}
+def _fp32_masters(model: torch.nn.Module) -> dict[int, str]:
+    """id(weight) → why, for the FP8 layers' weights that keep an FP32 master: one a module other
+    than an FP8 layer holds too (a tied `nn.Linear` subclass, which would read the payload as the
+    real weight), and one the model keeps in FP32 in an FP16 load (`fp32_module_patterns`: T5 casts
+    its `wo` input to `wo.weight.dtype`, which would overflow FP16)."""
+    fp8 = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    patterns = fp32_module_patterns(model, torch.float16)  # the masters' dtype: transformers' FP16 rule
+    out = {i: "the model keeps it in FP32" for i, name in fp8.items() if any(k in f"{name}.weight" for k in patterns)}
     for name, module in model.named_modules():
-        if isinstance(module, (FP8Linear, FP8Experts)):
-            continue
-        for attr, p in module.named_parameters(recurse=False):
-            if id(p) in fp8:
-                held[id(p)] = f"{name}.{attr} ({type(module).__name__})"
-    return held
+        if not isinstance(module, (FP8Linear, FP8Experts)):
+            for attr, p in module.named_parameters(recurse=False):
+                if id(p) in fp8:
+                    out[id(p)] = f"its weight is also {name}.{attr} ({type(module).__name__}), kept in high precision"
+    return out

@@ -2,15 +2,18 @@
 
 import copy
 import io
+import math
 
 import pytest
 import torch
+import transformers
 
 import hf_lowprec
 from hf_lowprec.fp8 import AllReduceStats, FP8CommState, FP8Linear, fp8_allreduce_hook, pow2_scale
 from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.optim import FP8AdamW, PlainAdamW
-from tests.helpers import assert_bits_equal, batches, tiny_gpt2
+from hf_lowprec.testing import snr_db
+from tests.helpers import assert_bits_equal, batches, snr_floor_db, tiny_gpt2
 from tests.helpers import train_steps as train
 
 NAMES = ["fp8-lm-o1", "fp8-lm-o2"]
@@ -189,6 +192,62 @@ def test_o2_gives_no_scaled_master_to_a_weight_a_kept_layer_shares():
         with torch.no_grad():
             outputs[name] = prepared(x)
     assert_bits_equal(outputs["fp8-lm-o2"], outputs["fp8-lm-o1"])
+
+
+def tiny_t5_with_large_feed_forward_activations():
+    """A one-layer T5 v1.1 (gated-GELU) whose encoder wi_0/wi_1 are ×120: the input of `wo` exceeds
+    FP16's 65504, as in T5 v1.1 and large checkpoints (why T5 keeps `wo` in FP32)."""
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.encoder.block[0].layer[-1].DenseReluDense.wi_0.weight.mul_(120.0)
+        model.encoder.block[0].layer[-1].DenseReluDense.wi_1.weight.mul_(120.0)
+    ids = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    return model, {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
+def test_o2_gives_an_fp32_master_to_what_the_model_keeps_in_fp32(name, caplog):
+    """T5 casts the input of `wo` to `wo.weight.dtype`: an FP16 master made it FP16, activations
+    beyond 65504 became inf and the loss NaN (every step skipped). `_keep_in_fp32_modules` layers
+    now keep an FP32 master, the input reaches the FP8 cast in BF16, and the loss is FP8's."""
+    model, batch = tiny_t5_with_large_feed_forward_activations()
+    wo_inputs = []
+    reference_model = copy.deepcopy(model).double()
+    hook = reference_model.encoder.block[0].layer[-1].DenseReluDense.wo.register_forward_hook(
+        lambda module, args, out: wo_inputs.append(args[0].abs().max().item())
+    )
+    with torch.no_grad():
+        reference = reference_model(**batch)
+    hook.remove()
+    assert wo_inputs[0] > torch.finfo(torch.float16).max  # the case FP16 cannot hold
+    strategy = hf_lowprec.get_strategy(name)
+    with caplog.at_level("WARNING"):
+        prepared = strategy.prepare_model(model)
+    feed_forward = prepared.encoder.block[0].layer[-1].DenseReluDense
+    assert isinstance(feed_forward.wo, FP8Linear) and feed_forward.wo.weight.dtype == torch.float32
+    assert feed_forward.wi_0.weight.dtype == torch.float16  # the other FP8 layers keep scaled FP16 masters
+    assert "DenseReluDense.wo keeps an FP32 master, not a scaled FP16 one: the model keeps it in FP32" in caplog.text
+    with torch.no_grad(), strategy.forward_context():
+        out = prepared(**batch)
+    # The logits come out of at most 8 FP8 GEMMs in series (encoder attention and feed-forward,
+    # decoder cross-attention and feed-forward, 2 each), whose relative noise powers add.
+    floor = snr_floor_db(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16) - 10 * math.log10(8)
+    assert snr_db(reference.logits, out.logits) >= floor
+    # Cross-entropy's gradient in the logits, softmax − one-hot, has an L2 norm ≤ √2, so each of T
+    # tokens' losses moves by ≤ √2·‖Δz_t‖ and their mean by ≤ √(2/T)·‖Δz‖ (Cauchy–Schwarz), with
+    # ‖Δz‖ ≤ ‖z‖·10^(−floor/20).
+    tokens = batch["labels"].numel()
+    bound = math.sqrt(2 / tokens) * reference.logits.norm().item() * 10 ** (-floor / 20)
+    assert abs(out.loss.item() - reference.loss.item()) <= bound
+    optimizer = strategy.create_optimizer(prepared.parameters(), lr=1e-3)
+    loss = strategy.train_step(prepared, batch, optimizer, loss_fn=lambda m, b: m(**b).loss)
+    assert math.isfinite(loss.item()) and strategy.skipped_steps == 0
 
 
 def test_o1_gradients_hold_fp8_values():
