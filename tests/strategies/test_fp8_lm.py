@@ -219,9 +219,8 @@ def test_o2_gives_an_fp32_master_to_what_the_model_keeps_in_fp32(name, caplog):
     model, batch = tiny_t5_with_large_feed_forward_activations()
     wo_inputs = []
     reference_model = copy.deepcopy(model).double()
-    hook = reference_model.encoder.block[0].layer[-1].DenseReluDense.wo.register_forward_hook(
-        lambda module, args, out: wo_inputs.append(args[0].abs().max().item())
-    )
+    reference_wo = reference_model.encoder.block[0].layer[-1].DenseReluDense.wo
+    hook = reference_wo.register_forward_hook(lambda module, args, out: wo_inputs.append(args[0].abs().max().item()))
     with torch.no_grad():
         reference = reference_model(**batch)
     hook.remove()
