@@ -302,3 +302,25 @@ def test_lora_on_moe_experts_trains_under_o2_and_o3(tmp_path, name):
     norms = [h["grad_norm"] for h in logged]
     assert all(0 < n < 10 for n in norms), norms
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.2
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3", "coat"])
+def test_an_adapter_added_after_an_fp8_prepare_is_refused_by_peft_as_the_docs_say(name):
+    """docs/recipes.md "PEFT" and docs/numerics.md name PEFT's message for this order: the FP8
+    strategies take the adapter before `prepare_model` (or the Trainer), as `_fp8_lora` does."""
+    prepared = get_strategy(name).prepare_model(tiny_gpt2())
+    with pytest.raises(ValueError, match=r"Target module FP8Linear\(.*\) is not supported"):
+        peft.get_peft_model(prepared, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+
+
+@pytest.mark.parametrize(
+    "name, dtype", [("bf16-mixed", torch.bfloat16), ("fp16-als", torch.float16), ("fp8-lm-o2", torch.bfloat16)]
+)
+def test_a_merge_is_in_the_frozen_base_dtype_and_the_callers_base_was_cast(name, dtype):
+    """docs/recipes.md "PEFT": `merge_and_unload()` gives the frozen base's dtype, and the base the
+    caller passed in holds it too (cast in place)."""
+    base = tiny_gpt2()
+    model = prepare_model(get_strategy(name), peft.get_peft_model(base, peft.LoraConfig(r=16, target_modules=["c_fc"])))
+    assert base.transformer.h[0].mlp.c_proj.weight.dtype == dtype  # not an adapter target: the base, cast
+    merged = model.merge_and_unload().state_dict()
+    assert merged["transformer.h.0.mlp.c_fc.weight"].dtype == dtype
