@@ -143,7 +143,8 @@ def convert_added(strategy: Any, model: torch.nn.Module) -> torch.nn.Module:
     """`model`, which `strategy` prepared already, with what was added since (a LoRA adapter, a new head)
     converted: 16-bit parameters adopted where the strategy promises FP32 (`adopt`) and, where its
     conversion is a cast (`recasts`: the BF16 weights, fp16-als), the cast run again, which converts
-    only the trainable parameters not yet in its dtype (and keeps their residuals for the optimizer)."""
+    only the trainable parameters not yet in its dtype (and keeps their residuals for the optimizer,
+    where they still hold more than the 16-bit value: PEFT casts a new adapter to its base layer's dtype)."""
     adopt_loaded_dtypes(strategy, model)
     if strategy.recasts and any(_not_cast(strategy, p) for p in model.parameters()):
         model = strategy.convert_model(model)
