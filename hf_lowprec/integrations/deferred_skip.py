@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..strategies.interface import StrategyOptimizer
+from .optimizer_arguments import find_strategy_optimizer
 
 __all__ = [
     "DeferredSkip",
@@ -24,6 +25,7 @@ __all__ = [
     "hold_accelerated_scheduler",
     "note_accelerate_skip",
     "note_trainer_skip",
+    "resolve_before_reads",
     "resolve_skip",
 ]
 
@@ -146,14 +148,19 @@ def resolve_skip(optimizer: StrategyOptimizer | None) -> None:
         _DEFERRALS[optimizer].resolve()
 
 
+def resolve_before_reads(control: Any, optimizer: Any) -> None:
+    """At a step's or an epoch's end (`optimizer`: the Trainer's): an evaluation (where a plateau schedule
+    steps on its metric) or a checkpoint to come reads the schedule as it stands, held for a skip now."""
+    if control.should_evaluate or control.should_save:
+        resolve_skip(find_strategy_optimizer(optimizer))
+
+
 def note_trainer_skip(optimizer: Any, trainer: Any) -> None:
     """After the Trainer's optimizer step (`optimizer`: Accelerate's wrapper): Accelerate reports no skip,
     so the Trainer steps its LR scheduler, held before the next step where this one was skipped. Without
     a scheduler, or under DeepSpeed (whose engine steps its own), the flag is read at once."""
     scheduler = getattr(trainer, "lr_scheduler", None)
-    inner = optimizer
-    while inner is not None and not isinstance(inner, StrategyOptimizer):
-        inner = getattr(inner, "optimizer", None)
+    inner = find_strategy_optimizer(optimizer)
     if inner is None or not hasattr(optimizer, "_is_overflow"):
         return
     if scheduler is None or getattr(trainer, "is_deepspeed_enabled", False):

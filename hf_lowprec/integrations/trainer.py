@@ -41,7 +41,7 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy
 from ..strategies.prepared import refuse_without_strategy
 from ..strategies.registry import get_strategy
-from .deferred_skip import note_trainer_skip, resolve_skip
+from .deferred_skip import note_trainer_skip, resolve_before_reads, resolve_skip
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
 from .model_saving import (
@@ -65,13 +65,7 @@ from .outputs import prepared_model
 from .precision_arguments import check_precision_arguments, setup_trial, trial_precision
 from .stock_signature import bind_stock_arguments, forwarding_init
 
-__all__ = [
-    "PrecisionArgumentsMixin",
-    "PrecisionTrainerMixin",
-    "PrecisionCallback",
-    "TrainingArguments",
-    "Trainer",
-]
+__all__ = ["PrecisionArgumentsMixin", "PrecisionTrainerMixin", "PrecisionCallback", "TrainingArguments", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +177,10 @@ class PrecisionCallback(TrainerCallback):
         start = getattr(self, "_step_start", None)
         if start is not None and self.trainer is not None:
             self.trainer.step_seconds.append(time.perf_counter() - start)
-        if control.should_evaluate or control.should_save:  # the schedule as it stands, for what reads it
-            resolve_skip(find_strategy_optimizer(optimizer))
+        resolve_before_reads(control, optimizer)
+
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        resolve_before_reads(control, optimizer)  # the epoch's evaluation comes after its last step's end
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         resolve_skip(find_strategy_optimizer(optimizer))

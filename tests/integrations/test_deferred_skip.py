@@ -255,3 +255,71 @@ def test_a_schedule_whose_state_cannot_be_deep_copied_is_held_all_the_same():
         optimizer.zero_grad()
     assert plugin.strategy.skipped_steps == 1
     assert used == HELD_LRS
+
+
+# --- an evaluation at an epoch's end ------------------------------------------------------------------
+# Three epochs of two optimizer steps; the last step of epochs 2 and 3 is skipped. The Trainer asks for the
+# epoch's evaluation in `on_epoch_end`, after the skipped step's `on_step_end`: the skip is still pending.
+EPOCH_STEPS, EPOCHS, EPOCH_SKIPS = 2, 3, (4, 6)  # EPOCH_SKIPS: the skipped optimizer steps, counted from 1
+
+
+class EvaluatedEachEpoch(Trainer):
+    """Non-finite losses at EPOCH_SKIPS; each evaluation records the LR the next step is to use (the groups'
+    and the scheduler's) and reports the step count as `eval_loss`: a metric that gets worse every time."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step + 1 in EPOCH_SKIPS and model.training else loss
+
+    def evaluate(self, *args, **kwargs):
+        self.evaluated.append(([g["lr"] for g in self.optimizer.param_groups], self.lr_scheduler.state_dict()))
+        return {"eval_loss": float(self.state.global_step)}
+
+
+def epoch_run(tmp_path, strategy: str, scheduler: str, **kwargs) -> tuple[EvaluatedEachEpoch, UsedLRs]:
+    args = make_args(
+        tmp_path, strategy, max_steps=-1, num_train_epochs=EPOCHS, learning_rate=LR, lr_scheduler_type=scheduler,
+        eval_strategy="epoch", metric_for_best_model="loss", save_strategy="no", **kwargs,
+    )  # fmt: skip
+    used = UsedLRs()
+    data = TokenBlocks(n=4 * EPOCH_STEPS)  # per_device_train_batch_size 4: EPOCH_STEPS steps an epoch
+    trainer = EvaluatedEachEpoch(
+        model=tiny_gpt2(), args=args, train_dataset=data, eval_dataset=TokenBlocks(n=4), callbacks=[used]
+    )
+    trainer.evaluated = []
+    trainer.train()
+    assert trainer.precision.skipped_steps == len(EPOCH_SKIPS)
+    return trainer, used
+
+
+@pytest.mark.parametrize("strategy", ["fp16-als", "collage-plus"])
+def test_a_plateau_cut_at_an_epoch_evaluation_after_a_skipped_step_stays(tmp_path, strategy):
+    """ReduceLROnPlateau steps on the evaluation's metric only, so a skipped step leaves it alone (stock). The
+    metric gets worse at every evaluation after the first: with patience 0 each one halves the LR. The
+    cut at epoch 2's evaluation (its last step skipped) is used by epoch 3's steps; the one at epoch 3's
+    (the run's last step skipped) is the LR the run ends with, `best` the first evaluation's metric."""
+    factor = 0.5
+    trainer, used = epoch_run(
+        tmp_path, strategy, "reduce_lr_on_plateau", lr_scheduler_kwargs={"factor": factor, "patience": 0}
+    )
+    cuts = [max(0, step // EPOCH_STEPS - 1) for step in range(EPOCHS * EPOCH_STEPS)]  # evaluations before, less 1
+    assert [lrs[0] for lrs in used.lrs] == [LR * factor**n for n in cuts]
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [LR * factor ** (EPOCHS - 1)] * len(used.lrs[0])
+    plateau = trainer.lr_scheduler.state_dict()
+    assert plateau["best"] == float(EPOCH_STEPS) and plateau["num_bad_epochs"] == 0  # reset by the last cut
+
+
+def test_an_epoch_evaluation_after_a_skipped_step_reads_the_held_schedule(tmp_path):
+    """What an epoch's evaluation reads (the groups' LR, the scheduler's state) is what the next step uses:
+    the linear schedule at the count of steps not skipped, as when the flag is read at once."""
+    trainer, used = epoch_run(tmp_path, "bf16-mixed", "linear")
+    total = EPOCHS * EPOCH_STEPS
+
+    def linear(done: int) -> tuple[int, float]:  # transformers' linear schedule (no warmup) after `done` steps
+        steps = done - sum(s <= done for s in EPOCH_SKIPS)  # the scheduler steps: those not skipped
+        return steps, LR * max(0.0, float(total - steps) / float(total))
+
+    assert [lrs[0] for lrs in used.lrs] == [linear(done)[1] for done in range(total)]
+    for epoch, (lrs, state) in enumerate(trainer.evaluated, start=1):
+        steps, expected = linear(epoch * EPOCH_STEPS)
+        assert lrs == [expected] * len(lrs) and state["_last_lr"] == lrs and state["last_epoch"] == steps, epoch
