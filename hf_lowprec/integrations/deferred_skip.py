@@ -3,7 +3,7 @@
 The Trainer and Accelerate hold their LR scheduler on a skipped step by reading the skip flag
 right after the optimizer step: a host sync every step. Here the flag is copied to the host
 without waiting, the scheduler steps, and before the next optimizer step (or a checkpoint) the
-flag is read: a skipped step puts the scheduler and the groups' hyperparameters back as they were.
+flag is read: a skipped step takes back what the scheduler's step wrote, and keeps what else changed.
 """
 
 from __future__ import annotations
@@ -36,15 +36,19 @@ class DeferredSkip:
     """One strategy optimizer's skip flag, read a step late (see the module docstring).
 
     `defer(schedulers)` after a step keeps the flag and what the schedulers and the param groups
-    hold before the schedulers step; `resolve()` reads the flag (no wait once the step has run on
-    the device) and, where the step was skipped, puts them back: the schedule held, as when the
-    flag is read at once. The optimizer resolves before its next step and before its `state_dict()`.
+    hold before the schedulers step, `stepped()` what they hold after it; `resolve()` reads the flag
+    (no wait once the step has run on the device) and, where the step was skipped, takes back each
+    value the schedulers' step wrote that nothing changed since: the schedule held, as when the flag is
+    read at once, and a change made meanwhile (a callback's LR, the scheduler's `base_lrs`) kept, as
+    when the scheduler never stepped. The optimizer resolves before its next step and its `state_dict()`.
     """
 
     def __init__(self, optimizer: StrategyOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)  # the optimizer's hooks hold this, not the other way
         self.skipped = False  # the last resolved step's flag
-        self._saved: tuple[list[tuple[Any, dict]], list[dict]] | None = None
+        self._schedulers: list[Any] = []
+        self._saved: tuple[list[dict], list[dict]] | None = None  # the schedulers' states, the groups: before
+        self._stepped: tuple[list[dict], list[dict]] | None = None  # after the schedulers' step
         self._host: torch.Tensor | None = None
         self._value: np.ndarray | None = None  # a view of `_host`: read without a dispatcher operation
         self._event: torch.cuda.Event | None = None
@@ -65,31 +69,46 @@ class DeferredSkip:
         if flag is None:
             return
         self._keep(flag.detach())
-        states = [(s, _state_copy(s)) for s in schedulers]
-        groups = [{k: _copied(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self._saved = (states, groups)
+        self._schedulers = list(schedulers)
+        self._saved, self._stepped = self._held(), None
+
+    def stepped(self) -> None:
+        """Right after the schedulers' step, before other code runs: what it wrote, taken back on a skip."""
+        if self._saved is not None and self._stepped is None:
+            self._stepped = self._held()
+
+    def _held(self) -> tuple[list[dict], list[dict]]:
+        optimizer = self._optimizer()
+        groups = optimizer.param_groups if optimizer is not None else []
+        return [_state_copy(s) for s in self._schedulers], [_group_copy(g) for g in groups]
 
     def resolve(self) -> bool:
         """Read the pending flag (if any) and hold the schedule where it was skipped; the last flag."""
         if self._saved is None:
             return self.skipped
-        states, groups = self._saved
-        self._saved = None
+        before, after = self._saved, self._stepped
+        self._saved = self._stepped = None
         if self._event is not None:
             self._event.synchronize()  # recorded a step ago: long complete
         self.skipped = bool(self._kept) if self._kept is not None else bool(self._value != 0)
         self._kept = None
         if self.skipped:
-            for scheduler, state in states:
-                scheduler.load_state_dict(_held_state(state, scheduler.state_dict()))
-            optimizer = self._optimizer()
-            for group, saved in zip(optimizer.param_groups if optimizer is not None else [], groups, strict=False):
-                for key, value in saved.items():
-                    if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
-                        group[key].copy_(value)
-                    else:
-                        group[key] = value
+            self._take_back(before, after if after is not None else self._held())  # none since: all the step's
+        self._schedulers = []
         return self.skipped
+
+    def _take_back(self, before: tuple[list[dict], list[dict]], after: tuple[list[dict], list[dict]]) -> None:
+        for scheduler, was, wrote in zip(self._schedulers, before[0], after[0], strict=True):
+            scheduler.load_state_dict(_taken_back(was, wrote, scheduler.state_dict()))
+        optimizer = self._optimizer()
+        groups = optimizer.param_groups if optimizer is not None else []
+        for group, was, wrote in zip(groups, before[1], after[1], strict=False):
+            for key in [k for k in was if k in wrote and k in group]:
+                value = _taken_back(was[key], wrote[key], group[key])
+                if isinstance(group[key], torch.Tensor) and isinstance(value, torch.Tensor):
+                    group[key].copy_(value)
+                else:
+                    group[key] = value
 
     def _before(self, *args: Any) -> None:  # a hook's: its result would replace the step's arguments
         self.resolve()
@@ -122,17 +141,48 @@ def _state_copy(scheduler: Any) -> dict[str, Any]:
         return {k: copy.copy(v) for k, v in state.items()}
 
 
-def _copied(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+def _group_copy(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (all but `params`), copied: tensors (a capturable `lr`) cloned."""
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in group.items()
+        if k != "params"
+    }
 
 
-def _held_state(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """The state saved before a skipped step's scheduler step, less that step: torch's `_step_count`
-    also counts what Accelerate adds on the micro-steps since (OneCycleLR reads it), which stay."""
-    counts = [saved.get("_step_count"), now.get("_step_count"), saved.get("last_epoch"), now.get("last_epoch")]
-    if all(isinstance(c, int) for c in counts):
-        saved = dict(saved, _step_count=now["_step_count"] - (now["last_epoch"] - saved["last_epoch"]))
-    return saved
+def _taken_back(was: Any, wrote: Any, now: Any, key: Any = None) -> Any:
+    """`now` less a scheduler step that turned `was` into `wrote`: a value still as the step wrote it goes
+    back to `was`, one changed since stays, containers compared item by item. torch's `_step_count` also
+    counts what Accelerate adds on the micro-steps since (OneCycleLR reads it): only the step's one comes off."""
+    if key == "_step_count" and all(type(c) is int for c in (was, wrote, now)):
+        return now - (wrote - was)
+    if _same(now, wrote):
+        return was
+    if isinstance(now, dict) and isinstance(was, dict) and isinstance(wrote, dict):
+        return {k: _taken_back(was[k], wrote[k], v, k) if k in was and k in wrote else v for k, v in now.items()}
+    if (
+        type(now) in (list, tuple)
+        and type(was) is type(now)
+        and type(wrote) is type(now)
+        and len(now) == len(was) == len(wrote)
+    ):
+        return type(now)(_taken_back(*values) for values in zip(was, wrote, now))
+    return now
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, read on a skipped step only (a tensor's comparison waits for the device)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return tensors and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) in (list, tuple) and type(b) is type(a):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value without a truth to its ==: the same object or not
+        return a is b
 
 
 def deferred_skip(optimizer: StrategyOptimizer) -> DeferredSkip:
@@ -168,6 +218,19 @@ def note_trainer_skip(optimizer: Any, trainer: Any) -> None:
         return
     deferred_skip(inner).defer([scheduler])
     optimizer._is_overflow = False
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is not None and not getattr(handler, "_hf_lowprec_held", False):
+        handler._hf_lowprec_held = True
+        handler.on_step_end = functools.partial(_stepped_then, handler.on_step_end)
+
+
+def _stepped_then(on_step_end: Any, args: Any, state: Any, control: Any) -> Any:
+    # The Trainer steps its scheduler between the optimizer step's callbacks and the step's end: what
+    # the step wrote, recorded before any callback's `on_step_end` may change the LR.
+    inner = find_strategy_optimizer(on_step_end.__self__.optimizer)
+    if inner is not None and inner in _DEFERRALS:
+        _DEFERRALS[inner].stepped()
+    return on_step_end(args, state, control)
 
 
 class _PendingFlag:
@@ -206,6 +269,7 @@ def _unheld_step(scheduler: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
     finally:
         for o, flag in waiting:
             o._is_overflow = flag
+            flag.deferral.stepped()
 
 
 def _resolving(scheduler: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -69,13 +69,13 @@ def plugin_read_at_once(wrapper, schedulers, optimizer, *args) -> None:
     wrapper._is_overflow = optimizer.step_was_skipped
 
 
-def trainer_run(tmp_path, strategy: str, **overrides) -> tuple[Trainer, UsedLRs]:
+def trainer_run(tmp_path, strategy: str, callbacks=(), **overrides) -> tuple[Trainer, UsedLRs]:
     args = make_args(
         tmp_path, strategy, max_steps=STEPS, lr_scheduler_type="linear", warmup_steps=WARMUP, learning_rate=LR,
         **{"save_strategy": "no", **overrides},
     )  # fmt: skip
     used = UsedLRs()
-    trainer = NaNAtThirdStep(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[used])
+    trainer = NaNAtThirdStep(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[*callbacks, used])
     trainer.train()
     return trainer, used
 
@@ -101,6 +101,44 @@ def test_trainer_holds_the_schedule_of_a_skipped_step_as_reading_the_flag_at_onc
     assert [lrs[0] for lrs in deferred_lrs.lrs] == HELD_LRS
     assert_same_run(deferred, at_once)
     assert deferred.lr_scheduler.last_epoch == STEPS - 1  # resolved at the end: the skip not counted
+
+
+# A user's change to the LR between the skipped step and the next: every group's `lr` set before the
+# next step, or the scheduler's `base_lrs` scaled after the skipped one ("drop the LR" callbacks).
+NEW_LR, BASE_SCALE = LR / 64, 0.125  # powers of two: the scaled schedule is the formula's over 8, exactly
+WRITTEN_LRS = {
+    # Stock: the skipped step's scheduler step never happens, so each write stays until the scheduler writes.
+    "group lr": [*HELD_LRS[: NAN_STEP + 1], NEW_LR, *HELD_LRS[NAN_STEP + 2 :]],
+    "base_lrs": [*HELD_LRS[: NAN_STEP + 2], *(lr * BASE_SCALE for lr in HELD_LRS[NAN_STEP + 2 :])],
+}
+
+
+class WritesTheLR(TrainerCallback):
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.what == "group lr" and state.global_step == NAN_STEP + 1:  # before the step after the skip
+            for group in optimizer.param_groups:
+                group["lr"] = NEW_LR
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        if self.what == "base_lrs" and state.global_step == NAN_STEP + 1:  # the skipped step's end
+            lr_scheduler.base_lrs = [lr * BASE_SCALE for lr in lr_scheduler.base_lrs]
+
+
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "collage-plus"])
+@pytest.mark.parametrize("what", list(WRITTEN_LRS))
+def test_a_callbacks_lr_change_after_a_skipped_step_stays(tmp_path, strategy, what, monkeypatch):
+    """The skipped step's scheduler step is taken back, the callback's write kept: the LRs are those of a
+    run whose skipped step's scheduler step never happens (reading the flag at once), bit for bit."""
+    deferred, deferred_lrs = trainer_run(tmp_path / "deferred", strategy, callbacks=[WritesTheLR(what)])
+    monkeypatch.setattr(trainer_module, "note_trainer_skip", trainer_read_at_once)
+    at_once, at_once_lrs = trainer_run(tmp_path / "at_once", strategy, callbacks=[WritesTheLR(what)])
+    assert deferred.precision.skipped_steps == at_once.precision.skipped_steps == 1
+    assert [lrs[0] for lrs in deferred_lrs.lrs] == WRITTEN_LRS[what]
+    assert deferred_lrs.lrs == at_once_lrs.lrs
+    assert_same_run(deferred, at_once)
 
 
 def _resumed_run(output_dir: str, checkpoint: str, result: str) -> None:
@@ -139,8 +177,9 @@ def test_trainer_resumes_from_a_checkpoint_saved_right_after_a_skipped_step(tmp_
         assert_bits_equal(resumed["params"][name], p, name)
 
 
-def plugin_run(strategy: str, accumulation: int) -> dict:
-    """The README's plugin loop with `accelerator.prepare(scheduler)`, under `accumulation` micro-batches."""
+def plugin_run(strategy: str, accumulation: int, write: str | None = None) -> dict:
+    """The README's plugin loop with `accelerator.prepare(scheduler)`, under `accumulation` micro-batches;
+    `write` (a key of WRITTEN_LRS): the LR written after the skipped step's `scheduler.step()`."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     # Accelerate's own default (True) is dropped from its plugin's kwargs, which then read False: set it.
     accelerator.gradient_state.plugin_kwargs["adjust_scheduler"] = accumulation > 1
@@ -161,6 +200,11 @@ def plugin_run(strategy: str, accumulation: int) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+        if write == "group lr" and i == NAN_STEP:
+            for group in inner.param_groups:
+                group["lr"] = NEW_LR
+        elif write == "base_lrs" and i == NAN_STEP:
+            scheduler.scheduler.base_lrs = [lr * BASE_SCALE for lr in scheduler.scheduler.base_lrs]
     return {
         "losses": run_losses,
         "lrs": used,
@@ -186,6 +230,19 @@ def test_plugin_loop_holds_the_schedule_of_a_skipped_step_as_reading_the_flag_at
     assert_same_state(deferred["scheduler"], at_once["scheduler"], "scheduler")
     # Each optimizer step's first micro-step, counted by Accelerate (on the skipped step's next one too).
     assert deferred["micro_steps_counted"] == STEPS * (accumulation - 1)
+
+
+@pytest.mark.parametrize("what", list(WRITTEN_LRS))
+def test_plugin_loop_keeps_an_lr_change_after_a_skipped_step(what, monkeypatch):
+    """As the Trainer's: the skipped step's scheduler step taken back, the loop's own write kept."""
+    deferred = plugin_run("fp16-mixed", 1, write=what)
+    monkeypatch.setattr(accelerate_module, "note_accelerate_skip", plugin_read_at_once)
+    at_once = plugin_run("fp16-mixed", 1, write=what)
+    assert deferred["skipped"] == at_once["skipped"] == 1
+    assert [lrs[0] for lrs in deferred["lrs"]] == WRITTEN_LRS[what] and deferred["lrs"] == at_once["lrs"]
+    for a, b in zip(deferred["params"], at_once["params"], strict=True):
+        assert_bits_equal(a, b)
+    assert_same_state(deferred["scheduler"], at_once["scheduler"], "scheduler")
 
 
 def test_accelerate_save_state_right_after_a_skipped_step_holds_the_schedule(tmp_path):
