@@ -244,14 +244,25 @@ class _PendingFlag:
         return self.deferral.resolve()
 
 
+class _AskedFlag:
+    """Accelerate's `_is_overflow` with no scheduler to hold: the optimizer's flag, read (a sync, as
+    reading GradScaler's) only when the loop asks; its next step replaces this."""
+
+    def __init__(self, optimizer: StrategyOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def __bool__(self) -> bool:
+        return self.optimizer.step_was_skipped
+
+
 def note_accelerate_skip(wrapper: Any, schedulers: list[Any], optimizer: StrategyOptimizer, *args: Any) -> None:
     """An optimizer post-hook: Accelerate's schedulers bound to `wrapper` step now, held later on a skip.
 
-    With none of `schedulers` (the AcceleratedSchedulers prepared) bound to it, the flag is read
-    at once, as before: a loop that reads `step_was_skipped` itself gets this step's."""
+    With none of `schedulers` (the AcceleratedSchedulers prepared) bound to it, nothing is held: the
+    flag is read only where the loop asks (`accelerator.optimizer_step_was_skipped`), this step's."""
     bound = [s.scheduler for s in schedulers if s.step_with_optimizer and any(o is wrapper for o in s.optimizers)]
     if not bound:
-        wrapper._is_overflow = optimizer.step_was_skipped
+        wrapper._is_overflow = _AskedFlag(optimizer)
         return
     deferral = deferred_skip(optimizer)
     deferral.defer(bound)

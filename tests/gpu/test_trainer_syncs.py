@@ -114,3 +114,33 @@ def test_a_steady_plugin_step_with_a_prepared_scheduler_never_waits_on_the_devic
         f"{strategy}: {len(counted.syncs)} host syncs in a steady plugin step:\n{counted.summary()}"
     )
     assert not accelerator.optimizer_step_was_skipped  # read after the step: synced then, and still right
+
+
+@pytest.mark.parametrize("strategy", ["bf16-mixed", "fp16-als"])
+def test_a_plugin_step_with_no_scheduler_waits_only_where_the_loop_asks_for_the_skip(strategy):
+    """A plugin loop with no scheduler prepared: nothing to hold, so the step reads nothing (stock
+    Accelerate without a GradScaler neither); `optimizer_step_was_skipped`, asked, is that step's."""
+    accelerator = Accelerator(cpu=True)
+    plugin = PrecisionPlugin(strategy)
+    model = gpt2(2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = plugin.prepare(accelerator, model, optimizer)
+    ids = token_batch()
+
+    def step(poison: bool = False) -> None:
+        plugin.backward(accelerator, model(input_ids=ids, labels=ids).loss)
+        if poison:  # a NaN (fp16-als clips an inf and takes the step; a NaN it skips, as every strategy)
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(COUNTED_STEP):
+        step()
+    with DeviceTraffic() as counted:
+        step()
+    assert not counted.syncs, f"{strategy}: {len(counted.syncs)} host syncs in a steady step:\n{counted.summary()}"
+    assert not accelerator.optimizer_step_was_skipped
+    step(poison=True)
+    assert accelerator.optimizer_step_was_skipped
+    step()
+    assert not accelerator.optimizer_step_was_skipped
