@@ -406,9 +406,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{fp8['weight_gemm_share']:.1%}"
         )
     for dtype, n in report.get("adopted", {}).items():  # +2 bytes per element over the 16-bit load
-        lines.append(
-            f"  parameters loaded as {dtype}: FP32 made of {n} trainable elements (exact), +{2 * n / 1e6:.1f} MB"
-        )
+        lines.append(f"  parameters loaded as {dtype}: FP32 made of {n} elements (exact), +{2 * n / 1e6:.1f} MB")
     published = report.get("fp8_checkpoint", {})
     if published:
         kinds = ", ".join(f"{n} {kind}" for kind, n in published.items())

@@ -9,32 +9,33 @@ same checkpoint; strategies that store 16-bit parameters convert the model thems
 from __future__ import annotations
 
 import collections
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..fp8.blocks import FrozenBlockFP8Linear
 from ..memory import ADOPTED_ATTR
 
 if TYPE_CHECKING:
     from .protocol import Strategy
 
-__all__ = ["adopt_loaded_dtypes", "exact_embedding_scales"]
+__all__ = ["adopt_loaded_dtypes", "adopted_parameters", "exact_embedding_scales"]
 
 _WIDENED = (torch.bfloat16, torch.float16)
 
 
 def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str, int]:
-    """Make FP32 every trainable BF16/FP16 parameter of `model` where `strategy` promises FP32
-    parameters and not the loaded dtype; returns (and records on the model, for the startup
-    report) {dtype: elements}. Runs before the strategy's own conversion. FP32 parameters are
+    """Make FP32 every BF16/FP16 parameter of `model` that `adopted_parameters` names, where `strategy`
+    promises FP32 parameters and not the loaded dtype; returns (and records on the model, for the
+    startup report) {dtype: elements}. Runs before the strategy's own conversion. FP32 parameters are
     promised by fp32, bf16-mixed, fp16-mixed, fp8-lm-o1 and coat (FP32 masters) and for the non-FP8
-    parameters of fp8-lm-o2/o3. Frozen parameters (a LoRA base, a frozen embedding) stay as loaded;
-    the others are converted in place (`p.data`), so ties and references hold."""
+    parameters of fp8-lm-o2/o3. Parameters are converted in place (`p.data`), so ties and references hold."""
     promised = strategy.promised_param_dtypes()
     made: collections.Counter[str] = collections.Counter()
     if torch.float32 in promised:
-        for p in model.parameters():  # each shared (tied) parameter once
-            if not p.requires_grad or p.dtype not in _WIDENED or p.dtype in promised:
+        for p in adopted_parameters(model):
+            if p.dtype not in _WIDENED or p.dtype in promised:
                 continue
             made[str(p.dtype).removeprefix("torch.")] += p.numel()
             p.data = p.data.float()
@@ -44,6 +45,30 @@ def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str,
         for dtype, count in made.items():
             record[dtype] = record.get(dtype, 0) + count
     return dict(made)
+
+
+def adopted_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The floating parameters of `model` a strategy with FP32 parameters holds in FP32, each shared
+    (tied) one once: the trainable ones, and the frozen 16-bit ones too, as the model's FP32 load has
+    them (a frozen block or LayerNorm meets FP32 activations and neighbours; unfrozen later, it trains
+    in FP32). Frozen parameters stay as loaded only where the model trains none of its own weights:
+    a PEFT-adapted model (the frozen base, which `integrations.peft` holds at forward precision), a
+    model with no trainable parameter (a frozen reference), and a published FP8 layer kept frozen."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if _peft_adapted(model) or not any(p.requires_grad for p in params):
+        return [p for p in params if p.requires_grad]
+    kept = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
+    return [p for p in params if p.requires_grad or (p.dtype in _WIDENED and id(p) not in kept)]
+
+
+def _peft_adapted(model: torch.nn.Module) -> bool:
+    """A `peft.PeftModel`, or a model PEFT injected tuner layers into (peft is not imported here)."""
+    peft = sys.modules.get("peft")
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if peft is not None and isinstance(model, getattr(peft, "PeftModel", ())):
+        return True
+    layer = getattr(tuners, "BaseTunerLayer", None)
+    return layer is not None and any(isinstance(m, layer) for m in model.modules())
 
 
 def exact_embedding_scales(model: torch.nn.Module) -> None:

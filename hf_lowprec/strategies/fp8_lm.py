@@ -35,7 +35,7 @@ from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
-from .adopt import exact_embedding_scales
+from .adopt import adopted_parameters, exact_embedding_scales
 from .baselines import bf16_autocast
 from .casting import fp32_module_patterns
 from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
@@ -261,8 +261,9 @@ class FP8LM(PrecisionStrategy):
         if self.o2:
             # FP8-LM / MS-AMP: only trainable FP8 GEMM weights get the FP16 scaled master and the
             # FP8 optimizer; the other trainable parameters FP32 masters (an unscaled FP16 LayerNorm
-            # gain at 1.0 could not take a 1e-4 update); frozen ones stay as loaded.
-            widened = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != F32]
+            # gain at 1.0 could not take a 1e-4 update); frozen ones FP32 too, but a PEFT base's
+            # or a fully frozen model's (`adopted_parameters`).
+            widened = [p for p in adopted_parameters(model) if p.dtype != F32]
             for p in widened:
                 p.data = p.data.float()
             if widened:  # an FP16 load (O2 promises FP16 too: adopt_loaded_dtypes left it)

@@ -34,8 +34,10 @@ def checkpoints(tmp_path_factory):
     return {dtype: _checkpoint(root / str(dtype), dtype) for dtype in (torch.bfloat16, torch.float16)}
 
 
-def _train(path: str, name: str, out, **load) -> tuple[list[float], Trainer]:
+def _train(path: str, name: str, out, frozen: str | None = None, **load) -> tuple[list[float], Trainer]:
     model = AutoModelForCausalLM.from_pretrained(path, **load)
+    for n, p in model.named_parameters():
+        p.requires_grad_(frozen is None or not n.startswith(frozen))
     args = TrainingArguments(**trainer_arguments(out, precision_strategy=name, max_steps=3, save_strategy="no"))
     trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks())
     trainer.train()
@@ -98,16 +100,21 @@ def test_the_report_says_what_was_made(checkpoints):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     report = describe(strategy, model)
     assert report["adopted"] == {"bfloat16": trainable}
-    assert f"parameters loaded as bfloat16: FP32 made of {trainable} trainable elements" in format_report(report)
+    assert f"parameters loaded as bfloat16: FP32 made of {trainable} elements (exact)" in format_report(report)
 
 
-def test_frozen_parameters_stay_as_loaded(checkpoints):
-    model = AutoModelForCausalLM.from_pretrained(checkpoints[torch.bfloat16])
-    for p in model.model.parameters():
-        p.requires_grad_(False)
-    model = hf_lowprec.get_strategy("fp32").prepare_model(model)
-    assert {p.dtype for p in model.model.parameters()} == {torch.bfloat16}
-    assert model.lm_head.weight.dtype == torch.float32
+@pytest.mark.parametrize("name", ["fp32", "bf16-mixed"])
+def test_a_frozen_body_as_loaded_trains_as_its_fp32_load(checkpoints, tmp_path, name):
+    # Layer-wise freezing: the frozen body of a BF16 load is made FP32 as its trainable head is, or
+    # its BF16 hidden states meet the FP32 head (a dtype error in the first forward).
+    path = checkpoints[torch.bfloat16]
+    as_loaded, trainer = _train(path, name, tmp_path / "loaded", frozen="model.")
+    reference, fp32_trainer = _train(path, name, tmp_path / "fp32", frozen="model.", dtype=torch.float32)
+    assert_same_losses(as_loaded, reference, name)
+    assert _dtypes(trainer) == _dtypes(fp32_trainer)
+    assert not any(p.requires_grad for p in trainer.model.model.parameters())
+    elements = sum(p.numel() for p in trainer.model.parameters())
+    assert describe(trainer.precision, trainer.model)["adopted"] == {"bfloat16": elements}
 
 
 def test_a_cast_after_preparation_is_still_refused_and_named(checkpoints):

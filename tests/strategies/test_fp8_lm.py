@@ -149,22 +149,23 @@ def test_o2_masters_are_scaled_from_the_real_values_not_from_their_fp16_rounding
         assert rel.max() <= 2.0**-11
 
 
-def test_o2_leaves_frozen_parameters_as_loaded_and_gives_them_no_master():
-    # checkpoints: a frozen parameter stays as loaded (dtype and values), under O2 as under O1.
+def test_o2_makes_frozen_parameters_fp32_and_gives_them_no_master():
+    # checkpoints: a frozen parameter of a model loaded in BF16 is made FP32 from its values, as its
+    # FP32 load holds it (a frozen block meets FP32 neighbours), and takes no scaled master.
     model = tiny_gpt2().to(torch.bfloat16)
     model.transformer.h[0].attn.c_attn.weight.requires_grad_(False)
     model.transformer.wte.weight.requires_grad_(False)  # tied to the LM head, as GPT-2 ties them
-    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    before = model.transformer.h[0].attn.c_attn.weight.detach().float()
     strategy, model, optimizer = setup_prepared("fp8-lm-o2", model)
     frozen = model.transformer.h[0].attn.c_attn
     assert isinstance(frozen, FP8Linear) and frozen.master_scale is None
-    assert frozen.weight.dtype == torch.bfloat16 and torch.equal(frozen.weight, before)
-    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    assert_bits_equal(frozen.weight.detach(), before, "frozen c_attn")
+    assert model.transformer.wte.weight.dtype == torch.float32
     trained = model.transformer.h[1].attn.c_attn
     assert trained.weight.dtype == torch.float16 and trained.master_scale is not None
     assert model.transformer.ln_f.weight.dtype == torch.float32  # trainable, not FP8: an FP32 master
     train(strategy, model, optimizer, batches(2))
-    assert torch.equal(frozen.weight, before)
+    assert_bits_equal(frozen.weight.detach(), before, "frozen c_attn after training")
 
 
 def setup_prepared(name, model):
