@@ -7,7 +7,11 @@ fast-rotating pairs, angles a pretrained checkpoint never saw (docs/numerics.md,
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
+import torch.nn.utils.parametrizations
 
 __all__ = ["cast_model", "fp32_module_patterns", "kept_buffers"]
 
@@ -20,6 +24,11 @@ def fp32_module_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str
     if dtype == torch.float16:
         patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return patterns
+
+logger = logging.getLogger(__name__)
+
+# torch names its orthogonal parametrization's class privately; without it, nothing to warn of.
+_ORTHOGONAL = getattr(torch.nn.utils.parametrizations, "_Orthogonal", None)
 
 
 def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, str]]:
@@ -47,11 +56,30 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     refused before anything is cast to FP16: it would become inf, and every step be skipped."""
     if dtype == torch.float16:
         _refuse_fp16_overflow(model)
+    _warn_orthogonal(model, dtype)
     kept = [(module, name, module._buffers[name]) for module, name in kept_buffers(model, dtype)]
     model = model.to(dtype)
     for module, name, buffer in kept:
         module._buffers[name] = buffer
     return model
+
+
+def _warn_orthogonal(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Warn of `nn.utils.parametrizations.orthogonal` tensors, which the cast computes in 16 bits: their
+    maps are not made for it (a 32×16 matrix_exp weight in BF16 goes inf after one AdamW step, then
+    NaN, and every step is skipped; Cayley has no BF16 `linalg.solve` on CPU)."""
+    if _ORTHOGONAL is None:
+        return
+    found = (n for n, m in model.named_modules() if isinstance(m, _ORTHOGONAL))
+    names = [re.sub(r"(^|\.)parametrizations\.", r"\1", n).rsplit(".", 1)[0] for n in found]
+    if names:
+        logger.warning(
+            "%s parametrized orthogonal (torch.nn.utils.parametrizations.orthogonal) will be computed in %s, "
+            "where its maps lose orthogonality and can go NaN (every step then skipped): train this model "
+            "under a strategy with FP32 parameters (bf16-mixed, fp16-mixed, fp32)",
+            ", ".join(names),
+            str(dtype).removeprefix("torch."),
+        )
 
 
 def _refuse_fp16_overflow(model: torch.nn.Module) -> None:
