@@ -25,6 +25,7 @@ def fp32_module_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str
         patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return patterns
 
+
 logger = logging.getLogger(__name__)
 
 # torch names its orthogonal parametrization's class privately; without it, nothing to warn of.
