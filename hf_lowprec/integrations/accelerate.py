@@ -19,11 +19,13 @@ import torch
 from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..strategies.fp16_base import LossScaledStrategy
+from ..strategies.inputs import cast_float_inputs
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
 from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
+from .clipping import narrow_grad_norm
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
 from .outputs import widen_outputs
 from .peft import prepare_model as _prepare_model
@@ -182,21 +184,21 @@ class PrecisionPlugin:
         if id(model) not in self._hooked:
             contexts: list[contextlib.AbstractContextManager] = []
 
-            def enter(module: torch.nn.Module, args: Any) -> None:
+            def enter(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
                 # Within `autocast()` too, a 16-bit-weight strategy's forward computes as its own.
                 inside = self._outside and casts_outside_forward(self.strategy)
                 ctx = autocast_disabled() if inside else self.strategy.forward_context()
                 ctx.__enter__()
                 contexts.append(ctx)
+                return cast_float_inputs(self.strategy, (args, kwargs))  # float inputs but labels: the weights' dtype
 
             def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
                 if contexts:
                     contexts.pop().__exit__(None, None, None)
 
-            # Run as Python, not traced: under Accelerate's `dynamo_backend` the compiled model's
-            # hooks are inlined, and dynamo cannot enter a context in one hook and leave it in
-            # another. The forward itself is traced under the context the pre-hook entered.
-            model.register_forward_pre_hook(torch.compiler.disable(enter))
+            # Run as Python, not traced: under Accelerate's `dynamo_backend` dynamo inlines the hooks and cannot
+            # enter a context in one and leave it in another; the forward is traced under the pre-hook's context.
+            model.register_forward_pre_hook(torch.compiler.disable(enter), with_kwargs=True)
             # always_call: leave the context even when the forward raises.
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
             widen_outputs(self.strategy, model)  # FP32 outputs, as Accelerate's mixed precision hands on
@@ -256,6 +258,8 @@ class PrecisionPlugin:
         # FP16 strategies: an FP32 norm (norm_type passed only where it is not the default a hook may lack).
         extra = {} if float(norm_type) == 2.0 else {"norm_type": norm_type}
         norm = self.strategy.clip_own_grad_norm(parameters, max_norm, **extra)
+        if norm is None and accelerator.distributed_type not in ("DEEPSPEED", "FSDP"):  # (their own clipping)
+            norm = narrow_grad_norm(parameters, max_norm, norm_type)  # 16-bit gradients: an FP32 norm
         if norm is None:
             norm = type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, norm_type=norm_type, **kwargs)
         # The guard reads this pre-clip norm; the step's skip flag too, for a norm that sees inf/NaN.

@@ -11,21 +11,10 @@ from typing import Any
 import torch
 
 from ..strategies.baselines import device_autocast
+from ..strategies.inputs import computes_without_autocast as casts_outside_forward
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["autocast_disabled", "casts_outside_forward", "outside_forward"]
-
-
-def casts_outside_forward(strategy: PrecisionStrategy) -> bool:
-    """Whether `strategy` computes in 16-bit weights with no autocast of its own (collage-plus,
-    bf16-pure, fp16-als): its model's FP32 outputs meet 16-bit weights outside the forward, and
-    only an autocast to its compute dtype makes them one dtype."""
-    dtype = strategy.compute_dtype
-    return (
-        dtype in (torch.float16, torch.bfloat16)
-        and strategy.param_dtype == dtype
-        and isinstance(strategy.forward_context(), contextlib.nullcontext)
-    )
 
 
 def autocast_disabled() -> contextlib.ExitStack:

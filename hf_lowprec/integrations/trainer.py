@@ -38,9 +38,11 @@ from ..report import (
     silent_precision_problem,
     warn_slow_fp16_once,
 )
+from ..strategies.inputs import cast_float_inputs
 from ..strategies.interface import PrecisionStrategy
 from ..strategies.prepared import refuse_without_strategy
 from ..strategies.registry import get_strategy
+from .clipping import strategy_grad_norm
 from .deferred_skip import note_trainer_skip, resolve_before_reads, resolve_skip
 from .launch_env import launched_default
 from .loss_scaling import scale_at_backward
@@ -423,23 +425,21 @@ class PrecisionTrainerMixin:
         return stack
 
     def _clip_grad_norm(self, model):
-        if self.precision is None:
-            return super()._clip_grad_norm(model)
-        self.precision.unscale_gradients(self.optimizer)
-        norm = self.precision.clip_own_grad_norm(model.parameters(), self.args.max_grad_norm)
-        # The guard judges this pre-clip norm rather than measuring the clipped gradients again.
+        norm = None if self.precision is None else strategy_grad_norm(self, model, self.args.max_grad_norm)
         norm = norm if norm is not None else super()._clip_grad_norm(model)
-        return self.precision.note_grad_norm(norm, model.parameters())
+        # The guard judges this pre-clip norm rather than measuring the clipped gradients again.
+        return norm if self.precision is None else self.precision.note_grad_norm(norm, model.parameters())
 
     def _get_grad_norm(self, model, grad_norm=None):
-        # Without clipping the Trainer measures the norm with clip_grad_norm_(max_norm=inf),
-        # which turns FP16 gradients with a norm above 65504 into NaN; the strategy measures.
+        # Stock measures with clip_grad_norm_(max_norm=inf): NaN for FP16 gradients of norm > 65504.
         if grad_norm is not None or self.precision is None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
-        self.precision.unscale_gradients(self.optimizer)
-        grad_norm = self.precision.clip_own_grad_norm(model.parameters(), float("inf"))
-        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        grad_norm = super()._get_grad_norm(model, grad_norm=strategy_grad_norm(self, model, float("inf")))
         return self.precision.note_grad_norm(grad_norm, model.parameters())  # as a clipping's norm
+
+    def _prepare_inputs(self, inputs):  # float inputs in a 16-bit-weight strategy's dtype, labels kept
+        inputs, labels = super()._prepare_inputs(inputs), {"labels", *(getattr(self, "label_names", None) or ())}
+        return inputs if self.precision is None else cast_float_inputs(self.precision, inputs, labels)
 
 
 class Trainer(PrecisionTrainerMixin, transformers.Trainer):

@@ -24,6 +24,7 @@ from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
 from ..scaling import step_unless
 from .adopt import adopt_loaded_dtypes
+from .inputs import cast_float_inputs
 from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions, build_options
 from .prepared import UNCONVERTED_OPTIONS, check_added_dtypes, convert_added, mark_prepared, prepared_already
@@ -213,7 +214,7 @@ class PrecisionStrategy:
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         max_grad_norm: float | None = None,
     ) -> torch.Tensor:
-        """One training step of a custom loop, through this strategy's hooks; returns the loss.
+        """One training step of a custom loop, through this strategy's hooks; returns the loss, detached (unscaled).
 
         Forward under `forward_context`, backward on `scale_loss(loss)`, optional clipping of
         the unscaled gradients, `optimizer.step()` (the `create_optimizer` wrapper: gradient
@@ -221,11 +222,10 @@ class PrecisionStrategy:
 
         Args:
             batch: the model's keyword inputs (`model(**batch).loss`), or a tensor of token ids
-                for a causal LM (`model(input_ids=batch, labels=batch).loss`).
+                for a causal LM (`model(input_ids=batch, labels=batch).loss`). Its float tensors but
+                "labels" take the weights' dtype where the strategy has no autocast (`inputs`).
             loss_fn: `loss_fn(model, batch)` instead of the above.
             max_grad_norm: clip to this global norm (`clip_grad_norm`).
-        Returns:
-            The loss, detached (unscaled).
         Raises:
             PrecisionPromiseError: before the first step, as the Trainer's `report.check_promises`.
         """
@@ -234,6 +234,7 @@ class PrecisionStrategy:
 
             check_promises(self, model)  # all of them: model.half() after prepare_model, no FP8 layer, ...
             model.__dict__["_hf_lowprec_promises_checked"] = True
+        batch = cast_float_inputs(self, batch)
         with self.forward_context():
             if loss_fn is not None:
                 loss = loss_fn(model, batch)

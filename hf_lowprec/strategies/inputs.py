@@ -1,0 +1,47 @@
+"""Float model inputs in a 16-bit-weight strategy's dtype: with no autocast, its forward takes them as its weights'.
+
+An audio batch (`input_values`, `input_features`) comes from its feature extractor in FP32, and a
+model that feeds it straight into a Conv or Linear (Wav2Vec2, HuBERT, Whisper) needs the weights'
+dtype, as the stock Trainer casts it under DeepSpeed. Labels keep their dtype: a regression loss
+compares 16-bit predictions with the FP32 targets in FP32 (type promotion).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["cast_float_inputs", "computes_without_autocast"]
+
+
+def computes_without_autocast(strategy: Any) -> bool:
+    """Whether `strategy` computes in 16-bit weights with no autocast of its own (collage-plus,
+    bf16-pure, fp16-als): FP32 tensors meet its 16-bit weights as they are."""
+    dtype = strategy.compute_dtype
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and strategy.param_dtype == dtype
+        and isinstance(strategy.forward_context(), contextlib.nullcontext)
+    )
+
+
+def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("labels",)) -> Any:
+    """`batch` (a mapping of the model's inputs, a list or tuple of them, or a tensor) with every
+    floating-point tensor in the strategy's parameter dtype where `computes_without_autocast`, the
+    entries named in `keep` (the labels) as they are; else `batch` itself."""
+    if not computes_without_autocast(strategy):
+        return batch
+    return _cast(batch, strategy.param_dtype, frozenset(keep))
+
+
+def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str]) -> Any:
+    if isinstance(data, Mapping):
+        return type(data)({k: v if k in keep else _cast(v, dtype, keep) for k, v in data.items()})
+    if isinstance(data, (tuple, list)) and not hasattr(data, "_fields"):  # (a named tuple keeps its type)
+        return type(data)(_cast(v, dtype, keep) for v in data)
+    if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != dtype:
+        return data.to(dtype)
+    return data

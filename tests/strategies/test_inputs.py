@@ -1,0 +1,129 @@
+"""Float model inputs under strategies that train 16-bit weights without autocast: cast to the weights' dtype, labels kept."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+from hf_lowprec import PrecisionPlugin, Trainer, get_strategy
+from tests.helpers import make_args, rounding_bound
+
+SIXTEEN_BIT_WEIGHTS = ["fp16-als", "collage-plus", "bf16-pure"]
+
+
+def tiny_wav2vec2() -> Wav2Vec2ForCTC:
+    config = Wav2Vec2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16, 16),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        pad_token_id=0,
+        mask_time_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return Wav2Vec2ForCTC(config)
+
+
+def audio(n: int = 8) -> list[dict[str, torch.Tensor]]:
+    """FP32 `input_values`, as every feature extractor returns them, and CTC labels."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        {"input_values": torch.randn(800, generator=g), "labels": torch.randint(3, 12, (4,), generator=g)}
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("strategy", SIXTEEN_BIT_WEIGHTS)
+def test_wav2vec2_trains_and_evaluates_on_fp32_input_values(tmp_path, strategy):
+    # Its first Conv1d met FP32 input_values with 16-bit weights: "Input type (torch.FloatTensor)
+    # and weight type (torch.HalfTensor) should be the same".
+    args = make_args(tmp_path, strategy, max_steps=2, per_device_train_batch_size=4, save_strategy="no")
+    trainer = Trainer(model=tiny_wav2vec2(), args=args, train_dataset=audio(), eval_dataset=audio(4))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
+
+
+class Regressor(torch.nn.Module):
+    """A regression head over float features whose loss compares its prediction with float labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(16, 1)
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.seen.append((features.dtype, labels.dtype))
+        pred = self.proj(features).squeeze(-1)
+        return {"loss": F.mse_loss(pred, labels), "logits": pred}
+
+
+def regression_batch(n: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    # Labels in (0, 1) that BF16 and FP16 do not hold: a label rounded to them moves the loss.
+    return {"features": torch.randn(n, 16, generator=g), "labels": torch.rand(n, generator=g) / 3}
+
+
+def fp64_loss(model: Regressor, batch: dict[str, torch.Tensor]) -> float:
+    """The MSE in FP64 of the model's own prediction (from its dtype's features) against the FP32 labels."""
+    with torch.no_grad():
+        weight = next(model.parameters())
+        pred = model.proj(batch["features"].to(weight.dtype)).squeeze(-1)
+    return F.mse_loss(pred.double(), batch["labels"].double()).item()
+
+
+# The loss is an FP32 mean of n squared differences of a 16-bit prediction (exact in FP32) and an FP32
+# label: one rounding for the difference, one for its square, n for the sum and one for the mean,
+# none cancelling (γ of n + 3 roundings, relative). A label rounded to BF16 (2⁻⁹) or FP16 (2⁻¹¹)
+# moves the loss by about 2·u·|y|/|pred − y| relative: orders of magnitude above this.
+def loss_tolerance(n: int, loss: float) -> float:
+    return rounding_bound(torch.float32, n + 3, loss)
+
+
+@pytest.mark.parametrize("strategy", SIXTEEN_BIT_WEIGHTS)
+def test_a_regression_head_gets_its_fp32_labels_and_the_right_loss_in_the_trainer(tmp_path, strategy):
+    batch = regression_batch()
+    data = [{k: v[i] for k, v in batch.items()} for i in range(8)]
+    args = make_args(tmp_path, strategy, max_steps=1, per_device_train_batch_size=8, save_strategy="no")
+    trainer = Trainer(model=Regressor(), args=args, train_dataset=data)
+    model = trainer.model
+    inputs = trainer._prepare_inputs(dict(batch))
+    with trainer.compute_loss_context_manager():
+        loss = trainer.compute_loss(model, inputs).item()
+    weight_dtype = get_strategy(strategy).param_dtype
+    assert model.seen[-1] == (weight_dtype, torch.float32)
+    expected = fp64_loss(model, batch)
+    assert abs(loss - expected) <= loss_tolerance(8, expected), (loss, expected)
+
+
+@pytest.mark.parametrize("strategy", SIXTEEN_BIT_WEIGHTS)
+def test_train_step_casts_float_inputs_and_keeps_the_labels(strategy):
+    s = get_strategy(strategy)
+    model = s.prepare_model(Regressor())
+    optimizer = s.create_optimizer(model.parameters(), lr=1e-3)
+    batch = regression_batch()
+    expected = fp64_loss(model, batch)
+    loss = s.train_step(model, dict(batch), optimizer, loss_fn=lambda m, b: m(**b)["loss"]).item()
+    assert model.seen[-1] == (s.param_dtype, torch.float32)
+    assert abs(loss - expected) <= loss_tolerance(8, expected), (loss, expected)
+
+
+@pytest.mark.parametrize("strategy", SIXTEEN_BIT_WEIGHTS)
+def test_the_accelerate_plugin_casts_float_inputs_and_keeps_the_labels(strategy):
+    plugin = PrecisionPlugin(strategy)
+    model = plugin.prepare_model(Regressor())
+    batch = regression_batch()
+    expected = fp64_loss(model, batch)
+    loss = model(batch["features"], labels=batch["labels"])["loss"].item()  # positional and keyword
+    assert model.seen[-1] == (plugin.strategy.param_dtype, torch.float32)
+    assert abs(loss - expected) <= loss_tolerance(8, expected), (loss, expected)
