@@ -18,6 +18,7 @@ import torch
 
 from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
+from ..scaling import narrow_grad_norm
 from ..strategies.fp16_base import LossScaledStrategy
 from ..strategies.inputs import cast_float_inputs
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
@@ -25,7 +26,6 @@ from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
 from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
-from .clipping import narrow_grad_norm
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
 from .outputs import widen_outputs
 from .peft import prepare_model as _prepare_model

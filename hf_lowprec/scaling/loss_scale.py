@@ -22,6 +22,7 @@ __all__ = [
     "check_loss_scale",
     "check_loss_scaler_settings",
     "clip_grad_norm_",
+    "narrow_grad_norm",
     "step_unless",
 ]
 
@@ -105,6 +106,18 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float | str = 2
             factor = coefficient.to(device) if device.type == "cpu" else coefficient.to(device, dtype)
             torch._foreach_mul_(same, factor)
     return total
+
+
+def narrow_grad_norm(parameters: Any, max_norm: float, norm_type: float | str = 2.0) -> torch.Tensor | None:
+    """`clip_grad_norm_` (an FP32 norm) where some gradient is FP16 or BF16 and none is a shard
+    (DTensor), norm_type 2 or inf; the pre-clip norm, else None (torch's own is as good). torch's
+    forms the norm and the clip coefficient in the gradients' dtype: a BF16 norm has 8 bits."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    narrow = any(g.dtype in (torch.float16, torch.bfloat16) for g in grads)
+    if not narrow or any(isinstance(g, DTensor) for g in grads) or float(norm_type) not in (2.0, math.inf):
+        return None
+    return clip_grad_norm_(parameters, max_norm, norm_type)
 
 
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

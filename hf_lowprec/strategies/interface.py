@@ -22,7 +22,7 @@ from ..guard import Guard, guard_config, guard_metrics, guard_state, load_guard_
 from ..metrics import step_metrics
 from ..numerics import nonfinite_flag
 from ..optim.adamw import check_adamw_hyperparameters
-from ..scaling import step_unless
+from ..scaling import narrow_grad_norm, step_unless
 from .adopt import adopt_loaded_dtypes
 from .inputs import cast_float_inputs
 from .optimizer import StrategyOptimizer, as_param_groups
@@ -270,10 +270,10 @@ class PrecisionStrategy:
         """Clip unscaled gradients to the global norm `max_norm`; the pre-clip total norm (a
         tensor), as `torch.nn.utils.clip_grad_norm_` returns it (`max_norm=inf`: only measure).
 
-        What a custom loop calls: the strategy's own clipping where it has one, else torch's.
-        """
+        A custom loop's: the strategy's own clipping, else an FP32 norm of 16-bit gradients, else torch's."""
         params = list(parameters)
         norm = self.clip_own_grad_norm(params, max_norm)
+        norm = narrow_grad_norm(params, max_norm) if norm is None else norm
         return self.note_grad_norm(torch.nn.utils.clip_grad_norm_(params, max_norm) if norm is None else norm, params)
 
     def note_grad_norm(self, norm: Any, parameters: Iterable[torch.Tensor] | None = None) -> Any:
