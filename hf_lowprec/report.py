@@ -203,6 +203,9 @@ def describe(
             },
         }
         report["master_weights"] = _master_weights(strategy, inner, params)
+        unread = getattr(strategy.options, "unread_options", dict)()
+        if report["options"].get("seed", 0) is None and "seed" not in unread and hasattr(inner, "seed"):
+            report["options"]["seed"] = inner.seed  # the stochastic-rounding seed drawn from the run's
         if holds:
             plan = plan_model_state(model, optimizer)
             report["memory"] = {

@@ -397,7 +397,12 @@ def check_resume_options(strategy: Any, saved: dict[str, Any], where: str) -> li
     current = dataclasses.asdict(strategy.options)
     # An option this run never reads (e.g. group_size with states=False) cannot change its state.
     unread = strategy.options.unread_options() if hasattr(strategy.options, "unread_options") else {}
-    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k) and k not in unread)
+    # A seed left to the run (None) continues the saved stream, whatever seed drew it.
+    changed = sorted(
+        k
+        for k in current.keys() | saved.keys()
+        if current.get(k) != saved.get(k) and k not in unread and not (k == "seed" and current.get(k) is None)
+    )
     refused = [k for k in changed if k not in strategy.resume_safe_options]
     if refused:
         listed = ", ".join(f"{k}={current.get(k)!r} (saved: {saved.get(k)!r})" for k in refused)

@@ -52,7 +52,8 @@ class BF16WeightsOptions(StrategyOptions):
     Args:
         update: the update rule; fixed by the registered name.
         seed: seed of the stochastic-rounding generator (bf16-sr only, refused by the others; its
-            state is checkpointed).
+            state is checkpointed). None: drawn from the run's seed (`optim.seed_from_run`: the
+            Trainer's `--seed`, the same on every rank), so runs of other seeds round differently.
         seed_compensation: when `PrecisionStrategy.prepare_model` converts FP32, FP64 or FP16 parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,
@@ -60,15 +61,13 @@ class BF16WeightsOptions(StrategyOptions):
     """
 
     update: Update = "collage-plus"
-    seed: int = 0
+    seed: int | None = None
     seed_compensation: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.update not in _UPDATES:
             raise ValueError(f"update must be one of {sorted(_UPDATES)}, got {self.update!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     def unread_options(self) -> dict[str, str]:
         unread = super().unread_options()

@@ -42,7 +42,8 @@ class FP16ALSOptions(StrategyOptions):
             micro-batch is a forward of the model (backward passes after one forward add up) and the
             mean is over those that reached the parameter. Under the Accelerate plugin the step takes
             the sum, as stock Accelerate's loop gets it.
-        seed: seed of the stochastic-rounding generator (weights="sr" only; checkpointed).
+        seed: seed of the stochastic-rounding generator (weights="sr" only; checkpointed). None:
+            drawn from the run's seed (`optim.seed_from_run`: the Trainer's `--seed`, every rank's).
         seed_compensation: weights="master": when `PrecisionStrategy.prepare_model` converts FP32,
             FP64 or BF16 parameters, keep their FP32 values and start each master at its own (the
             FP16 weight alone keeps 11 of FP32's 24 bits and flushes values below 2⁻²⁵ to zero).
@@ -57,13 +58,11 @@ class FP16ALSOptions(StrategyOptions):
     min_scale: float = 2.0**-16
     track_activations: bool = True
     running_mean: bool = True
-    seed: int = 0
+    seed: int | None = None
     seed_compensation: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_loss_scaler_settings(
             self.bin_edge, self.threshold, self.period, self.init_scale, self.max_scale, self.min_scale
         )

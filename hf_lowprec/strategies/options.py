@@ -9,6 +9,7 @@ option and what it should have been.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, Literal
 
@@ -100,19 +101,23 @@ def build_options(
 
 
 # Integer options end up in torch (seeds, counters, intervals): they must fit an int64.
-_INT64_MAX = 2**63 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Number options become scales and thresholds in FP32 tensors: beyond this they overflow.
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _option_type_problem(value: Any, expected: Any) -> str | None:
     """What `value` should have been to match the annotation `expected`, or None when it matches."""
+    if typing.get_origin(expected) in (typing.Union, types.UnionType) and type(None) in typing.get_args(expected):
+        others = [t for t in typing.get_args(expected) if t is not type(None)]  # `X | None`: None, or an X
+        problem = None if value is None or len(others) != 1 else _option_type_problem(value, others[0])
+        return problem if problem is None else f"{problem} or null"
     if expected is bool:
         return None if isinstance(value, bool) else "true or false"
     if expected is int:
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT64_MAX:
+        if isinstance(value, int) and not isinstance(value, bool) and _INT64_MIN <= value <= _INT64_MAX:
             return None
-        return "an integer that fits in 64 bits"
+        return "an integer that fits in 64 bits (-2**63 to 2**63 - 1)"
     if expected is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:

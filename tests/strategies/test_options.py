@@ -90,3 +90,25 @@ def test_a_resume_ignores_options_this_run_never_reads():
     assert check_resume_options(strategy, saved, "checkpoint-2") == []
     with pytest.raises(ValueError, match=r"this run changes group_size=128 \(saved: 64\)"):
         check_resume_options(hf_lowprec.get_strategy("coat"), {**saved, "states": True}, "checkpoint-2")
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1, None])
+def test_a_seed_is_any_int64_or_none(seed):
+    assert hf_lowprec.get_strategy("bf16-sr", seed=seed).options.seed == seed
+    assert hf_lowprec.get_strategy("fp16-als", weights="sr", seed=seed).options.seed == seed
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**63, True, "3", 1.0])
+def test_a_seed_outside_int64_or_not_an_integer_is_refused_naming_the_range(seed):
+    with pytest.raises(
+        ValueError, match=re.escape("must be an integer that fits in 64 bits (-2**63 to 2**63 - 1) or null")
+    ):
+        hf_lowprec.get_strategy("bf16-sr", seed=seed)
+
+
+def test_a_resume_with_the_default_seed_continues_the_saved_stream():
+    # None draws the seed from the run's; a resume continues the checkpoint's generator state, one saved
+    # with an explicit seed (or the former default, 0) included. A seed given anew restarts the stream.
+    saved = {**vars(hf_lowprec.get_strategy("bf16-sr", seed=0).options)}
+    assert check_resume_options(hf_lowprec.get_strategy("bf16-sr"), saved, "checkpoint-2") == []
+    assert check_resume_options(hf_lowprec.get_strategy("bf16-sr", seed=5), saved, "checkpoint-2") == ["seed"]
