@@ -5,6 +5,7 @@ the README's table, `differences_markdown` (written by `scripts/readme_tables.py
 
 from __future__ import annotations
 
+from ..scaling import AutomaticLossScaler
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["stock_differences", "differences_markdown"]
@@ -45,7 +46,12 @@ def _own_differences(name: str) -> list[str]:
 
     strategy = get_strategy(name)
     found = []
-    if strategy.skips_nonfinite:
+    if isinstance(getattr(strategy, "scaler", None), AutomaticLossScaler):  # (fp16-als) clips, does not skip
+        found.append(
+            "an inf gradient is clipped to ±65504 and the step taken (`precision/clipped_elements`; the logged "
+            "`grad_norm` is the clipped gradients'); a step with NaN gradients is skipped and counted"
+        )
+    elif strategy.skips_nonfinite:
         found.append("a step with inf/NaN gradients is skipped and counted")
     if type(strategy).scale_loss is not PrecisionStrategy.scale_loss:
         found.append("the strategy scales the loss (`precision/loss_scale` logged)")
