@@ -1,6 +1,6 @@
 """The Trainer's gradient norm under a strategy: its own clipping, else an FP32 norm of 16-bit gradients.
 
-torch's `clip_grad_norm_` (what the Trainer's Accelerator calls) forms the norm in the gradients'
+torch's clipping (what the Trainer's Accelerator calls) forms the norm in the gradients'
 dtype: BF16 gradients (collage-plus, bf16-pure) gave a BF16 norm, 1.406250 where the FP32 one is
 1.404943, and a BF16 clip coefficient (`scaling.narrow_grad_norm`). DeepSpeed and FSDP clip their own.
 """

@@ -52,8 +52,9 @@ class BF16WeightsOptions(StrategyOptions):
     Args:
         update: the update rule; fixed by the registered name.
         seed: seed of the stochastic-rounding generator (bf16-sr only, refused by the others; its
-            state is checkpointed). None: drawn from the run's seed (`optim.seed_from_run`: the
-            Trainer's `--seed`, the same on every rank), so runs of other seeds round differently.
+            state is checkpointed). None: drawn from the run's seed
+            (`optim.lowprec_optimizer.seed_from_run`: the Trainer's `--seed`, the same on every
+            rank), so runs of other seeds round differently.
         seed_compensation: when `PrecisionStrategy.prepare_model` converts FP32, FP64 or FP16 parameters, keep the
             residual r(θ₃₂ − r(θ₃₂)) and start the optimizer's compensation (δθ, Kahan's k)
             at it, so θ + δθ holds the FP32 weights to ~16 bits instead of 8 (collage-light,

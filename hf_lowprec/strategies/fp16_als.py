@@ -43,7 +43,8 @@ class FP16ALSOptions(StrategyOptions):
             mean is over those that reached the parameter. Under the Accelerate plugin the step takes
             the sum, as stock Accelerate's loop gets it.
         seed: seed of the stochastic-rounding generator (weights="sr" only; checkpointed). None:
-            drawn from the run's seed (`optim.seed_from_run`: the Trainer's `--seed`, every rank's).
+            drawn from the run's seed (`optim.lowprec_optimizer.seed_from_run`: the Trainer's
+            `--seed`, every rank's).
         seed_compensation: weights="master": when `PrecisionStrategy.prepare_model` converts FP32,
             FP64 or BF16 parameters, keep their FP32 values and start each master at its own (the
             FP16 weight alone keeps 11 of FP32's 24 bits and flushes values below 2⁻²⁵ to zero).
