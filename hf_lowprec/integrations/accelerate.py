@@ -20,14 +20,13 @@ from ..engines.ddp import prepare_ddp
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..scaling import narrow_grad_norm
 from ..strategies.fp16_base import LossScaledStrategy
-from ..strategies.inputs import cast_float_inputs
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
 from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
-from .outputs import widen_outputs
+from .outputs import narrow_inputs, widen_outputs
 from .peft import prepare_model as _prepare_model
 
 __all__ = ["PrecisionPlugin"]
@@ -184,13 +183,12 @@ class PrecisionPlugin:
         if id(model) not in self._hooked:
             contexts: list[contextlib.AbstractContextManager] = []
 
-            def enter(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            def enter(module: torch.nn.Module, args: Any) -> None:
                 # Within `autocast()` too, a 16-bit-weight strategy's forward computes as its own.
                 inside = self._outside and casts_outside_forward(self.strategy)
                 ctx = autocast_disabled() if inside else self.strategy.forward_context()
                 ctx.__enter__()
                 contexts.append(ctx)
-                return cast_float_inputs(self.strategy, (args, kwargs))  # float inputs but labels: the weights' dtype
 
             def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
                 if contexts:
@@ -198,10 +196,10 @@ class PrecisionPlugin:
 
             # Run as Python, not traced: under Accelerate's `dynamo_backend` dynamo inlines the hooks and cannot
             # enter a context in one and leave it in another; the forward is traced under the pre-hook's context.
-            model.register_forward_pre_hook(torch.compiler.disable(enter), with_kwargs=True)
+            model.register_forward_pre_hook(torch.compiler.disable(enter))
             # always_call: leave the context even when the forward raises.
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
-            widen_outputs(self.strategy, model)  # FP32 outputs, as Accelerate's mixed precision hands on
+            widen_outputs(self.strategy, narrow_inputs(self.strategy, model))  # float inputs narrowed, outputs FP32
             self._hooked.add(id(model))
         return model
 

@@ -1,11 +1,10 @@
-"""FP32 outputs from a model that computes in 16 bits under a strategy, as the stock mixed-precision
-flags give them: Accelerate wraps the forward in `convert_outputs_to_fp32` under `bf16=True` or
-`fp16=True` (whatever the weights' dtype), and a strategy turns those flags off. `widen_outputs` does
-the same with a forward hook, so a loss the trainer computes from the outputs (label smoothing,
-`compute_loss_func`, RewardTrainer's, TRL's log-probabilities) and the predictions handed to
-`compute_metrics` are FP32, as stock. A loss the model computes itself is the model's, unchanged.
-`in_forward_context` wraps the forward in the strategy's autocast as Accelerate wraps it, so a
-`generate()` or call after training computes as the training forward did.
+"""A model's forward under a strategy as the stock mixed-precision flags give it: `widen_outputs`,
+FP32 outputs (Accelerate's `convert_outputs_to_fp32` under `bf16=True`/`fp16=True`, flags a strategy
+turns off), so a loss the trainer computes from them (label smoothing, `compute_loss_func`, TRL's
+log-probabilities) and the predictions for `compute_metrics` are FP32; a model's own loss is unchanged.
+`in_forward_context` wraps the forward in the strategy's autocast as Accelerate does, so a
+`generate()` after training computes as the training forward did; `narrow_inputs` hands a
+16-bit-weight strategy's forward its float inputs in the weights' dtype.
 """
 
 from __future__ import annotations
@@ -17,11 +16,12 @@ from typing import Any
 import torch
 from accelerate.utils import convert_to_fp32
 
+from ..strategies.inputs import cast_float_inputs, computes_without_autocast
 from ..strategies.interface import PrecisionStrategy
 from .autocasting import autocast_disabled
 from .peft import prepare_model
 
-__all__ = ["computes_in_16_bits", "in_forward_context", "prepared_model", "widen_outputs"]
+__all__ = ["computes_in_16_bits", "in_forward_context", "narrow_inputs", "prepared_model", "widen_outputs"]
 
 
 def computes_in_16_bits(strategy: PrecisionStrategy) -> bool:
@@ -42,6 +42,23 @@ def widen_outputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
         return model
     if _fp32_outputs not in model._forward_hooks.values():
         model.register_forward_hook(_fp32_outputs)
+    return model
+
+
+def narrow_inputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
+    """`model`, its float inputs but `labels` cast to the weights' dtype before each forward where
+    `strategy` computes in 16-bit weights with no autocast (`strategies.inputs`; once per model). At
+    the forward, not in the batch: what a trainer keeps beside the model's inputs (DPO's reference
+    log-probabilities, GRPO's advantages) stays FP32."""
+    if strategy is None or not isinstance(model, torch.nn.Module) or not computes_without_autocast(strategy):
+        return model
+    if "_hf_lowprec_narrow_inputs" not in model.__dict__:
+
+        def cast(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            return cast_float_inputs(strategy, (args, kwargs))
+
+        model._hf_lowprec_narrow_inputs = True
+        model.register_forward_pre_hook(torch.compiler.disable(cast), with_kwargs=True)  # Python, not traced
     return model
 
 
@@ -80,5 +97,7 @@ def in_forward_context(strategy: PrecisionStrategy, model: Any) -> Any:
 
 
 def prepared_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.nn.Module:
-    """The Trainer's model: `prepare_model`, its forward under the strategy's autocast, FP32 outputs."""
-    return widen_outputs(strategy, in_forward_context(strategy, prepare_model(strategy, model)))
+    """The Trainer's model: `prepare_model`, its forward under the strategy's autocast, its float inputs
+    in 16-bit weights' dtype, FP32 outputs."""
+    model = in_forward_context(strategy, prepare_model(strategy, model))
+    return widen_outputs(strategy, narrow_inputs(strategy, model))

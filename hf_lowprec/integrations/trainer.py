@@ -38,7 +38,6 @@ from ..report import (
     silent_precision_problem,
     warn_slow_fp16_once,
 )
-from ..strategies.inputs import cast_float_inputs
 from ..strategies.interface import PrecisionStrategy
 from ..strategies.prepared import refuse_without_strategy
 from ..strategies.registry import get_strategy
@@ -436,10 +435,6 @@ class PrecisionTrainerMixin:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         grad_norm = super()._get_grad_norm(model, grad_norm=strategy_grad_norm(self, model, float("inf")))
         return self.precision.note_grad_norm(grad_norm, model.parameters())  # as a clipping's norm
-
-    def _prepare_inputs(self, inputs):  # float inputs in a 16-bit-weight strategy's dtype, labels kept
-        inputs, labels = super()._prepare_inputs(inputs), {"labels", *(getattr(self, "label_names", None) or ())}
-        return inputs if self.precision is None else cast_float_inputs(self.precision, inputs, labels)
 
 
 class Trainer(PrecisionTrainerMixin, transformers.Trainer):

@@ -29,18 +29,19 @@ def computes_without_autocast(strategy: Any) -> bool:
 
 
 def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("labels",)) -> Any:
-    """`batch` (a mapping of the model's inputs, a list or tuple of them, or a tensor) with every
+    """`batch` (a mapping of the model's inputs, a tuple or list of them, or a tensor) with every
     floating-point tensor in the strategy's parameter dtype where `computes_without_autocast`, the
-    entries named in `keep` (the labels) as they are; else `batch` itself."""
+    entries named in `keep` (the labels) as they are; else `batch` itself. Below the top, plain
+    dicts, tuples and lists only: a model's own outputs fed back (`encoder_outputs`, a cache) are its."""
     if not computes_without_autocast(strategy):
         return batch
-    return _cast(batch, strategy.param_dtype, frozenset(keep))
+    return _cast(batch, strategy.param_dtype, frozenset(keep), top=True)
 
 
-def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str]) -> Any:
-    if isinstance(data, Mapping):
+def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str], top: bool = False) -> Any:
+    if isinstance(data, Mapping) and (top or type(data) is dict):
         return type(data)({k: v if k in keep else _cast(v, dtype, keep) for k, v in data.items()})
-    if isinstance(data, (tuple, list)) and not hasattr(data, "_fields"):  # (a named tuple keeps its type)
+    if type(data) in (tuple, list):
         return type(data)(_cast(v, dtype, keep) for v in data)
     if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != dtype:
         return data.to(dtype)

@@ -98,6 +98,7 @@ def test_a_regression_head_gets_its_fp32_labels_and_the_right_loss_in_the_traine
     trainer = Trainer(model=Regressor(), args=args, train_dataset=data)
     model = trainer.model
     inputs = trainer._prepare_inputs(dict(batch))
+    assert inputs["features"].dtype == torch.float32  # the batch as it came; the model's forward narrows it
     with trainer.compute_loss_context_manager():
         loss = trainer.compute_loss(model, inputs).item()
     weight_dtype = get_strategy(strategy).param_dtype
