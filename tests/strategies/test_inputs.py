@@ -11,22 +11,16 @@ from tests.helpers import make_args, rounding_bound
 SIXTEEN_BIT_WEIGHTS = ["fp16-als", "collage-plus", "bf16-pure"]
 
 
+# Three strided convolutions (800 samples → 39 frames) feeding two 32-wide transformer layers.
+WAV2VEC2 = dict(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+CONVOLUTIONS = dict(conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16)
+
+
 def tiny_wav2vec2() -> Wav2Vec2ForCTC:
-    config = Wav2Vec2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16, 16, 16),
-        conv_stride=(5, 2, 2),
-        conv_kernel=(10, 3, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2,
-        pad_token_id=0,
-        mask_time_prob=0.0,
-    )
     torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        **WAV2VEC2, **CONVOLUTIONS, num_conv_pos_embedding_groups=2, pad_token_id=0, mask_time_prob=0.0
+    )
     return Wav2Vec2ForCTC(config)
 
 
