@@ -38,11 +38,15 @@ def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("label
     return _cast(batch, strategy.param_dtype, frozenset(keep), top=True)
 
 
-def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str], top: bool = False) -> Any:
+def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str], top: bool = False, mask: bool = False) -> Any:
     if isinstance(data, Mapping) and (top or type(data) is dict):
-        return type(data)({k: v if k in keep else _cast(v, dtype, keep) for k, v in data.items()})
+        return type(data)(
+            {k: v if k in keep else _cast(v, dtype, keep, mask="mask" in str(k)) for k, v in data.items()}
+        )
     if type(data) in (tuple, list):
         return type(data)(_cast(v, dtype, keep) for v in data)
     if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != dtype:
+        if mask:  # an additive mask's FP32 minimum would round to -inf: a fully masked row's softmax NaN
+            data = data.clamp(min=torch.finfo(dtype).min)
         return data.to(dtype)
     return data

@@ -122,3 +122,21 @@ def test_the_accelerate_plugin_casts_float_inputs_and_keeps_the_labels(strategy)
     loss = model(batch["features"], labels=batch["labels"])["loss"].item()  # positional and keyword
     assert model.seen[-1] == (plugin.strategy.param_dtype, torch.float32)
     assert abs(loss - expected) <= loss_tolerance(8, expected), (loss, expected)
+
+
+@pytest.mark.parametrize("strategy", ["fp16-als", "bf16-pure"])
+def test_an_additive_fp32_mask_keeps_its_minimum_finite_in_the_weights_dtype(strategy):
+    """An additive 4-D mask built with FP32's minimum would round to -inf in 16 bits (a fully masked
+    row's softmax then NaN); it becomes the 16-bit minimum, the other inputs plainly cast."""
+    from hf_lowprec.strategies.inputs import cast_float_inputs
+
+    s = get_strategy(strategy)
+    low = torch.finfo(torch.float32).min
+    mask = torch.tensor([[[[0.0, low], [low, low]]]])
+    values = torch.tensor([1.0, 7e4, -7e4])
+    out = cast_float_inputs(s, {"attention_mask": mask, "input_values": values})
+    assert out["attention_mask"].dtype == s.param_dtype
+    assert torch.isfinite(out["attention_mask"]).all()
+    assert out["attention_mask"].float().min() == torch.finfo(s.param_dtype).min
+    assert torch.equal(out["input_values"], values.to(s.param_dtype))  # not clamped: the data as it is
+    assert torch.softmax(out["attention_mask"].float(), -1).isfinite().all()
