@@ -245,14 +245,14 @@ class _PendingFlag:
 
 
 class _AskedFlag:
-    """Accelerate's `_is_overflow` with no scheduler to hold: the optimizer's flag, read (a sync, as
-    reading GradScaler's) only when the loop asks; its next step replaces this."""
+    """Accelerate's `_is_overflow` with no scheduler to hold: the step's flag, read (a sync, as
+    reading GradScaler's) only when the loop asks; the next step replaces this."""
 
     def __init__(self, optimizer: StrategyOptimizer) -> None:
-        self.optimizer = optimizer
+        self.flag = optimizer.skip_flag  # this step's: each step makes its own
 
     def __bool__(self) -> bool:
-        return self.optimizer.step_was_skipped
+        return self.flag is not None and bool(self.flag)
 
 
 def note_accelerate_skip(wrapper: Any, schedulers: list[Any], optimizer: StrategyOptimizer, *args: Any) -> None:

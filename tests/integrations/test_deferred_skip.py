@@ -269,8 +269,9 @@ def test_accelerate_save_state_right_after_a_skipped_step_holds_the_schedule(tmp
     assert accelerator.optimizer_step_was_skipped
 
 
-def test_a_loop_without_a_prepared_scheduler_reads_the_flag_at_once():
-    """No scheduler Accelerate holds: nothing to take back later, so Accelerate's flag is this step's."""
+def test_a_loop_without_a_prepared_scheduler_gives_each_steps_flag():
+    """No scheduler Accelerate holds: nothing to take back later, so Accelerate's flag is this step's,
+    read only where asked (here after both steps: each keeps its own)."""
     accelerator = Accelerator(cpu=True)
     plugin = PrecisionPlugin("bf16-mixed")
     model = tiny_gpt2()
@@ -282,7 +283,7 @@ def test_a_loop_without_a_prepared_scheduler_reads_the_flag_at_once():
         optimizer.step()
         flags.append(optimizer._is_overflow)
         optimizer.zero_grad()
-    assert flags == [False, True] and all(type(f) is bool for f in flags)
+    assert [bool(f) for f in flags] == [False, True]
 
 
 class _WarmupHoldingALock:
