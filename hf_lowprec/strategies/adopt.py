@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..fp8.blocks import FrozenBlockFP8Linear
+from ..fp8.linear import FP8Linear
 from ..memory import ADOPTED_ATTR
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str,
     promised = strategy.promised_param_dtypes()
     made: collections.Counter[str] = collections.Counter()
     if torch.float32 in promised:
-        for p in adopted_parameters(model):
+        for p in adopted_parameters(model, autocast=strategy.compute_dtype != torch.float32):
             if p.dtype not in _WIDENED or p.dtype in promised:
                 continue
             made[str(p.dtype).removeprefix("torch.")] += p.numel()
@@ -47,18 +48,28 @@ def adopt_loaded_dtypes(strategy: Strategy, model: torch.nn.Module) -> dict[str,
     return dict(made)
 
 
-def adopted_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+def adopted_parameters(model: torch.nn.Module, autocast: bool = False) -> list[torch.nn.Parameter]:
     """The floating parameters of `model` a strategy with FP32 parameters holds in FP32, each shared
     (tied) one once: the trainable ones, and the frozen 16-bit ones too, as the model's FP32 load has
     them (a frozen block or LayerNorm meets FP32 activations and neighbours; unfrozen later, it trains
     in FP32). Frozen parameters stay as loaded only where the model trains none of its own weights:
     a PEFT-adapted model (the frozen base, which `integrations.peft` holds at forward precision), a
-    model with no trainable parameter (a frozen reference), and a published FP8 layer kept frozen."""
+    model with no trainable parameter (a frozen reference), and a published FP8 layer kept frozen.
+    Under a 16-bit `autocast`, a frozen GEMM layer's weight and bias stay as loaded too: autocast
+    casts them to its dtype either way, the same values (a frozen backbone keeps its 2 bytes a weight)."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     if _peft_adapted(model) or not any(p.requires_grad for p in params):
         return [p for p in params if p.requires_grad]
-    kept = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
+    kept_kinds = (FrozenBlockFP8Linear, *(_gemm_layers() if autocast else ()))
+    kept = {id(p) for m in model.modules() if isinstance(m, kept_kinds) for p in m.parameters(recurse=False)}
     return [p for p in params if p.requires_grad or (p.dtype in _WIDENED and id(p) not in kept)]
+
+
+def _gemm_layers() -> tuple[type, ...]:
+    """The layers autocast runs as one GEMM of 16-bit operands: linear, convolution, GPT-2's Conv1D."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, FP8Linear)
+    return (*layers, conv1d) if conv1d is not None else layers
 
 
 def _peft_adapted(model: torch.nn.Module) -> bool:

@@ -263,7 +263,7 @@ class FP8LM(PrecisionStrategy):
             # FP8 optimizer; the other trainable parameters FP32 masters (an unscaled FP16 LayerNorm
             # gain at 1.0 could not take a 1e-4 update); frozen ones FP32 too, but a PEFT base's
             # or a fully frozen model's (`adopted_parameters`).
-            widened = [p for p in adopted_parameters(model) if p.dtype != F32]
+            widened = [p for p in adopted_parameters(model, autocast=True) if p.dtype != F32]
             for p in widened:
                 p.data = p.data.float()
             if widened:  # an FP16 load (O2 promises FP16 too: adopt_loaded_dtypes left it)

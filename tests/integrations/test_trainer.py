@@ -349,9 +349,10 @@ def test_a_model_only_best_checkpoint_with_a_full_precision_export_is_refused(tm
 @pytest.mark.parametrize("strategy", ["bf16-mixed", "fp8-lm-o2"])
 def test_a_partly_frozen_bf16_load_saves_its_fp32_training_as_float32(tmp_path, strategy):
     """A BF16 checkpoint trained under an FP32-parameter strategy with its embeddings and first block
-    frozen: every weight is FP32, as its FP32 load's (a stock load had rounded all 11 trained tensors
-    when the frozen ones stayed BF16 and save_pretrained recorded `bfloat16`). The config says
-    float32: the stock load gives back every trained weight, and the frozen ones exactly as loaded."""
+    frozen: the trained weights are FP32, the frozen GEMM weights stay BF16 (autocast's dtype), and
+    save_pretrained recorded the first parameter's dtype (`bfloat16`), so a stock load rounded all 11
+    trained tensors. The config says float32: the stock load gives back every trained weight, and
+    the frozen ones exactly as loaded."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_gpt2().to(torch.bfloat16)
@@ -365,9 +366,9 @@ def test_a_partly_frozen_bf16_load_saves_its_fp32_training_as_float32(tmp_path, 
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     saved = _saved(tmp_path / "final")
-    assert {v.dtype for v in saved.values()} == {torch.float32}
+    assert {v.dtype for v in saved.values()} == {torch.float32, torch.bfloat16}
     for name, value in frozen.items():
-        assert torch.equal(saved[name], value.float()), name
+        assert torch.equal(saved[name].float(), value.float()), name
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     assert reloaded.dtype == torch.float32
     state = reloaded.state_dict()

@@ -2,8 +2,9 @@
 
 Layer-wise freezing and gradual unfreezing of a BF16 checkpoint: the frozen block or LayerNorms
 must be made FP32 like the trainable parameters, or they meet FP32 activations and neighbours in
-the first forward (a dtype error). Made so, the model is its FP32 load, value for value (every BF16
-value is an FP32 value), and the run is the same computation: bit-identical losses and weights.
+the first forward (a dtype error); under autocast a frozen GEMM layer keeps its 16 bits, which
+autocast gives it anyway. The model is its FP32 load, value for value (every BF16 value is an
+FP32 value), and the run is the same computation: bit-identical losses and weights.
 A PEFT base and a model with no trainable parameter keep their parameters as loaded.
 """
 
@@ -13,10 +14,13 @@ import copy
 
 import pytest
 import torch
+from transformers.pytorch_utils import Conv1D
 
 import hf_lowprec
+from hf_lowprec.fp8.linear import FP8Linear
 from tests.helpers import assert_bits_equal, assert_same_losses, batches, tiny_gpt2
 
+GEMM_LAYERS = (torch.nn.Linear, Conv1D, FP8Linear)
 FREEZES = {"a block": "transformer.h.0.", "the LayerNorms": ".ln_"}
 # fp8-lm-o2 keeps an FP16 load's trainable parameters for their scaled masters, then makes the rest FP32.
 LOADS = [("fp32", "bfloat16"), ("bf16-mixed", "bfloat16"), ("fp8-lm-o2", "bfloat16"), ("fp8-lm-o2", "float16")]
@@ -31,12 +35,13 @@ def _frozen(model: torch.nn.Module, part: str) -> list[str]:
 
 
 def _run(name: str, model: torch.nn.Module, frozen: list[str]) -> tuple[list[float], torch.nn.Module]:
-    """Two steps with `frozen` frozen, then one with them unfrozen (gradual unfreezing)."""
+    """Two steps with `frozen` frozen, then (fp32, where every frozen parameter is made FP32) one with
+    them unfrozen (gradual unfreezing)."""
     strategy = hf_lowprec.get_strategy(name)
     model = strategy.prepare_model(model)
     optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
     losses = []
-    for step, ids in enumerate(batches(3)):
+    for step, ids in enumerate(batches(3 if name == "fp32" else 2)):
         if step == 2:
             for n, p in model.named_parameters():
                 if n in frozen:
@@ -53,16 +58,22 @@ def test_a_partly_frozen_16_bit_load_trains_as_its_fp32_load(name, stored, part)
     as_fp32 = copy.deepcopy(loaded).float()  # from_pretrained(..., dtype=torch.float32) of it
     values = {n: p.detach().float() for n, p in loaded.named_parameters() if n in frozen}
     prepared = hf_lowprec.get_strategy(name).prepare_model(copy.deepcopy(loaded))
+    gemm = {
+        f"{n}.{k}" for n, m in prepared.named_modules() if isinstance(m, GEMM_LAYERS) for k, _ in m.named_parameters()
+    }
     for n, p in prepared.named_parameters():
         if n in frozen:  # FP32 made from the loaded values, exactly, and still frozen
             assert not p.requires_grad
-            assert_bits_equal(p.detach(), values[n], n)
+            # Under autocast a frozen GEMM layer keeps its loaded 16 bits (autocast casts it so anyway).
+            loaded_dtype = getattr(torch, stored) if n in gemm and name != "fp32" else torch.float32
+            assert p.dtype == loaded_dtype, (n, p.dtype)
+            assert_bits_equal(p.detach().float(), values[n], n)
     got, model = _run(name, loaded, frozen)
     expected, reference = _run(name, as_fp32, frozen)
     # The same model in the same dtypes under the same strategy: the same computation, bit for bit.
     assert_same_losses(got, expected, name)
     for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert_bits_equal(p.detach(), q.detach(), n)
+        assert_bits_equal(p.detach().float(), q.detach().float(), n)
 
 
 def test_a_model_with_nothing_to_train_stays_as_loaded():

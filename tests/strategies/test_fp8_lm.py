@@ -149,9 +149,10 @@ def test_o2_masters_are_scaled_from_the_real_values_not_from_their_fp16_rounding
         assert rel.max() <= 2.0**-11
 
 
-def test_o2_makes_frozen_parameters_fp32_and_gives_them_no_master():
+def test_o2_makes_frozen_parameters_fp32_but_gemm_weights_and_gives_them_no_master():
     # checkpoints: a frozen parameter of a model loaded in BF16 is made FP32 from its values, as its
-    # FP32 load holds it (a frozen block meets FP32 neighbours), and takes no scaled master.
+    # FP32 load holds it (a frozen block meets FP32 neighbours), and takes no scaled master; a frozen
+    # GEMM layer's weight (c_attn, the embedding tied to the LM head) keeps its 16 bits under autocast.
     model = tiny_gpt2().to(torch.bfloat16)
     model.transformer.h[0].attn.c_attn.weight.requires_grad_(False)
     model.transformer.wte.weight.requires_grad_(False)  # tied to the LM head, as GPT-2 ties them
@@ -159,13 +160,15 @@ def test_o2_makes_frozen_parameters_fp32_and_gives_them_no_master():
     strategy, model, optimizer = setup_prepared("fp8-lm-o2", model)
     frozen = model.transformer.h[0].attn.c_attn
     assert isinstance(frozen, FP8Linear) and frozen.master_scale is None
-    assert_bits_equal(frozen.weight.detach(), before, "frozen c_attn")
-    assert model.transformer.wte.weight.dtype == torch.float32
+    assert frozen.weight.dtype == torch.bfloat16
+    assert_bits_equal(frozen.weight.detach().float(), before, "frozen c_attn")
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+    assert model.transformer.h[0].ln_1.weight.dtype == torch.float32  # trainable, beside the frozen c_attn
     trained = model.transformer.h[1].attn.c_attn
     assert trained.weight.dtype == torch.float16 and trained.master_scale is not None
     assert model.transformer.ln_f.weight.dtype == torch.float32  # trainable, not FP8: an FP32 master
     train(strategy, model, optimizer, batches(2))
-    assert_bits_equal(frozen.weight.detach(), before, "frozen c_attn after training")
+    assert_bits_equal(frozen.weight.detach().float(), before, "frozen c_attn after training")
 
 
 def setup_prepared(name, model):
