@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .experts import convert_experts
 from .gemm import GEMM_MULTIPLE
@@ -78,6 +79,8 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
     skips: dict[int, str] = {}
     conv1d = conv1d_class()
     for module in model.modules():
+        if parametrize.is_parametrized(module):  # its `weight` computed at each read (spectral_norm iterates)
+            continue  # (an nn.Linear subclass: kept high precision by the conversion)
         weight = getattr(module, "weight", None)  # a parametrization's `weight` is a module
         if isinstance(module, nn.Embedding) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue
@@ -101,7 +104,7 @@ def default_skips(model: nn.Module, min_gemm_features: int = 0, rule: PayoffRule
             skips[id(module)] = "it is in PEFT's modules_to_save (trained whole, as a head is: kept high precision)"
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        weight = None if parametrize.is_parametrized(module) else getattr(module, "weight", None)
         if (
             isinstance(weight, torch.Tensor)
             and id(weight) in embedding_weights

@@ -221,13 +221,14 @@ def note_trainer_skip(optimizer: Any, trainer: Any) -> None:
     handler = getattr(trainer, "callback_handler", None)
     if handler is not None and not getattr(handler, "_hf_lowprec_held", False):
         handler._hf_lowprec_held = True
-        handler.on_step_end = functools.partial(_stepped_then, handler.on_step_end)
+        handler.on_step_end = functools.partial(_stepped_then, handler, handler.on_step_end)
 
 
-def _stepped_then(on_step_end: Any, args: Any, state: Any, control: Any) -> Any:
+def _stepped_then(handler: Any, on_step_end: Any, args: Any, state: Any, control: Any) -> Any:
     # The Trainer steps its scheduler between the optimizer step's callbacks and the step's end: what
-    # the step wrote, recorded before any callback's `on_step_end` may change the LR.
-    inner = find_strategy_optimizer(on_step_end.__self__.optimizer)
+    # the step wrote, recorded before any callback's `on_step_end` may change the LR. (`on_step_end`
+    # may be another wrapper's function: the handler is passed as itself.)
+    inner = find_strategy_optimizer(handler.optimizer)
     if inner is not None and inner in _DEFERRALS:
         _DEFERRALS[inner].stepped()
     return on_step_end(args, state, control)

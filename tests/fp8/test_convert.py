@@ -93,3 +93,18 @@ def test_a_tiny_wav2vec2_is_converted_under_fp8_lm_o2():
     # out_proj → intermediate → output in each of 2 layers), whose relative noise powers add; the
     # BF16 layers' (2⁻¹⁶ each) are two orders of magnitude below one FP8 GEMM's (2⁻⁸).
     assert snr_db(reference, logits) >= snr_floor_db(E4M3, E4M3, BF16) - 10 * math.log10(9)
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "coat"])
+def test_preparing_a_spectral_normed_layer_leaves_its_power_iteration_alone(name):
+    """spectral_norm computes `weight` at each read in training mode, one power-iteration step that
+    writes its `_u` buffer: the conversion reads no parametrized weight, so `_u` is as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.utils.parametrizations.spectral_norm(nn.Linear(64, 64)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hf_lowprec.get_strategy(name).prepare_model(model)
+    after = model.state_dict()
+    u = [k for k in before if k.endswith("_u")]
+    assert u, sorted(before)
+    for k in u:
+        assert torch.equal(after[k], before[k]), k

@@ -381,3 +381,24 @@ def test_an_epoch_evaluation_after_a_skipped_step_reads_the_held_schedule(tmp_pa
     for epoch, (lrs, state) in enumerate(trainer.evaluated, start=1):
         steps, expected = linear(epoch * EPOCH_STEPS)
         assert lrs == [expected] * len(lrs) and state["_last_lr"] == lrs and state["last_epoch"] == steps, epoch
+
+
+class WrapsStepEnd(NaNAtThirdStep):
+    """A Trainer whose `callback_handler.on_step_end` another tool replaced with a plain function."""
+
+    def train(self, *args, **kwargs):
+        original = self.callback_handler.on_step_end
+        self.callback_handler.on_step_end = lambda a, s, c: original(a, s, c)
+        return super().train(*args, **kwargs)
+
+
+def test_a_replaced_on_step_end_still_holds_the_schedule(tmp_path):
+    args = make_args(
+        tmp_path, "bf16-mixed", max_steps=STEPS, lr_scheduler_type="linear", warmup_steps=WARMUP, learning_rate=LR,
+        save_strategy="no",
+    )  # fmt: skip
+    used = UsedLRs()
+    trainer = WrapsStepEnd(model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(), callbacks=[used])
+    trainer.train()
+    _, expected_lrs = trainer_run(tmp_path / "plain", "bf16-mixed")
+    assert trainer.precision.skipped_steps == 1 and used.lrs == expected_lrs.lrs
