@@ -21,11 +21,11 @@ def computes_without_autocast(strategy: Any) -> bool:
     """Whether `strategy` computes in 16-bit weights with no autocast of its own (collage-plus,
     bf16-pure, fp16-als): FP32 tensors meet its 16-bit weights as they are."""
     dtype = strategy.compute_dtype
-    return (
-        dtype in (torch.float16, torch.bfloat16)
-        and strategy.param_dtype == dtype
-        and isinstance(strategy.forward_context(), contextlib.nullcontext)
-    )
+    if dtype not in (torch.float16, torch.bfloat16) or strategy.param_dtype != dtype:
+        return False
+    context = strategy.forward_context()  # an autocast is entered as it is made (COAT's BF16 masters): exit it
+    with context:
+        return isinstance(context, contextlib.nullcontext)
 
 
 def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("labels",)) -> Any:

@@ -140,3 +140,17 @@ def test_an_additive_fp32_mask_keeps_its_minimum_finite_in_the_weights_dtype(str
     assert out["attention_mask"].float().min() == torch.finfo(s.param_dtype).min
     assert torch.equal(out["input_values"], values.to(s.param_dtype))  # not clamped: the data as it is
     assert torch.softmax(out["attention_mask"].float(), -1).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options"), [("coat", {"master_weights": "bf16-collage"}), ("bf16-mixed", {}), ("fp16-als", {})]
+)
+def test_asking_whether_a_strategy_casts_inputs_leaves_no_autocast_on(strategy, options):
+    """COAT with BF16 masters has BF16 weights and an autocast, which its `forward_context()` enters
+    as it is made: asking (every `train_step`) left a BF16 autocast on for the rest of the process,
+    and later FP16 runs failed in backward (`Unexpected floating ScalarType in at::autocast::prioritize`)."""
+    from hf_lowprec.strategies.inputs import computes_without_autocast
+
+    assert not torch.is_autocast_enabled("cpu")
+    computes_without_autocast(get_strategy(strategy, **options))
+    assert not torch.is_autocast_enabled("cpu")
