@@ -475,6 +475,7 @@ def run_trainer(name: str, data, out: Path, export: str | None = None) -> dict:
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
+    torch.manual_seed(TrainingArguments.seed)  # the run's seed, as the Trainer sets it: bf16-sr's rounding seed
     optimizer = strategy.create_optimizer(groups, lr=LR, weight_decay=0.0)
     loop_losses, _ = train(strategy, model, optimizer, data, sharded=True)
 
