@@ -8,22 +8,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
-
-from ..strategies.baselines import device_autocast
+from ..strategies.baselines import DeviceAutocast, device_autocast
 from ..strategies.inputs import computes_without_autocast as casts_outside_forward
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["autocast_disabled", "casts_outside_forward", "outside_forward"]
 
 
-def autocast_disabled() -> contextlib.ExitStack:
+def autocast_disabled() -> DeviceAutocast:
     """No autocast on CPU (nor CUDA, when present): the forward computes as the strategy's own."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type="cpu", enabled=False))
-    if torch.cuda.is_available():
-        stack.enter_context(torch.autocast(device_type="cuda", enabled=False))
-    return stack
+    return DeviceAutocast(enabled=False)
 
 
 def outside_forward(strategy: PrecisionStrategy, handler: Any = None) -> contextlib.AbstractContextManager:

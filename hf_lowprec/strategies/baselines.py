@@ -12,19 +12,35 @@ from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
 
-__all__ = ["FP32", "BF16Mixed", "BF16Pure", "bf16_autocast", "device_autocast"]
+__all__ = ["FP32", "BF16Mixed", "BF16Pure", "DeviceAutocast", "bf16_autocast", "device_autocast"]
 
 
-def device_autocast(dtype: torch.dtype) -> contextlib.ExitStack:
-    """`dtype` autocast on CPU, and on CUDA too when present (each only affects its own device)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type="cpu", dtype=dtype))
-    if torch.cuda.is_available():
-        stack.enter_context(torch.autocast(device_type="cuda", dtype=dtype))
-    return stack
+class DeviceAutocast(contextlib.AbstractContextManager):
+    """An autocast on CPU, and on CUDA too when present (each only affects its own device), entered
+    on `with` and not before: a context made and never entered leaves autocast as it was. Reusable."""
+
+    def __init__(self, dtype: torch.dtype | None = None, enabled: bool = True) -> None:
+        self.dtype, self.enabled = dtype, enabled
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> DeviceAutocast:
+        stack = contextlib.ExitStack()
+        devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+        for device in devices:
+            stack.enter_context(torch.autocast(device_type=device, dtype=self.dtype, enabled=self.enabled))
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
 
 
-def bf16_autocast() -> contextlib.ExitStack:
+def device_autocast(dtype: torch.dtype) -> DeviceAutocast:
+    """`dtype` autocast on CPU, and on CUDA too when present, entered on `with`."""
+    return DeviceAutocast(dtype)
+
+
+def bf16_autocast() -> DeviceAutocast:
     """BF16 autocast on CPU, and on CUDA too when present."""
     return device_autocast(torch.bfloat16)
 

@@ -23,9 +23,7 @@ def computes_without_autocast(strategy: Any) -> bool:
     dtype = strategy.compute_dtype
     if dtype not in (torch.float16, torch.bfloat16) or strategy.param_dtype != dtype:
         return False
-    context = strategy.forward_context()  # an autocast is entered as it is made (COAT's BF16 masters): exit it
-    with context:
-        return isinstance(context, contextlib.nullcontext)
+    return isinstance(strategy.forward_context(), contextlib.nullcontext)
 
 
 def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("labels",)) -> Any:

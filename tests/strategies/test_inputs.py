@@ -154,3 +154,23 @@ def test_asking_whether_a_strategy_casts_inputs_leaves_no_autocast_on(strategy, 
     assert not torch.is_autocast_enabled("cpu")
     computes_without_autocast(get_strategy(strategy, **options))
     assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "fp16-mixed", "fp8-lm-o2", "coat", "collage-plus"])
+def test_a_forward_context_made_and_not_entered_turns_no_autocast_on(name):
+    """A strategy's `forward_context()` entered its autocast as it was made, so a caller that made
+    one and did not enter it (or entered another first) left autocast on for the process. It is
+    entered on `with` only, turns autocast off again on exit, and can be entered again (nested too)."""
+    s = get_strategy(name)
+    context = s.forward_context()
+    assert not torch.is_autocast_enabled("cpu")
+    with context:
+        on = torch.is_autocast_enabled("cpu")
+        with context:
+            assert torch.is_autocast_enabled("cpu") == on
+        assert torch.is_autocast_enabled("cpu") == on
+    assert not torch.is_autocast_enabled("cpu")
+    with context:
+        assert torch.is_autocast_enabled("cpu") == on
+    assert not torch.is_autocast_enabled("cpu")
+    assert on == (name != "collage-plus")  # collage-plus computes on its BF16 weights, no autocast
