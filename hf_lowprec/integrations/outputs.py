@@ -4,7 +4,7 @@ turns off), so a loss the trainer computes from them (label smoothing, `compute_
 log-probabilities) and the predictions for `compute_metrics` are FP32; a model's own loss is unchanged.
 `in_forward_context` wraps the forward in the strategy's autocast as Accelerate does, so a
 `generate()` after training computes as the training forward did; `narrow_inputs` hands a
-16-bit-weight strategy's forward its float inputs in the weights' dtype.
+16-bit-weight strategy's forward (and an encoder-decoder's encoder) its float inputs in the weights' dtype.
 """
 
 from __future__ import annotations
@@ -45,20 +45,38 @@ def widen_outputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
     return model
 
 
+def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The encoder an encoder-decoder model's `generate()` calls itself (`model.get_encoder()`,
+    bypassing the model's forward), where it is a module of its own; else None."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not callable(getattr(model, "get_encoder", None)):
+        return None
+    encoder = model.get_encoder()
+    return encoder if isinstance(encoder, torch.nn.Module) and encoder is not model else None
+
+
 def narrow_inputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
     """`model`, its float inputs but `labels` cast to the weights' dtype before each forward where
     `strategy` computes in 16-bit weights with no autocast (`strategies.inputs`; once per model). At
     the forward, not in the batch: what a trainer keeps beside the model's inputs (DPO's reference
-    log-probabilities, GRPO's advantages) stays FP32."""
+    log-probabilities, GRPO's advantages) stays FP32. An encoder-decoder model's encoder casts too:
+    `generate()` hands it the FP32 `input_features` (Whisper) or `input_values` directly."""
     if strategy is None or not isinstance(model, torch.nn.Module) or not computes_without_autocast(strategy):
         return model
-    if "_hf_lowprec_narrow_inputs" not in model.__dict__:
 
-        def cast(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-            return cast_float_inputs(strategy, (args, kwargs))
+    @torch.compiler.disable  # Python, not traced
+    def cast(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return cast_float_inputs(strategy, (args, kwargs))
 
-        model._hf_lowprec_narrow_inputs = True
-        model.register_forward_pre_hook(torch.compiler.disable(cast), with_kwargs=True)  # Python, not traced
+    def cast_called_alone(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        # Compiled, the encoder runs inside the model's forward, whose hook has cast its inputs:
+        # a call to `cast` there would break the graph in two.
+        return None if torch.compiler.is_compiling() else cast(module, args, kwargs)
+
+    for module, hook in ((model, cast), (_encoder(model), cast_called_alone)):
+        if module is not None and "_hf_lowprec_narrow_inputs" not in module.__dict__:
+            module._hf_lowprec_narrow_inputs = True
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
 

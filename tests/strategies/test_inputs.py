@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
-from hf_lowprec import PrecisionPlugin, Trainer, get_strategy
-from tests.helpers import make_args, rounding_bound
+from hf_lowprec import PrecisionPlugin, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, get_strategy
+from tests.helpers import assert_bits_equal, make_args, rounding_bound, trainer_arguments
 
 SIXTEEN_BIT_WEIGHTS = ["fp16-als", "collage-plus", "bf16-pure"]
 
@@ -45,6 +46,98 @@ def test_wav2vec2_trains_and_evaluates_on_fp32_input_values(tmp_path, strategy):
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
+
+
+# Whisper: 8 mel bins × 32 frames, one 16-wide layer each side; decoding starts at token 1, stops at 2.
+WHISPER = dict(vocab_size=64, num_mel_bins=8, d_model=16, max_source_positions=16, max_target_positions=32)
+WHISPER.update(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+WHISPER.update(encoder_ffn_dim=32, decoder_ffn_dim=32, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2)
+WHISPER.update(bos_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+GENERATED = 6  # generation_max_length, the decoder start token included
+
+
+def tiny_whisper() -> transformers.WhisperForConditionalGeneration:
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**WHISPER))
+
+
+def wav2vec2_to_gpt2() -> transformers.SpeechEncoderDecoderModel:
+    """A SpeechEncoderDecoderModel: the Wav2Vec2 encoder above (one layer) and a one-layer GPT-2."""
+    torch.manual_seed(0)
+    encoder = {**WAV2VEC2, "num_hidden_layers": 1, **CONVOLUTIONS, "num_conv_pos_embedding_groups": 2}
+    encoder = Wav2Vec2Config(**encoder, mask_time_prob=0.0)
+    decoder = dict(vocab_size=64, n_embd=16, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=2)
+    decoder = transformers.GPT2Config(**decoder, add_cross_attention=True)
+    config = transformers.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.update(dict(decoder_start_token_id=1, pad_token_id=0, eos_token_id=2))
+    return transformers.SpeechEncoderDecoderModel(config)
+
+
+def transcribed(key: str, n: int = 4) -> list[dict[str, torch.Tensor]]:
+    """FP32 audio features under `key`, as the feature extractor returns them, and 6 label tokens."""
+    g = torch.Generator().manual_seed(0)
+    shape = (8, 32) if key == "input_features" else (800,)
+    return [{key: torch.randn(shape, generator=g), "labels": torch.randint(3, 64, (6,), generator=g)} for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("model", "key", "strategy"),
+    [
+        (tiny_whisper, "input_features", "bf16-pure"),
+        (tiny_whisper, "input_features", "fp16-als"),
+        (wav2vec2_to_gpt2, "input_values", "collage-plus"),
+    ],
+)
+def test_an_encoder_decoder_generates_from_fp32_audio_after_training(tmp_path, model, key, strategy):
+    """`generate()` runs an encoder-decoder's encoder itself (`get_encoder()`), not through the
+    model's forward and its cast: FP32 features met the 16-bit Conv1d ("Input type (float) and bias
+    type (c10::BFloat16) should be the same"), after training and in `predict(predict_with_generate)`.
+    The encoder casts them now. The reference is the features cast by hand: the cast is the only
+    operation between the two, so the encoder's output, every step's scores and the tokens are the
+    same bits (tolerance 0)."""
+    arguments = trainer_arguments(tmp_path, precision_strategy=strategy, max_steps=1, save_strategy="no")
+    args = Seq2SeqTrainingArguments(**arguments, predict_with_generate=True, generation_max_length=GENERATED)
+    trainer = Seq2SeqTrainer(model=model(), args=args, train_dataset=transcribed(key))
+    trainer.train()
+    model, dtype = trainer.model.eval(), get_strategy(strategy).param_dtype  # no dropout
+    features = torch.stack([x[key] for x in transcribed(key)])
+    assert next(model.parameters()).dtype == dtype and features.dtype == torch.float32
+    with torch.no_grad():
+        expected = model.get_encoder()(features.to(dtype)).last_hidden_state
+        assert_bits_equal(model.get_encoder()(features).last_hidden_state, expected, "encoder output")
+        scored = dict(max_length=GENERATED, output_scores=True, return_dict_in_generate=True)
+        by_hand = model.generate(**{key: features.to(dtype)}, **scored).scores
+        assert_bits_equal(
+            torch.stack(model.generate(**{key: features}, **scored).scores), torch.stack(by_hand), "scores"
+        )
+        by_hand = model.generate(**{key: features.to(dtype)}, max_length=GENERATED)
+        assert_bits_equal(model.generate(**{key: features}, max_length=GENERATED), by_hand, "generated tokens")
+    predicted = torch.from_numpy(trainer.predict(transcribed(key)).predictions)
+    width = predicted.shape[1]  # padded with pad_token_id 0, as the stock prediction step pads
+    assert_bits_equal(predicted, F.pad(by_hand, (0, width - by_hand.shape[1])), "predictions")
+
+
+def test_the_encoders_cast_adds_no_graph_break_to_a_compiled_forward():
+    """The encoder's cast (for `generate()`, above) is Python dynamo does not trace: run inside a
+    compiled forward, whose own hook has cast the inputs already, it broke the graph twice. While
+    compiling it stands aside: no more breaks than the model with no hook, fed BF16 features."""
+    from hf_lowprec.integrations.outputs import narrow_inputs
+    from hf_lowprec.testing import count_graph_breaks
+
+    s = get_strategy("bf16-pure")
+    features = torch.stack([x["input_features"] for x in transcribed("input_features", 2)])
+    decoder_input_ids = torch.tensor([[1, 5, 6], [1, 7, 8]])
+
+    def breaks(narrowed: bool) -> tuple[int, object]:
+        model = s.prepare_model(tiny_whisper()).eval()
+        model = narrow_inputs(s, model) if narrowed else model
+        compiled = torch.compile(model, backend="eager")
+        inputs = features if narrowed else features.to(s.param_dtype)
+        with torch.no_grad():
+            return count_graph_breaks(lambda: compiled(input_features=inputs, decoder_input_ids=decoder_input_ids))
+
+    (hooked, reasons), (baseline, _) = breaks(True), breaks(False)
+    assert hooked <= baseline, (hooked, baseline, reasons)
 
 
 class Regressor(torch.nn.Module):
