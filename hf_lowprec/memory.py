@@ -12,9 +12,11 @@ import torch
 
 __all__ = [
     "ADOPTED_ATTR",
+    "KEPT_FP32_ATTR",
     "describe_dtypes",
     "elements_by_dtype",
     "gradient_holders",
+    "kept_in_fp32",
     "model_state_bytes",
     "plan_model_state",
     "planned_states",
@@ -27,6 +29,16 @@ __all__ = [
 # On a model: {dtype: elements} of the 16-bit parameters a strategy made FP32 as it adopted the
 # model (`strategies/adopt.py`, 2 bytes more each); the startup report lists them.
 ADOPTED_ATTR = "hf_lowprec_adopted_dtypes"
+
+# On a parameter the cast kept FP32 as transformers loads it (`strategies.casting.kept_parameters`), so
+# the promise checks (`report`, `strategies.prepared`) allow its dtype.
+KEPT_FP32_ATTR = "hf_lowprec_kept_fp32"
+
+
+def kept_in_fp32(param: torch.Tensor) -> bool:
+    """Whether `param` is an FP32 parameter a 16-bit strategy's cast kept FP32 (`KEPT_FP32_ATTR`)."""
+    return param.dtype == torch.float32 and getattr(param, KEPT_FP32_ATTR, False)
+
 
 # State keys of optimizers that do not declare `state_roles` (e.g. torch.optim.AdamW).
 DEFAULT_STATE_ROLES = {

@@ -25,6 +25,7 @@ from .memory import (
     DEFAULT_STATE_ROLES,
     describe_dtypes,
     elements_by_dtype,
+    kept_in_fp32,
     plan_model_state,
     state_dtypes,
     trainable_parameters,
@@ -249,7 +250,7 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
     wrong = collections.Counter()
     examples: dict[torch.dtype, str] = {}
     for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype not in promised:
+        if p.requires_grad and p.dtype not in promised and not kept_in_fp32(p):
             wrong[p.dtype] += p.numel()
             examples.setdefault(p.dtype, name)
     for dtype, count in wrong.items():

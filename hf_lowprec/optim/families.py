@@ -10,12 +10,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..numerics import LOW_PRECISION_DTYPES
 from .adamw import AdamW, Composition
 from .dispatch import FusedMode
 from .formats import Blockwise8bit, Format, Pair, Plain, Scaled
 from .rules import Grow, Kahan, Master, Nearest, StochasticRounding
 
 __all__ = [
+    "FP32_ADAMW",
     "Collage8bitAdamW",
     "CollageAdamW",
     "FP32StatesAdamW",
@@ -23,6 +25,7 @@ __all__ = [
     "KahanAdamW",
     "MasterWeightAdamW",
     "PlainAdamW",
+    "SixteenBitAdamW",
     "StochasticRoundingAdamW",
 ]
 
@@ -42,6 +45,10 @@ FP32 = Plain(torch.float32)
 #   MasterWeightAdamW          FP32         FP32           Master               14 (16 for FP16)
 #   FP32StatesSRAdamW          FP32         FP32           StochasticRounding   12
 #   Collage8bitAdamW           8-bit block  8-bit block    Grow                 8.03
+#
+# Every family steps an FP32 parameter (one a model keeps in FP32: `_keep_in_fp32_modules`) as plain
+# FP32 AdamW, 16 bytes/param, nothing to compensate, round or keep a master of: PlainAdamW by its own
+# composition, the others by `SixteenBitAdamW`'s `FP32_ADAMW`.
 
 
 def param_dtype_v(param: torch.Tensor) -> Format:
@@ -50,6 +57,26 @@ def param_dtype_v(param: torch.Tensor) -> Format:
     FP16 cannot hold v below 2^-24, and (1 − β2)·g² underflows for |g| ≲ 1e-2, which turns
     m/(√v + ε) into a huge step; BF16 has FP32's range and needs no scale."""
     return Scaled() if param.dtype == torch.float16 else Plain()
+
+
+FP32_ADAMW = Composition(Plain(), Plain(), Nearest())
+
+
+class SixteenBitAdamW(AdamW):
+    """A family for 16-bit parameters (`sixteen_bit_composition`) that steps an FP32 one as plain FP32 AdamW."""
+
+    param_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = (*LOW_PRECISION_DTYPES, torch.float32)
+    dtype_advice: ClassVar[str] = (
+        "cast the model with hf_lowprec.strategies.casting.cast_model(model, torch.bfloat16) (model.to would round "
+        "its rotary frequencies too)"
+    )
+
+    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+        return FP32_ADAMW if param.dtype == torch.float32 else self.sixteen_bit_composition(param, group)
+
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+        """The formats of m and v and the update rule for a BF16 or FP16 `param` in `group`."""
+        raise NotImplementedError
 
 
 class PlainAdamW(AdamW):
@@ -66,25 +93,25 @@ class PlainAdamW(AdamW):
         return Composition(Plain(), param_dtype_v(param), Nearest())
 
 
-class FP32StatesAdamW(AdamW):
+class FP32StatesAdamW(SixteenBitAdamW):
     """Option D−MW: BF16/FP16 parameters, FP32 moments, θ ← r(θ + Δθ), no master.
 
     Small updates are still lost at the parameter (Collage Tables 3–6: worse than Collage-plus
     at the same 12 bytes/param).
     """
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(FP32, FP32, Nearest())
 
 
-class KahanAdamW(AdamW):
+class KahanAdamW(SixteenBitAdamW):
     """BF16/FP16 AdamW whose update is added with Kahan compensated summation (`rules.Kahan`)."""
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(Plain(), param_dtype_v(param), Kahan())
 
 
-class StochasticRoundingAdamW(AdamW):
+class StochasticRoundingAdamW(SixteenBitAdamW):
     """BF16/FP16 AdamW writing θ ← SR(θ + Δθ) (`rules.StochasticRounding`), unbiased.
 
     `seed` seeds the per-device generator that draws one seed per parameter and step; its state
@@ -104,7 +131,7 @@ class StochasticRoundingAdamW(AdamW):
     ):
         super().__init__(params, lr, betas, eps, weight_decay, fused=fused, seed=seed)
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(Plain(), param_dtype_v(param), StochasticRounding())
 
 
@@ -112,25 +139,25 @@ class FP32StatesSRAdamW(StochasticRoundingAdamW):
     """`StochasticRoundingAdamW` with FP32 moments (the ALS post keeps optimizer states in FP32):
     in FP16, v ≈ g² of gradients near 1e-3 sits at the subnormal floor. 12 bytes/param."""
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(FP32, FP32, StochasticRounding())
 
 
-class MasterWeightAdamW(AdamW):
+class MasterWeightAdamW(SixteenBitAdamW):
     """Classic mixed precision: FP32 master θ₃₂ and FP32 moments; the weight is r(θ₃₂).
 
     Nothing is lost at the weight: the master keeps what FP16 cannot hold, and it is what the
     metrics and full-precision exports read (`held_value`).
     """
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(FP32, FP32, Master())
 
 
 VARIANTS = ("light", "plus")
 
 
-class CollageAdamW(AdamW):
+class CollageAdamW(SixteenBitAdamW):
     """Collage (Yu et al., ICML 2024, Alg. 2): BF16/FP16 states, MCF-compensated updates.
 
     Args:
@@ -166,12 +193,12 @@ class CollageAdamW(AdamW):
                 f"(compensated parameters) or 'plus' (also compensated second moment)"
             )
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         v = param_dtype_v(param)
         return Composition(Plain(), Pair(v) if group["variant"] == "plus" else v, Grow())
 
 
-class Collage8bitAdamW(AdamW):
+class Collage8bitAdamW(SixteenBitAdamW):
     """Collage-light weights (BF16 θ + δθ, `rules.Grow`) with blockwise 8-bit m and v.
 
     m and v are stored as `formats.Blockwise8bit` (dynamic-map codes, one absmax per 256
@@ -205,6 +232,6 @@ class Collage8bitAdamW(AdamW):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"Collage8bitAdamW: block_size must be a positive integer, got {size!r} (default 256)")
 
-    def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
+    def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         size = group["block_size"]
         return Composition(Blockwise8bit(True, size), Blockwise8bit(False, size), Grow())

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .casting import cast_model
+from .casting import cast_model, narrow_kept_parameters
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -114,7 +114,11 @@ class BF16Pure(PrecisionStrategy):
     )
 
     def convert_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return cast_model(model, torch.bfloat16)
+        """Cast to BF16 but the parameters transformers keeps in FP32, which the optimizer steps as FP32 AdamW."""
+        return cast_model(model, torch.bfloat16, keep_fp32_parameters=True)
+
+    def before_sharding(self, model: torch.nn.Module) -> None:
+        narrow_kept_parameters(model, self.param_dtype)
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         from ..optim import PlainAdamW

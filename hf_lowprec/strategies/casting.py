@@ -1,8 +1,9 @@
-"""A trained model cast to a strategy's 16-bit dtype (`cast_model`): its parameters take the dtype,
-and so do its buffers but those transformers keeps in FP32 when it loads a model in 16 bits, above
-all the rotary frequencies. `Module.to` would round them too: a frequency f rounded to BF16 moves
-position p's angle by up to p·f·2⁻⁸ (2⁻¹¹ in FP16), several radians at position 4,095 for the
-fast-rotating pairs, angles a pretrained checkpoint never saw (docs/numerics.md, "Rotary frequencies").
+"""A trained model cast to a strategy's 16-bit dtype (`cast_model`): its parameters take the dtype
+(on request but those transformers keeps in FP32), and so do its buffers but those transformers keeps
+in FP32 when it loads a model in 16 bits, above all the rotary frequencies. `Module.to` would round
+them too: a frequency f rounded to BF16 moves position p's angle by up to p·f·2⁻⁸ (2⁻¹¹ in FP16),
+several radians at position 4,095 for the fast-rotating pairs, angles a pretrained checkpoint never
+saw (docs/numerics.md, "Rotary frequencies").
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import re
 import torch
 import torch.nn.utils.parametrizations
 
-__all__ = ["cast_model", "fp32_module_patterns", "kept_buffers"]
+from ..memory import KEPT_FP32_ATTR, kept_in_fp32
+
+__all__ = ["cast_model", "fp32_module_patterns", "kept_buffers", "kept_parameters", "narrow_kept_parameters"]
 
 
 def fp32_module_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
@@ -51,18 +54,52 @@ def kept_buffers(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch
     return kept
 
 
-def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def kept_parameters(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """The floating parameters `from_pretrained(dtype=dtype)` keeps in FP32, each (tied) one once: those
+    `fp32_module_patterns` names (T5's `wo` in FP16, DeepSeek-V3's router `gate.weight`)."""
+    patterns = fp32_module_patterns(model, dtype)
+    if not patterns:
+        return []
+    named = model.named_parameters()
+    return [p for name, p in named if p.is_floating_point() and any(pattern in name for pattern in patterns)]
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype, *, keep_fp32_parameters: bool = False) -> torch.nn.Module:
     """`model.to(dtype)` but for `kept_buffers`, which keep their tensors (and dtype); in place,
-    as `Module.to` is (the parameters stay the same objects). A parameter beyond FP16's range is
+    as `Module.to` is (the parameters stay the same objects). `keep_fp32_parameters`: the
+    `kept_parameters` are made (or stay) FP32 instead, as transformers loads them, for a strategy
+    whose optimizer steps FP32 parameters as plain FP32 AdamW. A parameter beyond FP16's range is
     refused before anything is cast to FP16: it would become inf, and every step be skipped."""
+    wide = kept_parameters(model, dtype) if keep_fp32_parameters else []
     if dtype == torch.float16:
-        _refuse_fp16_overflow(model)
+        _refuse_fp16_overflow(model, {id(p) for p in wide})
     _warn_orthogonal(model, dtype)
     kept = [(module, name, module._buffers[name]) for module, name in kept_buffers(model, dtype)]
+    values = [p.detach().float() for p in wide]  # an FP32 parameter's own storage: no copy
     model = model.to(dtype)
     for module, name, buffer in kept:
         module._buffers[name] = buffer
+    for param, value in zip(wide, values):
+        param.data = value
+        setattr(param, KEPT_FP32_ATTR, True)
     return model
+
+
+def narrow_kept_parameters(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Cast the parameters `cast_model` kept FP32 to `dtype` (in place, the same objects) and return their
+    names: before FSDP2's `fully_shard`, whose blocks all-gather parameters of one dtype."""
+    kept = [(name, p) for name, p in model.named_parameters() if kept_in_fp32(p)]
+    for _, param in kept:
+        param.data = param.data.to(dtype)
+    names = [name for name, _ in kept]
+    if names:
+        logger.warning(
+            "FSDP2 shards a block's parameters in one dtype: %s, kept FP32 as transformers loads them, "
+            "now train in %s (under DDP they stay FP32)",
+            ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
+            str(dtype).removeprefix("torch."),
+        )
+    return names
 
 
 def _warn_orthogonal(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -83,9 +120,13 @@ def _warn_orthogonal(model: torch.nn.Module, dtype: torch.dtype) -> None:
         )
 
 
-def _refuse_fp16_overflow(model: torch.nn.Module) -> None:
+def _refuse_fp16_overflow(model: torch.nn.Module, kept: set[int]) -> None:
     wide = (torch.float64, torch.float32, torch.bfloat16)
-    named = [(n, p) for n, p in model.named_parameters() if p.dtype in wide and p.numel() and not p.is_meta]
+    named = [
+        (n, p)
+        for n, p in model.named_parameters()
+        if p.dtype in wide and p.numel() and not p.is_meta and id(p) not in kept
+    ]
     if not named:
         return
     # Once, when the model is prepared: an amax per parameter, read together (one read per device).

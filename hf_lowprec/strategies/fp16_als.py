@@ -17,7 +17,7 @@ from ..distributed import written_version
 from ..memory import unwrap_optimizer
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
-from .casting import cast_model
+from .casting import cast_model, narrow_kept_parameters
 from .fp16_base import LossScaledStrategy
 from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
@@ -163,7 +163,7 @@ class FP16ALS(LossScaledStrategy):
                 if param.requires_grad and param.is_floating_point() and param.dtype != self.param_dtype:
                     # An FP32 parameter's own storage (`Module.to` gives the parameter a new one): no copy.
                     wide[id(param)] = (param, param.detach().float())
-        model = cast_model(model, torch.float16)
+        model = cast_model(model, torch.float16, keep_fp32_parameters=True)  # stepped as FP32 AdamW
         # `Module.to` converts parameters in place (same objects), so the keys still hold.
         kept = {key: (p, v, written_version(p)) for key, (p, v) in wide.items() if p.dtype == self.param_dtype}
         self._residuals.update(kept)
@@ -171,6 +171,9 @@ class FP16ALS(LossScaledStrategy):
         if self.accumulator is not None:
             self.accumulator.attach(model)
         return model
+
+    def before_sharding(self, model: torch.nn.Module) -> None:
+        narrow_kept_parameters(model, self.param_dtype)
 
     def after_sharding(self, model: torch.nn.Module) -> None:
         # FSDP2 hands each shard one reduce-scattered gradient per backward: the running mean's

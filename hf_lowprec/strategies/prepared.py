@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..memory import kept_in_fp32
 from .adopt import adopt_loaded_dtypes
 
 __all__ = [
@@ -136,7 +137,8 @@ def _take_over(strategy: Any, earlier: Any, model: torch.nn.Module) -> None:
 
 
 def _not_cast(strategy: Any, param: torch.Tensor) -> bool:
-    return param.requires_grad and param.is_floating_point() and param.dtype != strategy.param_dtype
+    cast = param.dtype == strategy.param_dtype or kept_in_fp32(param)
+    return param.requires_grad and param.is_floating_point() and not cast
 
 
 def convert_added(strategy: Any, model: torch.nn.Module) -> torch.nn.Module:

@@ -199,10 +199,11 @@ def test_plain_bf16_loses_tiny_updates_fp32_does_not() -> None:
 
 
 @pytest.mark.parametrize("cls", [KahanAdamW, StochasticRoundingAdamW, FP32StatesAdamW])
-def test_low_precision_baselines_reject_fp32_parameters(cls: type) -> None:
-    message = f"{cls.__name__} needs torch.bfloat16 or torch.float16.*got torch.float32"
+def test_low_precision_baselines_reject_fp64_parameters(cls: type) -> None:
+    """FP32 parameters (those a model keeps in FP32) step as plain AdamW: tests/optim/test_kept_fp32.py."""
+    message = f"{cls.__name__} needs torch.bfloat16 or torch.float16 or torch.float32.*got torch.float64"
     with pytest.raises(ValueError, match=message):
-        cls([torch.zeros(3, requires_grad=True)])
+        cls([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
 
 
 @pytest.mark.parametrize("cls", [PlainAdamW, KahanAdamW, StochasticRoundingAdamW, FP32StatesAdamW])

@@ -257,9 +257,9 @@ def test_bad_hyperparameters_raise(kwargs: dict, message: str) -> None:
 
 
 def test_bad_parameters_raise() -> None:
-    message = r"bfloat16 or torch.float16 parameters, got torch.float32.*model.to"
+    message = r"bfloat16 or torch.float16 or torch.float32 parameters, got torch.float64.*model.to"
     with pytest.raises(ValueError, match=message):
-        CollageAdamW([torch.zeros(3, requires_grad=True)])
+        CollageAdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
     optimizer = CollageAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
     with pytest.raises(ValueError, match="lr=-1"):
         optimizer.add_param_group({"params": [torch.zeros(2, dtype=torch.bfloat16)], "lr": -1.0})
