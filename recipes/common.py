@@ -28,6 +28,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from hf_lowprec.data import build_tokenizer, embedded_corpus, tiny_bert_config, tiny_gpt2_config
+from hf_lowprec.integrations.launch_env import InheritedOptions, json_object
 
 # The result line and files every recipe writes (`hf-lowprec compare` reads them) are the package's.
 from hf_lowprec.runner import RESULT_MARKER
@@ -120,6 +121,9 @@ def parse_args(
         base["precision_strategy"] = os.environ[ENV_STRATEGY]
     if os.environ.get(ENV_OPTIONS):
         base["precision_options"] = os.environ[ENV_OPTIONS]
+        if os.environ.get(ENV_STRATEGY):  # the variable's options: dropped, with a warning, under another strategy
+            options = json_object(os.environ[ENV_OPTIONS], f"${ENV_OPTIONS}")
+            base["precision_options"] = InheritedOptions(options, os.environ[ENV_STRATEGY], f"${ENV_OPTIONS}")
     base.update(defaults)
     known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
     unknown = sorted(set(base) - known)

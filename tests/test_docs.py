@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +289,67 @@ def test_the_ledger_tables_name_the_widths_as_bench_ledger_prints_them(monkeypat
         for entry in cell.split(", "):
             value, name = entry.split(" ")
             assert float(value) >= 0 and name in names, cell
+
+
+_CONFIGS = ROOT / "recipes" / "configs"
+
+
+def _launch_examples() -> list[tuple[str, list[str]]]:
+    """Every `hf-lowprec launch` command in the code blocks of README.md and docs/, split as a shell
+    splits it (backslash-continued lines joined); with the page it is on."""
+    found = []
+    for page in _pages():
+        text = re.sub(r"\\\n\s*", " ", _text(page))
+        for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S):
+            for line in block.splitlines():
+                if line.strip().startswith("hf-lowprec launch "):
+                    command = shlex.split(line.split("  #")[0])
+                    found.append((f"{page.relative_to(ROOT)}: {line.strip()}", command))
+    return found
+
+
+def _launched_engine(command: list[str]) -> tuple[str, int | None]:
+    """The engine a launched command trains under: ("zero", stage), ("fsdp2", None), ("ddp", None), or
+    ("single", None); an Accelerate config file is read from recipes/configs/ by its name."""
+    import yaml
+
+    if "--config_file" in command:
+        config = yaml.safe_load((_CONFIGS / Path(command[command.index("--config_file") + 1]).name).read_text())
+        kind = config["distributed_type"]
+        if kind == "DEEPSPEED":
+            deepspeed = config["deepspeed_config"]
+            if "zero_stage" in deepspeed:
+                return "zero", int(deepspeed["zero_stage"])
+            return "zero", int(
+                json.loads((ROOT / deepspeed["deepspeed_config_file"]).read_text())["zero_optimization"]["stage"]
+            )
+        return {"FSDP": ("fsdp2", None), "NO": ("single", None)}.get(kind, ("ddp", None))
+    return ("ddp", None) if {"torchrun", "deepspeed"} & set(command) else ("single", None)
+
+
+def test_every_launch_example_names_a_strategy_its_engine_and_options_allow():
+    """An `hf-lowprec launch` line of the docs must be a command the launcher and the engines run: the
+    strategy and options build, and the strategy's EngineSupport allows the engine the command names."""
+    from hf_lowprec import get_strategy
+
+    examples = _launch_examples()
+    assert len(examples) >= 5  # the parse found the pages' examples
+    wrong = []
+    for where, command in examples:
+        launcher = command[: command.index("--")] if "--" in command else command
+        if "--precision_strategy" not in launcher or launcher[launcher.index("--precision_strategy") + 1] == "NAME":
+            continue
+        name = launcher[launcher.index("--precision_strategy") + 1]
+        options = launcher[launcher.index("--precision_options") + 1] if "--precision_options" in launcher else "{}"
+        strategy = get_strategy(name, **json.loads(options))
+        support = strategy.engine_support()
+        engine, stage = _launched_engine(command[len(launcher) :])
+        allowed = {
+            "zero": stage in support.zero_stages,
+            "fsdp2": support.fsdp2,
+            "ddp": support.ddp,
+            "single": True,
+        }[engine]
+        if not allowed:
+            wrong.append(f"{where}: {name} under {engine}{'' if stage is None else f' stage {stage}'}")
+    assert not wrong, wrong

@@ -31,6 +31,7 @@ from .launch_env import (
     ENV_LAUNCH,
     ENV_OPTIONS,
     ENV_STRATEGY,
+    is_launch_hook_dir,
     json_object,
     launched_precision,
     note_hooked,
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 NO_HOOK_EXIT = 3  # the launcher's exit code when the command succeeded but no process was hooked
 # ... and when it succeeded, hooked, but no process prepared a model under the launcher's strategy.
 UNUSED_STRATEGY_EXIT = 4
+_NOT_TRAINING = {"-h", "--help", "-V", "--version"}  # a command with one of these asks for its help or version
 # Signals the launcher passes on to the command (Ctrl-C reaches it directly: same process group).
 _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
@@ -81,12 +83,6 @@ class LaunchPatchError(RuntimeError):
 # --- the launcher's side ---------------------------------------------------------------------
 
 
-def _parse_options(options: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    if isinstance(options, Mapping) or not options:
-        return dict(options or {})
-    return json_object(options, f"--precision_options (or ${ENV_OPTIONS})")
-
-
 def launch_environment(
     strategy: str | None, options: str | Mapping[str, Any] | None, environ: Mapping[str, str]
 ) -> dict[str, str]:
@@ -95,7 +91,9 @@ def launch_environment(
     The strategy is built once here, so a misspelt name or a bad option stops before the
     command starts (the registry's error lists the valid names).
     """
-    opts = _parse_options(options)
+    if isinstance(options, str) and options:
+        options = json_object(options, f"--precision_options (or ${ENV_OPTIONS})")
+    opts = dict(options or {})
     env = dict(environ)
     if strategy:
         from ..strategies.registry import get_strategy
@@ -111,7 +109,8 @@ def launch_environment(
     else:
         env.pop(ENV_STRATEGY, None)
         env.pop(ENV_OPTIONS, None)
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != HOOK_DIR]
+    # Another install's hook directory too (a PYTHONPATH copied from a launched job, a nested launch).
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not is_launch_hook_dir(p)]
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR), *path])
     env[ENV_LAUNCH] = "1"
     return env
@@ -140,7 +139,7 @@ def run(command: Sequence[str], strategy: str | None, options: str | None) -> No
         files = os.listdir(hooks)
     applied = sum(name.startswith(APPLIED_PREFIX) for name in files)
     hooked = len(files) - applied
-    if hooked and strategy and not applied and code == 0 and not {"-h", "--help"} & set(command[1:]):
+    if hooked and strategy and not applied and code == 0 and not _NOT_TRAINING & set(command[1:]):
         print(
             f"hf-lowprec launch: `{' '.join(command)}` ran to its end, but none of its processes prepared a model "
             f"with a precision strategy, so nothing trained with precision_strategy={strategy!r}. The Trainer and "

@@ -22,6 +22,9 @@ __all__ = [
     "ENV_LAUNCH",
     "ENV_OPTIONS",
     "ENV_STRATEGY",
+    "HOOK_MARKER",
+    "InheritedOptions",
+    "is_launch_hook_dir",
     "json_object",
     "launched_default",
     "launched_precision",
@@ -36,6 +39,17 @@ ENV_STRATEGY = "HF_LOWPREC_PRECISION_STRATEGY"
 ENV_OPTIONS = "HF_LOWPREC_PRECISION_OPTIONS"
 ENV_HOOKS = "HF_LOWPREC_LAUNCH_HOOKS"  # a directory where each hooked process leaves a file
 APPLIED_PREFIX = "applied-"  # ... and each that prepared a model under a strategy, one more so named
+# Written in launch_hook/sitecustomize.py, of this install and of any other (it cannot import this module).
+HOOK_MARKER = b"hf_lowprec-launch-startup-hook"
+
+
+def is_launch_hook_dir(entry: str) -> bool:
+    """Whether the PYTHONPATH entry `entry` is the startup hook's directory of any hf_lowprec install."""
+    try:
+        with open(os.path.join(entry, "sitecustomize.py"), "rb") as f:
+            return HOOK_MARKER in f.read()
+    except OSError:
+        return False
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -62,11 +76,23 @@ def launched_precision(environ: Mapping[str, str] | None = None) -> tuple[str | 
     return strategy, options
 
 
+class InheritedOptions(dict):
+    """Options a run inherited rather than was given (from `origin`): they belong to `strategy`, and
+    `precision_arguments.check_precision_arguments` drops them, with a warning, under another."""
+
+    def __init__(self, options: Mapping[str, Any], strategy: str | None, origin: str) -> None:
+        super().__init__(options)
+        self.strategy = strategy
+        self.origin = origin
+
+
 def launched_default(name: str) -> Any:
     """The default of a `precision_strategy` / `precision_options` argument left unset: what
     `hf-lowprec launch` gave this process, None elsewhere."""
     strategy, options = launched_precision()
-    return strategy if name == "precision_strategy" else options
+    if name == "precision_strategy" or options is None:
+        return strategy if name == "precision_strategy" else None
+    return InheritedOptions(options, strategy, "hf-lowprec launch --precision_options")
 
 
 def _leave_note(name: str, environ: Mapping[str, str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from typing import Any
 
 import torch
@@ -16,11 +17,21 @@ from transformers.trainer_utils import HPSearchBackend
 
 from ..checkpoints.resume import parse_resume_reset
 from ..strategies.interface import PrecisionStrategy
+from .launch_env import InheritedOptions
 from .optimizer_arguments import check_engine_arguments, reconcile_mixed_precision_flags
 
-__all__ = ["PRECISION_FIELDS", "check_precision_arguments", "setup_trial", "trial_params", "trial_precision"]
+__all__ = [
+    "PRECISION_FIELDS",
+    "check_precision_arguments",
+    "drop_options_of_another_strategy",
+    "setup_trial",
+    "trial_params",
+    "trial_precision",
+]
 
 PRECISION_FIELDS = ("precision_strategy", "precision_options")
+
+logger = logging.getLogger(__name__)
 
 
 def check_precision_arguments(args: Any) -> PrecisionStrategy | None:
@@ -28,6 +39,7 @@ def check_precision_arguments(args: Any) -> PrecisionStrategy | None:
     parsed from JSON; `bf16`/`fp16`, the full-eval flags, `optim` and the engine arguments reconciled
     with it or refused (`reconcile_mixed_precision_flags`, `check_engine_arguments`)."""
     parse_resume_reset(args.resume_reset)  # a bad part name fails before any work
+    drop_options_of_another_strategy(args)
     if isinstance(args.precision_options, str):
         try:
             args.precision_options = json.loads(args.precision_options) if args.precision_options else {}
@@ -47,6 +59,26 @@ def check_precision_arguments(args: Any) -> PrecisionStrategy | None:
     else:
         parse_resume_reset(args.resume_reset, with_strategy=False)  # without a strategy: nothing to reset
     return strategy
+
+
+def drop_options_of_another_strategy(args: Any) -> None:
+    """Inherited options (`launch_env.InheritedOptions`: the launcher's, a recipe's environment) apply to
+    the strategy they came with; a run whose strategy is another (its own command line's) drops them, as
+    `hf-lowprec launch` drops $HF_LOWPREC_PRECISION_OPTIONS when a --precision_strategy is typed."""
+    options = args.precision_options
+    if not isinstance(options, InheritedOptions):
+        return
+    args.precision_options = dict(options)  # a plain dict from here on: pickled, copied, compared
+    if args.precision_strategy != options.strategy:
+        logger.warning(
+            "precision_options %s from %s ignored: they were given for precision_strategy=%r, and this run's "
+            "precision_strategy is %r (set its own --precision_options)",
+            json.dumps(args.precision_options),
+            options.origin,
+            options.strategy,
+            args.precision_strategy,
+        )
+        args.precision_options = None
 
 
 def _exports_optimizer_state(strategy: PrecisionStrategy) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import logging
 import math
 import os
 import runpy
@@ -300,6 +301,48 @@ def test_a_malformed_options_variable_stops_the_launched_process(tmp_path):
         )
         assert "This process stops here: it would train without the precision strategy" in proc.stderr
     assert not marker.exists(), "the script ran without its strategy"
+
+
+def test_a_failure_while_the_hook_imports_hf_lowprec_stops_the_process(tmp_path):
+    """`import hf_lowprec` checks $HF_LOWPREC_CPU_GEMM and raises ValueError: that became "Error in
+    sitecustomize" and a whole run without the strategy; it must stop the process like a failing install."""
+    marker = tmp_path / "trained"
+    env = launch.launch_environment(STRATEGY, None, subprocess_env(HF_LOWPREC_CPU_GEMM="bogus"))
+    script = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Error in sitecustomize" not in proc.stderr
+    assert "the startup hook failed in" in proc.stderr and "ValueError: HF_LOWPREC_CPU_GEMM='bogus'" in proc.stderr
+    assert "This process stops here: it would train without the precision strategy" in proc.stderr
+    assert not marker.exists(), "the script ran without its strategy"
+
+
+def test_a_second_hook_directory_on_the_path_neither_recurses_nor_hides_the_real_sitecustomize(tmp_path):
+    """Another install's hook directory (here a copy of this one, and a symlink to it) later on the path:
+    the hook chained to it, it chained back, until RecursionError; the real sitecustomize never ran."""
+    other, linked, real = tmp_path / "other_hook", tmp_path / "linked_hook", tmp_path / "real"
+    shutil.copytree(launch.HOOK_DIR, other)
+    linked.symlink_to(launch.HOOK_DIR, target_is_directory=True)
+    real.mkdir()
+    ran = tmp_path / "ran"
+    (real / "sitecustomize.py").write_text(f"open({str(ran)!r}, 'a').write('real\\n')\n")
+    inherited = os.pathsep.join([str(ROOT), str(other), str(linked), str(real)])
+    env = launch.launch_environment(STRATEGY, None, subprocess_env(PYTHONPATH=inherited))
+    # A process whose path still holds them (a PYTHONPATH set by the command itself) ...
+    probe = "import sys; print(sum(type(f).__name__ == '_Watcher' for f in sys.meta_path))"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": os.pathsep.join([str(launch.HOOK_DIR), inherited])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "Error in sitecustomize" not in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["1"]  # the watcher installed, once
+    assert ran.read_text() == "real\n"  # the shadowed sitecustomize ran, once
+    # ... and the launcher drops them from the path it inherits.
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(launch.HOOK_DIR), str(ROOT), str(real)]
 
 
 @pytest.mark.parametrize(
@@ -660,3 +703,41 @@ def test_a_launched_scripts_help_is_not_a_run_that_trained_nothing(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "--precision_strategy" in proc.stdout and "nothing trained" not in proc.stderr
+
+
+def test_the_launchers_options_stay_with_the_launchers_strategy(monkeypatch, caplog):
+    """`--precision_options` typed for the launcher's bf16-sr were handed to the fp32 the script's command
+    line chose (ValueError: fp32 has no option 'seed', naming neither the launcher nor bf16-sr); they are
+    the launcher's strategy's, dropped with a warning naming both under another, kept under the same."""
+    from transformers import HfArgumentParser
+
+    from hf_lowprec import TrainingArguments
+
+    env = launch.launch_environment("bf16-sr", '{"fused": "reference", "seed": 3}', {})
+    for name in (launch.ENV_LAUNCH, launch.ENV_STRATEGY, launch.ENV_OPTIONS):
+        monkeypatch.setenv(name, env[name])
+    base = ["--output_dir", "o", "--use_cpu", "true", "--report_to", "none"]
+    parser = HfArgumentParser(TrainingArguments)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        (args,) = parser.parse_args_into_dataclasses([*base, "--precision_strategy", "fp32"])
+    assert args.precision_strategy == "fp32" and args.precision_options is None
+    assert (
+        """precision_options {"fused": "reference", "seed": 3} from hf-lowprec launch --precision_options ignored: """
+        "they were given for precision_strategy='bf16-sr', and this run's precision_strategy is 'fp32'"
+    ) in caplog.text
+    caplog.clear()
+    for argv in (base, [*base, "--precision_strategy", "bf16-sr"]):
+        (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
+        assert args.precision_strategy == "bf16-sr" and type(args.precision_options) is dict
+        assert args.precision_options == {"fused": "reference", "seed": 3}
+    given = TrainingArguments(output_dir="o", use_cpu=True, precision_strategy="fp32", precision_options={})
+    assert given.precision_options == {}  # the script's own options are its own
+    assert "ignored" not in caplog.text
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_a_command_asking_for_its_version_is_not_a_run_that_trained_nothing(tmp_path, flag):
+    cmd = launch_command("--precision_strategy", STRATEGY, "--", sys.executable, "-c", "print('1.0')", flag)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1.0" and "nothing trained" not in proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import subprocess
@@ -357,3 +358,23 @@ def test_strategy_from_environment_and_command_line_precedence(monkeypatch, tmp_
     monkeypatch.setenv(common.ENV_STRATEGY, "collage-pls")
     with pytest.raises(ValueError, match="unknown precision strategy 'collage-pls'"):
         common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path)])
+
+
+def test_the_environments_options_stay_with_the_environments_strategy(monkeypatch, tmp_path, caplog):
+    """$HF_LOWPREC_PRECISION_OPTIONS written for $HF_LOWPREC_PRECISION_STRATEGY=bf16-sr were given to the
+    fp32 of the command line (ValueError: fp32 has no option 'seed'); under another strategy they are
+    dropped with a warning naming both, under the variable's own they apply."""
+    common = import_recipe("common")
+    from hf_lowprec import TrainingArguments
+
+    monkeypatch.setenv(common.ENV_STRATEGY, "bf16-sr")
+    monkeypatch.setenv(common.ENV_OPTIONS, json.dumps({"fused": "reference", "seed": 3}))
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        (args,) = common.parse_args(
+            (TrainingArguments,), "t", ["--output_dir", str(tmp_path), "--precision_strategy", "fp32"]
+        )
+    assert args.precision_strategy == "fp32" and args.precision_options is None
+    assert "from $HF_LOWPREC_PRECISION_OPTIONS ignored: they were given for precision_strategy='bf16-sr'" in caplog.text
+    assert "this run's precision_strategy is 'fp32'" in caplog.text
+    (args,) = common.parse_args((TrainingArguments,), "t", ["--output_dir", str(tmp_path)])
+    assert args.precision_strategy == "bf16-sr" and args.precision_options == {"fused": "reference", "seed": 3}
