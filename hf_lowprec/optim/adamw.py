@@ -308,7 +308,8 @@ class AdamW(LowPrecisionOptimizer):
     def seed_compensation(self, param: torch.Tensor, residual: torch.Tensor) -> None:
         """Start the compensation of `param` at `residual`, so θ + δθ is a wider value (a master rule:
         the master at θ + residual). From FP32: residual = r(θ₃₂ − r(θ₃₂)), and θ + δθ reproduces the
-        FP32 weights to about 2p bits (16 for BF16) instead of p. Call before the first step.
+        FP32 weights to about 2p bits (16 for BF16) instead of p, and θ stays the nearest value of it
+        (`rules.Rule.seed_`: a zero update leaves both). Call before the first step.
         """
         group = self.group_of(param)
         rule = self.composition(param, group).rule
@@ -319,8 +320,7 @@ class AdamW(LowPrecisionOptimizer):
             raise ValueError(f"residual shape {tuple(residual.shape)} != parameter shape {tuple(param.shape)}")
         if not self.state[param]:
             self.state[param] = self.plan_state(param, group)
-        stored = _local(self.state[param][key])
-        stored.copy_(_local(residual)) if key == rule.compensation_key else stored.add_(_local(residual))
+        rule.seed_(_local(self.state[param][key]), _local(param.detach()), _local(residual))
         self._mark_written([param], rule)
 
     # --- the step --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ __all__ = [
     "ScaledMaster",
     "ScaledMasterFP8",
     "StochasticRounding",
+    "normalized_residual",
     "uniform_bits",
 ]
 
@@ -43,6 +44,21 @@ def fast_two_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[
     """Fast2Sum in `dtype` arithmetic; needs |a| ≥ |b| or a = 0: s = fl(a + b), e = b + (a − s)."""
     s = round_to(a + b, dtype)
     return s, b + (a - s)
+
+
+def normalized_residual(theta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """δθ = `residual` in θ's dtype, such that θ is the nearest value of θ + δθ.
+
+    r(w − r(w)) rounds up to exactly ulp(θ)/2 where w − θ lies just below it: where θ's last bit
+    is odd, θ + δθ is then a tie that rounds to the even neighbour, so TwoSum and Fast2Sum moved
+    θ one ulp on the first step, a zero update (lr = 0) included. There δθ moves one ulp of its
+    own towards zero (an error ≤ 2^-p·|δθ|, as large as its rounding's), so that every zero update
+    leaves the pair (θ, δθ) as it is; any other δθ is kept.
+    """
+    residual = residual.to(theta.dtype)
+    inward = torch.nextafter(residual, torch.zeros_like(residual))
+    keeps = [round_to(theta.float() + r.float(), theta.dtype) == theta.float() for r in (residual, inward)]
+    return torch.where(keeps[0] | ~keeps[1], residual, inward)
 
 
 def uniform_bits(shape: torch.Size, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -93,6 +109,7 @@ class Rule:
         apply_(delta, theta, param, *stored, chosen=...)   write θ + Δθ back, rounding as the rule says
         held_value(param, state)                the value the optimizer really holds, FP64
         restart_(param, state)                  continue from a parameter written outside the step
+        seed_(stored, param, residual)          start the compensation (the master) at a residual
         zeros(param)                            its state for a fresh parameter
 
     Each operation that can round is rounded by `round_to`. The rules, their state, and how
@@ -151,6 +168,10 @@ class Rule:
         key = self.compensation_key
         if key is not None and key in state:
             state[key].zero_()
+
+    def seed_(self, stored: torch.Tensor, param: torch.Tensor, residual: torch.Tensor) -> None:
+        """Start the compensation `stored` at `residual`, θ the nearest value of θ + δθ (`normalized_residual`)."""
+        stored.copy_(normalized_residual(param, residual))
 
     def held_value(self, param: torch.Tensor, state: dict) -> torch.Tensor:
         value = param.detach().double()
@@ -279,6 +300,10 @@ class Master(Rule):
         new = theta + delta
         master.copy_(new)
         param.copy_(new)
+
+    def seed_(self, stored: torch.Tensor, param: torch.Tensor, residual: torch.Tensor) -> None:
+        """Start the master (the FP32 parameter) at θ + `residual`."""
+        stored.add_(residual)
 
     def restart_(self, param: torch.Tensor, state: dict) -> None:
         """The master restarts at the written parameter, as an FP32 weight would be the written one."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_lowprec.metrics import edq, imprecision_percentage
+from hf_lowprec.numerics import split
 from hf_lowprec.optim import (
     CollageAdamW,
     FP32StatesAdamW,
@@ -360,3 +361,54 @@ def test_groups_hyperparameters_and_missing_grads() -> None:
     assert bits_equal(b, torch.ones_like(b)) and bits_equal(c, torch.ones_like(c))
     assert "exp_avg_sq_error" in optimizer.state[a] and "exp_avg_sq_error" not in optimizer.state[b]
     assert c not in optimizer.state
+
+
+SEEDED = {
+    "kahan": lambda ps, **h: KahanAdamW(ps, **h),
+    "light": lambda ps, **h: CollageAdamW(ps, **h, variant="light"),
+    "plus": lambda ps, **h: CollageAdamW(ps, **h, variant="plus"),
+}
+
+
+@pytest.mark.parametrize("fused", ["native", "reference"])
+@pytest.mark.parametrize("name", sorted(SEEDED))
+def test_zero_updates_leave_a_seeded_pair_and_a_step_tracks_fp64(name: str, fused: str) -> None:
+    # The seed r(w − r(w)) rounds up to exactly ulp(θ)/2 where w − θ lies just below it. Where θ
+    # is odd, θ + δθ was then a tie: the first step renormalized the pair to the even neighbour,
+    # so lr = 0 (a warmup's first step) moved 1 in 1000 BF16 weights by one ulp (before the fix
+    # 5 of 4096 in a tiny model; here at least the 3 planted ones, which are such ties).
+    generator = torch.Generator().manual_seed(0)
+    w = 0.02 * torch.randn(4096, generator=generator)
+    odd = torch.tensor([1 + 2**-7, -0.054931640625, 2**-6 + 2**-13])  # BF16 values, last bit 1
+    w[:3] = odd + torch.tensor([2**-8 - 2**-20, 2**-13 - 2**-24, -(2**-14 - 2**-26)])  # just inside half an ulp
+    theta, residual = split(w, torch.bfloat16)
+    assert bool(((theta[:3].float() + residual[:3].float()).bfloat16() != theta[:3]).all())  # ties off odd θ
+    param = theta.clone().requires_grad_()
+    optimizer = SEEDED[name]([param], lr=0.0, weight_decay=0.01, fused=fused)
+    optimizer.seed_compensation(param, residual)
+    held = optimizer.held_value(param)
+    # The pair holds w to its second rounding, 2^-9·|w − θ| ≤ 2^-17·|w| (one more ulp of δθ
+    # at the ties: 2^-16·|w| in all).
+    assert bool(((held - w.double()).abs() <= 2.0**-16 * w.double().abs()).all())
+    grads = [torch.randn(4096, generator=generator).bfloat16() for _ in range(3)]
+    for g in grads[:2]:
+        param.grad = g.clone()
+        optimizer.step()
+        assert bits_equal(param.detach(), theta) and bits_equal(optimizer.held_value(param), held)
+
+    # A normal third step (lr 1e-3) against FP64 AdamW from w over the same gradients (m, v took
+    # the lr = 0 steps). Bound: the seed's 2^-16·|w|; r(Δθ) (Kahan: r(Δθ + k)), 2^-9·|Δθ| + 2^-17·|w|;
+    # Grow's r(δθ + e), 2^-17·|w|; m and v stored in BF16 each step: m's roundings add up to
+    # 2^-9·(1 + 0.9 + 0.81)·max|m| ≤ 2^-9·2.71·0.271·max|g|, over c1 = 0.271 and √v̂ ≥ max|g|/√3:
+    # 2^-9·4.7·lr ≤ 2^-6·lr, v's 3·2^-9 relative (half of it in √v̂) is within 2^-9·|Δθ|.
+    optimizer.param_groups[0]["lr"] = 1e-3
+    param.grad = grads[2].clone()
+    optimizer.step()
+    reference, m, v = w.double(), torch.zeros(4096, dtype=torch.float64), torch.zeros(4096, dtype=torch.float64)
+    for t, (g, lr) in enumerate(zip(grads, (0.0, 0.0, 1e-3)), start=1):
+        m, v = 0.9 * m + 0.1 * g.double(), 0.999 * v + 0.001 * g.double() ** 2
+        update = (m / (1 - 0.9**t)) / ((v / (1 - 0.999**t)).sqrt() + 1e-8) + 0.01 * reference
+        reference = reference - lr * update
+    moved = (reference - w.double()).abs()
+    error = (optimizer.held_value(param) - reference).abs()
+    assert bool((error <= 2.0**-8 * moved + 2.0**-6 * 1e-3 + 2.0**-15 * w.double().abs()).all())
