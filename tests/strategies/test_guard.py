@@ -30,7 +30,7 @@ from hf_lowprec.fp8.scaling_recipes import fp8_config
 from hf_lowprec.guard import GuardConfig
 from hf_lowprec.testing import DeviceTraffic
 from hf_lowprec.testing.counted_step import strategy_step
-from tests.helpers import assert_bits_equal, batches, gamma, tiny_gpt2, unit_roundoff
+from tests.helpers import assert_bits_equal, batches, bits_equal, gamma, tiny_gpt2, unit_roundoff
 
 E4M3 = torch.float8_e4m3fn
 SMALL = {"warmup": 5, "window": 16}
@@ -191,6 +191,41 @@ def test_an_outlier_step_is_skipped_and_leaves_every_state(name):
     if name == "fp8-lm-o2":
         got, expected = strategy.state_dict(), reference.state_dict()
         assert (got["grad_mu"], got["grad_clean_steps"]) == (expected["grad_mu"], expected["grad_clean_steps"])
+
+
+@pytest.mark.parametrize("name, options", [("bf16-sr", {}), ("fp16-als", {"weights": "sr"})])
+def test_a_skipped_step_under_stochastic_rounding_moves_the_rounding_stream_on(name, options):
+    """A skipped step (a NaN loss here; an outlier skips through the same flag) leaves θ and every
+    optimizer state as a run without that batch has them, bit for bit, but its draw of rounding
+    seeds stands, as a taken step's does (the generator lives on the host: holding it back would
+    need a sync). The run then rounds with the bits that run would have used one step later: it is
+    that run in distribution, not bit for bit (docs/guard.md, Skip). bf16-sr: with the stream put
+    where the skip left it, the run without the batch is the skipped run, bit for bit."""
+    data = batches(5)
+    runs = [setup(name, **options) for _ in range(3)]  # skipped, without the batch, batch taken
+    (strategy, model, optimizer), (clean, clean_model, clean_optimizer) = runs[:2]
+    for ids in data[:2]:
+        for s, m, o in runs:
+            s.train_step(m, ids, o)
+    strategy.train_step(model, data[4], optimizer, loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss * math.nan)
+    runs[2][0].train_step(runs[2][1], data[4], runs[2][2])
+    assert strategy.metrics()["precision/skipped_steps"] == 1.0
+    assert_same_state(copies(model, optimizer), copies(clean_model, clean_optimizer), f"{name}: skipped vs never seen")
+    stream = [o.optimizer.state_dict()["generator_states"]["cpu"] for _, _, o in runs]
+    assert torch.equal(stream[0], stream[2]) and not torch.equal(stream[0], stream[1])
+    if name != "bf16-sr":  # fp16-als: the skip also halved the loss scale (see Skip)
+        return
+    for ids in data[2:4]:
+        strategy.train_step(model, ids, optimizer)
+        clean.train_step(clean_model, ids, clean_optimizer)
+    later = copies(model, optimizer)
+    assert not all(bits_equal(a, b) for a, b in zip(model.parameters(), clean_model.parameters()))
+    replay, replay_model, replay_optimizer = setup(name, **options)
+    for i, ids in enumerate(data[:4]):
+        if i == 2:  # the stream where the skip left it
+            replay_optimizer.optimizer._generator(torch.device("cpu")).set_state(stream[0])
+        replay.train_step(replay_model, ids, replay_optimizer)
+    assert_same_state(copies(replay_model, replay_optimizer), later, f"{name}: skipped vs the stream moved on")
 
 
 def test_a_loss_level_shift_is_skipped_for_a_few_steps_then_becomes_the_window_s_and_a_spike_is_still_skipped():
