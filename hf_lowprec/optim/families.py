@@ -71,6 +71,16 @@ class SixteenBitAdamW(AdamW):
         "its rotary frequencies too)"
     )
 
+    def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        dtypes = {p.dtype for group in self.param_groups for p in group["params"]}
+        if dtypes == {torch.float32}:  # FP32 beside 16-bit parameters only: an FP32 model was not cast
+            raise ValueError(
+                f"{type(self).__name__} steps BF16 or FP16 parameters (an FP32 one only beside them, as a "
+                f"model keeps in FP32), but every parameter here is FP32; {self.dtype_advice}, or use "
+                f"PlainAdamW / torch.optim.AdamW for an FP32 model"
+            )
+
     def composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return FP32_ADAMW if param.dtype == torch.float32 else self.sixteen_bit_composition(param, group)
 

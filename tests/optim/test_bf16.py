@@ -13,6 +13,7 @@ from hf_lowprec.optim import (
     CollageAdamW,
     FP32StatesAdamW,
     KahanAdamW,
+    MasterWeightAdamW,
     PlainAdamW,
     StochasticRoundingAdamW,
 )
@@ -204,6 +205,18 @@ def test_low_precision_baselines_reject_fp64_parameters(cls: type) -> None:
     message = f"{cls.__name__} needs torch.bfloat16 or torch.float16 or torch.float32.*got torch.float64"
     with pytest.raises(ValueError, match=message):
         cls([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
+
+
+@pytest.mark.parametrize("cls", [KahanAdamW, StochasticRoundingAdamW, FP32StatesAdamW, MasterWeightAdamW, CollageAdamW])
+def test_a_16_bit_family_refuses_a_model_with_no_16_bit_parameter(cls: type) -> None:
+    """An FP32 parameter steps as plain AdamW beside 16-bit ones; an all-FP32 model is one not cast
+    (it would train as plain AdamW, the family's arithmetic never used): refused, naming the fix."""
+    fp32 = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    with pytest.raises(
+        ValueError, match=f"{cls.__name__} steps BF16 or FP16.*every parameter here is FP32.*cast_model"
+    ):
+        cls(fp32)
+    cls([*fp32, torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])  # beside a 16-bit one: taken
 
 
 @pytest.mark.parametrize("cls", [PlainAdamW, KahanAdamW, StochasticRoundingAdamW, FP32StatesAdamW])
