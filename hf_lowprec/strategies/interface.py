@@ -29,7 +29,7 @@ from .optimizer import StrategyOptimizer, as_param_groups
 from .options import StrategyOptions, build_options
 from .prepared import UNCONVERTED_OPTIONS, check_added_dtypes, convert_added, mark_prepared, prepared_already
 from .seen_norm import SeenNorm
-from .support import EngineSupport, check_sharded_parameters
+from .support import EngineSupport, check_sharded_parameters, refuse_dtensors_outside_fsdp2
 
 __all__ = ["EngineSupport", "PrecisionStrategy", "StrategyOptions", "StrategyOptimizer"]
 
@@ -126,7 +126,8 @@ class PrecisionStrategy:
         """The model to train: 16-bit parameters adopted where the strategy promises FP32 (`adopt`), then
         `convert_model`; high-precision experts take autocast's dtype (`install_grouped_experts`). Marked:
         prepared again under an equal strategy only what was added since is converted (`convert_added`),
-        under another refused (`prepared`)."""
+        under another refused (`prepared`); DTensor parameters outside FSDP2 are refused first."""
+        refuse_dtensors_outside_fsdp2(model)
         if prepared_already(self, model):
             return convert_added(self, model)
         adopt_loaded_dtypes(self, model)
@@ -185,8 +186,7 @@ class PrecisionStrategy:
         """Build this strategy's optimizer from parameters or parameter groups.
 
         Group-level keys (e.g. a no-decay group's `weight_decay=0.0`) win over the arguments,
-        as in torch.optim. The result is a `torch.optim.Optimizer`, so LR schedulers work.
-        """
+        as in torch.optim. The result is a `torch.optim.Optimizer`, so LR schedulers work."""
         groups = as_param_groups(params_or_groups)
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")

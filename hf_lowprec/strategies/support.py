@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["EngineSupport", "check_sharded_parameters"]
+__all__ = ["EngineSupport", "check_sharded_parameters", "refuse_dtensors_outside_fsdp2"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -109,4 +109,27 @@ def check_sharded_parameters(strategy: _Declaring, params: list[torch.Tensor]) -
             f"precision strategy {strategy.name!r} (fully_shard called by hand, or for another strategy). "
             "Shard with hf_lowprec.engines.fsdp2.shard_model(strategy, model), which converts the model, applies the "
             "strategy's MixedPrecisionPolicy and moves its seeded state onto the shards; pass the unsharded model"
+        )
+
+
+def refuse_dtensors_outside_fsdp2(model: torch.nn.Module) -> None:
+    """Refuse DTensor parameters that no FSDP2 module holds (tensor parallelism, `distribute_tensor`
+    by hand), before `prepare_model` changes anything: no strategy's numerics are verified on them."""
+    from ..distributed import DTensor
+
+    sharded = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if not sharded:  # the common case; no FSDP import
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    held = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    outside = [n for n, p in sharded if id(p) not in held]
+    if outside:
+        more = f" and {len(outside) - 1} more" if len(outside) > 1 else ""
+        raise ValueError(
+            f"prepare_model got DTensor parameter {outside[0]!r}{more} outside FSDP2: DTensor parameters "
+            "(tensor parallelism, distribute_tensor) outside FSDP2 are not supported. Supported: plain tensor "
+            "parameters, trained in one process, under DDP or DeepSpeed ZeRO, or sharded by FSDP2 with "
+            "hf_lowprec.engines.fsdp2.shard_model(strategy, model) (or Accelerate's or the Trainer's FSDP2); "
+            "pass the model with plain tensor parameters"
         )

@@ -83,6 +83,32 @@ def test_sharding_by_hand_is_refused_at_create_optimizer_naming_shard_model(name
     assert ("not supported under FSDP2" in str(err.value)) == (name in REFUSED), str(err.value)
 
 
+@pytest.mark.parametrize("name", ["bf16-pure", "fp8-lm-o2"])
+def test_dtensor_parameters_outside_fsdp2_are_refused_at_prepare_model_before_any_change(name, one_rank_group):
+    # Before: prepare_model cast the DTensor weights to BF16 (bf16-pure) or swapped their layers for
+    # FP8Linear (fp8-lm-o2), and create_optimizer refused them later, advising shard_model.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = tiny_gpt2()
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.transformer.h:  # tensor parallelism by hand: the q/k/v projection sharded
+        block.attn.c_attn.weight = torch.nn.Parameter(distribute_tensor(block.attn.c_attn.weight.data, mesh, [Shard(0)]))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    modules = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError) as err:
+        get_strategy(name).prepare_model(model)
+    message = str(err.value)
+    assert "'transformer.h.0.attn.c_attn.weight' and 1 more outside FSDP2" in message, message
+    assert "tensor parallelism" in message and "not supported" in message and "shard_model" in message
+    assert "fully_shard called by hand" not in message
+    assert [type(m) for m in model.modules()] == modules
+    for n, p in model.named_parameters():  # same types, dtypes and bits
+        assert type(p.data) is type(before[n]) and p.dtype == before[n].dtype == torch.float32, n
+        bits, kept = (getattr(t, "to_local", lambda t=t: t)().view(torch.int32) for t in (p.detach(), before[n]))
+        assert torch.equal(bits, kept), n
+
+
 def test_shard_model_parameters_build_the_optimizer_of_that_strategy_only(one_rank_group):
     strategy = get_strategy("collage-plus")
     model = shard_model(strategy, tiny_gpt2())
