@@ -155,6 +155,7 @@ def describe(
     params = trainable_parameters(model)
     module_rows = report_rows.module_rows(strategy, model)
 
+    from .fp8.convert import fp8_layer_configs
     from .fp8.experts import FP8Experts, weight_gemm_share
 
     fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
@@ -174,6 +175,8 @@ def describe(
         "fp8": {
             "converted": len(fp8_layers),
             "converted_layers": fp8_layers,
+            # What the layers hold, not the options: layers converted before the strategy keep their own.
+            "configs": fp8_layer_configs(model),
             "experts": fp8_experts,
             "skipped": skipped,
             "rule": model.__dict__.get(
@@ -394,7 +397,9 @@ def format_report(report: dict[str, Any]) -> str:
         )
     fp8 = report["fp8"]
     if fp8["converted"] or fp8["skipped"]:
-        lines.append(f"  FP8 layers: {fp8['converted']} converted, {len(fp8['skipped'])} kept high precision")
+        configs = "; ".join(f"{n} with {c}" for c, n in fp8.get("configs", {}).items())
+        held = f" ({configs})" if configs else ""
+        lines.append(f"  FP8 layers: {fp8['converted']} converted{held}, {len(fp8['skipped'])} kept high precision")
         if fp8.get("rule"):
             lines.append(f"    rule: {fp8['rule']}")
         for name, reason in fp8["skipped"].items():

@@ -8,6 +8,7 @@ for the startup report (`model.fp8_skipped_layers`).
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .experts import convert_experts
+from .experts import FP8Experts, convert_experts
 from .gemm import GEMM_MULTIPLE
 from .linear import FP8Linear
 from .payoff import PayoffReason, PayoffRule
@@ -28,6 +29,7 @@ __all__ = [
     "conv1d_class",
     "convert_to_fp8",
     "default_skips",
+    "fp8_layer_configs",
     "is_gemm_layer",
     "output_heads",
     "peft_adapter_layers",
@@ -155,6 +157,15 @@ def peft_adapter_layers(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def fp8_layer_configs(model: nn.Module) -> dict[str, int]:
+    """ "recipe R, margin M" → how many FP8 layers of `model` (`FP8Linear`, FP8 experts modules) hold
+    that scaling recipe and margin, the most held first (the guard's raising to BF16 left out)."""
+    configs = [m.config for m in model.modules() if isinstance(m, FP8Linear)]
+    configs += [m.fp8_layer_config for m in model.modules() if isinstance(m, FP8Experts)]
+    counts = collections.Counter(f"recipe {c.recipe.name}, margin {c.margin}" for c in configs)
+    return dict(counts.most_common())
+
+
 def convert_to_fp8(
     model: nn.Module,
     *,
@@ -188,8 +199,23 @@ def convert_to_fp8(
     swap would drop) and the GEMMs of `nn.MultiheadAttention` (`attention_gemms`) are always
     skipped. Each skip is logged as a warning naming the layer and the reason, and listed in the
     startup report (`model.fp8_skipped_layers`).
+
+    FP8 layers already in the model (a conversion made before a strategy's) keep their own
+    recipe and margin; where they differ from `config`'s, one warning says so and how to agree.
     """
     config = config or fp8_config(recipe, margin)
+    ours = f"recipe {config.recipe.name}, margin {config.margin}"
+    theirs = {c: n for c, n in fp8_layer_configs(model).items() if c != ours}
+    if theirs:
+        logger.warning(
+            "FP8: %d FP8 layers already in the model keep their own configuration (%s), not this conversion's "
+            "(%s: a precision strategy's recipe and margin options): their GEMMs scale as they were made. "
+            "To train with one configuration, pass the strategy the recipe and margin the model was "
+            "converted with, or let the strategy convert (do not call convert_to_fp8 before it)",
+            sum(theirs.values()),
+            "; ".join(f"{n} with {c}" for c, n in theirs.items()),
+            ours,
+        )
     multiple = config.recipe.dim_multiple
     if not isinstance(min_gemm_features, int) or min_gemm_features < 0:
         raise ValueError(f"min_gemm_features must be an integer >= 0, got {min_gemm_features!r}")

@@ -118,14 +118,17 @@ def test_the_frozen_layer_computes_the_dequantized_linear_and_saves_no_widened_w
 
 
 @pytest.mark.parametrize("load", ["dequantized", "fp8 layers"])
-def test_trained_layers_start_from_the_stored_values_not_a_bf16_round_trip(fp8_checkpoint, tmp_path, load):
+def test_trained_layers_start_from_the_stored_values_not_a_bf16_round_trip(fp8_checkpoint, tmp_path, load, caplog):
     stored = _stored(fp8_checkpoint)
     model = (
         AutoModelForCausalLM.from_pretrained(fp8_checkpoint)
         if load == "dequantized"
         else load_as_on_a_gpu(fp8_checkpoint)
     )
-    trainer = _trainer(model, tmp_path, "fp8-lm-o1", max_steps=1)  # FP32 masters
+    with caplog.at_level("WARNING"):
+        trainer = _trainer(model, tmp_path, "fp8-lm-o1", max_steps=1, precision_options={"margin": 1})  # FP32 masters
+    # The checkpoint's layers are no FP8Linear of a conversion before the strategy's: they take its options.
+    assert "already in the model keep their own configuration" not in caplog.text
     rounded_twice = 0
     for name, module in trainer.model.named_modules():
         if name.rsplit(".", 1)[-1] not in PROJECTIONS:
@@ -137,6 +140,7 @@ def test_trained_layers_start_from_the_stored_values_not_a_bf16_round_trip(fp8_c
     assert rounded_twice > 0  # the BF16 load really lost bits that the restore gave back
     report = format_report(describe(trainer.precision, trainer.model))
     assert "FP8 checkpoint: 7 layers from their stored values: 7 trained from FP32 values" in report
+    assert "FP8 layers: 7 converted (7 with recipe tensorwise, margin 1)" in report
     trainer.train()  # the stock checks accept the model (transformers' FP8 layers are refused for full training)
 
 

@@ -253,6 +253,57 @@ def test_o2_gives_an_fp32_master_to_what_the_model_keeps_in_fp32(name, caplog):
     assert math.isfinite(loss.item()) and strategy.skipped_steps == 0
 
 
+ALREADY = "already in the model keep their own configuration"
+
+
+@pytest.mark.parametrize("name", ["fp8-lm-o1", "fp8-lm-o2", "fp8-lm-o3", "coat"])
+@pytest.mark.parametrize("before", ["rowwise", "tensorwise"])
+def test_a_model_converted_before_the_strategy_keeps_its_layers_config_with_one_warning(name, before, caplog):
+    """Before: FP8Linear layers the user made (`convert_to_fp8(model, recipe=..., margin=3)`) kept
+    their recipe and margin under the strategy's other options, with no warning, and the startup
+    report printed the options' recipe and margin beside layers that used others. The layers are
+    still not re-configured (the user chose their configuration); the strategy warns once."""
+    from hf_lowprec.fp8 import convert_to_fp8
+    from hf_lowprec.report import describe, format_report
+
+    other = "rowwise" if before == "tensorwise" else "tensorwise"
+    options = {} if name == "coat" else {"recipe": other}  # COAT converts with tensorwise, margin 0
+    ours = f"recipe {'tensorwise' if name == 'coat' else other}, margin 0"
+    theirs = f"recipe {before}, margin 3"
+    model = convert_to_fp8(tiny_gpt2(), recipe=before, margin=3)
+    made = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert made
+    strategy = hf_lowprec.get_strategy(name, **options)
+    with caplog.at_level("WARNING"):
+        prepared = strategy.prepare_model(model)
+    warned = [r.getMessage() for r in caplog.records if ALREADY in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert f"{len(made)} FP8 layers already in the model" in warned[0]
+    assert f"({len(made)} with {theirs})" in warned[0] and f"conversion's ({ours}" in warned[0]
+    assert "pass the strategy the recipe and margin" in warned[0] and "let the strategy convert" in warned[0]
+    layers = [m for m in prepared.modules() if isinstance(m, FP8Linear)]
+    assert layers == made and all((m.config.recipe.name, m.config.margin) == (before, 3) for m in layers)
+    report = format_report(describe(strategy, prepared))
+    assert f"FP8 layers: {len(made)} converted ({len(made)} with {theirs})" in report, report
+
+
+@pytest.mark.parametrize("converted", ["by the user, with the same options", "by the strategy"])
+def test_fp8_layers_with_the_strategys_config_are_not_warned_about(converted, caplog):
+    from hf_lowprec.fp8 import convert_to_fp8
+    from hf_lowprec.report import describe, format_report
+
+    model = tiny_gpt2()
+    if converted.startswith("by the user"):
+        convert_to_fp8(model, recipe="rowwise", margin=3)
+    strategy = hf_lowprec.get_strategy("fp8-lm-o2", recipe="rowwise", margin=3)
+    with caplog.at_level("WARNING"):
+        prepared = strategy.prepare_model(model)
+        strategy.prepare_model(prepared)  # prepared again (a second Trainer): still nothing to say
+    assert ALREADY not in caplog.text
+    count = sum(isinstance(m, FP8Linear) for m in prepared.modules())
+    assert f"converted ({count} with recipe rowwise, margin 3)" in format_report(describe(strategy, prepared))
+
+
 def test_o1_gradients_hold_fp8_values():
     strategy, model, optimizer = setup("fp8-lm-o1")
     ids = batches(1)[0]
