@@ -114,7 +114,7 @@ def check_sharded_parameters(strategy: _Declaring, params: list[torch.Tensor]) -
 
 def refuse_dtensors_outside_fsdp2(model: torch.nn.Module) -> None:
     """Refuse DTensor parameters that no FSDP2 module holds (tensor parallelism, `distribute_tensor`
-    by hand), before `prepare_model` changes anything: no strategy's numerics are verified on them."""
+    by hand), before the strategy prepares the model: no strategy's numerics are verified on them."""
     from ..distributed import DTensor
 
     sharded = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]

@@ -93,7 +93,9 @@ def test_dtensor_parameters_outside_fsdp2_are_refused_at_prepare_model_before_an
     model = tiny_gpt2()
     mesh = init_device_mesh("cpu", (1,))
     for block in model.transformer.h:  # tensor parallelism by hand: the q/k/v projection sharded
-        block.attn.c_attn.weight = torch.nn.Parameter(distribute_tensor(block.attn.c_attn.weight.data, mesh, [Shard(0)]))
+        block.attn.c_attn.weight = torch.nn.Parameter(
+            distribute_tensor(block.attn.c_attn.weight.data, mesh, [Shard(0)])
+        )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     modules = [type(m) for m in model.modules()]
     with pytest.raises(ValueError) as err:
