@@ -61,7 +61,9 @@ def _print_memory(rows: list[dict[str, Any]], model: str, world_size: int, zero_
         )
         if zero:
             line += f" {r['per_rank_total'] * r['num_params'] / 2**30:>9.2f}  {r['zero']}"
-        print(line)
+        print(line + ("  refused: no FP8 layer" if r.get("refused") else ""))
+    for r in (r for r in rows if r.get("refused")):
+        print(f"{r['strategy']}: the run would be refused before its first step: {r['refused']}")
 
 
 def _check_strategy_names(parser: argparse.ArgumentParser, text: str, peers: tuple[str, ...] = ()) -> list[str]:

@@ -245,8 +245,7 @@ def describe(
 
 def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> list[str]:
     """Where the prepared `model` breaks what `strategy` promises (empty list: all kept)."""
-    from .fp8 import FP8Linear
-    from .fp8.blocks import FrozenBlockFP8Linear
+    from .fp8.refusal import no_fp8_layer
 
     out: list[str] = []
     promised = set(strategy.promised_param_dtypes())
@@ -262,19 +261,10 @@ def promise_violations(strategy: ReportedStrategy, model: torch.nn.Module) -> li
             f"but {strategy.name!r} promises {', '.join(sorted(_dtype_name(d) for d in promised))}"
         )
     # A published FP8 layer kept frozen in FP8 (fp8.blocks) counts: the base of a LoRA run.
-    from .fp8.experts import FP8Experts
-    from .fp8.payoff import PayoffReason
-
-    fp8_kinds = (FP8Linear, FrozenBlockFP8Linear, FP8Experts)
-    # COAT's FP8 layers come with its FP8 activations; where the speed rule kept them all in BF16
-    # (fp8_layers="pays"), its FP8 states still train: only fp8-lm has nothing FP8 left then.
-    kept_by_rule = any(isinstance(r, PayoffReason) for r in model.__dict__.get("fp8_skipped_layers", {}).values())
-    expects = strategy.uses_fp8_gemm or (strategy.frozen_in_fp8 and not kept_by_rule)
-    if expects and not any(isinstance(m, fp8_kinds) for m in model.modules()):
-        out.append(
-            f"{strategy.name!r} computes linear layers in FP8, but the model has no FP8 layer "
-            "(none converted: check the skipped layers and their dimensions)"
-        )
+    refusal = no_fp8_layer(
+        model, strategy.name, uses_fp8_gemm=strategy.uses_fp8_gemm, frozen_in_fp8=strategy.frozen_in_fp8
+    )
+    out += [refusal] if refusal else []
     return out
 
 

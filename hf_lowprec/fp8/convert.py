@@ -28,8 +28,10 @@ __all__ = [
     "attention_gemms",
     "conv1d_class",
     "convert_to_fp8",
+    "DimensionReason",
     "default_skips",
     "fp8_layer_configs",
+    "dimension_problem",
     "is_gemm_layer",
     "output_heads",
     "peft_adapter_layers",
@@ -139,6 +141,25 @@ def attention_gemms(model: nn.Module) -> dict[str, str]:
     return out
 
 
+class DimensionReason(str):
+    """Why FP8 GEMMs cannot take a layer: its dimensions (`dimension_problem`)."""
+
+
+def dimension_problem(module: nn.Module, multiple: int = GEMM_MULTIPLE, blocks: str = "") -> DimensionReason | None:
+    """Why FP8 GEMMs cannot take GEMM layer `module`'s dimensions (None: they can): both must be
+    multiples of `multiple` (16 for `_scaled_mm`; a block recipe's, named `blocks`, for its blocks)."""
+    conv1d = conv1d_class()
+    weight = module.weight
+    k, n = weight.shape if conv1d is not None and isinstance(module, conv1d) else weight.shape[::-1]
+    bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % multiple]
+    if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
+        return DimensionReason(f"it has no elements (in_features={k}, out_features={n})")
+    if bad:
+        need = "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {blocks} blocks"
+        return DimensionReason(f"{', '.join(bad)} not a multiple of {multiple} ({need})")
+    return None
+
+
 class AdapterReason(str):
     """Why a PEFT adapter layer keeps high precision: by design, logged as information."""
 
@@ -243,15 +264,7 @@ def convert_to_fp8(
         if reason is None and is_linear and type(module) is not nn.Linear:
             reason = f"it is a subclass of nn.Linear ({type(module).__name__}) with its own behaviour"
         if reason is None:
-            k, n = module.weight.shape if is_conv1d else module.weight.shape[::-1]
-            bad = [f"{label}={d}" for label, d in (("in_features", k), ("out_features", n)) if d % multiple]
-            if k == 0 or n == 0:  # no amax to scale from, no GEMM to run
-                reason = f"it has no elements (in_features={k}, out_features={n})"
-            elif bad:
-                need = (
-                    "FP8 GEMM requirement" if multiple == GEMM_MULTIPLE else f"FP8 GEMM and {config.recipe.name} blocks"
-                )
-                reason = f"{', '.join(bad)} not a multiple of {multiple} ({need})"
+            reason = dimension_problem(module, multiple, config.recipe.name)
         if reason is not None:
             log = logger.info if isinstance(reason, (PayoffReason, AdapterReason)) else logger.warning
             log("FP8: skipped layer %s: %s", name, reason)

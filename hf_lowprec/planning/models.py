@@ -348,15 +348,15 @@ def memory_plan(
         strategy_options = rule_options(name, gpu, tokens)
         held = gpu is not None and zero_stage < 3  # FSDP2's and ZeRO-3's sharded weights hold no FP8 copy
         if depth > 2:  # blocks alike: two shallow plans, scaled to the depth (exactly)
-            one, two = (_state_bytes(model, name, strategy_options, n, held) for n in (1, 2))
+            (one, refusal), (two, _) = (_state_bytes(model, name, strategy_options, n, held) for n in (1, 2))
             totals = {k: one[k] + (depth - 1) * (two[k] - one[k]) for k in one}
         else:
-            totals = _state_bytes(model, name, strategy_options, None, held)
+            totals, refusal = _state_bytes(model, name, strategy_options, None, held)
         num_params = totals.pop("num_params")
         plan = {k: v / num_params for k, v in totals.items()}
         plan["total"] = sum(plan.values())
         plan["num_params"] = float(num_params)
-        row = {"strategy": name, **plan}
+        row = {"strategy": name, **plan, "refused": refusal}  # the first step's refusal (no FP8 layer), or None
         if world_size > 1 or zero_stage:
             refusal = engine_refusal(name, f"zero{zero_stage}" if zero_stage else "ddp")
             per_rank = zero_per_rank(plan, world_size, zero_stage)
@@ -368,26 +368,29 @@ def memory_plan(
 
 def _state_bytes(
     model: str, name: str, options: dict[str, Any], layers: int | None, on_gpu: bool = False
-) -> dict[str, int]:
+) -> tuple[dict[str, int], str | None]:
     """Strategy `name`'s model state on `model` (at `layers` decoder layers, the config's unset),
     as whole bytes per component and the parameter count (`report.plan_model_state`'s figures
     times the count: every term is a whole number of bytes). `on_gpu`: "extra" also holds the FP8
     weight each layer keeps between steps when it runs eagerly on a GPU (FP8-LM O2's written
-    weight, 1 B each: `FP8Linear.held_weight_bytes`; a CPU holds none)."""
+    weight, 1 B each: `FP8Linear.held_weight_bytes`; a CPU holds none). Beside them: the refusal
+    the run would meet at its first step for want of an FP8 layer (`fp8.refusal`), or None."""
     from ..fp8 import FP8Linear
+    from ..fp8.refusal import no_fp8_layer
     from ..report import plan_model_state
 
     overrides = {} if layers is None else layer_overrides(model_config(model)[0], layers)
     strategy = get_strategy(name, **options)
-    with quiet("hf_lowprec.fp8"):  # skipped-layer warnings, once per strategy
+    with quiet("hf_lowprec.fp8", "hf_lowprec.strategies.fp8_rule"):  # skipped layers, the refusal: said below
         prepared = strategy.prepare_model(build_model(model, **overrides))
+    refusal = no_fp8_layer(prepared, name, uses_fp8_gemm=strategy.uses_fp8_gemm, frozen_in_fp8=strategy.frozen_in_fp8)
     optimizer = strategy.create_optimizer([p for p in prepared.parameters() if p.requires_grad], lr=1e-4)
     plan = plan_model_state(prepared, optimizer)
     count = int(plan["num_params"])
     out = {k: round(plan[k] * count) for k in ("params", "grads", "optimizer_states", "extra")}
     if on_gpu:
         out["extra"] += sum(m.held_weight_bytes() for m in prepared.modules() if isinstance(m, FP8Linear))
-    return {**out, "num_params": count}
+    return {**out, "num_params": count}, refusal
 
 
 def _signature(block: torch.nn.Module) -> tuple:

@@ -205,6 +205,9 @@ def plan_rows(
                 "communication_bound_from": next((n for n in _POWERS if at[n] > predicted.step), None),
                 "fits": peak <= gpu.memory,
                 "refused_past_one_gpu": engine_refusal(name, engine),  # None: the engine trains it
+                # No FP8 layer on this model at this GPU and batch: its first step refuses the run
+                # (`memory_plan`'s, from `fp8.refusal.no_fp8_layer`, the promise check's rule).
+                "refused": None if name in PEERS else state["refused"],
             }
         )
     base = next(r for r in rows if r["strategy"] == BASELINE)
@@ -237,11 +240,13 @@ def format_plan(rows: list[dict[str, Any]], title: str) -> str:
             f"{r['bound']:>6.6} {r['kernels']:>7} {r['gigabytes']:>8.0f} {r['model_state_gib']:>9.1f} "
             f"{r['peak_gib']:>8.1f} {r['memory_vs_bf16_mixed']:>6.2f} {r['sent_gb']:>7.1f}"
             + ("" if r["fits"] else "  does not fit")
+            + ("  refused: no FP8 layer" if r["refused"] else "")
         )
     lines.append("")
     for r in rows:
         kept = f"; kept in BF16: {', '.join(r['kept_in_bf16'])}" if r["kept_in_bf16"] else ""
-        lines.append(f"{r['strategy']}: limited by {r['limit']}{kept}")
+        refused = f"; the run would be refused before its first step: {r['refused']}" if r["refused"] else ""
+        lines.append(f"{r['strategy']}: limited by {r['limit']}{kept}{refused}")
     return "\n".join(lines)
 
 

@@ -15,11 +15,10 @@ import torch
 
 from ..coat.activations import compress_activations
 from ..fp8 import convert_to_fp8
-from ..fp8.payoff import rule_layout
 from ..optim import COATAdamW, CollageAdamW, PlainAdamW
 from .baselines import bf16_autocast
 from .casting import cast_model
-from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
+from .fp8_rule import RULE_OPTIONS, FP8RuleOptions, converted_layout
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -138,7 +137,7 @@ class COAT(PrecisionStrategy):
             model = cast_model(model, torch.bfloat16)
         if self.options.activations:
             compress_activations(convert_to_fp8(model, rule=self.options.layer_rule(model)))
-            self.fp8_layout = rule_layout(model)
+            self.fp8_layout = converted_layout(self, model)
         return model
 
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:

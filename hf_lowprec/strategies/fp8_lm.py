@@ -31,14 +31,13 @@ from ..fp8.experts import FP8Experts
 from ..fp8.fused import gradient_roundtrip_, gradients_roundtrip_
 from ..fp8.gradients import BackwardFP8Gradients, requantize_gradient
 from ..fp8.linear import share_inputs_within
-from ..fp8.payoff import rule_layout
 from ..fp8.scaled import FORMATS, get_master_scale
 from ..fp8.scaling_recipes import SCALING_RECIPES, FP8LinearConfig, fp8_config
 from ..optim import FP8AdamW, PlainAdamW
 from .adopt import adopted_parameters, exact_embedding_scales
 from .baselines import bf16_autocast
 from .casting import fp32_module_patterns
-from .fp8_rule import RULE_OPTIONS, FP8RuleOptions
+from .fp8_rule import RULE_OPTIONS, FP8RuleOptions, converted_layout
 from .interface import PrecisionStrategy
 from .registry import register
 from .support import EngineSupport
@@ -257,7 +256,7 @@ class FP8LM(PrecisionStrategy):
         rule = options.layer_rule(model)
         convert_to_fp8(model, config=self.fp8_layer_config, min_gemm_features=options.min_gemm_features, rule=rule)
         share_inputs_within(model)  # q/k/v and gate/up quantize their shared input once
-        self.fp8_layout = rule_layout(model)
+        self.fp8_layout = converted_layout(self, model)
         if self.o2:
             # FP8-LM / MS-AMP: only trainable FP8 GEMM weights get the FP16 scaled master and the
             # FP8 optimizer; the other trainable parameters FP32 masters (an unscaled FP16 LayerNorm

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from ..fp8 import PayoffRule, payoff_rule
+from ..fp8.payoff import rule_layout
+from ..fp8.refusal import no_fp8_layer
 from ..hardware import GPUS
 from .interface import StrategyOptions
 
-__all__ = ["RULE_OPTIONS", "FP8RuleOptions"]
+__all__ = ["RULE_OPTIONS", "FP8RuleOptions", "converted_layout"]
 
 # The rule's options may change on resume: what decides the saved state's layout is the set of
 # layers the rule kept, which the optimizer's state records and a resume checks (`fp8.payoff`).
@@ -76,3 +78,15 @@ class FP8RuleOptions(StrategyOptions):
         key = next((k for k, g in GPUS.items() if rule is not None and g.name == rule.gpu.name), "")
         model.__dict__["fp8_rule_priced"] = (key, self.fp8_tokens)
         return rule
+
+
+def converted_layout(strategy: Any, model: nn.Module) -> dict[str, object]:
+    """What the rule decided for `model`, just converted by `strategy` (`rule_layout`, saved with
+    the optimizer's state); a model `strategy` will refuse at its first step for want of an FP8
+    layer (`fp8.refusal.no_fp8_layer`, the promise check's rule) is warned about now, with why."""
+    refusal = no_fp8_layer(
+        model, strategy.name, uses_fp8_gemm=strategy.uses_fp8_gemm, frozen_in_fp8=strategy.frozen_in_fp8
+    )
+    if refusal:
+        logger.warning("%s. Training will stop with PrecisionPromiseError before its first step.", refusal)
+    return rule_layout(model)

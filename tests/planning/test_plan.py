@@ -482,3 +482,31 @@ def test_the_ddp_peak_holds_its_gradient_buckets_the_parameters_bytes_once_more(
         )
         buckets = sum(p.numel() * p.element_size() for p in prepared.parameters() if p.requires_grad)
         assert (peaks[8][name] - peaks[1][name]) * 2**30 == pytest.approx(buckets, rel=1e-9), name  # float sums
+
+
+def test_plan_and_memory_mark_a_run_its_first_step_would_refuse(capsys, tiny):
+    """64 wide at 2x32 tokens on an H100: fp8-lm-o2 keeps every layer in BF16, so its first step
+    refuses the run; plan and memory printed an ordinary row. The reason is the promise check's
+    own (`report.promise_violations`) on the model built for real."""
+    import hf_lowprec
+    from hf_lowprec.planning.models import build_model
+    from hf_lowprec.report import promise_violations
+
+    strategy = hf_lowprec.get_strategy("fp8-lm-o2", fp8_gpu="h100", fp8_tokens=64)
+    (expected,) = promise_violations(strategy, strategy.prepare_model(build_model(tiny, device="cpu")))
+    argv = ["plan", "--model", tiny, "--batch", "2x32", "--strategies", "fp8-lm-o2"]
+    assert main([*argv, "--json"]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["fp8-lm-o2"]["refused"] == expected and rows["bf16-mixed"]["refused"] is None
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("fp8-lm-o2 ")).endswith("refused: no FP8 layer")
+    assert f"the run would be refused before its first step: {expected}" in out
+    memory = ["memory", "--model", tiny, "--strategies", "bf16-mixed,fp8-lm-o2"]
+    assert main([*memory, "--gpu", "h100", "--batch", "2x32"]) == 0
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("fp8-lm-o2 ")).endswith("refused: no FP8 layer")
+    assert f"fp8-lm-o2: the run would be refused before its first step: {expected}" in out
+    # Without a GPU every layer 64 wide converts: nothing refused.
+    assert main(memory) == 0
+    assert "refused" not in capsys.readouterr().out
