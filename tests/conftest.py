@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hf_lowprec  # noqa: E402, F401 (installs the FP32 GEMMs HF_LOWPREC_CPU_GEMM asks for)
+from tests.global_state import changes, restore, snapshot  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -42,10 +43,25 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 @pytest.fixture(autouse=True)
-def _accelerate_environment():
+def _global_state_guard():
+    """Fail the test after which a process-global setting (autocast, default dtype, grad mode,
+    deterministic algorithms, thread count, backend flags, logger levels, an environment variable)
+    differs from before it, naming each one, then put the settings back: a leak fails where it
+    happens, not in the later tests of the same process it would break."""
+    before = snapshot()
+    yield
+    leaked = changes(before, snapshot())
+    if leaked:
+        restore(before)
+        pytest.fail("the test left process-global state changed:\n  " + "\n  ".join(leaked), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_environment(_global_state_guard):
     """Each test starts with the Accelerate settings of the environment it was given:
     `TrainingArguments(torch_compile=True)` writes ACCELERATE_DYNAMO_BACKEND into os.environ,
-    which would compile every later `Accelerator()` of the same worker."""
+    which would compile every later `Accelerator()` of the same worker. Restored before the
+    guard looks: that write is transformers' own, not a leak of the test's."""
     saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
     yield
     for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in saved]:
