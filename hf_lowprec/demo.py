@@ -9,7 +9,6 @@ bytes/param. Everything is built locally (corpus, tokenizer, model), so it runs 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ from transformers import GPT2LMHeadModel, PrinterCallback, TrainerCallback
 from .data import build_tokenizer, clm_datasets, tiny_gpt2_config
 from .integrations.trainer import Trainer, TrainingArguments
 from .memory import model_state_bytes
+from .planning.models import quiet
 from .strategies.registry import available_strategies, strategy_class
 
 __all__ = ["run_strategy", "main"]
@@ -123,9 +123,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"{flag} must be at least {least}, got {value}")
     if not ns.lr > 0:
         parser.error(f"--lr must be a positive learning rate, got {ns.lr}")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    # The thread count and transformers' logger level are the caller's again on return: main() is
+    # also called in-process (tests, notebooks), where they outlived it.
+    threads = torch.get_num_threads()
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    try:
+        with quiet("transformers"):
+            return _table(ns, names)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _table(ns: argparse.Namespace, names: list[str]) -> list[dict]:
+    """Train each strategy in `names` as `ns` says, printing one row each; the rows."""
     tokenizer = build_tokenizer()
     train_ds, eval_ds = clm_datasets(tokenizer, block_size=64)
     rows = []

@@ -1,4 +1,7 @@
+import logging
+
 import pytest
+import torch
 
 from hf_lowprec import demo
 
@@ -30,3 +33,12 @@ def test_demo_refuses_bad_arguments_as_usage_errors_before_training(capsys, argv
         demo.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_gives_back_the_thread_count_and_the_transformers_log_level(capsys):
+    # main() set torch's intra-op threads and transformers' logger (ERROR) for the rest of the
+    # process: the test suite's one pinned thread became --threads for every later test there.
+    threads, level = torch.get_num_threads(), logging.getLogger("transformers").level
+    demo.main(["--steps", "1", "--batch_size", "1", "--strategies", "fp32", "--threads", str(threads + 1)])
+    assert torch.get_num_threads() == threads
+    assert logging.getLogger("transformers").level == level
