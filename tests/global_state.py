@@ -9,6 +9,11 @@ import os
 from typing import Any
 
 import torch
+import transformers
+
+# transformers sets its logger's level on its first use, once a process: done here, before any
+# test reads the level, and not inside whichever test happens to log first.
+transformers.logging.get_verbosity()
 
 __all__ = ["LOGGERS", "changes", "restore", "snapshot"]
 
