@@ -3,7 +3,8 @@
 The optimizer is `hf_lowprec.optim.zero_fp8.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
 gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on
 every rank together, and gathers the owners' masters for export. In one process, rank 0 owns
-everything and O3 trains exactly like O2.
+everything and a step on one batch is O2's; over accumulated micro-batches O3 rounds the sum to
+FP8 once, where O2 rounds each partial sum (docs/strategies/fp8-lm.md).
 """
 
 from __future__ import annotations
