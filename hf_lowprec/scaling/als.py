@@ -184,8 +184,8 @@ class AutomaticLossScaler:
             # inverse 2^16 itself to inf); after the clamp only a NaN is non-finite.
             torch._amp_foreach_non_finite_check_and_unscale_(half, self._nan, inverse)
             clamp_fp16_(half)  # below scale 1 a gradient that fitted scaled may not fit unscaled
-        for grad in other:
-            self._nan.copy_(torch.maximum(self._nan, grad.isnan().any().to(self._nan.dtype)))
+        for grad in other:  # an FP32 gradient (a parameter the model keeps FP32): no clamp, so inf skips too
+            self._nan.copy_(torch.maximum(self._nan, grad.isfinite().logical_not().any().to(self._nan.dtype)))
             grad.mul_(inverse)
 
     def found_nan(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

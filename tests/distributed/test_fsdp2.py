@@ -187,8 +187,15 @@ def test_accelerate_fsdp2_config_gets_the_strategys_policy_and_refusals(monkeypa
         configure_accelerator(get_strategy("collage-plus"), _Accelerator(FullyShardedDataParallelPlugin()))
 
 
+# TrainingArguments with `fsdp` writes this variable into the process's environment (for Accelerate):
+# set here through monkeypatch so that the test leaves the environment as it found it.
+FSDP_ARGUMENTS_WRITE = ("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+
+
 def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path, monkeypatch):
     from hf_lowprec import TrainingArguments
+
+    monkeypatch.setenv(*FSDP_ARGUMENTS_WRITE)  # put back (unset) after the test
     from hf_lowprec.engines.fsdp2 import refuse_full_precision_save
 
     def args(name, version, **options):
@@ -234,9 +241,11 @@ def test_trainer_fsdp_checks_strategy_and_version_before_any_work(tmp_path, monk
     refuse_full_precision_save(get_strategy("collage-plus"), True)
 
 
-def test_a_bad_fsdp_config_is_refused_naming_the_setting_and_the_fix(tmp_path):
+def test_a_bad_fsdp_config_is_refused_naming_the_setting_and_the_fix(tmp_path, monkeypatch):
     # Before the fix: a bare `invalid literal for int()` and a bare FileNotFoundError.
     from hf_lowprec import TrainingArguments
+
+    monkeypatch.setenv(*FSDP_ARGUMENTS_WRITE)  # put back (unset) after the test
 
     def args(fsdp_config):
         return TrainingArguments(

@@ -102,3 +102,25 @@ def test_fp16_als_trains_a_t5_whose_wo_output_passes_65504_finite(tmp_path):
     assert all(p.dtype == torch.float32 for n, p in trainer.model.named_parameters() if ".wo." in n)
     losses = [loss for _, loss in logged_losses(trainer)]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_fp16_als_skips_a_step_whose_kept_fp32_gradient_is_inf():
+    """fp16-als clamps an FP16 gradient's inf (its overflow policy) and skips only on NaN; a kept FP32
+    gradient has no clamp, so an inf there (an FP16 activation gradient's overflow upstream) went
+    into the weight: `wo` non-finite for good. Any non-finite FP32 gradient skips the step."""
+    torch.manual_seed(0)
+    strategy = get_strategy("fp16-als")
+    model = strategy.prepare_model(transformers.T5ForConditionalGeneration(transformers.T5Config(**T5)))
+    optimizer = strategy.create_optimizer(list(model.parameters()), lr=1e-3)
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo.weight
+    assert wo.dtype == torch.float32
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with strategy.forward_context():
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids[:, :8].contiguous()).loss
+    strategy.scale_loss(loss).backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        wo.grad.view(-1)[0] = float("inf")
+    optimizer.step()
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed in a step that should have been skipped"
