@@ -56,11 +56,12 @@ def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def narrow_inputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
-    """`model`, its float inputs but `labels` cast to the weights' dtype before each forward where
-    `strategy` computes in 16-bit weights with no autocast (`strategies.inputs`; once per model). At
-    the forward, not in the batch: what a trainer keeps beside the model's inputs (DPO's reference
-    log-probabilities, GRPO's advantages) stays FP32. An encoder-decoder model's encoder casts too:
-    `generate()` hands it the FP32 `input_features` (Whisper) or `input_values` directly."""
+    """`model`, its float inputs but the loss's (`labels`, `num_items_in_batch`) cast to the weights'
+    dtype before each forward where `strategy` computes in 16-bit weights with no autocast
+    (`strategies.inputs`; once per model). At the forward, not in the batch: what a trainer keeps
+    beside the model's inputs (DPO's reference log-probabilities, GRPO's advantages) stays FP32. An
+    encoder-decoder model's encoder casts too: `generate()` hands it the FP32 `input_features`
+    (Whisper) or `input_values` directly."""
     if strategy is None or not isinstance(model, torch.nn.Module) or not computes_without_autocast(strategy):
         return model
 

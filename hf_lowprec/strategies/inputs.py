@@ -2,8 +2,9 @@
 
 An audio batch (`input_values`, `input_features`) comes from its feature extractor in FP32, and a
 model that feeds it straight into a Conv or Linear (Wav2Vec2, HuBERT, Whisper) needs the weights'
-dtype, as the stock Trainer casts it under DeepSpeed. Labels keep their dtype: a regression loss
-compares 16-bit predictions with the FP32 targets in FP32 (type promotion).
+dtype, as the stock Trainer casts it under DeepSpeed. What the loss takes keeps its dtype (`LOSS_INPUTS`,
+and any 0-d tensor: a count or a scale, no layer's input): FP32 regression labels, the Trainer's
+`num_items_in_batch` (a float count that BF16 rounds above 256 and FP16 makes inf above 65504).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["cast_float_inputs", "computes_without_autocast"]
+__all__ = ["LOSS_INPUTS", "cast_float_inputs", "computes_without_autocast"]
+
+# The keyword inputs transformers' losses take beside the logits (`loss.loss_utils`): the labels
+# (a regression loss compares 16-bit predictions with FP32 targets in FP32, by type promotion), the
+# causal-LM loss's `shift_labels`, and the Trainer's `num_items_in_batch`, the divisor of the summed
+# loss (a float tensor: 357 in BF16 is 356, 100001 in FP16 is inf and zeroes the step's gradients).
+LOSS_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 
 
 def computes_without_autocast(strategy: Any) -> bool:
@@ -26,11 +33,12 @@ def computes_without_autocast(strategy: Any) -> bool:
     return isinstance(strategy.forward_context(), contextlib.nullcontext)
 
 
-def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = ("labels",)) -> Any:
+def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = LOSS_INPUTS) -> Any:
     """`batch` (a mapping of the model's inputs, a tuple or list of them, or a tensor) with every
-    floating-point tensor in the strategy's parameter dtype where `computes_without_autocast`, the
-    entries named in `keep` (the labels) as they are; else `batch` itself. Below the top, plain
-    dicts, tuples and lists only: a model's own outputs fed back (`encoder_outputs`, a cache) are its."""
+    floating-point tensor of one or more dimensions in the strategy's parameter dtype where
+    `computes_without_autocast`, the entries named in `keep` (what the loss takes) and 0-d tensors as
+    they are; else `batch` itself. Below the top, plain dicts, tuples and lists only: a model's own
+    outputs fed back (`encoder_outputs`, a cache) are its."""
     if not computes_without_autocast(strategy):
         return batch
     return _cast(batch, strategy.param_dtype, frozenset(keep), top=True)
@@ -43,7 +51,9 @@ def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str], top: bool = False
         )
     if type(data) in (tuple, list):
         return type(data)(_cast(v, dtype, keep) for v in data)
-    if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != dtype:
+    # A 0-d tensor is a count or a scale, never a layer's input; by type promotion an FP32 one
+    # leaves a 16-bit operand's dtype as it is, and it keeps its value.
+    if isinstance(data, torch.Tensor) and data.dim() > 0 and data.is_floating_point() and data.dtype != dtype:
         if mask:  # an additive mask's FP32 minimum would round to -inf: a fully masked row's softmax NaN
             data = data.clamp(min=torch.finfo(dtype).min)
         return data.to(dtype)

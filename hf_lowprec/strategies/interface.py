@@ -223,7 +223,7 @@ class PrecisionStrategy:
         Args:
             batch: the model's keyword inputs (`model(**batch).loss`), or a tensor of token ids
                 for a causal LM (`model(input_ids=batch, labels=batch).loss`). Its float tensors but
-                "labels" take the weights' dtype where the strategy has no autocast (`inputs`).
+                the loss's (`inputs.LOSS_INPUTS`) take the weights' dtype where the strategy has no autocast.
             loss_fn: `loss_fn(model, batch)` instead of the above.
             max_grad_norm: clip to this global norm (`clip_grad_norm`).
         Raises:
