@@ -15,11 +15,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..compiling import run_fused, run_fused_rows, takes_gpu_path
+from ..compiling import run_fused, takes_gpu_path
 from ..scaling import check_norm_type
 from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
+from .linear import set_grad_sink
 from .scaled import pow2_scale, quantize, tensor_amax
+from .stored_sums import clip_on_device
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
 
@@ -225,19 +227,23 @@ class FP8GradientOwner(Protocol):
 
 
 class BackwardFP8Gradients:
-    """Quantize each gradient to FP8 as soon as backward has accumulated it (FP8-LM O2).
+    """Quantize each gradient to FP8 as soon as backward has made it (FP8-LM O2).
 
-    A `register_post_accumulate_grad_hook` on each parameter hands `p.grad` to the owner
-    optimizer as (payload, scale) and frees it, so no full-model FP16/FP32 gradient exists
-    between backward and the step: the gradient costs 1 byte per element at every moment.
-    Gradient accumulation: the next micro-batch's gradient is added to the stored one in
-    FP32 and re-quantized with a fresh scale, one E4M3 rounding (2^-4 relative) per
-    micro-batch. Clipping goes through `clip_grad_norm`, which multiplies an FP8 gradient
-    by c by dividing its scale (no rounding of the payload).
+    An FP8 layer's weight gradient comes through the weight's gradient sink (`linear.set_grad_sink`)
+    straight from its GEMM, in BF16, and is quantized from there: the per-tensor scale is taken from
+    that gradient, so nothing is rounded to the (unscaled) FP16 of the scaled master first, where
+    gradients under 2^-24 vanish. Any other gradient goes through `p.grad` and a
+    `register_post_accumulate_grad_hook`. Either way the owner optimizer gets (payload, scale) and
+    no full-model FP16/FP32 gradient exists between backward and the step: the gradient costs
+    1 byte per element at every moment. Gradient accumulation: the next micro-batch's gradient
+    is added to the stored one in FP32 and re-quantized with a fresh scale, one E4M3 rounding
+    (2^-4 relative) per micro-batch, or per use for a weight one backward uses several times.
+    Clipping goes through `clip_grad_norm`, which multiplies an FP8 gradient by c by dividing
+    its scale (no rounding of the payload).
 
-    Under torch.distributed with more than one rank the hook does nothing: DDP's reducer
-    owns `p.grad` until its (FP8) all-reduce has run, and its buckets hold the full
-    gradient anyway; the strategy then quantizes in `process_gradients`.
+    Under torch.distributed with more than one rank the sink and the hook leave the gradient to
+    `p.grad`: DDP's reducer owns it until its (FP8) all-reduce has run; the strategy then
+    quantizes in `process_gradients`.
 
     Args:
         scaler: the automatic gradient scale μ; every quantization is recorded in it.
@@ -284,12 +290,28 @@ class BackwardFP8Gradients:
         for param in params:
             if param.requires_grad:  # frozen weights (a PEFT base) have no gradient to store
                 self._handles.append(param.register_post_accumulate_grad_hook(self._store))
+                set_grad_sink(param, _Sink(self, param))
+
+    def take(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """Store `grad`, an FP8 layer's weight gradient of `param`, as FP8 (None: taken), or give it
+        back for `p.grad` where the hook would not store it either (no owner, several ranks, or a
+        `p.grad` already there, which it joins)."""
+        if self._skips(param) or param.grad is not None:
+            return grad
+        self._quantize(param, grad)
+        return None
+
+    def _skips(self, param: torch.Tensor) -> bool:
+        return self._owner_of(param) is None or (dist.is_initialized() and dist.get_world_size() > 1)
 
     def _store(self, param: torch.Tensor) -> None:
-        owner = self._owner_of(param)
-        if owner is None or param.grad is None or (dist.is_initialized() and dist.get_world_size() > 1):
+        if param.grad is None or self._skips(param):
             return
-        grad = param.grad
+        self._quantize(param, param.grad)
+        param.grad = None
+
+    def _quantize(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        owner = self._owner_of(param)
         # With gradient accumulation, added to this step's stored gradient: one compiled pass,
         # which writes the owner's buffers itself once they exist (no copy launched after it).
         pending = owner.fp8_grad(param)
@@ -305,7 +327,6 @@ class BackwardFP8Gradients:
         # Whether the payload now stored holds NaN, from its own cast: `nonfinite` takes it
         # instead of reading the codes (the owner keeps a copy: the flag is tied to that buffer).
         self._flags[id(param)] = (weakref.ref(owner.fp8_grad(param)[0]), nonfinite)
-        param.grad = None
 
     def stored(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(payload, scale) of this step's FP8 gradients among `params`."""
@@ -374,7 +395,7 @@ class BackwardFP8Gradients:
             peaks += [torch.linalg.vector_norm(widen(p, torch.float32), math.inf) / scale for p, scale in stored]
             norm = torch.stack(peaks).max()
         elif takes_gpu_path(stored[0][0].device):
-            return _clip_on_device(dense, stored, max_norm)
+            return clip_on_device(dense, stored, max_norm)
         else:
             squares = [torch.linalg.vector_norm(g.float()).square() for g in dense]
             squares += [
@@ -403,42 +424,18 @@ class BackwardFP8Gradients:
             payload.copy_(torch.minimum(torch.maximum(wide, -limit), limit).to(payload.dtype))
 
 
-def _clip_on_device(
-    dense: list[torch.Tensor], stored: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float
-) -> torch.Tensor:
-    """`BackwardFP8Gradients.clip_grad_norm` on a GPU: each gradient's square in compiled calls
-    over chunks of gradients (`run_fused_rows`: a graph over every gradient took minutes to build
-    there), the norm and c = min(1, max_norm / (norm + 1e-6)) in one small graph, then c applied
-    by two multi-tensor operations. The eager loop's operations, so run eagerly it gives the
-    loop's bits; compiled, the reductions may add in another order."""
-    like = stored[0][0]
-    squares = run_fused_rows(_squares_of_dense, dense, like=like) if dense else []
-    squares += run_fused_rows(_squares_of_stored, stored, like=like)
-    stacked = torch.stack(squares)
-    if not math.isfinite(max_norm):
-        return run_fused(_norm_of, stacked, like=stacked)
-    norm, coefficient = run_fused(_norm_and_coefficient, stacked, max_norm, like=stacked)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in dense:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for dtype, grads in by_dtype.items():
-        torch._foreach_mul_(grads, coefficient.to(dtype))
-    torch._foreach_div_([scale for _, scale in stored], coefficient)
-    return norm
+class _Sink:
+    """A weight's gradient sink into `BackwardFP8Gradients.take`; it holds the weight weakly (the
+    weight holds it) and is not pickled with it (unpickled, the weight has no sink)."""
 
+    __slots__ = ("grads", "param")
 
-def _squares_of_dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.linalg.vector_norm(g.float()).square() for g in grads]
+    def __init__(self, grads: BackwardFP8Gradients, param: torch.Tensor) -> None:
+        self.grads, self.param = grads, weakref.ref(param)
 
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        param = self.param()
+        return grad if param is None else self.grads.take(param, grad)
 
-def _squares_of_stored(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    return [(torch.linalg.vector_norm(payload.float()) / scale).square() for payload, scale in rows]
-
-
-def _norm_of(squares: torch.Tensor) -> torch.Tensor:
-    return squares.sum().sqrt()
-
-
-def _norm_and_coefficient(squares: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    norm = squares.sum().sqrt()
-    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()

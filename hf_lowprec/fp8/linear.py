@@ -80,7 +80,8 @@ logger = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
-GradSink = Callable[[torch.Tensor], None]
+# A sink returns what autograd should still receive: None when it took the gradient.
+GradSink = Callable[[torch.Tensor], torch.Tensor | None]
 _GRAD_SINK_ATTR = "_hf_lowprec_grad_sink"
 
 # Output dtypes torch._scaled_mm offers, hence the activation dtypes the layer accepts.
@@ -113,7 +114,8 @@ def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
     """Send the weight gradient of `param` to `sink(grad)` instead of `param.grad` (None: undo).
 
     `grad` is the gradient with respect to the real weight, in BF16 (the FP8 GEMM's output),
-    once per backward; the sink owns accumulation across micro-batches.
+    once per backward; the sink owns accumulation across micro-batches. The sink returns None
+    when it took the gradient, or a gradient autograd accumulates into `param.grad` as usual.
     """
     if sink is None:
         if hasattr(param, _GRAD_SINK_ATTR):
@@ -360,11 +362,13 @@ class FP8LinearFunction(torch.autograd.Function):
 
 
 def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
-    """What an FP8 GEMM's backward returns for its weight: None after handing the gradient to the
-    weight's sink, None for an FP8-stored weight without one, else the gradient in its dtype."""
+    """What an FP8 GEMM's backward returns for its weight: None after the weight's sink took the
+    gradient, None for an FP8-stored weight without one, else the gradient (the one the sink gave
+    back, if any) in its dtype."""
     if sink is not None:
-        sink(grad_w)
-        return None
+        grad_w = sink(grad_w)
+        if grad_w is None:
+            return None
     if weight_dtype in (E4M3, E5M2):
         return None  # an FP8-stored weight's gradient exists only through a sink
     return grad_w.to(weight_dtype)

@@ -1,16 +1,25 @@
 """Work over a list of stored FP8 gradients (payload, scale) for FP8-LM O3's ZeRO clipping and
-skip masking: per-tensor loops on CPU; on a GPU, compiled calls over consecutive chunks of them
-(`compiling.run_fused_rows`), the loops' operations in the loops' order, where the loops were a few eager
-launches per FP8 weight (issue #66)."""
+skip masking, and O2's clipping on a GPU (`clip_on_device`): per-tensor loops on CPU; on a GPU,
+compiled calls over consecutive chunks of them (`compiling.run_fused_rows`), the loops' operations
+in the loops' order, where the loops were a few eager launches per FP8 weight (issue #66)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..compiling import own_graphs, run_fused, run_fused_rows, takes_gpu_path
 from .cast import widen
 
-__all__ = ["add_in_order", "mask_skipped_stored", "squares_of_stored", "sum_of_stored_squares", "zero_skipped_stored"]
+__all__ = [
+    "add_in_order",
+    "clip_on_device",
+    "mask_skipped_stored",
+    "squares_of_stored",
+    "sum_of_stored_squares",
+    "zero_skipped_stored",
+]
 
 Stored = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,3 +62,44 @@ def mask_skipped_stored(stored: Stored, unless: torch.Tensor) -> None:
         zero_skipped_stored(stored, skip)
         return
     run_fused_rows(zero_skipped_stored, stored, skip, like=stored[0][0])
+
+
+def clip_on_device(
+    dense: list[torch.Tensor], stored: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float
+) -> torch.Tensor:
+    """`gradients.BackwardFP8Gradients.clip_grad_norm` on a GPU: each gradient's square in compiled calls
+    over chunks of gradients (`run_fused_rows`: a graph over every gradient took minutes to build
+    there), the norm and c = min(1, max_norm / (norm + 1e-6)) in one small graph, then c applied
+    by two multi-tensor operations. The eager loop's operations, so run eagerly it gives the
+    loop's bits; compiled, the reductions may add in another order."""
+    like = stored[0][0]
+    squares = run_fused_rows(_squares_of_dense, dense, like=like) if dense else []
+    squares += run_fused_rows(_squares_of_stored, stored, like=like)
+    stacked = torch.stack(squares)
+    if not math.isfinite(max_norm):
+        return run_fused(_norm_of, stacked, like=stacked)
+    norm, coefficient = run_fused(_norm_and_coefficient, stacked, max_norm, like=stacked)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in dense:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coefficient.to(dtype))
+    torch._foreach_div_([scale for _, scale in stored], coefficient)
+    return norm
+
+
+def _squares_of_dense(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.linalg.vector_norm(g.float()).square() for g in grads]
+
+
+def _squares_of_stored(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return [(torch.linalg.vector_norm(payload.float()) / scale).square() for payload, scale in rows]
+
+
+def _norm_of(squares: torch.Tensor) -> torch.Tensor:
+    return squares.sum().sqrt()
+
+
+def _norm_and_coefficient(squares: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = squares.sum().sqrt()
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
