@@ -10,14 +10,14 @@ a DDP communication hook, `prescale_allreduce` and `postscale_allreduce` are the
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..compiling import constant, takes_gpu_path
 from .gradients import GradientAutoScaler
-from .scaled import pow2_scale, saturated_count, saturating_cast
+from .scaled import pow2_scale, saturated_count, saturating_cast, tensor_amax
 
 __all__ = [
     "AllReduceStats",
@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# `FP8CommState.prescale` puts a gradient's amax 12 binades under FP16's maximum.
+_PRESCALE_MARGIN = 12
 
 
 @dataclasses.dataclass
@@ -105,8 +107,10 @@ def _reduce(
     fp8_dtype: torch.dtype,
     margin: int,
     group: dist.ProcessGroup | None,
+    prescales: torch.Tensor | None = None,
 ) -> FP8AllReduceResult:
-    """The shared-scale pipeline; `mu=None` means pre-scaling (μ = 1/N).
+    """The shared-scale pipeline; `mu=None` means pre-scaling (μ = 1/N); `prescales`: one power of
+    two per segment that the local segment carries (real = flat / prescale), or None.
 
     Transport: gloo (and NCCL without FP8) cannot add FP8, so the payload travels as uint8 bytes
     and is added upcast: a reduce-scatter by `all_to_all_single` (each rank receives every
@@ -135,6 +139,8 @@ def _reduce(
         amax = torch.stack(torch._foreach_norm(list(segments), math.inf)).float()
     else:
         amax = torch.stack([s.abs().amax().float() if s.numel() else torch.zeros((), device=device) for s in segments])
+    if prescales is not None:  # exact: powers of two
+        amax = amax / prescales
     # An all-zero segment (an unused parameter, an expert without tokens) has nothing to fit:
     # its scale is +inf in the MIN, so it cannot force scale 1 on ranks that hold values.
     shared = torch.where(amax == 0, torch.full_like(amax, float("inf")), pow2_scale(amax, fp8_dtype, margin))
@@ -142,7 +148,7 @@ def _reduce(
     shared = torch.where(torch.isinf(shared), torch.ones_like(shared), shared)  # zero on every rank
     send_scale = shared * (1.0 / world if mu is None else mu)
 
-    scaled = flat.float() * _per_element(send_scale, numels)
+    scaled = flat.float() * _per_element(send_scale if prescales is None else send_scale / prescales, numels)
     payload = saturating_cast(scaled, fp8_dtype)
     overflow = saturated_count(scaled, fp8_dtype)
     del scaled
@@ -179,6 +185,7 @@ def fp8_allreduce(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     margin: int = 0,
     group: dist.ProcessGroup | None = None,
+    prescales: torch.Tensor | None = None,
 ) -> FP8AllReduceResult:
     """Mean of a flat gradient over ranks with one shared scale per segment (FP8-LM eqs. 4–6).
 
@@ -204,10 +211,12 @@ def fp8_allreduce(
         fp8_dtype: wire format.
         margin: scale margin in binades.
         group: process group (default: the world).
+        prescales: FP32 powers of two, one per segment, that this rank's segments carry
+            (gᵢ = segment / prescale: `FP8CommState.prescale`), or None.
     """
     if not torch.is_tensor(mu) and not (mu > 0):  # a tensor μ comes from GradientAutoScaler, positive
         raise ValueError(f"mu must be positive, got {mu}")
-    return _reduce(tensor, numels, mu=mu, fp8_dtype=fp8_dtype, margin=margin, group=group)
+    return _reduce(tensor, numels, mu=mu, fp8_dtype=fp8_dtype, margin=margin, group=group, prescales=prescales)
 
 
 def prescale_allreduce(
@@ -250,6 +259,10 @@ class FP8CommState:
             owner to store the gradient as FP8 without rounding it again.
         stats: underflow/overflow counts accumulated since the owner last reset them (fp8-lm:
             at each log, and checkpointed).
+        prescales: id(parameter) → the power of two σ its bucket gradient carries this step
+            (`prescale`), taken by the hook.
+        store: where the hook hands a prescaled parameter's reduced gradient as (param, payload,
+            scale); True: stored, its part of the bucket is zeroed (fp8-lm-o2: the optimizer).
     """
 
     scaler: GradientAutoScaler
@@ -258,6 +271,17 @@ class FP8CommState:
     process_group: dist.ProcessGroup | None = None
     grad_scales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     stats: AllReduceStats = dataclasses.field(default_factory=AllReduceStats)
+    prescales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
+
+    def prescale(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """grad·σ for an FP16 bucket, σ = 2^k putting this step's first amax in (8, 16]: FP16 then
+        holds 28 binades below it (FP8's range and more) and 2^12 above for later micro-batches,
+        which reuse σ. Without it gradients under 2^-24 flush to 0 before the FP8 all-reduce."""
+        sigma = self.prescales.get(id(param))
+        if sigma is None:
+            sigma = self.prescales[id(param)] = pow2_scale(tensor_amax(grad), torch.float16, _PRESCALE_MARGIN)
+        return grad * sigma
 
 
 def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -271,10 +295,16 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     grads = bucket.gradients()
     params = bucket.parameters()
     numels = [g.numel() for g in grads]
+    sigmas = [state.prescales.pop(id(p), None) for p in params]
     if sum(numels) != buffer.numel():
-        # Buckets with alignment gaps: fall back to one scale for the whole bucket.
+        # Buckets with alignment gaps: fall back to one scale for the whole bucket, in real units.
         logger.debug("bucket %d has gaps between gradients; using one scale for it", bucket.index())
-        numels, params = [buffer.numel()], []
+        for grad, sigma in zip(grads, sigmas):
+            if sigma is not None:
+                grad.div_(sigma)
+        numels, params, sigmas = [buffer.numel()], [], [None]
+    one = torch.ones((), device=buffer.device)
+    prescales = None if all(s is None for s in sigmas) else torch.stack([one if s is None else s for s in sigmas])
     result = fp8_allreduce(
         buffer,
         numels=numels,
@@ -282,12 +312,20 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
         fp8_dtype=state.fp8_dtype,
         margin=state.margin,
         group=state.process_group,
+        prescales=prescales,
     )
     state.scaler.record(result.stats.overflow, result.stats.numel)
     state.stats += result.stats
-    for param, scale in zip(params, result.scales):
-        state.grad_scales[id(param)] = scale
+    stored = []  # the bucket's parts whose gradient went to `state.store` as FP8
+    segments = zip(params, sigmas, result.scales, result.payload.split(numels), buffer.split(numels))
+    for param, sigma, scale, payload, part in segments:
+        if sigma is not None and state.store is not None and state.store(param, payload.view(param.shape), scale):
+            stored.append(part)
+        else:
+            state.grad_scales[id(param)] = scale
     buffer.copy_(result.dequantize(buffer.dtype))
+    if stored:
+        torch._foreach_zero_(stored)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

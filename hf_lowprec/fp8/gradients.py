@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +21,7 @@ from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
 from .linear import set_grad_sink
 from .scaled import pow2_scale, quantize, tensor_amax
-from .stored_sums import clip_on_device
+from .stored_sums import clamp_stored, clip_on_device
 
 __all__ = ["BackwardFP8Gradients", "GradientAutoScaler", "quantize_gradient", "requantize_gradient"]
 
@@ -229,21 +229,17 @@ class FP8GradientOwner(Protocol):
 class BackwardFP8Gradients:
     """Quantize each gradient to FP8 as soon as backward has made it (FP8-LM O2).
 
-    An FP8 layer's weight gradient comes through the weight's gradient sink (`linear.set_grad_sink`)
-    straight from its GEMM, in BF16, and is quantized from there: the per-tensor scale is taken from
-    that gradient, so nothing is rounded to the (unscaled) FP16 of the scaled master first, where
-    gradients under 2^-24 vanish. Any other gradient goes through `p.grad` and a
-    `register_post_accumulate_grad_hook`. Either way the owner optimizer gets (payload, scale) and
-    no full-model FP16/FP32 gradient exists between backward and the step: the gradient costs
-    1 byte per element at every moment. Gradient accumulation: the next micro-batch's gradient
-    is added to the stored one in FP32 and re-quantized with a fresh scale, one E4M3 rounding
-    (2^-4 relative) per micro-batch, or per use for a weight one backward uses several times.
-    Clipping goes through `clip_grad_norm`, which multiplies an FP8 gradient by c by dividing
-    its scale (no rounding of the payload).
+    An FP8 layer's weight gradient comes through its gradient sink (`linear.set_grad_sink`) from
+    its GEMM, in BF16, and the per-tensor scale is taken from it: nothing is rounded first to the
+    unscaled FP16 of the scaled master (where gradients under 2^-24 vanish). Others go through
+    `p.grad` and a post-accumulate-grad hook. The owner optimizer gets (payload, scale): the gradient
+    costs 1 byte per element at every moment. Gradient accumulation: each micro-batch's gradient is
+    added to the stored one in FP32 and re-quantized, one E4M3 rounding (2^-4 relative) per
+    micro-batch (or per use of a weight one backward uses twice). `clip_grad_norm` multiplies an
+    FP8 gradient by c by dividing its scale (no rounding of the payload).
 
-    Under torch.distributed with more than one rank the sink and the hook leave the gradient to
-    `p.grad`: DDP's reducer owns it until its (FP8) all-reduce has run; the strategy then
-    quantizes in `process_gradients`.
+    Over several ranks the gradient goes to `p.grad` (DDP's reducer owns it until its FP8
+    all-reduce, which `store_reduced` then stores; else the strategy's `process_gradients` does).
 
     Args:
         scaler: the automatic gradient scale μ; every quantization is recorded in it.
@@ -259,6 +255,8 @@ class BackwardFP8Gradients:
         self._owner: FP8GradientOwner | None = None
         self._handles: list[Any] = []
         self._flags: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(param) → (its payload, NaN flag)
+        self.transport: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._reduced: set[int] = set()  # ids of the parameters `store_reduced` stored this step
 
     @property
     def owner(self) -> FP8GradientOwner | None:
@@ -294,18 +292,37 @@ class BackwardFP8Gradients:
 
     def take(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Store `grad`, an FP8 layer's weight gradient of `param`, as FP8 (None: taken), or give it
-        back for `p.grad` where the hook would not store it either (no owner, several ranks, or a
-        `p.grad` already there, which it joins)."""
-        if self._skips(param) or param.grad is not None:
+        back for `p.grad`: where the hook would not store it either (no owner, or a `p.grad` already
+        there, which it joins), and over several ranks, through `transport` when set (DDP's FP8
+        all-reduce: the gradient times a power of two it keeps, so FP16 does not flush it)."""
+        if self._owner_of(param) is None:
+            return grad
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return grad if self.transport is None else self.transport(param, grad)
+        if param.grad is not None:
             return grad
         self._quantize(param, grad)
         return None
 
-    def _skips(self, param: torch.Tensor) -> bool:
-        return self._owner_of(param) is None or (dist.is_initialized() and dist.get_world_size() > 1)
+    def store_reduced(self, param: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> bool:
+        """Hand the all-reduced FP8 gradient of `param` to its owner (True), whose `p.grad` the
+        strategy then frees (`release_reduced`); False when no owner holds it."""
+        owner = self._owner_of(param)
+        if owner is not None:
+            owner.set_fp8_grad(param, payload, scale)
+            self._reduced.add(id(param))
+        return owner is not None
+
+    def release_reduced(self, param: torch.Tensor) -> bool:
+        """Whether `store_reduced` stored this step's gradient of `param`; its `p.grad` is freed."""
+        if id(param) not in self._reduced:
+            return False
+        self._reduced.discard(id(param))
+        param.grad = None
+        return True
 
     def _store(self, param: torch.Tensor) -> None:
-        if param.grad is None or self._skips(param):
+        if param.grad is None or self._owner_of(param) is None or (dist.is_initialized() and dist.get_world_size() > 1):
             return
         self._quantize(param, param.grad)
         param.grad = None
@@ -413,15 +430,7 @@ class BackwardFP8Gradients:
     def clip_grad_value(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp the stored FP8 gradients among `parameters` to [-clip_value, clip_value]: each
         payload to the largest FP8 value v with v / scale <= clip_value (NaN stays NaN)."""
-        for payload, scale in self.stored(list(parameters)):
-            bound = (clip_value * scale.float()).clamp(max=torch.finfo(payload.dtype).max)
-            code = bound.to(payload.dtype)
-            below = (code.view(torch.uint8) - 1).view(payload.dtype)  # the next FP8 value towards 0
-            limit = torch.where(
-                widen(code, torch.float32) > bound, widen(below, torch.float32), widen(code, torch.float32)
-            )
-            wide = widen(payload, torch.float32)
-            payload.copy_(torch.minimum(torch.maximum(wide, -limit), limit).to(payload.dtype))
+        clamp_stored(self.stored(list(parameters)), clip_value)
 
 
 class _Sink:

@@ -64,6 +64,17 @@ def mask_skipped_stored(stored: Stored, unless: torch.Tensor) -> None:
     run_fused_rows(zero_skipped_stored, stored, skip, like=stored[0][0])
 
 
+def clamp_stored(stored: Stored, clip_value: float) -> None:
+    """Each payload clamped to the largest FP8 value v with v / scale <= clip_value (NaN stays NaN)."""
+    for payload, scale in stored:
+        bound = (clip_value * scale.float()).clamp(max=torch.finfo(payload.dtype).max)
+        code = bound.to(payload.dtype)
+        below = (code.view(torch.uint8) - 1).view(payload.dtype)  # the next FP8 value towards 0
+        limit = torch.where(widen(code, torch.float32) > bound, widen(below, torch.float32), widen(code, torch.float32))
+        wide = widen(payload, torch.float32)
+        payload.copy_(torch.minimum(torch.maximum(wide, -limit), limit).to(payload.dtype))
+
+
 def clip_on_device(
     dense: list[torch.Tensor], stored: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float
 ) -> torch.Tensor:

@@ -315,24 +315,26 @@ class FP8LM(PrecisionStrategy):
 
     def ddp_comm_hook(self) -> tuple[FP8CommState, Any]:
         """(state, hook) for `ddp_model.register_comm_hook(*strategy.ddp_comm_hook())`."""
+        if self.o2:  # the FP8 weights send prescaled gradients and take the reduced FP8 ones (`FP8CommState`)
+            self.backward_grads.transport = self.comm_state.prescale
+            self.comm_state.store = self.backward_grads.store_reduced
         return self.comm_state, fp8_allreduce_hook
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Store gradients as FP8 (scale μ·2^k, or from the all-reduce's N·μ·s_g), then update μ;
         returns the step's skip flag (a 0-dim device tensor, 1.0 for inf/NaN), no host sync.
 
-        O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 has handed
-        each FP8 GEMM weight's gradient to FP8AdamW in backward already (`BackwardFP8Gradients`;
-        under DDP it does so here, after the all-reduce) and frees its `p.grad`; the other
-        parameters keep FP32 gradients, as they keep FP32 masters. A gradient that came out
-        of the FP8 all-reduce is re-encoded from its current values (`requantize_gradient`),
-        since clipping may have scaled it since. Every gradient is quantized whatever the flag
-        (the decision stays on the device): on a skipped step the quantizations made here do
-        not count towards μ, and μ moves only if the all-reduce or backward recorded counts
+        O1 writes the FP8 values of every gradient back into its FP32 `p.grad`. O2 has handed each
+        FP8 GEMM weight's gradient to FP8AdamW in backward (`BackwardFP8Gradients`; under DDP the
+        FP8 all-reduce did) and frees its `p.grad`; the others keep FP32 gradients and masters. A
+        gradient that came out of the FP8 all-reduce otherwise is re-encoded from its current values
+        (`requantize_gradient`): clipping may have scaled it. Every gradient is quantized whatever
+        the flag (the decision stays on the device): on a skipped step the quantizations made here
+        do not count towards μ, and μ moves only if the all-reduce or backward recorded counts
         (their saturation was real even if the step is not), as before.
         """
         everything = [p for g in optimizer.param_groups for p in g["params"]]
-        params = [p for p in everything if p.grad is not None]
+        params = [p for p in everything if p.grad is not None and not self.backward_grads.release_reduced(p)]
         device = everything[0].device
         comm_scales = self.comm_state.grad_scales
         found_inf = self.nonfinite_gradients([p.grad for p in params], device)  # the clip's norm, or read

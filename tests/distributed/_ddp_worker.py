@@ -94,19 +94,29 @@ def halves(name: str, data) -> dict:
 
 def recording_hook(strategy, record: list, recording: dict):
     """The strategy's FP8 hook, appending each bucket's local and reduced gradient and the shared
-    scales to `record` while `recording["on"]` (the first step)."""
+    scales to `record` while `recording["on"]` (the first step), in FP32 and real units: fp8-lm-o2's
+    FP8 weights send their gradient times a power of two σ (`FP8CommState.prescale`; dividing by it
+    is exact) and the hook stores their reduced FP8 gradient in the optimizer, zeroing the bucket."""
     state, hook = strategy.ddp_comm_hook()
 
     def recorded(state, bucket):
-        local = bucket.buffer().detach().clone()
+        params, numels = bucket.parameters(), [g.numel() for g in bucket.gradients()]
+        one = torch.ones(())
+        sigmas = torch.stack([state.prescales.get(id(p), one).float() for p in params])
+        local = bucket.buffer().detach().float() / torch.repeat_interleave(sigmas, torch.tensor(numels))
         future = hook(state, bucket)
         if recording["on"]:
-            scales = [state.grad_scales.get(id(p)) for p in bucket.parameters()]
+            reduced, scales = bucket.buffer().detach().float().clone(), []
+            for p, part in zip(params, reduced.split(numels)):
+                stored = strategy.backward_grads.stored([p]) if state.store is not None else []
+                if stored:
+                    part.copy_(stored[0][0].float().flatten() / stored[0][1])
+                scales.append(stored[0][1] if stored else state.grad_scales.get(id(p)))
             record.append(
                 {
                     "local": local,
-                    "reduced": bucket.buffer().detach().clone(),
-                    "numels": [g.numel() for g in bucket.gradients()],
+                    "reduced": reduced,
+                    "numels": numels,
                     "scales": None if any(s is None for s in scales) else torch.stack(scales).float(),
                 }
             )
