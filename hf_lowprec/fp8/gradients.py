@@ -434,10 +434,10 @@ class BackwardFP8Gradients:
 
 
 class _Sink:
-    """A weight's gradient sink into `BackwardFP8Gradients.take`; it holds the weight weakly (the
-    weight holds it) and is not pickled with it (unpickled, the weight has no sink)."""
+    """A weight's sink into `BackwardFP8Gradients.take`: weakly held weight, not pickled, eager only."""
 
     __slots__ = ("grads", "param")
+    eager_only = True
 
     def __init__(self, grads: BackwardFP8Gradients, param: torch.Tensor) -> None:
         self.grads, self.param = grads, weakref.ref(param)

@@ -126,8 +126,11 @@ def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
 
 def get_grad_sink(param: torch.Tensor) -> GradSink | None:
     """The gradient sink set on `param` by `set_grad_sink`, or None; None too while `param` is
-    frozen (`requires_grad_(False)`): a frozen weight's gradient is not taken, as autograd's is not."""
-    return getattr(param, _GRAD_SINK_ATTR, None) if param.requires_grad else None
+    frozen (`requires_grad_(False)`): a frozen weight's gradient is not taken, as autograd's is not,
+    and inside a compiled graph for a sink marked `eager_only` (its Python state would break the
+    graph; autograd then gives `param.grad`)."""
+    sink = getattr(param, _GRAD_SINK_ATTR, None) if param.requires_grad else None
+    return None if getattr(sink, "eager_only", False) and torch.compiler.is_compiling() else sink
 
 
 # --- weight cache: one quantization per optimizer step ------------------------------------

@@ -3,8 +3,7 @@
 The optimizer is `hf_lowprec.optim.zero_fp8.FP8ZeroAdamW` (whole FP8 GEMM weights per rank, FP8
 gradient all-reduce, FP8 weight all-gather); this class builds it, decides skipped steps on
 every rank together, and gathers the owners' masters for export. In one process, rank 0 owns
-everything and a step on one batch is O2's; over accumulated micro-batches O3 rounds the sum to
-FP8 once, where O2 rounds each partial sum (docs/strategies/fp8-lm.md).
+everything and O3 trains as O2 (its FP8 weights' gradients quantized in backward, from their GEMMs).
 """
 
 from __future__ import annotations
@@ -30,6 +29,18 @@ def _fp8_zero(optimizer: Any) -> FP8ZeroAdamW | None:
 
     inner = unwrap_optimizer(optimizer) if optimizer is not None else None
     return inner if isinstance(inner, FP8ZeroAdamW) else None
+
+
+class _FP8WeightsOf:
+    """FP8ZeroAdamW as the owner of its FP8 weights' gradients (`BackwardFP8Gradients.owner` takes
+    the parameters of `param_groups`, where FP8ZeroAdamW keeps only the others)."""
+
+    def __init__(self, optimizer: FP8ZeroAdamW) -> None:
+        self.optimizer = optimizer
+        self.param_groups = [{"params": optimizer.fp8_params}]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
 
 
 @register("fp8-lm-o3", level="O2")
@@ -82,7 +93,7 @@ class FP8LMO3(FP8LM):
         # too); the FP8 weights go to the FP8 ZeRO part.
         groups = [{**g, "params": [p for p in g["params"] if get_master_scale(p) is None]} for g in param_groups]
         fp8 = [[p for p in g["params"] if get_master_scale(p) is not None] for g in param_groups]
-        return FP8ZeroAdamW(
+        optimizer = FP8ZeroAdamW(
             groups,
             fp8,
             **hyper,
@@ -92,6 +103,9 @@ class FP8LMO3(FP8LM):
             fused=self.options.fused,
             process_group=self.process_group,
         )
+        if optimizer.world == 1:  # the FP8 weights' gradients are quantized in backward, from their GEMMs, as O2's
+            self.backward_grads.owner = _FP8WeightsOf(optimizer)
+        return optimizer
 
     def promised_param_dtypes(self) -> tuple[torch.dtype, ...]:
         # Across ranks, the FP8 weights another rank owns are held as their E4M3 payload.
@@ -114,6 +128,9 @@ class FP8LMO3(FP8LM):
             return optimizer.found_inf
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         found_inf = self.nonfinite_gradients(grads + optimizer.fp8_grads(), optimizer.device)
+        stored = self.backward_grads.nonfinite(optimizer.fp8_params)  # one process: quantized in backward
+        if stored is not None:
+            found_inf = torch.maximum(found_inf, stored.float())
         if optimizer.world > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=optimizer.process_group)  # every rank skips together
         optimizer.found_inf = found_inf
