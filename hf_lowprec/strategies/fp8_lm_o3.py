@@ -32,15 +32,15 @@ def _fp8_zero(optimizer: Any) -> FP8ZeroAdamW | None:
 
 
 class _FP8WeightsOf:
-    """FP8ZeroAdamW as the owner of its FP8 weights' gradients (`BackwardFP8Gradients.owner` takes
-    the parameters of `param_groups`, where FP8ZeroAdamW keeps only the others)."""
+    """FP8ZeroAdamW as the owner of its FP8 weights' gradients: the owner setter of
+    `hf_lowprec.fp8.gradients.BackwardFP8Gradients` takes the parameters of `param_groups`, where
+    FP8ZeroAdamW keeps only the others."""
 
     def __init__(self, optimizer: FP8ZeroAdamW) -> None:
         self.optimizer = optimizer
         self.param_groups = [{"params": optimizer.fp8_params}]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
+        self.set_fp8_grad, self.fp8_grad = optimizer.set_fp8_grad, optimizer.fp8_grad
+        self.fp8_grad_buffers = optimizer.fp8_grad_buffers
 
 
 @register("fp8-lm-o3", level="O2")

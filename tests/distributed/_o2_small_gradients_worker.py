@@ -60,12 +60,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = Path(parser.parse_args().out)
     dist.init_process_group("gloo")
-    result: dict = {"world_size": dist.get_world_size()}
     try:
-        result.update(run(out))
+        result = run(out)
     except Exception:
-        result["error"] = traceback.format_exc()[-3000:]
-    finish_rank(out, result)
+        result = {"error": traceback.format_exc()[-3000:]}
+    finish_rank(out, {"world_size": dist.get_world_size(), **result})
 
 
 if __name__ == "__main__":
