@@ -64,12 +64,13 @@ class PrecisionPlugin:
             self.strategy = strategy
         else:
             self.strategy = get_strategy(strategy, **options)
-        self._hooked: set[int] = set()
-        self._optimizers: list[StrategyOptimizer] = []
+        # Weak: what the loop drops (after `accelerator.free_memory`) is freed, and not taken for a later object.
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the models given the forward context
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()  # the strategy's optimizers
         # Each replaced torch optimizer → the strategy's optimizer that took its place.
         self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._skips_noted: set[int] = set()  # Accelerate's optimizer wrappers told of the strategy's skips
-        self._schedulers: list[Any] = []  # the AcceleratedSchedulers prepared: held a step late on a skip
+        self._skips_noted: weakref.WeakSet = weakref.WeakSet()  # Accelerate's optimizer wrappers told of skips
+        self._schedulers: weakref.WeakSet = weakref.WeakSet()  # the AcceleratedSchedulers: held a step late on a skip
         self.report: dict[str, Any] | None = None  # the startup report of the last prepared model
         self._outside = 0  # `autocast()` contexts open
 
@@ -108,8 +109,8 @@ class PrecisionPlugin:
                     for scheduler in _schedulers_over(obj):
                         self._follow(scheduler)
                 objects[i] = self._replaced[obj]
-            if isinstance(objects[i], StrategyOptimizer) and all(o is not objects[i] for o in self._optimizers):
-                self._optimizers.append(objects[i])
+            if isinstance(objects[i], StrategyOptimizer):
+                self._optimizers.add(objects[i])
         for obj in objects:
             self._follow(obj)
         if getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None) is not None:
@@ -180,7 +181,7 @@ class PrecisionPlugin:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert `model`, every forward in the strategy's context, 16-bit outputs in FP32 (as Accelerate's)."""
         model = _prepare_model(self.strategy, model)
-        if id(model) not in self._hooked:
+        if model not in self._hooked:
             contexts: list[contextlib.AbstractContextManager] = []
 
             def enter(module: torch.nn.Module, args: Any) -> None:
@@ -200,7 +201,7 @@ class PrecisionPlugin:
             # always_call: leave the context even when the forward raises.
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
             widen_outputs(self.strategy, narrow_inputs(self.strategy, model))  # float inputs narrowed, outputs FP32
-            self._hooked.add(id(model))
+            self._hooked.add(model)
         return model
 
     def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
@@ -219,7 +220,7 @@ class PrecisionPlugin:
         """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""
         self._refuse_second_optimizer([None])
         optimizer = self.strategy.create_optimizer(params_or_groups, **hyper)
-        self._optimizers.append(optimizer)
+        self._optimizers.add(optimizer)
         return optimizer
 
     @contextlib.contextmanager
@@ -286,7 +287,7 @@ class PrecisionPlugin:
         self._follow(scheduler)
         prepared = type(accelerator).prepare_scheduler(accelerator, scheduler)
         hold_accelerated_scheduler(prepared)
-        self._schedulers.append(prepared)
+        self._schedulers.add(prepared)
         return prepared
 
     def metrics(self) -> dict[str, float]:
@@ -304,13 +305,11 @@ class PrecisionPlugin:
         # optimizer's gradients would be unscaled by a scale already moved on, or clipped still scaled.
         if not isinstance(self.strategy, LossScaledStrategy):
             return
-        new = {id(o) for o in objects if o is None}  # None: one about to be built by create_optimizer
-        for obj in objects:
-            if isinstance(obj, StrategyOptimizer):
-                if all(o is not obj for o in self._optimizers):
-                    new.add(id(obj))
-            elif isinstance(obj, torch.optim.Optimizer) and obj not in self._replaced:
-                new.add(id(obj))
+        known = (self._optimizers, self._replaced)  # counted: the strategy's optimizers the loop still holds
+        new = {id(o) for o in objects if isinstance(o, torch.optim.Optimizer) and all(o not in k for k in known)}
+        new |= {id(o) for o in objects if o is None}  # one create_optimizer is about to build
+        if new and len(self._optimizers) + len(new) > 1:
+            gc.collect()  # one the loop dropped (after `accelerator.free_memory`) may wait in a reference cycle
         if new and len(self._optimizers) + len(new) > 1:
             raise ValueError(
                 f"precision strategy {self.strategy.name!r} scales the loss with one loss scaler, which unscales "
@@ -318,7 +317,8 @@ class PrecisionPlugin:
                 f"be optimizer {len(self._optimizers) + len(new)} (two models, a GAN's generator and "
                 "discriminator): its gradients would be unscaled by the wrong scale. Put the parameters in one "
                 "optimizer (param groups for separate settings), or pick a BF16 strategy (bf16-mixed, "
-                "collage-plus), which scales nothing"
+                "collage-plus), which scales nothing. A retry (`accelerator.free_memory()`, then a new model and "
+                "optimizer) is no second one once the earlier optimizer is dropped"
             )
 
     def _route(self, accelerator: Any) -> None:
@@ -348,8 +348,8 @@ class PrecisionPlugin:
         for wrapper in prepared:
             inner = getattr(wrapper, "optimizer", None)
             if isinstance(inner, StrategyOptimizer) and hasattr(wrapper, "_is_overflow"):
-                if id(wrapper) not in self._skips_noted:
-                    self._skips_noted.add(id(wrapper))
+                if wrapper not in self._skips_noted:
+                    self._skips_noted.add(wrapper)
                     inner.register_step_post_hook(functools.partial(note_accelerate_skip, wrapper, self._schedulers))
 
     def _register_comm_hooks(self, prepared: tuple) -> None:

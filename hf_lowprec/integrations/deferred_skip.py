@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ class DeferredSkip:
     def __init__(self, optimizer: StrategyOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)  # the optimizer's hooks hold this, not the other way
         self.skipped = False  # the last resolved step's flag
-        self._schedulers: list[Any] = []
+        # Weak, as the optimizer: a scheduler holds it, and this (a value of `_DEFERRALS`) would keep both alive.
+        self._schedulers: list[weakref.ref] = []
         self._saved: tuple[list[dict], list[dict]] | None = None  # the schedulers' states, the groups: before
         self._stepped: tuple[list[dict], list[dict]] | None = None  # after the schedulers' step
         self._host: torch.Tensor | None = None
@@ -69,7 +71,7 @@ class DeferredSkip:
         if flag is None:
             return
         self._keep(flag.detach())
-        self._schedulers = list(schedulers)
+        self._schedulers = [weakref.ref(s) for s in schedulers]
         self._saved, self._stepped = self._held(), None
 
     def stepped(self) -> None:
@@ -80,7 +82,8 @@ class DeferredSkip:
     def _held(self) -> tuple[list[dict], list[dict]]:
         optimizer = self._optimizer()
         groups = optimizer.param_groups if optimizer is not None else []
-        return [_state_copy(s) for s in self._schedulers], [_group_copy(g) for g in groups]
+        schedulers = [ref() for ref in self._schedulers]
+        return [_state_copy(s) if s is not None else {} for s in schedulers], [_group_copy(g) for g in groups]
 
     def resolve(self) -> bool:
         """Read the pending flag (if any) and hold the schedule where it was skipped; the last flag."""
@@ -98,8 +101,9 @@ class DeferredSkip:
         return self.skipped
 
     def _take_back(self, before: tuple[list[dict], list[dict]], after: tuple[list[dict], list[dict]]) -> None:
-        for scheduler, was, wrote in zip(self._schedulers, before[0], after[0], strict=True):
-            scheduler.load_state_dict(_taken_back(was, wrote, scheduler.state_dict()))
+        for ref, was, wrote in zip(self._schedulers, before[0], after[0], strict=True):
+            if (scheduler := ref()) is not None:
+                scheduler.load_state_dict(_taken_back(was, wrote, scheduler.state_dict()))
         optimizer = self._optimizer()
         groups = optimizer.param_groups if optimizer is not None else []
         for group, was, wrote in zip(groups, before[1], after[1], strict=False):
@@ -256,7 +260,7 @@ class _AskedFlag:
         return self.flag is not None and bool(self.flag)
 
 
-def note_accelerate_skip(wrapper: Any, schedulers: list[Any], optimizer: StrategyOptimizer, *args: Any) -> None:
+def note_accelerate_skip(wrapper: Any, schedulers: Iterable[Any], optimizer: StrategyOptimizer, *args: Any) -> None:
     """An optimizer post-hook: Accelerate's schedulers bound to `wrapper` step now, held later on a skip.
 
     With none of `schedulers` (the AcceleratedSchedulers prepared) bound to it, nothing is held: the
