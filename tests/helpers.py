@@ -147,6 +147,23 @@ def train_steps(strategy, model, optimizer, data: list[torch.Tensor], scheduler=
     return losses
 
 
+def split_like_before(self, param_groups, **hyper):
+    """FP8-LM O2's optimizer as it was built before `unscaled_format` (to 2026-12-06): each group
+    split in two. Bound to a strategy as its `build_optimizer`, it writes that layout's checkpoints."""
+    from hf_lowprec.fp8.scaled import get_master_scale
+    from hf_lowprec.optim import FP8AdamW
+
+    groups = []
+    for group in param_groups:
+        fp8 = [p for p in group["params"] if get_master_scale(p) is not None]
+        other = [p for p in group["params"] if get_master_scale(p) is None]
+        groups += [{**group, "params": fp8}] if fp8 else []
+        groups += [{**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}] if other else []
+    optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format="fp16", margin=0, fused=self.options.fused)
+    self.backward_grads.owner = optimizer
+    return optimizer
+
+
 def trainer_arguments(output_dir, **overrides) -> dict:
     """`TrainingArguments` keywords of the Trainer tests: a few CPU steps, every step logged, no
     reporting integration, no progress bar; `overrides` win."""

@@ -64,6 +64,7 @@ from .optimizer_arguments import (
 )
 from .outputs import prepared_model
 from .precision_arguments import check_precision_arguments, setup_trial, trial_precision
+from .split_schedule import load_split_layout
 from .stock_signature import bind_stock_arguments, forwarding_init
 
 __all__ = ["PrecisionArgumentsMixin", "PrecisionTrainerMixin", "PrecisionCallback", "TrainingArguments", "Trainer"]
@@ -311,6 +312,9 @@ class PrecisionTrainerMixin:
         # Ranks on CPU load to "cpu" (transformers 5.17 maps to "cpu:0", which torch cannot restore).
         cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu" and not self.is_fsdp_enabled
         files = [os.path.join(checkpoint or "", f) for f in ("optimizer.pt", "scheduler.pt")]
+        if self.precision is not None and checkpoint is not None and not getattr(self, "is_deepspeed_enabled", False):
+            if load_split_layout(self, checkpoint, resets):  # FP8-LM's older split groups, schedule included
+                return None
         if checkpoint is None or not (resets or (cpu_ranks and all(map(os.path.isfile, files)))):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if getattr(self, "is_deepspeed_enabled", False):

@@ -19,7 +19,7 @@ from .dispatch import FusedMode
 from .formats import Scaled
 from .rules import Nearest, ScaledMaster, ScaledMasterFP8
 
-__all__ = ["FP8AdamW", "fp8_adamw_param_step"]
+__all__ = ["FP8AdamW", "fp8_adamw_param_step", "merge_split_groups", "merge_split_schedule", "split_group_counts"]
 
 
 def _composition(param: torch.Tensor, group: dict[str, Any]) -> Composition:
@@ -271,28 +271,48 @@ class FP8AdamW(AdamW):
         super().load_state_dict(merge_split_groups(self.param_groups, state_dict))
 
 
-def merge_split_groups(groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> dict[str, Any]:
-    """`state_dict` with its groups as `groups` (the optimizer's) when it was saved with each group
-    split in two, FP8 GEMM weights first, then the others with FP32 formats (FP8-LM O2's layout
-    before `unscaled_format`): each pair becomes one group whose parameters follow the current
-    group's order. Any other state dict is returned as it is (torch's checks apply)."""
-    saved = state_dict.get("param_groups", [])
+def split_group_counts(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[int] | None:
+    """How many of the `saved` param groups each of `groups` (the optimizer's) was split into (1 or
+    2) when they were saved in FP8-LM O2's layout before `unscaled_format` (each group split in two,
+    FP8 GEMM weights first, then the others with FP32 formats); None for any other layout."""
     if len(saved) <= len(groups) or any(g.get("unscaled_format") is None for g in groups):
-        return state_dict
-    merged, at = [], 0
+        return None
+    counts, at = [], 0
     for group in groups:
         scaled = [get_master_scale(p) is not None for p in group["params"]]
         parts = [n for n in (sum(scaled), len(scaled) - sum(scaled)) if n]
-        pieces = saved[at : at + len(parts)]
-        if [len(g["params"]) for g in pieces] != parts:
-            return state_dict  # not that layout: torch's error names the mismatch
+        if [len(g["params"]) for g in saved[at : at + len(parts)]] != parts:
+            return None
+        counts.append(len(parts))
         at += len(parts)
-        fp8 = iter(pieces[0]["params"] if scaled and scaled.count(True) else [])
+    return counts if at == len(saved) else None
+
+
+def merge_split_groups(groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with its groups as `groups` (the optimizer's) when it was saved with each group
+    split in two (`split_group_counts`): each pair becomes one group whose parameters follow the
+    current group's order. Any other state dict is returned as it is (torch's checks apply)."""
+    saved = state_dict.get("param_groups", [])
+    counts = split_group_counts(groups, saved)
+    if counts is None:
+        return state_dict  # not that layout: torch's error names the mismatch
+    merged, at = [], 0
+    for group, count in zip(groups, counts):
+        scaled = [get_master_scale(p) is not None for p in group["params"]]
+        pieces = saved[at : at + count]
+        at += count
+        fp8 = iter(pieces[0]["params"] if scaled.count(True) else [])
         rest = iter(pieces[-1]["params"] if scaled.count(False) else [])
         params = [next(fp8) if is_fp8 else next(rest) for is_fp8 in scaled]
-        first = pieces[0]
         formats = {k: group[k] for k in ("exp_avg_format", "exp_avg_sq_format", "unscaled_format")}
-        merged.append({**first, **formats, "params": params})
-    if at != len(saved):
-        return state_dict
+        merged.append({**pieces[0], **formats, "params": params})
     return {**state_dict, "param_groups": merged}
+
+
+def merge_split_schedule(counts: list[int], schedule: dict[str, Any]) -> dict[str, Any]:
+    """An LR scheduler's `state_dict` saved over the split groups (`split_group_counts` gave `counts`)
+    as one over the merged groups: every per-group list (`base_lrs`, `_last_lr`, `lr_lambdas`, ...)
+    keeps the first entry of each split pair (the two halves of one group had the same values)."""
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    total = sum(counts)
+    return {k: [v[i] for i in firsts] if isinstance(v, list) and len(v) == total else v for k, v in schedule.items()}

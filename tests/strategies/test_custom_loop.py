@@ -11,7 +11,7 @@ from transformers import GPT2LMHeadModel
 import hf_lowprec
 from hf_lowprec.data import tiny_gpt2_config
 from hf_lowprec.report import PrecisionPromiseError
-from tests.helpers import assert_bits_equal, batches
+from tests.helpers import assert_bits_equal, batches, split_like_before
 
 
 def tiny(seed: int = 0) -> GPT2LMHeadModel:
@@ -134,22 +134,6 @@ def test_the_whole_prepared_model_saves_with_torch_save(name):
         assert_bits_equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits, "logits after torch.load")
 
 
-def _split_like_before(self, param_groups, **hyper):
-    """FP8-LM O2's optimizer as it was built before `unscaled_format`: each group split in two."""
-    from hf_lowprec.fp8.scaled import get_master_scale
-    from hf_lowprec.optim import FP8AdamW
-
-    groups = []
-    for group in param_groups:
-        fp8 = [p for p in group["params"] if get_master_scale(p) is not None]
-        other = [p for p in group["params"] if get_master_scale(p) is None]
-        groups += [{**group, "params": fp8}] if fp8 else []
-        groups += [{**group, "params": other, "exp_avg_format": "fp32", "exp_avg_sq_format": "fp32"}] if other else []
-    optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format="fp16", margin=0, fused=self.options.fused)
-    self.backward_grads.owner = optimizer
-    return optimizer
-
-
 def _o2_run(build=None, state=None, steps=(0, 4)):
     strategy = hf_lowprec.get_strategy("fp8-lm-o2")
     if build is not None:
@@ -174,12 +158,12 @@ def test_fp8_lm_keeps_the_users_groups_and_trains_as_before():
     _, model, optimizer = _o2_run()
     assert len(optimizer.param_groups) == 2
     torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 1.0, lambda s: 0.5])
-    _, old_model, old_optimizer = _o2_run(_split_like_before)
+    _, old_model, old_optimizer = _o2_run(split_like_before)
     assert len(old_optimizer.param_groups) == 3  # the no-decay group holds no FP8 weight
     for (name, p), q in zip(model.state_dict().items(), old_model.state_dict().values(), strict=True):
         assert_bits_equal(p, q, name)
     # Saved after 2 steps in the old layout, resumed in the new one: 2 more steps equal the old 4.
-    _, half_model, half_optimizer = _o2_run(_split_like_before, steps=(0, 2))
+    _, half_model, half_optimizer = _o2_run(split_like_before, steps=(0, 2))
     saved = ({k: v.clone() for k, v in half_model.state_dict().items()}, half_optimizer.state_dict())
     _, resumed, resumed_optimizer = _o2_run(state=saved, steps=(2, 4))
     assert len(resumed_optimizer.param_groups) == 2
@@ -270,7 +254,7 @@ def test_a_sharded_state_saved_with_split_fp8_groups_is_refused(one_rank_group, 
     from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model
 
     runs = []
-    for build in (_split_like_before, None):
+    for build in (split_like_before, None):
         strategy = hf_lowprec.get_strategy("fp8-lm-o2")
         if build is not None:
             strategy.build_optimizer = build.__get__(strategy)
