@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__version__ = "0.1.0"
+from hf_lowprec.version import __version__  # bumped when an update rule or a state layout changes
 
 __all__ = [
     "available_strategies",

@@ -25,6 +25,7 @@ BENCH = ROOT.parent / "bench"
 # Lower number = lower layer. A module's layer is that of its longest matching prefix.
 LAYERS = {
     "hf_lowprec.numerics": 0,
+    "hf_lowprec.version": 0,  # the version and commit checkpoints record
     "hf_lowprec.compiling": 0,
     "hf_lowprec.metrics": 0,
     "hf_lowprec.scaling": 0,

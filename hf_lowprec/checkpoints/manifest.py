@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..version import VERSION_KEYS, saving_version
+
 __all__ = [
     "MANIFEST",
     "ENV_CRASH_AT",
@@ -67,7 +69,8 @@ def file_entry(file: str) -> dict[str, int]:
 
 
 def write_manifest(directory: str, files: Iterable[str] | Mapping[str, dict], **fields: Any) -> None:
-    """Write `directory`/hf_lowprec_manifest.json: `fields` and each file's size and CRC-32.
+    """Write `directory`/hf_lowprec_manifest.json: `fields`, the saving version and commit, and each
+    file's size and CRC-32.
 
     `files` are paths relative to `directory` (checksummed here), or entries already formed
     (each rank's own files, checksummed by that rank). Written through a temporary file that
@@ -75,7 +78,7 @@ def write_manifest(directory: str, files: Iterable[str] | Mapping[str, dict], **
     """
     if not isinstance(files, Mapping):
         files = {rel: file_entry(os.path.join(directory, rel)) for rel in files}
-    manifest = {"format": MANIFEST_FORMAT, **fields, "files": dict(sorted(files.items()))}
+    manifest = {"format": MANIFEST_FORMAT, **saving_version(), **fields, "files": dict(sorted(files.items()))}
     temporary = os.path.join(directory, f"{MANIFEST}.tmp")
     with open(temporary, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
@@ -115,6 +118,9 @@ def _field_problem(manifest: dict) -> str | None:
         return f"its strategy is {_shown(strategy)}, not a name or null"
     if options is not None and not isinstance(options, dict):
         return f"its options are {_shown(options)}, not an object or null"
+    for key in VERSION_KEYS:
+        if manifest.get(key) is not None and not isinstance(manifest[key], str):
+            return f"its {key} is {_shown(manifest[key])}, not a string or null"
     world = manifest.get("world_size", 1)
     if type(world) is not int or world < 1:
         return f"its world_size is {_shown(world)}, not a positive integer"

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoints.resume import check_fp8_layout, check_optimizer_state, check_stock_optimizer_state
+from ..version import VERSION_KEYS, saving_version, warn_other_version
 from .prepared import check_added_dtypes
 
 if TYPE_CHECKING:
@@ -178,6 +179,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
         state["hf_lowprec"] = {
             "strategy": self.strategy.name,
             "options": dataclasses.asdict(self.strategy.options),
+            **saving_version(),  # a resume by another version warns: its update rules may differ
             **self.strategy.state_dict(),
         }
         layout = getattr(self.strategy, "fp8_layout", None)
@@ -202,11 +204,12 @@ class StrategyOptimizer(torch.optim.Optimizer):
         else:
             changed = check_optimizer_state(self.strategy, ours)  # another strategy's, changed options: refused
             check_fp8_layout(self.strategy, ours)  # other layers kept in BF16 than when it was saved: refused
+            warn_other_version(ours, "this optimizer state")  # before 0.2.0 or another version: once, a warning
             if "seed" in changed:
                 # A new stochastic-rounding seed applies for real: the generators start from it.
                 state_dict.pop("generator_states", None)
             self.strategy.load_state_dict(
-                {k: v for k, v in ours.items() if k not in ("strategy", "options", "fp8_layout")}
+                {k: v for k, v in ours.items() if k not in ("strategy", "options", "fp8_layout", *VERSION_KEYS)}
             )
         self.optimizer.load_state_dict(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
