@@ -37,6 +37,7 @@ __all__ = [
     "check_stock_optimizer_state",
     "refuse_split_fp8_groups",
     "check_fp8_layout",
+    "check_split_schedule",
     "check_zero_owners",
     "refuse_rank_optimizers",
     "refuse_strategy_checkpoint",
@@ -434,6 +435,19 @@ def check_optimizer_state(strategy: Any, saved: dict[str, Any]) -> list[str]:
         )
     options = saved.get("options")
     return check_resume_options(strategy, options, "this optimizer state") if options else []
+
+
+def check_split_schedule(counts: list[int] | None, saved: int, live: int, schedule_file: str, state_file: str) -> None:
+    """A `scheduler.pt` over `saved` param groups where the optimizer has `live` (fewer) is only
+    resumed from FP8-LM O2's older split layout (`optim.fp8_adamw.split_group_counts` gave `counts`
+    for `state_file`); any other is refused before anything is loaded."""
+    if counts is None or sum(counts) != saved:
+        raise ValueError(
+            f"{schedule_file} holds an LR schedule over {saved} parameter groups and this run's optimizer has "
+            f"{live}, and {state_file} is not FP8-LM O2's older split layout that merges into them (nothing was "
+            f"loaded): resume with resume_reset='scheduler' to start the schedule afresh, or finish the run with "
+            f"the hf_lowprec version that saved it (docs/checkpoints.md)"
+        )
 
 
 def check_stock_optimizer_state(strategy: Any, sharded: bool = False) -> None:

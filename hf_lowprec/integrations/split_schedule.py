@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoints.resume import check_split_schedule
 from ..optim.fp8_adamw import merge_split_schedule, split_group_counts
 
 __all__ = ["load_split_layout"]
@@ -36,13 +37,7 @@ def load_split_layout(trainer: Any, checkpoint: str, resets: set[str]) -> bool:
         return False
     state = torch.load(state_file, map_location="cpu", weights_only=True) if os.path.isfile(state_file) else {}
     counts = split_group_counts(groups, state.get("param_groups", []))
-    if counts is None or sum(counts) != len(saved_lrs):
-        raise ValueError(
-            f"{schedule_file} holds an LR schedule over {len(saved_lrs)} parameter groups and this run's optimizer "
-            f"has {len(groups)}, and {state_file} is not FP8-LM O2's older split layout that merges into them "
-            f"(nothing was loaded): resume with resume_reset='scheduler' to start the schedule afresh, or finish the "
-            f"run with the hf_lowprec version that saved it (docs/checkpoints.md)"
-        )
+    check_split_schedule(counts, len(saved_lrs), len(groups), schedule_file, state_file)
     if "optimizer" not in resets:
         trainer.optimizer.load_state_dict(state)
     trainer.lr_scheduler.load_state_dict(merge_split_schedule(counts, schedule))
