@@ -1,6 +1,7 @@
 """PEFT (LoRA, …) under a precision strategy: the strategy converts the model as usual, and the
-frozen base PEFT wraps is kept in the strategy's compute dtype (`prepare_model`); every adapter,
-the inactive ones too, keeps its dtype. `peft` is never imported here: a model can only be a
+frozen base PEFT wraps is kept in the strategy's compute dtype (`prepare_model`), but for what
+transformers keeps FP32 in that dtype (`strategies.casting.kept_parameters`); every adapter, the
+inactive ones too, keeps its dtype. `peft` is never imported here: a model can only be a
 `PeftModel` if the caller imported it.
 """
 
@@ -16,6 +17,7 @@ import torch
 from ..checkpoints.fp8_published import restore_published_fp8
 from ..fp8.blocks import FrozenBlockFP8Linear
 from ..fp8.linear import FP8Linear
+from ..strategies.casting import kept_parameters
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["adapter_parameters", "is_peft_model", "prepare_model"]
@@ -94,7 +96,9 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
 
     A frozen base weight never receives an update, so it needs no master copy and no optimizer
     state: it is kept in the strategy's compute dtype (e.g. BF16 under `bf16-mixed`, where the
-    autocast would round it to BF16 at every matmul anyway). Trainable adapter weights keep the
+    autocast would round it to BF16 at every matmul anyway), but for the parameters
+    `from_pretrained(dtype=<compute dtype>)` keeps FP32 (`strategies.casting.kept_parameters`: T5's
+    `wo` in FP16, DeepSeek-V3's router `gate.weight`), which stay FP32. Trainable adapter weights keep the
     strategy's parameter dtype, and only they reach the strategy's optimizer (the integrations
     build it from `requires_grad` parameters). The adapters that are not trained (an inactive
     adapter, the other copies of a `modules_to_save` module) are no base: they keep their dtype,
@@ -117,10 +121,22 @@ def prepare_model(strategy: PrecisionStrategy, model: torch.nn.Module) -> torch.
     # A frozen layer kept as its FP8 checkpoint published it stays so (checkpoints/fp8_published.py).
     kept = {id(p) for m in model.modules() if isinstance(m, FrozenBlockFP8Linear) for p in m.parameters()}
     kept |= adapter_parameters(model)  # every adapter, trained or not, is no frozen base
+    # What `from_pretrained(dtype=compute)` keeps FP32 stays FP32 (T5's `wo` in FP16, whose output
+    # passes 65504; DeepSeek-V3's router `gate.weight`), as the strategy's own cast keeps it.
+    wide = {id(p) for p in kept_parameters(model, compute) if not p.requires_grad} - kept
     for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point() and param.dtype != compute and id(param) not in kept:
-            param.data = param.data.to(compute)
-            cast += 1
-    if cast:
-        logger.info("%s: %d frozen PEFT base tensors stored in %s", strategy.name, cast, compute)
+        if param.requires_grad or not param.is_floating_point() or id(param) in kept:
+            continue
+        dtype = torch.float32 if id(param) in wide else compute
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += dtype == compute
+    if cast or wide:
+        logger.info(
+            "%s: %d frozen PEFT base tensors stored in %s (%d kept FP32, as transformers loads them)",
+            strategy.name,
+            cast,
+            compute,
+            len(wide),
+        )
     return model

@@ -1,7 +1,8 @@
 """The 16-bit-weight strategies keep FP32 the trainable parameters transformers keeps in FP32 when it
 loads a model in 16 bits (`_keep_in_fp32_modules_strict`, for FP16 `_keep_in_fp32_modules` too:
 `strategies.casting.kept_parameters`), and their optimizers step them as plain FP32 AdamW
-(tests/optim/test_kept_fp32.py); a T5 whose `wo` output passes 65504 trains finite under fp16-als."""
+(tests/optim/test_kept_fp32.py); a T5 whose `wo` output passes 65504 trains finite under fp16-als.
+With PEFT the frozen base keeps them FP32 too (`integrations.peft.prepare_model`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import transformers
 
 from hf_lowprec import Seq2SeqTrainer, Seq2SeqTrainingArguments, get_strategy
 from hf_lowprec.engines.fsdp2 import shard_model
+from hf_lowprec.integrations.peft import adapter_parameters
+from hf_lowprec.integrations.peft import prepare_model as prepare_peft_model
 from hf_lowprec.report import check_promises
 from hf_lowprec.testing.moe import tiny_moe
-from tests.helpers import logged_losses, train_steps, trainer_arguments
+from tests.helpers import gamma, logged_losses, train_steps, trainer_arguments
 
 STRATEGIES = ["bf16-pure", "bf16-kahan", "bf16-sr", "bf16-fp32states", "collage-light", "collage-plus", "collage-8bit"]
 T5 = dict(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
@@ -124,3 +127,72 @@ def test_fp16_als_skips_a_step_whose_kept_fp32_gradient_is_inf():
     optimizer.step()
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), f"{name} changed in a step that should have been skipped"
+
+
+LORA_TARGETS = {"t5": ["q", "v"], "deepseek_v3": ["o_proj"]}  # `wo`, the router: frozen base
+
+
+def _lora(model: torch.nn.Module, arch: str):
+    peft = pytest.importorskip("peft")
+    task = "SEQ_2_SEQ_LM" if arch == "t5" else "CAUSAL_LM"
+    return peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[arch], task_type=task)
+    )
+
+
+def _frozen_base_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    adapters = adapter_parameters(model)
+    return {n: p.dtype for n, p in model.named_parameters() if id(p) not in adapters}
+
+
+@pytest.mark.parametrize(
+    ("name", "arch"),
+    [
+        ("collage-plus", "deepseek_v3"),
+        ("bf16-mixed", "deepseek_v3"),
+        ("fp16-als", "t5"),
+        ("fp16-mixed", "t5"),
+        ("bf16-mixed", "t5"),
+    ],
+)
+def test_a_peft_models_frozen_base_has_the_dtypes_of_a_stock_load_in_the_compute_dtype(name, arch):
+    """The integrations' PEFT preparation (Trainer, TRL `peft_config=`, the plugin) holds the frozen base in
+    the compute dtype but for what `from_pretrained(dtype=<compute dtype>)` keeps FP32: it cast T5's `wo`
+    to FP16 (inf at every step) and DeepSeek-V3's router `gate.weight` to BF16. T5 in BF16: `wo` BF16."""
+    strategy = get_strategy(name)
+    build = t5_overflowing_fp16 if arch == "t5" else lambda: tiny_moe(arch)
+    cls = transformers.T5ForConditionalGeneration if arch == "t5" else transformers.AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as stored:
+        build().save_pretrained(stored)
+        expected = _frozen_base_dtypes(_lora(cls.from_pretrained(stored, dtype=strategy.compute_dtype), arch))
+    assert torch.float32 in expected.values() or (name, arch) == ("bf16-mixed", "t5")
+    model = prepare_peft_model(strategy, _lora(build(), arch))
+    assert _frozen_base_dtypes(model) == expected
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(id(p) in adapter_parameters(model) for p in trained)
+
+
+def test_trainer_with_lora_keeps_the_frozen_t5_wo_fp32_and_trains_finite(tmp_path):
+    """Seq2SeqTrainer + LoRA on q, v under fp16-als: the frozen `wo` was FP16, its output inf at every step
+    and no step skipped (losses 5.789, 6.098, 6.043 against FP32's 5.699, 6.038, 6.002). Kept FP32, each
+    `wo` output is finite, passes 65504 and is within γ_K·(|x|·|W|ᵀ) of its FP64 product (an FP32 dot
+    product of K = d_ff terms, any order: Higham's bound)."""
+    model = _lora(t5_overflowing_fp16(), "t5")
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for name, module in model.named_modules():
+        if name.endswith(".wo"):
+            module.register_forward_hook(lambda m, i, out: calls.append((i[0].detach(), m.weight, out.detach())))
+    args = trainer_arguments(tmp_path, precision_strategy="fp16-als", max_steps=3, save_strategy="no")
+    trainer = Seq2SeqTrainer(model=model, args=Seq2SeqTrainingArguments(**args), train_dataset=_pairs(12))
+    trainer.train()
+    assert calls and all(bool(torch.isfinite(out).all()) for _, _, out in calls)
+    assert max(out.abs().max().item() for _, _, out in calls) > 65504
+    bound = gamma(T5["d_ff"])
+    for x, weight, out in calls:
+        assert weight.dtype == torch.float32 and not weight.requires_grad
+        exact = x.double() @ weight.double().T
+        error = (out.double() - exact).abs()
+        assert bool((error <= bound * (x.double().abs() @ weight.double().abs().T)).all())
+    assert trainer.precision.skipped_steps == 0
+    losses = [loss for _, loss in logged_losses(trainer)]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
