@@ -18,6 +18,7 @@ from ..fp8.convert import default_skips
 from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear
 from ..fp8.scaled import dequantize, set_master_scale
+from ..strategies.casting import kept_parameters
 from ..strategies.interface import PrecisionStrategy
 
 __all__ = ["FROZEN_ATTR", "check_refreeze", "freeze_all", "freeze_model", "frozen_candidates", "frozen_footprint"]
@@ -109,8 +110,9 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
     Buffers keep their dtype (rotary frequencies lose digits in 16 bits). `frozen_models="policy"`
     in `precision_options` prepares a frozen model like the policy instead (the behaviour before).
     `role` names it in the logs and the startup report ("reference", "reward", "teacher").
-    `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); modules the
-    model keeps in FP32 (`_keep_in_fp32_modules`) stay so. A model trained here under an FP8
+    `head_fp32` keeps the output embeddings in FP32 (TRL's `cast_lm_head_to_fp32`); the parameters
+    `from_pretrained(dtype=<frozen dtype>)` keeps FP32 are FP32 (`strategies.casting.kept_parameters`:
+    `_keep_in_fp32_modules_strict`, `_keep_in_fp32_modules` too in FP16). A model trained here under an FP8
     strategy first (its layers `FP8Linear`) holds its real weights in plain layers again when the
     frozen storage is not FP8. A model frozen already is returned as it is when `strategy` keeps
     the same storage; another storage is refused (`check_refreeze`).
@@ -136,24 +138,27 @@ def freeze_model(strategy: PrecisionStrategy, model: nn.Module, role: str, *, he
         )
     # A published FP8 checkpoint's layers from their stored values: frozen FP8 ones stay as published.
     restore_published_fp8(model, keep_frozen_fp8=fp8)
-    converted = _to_block_fp8(model, getattr(strategy.options, "min_gemm_features", 0)) if fp8 else 0
     dtype = torch.bfloat16 if fp8 else strategy.compute_dtype
+    minimum = getattr(strategy.options, "min_gemm_features", 0)
+    converted = _to_block_fp8(model, minimum, {id(p) for p in kept_parameters(model, dtype)}) if fp8 else 0
     if not fp8:  # FP8 layers of a model trained here: plain ones holding the real weights
         _to_plain_layers(model, dtype)
-    kept = _kept_in_fp32(model, head_fp32)
+    head = _output_embeddings(model) if head_fp32 else set()
+    wide = {id(p) for p in kept_parameters(model, dtype)}  # as `from_pretrained(dtype=dtype)` keeps them
     for module in model.modules():
         if isinstance(module, FrozenBlockFP8Linear):
             if module.bias is not None:
                 module.bias.data = module.bias.data.to(dtype)
             continue
         for param in module.parameters(recurse=False):
+            target = torch.float32 if id(param) in wide else dtype
             if (
                 param.is_floating_point()
-                and param.dtype != dtype
+                and param.dtype != target
                 and param.dtype.itemsize >= 2
-                and id(param) not in kept
+                and id(param) not in head
             ):
-                param.data = param.data.to(dtype)
+                param.data = param.data.to(target)
     footprint = frozen_footprint(model)
     facts = {"role": role, "storage": _storage(strategy), "strategy": strategy.name, "fp8_layers": converted}
     model.__dict__[FROZEN_ATTR] = {**facts, **footprint}
@@ -231,21 +236,17 @@ def _to_plain_layers(model: nn.Module, dtype: torch.dtype) -> None:
                         del hooks[key]
 
 
-def _kept_in_fp32(model: nn.Module, head_fp32: bool) -> set[int]:
-    """ids of the parameters that keep their dtype: the model's `_keep_in_fp32_modules`, and the
-    output embeddings when `head_fp32`."""
-    patterns = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    kept = {id(p) for name, m in model.named_modules() if any(k in name for k in patterns) for p in m.parameters()}
+def _output_embeddings(model: nn.Module) -> set[int]:
+    """ids of the output embeddings' parameters (kept in their dtype under TRL's `cast_lm_head_to_fp32`)."""
     get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if head_fp32 and callable(get_head) else None
-    if isinstance(head, nn.Module):
-        kept.update(id(p) for p in head.parameters())
-    return kept
+    head = get_head() if callable(get_head) else None
+    return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
 
 
-def _to_block_fp8(model: nn.Module, min_gemm_features: int = 0) -> int:
+def _to_block_fp8(model: nn.Module, min_gemm_features: int = 0, kept: set[int] | frozenset[int] = frozenset()) -> int:
     """Swap the decoder blocks' linear layers (those under a numbered block; not the LM head, a
-    classifier head, nor layers tied to an embedding) for `FrozenBlockFP8Linear`s; returns how many."""
+    classifier head, layers tied to an embedding, nor those whose weight's id is in `kept`) for
+    `FrozenBlockFP8Linear`s; returns how many."""
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     skips = default_skips(model, min_gemm_features)  # the policy's own skips: LM head, tied, too small
     swaps = []
@@ -256,7 +257,7 @@ def _to_block_fp8(model: nn.Module, min_gemm_features: int = 0) -> int:
             continue
         if not any(part.isdigit() for part in fqn.split(".")):  # outside the blocks: a head (score, classifier)
             continue
-        if module.weight.numel() == 0:
+        if module.weight.numel() == 0 or id(module.weight) in kept:
             continue
         swaps.append((fqn, module, linear))
     for fqn, module, linear in swaps:

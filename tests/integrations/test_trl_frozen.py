@@ -601,22 +601,77 @@ def test_ppo_freezes_reference_and_reward_and_trains_policy_and_value(tmp_path, 
 
 
 def test_freezing_keeps_what_the_model_or_trl_keeps_in_fp32_and_the_policys_fp8_skips(tokenizer):
-    """TRL's `cast_lm_head_to_fp32` (head_fp32) and a model's `_keep_in_fp32_modules` keep their FP32
-    weights; FP8 blocks follow the policy's `min_gemm_features` (a layer kept out of FP8 in the
-    policy stays out of it in the reference)."""
+    """TRL's `cast_lm_head_to_fp32` (head_fp32) and what transformers keeps FP32 in the frozen dtype
+    (`_keep_in_fp32_modules_strict`, `_keep_in_fp32_modules` in FP16 only) keep their FP32 weights, a
+    strict layer out of the FP8 blocks too; FP8 blocks follow the policy's `min_gemm_features` (a
+    layer kept out of FP8 in the policy stays out of it in the reference)."""
     from hf_lowprec import get_strategy
     from hf_lowprec.integrations.frozen import freeze_model
 
     model = freeze_model(get_strategy("bf16-mixed"), tiny_lm(tokenizer), "reference", head_fp32=True)
     assert model.lm_head.weight.dtype == torch.float32  # tied: the input embedding with it
     assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
-    kept = tiny_lm(tokenizer)
-    kept._keep_in_fp32_modules = ["ln_f"]
-    kept = freeze_model(get_strategy("bf16-mixed"), kept, "reference")
-    assert kept.transformer.ln_f.weight.dtype == torch.float32 and kept.lm_head.weight.dtype == torch.bfloat16
+    for name, attr, ln_f in [
+        ("bf16-mixed", "_keep_in_fp32_modules_strict", torch.float32),
+        ("bf16-mixed", "_keep_in_fp32_modules", torch.bfloat16),  # as a BF16 load: FP16's list only
+        ("fp16-mixed", "_keep_in_fp32_modules", torch.float32),
+    ]:
+        kept = tiny_lm(tokenizer)
+        setattr(kept, attr, ["ln_f"])
+        kept = freeze_model(get_strategy(name), kept, "reference")
+        assert kept.transformer.ln_f.weight.dtype == ln_f and kept.lm_head.weight.dtype != torch.float32, attr
+    strict = tiny_lm(tokenizer)
+    strict._keep_in_fp32_modules_strict = ["h.0.mlp.c_fc"]
+    strict = freeze_model(get_strategy("fp8-lm-o2"), strict, "reference")
+    assert (
+        type(strict.transformer.h[0].mlp.c_fc) is Conv1D
+        and strict.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32
+    )
+    assert isinstance(strict.transformer.h[1].mlp.c_fc, FrozenBlockFP8Linear)
     small = freeze_model(get_strategy("fp8-lm-o2", min_gemm_features=4096), tiny_lm(tokenizer), "reference")
     assert not any(isinstance(m, FrozenBlockFP8Linear) for m in small.modules())
     assert {p.dtype for p in small.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    ("name", "arch"),
+    [
+        ("bf16-pure", "deepseek_v3"),
+        ("collage-plus", "deepseek_v3"),
+        ("bf16-mixed", "deepseek_v3"),
+        ("fp16-als", "deepseek_v3"),
+        ("fp16-mixed", "t5"),
+        ("bf16-mixed", "t5"),
+    ],
+)
+def test_a_frozen_model_holds_and_computes_what_a_stock_load_in_its_dtype_does(tmp_path, name, arch):
+    """A frozen model has the dtypes of `from_pretrained(dtype=<frozen dtype>)` and computes its logits bit
+    for bit: DeepSeek-V3's router `gate.weight` (`_keep_in_fp32_modules_strict`, a parameter's name) was
+    BF16 (logits 1.95e-3 from the stock load's); T5's `wo` is FP32 in FP16 and BF16 in BF16, as loaded."""
+    import transformers
+
+    from hf_lowprec import get_strategy
+    from hf_lowprec.integrations.frozen import freeze_model
+    from hf_lowprec.testing.moe import tiny_moe
+
+    torch.manual_seed(0)
+    if arch == "t5":
+        config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        model, cls = transformers.T5ForConditionalGeneration(config), transformers.T5ForConditionalGeneration
+    else:
+        model, cls = tiny_moe(arch), transformers.AutoModelForCausalLM
+    strategy = get_strategy(name)
+    model.save_pretrained(tmp_path)
+    stock = cls.from_pretrained(tmp_path, dtype=strategy.compute_dtype)
+    frozen = freeze_model(strategy, model, "reference")
+    dtypes = {n: p.dtype for n, p in frozen.named_parameters()}
+    assert dtypes == {n: p.dtype for n, p in stock.named_parameters()}
+    assert torch.float32 in dtypes.values() or (name, arch) == ("bf16-mixed", "t5")
+    assert {n: b.dtype for n, b in frozen.named_buffers()} == {n: b.dtype for n, b in stock.named_buffers()}
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    extra = {"decoder_input_ids": ids[:, :6]} if arch == "t5" else {}
+    with torch.no_grad():  # both in eval mode (no dropout), as TRL runs a reference
+        assert_bits_equal(frozen.eval()(ids, **extra).logits, stock.eval()(ids, **extra).logits, "logits")
 
 
 # ---------------------------------------------------------------------------------------------
