@@ -37,6 +37,7 @@ from .scalars import (
     check_adamw_hyperparameters,
 )
 from .skipping import FlagPerDevice, StepCounts, check_found_inf, select_, step_count_on_device
+from .torch_options import check_keyword_options, check_torch_group_options
 
 __all__ = ["STATE_ROLES", "AdamW", "Composition", "adamw_math", "adamw_scalars", "check_adamw_hyperparameters"]
 
@@ -149,10 +150,11 @@ class AdamW(LowPrecisionOptimizer):
 
     Args:
         params: parameters or parameter groups (an ordered collection).
-        lr, betas, eps, weight_decay: as in `torch.optim.AdamW` (decoupled weight decay).
+        lr, betas, eps, weight_decay: as in `torch.optim.AdamW`, defaults too (weight_decay=1e-2, decoupled).
         fused: "auto", "native", "compiled" or "reference": which implementation runs the
             step (`dispatch`); same bits on CPU. Not a group option: checkpoints are the same
-            whichever path wrote them.
+            whichever path wrote them. Not torch's boolean either (None reads as "auto"); torch's
+            other arguments are taken where they change nothing, else refused (`torch_options`).
         seed: for rules that round stochastically, the seed of the per-device generators
             (drawn from the global RNG when None); their states travel in `state_dict()`.
         extra options: the family's group options (`extra_options`).
@@ -184,15 +186,13 @@ class AdamW(LowPrecisionOptimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         fused: FusedMode = "auto",
         seed: int | None = None,
         **extra_defaults: Any,
     ):
-        unknown = sorted(set(extra_defaults) - set(self.extra_options))
-        if unknown:
-            raise TypeError(f"{type(self).__name__} got unexpected argument(s) {unknown}")
+        fused, extra_defaults = check_keyword_options(type(self).__name__, fused, extra_defaults, self.extra_options)
         check_adamw_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
         self.fused = check_fused_mode(type(self).__name__, fused)
         self.seed = seed_from_run() if seed is None else seed
@@ -208,9 +208,9 @@ class AdamW(LowPrecisionOptimizer):
         raise NotImplementedError
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_adamw_hyperparameters(
-            type(self).__name__, group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        )
+        name = type(self).__name__
+        check_adamw_hyperparameters(name, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_torch_group_options(name, group)
 
     # --- parameter groups and state --------------------------------------------------------
 

@@ -55,12 +55,13 @@ class COATAdamW(AdamW):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         group_size: int = 128,
         exp_avg_sq_format: str = "e4m3",
         expand: bool = True,
         fused: FusedMode = "auto",
+        **torch_arguments: Any,
     ) -> None:
         super().__init__(
             params,
@@ -72,6 +73,7 @@ class COATAdamW(AdamW):
             group_size=group_size,
             exp_avg_sq_format=exp_avg_sq_format,
             expand=expand,
+            **torch_arguments,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

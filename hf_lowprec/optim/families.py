@@ -134,12 +134,13 @@ class StochasticRoundingAdamW(SixteenBitAdamW):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         seed: int | None = None,
         *,
         fused: FusedMode = "auto",
+        **torch_arguments: Any,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, seed=seed)
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, seed=seed, **torch_arguments)
 
     def sixteen_bit_composition(self, param: torch.Tensor, group: dict[str, Any]) -> Composition:
         return Composition(Plain(), param_dtype_v(param), StochasticRounding())
@@ -188,12 +189,13 @@ class CollageAdamW(SixteenBitAdamW):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         variant: str = "plus",
         *,
         fused: FusedMode = "auto",
+        **torch_arguments: Any,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, variant=variant)
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, variant=variant, **torch_arguments)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -229,12 +231,13 @@ class Collage8bitAdamW(SixteenBitAdamW):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         block_size: int = 256,
         fused: FusedMode = "auto",
+        **torch_arguments: Any,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, block_size=block_size)
+        super().__init__(params, lr, betas, eps, weight_decay, fused=fused, block_size=block_size, **torch_arguments)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)

@@ -143,13 +143,14 @@ class FP8AdamW(AdamW):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         exp_avg_format: str = "e4m3",
         exp_avg_sq_format: str = "fp16",
         margin: int = 0,
         unscaled_format: str | None = None,
         fused: FusedMode = "auto",
+        **torch_arguments: Any,
     ) -> None:
         self._pending_grads: set[int] = set()
         super().__init__(
@@ -163,6 +164,7 @@ class FP8AdamW(AdamW):
             exp_avg_sq_format=exp_avg_sq_format,
             margin=margin,
             unscaled_format=unscaled_format,
+            **torch_arguments,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

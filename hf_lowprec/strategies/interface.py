@@ -185,8 +185,8 @@ class PrecisionStrategy:
     ) -> StrategyOptimizer:
         """Build this strategy's optimizer from parameters or parameter groups.
 
-        Group-level keys (e.g. a no-decay group's `weight_decay=0.0`) win over the arguments,
-        as in torch.optim. The result is a `torch.optim.Optimizer`, so LR schedulers work."""
+        Group-level keys (a no-decay group's `weight_decay=0.0`) win over the arguments, as in torch.optim;
+        weight_decay is TrainingArguments' 0.0 unless given. The result is a `torch.optim.Optimizer`."""
         groups = as_param_groups(params_or_groups)
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("create_optimizer got no parameters; pass model.parameters() or param groups")

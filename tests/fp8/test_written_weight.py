@@ -29,7 +29,7 @@ def _layer(margin: int, seed: int, weight_scale: float = 1.0) -> FP8Linear:
 def _one_step(seed: int) -> tuple:
     """A layer, its FP8AdamW (the reference step) and an input, after one eager step on the GPU path."""
     layer = _layer(0, seed=seed)
-    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference", weight_decay=0.0)
     x = torch.randn(8, 96, dtype=torch.bfloat16)
     with gpu_paths():
         layer(x).float().sum().backward()
@@ -54,7 +54,7 @@ def test_the_step_writes_the_weight_the_forward_would_cast(monkeypatch, fused, m
     master, bit for bit, and the next forward takes them without casting."""
     casts = _casts(monkeypatch)
     layer = _layer(margin, seed=margin)
-    optimizer = FP8AdamW([layer.weight], lr=0.5, margin=margin, fused=fused)
+    optimizer = FP8AdamW([layer.weight], lr=0.5, margin=margin, fused=fused, weight_decay=0.0)
     x = torch.randn(8, 96, dtype=torch.bfloat16)
     with gpu_paths():
         for step, (gain, flag) in enumerate([(1.0, 0.0), (4.0, 0.0), (1.0, 1.0), (1e-3, 0.0), (0.0, 0.0)]):
@@ -103,7 +103,10 @@ def test_no_copy_where_the_forward_casts_anyway(monkeypatch):
     layer = _layer(0, seed=2)
     layer(x)
     assert get_fp8_weight_copy(layer.weight) is None  # CPU path
-    for make in (lambda p: torch.optim.SGD(p, lr=0.1), lambda p: FP8AdamW(p, lr=0.1, fused="reference")):
+    for make in (
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda p: FP8AdamW(p, lr=0.1, fused="reference", weight_decay=0.0),
+    ):
         layer = _layer(0, seed=2)
         optimizer = make([layer.weight])
         with gpu_paths():
@@ -127,7 +130,7 @@ def test_a_master_written_between_the_forward_and_a_skipped_step_is_cast_again(m
     optimizer's step: the next forward does not take the old weight; it casts the master as it is."""
     casts = _casts(monkeypatch)
     layer = _layer(0, seed=3)
-    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference")
+    optimizer = FP8AdamW([layer.weight], lr=0.1, fused="reference", weight_decay=0.0)
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     x = torch.randn(8, 96, dtype=torch.bfloat16)
     with gpu_paths():

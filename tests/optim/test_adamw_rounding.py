@@ -42,7 +42,7 @@ def test_fp16_second_moment_does_not_underflow(name: str) -> None:
     # Before the fix v stayed 0 and the ε floor made every step huge: −2.5 after 3 steps.
     g = torch.tensor(1e-3, dtype=torch.float16).item()  # the FP16 gradient, exactly
     param = torch.full((8,), 0.5, dtype=torch.float16, requires_grad=True)
-    optimizer = VARIANTS[name]([param], lr=1e-3)
+    optimizer = VARIANTS[name]([param], lr=1e-3, weight_decay=0.0)
     for steps in (3, 300):
         while optimizer.state.get(param, {}).get("step", 0) < steps:
             param.grad = torch.full_like(param, g)
@@ -130,7 +130,7 @@ def test_near_zero_parameters_keep_the_rounding_error(name: str) -> None:
     # after one step θ + δθ = θ₀ + r(Δθ) exactly (|θ₀ + Δθ| spans < 16 bits).
     theta0 = torch.tensor([0.000866, -0.000866, 1e-6, 0.0, 3e-3], dtype=torch.bfloat16)
     param = theta0.clone().requires_grad_()
-    optimizer = VARIANTS[name]([param], lr=0.001007)
+    optimizer = VARIANTS[name]([param], lr=0.001007, weight_decay=0.0)
     optimizer.track_updates = True
     param.grad = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.bfloat16)
     optimizer.step()

@@ -125,13 +125,13 @@ def test_state_dict_round_trip_continues_bit_for_bit(name: str, through_bytes: b
 def test_stochastic_rounding_needs_the_saved_generator() -> None:
     theta0, grads = make_problem(steps=6)
     params = [t.clone().requires_grad_() for t in theta0]
-    optimizer = StochasticRoundingAdamW(params, lr=1e-2, seed=1)
+    optimizer = StochasticRoundingAdamW(params, lr=1e-2, seed=1, weight_decay=0.0)
     step_all(optimizer, params, grads[:3])
     state_dict = optimizer.state_dict()
     assert state_dict["generator_states"]["cpu"].dtype == torch.uint8
     without_rng = {k: v for k, v in state_dict.items() if k != "generator_states"}
     resumed_params = [p.detach().clone().requires_grad_() for p in params]
-    resumed = StochasticRoundingAdamW(resumed_params, lr=1e-2, seed=1)
+    resumed = StochasticRoundingAdamW(resumed_params, lr=1e-2, seed=1, weight_decay=0.0)
     resumed.load_state_dict(without_rng)
     step_all(optimizer, params, grads[3:])
     step_all(resumed, resumed_params, grads[3:])
@@ -159,7 +159,7 @@ def test_stochastic_rounding_moves_bf16_parameters_on_average() -> None:
 
 def test_kahan_compensation_keeps_what_the_parameter_loses() -> None:
     param = torch.full((4096,), 1.5, dtype=torch.bfloat16, requires_grad=True)
-    optimizer = KahanAdamW([param], lr=1e-4)
+    optimizer = KahanAdamW([param], lr=1e-4, weight_decay=0.0)
     for _ in range(100):
         param.grad = torch.ones_like(param)
         optimizer.step()
@@ -191,7 +191,7 @@ def test_plain_bf16_loses_tiny_updates_fp32_does_not() -> None:
     theta0 = 1.0 + torch.rand(4096, generator=generator)
     for dtype, expected in ((torch.bfloat16, 100.0), (torch.float32, 0.0)):
         param = theta0.to(dtype).requires_grad_()
-        optimizer = PlainAdamW([param], lr=1e-4)
+        optimizer = PlainAdamW([param], lr=1e-4, weight_decay=0.0)
         optimizer.track_updates = True
         param.grad = torch.randn(4096, generator=generator).to(dtype)
         optimizer.step()
@@ -233,7 +233,7 @@ def test_bad_hyperparameters_raise(cls: type) -> None:
 def test_plain_adamw_accepts_any_float_dtype() -> None:
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         param = torch.ones(3, dtype=dtype, requires_grad=True)
-        optimizer = PlainAdamW([param], lr=0.1)
+        optimizer = PlainAdamW([param], lr=0.1, weight_decay=0.0)
         param.grad = torch.ones_like(param)
         optimizer.step()
         assert param.dtype == dtype and bool((param < 1).all())

@@ -128,7 +128,7 @@ def test_bf16_weights_with_delta_theta_keep_updates_below_half_an_ulp():
     params = {}
     for dtype in (torch.bfloat16, torch.float32):
         param = torch.nn.Parameter(torch.ones(256, dtype=dtype))
-        optimizer = COATAdamW([param], lr=1e-4)
+        optimizer = COATAdamW([param], lr=1e-4, weight_decay=0.0)
         run(optimizer, param, grads)
         params[dtype] = optimizer.held_value(param)
         assert ("param_error" in optimizer.state[param]) == (dtype == torch.bfloat16)
@@ -167,7 +167,7 @@ def test_state_dict_round_trip_bit_exact_and_resume_bit_for_bit(dtype):
 
 def test_zero_gradient_groups_and_all_zero_state():
     param = torch.nn.Parameter(torch.ones(256))
-    optimizer = COATAdamW([param], lr=1e-3)
+    optimizer = COATAdamW([param], lr=1e-3, weight_decay=0.0)
     grad = torch.zeros(256)
     grad[128:] = 1.0
     param.grad = grad

@@ -144,7 +144,10 @@ def test_plus_beats_light_with_beta2_0999_light_suffices_with_095(accuracy: dict
 
 def test_plus_second_moment_decays_light_does_not() -> None:
     param = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
-    optimizers = {v: CollageAdamW([param.detach().clone().requires_grad_()], variant=v) for v in ("light", "plus")}
+    optimizers = {
+        v: CollageAdamW([param.detach().clone().requires_grad_()], variant=v, weight_decay=0.0)
+        for v in ("light", "plus")
+    }
     for _variant, optimizer in optimizers.items():
         p = optimizer.param_groups[0]["params"][0]
         for step in range(300):
@@ -179,7 +182,7 @@ def test_plus_second_moment_pair_keeps_about_twice_the_bits(dtype: torch.dtype, 
     h = torch.tensor(adamw_scalars(1, lr=0.0, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0))
     for hi, lo, g in zip(v, dv, grads):
         param = torch.zeros_like(hi, requires_grad=True)
-        optimizer = CollageAdamW([param], variant="plus", fused="reference")
+        optimizer = CollageAdamW([param], variant="plus", fused="reference", weight_decay=0.0)
         composition = optimizer.composition(param, optimizer.param_groups[0])
         assert isinstance(composition.v, Pair)
         stored = composition.zeros(param.detach())
@@ -260,8 +263,8 @@ def test_bad_hyperparameters_raise(kwargs: dict, message: str) -> None:
 def test_bad_parameters_raise() -> None:
     message = r"bfloat16 or torch.float16 or torch.float32 parameters, got torch.float64.*model.to"
     with pytest.raises(ValueError, match=message):
-        CollageAdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
-    optimizer = CollageAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)])
+        CollageAdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)], weight_decay=0.0)
+    optimizer = CollageAdamW([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], weight_decay=0.0)
     with pytest.raises(ValueError, match="lr=-1"):
         optimizer.add_param_group({"params": [torch.zeros(2, dtype=torch.bfloat16)], "lr": -1.0})
     with pytest.raises(ValueError, match="group 1"):
@@ -332,7 +335,7 @@ def test_fp16_parameters_train() -> None:
     target = torch.randn(256)
     for variant in ("light", "plus"):
         param = torch.zeros(256, dtype=torch.float16, requires_grad=True)
-        optimizer = CollageAdamW([param], lr=5e-2, variant=variant)
+        optimizer = CollageAdamW([param], lr=5e-2, variant=variant, weight_decay=0.0)
         losses = []
         for _ in range(100):
             # No loss scaling: near the optimum |g| ≲ 2^-7 and (1 − β2)·g² is below FP16's
@@ -354,7 +357,7 @@ def test_groups_hyperparameters_and_missing_grads() -> None:
     b = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
     c = torch.ones(4, dtype=torch.float16, requires_grad=True)
     groups = [{"params": [a, c]}, {"params": [b], "lr": 0.0, "variant": "light"}]
-    optimizer = CollageAdamW(groups, lr=0.1)
+    optimizer = CollageAdamW(groups, lr=0.1, weight_decay=0.0)
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     optimizer.step()
     assert torch.all(a < 1.0)

@@ -287,7 +287,7 @@ def test_one_graph_serves_every_size_whatever_the_first_parameter(block, numels)
 
 def test_invalid_mode_is_refused_before_any_work():
     with pytest.raises(ValueError, match=r"fused='fast'.*'auto'"):
-        CollageAdamW(_params(BF16), fused="fast")
+        CollageAdamW(_params(BF16), fused="fast", weight_decay=0.0)
     with pytest.raises(ValueError, match="fused"):
         get_strategy("collage-plus", fused="yes")
 
@@ -299,7 +299,7 @@ def test_a_bad_cpu_isa_is_refused_when_the_optimizer_is_built(monkeypatch):
     match = r"HF_LOWPREC_CPU_ISA='avx3': choose one of avx512_bf16, avx512, avx2, scalar \(or unset it\)"
     for fused in ("auto", "native"):
         with pytest.raises(ValueError, match=match):
-            CollageAdamW(_params(BF16), fused=fused)
+            CollageAdamW(_params(BF16), fused=fused, weight_decay=0.0)
     strategy = get_strategy("collage-plus")
     model = strategy.prepare_model(tiny_gpt2())
     forwards = []
@@ -307,14 +307,16 @@ def test_a_bad_cpu_isa_is_refused_when_the_optimizer_is_built(monkeypatch):
     with pytest.raises(ValueError, match=match):
         strategy.create_optimizer(model.parameters(), lr=1e-3)
     assert not forwards
-    assert CollageAdamW(_params(BF16), fused="reference").fused == "reference"  # a path that never reads it
+    assert (
+        CollageAdamW(_params(BF16), fused="reference", weight_decay=0.0).fused == "reference"
+    )  # a path that never reads it
     monkeypatch.setenv("HF_LOWPREC_CPU_ISA", " Scalar ")
-    assert CollageAdamW(_params(BF16)).fused == "auto"
+    assert CollageAdamW(_params(BF16), weight_decay=0.0).fused == "auto"
 
 
 def test_foreach_is_a_deprecated_name_of_reference():
     with pytest.warns(DeprecationWarning, match="fused='reference'"):
-        optimizer = PlainAdamW(_params(BF16), fused="foreach")
+        optimizer = PlainAdamW(_params(BF16), fused="foreach", weight_decay=0.0)
     assert optimizer.fused == "reference"
     _run(None, "foreach", 1, params=optimizer.param_groups[0]["params"], optimizer=optimizer)
     assert _paths(optimizer) == {"reference": len(optimizer.param_groups[0]["params"])}

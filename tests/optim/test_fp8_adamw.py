@@ -119,7 +119,7 @@ def test_tracks_fp32_adamw_training_a_tiny_model(layout):
 
 def test_scaled_master_stays_scaled_and_fp16():
     model = fp16_scaled_masters(tiny_mlp())
-    optimizer = FP8AdamW(model.parameters(), lr=1e-2)
+    optimizer = FP8AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     train(model, optimizer, steps=3)
     layer = model[0]
     assert layer.weight.dtype == torch.float16
@@ -225,7 +225,7 @@ def test_tracking_survives_a_doubling_master_scale():
         layer.weight[0, 0] = 1.0  # amax 1.0: scale 2^15, payload 32768
     layer.scale_master_weight()
     assert layer.master_scale.item() == 2.0**15
-    optimizer = FP8AdamW([layer.weight], lr=0.01)
+    optimizer = FP8AdamW([layer.weight], lr=0.01, weight_decay=0.0)
     optimizer.track_updates = True
     layer.weight.grad = torch.ones(16, 16, dtype=torch.float16)  # every element moves down by lr
     optimizer.step()
@@ -257,4 +257,4 @@ def test_bad_hyperparameters_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FP8AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
     with pytest.raises(ValueError, match="floating-point"):
-        FP8AdamW([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)])
+        FP8AdamW([nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)], weight_decay=0.0)

@@ -26,12 +26,12 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "optimizer_states_6be633d.
 FACTORIES = {
     "collage_plus_bf16": lambda ps: optim.CollageAdamW(ps, lr=1e-3, weight_decay=0.1, variant="plus"),
     "collage_light_fp16": lambda ps: optim.CollageAdamW(ps, lr=1e-3, weight_decay=0.1, variant="light"),
-    "kahan_bf16": lambda ps: optim.KahanAdamW(ps, lr=1e-3),
-    "sr_bf16": lambda ps: optim.StochasticRoundingAdamW(ps, lr=1e-3, seed=5),
-    "fp32states_bf16": lambda ps: optim.FP32StatesAdamW(ps, lr=1e-3),
+    "kahan_bf16": lambda ps: optim.KahanAdamW(ps, lr=1e-3, weight_decay=0.0),
+    "sr_bf16": lambda ps: optim.StochasticRoundingAdamW(ps, lr=1e-3, seed=5, weight_decay=0.0),
+    "fp32states_bf16": lambda ps: optim.FP32StatesAdamW(ps, lr=1e-3, weight_decay=0.0),
     "plain_fp32": lambda ps: optim.PlainAdamW(ps, lr=1e-3, weight_decay=0.1),
-    "coat_fp32": lambda ps: optim.COATAdamW(ps, lr=1e-3),
-    "coat_bf16": lambda ps: optim.COATAdamW(ps, lr=1e-3),
+    "coat_fp32": lambda ps: optim.COATAdamW(ps, lr=1e-3, weight_decay=0.0),
+    "coat_bf16": lambda ps: optim.COATAdamW(ps, lr=1e-3, weight_decay=0.0),
     "fp8adamw_fp32": lambda ps: optim.FP8AdamW(ps, lr=1e-3, weight_decay=0.1),
 }
 

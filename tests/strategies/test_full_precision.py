@@ -157,8 +157,8 @@ def test_seed_compensation_refuses_what_it_cannot_seed() -> None:
 
     param = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="PlainAdamW keeps no compensation"):
-        PlainAdamW([param]).seed_compensation(param, torch.zeros_like(param))
-    optimizer = CollageAdamW([param])
+        PlainAdamW([param], weight_decay=0.0).seed_compensation(param, torch.zeros_like(param))
+    optimizer = CollageAdamW([param], weight_decay=0.0)
     with pytest.raises(ValueError, match="shape"):
         optimizer.seed_compensation(param, torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="not one this optimizer updates"):
@@ -213,7 +213,7 @@ def test_a_master_weight_optimizer_reports_its_master() -> None:
 
     generator = torch.Generator().manual_seed(0)
     param = (1 + torch.rand(256, generator=generator)).half().requires_grad_()
-    optimizer = MasterWeightAdamW([param], lr=1e-5)
+    optimizer = MasterWeightAdamW([param], lr=1e-5, weight_decay=0.0)
     assert torch.equal(optimizer.held_value(param), param.double())  # no state yet: the parameter
     optimizer.track_updates = True
     start = param.detach().clone()
