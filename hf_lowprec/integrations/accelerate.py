@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..engines.ddp import prepare_ddp
+from ..optim.torch_options import TORCH_ONLY_KEYS
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..scaling import narrow_grad_norm
 from ..strategies.fp16_base import LossScaledStrategy
@@ -33,9 +34,6 @@ __all__ = ["PrecisionPlugin"]
 
 logger = logging.getLogger(__name__)
 
-# Group keys carried from a torch Adam/AdamW group to the strategy's optimizer; the others
-# (foreach, fused, capturable, …) are torch implementation switches.
-_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "initial_lr", "name")
 _NOT_PER_GROUP = ("optimizer", "_schedulers", "_milestones")
 
 
@@ -217,7 +215,7 @@ class PrecisionPlugin:
         return shard_model(self.strategy, self.prepare_model(model), mesh, prepared=True, **fully_shard_kwargs)
 
     def create_optimizer(self, params_or_groups: Any, **hyper: Any) -> StrategyOptimizer:
-        """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`), for loops that build it directly."""
+        """The strategy's AdamW (`lr`, `betas`, `eps`, `weight_decay`, this one 0.0 unless given), built directly."""
         self._refuse_second_optimizer([None])
         optimizer = self.strategy.create_optimizer(params_or_groups, **hyper)
         self._optimizers.add(optimizer)
@@ -368,8 +366,11 @@ class PrecisionPlugin:
         if optimizer.state:
             raise ValueError("the optimizer has already stepped; call plugin.prepare(...) before training")
         for group in optimizer.param_groups:
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError(f"{name}(amsgrad=True / maximize=True) has no counterpart in the strategy's AdamW")
+            if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
+                raise ValueError(
+                    f"{name}(amsgrad=True / maximize=True / differentiable=True) has no counterpart in the "
+                    "strategy's AdamW; drop the argument"
+                )
             decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
             if group["weight_decay"] and not decoupled:
                 raise ValueError(
@@ -381,7 +382,8 @@ class PrecisionPlugin:
     def _convert_optimizer(self, optimizer: torch.optim.Optimizer, model_params: set[int]) -> StrategyOptimizer:
         for group in optimizer.param_groups:  # `_check_optimizer` passed; the parameters again, converted
             self._refuse_stale(group, model_params)
-        groups = [{k: group[k] for k in _GROUP_KEYS if k in group} for group in optimizer.param_groups]
+        # All but torch's switches (`_check_optimizer` refused those that matter): a scheduler's keys, the user's.
+        groups = [{k: v for k, v in group.items() if k not in TORCH_ONLY_KEYS} for group in optimizer.param_groups]
         return self.strategy.create_optimizer(
             groups, **{k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
         )
