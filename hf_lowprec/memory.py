@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .optim.skipping import step_count_on_device
+
 __all__ = [
     "ADOPTED_ATTR",
     "KEPT_FP32_ATTR",
@@ -183,8 +185,11 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
                 bucket = _BUCKETS.get(roles.get(key, "extra"), "extra")
                 totals[bucket] += value.numel() * value.element_size()
         if not any(roles.get(k) == "gradient" for k in state):  # else counted above
-            dtype = _gradient_holder(p, state, roles, planned_grad_dtype)[1]
-            totals["grads"] += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+            holder, dtype = _gradient_holder(p, state, roles, planned_grad_dtype)
+            size = torch.empty((), dtype=dtype, device="meta").element_size()
+            totals["grads"] += p.numel() * size
+            if holder != "p.grad" and size == 1:  # an FP8 gradient handed over keeps its FP32 scale beside it
+                totals["extra"] += 4
     for p in params:
         totals["params"] += p.numel() * p.element_size()
     out = {k: v / num_params for k, v in totals.items()}
@@ -212,11 +217,15 @@ def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[tor
                 state = inner.plan_state(p)
             elif init_state is not None:
                 state = init_state(p, group)
-            else:
+            else:  # torch.optim.AdamW: its count a 0-dim FP32 tensor
                 state = {
+                    "step": torch.empty((), device="meta"),
                     "exp_avg": torch.empty_like(p, device="meta"),
                     "exp_avg_sq": torch.empty_like(p, device="meta"),
                 }
+        if "step" in state:  # a host int until the first step makes it the tensor it stays
+            state = dict(state)
+            step_count_on_device(state, torch.device("meta"))
         yield p, state
 
 

@@ -1,6 +1,7 @@
 """The labels a counted step gives the model's head: the token ids for a language-model head,
 one class (or score) per sequence for sequence classification, one class per token for token
-classification; heads that take other targets (spans, choices) are refused before counting."""
+classification; heads that take other targets (spans, choices), and models that take more than
+token ids (a vision tower beside the language model), are refused before counting."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_head", "step_labels"]
+__all__ = ["check_head", "check_text_only", "step_labels"]
 
 # Heads whose targets are not derived from the token ids alone.
 _REFUSED = ("ForQuestionAnswering", "ForMultipleChoice", "ForNextSentencePrediction")
@@ -22,6 +23,21 @@ def check_head(cls: Any) -> None:
             f"{name} takes span or choice targets; plan counts language-model, sequence- and "
             "token-classification heads: save the model with one of those heads (e.g. its *ForMaskedLM class)"
         )
+
+
+def check_text_only(model: str, config: Any) -> None:
+    """Raise ValueError when `config` (of `--model model`) holds models beside its language model
+    (LLaVA, Qwen2-VL: `text_config` and `vision_config`): the counted step feeds token ids only, so
+    their blocks would never run, and the depth and the blocks to count are the text model's."""
+    if config.get_text_config() is config:
+        return
+    others = ", ".join(key for key in getattr(config, "sub_configs", {}) if key != "text_config") or "other configs"
+    raise ValueError(
+        f"--model {model}: {type(config).__name__} holds a language model (text_config) and models beside it "
+        f"({others}) that the counted step, token ids in, would never run, so their memory and time would be "
+        "missing; the planners count language models only: pass the language model's config (its text_config "
+        'saved as a config.json, with "architectures" naming a causal-LM class where its model_type has none)'
+    )
 
 
 def step_labels(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..strategies.registry import available_strategies, get_strategy
+from .heads import check_text_only
 
 __all__ = [
     "MODELS",
@@ -194,6 +195,7 @@ def _checked_config(model: str) -> tuple[Any, Any]:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as err:  # transformers' own checks raise its validation errors, not ValueError
         raise ValueError(f"--model {model}: not a valid transformers config.json ({_innermost(err)})") from None
+    check_text_only(model, config)
     for key in (*_SIZE_FIELDS, *_SIZE_IF_NUMBER):
         value = _field(config, key)
         if key in _SIZE_IF_NUMBER and (

@@ -67,8 +67,9 @@ def _kept_in_bf16(name: str, model: str, options: dict[str, Any]) -> list[str]:
         return ["lm_head"]
     if name == ANCHOR or not name.startswith(("fp8", "coat")):
         return []
-    # What the conversion recorded (nn.Linear and GPT-2's Conv1D layers, experts modules alike).
-    prepared = _prepared(name, model, options, 1)
+    # What the conversion recorded (nn.Linear and GPT-2's Conv1D layers, experts modules alike), on
+    # one block where all are alike, else on every block (DeepSeek-V3's first is dense: no experts).
+    prepared = _prepared(name, model, options, 1 if uniform_depth(model) else None)
     return sorted({n.split(".")[-1] for n in prepared.__dict__.get("fp8_skipped_layers", {})})
 
 

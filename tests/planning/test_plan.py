@@ -135,8 +135,14 @@ def test_plan_prints_json_rows_whose_model_state_is_hf_lowprec_memory_s(capsys, 
         assert rows[name]["state_bytes_per_param"] == memory[name]["total"]
         assert rows[name]["bound"] in ("GPU", "host")
         assert rows[name]["step_ms"] > 0 and rows[name]["sent_gb"] == 0
-    # torch's recipe holds FP32 weights, gradients and both moments, as bf16-mixed does.
-    assert rows["torch-amp"]["state_bytes_per_param"] == memory["bf16-mixed"]["total"] == 16
+    # torch's recipe holds FP32 weights, gradients and both moments, as bf16-mixed does, and a step
+    # count per tensor (bf16-mixed's: 0-dim FP64, 8 B).
+    from hf_lowprec.planning.models import build_model
+
+    params = list(dict.fromkeys(build_model(tiny).parameters()))
+    n = sum(p.numel() for p in params)
+    assert rows["torch-amp"]["state_bytes_per_param"] == memory["bf16-mixed"]["total"]
+    assert round(memory["bf16-mixed"]["total"] * n) == 16 * n + 8 * len(params)
     assert rows["bf16-mixed"]["speed_vs_bf16_mixed"] == 1
     # On an H100, 64 tokens through a 64-wide model: no layer is worth its casts (fp8.payoff).
     assert rows["fp8-lm-o2"]["kept_in_bf16"] == [
@@ -510,3 +516,58 @@ def test_plan_and_memory_mark_a_run_its_first_step_would_refuse(capsys, tiny):
     # Without a GPU every layer 64 wide converts: nothing refused.
     assert main(memory) == 0
     assert "refused" not in capsys.readouterr().out
+
+
+def test_the_kept_list_of_a_model_with_a_dense_first_block_names_its_experts(tmp_path):
+    """DeepSeek-V3 with its first block dense: the plan's "kept in BF16" was read from the model cut
+    to one block, which holds no experts, while the refusal on the same line (the whole model) named
+    them. The list is the names the whole model, built for real, keeps."""
+    import hf_lowprec
+    from hf_lowprec.planning.models import build_model, rule_options
+    from hf_lowprec.planning.plan import _kept_in_bf16
+    from hf_lowprec.testing.moe import moe_config
+
+    path = tmp_path / "config.json"
+    moe_config("deepseek_v3", layers=3, first_k_dense_replace=1).to_json_file(str(path))
+    options = rule_options("fp8-lm-o2", GPUS["h100"], 64)
+    prepared = hf_lowprec.get_strategy("fp8-lm-o2", **options).prepare_model(build_model(str(path), device="cpu"))
+    whole = sorted({n.split(".")[-1] for n in prepared.fp8_skipped_layers})
+    assert "experts" in whole
+    assert _kept_in_bf16("fp8-lm-o2", str(path), options) == whole
+
+
+def _vision_language_configs():
+    import transformers as tf
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32)
+    llava = tf.LlavaConfig(
+        vision_config={**vision, "patch_size": 8, "model_type": "clip_vision_model"},
+        text_config={**text, "model_type": "llama"},
+        image_token_index=255,
+    )
+    qwen2_vl = tf.Qwen2VLConfig(
+        text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4, in_channels=3),
+    )
+    llava.architectures, qwen2_vl.architectures = ["LlavaForConditionalGeneration"], ["Qwen2VLForConditionalGeneration"]
+    return {"LlavaConfig": llava, "Qwen2VLConfig": qwen2_vl}
+
+
+@pytest.mark.parametrize("kind", ["LlavaConfig", "Qwen2VLConfig"])
+@pytest.mark.parametrize("command", ["plan", "memory"])
+def test_a_vision_language_config_is_refused_naming_the_text_config_before_any_work(tmp_path, capsys, kind, command):
+    """`plan` ended in a bare StopIteration from a worker (the depth is text_config's), while
+    `memory` planned LLaVA whole; the counted step feeds token ids only, so its vision tower never runs."""
+    config = _vision_language_configs()[kind]
+    config.to_json_file(str(tmp_path / "config.json"))
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--model", str(tmp_path), "--strategies", "bf16-mixed"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{kind} holds a language model (text_config) and models beside it (vision_config)" in err
+    assert "pass the language model's config" in err and "Traceback" not in err
+    if kind == "LlavaConfig":  # the fix named: its text_config, saved alone, is planned
+        config.text_config.architectures = ["LlamaForCausalLM"]
+        config.text_config.to_json_file(str(tmp_path / "config.json"))
+        assert main(["memory", "--model", str(tmp_path), "--strategies", "bf16-mixed"]) == 0
