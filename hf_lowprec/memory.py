@@ -165,7 +165,8 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
     (torch optimizers without one: two moments in the parameter dtype). A gradient counts in
     the dtype the optimizer's `planned_grad_dtype(param)` names (an optimizer that keeps FP8
     gradients in its state), else in the parameter dtype. Every tensor is counted by numel ×
-    element size, so this works on the meta device; tied parameters count once.
+    element size, so this works on the meta device; tied parameters count once. An FP8 gradient
+    handed over to the optimizer's state adds its FP32 scale (4 B) to "extra".
 
     Returns:
         dict with "params", "grads", "optimizer_states", "extra", "total" (bytes/param) and
@@ -201,7 +202,8 @@ def plan_model_state(model: torch.nn.Module, optimizer: Any) -> dict[str, float]
 def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
     """(parameter, its optimizer state as it is or will be) for each of `params` the optimizer
     `inner` holds: without state yet, what its `plan_state` would create (torch optimizers
-    without one: two moments in the parameter dtype, on meta)."""
+    without one: two moments in the parameter dtype and an FP32 step count, on meta); a step count
+    still a host int is the 0-dim FP64 tensor the first step makes it (`step_count_on_device`)."""
     owned = {id(p) for p in params}
     init_state = getattr(inner, "plan_state", None)
     grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
