@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from .optim.skipping import step_count_on_device
-
 __all__ = [
     "ADOPTED_ATTR",
     "KEPT_FP32_ATTR",
@@ -203,7 +201,7 @@ def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[tor
     """(parameter, its optimizer state as it is or will be) for each of `params` the optimizer
     `inner` holds: without state yet, what its `plan_state` would create (torch optimizers
     without one: two moments in the parameter dtype and an FP32 step count, on meta); a step count
-    still a host int is the 0-dim FP64 tensor the first step makes it (`step_count_on_device`)."""
+    still a host int is the 0-dim FP64 tensor the first step makes it (`optim.skipping`)."""
     owned = {id(p) for p in params}
     init_state = getattr(inner, "plan_state", None)
     grouped = [(p, group) for group in inner.param_groups for p in group["params"] if id(p) in owned]
@@ -225,9 +223,8 @@ def planned_states(inner: Any, params: list[torch.Tensor]) -> Iterator[tuple[tor
                     "exp_avg": torch.empty_like(p, device="meta"),
                     "exp_avg_sq": torch.empty_like(p, device="meta"),
                 }
-        if "step" in state:  # a host int until the first step makes it the tensor it stays
-            state = dict(state)
-            step_count_on_device(state, torch.device("meta"))
+        if "step" in state and not torch.is_tensor(state["step"]) and state["step"] == 0:  # a strategy's step does
+            state = {**state, "step": torch.empty((), dtype=torch.float64, device="meta")}
         yield p, state
 
 

@@ -162,6 +162,18 @@ def split_like_before(self, param_groups, **hyper):
     optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format="fp16", margin=0, fused=self.options.fused)
     self.backward_grads.owner = optimizer
     return optimizer
+def planned_and_measured(name: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Strategy `name`'s model state on `tiny_gpt2`: planned before the first step
+    (`plan_model_state`), and counted from the live storage after one step (`model_state_bytes`)."""
+    import hf_lowprec
+    from hf_lowprec.memory import model_state_bytes, plan_model_state
+
+    strategy = hf_lowprec.get_strategy(name)
+    model = strategy.prepare_model(tiny_gpt2())
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    planned = plan_model_state(model, optimizer)
+    train_steps(strategy, model, optimizer, batches(1))
+    return planned, model_state_bytes(model, optimizer)
 
 
 def trainer_arguments(output_dir, **overrides) -> dict:

@@ -76,16 +76,9 @@ def test_the_plan_holds_every_byte_the_first_step_leaves(name):
     """The plan counts the 0-dim states the first step creates beside the per-element ones: each
     tensor's step count (FP64, torch AdamW's FP32) and an FP8 gradient's FP32 scale. It read 304 B
     of extra where bf16-pure's optimizer held 38 counts. Every figure is whole bytes: equal, no tolerance."""
-    import hf_lowprec
-    from hf_lowprec.memory import plan_model_state
-    from tests.helpers import batches, tiny_gpt2, train_steps
+    from tests.helpers import planned_and_measured
 
-    strategy = hf_lowprec.get_strategy(name)
-    model = strategy.prepare_model(tiny_gpt2())
-    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-    planned = plan_model_state(model, optimizer)
-    train_steps(strategy, model, optimizer, batches(1))
-    measured = model_state_bytes(model, optimizer)
+    planned, measured = planned_and_measured(name)
     n = measured["num_params"]
     assert planned["num_params"] == n
     for key in ("params", "grads", "optimizer_states", "extra"):

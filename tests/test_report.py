@@ -7,16 +7,14 @@ import pytest
 import torch
 
 import hf_lowprec
-from hf_lowprec.memory import model_state_bytes
 from hf_lowprec.report import (
     PrecisionPromiseError,
     SilentPrecisionWarning,
     describe,
     format_report,
-    plan_model_state,
     zero_per_rank,
 )
-from tests.helpers import batches, tiny_gpt2, train_steps
+from tests.helpers import batches, planned_and_measured, tiny_gpt2, train_steps
 
 STRATEGIES = hf_lowprec.available_strategies()
 
@@ -49,12 +47,7 @@ def _trainer(tmp_path, model, strategy=None, **kwargs):
 def test_planned_bytes_equal_the_bytes_measured_after_a_step(name):
     # The plan reads the optimizer's own state initialisers; after one real step the live
     # storage must hold exactly that (scales and counters: a few bytes per tensor, < 0.01 B/param here).
-    strategy = hf_lowprec.get_strategy(name)
-    model = strategy.prepare_model(tiny_gpt2())
-    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
-    planned = plan_model_state(model, optimizer)
-    train_steps(strategy, model, optimizer, batches(1))
-    measured = model_state_bytes(model, optimizer)
+    planned, measured = planned_and_measured(name)
     for key in ("params", "optimizer_states", "total"):
         assert planned[key] == pytest.approx(measured[key], abs=0.01), (name, key, planned, measured)
 
