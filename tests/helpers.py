@@ -162,6 +162,8 @@ def split_like_before(self, param_groups, **hyper):
     optimizer = FP8AdamW(groups, **hyper, exp_avg_sq_format="fp16", margin=0, fused=self.options.fused)
     self.backward_grads.owner = optimizer
     return optimizer
+
+
 def planned_and_measured(name: str) -> tuple[dict[str, float], dict[str, float]]:
     """Strategy `name`'s model state on `tiny_gpt2`: planned before the first step
     (`plan_model_state`), and counted from the live storage after one step (`model_state_bytes`)."""
