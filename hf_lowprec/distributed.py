@@ -44,11 +44,14 @@ def local_shard(tensor: Any) -> Any:
     return getattr(local, "local_values", local)
 
 
-def written_version(tensor: torch.Tensor) -> tuple[int, int]:
-    """The version counters that in-place writes of `tensor` bump: a DTensor's own (an op on the DTensor,
-    such as `load_state_dict`'s copy) and its local shard's (what an optimizer writes); a tensor's twice.
-    Host counters: reading them waits for nothing."""
-    return tensor._version, local_shard(tensor)._version
+def written_version(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """What a write of `tensor` changes: the version counters that in-place writes bump, a DTensor's own
+    (an op on the DTensor, such as `load_state_dict`'s copy) and its local shard's (what an optimizer
+    writes; a tensor's twice), and the local shard's storage address, which a `.data` assignment
+    (`p.data = x`, `torch.nn.utils.vector_to_parameters`) changes while it keeps the counters.
+    Host values: reading them waits for nothing."""
+    local = local_shard(tensor)
+    return tensor._version, local._version, local.data_ptr()
 
 
 _UNCHANGED = "_hf_lowprec_unchanged_version"
@@ -61,9 +64,9 @@ def written_without_change(params: Iterable[torch.Tensor]) -> None:
         setattr(param, _UNCHANGED, written_version(param))
 
 
-def written_since(param: torch.Tensor, recorded: tuple[int, int]) -> bool:
-    """Whether `param` was written since its version counters were `recorded` (`written_version`),
-    a write `written_without_change` took aside. Host-side: no sync."""
+def written_since(param: torch.Tensor, recorded: tuple[int, int, int]) -> bool:
+    """Whether `param` was written since `recorded` (`written_version`: in place or by a `.data`
+    assignment), but for a write `written_without_change` took aside. Host-side: no sync."""
     now = written_version(param)
     return now != recorded and now != getattr(param, _UNCHANGED, None)
 

@@ -43,9 +43,9 @@ def restore_snapshot(
                     else:
                         s[k] = v
             # The weights and the state that completes them (δθ, the masters) are back together.
-            accept = getattr(unwrap_optimizer(optimizer), "accept_parameter_values", None)
-            if accept is not None:
-                accept()
+            watch = getattr(unwrap_optimizer(optimizer), "watch_parameter_values", None)
+            if watch is not None:
+                watch()
     strategy.load_state_dict({**strategy.state_dict(), **snapshot["strategy"]})
 
 

@@ -30,6 +30,7 @@ from ..checkpoints.fsdp2_trainer import load_trainer_optimizer, save_rank_optimi
 from ..checkpoints.manifest import crash_point
 from ..checkpoints.resume import RESETTABLE, checked_resume
 from ..engines.ddp import prepare_ddp
+from ..memory import unwrap_optimizer
 from ..report import (
     SilentPrecisionWarning,
     check_promises,
@@ -306,6 +307,13 @@ class PrecisionTrainerMixin:
         super()._save_rng_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self._load_state_of_optimizer_and_scheduler(checkpoint)
+        if self.precision is not None and checkpoint is not None and not getattr(self, "is_deepspeed_enabled", False):
+            # Weights and state are both loaded (a resume, the best model): a write from here on (a
+            # callback's on_train_begin, a load before the next train()) is where training continues.
+            getattr(unwrap_optimizer(self.optimizer), "watch_parameter_values", lambda: None)()
+
+    def _load_state_of_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}
         if self.precision is not None and self.is_fsdp_enabled and load_trainer_optimizer(self, checkpoint, resets):
             return None

@@ -64,9 +64,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     clears them. Tracking only copies, so the trajectory is unchanged.
 
     Writes outside the step: a parameter whose state completes it (δθ, a master) records the version
-    counter of its values after each step (`_mark_written`, a host counter every in-place write
-    bumps); one written since (`load_state_dict` of the model, weight clipping, a re-init) is taken
-    as written before the next step or export (`_written_elsewhere`), as FP32 AdamW takes it.
+    counter and storage of its values after each step (`_mark_written`, `distributed.written_version`:
+    host values every in-place write or `.data` assignment changes); one written since
+    (`load_state_dict` of the model, weight clipping, a re-init, `vector_to_parameters`) is taken as
+    written before the next step or export (`_written_elsewhere`), as FP32 AdamW takes it.
     """
 
     state_roles: ClassVar[dict[str, str]] = {}
@@ -75,13 +76,24 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.track_updates = False
         self.tracked: list[TrackedUpdate] = []
-        self._written: dict[torch.Tensor, tuple[int, int]] = {}
+        self._written: dict[torch.Tensor, tuple[int, int, int]] = {}
 
     def accept_parameter_values(self) -> None:
-        """Take every parameter's value as the one its state completes, until the next step: after
-        the weights and this state were restored together (a rollback; `load_state_dict` calls it,
-        so a resume keeps δθ and the masters whichever of model and optimizer it loads first)."""
+        """Take every parameter's value as the one its state completes, until the next step:
+        `load_state_dict` calls it, so a resume keeps δθ and the masters whichever of model and
+        optimizer it loads first (`watch_parameter_values` once both are loaded)."""
         self._written.clear()
+
+    def watch_parameter_values(self) -> None:
+        """Take every parameter's value as the one its state completes, and any later write as made
+        outside the step: once weights and this state were both restored (the Trainer's resume and
+        best-model load, the guard's rollback), so that a write before the next step (a callback's
+        `on_train_begin`, `model.load_state_dict` between two `train()` calls) is where it continues.
+        Subclasses give each parameter's rule through `composition` (`optim.adamw.AdamW`)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.state.get(param):
+                    self._mark_written([param], self.composition(param, group).rule)
 
     def _mark_written(self, params: Any, rule: Any) -> None:
         """Record the version of each of `params`, if `rule`'s state completes them (δθ, a master)."""
@@ -121,9 +133,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
-        self.accept_parameter_values()
         params = [p for g in self.param_groups for p in g["params"]]
+        own = self._holds_own_state(saved_state, saved_ids, params)
+        super().load_state_dict(state_dict)
+        if not own:
+            self.accept_parameter_values()
         for saved_id, param in zip(saved_ids, params):
             if saved_id not in saved_state:
                 continue
@@ -134,3 +148,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     value = value.to(device=device, copy=True)
                 restored[key] = value
             self.state[param] = restored
+
+    def _holds_own_state(self, saved_state: dict[Any, Any], saved_ids: list[Any], params: list[Any]) -> bool:
+        """Whether `saved_state` holds this optimizer's own state tensors, parameter for parameter:
+        Accelerate's `AcceleratedOptimizer` loads `state_dict()` back as it wraps an optimizer, which
+        restores nothing, so the writes recorded before stay recorded (a load before the first step)."""
+        if len(saved_ids) != len(params):
+            return False
+        for saved_id, param in zip(saved_ids, params):
+            mine, saved = self.state.get(param, {}), saved_state.get(saved_id, {})
+            if mine.keys() != saved.keys() or any(torch.is_tensor(v) and saved[k] is not v for k, v in mine.items()):
+                return False
+        return True

@@ -99,10 +99,10 @@ class BF16Weights(BF16Pure):
 
     def __init__(self, name: str | None = None, **options: Any) -> None:
         super().__init__(name, **options)
-        # id(parameter) → (parameter, BF16 residual, its version counters after the cast: `written_version`),
+        # id(parameter) → (parameter, BF16 residual, its `written_version` after the cast),
         # from prepare_model until an optimizer claims them: the residual lives here between the two
         # calls, then in optimizer state.
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = {}
 
     @property
     def bytes_per_param(self) -> float:  # type: ignore[override]

@@ -168,6 +168,31 @@ def test_a_resume_keeps_the_state_whichever_it_loads_first(family: str, model_fi
     resumed.load_state_dict(saved_state)
     if not model_first:
         _write(resumed_params, saved)
+    resumed.watch_parameter_values()  # both loaded (what the Trainer calls): nothing counts as written
     for step in (3, 4):
         _step(resumed, resumed_params, step)
     _assert_same_run(resumed, resumed_params, optimizer, params)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_write_after_a_state_round_trip_or_a_watched_resume_is_seen(family: str) -> None:
+    # Accelerate loads `state_dict()` back as it wraps the optimizer, and the Trainer watches the
+    # weights once a resume loaded model and state: before the fix either left the record empty, so
+    # a write before the next step was undone (the old masters or θ + the old δθ came back).
+    for watched in (False, True):
+        params, optimizer = _trained(family, "reference")
+        if watched:
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            optimizer.watch_parameter_values()
+        else:
+            optimizer.load_state_dict(optimizer.state_dict())
+        values = _written(params)
+        with torch.no_grad():
+            for p, value in zip(params, values):
+                p.data = value.clone()  # a `.data` assignment keeps the version counter
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        _step(optimizer, params, 3)
+        for p, value in zip(params, values):
+            assert_bits_equal(p.detach(), value, f"θ after the step (watched={watched})")
+            assert torch.equal(optimizer.held_value(p), value.double())
