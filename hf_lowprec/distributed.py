@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 try:  # FSDP2 parameters; a torch built without distributed support has none
     from torch.distributed.tensor import DTensor
@@ -49,9 +50,10 @@ def written_version(tensor: torch.Tensor) -> tuple[int, int, int]:
     (an op on the DTensor, such as `load_state_dict`'s copy) and its local shard's (what an optimizer
     writes; a tensor's twice), and the local shard's storage address, which a `.data` assignment
     (`p.data = x`, `torch.nn.utils.vector_to_parameters`) changes while it keeps the counters.
-    Host values: reading them waits for nothing."""
+    Host values: reading them waits for nothing. A fake tensor (a step counted at GPU size) has no
+    address to read: 0."""
     local = local_shard(tensor)
-    return tensor._version, local._version, local.data_ptr()
+    return tensor._version, local._version, 0 if isinstance(local, FakeTensor) else local.data_ptr()
 
 
 _UNCHANGED = "_hf_lowprec_unchanged_version"
