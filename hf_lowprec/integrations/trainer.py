@@ -255,8 +255,7 @@ class PrecisionTrainerMixin:
         # Only the arguments given, by keyword: TRL 1.12's PPOTrainer.train() takes none.
         given = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
         kwargs = {name: value for name, value in given.items() if value is not None}
-        # Every check of the resume, before the base class loads anything (checkpoints/resume.py):
-        # without a strategy the stock resume's own, and a strategy's checkpoint refused.
+        # Every resume check first (checkpoints/resume.py): with no strategy, stock's + strategy checkpoints refused.
         resume_from_checkpoint, self._resume_resets = checked_resume(
             self.args.output_dir, resume_from_checkpoint, self.precision, getattr(self.args, "resume_reset", None)
         )
@@ -307,22 +306,20 @@ class PrecisionTrainerMixin:
         super()._save_rng_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        self._load_state_of_optimizer_and_scheduler(checkpoint)
-        if self.precision is not None and checkpoint is not None and not getattr(self, "is_deepspeed_enabled", False):
-            # Weights and state are both loaded (a resume, the best model): a write from here on (a
-            # callback's on_train_begin, a load before the next train()) is where training continues.
+        ours = self.precision is not None and checkpoint is not None and not self.is_deepspeed_enabled
+        self._load_state_of_optimizer_and_scheduler(checkpoint, ours)
+        if ours:  # weights and state loaded: a later write (on_train_begin, a load) is where training goes on
             getattr(unwrap_optimizer(self.optimizer), "watch_parameter_values", lambda: None)()
 
-    def _load_state_of_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_state_of_optimizer_and_scheduler(self, checkpoint: str | None, ours: bool) -> None:
         resets = getattr(self, "_resume_resets", set()) & {"optimizer", "scheduler"}
         if self.precision is not None and self.is_fsdp_enabled and load_trainer_optimizer(self, checkpoint, resets):
             return None
         # Ranks on CPU load to "cpu" (transformers 5.17 maps to "cpu:0", which torch cannot restore).
         cpu_ranks = self.args.world_size > 1 and self.args.device.type == "cpu" and not self.is_fsdp_enabled
         files = [os.path.join(checkpoint or "", f) for f in ("optimizer.pt", "scheduler.pt")]
-        if self.precision is not None and checkpoint is not None and not getattr(self, "is_deepspeed_enabled", False):
-            if load_split_layout(self, checkpoint, resets):  # FP8-LM's older split groups, schedule included
-                return None
+        if ours and load_split_layout(self, checkpoint, resets):  # FP8-LM's older split groups, schedule included
+            return None
         if checkpoint is None or not (resets or (cpu_ranks and all(map(os.path.isfile, files)))):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if getattr(self, "is_deepspeed_enabled", False):
