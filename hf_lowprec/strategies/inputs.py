@@ -2,9 +2,9 @@
 
 An audio batch (`input_values`, `input_features`) comes from its feature extractor in FP32, and a
 model that feeds it straight into a Conv or Linear (Wav2Vec2, HuBERT, Whisper) needs the weights'
-dtype, as the stock Trainer casts it under DeepSpeed. What the loss takes keeps its dtype (`LOSS_INPUTS`,
-and any 0-d tensor: a count or a scale, no layer's input): FP32 regression labels, the Trainer's
-`num_items_in_batch` (a float count that BF16 rounds above 256 and FP16 makes inf above 65504).
+dtype, as the stock Trainer casts it under DeepSpeed. What the loss takes keeps its dtype (`LOSS_INPUTS`):
+FP32 regression labels, the Trainer's `num_items_in_batch` (a float count that BF16 rounds above 256
+and FP16 makes inf above 65504). A 0-d feature (a diffusion timestep) is cast as any other.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ def computes_without_autocast(strategy: Any) -> bool:
 
 def cast_float_inputs(strategy: Any, batch: Any, keep: Collection[str] = LOSS_INPUTS) -> Any:
     """`batch` (a mapping of the model's inputs, a tuple or list of them, or a tensor) with every
-    floating-point tensor of one or more dimensions in the strategy's parameter dtype where
-    `computes_without_autocast`, the entries named in `keep` (what the loss takes) and 0-d tensors as
-    they are; else `batch` itself. Below the top, plain dicts, tuples and lists only: a model's own
+    floating-point tensor in the strategy's parameter dtype where `computes_without_autocast`, the
+    entries named in `keep` (what the loss takes) as they are; else `batch` itself. Below the top, plain dicts, tuples and lists only: a model's own
     outputs fed back (`encoder_outputs`, a cache) are its."""
     if not computes_without_autocast(strategy):
         return batch
@@ -51,9 +50,7 @@ def _cast(data: Any, dtype: torch.dtype, keep: frozenset[str], top: bool = False
         )
     if type(data) in (tuple, list):
         return type(data)(_cast(v, dtype, keep) for v in data)
-    # A 0-d tensor is a count or a scale, never a layer's input; by type promotion an FP32 one
-    # leaves a 16-bit operand's dtype as it is, and it keeps its value.
-    if isinstance(data, torch.Tensor) and data.dim() > 0 and data.is_floating_point() and data.dtype != dtype:
+    if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != dtype:
         if mask:  # an additive mask's FP32 minimum would round to -inf: a fully masked row's softmax NaN
             data = data.clamp(min=torch.finfo(dtype).min)
         return data.to(dtype)

@@ -1,6 +1,7 @@
 """What a 16-bit-weight strategy's loss takes keeps its dtype: the Trainer's `num_items_in_batch` divides the summed loss."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,15 +128,53 @@ def test_fp16_als_trains_a_step_of_more_label_tokens_than_fp16_holds(tmp_path):
 
 
 def test_cast_float_inputs_keeps_what_the_loss_takes():
-    """The loss's keyword inputs and 0-d tensors (a count, a scale) keep their dtype; features are cast."""
+    """The loss's keyword inputs keep their dtype; features are cast, a 0-d one (a timestep) too."""
     from hf_lowprec.strategies.inputs import cast_float_inputs
 
     s = get_strategy("fp16-als")
     loss_inputs = ["labels", "shift_labels", "num_items_in_batch"]  # transformers' `loss_utils` takes them
     kept = {name: torch.tensor([0.3, 100001.0]) for name in loss_inputs}
-    batch = {"inputs_embeds": torch.randn(2, 3), "scale": torch.tensor(100001.0), **kept}
-    args, kwargs = cast_float_inputs(s, ((torch.tensor(7e4),), batch))
-    assert kwargs["inputs_embeds"].dtype == torch.float16
-    for name in [*loss_inputs, "scale"]:
+    batch = {"inputs_embeds": torch.randn(2, 3), "timestep": torch.tensor(0.5), **kept}
+    args, kwargs = cast_float_inputs(s, ((torch.tensor(0.25),), batch))
+    assert kwargs["inputs_embeds"].dtype == torch.float16 and kwargs["timestep"].dtype == torch.float16
+    for name in loss_inputs:
         assert kwargs[name] is batch[name], name
-    assert args[0].dtype == torch.float32 and args[0].item() == 7e4
+    assert args[0].dtype == torch.float16 and args[0].item() == 0.25
+
+
+class _TimestepModel(torch.nn.Module):
+    """A denoiser's shape: a 0-d timestep expanded into a feature that meets a Linear's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.temb = torch.nn.Linear(16, 16), torch.nn.Linear(1, 16)
+
+    def forward(self, x, timestep, labels):
+        h = self.lin(x) + self.temb(timestep.reshape(1, 1).expand(x.shape[0], 1))
+        return SimpleNamespace(loss=F.mse_loss(h.float(), labels))
+
+
+@pytest.mark.parametrize("name", ["bf16-pure", "fp16-als"])
+def test_a_0d_float_feature_meets_the_16_bit_weights_in_their_dtype(name):
+    """A 0-d timestep is a layer's input once expanded: cast like the others, the step runs; the
+    loss is the FP64 loss of the same 16-bit weights and inputs within the 16-bit forward's rounding."""
+    s = get_strategy(name)
+    torch.manual_seed(0)
+    model = s.prepare_model(_TimestepModel())
+    optimizer = s.create_optimizer(model.parameters(), lr=1e-3)
+    batch = {"x": torch.randn(4, 16), "timestep": torch.tensor(0.5), "labels": torch.randn(4, 16)}
+    with torch.no_grad():
+        w = {k: v.double() for k, v in model.state_dict().items()}
+        x, t = batch["x"].to(s.param_dtype).double(), batch["timestep"].to(s.param_dtype).double()
+        h = x @ w["lin.weight"].T + w["lin.bias"] + t * w["temb.weight"].T + w["temb.bias"]
+        size = x.abs() @ w["lin.weight"].abs().T + w["lin.bias"].abs() + (t * w["temb.weight"].T).abs()
+        size = size + w["temb.bias"].abs()
+        error = h - batch["labels"].double()
+        reference = error.square().mean().item()
+        # Each entry of h: 16 products summed, 3 more terms added, each rounding at most once in the
+        # 16-bit dtype (20 roundings of quantities within `size`); (e + δ)² - e² ≤ 2|e|δ + δ².
+        delta = rounding_bound(s.param_dtype, 20, 1.0) * size
+        bound = (2 * error.abs() * delta + delta.square()).mean().item()
+    loss = s.train_step(model, batch, optimizer).item()
+    assert math.isfinite(loss)
+    assert abs(loss - reference) <= bound, (loss, reference, bound)
