@@ -19,7 +19,7 @@ from ..compiling import run_fused, takes_gpu_path
 from ..scaling import check_norm_type
 from .cast import nan_flag, nan_flags, widen
 from .fused import gradient_cast, gradient_cast_into, mu_update
-from .linear import set_grad_sink
+from .linear import accumulates_into, set_grad_sink
 from .scaled import pow2_scale, quantize, tensor_amax
 from .stored_sums import clamp_stored, clip_on_device
 
@@ -292,10 +292,10 @@ class BackwardFP8Gradients:
 
     def take(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Store `grad`, an FP8 layer's weight gradient of `param`, as FP8 (None: taken), or give it
-        back for `p.grad`: where the hook would not store it either (no owner, or a `p.grad` already
-        there, which it joins), and over several ranks, through `transport` when set (DDP's FP8
-        all-reduce: the gradient times a power of two it keeps, so FP16 does not flush it)."""
-        if self._owner_of(param) is None:
+        back: where the hook would not store it either (no owner, no `p.grad` to accumulate: `autograd.grad`,
+        `backward(inputs=...)`; a `p.grad` there, which it joins), and over several ranks, through `transport`
+        when set (DDP's FP8 all-reduce: the gradient times a power of two it keeps, so FP16 does not flush it)."""
+        if self._owner_of(param) is None or not accumulates_into(param):
             return grad
         if dist.is_initialized() and dist.get_world_size() > 1:
             return grad if self.transport is None else self.transport(param, grad)

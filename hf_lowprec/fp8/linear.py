@@ -60,6 +60,7 @@ __all__ = [
     "FP8LinearFunction",
     "GemmPath",
     "GradSink",
+    "accumulates_into",
     "deliver_weight_grad",
     "fp8_gemm_path",
     "fp8_linear",
@@ -375,6 +376,18 @@ def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtyp
     if weight_dtype in (E4M3, E5M2):
         return None  # an FP8-stored weight's gradient exists only through a sink
     return grad_w.to(weight_dtype)
+
+
+def accumulates_into(param: torch.Tensor) -> bool:
+    """Whether the backward now running accumulates into `param.grad` (a sink may take the gradient):
+    not under `torch.autograd.grad` (which returns gradients and accumulates none), nor a
+    `backward(inputs=...)` that leaves `param` out. Host-side: no kernel, no sync."""
+    with torch.enable_grad():  # a backward runs without grad mode: the view would have no grad_fn
+        accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:  # torch refuses a leaf's node under autograd.grad, which accumulates nothing
+        return False
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:

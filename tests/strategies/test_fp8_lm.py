@@ -440,6 +440,36 @@ def test_o2_quantizes_small_weight_gradients_from_their_gemm_not_from_fp16(grad_
     assert zeros / total <= zeros_o1 / total + 1e-3, (zeros, zeros_o1, total)
 
 
+@pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
+def test_autograd_grad_through_fp8_layers_leaves_the_steps_as_they_were(name):
+    """`torch.autograd.grad` (a saliency map, a gradient penalty) and `backward(inputs=...)` accumulate
+    nothing into the weights: the FP8 layers' gradient sinks give those gradients back to autograd
+    and store none, so the next steps are those of a run without them, bit for bit."""
+    data = batches(3)
+
+    def losses(probe):
+        strategy, model, optimizer = setup(name)
+        if probe:
+            emb = model.transformer.wte(data[0]).detach().requires_grad_(True)
+            torch.autograd.grad(model(inputs_embeds=emb, labels=data[0]).loss, emb)
+            model(inputs_embeds=emb, labels=data[0]).loss.backward(inputs=[emb])
+        return [strategy.train_step(model, x, optimizer).item() for x in data]
+
+    assert losses(True) == losses(False)
+
+
+def test_autograd_grad_of_an_fp8_weight_is_its_gemm_gradient():
+    """`torch.autograd.grad` with respect to an O2 FP8 weight returns its GEMM's gradient (in the
+    weight's dtype, as `p.grad` would hold it), not None: the sink leaves it to autograd."""
+    _strategy, model, _optimizer = setup("fp8-lm-o2")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    reference = weight_gradients_from_their_gemms(model, 1.0)
+    ids = batches(1)[0]
+    grads = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, [m.weight for m in layers.values()])
+    for (name, layer), grad in zip(layers.items(), grads, strict=True):
+        assert torch.equal(grad, reference[name].to(layer.weight.dtype)), name
+
+
 def micro_batch_gradients(data):
     """Each micro-batch's FP8 GEMM weight gradients, from a model whose backward keeps p.grad."""
     strategy, model, _ = setup("fp8-lm-o2")
