@@ -164,7 +164,7 @@ def test_every_o3_gradient_cast_into_its_buffers_in_one_graph_gives_each_ones_bi
 
 @pytest.mark.compiles_step
 def test_o2_clipping_on_a_gpu_in_chunks_against_fp64(compiled_calls):
-    """O2's clipping on a GPU (`gradients._clip_on_device`: each gradient's square in compiled
+    """O2's clipping on a GPU (`stored_sums.clip_on_device`: each gradient's square in compiled
     calls over chunks of gradients, the norm and coefficient in one graph, the coefficient applied
     by multi-tensor operations), compiled here on more gradients than a chunk holds: the norm
     within n·u_FP32 of the FP64 norm of the same values (n the elements summed: the order of the
@@ -174,7 +174,7 @@ def test_o2_clipping_on_a_gpu_in_chunks_against_fp64(compiled_calls):
     eager `mul_` by c rounded to BF16 gives it; with max_norm = inf the same norm and nothing
     changed."""
     from hf_lowprec.compiling import ROWS_PER_GRAPH, gpu_paths
-    from hf_lowprec.fp8.gradients import _clip_on_device
+    from hf_lowprec.fp8.stored_sums import clip_on_device
 
     gen = torch.Generator().manual_seed(5)
     count = ROWS_PER_GRAPH + 3
@@ -188,10 +188,10 @@ def test_o2_clipping_on_a_gpu_in_chunks_against_fp64(compiled_calls):
     before = [g.clone() for g in dense + half]
     old_scales = [s.clone() for s in scales]
     with gpu_paths():
-        measured = _clip_on_device(dense + half, list(zip(payloads, scales)), float("inf"))
+        measured = clip_on_device(dense + half, list(zip(payloads, scales)), float("inf"))
         assert all(torch.equal(g, b) for g, b in zip(dense + half, before))
         assert all(torch.equal(s, old) for s, old in zip(scales, old_scales))
-        norm = _clip_on_device(dense + half, list(zip(payloads, scales)), 1.0)
+        norm = clip_on_device(dense + half, list(zip(payloads, scales)), 1.0)
     for got in (measured, norm):
         assert abs(got.double() - want) <= n * 2.0**-24 * want, (got, want)
     c = min(1.0, 1.0 / (norm.item() + 1e-6))
