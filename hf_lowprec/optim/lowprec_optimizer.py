@@ -153,8 +153,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """Whether `saved_state` holds this optimizer's own state tensors, parameter for parameter:
         Accelerate's `AcceleratedOptimizer` loads `state_dict()` back as it wraps an optimizer, which
         restores nothing, so the writes recorded before stay recorded (a load before the first step)."""
-        if len(saved_ids) != len(params):
-            return False
+        if len(saved_ids) != len(params) or any(isinstance(p, DTensor) for p in params):
+            return False  # FSDP2's shards: its own load-back comes after the weights' (the old clearing)
         for saved_id, param in zip(saved_ids, params):
             mine, saved = self.state.get(param, {}), saved_state.get(saved_id, {})
             if mine.keys() != saved.keys() or any(torch.is_tensor(v) and saved[k] is not v for k, v in mine.items()):
