@@ -381,7 +381,10 @@ def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtyp
 def accumulates_into(param: torch.Tensor) -> bool:
     """Whether the backward now running accumulates into `param.grad` (a sink may take the gradient):
     not under `torch.autograd.grad` (which returns gradients and accumulates none), nor a
-    `backward(inputs=...)` that leaves `param` out. Host-side: no kernel, no sync."""
+    `backward(inputs=...)` that leaves `param` out, nor where a hook of the user's
+    (`param.register_hook`) waits to see the gradient. Host-side: no kernel, no sync."""
+    if param._backward_hooks:
+        return False
     with torch.enable_grad():  # a backward runs without grad mode: the view would have no grad_fn
         accumulator = param.view_as(param).grad_fn.next_functions[0][0]
     try:
