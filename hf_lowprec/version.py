@@ -3,16 +3,21 @@
 `__version__` goes up whenever an update rule or a state layout changes (docs/checkpoints.md,
 "Resume rules"): a resume is bit for bit only within one version. The commit is read from the
 checkout's `.git` files once per process (no subprocess); None for an installed package.
+A resume checks the saving version once (`one_resume`): from the manifest where there is one,
+else from the first state it loads; the warning is logged by the main process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["VERSION_KEYS", "__version__", "git_commit", "saving_version", "warn_other_version"]
+__all__ = ["VERSION_KEYS", "__version__", "git_commit", "one_resume", "saving_version", "warn_other_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +25,8 @@ __version__ = "0.2.0"
 
 VERSION_KEYS = ("hf_lowprec_version", "hf_lowprec_commit")  # in the manifest and the optimizer's "hf_lowprec" entry
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Inside `one_resume`: a list that holds True once this resume's version was checked.
+_CHECKED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("hf_lowprec_version_checked", default=None)
 
 
 @functools.cache
@@ -67,12 +74,38 @@ def saving_version() -> dict[str, str | None]:
     return {"hf_lowprec_version": __version__, "hf_lowprec_commit": git_commit()}
 
 
+@contextlib.contextmanager
+def one_resume() -> Iterator[None]:
+    """One resume: inside it `warn_other_version` checks once, the first call deciding (the Trainer's
+    check of the manifest, before anything loads), and the later ones (each state the resume
+    loads: the optimizer's, each rank's, DeepSpeed's) say nothing. Nested, the outer one counts."""
+    if _CHECKED.get() is not None:
+        yield
+        return
+    token = _CHECKED.set([])
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def _main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def warn_other_version(saved: dict[str, Any], where: str) -> bool:
-    """Log one warning when `saved` (a manifest, an optimizer state's "hf_lowprec" entry) was written by
-    another version of the package than this one, or by one before 0.2.0 (no version recorded).
-    Returns whether it warned."""
+    """Log one warning (on the main process) when `saved` (a manifest, an optimizer state's "hf_lowprec"
+    entry) was written by another version of the package than this one, or by one before 0.2.0 (no
+    version recorded). Inside `one_resume` only its first call checks. Returns whether it warned."""
+    checked = _CHECKED.get()
+    if checked is not None:
+        if checked:
+            return False  # this resume's version was checked already
+        checked.append(True)
     version = saved.get("hf_lowprec_version")
-    if version == __version__:
+    if version == __version__ or not _main_process():
         return False
     commit, running = saved.get("hf_lowprec_commit"), git_commit()
     by = f"hf_lowprec {version}" if version else "an hf_lowprec version before 0.2.0 (it records no version)"

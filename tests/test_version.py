@@ -69,3 +69,165 @@ def test_a_resume_by_another_version_warns_once(saved, caplog):
     named = "hf_lowprec 0.1.0" if saved else "before 0.2.0"
     assert named in warned[0] and f"resumed by hf_lowprec {hf_lowprec.__version__}" in warned[0]
     assert "bit for bit only within one version" in warned[0]
+
+
+# --- every resume path: one warning per resume, from the manifest where there is one -------------------
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "hf_lowprec.version"]
+
+
+def _say_version(checkpoint, saved, files=()) -> None:
+    """Rewrite the version `checkpoint`'s manifest (and the optimizer states in `files`) records as
+    `saved` ("same": as written, None: removed, as before 0.2.0); the manifest lists the files anew."""
+    import json
+    import os
+
+    import torch
+
+    from hf_lowprec.checkpoints.manifest import MANIFEST, file_entry
+
+    if saved == "same":
+        return
+    path = os.path.join(checkpoint, MANIFEST)
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    for name in files:
+        state = torch.load(os.path.join(checkpoint, name), weights_only=True)
+        _set(state["hf_lowprec"], saved)
+        torch.save(state, os.path.join(checkpoint, name))
+        manifest["files"][name] = file_entry(os.path.join(checkpoint, name))
+    _set(manifest, saved)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+
+
+def _set(record: dict, saved) -> None:
+    if saved is None:
+        record.pop("hf_lowprec_version"), record.pop("hf_lowprec_commit")
+    else:
+        record["hf_lowprec_version"] = saved
+
+
+@pytest.fixture(scope="module")
+def bf16_sr_checkpoint(tmp_path_factory):
+    """A bf16-sr Trainer run of 2 steps, saved at step 2."""
+    from hf_lowprec import Trainer
+    from tests.helpers import TokenBlocks, make_args
+
+    out = tmp_path_factory.mktemp("versions")
+    args = make_args(out, "bf16-sr", max_steps=2, save_steps=2, save_strategy="steps", per_device_train_batch_size=4)
+    Trainer(model=tiny_gpt2(0), args=args, train_dataset=TokenBlocks(8)).train()
+    return out / "checkpoint-2"
+
+
+def _resume(source, tmp_path, caplog, **overrides):
+    import shutil
+
+    from hf_lowprec import Trainer
+    from tests.helpers import TokenBlocks, make_args
+
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(source, checkpoint)
+    args = make_args(tmp_path, "bf16-sr", max_steps=3, save_strategy="no", per_device_train_batch_size=4, **overrides)
+    trainer = Trainer(model=tiny_gpt2(0), args=args, train_dataset=TokenBlocks(8))
+    return trainer, checkpoint
+
+
+@pytest.mark.parametrize("saved", ["same", "0.1.9", None])
+@pytest.mark.parametrize("how", ["whole", "manifest only", "optimizer reset", "model only"])
+def test_every_trainer_resume_warns_once_from_the_manifest(bf16_sr_checkpoint, tmp_path, caplog, saved, how):
+    # A resume that loads no optimizer state (resume_reset='optimizer' on a missing optimizer.pt,
+    # a save_only_model checkpoint) said nothing of another version; one that did said it from
+    # optimizer.pt only, the manifest unread.
+    import os
+
+    trainer, checkpoint = _resume(
+        bf16_sr_checkpoint,
+        tmp_path,
+        caplog,
+        resume_reset={"optimizer reset": "optimizer", "model only": "optimizer,scheduler,rng"}.get(how),
+    )
+    _say_version(checkpoint, saved, files=["optimizer.pt"] if how == "whole" else [])
+    if how in ("optimizer reset", "model only"):
+        import json
+
+        from hf_lowprec.checkpoints.manifest import MANIFEST
+
+        gone = ["optimizer.pt"] if how == "optimizer reset" else ["optimizer.pt", "scheduler.pt", "rng_state.pth"]
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        for name in gone:
+            os.remove(checkpoint / name)
+            if how == "model only":
+                del manifest["files"][name]
+        manifest["model_only"] = how == "model only" or manifest.get("model_only", False)
+        (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    warned = _warnings(caplog)
+    if saved == "same":
+        assert warned == []
+        return
+    assert len(warned) == 1, warned
+    named = "hf_lowprec 0.1.9" if saved else "before 0.2.0"
+    assert warned[0].startswith(f"checkpoint {checkpoint} was saved by") and named in warned[0]
+    assert f"resumed by hf_lowprec {hf_lowprec.__version__}" in warned[0]
+
+
+def test_each_train_call_is_one_resume(bf16_sr_checkpoint, tmp_path, caplog):
+    # The check happens per resume: a second train(resume_from_checkpoint=...) warns again, once.
+    trainer, checkpoint = _resume(bf16_sr_checkpoint, tmp_path, caplog)
+    _say_version(checkpoint, "0.1.9", files=["optimizer.pt"])
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert len(_warnings(caplog)) == 2
+
+
+@pytest.mark.parametrize("saved", ["same", "0.1.9"])
+def test_accelerate_load_state_warns_once(tmp_path, caplog, saved):
+    import torch
+    from accelerate import Accelerator
+
+    from hf_lowprec.integrations.accelerate import PrecisionPlugin
+    from tests.helpers import batches
+
+    def prepared():
+        accelerator, model = Accelerator(cpu=True), tiny_gpt2(0)
+        return accelerator, *PrecisionPlugin("bf16-sr").prepare(
+            accelerator, model, torch.optim.AdamW(model.parameters())
+        )
+
+    accelerator, model, optimizer = prepared()
+    ids = batches(1)[0]
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    accelerator.save_state(str(tmp_path))
+    state = torch.load(tmp_path / "optimizer.bin", weights_only=True)
+    if saved != "same":
+        _set(state["hf_lowprec"], saved)
+    torch.save(state, tmp_path / "optimizer.bin")
+    accelerator, model, optimizer = prepared()
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        accelerator.load_state(str(tmp_path))
+    assert len(_warnings(caplog)) == (0 if saved == "same" else 1)
+
+
+@pytest.mark.parametrize("saved", ["same", "0.1.9", None])
+def test_load_sharded_warns_once_from_the_manifest(tmp_path, caplog, one_rank_group, saved):
+    from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model
+
+    def sharded():
+        strategy = hf_lowprec.get_strategy("bf16-sr")
+        model = shard_model(strategy, tiny_gpt2(0, n_embd=16))
+        return model, strategy.create_optimizer(model.parameters(), lr=1e-3)
+
+    save_sharded(tmp_path / "saved", *sharded())
+    _say_version(tmp_path / "saved", saved)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        load_sharded(tmp_path / "saved", *sharded())
+    warned = _warnings(caplog)
+    assert len(warned) == (0 if saved == "same" else 1), warned
+    if warned:
+        assert warned[0].startswith(f"sharded checkpoint {tmp_path / 'saved'} was saved by")

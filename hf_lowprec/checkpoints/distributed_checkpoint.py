@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..version import one_resume, warn_other_version
+
 __all__ = ["load_sharded", "save_sharded", "sharded_state_dict"]
 
 
@@ -88,24 +90,33 @@ def save_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
     from .sharded import save_checked
 
     state, restore = _sharded_state_dict(model, optimizer)
-    save_checked(os.fspath(path), lambda directory: dcp.save(state, checkpoint_id=directory), bool(restore))
+    save_checked(path, lambda directory: dcp.save(state, checkpoint_id=directory), bool(restore))
 
 
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any) -> None:
     """Read what `save_sharded` wrote into a freshly sharded `model` and its new `optimizer`
     (same strategy; any world size, DTensors are resharded, except state laid out per shard,
     which needs the world size it was saved at), then continue bit for bit."""
+    with one_resume():  # the saving version checked once: from the manifest, else the optimizer state
+        _load_sharded(os.fspath(path), model, optimizer)
+
+
+def _load_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from .manifest import read_manifest
     from .resume import refuse_split_fp8_groups
     from .sharded import check_saved
 
     target, restore = _sharded_state_dict(model, optimizer)
-    check_saved(os.fspath(path), bool(restore))  # damaged, torn or another world size: refused here
-    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    check_saved(path, bool(restore))  # damaged, torn or another world size: refused here
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     groups = {k.split(".")[2] for k in keys if k.startswith("optimizer.param_groups.")}
     refuse_split_fp8_groups(len(groups), target["optimizer"]["param_groups"])
-    dcp.load(target, checkpoint_id=os.fspath(path))
+    manifest = read_manifest(path)  # checked above
+    if manifest is not None:
+        warn_other_version(manifest, f"sharded checkpoint {path}")
+    dcp.load(target, checkpoint_id=path)
     for state, key, original in restore:
         original.reshape(-1).copy_(state[key].to_local()[0, : original.numel()])
         state[key] = original

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..version import warn_other_version
 from .manifest import MANIFEST, ManifestError, file_problem, read_manifest
 
 __all__ = [
@@ -171,6 +172,8 @@ def _check_strategy(path: str, strategy: Any) -> None:
         _refuse_strategy(file, path, saved, name)
     if strategy is not None and isinstance(ours.get("options"), dict):
         check_resume_options(strategy, ours["options"], file)
+    if isinstance(ours, dict):
+        warn_other_version(ours, file)
 
 
 def _refuse_strategy(file: str, path: str, saved: str | None, strategy: str | None) -> None:
@@ -299,8 +302,9 @@ def _check_world_size(path: str, manifest: dict, reset: tuple[str, ...]) -> set[
 
 def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = ()) -> set[str]:
     """Raise ValueError unless `path` is a finished, undamaged checkpoint of `strategy`
-    (a strategy object or None); returns the parts of `reset` the resume must start afresh. Without
-    a manifest (saved before checkpoints carried one) only the archives are checked, with a warning."""
+    (a strategy object or None); returns the parts of `reset` the resume must start afresh, and warns
+    once where another version saved it (`warn_other_version`). Without a manifest (saved before
+    checkpoints carried one) only the archives are checked, with a warning."""
     if not os.path.isdir(path):
         # The stock Trainer's refusal of this path, then ours.
         raise ValueError(
@@ -321,7 +325,9 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
     if manifest is not None:
         resets = _verify_manifest(path, manifest, reset) | _check_model_only(path, manifest, reset)
         _check_manifest_strategy(path, manifest, strategy)
-        return resets | _check_world_size(path, manifest, reset)
+        resets |= _check_world_size(path, manifest, reset)
+        warn_other_version(manifest, f"checkpoint {path}")  # the optimizer's load (if any) then says nothing
+        return resets
     logger.warning(
         "%s has no %s (saved before checkpoints carried one): only truncation and archive CRCs are checked",
         path,

@@ -42,6 +42,7 @@ from ..report import (
 from ..strategies.interface import PrecisionStrategy
 from ..strategies.prepared import refuse_without_strategy
 from ..strategies.registry import get_strategy
+from ..version import one_resume
 from .clipping import strategy_grad_norm
 from .deferred_skip import note_trainer_skip, resolve_before_reads, resolve_skip
 from .launch_env import launched_default
@@ -255,16 +256,15 @@ class PrecisionTrainerMixin:
         # Only the arguments given, by keyword: TRL 1.12's PPOTrainer.train() takes none.
         given = {"trial": trial, "ignore_keys_for_eval": ignore_keys_for_eval}
         kwargs = {name: value for name, value in given.items() if value is not None}
-        # Every resume check first (checkpoints/resume.py): with no strategy, stock's + strategy checkpoints refused.
-        resume_from_checkpoint, self._resume_resets = checked_resume(
-            self.args.output_dir, resume_from_checkpoint, self.precision, getattr(self.args, "resume_reset", None)
-        )
-        if "optimizer" in self._resume_resets:
-            # Residuals of this run's initial weights would seed δθ next to the checkpoint's θ.
-            self.precision.discard_prepared_state()
-        if resume_from_checkpoint is not None:
-            kwargs["resume_from_checkpoint"] = resume_from_checkpoint
-        return super().train(**kwargs)
+        with one_resume():  # every check first (checkpoints/resume.py); the saving version once, from the manifest
+            resume_from_checkpoint, self._resume_resets = checked_resume(
+                self.args.output_dir, resume_from_checkpoint, self.precision, getattr(self.args, "resume_reset", None)
+            )
+            if "optimizer" in self._resume_resets:  # residuals of this run's initial weights would seed δθ
+                self.precision.discard_prepared_state()
+            if resume_from_checkpoint is not None:
+                kwargs["resume_from_checkpoint"] = resume_from_checkpoint
+            return super().train(**kwargs)
 
     def call_model_init(self, trial: Any = None) -> Any:
         # A search's trial: its precision arguments checked and set before its model is built and prepared
