@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compiling import constant, takes_gpu_path
+from ..compiling import constant, run_fused, takes_gpu_path
+from ..numerics import abs_max
 from .gradients import GradientAutoScaler
-from .scaled import pow2_scale, saturated_count, saturating_cast, tensor_amax
+from .scaled import pow2_scale, saturated_count, saturating_cast
 
 __all__ = [
     "AllReduceStats",
@@ -33,6 +34,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 # `FP8CommState.prescale` puts a gradient's amax 12 binades under FP16's maximum.
 _PRESCALE_MARGIN = 12
+
+
+def _prescaled(
+    grad: torch.Tensor, peak: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(grad·σ in `dtype`, peak, σ, σ/σ_before): peak = the largest amax of the step's micro-batches
+    so far (`peak` None: this is the first), σ = 2^k putting it in (8, 16] (1 while it is 0 or not
+    finite, `pow2_scale`), and the ratio that moves what was accumulated at the σ before to this σ
+    (None for the first micro-batch). Powers of two: every product is exact but for FP16's rounding."""
+    amax = abs_max(grad).float()
+    sigma_before = None if peak is None else pow2_scale(peak, torch.float16, _PRESCALE_MARGIN)
+    peak = amax if peak is None else torch.maximum(peak, amax)
+    sigma = pow2_scale(peak, torch.float16, _PRESCALE_MARGIN)
+    ratio = None if sigma_before is None else sigma / sigma_before
+    return (grad.float() * sigma).to(dtype), peak, sigma, ratio
 
 
 @dataclasses.dataclass
@@ -261,6 +277,8 @@ class FP8CommState:
             at each log, and checkpointed).
         prescales: id(parameter) → the power of two σ its bucket gradient carries this step
             (`prescale`), taken by the hook.
+        peaks: id(parameter) → the largest gradient amax of this step's micro-batches so far,
+            which σ follows (`prescale`), dropped by the hook.
         store: where the hook hands a prescaled parameter's reduced gradient as (param, payload,
             scale); True: stored, its part of the bucket is zeroed (fp8-lm-o2: the optimizer).
     """
@@ -273,15 +291,37 @@ class FP8CommState:
     stats: AllReduceStats = dataclasses.field(default_factory=AllReduceStats)
     prescales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
+    peaks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _backwards: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)  # id → graph task
 
     def prescale(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """grad·σ for an FP16 bucket, σ = 2^k putting this step's first amax in (8, 16]: FP16 then
-        holds 28 binades below it (FP8's range and more) and 2^12 above for later micro-batches,
-        which reuse σ. Without it gradients under 2^-24 flush to 0 before the FP8 all-reduce."""
-        sigma = self.prescales.get(id(param))
-        if sigma is None:
-            sigma = self.prescales[id(param)] = pow2_scale(tensor_amax(grad), torch.float16, _PRESCALE_MARGIN)
-        return grad * sigma
+        """grad·σ in `param`'s dtype (an FP16 bucket), σ = 2^k putting the largest amax of this
+        step's micro-batches so far in (8, 16]: FP16 holds 28 binades below it (FP8's range and
+        more), and the accumulated sum up to 2^12 times it. Without σ gradients under 2^-24 flush to
+        0 before the FP8 all-reduce. A micro-batch with a larger amax lowers σ (one that follows
+        all-zero ones sets it) and `param.grad`, the sum accumulated at the σ before, is multiplied
+        by the same power of two on the device, so the bucket holds the exact rescaled sum: no
+        micro-batch overflows FP16 at an earlier one's σ, or underflows at the σ of a zero one.
+        No host sync; one graph and one multiplication on a GPU. A weight one backward uses twice
+        sends its second use at the first's σ (autograd holds the first use's gradient, unsummed
+        and out of reach, until both are added)."""
+        key, peak = id(param), self.peaks.get(id(param))
+        task = torch._C._current_graph_task_id()
+        if peak is not None and task >= 0 and self._backwards.get(key) == task:
+            return (grad * self.prescales[key]).to(param.dtype)
+        self._backwards[key] = task
+        args = (grad.detach(), peak, param.dtype)
+        out = run_fused(_prescaled, *args, like=grad) if takes_gpu_path(grad.device) else _prescaled(*args)
+        scaled, self.peaks[key], self.prescales[key], ratio = out
+        if ratio is not None and param.grad is not None:
+            param.grad.mul_(ratio)
+        return scaled
+
+    def take_prescale(self, param: torch.Tensor) -> torch.Tensor | None:
+        """σ of `param`'s bucket gradient this step (None: not prescaled), forgetting the step's state."""
+        self.peaks.pop(id(param), None)
+        self._backwards.pop(id(param), None)
+        return self.prescales.pop(id(param), None)
 
 
 def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -295,7 +335,7 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     grads = bucket.gradients()
     params = bucket.parameters()
     numels = [g.numel() for g in grads]
-    sigmas = [state.prescales.pop(id(p), None) for p in params]
+    sigmas = [state.take_prescale(p) for p in params]
     if sum(numels) != buffer.numel():
         # Buckets with alignment gaps: fall back to one scale for the whole bucket, in real units.
         logger.debug("bucket %d has gaps between gradients; using one scale for it", bucket.index())

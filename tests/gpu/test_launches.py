@@ -76,6 +76,27 @@ def test_the_gradient_hook_is_one_graph_per_weight_with_accumulation_too():
         assert weight.grad is None
 
 
+def test_the_ddp_prescale_is_one_graph_per_weight_and_one_rescale_with_accumulation():
+    """fp8-lm-o2's transport into DDP's FP16 bucket (`FP8CommState.prescale`): amax, σ and the scaled
+    FP16 gradient as one graph, where it was 25 eager launches; a later micro-batch also moves the
+    accumulated `p.grad` to the new σ, one multiplication by a device scalar (no host sync)."""
+    from hf_lowprec.compiling import gpu_paths
+    from hf_lowprec.fp8.comm import FP8CommState
+
+    weight = torch.nn.Parameter(torch.randn(32, 16, dtype=torch.float16))
+    state = FP8CommState(GradientAutoScaler())
+    for accumulated in (False, True):  # the first micro-batch, then one whose sum p.grad holds
+        grad = torch.randn(32, 16, dtype=torch.bfloat16) * (2.0**20 if accumulated else 1.0)
+        with gpu_paths(), Launches() as counted:
+            weight.grad = state.prescale(weight, grad) if not accumulated else weight.grad
+            if accumulated:
+                weight.grad += state.prescale(weight, grad)
+        assert counted.regions == {("step", "_prescaled"): 1}, (accumulated, counted.summary())
+        # The later micro-batch: the rescale of p.grad, and the test's own accumulation.
+        assert counted.eager["step"] == 2 * accumulated, (accumulated, counted.summary())
+    assert bool(torch.isfinite(weight.grad).all()), "the larger micro-batch overflowed the FP16 sum"
+
+
 def test_o2_backward_quantizes_each_weight_gradient_in_one_graph():
     counted = launches_of("fp8-lm-o2", 2, fused="compiled")
     hooked = 2 * 4  # 2 blocks × 4 FP8 linears' weights (biases keep FP32 masters and gradients)
