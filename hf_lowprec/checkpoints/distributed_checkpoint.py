@@ -104,6 +104,7 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any
 def _load_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from ..memory import unwrap_optimizer
     from .manifest import read_manifest
     from .resume import refuse_split_fp8_groups
     from .sharded import check_saved
@@ -124,3 +125,5 @@ def _load_sharded(path: str, model: torch.nn.Module, optimizer: Any) -> None:
     optimizer_state = dict(target["optimizer"])
     optimizer_state["state"] = {int(index): state for index, state in optimizer_state["state"].items()}
     optimizer.load_state_dict(optimizer_state)
+    # Weights and state restored together: a write before the next step is where training goes on.
+    getattr(unwrap_optimizer(optimizer), "watch_parameter_values", lambda: None)()

@@ -341,6 +341,8 @@ def move_state_to_shards(optimizer: Any, before: list[torch.Tensor]) -> None:
             else:
                 moved[key] = value
         inner.state[new] = moved
+        if hasattr(inner, "move_written"):  # a write before the next step is still seen on the shard
+            inner.move_written(old, new)
 
 
 # --- checkpoints -----------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from ..distributed import DTensor, local_shard, written_since, written_version
 
 __all__ = ["LowPrecisionOptimizer", "TrackedUpdate", "seed_from_run"]
 
+_WRITTEN = (-1, -1, -1)  # a record no version equals: the parameter counts as written before the next step
+
 
 def seed_from_run() -> int:
     """A seed for stochastic rounding drawn from the run's seed, leaving the global RNG where it was.
@@ -67,7 +69,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     counter and storage of its values after each step (`_mark_written`, `distributed.written_version`:
     host values every in-place write or `.data` assignment changes); one written since
     (`load_state_dict` of the model, weight clipping, a re-init, `vector_to_parameters`) is taken as
-    written before the next step or export (`_written_elsewhere`), as FP32 AdamW takes it.
+    written before the next step or export (`_written_elsewhere`), as FP32 AdamW takes it. A load of
+    the state as `state_dict()` handed it out, unwritten since, keeps the record (`_holds_own_state`);
+    any other load (a checkpoint's, also one written into these tensors in place) starts it again.
     """
 
     state_roles: ClassVar[dict[str, str]] = {}
@@ -77,6 +81,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.track_updates = False
         self.tracked: list[TrackedUpdate] = []
         self._written: dict[torch.Tensor, tuple[int, int, int]] = {}
+        self._handed_out: dict[int, tuple[int, int, int]] = {}  # state_dict()'s tensors: id → version
 
     def accept_parameter_values(self) -> None:
         """Take every parameter's value as the one its state completes, until the next step:
@@ -100,6 +105,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if rule.compensation_key or rule.master_key:
             for param in params:
                 self._written[param] = written_version(param)
+
+    def move_written(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`new` took `old`'s place in the groups and its state (FSDP2's shard of it, cut from its
+        values): the record goes with it, written where `old` was written since its record."""
+        recorded = self._written.pop(old, None)
+        if recorded is not None:
+            self._written[new] = _WRITTEN if written_since(old, recorded) else written_version(new)
 
     def _written_elsewhere(self, param: torch.Tensor) -> bool:
         """Whether `param` was written since this optimizer last wrote it (host-side: no sync)."""
@@ -130,11 +142,22 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             after = after.to_local()
         self.tracked.append(TrackedUpdate(group, param, before, after, update))
 
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        self._handed_out = {
+            id(value): written_version(value)
+            for state in state_dict["state"].values()
+            for value in state.values()
+            if torch.is_tensor(value)
+        }
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         own = self._holds_own_state(saved_state, saved_ids, params)
+        self._handed_out = {}
         super().load_state_dict(state_dict)
         if not own:
             self.accept_parameter_values()
@@ -150,13 +173,34 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             self.state[param] = restored
 
     def _holds_own_state(self, saved_state: dict[Any, Any], saved_ids: list[Any], params: list[Any]) -> bool:
-        """Whether `saved_state` holds this optimizer's own state tensors, parameter for parameter:
-        Accelerate's `AcceleratedOptimizer` loads `state_dict()` back as it wraps an optimizer, which
-        restores nothing, so the writes recorded before stay recorded (a load before the first step)."""
-        if len(saved_ids) != len(params) or any(isinstance(p, DTensor) for p in params):
-            return False  # FSDP2's shards: its own load-back comes after the weights' (the old clearing)
+        """Whether `saved_state` is this optimizer's state as `state_dict()` last handed it out, parameter
+        for parameter, none of it written since: a load that restores nothing (Accelerate's
+        `AcceleratedOptimizer` loads `state_dict()` back as it wraps an optimizer, moved to its device),
+        so the writes recorded before stay recorded. A load written into those tensors in place
+        (torch.distributed.checkpoint's, FSDP2's sharded checkpoints) or another state restores a
+        checkpoint: the record starts again from it."""
+        if len(saved_ids) != len(params):
+            return False
         for saved_id, param in zip(saved_ids, params):
             mine, saved = self.state.get(param, {}), saved_state.get(saved_id, {})
-            if mine.keys() != saved.keys() or any(torch.is_tensor(v) and saved[k] is not v for k, v in mine.items()):
+            if mine.keys() != saved.keys():
                 return False
+            for key, value in mine.items():
+                if torch.is_tensor(value) and not self._handed_out_unchanged(value, saved[key]):
+                    return False
         return True
+
+    def _handed_out_unchanged(self, value: torch.Tensor, saved: Any) -> bool:
+        """Whether `saved` is the state tensor `value` as `state_dict()` handed it out, and `value` was not
+        written since: `value` itself, an alias, or a copy on its device with its bits (`tensor.to(device)`
+        copies from "cpu" to "cpu:0"; a copy to another device is taken as another state)."""
+        handed = self._handed_out.get(id(value))
+        if handed is None or written_version(value) != handed or not torch.is_tensor(saved):
+            return False
+        if saved is value or written_version(saved) == handed:  # the same storage and version counter
+            return saved.shape == value.shape and saved.stride() == value.stride()
+        same_kind = saved.device == value.device and saved.dtype == value.dtype and type(saved) is type(value)
+        if not same_kind or saved.shape != value.shape:
+            return False
+        bits = [local_shard(t).reshape(-1).view(torch.uint8) for t in (saved, value)]  # FP8 and NaN alike
+        return bits[0].shape == bits[1].shape and torch.equal(*bits)

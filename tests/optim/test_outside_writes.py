@@ -196,3 +196,46 @@ def test_a_write_after_a_state_round_trip_or_a_watched_resume_is_seen(family: st
         for p, value in zip(params, values):
             assert_bits_equal(p.detach(), value, f"θ after the step (watched={watched})")
             assert torch.equal(optimizer.held_value(p), value.double())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_load_of_its_own_state_as_copies_keeps_the_record(family: str) -> None:
+    # Accelerate moves `state_dict()` to its device before loading it back: on a CPU run under FSDP2
+    # `tensor.to("cpu:0")` copies. Copies with the state's bits, none of it written since, restore
+    # nothing: before the fix they cleared the record and the write below was undone.
+    params, optimizer = _trained(family, "reference")
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    values = _written(params)
+    _write(params, values)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    _step(optimizer, params, 3)
+    for p, value in zip(params, values):
+        assert_bits_equal(p.detach(), value, "θ after the step")
+        assert torch.equal(optimizer.held_value(p), value.double())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_checkpoint_loaded_into_its_own_state_in_place_resumes_bit_for_bit(family: str, no_restart) -> None:
+    # torch.distributed.checkpoint (`load_sharded`) writes the weights and the tensors of
+    # `state_dict()` in place, then loads that dict: the optimizer's own tensors, but a checkpoint's
+    # values. Before the fix that load kept the record of the weights before the resume, so the
+    # loaded weights counted as written and their masters/δθ restarted (not bit for bit).
+    params, optimizer = _trained(family, "reference")
+    saved_state = copy.deepcopy(optimizer.state_dict())
+    saved = [p.detach().clone() for p in params]
+    for step in (3, 4):
+        _step(optimizer, params, step)
+
+    resumed_params, resumed = _trained(family, "reference", steps=1)
+    target = resumed.state_dict()
+    _write(resumed_params, saved)
+    with torch.no_grad():
+        for index, state in target["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    value.copy_(saved_state["state"][index][key])
+    resumed.load_state_dict(target)
+    for step in (3, 4):
+        _step(resumed, resumed_params, step)
+    _assert_same_run(resumed, resumed_params, optimizer, params)
