@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..memory import kept_in_fp32
-from .adopt import adopt_loaded_dtypes
+from .adopt import adopt_loaded_dtypes, widen_unfrozen
 
 __all__ = [
     "PREPARED_ATTR",
@@ -159,9 +159,11 @@ def _name(dtype: torch.dtype) -> str:
 
 def check_added_dtypes(strategy: Any, groups: list[dict[str, Any]], first_index: int = 0) -> None:
     """Refuse, before the optimizer is built or a group added, a trainable parameter that a strategy whose
-    conversion is a cast (`recasts`) has not cast: one added after prepare_model. `first_index`: the
-    index of the first of `groups` in the optimizer."""
+    conversion is a cast (`recasts`) has not cast: one added after prepare_model. Under a strategy with
+    FP32 parameters, a 16-bit one frozen at prepare_model and unfrozen since is made FP32 (`widen_unfrozen`).
+    `first_index`: the index of the first of `groups` in the optimizer."""
     if not strategy.recasts:
+        widen_unfrozen(strategy, groups, first_index)
         return
     wrong = [
         (g, i, p) for g, group in enumerate(groups) for i, p in enumerate(group["params"]) if _not_cast(strategy, p)
