@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import logging
 import math
 import weakref
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..engines.ddp import prepare_ddp
+from ..memory import unwrap_optimizer
 from ..optim.torch_options import TORCH_ONLY_KEYS
 from ..report import check_promises, describe, format_report, warn_slow_fp16_once
 from ..scaling import narrow_grad_norm
@@ -29,12 +31,11 @@ from .autocasting import autocast_disabled, casts_outside_forward, outside_forwa
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
 from .outputs import narrow_inputs, widen_outputs
 from .peft import prepare_model as _prepare_model
+from .scheduler_rebinding import rebind_scheduler, schedulers_over
 
 __all__ = ["PrecisionPlugin"]
 
 logger = logging.getLogger(__name__)
-
-_NOT_PER_GROUP = ("optimizer", "_schedulers", "_milestones")
 
 
 class PrecisionPlugin:
@@ -104,7 +105,7 @@ class PrecisionPlugin:
                     self._replaced[obj] = self._convert_optimizer(obj, model_params)
                     # A scheduler built on it that never reaches prepare moves too (Accelerate's wrapper
                     # steps the user's optimizer itself, so such a scheduler works there).
-                    for scheduler in _schedulers_over(obj):
+                    for scheduler in schedulers_over(obj):
                         self._follow(scheduler)
                 objects[i] = self._replaced[obj]
             if isinstance(objects[i], StrategyOptimizer):
@@ -244,13 +245,13 @@ class PrecisionPlugin:
         On a micro-step that does not sync under gradient accumulation (`accelerator.sync_gradients`
         False), a loss-scaling strategy clips nothing and returns the norm the gradients so far would
         have unscaled: their scale is removed once, at the step, after the last micro-batch."""
+        _refuse_unknown_keywords(accelerator, "clip_grad_norm_", kwargs)  # as stock's, before any work
         if self._accumulating(accelerator):
             parameters = list(parameters)
             scaled = self.strategy.clip_own_grad_norm(parameters, math.inf, norm_type)  # measures only
             scaled = scaled.full_tensor() if hasattr(scaled, "full_tensor") else scaled  # FSDP2's DTensor norm
             return scaled / self.strategy.scaler.scale(torch.ones((), device=scaled.device))  # a power of two
-        for optimizer in self._optimizers:
-            self.strategy.unscale_gradients(optimizer.optimizer)
+        self.unscale_gradients(accelerator)
         parameters = list(parameters)
         # FP16 strategies: an FP32 norm (norm_type passed only where it is not the default a hook may lack).
         extra = {} if float(norm_type) == 2.0 else {"norm_type": norm_type}
@@ -270,14 +271,28 @@ class PrecisionPlugin:
         strategy clamps nothing (see `clip_grad_norm_`)."""
         if self._accumulating(accelerator):
             return
-        for optimizer in self._optimizers:
-            self.strategy.unscale_gradients(optimizer.optimizer)
+        self.unscale_gradients(accelerator)
         parameters = list(parameters)
         # p.grad (it refuses ZeRO/FSDP) by dtype: a bound past the dtype's largest value (1e5 on FP16) clamps nothing.
         for dtype in {p.grad.dtype for p in parameters if p.grad is not None}:
             group = [p for p in parameters if p.grad is not None and p.grad.dtype == dtype]
             type(accelerator).clip_grad_value_(accelerator, group, min(clip_value, torch.finfo(dtype).max))
         self.strategy.clip_own_grad_value(parameters, clip_value)
+
+    def unscale_gradients(self, accelerator: Any, optimizer: Any = None) -> None:
+        """`accelerator.unscale_gradients(optimizer)`: the strategy's unscaling of its optimizer's
+        gradients (of those among `optimizer`, one or a list, where given), so that `p.grad` holds
+        the true gradients for the loop's own clipping (`torch.nn.utils.clip_grad_norm_`) or logging,
+        as under stock fp16; the step does not unscale them again. `prepare` makes
+        `accelerator.unscale_gradients` this. On a micro-step that does not sync, a loss-scaling
+        strategy unscales nothing (see `clip_grad_norm_`)."""
+        if self._accumulating(accelerator):
+            return
+        given = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        chosen = {id(unwrap_optimizer(o)) for o in given}
+        for ours in self._optimizers:
+            if optimizer is None or id(unwrap_optimizer(ours)) in chosen:
+                self.strategy.unscale_gradients(ours.optimizer)
 
     def prepare_scheduler(self, accelerator: Any, scheduler: Any) -> Any:
         """`accelerator.prepare_scheduler(scheduler)`, the scheduler first moved to the strategy's
@@ -322,9 +337,11 @@ class PrecisionPlugin:
     def _route(self, accelerator: Any) -> None:
         # A loop written for Accelerate clips with `accelerator.clip_grad_norm_` / `clip_grad_value_`,
         # which see only `p.grad`: scaled gradients (loss-scaling strategies) and not O2's FP8 ones
-        # held beside it. On this Accelerator they are the plugin's (the last one to prepare), as is
-        # `prepare_scheduler`, which moves a scheduler prepared in a later call to the strategy's optimizer,
-        # and `autocast`, for computation outside the forward.
+        # held beside it, or unscales with `unscale_gradients` (stock's finds no scaler: mixed_precision
+        # is "no") before clipping or reading them itself. On this Accelerator they are the plugin's (the
+        # last one to prepare), as is `prepare_scheduler`, which moves a scheduler prepared in a later
+        # call to the strategy's optimizer, and `autocast`, for computation outside the forward.
+        accelerator.unscale_gradients = functools.partial(self.unscale_gradients, accelerator)
         accelerator.clip_grad_norm_ = functools.partial(self.clip_grad_norm_, accelerator)
         accelerator.clip_grad_value_ = functools.partial(self.clip_grad_value_, accelerator)
         accelerator.prepare_scheduler = functools.partial(self.prepare_scheduler, accelerator)
@@ -338,7 +355,7 @@ class PrecisionPlugin:
             self._follow(child)
         old = getattr(scheduler, "optimizer", None)
         if isinstance(old, torch.optim.Optimizer) and old in self._replaced:
-            _rebind_scheduler(scheduler, self._replaced[old], old)
+            rebind_scheduler(scheduler, self._replaced[old], old)
 
     def _note_skips(self, prepared: Any) -> None:
         # Accelerate's scheduler holds, and `accelerator.optimizer_step_was_skipped` is True, only where its wrapper
@@ -399,52 +416,16 @@ class PrecisionPlugin:
             )
 
 
-def _schedulers_over(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
-    """The LR schedulers alive now that hold `optimizer` (the garbage collector's referrers, and theirs)."""
-    holders = gc.get_referrers(optimizer)
-    found = [h for h in holders if isinstance(h, torch.optim.lr_scheduler.LRScheduler)]
-    dicts = [h for h in holders if isinstance(h, dict)]
-    if dicts:
-        ids = {id(d) for d in dicts}
-        found += [
-            o
-            for o in gc.get_referrers(*dicts)
-            if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and id(getattr(o, "__dict__", None)) in ids
-        ]
-    return list({id(s): s for s in found if s.optimizer is optimizer}.values())
-
-
-def _follow_split_groups(scheduler: Any, optimizer: StrategyOptimizer, old: torch.optim.Optimizer) -> None:
-    """A strategy may split a group in two (fp8-lm-o2 once did: FP8 GEMM weights and the rest,
-    same settings): each per-group list the scheduler keeps (`base_lrs`, `_last_lr`,
-    `lr_lambdas`, …, one entry per old group) gets one entry per new group, that of its origin."""
-    if len(optimizer.param_groups) == len(old.param_groups):
+def _refuse_unknown_keywords(accelerator: Any, name: str, kwargs: dict[str, Any]) -> None:
+    """Stock's TypeError for a keyword that stock Accelerate's `name` does not take (torch's
+    `error_if_nonfinite`, `foreach`), under every strategy: not dropped where the strategy clips itself."""
+    stock = inspect.signature(getattr(type(accelerator), name)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in stock.values()):
         return
-    source = {id(p): i for i, group in enumerate(old.param_groups) for p in group["params"]}
-    origin = [source[id(group["params"][0])] for group in optimizer.param_groups]
-    for name, value in list(vars(scheduler).items()):
-        # (SequentialLR's `_schedulers` and `_milestones` are not per group; its children follow on their own.)
-        if isinstance(value, list) and len(value) == len(old.param_groups) and name not in _NOT_PER_GROUP:
-            setattr(scheduler, name, [value[i] for i in origin])
-
-
-def _rebind_scheduler(
-    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: StrategyOptimizer, old: torch.optim.Optimizer
-) -> None:
-    # The copied groups carry the scheduler's `initial_lr` and current `lr`, so the schedule
-    # continues on the new optimizer. torch checks at the first `scheduler.step()` that
-    # `optimizer.step()` ran before it, through a marked wrapper its __init__ puts on
-    # `optimizer.step`; give the new optimizer the same marker so that check still holds.
-    scheduler.optimizer = optimizer
-    _follow_split_groups(scheduler, optimizer, old)
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]
+    unknown = [key for key in kwargs if key not in stock]
+    if unknown:
+        raise TypeError(
+            f"accelerator.{name}() got an unexpected keyword argument {unknown[0]!r}: stock Accelerate's takes "
+            f"({', '.join(k for k in stock if k != 'self')}) only, and so does the plugin's; drop it (for "
+            "error_if_nonfinite, test the returned norm: `torch.isfinite(norm)`, a host sync)"
+        )
