@@ -30,6 +30,7 @@ from .tallies import (
     clamp_fp16_,
     decide_scale,
     gradient_counts,
+    sum_over_ranks,
     tally_activation,
     unscale_half_together,
 )
@@ -188,10 +189,14 @@ class AutomaticLossScaler:
             self._nan.copy_(torch.maximum(self._nan, grad.isfinite().logical_not().any().to(self._nan.dtype)))
             grad.mul_(inverse)
 
-    def found_nan(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def found_nan(self, optimizer: torch.optim.Optimizer, also: torch.Tensor | None = None) -> torch.Tensor:
         """This step's NaN flag of the weight gradients (1.0: skip), agreed over the ranks; a
-        0-dim FP32 tensor on the gradients' device, no host sync (unscales first if needed)."""
+        0-dim FP32 tensor on the gradients' device, no host sync (unscales first if needed).
+        `also`: the caller's own flag (1.0: skip) of gradients written since `unscale_`, taken
+        into the step's flag before the ranks agree on it (as a NaN, it halves the scale)."""
         self.unscale_(optimizer)
+        if also is not None:
+            self._nan.copy_(torch.maximum(self._nan, also.to(self._nan.dtype)))
         self._agree()
         return self._nan.clone()  # the buffer itself is zeroed by `update`
 
@@ -304,10 +309,10 @@ class AutomaticLossScaler:
         self._reduced = True
         self._fold_probe()
         if self._group is not None:
-            self._sum_over(self._group, [self._step, self._nan, self._clipped])
+            sum_over_ranks(self._group, [self._step, self._nan, self._clipped])
         group = self.process_group
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            self._sum_over(group, [self._step[A_UPPER:], self._nan])
+            sum_over_ranks(group, [self._step[A_UPPER:], self._nan])
 
     def _fold_probe(self) -> None:
         """Add the counts the compiled backward left in `_probe.grad` (FP64 sums of integers
@@ -320,14 +325,6 @@ class AutomaticLossScaler:
         self._step[A_UPPER].add_(counts[:, 0].sum())
         self._step[A_TOTAL].add_(counts[:, 1].sum())
         self._clipped[: counts.shape[0]].add_(counts[:, 2])
-
-    @staticmethod
-    def _sum_over(group: Any, tallies: list[torch.Tensor]) -> None:
-        flat = torch.cat([t.reshape(-1).double() for t in tallies])
-        dist.all_reduce(flat, group=group)  # counts below 2^53: exact in FP64
-        for tally, summed in zip(tallies, flat.split([t.numel() for t in tallies])):
-            tally.copy_(summed.reshape(tally.shape))
-        tallies[1].clamp_(max=1.0)  # the NaN flag: found on some rank
 
     def _slot(self, name: str) -> int:
         """The row of `name` in the per-name buffers, adding one (outside any step's hot path)."""

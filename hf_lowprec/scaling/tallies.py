@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .loss_scale import FP16_MAX
 
@@ -23,6 +24,7 @@ __all__ = [
     "clamp_fp16_",
     "decide_scale",
     "gradient_counts",
+    "sum_over_ranks",
     "tally_activation",
     "unscale_half_together",
 ]
@@ -160,3 +162,13 @@ def decide_scale(
     step.zero_()
     clipped.zero_()
     nan.zero_()
+
+
+def sum_over_ranks(group: Any, tallies: list[torch.Tensor]) -> None:
+    """Sum `tallies` over the ranks of `group` in place, by one all-reduce in FP64 (counts below
+    2^53: exact); the second is the NaN flag, 1.0 where some rank found one."""
+    flat = torch.cat([t.reshape(-1).double() for t in tallies])
+    dist.all_reduce(flat, group=group)
+    for tally, summed in zip(tallies, flat.split([t.numel() for t in tallies])):
+        tally.copy_(summed.reshape(tally.shape))
+    tallies[1].clamp_(max=1.0)

@@ -13,14 +13,16 @@ from typing import Any, Literal
 
 import torch
 
-from ..distributed import written_version
+from ..distributed import local_shard, written_version
 from ..memory import unwrap_optimizer
+from ..numerics import nonfinite_flag
 from ..optim import FP32StatesSRAdamW, MasterWeightAdamW
 from ..scaling import AutomaticLossScaler, RunningMeanGradients, check_loss_scaler_settings
 from .casting import cast_model, narrow_kept_parameters
 from .fp16_base import LossScaledStrategy
 from .interface import PrecisionStrategy, StrategyOptions
 from .registry import register
+from .seen_norm import SeenGradients
 from .support import EngineSupport
 
 __all__ = ["FP16ALS", "FP16ALSOptions"]
@@ -133,6 +135,7 @@ class FP16ALS(LossScaledStrategy):
         self._sums = False  # the loop expects the sum of its micro-batch gradients (the Accelerate plugin)
         self._sharded = False
         self._window_start = 0  # `_scaled_backwards` when this accumulation window began
+        self._unscaled_seen: SeenGradients | None = None  # the gradients as this step's unscale left them
         # id(parameter) → (parameter, its FP32 value before the cast, its version counter after it), from
         # prepare_model until build_optimizer seeds the masters with them (the engines' name, as Collage's;
         # the value itself tells which elements were written since: `_master_residual`).
@@ -248,16 +251,36 @@ class FP16ALS(LossScaledStrategy):
             micro_batches = self._loss_divisor if self._sums else self._scaled_backwards - self._window_start
             self.accumulator.adopt(params, micro_batches)
         super().unscale_gradients(optimizer)
+        if self._unscaled_seen is None and not self.idle(optimizer):  # the step's one unscale
+            self._unscaled_seen = SeenGradients.of(_grads(optimizer))
+
+    def clip_own_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        params = list(parameters)
+        seen = self._unscaled_seen
+        unchanged = seen.unchanged(p.grad for p in params if p.grad is not None) if seen is not None else []
+        norm = super().clip_own_grad_norm(params, max_norm, norm_type)
+        if seen is not None:
+            # A factor of at most 1 keeps a finite gradient finite (a NaN the unscale saw made it NaN, and the
+            # flag 1); one written before the clipping stays changed, and the step checks it.
+            seen.renew(unchanged)
+        return norm
 
     def process_gradients(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Overflow is already clipped; only a NaN (which no clip can repair) skips the step.
-        The scaler's NaN flag, agreed over the ranks with its histogram (one all-reduce)."""
+        The scaler's NaN flag, agreed over the ranks with its histogram (one all-reduce), set as it
+        unscaled: it decides for the gradients unchanged since (clipping's factor aside). A gradient
+        written after (a callback's edit, noise) is checked again, and an inf or NaN there skips the
+        step too, as every strategy's check does (`seen_norm`): one multi-tensor check, only then."""
         if self.idle(optimizer):
             return self.idle_flag(optimizer)
-        return self.scaler.found_nan(unwrap_optimizer(optimizer))
+        seen, self._unscaled_seen = self._unscaled_seen, None
+        changed = seen.changed(_grads(optimizer)) if seen is not None else []  # None: found_nan unscales all
+        also = nonfinite_flag([local_shard(g) for g in changed]) if changed else None
+        return self.scaler.found_nan(unwrap_optimizer(optimizer), also)
 
     def end_step(self) -> None:
         super().end_step()
+        self._unscaled_seen = None
         self._window_start = self._scaled_backwards
         if self.accumulator is not None:
             self.accumulator.reset()
@@ -270,6 +293,10 @@ class FP16ALS(LossScaledStrategy):
             "precision/clipped_elements": float(self.scaler.last_clipped),
             "precision/clipped_elements_total": float(self.scaler.total_clipped),
         }
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in unwrap_optimizer(optimizer).param_groups for p in g["params"] if p.grad is not None]
 
 
 def _master_residual(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["SeenNorm", "reveals_nonfinite"]
+__all__ = ["SeenGradients", "SeenNorm", "reveals_nonfinite"]
 
 
 def reveals_nonfinite(norm_type: float | str) -> bool:
@@ -52,15 +52,11 @@ class SeenNorm:
     @classmethod
     def of(cls, norm: torch.Tensor, parameters: Iterable[torch.Tensor]) -> SeenNorm:
         grads = (p.grad for p in parameters if p.grad is not None)
-        return cls(norm.detach(), {id(g): (weakref.ref(g), g._version) for g in grads})
+        return cls(norm.detach(), _versions(grads))
 
     def covers(self, grads: Iterable[torch.Tensor]) -> bool:
         """Whether the norm was measured over each of `grads` as it is now."""
-        for grad in grads:
-            entry = self.covered.get(id(grad))
-            if entry is None or entry[0]() is not grad or entry[1] != grad._version:
-                return False
-        return True
+        return all(_unchanged(self.covered, grad) for grad in grads)
 
     def nonfinite_flag(self, grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor | None:
         """1.0 when the norm is inf or NaN, else 0.0 (0-dim FP32 on `device`, no host sync), if it
@@ -68,3 +64,41 @@ class SeenNorm:
         if not grads or self.norm.device != device or not self.covers(grads):
             return None
         return self.norm.float().mul(0.0).nan_to_num(nan=1.0)
+
+
+@dataclasses.dataclass
+class SeenGradients:
+    """The gradients a strategy's own pass read, as that pass left them: per gradient (weak
+    reference, version). fp16-als's scaler sets the step's NaN flag as it unscales; the flag
+    decides the step only for gradients unchanged since (a later in-place write, a callback's
+    edit or noise, moves the version counter), the rule `SeenNorm` keeps for a clipping's norm.
+    The versions are taken after the pass, so a write that leaves the counter as it was (a fused
+    kernel's) within it does not matter."""
+
+    covered: dict[int, tuple[weakref.ref, int]]
+
+    @classmethod
+    def of(cls, grads: Iterable[torch.Tensor]) -> SeenGradients:
+        return cls(_versions(grads))
+
+    def changed(self, grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of `grads` the pass did not read as they are now (written or replaced since)."""
+        return [grad for grad in grads if not _unchanged(self.covered, grad)]
+
+    def unchanged(self, grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of `grads` the pass read, unchanged since."""
+        return [grad for grad in grads if _unchanged(self.covered, grad)]
+
+    def renew(self, grads: Iterable[torch.Tensor]) -> None:
+        """Take `grads` as they are now: for a write that cannot make a finite value non-finite
+        (clipping's multiply by a factor at most 1), made to gradients `unchanged` before it."""
+        self.covered.update(_versions(grads))
+
+
+def _versions(grads: Iterable[torch.Tensor]) -> dict[int, tuple[weakref.ref, int]]:
+    return {id(g): (weakref.ref(g), g._version) for g in grads}
+
+
+def _unchanged(covered: dict[int, tuple[weakref.ref, int]], grad: torch.Tensor) -> bool:
+    entry = covered.get(id(grad))
+    return entry is not None and entry[0]() is grad and entry[1] == grad._version

@@ -175,3 +175,59 @@ def test_fp16_mixed_unscaling_after_the_clipping_drops_the_norm(checks):
 def test_only_norms_that_see_inf_and_nan_reveal_them():
     assert all(reveals_nonfinite(p) for p in (1, 2.0, 0.5, math.inf, "inf"))
     assert not any(reveals_nonfinite(p) for p in (0, -1.0, -math.inf))
+
+
+@pytest.fixture
+def als_checks(monkeypatch) -> list[int]:
+    """How many times fp16-als's step checked gradients itself, beside its scaler's NaN flag."""
+    import hf_lowprec.strategies.fp16_als as fp16_als
+
+    calls = []
+    original = fp16_als.nonfinite_flag
+    monkeypatch.setattr(fp16_als, "nonfinite_flag", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+# How the NaN enters after fp16-als's unscale: written into a gradient (its version counter moves), or in a
+# tensor of the same values that replaced the gradient.
+EDITS = {
+    "edited": lambda model: poison(model.transformer.h[0].mlp.c_fc.weight.grad),
+    "replaced": lambda model: (
+        setattr(model.transformer.wte.weight, "grad", model.transformer.wte.weight.grad.clone()),
+        poison(model.transformer.wte.weight.grad),
+    ),
+}
+
+
+@pytest.mark.parametrize("max_norm", [1.0, math.inf, None], ids=["clipped", "measured", "neither"])
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_fp16_als_skips_a_nan_written_after_its_unscale(max_norm, edit, als_checks):
+    """fp16-als decided its step from the NaN flag its scaler set while unscaling: a NaN written into a
+    gradient after that (a Trainer callback's `on_pre_optimizer_step`, noise injection) was stepped on,
+    the weight NaN for good and no step counted as skipped, clipped or not. Now a gradient changed since
+    the unscale (clipping's factor aside) is checked again, as every other strategy's step checks a
+    gradient changed since its clipping's norm: the step is skipped, counted, and the scale halved, as
+    for a NaN the unscale saw. An unchanged step checks nothing beyond the scaler's flag."""
+    strategy = hf_lowprec.get_strategy("fp16-als", init_scale=2.0**8)
+    torch.manual_seed(0)
+    model = strategy.prepare_model(GPT2LMHeadModel(tiny_gpt2_config(n_embd=64, n_layer=2, pad_token_id=None)))
+    optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    for poisoned in (False, True):
+        backward(strategy, model, ids)
+        strategy.unscale_gradients(optimizer.optimizer)
+        if max_norm is not None:
+            strategy.clip_grad_norm(list(model.parameters()), max_norm)
+        if poisoned:
+            scale = strategy.scaler.get_scale()
+            before, tensors = held(model, optimizer)
+            EDITS[edit](model)
+        with DeviceTraffic() as traffic:
+            optimizer.step()
+        assert not traffic.syncs
+        assert len(als_checks) == int(poisoned), (poisoned, als_checks)  # the unchanged step: the flag only
+        assert strategy.skipped_steps == int(poisoned)
+        optimizer.zero_grad(set_to_none=True)
+    for key, tensor in tensors.items():
+        assert_bits_equal(tensor.detach(), before[key], f"{edit}: a tensor changed on a skipped step")
+    assert strategy.scaler.get_scale() == scale / 2
