@@ -29,9 +29,11 @@ from .scaled import (
     set_master_scale,
     tensor_amax,
 )
+from .second_order import DoubleBackwardError
 
 __all__ = [
     "AllReduceStats",
+    "DoubleBackwardError",
     "FORMATS",
     "FP8AllReduceResult",
     "FP8CommState",

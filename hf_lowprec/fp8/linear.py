@@ -55,6 +55,7 @@ from .scaling_recipes import (
     recipe_forward,
     recipe_weight,
 )
+from .second_order import refuse_fp8_gemm_double_backward
 
 __all__ = [
     "FP8Linear",
@@ -261,6 +262,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
     A whole-tensor recipe (tensorwise) runs the GEMMs of `fp8.gemm` on the saved FP8 x and W; the
     finer recipes run `fp8.scaling_recipes`' GEMMs, which re-quantize along the other axis.
+    A backward under create_graph is refused (`fp8.second_order`): those operands carry no graph.
     """
 
     @staticmethod
@@ -323,6 +325,7 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        refuse_fp8_gemm_double_backward("an FP8 linear layer")
         x8, sx, w8, sw, inv_x, inv_w, grad_scale = ctx.saved_tensors
         config = ctx.config
         gemm = gemm_for(grad_out.device, config.gemm_path)
