@@ -30,6 +30,7 @@ __all__ = [
     "gpu_paths",
     "count_model_as_compiled",
     "in_compiled_model",
+    "in_torch_func",
     "kernel_boundary",
     "one_graph_for_every_size",
     "own_graphs",
@@ -48,6 +49,18 @@ def takes_gpu_path(device) -> bool:
     than the CPU's (per-tensor loops, native kernels): on any accelerator, and on CPU inside
     `gpu_paths()`, where the launch counters count a GPU step on CPU tensors."""
     return device.type != "cpu" or _gpu_paths_forced[0]
+
+
+def in_torch_func() -> bool:
+    """Whether a torch.func transform (`grad`, `vjp`, `vmap`) is running: its tensors are wrappers
+    with no storage nor version counter, it refuses in-place writes into tensors captured from
+    outside it and saved-tensor hooks, and it owns the gradients it computes; so per-step caches,
+    tallies, gradient sinks, packed activations and compiled graphs stand aside."""
+    import torch
+
+    if torch.compiler.is_compiling():  # dynamo traces the transforms on its own
+        return False
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 @contextlib.contextmanager
@@ -196,19 +209,25 @@ _broken: dict[Callable[..., Any], str] = {}
 def _eager_here(tensor: Any, fn: Callable[..., Any]) -> bool:
     """Whether the plain torch ops of `fn` must run instead of its compiled kernels: inside a
     `torch.compile`d model (a nested compiled function cannot be inlined; Inductor fuses the plain
-    ops into the caller's kernels), where no compiler is found, or after `fn`'s compile failed.
+    ops into the caller's kernels), where no compiler is found, after `fn`'s compile failed, or within
+    a torch.func transform (the eager ops are what the transform differentiates or batches).
 
     On CPU the kernels are C++/OpenMP loops, on CUDA Triton kernels: the same graph, so a GPU
     gets its few launches per tensor where the eager ops would issue a chain of small ones.
     """
     import torch
 
-    return torch.compiler.is_compiling() or fn in _broken or compiler_missing(tensor.device.type) is not None
+    return (
+        torch.compiler.is_compiling()
+        or fn in _broken
+        or compiler_missing(tensor.device.type) is not None
+        or in_torch_func()
+    )
 
 
 def run_fused(fn: Callable[..., Any], *args: Any, like: Any) -> Any:
     """fn(*args) as one compiled graph on `like`'s device (an FP8 cast, a loss scaler's tallies),
-    or eagerly where the compiled kernels cannot run (`_eager_here`). `fn` is a module-level
+    or eagerly where the compiled kernels cannot run (`_eager_here`; also on a torch.func wrapper). `fn` is a module-level
     function of tensors (one compiled callable per function, dynamic shapes: flatten the inputs).
     On a GPU a `like` of LARGE_ROW elements or more gets graphs of its own (`_sized`): a graph
     built on a small tensor would reduce a large one in a single thread block.

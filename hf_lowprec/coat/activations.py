@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compiling import run_fused, takes_gpu_path
+from ..compiling import in_torch_func, run_fused, takes_gpu_path
 from ..fp8.convert import is_gemm_layer
 from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear, sharing_inputs
@@ -218,7 +218,10 @@ def _kernel_backward(
 def _layer_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     params = list(self.parameters())
     wants_grad = torch.is_tensor(x) and (x.requires_grad or any(p.requires_grad for p in params))
-    if args or kwargs or not torch.is_grad_enabled() or not wants_grad or not _packable(x):
+    # Within a torch.func transform (`grad` over `functional_call`) the layer is differentiated as
+    # it is: the transform keeps what it saves, and the layer's forward reads the transform's weights.
+    plain = not torch.is_grad_enabled() or not wants_grad or in_torch_func()
+    if args or kwargs or plain or not _packable(x):
         return type(self).forward(self, x, *args, **kwargs)
     return _SavedInFP8.apply(self, x, *params)
 
@@ -235,7 +238,8 @@ def _run_in_scope(module: nn.Module, pack_activations: bool, args: tuple, kwargs
         return type(module).forward(module, *args, **kwargs)
     # Under torch.compile the saved-tensor hooks are not traced (dynamo breaks the graph on
     # them) and the compiled graph chooses what it saves: the scope packs in eager mode only.
-    if not pack_activations or torch.compiler.is_compiling():
+    # A torch.func transform refuses saved-tensor hooks: it keeps what it saves.
+    if not pack_activations or torch.compiler.is_compiling() or in_torch_func():
         with sharing_inputs():
             return type(module).forward(module, *args, **kwargs)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..compiling import in_compiled_model, takes_gpu_path
+from ..compiling import in_compiled_model, in_torch_func, takes_gpu_path
 from ..distributed import DTensor, local_shard, sharded_like
 from .compiled_sink import GRAD_SINK_ATTR, compiled_grad_scale, scaled_weight_grad
 from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
@@ -191,8 +191,8 @@ def _shared_input(x: torch.Tensor, margin: int, counted: bool, transposed: bool)
     is new; () outside one. `counted`: with the cast's flush counts (`fused.counted_input_cast`),
     else counts is None; `transposed`: the payload transposed too, written by the same graph
     (a layer that finds it missing leaves the transposing copy to its backward)."""
-    if not _input_scopes or torch.compiler.is_compiling() or x.is_inference():  # no version counter
-        return ()
+    if not _input_scopes or torch.compiler.is_compiling() or x.is_inference() or in_torch_func():
+        return ()  # no version counter (an inference tensor, a torch.func transform's wrapper)
     scope = _input_scopes[-1]
     hit = scope.get(id(x))
     if hit is not None and hit[0] is x and hit[1:3] == (x._version, margin) and (hit[6] is not None or not counted):
@@ -252,6 +252,14 @@ def _transposes_input(x: torch.Tensor, weight: torch.Tensor, config: FP8LinearCo
     return wants_dw and isinstance(gemm_for(x.device, config.gemm_path), ScaledMMGemm)
 
 
+VMAP_REFUSED = (
+    "torch.func.vmap over an FP8 linear layer (strategies fp8-lm-o1, fp8-lm-o2, fp8-lm-o3, coat) is not "
+    "supported: its FP8 casts and GEMMs have no batching rule. torch.func.grad and vjp over "
+    "functional_call work; for per-sample gradients call torch.func.grad once per sample, or use a "
+    "strategy without FP8 layers (bf16-mixed)"
+)
+
+
 class FP8LinearFunction(torch.autograd.Function):
     """y = x·Wᵀ + b (or x·W + b for GPT-2 Conv1D layout) with FP8 GEMMs under `config`; backward
     written by hand because the FP8 GEMMs have no autograd formula.
@@ -267,7 +275,6 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -282,8 +289,12 @@ class FP8LinearFunction(torch.autograd.Function):
         grad_enabled: bool = True,
         x8_t: torch.Tensor | None = None,
         grad_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor | None, ...]:
+        """(y, then what backward needs that this call made: x8, x8ᵀ, sx, 1/s_x, 1/s_w; None where
+        given or not made). The `forward` + `setup_context` form that torch.func transforms require."""
+        given = x8 is not None
         gemm = gemm_for(x.device, config.gemm_path)
+        inverses = [None, None]
         # The FP8 numerics are the layer's own: no ambient autocast may recast an operand here.
         with torch.autocast(x.device.type, enabled=False):
             if not config.recipe.whole_tensor:  # the finer recipes' scales and GEMMs
@@ -307,11 +318,24 @@ class FP8LinearFunction(torch.autograd.Function):
             # The bias is added to the BF16 GEMM result in FP32 (type promotion), then the sum
             # is rounded once to the output dtype.
             out = (out if bias is None else torch.add(out, bias)).to(out_dtype)
+        # 2-D: a view made here would be one autograd forbids writing in place (Llama4's
+        # `shared_expert(h).add_(...)`); `_unflatten` reshapes it outside, where views may be written.
+        return (out, None, None, None, *inverses) if given else (out, x8, x8_t, sx, *inverses)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor | None, ...]) -> None:
+        """Saves the FP8 operands for backward: those `forward` made (its extra outputs, marked
+        non-differentiable) or was given."""
+        x, weight, bias, w8, sw, config, transposed, _, grad_sink, x8, sx, _, x8_t, grad_scale = (*inputs, *[None] * 6)[:14]
+        if x8 is None:  # made by `forward`
+            _, x8, x8_t, sx, inv_x, inv_w = output
+        else:
+            inv_x, inv_w = output[4:]
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+        ctx.set_materialize_grads(False)  # no zeros for the extra outputs' (absent) gradients
         ctx.x_transposed = x8_t is not None  # what is saved: x8ᵀ (K×M, contiguous) instead of x8
-        if not config.recipe.whole_tensor:
-            inverses = [None, None]
         # `grad_scale`: the slot σ of a compiled backward (`compiled_sink`), written in backward.
-        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw, *inverses, grad_scale)
+        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw, inv_x, inv_w, grad_scale)
         ctx.config = config
         ctx.transposed = transposed
         ctx.x_shape = x.shape
@@ -319,12 +343,14 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.grad_sink = grad_sink
         ctx.bias_dtype = None if bias is None else bias.dtype
-        # 2-D: a view made here would be one autograd forbids writing in place (Llama4's
-        # `shared_expert(h).add_(...)`); `_unflatten` reshapes it outside, where views may be written.
-        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        """Refused with the reason and the fix: the FP8 GEMMs and casts have no batching rule."""
+        raise NotImplementedError(VMAP_REFUSED)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         refuse_fp8_gemm_double_backward("an FP8 linear layer")
         x8, sx, w8, sw, inv_x, inv_w, grad_scale = ctx.saved_tensors
         config = ctx.config
@@ -449,7 +475,7 @@ def fp8_linear(
     w8, sw = quantize_layer_weight(config, weight, weight_transposed, master_scale)
     out = FP8LinearFunction.apply(
         x, weight, bias, w8, sw, config, weight_transposed, output_dtype(x), None, None, None, torch.is_grad_enabled()
-    )
+    )[0]
     return unflatten(out, x)
 
 
@@ -618,11 +644,14 @@ class FP8Linear(nn.Module):
             set_master_scale(self.weight, scale)
         _check_input_dtype(x)
         config = self.config
+        # Under a torch.func transform the weight gradient is the transform's result: no sink takes
+        # it, and the guard's counts (a training step's) are not taken.
+        functional = in_torch_func()
+        sink = None if functional else get_grad_sink(self.weight)
         if config.raised:  # raised by the guard (fp8/raised.py)
-            return raised_linear(self, x, output_dtype(x), get_grad_sink(self.weight), deliver_weight_grad)
+            return raised_linear(self, x, output_dtype(x), sink, deliver_weight_grad)
         # The guard watches this layer's input casts in a training step's forward (not under no_grad).
-        counted = self.watch_flushes and self.training and torch.is_grad_enabled()
-        sink = get_grad_sink(self.weight)
+        counted = self.watch_flushes and self.training and torch.is_grad_enabled() and not functional
         w8, sw = self._fp8_weight()
         x8 = sx = x8_t = None
         if config.recipe.whole_tensor:
@@ -655,7 +684,7 @@ class FP8Linear(nn.Module):
             torch.is_grad_enabled(),  # no weight gradient under no_grad: no transposed x is written
             x8_t,
             compiled_grad_scale(self.weight) if torch.is_grad_enabled() else None,
-        )
+        )[0]
         return unflatten(out, x)
 
     def _fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -669,7 +698,7 @@ class FP8Linear(nn.Module):
                 raise ValueError("an FP8-stored weight needs its scale in master_scale (real = payload / scale)")
             return weight.detach(), scale
         evaluating = not self.training and not torch.is_grad_enabled()
-        if evaluating or in_compiled_model() or torch.is_inference_mode_enabled():
+        if evaluating or in_compiled_model() or torch.is_inference_mode_enabled() or in_torch_func():
             # An eval-mode forward without autograd (evaluation, generate) casts the weight every
             # time, as torchao's float8 layers always do: what is evaluated or generated is the
             # weight as it is now, whatever wrote it (an EMA swap or a load through `.data` bumps
@@ -678,7 +707,8 @@ class FP8Linear(nn.Module):
             # In a compiled graph the cast is fused into the graph and runs at every forward: a
             # cache keyed by the optimizer step would be a Python value that changes per step,
             # hence a guard, hence a new graph at every step. An inference tensor kept in the
-            # cache could not be saved for a later training backward.
+            # cache could not be saved for a later training backward. Within a torch.func
+            # transform the weight (`functional_call`'s) is a wrapper with no storage to key a cache by.
             return quantize_layer_weight(self.config, weight, self.weight_transposed, scale)
         key = self._cache_key()
         cached = self._weight_cache

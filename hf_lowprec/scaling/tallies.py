@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..compiling import in_torch_func
 from .loss_scale import FP16_MAX
 
 __all__ = [
@@ -71,7 +72,11 @@ def tally_activation(
     grad: torch.Tensor, step: torch.Tensor, clipped: torch.Tensor, row: int, bin_edge: float
 ) -> torch.Tensor | None:
     """What the scaler's eager activation hook does, run as it is on CPU and as one compiled graph on a
-    GPU: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16."""
+    GPU: the counts into `step` and row `row` of `clipped`; the clamped gradient when FP16. A torch.func
+    transform's gradient (`grad` over `functional_call`) is clamped alike but not counted: it is no
+    training step's, and the transform refuses writes into tensors captured from outside it."""
+    if in_torch_func():
+        return grad.clamp(-FP16_MAX, FP16_MAX) if grad.dtype == torch.float16 else None
     counted, beyond = gradient_counts(grad, bin_edge)
     step[A_UPPER].add_(counted)
     step[A_TOTAL].add_(grad.numel())

@@ -174,13 +174,19 @@ def to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Context:
-    """What `FP8LinearFunction.forward`/`backward` read of an autograd context."""
+    """What `FP8LinearFunction.setup_context`/`backward` use of an autograd context."""
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
 
 
 def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -192,7 +198,10 @@ def fp8_layer_forward_backward(layer: torch.nn.Module, x: torch.Tensor) -> tuple
     w8, sw = quantize_layer_weight(layer.config, layer.weight, layer.weight_transposed, master)
     ctx = _Context((True, True, layer.bias is not None))
     args = (layer.config, layer.weight_transposed, output_dtype(x))
-    y = FP8LinearFunction.forward(ctx, x, layer.weight, layer.bias, w8, sw, *args)
+    inputs = (x, layer.weight, layer.bias, w8, sw, *args)
+    outputs = FP8LinearFunction.forward(*inputs)
+    FP8LinearFunction.setup_context(ctx, inputs, outputs)
+    y = outputs[0]
     dx, dw, db, *_ = FP8LinearFunction.backward(ctx, torch.randn_like(y))
     return y, dx, dw, db
 
