@@ -326,7 +326,8 @@ class FP8LinearFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor | None, ...]) -> None:
         """Saves the FP8 operands for backward: those `forward` made (its extra outputs, marked
         non-differentiable) or was given."""
-        x, weight, bias, w8, sw, config, transposed, _, grad_sink, x8, sx, _, x8_t, grad_scale = (*inputs, *[None] * 6)[:14]
+        padded = (*inputs, *[None] * 6)[:14]
+        x, weight, bias, w8, sw, config, transposed, _, grad_sink, x8, sx, _, x8_t, grad_scale = padded
         if x8 is None:  # made by `forward`
             _, x8, x8_t, sx, inv_x, inv_w = output
         else:

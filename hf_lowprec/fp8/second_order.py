@@ -31,15 +31,22 @@ class DoubleBackwardError(RuntimeError):
     differentiated (an FP8 GEMM, a COAT FP8-saved activation)."""
 
 
+def _transform_level() -> int | None:
+    return torch._C._functorch.maybe_current_level()
+
+
 def refuse_double_backward(layer: str, why: str, fix: str) -> None:
     """Raise `DoubleBackwardError` when the backward now running builds a graph (create_graph=True:
     autograd runs backward functions with grad mode on exactly then).
 
     `layer` names the layer and the strategies that use it, `why` says what its backward computes
     from, `fix` what to train with instead. Host-side only: no kernel, no sync. Not checked while
-    torch.compile traces: a compiled graph's backward refuses double backward itself.
+    torch.compile traces (a compiled graph's backward refuses double backward itself), nor in the
+    backward of one `torch.func.grad` (grad mode on there, yet first order).
     """
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    # One torch.func.grad runs its backward with grad mode on, at transform level 1: first order.
+    # A nested transform's inner backward runs at level 2, a create_graph backward at none.
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _transform_level() != 1:
         raise DoubleBackwardError(
             f"{layer}: {_ASKED}, but {why}, so the second-order terms through it cannot be "
             f"formed (they would be missing without an error). Fix: {fix}."
