@@ -82,6 +82,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.tracked: list[TrackedUpdate] = []
         self._written: dict[torch.Tensor, tuple[int, int, int]] = {}
         self._handed_out: dict[int, tuple[int, int, int]] = {}  # state_dict()'s tensors: id → version
+        self._handed_params: dict[torch.Tensor, tuple[int, int, int]] = {}  # and the weights' versions then
 
     def accept_parameter_values(self) -> None:
         """Take every parameter's value as the one its state completes, until the next step:
@@ -150,6 +151,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             for value in state.values()
             if torch.is_tensor(value)
         }
+        self._handed_params = {p: written_version(p) for g in self.param_groups for p in g["params"]}
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,10 +159,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         own = self._holds_own_state(saved_state, saved_ids, params)
-        self._handed_out = {}
+        self._handed_out, handed = {}, self._handed_params
+        self._handed_params = {}
         super().load_state_dict(state_dict)
         if not own:
             self.accept_parameter_values()
+        else:  # a weight written since `state_dict()` was loaded with this state (a resume in one process)
+            for param in [p for p in self._written if p in handed and written_since(p, handed[p])]:
+                self._written[param] = written_version(param)
         for saved_id, param in zip(saved_ids, params):
             if saved_id not in saved_state:
                 continue

@@ -138,9 +138,10 @@ def widen_unfrozen(strategy: Strategy, groups: list[dict[str, Any]], first_index
                 "FP32 parameters: it was added or cast after prepare_model (a new head, model.half()). Call "
                 "strategy.prepare_model(model) again, which converts only what is new, or remove the cast"
             )
-    names = [getattr(p, _KEPT_ATTR)[1] for _, _, p in low]
+    unique = list({id(p): p for _, _, p in low}.values())  # a tied weight listed twice is widened once
+    names = [getattr(p, _KEPT_ATTR)[1] for p in unique]
     with torch.no_grad():
-        for _, _, p in low:
+        for p in unique:
             p.data = p.data.float()
             if p.grad is not None:
                 p.grad = p.grad.float()

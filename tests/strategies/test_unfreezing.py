@@ -74,3 +74,23 @@ def test_a_16_bit_parameter_not_kept_at_prepare_is_refused_with_the_fix():
     strategy.prepare_model(model)
     optimizer.add_param_group({"params": list(head.parameters())})
     assert head.weight.dtype == torch.float32
+
+
+def test_a_parameter_listed_twice_when_unfrozen_is_widened_once():
+    # A tied weight listed per module reaches the optimizer twice (torch's AdamW warns and takes it):
+    # it is widened once; the second listing raised AttributeError after the first was widened.
+    for where in ("add_param_group", "create_optimizer"):
+        strategy = hf_lowprec.get_strategy("bf16-mixed")
+        model = tiny_gpt2().to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith("transformer.h.0."))
+        model = strategy.prepare_model(model)
+        block = model.transformer.h[0]
+        rest = [p for p in model.parameters() if p.requires_grad]
+        block.requires_grad_(True)
+        twice = [*block.parameters(), block.attn.c_attn.weight]
+        if where == "add_param_group":
+            strategy.create_optimizer(rest, lr=1e-3).add_param_group({"params": twice})
+        else:
+            strategy.create_optimizer([{"params": rest}, {"params": twice}], lr=1e-3)
+        assert all(p.dtype == torch.float32 for p in block.parameters()), where
