@@ -114,13 +114,7 @@ def _gradient(
     margin: int,
     pending: torch.Tensor | None,
     pending_scale: torch.Tensor | None,
-    unscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if unscale is not None:
-        # A compiled backward's g·σ (`compiled_sink`): divided by the power of two σ, exactly, and
-        # the slot set back to 1 for the next gradient.
-        grad = grad.float() / unscale
-        unscale.fill_(1.0)
     if pending is not None:
         # Gradient accumulation: this micro-batch's gradient added to the stored one, in FP32.
         grad = pending.float() / pending_scale + grad
@@ -139,17 +133,16 @@ def gradient_cast(
     dtype: torch.dtype,
     margin: int = 0,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    unscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(payload, scale, saturated, nonfinite) of the FP8 gradient (`gradients.quantize_gradient`'s
     rule: s = μ·2^(floor(log2(max/amax)) − margin), saturating cast, clipped count as an int64
     tensor, and a 0-dim bool flag: the payload holds NaN); with `pending` (payload, scale) of a
     gradient stored earlier in the step, of their FP32 sum. `mu`: a 0-dim FP32 tensor on grad's
-    device. `unscale`: a 0-dim slot σ that grad is the gradient times (`compiled_sink`), reset to 1."""
+    device."""
     grad = grad.detach()
     flat_pending = (None, None) if pending is None else (pending[0].reshape(-1), pending[1].float())
     payload, scale, saturated, nonfinite = run_fused(
-        _gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, unscale, like=grad
+        _gradient, grad.reshape(-1), mu, dtype, margin, *flat_pending, like=grad
     )
     return payload.view(grad.shape), scale, saturated, nonfinite
 
@@ -161,7 +154,6 @@ def gradient_cast_into(
     margin: int,
     into: tuple[torch.Tensor, torch.Tensor],
     accumulate: bool,
-    unscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gradient_cast` written into `into` = (a contiguous payload buffer of `dtype`, a 0-dim FP32
     scale buffer) by the same graph, which launches no copy after it; with `accumulate`, of the
@@ -170,8 +162,7 @@ def gradient_cast_into(
     if not payload.is_contiguous() or payload.shape != grad.shape:
         raise ValueError("gradient_cast_into writes a contiguous buffer of the gradient's shape")
     flat = payload.view(-1)
-    args = (grad.detach().reshape(-1), mu, dtype, margin, flat, scale, accumulate, unscale)
-    return run_fused(_gradient_into, *args, like=grad)
+    return run_fused(_gradient_into, grad.detach().reshape(-1), mu, dtype, margin, flat, scale, accumulate, like=grad)
 
 
 def _gradient_into(
@@ -182,10 +173,9 @@ def _gradient_into(
     payload_buffer: torch.Tensor,
     scale_buffer: torch.Tensor,
     accumulate: bool,
-    unscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pending = (payload_buffer, scale_buffer.float()) if accumulate else (None, None)
-    payload, scale, saturated, nonfinite = _gradient(grad, mu, dtype, margin, *pending, unscale)
+    payload, scale, saturated, nonfinite = _gradient(grad, mu, dtype, margin, *pending)
     payload_buffer.copy_(payload)
     scale_buffer.view(1).copy_(scale.view(1))  # a 0-dim write through a view (see `mu_update`)
     return saturated, nonfinite

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ..compiling import run_fused, takes_gpu_path
 from ..scaling import check_norm_type
 from .cast import nan_flag, nan_flags, widen
-from .compiled_sink import GRAD_SINK_ATTR, GradientSink
 from .fused import gradient_cast, gradient_cast_into, mu_update
 from .linear import accumulates_into, set_grad_sink
 from .scaled import pow2_scale, quantize, tensor_amax
@@ -289,7 +288,7 @@ class BackwardFP8Gradients:
         for param in params:
             if param.requires_grad:  # frozen weights (a PEFT base) have no gradient to store
                 self._handles.append(param.register_post_accumulate_grad_hook(self._store))
-                set_grad_sink(param, GradientSink(self, param))
+                set_grad_sink(param, _Sink(self, param))
 
     def take(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Store `grad`, an FP8 layer's weight gradient of `param`, as FP8 (None: taken), or give it
@@ -325,11 +324,10 @@ class BackwardFP8Gradients:
     def _store(self, param: torch.Tensor) -> None:
         if param.grad is None or self._owner_of(param) is None or (dist.is_initialized() and dist.get_world_size() > 1):
             return
-        sink = getattr(param, GRAD_SINK_ATTR, None)  # σ of a compiled backward (`compiled_sink`)
-        self._quantize(param, param.grad, sink.pending_scale(param.grad) if isinstance(sink, GradientSink) else None)
+        self._quantize(param, param.grad)
         param.grad = None
 
-    def _quantize(self, param: torch.Tensor, grad: torch.Tensor, unscale: torch.Tensor | None = None) -> None:
+    def _quantize(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         owner = self._owner_of(param)
         # With gradient accumulation, added to this step's stored gradient: one compiled pass,
         # which writes the owner's buffers itself once they exist (no copy launched after it).
@@ -338,10 +336,9 @@ class BackwardFP8Gradients:
         into = buffers(param, self.dtype) if buffers is not None else None
         mu = self.scaler.mu_for(grad)
         if into is not None:
-            accumulate = pending is not None
-            saturated, nonfinite = gradient_cast_into(grad, mu, self.dtype, self.margin, into, accumulate, unscale)
+            saturated, nonfinite = gradient_cast_into(grad, mu, self.dtype, self.margin, into, pending is not None)
         else:
-            payload, scale, saturated, nonfinite = gradient_cast(grad, mu, self.dtype, self.margin, pending, unscale)
+            payload, scale, saturated, nonfinite = gradient_cast(grad, mu, self.dtype, self.margin, pending)
             owner.set_fp8_grad(param, payload, scale)
         self.scaler.record(saturated, grad.numel())
         # Whether the payload now stored holds NaN, from its own cast: `nonfinite` takes it
@@ -434,3 +431,20 @@ class BackwardFP8Gradients:
         """Clamp the stored FP8 gradients among `parameters` to [-clip_value, clip_value]: each
         payload to the largest FP8 value v with v / scale <= clip_value (NaN stays NaN)."""
         clamp_stored(self.stored(list(parameters)), clip_value)
+
+
+class _Sink:
+    """A weight's sink into `BackwardFP8Gradients.take`: weakly held weight, not pickled, eager only."""
+
+    __slots__ = ("grads", "param")
+    eager_only = True
+
+    def __init__(self, grads: BackwardFP8Gradients, param: torch.Tensor) -> None:
+        self.grads, self.param = grads, weakref.ref(param)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        param = self.param()
+        return grad if param is None else self.grads.take(param, grad)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()

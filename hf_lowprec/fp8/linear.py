@@ -21,7 +21,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..compiling import in_compiled_model, in_torch_func, takes_gpu_path
 from ..distributed import DTensor, local_shard, sharded_like
-from .compiled_sink import GRAD_SINK_ATTR, compiled_grad_scale, scaled_weight_grad
 from .fused import counted_input_cast, tensorwise_cast, tensorwise_cast_transposed
 from .gemm import (
     GEMM_OUT_DTYPE,
@@ -85,6 +84,7 @@ E5M2 = torch.float8_e5m2
 
 # A sink returns what autograd should still receive: None when it took the gradient.
 GradSink = Callable[[torch.Tensor], torch.Tensor | None]
+_GRAD_SINK_ATTR = "_hf_lowprec_grad_sink"
 
 # Output dtypes torch._scaled_mm offers, hence the activation dtypes the layer accepts.
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -120,10 +120,10 @@ def set_grad_sink(param: torch.Tensor, sink: GradSink | None) -> None:
     when it took the gradient, or a gradient autograd accumulates into `param.grad` as usual.
     """
     if sink is None:
-        if hasattr(param, GRAD_SINK_ATTR):
-            delattr(param, GRAD_SINK_ATTR)
+        if hasattr(param, _GRAD_SINK_ATTR):
+            delattr(param, _GRAD_SINK_ATTR)
         return
-    setattr(param, GRAD_SINK_ATTR, sink)
+    setattr(param, _GRAD_SINK_ATTR, sink)
 
 
 def get_grad_sink(param: torch.Tensor) -> GradSink | None:
@@ -131,7 +131,7 @@ def get_grad_sink(param: torch.Tensor) -> GradSink | None:
     frozen (`requires_grad_(False)`): a frozen weight's gradient is not taken, as autograd's is not,
     and inside a compiled graph for a sink marked `eager_only` (its Python state would break the
     graph; autograd then gives `param.grad`)."""
-    sink = getattr(param, GRAD_SINK_ATTR, None) if param.requires_grad else None
+    sink = getattr(param, _GRAD_SINK_ATTR, None) if param.requires_grad else None
     return None if getattr(sink, "eager_only", False) and torch.compiler.is_compiling() else sink
 
 
@@ -288,7 +288,6 @@ class FP8LinearFunction(torch.autograd.Function):
         sx: torch.Tensor | None = None,
         grad_enabled: bool = True,
         x8_t: torch.Tensor | None = None,
-        grad_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """(y, then what backward needs that this call made: x8, x8ᵀ, sx, 1/s_x, 1/s_w; None where
         given or not made). The `forward` + `setup_context` form that torch.func transforms require."""
@@ -326,8 +325,8 @@ class FP8LinearFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor | None, ...]) -> None:
         """Saves the FP8 operands for backward: those `forward` made (its extra outputs, marked
         non-differentiable) or was given."""
-        padded = (*inputs, *[None] * 6)[:14]
-        x, weight, bias, w8, sw, config, transposed, _, grad_sink, x8, sx, _, x8_t, grad_scale = padded
+        padded = (*inputs, *[None] * 5)[:13]
+        x, weight, bias, w8, sw, config, transposed, _, grad_sink, x8, sx, _, x8_t = padded
         if x8 is None:  # made by `forward`
             _, x8, x8_t, sx, inv_x, inv_w = output
         else:
@@ -335,8 +334,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
         ctx.set_materialize_grads(False)  # no zeros for the extra outputs' (absent) gradients
         ctx.x_transposed = x8_t is not None  # what is saved: x8ᵀ (K×M, contiguous) instead of x8
-        # `grad_scale`: the slot σ of a compiled backward (`compiled_sink`), written in backward.
-        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw, inv_x, inv_w, grad_scale)
+        ctx.save_for_backward(x8_t if x8_t is not None else x8, sx, w8, sw, inv_x, inv_w)
         ctx.config = config
         ctx.transposed = transposed
         ctx.x_shape = x.shape
@@ -353,7 +351,7 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         refuse_fp8_gemm_double_backward("an FP8 linear layer")
-        x8, sx, w8, sw, inv_x, inv_w, grad_scale = ctx.saved_tensors
+        x8, sx, w8, sw, inv_x, inv_w = ctx.saved_tensors
         config = ctx.config
         gemm = gemm_for(grad_out.device, config.gemm_path)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -389,14 +387,12 @@ class FP8LinearFunction(torch.autograd.Function):
                     grad_w = gemm.mm(x_op.t(), sx, g_t.t(), sg, (inv_x, inv_g))
                 else:  # dW (N×K) = dyᵀ·x
                     grad_w = gemm.mm(g_t, sg, x_op, sx, (inv_g, inv_x))
-        if need_dw and grad_scale is not None:  # compiled: g·σ, σ for the hook (`compiled_sink`)
-            grad_w = scaled_weight_grad(grad_w, grad_scale, ctx.weight_dtype)
-        elif need_dw:
+        if need_dw:
             grad_w = deliver_weight_grad(grad_w, sink, ctx.weight_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             # The bias gradient is a cheap reduction: keep it exact rather than FP8.
             grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def deliver_weight_grad(grad_w: torch.Tensor, sink: GradSink | None, weight_dtype: torch.dtype) -> torch.Tensor | None:
@@ -684,7 +680,6 @@ class FP8Linear(nn.Module):
             sx,
             torch.is_grad_enabled(),  # no weight gradient under no_grad: no transposed x is written
             x8_t,
-            compiled_grad_scale(self.weight) if torch.is_grad_enabled() else None,
         )[0]
         return unflatten(out, x)
 

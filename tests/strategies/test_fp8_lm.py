@@ -440,56 +440,6 @@ def test_o2_quantizes_small_weight_gradients_from_their_gemm_not_from_fp16(grad_
     assert zeros / total <= zeros_o1 / total + 1e-3, (zeros, zeros_o1, total)
 
 
-def stored_o2_weight_gradients(model, optimizer, run, loss_factor, micro_batches=1):
-    """Each FP8 layer's stored O2 gradient (payload, scale) after `micro_batches` backwards of
-    `run` (the model, or it compiled) on the same batch."""
-    ids = batches(1)[0]
-    for _ in range(micro_batches):
-        (run(input_ids=ids, labels=ids).loss * loss_factor).backward()
-    layers = ((n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear))
-    return {name: optimizer.optimizer.fp8_grad(layer.weight) for name, layer in layers}
-
-
-def test_compiled_o2_stores_the_eager_fp8_gradients_of_small_gradients():
-    """Inside a `torch.compile`d model the eager sink cannot run: the FP8 GEMM's BF16 weight
-    gradient became the scaled FP16 master's unscaled `p.grad` before the hook quantized it, and
-    at loss x 1e-5 49 to 98 % of each layer's stored elements were 0 (37 to 82 % off the FP64
-    gradient; eager O2 and O1: 0.00 to 0.07 % zeros, 2.6 to 2.8 % off). The compiled gradient
-    must be the eager one, bit for bit (payload and scale, two micro-batches accumulated), with no
-    graph break nor compiled frame beyond the same model's under O1 (none per layer, no recompile).
-    """
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
-    def compiled_run(model, optimizer):
-        torch._dynamo.reset()
-        counters.clear()
-        backend = CompileCounterWithBackend("aot_eager")
-        run = torch.compile(model, backend=backend)
-        if optimizer is None:  # O1: its p.grad, only to count
-            ids = batches(1)[0]
-            for _ in range(2):
-                (run(input_ids=ids, labels=ids).loss * 1e-5).backward()
-            stored = None
-        else:
-            stored = stored_o2_weight_gradients(model, optimizer, run, 1e-5, micro_batches=2)
-        return stored, sum(counters["graph_break"].values()), backend.frame_count
-
-    _strategy, model, optimizer = setup("fp8-lm-o2")
-    eager = stored_o2_weight_gradients(model, optimizer, model, 1e-5, micro_batches=2)
-    _strategy, model, optimizer = setup("fp8-lm-o2")
-    compiled, breaks, frames = compiled_run(model, optimizer)
-    for name, (payload, scale) in eager.items():
-        assert model.get_submodule(name).weight.grad is None, name
-        assert compiled[name] is not None, f"{name}: no FP8 gradient stored"
-        assert_bits_equal(compiled[name][0], payload, f"{name} payload")
-        assert_bits_equal(compiled[name][1], scale, f"{name} scale")
-    _o1, model1, _optimizer1 = setup("fp8-lm-o1")
-    _, breaks_o1, frames_o1 = compiled_run(model1, None)
-    torch._dynamo.reset()
-    assert breaks <= breaks_o1 and frames <= frames_o1, (breaks, frames, breaks_o1, frames_o1)
-
-
 @pytest.mark.parametrize("name", ["fp8-lm-o2", "fp8-lm-o3"])
 def test_autograd_grad_through_fp8_layers_leaves_the_steps_as_they_were(name):
     """`torch.autograd.grad` (a saliency map, a gradient penalty) and `backward(inputs=...)` accumulate
