@@ -13,7 +13,6 @@ still what the write left, bit for bit; results go to `<out>/rank<r>.json`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -27,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import TrainerCallback
 
-from hf_lowprec import Trainer, TrainingArguments, get_strategy
+from hf_lowprec import TrainingArguments, get_strategy
 from hf_lowprec.engines.fsdp2 import load_sharded, save_sharded, shard_model
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
+from tests.deepspeed._launch import finish_rank
+from tests.distributed._fsdp2_trainer_resume_worker import FSDP2Trainer
 from tests.distributed._fsdp2_worker import forced_fsdp2_accelerator
 from tests.helpers import TokenBlocks, batches, rank_rows, tiny_gpt2
 
@@ -72,17 +73,6 @@ def zero_lr(optimizer) -> None:
         group["lr"] = 0.0
         if "initial_lr" in group:
             group["initial_lr"] = 0.0
-
-
-class FSDP2Trainer(Trainer):
-    def create_accelerator_and_postprocess(self) -> None:
-        from accelerate import FullyShardedDataParallelPlugin
-        from accelerate.utils import DistributedType
-
-        super().create_accelerator_and_postprocess()
-        self.accelerator.state.distributed_type = DistributedType.FSDP
-        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        self.is_fsdp_enabled = True
 
 
 class WritesAtTrainBegin(TrainerCallback):
@@ -200,7 +190,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     ns = parser.parse_args()
     dist.init_process_group("gloo")
-    rank, out = dist.get_rank(), Path(ns.out)
+    out = Path(ns.out)
     torch.set_num_threads(1)
     result: dict = {"cases": {}}
     for name in ns.names.split(","):
@@ -210,10 +200,7 @@ def main() -> None:
             except Exception:
                 result["cases"][f"{name}/{case}"] = {"error": traceback.format_exc()[-4000:]}
             dist.barrier()
-    result["complete"] = True
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, result)
     os._exit(0)
 
 

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_lowprec import Trainer
 from hf_lowprec.checkpoints.manifest import MANIFEST, file_entry
+from tests.deepspeed._launch import finish_rank
 from tests.distributed._fsdp2_trainer_resume_worker import FSDP2Trainer
 from tests.helpers import TokenBlocks, make_args, tiny_gpt2
 
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--engines", required=True)
     ns = parser.parse_args()
     dist.init_process_group("gloo")
-    rank, out = dist.get_rank(), Path(ns.out)
+    out = Path(ns.out)
     torch.set_num_threads(1)
     result = {"cases": {}}
     for engine in ns.engines.split(","):
@@ -117,10 +118,7 @@ def main() -> None:
             result["cases"][engine] = run(engine, out)
         except Exception:
             result["cases"][engine] = {"error": traceback.format_exc()[-4000:]}
-    result["complete"] = True
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, result)
     os._exit(0)
 
 
