@@ -279,8 +279,9 @@ class FP8CommState:
             (`prescale`), taken by the hook.
         peaks: id(parameter) → the largest gradient amax of this step's micro-batches so far,
             which σ follows (`prescale`), dropped by the hook.
-        store: where the hook hands a prescaled parameter's reduced gradient as (param, payload,
-            scale); True: stored, its part of the bucket is zeroed (fp8-lm-o2: the optimizer).
+        store: where the hook hands the prescaled parameters' reduced gradients of a bucket, in one
+            call `store(params, payloads, scales)`; it returns a bool per parameter, True: stored,
+            its part of the bucket is zeroed (fp8-lm-o2: the optimizer, in a few launches).
     """
 
     scaler: GradientAutoScaler
@@ -290,7 +291,7 @@ class FP8CommState:
     grad_scales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     stats: AllReduceStats = dataclasses.field(default_factory=AllReduceStats)
     prescales: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
+    store: Callable[[list, list, list], list[bool]] | None = None
     peaks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     _backwards: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)  # id → graph task
 
@@ -356,13 +357,16 @@ def fp8_allreduce_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.fu
     )
     state.scaler.record(result.stats.overflow, result.stats.numel)
     state.stats += result.stats
-    stored = []  # the bucket's parts whose gradient went to `state.store` as FP8
-    segments = zip(params, sigmas, result.scales, result.payload.split(numels), buffer.split(numels))
-    for param, sigma, scale, payload, part in segments:
-        if sigma is not None and state.store is not None and state.store(param, payload.view(param.shape), scale):
-            stored.append(part)
-        else:
-            state.grad_scales[id(param)] = scale
+    scales, payloads, parts = result.scales.unbind(), result.payload.split(numels), buffer.split(numels)
+    # The prescaled weights' FP8 gradients go to `state.store` in one call (a few launches per bucket).
+    offered = [i for i, sigma in enumerate(sigmas) if sigma is not None] if state.store is not None else []
+    taken = []
+    if offered:
+        shaped = [payloads[i].view(params[i].shape) for i in offered]
+        taken = state.store([params[i] for i in offered], shaped, [scales[i] for i in offered])
+    kept = {i for i, took in zip(offered, taken) if took}
+    stored = [parts[i] for i in sorted(kept)]  # the bucket's parts whose gradient went to `state.store` as FP8
+    state.grad_scales.update((id(p), scales[i]) for i, p in enumerate(params) if i not in kept)
     buffer.copy_(result.dequantize(buffer.dtype))
     if stored:
         torch._foreach_zero_(stored)

@@ -79,11 +79,10 @@ class GradientAutoScaler:
     μ and the count of clean steps are checkpointed (`state_dict`), so a resumed run continues
     with the same scales bit for bit.
 
-    Callers `record(saturated, total)` for every quantization of a step, then call `update()`
-    once per step. μ, the clean-step counter and the last saturated share are 0-dim tensors
-    updated in place with `torch.where`, so a step never waits for the host; they move to
-    the device of the first counts recorded (`mu_for` moves them to a gradient's device).
-    Read them as numbers at logging steps and checkpoints only.
+    Callers `record(saturated, total)` for every quantization of a step, then call `update()` once per step. μ, the
+    clean-step counter and the last saturated share are 0-dim tensors updated in place with `torch.where`, so a step
+    never waits for the host; they move to the device of the first counts recorded (`mu_for` moves them to a
+    gradient's device). Read them as numbers at logging steps and checkpoints only.
 
     Args:
         init_mu: starting μ (a power of two keeps every scale a power of two).
@@ -223,20 +222,21 @@ class FP8GradientOwner(Protocol):
 
     def set_fp8_grad(self, param: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None: ...
 
+    def set_fp8_grads(self, params: list[torch.Tensor], payloads: list[Any], scales: list[Any]) -> None: ...
+
     def fp8_grad(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 class BackwardFP8Gradients:
     """Quantize each gradient to FP8 as soon as backward has made it (FP8-LM O2).
 
-    An FP8 layer's weight gradient comes through its gradient sink (`linear.set_grad_sink`) from
-    its GEMM, in BF16, and the per-tensor scale is taken from it: nothing is rounded first to the
-    unscaled FP16 of the scaled master (where gradients under 2^-24 vanish). Others go through
-    `p.grad` and a post-accumulate-grad hook. The owner optimizer gets (payload, scale): the gradient
-    costs 1 byte per element at every moment. Gradient accumulation: each micro-batch's gradient is
-    added to the stored one in FP32 and re-quantized, one E4M3 rounding (2^-4 relative) per
-    micro-batch (or per use of a weight one backward uses twice). `clip_grad_norm` multiplies an
-    FP8 gradient by c by dividing its scale (no rounding of the payload).
+    An FP8 layer's weight gradient comes through its gradient sink (`linear.set_grad_sink`) from its GEMM, in BF16,
+    and the per-tensor scale is taken from it: nothing is rounded first to the unscaled FP16 of the scaled master
+    (where gradients under 2^-24 vanish). Others go through `p.grad` and a post-accumulate-grad hook. The owner
+    optimizer gets (payload, scale): the gradient costs 1 byte per element at every moment. Gradient accumulation:
+    each micro-batch's gradient is added to the stored one in FP32 and re-quantized, one E4M3 rounding (2^-4 relative)
+    per micro-batch (or per use of a weight one backward uses twice). `clip_grad_norm` multiplies an FP8 gradient by c
+    by dividing its scale (no rounding of the payload).
 
     Over several ranks the gradient goes to `p.grad` (DDP's reducer owns it until its FP8
     all-reduce, which `store_reduced` then stores; else the strategy's `process_gradients` does).
@@ -304,14 +304,14 @@ class BackwardFP8Gradients:
         self._quantize(param, grad)
         return None
 
-    def store_reduced(self, param: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> bool:
-        """Hand the all-reduced FP8 gradient of `param` to its owner (True), whose `p.grad` the
-        strategy then frees (`release_reduced`); False when no owner holds it."""
-        owner = self._owner_of(param)
-        if owner is not None:
-            owner.set_fp8_grad(param, payload, scale)
-            self._reduced.add(id(param))
-        return owner is not None
+    def store_reduced(self, params: list[torch.Tensor], payloads: list[Any], scales: list[Any]) -> list[bool]:
+        """Hand the all-reduced FP8 gradients of `params` to their owners, a share per owner (`set_fp8_grads`: a few
+        launches, not two per weight); True for each one stored (its `p.grad` freed by `release_reduced`)."""
+        owners = [self._owner_of(p) for p in params]
+        for owner in {id(o): o for o in owners if o is not None}.values():
+            owner.set_fp8_grads(*([x for x, o in zip(xs, owners) if o is owner] for xs in (params, payloads, scales)))
+        self._reduced.update(id(p) for p, o in zip(params, owners) if o is not None)
+        return [o is not None for o in owners]
 
     def release_reduced(self, param: torch.Tensor) -> bool:
         """Whether `store_reduced` stored this step's gradient of `param`; its `p.grad` is freed."""

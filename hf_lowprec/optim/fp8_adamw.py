@@ -5,7 +5,7 @@ power-of-two scale, and the FP8 GEMM weights' scaled FP16 masters updated in pla
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -204,6 +204,27 @@ class FP8AdamW(AdamW):
             _local(buffer).copy_(payload)
             state["grad_scale"].copy_(scale)
         self._pending_grads.add(id(param))
+
+    def set_fp8_grads(
+        self, params: Sequence[torch.Tensor], payloads: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]
+    ) -> None:
+        """`set_fp8_grad` of each (param, payload, scale) in a constant number of launches whatever
+        their number, once the buffers exist: one multi-tensor copy of the payloads' bytes, one of the
+        scales (DDP's FP8 all-reduce hands a bucket's gradients over this way; a copy per tensor was
+        two launches per weight). A parameter without its buffers yet (the first step) takes
+        `set_fp8_grad`."""
+        into: list[torch.Tensor] = []
+        taken: list[torch.Tensor] = []
+        for param, payload, scale in zip(params, payloads, scales, strict=True):
+            buffers = self.fp8_grad_buffers(param, payload.dtype) if payload.shape == _local(param).shape else None
+            if buffers is None:
+                self.set_fp8_grad(param, payload, scale)  # makes the buffers, or names what is wrong
+                continue
+            into += [buffers[0].view(torch.uint8), buffers[1]]
+            taken += [payload.view(torch.uint8), scale.reshape(buffers[1].shape)]
+        if into:  # the bytes: FP8 has no arithmetic here
+            torch._foreach_copy_(into[0::2], taken[0::2])
+            torch._foreach_copy_(into[1::2], taken[1::2])
 
     def fp8_grad_buffers(self, param: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The state buffers (payload of `dtype`, FP32 scale) that this step's FP8 gradient of

@@ -229,14 +229,18 @@ class FP8ZeroAdamW(FP8AdamW):
         zeroed = self.world == 1 and self._quantize_owned(local, scaler, grad_dtype, unless)
         if self.world > 1 and local:
             indices, numels = list(local), [self.fp8_params[i].numel() for i in local]
-            flat = torch.cat([torch.zeros(n, device=self.device) if g is None else g.float().reshape(-1)
-                              for g, n in zip(local.values(), numels)])  # fmt: skip
+            # One concatenation, widened once (exact, as widening each was: one launch per weight).
+            flat = torch.cat([torch.zeros(n, dtype=self._grad_dtype[i], device=self.device) if g is None
+                              else g.reshape(-1) for (i, g), n in zip(local.items(), numels)]).float()  # fmt: skip
             mu, group = scaler.mu_for(flat), self.process_group
             result = fp8_allreduce(flat, numels=numels, mu=mu, fp8_dtype=grad_dtype, margin=self._margin, group=group)
             scaler.record(result.stats.overflow, result.stats.numel, unless=unless)
-            for i, payload, scale in zip(indices, result.payload.split(numels), result.scales, strict=True):
-                if self.owners[i] == self.rank:
-                    self.set_fp8_grad(self.fp8_params[i], payload.view(self.fp8_params[i].shape), scale)
+            # The owned gradients into the optimizer's buffers in a few launches (`set_fp8_grads`), not two per weight.
+            mine = [(i, payload, scale) for i, payload, scale in
+                    zip(indices, result.payload.split(numels), result.scales.unbind(), strict=True)
+                    if self.owners[i] == self.rank]  # fmt: skip
+            params = [self.fp8_params[i] for i, _, _ in mine]
+            self.set_fp8_grads(params, [m[1].view(p.shape) for m, p in zip(mine, params)], [m[2] for m in mine])
         if unless is not None and not zeroed:
             mask_skipped_stored(self._owned_stored(), unless)
         self.clear_fp8_grads()

@@ -39,7 +39,8 @@ class _FP8WeightsOf:
     def __init__(self, optimizer: FP8ZeroAdamW) -> None:
         self.optimizer = optimizer
         self.param_groups = [{"params": optimizer.fp8_params}]
-        self.set_fp8_grad, self.fp8_grad = optimizer.set_fp8_grad, optimizer.fp8_grad
+        self.set_fp8_grad, self.set_fp8_grads = optimizer.set_fp8_grad, optimizer.set_fp8_grads
+        self.fp8_grad = optimizer.fp8_grad
         self.fp8_grad_buffers = optimizer.fp8_grad_buffers
 
 

@@ -178,6 +178,35 @@ def test_fp8_gradient_handover_equals_the_dequantized_gradient():
         opt_a.set_fp8_grad(a, payload[:2], scale)
 
 
+def test_a_handover_of_many_gradients_at_once_is_each_handed_over_alone():
+    """`set_fp8_grads` (DDP's FP8 all-reduce hook hands a bucket over with it): the buffers, scales and
+    steps of one `set_fp8_grad` per parameter, bit for bit, the first step (no buffer yet) included;
+    once the buffers exist, two multi-tensor copies whatever the number of parameters."""
+    from hf_lowprec.testing.launches import Launches
+
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (16, 16)]
+    ones = [nn.Parameter(torch.randn(s).half()) for s in shapes]
+    many = [nn.Parameter(p.detach().clone()) for p in ones]
+    opt_one, opt_many = FP8AdamW(ones, **HYPER), FP8AdamW(many, **HYPER)
+    for step in range(3):
+        grads = [quantize_gradient(torch.randn(s) * 2.0**-step, 1.0, torch.float8_e5m2)[:2] for s in shapes]
+        for p, (payload, scale) in zip(ones, grads):
+            opt_one.set_fp8_grad(p, payload, scale)
+        with Launches() as counted:
+            opt_many.set_fp8_grads(many, [g[0] for g in grads], [g[1] for g in grads])
+        if step:
+            assert counted.total() == 2, counted.summary()
+        for a, b in zip(ones, many):
+            assert bits_equal(opt_one.fp8_grad(a)[0], opt_many.fp8_grad(b)[0])
+            assert bits_equal(opt_one.fp8_grad(a)[1], opt_many.fp8_grad(b)[1])
+        opt_one.step()
+        opt_many.step()
+        assert all(bits_equal(a, b) for a, b in zip(ones, many))
+    with pytest.raises(ValueError, match="shape"):
+        opt_many.set_fp8_grads(many[:1], [grads[1][0]], [grads[1][1]])
+
+
 def test_model_state_bytes_with_fp8_gradients_is_six():
     model = fp16_scaled_masters(tiny_mlp())
     optimizer = FP8AdamW(model.parameters(), **HYPER)
