@@ -10,6 +10,7 @@ logs one warning.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import subprocess
 
@@ -208,6 +209,8 @@ def test_accelerate_load_state_warns_once(tmp_path, caplog, saved):
     if saved != "same":
         _set(state["hf_lowprec"], saved)
     torch.save(state, tmp_path / "optimizer.bin")
+    # A save without the manifest (before save_state wrote one): the version is read from the optimizer state.
+    os.remove(tmp_path / "hf_lowprec_manifest.json")
     accelerator, model, optimizer = prepared()
     with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
         accelerator.load_state(str(tmp_path))

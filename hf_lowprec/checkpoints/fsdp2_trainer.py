@@ -26,9 +26,11 @@ __all__ = [
 ]
 
 
-def rank_optimizer_file(checkpoint: str, rank: int, world: int) -> str:
-    """Where rank `rank` of `world` keeps its optimizer state in `checkpoint`."""
-    return os.path.join(checkpoint, f"hf_lowprec_optimizer.rank{rank}-of-{world}.pt")
+def rank_optimizer_file(checkpoint: str, rank: int, world: int, index: int = 0) -> str:
+    """Where rank `rank` of `world` keeps its optimizer state in `checkpoint` (optimizer `index` of
+    an Accelerate loop's: the first is the Trainer's one)."""
+    name = "hf_lowprec_optimizer" if index == 0 else f"hf_lowprec_optimizer_{index}"
+    return os.path.join(checkpoint, f"{name}.rank{rank}-of-{world}.pt")
 
 
 def _local(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -50,14 +52,14 @@ def _creates_its_state(optimizer: Any) -> bool:
     return callable(getattr(unwrap_optimizer(optimizer), "init_states", None))
 
 
-def save_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) -> None:
+def save_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int, index: int = 0) -> None:
     """Write `optimizer`'s state dict (the strategy's optimizer wrapper's, with its entry) as this
     rank holds it: DTensor states as their local shards, per-shard tensors as they are."""
     if _creates_its_state(optimizer):
-        torch.save(_local(optimizer.state_dict()), rank_optimizer_file(checkpoint, rank, world))
+        torch.save(_local(optimizer.state_dict()), rank_optimizer_file(checkpoint, rank, world, index))
 
 
-def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) -> None:
+def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int, index: int = 0) -> None:
     """Load what `save_rank_optimizer` wrote for this rank into `optimizer` (the same strategy and
     sharding): each local shard back into a DTensor placed as the live state's is."""
     from torch.distributed.tensor import DTensor
@@ -66,7 +68,7 @@ def load_rank_optimizer(optimizer: Any, checkpoint: str, rank: int, world: int) 
 
     unwrap_optimizer(optimizer).init_states()  # the live state, whose placements the shards take
     live = optimizer.state_dict()["state"]
-    saved = torch.load(rank_optimizer_file(checkpoint, rank, world), map_location="cpu", weights_only=True)
+    saved = torch.load(rank_optimizer_file(checkpoint, rank, world, index), map_location="cpu", weights_only=True)
     refuse_split_fp8_groups(len(saved["param_groups"]), unwrap_optimizer(optimizer).param_groups)
     for index, state in saved["state"].items():
         for key, value in state.items():

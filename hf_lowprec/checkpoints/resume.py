@@ -33,6 +33,7 @@ __all__ = [
     "incomplete_reason",
     "last_complete_checkpoint",
     "check_checkpoint",
+    "check_saved_manifest",
     "check_resume_options",
     "check_optimizer_state",
     "check_stock_optimizer_state",
@@ -336,6 +337,17 @@ def check_checkpoint(path: str, strategy: Any = None, reset: tuple[str, ...] = (
     _check_files(path)
     _check_strategy(path, strategy)
     return set()
+
+
+def check_saved_manifest(path: str, strategy: Any) -> dict | None:
+    """The manifest of a save outside the Trainer (`accelerator.save_state`), every file it lists
+    checked and its strategy and options against `strategy` (ValueError, nothing loaded); None where
+    there is none. The caller checks what its engine needs of the number of processes."""
+    manifest = _read_manifest(path)
+    if manifest is not None:
+        _verify_manifest(path, manifest, ())
+        _check_manifest_strategy(path, manifest, strategy)
+    return manifest
 
 
 def resolve_resume_checkpoint(

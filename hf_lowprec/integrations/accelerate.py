@@ -26,6 +26,7 @@ from ..strategies.fp16_base import LossScaledStrategy
 from ..strategies.interface import PrecisionStrategy, StrategyOptimizer
 from ..strategies.registry import get_strategy
 from ..strategies.seen_norm import reveals_nonfinite
+from .accelerate_state import load_state, save_state
 from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
@@ -346,6 +347,9 @@ class PrecisionPlugin:
         accelerator.clip_grad_value_ = functools.partial(self.clip_grad_value_, accelerator)
         accelerator.prepare_scheduler = functools.partial(self.prepare_scheduler, accelerator)
         accelerator.autocast = self.autocast  # stock's autocast is off (mixed_precision="no")
+        # A save is complete with its manifest, FSDP2's keeps the strategy's entry; a load checks both first.
+        accelerator.save_state = functools.partial(save_state, self, accelerator)
+        accelerator.load_state = functools.partial(load_state, self, accelerator)
 
     def _follow(self, scheduler: Any) -> None:
         # A scheduler (or one nested in SequentialLR / ChainedScheduler) on a replaced optimizer moves to its successor.

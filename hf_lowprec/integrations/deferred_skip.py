@@ -298,7 +298,7 @@ def _resolving(scheduler: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
 
 def hold_accelerated_scheduler(scheduler: Any) -> None:
     """An AcceleratedScheduler steps past a waiting flag; read through it (`get_last_lr`, `state_dict`:
-    Accelerate's `save_state`), the schedule is first held for a skipped step."""
+    `accelerator.save_state`), the schedule is first held for a skipped step."""
     if getattr(scheduler, "_hf_lowprec_held", False) or not hasattr(scheduler, "optimizers"):
         return
     scheduler._hf_lowprec_held = True

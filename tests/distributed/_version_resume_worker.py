@@ -1,7 +1,8 @@
 """One rank of a Trainer resume under FSDP2 or DeepSpeed ZeRO-2 (gloo, CPU) from a checkpoint whose
 recorded hf_lowprec version is edited: 2 steps saved at step 2, then per case a copy of the
 checkpoint resumed for one step. Writes, per case, the hf_lowprec.version warnings this rank logged
-to `<out>/rank<r>.json`."""
+to `<out>/rank<r>.json`. The engines "accelerate-fsdp2" and "accelerate-zero2" run a custom
+Accelerate loop's save_state / load_state in the same processes (`_accelerate_state_worker`)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,12 @@ def main() -> None:
     result = {"cases": {}}
     for engine in ns.engines.split(","):
         try:
-            result["cases"][engine] = run(engine, out)
+            if engine.startswith("accelerate-"):  # a custom Accelerate loop's save_state / load_state
+                from tests.distributed._accelerate_state_worker import run as run_loop
+
+                result["cases"][engine] = run_loop(engine.removeprefix("accelerate-"), out)
+            else:
+                result["cases"][engine] = run(engine, out)
         except Exception:
             result["cases"][engine] = {"error": traceback.format_exc()[-4000:]}
     finish_rank(out, result)
