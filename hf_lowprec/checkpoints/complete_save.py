@@ -4,8 +4,8 @@ The save is bracketed: `begin_save` writes a marker (`SAVE_MARKER`) before any f
 `finish_save` writes the manifest (`hf_lowprec.checkpoints.manifest`) once every rank's files
 exist, then removes the marker. So a checkpoint with the marker and no manifest is an interrupted
 save, which a resume skips (`hf_lowprec.checkpoints.resume`); older ones are rotated away after
-it. A failed save is reported naming the file, the cause, and the intact previous checkpoint
-(`failed_save`). The export, a collective under DeepSpeed, runs on every rank (`gather_export`).
+it. A failed write (or peer) is reported naming the file, the cause, the intact previous checkpoint
+(`failed_save`); other errors rise as themselves. The export runs on every rank (`gather_export`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .manifest import MANIFEST, crash_point, peer_failure, write_failure, write_manifest
+from .manifest import MANIFEST, crash_point, peer_failure, save_failure, write_failure, write_manifest
 from .resume import SAVE_MARKER, last_complete_checkpoint
 
 __all__ = [
@@ -83,7 +83,10 @@ def save_complete_checkpoint(trainer: Any, save: Callable[[Any], None], trial: A
     """Run `save(trial)` (the stock `transformers.Trainer._save_checkpoint`) so that the checkpoint is complete
     on every rank before older ones are rotated away: the marker first, the stock save with its
     rotation held back, a barrier (every rank's RNG state and DeepSpeed partitions are written),
-    the manifest, then the rotation (`save_total_limit`). A failure names the file and the cause."""
+    the manifest, then the rotation (`save_total_limit`). A failed write (or a lost peer) is a
+    `CheckpointSaveError` naming the file and the cause; any other error (a callback's, a
+    `save_pretrained`'s) is raised as itself, as the stock Trainer raises it. Either way the
+    marker stays and no manifest is written: a resume skips the checkpoint."""
     args = trainer.args
     run_dir = trainer._get_output_dir(trial=trial)
     path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
@@ -102,10 +105,22 @@ def save_complete_checkpoint(trainer: Any, save: Callable[[Any], None], trial: A
             crash_point("save-before-manifest")
             finish_save(path, trainer.precision, args.world_size, bool(getattr(args, "save_only_model", False)))
     except Exception as err:
+        if not save_failure(err):
+            _note_incomplete(err, path)
+            raise
         raise failed_save(path, err) from err
     if args.should_save:
         crash_point("save-before-rotation")
         rotate_checkpoints(run_dir, limit, trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+def _note_incomplete(error: BaseException, path: str) -> None:
+    """Tell, below `error`'s own message, that the save of `path` it stopped is skipped by a resume."""
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(
+            f"hf_lowprec: checkpoint {path} is incomplete (this error stopped its save); "
+            "resume_from_checkpoint=True skips it."
+        )
 
 
 class CheckpointSaveError(RuntimeError):
@@ -119,14 +134,14 @@ def failed_save(path: str, error: BaseException) -> CheckpointSaveError:
     file, cause = write_failure(path, error, _checkpoint_files(path) if os.path.isdir(path) else [])
     previous = last_complete_checkpoint(os.path.dirname(path), exclude=path, quiet=True)
     kept = f"The previous checkpoint {previous} is intact" if previous else "No earlier complete checkpoint exists"
-    where = f"while writing {file}" if file else f"in {path}"
+    where = f" while writing {file}" if file else "" if peer_failure(error) else " (the error names no file)"
     fix = (
         "Restart every process of the job"
         if peer_failure(error)
         else "Free space or fix the permissions (or set output_dir elsewhere)"
     )
     return CheckpointSaveError(
-        f"saving checkpoint {path} failed {where}: {cause}. {kept}; {os.path.basename(path)} is incomplete and "
+        f"saving checkpoint {path} failed{where}: {cause}. {kept}; {os.path.basename(path)} is incomplete and "
         f"resume_from_checkpoint=True skips it. {fix}, then resume with resume_from_checkpoint=True"
     )
 

@@ -3,9 +3,9 @@
 The Trainer's checkpoints (`hf_lowprec.checkpoints.resume`) and FSDP2's sharded ones
 (`hf_lowprec.checkpoints.sharded`) carry one `hf_lowprec_manifest.json`; this
 module writes it, reads it back with every field checked (a damaged entry is a `ManifestError`
-naming it, never an `AttributeError` deep in a check), and tells what is wrong with a listed
-file. Also the test-only stop point `crash_point`, which ends a rank at a named stage of a
-save, so the tests kill a rank inside a save window without relying on timing.
+naming it, never an `AttributeError` deep in a check), tells what is wrong with a listed
+file and why a save failed to write (`write_failure`). Also the test-only stop point
+`crash_point`, which ends a rank at a named stage of a save (no reliance on timing).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 import zlib
 from collections.abc import Iterable, Mapping
@@ -32,6 +33,7 @@ __all__ = [
     "file_problem",
     "read_manifest",
     "peer_failure",
+    "save_failure",
     "write_failure",
     "write_manifest",
 ]
@@ -188,22 +190,44 @@ def peer_failure(error: BaseException) -> bool:
     )
 
 
-def write_failure(directory: str, error: BaseException, files: list[str]) -> tuple[str | None, str]:
-    """(the file being written, the cause) of a save into `directory` that failed with `error`.
+# How torch's archive writer and safetensors report a failed write: an error that is no OSError.
+_WRITER_MARKS = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "I/O error")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # safetensors' (Rust's) errno, in its message
 
-    The file is the error's own, else the newest of `files` (relative to `directory`). The
-    cause is the error's errno, else that of writing one more byte to that file (torch's archive
-    writer reports a failed write as "unexpected pos", without errno), else the error and the
-    free space of the filesystem.
+
+def save_failure(error: BaseException) -> bool:
+    """Whether `error` is a failed write of a checkpoint's files (an OSError, or torch's archive
+    writer's or safetensors' report of one) or another process's failure: what a failed save
+    reports as such. Anything else (a callback's or a `save_pretrained`'s own error) is no
+    fault of the disk."""
+    if isinstance(error, OSError) or peer_failure(error):
+        return True
+    writer = isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError"
+    return writer and any(mark in str(error) for mark in _WRITER_MARKS)
+
+
+def write_failure(directory: str, error: BaseException, files: list[str]) -> tuple[str | None, str]:
+    """(the file being written, the cause) of a save into `directory` that failed with `error`, a
+    `save_failure`.
+
+    The file is the error's own. Where it names none (torch's archive writer, safetensors, a
+    plain write), the newest of `files` (relative to `directory`) when writing one more byte to
+    it (cut off again) fails too; else None: not known. The cause is the error's errno (in
+    safetensors' message), else the probe's, else the error and the free space of the filesystem.
     """
-    file = getattr(error, "filename", None) or max(
-        (os.path.join(directory, rel) for rel in files), key=lambda f: os.lstat(f).st_mtime_ns, default=None
-    )
-    code = getattr(error, "errno", None)
-    if code is None and peer_failure(error):
+    file = getattr(error, "filename", None)
+    if peer_failure(error):
         return file, f"{PEER_STOPPED} during the save ({type(error).__name__}: {error})"
-    if code is None and file is not None and os.path.isfile(file):
-        code = _write_probe(file)
+    code = getattr(error, "errno", None)
+    if code is None and (found := _OS_ERROR.search(str(error))):
+        code = int(found.group(1))
+    if file is None:
+        newest = max(
+            (os.path.join(directory, rel) for rel in files), key=lambda f: os.lstat(f).st_mtime_ns, default=None
+        )
+        probed = _write_probe(newest) if newest is not None and os.path.isfile(newest) else None
+        if probed is not None:
+            file, code = newest, code if code is not None else probed
     if code is not None:
         return file, f"{_CAUSES.get(code, os.strerror(code))} ({errno.errorcode.get(code, code)})"
     cause = f"{type(error).__name__}: {error}"

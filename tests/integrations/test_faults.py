@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -24,6 +25,7 @@ import os
 import resource
 import shutil
 import signal
+import sys
 import types
 import typing
 from pathlib import Path
@@ -31,11 +33,12 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import HfArgumentParser, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 import hf_lowprec
 from hf_lowprec import Trainer, TrainingArguments
 from hf_lowprec.checkpoints.complete_save import CheckpointSaveError
-from hf_lowprec.checkpoints.resume import MANIFEST, resolve_resume_checkpoint
+from hf_lowprec.checkpoints.resume import MANIFEST, SAVE_MARKER, resolve_resume_checkpoint
 from hf_lowprec.processes import autograd_context
 from tests import helpers
 from tests.helpers import TokenBlocks, assert_same_state, batches, tiny_gpt2
@@ -336,6 +339,104 @@ def test_a_save_whose_collective_lost_a_peer_says_so_not_the_disk(tmp_path):
     assert "Restart every process of the job, then resume" in message and "Free space" not in message
     disk = str(failed_save(str(path), RuntimeError("unexpected pos 128 vs 64")))
     assert "another process" not in disk and "bytes free" in disk and "Free space" in disk
+
+
+class _Processor:
+    """A processing_class whose save_pretrained raises `error` for checkpoint-4 (checkpoint-2 saves)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        if str(directory).endswith("checkpoint-4"):
+            raise self.error
+
+
+class _BrokenState(TrainerCallback, ExportableState):
+    """A stateful callback whose state (written into trainer_state.json) fails at checkpoint-4."""
+
+    step = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def state(self) -> dict:
+        if self.step == 4:
+            raise KeyError("callback state lost its key")
+        return {"args": {}, "attributes": {}}
+
+
+def _save_failing_at_checkpoint_4(out: Path, processor=None, callbacks=()) -> None:
+    args = make_args(out, "collage-plus", max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=1)
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=TokenBlocks(8), processing_class=processor, callbacks=[*callbacks]
+    )
+    trainer.train()
+
+
+def _skipped_for_checkpoint_2(out: Path) -> None:
+    """checkpoint-4 is marked incomplete (marker, no manifest) and a resume picks checkpoint-2."""
+    failed, previous = out / "checkpoint-4", out / "checkpoint-2"
+    assert (failed / SAVE_MARKER).is_file() and not (failed / MANIFEST).exists()
+    assert (previous / MANIFEST).is_file(), "save_total_limit=1 rotated the last complete checkpoint away"
+    resolved, _ = resolve_resume_checkpoint(str(out), True, hf_lowprec.get_strategy("collage-plus"))
+    assert resolved == str(previous)
+
+
+@pytest.mark.parametrize("where", ["processing_class", "callback"])
+def test_a_save_failing_for_no_disk_reason_raises_its_own_error(tmp_path, where):
+    # A ValueError from the processing_class's save_pretrained (a KeyError from a callback's state)
+    # was a CheckpointSaveError naming the newest file, the free space, and "Free space or fix the
+    # permissions": the stock Trainer raises the error itself, and so does the save now.
+    out = tmp_path / "run"
+    if where == "processing_class":
+        error = ValueError("tokenizer cannot be serialized: bad vocab entry")
+        run = functools.partial(_save_failing_at_checkpoint_4, out, processor=_Processor(error))
+    else:
+        error = KeyError("callback state lost its key")
+        run = functools.partial(_save_failing_at_checkpoint_4, out, callbacks=[_BrokenState()])
+    with pytest.raises(type(error)) as raised:
+        run()
+    assert type(raised.value) is type(error) and raised.value.args == error.args
+    assert sys.version_info < (3, 11) or raised.value.__notes__ == [
+        f"hf_lowprec: checkpoint {out / 'checkpoint-4'} is incomplete (this error stopped its save); "
+        "resume_from_checkpoint=True skips it."
+    ]
+    _skipped_for_checkpoint_2(out)
+
+
+def test_a_save_failing_with_an_os_error_names_its_file_and_the_disk(tmp_path):
+    out = tmp_path / "run"
+    named = out / "checkpoint-4" / "tokenizer.json"
+    full = OSError(errno.ENOSPC, "No space left on device", str(named))
+    with pytest.raises(CheckpointSaveError) as raised:
+        _save_failing_at_checkpoint_4(out, processor=_Processor(full))
+    assert str(raised.value).startswith(
+        f"saving checkpoint {out / 'checkpoint-4'} failed while writing {named}: no space left on the device "
+        f"(ENOSPC). The previous checkpoint {out / 'checkpoint-2'} is intact; checkpoint-4 is incomplete"
+    ), raised.value
+    assert "Free space or fix the permissions" in str(raised.value) and raised.value.__cause__ is full
+    _skipped_for_checkpoint_2(out)
+
+
+def test_a_failed_write_without_a_file_names_none(tmp_path):
+    # An OSError without filename (a plain write) named whichever file was newest, though that file
+    # can be written; safetensors' error carries its errno only in its message.
+    from safetensors import SafetensorError
+
+    from hf_lowprec.checkpoints.complete_save import failed_save
+
+    path = tmp_path / "checkpoint-2"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    message = str(failed_save(str(path), OSError(errno.ENOSPC, "No space left on device")))
+    assert message.startswith(
+        f"saving checkpoint {path} failed (the error names no file): no space left on the device (ENOSPC)."
+    ), message
+    assert "config.json" not in message and "Free space" in message
+    written = SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+    message = str(failed_save(str(path), written))
+    assert "failed (the error names no file): the file exceeds the size this process may write (EFBIG)" in message
 
 
 # --- the fault matrix: every checkpoint file deleted, truncated, overwritten -------------------------
