@@ -21,7 +21,7 @@ from ..fp8.convert import is_gemm_layer
 from ..fp8.experts import FP8Experts
 from ..fp8.linear import FP8Linear, sharing_inputs
 from ..fp8.scaled import dequantize, pow2_scale, quantize, tensor_amax
-from ..fp8.second_order import refuse_double_backward
+from ..fp8.second_order import refusal_message, refuses_double_backward
 
 __all__ = [
     "ACTIVATION_GROUP_SIZE",
@@ -122,15 +122,16 @@ class _SavedInFP8(torch.autograd.Function):
         return out
 
     @staticmethod
+    @refuses_double_backward(
+        lambda ctx: refusal_message(
+            f"COAT's FP8-saved activations ('coat', in a {type(ctx.module).__name__})",
+            "COAT keeps this layer's input only in FP8 (1x16 groups) and its backward differentiates "
+            "the layer at the decoded copy, which carries no graph",
+            "precision_options={'activations': False} for this run (FP8 optimizer states, BF16 GEMMs and "
+            "activations), or 'bf16-mixed'; or take the gradient without create_graph",
+        )
+    )
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            refuse_double_backward(
-                f"COAT's FP8-saved activations ('coat', in a {type(ctx.module).__name__})",
-                "COAT keeps this layer's input only in FP8 (1x16 groups) and its backward differentiates "
-                "the layer at the decoded copy, which carries no graph",
-                "precision_options={'activations': False} for this run (FP8 optimizer states, BF16 GEMMs and "
-                "activations), or 'bf16-mixed'; or take the gradient without create_graph",
-            )
         payload, exponent = ctx.saved_tensors
         needed = ctx.needs_input_grad[2:]
         x = dequantize_groups(payload, exponent, ctx.x_dtype)

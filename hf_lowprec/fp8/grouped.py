@@ -24,7 +24,7 @@ from .grouped_casts import (  # the casts' names, importable from here too, as b
 )
 from .linear import deliver_weight_grad, get_grad_sink, output_dtype, quantize_weight
 from .scaling_recipes import FP8LinearConfig, ScalingRecipe, fp8_config
-from .second_order import refuse_fp8_gemm_double_backward
+from .second_order import fp8_gemm_refusal, refuses_double_backward
 
 __all__ = [
     "dequantize_expert_weight",
@@ -212,8 +212,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
         return out.to(out_dtype)
 
     @staticmethod
+    @refuses_double_backward(lambda ctx: fp8_gemm_refusal("FP8 experts (grouped GEMMs)"))
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        refuse_fp8_gemm_double_backward("FP8 experts (grouped GEMMs)")
         x8, sx, w8, sw, offsets, rows = ctx.saved_tensors
         recipe, margin, experts = ctx.config.recipe, ctx.config.margin, w8.shape[0]
         groups, n_groups = _act_grouping(recipe, rows, experts)

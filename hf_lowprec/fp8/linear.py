@@ -54,7 +54,7 @@ from .scaling_recipes import (
     recipe_forward,
     recipe_weight,
 )
-from .second_order import refuse_fp8_gemm_double_backward
+from .second_order import fp8_gemm_refusal, keep_inputs, refuses_double_backward
 
 __all__ = [
     "FP8Linear",
@@ -342,6 +342,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.grad_sink = grad_sink
         ctx.bias_dtype = None if bias is None else bias.dtype
+        keep_inputs(ctx, x, weight, bias)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
@@ -349,8 +350,8 @@ class FP8LinearFunction(torch.autograd.Function):
         raise NotImplementedError(VMAP_REFUSED)
 
     @staticmethod
+    @refuses_double_backward(lambda ctx: fp8_gemm_refusal("an FP8 linear layer"))
     def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
-        refuse_fp8_gemm_double_backward("an FP8 linear layer")
         x8, sx, w8, sw, inv_x, inv_w = ctx.saved_tensors
         config = ctx.config
         gemm = gemm_for(grad_out.device, config.gemm_path)

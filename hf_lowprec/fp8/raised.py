@@ -13,7 +13,7 @@ from ..compiling import run_fused
 from .fused import FLUSH_BELOW
 from .scaled import dequantize, get_master_scale, pow2_scale
 from .scaling_recipes import RAISED, SCALING_RECIPES, FP8LinearConfig, ScalingRecipe, fp8_config, mx_scale
-from .second_order import refuse_fp8_gemm_double_backward
+from .second_order import fp8_gemm_refusal, refuses_double_backward
 
 __all__ = [
     "RAISED",
@@ -103,8 +103,8 @@ class _RaisedLinear(torch.autograd.Function):
         return out  # 2-D, reshaped outside (a view made here could not be written in place)
 
     @staticmethod
+    @refuses_double_backward(lambda ctx: fp8_gemm_refusal("an FP8 layer the guard raised to BF16", saved="BF16"))
     def backward(ctx, grad_out):
-        refuse_fp8_gemm_double_backward("an FP8 layer the guard raised to BF16", saved="BF16")
         x2, w16 = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.bfloat16)
         grad_x = grad_w = grad_b = None
