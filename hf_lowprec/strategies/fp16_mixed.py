@@ -1,6 +1,7 @@
 """Classic FP16 mixed precision (docs/algorithms.md §6): FP16 autocast, FP32 master weights, GradScaler.
 
-What `transformers.TrainingArguments(fp16=True)` does on a GPU, and the baseline ALS is measured against:
+What `transformers.TrainingArguments(fp16=True)` does on a GPU (on a CPU stock `fp16=True` trains in FP32,
+where this strategy computes in FP16 autocast: docs/strategies/fp16.md), and the baseline ALS is measured against:
 `torch.amp.GradScaler` skips every step whose gradients hold inf/NaN and halves its scale,
 and doubles it after `growth_interval` clean steps.
 """
@@ -48,7 +49,7 @@ class FP16MixedOptions(StrategyOptions):
 
 @register("fp16-mixed")
 class FP16Mixed(LossScaledStrategy):
-    """FP16 autocast, FP32 weights (masters) and AdamW states, torch's GradScaler — what `fp16=True` does."""
+    """FP16 autocast, FP32 weights (masters) and AdamW states, torch's GradScaler — what `fp16=True` does on a GPU."""
 
     Options = FP16MixedOptions
     takes_user_optimizer = True

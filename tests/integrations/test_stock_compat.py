@@ -6,7 +6,8 @@
   exception type and message first.
 - `fp32`, `bf16-mixed`, `fp16-mixed` take the user's optimizer and scheduler as `bf16=True`
   does: bit-identical losses and weights against plain FP32 / `bf16=True`. Strategies with their
-  own optimizer refuse them; a scheduler object over `trainer.create_optimizer()` works.
+  own optimizer refuse them; a scheduler object over `trainer.create_optimizer()` works. On a
+  CPU stock `fp16=True` trains in FP32 (Accelerate's FP16 autocast is off there), fp16-mixed in FP16.
 - Stock behaviours (callbacks, evaluation, checkpoint rotation, best-model loading, gradient
   accumulation, resume mid-epoch, `train()` call forms) with no strategy, `fp32` and `bf16-mixed`.
 
@@ -328,6 +329,38 @@ def test_fp16_mixed_trains_your_optimizer_under_its_loss_scale(tmp_path):
         assert trainer.precision.skipped_steps == 0
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
         assert trainer.state.log_history[0]["precision/loss_scale"] == 2.0**16
+
+
+class _FP16AutocastTrainer(transformers.Trainer):
+    """The stock Trainer with its loss computed under FP16 autocast on the CPU."""
+
+    def autocast_smart_context_manager(self, cache_enabled=True):
+        return torch.autocast("cpu", dtype=torch.float16)
+
+
+def test_fp16_mixed_on_a_cpu_computes_in_fp16_where_stock_fp16_true_computes_in_fp32(tmp_path):
+    """Stock `fp16=True` on a CPU trains in FP32: Accelerate enables FP16 autocast and GradScaler
+    only off the CPU, so its step-1 loss is FP32's bit for bit (4.551743030548096 on the GPT-2 of
+    docs/strategies/fp16.md), where fp16-mixed's (4.551736354827881) is FP16 autocast's, as on a
+    GPU. The difference is the autocast alone: the stock Trainer with its loss under FP16 autocast
+    gives fp16-mixed's step-1 loss bit for bit. docs/strategies/fp16.md says so."""
+
+    def first_loss(trainer):
+        trainer.train()
+        return logged(trainer)[0]["loss"]
+
+    base = trainer_arguments(tmp_path / "stock", max_steps=1, save_strategy="no", optim="sgd")
+    data = TokenBlocks(12)
+    stock_fp16 = transformers.Trainer(
+        model=tiny_gpt2(), args=transformers.TrainingArguments(**base, fp16=True), train_dataset=data
+    )
+    assert not stock_fp16.accelerator.native_amp and stock_fp16.accelerator.scaler is None
+    fp32 = first_loss(make(None, tmp_path / "fp32", stock=True, max_steps=1))
+    assert first_loss(stock_fp16) == fp32
+    autocast = _FP16AutocastTrainer(model=tiny_gpt2(), args=transformers.TrainingArguments(**base), train_dataset=data)
+    ours = first_loss(make("fp16-mixed", tmp_path / "ours", stock=False, max_steps=1))
+    assert ours == first_loss(autocast) and ours != fp32
+    assert "## `fp16=True` on a CPU" in (ROOT / "docs/strategies/fp16.md").read_text()
 
 
 OWN_OPTIMIZER = [name for name in available_strategies() if not get_strategy(name).takes_user_optimizer]
