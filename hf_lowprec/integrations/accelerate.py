@@ -30,7 +30,7 @@ from .accelerate_state import load_state, save_state
 from .accelerator_state import refuse_mixed_precision
 from .autocasting import autocast_disabled, casts_outside_forward, outside_forward
 from .deferred_skip import hold_accelerated_scheduler, note_accelerate_skip
-from .outputs import narrow_inputs, widen_outputs
+from .outputs import narrow_inputs, owned_wrappers, widen_outputs
 from .peft import prepare_model as _prepare_model
 from .scheduler_rebinding import rebind_scheduler, schedulers_over
 
@@ -65,7 +65,6 @@ class PrecisionPlugin:
         else:
             self.strategy = get_strategy(strategy, **options)
         # Weak: what the loop drops (after `accelerator.free_memory`) is freed, and not taken for a later object.
-        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the models given the forward context
         self._optimizers: weakref.WeakSet = weakref.WeakSet()  # the strategy's optimizers
         # Each replaced torch optimizer → the strategy's optimizer that took its place.
         self._replaced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -181,7 +180,10 @@ class PrecisionPlugin:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert `model`, every forward in the strategy's context, 16-bit outputs in FP32 (as Accelerate's)."""
         model = _prepare_model(self.strategy, model)
-        if model not in self._hooked:
+        # The strategy's own (`owned_wrappers`): another strategy preparing the model removes them.
+        record = owned_wrappers(self.strategy, model)
+        if "context" not in record.kinds:
+            record.kinds.add("context")
             contexts: list[contextlib.AbstractContextManager] = []
 
             def enter(module: torch.nn.Module, args: Any) -> None:
@@ -197,11 +199,10 @@ class PrecisionPlugin:
 
             # Run as Python, not traced: under Accelerate's `dynamo_backend` dynamo inlines the hooks and cannot
             # enter a context in one and leave it in another; the forward is traced under the pre-hook's context.
-            model.register_forward_pre_hook(torch.compiler.disable(enter))
+            record.handles.append(model.register_forward_pre_hook(torch.compiler.disable(enter)))
             # always_call: leave the context even when the forward raises.
-            model.register_forward_hook(torch.compiler.disable(leave), always_call=True)
+            record.handles.append(model.register_forward_hook(torch.compiler.disable(leave), always_call=True))
             widen_outputs(self.strategy, narrow_inputs(self.strategy, model))  # float inputs narrowed, outputs FP32
-            self._hooked.add(model)
         return model
 
     def shard(self, model: torch.nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> torch.nn.Module:

@@ -21,7 +21,60 @@ from ..strategies.interface import PrecisionStrategy
 from .autocasting import autocast_disabled
 from .peft import prepare_model
 
-__all__ = ["computes_in_16_bits", "in_forward_context", "narrow_inputs", "prepared_model", "widen_outputs"]
+__all__ = [
+    "computes_in_16_bits",
+    "in_forward_context",
+    "narrow_inputs",
+    "owned_wrappers",
+    "prepared_model",
+    "release_wrappers",
+    "widen_outputs",
+]
+
+_WRAPPERS = "_hf_lowprec_wrappers"
+
+
+class _Wrappers:
+    """What one strategy installed on a model (its `__dict__`): hook handles, the forward wrapper, and
+    which of `forward`/`narrow`/`widen`/`context` are installed, so that each is installed once."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy, self.handles, self.kinds = strategy, [], set()
+        self.forward: Any = None
+
+    def __deepcopy__(self, memo: dict) -> None:  # a copy's hooks are its own (`copy.deepcopy` copies them)
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())
+
+
+def release_wrappers(model: Any) -> None:
+    """Remove from `model` the forward wrapper and hooks a strategy installed (`in_forward_context`,
+    `narrow_inputs`, `widen_outputs`, the Accelerate plugin's context hooks): its forward is the stock
+    one again. Called before another strategy installs its own."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    record = model.__dict__.pop(_WRAPPERS, None)
+    if record is None:
+        return
+    for handle in record.handles:
+        handle.remove()
+    if record.forward is not None and model.__dict__.get("forward") is record.forward:
+        original = model.__dict__.pop("_original_forward", None)
+        del model.__dict__["forward"]
+        if original is not None and getattr(original, "__func__", None) is not getattr(type(model), "forward", None):
+            model.forward = original  # an instance forward set before the strategy's: kept
+
+
+def owned_wrappers(strategy: Any, model: torch.nn.Module) -> _Wrappers:
+    """The record of what `strategy` installed on `model`; a model another strategy object holds
+    wrappers on has them removed first (`release_wrappers`)."""
+    record = model.__dict__.get(_WRAPPERS)
+    if record is None or record.strategy is not strategy:
+        release_wrappers(model)
+        record = model.__dict__[_WRAPPERS] = _Wrappers(strategy)
+    return record
 
 
 def computes_in_16_bits(strategy: PrecisionStrategy) -> bool:
@@ -37,11 +90,13 @@ def _fp32_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
 
 def widen_outputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
     """`model`, its 16-bit outputs made FP32 after each forward where `strategy` computes in 16 bits
-    (once per model; a module only: a name or a function is returned as it is)."""
-    if strategy is None or not isinstance(model, torch.nn.Module) or not computes_in_16_bits(strategy):
+    (once per model and strategy; a module only: a name or a function is returned as it is)."""
+    if strategy is None or not isinstance(model, torch.nn.Module):
         return model
-    if _fp32_outputs not in model._forward_hooks.values():
-        model.register_forward_hook(_fp32_outputs)
+    record = owned_wrappers(strategy, model)
+    if computes_in_16_bits(strategy) and "widen" not in record.kinds:
+        record.kinds.add("widen")
+        record.handles.append(model.register_forward_hook(_fp32_outputs))
     return model
 
 
@@ -58,12 +113,16 @@ def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
 def narrow_inputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
     """`model`, its float inputs but the loss's (`labels`, `num_items_in_batch`) cast to the weights'
     dtype before each forward where `strategy` computes in 16-bit weights with no autocast
-    (`strategies.inputs`; once per model). At the forward, not in the batch: what a trainer keeps
+    (`strategies.inputs`; once per model and strategy). At the forward, not in the batch: what a trainer keeps
     beside the model's inputs (DPO's reference log-probabilities, GRPO's advantages) stays FP32. An
     encoder-decoder model's encoder casts too: `generate()` hands it the FP32 `input_features`
     (Whisper) or `input_values` directly."""
-    if strategy is None or not isinstance(model, torch.nn.Module) or not computes_without_autocast(strategy):
+    if strategy is None or not isinstance(model, torch.nn.Module):
         return model
+    record = owned_wrappers(strategy, model)
+    if not computes_without_autocast(strategy) or "narrow" in record.kinds:
+        return model
+    record.kinds.add("narrow")
 
     @torch.compiler.disable  # Python, not traced
     def cast(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -75,9 +134,8 @@ def narrow_inputs(strategy: PrecisionStrategy | None, model: Any) -> Any:
         return None if torch.compiler.is_compiling() else cast(module, args, kwargs)
 
     for module, hook in ((model, cast), (_encoder(model), cast_called_alone)):
-        if module is not None and "_hf_lowprec_narrow_inputs" not in module.__dict__:
-            module._hf_lowprec_narrow_inputs = True
-            module.register_forward_pre_hook(hook, with_kwargs=True)
+        if module is not None:
+            record.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     return model
 
 
@@ -94,8 +152,11 @@ def in_forward_context(strategy: PrecisionStrategy, model: Any) -> Any:
     `generate()` after training, a pipeline), as `Accelerator.prepare` patches the forward under
     `bf16=True`; `_original_forward` keeps the stock one (`unwrap_model(keep_fp32_wrapper=False)`
     restores it). Plain `with torch.autocast` blocks, which torch.compile traces into the graph."""
-    autocasts = _autocasts(strategy) if isinstance(model, torch.nn.Module) else []
-    if not autocasts or "_original_forward" in model.__dict__:
+    if not isinstance(model, torch.nn.Module):
+        return model
+    record = owned_wrappers(strategy, model)  # an earlier strategy's wrapper removed
+    autocasts = _autocasts(strategy)
+    if not autocasts or "forward" in record.kinds or "_original_forward" in model.__dict__:
         return model
     func = getattr(model.forward, "__func__", None)
     if func is None:  # already an instance attribute that is not a method: leave it
@@ -111,7 +172,8 @@ def in_forward_context(strategy: PrecisionStrategy, model: Any) -> Any:
             return func(self, *args, **kwargs)
 
     model._original_forward = model.forward
-    model.forward = MethodType(forward, model)
+    model.forward = record.forward = MethodType(forward, model)
+    record.kinds.add("forward")
     return model
 
 

@@ -190,6 +190,18 @@ class FP16ALS(LossScaledStrategy):
     def discard_prepared_state(self) -> None:
         self._residuals.clear()
 
+    def rebind_prepared(self, earlier: FP16ALS, model: torch.nn.Module) -> tuple[str, ...]:
+        """Take over a model `earlier` prepared (a second Trainer): this strategy's own scaler and running
+        mean hook it instead of `earlier`'s, so that the new run starts from the initial loss scale, as
+        the same run in a fresh process does. Returns the `prepared_state` handled here."""
+        earlier.scaler.untrack(model)
+        self.scaler.track(model)
+        if earlier.accumulator is not None:
+            earlier.accumulator.detach()
+        if self.accumulator is not None:
+            self.accumulator.attach(model)
+        return ("scaler", "accumulator")
+
     def build_optimizer(self, param_groups: list[dict[str, Any]], **hyper: Any) -> torch.optim.Optimizer:
         if self.options.weights == "sr":
             return FP32StatesSRAdamW(param_groups, seed=self.options.seed, fused=self.options.fused, **hyper)

@@ -126,8 +126,11 @@ def refuse_without_strategy(args: Any, model: Any, trainer: str) -> None:
 
 
 def _take_over(strategy: Any, earlier: Any, model: torch.nn.Module) -> None:
+    # What a strategy binds anew for a new run (fp16-als's loss scaler: a fresh run's initial scale).
+    rebind = getattr(strategy, "rebind_prepared", None)
+    rebound = rebind(earlier, model) if rebind is not None else ()
     for attr in strategy.prepared_state:
-        if hasattr(earlier, attr):  # (fp8_layout: only where layers were converted)
+        if attr not in rebound and hasattr(earlier, attr):  # (fp8_layout: only where layers were converted)
             setattr(strategy, attr, getattr(earlier, attr))
     if earlier.guard is not None:
         earlier.guard.detach()
