@@ -251,8 +251,8 @@ class BackwardFP8Gradients:
         self.scaler = scaler
         self.dtype = dtype
         self.margin = margin
-        self._owners: dict[int, tuple[weakref.ref, FP8GradientOwner]] = {}  # id(param) → (it, its optimizer)
-        self._owner: FP8GradientOwner | None = None
+        self._owners: dict[int, tuple[weakref.ref, Callable]] = {}  # id(param) → (it, its optimizer's reference)
+        self._owner: Callable[[], FP8GradientOwner | None] = lambda: None
         self._handles: list[Any] = []
         self._flags: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(param) → (its payload, NaN flag)
         self.transport: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -261,23 +261,23 @@ class BackwardFP8Gradients:
     @property
     def owner(self) -> FP8GradientOwner | None:
         """The optimizer set last; each parameter's gradient goes to the one that holds it."""
-        return self._owner
+        return self._owner()
 
     @owner.setter
     def owner(self, optimizer: FP8GradientOwner | None) -> None:
-        """Take `optimizer` as the owner of the parameters in its `param_groups` (another optimizer
-        keeps its own: a policy and a value model, or one model split over two); None: no owner.
+        """Take `optimizer` (weakly: a deleted Trainer's is freed) as the owner of the parameters in its `param_groups`
+        (another keeps its own: a policy and a value model, or one model split over two); None: no owner.
         A parameter no owner holds keeps `p.grad`, which the strategy's step stores instead."""
-        self._owner = optimizer
+        self._owner = weakref.ref(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else lambda: optimizer
         if optimizer is None:
             self._owners.clear()
             return
         for group in getattr(optimizer, "param_groups", ()):
-            self._owners.update((id(p), (weakref.ref(p), optimizer)) for p in group["params"])
+            self._owners.update((id(p), (weakref.ref(p), self._owner)) for p in group["params"])
 
     def _owner_of(self, param: torch.Tensor) -> FP8GradientOwner | None:
         held = self._owners.get(id(param))
-        return held[1] if held is not None and held[0]() is param else None
+        return held[1]() if held is not None and held[0]() is param else None
 
     def _stored(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         owner = self._owner_of(param)

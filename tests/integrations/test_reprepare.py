@@ -77,3 +77,31 @@ def test_a_second_fp16_als_trainer_starts_from_the_initial_loss_scale(tmp_path):
     assert run(model, "again") == run(fresh, "alone")
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert_bits_equal(a, b)
+
+
+def test_a_deleted_fp8_trainers_optimizer_is_freed_and_a_kept_one_trains_again(tmp_path):
+    # Before: the strategy, reachable from the model's prepared mark, held the optimizer as the owner of
+    # the FP8 gradients (BackwardFP8Gradients): its moments and last FP8 gradients, 2x the parameters'
+    # bytes here, lived as long as the model.
+    import gc
+    import weakref
+
+    from hf_lowprec.memory import unwrap_optimizer
+
+    model = tiny_gpt2()
+    args = make_args(tmp_path / "kept", "fp8-lm-o2", max_steps=2)
+    kept = Trainer(model=model, args=args, train_dataset=TokenBlocks(8))
+    kept.train()
+    kept.train()  # a later train() on the same Trainer still quantizes into its optimizer
+    assert unwrap_optimizer(kept.optimizer).state
+    assert model.__dict__["hf_lowprec_prepared"].strategy.backward_grads.owner is unwrap_optimizer(kept.optimizer)
+    model = tiny_gpt2()
+    trainer = Trainer(
+        model=model, args=make_args(tmp_path / "gone", "fp8-lm-o2", max_steps=2), train_dataset=TokenBlocks(8)
+    )
+    trainer.train()
+    optimizer = weakref.ref(unwrap_optimizer(trainer.optimizer))
+    del trainer
+    gc.collect()
+    assert optimizer() is None
+    assert model.__dict__["hf_lowprec_prepared"].strategy.backward_grads.owner is None
