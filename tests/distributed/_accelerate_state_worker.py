@@ -19,18 +19,10 @@ import torch.distributed as dist
 from hf_lowprec.checkpoints.manifest import MANIFEST
 from hf_lowprec.integrations.accelerate import PrecisionPlugin
 from tests.distributed._fsdp2_worker import forced_fsdp2_accelerator
+from tests.distributed._version_resume_worker import Caught
 from tests.helpers import batches, rank_rows, tiny_gpt2
 
 MICRO, LR = 2, 1e-3
-
-
-class Caught(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def accelerator_for(engine: str):
