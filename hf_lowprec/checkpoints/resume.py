@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ __all__ = [
     "last_complete_checkpoint",
     "check_checkpoint",
     "check_saved_manifest",
+    "check_accelerate_state",
     "check_resume_options",
     "check_optimizer_state",
     "check_stock_optimizer_state",
@@ -593,3 +595,31 @@ def sharded_checkpoint_problem(path: str, per_shard_state: bool, rank: int, worl
                 "Load an earlier save, or save again from a run that holds this state"
             )
     return None
+
+
+def check_accelerate_state(strategy: Any, path: str, world: int, engine: str) -> dict | None:
+    """Refuse, before anything loads, what Accelerate's `save_state` wrote that this run cannot load (an interrupted
+    save, a damaged file, another strategy or options, another number of processes where the state is
+    each rank's: DeepSpeed's partitions, FSDP2's rank files); warn once where another version saved it.
+    Returns the manifest (None: saved without one, which loads as Accelerate loads it)."""
+    manifest = check_saved_manifest(path, strategy)
+    if manifest is None:
+        if os.path.isfile(os.path.join(path, SAVE_MARKER)):
+            raise ValueError(
+                f"{path} is an incomplete save: {SAVE_MARKER} is there and {MANIFEST} is not (a process stopped "
+                "inside accelerator.save_state). Nothing was loaded. Load an earlier save, or save again"
+            )
+        return None
+    saved = manifest.get("world_size", 1)
+    per_rank = engine == "DEEPSPEED" or glob.glob(
+        os.path.join(glob.escape(path), "hf_lowprec_optimizer*.rank*-of-*.pt")
+    )
+    if saved != world and per_rank:
+        what = "DeepSpeed's optimizer partitions" if engine == "DEEPSPEED" else "each rank's optimizer state (FSDP2)"
+        raise ValueError(
+            f"{path} was saved by {saved} processes, but this run has {world}: it holds {what}, laid out per rank, "
+            f"which another number of processes cannot split. Nothing was loaded. Load it with {saved} processes "
+            f"(accelerate launch --num_processes {saved}, torchrun --nproc_per_node {saved})"
+        )
+    warn_other_version(manifest, f"checkpoint {path}")  # the optimizer's load then says nothing
+    return manifest

@@ -6,17 +6,15 @@ sharded file drops it); the load checked first and the saving version said once.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 from typing import Any
 
 from ..checkpoints.complete_save import begin_save, finish_save
 from ..checkpoints.fsdp2_trainer import load_rank_optimizer, rank_optimizer_file, save_rank_optimizer
-from ..checkpoints.manifest import MANIFEST
-from ..checkpoints.resume import SAVE_MARKER, check_saved_manifest
+from ..checkpoints.resume import check_accelerate_state
 from ..memory import unwrap_optimizer
-from ..version import one_resume, warn_other_version
+from ..version import one_resume
 
 __all__ = ["load_state", "save_state"]
 
@@ -70,43 +68,15 @@ def _input_dir(accelerator: Any, input_dir: Any) -> str | None:
     return max(numbered)[1] if numbered else None
 
 
-def check_state(strategy: Any, path: str, world: int, engine: str) -> dict | None:
-    """Refuse, before anything loads, what `save_state` wrote that this run cannot load (an interrupted
-    save, a damaged file, another strategy or options, another number of processes where the state is
-    each rank's: DeepSpeed's partitions, FSDP2's rank files); warn once where another version saved it.
-    Returns the manifest (None: saved without one, which loads as Accelerate loads it)."""
-    manifest = check_saved_manifest(path, strategy)
-    if manifest is None:
-        if os.path.isfile(os.path.join(path, SAVE_MARKER)):
-            raise ValueError(
-                f"{path} is an incomplete save: {SAVE_MARKER} is there and {MANIFEST} is not (a process stopped "
-                "inside accelerator.save_state). Nothing was loaded. Load an earlier save, or save again"
-            )
-        return None
-    saved = manifest.get("world_size", 1)
-    per_rank = engine == "DEEPSPEED" or glob.glob(
-        os.path.join(glob.escape(path), "hf_lowprec_optimizer*.rank*-of-*.pt")
-    )
-    if saved != world and per_rank:
-        what = "DeepSpeed's optimizer partitions" if engine == "DEEPSPEED" else "each rank's optimizer state (FSDP2)"
-        raise ValueError(
-            f"{path} was saved by {saved} processes, but this run has {world}: it holds {what}, laid out per rank, "
-            f"which another number of processes cannot split. Nothing was loaded. Load it with {saved} processes "
-            f"(accelerate launch --num_processes {saved}, torchrun --nproc_per_node {saved})"
-        )
-    warn_other_version(manifest, f"checkpoint {path}")  # the optimizer's load then says nothing
-    return manifest
-
-
 def load_state(plugin: Any, accelerator: Any, input_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """`accelerator.load_state(input_dir, ...)` of what `save_state` wrote: checked first (`check_state`),
+    """`accelerator.load_state(input_dir, ...)` of what `save_state` wrote: checked first (`check_accelerate_state`),
     the saving version said once; under FSDP2 the strategy's optimizer loads each rank's own file in
     place of Accelerate's, which dropped the strategy's entry."""
     path = _input_dir(accelerator, input_dir)
     with one_resume():
         engine = _engine(accelerator)
         if path:
-            check_state(plugin.strategy, path, accelerator.num_processes, engine)
+            check_accelerate_state(plugin.strategy, path, accelerator.num_processes, engine)
         rank, world = accelerator.process_index, accelerator.num_processes
         ours = [
             (index, optimizer)

@@ -76,7 +76,7 @@ def test_func_grad_leaves_the_training_state_alone():
     ids = batches(1, batch=2, seq=16)[0]
     strategy = hf_lowprec.get_strategy("fp8-lm-o2")
     model = strategy.prepare_model(llama())
-    strategy.create_optimizer(model.parameters(), lr=1e-3)
+    _optimizer = strategy.create_optimizer(model.parameters(), lr=1e-3)  # kept alive: the sinks hold it weakly
     transformed = func_grad(strategy, model, ids)
     assert all(p.grad is None for p in model.parameters())
     layer = next(m for m in model.modules() if isinstance(m, FP8Linear))
