@@ -598,8 +598,8 @@ def sharded_checkpoint_problem(path: str, per_shard_state: bool, rank: int, worl
 
 
 def check_accelerate_state(strategy: Any, path: str, world: int, engine: str) -> dict | None:
-    """Refuse, before anything loads, what Accelerate's `save_state` wrote that this run cannot load (an interrupted
-    save, a damaged file, another strategy or options, another number of processes where the state is
+    """Refuse, before anything loads, what Accelerate's save_state wrote that this run cannot load (an
+    interrupted save, a damaged file, another strategy or options, another number of processes where the state is
     each rank's: DeepSpeed's partitions, FSDP2's rank files); warn once where another version saved it.
     Returns the manifest (None: saved without one, which loads as Accelerate loads it)."""
     manifest = check_saved_manifest(path, strategy)
